@@ -1,0 +1,147 @@
+//! `tessera-sim`: the simulated GPU node's own tool. It lays the driver library out where
+//! programs look for NVIDIA's, shows the node's state, injects faults and drives MIG the way an
+//! operator would on a real node, and starts the workload program against the node.
+
+mod install;
+mod mig;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tessera_sim_model::{Node, SimError};
+
+#[derive(Parser)]
+#[command(name = "tessera-sim", version, about = "Simulated GPU node: layout, state, faults, MIG")]
+struct Cli {
+    /// Node description (TOML). Default: $TESSERA_SIM_NODE, else the built-in 8 x H100 node.
+    #[arg(long, global = true, value_name = "FILE")]
+    node: Option<PathBuf>,
+    /// State file. Default: $TESSERA_SIM_STATE, else a per-description file in the runtime dir.
+    #[arg(long, global = true, value_name = "FILE")]
+    state: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Lay the driver library out in DIR as libnvidia-ml.so.1 and libcuda.so.1 (and their
+    /// unversioned names), for LD_LIBRARY_PATH or nvml-wrapper's lib_path.
+    Install {
+        dir: PathBuf,
+        /// The built libtessera_sim.so (default: beside this program, or $TESSERA_SIM_LIB).
+        #[arg(long)]
+        lib: Option<PathBuf>,
+    },
+    /// Print the node: GPUs, memory, utilization, health, MIG instances, processes.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inject a fault.
+    #[command(subcommand)]
+    Inject(Inject),
+    /// Reset a GPU: back on the bus, volatile ECC cleared, pending MIG mode applied, its contexts destroyed.
+    Reset {
+        #[arg(long)]
+        gpu: u32,
+    },
+    /// MIG mode and instances.
+    #[command(subcommand)]
+    Mig(mig::MigCommand),
+    /// Print NVML events as they happen (XIDs, ECC, MIG changes).
+    Events {
+        /// Stop after this many seconds (default: run until interrupted).
+        #[arg(long)]
+        seconds: Option<u64>,
+    },
+    /// Run the workload program (tessera-workload) against this node; arguments follow `--`.
+    Workload {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum Inject {
+    /// Raise an XID (79 also takes the GPU off the bus).
+    Xid {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long)]
+        xid: u32,
+        /// The MIG GPU instance the error is attributed to.
+        #[arg(long, requires = "ci")]
+        gi: Option<u32>,
+        /// The MIG compute instance the error is attributed to.
+        #[arg(long, requires = "gi")]
+        ci: Option<u32>,
+        /// The process whose contexts the fault kills (an application error).
+        #[arg(long)]
+        pid: Option<u32>,
+    },
+    /// Add ECC errors.
+    Ecc {
+        #[arg(long)]
+        gpu: u32,
+        #[arg(long, default_value_t = 0)]
+        corrected: u64,
+        #[arg(long, default_value_t = 0)]
+        uncorrected: u64,
+    },
+    /// Make the GPU fall off the bus (XID 79; every call on it fails until a reset).
+    Lost {
+        #[arg(long)]
+        gpu: u32,
+    },
+}
+
+fn open(cli: &Cli) -> Result<Node, SimError> {
+    let node = cli.node.clone().or_else(|| std::env::var_os(tessera_sim_model::ENV_NODE).map(PathBuf::from));
+    let state = cli.state.clone().or_else(|| std::env::var_os(tessera_sim_model::ENV_STATE).map(PathBuf::from));
+    Node::open(node.as_deref(), state.as_deref())
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match &cli.command {
+        Command::Install { dir, lib } => {
+            install::install(dir, lib.as_deref())?;
+            println!("{}", dir.display());
+            Ok(())
+        }
+        Command::Status { json } => status::print(&open(&cli).map_err(|e| e.to_string())?, *json),
+        Command::Inject(what) => {
+            let node = open(&cli).map_err(|e| e.to_string())?;
+            match *what {
+                Inject::Xid { gpu, xid, gi, ci, pid } => node.inject_xid(gpu, xid, gi.zip(ci), pid),
+                Inject::Ecc { gpu, corrected, uncorrected } => {
+                    if corrected == 0 && uncorrected == 0 {
+                        return Err("inject ecc: give --corrected and/or --uncorrected".into());
+                    }
+                    node.inject_ecc(gpu, corrected, uncorrected)
+                }
+                Inject::Lost { gpu } => node.fall_off_bus(gpu),
+            }
+            .map_err(|e| e.to_string())
+        }
+        Command::Reset { gpu } => open(&cli).and_then(|n| n.reset(*gpu)).map_err(|e| e.to_string()),
+        Command::Mig(m) => mig::run(&open(&cli).map_err(|e| e.to_string())?, m),
+        Command::Events { seconds } => status::follow_events(&open(&cli).map_err(|e| e.to_string())?, *seconds),
+        Command::Workload { args } => {
+            let node = open(&cli).map_err(|e| e.to_string())?;
+            install::exec_workload(&node, cli.node.as_deref(), args)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tessera-sim: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
