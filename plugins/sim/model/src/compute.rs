@@ -217,7 +217,7 @@ pub struct UtilWindow {
 }
 
 impl Node {
-    fn own_stream<'a>(&'a self, s: StreamId) -> Result<(usize, &'a StreamState)> {
+    fn own_stream(&self, s: StreamId) -> Result<(usize, &StreamState)> {
         let slot = self.region.own_slot()?;
         let st = self.region.shared().procs[slot]
             .streams

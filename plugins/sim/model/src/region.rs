@@ -321,8 +321,17 @@ impl Guard<'_> {
 
     /// Slots in use, in order.
     pub fn used_slots(&self) -> impl Iterator<Item = usize> + '_ {
-        let words = &self.shared().header.used_slots;
-        (0..MAX_PROCS).filter(move |&i| words[i / 64].load(Relaxed) & (1 << (i % 64)) != 0)
+        // Walk set bits word by word: a launch pays for the processes present, not for 256 slots.
+        self.shared().header.used_slots.iter().enumerate().flat_map(|(w, word)| {
+            let mut bits = word.load(Relaxed);
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let i = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    w * 64 + i
+                })
+            })
+        })
     }
 
     /// Releases the slots of processes that are gone (their liveness lock was dropped by the

@@ -115,6 +115,7 @@ fn dlopen_cuda() -> Result<*mut c_void, String> {
         let msg = if msg.is_null() {
             "unknown".into()
         } else {
+            // SAFETY: non-null, so a NUL-terminated message owned by the dynamic loader.
             unsafe { std::ffi::CStr::from_ptr(msg) }.to_string_lossy().into_owned()
         };
         return Err(format!("dlopen libcuda.so.1: {msg}"));

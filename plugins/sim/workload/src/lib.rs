@@ -109,7 +109,7 @@ pub fn run(cu: &Driver, plan: &Plan) -> Report {
 }
 
 fn work(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
-    // SAFETY (all driver calls below): every pointer passed is a valid out-pointer or buffer of
+    // SAFETY: in all driver calls below, every pointer passed is a valid out-pointer or buffer of
     // the size given, and every handle was returned by the driver and is still alive.
     unsafe {
         cu.check("cuInit", (cu.init)(0))?;

@@ -1,0 +1,872 @@
+//! Contexts: regular (`cuCtxCreate*`) and primary (`cuDevicePrimaryCtx*`), the per-thread stack
+//! of current contexts, limits and flags, and what a device fault does to them.
+//!
+//! A context charges `Node::context_overhead_bytes()` to its device's memory domain when created
+//! and marks `Node::context_opened` for its execution unit; destroying it frees everything it
+//! holds (streams, events, modules, allocations) and refunds the charge.
+//!
+//! A primary context keeps one handle for the device's life in the process: released to zero or
+//! reset, it is torn down and comes back fresh on the next retain (a retained handle stays valid
+//! across a reset, as the real driver keeps it).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_int, c_uint, c_ulonglong};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tessera_sim_model::{MAX_GPUS, Node, StreamId};
+
+use super::errors::{Cu, poll_faults};
+use super::handles::{self, Registry};
+use super::init::{Device, driver};
+use super::{CUresult, INVALID_CONTEXT, INVALID_VALUE, R, need, put, put_opt, run, sys};
+
+/// Flags `cuCtxCreate` accepts (`CU_CTX_FLAGS_MASK`), and the scheduling ones among them.
+const CTX_FLAGS_MASK: c_uint = 0xFF;
+const CTX_SCHED_MASK: c_uint = 0x07;
+/// `CU_CTX_MAP_HOST`: always on since CUDA 3.2; reported as set.
+const CTX_MAP_HOST: c_uint = 0x08;
+
+/// Limits a context keeps (`CUlimit` values 0..=9).
+const LIMITS: usize = 10;
+
+pub(crate) struct Ctx {
+    pub handle: usize,
+    pub dev: &'static Device,
+    pub primary: bool,
+    pub flags: AtomicU32,
+    /// Torn down (a destroyed context, or a primary context not retained).
+    pub active: AtomicBool,
+    /// Bumped each time a primary context comes back, so per-thread streams of an earlier life
+    /// are not reused.
+    pub generation: AtomicU64,
+    /// A sticky error (a `CUresult` value; 0: none), set when a reset destroyed the context.
+    pub poison: AtomicU32,
+    /// Overhead charged, and the epoch of the charge.
+    pub charged: AtomicU64,
+    pub epoch: AtomicU64,
+    /// Model stream of the legacy default stream + 1 (0: not opened yet).
+    pub legacy: AtomicU32,
+    /// Per-thread default streams: (thread id, model stream).
+    pub ptds: Mutex<Vec<(u64, StreamId)>>,
+    pub limits: Mutex<[u64; LIMITS]>,
+    pub cache_config: AtomicI32,
+    pub peers: Mutex<Vec<usize>>,
+}
+
+/// Primary-context bookkeeping of a device.
+#[derive(Default)]
+pub(crate) struct Primary {
+    pub ctx: Option<Arc<Ctx>>,
+    pub refs: u32,
+    pub flags: c_uint,
+}
+
+/// Limits of a new context (`CUlimit` order): stack 1 KiB, printf FIFO 1 MiB, malloc heap 8 MiB,
+/// sync depth 2, pending launches 2048, L2 fetch granularity 64, no persisting L2, no CIG.
+fn default_limits(_dev: &Device) -> [u64; LIMITS] {
+    [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 0]
+}
+
+impl Ctx {
+    fn new(dev: &'static Device, primary: bool, flags: c_uint) -> Ctx {
+        Ctx {
+            handle: handles::new_handle(),
+            dev,
+            primary,
+            flags: AtomicU32::new(flags),
+            active: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
+            poison: AtomicU32::new(0),
+            charged: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
+            legacy: AtomicU32::new(0),
+            ptds: Mutex::new(Vec::new()),
+            limits: Mutex::new(default_limits(dev)),
+            cache_config: AtomicI32::new(0),
+            peers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Fails unless the context can take new work: alive, not destroyed by a fault, its GPU on
+    /// the bus (`DEVICE_UNAVAILABLE` when it is not).
+    pub(crate) fn check(&self, node: &Node) -> R {
+        self.check_state()?;
+        if node.is_lost(self.dev.gpu) { Err(CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE) } else { Ok(()) }
+    }
+
+    /// As [`Ctx::check`], for waiting on work already queued (`LAUNCH_FAILED` on a lost GPU).
+    pub(crate) fn check_sync(&self, node: &Node) -> R {
+        self.check_state()?;
+        if node.is_lost(self.dev.gpu) { Err(CUresult::CUDA_ERROR_LAUNCH_FAILED) } else { Ok(()) }
+    }
+
+    /// Fails unless the context is alive and not destroyed by a fault (its GPU may be lost).
+    pub(crate) fn check_state(&self) -> R {
+        if !self.active.load(Acquire) {
+            return Err(CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED);
+        }
+        match self.poison.load(Acquire) {
+            0 => Ok(()),
+            c => Err(super::errors::from_code(c).unwrap_or(CUresult::CUDA_ERROR_UNKNOWN)),
+        }
+    }
+
+    /// The model stream of the context's legacy default stream, opened on first use.
+    pub(crate) fn legacy_stream(&self, node: &Node) -> R<StreamId> {
+        match self.legacy.load(Acquire) {
+            0 => {}
+            s => return Ok(StreamId(s - 1)),
+        }
+        let _g = self.ptds.lock().unwrap_or_else(|e| e.into_inner());
+        if let s @ 1.. = self.legacy.load(Acquire) {
+            return Ok(StreamId(s - 1));
+        }
+        let sid = node.stream_create(self.dev.gpu, self.dev.unit, 0).work()?;
+        self.legacy.store(sid.0 + 1, Release);
+        Ok(sid)
+    }
+
+    /// The model stream of this thread's per-thread default stream, opened on first use.
+    pub(crate) fn per_thread_stream(&self, node: &Node) -> R<StreamId> {
+        let generation = self.generation.load(Acquire);
+        let found =
+            PTDS.with(|c| c.borrow().entries.iter().find(|e| e.0 == self.handle && e.1 == generation).map(|e| e.2));
+        if let Some(sid) = found {
+            return Ok(sid);
+        }
+        let sid = node.stream_create(self.dev.gpu, self.dev.unit, 0).work()?;
+        let tid = thread_id();
+        self.ptds.lock().unwrap_or_else(|e| e.into_inner()).push((tid, sid));
+        PTDS.with(|c| {
+            let mut c = c.borrow_mut();
+            c.tid = tid;
+            c.entries.retain(|e| e.0 != self.handle);
+            c.entries.push((self.handle, generation, sid));
+        });
+        Ok(sid)
+    }
+
+    /// Model streams of the context's default streams opened so far.
+    pub(crate) fn default_streams(&self) -> Vec<StreamId> {
+        let mut out: Vec<StreamId> = self.ptds.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|p| p.1).collect();
+        if let s @ 1.. = self.legacy.load(Acquire) {
+            out.push(StreamId(s - 1));
+        }
+        out
+    }
+}
+
+// ---- Per-thread state ------------------------------------------------------------------------
+
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
+
+/// This thread's per-thread default streams; they are closed when the thread exits.
+#[derive(Default)]
+struct PtdsCache {
+    tid: u64,
+    /// (context handle, context generation, model stream).
+    entries: Vec<(usize, u64, StreamId)>,
+}
+
+impl Drop for PtdsCache {
+    fn drop(&mut self) {
+        let Ok(d) = driver() else { return };
+        for &(ctx, _, sid) in &self.entries {
+            let owned = {
+                let reg = handles::read();
+                reg.ctxs.get(&ctx).is_some_and(|c| {
+                    let mut list = c.ptds.lock().unwrap_or_else(|e| e.into_inner());
+                    let pos = list.iter().position(|p| p.0 == self.tid && p.1 == sid);
+                    pos.map(|i| list.remove(i)).is_some()
+                })
+            };
+            // Whoever takes the entry out of the context's list closes the stream, exactly once.
+            if owned {
+                d.node.stream_destroy(sid);
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// The thread's stack of current contexts (handles), top last.
+    static STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    static PTDS: RefCell<PtdsCache> = RefCell::new(PtdsCache::default());
+    static TID: u64 = NEXT_THREAD.fetch_add(1, Relaxed);
+}
+
+fn thread_id() -> u64 {
+    TID.with(|t| *t)
+}
+
+/// The handle of this thread's current context, if any.
+pub(crate) fn current_handle() -> Option<usize> {
+    STACK.with(|s| s.borrow().last().copied())
+}
+
+/// This thread's current context, looked up in a registry already locked.
+pub(crate) fn current_in(reg: &Registry) -> R<&Arc<Ctx>> {
+    let h = current_handle().ok_or(INVALID_CONTEXT)?;
+    reg.ctxs.get(&h).ok_or(INVALID_CONTEXT)
+}
+
+/// This thread's current context.
+pub(crate) fn current() -> R<Arc<Ctx>> {
+    current_in(&handles::read()).cloned()
+}
+
+/// A context by handle (a null handle: the current one).
+pub(crate) fn by_handle(h: sys::CUcontext) -> R<Arc<Ctx>> {
+    if h.is_null() {
+        return current();
+    }
+    handles::read().ctxs.get(&(h as usize)).cloned().ok_or(INVALID_CONTEXT)
+}
+
+// ---- Faults ----------------------------------------------------------------------------------
+
+/// Live contexts per (GPU, execution unit): the model's context mark is cleared with the last.
+static UNIT_CONTEXTS: Mutex<Option<HashMap<(u32, usize), u32>>> = Mutex::new(None);
+
+fn unit_contexts() -> MutexGuard<'static, Option<HashMap<(u32, usize), u32>>> {
+    UNIT_CONTEXTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A reset destroyed this process's contexts on some GPU (the model cleared their marks and
+/// freed their memory): find which GPUs, start a new memory epoch there, and mark their
+/// contexts destroyed with `err`.
+pub(crate) fn on_reset(node: &Node, err: CUresult) {
+    let reg = handles::read();
+    let mut reset = [false; MAX_GPUS];
+    for ctx in reg.ctxs.values() {
+        let d = ctx.dev;
+        if ctx.active.load(Acquire)
+            && ctx.poison.load(Acquire) == 0
+            && node.own_context_units(d.gpu) & (1 << d.unit) == 0
+        {
+            reset[d.gpu as usize] = true;
+        }
+    }
+    for (gpu, r) in reset.iter_mut().enumerate() {
+        let gpu32 = gpu as u32;
+        if super::memory::charged_on(gpu32) > 0
+            && (0..=tessera_sim_model::MAX_MIG).all(|d| node.own_usage(gpu32, d) == 0)
+        {
+            *r = true;
+        }
+    }
+    for (gpu, _) in reset.iter().enumerate().filter(|r| *r.1) {
+        super::memory::forget_gpu(gpu as u32);
+        if let Some(m) = unit_contexts().as_mut() {
+            m.retain(|k, _| k.0 != gpu as u32);
+        }
+    }
+    for ctx in reg.ctxs.values() {
+        if reset[ctx.dev.gpu as usize] && ctx.active.load(Acquire) {
+            ctx.poison.store(err as u32, Release);
+        }
+    }
+}
+
+// ---- Life cycle ------------------------------------------------------------------------------
+
+/// Brings a context to life: charges its overhead and marks it in the model.
+fn activate(node: &Node, ctx: &Ctx) -> R {
+    let d = ctx.dev;
+    node.check_gpu(d.gpu).work()?;
+    let overhead = node.context_overhead_bytes();
+    let epoch = super::memory::charge(node, d.gpu, d.domain, overhead)?;
+    if let Err(e) = node.context_opened(d.gpu, d.unit).work() {
+        super::memory::refund(node, d.gpu, d.domain, overhead, epoch);
+        return Err(e);
+    }
+    *unit_contexts().get_or_insert_with(HashMap::new).entry((d.gpu, d.unit)).or_insert(0) += 1;
+    ctx.charged.store(overhead, Release);
+    ctx.epoch.store(epoch, Release);
+    ctx.poison.store(0, Release);
+    ctx.legacy.store(0, Release);
+    ctx.generation.fetch_add(1, AcqRel);
+    *ctx.limits.lock().unwrap_or_else(|e| e.into_inner()) = default_limits(d);
+    ctx.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    ctx.active.store(true, Release);
+    Ok(())
+}
+
+/// Tears a context down: everything it holds is freed, its streams closed, its charge refunded.
+/// With `unregister`, its handle goes too (a regular context; a primary one keeps its handle).
+fn teardown(node: &Node, ctx: &Arc<Ctx>, unregister: bool) {
+    let h = ctx.handle;
+    let (streams, events, allocs, arrays) = {
+        let mut reg = handles::write();
+        if unregister {
+            reg.ctxs.remove(&h);
+        }
+        let was_active = ctx.active.swap(false, AcqRel);
+        if !was_active && !unregister {
+            return;
+        }
+        let streams: Vec<_> = reg.streams.extract_if(|_, s| s.ctx.handle == h).map(|(_, s)| s).collect();
+        let events: Vec<_> = reg.events.extract_if(|_, e| e.ctx.handle == h).map(|(_, e)| e).collect();
+        reg.modules.retain(|_, m| m.ctx != h);
+        reg.funcs.retain(|_, f| f.ctx != h);
+        let arrays: Vec<_> = reg.arrays.extract_if(|_, a| a.ctx == h).map(|(_, a)| a).collect();
+        let allocs: Vec<_> = reg
+            .mem
+            .extract_if(.., |_, a| a.ctx == h && !matches!(a.kind, super::memory::MemKind::Pool(_)))
+            .map(|(_, a)| a)
+            .collect();
+        (streams, events, allocs, arrays)
+    };
+    for s in &streams {
+        s.close(node);
+    }
+    for e in &events {
+        e.forget(node);
+    }
+    for sid in ctx.default_streams() {
+        node.stream_destroy(sid);
+    }
+    ctx.ptds.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    ctx.legacy.store(0, Release);
+    for a in &allocs {
+        super::memory::release(node, a);
+    }
+    drop(arrays);
+    let d = ctx.dev;
+    let epoch = ctx.epoch.load(Acquire);
+    super::memory::refund(node, d.gpu, d.domain, ctx.charged.swap(0, AcqRel), epoch);
+    // A context a reset destroyed is no longer counted in the model (nor here).
+    if super::memory::current_epoch(d.gpu) == epoch {
+        let mut m = unit_contexts();
+        if let Some(n) = m.as_mut().and_then(|m| m.get_mut(&(d.gpu, d.unit)))
+            && *n > 0
+        {
+            *n -= 1;
+            if *n == 0 {
+                node.context_closed(d.gpu, d.unit);
+            }
+        }
+    }
+    // The context is no longer current anywhere on this thread.
+    STACK.with(|s| s.borrow_mut().retain(|&c| c != h || !unregister));
+}
+
+/// Creates a regular context on a device and makes it current.
+fn create(flags: c_uint, dev: c_int) -> R<usize> {
+    let d = driver()?;
+    poll_faults(d.node)?;
+    let device = d.device(dev)?;
+    check_flags(flags)?;
+    let ctx = Arc::new(Ctx::new(device, false, flags));
+    activate(d.node, &ctx)?;
+    let h = ctx.handle;
+    handles::write().ctxs.insert(h, ctx);
+    STACK.with(|s| s.borrow_mut().push(h));
+    Ok(h)
+}
+
+fn check_flags(flags: c_uint) -> R {
+    if flags & !CTX_FLAGS_MASK != 0 || !matches!(flags & CTX_SCHED_MASK, 0 | 1 | 2 | 4) {
+        return Err(INVALID_VALUE);
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut sys::CUcontext, flags: c_uint, dev: c_int) -> CUresult {
+    run(|| {
+        need(pctx)?;
+        let h = create(flags, dev)?;
+        // SAFETY: pctx is the caller's out-pointer (checked above).
+        unsafe { put(pctx, handles::as_ptr(h)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate(pctx: *mut sys::CUcontext, flags: c_uint, dev: c_int) -> CUresult {
+    // SAFETY: same contract as cuCtxCreate_v2, which has the same signature.
+    unsafe { cuCtxCreate_v2(pctx, flags, dev) }
+}
+
+/// `cuCtxCreate_v3`: with execution-affinity parameters, which need MPS (not simulated).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v3(
+    pctx: *mut sys::CUcontext,
+    paramsArray: *mut sys::CUexecAffinityParam,
+    numParams: c_int,
+    flags: c_uint,
+    dev: c_int,
+) -> CUresult {
+    run(|| {
+        need(pctx)?;
+        if numParams < 0 || (numParams > 0 && paramsArray.is_null()) {
+            return Err(INVALID_VALUE);
+        }
+        if numParams > 0 {
+            driver()?.device(dev)?;
+            return Err(CUresult::CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY);
+        }
+        let h = create(flags, dev)?;
+        // SAFETY: pctx is the caller's out-pointer (checked above).
+        unsafe { put(pctx, handles::as_ptr(h)) }
+    })
+}
+
+/// `cuCtxCreate_v4`: with optional creation parameters (execution affinity and CIG, neither
+/// simulated).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v4(
+    pctx: *mut sys::CUcontext,
+    ctxCreateParams: *mut sys::CUctxCreateParams,
+    flags: c_uint,
+    dev: c_int,
+) -> CUresult {
+    run(|| {
+        need(pctx)?;
+        if !ctxCreateParams.is_null() {
+            // SAFETY: non-null; the struct is the caller's (its fields are pointers and an int).
+            let p = unsafe { super::get(ctxCreateParams.cast_const()) }?;
+            if p.numExecAffinityParams > 0 || !p.execAffinityParams.is_null() {
+                driver()?.device(dev)?;
+                return Err(CUresult::CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY);
+            }
+            if !p.cigParams.is_null() {
+                return Err(super::NOT_SUPPORTED);
+            }
+        }
+        let h = create(flags, dev)?;
+        // SAFETY: pctx is the caller's out-pointer (checked above).
+        unsafe { put(pctx, handles::as_ptr(h)) }
+    })
+}
+
+fn destroy(h: sys::CUcontext) -> R {
+    let d = driver()?;
+    let _ = poll_faults(d.node);
+    let ctx = handles::read().ctxs.get(&(h as usize)).cloned().ok_or(INVALID_CONTEXT)?;
+    if ctx.primary {
+        return Err(INVALID_CONTEXT);
+    }
+    teardown(d.node, &ctx, true);
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: sys::CUcontext) -> CUresult {
+    run(|| destroy(ctx))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxDestroy(ctx: sys::CUcontext) -> CUresult {
+    run(|| destroy(ctx))
+}
+
+fn push(h: sys::CUcontext) -> R {
+    driver()?;
+    if h.is_null() || !handles::read().ctxs.contains_key(&(h as usize)) {
+        return Err(INVALID_CONTEXT);
+    }
+    STACK.with(|s| s.borrow_mut().push(h as usize));
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: sys::CUcontext) -> CUresult {
+    run(|| push(ctx))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPushCurrent(ctx: sys::CUcontext) -> CUresult {
+    run(|| push(ctx))
+}
+
+fn pop(pctx: *mut sys::CUcontext) -> R {
+    driver()?;
+    let h = STACK.with(|s| s.borrow_mut().pop()).ok_or(INVALID_CONTEXT)?;
+    // SAFETY: pctx is the caller's out-pointer; it may be null.
+    unsafe { put_opt(pctx, handles::as_ptr(h)) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut sys::CUcontext) -> CUresult {
+    run(|| pop(pctx))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPopCurrent(pctx: *mut sys::CUcontext) -> CUresult {
+    run(|| pop(pctx))
+}
+
+/// `cuCtxSetCurrent`: replaces the top of the stack (a null context unbinds it).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetCurrent(ctx: sys::CUcontext) -> CUresult {
+    run(|| {
+        driver()?;
+        if ctx.is_null() {
+            STACK.with(|s| s.borrow_mut().pop());
+            return Ok(());
+        }
+        if !handles::read().ctxs.contains_key(&(ctx as usize)) {
+            return Err(INVALID_CONTEXT);
+        }
+        STACK.with(|s| {
+            let mut s = s.borrow_mut();
+            s.pop();
+            s.push(ctx as usize);
+        });
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut sys::CUcontext) -> CUresult {
+    run(|| {
+        need(pctx)?;
+        driver()?;
+        let h = current_handle().filter(|h| handles::read().ctxs.contains_key(h)).unwrap_or(0);
+        // SAFETY: pctx is the caller's out-pointer (checked above).
+        unsafe { put(pctx, handles::as_ptr(h)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CUresult {
+    run(|| {
+        need(device)?;
+        driver()?;
+        let ctx = current()?;
+        ctx.check_state()?;
+        // SAFETY: device is the caller's out-pointer (checked above).
+        unsafe { put(device, ctx.dev.ordinal) }
+    })
+}
+
+/// Waits for everything queued in a context: its default streams, its streams, and host
+/// functions queued on them.
+pub(crate) fn synchronize(node: &'static Node, ctx: &Ctx) -> R {
+    ctx.check_sync(node)?;
+    let mut sids = ctx.default_streams();
+    sids.extend(handles::read().streams.values().filter(|s| s.ctx.handle == ctx.handle).map(|s| s.sid));
+    for sid in sids {
+        super::stream::wait_stream(node, sid)?;
+    }
+    ctx.check_sync(node)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
+    run(|| {
+        let node = driver()?.node;
+        poll_faults(node)?;
+        let ctx = current()?;
+        synchronize(node, &ctx)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: sys::CUcontext, version: *mut c_uint) -> CUresult {
+    run(|| {
+        need(version)?;
+        driver()?;
+        by_handle(ctx)?;
+        // Contexts made through the `_v2` API report 3020, as the real driver's do.
+        // SAFETY: version is the caller's out-pointer (checked above).
+        unsafe { put(version, 3020) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetId(ctx: sys::CUcontext, ctxId: *mut c_ulonglong) -> CUresult {
+    run(|| {
+        need(ctxId)?;
+        driver()?;
+        let c = by_handle(ctx)?;
+        // SAFETY: ctxId is the caller's out-pointer (checked above).
+        unsafe { put(ctxId, handles::ordinal_of(c.handle)) }
+    })
+}
+
+fn limit_index(limit: c_int, dev: &Device) -> R<usize> {
+    match limit {
+        // Synchronization depth of the device runtime is gone on Hopper (CDP2 has none).
+        3 if dev.model.cc_major >= 9 => Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
+        // Shared memory size and CIG: only for CIG contexts (not simulated).
+        7 => Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
+        0..=9 => Ok(limit as usize),
+        _ => Err(INVALID_VALUE),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetLimit(pvalue: *mut usize, limit: c_int) -> CUresult {
+    run(|| {
+        need(pvalue)?;
+        driver()?;
+        let ctx = current()?;
+        let i = limit_index(limit, ctx.dev)?;
+        let v = ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i];
+        // SAFETY: pvalue is the caller's out-pointer (checked above).
+        unsafe { put(pvalue, v as usize) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
+    run(|| {
+        let node = driver()?.node;
+        poll_faults(node)?;
+        let ctx = current()?;
+        ctx.check(node)?;
+        let i = limit_index(limit, ctx.dev)?;
+        let v = value as u64;
+        let v = match i {
+            5 if v > 128 => return Err(INVALID_VALUE),
+            // Persisting L2 lines: clamped to the device's maximum, as the driver does.
+            6 => v.min(super::device::max_persisting_l2(ctx.dev)),
+            8 | 9 => return Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
+            _ => v,
+        };
+        ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i] = v;
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetFlags(flags: *mut c_uint) -> CUresult {
+    run(|| {
+        need(flags)?;
+        driver()?;
+        let ctx = current()?;
+        // SAFETY: flags is the caller's out-pointer (checked above).
+        unsafe { put(flags, ctx.flags.load(Relaxed) | CTX_MAP_HOST) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetFlags(flags: c_uint) -> CUresult {
+    run(|| {
+        driver()?;
+        check_flags(flags)?;
+        current()?.flags.store(flags, Relaxed);
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
+    leastPriority: *mut c_int,
+    greatestPriority: *mut c_int,
+) -> CUresult {
+    run(|| {
+        driver()?;
+        // SAFETY: both are the caller's out-pointers; either may be null.
+        unsafe {
+            put_opt(leastPriority, super::stream::LEAST_PRIORITY)?;
+            put_opt(greatestPriority, super::stream::GREATEST_PRIORITY)
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCacheConfig(pconfig: *mut c_int) -> CUresult {
+    run(|| {
+        need(pconfig)?;
+        driver()?;
+        let ctx = current()?;
+        // SAFETY: pconfig is the caller's out-pointer (checked above).
+        unsafe { put(pconfig, ctx.cache_config.load(Relaxed)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSetCacheConfig(config: c_int) -> CUresult {
+    run(|| {
+        driver()?;
+        if !(0..=3).contains(&config) {
+            return Err(INVALID_VALUE);
+        }
+        current()?.cache_config.store(config, Relaxed);
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxResetPersistingL2Cache() -> CUresult {
+    run(|| {
+        driver()?;
+        current().map(|_| ())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxEnablePeerAccess(peerContext: sys::CUcontext, Flags: c_uint) -> CUresult {
+    run(|| {
+        driver()?;
+        if Flags != 0 {
+            return Err(INVALID_VALUE);
+        }
+        let ctx = current()?;
+        let peer = handles::read().ctxs.get(&(peerContext as usize)).cloned().ok_or(INVALID_CONTEXT)?;
+        if peer.dev.ordinal == ctx.dev.ordinal {
+            return Err(super::INVALID_DEVICE);
+        }
+        if !super::device::can_access_peer(ctx.dev, peer.dev) {
+            return Err(CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED);
+        }
+        let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if peers.contains(&peer.handle) {
+            return Err(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+        }
+        peers.push(peer.handle);
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxDisablePeerAccess(peerContext: sys::CUcontext) -> CUresult {
+    run(|| {
+        driver()?;
+        let ctx = current()?;
+        let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let i = peers
+            .iter()
+            .position(|&p| p == peerContext as usize)
+            .ok_or(CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)?;
+        peers.remove(i);
+        Ok(())
+    })
+}
+
+// ---- Primary contexts ------------------------------------------------------------------------
+
+fn primary_of(dev: c_int) -> R<(&'static Node, &'static Device)> {
+    let d = driver()?;
+    Ok((d.node, d.device(dev)?))
+}
+
+fn lock_primary(device: &Device) -> MutexGuard<'_, Primary> {
+    device.primary.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut sys::CUcontext, dev: c_int) -> CUresult {
+    run(|| {
+        need(pctx)?;
+        let (node, device) = primary_of(dev)?;
+        poll_faults(node)?;
+        let mut p = lock_primary(device);
+        let ctx = match &p.ctx {
+            Some(c) => c.clone(),
+            None => {
+                let c = Arc::new(Ctx::new(device, true, p.flags));
+                handles::write().ctxs.insert(c.handle, c.clone());
+                p.ctx = Some(c.clone());
+                c
+            }
+        };
+        if !ctx.active.load(Acquire) {
+            ctx.flags.store(p.flags, Relaxed);
+            activate(node, &ctx)?;
+        }
+        p.refs += 1;
+        // SAFETY: pctx is the caller's out-pointer (checked above).
+        unsafe { put(pctx, handles::as_ptr(ctx.handle)) }
+    })
+}
+
+fn primary_release(dev: c_int) -> R {
+    let (node, device) = primary_of(dev)?;
+    let _ = poll_faults(node);
+    let mut p = lock_primary(device);
+    if p.refs == 0 {
+        return Err(INVALID_CONTEXT);
+    }
+    p.refs -= 1;
+    if p.refs == 0
+        && let Some(ctx) = p.ctx.clone()
+    {
+        teardown(node, &ctx, false);
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
+    run(|| primary_release(dev))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(dev: c_int) -> CUresult {
+    run(|| primary_release(dev))
+}
+
+/// Destroys everything the primary context holds; a context still retained comes back fresh
+/// under the same handle.
+fn primary_reset(dev: c_int) -> R {
+    let (node, device) = primary_of(dev)?;
+    let _ = poll_faults(node);
+    let p = lock_primary(device);
+    if let Some(ctx) = p.ctx.clone() {
+        teardown(node, &ctx, false);
+        if p.refs > 0 {
+            activate(node, &ctx)?;
+        }
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CUresult {
+    run(|| primary_reset(dev))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxReset(dev: c_int) -> CUresult {
+    run(|| primary_reset(dev))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: c_int, flags: *mut c_uint, active: *mut c_int) -> CUresult {
+    run(|| {
+        need(flags)?;
+        need(active)?;
+        let (_, device) = primary_of(dev)?;
+        let p = lock_primary(device);
+        let on = p.ctx.as_ref().is_some_and(|c| c.active.load(Acquire));
+        // SAFETY: flags and active are the caller's out-pointers (checked above).
+        unsafe {
+            put(flags, p.flags)?;
+            put(active, c_int::from(on))
+        }
+    })
+}
+
+fn primary_set_flags(dev: c_int, flags: c_uint) -> R {
+    let (_, device) = primary_of(dev)?;
+    check_flags(flags)?;
+    let mut p = lock_primary(device);
+    p.flags = flags;
+    if let Some(c) = &p.ctx {
+        c.flags.store(flags, Relaxed);
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: c_int, flags: c_uint) -> CUresult {
+    run(|| primary_set_flags(dev, flags))
+}
+
+/// Legacy `cuDevicePrimaryCtxSetFlags`: refused while the primary context is active.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxSetFlags(dev: c_int, flags: c_uint) -> CUresult {
+    run(|| {
+        let (_, device) = primary_of(dev)?;
+        if lock_primary(device).ctx.as_ref().is_some_and(|c| c.active.load(Acquire)) {
+            return Err(CUresult::CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE);
+        }
+        primary_set_flags(dev, flags)
+    })
+}

@@ -1,0 +1,539 @@
+//! Copies and memsets. Device memory is host memory here, so a copy is a `memmove` under the
+//! registry's read lock (no allocation can be freed under it); every device-side range is checked
+//! against what the process holds first (`INVALID_VALUE` outside it), so a bad device pointer is
+//! an error code, never a stray write.
+//!
+//! Synchronous variants first wait for what they are ordered after: the legacy default stream
+//! and the context's blocking streams (the `_ptds` variants: the per-thread default stream).
+//! Asynchronous variants move the bytes at once (kernels change no memory here, so the result
+//! is what stream order would give), or are recorded when their stream is capturing.
+
+use std::ffi::{c_uchar, c_uint, c_ushort, c_void};
+use std::sync::Arc;
+
+use tessera_sim_model::Node;
+
+use super::context::{self, Ctx};
+use super::errors::poll_faults;
+use super::graph::{Op, submit};
+use super::handles::{self, Registry};
+use super::init::driver;
+use super::stream::{resolve, wait_stream};
+use super::{CUresult, INVALID_CONTEXT, INVALID_VALUE, R, get, run, sys};
+
+/// Which side of a copy an address is on, as the call names it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Must be memory the process allocated (device, managed, pinned, registered, VMM).
+    Device,
+    /// Host memory: the caller's to vouch for.
+    Host,
+    /// Unified addressing: known memory is checked, anything else is taken as host memory.
+    Any,
+}
+
+/// Checks `[addr, addr + len)` for its side of a copy.
+fn check_range(reg: &Registry, addr: u64, len: u64, side: Side, write: bool) -> R {
+    if addr == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let end = addr.checked_add(len).ok_or(INVALID_VALUE)?;
+    if let Some(a) = reg.alloc_at(addr) {
+        return if end <= a.base + a.size { Ok(()) } else { Err(INVALID_VALUE) };
+    }
+    if reg.reservation_at(addr).is_some() {
+        return if super::vmm::accessible(reg, addr, len, write) { Ok(()) } else { Err(INVALID_VALUE) };
+    }
+    match side {
+        Side::Device => Err(INVALID_VALUE),
+        Side::Host | Side::Any => Ok(()),
+    }
+}
+
+/// Copies `n` bytes after checking both sides.
+///
+/// # Safety
+/// Host-side addresses must be valid for the copy (the caller's contract in the C API).
+unsafe fn copy(dst: u64, src: u64, n: u64, dst_side: Side, src_side: Side) -> R {
+    if n == 0 {
+        return Ok(());
+    }
+    let reg = handles::read();
+    check_range(&reg, dst, n, dst_side, true)?;
+    check_range(&reg, src, n, src_side, false)?;
+    // SAFETY: device-side ranges lie in memory the process holds and cannot be freed while the
+    // registry is read-locked; host-side ranges are valid by this function's contract. The ranges
+    // may overlap (a device-to-device copy within one allocation), hence `copy`, not
+    // `copy_nonoverlapping`.
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n as usize) };
+    Ok(())
+}
+
+/// A copy with unified addressing on both sides (graph memcpy nodes).
+///
+/// # Safety
+/// As [`copy`].
+pub(crate) unsafe fn copy_now(dst: u64, src: u64, n: u64) -> R {
+    // SAFETY: as this function's contract.
+    unsafe { copy(dst, src, n, Side::Any, Side::Any) }
+}
+
+/// Fills `height` rows of `width` elements of `elem` bytes, `pitch` bytes apart, with `value`.
+pub(crate) fn memset_now(dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64) -> R {
+    let elem = u64::from(elem);
+    let row = width.checked_mul(elem).ok_or(INVALID_VALUE)?;
+    if !dst.is_multiple_of(elem) || (height > 1 && (!pitch.is_multiple_of(elem) || pitch < row)) {
+        return Err(INVALID_VALUE);
+    }
+    if row == 0 || height == 0 {
+        return Ok(());
+    }
+    let span = pitch.checked_mul(height - 1).and_then(|s| s.checked_add(row)).ok_or(INVALID_VALUE)?;
+    let reg = handles::read();
+    check_range(&reg, dst, span, Side::Device, true)?;
+    for r in 0..height {
+        let p = (dst + r * pitch) as *mut u8;
+        // SAFETY: each row lies in the range checked above, in memory the process holds that
+        // cannot be freed while the registry is read-locked; `dst` and `pitch` are multiples of
+        // the element size (checked above), so the element writes are aligned.
+        unsafe {
+            match elem {
+                1 => std::ptr::write_bytes(p, value as u8, row as usize),
+                2 => (0..width as usize).for_each(|i| p.cast::<u16>().add(i).write(value as u16)),
+                _ => (0..width as usize).for_each(|i| p.cast::<u32>().add(i).write(value)),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Waits for what a synchronous call is ordered after, and returns the current context: the
+/// per-thread default stream (`_ptds`), or the legacy one with the context's blocking streams.
+fn sync_point(pt: bool) -> R<(&'static Node, Arc<Ctx>)> {
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let (ctx, sids) = {
+        let reg = handles::read();
+        let ctx = context::current_in(&reg)?.clone();
+        ctx.check(node)?;
+        let sids = if pt {
+            vec![ctx.per_thread_stream(node)?]
+        } else {
+            super::stream::legacy_group(&reg, &ctx, ctx.legacy_stream(node)?)?
+        };
+        (ctx, sids)
+    };
+    for sid in sids {
+        wait_stream(node, sid)?;
+    }
+    ctx.check(node)?;
+    Ok((node, ctx))
+}
+
+/// A synchronous copy.
+///
+/// # Safety
+/// As [`copy`].
+unsafe fn copy_sync(dst: u64, src: u64, n: u64, d: Side, s: Side, pt: bool) -> R {
+    sync_point(pt)?;
+    // SAFETY: as this function's contract.
+    unsafe { copy(dst, src, n, d, s) }
+}
+
+/// An asynchronous copy on a stream (recorded if it is capturing).
+///
+/// # Safety
+/// As [`copy`].
+unsafe fn copy_async(dst: u64, src: u64, n: u64, d: Side, s: Side, stream: sys::CUstream, pt: bool) -> R {
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let t = resolve(&handles::read(), node, stream, pt)?;
+    t.ctx.check(node)?;
+    if let Some(c) = t.capture() {
+        return c.add(Op::Memcpy { dst, src, n });
+    }
+    // SAFETY: as this function's contract.
+    unsafe { copy(dst, src, n, d, s) }
+}
+
+fn memset_sync(dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64, pt: bool) -> R {
+    sync_point(pt)?;
+    memset_now(dst, pitch, value, elem, width, height)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn memset_async(
+    dst: u64,
+    pitch: u64,
+    value: u32,
+    elem: u32,
+    width: u64,
+    height: u64,
+    stream: sys::CUstream,
+    pt: bool,
+) -> R {
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let t = resolve(&handles::read(), node, stream, pt)?;
+    t.ctx.check(node)?;
+    submit(node, &t, Op::Memset { dst, pitch, value, elem, width, height })
+}
+
+/// An array's storage, and the byte range `[offset, offset + n)` of it.
+fn array_range(h: sys::CUarray, offset: u64, n: u64) -> R<u64> {
+    let a = handles::read().arrays.get(&(h as usize)).cloned().ok_or(super::INVALID_HANDLE)?;
+    let end = offset.checked_add(n).ok_or(INVALID_VALUE)?;
+    if end > a.bytes {
+        return Err(INVALID_VALUE);
+    }
+    Ok(a.base + offset)
+}
+
+/// Defines an export: `unsafe fn` for a body that works on the caller's host pointers.
+macro_rules! export {
+    (unsafe fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:expr) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
+            // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+            run(|| unsafe { $body })
+        }
+    };
+    (fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:expr) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
+            run(|| $body)
+        }
+    };
+}
+
+use Side::{Any, Device as Dev, Host};
+
+// cuMemcpy: unified addressing.
+export!(unsafe fn cuMemcpy(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dst, src, ByteCount as u64, Any, Any, false));
+export!(unsafe fn cuMemcpy_ptds(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dst, src, ByteCount as u64, Any, Any, true));
+export!(unsafe fn cuMemcpyAsync(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dst, src, ByteCount as u64, Any, Any, hStream, false));
+export!(unsafe fn cuMemcpyAsync_ptsz(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dst, src, ByteCount as u64, Any, Any, hStream, true));
+
+// Host to device.
+export!(unsafe fn cuMemcpyHtoD_v2(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize) => copy_sync(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, false));
+export!(unsafe fn cuMemcpyHtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize) => copy_sync(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, true));
+export!(unsafe fn cuMemcpyHtoD(dstDevice: c_uint, srcHost: *const c_void, ByteCount: c_uint) => copy_sync(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, false));
+export!(unsafe fn cuMemcpyHtoDAsync_v2(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
+export!(unsafe fn cuMemcpyHtoDAsync_v2_ptsz(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, hStream, true));
+export!(unsafe fn cuMemcpyHtoDAsync(dstDevice: c_uint, srcHost: *const c_void, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
+
+// Device to host.
+export!(unsafe fn cuMemcpyDtoH_v2(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, false));
+export!(unsafe fn cuMemcpyDtoH_v2_ptds(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, true));
+export!(unsafe fn cuMemcpyDtoH(dstHost: *mut c_void, srcDevice: c_uint, ByteCount: c_uint) => copy_sync(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, false));
+export!(unsafe fn cuMemcpyDtoHAsync_v2(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, hStream, false));
+export!(unsafe fn cuMemcpyDtoHAsync_v2_ptsz(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, hStream, true));
+export!(unsafe fn cuMemcpyDtoHAsync(dstHost: *mut c_void, srcDevice: c_uint, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, hStream, false));
+
+// Device to device.
+export!(unsafe fn cuMemcpyDtoD_v2(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyDtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, true));
+export!(unsafe fn cuMemcpyDtoD(dstDevice: c_uint, srcDevice: c_uint, ByteCount: c_uint) => copy_sync(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyDtoDAsync_v2(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, hStream, false));
+export!(unsafe fn cuMemcpyDtoDAsync_v2_ptsz(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, hStream, true));
+export!(unsafe fn cuMemcpyDtoDAsync(dstDevice: c_uint, srcDevice: c_uint, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, hStream, false));
+
+// Arrays (their storage is linear: offsets are bytes into it).
+export!(unsafe fn cuMemcpyHtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, false));
+export!(unsafe fn cuMemcpyHtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, true));
+export!(unsafe fn cuMemcpyAtoH_v2(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, false));
+export!(unsafe fn cuMemcpyAtoH_v2_ptds(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, true));
+export!(unsafe fn cuMemcpyDtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcDevice: sys::CUdeviceptr, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyDtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcDevice: sys::CUdeviceptr, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice, ByteCount as u64, Dev, Dev, true));
+export!(unsafe fn cuMemcpyAtoD_v2(dstDevice: sys::CUdeviceptr, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(dstDevice, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyAtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(dstDevice, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, true));
+export!(unsafe fn cuMemcpyAtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyAtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, true));
+export!(unsafe fn cuMemcpyHtoAAsync_v2(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) =>
+    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
+export!(unsafe fn cuMemcpyHtoAAsync_v2_ptsz(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) =>
+    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, true));
+export!(unsafe fn cuMemcpyAtoHAsync_v2(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize, hStream: sys::CUstream) =>
+    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, false));
+export!(unsafe fn cuMemcpyAtoHAsync_v2_ptsz(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize, hStream: sys::CUstream) =>
+    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, true));
+
+// Legacy array copies (32-bit offsets and sizes).
+export!(unsafe fn cuMemcpyHtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcHost: *const c_void, ByteCount: c_uint) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, false));
+export!(unsafe fn cuMemcpyAtoH(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
+    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, false));
+export!(unsafe fn cuMemcpyDtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcDevice: c_uint, ByteCount: c_uint) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice as u64, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyAtoD(dstDevice: c_uint, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
+    copy_sync(dstDevice as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyAtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
+    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
+export!(unsafe fn cuMemcpyHtoAAsync(dstArray: sys::CUarray, dstOffset: c_uint, srcHost: *const c_void, ByteCount: c_uint, hStream: sys::CUstream) =>
+    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
+export!(unsafe fn cuMemcpyAtoHAsync(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint, hStream: sys::CUstream) =>
+    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, false));
+
+/// A copy between two contexts' memory (unified addressing makes it a plain copy).
+///
+/// # Safety
+/// As [`copy`].
+unsafe fn peer(
+    dst: u64,
+    dst_ctx: sys::CUcontext,
+    src: u64,
+    src_ctx: sys::CUcontext,
+    n: u64,
+    stream: Option<sys::CUstream>,
+    pt: bool,
+) -> R {
+    driver()?;
+    {
+        let reg = handles::read();
+        if !reg.ctxs.contains_key(&(dst_ctx as usize)) || !reg.ctxs.contains_key(&(src_ctx as usize)) {
+            return Err(INVALID_CONTEXT);
+        }
+    }
+    // SAFETY: both sides are device memory, checked against what the process holds.
+    unsafe {
+        match stream {
+            Some(s) => copy_async(dst, src, n, Dev, Dev, s, pt),
+            None => copy_sync(dst, src, n, Dev, Dev, pt),
+        }
+    }
+}
+export!(unsafe fn cuMemcpyPeer(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize) =>
+    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, None, false));
+export!(unsafe fn cuMemcpyPeer_ptds(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize) =>
+    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, None, true));
+export!(unsafe fn cuMemcpyPeerAsync(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize, hStream: sys::CUstream) =>
+    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, Some(hStream), false));
+export!(unsafe fn cuMemcpyPeerAsync_ptsz(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize, hStream: sys::CUstream) =>
+    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, Some(hStream), true));
+
+// ---- 2D copies -------------------------------------------------------------------------------
+
+/// `CUDA_MEMCPY2D` with its memory types read as raw integers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Memcpy2d {
+    src_x: usize,
+    src_y: usize,
+    src_type: u32,
+    src_host: *const c_void,
+    src_device: u64,
+    src_array: sys::CUarray,
+    src_pitch: usize,
+    dst_x: usize,
+    dst_y: usize,
+    dst_type: u32,
+    dst_host: *mut c_void,
+    dst_device: u64,
+    dst_array: sys::CUarray,
+    dst_pitch: usize,
+    width: usize,
+    height: usize,
+}
+const _: () = assert!(std::mem::size_of::<Memcpy2d>() == std::mem::size_of::<sys::CUDA_MEMCPY2D>());
+const _: () =
+    assert!(std::mem::offset_of!(Memcpy2d, dst_type) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, dstMemoryType));
+const _: () = assert!(std::mem::offset_of!(Memcpy2d, height) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, Height));
+
+/// `CUDA_MEMCPY2D_v1` (legacy 32-bit fields).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Memcpy2dV1 {
+    src_x: c_uint,
+    src_y: c_uint,
+    src_type: u32,
+    src_host: *const c_void,
+    src_device: c_uint,
+    src_array: sys::CUarray,
+    src_pitch: c_uint,
+    dst_x: c_uint,
+    dst_y: c_uint,
+    dst_type: u32,
+    dst_host: *mut c_void,
+    dst_device: c_uint,
+    dst_array: sys::CUarray,
+    dst_pitch: c_uint,
+    width: c_uint,
+    height: c_uint,
+}
+
+impl From<Memcpy2dV1> for Memcpy2d {
+    fn from(v: Memcpy2dV1) -> Memcpy2d {
+        Memcpy2d {
+            src_x: v.src_x as usize,
+            src_y: v.src_y as usize,
+            src_type: v.src_type,
+            src_host: v.src_host,
+            src_device: v.src_device as u64,
+            src_array: v.src_array,
+            src_pitch: v.src_pitch as usize,
+            dst_x: v.dst_x as usize,
+            dst_y: v.dst_y as usize,
+            dst_type: v.dst_type,
+            dst_host: v.dst_host,
+            dst_device: v.dst_device as u64,
+            dst_array: v.dst_array,
+            dst_pitch: v.dst_pitch as usize,
+            width: v.width as usize,
+            height: v.height as usize,
+        }
+    }
+}
+
+/// One side of a 2D copy: its first byte, its pitch, and which side it is.
+fn side_2d(
+    ty: u32,
+    host: u64,
+    device: u64,
+    array: sys::CUarray,
+    pitch: usize,
+    x: usize,
+    y: usize,
+) -> R<(u64, u64, Side)> {
+    let (base, pitch, side) = match ty {
+        1 => (host, pitch as u64, Host),
+        2 => (device, pitch as u64, Dev),
+        3 => {
+            let a = handles::read().arrays.get(&(array as usize)).cloned().ok_or(super::INVALID_HANDLE)?;
+            (a.base, a.row_bytes(), Dev)
+        }
+        4 => (device, pitch as u64, Any),
+        _ => return Err(INVALID_VALUE),
+    };
+    let start = (y as u64).checked_mul(pitch).and_then(|o| o.checked_add(x as u64)).and_then(|o| base.checked_add(o));
+    Ok((start.ok_or(INVALID_VALUE)?, pitch, side))
+}
+
+/// Copies a 2D region row by row.
+///
+/// # Safety
+/// Host-side rows must be valid for the copy (the caller's contract).
+unsafe fn copy_2d(p: &Memcpy2d) -> R {
+    let (src, sp, ss) =
+        side_2d(p.src_type, p.src_host as u64, p.src_device, p.src_array, p.src_pitch, p.src_x, p.src_y)?;
+    let (dst, dp, ds) =
+        side_2d(p.dst_type, p.dst_host as u64, p.dst_device, p.dst_array, p.dst_pitch, p.dst_x, p.dst_y)?;
+    let w = p.width as u64;
+    if p.height > 1 && (sp < w || dp < w) {
+        return Err(INVALID_VALUE);
+    }
+    for r in 0..p.height as u64 {
+        // SAFETY: as this function's contract; device rows are checked by `copy`.
+        unsafe { copy(dst + r * dp, src + r * sp, w, ds, ss) }?;
+    }
+    Ok(())
+}
+
+/// # Safety
+/// `p` must be null or point to a `CUDA_MEMCPY2D` whose host rows are valid.
+unsafe fn memcpy_2d(p: *const sys::CUDA_MEMCPY2D, stream: Option<sys::CUstream>, pt: bool) -> R {
+    // SAFETY: Memcpy2d has the layout of CUDA_MEMCPY2D (asserted above) with the enums read as
+    // raw integers; null/misaligned is checked by get.
+    let p = unsafe { get(p.cast::<Memcpy2d>()) }?;
+    match stream {
+        None => {
+            sync_point(pt)?;
+            // SAFETY: as this function's contract.
+            unsafe { copy_2d(&p) }
+        }
+        Some(s) => {
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let t = resolve(&handles::read(), node, s, pt)?;
+            t.ctx.check(node)?;
+            if t.capture().is_some() {
+                return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+            }
+            // SAFETY: as this function's contract.
+            unsafe { copy_2d(&p) }
+        }
+    }
+}
+
+export!(unsafe fn cuMemcpy2D_v2(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, false));
+export!(unsafe fn cuMemcpy2D_v2_ptds(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, true));
+export!(unsafe fn cuMemcpy2DUnaligned_v2(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, false));
+export!(unsafe fn cuMemcpy2DUnaligned_v2_ptds(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, true));
+export!(unsafe fn cuMemcpy2DAsync_v2(pCopy: *const sys::CUDA_MEMCPY2D, hStream: sys::CUstream) => memcpy_2d(pCopy, Some(hStream), false));
+export!(unsafe fn cuMemcpy2DAsync_v2_ptsz(pCopy: *const sys::CUDA_MEMCPY2D, hStream: sys::CUstream) => memcpy_2d(pCopy, Some(hStream), true));
+
+/// # Safety
+/// `p` must be null or point to a `CUDA_MEMCPY2D_v1` whose host rows are valid.
+unsafe fn memcpy_2d_v1(p: *const Memcpy2dV1, stream: Option<sys::CUstream>) -> R {
+    // SAFETY: null/misaligned checked by get; every field is an integer or a pointer.
+    let v = unsafe { get(p) }?;
+    let p2: Memcpy2d = v.into();
+    // SAFETY: the converted struct lives on our stack; its host rows are the caller's.
+    unsafe { memcpy_2d((&p2 as *const Memcpy2d).cast(), stream, false) }
+}
+export!(unsafe fn cuMemcpy2D(pCopy: *const Memcpy2dV1) => memcpy_2d_v1(pCopy, None));
+export!(unsafe fn cuMemcpy2DUnaligned(pCopy: *const Memcpy2dV1) => memcpy_2d_v1(pCopy, None));
+export!(unsafe fn cuMemcpy2DAsync(pCopy: *const Memcpy2dV1, hStream: sys::CUstream) => memcpy_2d_v1(pCopy, Some(hStream)));
+
+// ---- Memsets ---------------------------------------------------------------------------------
+
+export!(fn cuMemsetD8_v2(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize) => memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, false));
+export!(fn cuMemsetD8_v2_ptds(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize) => memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, true));
+export!(fn cuMemsetD8(dstDevice: c_uint, uc: c_uchar, N: c_uint) => memset_sync(dstDevice as u64, 0, uc as u32, 1, N as u64, 1, false));
+export!(fn cuMemsetD16_v2(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize) => memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, false));
+export!(fn cuMemsetD16_v2_ptds(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize) => memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, true));
+export!(fn cuMemsetD16(dstDevice: c_uint, us: c_ushort, N: c_uint) => memset_sync(dstDevice as u64, 0, us as u32, 2, N as u64, 1, false));
+export!(fn cuMemsetD32_v2(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize) => memset_sync(dstDevice, 0, ui, 4, N as u64, 1, false));
+export!(fn cuMemsetD32_v2_ptds(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize) => memset_sync(dstDevice, 0, ui, 4, N as u64, 1, true));
+export!(fn cuMemsetD32(dstDevice: c_uint, ui: c_uint, N: c_uint) => memset_sync(dstDevice as u64, 0, ui, 4, N as u64, 1, false));
+export!(fn cuMemsetD2D8_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false));
+export!(fn cuMemsetD2D8_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, true));
+export!(fn cuMemsetD2D16_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false));
+export!(fn cuMemsetD2D16_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, true));
+export!(fn cuMemsetD2D32_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, false));
+export!(fn cuMemsetD2D32_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize) =>
+    memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, true));
+export!(fn cuMemsetD2D8(dstDevice: c_uint, dstPitch: c_uint, uc: c_uchar, Width: c_uint, Height: c_uint) =>
+    memset_sync(dstDevice as u64, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false));
+export!(fn cuMemsetD2D16(dstDevice: c_uint, dstPitch: c_uint, us: c_ushort, Width: c_uint, Height: c_uint) =>
+    memset_sync(dstDevice as u64, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false));
+export!(fn cuMemsetD2D32(dstDevice: c_uint, dstPitch: c_uint, ui: c_uint, Width: c_uint, Height: c_uint) =>
+    memset_sync(dstDevice as u64, dstPitch as u64, ui, 4, Width as u64, Height as u64, false));
+export!(fn cuMemsetD8Async(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, false));
+export!(fn cuMemsetD8Async_ptsz(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, true));
+export!(fn cuMemsetD16Async(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, false));
+export!(fn cuMemsetD16Async_ptsz(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, true));
+export!(fn cuMemsetD32Async(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, false));
+export!(fn cuMemsetD32Async_ptsz(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, true));
+export!(fn cuMemsetD2D8Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, false));
+export!(fn cuMemsetD2D8Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, true));
+export!(fn cuMemsetD2D16Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, false));
+export!(fn cuMemsetD2D16Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, true));
+export!(fn cuMemsetD2D32Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, false));
+export!(fn cuMemsetD2D32Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize, hStream: sys::CUstream) =>
+    memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, true));

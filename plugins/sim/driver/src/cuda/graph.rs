@@ -1,0 +1,757 @@
+//! Stream capture and graphs. A capturing stream records what is queued on it (kernels, copies,
+//! memsets, host functions) as nodes of a graph instead of running it; an instantiated graph
+//! replays its nodes on a stream, in the order they were added (an order that respects every
+//! dependency, since a node can only depend on nodes added before it).
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Mutex};
+
+use tessera_sim_model::Node;
+
+use super::errors::{Cu, poll_faults};
+use super::handles;
+use super::init::driver;
+use super::module::Func;
+use super::stream::{HostCall, Target, enqueue_host, resolve};
+use super::{CUresult, ILLEGAL_STATE, INVALID_VALUE, R, get, need, put, put_opt, run, sys};
+
+/// One unit of queued work, as run on a stream or recorded in a graph.
+#[derive(Clone)]
+pub(crate) enum Op {
+    Kernel { func: Arc<Func> },
+    Memcpy { dst: u64, src: u64, n: u64 },
+    Memset { dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64 },
+    Host { f: unsafe extern "C" fn(*mut c_void), data: usize },
+    Empty,
+}
+
+impl Op {
+    /// `CUgraphNodeType`.
+    fn node_type(&self) -> c_int {
+        match self {
+            Op::Kernel { .. } => 0,
+            Op::Memcpy { .. } => 1,
+            Op::Memset { .. } => 2,
+            Op::Host { .. } => 3,
+            Op::Empty => 5,
+        }
+    }
+}
+
+/// Runs one unit of work on a stream that is not capturing.
+pub(crate) fn run_op(node: &'static Node, t: &Target, op: &Op) -> R {
+    match op {
+        Op::Kernel { func } => node.launch(t.sid, func.duration_ns).work().map(|_| ()),
+        // SAFETY: the addresses were given by the caller when the copy was captured, and are
+        // valid when the graph is launched by the CUDA API contract.
+        Op::Memcpy { dst, src, n } => unsafe { super::copy::copy_now(*dst, *src, *n) },
+        Op::Memset { dst, pitch, value, elem, width, height } => {
+            super::copy::memset_now(*dst, *pitch, *value, *elem, *width, *height)
+        }
+        Op::Host { f, data } => enqueue_host(node, t.sid, HostCall::Func(*f, *data)),
+        Op::Empty => Ok(()),
+    }
+}
+
+/// Queues work on a stream: recorded if the stream is capturing, run otherwise.
+pub(crate) fn submit(node: &'static Node, t: &Target, op: Op) -> R {
+    match t.capture() {
+        Some(c) => c.add(op),
+        None => run_op(node, t, &op),
+    }
+}
+
+pub(crate) struct GNode {
+    pub handle: usize,
+    pub graph: usize,
+    pub op: Op,
+}
+
+pub(crate) struct Graph {
+    pub handle: usize,
+    pub nodes: Mutex<Vec<Arc<GNode>>>,
+}
+
+impl Graph {
+    fn new() -> Arc<Graph> {
+        let g = Arc::new(Graph { handle: handles::new_handle(), nodes: Mutex::new(Vec::new()) });
+        handles::write().graphs.insert(g.handle, g.clone());
+        g
+    }
+
+    fn nodes(&self) -> std::sync::MutexGuard<'_, Vec<Arc<GNode>>> {
+        self.nodes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a node depending on `deps` (which must be nodes of this graph).
+    fn add(&self, op: Op, deps: Vec<usize>) -> R<usize> {
+        let mut reg = handles::write();
+        if deps.iter().any(|d| reg.gnodes.get(d).is_none_or(|n| n.graph != self.handle)) {
+            return Err(INVALID_VALUE);
+        }
+        let n = Arc::new(GNode { handle: handles::new_handle(), graph: self.handle, op });
+        reg.gnodes.insert(n.handle, n.clone());
+        let h = n.handle;
+        self.nodes().push(n);
+        Ok(h)
+    }
+}
+
+/// An instantiated graph: its work, in order.
+pub(crate) struct Exec {
+    pub handle: usize,
+    pub ops: Vec<Op>,
+}
+
+static NEXT_CAPTURE: AtomicU64 = AtomicU64::new(1);
+
+/// A capture sequence: the graph being built and the streams taking part.
+pub(crate) struct Capture {
+    pub id: u64,
+    pub graph: Arc<Graph>,
+    /// The stream the capture began on (only it may end it).
+    pub origin: usize,
+    invalidated: AtomicBool,
+    joined: Mutex<Vec<usize>>,
+    /// The last node added: what the next one depends on (its address is handed to C as the
+    /// capture's dependency array).
+    last: Box<AtomicUsize>,
+}
+
+impl Capture {
+    /// Ends the capture in error (a forbidden call was made on a capturing stream).
+    pub(crate) fn invalidate(&self) {
+        self.invalidated.store(true, Release);
+    }
+
+    /// Another stream joins the capture (it waited on an event recorded in it).
+    pub(crate) fn join(&self, stream: usize) {
+        self.joined.lock().unwrap_or_else(|e| e.into_inner()).push(stream);
+    }
+
+    /// Records a unit of work as the capture's next node.
+    pub(crate) fn add(&self, op: Op) -> R {
+        if self.invalidated.load(Acquire) {
+            return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+        let deps = match self.last.load(Acquire) {
+            0 => Vec::new(),
+            h => vec![h],
+        };
+        let h = self.graph.add(op, deps)?;
+        self.last.store(h, Release);
+        Ok(())
+    }
+}
+
+thread_local! {
+    /// `cuThreadExchangeStreamCaptureMode`'s per-thread mode.
+    static CAPTURE_MODE: Cell<c_uint> = const { Cell::new(0) };
+}
+
+// ---- Capture exports ------------------------------------------------------------------------
+
+fn begin_capture(h: sys::CUstream, mode: c_uint, pt: bool) -> R {
+    if mode > 2 {
+        return Err(INVALID_VALUE);
+    }
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let t = resolve(&handles::read(), node, h, pt)?;
+    t.ctx.check(node)?;
+    // The default streams cannot be captured here (the legacy one cannot be captured at all).
+    let s = t.stream.ok_or(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
+    if s.capture().is_some() {
+        return Err(ILLEGAL_STATE);
+    }
+    let c = Arc::new(Capture {
+        id: NEXT_CAPTURE.fetch_add(1, Relaxed),
+        graph: Graph::new(),
+        origin: s.handle,
+        invalidated: AtomicBool::new(false),
+        joined: Mutex::new(Vec::new()),
+        last: Box::new(AtomicUsize::new(0)),
+    });
+    s.set_capture(Some(c));
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture(hStream: sys::CUstream) -> CUresult {
+    run(|| begin_capture(hStream, 0, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_ptsz(hStream: sys::CUstream) -> CUresult {
+    run(|| begin_capture(hStream, 0, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2(hStream: sys::CUstream, mode: c_uint) -> CUresult {
+    run(|| begin_capture(hStream, mode, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(hStream: sys::CUstream, mode: c_uint) -> CUresult {
+    run(|| begin_capture(hStream, mode, true))
+}
+
+fn end_capture(h: sys::CUstream, ph: *mut sys::CUgraph, pt: bool) -> R {
+    need(ph)?;
+    let node = driver()?.node;
+    let t = resolve(&handles::read(), node, h, pt)?;
+    let s = t.stream.ok_or(ILLEGAL_STATE)?;
+    let c = s.capture().ok_or(ILLEGAL_STATE)?;
+    if c.origin != s.handle {
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_UNMATCHED);
+    }
+    s.set_capture(None);
+    let joined = std::mem::take(&mut *c.joined.lock().unwrap_or_else(|e| e.into_inner()));
+    {
+        let reg = handles::read();
+        for j in joined {
+            if let Some(js) = reg.streams.get(&j)
+                && js.capture().is_some_and(|jc| Arc::ptr_eq(&jc, &c))
+            {
+                js.set_capture(None);
+            }
+        }
+    }
+    if c.invalidated.load(Acquire) {
+        destroy_graph(c.graph.handle);
+        // SAFETY: ph is the caller's out-pointer (checked above).
+        unsafe { put(ph, std::ptr::null_mut()) }?;
+        return Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+    }
+    // SAFETY: ph is the caller's out-pointer (checked above).
+    unsafe { put(ph, handles::as_ptr(c.graph.handle)) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(hStream: sys::CUstream, phGraph: *mut sys::CUgraph) -> CUresult {
+    run(|| end_capture(hStream, phGraph, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(hStream: sys::CUstream, phGraph: *mut sys::CUgraph) -> CUresult {
+    run(|| end_capture(hStream, phGraph, true))
+}
+
+/// `CUstreamCaptureStatus` of a stream, and its capture.
+fn capture_status(h: sys::CUstream, pt: bool) -> R<(c_uint, Option<Arc<Capture>>)> {
+    let node = driver()?.node;
+    let t = resolve(&handles::read(), node, h, pt)?;
+    Ok(match t.capture() {
+        None => (0, None),
+        Some(c) if c.invalidated.load(Acquire) => (2, Some(c)),
+        Some(c) => (1, Some(c)),
+    })
+}
+
+fn is_capturing(h: sys::CUstream, status: *mut c_uint, pt: bool) -> R {
+    need(status)?;
+    let (st, _) = capture_status(h, pt)?;
+    // SAFETY: status is the caller's out-pointer (checked above).
+    unsafe { put(status, st) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing(hStream: sys::CUstream, captureStatus: *mut c_uint) -> CUresult {
+    run(|| is_capturing(hStream, captureStatus, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(hStream: sys::CUstream, captureStatus: *mut c_uint) -> CUresult {
+    run(|| is_capturing(hStream, captureStatus, true))
+}
+
+/// The capture info queries: status, and (while capturing) id, graph and dependencies.
+#[allow(clippy::too_many_arguments)]
+fn capture_info(
+    h: sys::CUstream,
+    status: *mut c_uint,
+    id: *mut c_ulonglong,
+    graph: *mut sys::CUgraph,
+    deps: *mut *const sys::CUgraphNode,
+    edges: *mut *const c_void,
+    num: *mut usize,
+    pt: bool,
+) -> R {
+    need(status)?;
+    let (st, c) = capture_status(h, pt)?;
+    // SAFETY: status is checked above; the others are the caller's optional out-pointers.
+    unsafe {
+        put(status, st)?;
+        if let Some(c) = c.filter(|_| st == 1) {
+            let last = c.last.load(Acquire);
+            put_opt(id, c.id)?;
+            put_opt(graph, handles::as_ptr(c.graph.handle))?;
+            put_opt(deps, if last == 0 { std::ptr::null() } else { (&*c.last as *const AtomicUsize).cast() })?;
+            put_opt(edges, std::ptr::null())?;
+            put_opt(num, usize::from(last != 0))?;
+        }
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    run(|| capture_info(hStream, captureStatus_out, id_out, n, n.cast(), n.cast(), n.cast(), false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_ptsz(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    run(|| capture_info(hStream, captureStatus_out, id_out, n, n.cast(), n.cast(), n.cast(), true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+    graph_out: *mut sys::CUgraph,
+    dependencies_out: *mut *const sys::CUgraphNode,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    run(|| capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, n, numDependencies_out, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+    graph_out: *mut sys::CUgraph,
+    dependencies_out: *mut *const sys::CUgraphNode,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    run(|| capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, n, numDependencies_out, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+    graph_out: *mut sys::CUgraph,
+    dependencies_out: *mut *const sys::CUgraphNode,
+    edgeData_out: *mut *const sys::CUgraphEdgeData,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    run(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edgeData_out.cast(),
+            numDependencies_out,
+            false,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(
+    hStream: sys::CUstream,
+    captureStatus_out: *mut c_uint,
+    id_out: *mut c_ulonglong,
+    graph_out: *mut sys::CUgraph,
+    dependencies_out: *mut *const sys::CUgraphNode,
+    edgeData_out: *mut *const sys::CUgraphEdgeData,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    run(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edgeData_out.cast(),
+            numDependencies_out,
+            true,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) -> CUresult {
+    run(|| {
+        driver()?;
+        // SAFETY: mode is the caller's in/out pointer.
+        let m = unsafe { get(mode.cast_const()) }?;
+        if m > 2 {
+            return Err(INVALID_VALUE);
+        }
+        let old = CAPTURE_MODE.with(|c| c.replace(m));
+        // SAFETY: as above.
+        unsafe { put(mode, old) }
+    })
+}
+
+// ---- Graph exports --------------------------------------------------------------------------
+
+fn graph(h: sys::CUgraph) -> R<Arc<Graph>> {
+    driver()?;
+    handles::read().graphs.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphCreate(phGraph: *mut sys::CUgraph, flags: c_uint) -> CUresult {
+    run(|| {
+        need(phGraph)?;
+        driver()?;
+        if flags != 0 {
+            return Err(INVALID_VALUE);
+        }
+        let g = Graph::new();
+        // SAFETY: phGraph is the caller's out-pointer (checked above).
+        unsafe { put(phGraph, handles::as_ptr(g.handle)) }
+    })
+}
+
+fn destroy_graph(h: usize) {
+    let mut reg = handles::write();
+    if reg.graphs.remove(&h).is_some() {
+        reg.gnodes.retain(|_, n| n.graph != h);
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphDestroy(hGraph: sys::CUgraph) -> CUresult {
+    run(|| {
+        graph(hGraph)?;
+        destroy_graph(hGraph as usize);
+        Ok(())
+    })
+}
+
+/// Reads a node's dependency list.
+///
+/// # Safety
+/// `deps` must be null or hold `n` node handles.
+unsafe fn read_deps(deps: *const sys::CUgraphNode, n: usize) -> R<Vec<usize>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    need(deps)?;
+    // SAFETY: deps holds n handles by this function's contract (checked non-null and aligned).
+    Ok(unsafe { std::slice::from_raw_parts(deps, n) }.iter().map(|&d| d as usize).collect())
+}
+
+/// Adds a node to a graph and writes its handle.
+///
+/// # Safety
+/// `ph` must be null or a valid out-pointer; `deps` as in [`read_deps`].
+unsafe fn add_node(ph: *mut sys::CUgraphNode, g: sys::CUgraph, deps: *const sys::CUgraphNode, n: usize, op: Op) -> R {
+    need(ph)?;
+    let g = graph(g)?;
+    // SAFETY: as this function's contract.
+    let deps = unsafe { read_deps(deps, n) }?;
+    let h = g.add(op, deps)?;
+    // SAFETY: ph is the caller's out-pointer (checked above).
+    unsafe { put(ph, handles::as_ptr(h)) }
+}
+
+fn kernel_op(func: usize) -> R<Op> {
+    let f = handles::read().funcs.get(&func).cloned().ok_or(INVALID_VALUE)?;
+    Ok(Op::Kernel { func: f })
+}
+
+/// `cuGraphAddKernelNode` (CUDA 10.0 parameters, without `kern` and `ctx`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddKernelNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    nodeParams: *const sys::CUDA_KERNEL_NODE_PARAMS_v1,
+) -> CUresult {
+    run(|| {
+        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+        let p = unsafe { get(nodeParams) }?;
+        let op = kernel_op(p.func as usize)?;
+        // SAFETY: the caller's out-pointer and dependency array.
+        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    nodeParams: *const sys::CUDA_KERNEL_NODE_PARAMS_v2,
+) -> CUresult {
+    run(|| {
+        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+        let p = unsafe { get(nodeParams) }?;
+        let f = if p.func.is_null() { p.kern as usize } else { p.func as usize };
+        let op = kernel_op(f)?;
+        // SAFETY: the caller's out-pointer and dependency array.
+        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddEmptyNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+) -> CUresult {
+    // SAFETY: the caller's out-pointer and dependency array.
+    run(|| unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, Op::Empty) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddHostNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    nodeParams: *const sys::CUDA_HOST_NODE_PARAMS,
+) -> CUresult {
+    run(|| {
+        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+        let p = unsafe { get(nodeParams) }?;
+        let f = p.fn_.ok_or(INVALID_VALUE)?;
+        let op = Op::Host { f, data: p.userData as usize };
+        // SAFETY: the caller's out-pointer and dependency array.
+        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddMemsetNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    memsetParams: *const sys::CUDA_MEMSET_NODE_PARAMS,
+    _ctx: sys::CUcontext,
+) -> CUresult {
+    run(|| {
+        // SAFETY: memsetParams is the caller's struct (null/misaligned checked by get).
+        let p = unsafe { get(memsetParams) }?;
+        if !matches!(p.elementSize, 1 | 2 | 4) || p.width == 0 || p.height == 0 {
+            return Err(INVALID_VALUE);
+        }
+        let op = Op::Memset {
+            dst: p.dst,
+            pitch: p.pitch as u64,
+            value: p.value,
+            elem: p.elementSize,
+            width: p.width as u64,
+            height: p.height as u64,
+        };
+        // SAFETY: the caller's out-pointer and dependency array.
+        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphGetNodes(
+    hGraph: sys::CUgraph,
+    nodes: *mut sys::CUgraphNode,
+    numNodes: *mut usize,
+) -> CUresult {
+    run(|| {
+        need(numNodes)?;
+        let g = graph(hGraph)?;
+        let list: Vec<usize> = g.nodes().iter().map(|n| n.handle).collect();
+        if nodes.is_null() {
+            // SAFETY: numNodes is the caller's out-pointer (checked above).
+            return unsafe { put(numNodes, list.len()) };
+        }
+        // SAFETY: numNodes is the caller's in/out pointer (checked above).
+        let cap = unsafe { get(numNodes.cast_const()) }?;
+        for i in 0..cap {
+            let v = list.get(i).copied().unwrap_or(0);
+            // SAFETY: nodes holds *numNodes entries by the caller's contract.
+            unsafe { put(nodes.add(i), handles::as_ptr(v)) }?;
+        }
+        // SAFETY: as above.
+        unsafe { put(numNodes, list.len().min(cap)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphNodeGetType(hNode: sys::CUgraphNode, type_: *mut c_int) -> CUresult {
+    run(|| {
+        need(type_)?;
+        driver()?;
+        let t = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.node_type()).ok_or(INVALID_VALUE)?;
+        // SAFETY: type_ is the caller's out-pointer (checked above).
+        unsafe { put(type_, t) }
+    })
+}
+
+/// `CUDA_GRAPH_INSTANTIATE_FLAG_*`: AUTO_FREE_ON_LAUNCH, UPLOAD, DEVICE_LAUNCH, USE_NODE_PRIORITY.
+const INSTANTIATE_FLAGS: u64 = 0x1 | 0x2 | 0x4 | 0x8;
+
+fn instantiate(ph: *mut sys::CUgraphExec, g: sys::CUgraph, flags: u64) -> R {
+    need(ph)?;
+    if flags & !INSTANTIATE_FLAGS != 0 {
+        return Err(INVALID_VALUE);
+    }
+    let g = graph(g)?;
+    let ops = g.nodes().iter().map(|n| n.op.clone()).collect();
+    let e = Arc::new(Exec { handle: handles::new_handle(), ops });
+    let h = e.handle;
+    handles::write().execs.insert(h, e);
+    // SAFETY: ph is the caller's out-pointer (checked above).
+    unsafe { put(ph, handles::as_ptr(h)) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    phGraphExec: *mut sys::CUgraphExec,
+    hGraph: sys::CUgraph,
+    flags: c_ulonglong,
+) -> CUresult {
+    run(|| instantiate(phGraphExec, hGraph, flags))
+}
+
+/// `cuGraphInstantiate` of CUDA 10/11: an error node and a log buffer, both left empty.
+fn instantiate_with_log(
+    ph: *mut sys::CUgraphExec,
+    g: sys::CUgraph,
+    err_node: *mut sys::CUgraphNode,
+    log: *mut c_char,
+    size: usize,
+) -> R {
+    // SAFETY: err_node is the caller's optional out-pointer.
+    unsafe { put_opt(err_node, std::ptr::null_mut()) }?;
+    if !log.is_null() && size > 0 {
+        // SAFETY: log holds `size` bytes by the caller's contract.
+        unsafe { *log = 0 };
+    }
+    instantiate(ph, g, 0)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate(
+    phGraphExec: *mut sys::CUgraphExec,
+    hGraph: sys::CUgraph,
+    phErrorNode: *mut sys::CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate_v2(
+    phGraphExec: *mut sys::CUgraphExec,
+    hGraph: sys::CUgraph,
+    phErrorNode: *mut sys::CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+}
+
+fn instantiate_with_params(
+    ph: *mut sys::CUgraphExec,
+    g: sys::CUgraph,
+    params: *mut sys::CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> R {
+    need(params)?;
+    // SAFETY: params is the caller's struct (checked above); `flags` is a plain integer.
+    let flags = unsafe { std::ptr::addr_of!((*params).flags).read() };
+    let r = instantiate(ph, g, flags);
+    // SAFETY: as above; result_out and hErrNode_out are written with valid values.
+    unsafe {
+        std::ptr::addr_of_mut!((*params).hErrNode_out).write(std::ptr::null_mut());
+        std::ptr::addr_of_mut!((*params).result_out).cast::<u32>().write(if r.is_ok() { 0 } else { 1 });
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams(
+    phGraphExec: *mut sys::CUgraphExec,
+    hGraph: sys::CUgraph,
+    instantiateParams: *mut sys::CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> CUresult {
+    run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
+    phGraphExec: *mut sys::CUgraphExec,
+    hGraph: sys::CUgraph,
+    instantiateParams: *mut sys::CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> CUresult {
+    run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: sys::CUgraphExec) -> CUresult {
+    run(|| {
+        driver()?;
+        handles::write().execs.remove(&(hGraphExec as usize)).map(|_| ()).ok_or(INVALID_VALUE)
+    })
+}
+
+/// `cuGraphLaunch`: every node's work is queued on the stream, in order (recorded, if the stream
+/// is itself capturing).
+fn launch(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let (e, t) = {
+        let reg = handles::read();
+        let e = reg.execs.get(&(exec as usize)).cloned().ok_or(INVALID_VALUE)?;
+        (e, resolve(&reg, node, h, pt)?)
+    };
+    t.ctx.check(node)?;
+    for op in &e.ops {
+        super::graph::submit(node, &t, op.clone())?;
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
+    run(|| launch(hGraphExec, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
+    run(|| launch(hGraphExec, hStream, true))
+}
+
+fn upload(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
+    let node = driver()?.node;
+    let reg = handles::read();
+    reg.execs.get(&(exec as usize)).ok_or(INVALID_VALUE)?;
+    resolve(&reg, node, h, pt).map(|_| ())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphUpload(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
+    run(|| upload(hGraphExec, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphUpload_ptsz(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
+    run(|| upload(hGraphExec, hStream, true))
+}

@@ -1,0 +1,258 @@
+//! Kernel launches: a launch queues the kernel's duration (from its name) on the stream's model
+//! stream, where the model time-slices it with every other process's work on the same GPU or MIG
+//! instance. The path takes the registry's read lock once and allocates nothing; a capturing
+//! stream records the launch instead.
+
+use std::ffi::{c_uint, c_void};
+
+use tessera_sim_model::GpuModel;
+
+use super::errors::{Cu, poll_faults};
+use super::graph::Op;
+use super::handles;
+use super::init::driver;
+use super::module::Func;
+use super::stream::resolve;
+use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, R, get, raw_u32, run, sys};
+
+/// `CU_LAUNCH_ATTRIBUTE_COOPERATIVE`.
+const LAUNCH_ATTRIBUTE_COOPERATIVE: u32 = 2;
+
+struct Launch {
+    grid: [c_uint; 3],
+    block: [c_uint; 3],
+    smem: c_uint,
+    cooperative: bool,
+}
+
+fn check_shape(m: &GpuModel, sm_count: u32, l: &Launch, f: &Func) -> R {
+    let threads = l.block.iter().map(|&b| u64::from(b)).product::<u64>();
+    let bad_block = l.block.iter().zip(m.max_block_dim).any(|(&b, max)| b == 0 || b > max);
+    let bad_grid = l.grid.iter().zip(m.max_grid_dim).any(|(&g, max)| g == 0 || g > max);
+    if bad_block || bad_grid || threads > u64::from(m.max_threads_per_block) {
+        return Err(INVALID_VALUE);
+    }
+    if l.smem as i64 > i64::from(f.max_dynamic_smem.load(std::sync::atomic::Ordering::Relaxed)) {
+        return Err(INVALID_VALUE);
+    }
+    if l.cooperative {
+        // Every block must be resident at once.
+        let per_sm = u64::from(m.max_blocks_per_sm).min(u64::from(m.max_threads_per_sm) / threads.max(1));
+        let blocks = l.grid.iter().map(|&g| u64::from(g)).product::<u64>();
+        if blocks > per_sm * u64::from(sm_count) {
+            return Err(CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE);
+        }
+    }
+    Ok(())
+}
+
+/// The launch path.
+fn launch(
+    f: sys::CUfunction,
+    l: Launch,
+    stream: sys::CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    pt: bool,
+) -> R {
+    if !params.is_null() && !extra.is_null() {
+        return Err(INVALID_VALUE);
+    }
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let reg = handles::read();
+    let func = reg.funcs.get(&(f as usize)).ok_or(INVALID_HANDLE)?;
+    let t = resolve(&reg, node, stream, pt)?;
+    t.ctx.check(node)?;
+    if func.ctx != 0 && func.ctx != t.ctx.handle {
+        return Err(INVALID_HANDLE);
+    }
+    check_shape(t.ctx.dev.model, t.ctx.dev.sm_count, &l, func)?;
+    if let Some(c) = t.capture() {
+        let func = func.clone();
+        drop(reg);
+        return c.add(Op::Kernel { func });
+    }
+    node.launch(t.sid, func.duration_ns).work().map(|_| ())
+}
+
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: sys::CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: sys::CUstream,
+    kernelParams: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    let l = Launch {
+        grid: [gridDimX, gridDimY, gridDimZ],
+        block: [blockDimX, blockDimY, blockDimZ],
+        smem: sharedMemBytes,
+        cooperative: false,
+    };
+    run(|| launch(f, l, hStream, kernelParams, extra, false))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernel_ptsz(
+    f: sys::CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: sys::CUstream,
+    kernelParams: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    let l = Launch {
+        grid: [gridDimX, gridDimY, gridDimZ],
+        block: [blockDimX, blockDimY, blockDimZ],
+        smem: sharedMemBytes,
+        cooperative: false,
+    };
+    run(|| launch(f, l, hStream, kernelParams, extra, true))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel(
+    f: sys::CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: sys::CUstream,
+    kernelParams: *mut *mut c_void,
+) -> CUresult {
+    let l = Launch {
+        grid: [gridDimX, gridDimY, gridDimZ],
+        block: [blockDimX, blockDimY, blockDimZ],
+        smem: sharedMemBytes,
+        cooperative: true,
+    };
+    run(|| launch(f, l, hStream, kernelParams, std::ptr::null_mut(), false))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    f: sys::CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: sys::CUstream,
+    kernelParams: *mut *mut c_void,
+) -> CUresult {
+    let l = Launch {
+        grid: [gridDimX, gridDimY, gridDimZ],
+        block: [blockDimX, blockDimY, blockDimZ],
+        smem: sharedMemBytes,
+        cooperative: true,
+    };
+    run(|| launch(f, l, hStream, kernelParams, std::ptr::null_mut(), true))
+}
+
+/// `cuLaunchKernelEx`: the configuration struct, with its attributes (only cooperative launch
+/// changes what is checked).
+///
+/// # Safety
+/// `config` must be null or point to a `CUlaunchConfig` whose `attrs` hold `numAttrs` entries.
+unsafe fn launch_ex(
+    config: *const sys::CUlaunchConfig,
+    f: sys::CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    pt: bool,
+) -> R {
+    // SAFETY: as this function's contract (null/misaligned checked by get); the struct holds
+    // integers and pointers only.
+    let c = unsafe { get(config) }?;
+    let mut cooperative = false;
+    if c.numAttrs > 0 {
+        if c.attrs.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        for i in 0..c.numAttrs as usize {
+            // SAFETY: attrs holds numAttrs entries; the id is read as the raw integer C stored,
+            // and the cooperative value is the int at the start of the value union.
+            unsafe {
+                let a = c.attrs.add(i);
+                if raw_u32(std::ptr::addr_of!((*a).id)) == LAUNCH_ATTRIBUTE_COOPERATIVE {
+                    cooperative |= std::ptr::addr_of!((*a).value).cast::<i32>().read_unaligned() != 0;
+                }
+            }
+        }
+    }
+    let l = Launch {
+        grid: [c.gridDimX, c.gridDimY, c.gridDimZ],
+        block: [c.blockDimX, c.blockDimY, c.blockDimZ],
+        smem: c.sharedMemBytes,
+        cooperative,
+    };
+    launch(f, l, c.hStream, params, extra, pt)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    config: *const sys::CUlaunchConfig,
+    f: sys::CUfunction,
+    kernelParams: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's configuration, per the API contract.
+    run(|| unsafe { launch_ex(config, f, kernelParams, extra, false) })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const sys::CUlaunchConfig,
+    f: sys::CUfunction,
+    kernelParams: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: the caller's configuration, per the API contract.
+    run(|| unsafe { launch_ex(config, f, kernelParams, extra, true) })
+}
+
+fn host_func(stream: sys::CUstream, f: sys::CUhostFn, data: *mut c_void, pt: bool) -> R {
+    let f = f.ok_or(INVALID_VALUE)?;
+    let node = driver()?.node;
+    let t = super::stream::resolve_and_check(stream, pt)?;
+    super::graph::submit(node, &t, Op::Host { f, data: data as usize })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchHostFunc(
+    hStream: sys::CUstream,
+    fn_: sys::CUhostFn,
+    userData: *mut c_void,
+) -> CUresult {
+    run(|| host_func(hStream, fn_, userData, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchHostFunc_ptsz(
+    hStream: sys::CUstream,
+    fn_: sys::CUhostFn,
+    userData: *mut c_void,
+) -> CUresult {
+    run(|| host_func(hStream, fn_, userData, true))
+}

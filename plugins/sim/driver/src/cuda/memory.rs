@@ -1,0 +1,1145 @@
+//! Device and host memory: allocation families, their charge to the model, pointer queries, and
+//! arrays.
+//!
+//! Every device allocation is charged to the model (`Node::alloc` on its device's memory domain)
+//! before it succeeds and refunded when freed, so what the model counts is exactly what the
+//! process holds. The memory itself is an anonymous `MAP_NORESERVE` mapping: untouched pages
+//! cost nothing, and copies really move bytes. Host allocations (pinned, registered) are host
+//! memory and are not charged.
+//!
+//! A GPU reset frees, in the model, everything the process held on that GPU. Each charge records
+//! the GPU's *epoch*, bumped when this process sees such a reset, and a refund is made only in
+//! the epoch of its charge, so nothing is refunded twice.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::*};
+
+use tessera_sim_model::{MAX_GPUS, MAX_MIG, Node};
+
+use super::context::{self, Ctx};
+use super::errors::Cu;
+use super::handles::{self, Registry};
+use super::init::driver;
+use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, put_opt, run, sys};
+
+const DOMAINS: usize = 1 + MAX_MIG;
+
+static EPOCH: [AtomicU64; MAX_GPUS] = [const { AtomicU64::new(0) }; MAX_GPUS];
+static CHARGED: [[AtomicU64; DOMAINS]; MAX_GPUS] = [const { [const { AtomicU64::new(0) }; DOMAINS] }; MAX_GPUS];
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Charges `bytes` of a GPU's memory domain to this process; returns the epoch to refund in.
+pub(crate) fn charge(node: &Node, gpu: u32, domain: usize, bytes: u64) -> R<u64> {
+    if bytes > 0 {
+        node.alloc(gpu, domain, bytes).work()?;
+        CHARGED[gpu as usize][domain].fetch_add(bytes, Relaxed);
+    }
+    Ok(EPOCH[gpu as usize].load(Acquire))
+}
+
+/// Refunds a charge, unless a reset freed it already (the epoch moved on).
+pub(crate) fn refund(node: &Node, gpu: u32, domain: usize, bytes: u64, epoch: u64) {
+    if bytes > 0 && EPOCH[gpu as usize].load(Acquire) == epoch {
+        node.free(gpu, domain, bytes);
+        let _ = CHARGED[gpu as usize][domain].fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(bytes)));
+    }
+}
+
+/// The GPU's current epoch.
+pub(crate) fn current_epoch(gpu: u32) -> u64 {
+    EPOCH[gpu as usize].load(Acquire)
+}
+
+/// What this process believes it holds on a GPU.
+pub(crate) fn charged_on(gpu: u32) -> u64 {
+    CHARGED[gpu as usize].iter().map(|c| c.load(Relaxed)).sum()
+}
+
+/// A reset freed everything this process held on the GPU: start a new epoch.
+pub(crate) fn forget_gpu(gpu: u32) {
+    EPOCH[gpu as usize].fetch_add(1, AcqRel);
+    for c in &CHARGED[gpu as usize] {
+        c.store(0, Relaxed);
+    }
+}
+
+pub(crate) fn next_buffer_id() -> u64 {
+    NEXT_BUFFER_ID.fetch_add(1, Relaxed)
+}
+
+/// What an allocation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MemKind {
+    /// `cuMemAlloc`, `cuMemAllocPitch`.
+    Device,
+    /// `cuMemAllocManaged`.
+    Managed,
+    /// A stream-ordered allocation from the pool with this handle.
+    Pool(usize),
+    /// Page-locked host memory from `cuMemAllocHost` / `cuMemHostAlloc` (with its flags).
+    Host(u32),
+    /// Caller memory registered with `cuMemHostRegister` (with its flags): not ours to unmap.
+    Registered(u32),
+    /// A module global.
+    Global,
+    /// The storage of a CUDA array.
+    Array,
+}
+
+/// One allocation the process holds.
+#[derive(Debug, Clone)]
+pub(crate) struct Alloc {
+    pub base: u64,
+    pub size: u64,
+    /// Length of our mapping (0: the memory is the caller's).
+    pub map_len: usize,
+    pub kind: MemKind,
+    /// Context handle it belongs to (0: none, e.g. a pool allocation).
+    pub ctx: usize,
+    pub dev: c_int,
+    pub gpu: u32,
+    pub domain: usize,
+    /// Bytes charged to the model, and the epoch of the charge.
+    pub charge: u64,
+    pub epoch: u64,
+    pub id: u64,
+    pub sync_memops: bool,
+}
+
+impl Alloc {
+    /// Whether this is device memory (as opposed to host memory the device can reach).
+    pub(crate) fn on_device(&self) -> bool {
+        !matches!(self.kind, MemKind::Host(_) | MemKind::Registered(_))
+    }
+}
+
+/// Maps `len` bytes of anonymous read-write memory; with `low`, below 4 GiB (for the legacy
+/// 32-bit API).
+pub(crate) fn map_anon(len: u64, low: bool) -> Option<u64> {
+    let len = usize::try_from(len.max(1)).ok()?;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    if !low {
+        // SAFETY: a fresh anonymous mapping touches no existing memory.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
+        return (p != libc::MAP_FAILED).then_some(p as u64);
+    }
+    let mut hint = 0x1000_0000u64;
+    while hint + len as u64 <= 1 << 32 {
+        // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; it fails instead.
+        let p = unsafe { libc::mmap(hint as *mut c_void, len, prot, flags | libc::MAP_FIXED_NOREPLACE, -1, 0) };
+        if p != libc::MAP_FAILED {
+            if p as u64 == hint {
+                return Some(hint);
+            }
+            // An old kernel ignored the flag and placed it elsewhere.
+            // SAFETY: p is the mapping just made, of len bytes.
+            unsafe { libc::munmap(p, len) };
+            return None;
+        }
+        hint += 0x1000_0000;
+    }
+    None
+}
+
+/// Unmaps a mapping made by [`map_anon`].
+pub(crate) fn unmap(base: u64, len: usize) {
+    if len > 0 {
+        // SAFETY: (base, len) is a mapping this module made and nothing references it any more
+        // (it was removed from the registry under the write lock).
+        unsafe { libc::munmap(base as *mut c_void, len) };
+    }
+}
+
+/// Frees an allocation removed from the registry: its mapping and its charge.
+pub(crate) fn release(node: &Node, a: &Alloc) {
+    unmap(a.base, a.map_len);
+    refund(node, a.gpu, a.domain, a.charge, a.epoch);
+}
+
+/// Allocates `bytes` of device memory in a context's domain and registers it.
+pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: bool) -> R<u64> {
+    if bytes == 0 {
+        return Err(INVALID_VALUE);
+    }
+    ctx.check(node)?;
+    let d = ctx.dev;
+    let epoch = charge(node, d.gpu, d.domain, bytes)?;
+    let Some(base) = map_anon(bytes, low) else {
+        refund(node, d.gpu, d.domain, bytes, epoch);
+        return Err(OUT_OF_MEMORY);
+    };
+    let a = Alloc {
+        base,
+        size: bytes,
+        map_len: bytes as usize,
+        kind,
+        ctx: ctx.handle,
+        dev: d.ordinal,
+        gpu: d.gpu,
+        domain: d.domain,
+        charge: bytes,
+        epoch,
+        id: next_buffer_id(),
+        sync_memops: false,
+    };
+    handles::write().mem.insert(base, a);
+    Ok(base)
+}
+
+/// The current context, for a call that works in it.
+fn ctx_for_work() -> R<(&'static Node, Arc<Ctx>)> {
+    let node = driver()?.node;
+    super::errors::poll_faults(node)?;
+    let ctx = context::current()?;
+    ctx.check(node)?;
+    Ok((node, ctx))
+}
+
+/// Frees a device allocation by its base (`cuMemFree`); a stream-ordered allocation may be
+/// freed this way too. Freeing 0 does nothing, as `free(NULL)` (and the real driver).
+fn free_device(dptr: u64) -> R {
+    let node = driver()?.node;
+    if dptr == 0 {
+        return Ok(());
+    }
+    // A sticky process error does not stop freeing: the memory is returned either way.
+    let _ = super::errors::poll_faults(node);
+    let a = {
+        let mut reg = handles::write();
+        match reg.mem.get(&dptr) {
+            Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_)) => {}
+            _ => return Err(INVALID_VALUE),
+        }
+        let a = reg.mem.remove(&dptr).expect("checked above");
+        if let MemKind::Pool(p) = a.kind
+            && let Some(pool) = reg.pools.get(&p)
+        {
+            pool.on_free(a.size);
+        }
+        a
+    };
+    release(node, &a);
+    Ok(())
+}
+
+/// `cuMemGetInfo`: free and total memory of the current context's device (a MIG device's are
+/// its GPU instance's).
+fn mem_info() -> R<(u64, u64)> {
+    let (node, ctx) = ctx_for_work()?;
+    let mi = node.memory_info(ctx.dev.gpu, ctx.dev.domain).work()?;
+    Ok((mi.free, ctx.dev.total_mem))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    run(|| {
+        need(free)?;
+        need(total)?;
+        let (f, t) = mem_info()?;
+        // SAFETY: free and total are the caller's out-pointers (checked above).
+        unsafe {
+            put(free, f as usize)?;
+            put(total, t as usize)
+        }
+    })
+}
+
+/// Legacy `cuMemGetInfo` (32-bit sizes, saturated).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> CUresult {
+    run(|| {
+        need(free)?;
+        need(total)?;
+        let (f, t) = mem_info()?;
+        // SAFETY: free and total are the caller's out-pointers (checked above).
+        unsafe {
+            put(free, f.min(u32::MAX as u64) as c_uint)?;
+            put(total, t.min(u32::MAX as u64) as c_uint)
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> CUresult {
+    run(|| {
+        need(dptr)?;
+        let (node, ctx) = ctx_for_work()?;
+        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, false)?;
+        // SAFETY: dptr is the caller's out-pointer (checked above).
+        unsafe { put(dptr, p) }
+    })
+}
+
+/// Legacy `cuMemAlloc`: a 32-bit device pointer, so the memory is mapped below 4 GiB.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUresult {
+    run(|| {
+        need(dptr)?;
+        let (node, ctx) = ctx_for_work()?;
+        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, true)?;
+        // SAFETY: dptr is the caller's out-pointer (checked above).
+        unsafe { put(dptr, p as c_uint) }
+    })
+}
+
+/// The pitch `cuMemAllocPitch` picks: rows aligned to 512 bytes (the texture alignment).
+fn pitch_for(width: u64, elem: u32) -> R<u64> {
+    if !matches!(elem, 4 | 8 | 16) || width == 0 {
+        return Err(INVALID_VALUE);
+    }
+    Ok(width.div_ceil(512) * 512)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut sys::CUdeviceptr,
+    pPitch: *mut usize,
+    WidthInBytes: usize,
+    Height: usize,
+    ElementSizeBytes: c_uint,
+) -> CUresult {
+    run(|| {
+        need(dptr)?;
+        need(pPitch)?;
+        let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
+        let bytes = pitch.checked_mul(Height as u64).ok_or(INVALID_VALUE)?;
+        let (node, ctx) = ctx_for_work()?;
+        let p = alloc_in(node, &ctx, bytes, MemKind::Device, false)?;
+        // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
+        unsafe {
+            put(dptr, p)?;
+            put(pPitch, pitch as usize)
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch(
+    dptr: *mut c_uint,
+    pPitch: *mut c_uint,
+    WidthInBytes: c_uint,
+    Height: c_uint,
+    ElementSizeBytes: c_uint,
+) -> CUresult {
+    run(|| {
+        need(dptr)?;
+        need(pPitch)?;
+        let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
+        let bytes = pitch * Height as u64;
+        let (node, ctx) = ctx_for_work()?;
+        let p = alloc_in(node, &ctx, bytes, MemKind::Device, true)?;
+        // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
+        unsafe {
+            put(dptr, p as c_uint)?;
+            put(pPitch, pitch as c_uint)
+        }
+    })
+}
+
+/// `CU_MEM_ATTACH_GLOBAL` / `CU_MEM_ATTACH_HOST`.
+const MEM_ATTACH_GLOBAL: c_uint = 0x1;
+const MEM_ATTACH_HOST: c_uint = 0x2;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+    run(|| {
+        need(dptr)?;
+        if flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST {
+            return Err(INVALID_VALUE);
+        }
+        let (node, ctx) = ctx_for_work()?;
+        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Managed, false)?;
+        // SAFETY: dptr is the caller's out-pointer (checked above).
+        unsafe { put(dptr, p) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> CUresult {
+    run(|| free_device(dptr))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
+    run(|| free_device(dptr as u64))
+}
+
+/// The allocation (device memory) containing an address.
+fn range_of(dptr: u64) -> R<(u64, u64)> {
+    driver()?;
+    let reg = handles::read();
+    if let Some(a) = reg.alloc_at(dptr).filter(|a| a.on_device()) {
+        return Ok((a.base, a.size));
+    }
+    if let Some((base, size)) = super::vmm::mapping_at(&reg, dptr) {
+        return Ok((base, size));
+    }
+    Err(super::NOT_FOUND)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAddressRange_v2(
+    pbase: *mut sys::CUdeviceptr,
+    psize: *mut usize,
+    dptr: sys::CUdeviceptr,
+) -> CUresult {
+    run(|| {
+        let (b, s) = range_of(dptr)?;
+        // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
+        unsafe {
+            put_opt(pbase, b)?;
+            put_opt(psize, s as usize)
+        }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAddressRange(pbase: *mut c_uint, psize: *mut c_uint, dptr: c_uint) -> CUresult {
+    run(|| {
+        let (b, s) = range_of(dptr as u64)?;
+        // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
+        unsafe {
+            put_opt(pbase, b as c_uint)?;
+            put_opt(psize, s as c_uint)
+        }
+    })
+}
+
+// ---- Host memory -----------------------------------------------------------------------------
+
+const HOSTALLOC_FLAGS: c_uint = 0x1 | 0x2 | 0x4; // PORTABLE | DEVICEMAP | WRITECOMBINED
+const HOSTREGISTER_FLAGS: c_uint = 0x1 | 0x2 | 0x4 | 0x8; // PORTABLE | DEVICEMAP | IOMEMORY | READ_ONLY
+
+fn host_alloc(bytes: u64, flags: c_uint) -> R<u64> {
+    if bytes == 0 || flags & !HOSTALLOC_FLAGS != 0 {
+        return Err(INVALID_VALUE);
+    }
+    let (_, ctx) = ctx_for_work()?;
+    let base = map_anon(bytes, false).ok_or(OUT_OF_MEMORY)?;
+    let d = ctx.dev;
+    let a = Alloc {
+        base,
+        size: bytes,
+        map_len: bytes as usize,
+        kind: MemKind::Host(flags),
+        ctx: ctx.handle,
+        dev: d.ordinal,
+        gpu: d.gpu,
+        domain: d.domain,
+        charge: 0,
+        epoch: 0,
+        id: next_buffer_id(),
+        sync_memops: false,
+    };
+    handles::write().mem.insert(base, a);
+    Ok(base)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) -> CUresult {
+    run(|| {
+        need(pp)?;
+        let p = host_alloc(bytesize as u64, 0)?;
+        // SAFETY: pp is the caller's out-pointer (checked above).
+        unsafe { put(pp, p as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocHost(pp: *mut *mut c_void, bytesize: c_uint) -> CUresult {
+    run(|| {
+        need(pp)?;
+        let p = host_alloc(bytesize as u64, 0)?;
+        // SAFETY: pp is the caller's out-pointer (checked above).
+        unsafe { put(pp, p as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
+    run(|| {
+        need(pp)?;
+        let p = host_alloc(bytesize as u64, Flags)?;
+        // SAFETY: pp is the caller's out-pointer (checked above).
+        unsafe { put(pp, p as *mut c_void) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    run(|| {
+        let node = driver()?.node;
+        if p.is_null() {
+            return Ok(()); // `free(NULL)` semantics, as the real driver
+        }
+        let a = {
+            let mut reg = handles::write();
+            match reg.mem.get(&(p as u64)) {
+                Some(a) if matches!(a.kind, MemKind::Host(_)) => reg.mem.remove(&(p as u64)).expect("checked above"),
+                _ => return Err(INVALID_VALUE),
+            }
+        };
+        release(node, &a);
+        Ok(())
+    })
+}
+
+/// The host allocation or registration containing `p`.
+fn host_range(reg: &Registry, p: u64) -> Option<&Alloc> {
+    reg.alloc_at(p).filter(|a| !a.on_device() || a.kind == MemKind::Managed)
+}
+
+fn host_device_pointer(p: u64, flags: c_uint) -> R<u64> {
+    if flags != 0 {
+        return Err(INVALID_VALUE);
+    }
+    ctx_for_work()?;
+    let reg = handles::read();
+    // Unified addressing: the device sees host memory at the host's address.
+    host_range(&reg, p).map(|_| p).ok_or(INVALID_VALUE)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    pdptr: *mut sys::CUdeviceptr,
+    p: *mut c_void,
+    Flags: c_uint,
+) -> CUresult {
+    run(|| {
+        need(pdptr)?;
+        let d = host_device_pointer(p as u64, Flags)?;
+        // SAFETY: pdptr is the caller's out-pointer (checked above).
+        unsafe { put(pdptr, d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostGetDevicePointer(pdptr: *mut c_uint, p: *mut c_void, Flags: c_uint) -> CUresult {
+    run(|| {
+        need(pdptr)?;
+        let d = host_device_pointer(p as u64, Flags)?;
+        let d = c_uint::try_from(d).map_err(|_| INVALID_VALUE)?;
+        // SAFETY: pdptr is the caller's out-pointer (checked above).
+        unsafe { put(pdptr, d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostGetFlags(pFlags: *mut c_uint, p: *mut c_void) -> CUresult {
+    run(|| {
+        need(pFlags)?;
+        ctx_for_work()?;
+        let flags = match handles::read().alloc_at(p as u64).map(|a| a.kind) {
+            Some(MemKind::Host(f) | MemKind::Registered(f)) => f,
+            _ => return Err(INVALID_VALUE),
+        };
+        // SAFETY: pFlags is the caller's out-pointer (checked above).
+        unsafe { put(pFlags, flags) }
+    })
+}
+
+fn host_register(p: u64, bytes: u64, flags: c_uint) -> R {
+    if p == 0 || bytes == 0 || flags & !HOSTREGISTER_FLAGS != 0 {
+        return Err(INVALID_VALUE);
+    }
+    let (_, ctx) = ctx_for_work()?;
+    let mut reg = handles::write();
+    let end = p.checked_add(bytes).ok_or(INVALID_VALUE)?;
+    let overlaps = reg.mem.range(..end).next_back().is_some_and(|(_, a)| a.base + a.size > p);
+    if overlaps {
+        return Err(CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    }
+    let d = ctx.dev;
+    reg.mem.insert(
+        p,
+        Alloc {
+            base: p,
+            size: bytes,
+            map_len: 0,
+            kind: MemKind::Registered(flags),
+            ctx: ctx.handle,
+            dev: d.ordinal,
+            gpu: d.gpu,
+            domain: d.domain,
+            charge: 0,
+            epoch: 0,
+            id: next_buffer_id(),
+            sync_memops: false,
+        },
+    );
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
+    run(|| host_register(p as u64, bytesize as u64, Flags))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostRegister(p: *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
+    run(|| host_register(p as u64, bytesize as u64, Flags))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
+    run(|| {
+        driver()?;
+        let mut reg = handles::write();
+        match reg.mem.get(&(p as u64)) {
+            Some(a) if matches!(a.kind, MemKind::Registered(_)) => {
+                reg.mem.remove(&(p as u64));
+                Ok(())
+            }
+            _ => Err(CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
+        }
+    })
+}
+
+// ---- Pointer attributes -----------------------------------------------------------------------
+
+/// What the driver knows about an address.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PtrInfo {
+    pub base: u64,
+    pub size: u64,
+    /// `CUmemorytype`: host (1) or device (2).
+    pub memory_type: u32,
+    pub host: bool,
+    pub managed: bool,
+    pub ctx: usize,
+    pub dev: c_int,
+    pub id: u64,
+    pub pool: usize,
+    pub legacy_ipc: bool,
+    pub sync_memops: bool,
+    /// `CUmemAccess_flags` of the current device.
+    pub access: u32,
+    pub handle_types: u64,
+}
+
+pub(crate) fn ptr_info(reg: &Registry, p: u64) -> Option<PtrInfo> {
+    if let Some(a) = reg.alloc_at(p) {
+        let host = !a.on_device() || a.kind == MemKind::Managed;
+        return Some(PtrInfo {
+            base: a.base,
+            size: a.size,
+            memory_type: if a.on_device() { 2 } else { 1 },
+            host,
+            managed: a.kind == MemKind::Managed,
+            ctx: if matches!(a.kind, MemKind::Pool(_)) { 0 } else { a.ctx },
+            dev: a.dev,
+            id: a.id,
+            pool: if let MemKind::Pool(h) = a.kind { h } else { 0 },
+            legacy_ipc: a.kind == MemKind::Device,
+            sync_memops: a.sync_memops,
+            access: 3,
+            handle_types: 0,
+        });
+    }
+    super::vmm::ptr_info(reg, p)
+}
+
+const ATTR_CONTEXT: c_int = 1;
+const ATTR_MEMORY_TYPE: c_int = 2;
+const ATTR_DEVICE_POINTER: c_int = 3;
+const ATTR_HOST_POINTER: c_int = 4;
+const ATTR_P2P_TOKENS: c_int = 5;
+const ATTR_SYNC_MEMOPS: c_int = 6;
+const ATTR_BUFFER_ID: c_int = 7;
+const ATTR_IS_MANAGED: c_int = 8;
+const ATTR_DEVICE_ORDINAL: c_int = 9;
+const ATTR_IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
+const ATTR_RANGE_START_ADDR: c_int = 11;
+const ATTR_RANGE_SIZE: c_int = 12;
+const ATTR_MAPPED: c_int = 13;
+const ATTR_ALLOWED_HANDLE_TYPES: c_int = 14;
+const ATTR_IS_GPU_DIRECT_RDMA_CAPABLE: c_int = 15;
+const ATTR_ACCESS_FLAGS: c_int = 16;
+const ATTR_MEMPOOL_HANDLE: c_int = 17;
+const ATTR_MAPPING_SIZE: c_int = 18;
+const ATTR_MAPPING_BASE_ADDR: c_int = 19;
+const ATTR_MEMORY_BLOCK_ID: c_int = 20;
+
+/// Writes one attribute's value (its C type decides the width); `None` info writes the
+/// attribute's null value (as `cuPointerGetAttributes` does for unknown pointers).
+///
+/// # Safety
+/// `data` must be valid for a write of the attribute's C type.
+unsafe fn write_attr(data: *mut c_void, attribute: c_int, p: u64, info: Option<&PtrInfo>) -> R {
+    fn w<T>(data: *mut c_void, v: T) -> R {
+        // SAFETY: the caller of write_attr guarantees room for the attribute's type, which is T.
+        unsafe { put(data.cast::<T>(), v) }
+    }
+    let on_device = info.is_some_and(|i| !i.host || i.managed);
+    match attribute {
+        ATTR_CONTEXT => w(data, handles::as_ptr::<c_void>(info.map_or(0, |i| i.ctx))),
+        ATTR_MEMORY_TYPE => w(data, info.map_or(0u32, |i| i.memory_type)),
+        ATTR_DEVICE_POINTER => w(data, info.map_or(0u64, |_| p)),
+        ATTR_HOST_POINTER => {
+            if info.is_some_and(|i| !i.host) {
+                return Err(INVALID_VALUE);
+            }
+            w(data, info.map_or(0, |_| p) as *mut c_void)
+        }
+        ATTR_SYNC_MEMOPS => w(data, info.is_some_and(|i| i.sync_memops)),
+        ATTR_BUFFER_ID => w(data, info.map_or(0u64, |i| i.id)),
+        ATTR_IS_MANAGED => w(data, info.is_some_and(|i| i.managed)),
+        ATTR_DEVICE_ORDINAL => w(data, info.map_or(-2 as c_int, |i| i.dev)),
+        ATTR_IS_LEGACY_CUDA_IPC_CAPABLE => w(data, info.is_some_and(|i| i.legacy_ipc)),
+        ATTR_RANGE_START_ADDR => w(data, info.map_or(0, |i| i.base) as *mut c_void),
+        ATTR_RANGE_SIZE => w(data, info.map_or(0, |i| i.size) as usize),
+        ATTR_MAPPED => w(data, info.is_some()),
+        ATTR_ALLOWED_HANDLE_TYPES => w(data, info.map_or(0u64, |i| i.handle_types)),
+        ATTR_IS_GPU_DIRECT_RDMA_CAPABLE => w(data, on_device && !info.is_some_and(|i| i.managed)),
+        ATTR_ACCESS_FLAGS => w(data, info.map_or(0u32, |i| i.access)),
+        ATTR_MEMPOOL_HANDLE => w(data, handles::as_ptr::<c_void>(info.map_or(0, |i| i.pool))),
+        ATTR_MAPPING_SIZE => w(data, info.map_or(0, |i| i.size) as usize),
+        ATTR_MAPPING_BASE_ADDR => w(data, info.map_or(0, |i| i.base) as *mut c_void),
+        ATTR_MEMORY_BLOCK_ID => w(data, info.map_or(0u64, |i| i.id)),
+        ATTR_P2P_TOKENS => Err(super::NOT_SUPPORTED),
+        _ => Err(INVALID_VALUE),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: sys::CUdeviceptr) -> CUresult {
+    run(|| {
+        if data.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        driver()?;
+        let reg = handles::read();
+        let info = ptr_info(&reg, ptr).ok_or(INVALID_VALUE)?;
+        // SAFETY: data has room for the attribute's type by the caller's contract.
+        unsafe { write_attr(data, attribute, ptr, Some(&info)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuPointerGetAttributes(
+    numAttributes: c_uint,
+    attributes: *mut c_int,
+    data: *mut *mut c_void,
+    ptr: sys::CUdeviceptr,
+) -> CUresult {
+    run(|| {
+        if numAttributes == 0 || attributes.is_null() || data.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        driver()?;
+        let reg = handles::read();
+        let info = ptr_info(&reg, ptr);
+        for i in 0..numAttributes as usize {
+            // SAFETY: attributes and data hold numAttributes entries by the caller's contract.
+            let (attr, slot) = unsafe { (get(attributes.add(i))?, get(data.add(i))?) };
+            if slot.is_null() {
+                continue;
+            }
+            // SAFETY: each data entry has room for its attribute's type by the caller's contract.
+            match unsafe { write_attr(slot, attr, ptr, info.as_ref()) } {
+                // Unlike the single query, no error for what a pointer does not have.
+                Ok(()) | Err(CUresult::CUDA_ERROR_INVALID_VALUE) if attr > 0 && attr <= ATTR_MEMORY_BLOCK_ID => {}
+                Ok(()) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuPointerSetAttribute(
+    value: *const c_void,
+    attribute: c_int,
+    ptr: sys::CUdeviceptr,
+) -> CUresult {
+    run(|| {
+        if attribute != ATTR_SYNC_MEMOPS {
+            return Err(INVALID_VALUE);
+        }
+        // SAFETY: for SYNC_MEMOPS, value points to an unsigned int by the API contract.
+        let v = unsafe { get(value.cast::<c_uint>()) }?;
+        driver()?;
+        let mut reg = handles::write();
+        let base = reg.alloc_at(ptr).filter(|a| a.on_device()).map(|a| a.base).ok_or(INVALID_VALUE)?;
+        if let Some(a) = reg.mem.get_mut(&base) {
+            a.sync_memops = v != 0;
+        }
+        Ok(())
+    })
+}
+
+/// Validates a managed-memory hint's range; the simulated GPU keeps no page placement.
+fn managed_range(dev_ptr: u64, count: usize) -> R {
+    let reg = handles::read();
+    match reg.alloc_at(dev_ptr) {
+        Some(a) if a.kind == MemKind::Managed && dev_ptr + count as u64 <= a.base + a.size => Ok(()),
+        _ => Err(INVALID_VALUE),
+    }
+}
+
+fn prefetch(dev_ptr: u64, count: usize, dst: c_int, stream: sys::CUstream, pt: bool) -> R {
+    let d = driver()?;
+    if dst != -1 {
+        d.device(dst)?;
+    }
+    managed_range(dev_ptr, count)?;
+    super::stream::resolve_and_check(stream, pt).map(|_| ())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPrefetchAsync(
+    devPtr: sys::CUdeviceptr,
+    count: usize,
+    dstDevice: c_int,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| prefetch(devPtr, count, dstDevice, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPrefetchAsync_ptsz(
+    devPtr: sys::CUdeviceptr,
+    count: usize,
+    dstDevice: c_int,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| prefetch(devPtr, count, dstDevice, hStream, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAdvise(devPtr: sys::CUdeviceptr, count: usize, advice: c_int, device: c_int) -> CUresult {
+    run(|| {
+        let d = driver()?;
+        if !(1..=6).contains(&advice) {
+            return Err(INVALID_VALUE);
+        }
+        if device != -1 {
+            d.device(device)?;
+        }
+        managed_range(devPtr, count)
+    })
+}
+
+/// `CUmemLocation` passed by value, its type read as the raw integer C passed.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct MemLocation {
+    type_: u32,
+    id: c_int,
+}
+const _: () = assert!(std::mem::size_of::<MemLocation>() == std::mem::size_of::<sys::CUmemLocation>());
+
+/// A location a managed-memory hint may name: a device, or the host (types 2-4).
+fn check_location(loc: MemLocation) -> R {
+    match loc.type_ {
+        1 => driver()?.device(loc.id).map(|_| ()).map_err(|_| INVALID_VALUE),
+        2..=4 => Ok(()),
+        _ => Err(INVALID_VALUE),
+    }
+}
+
+fn prefetch_v2(dev_ptr: u64, count: usize, loc: MemLocation, flags: c_uint, stream: sys::CUstream, pt: bool) -> R {
+    driver()?;
+    if flags != 0 {
+        return Err(INVALID_VALUE);
+    }
+    check_location(loc)?;
+    managed_range(dev_ptr, count)?;
+    super::stream::resolve_and_check(stream, pt).map(|_| ())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPrefetchAsync_v2(
+    devPtr: sys::CUdeviceptr,
+    count: usize,
+    location: MemLocation,
+    flags: c_uint,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| prefetch_v2(devPtr, count, location, flags, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPrefetchAsync_v2_ptsz(
+    devPtr: sys::CUdeviceptr,
+    count: usize,
+    location: MemLocation,
+    flags: c_uint,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| prefetch_v2(devPtr, count, location, flags, hStream, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAdvise_v2(
+    devPtr: sys::CUdeviceptr,
+    count: usize,
+    advice: c_int,
+    location: MemLocation,
+) -> CUresult {
+    run(|| {
+        driver()?;
+        if !(1..=6).contains(&advice) {
+            return Err(INVALID_VALUE);
+        }
+        check_location(location)?;
+        managed_range(devPtr, count)
+    })
+}
+
+// ---- Arrays ----------------------------------------------------------------------------------
+
+/// A CUDA array: its shape and its storage (registered as an allocation of kind `Array`).
+pub(crate) struct Array {
+    pub ctx: usize,
+    pub width: u64,
+    pub height: u64,
+    pub depth: u64,
+    pub format: u32,
+    pub channels: u32,
+    pub flags: u32,
+    /// Bytes per element, channels included.
+    pub elem: u64,
+    pub base: u64,
+    pub bytes: u64,
+}
+
+impl Array {
+    /// Bytes in one row.
+    pub(crate) fn row_bytes(&self) -> u64 {
+        self.width * self.elem
+    }
+}
+
+/// Bytes per channel of a `CUarray_format`: the plain integer and float formats. The video,
+/// block-compressed and normalized formats are not modeled (`NOT_SUPPORTED`); other values are
+/// not formats at all (`INVALID_VALUE`).
+fn format_bytes(format: u32) -> R<u64> {
+    Ok(match format {
+        0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4, // UNSIGNED_INT32, SIGNED_INT32, FLOAT
+        0x50 | 0x91..=0x9f | 0xa1..=0xa9 | 0xb0..=0xb5 | 0xc0..=0xcb => return Err(super::NOT_SUPPORTED),
+        _ => return Err(INVALID_VALUE),
+    })
+}
+
+#[repr(C)]
+struct ArrayDesc {
+    width: usize,
+    height: usize,
+    format: u32,
+    channels: c_uint,
+}
+#[repr(C)]
+struct Array3dDesc {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: c_uint,
+    flags: c_uint,
+}
+/// `CUDA_ARRAY_DESCRIPTOR_v1` (legacy 32-bit sizes).
+#[repr(C)]
+pub(crate) struct ArrayDescV1 {
+    width: c_uint,
+    height: c_uint,
+    format: u32,
+    channels: c_uint,
+}
+/// `CUDA_ARRAY3D_DESCRIPTOR_v1`.
+#[repr(C)]
+pub(crate) struct Array3dDescV1 {
+    width: c_uint,
+    height: c_uint,
+    depth: c_uint,
+    format: u32,
+    channels: c_uint,
+    flags: c_uint,
+}
+const _: () = assert!(std::mem::size_of::<ArrayDesc>() == std::mem::size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
+const _: () = assert!(std::mem::size_of::<Array3dDesc>() == std::mem::size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
+const _: () =
+    assert!(std::mem::offset_of!(Array3dDesc, flags) == std::mem::offset_of!(sys::CUDA_ARRAY3D_DESCRIPTOR, Flags));
+
+fn array_create(width: u64, height: u64, depth: u64, format: u32, channels: u32, flags: u32) -> R<usize> {
+    let fb = format_bytes(format)?;
+    if width == 0 || !matches!(channels, 1 | 2 | 4) || (height == 0 && depth > 0) {
+        return Err(INVALID_VALUE);
+    }
+    let elem = fb * channels as u64;
+    let bytes = width
+        .checked_mul(height.max(1))
+        .and_then(|b| b.checked_mul(depth.max(1)))
+        .and_then(|b| b.checked_mul(elem))
+        .ok_or(INVALID_VALUE)?;
+    let (node, ctx) = ctx_for_work()?;
+    let base = alloc_in(node, &ctx, bytes, MemKind::Array, false)?;
+    let handle = handles::new_handle();
+    let arr = Array { ctx: ctx.handle, width, height, depth, format, channels, flags, elem, base, bytes };
+    handles::write().arrays.insert(handle, Arc::new(arr));
+    Ok(handle)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate_v2(
+    pHandle: *mut sys::CUarray,
+    pAllocateArray: *const sys::CUDA_ARRAY_DESCRIPTOR,
+) -> CUresult {
+    run(|| {
+        need(pHandle)?;
+        need(pAllocateArray)?;
+        // SAFETY: checked non-null and aligned; the descriptor is the caller's; ArrayDesc has its
+        // layout with the enum read as a raw integer.
+        let d = unsafe { pAllocateArray.cast::<ArrayDesc>().read() };
+        let h = array_create(d.width as u64, d.height as u64, 0, d.format, d.channels, 0)?;
+        // SAFETY: pHandle is the caller's out-pointer (checked above).
+        unsafe { put(pHandle, handles::as_ptr(h)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut sys::CUarray, pAllocateArray: *const ArrayDescV1) -> CUresult {
+    run(|| {
+        need(pHandle)?;
+        // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
+        let d = unsafe { get(pAllocateArray.cast::<[u32; 4]>()) }?;
+        let h = array_create(d[0] as u64, d[1] as u64, 0, d[2], d[3], 0)?;
+        // SAFETY: pHandle is the caller's out-pointer (checked above).
+        unsafe { put(pHandle, handles::as_ptr(h)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate_v2(
+    pHandle: *mut sys::CUarray,
+    pAllocateArray: *const sys::CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
+    run(|| {
+        need(pHandle)?;
+        need(pAllocateArray)?;
+        // SAFETY: checked non-null and aligned; Array3dDesc has the descriptor's layout with the
+        // enum read as a raw integer.
+        let d = unsafe { pAllocateArray.cast::<Array3dDesc>().read() };
+        let h = array_create(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, d.flags)?;
+        // SAFETY: pHandle is the caller's out-pointer (checked above).
+        unsafe { put(pHandle, handles::as_ptr(h)) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut sys::CUarray, pAllocateArray: *const Array3dDescV1) -> CUresult {
+    run(|| {
+        need(pHandle)?;
+        // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
+        let d = unsafe { get(pAllocateArray.cast::<[u32; 6]>()) }?;
+        let h = array_create(d[0] as u64, d[1] as u64, d[2] as u64, d[3], d[4], d[5])?;
+        // SAFETY: pHandle is the caller's out-pointer (checked above).
+        unsafe { put(pHandle, handles::as_ptr(h)) }
+    })
+}
+
+fn array(h: sys::CUarray) -> R<Arc<Array>> {
+    driver()?;
+    handles::read().arrays.get(&(h as usize)).cloned().ok_or(super::INVALID_HANDLE)
+}
+
+/// The `CUarray_format` enum value for a raw format read from the caller (always one of ours).
+fn format_enum(f: u32) -> sys::CUarray_format {
+    use sys::CUarray_format::*;
+    match f {
+        0x01 => CU_AD_FORMAT_UNSIGNED_INT8,
+        0x02 => CU_AD_FORMAT_UNSIGNED_INT16,
+        0x03 => CU_AD_FORMAT_UNSIGNED_INT32,
+        0x08 => CU_AD_FORMAT_SIGNED_INT8,
+        0x09 => CU_AD_FORMAT_SIGNED_INT16,
+        0x0a => CU_AD_FORMAT_SIGNED_INT32,
+        0x10 => CU_AD_FORMAT_HALF,
+        _ => CU_AD_FORMAT_FLOAT,
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayGetDescriptor_v2(
+    pArrayDescriptor: *mut sys::CUDA_ARRAY_DESCRIPTOR,
+    hArray: sys::CUarray,
+) -> CUresult {
+    run(|| {
+        need(pArrayDescriptor)?;
+        let a = array(hArray)?;
+        let d = sys::CUDA_ARRAY_DESCRIPTOR {
+            Width: a.width as usize,
+            Height: a.height as usize,
+            Format: format_enum(a.format),
+            NumChannels: a.channels,
+        };
+        // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
+        unsafe { put(pArrayDescriptor, d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayGetDescriptor(pArrayDescriptor: *mut ArrayDescV1, hArray: sys::CUarray) -> CUresult {
+    run(|| {
+        let a = array(hArray)?;
+        let d = [a.width as u32, a.height as u32, a.format, a.channels];
+        // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (four 32-bit fields).
+        unsafe { put(pArrayDescriptor.cast::<[u32; 4]>(), d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DGetDescriptor_v2(
+    pArrayDescriptor: *mut sys::CUDA_ARRAY3D_DESCRIPTOR,
+    hArray: sys::CUarray,
+) -> CUresult {
+    run(|| {
+        need(pArrayDescriptor)?;
+        let a = array(hArray)?;
+        let d = sys::CUDA_ARRAY3D_DESCRIPTOR {
+            Width: a.width as usize,
+            Height: a.height as usize,
+            Depth: a.depth as usize,
+            Format: format_enum(a.format),
+            NumChannels: a.channels,
+            Flags: a.flags,
+        };
+        // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
+        unsafe { put(pArrayDescriptor, d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DGetDescriptor(
+    pArrayDescriptor: *mut Array3dDescV1,
+    hArray: sys::CUarray,
+) -> CUresult {
+    run(|| {
+        let a = array(hArray)?;
+        let d = [a.width as u32, a.height as u32, a.depth as u32, a.format, a.channels, a.flags];
+        // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (six 32-bit fields).
+        unsafe { put(pArrayDescriptor.cast::<[u32; 6]>(), d) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayDestroy(hArray: sys::CUarray) -> CUresult {
+    run(|| {
+        let node = driver()?.node;
+        let (arr, alloc) = {
+            let mut reg = handles::write();
+            let arr = reg.arrays.remove(&(hArray as usize)).ok_or(super::INVALID_HANDLE)?;
+            let alloc = reg.mem.remove(&arr.base);
+            (arr, alloc)
+        };
+        if let Some(a) = alloc {
+            release(node, &a);
+        }
+        drop(arr);
+        Ok(())
+    })
+}

@@ -1,0 +1,441 @@
+//! Memory pools and stream-ordered allocation (`cuMemAllocAsync`, `cuMemFreeAsync`).
+//!
+//! A pool here keeps nothing in reserve: an allocation is charged to the model when made and
+//! refunded when freed, so the model's accounting stays exact (a real pool may hold freed memory
+//! up to its release threshold; reserved and used figures are equal here).
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::errors::poll_faults;
+use super::handles;
+use super::init::{Device, driver};
+use super::memory::{Alloc, MemKind, charge, map_anon, next_buffer_id, refund, release};
+use super::stream::resolve_and_check;
+use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
+
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`, `CU_MEM_LOCATION_TYPE_DEVICE`.
+pub(crate) const ALLOCATION_TYPE_PINNED: u32 = 1;
+pub(crate) const LOCATION_TYPE_DEVICE: u32 = 1;
+
+struct PoolState {
+    reuse_follow_event_dependencies: i32,
+    reuse_allow_opportunistic: i32,
+    reuse_allow_internal_dependencies: i32,
+    release_threshold: u64,
+    used: u64,
+    used_high: u64,
+    reserved_high: u64,
+    /// Devices granted access besides the pool's own: (ordinal, `CUmemAccess_flags`).
+    access: Vec<(c_int, u32)>,
+}
+
+pub(crate) struct Pool {
+    pub handle: usize,
+    pub dev: &'static Device,
+    pub default: bool,
+    /// `maxSize` (0: the device's memory).
+    max_size: u64,
+    state: Mutex<PoolState>,
+}
+
+impl Pool {
+    fn new(dev: &'static Device, default: bool, max_size: u64) -> Pool {
+        Pool {
+            handle: handles::new_handle(),
+            dev,
+            default,
+            max_size,
+            state: Mutex::new(PoolState {
+                reuse_follow_event_dependencies: 1,
+                reuse_allow_opportunistic: 1,
+                reuse_allow_internal_dependencies: 1,
+                release_threshold: 0,
+                used: 0,
+                used_high: 0,
+                reserved_high: 0,
+                access: Vec::new(),
+            }),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an allocation from the pool (fails beyond its maximum size).
+    fn on_alloc(&self, bytes: u64) -> R {
+        let mut s = self.state();
+        if self.max_size > 0 && s.used + bytes > self.max_size {
+            return Err(OUT_OF_MEMORY);
+        }
+        s.used += bytes;
+        s.used_high = s.used_high.max(s.used);
+        s.reserved_high = s.reserved_high.max(s.used);
+        Ok(())
+    }
+
+    /// Counts a free back to the pool.
+    pub(crate) fn on_free(&self, bytes: u64) {
+        let mut s = self.state();
+        s.used = s.used.saturating_sub(bytes);
+    }
+}
+
+/// The device's default pool, made on first use.
+fn default_pool(dev: &'static Device) -> usize {
+    let mut d = dev.default_pool.lock().unwrap_or_else(|e| e.into_inner());
+    if *d == 0 {
+        let p = Pool::new(dev, true, 0);
+        *d = p.handle;
+        handles::write().pools.insert(p.handle, Arc::new(p));
+    }
+    *d
+}
+
+/// The device's current pool.
+fn current_pool(dev: &'static Device) -> usize {
+    match dev.mem_pool.load(std::sync::atomic::Ordering::Acquire) {
+        0 => default_pool(dev),
+        p => p,
+    }
+}
+
+fn pool(h: sys::CUmemoryPool) -> R<Arc<Pool>> {
+    driver()?;
+    handles::read().pools.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool_out: *mut sys::CUmemoryPool, dev: c_int) -> CUresult {
+    run(|| {
+        need(pool_out)?;
+        let d = driver()?.device(dev)?;
+        // SAFETY: pool_out is the caller's out-pointer (checked above).
+        unsafe { put(pool_out, handles::as_ptr(default_pool(d))) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut sys::CUmemoryPool, dev: c_int) -> CUresult {
+    run(|| {
+        need(pool)?;
+        let d = driver()?.device(dev)?;
+        // SAFETY: pool is the caller's out-pointer (checked above).
+        unsafe { put(pool, handles::as_ptr(current_pool(d))) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: sys::CUmemoryPool) -> CUresult {
+    run(|| {
+        let d = driver()?.device(dev)?;
+        let p = self::pool(pool)?;
+        if p.dev.ordinal != d.ordinal {
+            return Err(INVALID_VALUE);
+        }
+        d.mem_pool.store(if p.default { 0 } else { p.handle }, std::sync::atomic::Ordering::Release);
+        Ok(())
+    })
+}
+
+/// `CUmemPoolProps` with its enums read as raw integers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct PoolProps {
+    alloc_type: u32,
+    handle_types: u32,
+    location_type: u32,
+    location_id: c_int,
+    win32_security_attributes: *mut c_void,
+    max_size: usize,
+    usage: u16,
+    reserved: [u8; 54],
+}
+const _: () = assert!(std::mem::size_of::<PoolProps>() == std::mem::size_of::<sys::CUmemPoolProps>());
+const _: () = assert!(std::mem::offset_of!(PoolProps, max_size) == std::mem::offset_of!(sys::CUmemPoolProps, maxSize));
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolCreate(
+    pool: *mut sys::CUmemoryPool,
+    poolProps: *const sys::CUmemPoolProps,
+) -> CUresult {
+    run(|| {
+        need(pool)?;
+        // SAFETY: PoolProps has the layout of CUmemPoolProps (asserted above) with the enums read
+        // as raw integers; null/misaligned is checked by get.
+        let p = unsafe { get(poolProps.cast::<PoolProps>()) }?;
+        let drv = driver()?;
+        if p.alloc_type != ALLOCATION_TYPE_PINNED
+            || p.location_type != LOCATION_TYPE_DEVICE
+            || p.handle_types & !0xF != 0
+        {
+            return Err(INVALID_VALUE);
+        }
+        let d = drv.device(p.location_id).map_err(|_| INVALID_VALUE)?;
+        let created = Pool::new(d, false, p.max_size as u64);
+        let h = created.handle;
+        handles::write().pools.insert(h, Arc::new(created));
+        // SAFETY: pool is the caller's out-pointer (checked above).
+        unsafe { put(pool, handles::as_ptr(h)) }
+    })
+}
+
+/// `cuMemPoolDestroy`: the default pool cannot be destroyed; allocations still out stay valid
+/// until freed (as the real driver releases the pool's resources once they are).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolDestroy(pool: sys::CUmemoryPool) -> CUresult {
+    run(|| {
+        let p = self::pool(pool)?;
+        if p.default {
+            return Err(INVALID_VALUE);
+        }
+        let _ = p.dev.mem_pool.compare_exchange(
+            p.handle,
+            0,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        handles::write().pools.remove(&p.handle);
+        Ok(())
+    })
+}
+
+/// `cuMemPoolTrimTo`: nothing is held in reserve, so nothing to release.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolTrimTo(pool: sys::CUmemoryPool, _minBytesToKeep: usize) -> CUresult {
+    run(|| self::pool(pool).map(|_| ()))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolSetAttribute(pool: sys::CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
+    run(|| {
+        let p = self::pool(pool)?;
+        need(value.cast::<u32>())?;
+        let mut s = p.state();
+        // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
+        unsafe {
+            match attr {
+                1 => s.reuse_follow_event_dependencies = get(value.cast::<i32>())?,
+                2 => s.reuse_allow_opportunistic = get(value.cast::<i32>())?,
+                3 => s.reuse_allow_internal_dependencies = get(value.cast::<i32>())?,
+                4 => s.release_threshold = get(value.cast::<u64>())?,
+                // The high-water marks can only be reset (to the current value), with 0.
+                6 if get(value.cast::<u64>())? == 0 => s.reserved_high = s.used,
+                8 if get(value.cast::<u64>())? == 0 => s.used_high = s.used,
+                _ => return Err(INVALID_VALUE),
+            }
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: sys::CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
+    run(|| {
+        let p = self::pool(pool)?;
+        let s = p.state();
+        // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
+        unsafe {
+            match attr {
+                1 => put(value.cast::<i32>(), s.reuse_follow_event_dependencies),
+                2 => put(value.cast::<i32>(), s.reuse_allow_opportunistic),
+                3 => put(value.cast::<i32>(), s.reuse_allow_internal_dependencies),
+                4 => put(value.cast::<u64>(), s.release_threshold),
+                5 | 7 => put(value.cast::<u64>(), s.used),
+                6 => put(value.cast::<u64>(), s.reserved_high),
+                8 => put(value.cast::<u64>(), s.used_high),
+                _ => Err(INVALID_VALUE),
+            }
+        }
+    })
+}
+
+/// `CUmemAccessDesc` with its enums read as raw integers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AccessDesc {
+    pub location_type: u32,
+    pub location_id: c_int,
+    pub flags: u32,
+}
+const _: () = assert!(std::mem::size_of::<AccessDesc>() == std::mem::size_of::<sys::CUmemAccessDesc>());
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolSetAccess(
+    pool: sys::CUmemoryPool,
+    map: *const sys::CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    run(|| {
+        let p = self::pool(pool)?;
+        let drv = driver()?;
+        let mut s = p.state();
+        for i in 0..count {
+            // SAFETY: map holds `count` descriptors by the caller's contract; AccessDesc has their
+            // layout with the enums read as raw integers.
+            let a = unsafe { get(map.cast::<AccessDesc>().add(i)) }?;
+            if a.location_type != LOCATION_TYPE_DEVICE || !matches!(a.flags, 0 | 1 | 3) {
+                return Err(INVALID_VALUE);
+            }
+            drv.device(a.location_id).map_err(|_| INVALID_VALUE)?;
+            if a.location_id == p.dev.ordinal {
+                continue; // the owning device always has read-write access
+            }
+            s.access.retain(|e| e.0 != a.location_id);
+            s.access.push((a.location_id, a.flags));
+        }
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolGetAccess(
+    flags: *mut c_uint,
+    memPool: sys::CUmemoryPool,
+    location: *mut sys::CUmemLocation,
+) -> CUresult {
+    run(|| {
+        need(flags)?;
+        let p = pool(memPool)?;
+        // SAFETY: location is the caller's struct (null/misaligned checked by get); read as the
+        // raw (type, id) pair of CUmemLocation.
+        let loc = unsafe { get(location.cast_const().cast::<[i32; 2]>()) }?;
+        if loc[0] as u32 != LOCATION_TYPE_DEVICE {
+            return Err(INVALID_VALUE);
+        }
+        let f = if loc[1] == p.dev.ordinal {
+            3
+        } else {
+            p.state().access.iter().find(|e| e.0 == loc[1]).map_or(0, |e| e.1)
+        };
+        // SAFETY: flags is the caller's out-pointer (checked above).
+        unsafe { put(flags, f) }
+    })
+}
+
+/// A stream-ordered allocation from a pool, charged to the pool's device at once.
+fn alloc_async(
+    dptr: *mut sys::CUdeviceptr,
+    bytes: usize,
+    pool: Option<sys::CUmemoryPool>,
+    stream: sys::CUstream,
+    pt: bool,
+) -> R {
+    need(dptr)?;
+    if bytes == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let t = resolve_and_check(stream, pt)?;
+    let p = match pool {
+        Some(h) => self::pool(h)?,
+        None => self::pool(handles::as_ptr(current_pool(t.ctx.dev)))?,
+    };
+    let d = p.dev;
+    let bytes = bytes as u64;
+    p.on_alloc(bytes)?;
+    let epoch = match charge(node, d.gpu, d.domain, bytes) {
+        Ok(e) => e,
+        Err(e) => {
+            p.on_free(bytes);
+            return Err(e);
+        }
+    };
+    let Some(base) = map_anon(bytes, false) else {
+        refund(node, d.gpu, d.domain, bytes, epoch);
+        p.on_free(bytes);
+        return Err(OUT_OF_MEMORY);
+    };
+    handles::write().mem.insert(
+        base,
+        Alloc {
+            base,
+            size: bytes,
+            map_len: bytes as usize,
+            kind: MemKind::Pool(p.handle),
+            ctx: t.ctx.handle,
+            dev: d.ordinal,
+            gpu: d.gpu,
+            domain: d.domain,
+            charge: bytes,
+            epoch,
+            id: next_buffer_id(),
+            sync_memops: false,
+        },
+    );
+    // SAFETY: dptr is the caller's out-pointer (checked above).
+    unsafe { put(dptr, base) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut sys::CUdeviceptr,
+    bytesize: usize,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| alloc_async(dptr, bytesize, None, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut sys::CUdeviceptr,
+    bytesize: usize,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| alloc_async(dptr, bytesize, None, hStream, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut sys::CUdeviceptr,
+    bytesize: usize,
+    pool: sys::CUmemoryPool,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| alloc_async(dptr, bytesize, Some(pool), hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut sys::CUdeviceptr,
+    bytesize: usize,
+    pool: sys::CUmemoryPool,
+    hStream: sys::CUstream,
+) -> CUresult {
+    run(|| alloc_async(dptr, bytesize, Some(pool), hStream, true))
+}
+
+/// `cuMemFreeAsync`: the memory goes back at once (nothing reads it after the free in stream
+/// order, since kernels change no memory here).
+fn free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream, pt: bool) -> R {
+    let node = driver()?.node;
+    resolve_and_check(stream, pt)?;
+    if dptr == 0 {
+        return Ok(());
+    }
+    let a = {
+        let mut reg = handles::write();
+        let pool = match reg.mem.get(&dptr).map(|a| a.kind) {
+            Some(MemKind::Pool(p)) => p,
+            _ => return Err(INVALID_VALUE),
+        };
+        if let Some(p) = reg.pools.get(&pool) {
+            p.on_free(reg.mem[&dptr].size);
+        }
+        reg.mem.remove(&dptr).expect("checked above")
+    };
+    release(node, &a);
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, hStream: sys::CUstream) -> CUresult {
+    run(|| free_async(dptr, hStream, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: sys::CUdeviceptr, hStream: sys::CUstream) -> CUresult {
+    run(|| free_async(dptr, hStream, true))
+}

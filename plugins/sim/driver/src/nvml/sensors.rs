@@ -1,0 +1,643 @@
+//! Board sensors and health: temperature, power, clocks, fans, performance state, ECC counters,
+//! retired pages and remapped rows.
+//!
+//! Temperature, power and clocks follow the load (the GPU's utilization over about the last
+//! second): an idle board sits at its idle draw and idle clocks, a busy one near its limit at
+//! its maximum clocks. ECC and row-remapping counters are the model's health counters, which
+//! fault injection (`tessera-sim`) moves.
+
+use std::ffi::{c_int, c_uint};
+
+use nvml_wrapper_sys::bindings::*;
+use tessera_sim_model::{GpuModel, Node};
+
+use super::handles;
+use super::*;
+use crate::ffi::guard;
+
+/// Idle die temperature. Derived: idle H100 and A100 SXM boards read 29-35 C in `nvidia-smi -q`.
+pub(crate) const IDLE_TEMP_C: u32 = 31;
+
+/// Clocks of a board with nothing running, MHz.
+struct IdleClocks {
+    sm_mhz: u32,
+    video_mhz: u32,
+}
+
+/// Idle clocks per architecture, from idle `nvidia-smi -q` captures: H100 SXM5 "Graphics 345 MHz,
+/// SM 345 MHz, Video 765 MHz"; A100 SXM4 "Graphics 210 MHz, SM 210 MHz, Video 585 MHz" (derived for
+/// other architectures: a fifth of the maximum SM clock, half the maximum video clock).
+fn idle_clocks(m: &GpuModel) -> IdleClocks {
+    match m.architecture {
+        NVML_DEVICE_ARCH_HOPPER => IdleClocks { sm_mhz: 345, video_mhz: 765 },
+        NVML_DEVICE_ARCH_AMPERE => IdleClocks { sm_mhz: 210, video_mhz: 585 },
+        _ => IdleClocks { sm_mhz: m.max_sm_clock_mhz / 5, video_mhz: m.max_video_clock_mhz / 2 },
+    }
+}
+
+/// Load of a GPU, 0..=100 (whole-GPU kernel time over about the last second).
+fn load(node: &Node, gpu: u32) -> R<u32> {
+    Ok(node.utilization(gpu, 0).nv()?.gpu_percent.min(100))
+}
+
+/// Die temperature: idle around 31 C, rising linearly to 20 C under the max operating point.
+pub(crate) fn temperature_c(m: &GpuModel, load: u32) -> u32 {
+    let hot = m.max_operating_temp_c.saturating_sub(20).max(IDLE_TEMP_C);
+    IDLE_TEMP_C + (hot - IDLE_TEMP_C) * load / 100
+}
+
+/// Power draw: idle draw, rising linearly to 90% of the limit at full load.
+pub(crate) fn power_mw(m: &GpuModel, load: u32) -> u32 {
+    let full = m.power_limit_mw / 10 * 9;
+    let idle = m.idle_power_mw.min(full);
+    idle + (full - idle) * load / 100
+}
+
+/// A value of a whole GPU written to `out` (MIG devices: `NOT_SUPPORTED`).
+///
+/// # Safety
+/// `out` must be null or valid for a write of `T`.
+unsafe fn gpu_value<T>(device: nvmlDevice_t, out: *mut T, f: impl FnOnce(&Node, u32, &'static GpuModel) -> R<T>) -> R {
+    let node = node()?;
+    let gpu = handles::whole_gpu(node, device)?;
+    need(out)?;
+    let v = f(node, gpu, node.gpu(gpu).nv()?.model)?;
+    // SAFETY: out is checked non-null and aligned; valid for a write by this function's contract.
+    unsafe { put(out, v) }
+}
+
+/// `nvmlDeviceGetTemperature` (deprecated in the header, still exported): the GPU die sensor.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(
+    device: nvmlDevice_t,
+    sensor_type: nvmlTemperatureSensors_t,
+    temp: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            node()?;
+            if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+                return Err(INVALID_ARGUMENT);
+            }
+            // SAFETY: temp is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, temp, |n, g, m| Ok(temperature_c(m, load(n, g)?))) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetTemperatureV` (`nvmlTemperature_v1_t`, versioned).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperatureV(
+    device: nvmlDevice_t,
+    temperature: *mut nvmlTemperature_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            node()?;
+            // SAFETY: temperature is null or valid for reads of the struct by the caller's contract.
+            let t = unsafe { get(temperature.cast_const()) }?;
+            if t.version != struct_version::<nvmlTemperature_v1_t>(1) {
+                return Err(VERSION_MISMATCH);
+            }
+            if t.sensorType != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+                return Err(INVALID_ARGUMENT);
+            }
+            let f = |n: &Node, g: u32, m: &'static GpuModel| {
+                Ok(nvmlTemperature_v1_t { temperature: temperature_c(m, load(n, g)?) as c_int, ..t })
+            };
+            // SAFETY: temperature is valid for a write by the caller's contract (checked above).
+            unsafe { gpu_value(device, temperature, f) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetTemperatureThreshold`: the board's shutdown, slowdown and max operating points.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(
+    device: nvmlDevice_t,
+    threshold_type: nvmlTemperatureThresholds_t,
+    temp: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            node()?;
+            if threshold_type >= nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_COUNT {
+                return Err(INVALID_ARGUMENT);
+            }
+            let f = |_: &Node, _: u32, m: &'static GpuModel| match threshold_type {
+                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => Ok(m.shutdown_temp_c),
+                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => Ok(m.slowdown_temp_c),
+                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_MEM_MAX => Ok(m.mem_max_operating_temp_c),
+                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_GPU_MAX => Ok(m.max_operating_temp_c),
+                // Acoustic and GPS thresholds are for boards with fans.
+                _ => Err(NOT_SUPPORTED),
+            };
+            // SAFETY: temp is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, temp, f) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerUsage`, milliwatts.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: power is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, power, |n, g, m| Ok(power_mw(m, load(n, g)?))) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerManagementLimit`, milliwatts (the default limit: nothing changes it here).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimit(device: nvmlDevice_t, limit: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: limit is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerManagementDefaultLimit`, milliwatts.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementDefaultLimit(
+    device: nvmlDevice_t,
+    default_limit: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: default_limit is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(device: nvmlDevice_t, limit: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: limit is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerManagementLimitConstraints`: the range `nvidia-smi -pl` accepts, milliwatts.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimitConstraints(
+    device: nvmlDevice_t,
+    min_limit: *mut c_uint,
+    max_limit: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            need(min_limit)?;
+            // SAFETY: both pointers are null or valid for writes by the caller's contract.
+            unsafe {
+                gpu_value(device, max_limit, |_, _, m| Ok(m.power_limit_mw))?;
+                gpu_value(device, min_limit, |_, _, m| Ok(m.min_power_limit_mw))
+            }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerManagementMode` (deprecated, exported): power management is always on.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementMode(
+    device: nvmlDevice_t,
+    mode: *mut nvmlEnableState_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: mode is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+        })
+    })
+}
+
+/// Current clock of a domain: maximum while kernels run, the idle clock otherwise.
+fn current_clock(m: &GpuModel, clock: nvmlClockType_t, busy: bool) -> R<u32> {
+    let idle = idle_clocks(m);
+    Ok(match clock {
+        nvmlClockType_enum_NVML_CLOCK_GRAPHICS | nvmlClockType_enum_NVML_CLOCK_SM => {
+            if busy {
+                m.max_sm_clock_mhz
+            } else {
+                idle.sm_mhz
+            }
+        }
+        nvmlClockType_enum_NVML_CLOCK_MEM => m.max_mem_clock_mhz,
+        nvmlClockType_enum_NVML_CLOCK_VIDEO => {
+            if busy {
+                m.max_video_clock_mhz
+            } else {
+                idle.video_mhz
+            }
+        }
+        _ => return Err(INVALID_ARGUMENT),
+    })
+}
+
+fn max_clock(m: &GpuModel, clock: nvmlClockType_t) -> R<u32> {
+    Ok(match clock {
+        nvmlClockType_enum_NVML_CLOCK_GRAPHICS | nvmlClockType_enum_NVML_CLOCK_SM => m.max_sm_clock_mhz,
+        nvmlClockType_enum_NVML_CLOCK_MEM => m.max_mem_clock_mhz,
+        nvmlClockType_enum_NVML_CLOCK_VIDEO => m.max_video_clock_mhz,
+        _ => return Err(INVALID_ARGUMENT),
+    })
+}
+
+fn app_clock(m: &GpuModel, clock: nvmlClockType_t) -> R<u32> {
+    Ok(match clock {
+        nvmlClockType_enum_NVML_CLOCK_GRAPHICS | nvmlClockType_enum_NVML_CLOCK_SM => m.default_app_sm_clock_mhz,
+        other => max_clock(m, other)?,
+    })
+}
+
+/// `nvmlDeviceGetClockInfo`: current clock, MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock, |n, g, m| current_clock(m, clock_type, load(n, g)? > 0)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetMaxClockInfo`, MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMaxClockInfo(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock, |_, _, m| max_clock(m, clock_type)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetMaxCustomerBoostClock`, MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMaxCustomerBoostClock(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock_mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock_mhz, |_, _, m| max_clock(m, clock_type)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetApplicationsClock` (deprecated, exported), MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetApplicationsClock(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock_mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetDefaultApplicationsClock` (deprecated, exported), MHz.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetDefaultApplicationsClock(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock_mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetClock`: a clock domain by id (current, application target/default, boost max).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetClock(
+    device: nvmlDevice_t,
+    clock_type: nvmlClockType_t,
+    clock_id: nvmlClockId_t,
+    clock_mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    let f = |n: &Node, g: u32, m: &'static GpuModel| match clock_id {
+        nvmlClockId_enum_NVML_CLOCK_ID_CURRENT => current_clock(m, clock_type, load(n, g)? > 0),
+        nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_TARGET | nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_DEFAULT => {
+            app_clock(m, clock_type)
+        }
+        nvmlClockId_enum_NVML_CLOCK_ID_CUSTOMER_BOOST_MAX => max_clock(m, clock_type),
+        _ => Err(INVALID_ARGUMENT),
+    };
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, clock_mhz, f) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetFanSpeed`: the simulated boards are passively cooled (SXM): `NOT_SUPPORTED`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetFanSpeed(device: nvmlDevice_t, speed: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: speed is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetFanSpeed_v2`: no fans (`NOT_SUPPORTED`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetFanSpeed_v2(
+    device: nvmlDevice_t,
+    _fan: c_uint,
+    speed: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: speed is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetNumFans`: 0.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNumFans(device: nvmlDevice_t, num_fans: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: num_fans is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, num_fans, |_, _, _| Ok(0)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPerformanceState`: P0 (data-center boards stay in P0 with persistence mode on).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPerformanceState(
+    device: nvmlDevice_t,
+    p_state: *mut nvmlPstates_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: p_state is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetPowerState` (deprecated alias of the performance state, exported).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerState(device: nvmlDevice_t, p_state: *mut nvmlPstates_t) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: p_state is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetEccMode`: enabled, and enabled after the next reboot.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetEccMode(
+    device: nvmlDevice_t,
+    current: *mut nvmlEnableState_t,
+    pending: *mut nvmlEnableState_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            need(pending)?;
+            // SAFETY: both pointers are null or valid for writes by the caller's contract.
+            unsafe {
+                gpu_value(device, current, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED))?;
+                put(pending, nvmlEnableState_enum_NVML_FEATURE_ENABLED)
+            }
+        })
+    })
+}
+
+/// `nvmlDeviceGetDefaultEccMode`: enabled.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetDefaultEccMode(
+    device: nvmlDevice_t,
+    default_mode: *mut nvmlEnableState_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: default_mode is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, default_mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+        })
+    })
+}
+
+/// The model's ECC counter for an error type and counter type.
+fn ecc_count(node: &Node, gpu: u32, error_type: nvmlMemoryErrorType_t, counter_type: nvmlEccCounterType_t) -> R<u64> {
+    let h = node.health(gpu).nv()?;
+    Ok(match (error_type, counter_type) {
+        (nvmlMemoryErrorType_enum_NVML_MEMORY_ERROR_TYPE_CORRECTED, nvmlEccCounterType_enum_NVML_VOLATILE_ECC) => {
+            h.ecc_corrected_volatile
+        }
+        (nvmlMemoryErrorType_enum_NVML_MEMORY_ERROR_TYPE_CORRECTED, nvmlEccCounterType_enum_NVML_AGGREGATE_ECC) => {
+            h.ecc_corrected_aggregate
+        }
+        (nvmlMemoryErrorType_enum_NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvmlEccCounterType_enum_NVML_VOLATILE_ECC) => {
+            h.ecc_uncorrected_volatile
+        }
+        (nvmlMemoryErrorType_enum_NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvmlEccCounterType_enum_NVML_AGGREGATE_ECC) => {
+            h.ecc_uncorrected_aggregate
+        }
+        _ => return Err(INVALID_ARGUMENT),
+    })
+}
+
+/// `nvmlDeviceGetTotalEccErrors`: device-memory ECC errors (the only ones the model counts).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
+    device: nvmlDevice_t,
+    error_type: nvmlMemoryErrorType_t,
+    counter_type: nvmlEccCounterType_t,
+    ecc_counts: *mut u64,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: ecc_counts is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, ecc_counts, |n, g, _| ecc_count(n, g, error_type, counter_type)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetMemoryErrorCounter`: DRAM carries the model's counts, SRAM none; Ampere and
+/// later report no L1/L2/register-file/texture locations of their own (`NOT_SUPPORTED`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryErrorCounter(
+    device: nvmlDevice_t,
+    error_type: nvmlMemoryErrorType_t,
+    counter_type: nvmlEccCounterType_t,
+    location_type: nvmlMemoryLocation_t,
+    count: *mut u64,
+) -> nvmlReturn_t {
+    let f = |n: &Node, g: u32, _: &'static GpuModel| {
+        let total = ecc_count(n, g, error_type, counter_type)?;
+        match location_type {
+            nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_DRAM => Ok(total),
+            nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_SRAM => Ok(0),
+            l if l < nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_COUNT => Err(NOT_SUPPORTED),
+            _ => Err(INVALID_ARGUMENT),
+        }
+    };
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: count is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, count, f) }
+        })
+    })
+}
+
+/// Ampere and later boards remap rows instead of retiring pages.
+fn retires_pages(m: &GpuModel) -> bool {
+    m.architecture < NVML_DEVICE_ARCH_AMPERE
+}
+
+/// `nvmlDeviceGetRetiredPages`: `NOT_SUPPORTED` on Ampere and later (row remapping instead).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRetiredPages(
+    device: nvmlDevice_t,
+    cause: nvmlPageRetirementCause_t,
+    page_count: *mut c_uint,
+    addresses: *mut u64,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: the pointers follow the caller's contract.
+            unsafe { retired_pages(device, cause, page_count, addresses) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetRetiredPages_v2`: as v1, with timestamps.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRetiredPages_v2(
+    device: nvmlDevice_t,
+    cause: nvmlPageRetirementCause_t,
+    page_count: *mut c_uint,
+    addresses: *mut u64,
+    _timestamps: *mut u64,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: the pointers follow the caller's contract; no page is ever retired, so no timestamp is written.
+            unsafe { retired_pages(device, cause, page_count, addresses) }
+        })
+    })
+}
+
+/// # Safety
+/// `page_count` null or valid for reads and writes; `addresses` null or valid for `*page_count` writes.
+unsafe fn retired_pages(
+    device: nvmlDevice_t,
+    cause: nvmlPageRetirementCause_t,
+    page_count: *mut c_uint,
+    addresses: *mut u64,
+) -> R {
+    let node = node()?;
+    let gpu = handles::whole_gpu(node, device)?;
+    need(page_count)?;
+    if cause >= nvmlPageRetirementCause_enum_NVML_PAGE_RETIREMENT_CAUSE_COUNT {
+        return Err(INVALID_ARGUMENT);
+    }
+    if !retires_pages(node.gpu(gpu).nv()?.model) {
+        return Err(NOT_SUPPORTED);
+    }
+    // SAFETY: as this function's contract.
+    unsafe { fill_list(page_count, addresses, Vec::new()) }
+}
+
+/// `nvmlDeviceGetRetiredPagesPendingStatus`: `NOT_SUPPORTED` on Ampere and later.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
+    device: nvmlDevice_t,
+    is_pending: *mut nvmlEnableState_t,
+) -> nvmlReturn_t {
+    let f = |_: &Node, _: u32, m: &'static GpuModel| {
+        if retires_pages(m) { Ok(nvmlEnableState_enum_NVML_FEATURE_DISABLED) } else { Err(NOT_SUPPORTED) }
+    };
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: is_pending is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, is_pending, f) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetRemappedRows`: rows remapped for correctable / uncorrectable errors, whether a
+/// remap waits for a reset, whether one ever failed. Not answered while MIG instances exist.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
+    device: nvmlDevice_t,
+    corr_rows: *mut c_uint,
+    unc_rows: *mut c_uint,
+    is_pending: *mut c_uint,
+    failure_occurred: *mut c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            let node = node()?;
+            let gpu = handles::whole_gpu(node, device)?;
+            need(corr_rows)?;
+            need(unc_rows)?;
+            need(is_pending)?;
+            need(failure_occurred)?;
+            if node.mig_mode(gpu).is_ok_and(|(current, _)| current)
+                && node.gpu_instances(gpu).is_ok_and(|g| !g.is_empty())
+            {
+                return Err(NOT_SUPPORTED);
+            }
+            let h = node.health(gpu).nv()?;
+            let clamp = |v: u64| v.min(u64::from(u32::MAX)) as u32;
+            // SAFETY: all four pointers are checked non-null and aligned; valid for writes by the caller's contract.
+            unsafe {
+                put(corr_rows, clamp(h.remapped_correctable))?;
+                put(unc_rows, clamp(h.remapped_uncorrectable))?;
+                put(is_pending, u32::from(h.remap_pending))?;
+                put(failure_occurred, u32::from(h.remap_failure))
+            }
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_sensors_follow_load() {
+        let m = tessera_sim_model::catalog::model("H100-SXM5-80GB").unwrap();
+        assert_eq!(power_mw(m, 0), m.idle_power_mw);
+        assert_eq!(power_mw(m, 100), 630_000);
+        assert!(power_mw(m, 50) > power_mw(m, 10));
+        assert_eq!(temperature_c(m, 0), IDLE_TEMP_C);
+        assert!(temperature_c(m, 100) < m.slowdown_temp_c);
+        assert!(temperature_c(m, 100) > temperature_c(m, 0));
+    }
+}

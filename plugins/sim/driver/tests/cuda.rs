@@ -1,0 +1,1348 @@
+//! The CUDA half of the simulated driver, through its C ABI, as a program linked against
+//! `libcuda.so.1` sees it.
+//!
+//! Each test runs in a process of its own against a node of its own (`SimNode::run_isolated`):
+//! the driver keeps one node connection and one device list per process. The tests watch and drive
+//! the node from the side through a second `Node` handle on the same state file, as `tessera-sim`
+//! and other processes would (memory accounting, faults, MIG instances).
+//!
+//! Build the library first: `cargo build -p tessera-sim-driver && cargo test -p tessera-sim-driver --test cuda`.
+
+use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tessera_sim_model::Node;
+use tessera_sim_testkit::SimNode;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+// CUresult values (cuda.h 12.8).
+const SUCCESS: u32 = 0;
+const INVALID_VALUE: u32 = 1;
+const OUT_OF_MEMORY: u32 = 2;
+const NOT_INITIALIZED: u32 = 3;
+const DEVICE_UNAVAILABLE: u32 = 46;
+const NO_DEVICE: u32 = 100;
+const INVALID_DEVICE: u32 = 101;
+const INVALID_CONTEXT: u32 = 201;
+const INVALID_HANDLE: u32 = 400;
+const NOT_FOUND: u32 = 500;
+const NOT_READY: u32 = 600;
+const ILLEGAL_ADDRESS: u32 = 700;
+const LAUNCH_FAILED: u32 = 719;
+const NOT_SUPPORTED: u32 = 801;
+const STREAM_CAPTURE_UNSUPPORTED: u32 = 900;
+
+/// The default node's board.
+const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
+const H100_MEMORY: u64 = 81_559 * MIB;
+const H100_RESERVED: u64 = 454 * MIB;
+/// What a context takes (the description's default `context_overhead_mib`).
+const CONTEXT_OVERHEAD: u64 = 256 * MIB;
+
+/// One H100 in MIG mode (GPU 0) and one not (GPU 1).
+const MIG_NODE: &str = r#"
+[[gpu]]
+model = "H100-SXM5-80GB"
+count = 1
+mig = true
+
+[[gpu]]
+model = "H100-SXM5-80GB"
+count = 1
+"#;
+
+type CUdeviceptr = u64;
+type Handle = *mut c_void;
+
+/// The driver library, loaded as a program loads libcuda.so.1.
+struct Cuda {
+    lib: libloading::Library,
+}
+
+/// Calls an export by name with the C signature given: `call!(cu, cuInit(0) as fn(c_uint))`.
+macro_rules! call {
+    ($cu:expr, $name:ident($($arg:expr),* $(,)?) as fn($($t:ty),* $(,)?)) => {{
+        let f: unsafe extern "C" fn($($t),*) -> u32 = $cu.sym(stringify!($name));
+        // SAFETY: the symbol has this C signature (cuda.h 12.8) and the arguments are valid for it.
+        unsafe { f($($arg),*) }
+    }};
+}
+
+impl Cuda {
+    fn load(node: &SimNode) -> Cuda {
+        // SAFETY: loading the simulated driver runs no initializers (nothing runs at load time).
+        let lib = unsafe { libloading::Library::new(node.cuda_path()) }.expect("load libcuda.so.1");
+        Cuda { lib }
+    }
+
+    /// An exported function as a C function pointer of type `T`.
+    fn sym<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: every caller names T as the symbol's C signature.
+        unsafe { *self.lib.get::<T>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+    }
+
+    /// The raw address of an export (to compare with what `cuGetProcAddress` hands out).
+    fn addr(&self, name: &str) -> *mut c_void {
+        self.sym::<*mut c_void>(name)
+    }
+
+    fn init(&self) {
+        assert_eq!(call!(self, cuInit(0) as fn(c_uint)), SUCCESS);
+    }
+
+    fn device_count(&self) -> i32 {
+        let mut n = -1;
+        assert_eq!(call!(self, cuDeviceGetCount(&mut n) as fn(*mut c_int)), SUCCESS);
+        n
+    }
+
+    fn name(&self, dev: c_int) -> String {
+        let mut buf = [0 as c_char; 128];
+        assert_eq!(call!(self, cuDeviceGetName(buf.as_mut_ptr(), 128, dev) as fn(*mut c_char, c_int, c_int)), SUCCESS);
+        // SAFETY: the driver NUL-terminates what it writes.
+        unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+    }
+
+    fn uuid(&self, dev: c_int) -> [u8; 16] {
+        let mut u = [0u8; 16];
+        assert_eq!(call!(self, cuDeviceGetUuid_v2(u.as_mut_ptr(), dev) as fn(*mut u8, c_int)), SUCCESS);
+        u
+    }
+
+    fn attribute(&self, attr: c_int, dev: c_int) -> i32 {
+        let mut v = -12345;
+        assert_eq!(
+            call!(self, cuDeviceGetAttribute(&mut v, attr, dev) as fn(*mut c_int, c_int, c_int)),
+            SUCCESS,
+            "attribute {attr}"
+        );
+        v
+    }
+
+    fn ctx_create(&self, dev: c_int) -> Handle {
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(call!(self, cuCtxCreate_v2(&mut ctx, 0, dev) as fn(*mut Handle, c_uint, c_int)), SUCCESS);
+        ctx
+    }
+
+    fn set_current(&self, ctx: Handle) {
+        assert_eq!(call!(self, cuCtxSetCurrent(ctx) as fn(Handle)), SUCCESS);
+    }
+
+    fn mem_info(&self) -> (u64, u64) {
+        let (mut free, mut total) = (0usize, 0usize);
+        assert_eq!(call!(self, cuMemGetInfo_v2(&mut free, &mut total) as fn(*mut usize, *mut usize)), SUCCESS);
+        (free as u64, total as u64)
+    }
+
+    fn try_alloc(&self, bytes: u64) -> Result<CUdeviceptr, u32> {
+        let mut p = 0;
+        match call!(self, cuMemAlloc_v2(&mut p, bytes as usize) as fn(*mut CUdeviceptr, usize)) {
+            SUCCESS => Ok(p),
+            e => Err(e),
+        }
+    }
+
+    fn alloc(&self, bytes: u64) -> CUdeviceptr {
+        self.try_alloc(bytes).expect("cuMemAlloc")
+    }
+
+    fn free(&self, p: CUdeviceptr) {
+        assert_eq!(call!(self, cuMemFree_v2(p) as fn(CUdeviceptr)), SUCCESS);
+    }
+
+    fn htod(&self, dst: CUdeviceptr, src: &[u8]) -> u32 {
+        call!(self, cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) as fn(CUdeviceptr, *const c_void, usize))
+    }
+
+    fn dtoh(&self, dst: &mut [u8], src: CUdeviceptr) -> u32 {
+        call!(self, cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) as fn(*mut c_void, CUdeviceptr, usize))
+    }
+
+    /// Loads an image and returns the function `name` of it.
+    fn function(&self, image: &CStr, name: &str) -> Handle {
+        let mut module = std::ptr::null_mut();
+        assert_eq!(
+            call!(self, cuModuleLoadData(&mut module, image.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
+            SUCCESS
+        );
+        let mut f = std::ptr::null_mut();
+        let cname = CString::new(name).unwrap();
+        assert_eq!(
+            call!(self, cuModuleGetFunction(&mut f, module, cname.as_ptr()) as fn(*mut Handle, Handle, *const c_char)),
+            SUCCESS
+        );
+        f
+    }
+
+    fn launch(&self, f: Handle, stream: Handle) -> u32 {
+        let null: *mut *mut c_void = std::ptr::null_mut();
+        call!(
+            self,
+            cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, stream, null, null)
+                as fn(
+                    Handle,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    Handle,
+                    *mut *mut c_void,
+                    *mut *mut c_void,
+                )
+        )
+    }
+
+    fn stream(&self) -> Handle {
+        let mut s = std::ptr::null_mut();
+        assert_eq!(call!(self, cuStreamCreate(&mut s, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+        s
+    }
+
+    fn sync(&self, stream: Handle) -> u32 {
+        call!(self, cuStreamSynchronize(stream) as fn(Handle))
+    }
+
+    fn event(&self, flags: c_uint) -> Handle {
+        let mut e = std::ptr::null_mut();
+        assert_eq!(call!(self, cuEventCreate(&mut e, flags) as fn(*mut Handle, c_uint)), SUCCESS);
+        e
+    }
+
+    fn record(&self, event: Handle, stream: Handle) {
+        assert_eq!(call!(self, cuEventRecord(event, stream) as fn(Handle, Handle)), SUCCESS);
+    }
+
+    fn elapsed(&self, start: Handle, end: Handle) -> Result<f32, u32> {
+        let mut ms = -1.0f32;
+        match call!(self, cuEventElapsedTime(&mut ms, start, end) as fn(*mut f32, Handle, Handle)) {
+            SUCCESS => Ok(ms),
+            e => Err(e),
+        }
+    }
+}
+
+/// Opaque images: any function name resolves.
+const CUBIN: &CStr = c"\x7fELF opaque cubin";
+
+/// A second handle on the test's node, as another process (or `tessera-sim`) has.
+fn model(node: &SimNode) -> Node {
+    Node::open(node.description.as_deref(), Some(&node.state)).expect("open the node's state")
+}
+
+/// Sets or clears CUDA_VISIBLE_DEVICES for this (isolated, single-threaded) process, before cuInit.
+fn visible(v: Option<&str>) {
+    // SAFETY: called at the start of an isolated child's body, before any thread that reads the
+    // environment exists.
+    unsafe {
+        match v {
+            Some(v) => std::env::set_var("CUDA_VISIBLE_DEVICES", v),
+            None => std::env::remove_var("CUDA_VISIBLE_DEVICES"),
+        }
+    }
+}
+
+/// The model's 16 UUID bytes of a "GPU-…"/"MIG-…" string.
+fn uuid_bytes(s: &str) -> [u8; 16] {
+    let hex: String = s.split_once('-').unwrap().1.chars().filter(|c| c.is_ascii_hexdigit()).collect();
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
+
+#[test]
+fn default_node_enumerates_eight_h100() {
+    let node = SimNode::new();
+    node.run_isolated("default_node_enumerates_eight_h100", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        // Before cuInit: only the version and error strings answer.
+        let mut n = 0;
+        assert_eq!(call!(cu, cuDeviceGetCount(&mut n) as fn(*mut c_int)), NOT_INITIALIZED);
+        let mut v = 0;
+        assert_eq!(call!(cu, cuDriverGetVersion(&mut v) as fn(*mut c_int)), SUCCESS);
+        assert_eq!(v, 12080);
+        assert_eq!(call!(cu, cuInit(1) as fn(c_uint)), INVALID_VALUE);
+        cu.init();
+        assert_eq!(cu.device_count(), 8);
+        for dev in 0..8 {
+            assert_eq!(cu.name(dev), H100_NAME);
+            assert_eq!(cu.uuid(dev), uuid_bytes(&m.gpus()[dev as usize].uuid));
+        }
+        let mut d = 0;
+        assert_eq!(call!(cu, cuDeviceGet(&mut d, 8) as fn(*mut c_int, c_int)), INVALID_DEVICE);
+        assert_eq!(call!(cu, cuDeviceGet(std::ptr::null_mut(), 0) as fn(*mut c_int, c_int)), INVALID_VALUE);
+        // Attributes from the catalog.
+        assert_eq!(cu.attribute(16, 0), 132); // MULTIPROCESSOR_COUNT
+        assert_eq!((cu.attribute(75, 0), cu.attribute(76, 0)), (9, 0)); // compute capability
+        assert_eq!(cu.attribute(13, 0), 1_980_000); // CLOCK_RATE, kHz
+        assert_eq!(cu.attribute(36, 0), 2_619_000); // MEMORY_CLOCK_RATE, kHz
+        assert_eq!(cu.attribute(37, 0), 5120); // GLOBAL_MEMORY_BUS_WIDTH
+        assert_eq!(cu.attribute(38, 0), 52_428_800); // L2_CACHE_SIZE
+        assert_eq!(cu.attribute(10, 0), 32); // WARP_SIZE
+        assert_eq!(cu.attribute(1, 0), 1024); // MAX_THREADS_PER_BLOCK
+        assert_eq!(cu.attribute(97, 0), 232_448); // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        assert_eq!(cu.attribute(33, 0), 0x18); // PCI_BUS_ID
+        assert_eq!(cu.attribute(33, 7), 0xdb);
+        assert_eq!(cu.attribute(139, 0) as u32, 0x2330_10de); // GPU_PCI_DEVICE_ID
+        assert_eq!(cu.attribute(115, 0), 1); // MEMORY_POOLS_SUPPORTED
+        assert_eq!(cu.attribute(102, 0), 1); // VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        assert_eq!(cu.attribute(83, 0), 1); // MANAGED_MEMORY
+        assert_eq!(cu.attribute(41, 0), 1); // UNIFIED_ADDRESSING
+        let mut x = 0;
+        assert_eq!(call!(cu, cuDeviceGetAttribute(&mut x, 9999, 0) as fn(*mut c_int, c_int, c_int)), INVALID_VALUE);
+        assert_eq!(call!(cu, cuDeviceGetAttribute(&mut x, 138, 0) as fn(*mut c_int, c_int, c_int)), INVALID_VALUE);
+        // Memory, compute capability, PCI identity, peers.
+        let mut total = 0usize;
+        assert_eq!(call!(cu, cuDeviceTotalMem_v2(&mut total, 3) as fn(*mut usize, c_int)), SUCCESS);
+        assert_eq!(total as u64, H100_MEMORY);
+        let (mut major, mut minor) = (0, 0);
+        assert_eq!(
+            call!(cu, cuDeviceComputeCapability(&mut major, &mut minor, 0) as fn(*mut c_int, *mut c_int, c_int)),
+            SUCCESS
+        );
+        assert_eq!((major, minor), (9, 0));
+        let mut bus = [0 as c_char; 32];
+        assert_eq!(call!(cu, cuDeviceGetPCIBusId(bus.as_mut_ptr(), 32, 2) as fn(*mut c_char, c_int, c_int)), SUCCESS);
+        // SAFETY: NUL-terminated by the driver.
+        let bus_id = unsafe { CStr::from_ptr(bus.as_ptr()) }.to_str().unwrap().to_string();
+        assert_eq!(bus_id, "0000:3a:00.0");
+        let mut back = -1;
+        assert_eq!(call!(cu, cuDeviceGetByPCIBusId(&mut back, bus.as_ptr()) as fn(*mut c_int, *const c_char)), SUCCESS);
+        assert_eq!(back, 2);
+        let mut can = -1;
+        assert_eq!(call!(cu, cuDeviceCanAccessPeer(&mut can, 0, 7) as fn(*mut c_int, c_int, c_int)), SUCCESS);
+        assert_eq!(can, 1);
+        assert_eq!(
+            call!(cu, cuDeviceGetP2PAttribute(&mut can, 3, 0, 7) as fn(*mut c_int, c_int, c_int, c_int)),
+            SUCCESS
+        );
+        assert_eq!(can, 1, "NVLink carries native atomics");
+        // Error names and strings, for every code, and none for a made-up one.
+        let mut s: *const c_char = std::ptr::null();
+        assert_eq!(call!(cu, cuGetErrorName(719, &mut s) as fn(c_uint, *mut *const c_char)), SUCCESS);
+        // SAFETY: a static string of the driver.
+        assert_eq!(unsafe { CStr::from_ptr(s) }.to_str().unwrap(), "CUDA_ERROR_LAUNCH_FAILED");
+        assert_eq!(call!(cu, cuGetErrorString(2, &mut s) as fn(c_uint, *mut *const c_char)), SUCCESS);
+        // SAFETY: as above.
+        assert_eq!(unsafe { CStr::from_ptr(s) }.to_str().unwrap(), "out of memory");
+        assert_eq!(call!(cu, cuGetErrorString(12345, &mut s) as fn(c_uint, *mut *const c_char)), INVALID_VALUE);
+        assert!(s.is_null());
+    });
+}
+
+#[test]
+fn visible_devices_reorder_and_filter() {
+    let node = SimNode::new();
+    node.run_isolated("visible_devices_reorder_and_filter", || {
+        let m = model(&node);
+        let uuid = |i: usize| m.gpus()[i].uuid.clone();
+        // A full UUID, an index, and a unique UUID prefix, in that order.
+        visible(Some(&format!("{},1,{}", uuid(3), &uuid(5)[..12])));
+        let cu = Cuda::load(&node);
+        cu.init();
+        assert_eq!(cu.device_count(), 3);
+        let order: Vec<[u8; 16]> = (0..3).map(|d| cu.uuid(d)).collect();
+        assert_eq!(order, vec![uuid_bytes(&uuid(3)), uuid_bytes(&uuid(1)), uuid_bytes(&uuid(5))]);
+        assert_eq!(cu.attribute(33, 0), 0x5d); // PCI bus of GPU 3
+    });
+}
+
+#[test]
+fn visible_devices_end_at_an_unknown_entry() {
+    let node = SimNode::new();
+    node.run_isolated("visible_devices_end_at_an_unknown_entry", || {
+        visible(Some("6,GPU-ffffffff-0000-0000-0000-000000000000,2"));
+        let cu = Cuda::load(&node);
+        cu.init();
+        assert_eq!(cu.device_count(), 1);
+        assert_eq!(cu.attribute(33, 0), 0xba); // GPU 6
+    });
+}
+
+#[test]
+fn visible_devices_empty_hides_every_device() {
+    let node = SimNode::new();
+    node.run_isolated("visible_devices_empty_hides_every_device", || {
+        visible(Some(""));
+        let cu = Cuda::load(&node);
+        assert_eq!(call!(cu, cuInit(0) as fn(c_uint)), NO_DEVICE);
+        let mut n = 0;
+        assert_eq!(call!(cu, cuDeviceGetCount(&mut n) as fn(*mut c_int)), NOT_INITIALIZED);
+    });
+}
+
+#[test]
+fn mem_get_info_moves_by_exactly_what_is_allocated() {
+    let node = SimNode::new();
+    node.run_isolated("mem_get_info_moves_by_exactly_what_is_allocated", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        let mut dummy = 0;
+        assert_eq!(call!(cu, cuMemAlloc_v2(&mut dummy, 16) as fn(*mut CUdeviceptr, usize)), INVALID_CONTEXT);
+        let before = m.memory_info(0, 0).unwrap();
+        assert_eq!(before.used, 0);
+        cu.ctx_create(0);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD, "a context charges its overhead");
+        let (free0, total) = cu.mem_info();
+        assert_eq!(total, H100_MEMORY);
+        assert_eq!(free0, H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD);
+        let sizes = [1u64, 4096, 100 * MIB + 3, 3 * GIB];
+        let mut ptrs = Vec::new();
+        let mut held = 0;
+        for s in sizes {
+            ptrs.push(cu.alloc(s));
+            held += s;
+            assert_eq!(cu.mem_info().0, free0 - held);
+            assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD + held);
+        }
+        assert_eq!(cu.try_alloc(0), Err(INVALID_VALUE));
+        for p in ptrs {
+            cu.free(p);
+        }
+        assert_eq!(cu.mem_info().0, free0);
+        assert_eq!(call!(cu, cuMemFree_v2(12345) as fn(CUdeviceptr)), INVALID_VALUE);
+        // The legacy 32-bit entry points work on the same accounting.
+        let (mut f32_, mut t32) = (0u32, 0u32);
+        assert_eq!(call!(cu, cuMemGetInfo(&mut f32_, &mut t32) as fn(*mut c_uint, *mut c_uint)), SUCCESS);
+        assert_eq!((f32_, t32), (u32::MAX, u32::MAX));
+        let mut small = 0u32;
+        assert_eq!(call!(cu, cuMemAlloc(&mut small, 1024) as fn(*mut c_uint, c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, free0 - 1024);
+        assert_eq!(call!(cu, cuMemFree(small) as fn(c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, free0);
+    });
+}
+
+#[test]
+fn out_of_memory_at_the_physical_size_leaks_nothing() {
+    let node = SimNode::new();
+    node.run_isolated("out_of_memory_at_the_physical_size_leaks_nothing", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let (free, _) = cu.mem_info();
+        assert_eq!(cu.try_alloc(free + 1), Err(OUT_OF_MEMORY));
+        assert_eq!(cu.mem_info().0, free, "a refused allocation holds nothing");
+        let all = cu.alloc(free);
+        assert_eq!(cu.mem_info().0, 0);
+        assert_eq!(cu.try_alloc(1), Err(OUT_OF_MEMORY));
+        let mut s = std::ptr::null_mut();
+        // Other families are refused too, and leave nothing behind.
+        let mut p = 0;
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), OUT_OF_MEMORY);
+        assert_eq!(call!(cu, cuStreamCreate(&mut s, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+        assert_eq!(call!(cu, cuMemAllocAsync(&mut p, 4096, s) as fn(*mut CUdeviceptr, usize, Handle)), OUT_OF_MEMORY);
+        let mut c2 = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxCreate_v2(&mut c2, 0, 0) as fn(*mut Handle, c_uint, c_int)), OUT_OF_MEMORY);
+        cu.free(all);
+        assert_eq!(cu.mem_info().0, free);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
+    });
+}
+
+/// `CUmemAllocationProp` for pinned device memory on `dev`.
+fn vmm_prop(dev: c_int) -> [u8; 32] {
+    let mut p = [0u8; 32];
+    p[0..4].copy_from_slice(&1u32.to_ne_bytes()); // CU_MEM_ALLOCATION_TYPE_PINNED
+    p[8..12].copy_from_slice(&1u32.to_ne_bytes()); // CU_MEM_LOCATION_TYPE_DEVICE
+    p[12..16].copy_from_slice(&dev.to_ne_bytes());
+    p
+}
+
+#[test]
+fn every_allocation_family_is_charged_and_refunded() {
+    let node = SimNode::new();
+    node.run_isolated("every_allocation_family_is_charged_and_refunded", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(1);
+        let used = || m.memory_info(1, 0).unwrap().used;
+        let (free0, _) = cu.mem_info();
+        let base = used();
+        let check = |what: &str, bytes: u64| {
+            assert_eq!(cu.mem_info().0, free0 - bytes, "{what}: cuMemGetInfo");
+            assert_eq!(used(), base + bytes, "{what}: the model");
+        };
+        // Pitched: rows of 1000 bytes take 1024.
+        let (mut p, mut pitch) = (0, 0usize);
+        assert_eq!(
+            call!(
+                cu,
+                cuMemAllocPitch_v2(&mut p, &mut pitch, 1000, 300, 4)
+                    as fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint)
+            ),
+            SUCCESS
+        );
+        assert_eq!(pitch, 1024);
+        check("pitch", 1024 * 300);
+        cu.free(p);
+        check("pitch freed", 0);
+        // Managed.
+        assert_eq!(
+            call!(cu, cuMemAllocManaged(&mut p, 5 * MIB as usize, 1) as fn(*mut CUdeviceptr, usize, c_uint)),
+            SUCCESS
+        );
+        check("managed", 5 * MIB);
+        cu.free(p);
+        check("managed freed", 0);
+        // Stream-ordered, from the default pool and from a pool of our own.
+        let s = cu.stream();
+        assert_eq!(
+            call!(cu, cuMemAllocAsync(&mut p, 7 * MIB as usize, s) as fn(*mut CUdeviceptr, usize, Handle)),
+            SUCCESS
+        );
+        check("async", 7 * MIB);
+        let mut pool = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuDeviceGetMemPool(&mut pool, 1) as fn(*mut Handle, c_int)), SUCCESS);
+        let mut used_pool = 0u64;
+        assert_eq!(
+            call!(
+                cu,
+                cuMemPoolGetAttribute(pool, 7, (&mut used_pool as *mut u64).cast()) as fn(Handle, c_int, *mut c_void)
+            ),
+            SUCCESS
+        );
+        assert_eq!(used_pool, 7 * MIB);
+        assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        check("async freed", 0);
+        let mut props = [0u8; 88];
+        props[0..4].copy_from_slice(&1u32.to_ne_bytes()); // PINNED
+        props[8..12].copy_from_slice(&1u32.to_ne_bytes()); // DEVICE
+        props[12..16].copy_from_slice(&1i32.to_ne_bytes()); // device 1
+        let mut own = std::ptr::null_mut();
+        assert_eq!(
+            call!(cu, cuMemPoolCreate(&mut own, props.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
+            SUCCESS
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuMemAllocFromPoolAsync(&mut p, 3 * MIB as usize, own, s)
+                    as fn(*mut CUdeviceptr, usize, Handle, Handle)
+            ),
+            SUCCESS
+        );
+        check("from pool", 3 * MIB);
+        assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuMemPoolDestroy(own) as fn(Handle)), SUCCESS);
+        check("from pool freed", 0);
+        // Virtual memory management: charged on create, refunded on release.
+        let prop = vmm_prop(1);
+        let mut gran = 0usize;
+        assert_eq!(
+            call!(
+                cu,
+                cuMemGetAllocationGranularity(&mut gran, prop.as_ptr().cast(), 0)
+                    as fn(*mut usize, *const c_void, c_int)
+            ),
+            SUCCESS
+        );
+        assert_eq!(gran as u64, 2 * MIB);
+        let mut h = 0u64;
+        assert_eq!(
+            call!(
+                cu,
+                cuMemCreate(&mut h, 3 * MIB as usize, prop.as_ptr().cast(), 0)
+                    as fn(*mut u64, usize, *const c_void, u64)
+            ),
+            INVALID_VALUE
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuMemCreate(&mut h, 4 * MIB as usize, prop.as_ptr().cast(), 0)
+                    as fn(*mut u64, usize, *const c_void, u64)
+            ),
+            SUCCESS
+        );
+        check("cuMemCreate", 4 * MIB);
+        assert_eq!(call!(cu, cuMemRelease(h) as fn(u64)), SUCCESS);
+        check("cuMemRelease", 0);
+        // Arrays: 64 x 32 float4.
+        let desc: [usize; 3] = [64, 32, (0x20usize) | (4usize << 32)];
+        let mut arr = std::ptr::null_mut();
+        assert_eq!(
+            call!(cu, cuArrayCreate_v2(&mut arr, desc.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
+            SUCCESS
+        );
+        check("array", 64 * 32 * 16);
+        assert_eq!(call!(cu, cuArrayDestroy(arr) as fn(Handle)), SUCCESS);
+        check("array destroyed", 0);
+        // Pinned host memory is host memory: not charged.
+        let mut host = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuMemAllocHost_v2(&mut host, 8 * MIB as usize) as fn(*mut *mut c_void, usize)), SUCCESS);
+        check("pinned host", 0);
+        let mut ty = 0u32;
+        assert_eq!(
+            call!(
+                cu,
+                cuPointerGetAttribute((&mut ty as *mut u32).cast(), 2, host as u64)
+                    as fn(*mut c_void, c_int, CUdeviceptr)
+            ),
+            SUCCESS
+        );
+        assert_eq!(ty, 1, "CU_MEMORYTYPE_HOST");
+        assert_eq!(call!(cu, cuMemFreeHost(host) as fn(*mut c_void)), SUCCESS);
+        // A second context on the device charges its own overhead; destroying it refunds it.
+        let c2 = cu.ctx_create(1);
+        check("second context", CONTEXT_OVERHEAD);
+        let _leaked = cu.alloc(MIB);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(c2) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), base, "a context's memory goes with it");
+    });
+}
+
+#[test]
+fn copies_and_memsets_move_real_bytes() {
+    let node = SimNode::new();
+    node.run_isolated("copies_and_memsets_move_real_bytes", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (a, b) = (cu.alloc(4096), cu.alloc(4096));
+        assert_eq!(cu.htod(a, &data), SUCCESS);
+        assert_eq!(call!(cu, cuMemcpyDtoD_v2(b, a, 4096) as fn(CUdeviceptr, CUdeviceptr, usize)), SUCCESS);
+        let mut back = vec![0u8; 4096];
+        assert_eq!(cu.dtoh(&mut back, b), SUCCESS);
+        assert_eq!(back, data);
+        // Unified addressing: cuMemcpy between host and device memory.
+        let mut again = vec![0u8; 4096];
+        assert_eq!(
+            call!(cu, cuMemcpy(again.as_mut_ptr() as u64, a, 4096) as fn(CUdeviceptr, CUdeviceptr, usize)),
+            SUCCESS
+        );
+        assert_eq!(again, data);
+        // Memsets of each width.
+        assert_eq!(call!(cu, cuMemsetD8_v2(a, 0xab, 10) as fn(CUdeviceptr, u8, usize)), SUCCESS);
+        assert_eq!(call!(cu, cuMemsetD16_v2(a + 16, 0x1234, 4) as fn(CUdeviceptr, u16, usize)), SUCCESS);
+        assert_eq!(call!(cu, cuMemsetD32_v2(a + 32, 0xdead_beef, 2) as fn(CUdeviceptr, u32, usize)), SUCCESS);
+        assert_eq!(call!(cu, cuMemsetD32_v2(a + 1, 0, 2) as fn(CUdeviceptr, u32, usize)), INVALID_VALUE, "misaligned");
+        assert_eq!(cu.dtoh(&mut back, a), SUCCESS);
+        assert_eq!(&back[..10], &[0xab; 10]);
+        assert_eq!(back[10], data[10]);
+        assert_eq!(&back[16..24], &[0x34, 0x12, 0x34, 0x12, 0x34, 0x12, 0x34, 0x12]);
+        assert_eq!(&back[32..40], &[0xef, 0xbe, 0xad, 0xde, 0xef, 0xbe, 0xad, 0xde]);
+        // Asynchronous copies on a stream.
+        let s = cu.stream();
+        let src = vec![0x5au8; 1000];
+        assert_eq!(
+            call!(
+                cu,
+                cuMemcpyHtoDAsync_v2(b, src.as_ptr().cast(), 1000, s) as fn(CUdeviceptr, *const c_void, usize, Handle)
+            ),
+            SUCCESS
+        );
+        let mut out = vec![0u8; 1000];
+        assert_eq!(
+            call!(
+                cu,
+                cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), b, 1000, s)
+                    as fn(*mut c_void, CUdeviceptr, usize, Handle)
+            ),
+            SUCCESS
+        );
+        assert_eq!(cu.sync(s), SUCCESS);
+        assert_eq!(out, src);
+        // A 2D copy: 4 rows of 8 bytes out of rows 64 bytes apart.
+        let mut copy2d = [0u8; 128];
+        let field = |buf: &mut [u8; 128], off: usize, v: u64| buf[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        field(&mut copy2d, 0, 0); // srcXInBytes
+        field(&mut copy2d, 8, 1); // srcY
+        copy2d[16..20].copy_from_slice(&2u32.to_ne_bytes()); // srcMemoryType: device
+        field(&mut copy2d, 32, a); // srcDevice
+        field(&mut copy2d, 48, 64); // srcPitch
+        copy2d[72..76].copy_from_slice(&1u32.to_ne_bytes()); // dstMemoryType: host
+        let mut dst2d = [0u8; 32];
+        field(&mut copy2d, 80, dst2d.as_mut_ptr() as u64); // dstHost
+        field(&mut copy2d, 104, 8); // dstPitch
+        field(&mut copy2d, 112, 8); // WidthInBytes
+        field(&mut copy2d, 120, 4); // Height
+        assert_eq!(cu.htod(a, &data), SUCCESS);
+        assert_eq!(call!(cu, cuMemcpy2D_v2(copy2d.as_ptr().cast()) as fn(*const c_void)), SUCCESS);
+        for r in 0..4 {
+            assert_eq!(&dst2d[r * 8..r * 8 + 8], &data[(r + 1) * 64..(r + 1) * 64 + 8]);
+        }
+        // Outside what was allocated: refused, nothing written.
+        assert_eq!(cu.htod(a + 4000, &data[..200]), INVALID_VALUE);
+        assert_eq!(cu.htod(0xdead_0000, &data[..8]), INVALID_VALUE);
+        assert_eq!(cu.dtoh(&mut back[..8], 0xdead_0000), INVALID_VALUE);
+        // Virtual memory: one physical allocation mapped twice shows the same bytes; without
+        // access a copy is refused.
+        let prop = vmm_prop(0);
+        let mut h = 0u64;
+        assert_eq!(
+            call!(
+                cu,
+                cuMemCreate(&mut h, 2 * MIB as usize, prop.as_ptr().cast(), 0)
+                    as fn(*mut u64, usize, *const c_void, u64)
+            ),
+            SUCCESS
+        );
+        let mut va = 0u64;
+        assert_eq!(
+            call!(cu, cuMemAddressReserve(&mut va, 4 * MIB as usize, 0, 0, 0) as fn(*mut u64, usize, usize, u64, u64)),
+            SUCCESS
+        );
+        let map = |at: u64| call!(cu, cuMemMap(at, 2 * MIB as usize, 0, h, 0) as fn(u64, usize, usize, u64, u64));
+        assert_eq!(map(va), SUCCESS);
+        assert_eq!(map(va + 2 * MIB), SUCCESS);
+        assert_eq!(cu.htod(va, &data[..64]), INVALID_VALUE, "mapped without access");
+        let mut access = [0u8; 12];
+        access[0..4].copy_from_slice(&1u32.to_ne_bytes()); // DEVICE
+        access[8..12].copy_from_slice(&3u32.to_ne_bytes()); // READWRITE
+        assert_eq!(
+            call!(
+                cu,
+                cuMemSetAccess(va, 4 * MIB as usize, access.as_ptr().cast(), 1) as fn(u64, usize, *const c_void, usize)
+            ),
+            SUCCESS
+        );
+        assert_eq!(cu.htod(va, &data[..64]), SUCCESS);
+        let mut alias = [0u8; 64];
+        assert_eq!(cu.dtoh(&mut alias, va + 2 * MIB), SUCCESS);
+        assert_eq!(&alias[..], &data[..64]);
+        assert_eq!(call!(cu, cuMemUnmap(va, 4 * MIB as usize) as fn(u64, usize)), SUCCESS);
+        assert_eq!(cu.dtoh(&mut alias, va), INVALID_VALUE, "unmapped");
+        assert_eq!(call!(cu, cuMemRelease(h) as fn(u64)), SUCCESS);
+        assert_eq!(call!(cu, cuMemAddressFree(va, 4 * MIB as usize) as fn(u64, usize)), SUCCESS);
+    });
+}
+
+#[test]
+fn kernel_time_shows_in_events_and_waits() {
+    let node = SimNode::new();
+    node.run_isolated("kernel_time_shows_in_events_and_waits", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let k = cu.function(CUBIN, "k_2ms");
+        let s = cu.stream();
+        let (start, end) = (cu.event(0), cu.event(0));
+        cu.record(start, s);
+        let t0 = Instant::now();
+        assert_eq!(cu.launch(k, s), SUCCESS);
+        cu.record(end, s);
+        assert_eq!(call!(cu, cuEventQuery(end) as fn(Handle)), NOT_READY);
+        assert_eq!(call!(cu, cuStreamQuery(s) as fn(Handle)), NOT_READY);
+        assert_eq!(cu.elapsed(start, end), Err(NOT_READY));
+        assert_eq!(cu.sync(s), SUCCESS);
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_micros(1900), "cuStreamSynchronize returned after {waited:?}");
+        assert_eq!(call!(cu, cuStreamQuery(s) as fn(Handle)), SUCCESS);
+        let ms = cu.elapsed(start, end).unwrap();
+        assert!((1.95..2.6).contains(&ms), "elapsed {ms} ms");
+        // The legacy default stream, and a C++-mangled name with a duration.
+        let k2 = cu.function(CUBIN, "_Z10spin_500usPf");
+        cu.record(start, std::ptr::null_mut());
+        assert_eq!(cu.launch(k2, std::ptr::null_mut()), SUCCESS);
+        cu.record(end, std::ptr::null_mut());
+        assert_eq!(call!(cu, cuEventSynchronize(end) as fn(Handle)), SUCCESS);
+        let ms = cu.elapsed(start, end).unwrap();
+        assert!((0.45..1.1).contains(&ms), "elapsed {ms} ms");
+        // Timing disabled, or never recorded: no elapsed time.
+        let untimed = cu.event(2);
+        cu.record(untimed, s);
+        assert_eq!(cu.elapsed(start, untimed), Err(INVALID_HANDLE));
+        assert_eq!(cu.elapsed(start, cu.event(0)), Err(INVALID_HANDLE));
+        // Bad launches.
+        let null: *mut *mut c_void = std::ptr::null_mut();
+        let launch = |f: Handle, bx: c_uint| {
+            call!(
+                cu,
+                cuLaunchKernel(f, 1, 1, 1, bx, 1, 1, 0, s, null, null)
+                    as fn(
+                        Handle,
+                        c_uint,
+                        c_uint,
+                        c_uint,
+                        c_uint,
+                        c_uint,
+                        c_uint,
+                        c_uint,
+                        Handle,
+                        *mut *mut c_void,
+                        *mut *mut c_void,
+                    )
+            )
+        };
+        assert_eq!(launch(k, 2048), INVALID_VALUE, "more threads than a block holds");
+        assert_eq!(launch(0x1234 as Handle, 32), INVALID_HANDLE);
+        assert_eq!(cu.launch(k, 0x5678 as Handle), INVALID_HANDLE, "a made-up stream");
+        // PTX text is read for what it declares.
+        let ptx = c".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry work_3us(\n)\n{\n ret;\n}\n";
+        let mut module = std::ptr::null_mut();
+        assert_eq!(
+            call!(cu, cuModuleLoadData(&mut module, ptx.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
+            SUCCESS
+        );
+        let mut f = std::ptr::null_mut();
+        assert_eq!(
+            call!(
+                cu,
+                cuModuleGetFunction(&mut f, module, c"work_3us".as_ptr()) as fn(*mut Handle, Handle, *const c_char)
+            ),
+            SUCCESS
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuModuleGetFunction(&mut f, module, c"missing".as_ptr()) as fn(*mut Handle, Handle, *const c_char)
+            ),
+            NOT_FOUND
+        );
+        let mut name: *const c_char = std::ptr::null();
+        let k_name = cu.function(CUBIN, "k_2ms");
+        assert_eq!(call!(cu, cuFuncGetName(&mut name, k_name) as fn(*mut *const c_char, Handle)), SUCCESS);
+        // SAFETY: the name lives as long as the function's module.
+        assert_eq!(unsafe { CStr::from_ptr(name) }.to_str().unwrap(), "k_2ms");
+        let mut regs = 0;
+        assert_eq!(call!(cu, cuFuncGetAttribute(&mut regs, 6, k_name) as fn(*mut c_int, c_int, Handle)), SUCCESS);
+        assert_eq!(regs, 90, "BINARY_VERSION of a compute capability 9.0 device");
+        // Host functions run after the work before them.
+        static RAN_AT: AtomicU64 = AtomicU64::new(0);
+        extern "C" fn mark(start: *mut c_void) {
+            // SAFETY: the test passes a pointer to its Instant, alive until the stream is synchronized.
+            let t0 = unsafe { &*(start as *const Instant) };
+            RAN_AT.store(t0.elapsed().as_micros() as u64, Ordering::SeqCst);
+        }
+        let t0 = Instant::now();
+        assert_eq!(cu.launch(k, s), SUCCESS);
+        let f: Option<extern "C" fn(*mut c_void)> = Some(mark);
+        assert_eq!(
+            call!(
+                cu,
+                cuLaunchHostFunc(s, f, (&t0 as *const Instant).cast_mut().cast())
+                    as fn(Handle, Option<extern "C" fn(*mut c_void)>, *mut c_void)
+            ),
+            SUCCESS
+        );
+        assert_eq!(cu.sync(s), SUCCESS);
+        let at = RAN_AT.load(Ordering::SeqCst);
+        assert!(at >= 1900, "the host function ran {at} us after the launch");
+    });
+}
+
+#[test]
+fn two_processes_share_a_gpu_by_time_slicing() {
+    const NAME: &str = "two_processes_share_a_gpu_by_time_slicing";
+    let node = SimNode::new();
+    if tessera_sim_testkit::in_child() {
+        node.run_isolated(NAME, || {
+            visible(None);
+            let cu = Cuda::load(&node);
+            cu.init();
+            cu.ctx_create(0);
+            let k = cu.function(CUBIN, "k_4ms");
+            let s = cu.stream();
+            let (start, end) = (cu.event(0), cu.event(0));
+            // Start together with the other process.
+            std::fs::write(node.root.join(format!("ready-{}", std::process::id())), b"").unwrap();
+            let t = Instant::now();
+            while std::fs::read_dir(&node.root)
+                .unwrap()
+                .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("ready-"))
+                .count()
+                < 2
+            {
+                assert!(t.elapsed() < Duration::from_secs(20), "the other process never started");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            cu.record(start, s);
+            for _ in 0..25 {
+                assert_eq!(cu.launch(k, s), SUCCESS);
+            }
+            cu.record(end, s);
+            assert_eq!(cu.sync(s), SUCCESS);
+            // 100 ms of work, sharing the GPU with 100 ms of the other's: about twice as long.
+            let ms = cu.elapsed(start, end).unwrap();
+            assert!((150.0..260.0).contains(&ms), "100 ms of kernels took {ms} ms on a shared GPU");
+        });
+        return;
+    }
+    std::thread::scope(|s| {
+        let a = s.spawn(|| node.run_isolated(NAME, || {}));
+        let b = s.spawn(|| node.run_isolated(NAME, || {}));
+        a.join().unwrap();
+        b.join().unwrap();
+    });
+}
+
+#[test]
+fn proc_address_resolves_versions_and_default_stream_flavours() {
+    let node = SimNode::new();
+    node.run_isolated("proc_address_resolves_versions_and_default_stream_flavours", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> u32;
+        let get: GetProc = cu.sym("cuGetProcAddress_v2");
+        let resolve = |name: &str, version: c_int, flags: u64| {
+            let cname = CString::new(name).unwrap();
+            let (mut p, mut status) = (std::ptr::null_mut(), -1);
+            // SAFETY: the cuGetProcAddress_v2 signature, with valid pointers.
+            let r = unsafe { get(cname.as_ptr(), &mut p, version, flags, &mut status) };
+            (r, p, status)
+        };
+        // Before cuInit, as runtimes look cuInit itself up.
+        assert_eq!(resolve("cuInit", 12080, 0), (SUCCESS, cu.addr("cuInit"), 0));
+        cu.init();
+        assert_eq!(resolve("cuMemAlloc", 12000, 0).1, cu.addr("cuMemAlloc_v2"));
+        assert_eq!(resolve("cuMemAlloc", 3020, 0).1, cu.addr("cuMemAlloc_v2"));
+        assert_eq!(resolve("cuMemAlloc", 2000, 0).1, cu.addr("cuMemAlloc"));
+        assert_eq!(resolve("cuCtxCreate", 3020, 0).1, cu.addr("cuCtxCreate_v2"));
+        assert_eq!(resolve("cuCtxCreate", 12050, 0).1, cu.addr("cuCtxCreate_v4"));
+        assert_eq!(resolve("cuCtxDestroy", 12080, 0).1, cu.addr("cuCtxDestroy_v2"));
+        assert_eq!(resolve("cuGetProcAddress", 12000, 0).1, cu.addr("cuGetProcAddress_v2"));
+        assert_eq!(resolve("cuEventElapsedTime", 12080, 0).1, cu.addr("cuEventElapsedTime_v2"));
+        assert_eq!(resolve("cuGraphInstantiate", 12000, 0).1, cu.addr("cuGraphInstantiateWithFlags"));
+        // Per-thread default stream flavours.
+        assert_eq!(resolve("cuLaunchKernel", 12000, 2).1, cu.addr("cuLaunchKernel_ptsz"));
+        assert_eq!(resolve("cuLaunchKernel", 12000, 1).1, cu.addr("cuLaunchKernel"));
+        assert_eq!(resolve("cuLaunchKernel", 12000, 0).1, cu.addr("cuLaunchKernel"));
+        assert_eq!(resolve("cuMemcpyHtoD", 12000, 2).1, cu.addr("cuMemcpyHtoD_v2_ptds"));
+        assert_eq!(resolve("cuMemcpyAsync", 12000, 2).1, cu.addr("cuMemcpyAsync_ptsz"));
+        assert_eq!(resolve("cuStreamSynchronize", 12000, 2).1, cu.addr("cuStreamSynchronize_ptsz"));
+        assert_eq!(resolve("cuEventRecord", 12000, 2).1, cu.addr("cuEventRecord_ptsz"));
+        assert_eq!(resolve("cuStreamBeginCapture", 12000, 2).1, cu.addr("cuStreamBeginCapture_v2_ptsz"));
+        assert_eq!(resolve("cuLaunchKernel", 6050, 2).1, cu.addr("cuLaunchKernel"), "no per-thread streams before 7.0");
+        // Unknown names, versions too old for a name, and bad flags.
+        assert_eq!(resolve("cuNoSuchFunction", 12080, 0), (NOT_FOUND, std::ptr::null_mut(), 1));
+        assert_eq!(resolve("cuLaunchKernelEx", 11000, 0), (NOT_FOUND, std::ptr::null_mut(), 2));
+        assert_eq!(resolve("cuMemAlloc_v2", 12080, 0).0, NOT_FOUND, "base names only");
+        assert_eq!(resolve("cuInit", 12080, 7).0, INVALID_VALUE);
+        // The CUDA 11.3 entry point (no status).
+        let mut p = std::ptr::null_mut();
+        assert_eq!(
+            call!(
+                cu,
+                cuGetProcAddress(c"cuStreamQuery".as_ptr(), &mut p, 11030, 2)
+                    as fn(*const c_char, *mut *mut c_void, c_int, u64)
+            ),
+            SUCCESS
+        );
+        assert_eq!(p, cu.addr("cuStreamQuery_ptsz"));
+        // What cuGetProcAddress hands out works.
+        let (_, f, _) = resolve("cuDeviceGetCount", 12080, 0);
+        // SAFETY: cuDeviceGetCount's signature.
+        let f: unsafe extern "C" fn(*mut c_int) -> u32 = unsafe { std::mem::transmute(f) };
+        let mut n = 0;
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { f(&mut n) }, SUCCESS);
+        assert_eq!(n, 8);
+        let mut table: *const c_void = std::ptr::null();
+        let id = [0u8; 16];
+        assert_eq!(
+            call!(cu, cuGetExportTable(&mut table, id.as_ptr().cast()) as fn(*mut *const c_void, *const c_void)),
+            NOT_SUPPORTED
+        );
+    });
+}
+
+#[test]
+fn a_captured_graph_replays_in_order() {
+    let node = SimNode::new();
+    node.run_isolated("a_captured_graph_replays_in_order", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let k = cu.function(CUBIN, "k_1ms");
+        // Non-blocking, so that synchronous copies on the legacy stream do not wait on the capture.
+        let mut s = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuStreamCreate(&mut s, 1) as fn(*mut Handle, c_uint)), SUCCESS);
+        let buf = cu.alloc(64);
+        assert_eq!(call!(cu, cuMemsetD8_v2(buf, 0, 64) as fn(CUdeviceptr, u8, usize)), SUCCESS);
+        assert_eq!(call!(cu, cuStreamBeginCapture_v2(s, 0) as fn(Handle, c_uint)), SUCCESS);
+        assert_eq!(call!(cu, cuStreamBeginCapture_v2(s, 0) as fn(Handle, c_uint)), 401, "already capturing");
+        for _ in 0..3 {
+            assert_eq!(cu.launch(k, s), SUCCESS);
+        }
+        assert_eq!(call!(cu, cuMemsetD8Async(buf, 0x77, 64, s) as fn(CUdeviceptr, u8, usize, Handle)), SUCCESS);
+        let mut status = 9u32;
+        assert_eq!(call!(cu, cuStreamIsCapturing(s, &mut status) as fn(Handle, *mut c_uint)), SUCCESS);
+        assert_eq!(status, 1, "CU_STREAM_CAPTURE_STATUS_ACTIVE");
+        let (mut id, mut graph, mut deps, mut ndeps) = (0u64, std::ptr::null_mut(), std::ptr::null::<Handle>(), 0usize);
+        assert_eq!(
+            call!(
+                cu,
+                cuStreamGetCaptureInfo_v2(s, &mut status, &mut id, &mut graph, &mut deps, &mut ndeps)
+                    as fn(Handle, *mut c_uint, *mut u64, *mut Handle, *mut *const Handle, *mut usize)
+            ),
+            SUCCESS
+        );
+        assert!(id > 0 && !graph.is_null());
+        assert_eq!(ndeps, 1);
+        // Nothing ran while capturing.
+        let mut byte = [0u8; 1];
+        assert_eq!(cu.dtoh(&mut byte, buf), SUCCESS);
+        assert_eq!(byte[0], 0, "the captured memset has not run");
+        let mut captured = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuStreamEndCapture(s, &mut captured) as fn(Handle, *mut Handle)), SUCCESS);
+        assert_eq!(captured, graph);
+        assert_eq!(call!(cu, cuStreamQuery(s) as fn(Handle)), SUCCESS);
+        let mut n = 0usize;
+        assert_eq!(
+            call!(cu, cuGraphGetNodes(captured, std::ptr::null_mut(), &mut n) as fn(Handle, *mut Handle, *mut usize)),
+            SUCCESS
+        );
+        assert_eq!(n, 4);
+        let mut nodes = [std::ptr::null_mut(); 4];
+        assert_eq!(
+            call!(cu, cuGraphGetNodes(captured, nodes.as_mut_ptr(), &mut n) as fn(Handle, *mut Handle, *mut usize)),
+            SUCCESS
+        );
+        let mut ty = -1;
+        assert_eq!(call!(cu, cuGraphNodeGetType(nodes[3], &mut ty) as fn(Handle, *mut c_int)), SUCCESS);
+        assert_eq!(ty, 2, "CU_GRAPH_NODE_TYPE_MEMSET");
+        let mut exec = std::ptr::null_mut();
+        assert_eq!(
+            call!(cu, cuGraphInstantiateWithFlags(&mut exec, captured, 0) as fn(*mut Handle, Handle, u64)),
+            SUCCESS
+        );
+        // Two replays: 6 ms of kernels, in order on the stream, then the memset.
+        let (start, end) = (cu.event(0), cu.event(0));
+        cu.record(start, s);
+        for _ in 0..2 {
+            assert_eq!(call!(cu, cuGraphLaunch(exec, s) as fn(Handle, Handle)), SUCCESS);
+        }
+        cu.record(end, s);
+        assert_eq!(cu.sync(s), SUCCESS);
+        let ms = cu.elapsed(start, end).unwrap();
+        assert!((5.9..7.2).contains(&ms), "two replays of 3 x 1 ms took {ms} ms");
+        assert_eq!(cu.dtoh(&mut byte, buf), SUCCESS);
+        assert_eq!(byte[0], 0x77);
+        // A graph built by hand.
+        let mut g = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+        let mut params = [0u8; 72];
+        params[0..8].copy_from_slice(&(k as u64).to_ne_bytes());
+        for (i, v) in [1u32, 1, 1, 32, 1, 1, 0].iter().enumerate() {
+            params[8 + 4 * i..12 + 4 * i].copy_from_slice(&v.to_ne_bytes());
+        }
+        let (mut n1, mut n2) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let add = |out: *mut Handle, deps: *const Handle, nd: usize| {
+            call!(
+                cu,
+                cuGraphAddKernelNode_v2(out, g, deps, nd, params.as_ptr().cast())
+                    as fn(*mut Handle, Handle, *const Handle, usize, *const c_void)
+            )
+        };
+        assert_eq!(add(&mut n1, std::ptr::null(), 0), SUCCESS);
+        assert_eq!(add(&mut n2, &n1, 1), SUCCESS);
+        let bogus = 0x99 as Handle;
+        assert_eq!(add(&mut n2, &bogus, 1), INVALID_VALUE, "a dependency outside the graph");
+        assert_eq!(call!(cu, cuGraphInstantiateWithFlags(&mut exec, g, 0) as fn(*mut Handle, Handle, u64)), SUCCESS);
+        cu.record(start, s);
+        assert_eq!(call!(cu, cuGraphLaunch(exec, s) as fn(Handle, Handle)), SUCCESS);
+        cu.record(end, s);
+        assert_eq!(cu.sync(s), SUCCESS);
+        let ms = cu.elapsed(start, end).unwrap();
+        assert!((1.95..2.8).contains(&ms), "two 1 ms kernel nodes took {ms} ms");
+        assert_eq!(call!(cu, cuGraphExecDestroy(exec) as fn(Handle)), SUCCESS);
+        // Waiting on a capturing stream is refused and ends the capture in error.
+        assert_eq!(call!(cu, cuStreamBeginCapture_v2(s, 2) as fn(Handle, c_uint)), SUCCESS);
+        assert_eq!(cu.launch(k, s), SUCCESS);
+        assert_eq!(cu.sync(s), STREAM_CAPTURE_UNSUPPORTED);
+        let mut broken = 0x1 as Handle;
+        assert_eq!(call!(cu, cuStreamEndCapture(s, &mut broken) as fn(Handle, *mut Handle)), 901);
+        assert!(broken.is_null());
+        assert_eq!(call!(cu, cuGraphDestroy(g) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuGraphDestroy(captured) as fn(Handle)), SUCCESS);
+    });
+}
+
+#[test]
+fn a_lost_gpu_fails_calls_and_a_reset_recovers() {
+    let node = SimNode::new();
+    node.run_isolated("a_lost_gpu_fails_calls_and_a_reset_recovers", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        let other = cu.ctx_create(1);
+        let p1 = cu.alloc(MIB);
+        let ctx = cu.ctx_create(0);
+        let k = cu.function(CUBIN, "k_50ms");
+        let s = cu.stream();
+        let _p = cu.alloc(GIB);
+        assert_eq!(cu.launch(k, s), SUCCESS);
+        m.fall_off_bus(0).unwrap();
+        assert_eq!(cu.try_alloc(MIB), Err(DEVICE_UNAVAILABLE), "new work on a lost GPU");
+        assert_eq!(cu.launch(k, s), DEVICE_UNAVAILABLE);
+        assert_eq!(cu.sync(s), LAUNCH_FAILED, "work in flight on a lost GPU");
+        assert_eq!(call!(cu, cuCtxSynchronize() as fn()), LAUNCH_FAILED);
+        // The GPU comes back; the contexts it had are gone, with their memory.
+        m.reset(0).unwrap();
+        assert_eq!(cu.try_alloc(MIB), Err(LAUNCH_FAILED), "the old context stays failed");
+        assert_eq!(m.memory_info(0, 0).unwrap().used, 0);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, 0, "nothing refunded twice");
+        cu.ctx_create(0);
+        let p = cu.alloc(MIB);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD + MIB);
+        assert_eq!(cu.launch(cu.function(CUBIN, "k_1ms"), std::ptr::null_mut()), SUCCESS);
+        assert_eq!(call!(cu, cuCtxSynchronize() as fn()), SUCCESS);
+        cu.free(p);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
+        // A context on another GPU never noticed.
+        cu.set_current(other);
+        cu.free(p1);
+        assert_eq!(m.memory_info(1, 0).unwrap().used, CONTEXT_OVERHEAD);
+    });
+}
+
+#[test]
+fn an_xid_aimed_at_the_process_is_sticky() {
+    let node = SimNode::new();
+    node.run_isolated("an_xid_aimed_at_the_process_is_sticky", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let p = cu.alloc(MIB);
+        m.inject_xid(0, 31, None, Some(std::process::id())).unwrap();
+        assert_eq!(cu.try_alloc(MIB), Err(ILLEGAL_ADDRESS));
+        assert_eq!(call!(cu, cuCtxSynchronize() as fn()), ILLEGAL_ADDRESS);
+        assert_eq!(cu.htod(p, &[1, 2, 3]), ILLEGAL_ADDRESS);
+        let mut c = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxCreate_v2(&mut c, 0, 1) as fn(*mut Handle, c_uint, c_int)), ILLEGAL_ADDRESS);
+        assert_eq!(cu.try_alloc(MIB), Err(ILLEGAL_ADDRESS), "still");
+        // Queries that need no context still answer, and freeing still returns the memory.
+        assert_eq!(cu.device_count(), 8);
+        cu.free(p);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
+    });
+}
+
+/// Makes a 1g.10gb GPU instance with one compute instance on GPU 0 of [`MIG_NODE`].
+fn make_mig_device(m: &Node) -> (tessera_sim_model::GpuInstance, tessera_sim_model::ComputeInstance) {
+    let gi = m.create_gpu_instance(0, 0, None).unwrap(); // NVML_GPU_INSTANCE_PROFILE_1_SLICE
+    let ci = m.create_compute_instance(0, gi.id, 0, None).unwrap(); // NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE
+    (gi, ci)
+}
+
+#[test]
+fn mig_compute_instances_are_cuda_devices() {
+    let node = SimNode::with_description(MIG_NODE);
+    node.run_isolated("mig_compute_instances_are_cuda_devices", || {
+        visible(None);
+        let m = model(&node);
+        let (gi, ci) = make_mig_device(&m);
+        let cu = Cuda::load(&node);
+        cu.init();
+        // The MIG GPU shows as its one compute instance, the other GPU whole.
+        assert_eq!(cu.device_count(), 2);
+        assert_eq!(cu.name(0), format!("{H100_NAME} MIG 1g.10gb"));
+        assert_eq!(cu.name(1), H100_NAME);
+        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        assert_eq!(cu.attribute(16, 0), ci.sm_count as i32);
+        let gi_memory = gi.profile.memory_mib * MIB;
+        let mut total = 0usize;
+        assert_eq!(call!(cu, cuDeviceTotalMem_v2(&mut total, 0) as fn(*mut usize, c_int)), SUCCESS);
+        assert_eq!(total as u64, gi_memory);
+        // Memory comes from the GPU instance.
+        cu.ctx_create(0);
+        let (free, total) = cu.mem_info();
+        assert_eq!(total, gi_memory);
+        assert_eq!(free, gi_memory - CONTEXT_OVERHEAD);
+        let p = cu.alloc(100 * MIB);
+        assert_eq!(m.memory_info(0, gi.slot + 1).unwrap().used, CONTEXT_OVERHEAD + 100 * MIB);
+        assert_eq!(cu.try_alloc(free), Err(OUT_OF_MEMORY), "the instance's memory is all there is");
+        cu.free(p);
+        // Kernels run on the compute instance.
+        let k = cu.function(CUBIN, "k_1ms");
+        assert_eq!(cu.launch(k, std::ptr::null_mut()), SUCCESS);
+        assert_eq!(call!(cu, cuCtxSynchronize() as fn()), SUCCESS);
+    });
+}
+
+#[test]
+fn mig_device_selected_by_uuid() {
+    let node = SimNode::with_description(MIG_NODE);
+    node.run_isolated("mig_device_selected_by_uuid", || {
+        let m = model(&node);
+        let _first = make_mig_device(&m);
+        let (gi, ci) = make_mig_device(&m);
+        visible(Some(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        let cu = Cuda::load(&node);
+        cu.init();
+        assert_eq!(cu.device_count(), 1);
+        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        let mut can = -1;
+        assert_eq!(call!(cu, cuDeviceCanAccessPeer(&mut can, 0, 0) as fn(*mut c_int, c_int, c_int)), SUCCESS);
+        assert_eq!(can, 0);
+    });
+}
+
+#[test]
+fn contexts_primary_and_regular() {
+    let node = SimNode::new();
+    node.run_isolated("contexts_primary_and_regular", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        let mut cur = 0x1 as Handle;
+        assert_eq!(call!(cu, cuCtxGetCurrent(&mut cur) as fn(*mut Handle)), SUCCESS);
+        assert!(cur.is_null());
+        assert_eq!(call!(cu, cuCtxSynchronize() as fn()), INVALID_CONTEXT);
+        // Primary context: retained twice, one handle, one charge.
+        let (mut p1, mut p2) = (std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(call!(cu, cuDevicePrimaryCtxRetain(&mut p1, 2) as fn(*mut Handle, c_int)), SUCCESS);
+        assert_eq!(call!(cu, cuDevicePrimaryCtxRetain(&mut p2, 2) as fn(*mut Handle, c_int)), SUCCESS);
+        assert_eq!(p1, p2);
+        assert_eq!(m.memory_info(2, 0).unwrap().used, CONTEXT_OVERHEAD);
+        let (mut flags, mut active) = (9u32, 0);
+        assert_eq!(
+            call!(cu, cuDevicePrimaryCtxGetState(2, &mut flags, &mut active) as fn(c_int, *mut c_uint, *mut c_int)),
+            SUCCESS
+        );
+        assert_eq!((flags, active), (0, 1));
+        cu.set_current(p1);
+        let mut dev = -1;
+        assert_eq!(call!(cu, cuCtxGetDevice(&mut dev) as fn(*mut c_int)), SUCCESS);
+        assert_eq!(dev, 2);
+        let p = cu.alloc(10 * MIB);
+        // Reset: everything it held goes; the retained handle keeps working.
+        assert_eq!(call!(cu, cuDevicePrimaryCtxReset_v2(2) as fn(c_int)), SUCCESS);
+        assert_eq!(call!(cu, cuMemFree_v2(p) as fn(CUdeviceptr)), INVALID_VALUE, "freed by the reset");
+        assert_eq!(m.memory_info(2, 0).unwrap().used, CONTEXT_OVERHEAD);
+        let q = cu.alloc(MIB);
+        cu.free(q);
+        for _ in 0..2 {
+            assert_eq!(call!(cu, cuDevicePrimaryCtxRelease_v2(2) as fn(c_int)), SUCCESS);
+        }
+        assert_eq!(call!(cu, cuDevicePrimaryCtxRelease_v2(2) as fn(c_int)), INVALID_CONTEXT);
+        assert_eq!(m.memory_info(2, 0).unwrap().used, 0);
+        assert_eq!(cu.try_alloc(MIB), Err(709), "CONTEXT_IS_DESTROYED: a primary context not retained");
+        // Regular contexts and the stack.
+        let a = cu.ctx_create(3);
+        let b = cu.ctx_create(4);
+        let mut popped = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxPopCurrent_v2(&mut popped) as fn(*mut Handle)), SUCCESS);
+        assert_eq!(popped, b);
+        assert_eq!(call!(cu, cuCtxGetCurrent(&mut cur) as fn(*mut Handle)), SUCCESS);
+        assert_eq!(cur, a);
+        assert_eq!(call!(cu, cuCtxPushCurrent_v2(b) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(b) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(b) as fn(Handle)), INVALID_CONTEXT);
+        assert_eq!(call!(cu, cuCtxPushCurrent_v2(b) as fn(Handle)), INVALID_CONTEXT);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(0x4242 as Handle) as fn(Handle)), INVALID_CONTEXT);
+        let mut version = 0u32;
+        assert_eq!(call!(cu, cuCtxGetApiVersion(a, &mut version) as fn(Handle, *mut c_uint)), SUCCESS);
+        assert_eq!(version, 3020);
+        let (mut least, mut greatest) = (9, 9);
+        assert_eq!(
+            call!(cu, cuCtxGetStreamPriorityRange(&mut least, &mut greatest) as fn(*mut c_int, *mut c_int)),
+            SUCCESS
+        );
+        assert_eq!((least, greatest), (0, -5));
+        let mut limit = 0usize;
+        assert_eq!(call!(cu, cuCtxGetLimit(&mut limit, 2) as fn(*mut usize, c_int)), SUCCESS);
+        assert_eq!(limit, 8 << 20, "malloc heap");
+        assert_eq!(call!(cu, cuCtxSetLimit(0, 4096) as fn(c_int, usize)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxGetLimit(&mut limit, 0) as fn(*mut usize, c_int)), SUCCESS);
+        assert_eq!(limit, 4096);
+        assert_eq!(call!(cu, cuCtxGetLimit(&mut limit, 42) as fn(*mut usize, c_int)), INVALID_VALUE);
+        // Handles that are not what they claim.
+        assert_eq!(cu.sync(0x1234_5678 as Handle), INVALID_HANDLE);
+        assert_eq!(call!(cu, cuEventQuery(0x1234_5678 as Handle) as fn(Handle)), INVALID_HANDLE);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuStreamCreate(&mut s, 0x10) as fn(*mut Handle, c_uint)), INVALID_VALUE);
+        assert_eq!(call!(cu, cuStreamCreate(std::ptr::null_mut(), 0) as fn(*mut Handle, c_uint)), INVALID_VALUE);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(a) as fn(Handle)), SUCCESS);
+        assert_eq!(m.memory_info(3, 0).unwrap().used, 0);
+        assert_eq!(m.memory_info(4, 0).unwrap().used, 0);
+    });
+}
+
+#[test]
+fn default_streams_and_cross_stream_waits() {
+    let node = SimNode::new();
+    node.run_isolated("default_streams_and_cross_stream_waits", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        let main_ctx = cu.ctx_create(0) as usize;
+        let k2 = cu.function(CUBIN, "k_2ms");
+        let k1 = cu.function(CUBIN, "k_1ms");
+        let legacy = 0x1 as Handle;
+        let per_thread = 0x2 as Handle;
+        // The `_ptsz` flavour takes NULL as the per-thread default stream, not the legacy one.
+        let null: *mut *mut c_void = std::ptr::null_mut();
+        let r = call!(
+            cu,
+            cuLaunchKernel_ptsz(k2, 1, 1, 1, 32, 1, 1, 0, std::ptr::null_mut(), null, null)
+                as fn(
+                    Handle,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    c_uint,
+                    Handle,
+                    *mut *mut c_void,
+                    *mut *mut c_void,
+                )
+        );
+        assert_eq!(r, SUCCESS);
+        assert_eq!(call!(cu, cuStreamQuery(per_thread) as fn(Handle)), NOT_READY);
+        assert_eq!(call!(cu, cuStreamQuery(legacy) as fn(Handle)), SUCCESS, "the legacy stream has nothing queued");
+        assert_eq!(call!(cu, cuStreamSynchronize_ptsz(std::ptr::null_mut()) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuStreamQuery(per_thread) as fn(Handle)), SUCCESS);
+        // Another thread has a per-thread default stream of its own.
+        assert_eq!(cu.launch(k2, per_thread), SUCCESS);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let per_thread = 0x2 as Handle;
+                cu.set_current(main_ctx as Handle);
+                assert_eq!(call!(cu, cuStreamQuery(per_thread) as fn(Handle)), SUCCESS);
+            });
+        });
+        assert_eq!(cu.sync(per_thread), SUCCESS);
+        // A stream waiting on an event recorded in another starts after it.
+        let (a, b) = (cu.stream(), cu.stream());
+        let (start, mid, end) = (cu.event(0), cu.event(0), cu.event(0));
+        cu.record(start, a);
+        assert_eq!(cu.launch(k2, a), SUCCESS);
+        cu.record(mid, a);
+        assert_eq!(call!(cu, cuStreamWaitEvent(b, mid, 0) as fn(Handle, Handle, c_uint)), SUCCESS);
+        assert_eq!(cu.launch(k1, b), SUCCESS);
+        cu.record(end, b);
+        assert_eq!(cu.sync(b), SUCCESS);
+        let ms = cu.elapsed(start, end).unwrap();
+        assert!((2.9..3.6).contains(&ms), "2 ms then 1 ms across two streams took {ms} ms");
+        // Synchronizing the legacy stream waits for the blocking streams too.
+        assert_eq!(cu.launch(k2, a), SUCCESS);
+        let t0 = Instant::now();
+        assert_eq!(cu.sync(std::ptr::null_mut()), SUCCESS);
+        assert!(t0.elapsed() >= Duration::from_micros(1800));
+        // A pinned buffer and a synchronous copy after a kernel: the copy waits for it.
+        assert_eq!(cu.launch(k2, a), SUCCESS);
+        let dev = cu.alloc(16);
+        let t0 = Instant::now();
+        assert_eq!(cu.htod(dev, &[7u8; 16]), SUCCESS);
+        assert!(t0.elapsed() >= Duration::from_micros(1800), "cuMemcpyHtoD is ordered after blocking streams");
+    });
+}
