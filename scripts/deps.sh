@@ -10,6 +10,22 @@ PACKAGES=(
   "pkg-config:pkg-config"
 )
 
+# cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest
+# glibc a container may have (scripts/test.sh builds it; a test checks its symbol versions).
+install_zigbuild() {
+  command -v cargo-zigbuild >/dev/null 2>&1 && return 0
+  local pip
+  pip=$(command -v pip3 || command -v pip || true)
+  if [[ -z $pip ]]; then
+    echo "deps: please install cargo-zigbuild (pip install cargo-zigbuild)" >&2
+    return 0
+  fi
+  echo "deps: installing cargo-zigbuild (pip)" >&2
+  "$pip" install --quiet cargo-zigbuild || "$pip" install --quiet --user cargo-zigbuild ||
+    echo "deps: pip could not install cargo-zigbuild; please install it" >&2
+}
+install_zigbuild
+
 missing=()
 for entry in "${PACKAGES[@]}"; do
   pkg=${entry%%:*}

@@ -1,0 +1,382 @@
+//! What the shim adds to each call it intercepts, measured against the same call made straight
+//! into the (simulated) driver, in the same process and the same run, since these machines are
+//! shared and noisy: only the difference between the two sides means anything.
+//!
+//! Both libraries are loaded here with `dlopen` (`RTLD_NOW | RTLD_LOCAL`), and each function is
+//! taken from each: `libcuda.so.1` (the simulated driver) for the "driver" side, `libtessera.so`
+//! for the "shim" side. Calling the shim's exports directly runs exactly what a preloaded shim
+//! runs for a direct-linked program: its hooks find the real driver themselves, by
+//! `dlopen("libcuda.so.1", RTLD_NOLOAD)` and glibc's `dlsym` on that handle (`src/real.rs`),
+//! never through symbol interposition. That `dlopen` by name searches `LD_LIBRARY_PATH` as the
+//! loader read it at start-up, so this binary runs itself again as a child with the simulated
+//! node's environment (driver directory, node state, the container's limits file and region).
+//!
+//! Pairs (criterion group `shim_cost`):
+//! - `launch`: `cuLaunchKernel` of a 1 ns kernel on device 0, which has no SM share (the
+//!   unthrottled path);
+//! - `launch_limited`: the same on device 1, `sm_percent = 99` (the throttled path: token
+//!   bucket, CUDA events around each launch; 1 ns kernels never run the bucket dry);
+//! - `alloc_free_1MiB`: `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB on device 0, whose 70 GiB
+//!   limit is enforced;
+//! - `dlsym_miss`: `dlsym(RTLD_DEFAULT, "pthread_create")`, glibc's against the shim's export
+//!   (a name it does not hook: what every process the shim is preloaded into pays per `dlsym`);
+//! - `spawn_true`: spawn `/bin/true` and wait, without and with `LD_PRELOAD=libtessera.so`
+//!   (what a process that never touches CUDA pays for the preload).
+//!
+//! After criterion, each pair is measured once more interleaved (blocks of calls alternating
+//! driver, shim, shim, driver, ...), and the median of the per-round differences is printed:
+//! noise that lasts longer than a block hits both sides alike.
+//!
+//! Run: `scripts/bench.sh shim_cost`, i.e. `cargo build --workspace --release && cargo bench -p
+//! tessera-shim --bench shim_cost` (the release `libtessera.so` and `libtessera_sim.so` must be
+//! built: the bench loads them).
+
+use std::ffi::{CStr, OsString, c_char, c_int, c_uint, c_void};
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use libloading::Library;
+use tessera_sim_testkit::{SimNode, profile_dir};
+
+/// Set in the child that runs the benchmarks.
+const CHILD: &str = "TESSERA_SHIM_BENCH_CHILD";
+const GIB: u64 = 1 << 30;
+const MIB: usize = 1 << 20;
+
+/// The container's limits: device 0 a memory limit and no SM share (the unthrottled launch
+/// path, allocations checked against a limit); device 1 a 99% SM share (the throttled path).
+const LIMITS: &str = r#"version = 1
+container = "shim-cost-bench"
+
+[[devices]]
+uuid = "index:0"
+memory_limit = "70GiB"
+
+[[devices]]
+uuid = "index:1"
+sm_percent = 99
+"#;
+
+fn main() {
+    if std::env::var_os(CHILD).is_none() {
+        std::process::exit(parent());
+    }
+    child();
+}
+
+/// Makes the node and the container's files, runs this binary again inside them, and passes on
+/// its exit status. The node's files live as long as this process.
+fn parent() -> i32 {
+    let node = SimNode::new();
+    let limits = node.root.join("limits.toml");
+    std::fs::write(&limits, LIMITS).expect("write the limits file");
+    let region = node.root.join("region");
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let status = node
+        .command(std::env::current_exe().expect("current_exe"))
+        .args(args)
+        .env(CHILD, "1")
+        .env("TESSERA_LIMITS", &limits)
+        .env("TESSERA_REGION", &region)
+        .env_remove("LD_PRELOAD")
+        .status()
+        .expect("run the benchmark child");
+    status.code().unwrap_or(1)
+}
+
+type R = c_int;
+type H = *mut c_void;
+type CuInit = unsafe extern "C" fn(c_uint) -> R;
+type CuRetain = unsafe extern "C" fn(*mut H, c_int) -> R;
+type CuSetCurrent = unsafe extern "C" fn(H) -> R;
+type CuSync = unsafe extern "C" fn() -> R;
+type CuLoad = unsafe extern "C" fn(*mut H, *const c_void) -> R;
+type CuGetFn = unsafe extern "C" fn(*mut H, H, *const c_char) -> R;
+type CuLaunch = unsafe extern "C" fn(H, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, H, *mut H, *mut H) -> R;
+type CuAlloc = unsafe extern "C" fn(*mut u64, usize) -> R;
+type CuFree = unsafe extern "C" fn(u64) -> R;
+type CuMemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> R;
+type Dlsym = unsafe extern "C" fn(H, *const c_char) -> H;
+
+/// The functions a side (driver or shim) is called through.
+#[derive(Clone, Copy)]
+struct Side {
+    launch: CuLaunch,
+    alloc: CuAlloc,
+    free: CuFree,
+}
+
+/// `dlopen(path, RTLD_NOW | RTLD_LOCAL)`.
+fn open(path: &Path) -> Library {
+    // SAFETY: loading the simulated driver or the shim: neither has initializers that do more
+    // than std's own (the shim has no constructor; its state is made on the first CUDA call).
+    let lib = unsafe { libloading::os::unix::Library::open(Some(path), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    lib.unwrap_or_else(|e| panic!("dlopen {}: {e}", path.display())).into()
+}
+
+/// `dlsym(lib, name)` as a function of type `T`.
+///
+/// # Safety
+/// The library's symbol `name` must be a function with the C signature `T`.
+unsafe fn sym<T: Copy>(lib: &Library, name: &CStr) -> T {
+    // SAFETY: the caller's contract.
+    let s = unsafe { lib.get::<T>(name.to_bytes_with_nul()) };
+    *s.unwrap_or_else(|e| panic!("{}: {e}", name.to_string_lossy()))
+}
+
+/// The address of a function pointer, for telling the two sides apart.
+fn addr<T: Copy>(f: T) -> usize {
+    assert_eq!(size_of::<T>(), size_of::<usize>());
+    // SAFETY: T is a function pointer (same size as usize, checked above).
+    unsafe { std::mem::transmute_copy::<T, usize>(&f) }
+}
+
+fn check(rc: R, what: &str) {
+    assert_eq!(rc, 0, "{what} returned {rc}");
+}
+
+fn child() {
+    let shim_path = profile_dir().join("libtessera.so");
+    assert!(
+        shim_path.exists(),
+        "{} is missing: build it first (cargo build --workspace --release)",
+        shim_path.display()
+    );
+    // The driver the way a program finds it: by name, through LD_LIBRARY_PATH (the node's).
+    let cuda = open(Path::new("libcuda.so.1"));
+    let shim = open(&shim_path);
+
+    // SAFETY: these names have these signatures in cuda.h / dlfcn.h, in the simulated driver
+    // and in the shim alike (for every `sym` below).
+    let (driver, hooked) = unsafe {
+        (
+            Side {
+                launch: sym(&cuda, c"cuLaunchKernel"),
+                alloc: sym(&cuda, c"cuMemAlloc_v2"),
+                free: sym(&cuda, c"cuMemFree_v2"),
+            },
+            Side {
+                launch: sym(&shim, c"cuLaunchKernel"),
+                alloc: sym(&shim, c"cuMemAlloc_v2"),
+                free: sym(&shim, c"cuMemFree_v2"),
+            },
+        )
+    };
+    assert_ne!(addr(driver.launch), addr(hooked.launch), "the shim's cuLaunchKernel is the driver's");
+    // SAFETY: as above.
+    let (cu_init, retain, shim_mem_info): (CuInit, CuRetain, CuMemInfo) =
+        unsafe { (sym(&shim, c"cuInit"), sym(&shim, c"cuDevicePrimaryCtxRetain"), sym(&shim, c"cuMemGetInfo_v2")) };
+    // The shim does not hook these (it does not export them): the driver's, as under a preload.
+    // SAFETY: as above.
+    let (set_current, sync, load, get_fn): (CuSetCurrent, CuSync, CuLoad, CuGetFn) = unsafe {
+        (
+            sym(&cuda, c"cuCtxSetCurrent"),
+            sym(&cuda, c"cuCtxSynchronize"),
+            sym(&cuda, c"cuModuleLoadData"),
+            sym(&cuda, c"cuModuleGetFunction"),
+        )
+    };
+    // SAFETY: as above.
+    let shim_dlsym: Dlsym = unsafe { sym(&shim, c"dlsym") };
+    let libc_dlsym: Dlsym = libc::dlsym;
+    assert_ne!(addr(shim_dlsym), addr(libc_dlsym), "the shim's dlsym is glibc's");
+
+    // Set-up through the shim, so that its state (limits, region slot, context overhead) is
+    // made as in a program: cuInit, then each device's primary context.
+    let mut ctx = [std::ptr::null_mut(); 2];
+    let mut func = [std::ptr::null_mut(); 2];
+    // SAFETY: valid out-pointers; handles come from the driver; C string literals.
+    unsafe {
+        check(cu_init(0), "cuInit (shim)");
+        for dev in 0..2 {
+            check(retain(&mut ctx[dev], dev as c_int), "cuDevicePrimaryCtxRetain (shim)");
+            check(set_current(ctx[dev]), "cuCtxSetCurrent");
+            let mut module = std::ptr::null_mut();
+            check(load(&mut module, c"bench".as_ptr().cast()), "cuModuleLoadData");
+            check(get_fn(&mut func[dev], module, c"bench_1ns".as_ptr()), "cuModuleGetFunction");
+        }
+        check(set_current(ctx[0]), "cuCtxSetCurrent");
+        let (mut free, mut total) = (0usize, 0usize);
+        check(shim_mem_info(&mut free, &mut total), "cuMemGetInfo_v2 (shim)");
+        assert_eq!(total as u64, 70 * GIB, "device 0's limit is not in force");
+    }
+
+    let null: H = std::ptr::null_mut();
+    let launch = |s: Side, f: H| {
+        // SAFETY: f is a live function of the current context; NULL stream, no parameters.
+        move || black_box(unsafe { (s.launch)(f, 1, 1, 1, 32, 1, 1, 0, null, null.cast(), null.cast()) })
+    };
+    let alloc_free = |s: Side| {
+        move || {
+            let mut p = 0u64;
+            // SAFETY: p is a valid out-pointer.
+            check(unsafe { (s.alloc)(&mut p, MIB) }, "cuMemAlloc_v2");
+            // SAFETY: p was just allocated by the same side.
+            black_box(unsafe { (s.free)(p) })
+        }
+    };
+    let lookup = |d: Dlsym| {
+        // SAFETY: RTLD_DEFAULT and a C string literal, as dlsym takes.
+        move || black_box(unsafe { d(libc::RTLD_DEFAULT, c"pthread_create".as_ptr()) })
+    };
+    let spawn = |preload: Option<PathBuf>| {
+        move || {
+            let mut c = Command::new("/bin/true");
+            match &preload {
+                Some(p) => c.env("LD_PRELOAD", p),
+                None => c.env_remove("LD_PRELOAD"),
+            };
+            assert!(c.status().expect("spawn /bin/true").success());
+        }
+    };
+    assert_eq!(lookup(libc_dlsym)(), lookup(shim_dlsym)(), "the two dlsym answers differ");
+    // SAFETY: the primary contexts retained above are live.
+    let set = |dev: usize| check(unsafe { set_current(ctx[dev]) }, "cuCtxSetCurrent");
+    // SAFETY: the current context is live.
+    let drain = || check(unsafe { sync() }, "cuCtxSynchronize");
+
+    let full_run = std::env::args().any(|a| a == "--bench");
+    let mut c = Criterion::default()
+        .sample_size(50)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    let mut g = c.benchmark_group("shim_cost");
+    let pairs: [(&str, usize, Side, Side); 2] = [("launch", 0, driver, hooked), ("launch_limited", 1, driver, hooked)];
+    for (name, dev, d, s) in pairs {
+        let right = if dev == 0 { "shim_unlimited" } else { "shim_sm99" };
+        g.bench_function(format!("{name}/driver"), |b| {
+            set(dev);
+            b.iter(launch(d, func[dev]));
+            drain();
+        });
+        g.bench_function(format!("{name}/{right}"), |b| {
+            set(dev);
+            b.iter(launch(s, func[dev]));
+            drain();
+        });
+    }
+    set(0);
+    g.bench_function("alloc_free_1MiB/driver", |b| b.iter(alloc_free(driver)));
+    g.bench_function("alloc_free_1MiB/shim", |b| b.iter(alloc_free(hooked)));
+    g.bench_function("dlsym_miss/libc", |b| b.iter(lookup(libc_dlsym)));
+    g.bench_function("dlsym_miss/shim", |b| b.iter(lookup(shim_dlsym)));
+    g.sample_size(20).measurement_time(Duration::from_secs(4));
+    g.bench_function("spawn_true/plain", |b| b.iter(spawn(None)));
+    g.bench_function("spawn_true/preloaded", |b| b.iter(spawn(Some(shim_path.clone()))));
+    g.finish();
+
+    if full_run {
+        println!("\nInterleaved (median per call of each side; added = median of per-round differences):");
+        println!("{:<28} {:>12} {:>12} {:>12} {:>7}", "pair", "driver", "shim", "added", "ratio");
+        set(0);
+        let r = interleaved(1000, 1000, launch(driver, func[0]), launch(hooked, func[0]));
+        r.print("launch (unlimited)");
+        drain();
+        set(1);
+        let r = interleaved(1000, 500, launch(driver, func[1]), launch(hooked, func[1]));
+        r.print("launch_limited (sm 99%)");
+        drain();
+        set(0);
+        interleaved(400, 200, alloc_free(driver), alloc_free(hooked)).print("alloc_free_1MiB");
+        interleaved(1000, 2000, lookup(libc_dlsym), lookup(shim_dlsym)).print("dlsym_miss");
+        interleaved(200, 1, spawn(None), spawn(Some(shim_path.clone()))).print("spawn_true");
+        report_region();
+    }
+    c.final_summary();
+}
+
+/// Interleaved measurement of a pair: per-call medians of each side and of the difference.
+struct Interleaved {
+    driver_ns: f64,
+    shim_ns: f64,
+    added_ns: f64,
+}
+
+impl Interleaved {
+    fn print(&self, name: &str) {
+        println!(
+            "{:<28} {:>12} {:>12} {:>12} {:>7.2}",
+            name,
+            show(self.driver_ns),
+            show(self.shim_ns),
+            show(self.added_ns),
+            self.shim_ns / self.driver_ns
+        );
+    }
+}
+
+fn show(ns: f64) -> String {
+    if ns.abs() >= 10_000.0 { format!("{:.1} µs", ns / 1000.0) } else { format!("{ns:.1} ns") }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The mean time of one call of `f` over `block` calls.
+fn per_call<T>(block: u32, f: &mut impl FnMut() -> T) -> f64 {
+    let t = Instant::now();
+    for _ in 0..block {
+        black_box(f());
+    }
+    t.elapsed().as_nanos() as f64 / f64::from(block)
+}
+
+/// `rounds` rounds, each timing a block of `block` calls of each side, in the order
+/// driver-shim, then shim-driver, and so on (so slow drift favours neither).
+fn interleaved<A, B>(
+    rounds: usize,
+    block: u32,
+    mut driver: impl FnMut() -> A,
+    mut shim: impl FnMut() -> B,
+) -> Interleaved {
+    // Warm-up.
+    per_call(block, &mut driver);
+    per_call(block, &mut shim);
+    let (mut d, mut s, mut diff) = (Vec::new(), Vec::new(), Vec::new());
+    for r in 0..rounds {
+        let (a, b) = if r % 2 == 0 {
+            let a = per_call(block, &mut driver);
+            (a, per_call(block, &mut shim))
+        } else {
+            let b = per_call(block, &mut shim);
+            (per_call(block, &mut driver), b)
+        };
+        d.push(a);
+        s.push(b);
+        diff.push(b - a);
+    }
+    Interleaved { driver_ns: median(d), shim_ns: median(s), added_ns: median(diff) }
+}
+
+/// What the container's region recorded: the shim really limited and counted (launches, GPU time
+/// measured, time throttled: 0 means the bucket never ran dry).
+fn report_region() {
+    let Some(path) = std::env::var_os("TESSERA_REGION") else { return };
+    let Ok(region) = tessera_region::Region::open_or_create(Path::new(&path)) else { return };
+    let snap = region.snapshot();
+    println!("\nRegion after the run:");
+    for d in &snap.devices {
+        println!(
+            "  device {} ({}): memory limit {:?}, sm_percent {:?}, used {} MiB",
+            d.index,
+            d.uuid,
+            d.memory_limit,
+            d.sm_percent,
+            d.used >> 20
+        );
+    }
+    for p in &snap.processes {
+        for d in &p.devices {
+            println!(
+                "  pid {} device {}: {} launches, {} ns GPU time measured, {} ns throttled, {} OOM denials",
+                p.pid, d.dev, d.launches, d.gpu_time_ns, d.throttled_ns, d.oom_denials
+            );
+        }
+    }
+}

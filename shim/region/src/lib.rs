@@ -1,0 +1,23 @@
+//! The contract between `libtessera.so` (the in-container limiter) and `tesserad`: the limits file
+//! format and the per-container accounting region.
+//!
+//! Both sides depend on this crate and read the region through its one `#[repr(C)]` definition
+//! (see [`region`]); nothing else defines the layout.
+//!
+//! - [`limits`]: what a container may use (memory per device, SM share, priority, compute mode),
+//!   read from a TOML file the daemon rewrites atomically, or from `TESSERA_*` environment variables
+//!   when the shim runs standalone. Every error names the key (or variable) and the reason.
+//! - [`region`]: a fixed-layout mapped file made only of atomics: per device the container's total
+//!   and its limits, per process a slot with its usage and counters. Reserving memory is one CAS on
+//!   the device total; a process's liveness is an open-file-description lock the kernel drops at
+//!   death, so a SIGKILLed process's memory is returned by whoever reaps, and no process-shared lock
+//!   exists that a dead process could leave held.
+
+pub mod limits;
+pub mod region;
+mod sys;
+
+pub use limits::*;
+pub use region::*;
+/// The clock of heartbeats and joins (CLOCK_MONOTONIC, ns): the same in every process and container.
+pub use sys::monotonic_ns;

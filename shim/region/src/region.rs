@@ -1,0 +1,1550 @@
+//! The accounting region: one container's shared, fixed-layout, atomics-only mapped file.
+//!
+//! Every process of the container maps it (through `libtessera.so`), and so does the daemon. It
+//! holds per device the container's total memory use, its limits (the hot-path mirror of the
+//! limits file) and the compute limiter's bucket; per process a slot with its usage and counters.
+//! The layout is [`Shared`]: `#[repr(C)]`, [`LAYOUT_SIZE`] bytes, checked by magic, version and
+//! size on open.
+//!
+//! # Crash safety without process-shared locks
+//! - Reserving memory is a CAS on the device total that refuses to pass the limit; only then is
+//!   the process's slot increased. Releasing decreases the slot first, then the total. A process
+//!   killed between the two steps leaves the total too high (the container is refused a little
+//!   early), never too low (the limit is never passed) — and only until the next reap, which
+//!   [`Region::reconcile`]s: each slot carries a guard word (operations started, operations in
+//!   flight) that lets a reader know when totals and slots were read with nothing half-done, and
+//!   then set each total to the sum of the slots.
+//! - A process's slot is alive while the process holds an open-file-description (OFD) write lock
+//!   on byte `(1 << 40) + slot` of the file; the kernel drops it when the process dies, however it
+//!   dies. [`Region::reap`] finds slots whose lock is gone, takes the lock itself (so one reaper
+//!   wins), returns the slot's usage to the device totals and frees the slot.
+//! - Claiming a slot is a CAS on its state word (FREE → LIVE with a new generation) and then the
+//!   lock; the claimer checks after locking that the state word is still its own, so a reaper that
+//!   got between the two steps makes it claim another slot instead of sharing one.
+//! - The file is built under a temporary name and linked into place: nobody maps a half-made file.
+//!
+//! Hot paths ([`Region::try_reserve`], [`Region::release`], the `record_*` calls) are a handful of
+//! atomic operations: no lock, no syscall, no allocation. The mapping is populated when opened,
+//! so they take no page fault either — as long as the file lives on tmpfs (`/run`): on a disk file
+//! system, the first write to a page after each writeback faults.
+//!
+//! # Fork
+//! OFD locks belong to the open file description, which a forked child shares: the parent's slot
+//! then stays alive as long as the child keeps the descriptor. A process that forks without exec
+//! should open a new `Region` in the child and join from it. The descriptor is close-on-exec.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
+
+use crate::sys;
+
+/// Devices per container.
+pub const MAX_DEVICES: usize = 16;
+/// Processes per container at once.
+pub const MAX_PROCS: usize = 1024;
+/// Path of the region file; unset, the shim uses an anonymous region of its own.
+pub const ENV_REGION: &str = "TESSERA_REGION";
+/// Longest device UUID a device entry holds.
+pub const MAX_UUID_LEN: usize = 64;
+/// `b"TSREGION"`, first 8 bytes of every region file.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"TSREGION");
+/// Bumped on every layout change.
+pub const LAYOUT_VERSION: u32 = 1;
+/// Size of the region file in bytes.
+pub const LAYOUT_SIZE: usize = std::mem::size_of::<Shared>();
+/// Slot `i`'s liveness lock is on byte `LIVENESS_BASE + i`, far past the mapped data.
+pub const LIVENESS_BASE: i64 = 1 << 40;
+
+// ---------------------------------------------------------------------------------------------
+// Layout. Everything is an atomic and every all-zero value is valid: a fresh file needs only its
+// header written. Change anything here and bump LAYOUT_VERSION.
+// ---------------------------------------------------------------------------------------------
+
+#[repr(C, align(64))]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub max_devices: AtomicU32,
+    pub layout_size: AtomicU64,
+    pub max_procs: AtomicU32,
+    /// Non-zero: processes should record traces (reserved for on-demand tracing).
+    pub trace_requested: AtomicU32,
+    /// Bumped by the daemon after rewriting the limits file.
+    pub config_generation: AtomicU64,
+    pub _reserved: [AtomicU64; 3],
+}
+
+/// Where joins start looking for a free slot; on its own cache line.
+#[repr(C, align(64))]
+pub struct JoinHint {
+    pub next: AtomicU64,
+    pub _reserved: [AtomicU64; 7],
+}
+
+/// Atomics the compute limiter owns: zero-initialized, never interpreted by this crate.
+#[repr(C)]
+pub struct ComputeBucket {
+    pub tokens_ns: AtomicI64,
+    pub refill_ns: AtomicU64,
+    pub window_start_ns: AtomicU64,
+    pub window_used_ns: AtomicU64,
+    pub last_launch_ns: AtomicU64,
+    pub ewma_kernel_ns: AtomicU64,
+    pub spare: [AtomicU64; 10],
+}
+
+/// One device the container uses.
+#[repr(C, align(64))]
+pub struct DeviceEntry {
+    /// Hash of the UUID (never 0); 0: entry free. Set once by a CAS, never changed: it is what
+    /// makes two processes naming one device get one entry.
+    pub key: AtomicU64,
+    /// Bytes of `uuid` (0 until written; written after `key`, identically by anyone).
+    pub uuid_len: AtomicU32,
+    /// SM share in percent; 0: none.
+    pub sm_percent: AtomicU32,
+    /// Memory limit in bytes + 1; 0: none.
+    pub memory_limit: AtomicU64,
+    /// The container's bytes on the device (≥ the sum of its slots').
+    pub used: AtomicU64,
+    /// Highest `used` seen.
+    pub peak: AtomicU64,
+    pub _reserved: [AtomicU64; 3],
+    pub uuid: [AtomicU64; MAX_UUID_LEN / 8],
+    /// On its own cache lines, away from `used`.
+    pub bucket: ComputeBucket,
+}
+
+/// One process's counters for one device.
+#[repr(C)]
+pub struct SlotDevice {
+    pub used: AtomicU64,
+    pub peak: AtomicU64,
+    pub launches: AtomicU64,
+    pub gpu_time_ns: AtomicU64,
+    pub throttled_ns: AtomicU64,
+    pub oom_denials: AtomicU64,
+}
+
+/// One process.
+#[repr(C, align(64))]
+pub struct ProcSlot {
+    /// `generation << 2 | kind`; kind FREE (0) or LIVE (1).
+    pub state: AtomicU64,
+    /// Pid in the container's namespace; written last by a join (0: joining, or free).
+    pub pid: AtomicU32,
+    /// Pid in the host's namespace; 0 until known.
+    pub host_pid: AtomicU32,
+    /// Clock ticks after boot (`/proc/<pid>/stat` field 22).
+    pub start_time: AtomicU64,
+    /// Monotonic ns of the last heartbeat.
+    pub heartbeat_ns: AtomicU64,
+    /// Process name, NUL-padded.
+    pub comm: [AtomicU64; 2],
+    /// Monotonic ns of the join.
+    pub joined_ns: AtomicU64,
+    /// Guard of memory operations: operations started << 16 | operations in flight. Lets
+    /// [`Region::reconcile`] see that no reservation or release was half-done while it read.
+    pub inflight: AtomicU64,
+    pub devices: [SlotDevice; MAX_DEVICES],
+}
+
+/// The whole file.
+#[repr(C)]
+pub struct Shared {
+    pub header: Header,
+    pub join: JoinHint,
+    pub devices: [DeviceEntry; MAX_DEVICES],
+    pub slots: [ProcSlot; MAX_PROCS],
+}
+
+// The layout is a file format: pin it.
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<Header>() == 64);
+    assert!(size_of::<JoinHint>() == 64);
+    assert!(size_of::<ComputeBucket>() == 128);
+    assert!(offset_of!(DeviceEntry, uuid) == 64);
+    assert!(offset_of!(DeviceEntry, bucket) == 128);
+    assert!(size_of::<DeviceEntry>() == 256);
+    assert!(size_of::<SlotDevice>() == 48);
+    assert!(offset_of!(ProcSlot, devices) == 64);
+    assert!(size_of::<ProcSlot>() == 832);
+    assert!(offset_of!(Shared, devices) == 128);
+    assert!(offset_of!(Shared, slots) == 128 + 256 * MAX_DEVICES);
+    assert!(LAYOUT_SIZE == 856_192);
+};
+
+/// `inflight`: one more operation started, one more in flight.
+const OP_START: u64 = (1 << 16) + 1;
+const BUSY_MASK: u64 = 0xFFFF;
+
+const FREE: u64 = 0;
+const LIVE: u64 = 1;
+
+fn kind(state: u64) -> u64 {
+    state & 3
+}
+
+fn next_state(state: u64, kind: u64) -> u64 {
+    (((state >> 2) + 1) << 2) | kind
+}
+
+// ---------------------------------------------------------------------------------------------
+
+/// A process's slot, from [`Region::join`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Slot {
+    pub index: usize,
+}
+
+/// A reservation refused: the container's total on the device and its limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Denied {
+    pub used: u64,
+    pub limit: u64,
+}
+
+/// What can go wrong opening or using a region; names the path and the reason.
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: String,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a region of this build's layout.
+    #[error("{path}: {reason}")]
+    Incompatible { path: String, reason: String },
+    #[error("{path}: all {MAX_PROCS} process slots are held by live processes")]
+    Full { path: String },
+    #[error("{path}: all {MAX_DEVICES} device entries are taken; no room for {uuid:?}")]
+    TooManyDevices { path: String, uuid: String },
+    #[error("{path}: device {uuid:?}: {reason}")]
+    InvalidUuid { path: String, uuid: String, reason: String },
+}
+
+/// A container's accounting region, mapped. One per process (a second handle on the same file acts
+/// as another process: its own file description, its own liveness locks).
+pub struct Region {
+    shared: NonNull<Shared>,
+    fd: i32,
+    /// The path, for messages (`"anonymous region"` for a memfd).
+    name: String,
+    anonymous: bool,
+    /// This process's pid, host pid, start time and comm, read when the region was opened (from
+    /// /proc: tens of µs, kept out of `join`); read again by a join from a forked child.
+    info: sys::ProcInfo,
+    /// Slots this handle joined: their locks are ours, so probing them would say "free".
+    own: [AtomicU64; MAX_PROCS / 64],
+}
+
+// SAFETY: the mapping holds only atomics and stays mapped for the Region's life (unmapped in
+// Drop); the fd is only used for fcntl, which is thread-safe. Any thread may use a Region.
+unsafe impl Send for Region {}
+// SAFETY: as above: every access through &Region is an atomic operation or a syscall.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Opens the region at `path`, creating it if there is none. A new file is built under a
+    /// temporary name and linked into place (of two racing creators one wins, the other opens its
+    /// file), mode 0666: container processes may run as any uid. A file of another layout (magic,
+    /// version or size) is refused.
+    pub fn open_or_create(path: &Path) -> Result<Region, RegionError> {
+        for _ in 0..3 {
+            if let Some(r) = Region::open(path)? {
+                return Ok(r);
+            }
+            Region::create(path)?;
+        }
+        Err(RegionError::Io {
+            path: path.display().to_string(),
+            op: "open",
+            source: std::io::Error::from_raw_os_error(libc::ENOENT),
+        })
+    }
+
+    /// A region in a memfd, private to this process: for standalone use without [`ENV_REGION`].
+    /// There are no other processes; [`Region::reap`] does nothing.
+    pub fn anonymous() -> Result<Region, RegionError> {
+        let name = "anonymous region".to_string();
+        // SAFETY: the name is a valid NUL-terminated string.
+        let fd = unsafe { libc::memfd_create(c"tessera-region".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io_err(&name, "memfd_create"));
+        }
+        // SAFETY: fd is our fresh memfd.
+        if unsafe { libc::ftruncate(fd, LAYOUT_SIZE as libc::off_t) } != 0 {
+            let e = io_err(&name, "ftruncate");
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        let shared = match map(fd) {
+            Ok(p) => p,
+            Err(source) => {
+                // SAFETY: fd is ours.
+                unsafe { libc::close(fd) };
+                return Err(RegionError::Io { path: name, op: "mmap", source });
+            }
+        };
+        // SAFETY: a fresh mapping of LAYOUT_SIZE zero bytes: a valid Shared.
+        init_header(unsafe { shared.as_ref() });
+        Ok(Region { shared, fd, name, anonymous: true, info: sys::ProcInfo::current(), own: Default::default() })
+    }
+
+    /// Opens an existing region; `None` when there is no file.
+    fn open(path: &Path) -> Result<Option<Region>, RegionError> {
+        let name = path.display().to_string();
+        let cpath = c_path(path, &name)?;
+        // SAFETY: cpath is a valid C string.
+        let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.raw_os_error() == Some(libc::ENOENT) {
+                return Ok(None);
+            }
+            return Err(RegionError::Io { path: name, op: "open", source });
+        }
+        let close = |e: RegionError| {
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            e
+        };
+        check_file(fd, &name).map_err(close)?;
+        let shared = map(fd).map_err(|source| close(RegionError::Io { path: name.clone(), op: "mmap", source }))?;
+        Ok(Some(Region { shared, fd, name, anonymous: false, info: sys::ProcInfo::current(), own: Default::default() }))
+    }
+
+    /// Builds a region file under a temporary name and links it to `path` (EEXIST: someone else won).
+    fn create(path: &Path) -> Result<(), RegionError> {
+        let name = path.display().to_string();
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(|source| RegionError::Io {
+            path: name.clone(),
+            op: "create directory",
+            source,
+        })?;
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = dir.join(format!(".{file}.{}.{}.tmp", std::process::id(), sys::monotonic_ns()));
+        let tmp_name = tmp.display().to_string();
+        let ctmp = c_path(&tmp, &tmp_name)?;
+        let cpath = c_path(path, &name)?;
+        // SAFETY: ctmp is a valid C string.
+        let fd = unsafe {
+            libc::open(
+                ctmp.as_ptr(),
+                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
+                0o666 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            return Err(io_err(&tmp_name, "create"));
+        }
+        let built = (|| {
+            // Container processes may run as any uid; the umask must not narrow that.
+            // SAFETY: fd is open.
+            if unsafe { libc::fchmod(fd, 0o666) } != 0 {
+                return Err(io_err(&tmp_name, "chmod"));
+            }
+            // SAFETY: fd is open; the file is sparse (zeroes) until written.
+            if unsafe { libc::ftruncate(fd, LAYOUT_SIZE as libc::off_t) } != 0 {
+                return Err(io_err(&tmp_name, "ftruncate"));
+            }
+            // Allocate the blocks now (a disk file system would otherwise allocate them in page
+            // faults on the hot path); best effort: tmpfs, the normal home, needs nothing.
+            // SAFETY: fd is open.
+            unsafe { libc::fallocate(fd, 0, 0, LAYOUT_SIZE as libc::off_t) };
+            let shared = map(fd).map_err(|source| RegionError::Io { path: tmp_name.clone(), op: "mmap", source })?;
+            // SAFETY: LAYOUT_SIZE zero bytes: a valid Shared, seen by nobody else yet.
+            init_header(unsafe { shared.as_ref() });
+            // SAFETY: we mapped LAYOUT_SIZE bytes at shared above.
+            unsafe { libc::munmap(shared.as_ptr().cast(), LAYOUT_SIZE) };
+            // SAFETY: fd is open.
+            if unsafe { libc::fsync(fd) } != 0 {
+                return Err(io_err(&tmp_name, "fsync"));
+            }
+            // SAFETY: both are valid C strings; link fails with EEXIST if another creator won.
+            if unsafe { libc::link(ctmp.as_ptr(), cpath.as_ptr()) } != 0 {
+                let source = std::io::Error::last_os_error();
+                if source.raw_os_error() != Some(libc::EEXIST) {
+                    return Err(RegionError::Io { path: name.clone(), op: "link", source });
+                }
+            }
+            Ok(())
+        })();
+        // SAFETY: fd and the temporary name are ours.
+        unsafe {
+            libc::close(fd);
+            libc::unlink(ctmp.as_ptr());
+        }
+        built?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+
+    fn shared(&self) -> &Shared {
+        // SAFETY: the mapping lives as long as self and holds a valid Shared (size and header
+        // checked at open; any bytes are valid atomics).
+        unsafe { self.shared.as_ref() }
+    }
+
+    /// The raw layout, for readers that need a field no method gives. Prefer the methods: they
+    /// keep the invariants (total before slot, slot before total).
+    pub fn layout(&self) -> &Shared {
+        self.shared()
+    }
+
+    /// The path, or `"anonymous region"`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn is_anonymous(&self) -> bool {
+        self.anonymous
+    }
+
+    /// Claims a free process slot for the calling process: a CAS on the slot's state word, then an
+    /// OFD lock on the slot's liveness byte. Records pid, host pid (the pid when this process is in
+    /// the host's PID namespace, else 0 for the daemon to fill), start time and comm. When no slot
+    /// is free, reaps dead ones and tries again.
+    pub fn join(&self) -> Result<Slot, RegionError> {
+        let s = self.shared();
+        let start = s.join.next.fetch_add(1, Relaxed) as usize;
+        for pass in 0..2 {
+            for k in 0..MAX_PROCS {
+                let i = (start + k) % MAX_PROCS;
+                let slot = &s.slots[i];
+                let state = slot.state.load(Relaxed);
+                if kind(state) != FREE {
+                    continue;
+                }
+                let claimed = next_state(state, LIVE);
+                if slot.state.compare_exchange(state, claimed, AcqRel, Relaxed).is_err() {
+                    continue;
+                }
+                if self.lock_claimed(i, claimed)? {
+                    self.init_slot(i);
+                    return Ok(Slot { index: i });
+                }
+            }
+            if pass == 0 && self.reap() == 0 {
+                break;
+            }
+        }
+        Err(RegionError::Full { path: self.name.clone() })
+    }
+
+    /// Takes slot `i`'s liveness lock after our CAS made its state `claimed`. False when a reaper
+    /// took the slot from us in between (it saw LIVE without a lock); we then claim another. A slot
+    /// we leave LIVE without a lock is freed by the next reap.
+    fn lock_claimed(&self, i: usize, claimed: u64) -> Result<bool, RegionError> {
+        let state = &self.shared().slots[i].state;
+        for _ in 0..100 {
+            match sys::ofd_try_lock(self.fd, LIVENESS_BASE + i as i64) {
+                Ok(sys::Lock::Taken) => {
+                    if state.load(Acquire) == claimed {
+                        self.own[i / 64].fetch_or(1 << (i % 64), Relaxed);
+                        return Ok(true);
+                    }
+                    sys::ofd_unlock(self.fd, LIVENESS_BASE + i as i64);
+                    return Ok(false);
+                }
+                // A reaper holds it for a moment: it will free the slot, or leave it to us.
+                Ok(sys::Lock::Busy) => {
+                    if state.load(Acquire) != claimed {
+                        return Ok(false);
+                    }
+                    std::thread::yield_now();
+                }
+                Err(source) => {
+                    return Err(RegionError::Io { path: self.name.clone(), op: "lock (F_OFD_SETLK)", source });
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    fn init_slot(&self, i: usize) {
+        let p = &self.shared().slots[i];
+        let fresh;
+        let info = if self.info.pid == std::process::id() {
+            &self.info
+        } else {
+            fresh = sys::ProcInfo::current();
+            &fresh
+        };
+        for d in &p.devices {
+            // `used` is already 0: a slot is freed only after its usage is returned.
+            d.peak.store(0, Relaxed);
+            d.launches.store(0, Relaxed);
+            d.gpu_time_ns.store(0, Relaxed);
+            d.throttled_ns.store(0, Relaxed);
+            d.oom_denials.store(0, Relaxed);
+        }
+        p.host_pid.store(info.host_pid, Relaxed);
+        p.start_time.store(info.start_time, Relaxed);
+        p.comm[0].store(u64::from_le_bytes(info.comm[..8].try_into().unwrap_or_default()), Relaxed);
+        p.comm[1].store(u64::from_le_bytes(info.comm[8..].try_into().unwrap_or_default()), Relaxed);
+        let now = sys::monotonic_ns();
+        p.joined_ns.store(now, Relaxed);
+        p.heartbeat_ns.store(now, Relaxed);
+        p.pid.store(info.pid, Release);
+    }
+
+    /// The daemon records a slot's host pid once it has resolved it.
+    pub fn set_host_pid(&self, slot: Slot, host_pid: u32) {
+        if let Some(p) = self.shared().slots.get(slot.index) {
+            p.host_pid.store(host_pid, Relaxed);
+        }
+    }
+
+    /// The device entry for `uuid`: found, or claimed on first use (a CAS on the entry's key;
+    /// entries are claimed in order and never freed, so every process gets the same index).
+    pub fn device(&self, uuid: &str) -> Result<usize, RegionError> {
+        let invalid = |reason: &str| RegionError::InvalidUuid {
+            path: self.name.clone(),
+            uuid: uuid.to_string(),
+            reason: reason.to_string(),
+        };
+        if uuid.is_empty() {
+            return Err(invalid("is empty"));
+        }
+        if uuid.len() > MAX_UUID_LEN {
+            return Err(invalid(&format!("is longer than {MAX_UUID_LEN} bytes")));
+        }
+        if uuid.bytes().any(|b| b == 0) {
+            return Err(invalid("holds a NUL byte"));
+        }
+        let key = uuid_key(uuid);
+        for (i, e) in self.shared().devices.iter().enumerate() {
+            let mut k = e.key.load(Acquire);
+            if k == 0 {
+                k = match e.key.compare_exchange(0, key, AcqRel, Acquire) {
+                    Ok(_) => key,
+                    Err(actual) => actual,
+                };
+            }
+            if k != key {
+                continue;
+            }
+            // Whoever finds the name unwritten writes it: all write the same bytes, so a writer
+            // killed half-way harms nobody.
+            if e.uuid_len.load(Acquire) == 0 {
+                for (w, chunk) in e.uuid.iter().zip(uuid.as_bytes().chunks(8)) {
+                    let mut b = [0u8; 8];
+                    b[..chunk.len()].copy_from_slice(chunk);
+                    w.store(u64::from_le_bytes(b), Relaxed);
+                }
+                e.uuid_len.store(uuid.len() as u32, Release);
+            } else if self.device_uuid(i).as_deref() != Some(uuid) {
+                return Err(invalid(&format!(
+                    "its key collides with device {i} ({:?}): a corrupt region",
+                    self.device_uuid(i).unwrap_or_default()
+                )));
+            }
+            return Ok(i);
+        }
+        Err(RegionError::TooManyDevices { path: self.name.clone(), uuid: uuid.to_string() })
+    }
+
+    /// The UUID of device entry `dev`, once claimed.
+    pub fn device_uuid(&self, dev: usize) -> Option<String> {
+        let e = self.shared().devices.get(dev)?;
+        let len = e.uuid_len.load(Acquire) as usize;
+        if len == 0 || len > MAX_UUID_LEN {
+            return None;
+        }
+        let mut bytes = [0u8; MAX_UUID_LEN];
+        for (w, out) in e.uuid.iter().zip(bytes.chunks_mut(8)) {
+            out.copy_from_slice(&w.load(Relaxed).to_le_bytes());
+        }
+        String::from_utf8(bytes[..len].to_vec()).ok()
+    }
+
+    /// Sets the memory limit the hot path enforces (the mirror of the limits file); `None`: no limit.
+    /// A limit below the current use refuses new reservations until enough is released.
+    pub fn set_memory_limit(&self, dev: usize, limit: Option<u64>) {
+        if let Some(e) = self.shared().devices.get(dev) {
+            e.memory_limit.store(limit.map_or(0, |l| l.saturating_add(1)), Relaxed);
+        }
+    }
+
+    pub fn memory_limit(&self, dev: usize) -> Option<u64> {
+        let raw = self.shared().devices.get(dev)?.memory_limit.load(Relaxed);
+        raw.checked_sub(1)
+    }
+
+    pub fn set_sm_percent(&self, dev: usize, pct: Option<u32>) {
+        if let Some(e) = self.shared().devices.get(dev) {
+            e.sm_percent.store(pct.unwrap_or(0), Relaxed);
+        }
+    }
+
+    pub fn sm_percent(&self, dev: usize) -> Option<u32> {
+        Some(self.shared().devices.get(dev)?.sm_percent.load(Relaxed)).filter(|&p| p != 0)
+    }
+
+    /// Reserves `bytes` on device `dev` for `slot`'s process. Lock-free: a CAS raises the device
+    /// total unless that would pass the limit, THEN the slot (and its peak) is raised; a process
+    /// killed in between leaves the total too high (until [`Region::reconcile`]), never too low.
+    /// On refusal, counts an OOM denial on the slot and returns the total and the limit. An
+    /// out-of-range slot or device is refused.
+    #[inline]
+    pub fn try_reserve(&self, slot: Slot, dev: usize, bytes: u64) -> Result<(), Denied> {
+        let s = self.shared();
+        let (Some(d), Some(p)) = (s.devices.get(dev), s.slots.get(slot.index)) else {
+            return Err(Denied { used: 0, limit: 0 });
+        };
+        let mine = &p.devices[dev];
+        // SeqCst throughout: reconcile reasons about the order of the guard, the total and the
+        // slot (on x86 every read-modify-write is SeqCst anyway).
+        p.inflight.fetch_add(OP_START, SeqCst);
+        let limit = d.memory_limit.load(Relaxed).checked_sub(1);
+        let total = match limit {
+            None => d.used.fetch_add(bytes, SeqCst).saturating_add(bytes),
+            Some(limit) => {
+                let mut cur = d.used.load(Relaxed);
+                loop {
+                    let next = match cur.checked_add(bytes) {
+                        Some(n) if n <= limit => n,
+                        _ => {
+                            p.inflight.fetch_sub(1, SeqCst);
+                            mine.oom_denials.fetch_add(1, Relaxed);
+                            return Err(Denied { used: cur, limit });
+                        }
+                    };
+                    match d.used.compare_exchange_weak(cur, next, SeqCst, Relaxed) {
+                        Ok(_) => break next,
+                        Err(actual) => cur = actual,
+                    }
+                }
+            }
+        };
+        let held = mine.used.fetch_add(bytes, SeqCst).saturating_add(bytes);
+        p.inflight.fetch_sub(1, SeqCst);
+        if total > d.peak.load(Relaxed) {
+            d.peak.fetch_max(total, Relaxed);
+        }
+        if held > mine.peak.load(Relaxed) {
+            mine.peak.fetch_max(held, Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Returns `bytes` reserved by `slot` on `dev`: the slot first, THEN the total. Never more than
+    /// the slot holds.
+    #[inline]
+    pub fn release(&self, slot: Slot, dev: usize, bytes: u64) {
+        let s = self.shared();
+        let (Some(d), Some(p)) = (s.devices.get(dev), s.slots.get(slot.index)) else {
+            return;
+        };
+        let mine = &p.devices[dev].used;
+        p.inflight.fetch_add(OP_START, SeqCst);
+        let mut cur = mine.load(Relaxed);
+        loop {
+            let take = cur.min(bytes);
+            if take == 0 {
+                break;
+            }
+            match mine.compare_exchange_weak(cur, cur - take, SeqCst, Relaxed) {
+                Ok(_) => {
+                    d.used.fetch_sub(take, SeqCst);
+                    break;
+                }
+                Err(actual) => cur = actual,
+            }
+        }
+        p.inflight.fetch_sub(1, SeqCst);
+    }
+
+    /// The container's total on device `dev`.
+    pub fn used(&self, dev: usize) -> u64 {
+        self.shared().devices.get(dev).map_or(0, |d| d.used.load(Relaxed))
+    }
+
+    /// What `slot`'s process holds on device `dev`.
+    pub fn slot_used(&self, slot: Slot, dev: usize) -> u64 {
+        self.slot_device(slot, dev).map_or(0, |d| d.used.load(Relaxed))
+    }
+
+    fn slot_device(&self, slot: Slot, dev: usize) -> Option<&SlotDevice> {
+        self.shared().slots.get(slot.index)?.devices.get(dev)
+    }
+
+    fn owns(&self, i: usize) -> bool {
+        self.own[i / 64].load(Relaxed) & (1 << (i % 64)) != 0
+    }
+
+    /// Frees the slots of processes that are gone (their liveness lock is no longer held): their
+    /// usage is subtracted from the device totals. Slots this handle joined are skipped. Then
+    /// [`Region::reconcile`]s the totals. Returns how many slots were freed. Costs one `fcntl` per
+    /// live slot of another handle; not for hot paths.
+    pub fn reap(&self) -> usize {
+        if self.anonymous {
+            return 0;
+        }
+        let s = self.shared();
+        let mut freed = 0;
+        for (i, p) in s.slots.iter().enumerate() {
+            let state = p.state.load(Acquire);
+            if kind(state) != LIVE || self.owns(i) {
+                continue;
+            }
+            let byte = LIVENESS_BASE + i as i64;
+            if sys::ofd_held_by_other(self.fd, byte) {
+                continue;
+            }
+            // Take the lock ourselves: one reaper wins, and a joiner between its CAS and its lock
+            // will see the state change and go elsewhere.
+            if !matches!(sys::ofd_try_lock(self.fd, byte), Ok(sys::Lock::Taken)) {
+                continue;
+            }
+            if p.state.load(Acquire) == state {
+                // The owner is dead: whatever it had in flight stays in doubt (in the totals)
+                // for reconcile; the guard now counts only us.
+                let ops = p.inflight.load(SeqCst) & !BUSY_MASK;
+                p.inflight.store(ops + OP_START, SeqCst);
+                for (d, mine) in s.devices.iter().zip(&p.devices) {
+                    // Slot first, then total; a reaper killed here leaves the total too high.
+                    let held = mine.used.swap(0, SeqCst);
+                    if held != 0 {
+                        d.used.fetch_sub(held, SeqCst);
+                    }
+                }
+                p.inflight.store(ops + OP_START - 1, SeqCst);
+                p.pid.store(0, Relaxed);
+                p.host_pid.store(0, Relaxed);
+                p.state.store(next_state(state, FREE), Release);
+                freed += 1;
+            }
+            sys::ofd_unlock(self.fd, byte);
+        }
+        self.reconcile();
+        freed
+    }
+
+    /// Returns to the device totals what processes killed half-way through a reservation or a
+    /// release left there (the total raised but not the slot, or the slot lowered but not the
+    /// total): sets each total to the sum of the slots, when a consistent reading shows that no
+    /// operation was in flight (every slot's guard idle and unchanged around the reading of totals
+    /// and slots). A slot killed mid-operation keeps its guard busy until it is reaped, so this
+    /// succeeds after the reap ([`Region::reap`] calls it). Returns the bytes returned.
+    pub fn reconcile(&self) -> u64 {
+        if self.anonymous {
+            return 0;
+        }
+        let s = self.shared();
+        let mut guards = [0u64; MAX_PROCS];
+        for _ in 0..4 {
+            let mut idle = true;
+            for (g, p) in guards.iter_mut().zip(&s.slots) {
+                *g = p.inflight.load(SeqCst);
+                idle &= *g & BUSY_MASK == 0;
+            }
+            if !idle {
+                std::thread::yield_now();
+                continue;
+            }
+            let totals: [u64; MAX_DEVICES] = std::array::from_fn(|d| s.devices[d].used.load(SeqCst));
+            let mut sums = [0u64; MAX_DEVICES];
+            for p in &s.slots {
+                for (sum, mine) in sums.iter_mut().zip(&p.devices) {
+                    *sum = sum.saturating_add(mine.used.load(SeqCst));
+                }
+            }
+            if guards.iter().zip(&s.slots).any(|(&g, p)| p.inflight.load(SeqCst) != g) {
+                continue;
+            }
+            // No operation ran between the two guard readings, so totals and sums were read
+            // together. A total that moved since fails its CAS and keeps its excess for next time.
+            let mut returned = 0;
+            for (d, (&total, &sum)) in s.devices.iter().zip(totals.iter().zip(&sums)) {
+                if total > sum && d.used.compare_exchange(total, sum, SeqCst, SeqCst).is_ok() {
+                    returned += total - sum;
+                }
+            }
+            return returned;
+        }
+        0
+    }
+
+    #[inline]
+    pub fn record_launch(&self, slot: Slot, dev: usize) {
+        if let Some(d) = self.slot_device(slot, dev) {
+            d.launches.fetch_add(1, Relaxed);
+        }
+    }
+
+    #[inline]
+    pub fn record_gpu_time(&self, slot: Slot, dev: usize, ns: u64) {
+        if let Some(d) = self.slot_device(slot, dev) {
+            d.gpu_time_ns.fetch_add(ns, Relaxed);
+        }
+    }
+
+    #[inline]
+    pub fn record_throttled(&self, slot: Slot, dev: usize, ns: u64) {
+        if let Some(d) = self.slot_device(slot, dev) {
+            d.throttled_ns.fetch_add(ns, Relaxed);
+        }
+    }
+
+    /// Device `dev`'s compute bucket. Panics when `dev >= MAX_DEVICES` (indices come from
+    /// [`Region::device`]).
+    #[inline]
+    pub fn bucket(&self, dev: usize) -> &ComputeBucket {
+        &self.shared().devices[dev].bucket
+    }
+
+    /// Stamps the slot with the monotonic clock (vDSO: no syscall).
+    #[inline]
+    pub fn heartbeat(&self, slot: Slot) {
+        if let Some(p) = self.shared().slots.get(slot.index) {
+            p.heartbeat_ns.store(sys::monotonic_ns(), Relaxed);
+        }
+    }
+
+    /// Bumped by the daemon after rewriting the limits file; the shim rereads it when this changes.
+    pub fn config_generation(&self) -> u64 {
+        self.shared().header.config_generation.load(Acquire)
+    }
+
+    pub fn bump_config_generation(&self) {
+        self.shared().header.config_generation.fetch_add(1, AcqRel);
+    }
+
+    /// Reserved for on-demand tracing.
+    pub fn trace_requested(&self) -> bool {
+        self.shared().header.trace_requested.load(Relaxed) != 0
+    }
+
+    pub fn set_trace_requested(&self, on: bool) {
+        self.shared().header.trace_requested.store(u32::from(on), Relaxed);
+    }
+
+    /// `(pid, host pid)` of every joined slot (host pid 0: not known yet). Dead processes not yet
+    /// reaped are included: call [`Region::reap`] first.
+    pub fn pids(&self) -> Vec<(u32, u32)> {
+        self.live_slots().map(|(_, p, pid)| (pid, p.host_pid.load(Relaxed))).collect()
+    }
+
+    /// Joined slots that have finished joining: (index, slot, pid).
+    fn live_slots(&self) -> impl Iterator<Item = (usize, &ProcSlot, u32)> {
+        self.shared().slots.iter().enumerate().filter_map(|(i, p)| {
+            if kind(p.state.load(Acquire)) != LIVE {
+                return None;
+            }
+            let pid = p.pid.load(Acquire);
+            (pid != 0).then_some((i, p, pid))
+        })
+    }
+
+    /// Everything, for the daemon: claimed devices (uuid, limits, total) and joined processes with
+    /// their per-device counters (one per claimed device, in device order). Values are read one by
+    /// one, not as one atomic picture. Call [`Region::reap`] first to leave out dead processes.
+    pub fn snapshot(&self) -> Snapshot {
+        let s = self.shared();
+        let devices: Vec<DeviceSnapshot> = (0..MAX_DEVICES)
+            .map_while(|i| {
+                let e = &s.devices[i];
+                (e.key.load(Acquire) != 0).then(|| DeviceSnapshot {
+                    index: i,
+                    uuid: self.device_uuid(i).unwrap_or_default(),
+                    memory_limit: self.memory_limit(i),
+                    sm_percent: self.sm_percent(i),
+                    used: e.used.load(Relaxed),
+                    peak: e.peak.load(Relaxed),
+                })
+            })
+            .collect();
+        let processes = self
+            .live_slots()
+            .map(|(i, p, pid)| {
+                let mut comm = [0u8; 16];
+                comm[..8].copy_from_slice(&p.comm[0].load(Relaxed).to_le_bytes());
+                comm[8..].copy_from_slice(&p.comm[1].load(Relaxed).to_le_bytes());
+                let n = comm.iter().position(|&c| c == 0).unwrap_or(16);
+                ProcessSnapshot {
+                    slot: i,
+                    pid,
+                    host_pid: p.host_pid.load(Relaxed),
+                    start_time: p.start_time.load(Relaxed),
+                    comm: String::from_utf8_lossy(&comm[..n]).into_owned(),
+                    joined_ns: p.joined_ns.load(Relaxed),
+                    heartbeat_ns: p.heartbeat_ns.load(Relaxed),
+                    devices: p.devices[..devices.len()]
+                        .iter()
+                        .enumerate()
+                        .map(|(dev, d)| ProcessDeviceSnapshot {
+                            dev,
+                            used: d.used.load(Relaxed),
+                            peak: d.peak.load(Relaxed),
+                            launches: d.launches.load(Relaxed),
+                            gpu_time_ns: d.gpu_time_ns.load(Relaxed),
+                            throttled_ns: d.throttled_ns.load(Relaxed),
+                            oom_denials: d.oom_denials.load(Relaxed),
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        Snapshot {
+            config_generation: self.config_generation(),
+            trace_requested: self.trace_requested(),
+            devices,
+            processes,
+        }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: we mapped LAYOUT_SIZE bytes at shared and own fd. Closing fd drops the liveness
+        // locks of the slots this handle joined: they become reapable, as at process death.
+        unsafe {
+            libc::munmap(self.shared.as_ptr().cast(), LAYOUT_SIZE);
+            libc::close(self.fd);
+        }
+    }
+}
+
+/// A region's contents at one moment (read field by field), for the daemon.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    pub config_generation: u64,
+    pub trace_requested: bool,
+    pub devices: Vec<DeviceSnapshot>,
+    pub processes: Vec<ProcessSnapshot>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceSnapshot {
+    pub index: usize,
+    pub uuid: String,
+    pub memory_limit: Option<u64>,
+    pub sm_percent: Option<u32>,
+    /// The container's total.
+    pub used: u64,
+    pub peak: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessSnapshot {
+    /// Slot index: `Slot { index: slot }` for [`Region::set_host_pid`].
+    pub slot: usize,
+    pub pid: u32,
+    /// 0: not known yet.
+    pub host_pid: u32,
+    /// Clock ticks after boot, as in `/proc/<pid>/stat` field 22.
+    pub start_time: u64,
+    pub comm: String,
+    pub joined_ns: u64,
+    pub heartbeat_ns: u64,
+    /// One per claimed device, in device order.
+    pub devices: Vec<ProcessDeviceSnapshot>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessDeviceSnapshot {
+    pub dev: usize,
+    pub used: u64,
+    pub peak: u64,
+    pub launches: u64,
+    pub gpu_time_ns: u64,
+    pub throttled_ns: u64,
+    pub oom_denials: u64,
+}
+
+/// FNV-1a, 64 bits: stable across builds (the shim and the daemon may be built apart). Never 0.
+fn uuid_key(uuid: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in uuid.as_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h.max(1)
+}
+
+fn init_header(s: &Shared) {
+    let h = &s.header;
+    h.version.store(LAYOUT_VERSION, Relaxed);
+    h.max_devices.store(MAX_DEVICES as u32, Relaxed);
+    h.max_procs.store(MAX_PROCS as u32, Relaxed);
+    h.layout_size.store(LAYOUT_SIZE as u64, Relaxed);
+    h.magic.store(MAGIC, Release);
+}
+
+fn io_err(path: &str, op: &'static str) -> RegionError {
+    RegionError::Io { path: path.to_string(), op, source: std::io::Error::last_os_error() }
+}
+
+fn c_path(path: &Path, name: &str) -> Result<CString, RegionError> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| RegionError::Incompatible { path: name.to_string(), reason: "path holds a NUL byte".into() })
+}
+
+/// Refuses anything but a region file of this build's layout, before mapping it.
+fn check_file(fd: i32, name: &str) -> Result<(), RegionError> {
+    let incompatible = |reason: String| RegionError::Incompatible {
+        path: name.to_string(),
+        reason: format!("{reason}; remove it (no process may be using it) to make a new one"),
+    };
+    // SAFETY: stat is plain data; fstat fills it for an open fd.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open and st writable.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(io_err(name, "stat"));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(incompatible("not a regular file".into()));
+    }
+    let mut header = [0u8; 24];
+    // SAFETY: header is writable for its length.
+    let n = unsafe { libc::pread(fd, header.as_mut_ptr().cast(), header.len(), 0) };
+    if n < 0 {
+        return Err(io_err(name, "read"));
+    }
+    // The header as the atomics store it: native byte order.
+    let word = |at: usize| u64::from_ne_bytes(header[at..at + 8].try_into().unwrap_or_default());
+    if (n as usize) < header.len() || word(0) != MAGIC {
+        return Err(incompatible(format!("not a tessera accounting region ({} bytes, no region header)", st.st_size)));
+    }
+    let version = u32::from_ne_bytes(header[8..12].try_into().unwrap_or_default());
+    if version != LAYOUT_VERSION {
+        return Err(incompatible(format!(
+            "a region of layout version {version}; this build uses version {LAYOUT_VERSION}"
+        )));
+    }
+    let layout_size = word(16);
+    if layout_size != LAYOUT_SIZE as u64 || st.st_size as u64 != LAYOUT_SIZE as u64 {
+        return Err(incompatible(format!(
+            "a region of {layout_size} bytes in a file of {}; this build's layout is {LAYOUT_SIZE} bytes",
+            st.st_size
+        )));
+    }
+    Ok(())
+}
+
+/// Maps the region, populated: no page fault later on a hot path (~210 pages).
+fn map(fd: i32) -> std::io::Result<NonNull<Shared>> {
+    let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
+    // SAFETY: mapping LAYOUT_SIZE bytes of an fd whose size was checked (or set), shared read-write.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), LAYOUT_SIZE, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0) };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    NonNull::new(p.cast()).ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::{Arc, Mutex};
+
+    fn file_region() -> (tempfile::TempDir, std::path::PathBuf, Region) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let r = Region::open_or_create(&path).unwrap();
+        (dir, path, r)
+    }
+
+    #[test]
+    fn reserve_up_to_the_limit_exactly() {
+        let r = Region::anonymous().unwrap();
+        let dev = r.device("GPU-a").unwrap();
+        r.set_memory_limit(dev, Some(1000));
+        let me = r.join().unwrap();
+        assert_eq!(r.try_reserve(me, dev, 600), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 400), Ok(()));
+        assert_eq!(r.used(dev), 1000);
+        assert_eq!(r.try_reserve(me, dev, 1), Err(Denied { used: 1000, limit: 1000 }));
+        assert_eq!(r.try_reserve(me, dev, u64::MAX), Err(Denied { used: 1000, limit: 1000 }));
+        assert_eq!(r.used(dev), 1000);
+        r.release(me, dev, 400);
+        assert_eq!((r.used(dev), r.slot_used(me, dev)), (600, 600));
+        assert_eq!(r.try_reserve(me, dev, 400), Ok(()));
+        // Never more than the slot holds.
+        r.release(me, dev, 5000);
+        assert_eq!((r.used(dev), r.slot_used(me, dev)), (0, 0));
+        r.release(me, dev, 1);
+        assert_eq!(r.used(dev), 0);
+
+        let snap = r.snapshot();
+        assert_eq!(snap.devices[0].peak, 1000);
+        let p = &snap.processes[0];
+        assert_eq!((p.devices[0].peak, p.devices[0].oom_denials), (1000, 2));
+
+        // A limit below the use refuses until enough is released; None lifts it.
+        assert_eq!(r.try_reserve(me, dev, 800), Ok(()));
+        r.set_memory_limit(dev, Some(500));
+        assert_eq!(r.try_reserve(me, dev, 1), Err(Denied { used: 800, limit: 500 }));
+        r.set_memory_limit(dev, None);
+        assert_eq!(r.memory_limit(dev), None);
+        assert_eq!(r.try_reserve(me, dev, 1 << 40), Ok(()));
+        assert_eq!(r.used(dev), 800 + (1 << 40));
+    }
+
+    #[test]
+    fn bad_indices_are_harmless() {
+        let r = Region::anonymous().unwrap();
+        let me = r.join().unwrap();
+        assert_eq!(r.try_reserve(me, MAX_DEVICES, 1), Err(Denied { used: 0, limit: 0 }));
+        assert!(r.try_reserve(Slot { index: MAX_PROCS }, 0, 1).is_err());
+        r.release(me, MAX_DEVICES, 1);
+        r.record_launch(me, MAX_DEVICES);
+        r.record_gpu_time(Slot { index: MAX_PROCS }, 0, 1);
+        r.set_memory_limit(MAX_DEVICES, Some(1));
+        assert_eq!(r.memory_limit(MAX_DEVICES), None);
+        assert_eq!(r.used(MAX_DEVICES), 0);
+        assert_eq!(r.device_uuid(MAX_DEVICES), None);
+    }
+
+    #[test]
+    fn devices_are_claimed_once_and_shared() {
+        let (_dir, path, a) = file_region();
+        let b = Region::open_or_create(&path).unwrap();
+        assert_eq!(a.device("GPU-0").unwrap(), 0);
+        assert_eq!(b.device("MIG-1").unwrap(), 1);
+        assert_eq!(b.device("GPU-0").unwrap(), 0);
+        assert_eq!(a.device("MIG-1").unwrap(), 1);
+        assert_eq!(a.device_uuid(1).as_deref(), Some("MIG-1"));
+        assert_eq!(a.device_uuid(2), None);
+        let long_mig = "MIG-GPU-5c89852c-d268-c3f3-1b07-005d5ae1dc3f/13/0";
+        assert_eq!(b.device(long_mig).unwrap(), 2);
+        assert_eq!(a.device_uuid(2).as_deref(), Some(long_mig));
+
+        a.set_memory_limit(0, Some(8 << 30));
+        a.set_sm_percent(0, Some(30));
+        assert_eq!((b.memory_limit(0), b.sm_percent(0)), (Some(8 << 30), Some(30)));
+        a.set_sm_percent(0, None);
+        assert_eq!(b.sm_percent(0), None);
+
+        for i in 3..MAX_DEVICES {
+            assert_eq!(a.device(&format!("GPU-{i}")).unwrap(), i);
+        }
+        let e = a.device("GPU-one-too-many").unwrap_err().to_string();
+        assert!(e.starts_with(&path.display().to_string()) && e.contains("all 16 device entries"), "{e}");
+        assert_eq!(a.device("GPU-7").unwrap(), 7, "existing entries are still found when full");
+        let e = a.device(&"x".repeat(65)).unwrap_err().to_string();
+        assert!(e.contains("longer than 64 bytes"), "{e}");
+        assert!(a.device("").is_err());
+    }
+
+    #[test]
+    fn racing_device_claims_get_one_entry() {
+        let (_dir, path, _r) = file_region();
+        let regions: Vec<Region> = (0..8).map(|_| Region::open_or_create(&path).unwrap()).collect();
+        let got: Vec<Vec<usize>> = std::thread::scope(|s| {
+            let hs: Vec<_> = regions
+                .iter()
+                .enumerate()
+                .map(|(t, r)| {
+                    s.spawn(move || {
+                        (0..12).map(|k| r.device(&format!("GPU-{}", (k + t) % 12)).unwrap()).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let r = &regions[0];
+        for (t, indices) in got.iter().enumerate() {
+            for (k, &i) in indices.iter().enumerate() {
+                assert_eq!(r.device_uuid(i).unwrap(), format!("GPU-{}", (k + t) % 12));
+            }
+        }
+        assert_eq!(r.snapshot().devices.len(), 12);
+    }
+
+    #[test]
+    fn file_is_world_writable_and_created_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub").join("region");
+        let regions: Vec<Region> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|_| s.spawn(|| Region::open_or_create(&path).unwrap())).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        regions[3].bump_config_generation();
+        assert!(regions.iter().all(|r| r.config_generation() == 1));
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o666);
+        assert_eq!(meta.len(), LAYOUT_SIZE as u64);
+        // Only the region: no temporary files left.
+        assert_eq!(std::fs::read_dir(path.parent().unwrap()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn other_layouts_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("region");
+        let expect = |what: &str| {
+            let e = Region::open_or_create(&path).err().unwrap().to_string();
+            assert!(e.starts_with(&path.display().to_string()) && e.contains(what), "{e}");
+        };
+        std::fs::write(&path, b"hello").unwrap();
+        expect("not a tessera accounting region");
+        let mut bytes = vec![0u8; LAYOUT_SIZE];
+        std::fs::write(&path, &bytes).unwrap();
+        expect("not a tessera accounting region");
+        bytes[..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        bytes[8..12].copy_from_slice(&7u32.to_ne_bytes());
+        bytes[16..24].copy_from_slice(&(LAYOUT_SIZE as u64).to_ne_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        expect("layout version 7; this build uses version 1");
+        bytes[8..12].copy_from_slice(&LAYOUT_VERSION.to_ne_bytes());
+        bytes[16..24].copy_from_slice(&4096u64.to_ne_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        expect("a region of 4096 bytes");
+        bytes[16..24].copy_from_slice(&(LAYOUT_SIZE as u64).to_ne_bytes());
+        bytes.push(0);
+        std::fs::write(&path, &bytes).unwrap();
+        expect(&format!("in a file of {}", LAYOUT_SIZE + 1));
+        bytes.pop();
+        std::fs::write(&path, &bytes).unwrap();
+        Region::open_or_create(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(Region::open_or_create(&path).is_err());
+    }
+
+    #[test]
+    fn a_dropped_handle_is_reaped_and_its_memory_returned() {
+        let (_dir, path, daemon) = file_region();
+        let dev = daemon.device("GPU-a").unwrap();
+        let mine = daemon.join().unwrap();
+        daemon.try_reserve(mine, dev, 10).unwrap();
+        let other = Region::open_or_create(&path).unwrap();
+        let s = other.join().unwrap();
+        other.try_reserve(s, dev, 1000).unwrap();
+        other.record_launch(s, dev);
+        assert_eq!(daemon.reap(), 0, "live slots are not reaped");
+        assert_eq!(other.reap(), 0, "nor our own");
+        assert_eq!(daemon.pids().len(), 2);
+        drop(other);
+        assert_eq!(daemon.used(dev), 1010);
+        assert_eq!(daemon.reap(), 1);
+        assert_eq!(daemon.used(dev), 10);
+        assert_eq!(daemon.slot_used(s, dev), 0);
+        assert_eq!(daemon.reap(), 0);
+        assert_eq!(daemon.pids().len(), 1);
+        // The freed slot is joinable again, with fresh counters.
+        let third = Region::open_or_create(&path).unwrap();
+        let mut slots = Vec::new();
+        loop {
+            let t = third.join().unwrap();
+            slots.push(t);
+            if t == s {
+                break;
+            }
+        }
+        let snap = third.snapshot();
+        let p = snap.processes.iter().find(|p| p.slot == s.index).unwrap();
+        assert_eq!((p.devices[dev].launches, p.devices[dev].used), (0, 0));
+    }
+
+    #[test]
+    fn join_fills_every_slot_then_reaps() {
+        let (_dir, path, a) = file_region();
+        let b = Region::open_or_create(&path).unwrap();
+        let mut seen = HashSet::new();
+        for _ in 0..MAX_PROCS - 1 {
+            assert!(seen.insert(b.join().unwrap().index));
+        }
+        assert!(seen.insert(a.join().unwrap().index));
+        let e = a.join().unwrap_err().to_string();
+        assert!(e.contains("all 1024 process slots"), "{e}");
+        drop(b);
+        let s = a.join().unwrap();
+        assert!(seen.contains(&s.index));
+        assert_eq!(a.pids().len(), 2);
+    }
+
+    #[test]
+    fn snapshot_and_counters() {
+        let (_dir, path, daemon) = file_region();
+        let r = Region::open_or_create(&path).unwrap();
+        let d0 = r.device("GPU-0").unwrap();
+        let d1 = r.device("GPU-1").unwrap();
+        daemon.set_memory_limit(d1, Some(100));
+        daemon.set_sm_percent(d1, Some(40));
+        let me = r.join().unwrap();
+        r.try_reserve(me, d1, 60).unwrap();
+        r.try_reserve(me, d1, 50).unwrap_err();
+        r.record_launch(me, d1);
+        r.record_launch(me, d1);
+        r.record_gpu_time(me, d1, 5000);
+        r.record_throttled(me, d1, 700);
+        r.heartbeat(me);
+        daemon.set_host_pid(me, 4242);
+        daemon.set_trace_requested(true);
+        assert!(r.trace_requested());
+        let snap = daemon.snapshot();
+        assert!(snap.trace_requested);
+        assert_eq!(snap.devices.len(), 2);
+        assert_eq!(
+            snap.devices[d1],
+            DeviceSnapshot {
+                index: d1,
+                uuid: "GPU-1".into(),
+                memory_limit: Some(100),
+                sm_percent: Some(40),
+                used: 60,
+                peak: 60,
+            }
+        );
+        assert_eq!(snap.processes.len(), 1);
+        let p = &snap.processes[0];
+        assert_eq!((p.slot, p.pid, p.host_pid), (me.index, std::process::id(), 4242));
+        assert!(p.start_time > 0);
+        let comm = std::fs::read_to_string("/proc/self/comm").unwrap();
+        assert_eq!(p.comm, comm.trim_end());
+        assert!(p.heartbeat_ns >= p.joined_ns && p.joined_ns > 0);
+        assert_eq!(
+            p.devices[d0],
+            ProcessDeviceSnapshot {
+                dev: d0,
+                used: 0,
+                peak: 0,
+                launches: 0,
+                gpu_time_ns: 0,
+                throttled_ns: 0,
+                oom_denials: 0
+            }
+        );
+        assert_eq!(
+            p.devices[d1],
+            ProcessDeviceSnapshot {
+                dev: d1,
+                used: 60,
+                peak: 60,
+                launches: 2,
+                gpu_time_ns: 5000,
+                throttled_ns: 700,
+                oom_denials: 1
+            }
+        );
+        assert_eq!(daemon.pids(), vec![(std::process::id(), 4242)]);
+        let b = daemon.bucket(d1);
+        b.tokens_ns.store(-5, SeqCst);
+        assert_eq!(r.bucket(d1).tokens_ns.load(SeqCst), -5);
+    }
+
+    #[test]
+    fn host_pid_is_known_only_in_the_hosts_pid_namespace() {
+        let r = Region::anonymous().unwrap();
+        let me = r.join().unwrap();
+        let host_ns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok()
+            == Some(0xEFFF_FFFC);
+        let p = r.snapshot().processes.into_iter().find(|p| p.slot == me.index).unwrap();
+        assert_eq!(p.host_pid, if host_ns { std::process::id() } else { 0 });
+    }
+
+    #[test]
+    fn anonymous_region_reaps_nothing() {
+        let r = Region::anonymous().unwrap();
+        assert!(r.is_anonymous());
+        let a = r.join().unwrap();
+        let b = r.join().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(r.reap(), 0);
+    }
+
+    /// Many processes (separate handles on one file) × many threads, reserving and releasing at
+    /// random against one limit: the total never passes the limit and ends at exactly what the
+    /// successful reservations minus the releases add up to.
+    #[test]
+    fn concurrent_reservations_never_pass_the_limit() {
+        const HANDLES: usize = 6;
+        const THREADS: usize = 4;
+        const LIMIT: u64 = 1 << 20;
+        let (_dir, path, daemon) = file_region();
+        let dev = daemon.device("GPU-shared").unwrap();
+        daemon.set_memory_limit(dev, Some(LIMIT));
+        let regions: Vec<Arc<Region>> =
+            (0..HANDLES).map(|_| Arc::new(Region::open_or_create(&path).unwrap())).collect();
+        let slots: Vec<Slot> = regions.iter().map(|r| r.join().unwrap()).collect();
+        let stop = AtomicBool::new(false);
+        let (held, denials): (Vec<u64>, Vec<u64>) = std::thread::scope(|s| {
+            let watcher = s.spawn(|| {
+                let mut max = 0;
+                while !stop.load(SeqCst) {
+                    max = max.max(daemon.used(dev));
+                }
+                max
+            });
+            // Reconciling all along must never take what an operation in flight holds.
+            let reconciler = s.spawn(|| {
+                let mut rounds = 0u64;
+                while !stop.load(SeqCst) {
+                    assert_eq!(daemon.reconcile(), 0);
+                    rounds += 1;
+                }
+                rounds
+            });
+            let workers: Vec<_> = (0..HANDLES * THREADS)
+                .map(|t| {
+                    let r = regions[t % HANDLES].clone();
+                    let slot = slots[t % HANDLES];
+                    s.spawn(move || {
+                        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+                        let mut next = move || {
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            rng
+                        };
+                        let mut mine: Vec<u64> = Vec::new();
+                        let mut denied = 0;
+                        for _ in 0..20_000 {
+                            if mine.len() < 16 && next() % 3 != 0 {
+                                let bytes = 1 + next() % (LIMIT / 16);
+                                match r.try_reserve(slot, dev, bytes) {
+                                    Ok(()) => mine.push(bytes),
+                                    Err(d) => {
+                                        assert!(d.used + bytes > d.limit && d.limit == LIMIT);
+                                        denied += 1;
+                                    }
+                                }
+                            } else if !mine.is_empty() {
+                                let i = (next() as usize) % mine.len();
+                                r.release(slot, dev, mine.swap_remove(i));
+                            }
+                        }
+                        (mine.iter().sum::<u64>(), denied)
+                    })
+                })
+                .collect();
+            let out = workers.into_iter().map(|h| h.join().unwrap()).unzip();
+            stop.store(true, SeqCst);
+            assert!(watcher.join().unwrap() <= LIMIT);
+            assert!(reconciler.join().unwrap() > 0);
+            out
+        });
+        let total: u64 = held.iter().sum();
+        assert_eq!(daemon.used(dev), total);
+        let by_slot: u64 = slots.iter().map(|&s| daemon.slot_used(s, dev)).sum();
+        assert_eq!(by_slot, total);
+        assert!(denials.iter().sum::<u64>() > 0, "the limit was reached");
+        let snap = daemon.snapshot();
+        let counted: u64 = snap.processes.iter().map(|p| p.devices[dev].oom_denials).sum();
+        assert_eq!(counted, denials.iter().sum::<u64>());
+        assert!(snap.devices[dev].peak <= LIMIT);
+        drop(regions);
+        assert_eq!(daemon.reap(), HANDLES);
+        assert_eq!(daemon.used(dev), 0);
+    }
+
+    #[test]
+    fn reconcile_returns_what_a_half_done_operation_left() {
+        let (_dir, path, daemon) = file_region();
+        let r = Region::open_or_create(&path).unwrap();
+        let dev = r.device("GPU-a").unwrap();
+        let me = r.join().unwrap();
+        r.try_reserve(me, dev, 500).unwrap();
+        assert_eq!(daemon.reconcile(), 0, "nothing to return");
+        // A process killed after raising the total, before raising its slot, in the middle of
+        // its operation (guard busy): in doubt, left alone.
+        let l = r.layout();
+        l.slots[me.index].inflight.fetch_add(OP_START, SeqCst);
+        l.devices[dev].used.fetch_add(300, SeqCst);
+        assert_eq!(daemon.reconcile(), 0);
+        assert_eq!(r.used(dev), 800);
+        // Once no operation is in flight (here: the guard left; in life: the slot reaped) the
+        // excess goes back.
+        l.slots[me.index].inflight.fetch_sub(1, SeqCst);
+        assert_eq!(daemon.reconcile(), 300);
+        assert_eq!((r.used(dev), r.slot_used(me, dev)), (500, 500));
+        // The dead process's slot: reaped, its guard reset, the excess returned by the reap.
+        l.slots[me.index].inflight.fetch_add(OP_START, SeqCst);
+        l.devices[dev].used.fetch_add(300, SeqCst);
+        drop(r);
+        assert_eq!(daemon.reap(), 1);
+        assert_eq!(daemon.used(dev), 0);
+    }
+
+    /// Joins, leaves (by dropping the handle: the lock goes as at death) and reaps racing: no two
+    /// live handles ever share a slot, and every byte comes back.
+    #[test]
+    fn joins_and_reaps_race_safely() {
+        let (_dir, path, daemon) = file_region();
+        let dev = daemon.device("GPU-a").unwrap();
+        let live: Mutex<HashSet<usize>> = Mutex::new(HashSet::new());
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let reapers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let r = Region::open_or_create(&path).unwrap();
+                        let mut n = 0;
+                        while !stop.load(SeqCst) {
+                            n += r.reap();
+                        }
+                        n
+                    })
+                })
+                .collect();
+            let joiners: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        for _ in 0..300 {
+                            let r = Region::open_or_create(&path).unwrap();
+                            let slot = r.join().unwrap();
+                            assert!(live.lock().unwrap().insert(slot.index), "slot {} given twice", slot.index);
+                            r.try_reserve(slot, dev, 7).unwrap();
+                            assert_eq!(r.slot_used(slot, dev), 7);
+                            live.lock().unwrap().remove(&slot.index);
+                            drop(r);
+                        }
+                    })
+                })
+                .collect();
+            for j in joiners {
+                j.join().unwrap();
+            }
+            stop.store(true, SeqCst);
+            for r in reapers {
+                r.join().unwrap();
+            }
+        });
+        daemon.reap();
+        assert_eq!(daemon.used(dev), 0);
+        assert!(daemon.pids().is_empty());
+    }
+
+    /// Not an assertion: what the hot path costs (build with --release for real figures).
+    #[test]
+    fn reserve_release_cost() {
+        let r = Region::anonymous().unwrap();
+        let dev = r.device("GPU-a").unwrap();
+        r.set_memory_limit(dev, Some(1 << 40));
+        let me = r.join().unwrap();
+        let n = 2_000_000u64;
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            let b = std::hint::black_box(4096 + (i & 1));
+            r.try_reserve(me, dev, b).unwrap();
+            r.release(me, dev, b);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / n as f64;
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            r.record_launch(std::hint::black_box(me), dev);
+        }
+        let launch = t.elapsed().as_nanos() as f64 / n as f64;
+        let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+        println!("reserve+release: {ns:.1} ns per pair; record_launch: {launch:.1} ns ({profile} build)");
+        assert_eq!(r.used(dev), 0);
+    }
+}

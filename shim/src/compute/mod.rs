@@ -1,0 +1,202 @@
+//! The compute limiter: each container gets its SM share of a GPU's time, on every launch path,
+//! and high-priority containers run first.
+//!
+//! - `bucket`: the container's budget of GPU nanoseconds, shared by its processes in the region.
+//! - `measure`: what each kernel really took, from CUDA events recorded around it.
+//! - `service`: how much of that was the container's own GPU time when other containers' kernels
+//!   were time-sliced with it, from NVML's per-process utilization (what a GPU reports, no more).
+//! - `ledger`: what the other containers on the GPU are doing (priority, recent use), for
+//!   yielding to high priority and for lending idle time in work-conserving mode.
+//!
+//! A device with no share and a normal-priority container takes the fast path: one counter
+//! increment in the region and a generation check, nothing else.
+
+mod bucket;
+mod ledger;
+mod measure;
+mod service;
+
+use std::ffi::c_void;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::time::Duration;
+
+use tessera_region::{ComputeMode, Priority};
+
+use crate::state::{self, ShimState};
+
+/// A throttled wait sleeps at most this long before looking again (limits may change meanwhile).
+const MAX_NAP_NS: u64 = 5_000_000;
+/// A high-priority container counts as busy for this long after its last launch.
+const HIGH_ACTIVE_NS: u64 = 50_000_000;
+/// Work-conserving containers leave this much of the GPU unclaimed when borrowing.
+const LEND_MARGIN_PPM: i64 = 20_000;
+
+/// What `before_launch` decided, handed back to `after_launch`.
+pub struct Gate {
+    inner: Option<measure::Pending>,
+}
+
+impl Gate {
+    const PASS: Gate = Gate { inner: None };
+}
+
+/// The container-wide settings the limiter needs on every launch, cached per config generation.
+#[derive(Clone, Copy)]
+struct Policy {
+    priority: Priority,
+    mode: ComputeMode,
+    key: u64,
+}
+
+/// The policy as of config generation POLICY_GEN (u64::MAX: never read): lock-free, since every
+/// launch reads it.
+static POLICY_GEN: AtomicU64 = AtomicU64::new(u64::MAX);
+static POLICY_BITS: AtomicU64 = AtomicU64::new(0);
+static POLICY_KEY: AtomicU64 = AtomicU64::new(0);
+
+fn policy(st: &ShimState) -> Policy {
+    let generation = st.region.config_generation();
+    if POLICY_GEN.load(Acquire) != generation {
+        let limits = st.limits();
+        let identity = limits.container.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
+        let bits = limits.priority as u64 | (limits.compute_mode as u64) << 8;
+        POLICY_BITS.store(bits, Relaxed);
+        POLICY_KEY.store(ledger::container_key(&identity), Relaxed);
+        POLICY_GEN.store(generation, Release);
+    }
+    let bits = POLICY_BITS.load(Relaxed);
+    let priority = match bits & 0xff {
+        x if x == Priority::High as u64 => Priority::High,
+        x if x == Priority::Low as u64 => Priority::Low,
+        _ => Priority::Normal,
+    };
+    let mode = if (bits >> 8) & 0xff == ComputeMode::WorkConserving as u64 {
+        ComputeMode::WorkConserving
+    } else {
+        ComputeMode::Strict
+    };
+    Policy { priority, mode, key: POLICY_KEY.load(Relaxed) }
+}
+
+fn the_ledger() -> Option<&'static ledger::Ledger> {
+    static L: OnceLock<Option<ledger::Ledger>> = OnceLock::new();
+    L.get_or_init(|| {
+        let path = std::env::var_os(ledger::ENV_LEDGER)?;
+        ledger::Ledger::open(std::path::Path::new(&path))
+            .map_err(|e| eprintln!("tessera: {}: {e}; priorities and lending are off", path.to_string_lossy()))
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Called by every launch hook (cuLaunchKernel, _ptsz, Ex, cooperative, graph launch) before the
+/// real driver call, with the launch's region device index and stream. May block to enforce the
+/// container's SM share or to yield to a high-priority container.
+pub fn before_launch(dev: usize, stream: *mut c_void) -> Gate {
+    let Some(st) = state::get() else { return Gate::PASS };
+    st.region.record_launch(st.slot, dev);
+    let share = st.region.sm_percent(dev).filter(|&p| p < 100);
+    let p = policy(st);
+    if share.is_none() && p.priority == Priority::Normal {
+        return Gate::PASS;
+    }
+    let now = now_ns();
+    let uuid = st.region.device_uuid(dev);
+    let entry = the_ledger().zip(uuid.as_deref()).and_then(|(l, u)| l.entry(u, p.key, now));
+    if let Some(e) = entry {
+        e.launched(now, p.priority, share.map_or(0, |s| s * 10_000));
+    }
+    match p.priority {
+        Priority::High => return Gate::PASS,
+        Priority::Low => yield_to_high(st, dev, p.key, uuid.as_deref()),
+        Priority::Normal => {}
+    }
+    match share {
+        Some(pct) => throttle(st, dev, pct, p, uuid.as_deref(), stream),
+        None => Gate::PASS,
+    }
+}
+
+/// Called after the real driver call; `accepted` is whether it returned CUDA_SUCCESS.
+pub fn after_launch(gate: Gate, accepted: bool) {
+    if let (Some(p), Some(st)) = (gate.inner, state::get()) {
+        measure::finish(st, p, accepted);
+    }
+}
+
+/// A low-priority container waits while a high-priority one on its GPU is busy.
+fn yield_to_high(st: &ShimState, dev: usize, key: u64, uuid: Option<&str>) {
+    let (Some(l), Some(uuid)) = (the_ledger(), uuid) else { return };
+    let begin = now_ns();
+    while l.others(uuid, key, now_ns(), HIGH_ACTIVE_NS).high_active {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let waited = now_ns() - begin;
+    if waited > 1_000_000 {
+        st.region.record_throttled(st.slot, dev, waited);
+    }
+}
+
+/// The share this launch is held to: the container's own, or in work-conserving mode whatever
+/// the others on the GPU leave idle, if that is more.
+fn effective_ppm(pct: u32, p: Policy, uuid: Option<&str>, now: u64) -> i64 {
+    let own = bucket::share_ppm(pct);
+    if p.mode != ComputeMode::WorkConserving {
+        return own;
+    }
+    let (Some(l), Some(uuid)) = (the_ledger(), uuid) else { return own };
+    let others = l.others(uuid, p.key, now, HIGH_ACTIVE_NS);
+    let idle = 1_000_000 - others.usage_ppm.min(1_000_000) as i64 - LEND_MARGIN_PPM;
+    own.max(idle)
+}
+
+fn throttle(
+    st: &'static ShimState,
+    dev: usize,
+    mut pct: u32,
+    p: Policy,
+    uuid: Option<&str>,
+    stream: *mut c_void,
+) -> Gate {
+    let b = st.region.bucket(dev);
+    let mut waited = 0u64;
+    let cost = loop {
+        let now = now_ns();
+        let ppm = effective_ppm(pct, p, uuid, now);
+        measure::harvest(st);
+        if let Some(used_ppm) = service::maybe_update(st, dev, now)
+            && let (Some(l), Some(u)) = (the_ledger(), uuid)
+            && let Some(e) = l.entry(u, p.key, now)
+        {
+            e.set_usage(used_ppm, now);
+        }
+        bucket::refill(b, now, ppm);
+        let cost = measure::expected_cost(dev);
+        match bucket::try_take(b, cost, ppm) {
+            Ok(()) => break cost,
+            Err(wait) => {
+                std::thread::sleep(Duration::from_nanos(wait.clamp(20_000, MAX_NAP_NS)));
+                waited += now_ns() - now;
+                // The share may have changed, or been lifted, while we slept.
+                st.refresh();
+                match st.region.sm_percent(dev).filter(|&p| p < 100) {
+                    Some(p) => pct = p,
+                    None => break 0,
+                }
+            }
+        }
+    };
+    if waited > 0 {
+        st.region.record_throttled(st.slot, dev, waited);
+    }
+    Gate { inner: measure::start(st, dev, stream, cost) }
+}
+
+/// CLOCK_MONOTONIC in ns: the same clock in every process and container on the node.
+pub(crate) fn now_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid, writable timespec; clock_gettime only writes it.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,110 @@
+//! A kernel's span on its stream is its own GPU time only while nothing else runs on the GPU;
+//! time-sliced with another container's kernels it lasts longer than the time it got. NVML's
+//! per-process utilization tells what the container's processes really got (a real GPU reports
+//! it, so it is fair to use): every window, the container's first launcher compares that with
+//! the spans it measured, and the ratio scales spans into GPU time until the next window.
+
+use std::ffi::{CString, c_uint};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
+
+use nvml_wrapper_sys::bindings::{nvmlDevice_t, nvmlProcessUtilizationSample_t, nvmlReturn_enum_NVML_SUCCESS};
+use tessera_region::MAX_DEVICES;
+
+use crate::real;
+use crate::state::ShimState;
+
+/// How often the factor is brought up to date.
+const WINDOW_NS: u64 = 100_000_000;
+/// Spans below this much in a window say too little to judge by.
+const MIN_EVIDENCE_NS: u64 = 2_000_000;
+/// The factor, in ppm, lives in the bucket's first spare word (0: none yet, spans count whole).
+const FACTOR: usize = 0;
+
+static HANDLES: [AtomicUsize; MAX_DEVICES] = [const { AtomicUsize::new(0) }; MAX_DEVICES];
+static NVML_UP: AtomicBool = AtomicBool::new(false);
+
+/// A measured span, as the container's own GPU time; also counted for the next factor update.
+pub fn own_time(st: &ShimState, dev: usize, span: i64) -> i64 {
+    let b = st.region.bucket(dev);
+    b.window_used_ns.fetch_add(span.max(0) as u64, Relaxed);
+    match b.spare[FACTOR].load(Relaxed) {
+        0 => span,
+        f => (span as i128 * f as i128 / 1_000_000) as i64,
+    }
+}
+
+/// Once per window per container and device: factor = NVML GPU time / measured spans. Returns
+/// the container's use of the GPU over the window (ppm) to whoever closed the window.
+pub fn maybe_update(st: &ShimState, dev: usize, now: u64) -> Option<u64> {
+    let b = st.region.bucket(dev);
+    let start = b.window_start_ns.load(Acquire);
+    if start != 0 && now < start + WINDOW_NS {
+        return None;
+    }
+    if b.window_start_ns.compare_exchange(start, now, AcqRel, Relaxed).is_err() || start == 0 {
+        return None;
+    }
+    let window = now - start;
+    let spans = b.window_used_ns.swap(0, AcqRel);
+    let got = container_gpu_time(st, dev, window);
+    if spans >= MIN_EVIDENCE_NS
+        && let Some(got) = got
+    {
+        let f = (got as u128 * 1_000_000 / spans as u128).clamp(50_000, 1_000_000) as u64;
+        let old = b.spare[FACTOR].load(Relaxed);
+        b.spare[FACTOR].store(if old == 0 { f } else { (old + f) / 2 }, Relaxed);
+    }
+    let used = got.unwrap_or(spans).min(window);
+    Some((used as u128 * 1_000_000 / window.max(1) as u128) as u64)
+}
+
+/// GPU time the container's processes got on the device over the last `window` ns, by NVML.
+fn container_gpu_time(st: &ShimState, dev: usize, window: u64) -> Option<u64> {
+    let nvml = real::nvml()?;
+    if !NVML_UP.load(Acquire) {
+        // SAFETY: nvmlInit_v2 takes no arguments; NVML counts inits, we never shut down.
+        if unsafe { (nvml.nvmlInit_v2)() } != nvmlReturn_enum_NVML_SUCCESS {
+            return None;
+        }
+        NVML_UP.store(true, Release);
+    }
+    let handle = match HANDLES[dev].load(Relaxed) {
+        0 => {
+            let uuid = CString::new(st.region.device_uuid(dev)?).ok()?;
+            let mut h: nvmlDevice_t = std::ptr::null_mut();
+            // SAFETY: uuid is a valid C string and h a valid out-pointer.
+            if unsafe { (nvml.nvmlDeviceGetHandleByUUID)(uuid.as_ptr(), &mut h) } != nvmlReturn_enum_NVML_SUCCESS {
+                return None;
+            }
+            HANDLES[dev].store(h as usize, Relaxed);
+            h
+        }
+        h => h as nvmlDevice_t,
+    };
+    let since_us = realtime_us().saturating_sub(window / 1000);
+    // SAFETY: the sample struct is plain data; zeroed is a valid value.
+    let mut samples: [nvmlProcessUtilizationSample_t; 64] = unsafe { std::mem::zeroed() };
+    let mut count = samples.len() as c_uint;
+    // SAFETY: handle is NVML's; the buffer holds `count` samples.
+    let rc = unsafe { (nvml.nvmlDeviceGetProcessUtilization)(handle, samples.as_mut_ptr(), &mut count, since_us) };
+    if rc != nvmlReturn_enum_NVML_SUCCESS {
+        return None;
+    }
+    let ours = st.region.pids();
+    let mut total_pct = 0u64;
+    for (pid, host) in ours {
+        let want = if host != 0 { host } else { pid };
+        let mine: Vec<_> = samples[..count as usize].iter().filter(|s| s.pid == want).collect();
+        if !mine.is_empty() {
+            total_pct += mine.iter().map(|s| u64::from(s.smUtil)).sum::<u64>() / mine.len() as u64;
+        }
+    }
+    Some(total_pct.min(100) * window / 100)
+}
+
+fn realtime_us() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
+}

@@ -1,0 +1,221 @@
+//! `cuGetProcAddress` and `cuGetProcAddress_v2`: the real driver picks the function for the
+//! base name, the CUDA version the caller was built for and the default-stream flavour it asks
+//! for; if that is one of our hooked symbols, the caller gets our hook for exactly that symbol
+//! (so `cuMemAlloc` asked at 3020 or later is our `cuMemAlloc_v2` hook, at 2000 our legacy
+//! `cuMemAlloc` hook; with the per-thread flag, `cuLaunchKernel` is our `_ptsz` hook).
+//!
+//! Which symbol the driver chose is found by address: the driver's function for each hooked
+//! symbol of that base name is looked up on the driver's handle and compared. A driver that
+//! hands out an address we cannot place (not one of its exports) is answered from
+//! [`VERSIONS`], the `cudaTypedefs.h` table of CUDA 12.8 for the hooked names, for requests
+//! up to 12.8; beyond that the driver's function passes through (a newer, unknown variant may
+//! have another signature) with one warning on stderr.
+
+use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+use super::{dl, hook_by_name};
+use crate::ffi::*;
+use crate::real;
+
+/// (base name, CUDA version it appeared in, per-thread flavour, exported symbol) of every hooked
+/// CUDA function, from CUDA 12.8's `cudaTypedefs.h`.
+#[rustfmt::skip]
+pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
+    ("cuArray3DCreate", 2000, false, "cuArray3DCreate"),
+    ("cuArray3DCreate", 3020, false, "cuArray3DCreate_v2"),
+    ("cuArrayCreate", 2000, false, "cuArrayCreate"),
+    ("cuArrayCreate", 3020, false, "cuArrayCreate_v2"),
+    ("cuArrayDestroy", 2000, false, "cuArrayDestroy"),
+    ("cuCtxCreate", 2000, false, "cuCtxCreate"),
+    ("cuCtxCreate", 3020, false, "cuCtxCreate_v2"),
+    ("cuCtxCreate", 11040, false, "cuCtxCreate_v3"),
+    ("cuCtxCreate", 12050, false, "cuCtxCreate_v4"),
+    ("cuCtxDestroy", 2000, false, "cuCtxDestroy"),
+    ("cuCtxDestroy", 4000, false, "cuCtxDestroy_v2"),
+    ("cuDevicePrimaryCtxRelease", 7000, false, "cuDevicePrimaryCtxRelease"),
+    ("cuDevicePrimaryCtxRelease", 11000, false, "cuDevicePrimaryCtxRelease_v2"),
+    ("cuDevicePrimaryCtxReset", 7000, false, "cuDevicePrimaryCtxReset"),
+    ("cuDevicePrimaryCtxReset", 11000, false, "cuDevicePrimaryCtxReset_v2"),
+    ("cuDevicePrimaryCtxRetain", 7000, false, "cuDevicePrimaryCtxRetain"),
+    ("cuDeviceTotalMem", 2000, false, "cuDeviceTotalMem"),
+    ("cuDeviceTotalMem", 3020, false, "cuDeviceTotalMem_v2"),
+    ("cuGetProcAddress", 11030, false, "cuGetProcAddress"),
+    ("cuGetProcAddress", 12000, false, "cuGetProcAddress_v2"),
+    ("cuGraphLaunch", 10000, false, "cuGraphLaunch"),
+    ("cuGraphLaunch", 10000, true, "cuGraphLaunch_ptsz"),
+    ("cuInit", 2000, false, "cuInit"),
+    ("cuLaunchCooperativeKernel", 9000, false, "cuLaunchCooperativeKernel"),
+    ("cuLaunchCooperativeKernel", 9000, true, "cuLaunchCooperativeKernel_ptsz"),
+    ("cuLaunchKernel", 4000, false, "cuLaunchKernel"),
+    ("cuLaunchKernel", 7000, true, "cuLaunchKernel_ptsz"),
+    ("cuLaunchKernelEx", 11060, false, "cuLaunchKernelEx"),
+    ("cuLaunchKernelEx", 11060, true, "cuLaunchKernelEx_ptsz"),
+    ("cuMemAlloc", 2000, false, "cuMemAlloc"),
+    ("cuMemAlloc", 3020, false, "cuMemAlloc_v2"),
+    ("cuMemAllocAsync", 11020, false, "cuMemAllocAsync"),
+    ("cuMemAllocAsync", 11020, true, "cuMemAllocAsync_ptsz"),
+    ("cuMemAllocFromPoolAsync", 11020, false, "cuMemAllocFromPoolAsync"),
+    ("cuMemAllocFromPoolAsync", 11020, true, "cuMemAllocFromPoolAsync_ptsz"),
+    ("cuMemAllocManaged", 6000, false, "cuMemAllocManaged"),
+    ("cuMemAllocPitch", 2000, false, "cuMemAllocPitch"),
+    ("cuMemAllocPitch", 3020, false, "cuMemAllocPitch_v2"),
+    ("cuMemCreate", 10020, false, "cuMemCreate"),
+    ("cuMemFree", 2000, false, "cuMemFree"),
+    ("cuMemFree", 3020, false, "cuMemFree_v2"),
+    ("cuMemFreeAsync", 11020, false, "cuMemFreeAsync"),
+    ("cuMemFreeAsync", 11020, true, "cuMemFreeAsync_ptsz"),
+    ("cuMemGetInfo", 2000, false, "cuMemGetInfo"),
+    ("cuMemGetInfo", 3020, false, "cuMemGetInfo_v2"),
+    ("cuMemRelease", 10020, false, "cuMemRelease"),
+];
+
+/// The CUDA version [`VERSIONS`] is complete for.
+const VERSIONS_COMPLETE_TO: u32 = 12080;
+
+/// The hooked symbol the driver's answer `p` is, for a base name: by address, else by version.
+fn chosen_symbol(base: &str, p: *mut c_void, version: u32, per_thread: bool) -> Option<&'static str> {
+    VERSIONS.iter().find(|e| e.0 == base)?;
+    if let Some(sym) = by_address(base, p) {
+        return Some(sym);
+    }
+    let v = match driver_version() {
+        0 => version,
+        d => version.min(d),
+    };
+    if v > VERSIONS_COMPLETE_TO {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if !WARNED.swap(true, Relaxed) {
+            eprintln!(
+                "tessera: cuGetProcAddress({base}) for CUDA {v} returned a function Tessera cannot identify; it is not limited"
+            );
+        }
+        return None;
+    }
+    by_version(base, v, per_thread)
+}
+
+/// The hooked symbol of `base` whose driver function is at `p`.
+fn by_address(base: &str, p: *mut c_void) -> Option<&'static str> {
+    let h = real::cuda_handle_if_loaded()?;
+    VERSIONS.iter().filter(|e| e.0 == base).find_map(|e| {
+        let sym = std::ffi::CString::new(e.3).ok()?;
+        (dl::real_dlsym(h, sym.as_ptr()) == p).then_some(e.3)
+    })
+}
+
+/// The symbol `cudaTypedefs.h` names for `base` at CUDA version `v`: the newest not newer than
+/// `v`, in its per-thread flavour if asked and one exists.
+fn by_version(base: &str, v: u32, per_thread: bool) -> Option<&'static str> {
+    let newest = |pt: bool| VERSIONS.iter().filter(|e| e.0 == base && e.1 <= v && e.2 == pt).max_by_key(|e| e.1);
+    let plain = newest(false)?;
+    Some(match newest(true) {
+        Some(pt) if per_thread => pt.3,
+        _ => plain.3,
+    })
+}
+
+/// The driver's CUDA version (cached).
+fn driver_version() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        let Some(cu) = real::cuda() else { return 0 };
+        let mut v: c_int = 0;
+        // SAFETY: a valid out-pointer.
+        if unsafe { (cu.cuDriverGetVersion)(&mut v) } == CUDA_SUCCESS { v.max(0) as u32 } else { 0 }
+    })
+}
+
+/// After the real lookup succeeded: swap the function for our hook where it is one we hook.
+///
+/// # Safety
+/// `symbol` must be a NUL-terminated string and `pfn` a valid out-pointer the driver filled.
+unsafe fn swap(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
+    // SAFETY: the driver accepted the name, so it is a NUL-terminated string.
+    let Ok(base) = (unsafe { CStr::from_ptr(symbol) }).to_str() else { return };
+    // SAFETY: the driver filled pfn (it succeeded).
+    let Some(p) = (unsafe { get(pfn) }) else { return };
+    if p.is_null() {
+        return;
+    }
+    let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
+    if let Some(sym) = chosen_symbol(base, p, version.max(0) as u32, per_thread)
+        && let Some(hook) = hook_by_name(sym.as_bytes())
+    {
+        // SAFETY: the caller's out-pointer (valid: the driver just wrote it).
+        unsafe { put(pfn, hook) };
+    }
+}
+
+/// # Safety
+/// As cuda.h's `cuGetProcAddress` (CUDA 11.3).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: u64,
+) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress) else { return CUDA_ERROR_NOT_FOUND };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(symbol, pfn, cudaVersion, flags) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the driver accepted the name and filled pfn.
+            unsafe { swap(symbol, pfn, cudaVersion, flags) };
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGetProcAddress_v2` (CUDA 12.0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: u64,
+    symbolStatus: *mut c_int,
+) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress_v2) else { return CUDA_ERROR_NOT_FOUND };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(symbol, pfn, cudaVersion, flags, symbolStatus) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the driver accepted the name and filled pfn.
+            unsafe { swap(symbol, pfn, cudaVersion, flags) };
+        }
+        rc
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_pick_the_symbol_cuda_h_names() {
+        assert_eq!(by_version("cuMemAlloc", 2000, false), Some("cuMemAlloc"));
+        assert_eq!(by_version("cuMemAlloc", 3020, true), Some("cuMemAlloc_v2"), "no per-thread flavour");
+        assert_eq!(by_version("cuCtxCreate", 11040, false), Some("cuCtxCreate_v3"));
+        assert_eq!(by_version("cuCtxCreate", 12080, false), Some("cuCtxCreate_v4"));
+        assert_eq!(by_version("cuLaunchKernel", 12080, true), Some("cuLaunchKernel_ptsz"));
+        assert_eq!(by_version("cuLaunchKernel", 6050, true), Some("cuLaunchKernel"), "before _ptsz existed");
+        assert_eq!(by_version("cuLaunchKernelEx", 11000, false), None, "newer than asked");
+        assert_eq!(by_version("cuMemcpyHtoD", 12080, false), None, "not hooked");
+    }
+
+    #[test]
+    fn every_versioned_symbol_is_hooked_and_every_hook_has_a_version() {
+        for e in VERSIONS {
+            assert!(hook_by_name(e.3.as_bytes()).is_some(), "{} is not hooked", e.3);
+            assert!(e.3.starts_with(e.0), "{} -> {}", e.0, e.3);
+            assert_eq!(e.2, e.3.ends_with("_ptsz"), "{}", e.3);
+        }
+        for h in super::super::HOOKS.iter().filter(|h| h.name.starts_with(b"cu")) {
+            let name = std::str::from_utf8(h.name).unwrap();
+            assert!(VERSIONS.iter().any(|e| e.3 == name), "{name} has no cuGetProcAddress entry");
+        }
+    }
+}

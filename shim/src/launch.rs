@@ -1,0 +1,234 @@
+//! Launch hooks: every way work reaches a GPU's SMs (kernels, extended and cooperative launches,
+//! graphs, each with its per-thread-default-stream flavour) goes through the compute limiter:
+//! `before_launch` (which may hold the thread to keep the container's SM share) and
+//! `after_launch` with whether the driver accepted the launch.
+
+use std::ffi::{c_uint, c_void};
+
+use crate::ffi::*;
+use crate::memory::alloc::hook;
+use crate::real::RealCuda;
+
+type PP = *mut *mut c_void;
+
+/// Runs a launch through the limiter. A stream whose device cannot be told (a stale handle: the
+/// driver will refuse it) launches without it.
+#[inline]
+fn gated(stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
+    hook(|s, cu| {
+        let Some(dev) = s.device_of_stream(stream.cast()) else { return call(cu) };
+        let g = crate::compute::before_launch(dev, stream.cast());
+        let rc = call(cu);
+        crate::compute::after_launch(g, rc == CUDA_SUCCESS);
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchKernel`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe {
+            (cu.cuLaunchKernel)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+                extra,
+            )
+        }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchKernel_ptsz`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel_ptsz(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe {
+            (cu.cuLaunchKernel_ptsz)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+                extra,
+            )
+        }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchCooperativeKernel`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe {
+            (cu.cuLaunchCooperativeKernel)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+            )
+        }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchCooperativeKernel_ptsz`.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe {
+            (cu.cuLaunchCooperativeKernel_ptsz)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+            )
+        }
+    })
+}
+
+/// The stream of a `CUlaunchConfig` (null config: the null stream; the driver refuses it).
+///
+/// # Safety
+/// `config` must be null or point to a `CUlaunchConfig`.
+unsafe fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
+    // SAFETY: as this function's contract.
+    unsafe { get(config) }.map_or(std::ptr::null_mut(), |c| c.h_stream)
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchKernelEx`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    config: *const CUlaunchConfigHead,
+    f: CUfunction,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    let stream = unsafe { config_stream(config) };
+    gated(stream, |cu| {
+        let Some(real) = cu.cuLaunchKernelEx else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(config, f, kernelParams, extra) }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuLaunchKernelEx_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
+    config: *const CUlaunchConfigHead,
+    f: CUfunction,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    let stream = unsafe { config_stream(config) };
+    gated(stream, |cu| {
+        let Some(real) = cu.cuLaunchKernelEx_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { real(config, f, kernelParams, extra) }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphLaunch`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphLaunch_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    gated(hStream, |cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) }
+    })
+}

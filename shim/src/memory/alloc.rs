@@ -1,0 +1,505 @@
+//! The allocation families: reserve in the region, call the driver, roll back if it fails,
+//! remember the charge; frees refund it.
+
+use std::ffi::{c_uint, c_void};
+
+use super::{Charge, Kind};
+use crate::ffi::*;
+use crate::real::RealCuda;
+use crate::state::{ShimState, enter};
+
+/// Runs a CUDA hook's body with the state and the real driver (or returns the prologue's error).
+#[inline]
+pub(crate) fn hook(body: impl FnOnce(&'static ShimState, &'static RealCuda) -> CUresult) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || match enter() {
+        Ok((s, cu)) => body(s, cu),
+        Err(rc) => rc,
+    })
+}
+
+/// A reservation on one device, in one context (0: none), for one allocation.
+struct Reserved<'a> {
+    s: &'a ShimState,
+    dev: usize,
+    ctx: usize,
+}
+
+/// Where a new allocation is charged: the current context's device.
+fn in_current_context(s: &ShimState) -> Option<Reserved<'_>> {
+    let (ctx, ordinal) = s.current_context()?;
+    Some(Reserved { s, dev: s.device_of_ordinal(ordinal)?, ctx: ctx as usize })
+}
+
+/// Reserves `bytes`, calls the driver, and on success records the charge under the key `made`
+/// reads back; on failure refunds. Over the limit: `CUDA_ERROR_OUT_OF_MEMORY`, driver not called.
+fn charged(
+    r: Reserved<'_>,
+    bytes: u64,
+    kind: Kind,
+    map: &super::Sharded,
+    call: impl FnOnce() -> CUresult,
+    made: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    if bytes == 0 {
+        return call();
+    }
+    if !r.s.reserve(r.dev, bytes) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = call();
+    if rc != CUDA_SUCCESS {
+        r.s.refund(r.dev, bytes);
+        return rc;
+    }
+    match made() {
+        Some(key) if key != 0 => map.insert(key, Charge { dev: r.dev, bytes, ctx: r.ctx, kind }),
+        _ => r.s.refund(r.dev, bytes),
+    }
+    rc
+}
+
+/// Frees what `key` charged: the record goes before the driver call (so a concurrent
+/// allocation that gets the same address cannot be forgotten by us), and comes back if the
+/// driver refuses the free. Unknown keys pass through.
+fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let c = if key == 0 { None } else { map.remove(key) };
+    let rc = call();
+    if let Some(c) = c {
+        if rc == CUDA_SUCCESS {
+            s.refund(c.dev, c.bytes);
+        } else {
+            map.insert(key, c);
+        }
+    }
+    rc
+}
+
+// ---- Linear memory ---------------------------------------------------------------------------
+
+fn linear(
+    s: &ShimState,
+    bytes: u64,
+    kind: Kind,
+    call: impl FnOnce() -> CUresult,
+    made: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    match in_current_context(s) {
+        Some(r) => charged(r, bytes, kind, &s.mem.ptrs, call, made),
+        None => call(),
+    }
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAlloc_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    hook(|s, cu| {
+        linear(
+            s,
+            bytesize as u64,
+            Kind::Device,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { (cu.cuMemAlloc_v2)(dptr, bytesize) },
+            // SAFETY: the driver wrote the pointer through dptr (it succeeded).
+            || unsafe { get(dptr) },
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuMemAlloc` (32-bit pointer and size).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUresult {
+    hook(|s, cu| {
+        linear(
+            s,
+            u64::from(bytesize),
+            Kind::Device,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { (cu.cuMemAlloc)(dptr, bytesize) },
+            // SAFETY: the driver wrote the pointer through dptr.
+            || unsafe { get(dptr) }.map(u64::from),
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAllocManaged`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+    hook(|s, cu| {
+        linear(
+            s,
+            bytesize as u64,
+            Kind::Managed,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { (cu.cuMemAllocManaged)(dptr, bytesize, flags) },
+            // SAFETY: the driver wrote the pointer through dptr.
+            || unsafe { get(dptr) },
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemFree_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    hook(|s, cu| refunded(s, &s.mem.ptrs, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuMemFree`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    hook(|s, cu| refunded(s, &s.mem.ptrs, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+}
+
+// ---- Pitched memory --------------------------------------------------------------------------
+
+/// The row alignment reserved for before the call: the texture alignment of every GPU since
+/// Fermi. The driver's actual pitch is charged after the call (more: reserved then, or the
+/// allocation is undone and refused; less: refunded).
+const PITCH_ALIGN: u64 = 512;
+
+fn pitched(
+    s: &ShimState,
+    width: u64,
+    height: u64,
+    call: impl FnOnce() -> CUresult,
+    made: impl FnOnce() -> Option<(u64, u64)>,
+    free: impl FnOnce(u64) -> CUresult,
+) -> CUresult {
+    let Some(r) = in_current_context(s) else { return call() };
+    if width == 0 || height == 0 {
+        return call();
+    }
+    let Some(estimate) = width.checked_next_multiple_of(PITCH_ALIGN).and_then(|w| w.checked_mul(height)) else {
+        return CUDA_ERROR_INVALID_VALUE;
+    };
+    if !s.reserve(r.dev, estimate) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = call();
+    if rc != CUDA_SUCCESS {
+        s.refund(r.dev, estimate);
+        return rc;
+    }
+    let Some((ptr, pitch)) = made() else {
+        s.refund(r.dev, estimate);
+        return rc;
+    };
+    let actual = pitch.saturating_mul(height);
+    if actual > estimate && !s.reserve(r.dev, actual - estimate) {
+        free(ptr);
+        s.refund(r.dev, estimate);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if actual < estimate {
+        s.refund(r.dev, estimate - actual);
+    }
+    s.mem.ptrs.insert(ptr, Charge { dev: r.dev, bytes: actual, ctx: r.ctx, kind: Kind::Device });
+    rc
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAllocPitch_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pPitch: *mut usize,
+    WidthInBytes: usize,
+    Height: usize,
+    ElementSizeBytes: c_uint,
+) -> CUresult {
+    hook(|s, cu| {
+        pitched(
+            s,
+            WidthInBytes as u64,
+            Height as u64,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { (cu.cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
+            // SAFETY: the driver wrote both through the caller's out-pointers.
+            || unsafe { Some((get(dptr)?, get(pPitch)? as u64)) },
+            // SAFETY: freeing the allocation just made.
+            |p| unsafe { (cu.cuMemFree_v2)(p) },
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuMemAllocPitch`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch(
+    dptr: *mut c_uint,
+    pPitch: *mut c_uint,
+    WidthInBytes: c_uint,
+    Height: c_uint,
+    ElementSizeBytes: c_uint,
+) -> CUresult {
+    hook(|s, cu| {
+        pitched(
+            s,
+            u64::from(WidthInBytes),
+            u64::from(Height),
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { (cu.cuMemAllocPitch)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
+            // SAFETY: the driver wrote both through the caller's out-pointers.
+            || unsafe { Some((u64::from(get(dptr)?), u64::from(get(pPitch)?))) },
+            // SAFETY: freeing the allocation just made (a 32-bit pointer).
+            |p| unsafe { (cu.cuMemFree)(p as c_uint) },
+        )
+    })
+}
+
+// ---- Stream-ordered allocation ---------------------------------------------------------------
+
+/// A stream-ordered allocation is charged to the stream's device (for a pool, the device the
+/// stream runs on, which is the pool's in every use CUDA allows without peer access) and is not
+/// freed with a context.
+fn stream_ordered(
+    s: &ShimState,
+    stream: CUstream,
+    bytes: u64,
+    call: impl FnOnce() -> CUresult,
+    made: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    match s.device_of_stream(stream.cast()) {
+        Some(dev) => charged(Reserved { s, dev, ctx: 0 }, bytes, Kind::Async, &s.mem.ptrs, call, made),
+        None => call(),
+    }
+}
+
+/// The driver predates the function.
+const NOT_SUPPORTED: CUresult = CUDA_ERROR_NOT_SUPPORTED;
+
+/// # Safety
+/// As cuda.h's `cuMemAllocAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemAllocAsync else { return NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
+        stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAllocAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemAllocAsync_ptsz else { return NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
+        stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAllocFromPoolAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    pool: CUmemoryPool,
+    hStream: CUstream,
+) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
+        stream_ordered(
+            s,
+            hStream,
+            bytesize as u64,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { f(dptr, bytesize, pool, hStream) },
+            // SAFETY: the driver wrote the pointer through dptr.
+            || unsafe { get(dptr) },
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAllocFromPoolAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    pool: CUmemoryPool,
+    hStream: CUstream,
+) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
+        stream_ordered(
+            s,
+            hStream,
+            bytesize as u64,
+            // SAFETY: the caller's arguments, passed on unchanged.
+            || unsafe { f(dptr, bytesize, pool, hStream) },
+            // SAFETY: the driver wrote the pointer through dptr.
+            || unsafe { get(dptr) },
+        )
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemFreeAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemFreeAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
+    hook(|s, cu| {
+        let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+    })
+}
+
+// ---- Virtual memory management ---------------------------------------------------------------
+
+/// # Safety
+/// As cuda.h's `cuMemCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const c_void,
+    flags: u64,
+) -> CUresult {
+    hook(|s, cu| {
+        let prop = prop.cast::<MemAllocPropHead>();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
+        // SAFETY: prop is null or the caller's CUmemAllocationProp, whose head this reads.
+        let Some(p) = (unsafe { get(prop) }) else { return call() };
+        // Only device memory counts (host-located physical memory is not the GPU's).
+        if p.location_type != CU_MEM_LOCATION_TYPE_DEVICE {
+            return call();
+        }
+        let Some(dev) = s.device_of_ordinal(p.location_id) else { return call() };
+        // SAFETY: the driver wrote the handle (it succeeded).
+        let made = || unsafe { get(handle) };
+        charged(Reserved { s, dev, ctx: 0 }, size as u64, Kind::Physical, &s.mem.physical, call, made)
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemRelease`. The charge is refunded when the handle is released (memory still
+/// mapped stays counted by the driver until unmapped; Tessera counts it free at release).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    hook(|s, cu| refunded(s, &s.mem.physical, handle, || unsafe { (cu.cuMemRelease)(handle) }))
+}
+
+// ---- Arrays ----------------------------------------------------------------------------------
+
+/// Bytes per channel of a `CUarray_format`; formats not listed are charged 4 per channel (no
+/// real format needs more per channel).
+fn format_bytes(format: c_uint) -> u64 {
+    match format {
+        0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4, // UNSIGNED_INT32, SIGNED_INT32, FLOAT
+        _ => 4,
+    }
+}
+
+/// Bytes of an array: width × height × depth (each at least 1) × channel bytes × channels.
+fn array_bytes(width: u64, height: u64, depth: u64, format: c_uint, channels: c_uint) -> Option<u64> {
+    width
+        .checked_mul(height.max(1))?
+        .checked_mul(depth.max(1))?
+        .checked_mul(format_bytes(format))?
+        .checked_mul(u64::from(channels.max(1)))
+}
+
+fn array(s: &ShimState, bytes: Option<u64>, handle: *mut CUarray, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Some(r) = in_current_context(s) else { return call() };
+    let Some(bytes) = bytes else { return call() };
+    // SAFETY: the driver wrote the handle through the caller's out-pointer (it succeeded).
+    let made = || unsafe { get(handle) }.map(|h| h as u64);
+    charged(r, bytes, Kind::Array, &s.mem.arrays, call, made)
+}
+
+/// # Safety
+/// As cuda.h's `cuArrayCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const ArrayDesc) -> CUresult {
+    hook(|s, cu| {
+        // SAFETY: null or the caller's descriptor.
+        let bytes = unsafe { get(pAllocateArray) }
+            .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
+        // SAFETY: the caller's arguments, passed on unchanged.
+        array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate_v2)(pHandle, pAllocateArray) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuArrayCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut CUarray, pAllocateArray: *const ArrayDescV1) -> CUresult {
+    hook(|s, cu| {
+        // SAFETY: null or the caller's descriptor.
+        let bytes = unsafe { get(pAllocateArray) }
+            .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
+        // SAFETY: the caller's arguments, passed on unchanged.
+        array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate)(pHandle, pAllocateArray) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuArray3DCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const Array3dDesc) -> CUresult {
+    hook(|s, cu| {
+        // SAFETY: null or the caller's descriptor.
+        let bytes = unsafe { get(pAllocateArray) }
+            .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
+        // SAFETY: the caller's arguments, passed on unchanged.
+        array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate_v2)(pHandle, pAllocateArray) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuArray3DCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut CUarray, pAllocateArray: *const Array3dDescV1) -> CUresult {
+    hook(|s, cu| {
+        // SAFETY: null or the caller's descriptor.
+        let bytes = unsafe { get(pAllocateArray) }
+            .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
+        // SAFETY: the caller's arguments, passed on unchanged.
+        array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate)(pHandle, pAllocateArray) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuArrayDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayDestroy(hArray: CUarray) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    hook(|s, cu| refunded(s, &s.mem.arrays, hArray as u64, || unsafe { (cu.cuArrayDestroy)(hArray) }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn array_sizes_follow_the_descriptor() {
+        assert_eq!(array_bytes(1024, 0, 0, 0x20, 1), Some(4096), "1D float");
+        assert_eq!(array_bytes(64, 32, 0, 0x01, 4), Some(64 * 32 * 4), "2D uchar4");
+        assert_eq!(array_bytes(16, 16, 16, 0x10, 2), Some(16 * 16 * 16 * 4), "3D half2");
+        assert_eq!(array_bytes(u64::MAX, 2, 0, 0x20, 1), None);
+    }
+}

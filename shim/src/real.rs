@@ -1,0 +1,259 @@
+//! The real driver's functions: `libcuda.so.1` and `libnvidia-ml.so.1`, resolved lazily (on the
+//! first call that needs them, never at load time) from the real library's own handle through
+//! the real `dlsym`, so that they are the driver's definitions and never our hooks.
+//!
+//! The library is found with `dlopen(RTLD_NOLOAD)` first (the program already loaded it, by
+//! link or dlopen), else loaded with `RTLD_NOW | RTLD_GLOBAL` as CUDA runtimes do.
+//!
+//! Fields are named exactly as the exported symbols. Functions every supported driver (CUDA 11.0
+//! and later) exports are plain function pointers; newer ones are `Option`s.
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::sync::OnceLock;
+
+use nvml_wrapper_sys::bindings::nvmlProcessUtilizationSample_t;
+
+use crate::ffi::*;
+use crate::intercept::dl;
+
+type PP = *mut *mut c_void;
+
+macro_rules! table {
+    (
+        $(#[$meta:meta])* $vis:vis struct $name:ident -> $ret:ty {
+            required { $($req:ident($($rarg:ty),* $(,)?);)* }
+            optional { $($opt:ident($($oarg:ty),* $(,)?);)* }
+        }
+    ) => {
+        $(#[$meta])*
+        #[allow(non_snake_case, dead_code)] // the whole driver API the hooks and the limiter may use
+        $vis struct $name {
+            /// The library's handle (from `dlopen`, never closed).
+            pub handle: usize,
+            $(pub $req: unsafe extern "C" fn($($rarg),*) -> $ret,)*
+            $(pub $opt: Option<unsafe extern "C" fn($($oarg),*) -> $ret>,)*
+        }
+
+        impl $name {
+            /// Resolves every function from the library's handle; `Err` names the first required
+            /// function missing.
+            ///
+            /// # Safety
+            /// `handle` must be a live handle of the real library, whose functions have the
+            /// signatures listed here (cuda.h / nvml.h).
+            unsafe fn resolve(handle: *mut c_void) -> Result<$name, &'static str> {
+                Ok($name {
+                    handle: handle as usize,
+                    $($req: {
+                        let name = concat!(stringify!($req), "\0");
+                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        if p.is_null() {
+                            return Err(stringify!($req));
+                        }
+                        // SAFETY: the library's function of this name, with the listed
+                        // signature (this function's contract); fn and data pointers have one
+                        // size on our targets.
+                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rarg),*) -> $ret>(p) }
+                    },)*
+                    $($opt: {
+                        let name = concat!(stringify!($opt), "\0");
+                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        // SAFETY: as above; null stays None.
+                        (!p.is_null()).then(|| unsafe {
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($oarg),*) -> $ret>(p)
+                        })
+                    },)*
+                })
+            }
+        }
+    };
+}
+
+table! {
+    /// The real CUDA driver.
+    pub(crate) struct RealCuda -> CUresult {
+        required {
+            cuInit(c_uint);
+            cuDriverGetVersion(*mut c_int);
+            cuDeviceGet(*mut CUdevice, c_int);
+            cuDeviceGetCount(*mut c_int);
+            cuDeviceGetUuid(*mut CUuuid, CUdevice);
+            cuDeviceGetAttribute(*mut c_int, c_int, CUdevice);
+            cuDeviceTotalMem(*mut c_uint, CUdevice);
+            cuDeviceTotalMem_v2(*mut usize, CUdevice);
+            cuCtxCreate(*mut CUcontext, c_uint, CUdevice);
+            cuCtxCreate_v2(*mut CUcontext, c_uint, CUdevice);
+            cuCtxDestroy(CUcontext);
+            cuCtxDestroy_v2(CUcontext);
+            cuCtxGetCurrent(*mut CUcontext);
+            cuCtxSetCurrent(CUcontext);
+            cuCtxGetDevice(*mut CUdevice);
+            cuCtxPushCurrent_v2(CUcontext);
+            cuCtxPopCurrent_v2(*mut CUcontext);
+            cuCtxSynchronize();
+            cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
+            cuDevicePrimaryCtxRelease(CUdevice);
+            cuDevicePrimaryCtxRelease_v2(CUdevice);
+            cuDevicePrimaryCtxReset(CUdevice);
+            cuDevicePrimaryCtxReset_v2(CUdevice);
+            cuDevicePrimaryCtxGetState(CUdevice, *mut c_uint, *mut c_int);
+            cuMemGetInfo(*mut c_uint, *mut c_uint);
+            cuMemGetInfo_v2(*mut usize, *mut usize);
+            cuMemAlloc(*mut c_uint, c_uint);
+            cuMemAlloc_v2(*mut CUdeviceptr, usize);
+            cuMemAllocPitch(*mut c_uint, *mut c_uint, c_uint, c_uint, c_uint);
+            cuMemAllocPitch_v2(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
+            cuMemAllocManaged(*mut CUdeviceptr, usize, c_uint);
+            cuMemFree(c_uint);
+            cuMemFree_v2(CUdeviceptr);
+            cuMemCreate(*mut CUmemGenericAllocationHandle, usize, *const MemAllocPropHead, u64);
+            cuMemRelease(CUmemGenericAllocationHandle);
+            cuArrayCreate(*mut CUarray, *const ArrayDescV1);
+            cuArrayCreate_v2(*mut CUarray, *const ArrayDesc);
+            cuArray3DCreate(*mut CUarray, *const Array3dDescV1);
+            cuArray3DCreate_v2(*mut CUarray, *const Array3dDesc);
+            cuArrayDestroy(CUarray);
+            cuStreamGetCtx(CUstream, *mut CUcontext);
+            cuStreamQuery(CUstream);
+            cuStreamSynchronize(CUstream);
+            cuEventCreate(*mut CUevent, c_uint);
+            cuEventRecord(CUevent, CUstream);
+            cuEventQuery(CUevent);
+            cuEventSynchronize(CUevent);
+            cuEventElapsedTime(*mut f32, CUevent, CUevent);
+            cuEventDestroy_v2(CUevent);
+            cuLaunchKernel(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP, PP);
+            cuLaunchKernel_ptsz(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP, PP);
+            cuLaunchCooperativeKernel(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP);
+            cuLaunchCooperativeKernel_ptsz(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP);
+            cuGraphLaunch(CUgraphExec, CUstream);
+            cuGraphLaunch_ptsz(CUgraphExec, CUstream);
+        }
+        optional {
+            cuGetProcAddress(*const c_char, *mut *mut c_void, c_int, u64);
+            cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+            cuCtxCreate_v3(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice);
+            cuCtxCreate_v4(*mut CUcontext, *mut c_void, c_uint, CUdevice);
+            cuMemAllocAsync(*mut CUdeviceptr, usize, CUstream);
+            cuMemAllocAsync_ptsz(*mut CUdeviceptr, usize, CUstream);
+            cuMemAllocFromPoolAsync(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+            cuMemAllocFromPoolAsync_ptsz(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
+            cuMemFreeAsync(CUdeviceptr, CUstream);
+            cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
+            cuLaunchKernelEx(*const CUlaunchConfigHead, CUfunction, PP, PP);
+            cuLaunchKernelEx_ptsz(*const CUlaunchConfigHead, CUfunction, PP, PP);
+            cuStreamGetCtx_ptsz(CUstream, *mut CUcontext);
+        }
+    }
+}
+
+table! {
+    /// The real NVML.
+    pub(crate) struct RealNvml -> NvmlReturn {
+        required {
+            nvmlInit_v2();
+            nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice);
+            nvmlDeviceGetUUID(NvmlDevice, *mut c_char, c_uint);
+            nvmlDeviceGetIndex(NvmlDevice, *mut c_uint);
+            nvmlDeviceGetMemoryInfo(NvmlDevice, *mut NvmlMemory);
+            nvmlDeviceGetComputeRunningProcesses(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV1);
+            nvmlDeviceGetProcessUtilization(NvmlDevice, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64);
+        }
+        optional {
+            nvmlDeviceGetMemoryInfo_v2(NvmlDevice, *mut NvmlMemoryV2);
+            nvmlDeviceGetComputeRunningProcesses_v2(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV2);
+            nvmlDeviceGetComputeRunningProcesses_v3(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV2);
+        }
+    }
+}
+
+// SAFETY: the tables hold function pointers and a handle value, immutable once built.
+unsafe impl Sync for RealCuda {}
+// SAFETY: as above.
+unsafe impl Send for RealCuda {}
+// SAFETY: as above.
+unsafe impl Sync for RealNvml {}
+// SAFETY: as above.
+unsafe impl Send for RealNvml {}
+
+static CUDA: OnceLock<Option<RealCuda>> = OnceLock::new();
+static NVML: OnceLock<Option<RealNvml>> = OnceLock::new();
+
+/// The driver library names, tried in order.
+const CUDA_NAMES: &[&CStr] = &[c"libcuda.so.1", c"libcuda.so"];
+const NVML_NAMES: &[&CStr] = &[c"libnvidia-ml.so.1", c"libnvidia-ml.so"];
+
+/// The real library's handle: already loaded (`RTLD_NOLOAD`), else loaded now.
+pub(crate) fn open(names: &[&CStr], load: bool) -> Option<*mut c_void> {
+    for n in names {
+        // SAFETY: a valid C string; RTLD_NOLOAD only looks up an already loaded object.
+        let h = unsafe { libc::dlopen(n.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        if !h.is_null() {
+            return Some(h);
+        }
+    }
+    if !load {
+        return None;
+    }
+    for n in names {
+        // SAFETY: a valid C string; loading the driver runs only its own initializers.
+        let h = unsafe { libc::dlopen(n.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if !h.is_null() {
+            return Some(h);
+        }
+    }
+    None
+}
+
+/// The handle of the real `libcuda.so.1` if the program has loaded it (never loads it).
+pub(crate) fn cuda_handle_if_loaded() -> Option<*mut c_void> {
+    if let Some(Some(c)) = CUDA.get() {
+        return Some(c.handle as *mut c_void);
+    }
+    open(CUDA_NAMES, false)
+}
+
+/// The handle of the real `libnvidia-ml.so.1` if loaded (never loads it).
+pub(crate) fn nvml_handle_if_loaded() -> Option<*mut c_void> {
+    if let Some(Some(n)) = NVML.get() {
+        return Some(n.handle as *mut c_void);
+    }
+    open(NVML_NAMES, false)
+}
+
+/// The real CUDA driver, loaded on first use; `None` if it cannot be loaded or lacks a function
+/// every supported driver has.
+pub(crate) fn cuda() -> Option<&'static RealCuda> {
+    CUDA.get_or_init(|| {
+        let h = open(CUDA_NAMES, true)?;
+        // SAFETY: h is the real libcuda's handle; the table lists cuda.h's signatures.
+        match unsafe { RealCuda::resolve(h) } {
+            Ok(t) => Some(t),
+            Err(missing) => {
+                eprintln!("tessera: libcuda.so.1 lacks {missing}; CUDA calls pass through unlimited");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+/// The real NVML, loaded on first use.
+pub(crate) fn nvml() -> Option<&'static RealNvml> {
+    NVML.get_or_init(|| {
+        let h = open(NVML_NAMES, true)?;
+        // SAFETY: h is the real libnvidia-ml's handle; the table lists nvml.h's signatures.
+        unsafe { RealNvml::resolve(h) }.ok()
+    })
+    .as_ref()
+}
+
+/// The real NVML, initialized for our own queries (`nvmlInit_v2` is reference-counted, so this
+/// never disturbs the program's own init/shutdown pairs).
+pub(crate) fn nvml_initialized() -> Option<&'static RealNvml> {
+    static INIT: OnceLock<bool> = OnceLock::new();
+    let n = nvml()?;
+    // SAFETY: nvmlInit_v2 takes no arguments.
+    let ok = *INIT.get_or_init(|| unsafe { (n.nvmlInit_v2)() } == NVML_SUCCESS);
+    ok.then_some(n)
+}

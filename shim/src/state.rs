@@ -1,0 +1,434 @@
+//! The process-global state: the container's limits, its accounting region and this process's
+//! slot in it, the device map, and the allocation tracker.
+//!
+//! Nothing happens at load time. The state is made on the first CUDA or NVML call that needs it
+//! (`cuInit` normally), once: the limits from `TESSERA_LIMITS` (a file) or the `TESSERA_*`
+//! variables (none: no limits), the region from `TESSERA_REGION` (none: an anonymous one). A
+//! config that cannot be read or is malformed prints exactly one line on stderr and disables
+//! CUDA for the process ([`ensure`] fails from then on: fail closed).
+//!
+//! Live reload: the daemon rewrites the limits file atomically, then bumps the region's config
+//! generation. Every intercepted call compares the generation (one atomic load) with the one it
+//! last saw and re-reads the file when it moved; memory limits are copied into the region, so the
+//! next allocation in any process of the container sees them.
+
+use std::ffi::{c_int, c_void};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
+use std::sync::{Arc, Mutex};
+
+use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, Region, Slot};
+
+use crate::ffi::*;
+use crate::memory::Tracker;
+use crate::real::{self, RealCuda};
+
+/// Where the limits came from, for reloads.
+enum Source {
+    /// A limits file (re-read when the generation moves).
+    File(PathBuf),
+    /// Environment variables (fixed for the life of the process).
+    Env,
+    /// Nothing configured: no limits.
+    None,
+}
+
+/// CUDA ordinals this process maps (a driver exposes at most a few dozen devices).
+const MAX_ORDINALS: usize = 64;
+/// Size of the context → ordinal cache.
+const CTX_CACHE: usize = 512;
+
+/// A device this process has seen: its CUDA ordinal (if seen through CUDA), the index its
+/// `index:N` limits entry would have, its UUID and its region index.
+#[derive(Clone)]
+struct Known {
+    ordinal: Option<c_int>,
+    index: u32,
+    uuid: String,
+    dev: usize,
+}
+
+pub(crate) struct ShimState {
+    pub region: Region,
+    pub slot: Slot,
+    source: Source,
+    /// The current limits: a pointer from `Arc::into_raw` whose strong count we never release
+    /// (old versions are kept alive, so a reader's pointer never dangles; reloads are rare).
+    limits: AtomicPtr<Limits>,
+    seen_generation: AtomicU64,
+    reload_lock: Mutex<()>,
+    /// Whether any limits source is configured (else NVML and memory queries pass through).
+    pub(crate) configured: bool,
+    /// CUDA ordinal → region device index + 1 (0: not mapped yet).
+    by_ordinal: [AtomicU32; MAX_ORDINALS],
+    known: Mutex<Vec<Known>>,
+    /// Direct-mapped cache: context handle << 8 | (ordinal + 1).
+    ctx_cache: [AtomicU64; CTX_CACHE],
+    pub(crate) mem: Tracker,
+    /// When this process last reaped for a memory query (ns on the monotonic clock).
+    last_reap_ns: AtomicU64,
+}
+
+impl ShimState {
+    /// The container's current limits (re-read when the config generation has moved).
+    pub fn limits(&self) -> Arc<Limits> {
+        self.refresh();
+        let p = self.limits.load(Acquire);
+        // SAFETY: p came from Arc::into_raw and that strong reference is never released, so the
+        // allocation is alive; we add one reference for the Arc we hand out.
+        unsafe {
+            Arc::increment_strong_count(p);
+            Arc::from_raw(p)
+        }
+    }
+
+    /// Re-reads the limits if the daemon bumped the config generation. One atomic load when not.
+    #[inline]
+    pub(crate) fn refresh(&self) {
+        let g = self.region.config_generation();
+        if g != self.seen_generation.load(Relaxed) {
+            self.reload(g);
+        }
+    }
+
+    #[cold]
+    fn reload(&self, g: u64) {
+        let Ok(_guard) = self.reload_lock.try_lock() else { return };
+        if self.seen_generation.load(Acquire) == g {
+            return;
+        }
+        if let Source::File(path) = &self.source {
+            match Limits::load(path) {
+                Ok(l) => self.install(l),
+                Err(e) => eprintln!("tessera: {e}; keeping the previous limits"),
+            }
+        }
+        self.seen_generation.store(g, Release);
+    }
+
+    /// Makes `l` the current limits and copies them into the region for every known device.
+    fn install(&self, l: Limits) {
+        let p = Arc::into_raw(Arc::new(l)).cast_mut();
+        self.limits.store(p, Release);
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for k in known {
+            self.apply(&k);
+        }
+    }
+
+    /// Copies the device's limits into the region.
+    fn apply(&self, k: &Known) {
+        let p = self.limits.load(Acquire);
+        // SAFETY: as in `limits`: the pointee is never freed.
+        let l = unsafe { &*p };
+        let d = l.device(&k.uuid, k.index);
+        self.region.set_memory_limit(k.dev, d.and_then(|d| d.memory_limit));
+        self.region.set_sm_percent(k.dev, d.and_then(|d| d.sm_percent));
+    }
+
+    /// The region device index of a CUDA ordinal (mapping it on first sight).
+    pub(crate) fn device_of_ordinal(&self, ordinal: c_int) -> Option<usize> {
+        let o = usize::try_from(ordinal).ok()?;
+        if let Some(slot) = self.by_ordinal.get(o) {
+            let v = slot.load(Acquire);
+            if v != 0 {
+                return Some(v as usize - 1);
+            }
+        }
+        self.map_ordinal(ordinal)
+    }
+
+    #[cold]
+    fn map_ordinal(&self, ordinal: c_int) -> Option<usize> {
+        let cu = real::cuda()?;
+        let mut u = uuid_zero();
+        // SAFETY: u is a valid out-pointer for a CUuuid.
+        if unsafe { (cu.cuDeviceGetUuid)(&mut u, ordinal) } != CUDA_SUCCESS {
+            return None;
+        }
+        let uuid = self.uuid_key(&uuid_bytes(&u), ordinal);
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        let dev = match known.iter_mut().find(|k| k.uuid.eq_ignore_ascii_case(&uuid)) {
+            Some(k) => {
+                // Seen through NVML first: now we know its CUDA ordinal.
+                k.ordinal = Some(ordinal);
+                k.index = ordinal as u32;
+                let k = k.clone();
+                self.apply(&k);
+                k.dev
+            }
+            None => {
+                let dev = self.region.device(&uuid).ok()?;
+                let k = Known { ordinal: Some(ordinal), index: ordinal as u32, uuid, dev };
+                self.apply(&k);
+                known.push(k);
+                dev
+            }
+        };
+        if let Some(slot) = self.by_ordinal.get(ordinal as usize) {
+            slot.store(dev as u32 + 1, Release);
+        }
+        Some(dev)
+    }
+
+    /// The region device index of a device NVML names by UUID (`index`: its NVML index, used
+    /// for `index:N` limits until CUDA tells its ordinal).
+    pub(crate) fn device_of_uuid(&self, uuid: &str, index: u32) -> Option<usize> {
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = known.iter().find(|k| k.uuid.eq_ignore_ascii_case(uuid)) {
+            return Some(k.dev);
+        }
+        let dev = self.region.device(uuid).ok()?;
+        let k = Known { ordinal: None, index, uuid: uuid.to_string(), dev };
+        self.apply(&k);
+        known.push(k);
+        Some(dev)
+    }
+
+    /// The UUID text of a CUDA device: `GPU-…`, or `MIG-…` when the limits name it so (CUDA
+    /// reports a MIG device's UUID bytes without saying which it is).
+    fn uuid_key(&self, bytes: &[u8; 16], _ordinal: c_int) -> String {
+        let gpu = uuid_text("GPU-", bytes);
+        let mig = uuid_text("MIG-", bytes);
+        // SAFETY: as in `limits`: the pointee is never freed.
+        let l = unsafe { &*self.limits.load(Acquire) };
+        if l.devices.iter().any(|d| d.uuid.eq_ignore_ascii_case(&mig)) { mig } else { gpu }
+    }
+
+    /// The region device index of the calling thread's current context's device.
+    pub fn current_device(&self) -> Option<usize> {
+        let (_, ordinal) = self.current_context()?;
+        self.device_of_ordinal(ordinal)
+    }
+
+    /// The calling thread's current context and its CUDA ordinal.
+    pub(crate) fn current_context(&self) -> Option<(CUcontext, c_int)> {
+        let cu = real::cuda()?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: ctx is a valid out-pointer.
+        if unsafe { (cu.cuCtxGetCurrent)(&mut ctx) } != CUDA_SUCCESS || ctx.is_null() {
+            return None;
+        }
+        Some((ctx, self.ordinal_of_context(cu, ctx)?))
+    }
+
+    /// The region device index of a stream's device (a null or special stream: the current
+    /// context's).
+    pub fn device_of_stream(&self, stream: *mut c_void) -> Option<usize> {
+        if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
+            return self.current_device();
+        }
+        let cu = real::cuda()?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: stream is the caller's handle; ctx a valid out-pointer.
+        if unsafe { (cu.cuStreamGetCtx)(stream.cast(), &mut ctx) } != CUDA_SUCCESS || ctx.is_null() {
+            return None;
+        }
+        let ordinal = self.ordinal_of_context(cu, ctx)?;
+        self.device_of_ordinal(ordinal)
+    }
+
+    /// A context's CUDA ordinal: from the cache, else by asking the driver in that context.
+    pub(crate) fn ordinal_of_context(&self, cu: &RealCuda, ctx: CUcontext) -> Option<c_int> {
+        let key = ctx as u64;
+        let slot = &self.ctx_cache[ctx_slot(key)];
+        let v = slot.load(Relaxed);
+        if v != 0 && v >> 8 == key {
+            return Some((v & 0xff) as c_int - 1);
+        }
+        // SAFETY: ctx is a context handle from the driver; push/pop leave the stack as it was.
+        let ordinal = unsafe {
+            if (cu.cuCtxPushCurrent_v2)(ctx) != CUDA_SUCCESS {
+                return None;
+            }
+            let mut d: CUdevice = -1;
+            let rc = (cu.cuCtxGetDevice)(&mut d);
+            let mut popped: CUcontext = std::ptr::null_mut();
+            (cu.cuCtxPopCurrent_v2)(&mut popped);
+            if rc != CUDA_SUCCESS {
+                return None;
+            }
+            d
+        };
+        self.remember_context(ctx, ordinal);
+        Some(ordinal)
+    }
+
+    /// Records which device a context is on.
+    pub(crate) fn remember_context(&self, ctx: CUcontext, ordinal: c_int) {
+        let key = ctx as u64;
+        if key >> 56 != 0 || !(0..255).contains(&ordinal) {
+            return;
+        }
+        self.ctx_cache[ctx_slot(key)].store(key << 8 | (ordinal as u64 + 1), Relaxed);
+    }
+
+    /// Forgets a destroyed context.
+    pub(crate) fn forget_context(&self, ctx: CUcontext) {
+        let key = ctx as u64;
+        let slot = &self.ctx_cache[ctx_slot(key)];
+        let v = slot.load(Relaxed);
+        if v >> 8 == key {
+            let _ = slot.compare_exchange(v, 0, Relaxed, Relaxed);
+        }
+    }
+
+    /// Reserves `bytes` on a device for this process; on a denial, reclaims dead processes'
+    /// usage and tries once more. False: over the limit.
+    pub(crate) fn reserve(&self, dev: usize, bytes: u64) -> bool {
+        if bytes == 0 {
+            return true;
+        }
+        if self.region.try_reserve(self.slot, dev, bytes).is_ok() {
+            return true;
+        }
+        self.region.reap();
+        self.region.try_reserve(self.slot, dev, bytes).is_ok()
+    }
+
+    /// Reclaims dead processes' usage before a memory query reports it, at most every 100 ms
+    /// (a reap costs a syscall per live process; monitoring tools may poll).
+    pub(crate) fn reap_for_query(&self) {
+        let now = monotonic_ns();
+        let last = self.last_reap_ns.load(Relaxed);
+        if now.saturating_sub(last) >= 100_000_000
+            && self.last_reap_ns.compare_exchange(last, now, Relaxed, Relaxed).is_ok()
+        {
+            self.region.reap();
+        }
+    }
+
+    /// Returns `bytes` reserved on a device.
+    pub(crate) fn refund(&self, dev: usize, bytes: u64) {
+        if bytes > 0 {
+            self.region.release(self.slot, dev, bytes);
+        }
+    }
+}
+
+/// The monotonic clock in ns (vDSO: no syscall).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn ctx_slot(key: u64) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % CTX_CACHE
+}
+
+// ---- The one instance ----------------------------------------------------------------------
+
+static STATE: AtomicPtr<ShimState> = AtomicPtr::new(std::ptr::null_mut());
+/// Set when the config was bad: CUDA stays disabled in this process.
+static DISABLED: AtomicBool = AtomicBool::new(false);
+/// 0 free, 1 someone is initializing (a spin flag, not a mutex: a fork child resets it).
+static INIT: AtomicU8 = AtomicU8::new(0);
+static ATFORK: AtomicBool = AtomicBool::new(false);
+
+/// The state once made (`None` before the first CUDA/NVML call through us, and when disabled).
+pub(crate) fn get() -> Option<&'static ShimState> {
+    let p = STATE.load(Acquire);
+    // SAFETY: a non-null STATE points to a leaked ShimState, never freed.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// CUDA is disabled in this process (a bad config).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Disabled;
+
+/// The state, made now if need be; `Err` if the config is bad (fail closed).
+#[inline]
+pub(crate) fn ensure() -> Result<&'static ShimState, Disabled> {
+    if let Some(s) = get() {
+        return Ok(s);
+    }
+    ensure_slow()
+}
+
+#[cold]
+fn ensure_slow() -> Result<&'static ShimState, Disabled> {
+    loop {
+        if DISABLED.load(Acquire) {
+            return Err(Disabled);
+        }
+        if let Some(s) = get() {
+            return Ok(s);
+        }
+        if INIT.compare_exchange(0, 1, AcqRel, Acquire).is_ok() {
+            break;
+        }
+        std::thread::yield_now();
+    }
+    let made = match make() {
+        Ok(s) => {
+            STATE.store(Box::into_raw(Box::new(s)), Release);
+            Ok(get().expect("just stored"))
+        }
+        Err(line) => {
+            eprintln!("{line}");
+            DISABLED.store(true, Release);
+            Err(Disabled)
+        }
+    };
+    if !ATFORK.swap(true, AcqRel) {
+        // SAFETY: registering a plain function with no captured state.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    }
+    INIT.store(0, Release);
+    made
+}
+
+/// In a child forked after initialization: the parent's slot and allocations are the parent's;
+/// the child starts over (with a slot of its own) if it uses CUDA. The parent's state is left
+/// as it is (leaked in the child).
+extern "C" fn forked_child() {
+    STATE.store(std::ptr::null_mut(), Release);
+    INIT.store(0, Release);
+}
+
+/// Makes the state from the environment; `Err` is the one line to print.
+fn make() -> Result<ShimState, String> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let source = match var(ENV_LIMITS) {
+        Some(p) => Source::File(PathBuf::from(p.trim())),
+        None => Source::Env,
+    };
+    let limits = Limits::from_env(|k| std::env::var(k).ok()).map_err(|e| format!("tessera: {e}; CUDA disabled"))?;
+    let (limits, source, configured) = match (limits, source) {
+        (Some(l), s) => (l, s, true),
+        (None, _) => (Limits::default(), Source::None, false),
+    };
+    let region = match var(ENV_REGION) {
+        Some(p) => Region::open_or_create(std::path::Path::new(p.trim()))
+            .map_err(|e| format!("tessera: {}: {e}; CUDA disabled", p.trim()))?,
+        None => Region::anonymous().map_err(|e| format!("tessera: anonymous region: {e}; CUDA disabled"))?,
+    };
+    let slot = region.join().map_err(|e| format!("tessera: joining the region: {e}; CUDA disabled"))?;
+    let generation = region.config_generation();
+    Ok(ShimState {
+        limits: AtomicPtr::new(Arc::into_raw(Arc::new(limits)).cast_mut()),
+        seen_generation: AtomicU64::new(generation),
+        reload_lock: Mutex::new(()),
+        configured,
+        source,
+        by_ordinal: [const { AtomicU32::new(0) }; MAX_ORDINALS],
+        known: Mutex::new(Vec::new()),
+        ctx_cache: [const { AtomicU64::new(0) }; CTX_CACHE],
+        mem: Tracker::new(),
+        last_reap_ns: AtomicU64::new(0),
+        region,
+        slot,
+    })
+}
+
+/// The prologue of a CUDA hook: the real driver and the state (made if need be), the config
+/// generation checked. `Err` is what the hook returns without calling the driver.
+#[inline]
+pub(crate) fn enter() -> Result<(&'static ShimState, &'static RealCuda), CUresult> {
+    let s = ensure().map_err(|_| CUDA_ERROR_NOT_PERMITTED)?;
+    let cu = real::cuda().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
+    s.refresh();
+    Ok((s, cu))
+}

@@ -1,0 +1,222 @@
+//! The driver functions the raw-ABI tests call, found the way `dlopen` + `dlsym` programs find
+//! them (so, under the preload, through the shim's `dlsym`).
+
+#![allow(non_snake_case)] // the functions carry cuda.h's names
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+
+pub type R = c_int;
+pub type H = *mut c_void;
+pub const SUCCESS: R = 0;
+pub const OUT_OF_MEMORY: R = 2;
+
+macro_rules! api {
+    ($($name:ident($($t:ty),*);)*) => {
+        #[allow(non_snake_case)]
+        pub struct Cuda {
+            _lib: libloading::Library,
+            $(pub $name: unsafe extern "C" fn($($t),*) -> R,)*
+        }
+
+        impl Cuda {
+            /// dlopen("libcuda.so.1") and dlsym every function.
+            pub fn load() -> Cuda {
+                // SAFETY: loading the (simulated) driver runs only its own initializers.
+                let lib = unsafe { libloading::Library::new("libcuda.so.1") }.expect("dlopen libcuda.so.1");
+                $(
+                    // SAFETY: the driver's function of this name has this signature (cuda.h).
+                    let $name = *unsafe {
+                        lib.get::<unsafe extern "C" fn($($t),*) -> R>(concat!(stringify!($name), "\0").as_bytes())
+                    }
+                    .expect(stringify!($name));
+                )*
+                Cuda { _lib: lib, $($name,)* }
+            }
+        }
+    };
+}
+
+api! {
+    cuInit(c_uint);
+    cuDeviceGet(*mut c_int, c_int);
+    cuDeviceGetUuid(*mut [u8; 16], c_int);
+    cuDeviceTotalMem_v2(*mut usize, c_int);
+    cuDevicePrimaryCtxRetain(*mut H, c_int);
+    cuDevicePrimaryCtxRelease_v2(c_int);
+    cuCtxSetCurrent(H);
+    cuCtxCreate_v2(*mut H, c_uint, c_int);
+    cuCtxDestroy_v2(H);
+    cuMemGetInfo_v2(*mut usize, *mut usize);
+    cuMemAlloc_v2(*mut u64, usize);
+    cuMemAlloc(*mut c_uint, c_uint);
+    cuMemFree_v2(u64);
+    cuMemFree(c_uint);
+    cuMemAllocPitch_v2(*mut u64, *mut usize, usize, usize, c_uint);
+    cuMemAllocManaged(*mut u64, usize, c_uint);
+    cuMemCreate(*mut u64, usize, *const MemAllocProp, u64);
+    cuMemRelease(u64);
+    cuMemAllocAsync(*mut u64, usize, H);
+    cuMemFreeAsync(u64, H);
+    cuMemAllocFromPoolAsync(*mut u64, usize, H, H);
+    cuDeviceGetDefaultMemPool(*mut H, c_int);
+    cuArrayCreate_v2(*mut H, *const ArrayDesc);
+    cuArray3DCreate_v2(*mut H, *const Array3dDesc);
+    cuArrayDestroy(H);
+    cuStreamCreate(*mut H, c_uint);
+    cuStreamSynchronize(H);
+    cuStreamDestroy_v2(H);
+    cuModuleLoadData(*mut H, *const c_void);
+    cuModuleGetFunction(*mut H, H, *const c_char);
+    cuLaunchKernel(H, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, H, *mut *mut c_void, *mut *mut c_void);
+    cuLaunchKernelEx(*const LaunchConfig, H, *mut *mut c_void, *mut *mut c_void);
+    cuLaunchCooperativeKernel(H, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, H, *mut *mut c_void);
+    cuStreamBeginCapture_v2(H, c_uint);
+    cuStreamEndCapture(H, *mut H);
+    cuGraphInstantiateWithFlags(*mut H, H, u64);
+    cuGraphLaunch(H, H);
+    cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+}
+
+/// `CUmemAllocationProp` (pinned device memory).
+#[repr(C)]
+pub struct MemAllocProp {
+    pub alloc_type: c_uint,
+    pub handle_types: c_uint,
+    pub location_type: c_uint,
+    pub location_id: c_int,
+    pub win32: *mut c_void,
+    pub flags: [u8; 8],
+}
+
+impl MemAllocProp {
+    pub fn device(ordinal: c_int) -> MemAllocProp {
+        MemAllocProp {
+            alloc_type: 1,
+            handle_types: 0,
+            location_type: 1,
+            location_id: ordinal,
+            win32: std::ptr::null_mut(),
+            flags: [0; 8],
+        }
+    }
+}
+
+/// `CUDA_ARRAY_DESCRIPTOR`.
+#[repr(C)]
+pub struct ArrayDesc {
+    pub width: usize,
+    pub height: usize,
+    pub format: c_uint,
+    pub channels: c_uint,
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR`.
+#[repr(C)]
+pub struct Array3dDesc {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub format: c_uint,
+    pub channels: c_uint,
+    pub flags: c_uint,
+}
+
+/// `CUlaunchConfig` (no attributes).
+#[repr(C)]
+pub struct LaunchConfig {
+    pub grid: [c_uint; 3],
+    pub block: [c_uint; 3],
+    pub shared: c_uint,
+    pub stream: H,
+    pub attrs: *mut c_void,
+    pub num_attrs: c_uint,
+}
+
+/// Fails the test unless the driver call succeeded.
+#[track_caller]
+pub fn ck(what: &str, rc: R) {
+    assert_eq!(rc, SUCCESS, "{what} failed with CUresult {rc}");
+}
+
+/// What `dlsym(RTLD_DEFAULT, name)` finds.
+pub fn global(name: &CStr) -> *mut c_void {
+    // SAFETY: a C string; RTLD_DEFAULT searches the global scope.
+    unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) }
+}
+
+/// The file name of the object an address lies in.
+pub fn object_of(p: *const c_void) -> String {
+    let mut info: libc::Dl_info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: info is a valid out-struct; p is any address.
+    if unsafe { libc::dladdr(p, &mut info) } == 0 || info.dli_fname.is_null() {
+        return String::new();
+    }
+    // SAFETY: dladdr returned the loader's NUL-terminated path.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+    path.rsplit('/').next().unwrap_or_default().to_string()
+}
+
+/// A PTX module with one kernel (its name carries its duration on the simulated node).
+pub fn ptx(name: &str) -> String {
+    format!(".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry {name}()\n{{\nret;\n}}\n\0")
+}
+
+/// The driver set up in this process: cuInit, device 0's primary context current.
+pub struct Session {
+    pub cu: Cuda,
+    pub ctx: H,
+}
+
+// SAFETY: the context handle is an opaque value the driver accepts from any thread.
+unsafe impl Sync for Session {}
+
+impl Session {
+    pub fn start(ordinal: c_int) -> Session {
+        let cu = Cuda::load();
+        // SAFETY: valid out-pointers throughout.
+        unsafe {
+            ck("cuInit", (cu.cuInit)(0));
+            let mut ctx: H = std::ptr::null_mut();
+            ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx, ordinal));
+            ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx));
+            Session { cu, ctx }
+        }
+    }
+
+    /// (free, total) by cuMemGetInfo.
+    pub fn mem_info(&self) -> (u64, u64) {
+        let (mut f, mut t) = (0usize, 0usize);
+        // SAFETY: valid out-pointers.
+        ck("cuMemGetInfo", unsafe { (self.cu.cuMemGetInfo_v2)(&mut f, &mut t) });
+        (f as u64, t as u64)
+    }
+
+    /// The UUID text of a device, as the region names it.
+    pub fn uuid(&self, ordinal: c_int) -> String {
+        let mut u = [0u8; 16];
+        // SAFETY: a valid out-pointer of 16 bytes.
+        ck("cuDeviceGetUuid", unsafe { (self.cu.cuDeviceGetUuid)(&mut u, ordinal) });
+        let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+        format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    }
+
+    /// Allocates with cuMemAlloc_v2: the pointer, or the error code.
+    pub fn alloc(&self, bytes: u64) -> Result<u64, R> {
+        let mut p = 0u64;
+        // SAFETY: a valid out-pointer.
+        match unsafe { (self.cu.cuMemAlloc_v2)(&mut p, bytes as usize) } {
+            SUCCESS => Ok(p),
+            rc => Err(rc),
+        }
+    }
+
+    pub fn free(&self, p: u64) {
+        // SAFETY: p came from cuMemAlloc*.
+        ck("cuMemFree", unsafe { (self.cu.cuMemFree_v2)(p) });
+    }
+}

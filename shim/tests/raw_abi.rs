@@ -1,0 +1,471 @@
+//! Raw driver calls in a process started with the shim preloaded (this test binary run again):
+//! every allocation family is charged and refunded, cuGetProcAddress hands out the hook of the
+//! version asked for, launches pass through, a live limit change applies, threads and processes
+//! racing never pass the limit, and NVML shows the container's GPU.
+
+mod common;
+
+use std::ffi::{CString, c_int, c_uint, c_void};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::cuda::*;
+use common::*;
+use tessera_region::{DeviceLimits, Limits, Region};
+use tessera_sim_model::Node;
+use tessera_sim_testkit::binary;
+
+/// In a child: the container's region, opened as the daemon would, and device 0's index in it.
+fn region_and_dev(s: &Session) -> (Region, usize) {
+    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
+    let r = Region::open_or_create(&path).expect("open region");
+    let dev = r.device(&s.uuid(0)).expect("device entry");
+    (r, dev)
+}
+
+/// In a child: the model of the node, to see what the GPU really holds.
+fn model() -> Node {
+    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
+    Node::open_state(&state, None).expect("open the node")
+}
+
+fn run(test: &str, limits: &Limits) {
+    let node = node();
+    let c = Container::new(limits);
+    wait_child(test, spawn_child(test, container_env(&c, &node)));
+}
+
+// ---- Allocation families ---------------------------------------------------------------------
+
+#[test]
+fn every_allocation_family_is_charged_and_refunded() {
+    if !in_child() {
+        return run("every_allocation_family_is_charged_and_refunded", &memory_limits(8 * GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let (region, dev) = region_and_dev(&s);
+    let base = region.used(dev);
+    assert_eq!(base, OVERHEAD_MIB * MIB, "the primary context's overhead is charged");
+    let used = || region.used(dev) - base;
+    let gpu = || model().memory_info(0, 0).unwrap().used;
+    let mut stream: H = std::ptr::null_mut();
+    // SAFETY: in all driver calls below, out-pointers are valid and handles are the driver's.
+    unsafe {
+        ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
+
+        let p = s.alloc(64 * MIB).unwrap();
+        assert_eq!(used(), 64 * MIB, "cuMemAlloc_v2");
+        s.free(p);
+        assert_eq!(used(), 0);
+
+        let mut p32: c_uint = 0;
+        ck("cuMemAlloc", (cu.cuMemAlloc)(&mut p32, (16 * MIB) as c_uint));
+        assert_eq!(used(), 16 * MIB, "legacy cuMemAlloc");
+        ck("cuMemFree", (cu.cuMemFree)(p32));
+        assert_eq!(used(), 0);
+
+        let (mut p, mut pitch) = (0u64, 0usize);
+        ck("cuMemAllocPitch_v2", (cu.cuMemAllocPitch_v2)(&mut p, &mut pitch, 1000, 100, 4));
+        assert!(pitch >= 1000);
+        assert_eq!(used(), pitch as u64 * 100, "cuMemAllocPitch_v2 charges pitch x height");
+        s.free(p);
+        assert_eq!(used(), 0);
+
+        ck("cuMemAllocManaged", (cu.cuMemAllocManaged)(&mut p, (32 * MIB) as usize, 1));
+        assert_eq!(used(), 32 * MIB, "cuMemAllocManaged");
+        s.free(p);
+        assert_eq!(used(), 0);
+
+        let prop = MemAllocProp::device(0);
+        let mut h = 0u64;
+        ck("cuMemCreate", (cu.cuMemCreate)(&mut h, (16 * MIB) as usize, &prop, 0));
+        assert_eq!(used(), 16 * MIB, "cuMemCreate");
+        ck("cuMemRelease", (cu.cuMemRelease)(h));
+        assert_eq!(used(), 0);
+
+        ck("cuMemAllocAsync", (cu.cuMemAllocAsync)(&mut p, (8 * MIB) as usize, stream));
+        assert_eq!(used(), 8 * MIB, "cuMemAllocAsync");
+        ck("cuMemFreeAsync", (cu.cuMemFreeAsync)(p, stream));
+        assert_eq!(used(), 0);
+
+        let mut pool: H = std::ptr::null_mut();
+        ck("cuDeviceGetDefaultMemPool", (cu.cuDeviceGetDefaultMemPool)(&mut pool, 0));
+        ck("cuMemAllocFromPoolAsync", (cu.cuMemAllocFromPoolAsync)(&mut p, (8 * MIB) as usize, pool, stream));
+        assert_eq!(used(), 8 * MIB, "cuMemAllocFromPoolAsync");
+        s.free(p);
+        assert_eq!(used(), 0, "a stream-ordered allocation freed with cuMemFree");
+
+        let mut arr: H = std::ptr::null_mut();
+        let d = ArrayDesc { width: 1024, height: 1024, format: 0x20, channels: 1 };
+        ck("cuArrayCreate_v2", (cu.cuArrayCreate_v2)(&mut arr, &d));
+        assert_eq!(used(), 4 * MIB, "cuArrayCreate_v2: 1024 x 1024 floats");
+        ck("cuArrayDestroy", (cu.cuArrayDestroy)(arr));
+        assert_eq!(used(), 0);
+        let d = Array3dDesc { width: 64, height: 64, depth: 64, format: 0x01, channels: 4, flags: 0 };
+        ck("cuArray3DCreate_v2", (cu.cuArray3DCreate_v2)(&mut arr, &d));
+        assert_eq!(used(), MIB, "cuArray3DCreate_v2: 64^3 uchar4");
+        ck("cuArrayDestroy", (cu.cuArrayDestroy)(arr));
+        assert_eq!(used(), 0);
+
+        // A context of its own: its overhead, and what is allocated in it, go with it.
+        let mut ctx: H = std::ptr::null_mut();
+        ck("cuCtxCreate_v2", (cu.cuCtxCreate_v2)(&mut ctx, 0, 0));
+        assert_eq!(used(), OVERHEAD_MIB * MIB, "cuCtxCreate_v2 charges the context");
+        let _in_ctx = s.alloc(64 * MIB).unwrap();
+        assert_eq!(used(), (OVERHEAD_MIB + 64) * MIB);
+        ck("cuCtxDestroy_v2", (cu.cuCtxDestroy_v2)(ctx));
+        assert_eq!(used(), 0, "destroying the context refunds it and its allocations");
+        assert_eq!(gpu(), base, "the GPU agrees");
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx));
+
+        // Over the limit: CUDA_ERROR_OUT_OF_MEMORY, and the driver is never asked.
+        let big = 9 * GIB as usize;
+        let before = gpu();
+        assert_eq!(s.alloc(big as u64), Err(OUT_OF_MEMORY), "cuMemAlloc_v2");
+        assert_eq!((cu.cuMemAllocManaged)(&mut p, big, 1), OUT_OF_MEMORY, "cuMemAllocManaged");
+        assert_eq!((cu.cuMemAllocPitch_v2)(&mut p, &mut pitch, 1 << 20, 9 << 10, 4), OUT_OF_MEMORY, "pitched");
+        assert_eq!((cu.cuMemCreate)(&mut h, big, &prop, 0), OUT_OF_MEMORY, "cuMemCreate");
+        assert_eq!((cu.cuMemAllocAsync)(&mut p, big, stream), OUT_OF_MEMORY, "cuMemAllocAsync");
+        assert_eq!((cu.cuMemAllocFromPoolAsync)(&mut p, big, pool, stream), OUT_OF_MEMORY, "from a pool");
+        let d = Array3dDesc { width: 2048, height: 2048, depth: 1024, format: 0x20, channels: 1, flags: 0 };
+        assert_eq!((cu.cuArray3DCreate_v2)(&mut arr, &d), OUT_OF_MEMORY, "cuArray3DCreate_v2");
+        assert_eq!(used(), 0, "nothing stays charged after a refusal");
+        assert_eq!(gpu(), before, "the driver allocated nothing");
+        ck("cuStreamDestroy", (cu.cuStreamDestroy_v2)(stream));
+        ck("cuDevicePrimaryCtxRelease", (cu.cuDevicePrimaryCtxRelease_v2)(0));
+    }
+    assert_eq!(region.used(dev), 0, "releasing the primary context refunds its overhead");
+}
+
+// ---- Lookup paths ----------------------------------------------------------------------------
+
+/// `cuGetProcAddress_v2(name, version, flags)`.
+fn proc_address(cu: &Cuda, name: &str, version: c_int, flags: u64) -> *mut c_void {
+    let n = CString::new(name).unwrap();
+    let (mut p, mut status) = (std::ptr::null_mut(), -1);
+    // SAFETY: a C string and valid out-pointers.
+    ck(name, unsafe { (cu.cuGetProcAddress_v2)(n.as_ptr(), &mut p, version, flags, &mut status) });
+    assert_eq!(status, 0, "{name}");
+    p
+}
+
+#[test]
+fn lookups_hand_out_the_hook_of_the_version_asked_for() {
+    if !in_child() {
+        return run("lookups_hand_out_the_hook_of_the_version_asked_for", &memory_limits(GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let ours = |sym: &std::ffi::CStr| {
+        let p = global(sym);
+        assert_eq!(object_of(p), "libtessera.so", "{sym:?} is the shim's");
+        p
+    };
+    // dlsym on the driver's handle: hooked names are ours, the rest the driver's.
+    assert_eq!(cu.cuMemAlloc_v2 as *mut c_void, ours(c"cuMemAlloc_v2"));
+    assert_eq!(cu.cuLaunchKernel as *mut c_void, ours(c"cuLaunchKernel"));
+    let drivers = |p: *const c_void| ["libcuda.so.1", "libtessera_sim.so"].contains(&object_of(p).as_str());
+    assert!(drivers(cu.cuStreamCreate as *const c_void), "not hooked: the driver's");
+    // cuGetProcAddress: by version and default-stream flavour.
+    assert_eq!(proc_address(cu, "cuMemAlloc", 12080, 0), ours(c"cuMemAlloc_v2"));
+    assert_eq!(proc_address(cu, "cuMemAlloc", 3020, 0), ours(c"cuMemAlloc_v2"));
+    assert_eq!(proc_address(cu, "cuMemAlloc", 2000, 0), ours(c"cuMemAlloc"), "the legacy 32-bit one");
+    assert_eq!(proc_address(cu, "cuCtxCreate", 11040, 0), ours(c"cuCtxCreate_v3"));
+    assert_eq!(proc_address(cu, "cuCtxCreate", 12080, 0), ours(c"cuCtxCreate_v4"));
+    assert_eq!(proc_address(cu, "cuLaunchKernel", 12080, 0), ours(c"cuLaunchKernel"));
+    assert_eq!(proc_address(cu, "cuLaunchKernel", 12080, 2), ours(c"cuLaunchKernel_ptsz"), "per-thread stream");
+    assert_eq!(proc_address(cu, "cuMemAllocAsync", 12080, 2), ours(c"cuMemAllocAsync_ptsz"));
+    assert_eq!(proc_address(cu, "cuGraphLaunch", 12080, 2), ours(c"cuGraphLaunch_ptsz"));
+    assert_eq!(proc_address(cu, "cuGetProcAddress", 12080, 0), ours(c"cuGetProcAddress_v2"));
+    assert_eq!(proc_address(cu, "cuMemGetInfo", 12080, 0), ours(c"cuMemGetInfo_v2"));
+    let copy = proc_address(cu, "cuMemcpyHtoD", 12080, 0);
+    assert!(drivers(copy), "what Tessera does not limit passes through");
+    // A name the driver does not know is still not found.
+    let n = CString::new("cuNoSuchFunction").unwrap();
+    let (mut p, mut status) = (std::ptr::null_mut(), -1);
+    // SAFETY: a C string and valid out-pointers.
+    let rc = unsafe { (cu.cuGetProcAddress_v2)(n.as_ptr(), &mut p, 12080, 0, &mut status) };
+    assert_ne!(rc, SUCCESS);
+    assert!(p.is_null());
+    // RTLD_NEXT still means "after the caller": from this executable, the next dlsym is the
+    // shim's (it is preloaded after the executable), not libc's.
+    // SAFETY: a C string; RTLD_NEXT is relative to this executable.
+    let next = unsafe { libc::dlsym(libc::RTLD_NEXT, c"dlsym".as_ptr()) };
+    assert_eq!(object_of(next), "libtessera.so", "RTLD_NEXT from the executable");
+    // SAFETY: as above.
+    let getpid = unsafe { libc::dlsym(libc::RTLD_NEXT, c"getpid".as_ptr()) };
+    assert_eq!(object_of(getpid), "libc.so.6");
+}
+
+#[test]
+fn every_launch_entry_point_reaches_the_driver() {
+    if !in_child() {
+        return run("every_launch_entry_point_reaches_the_driver", &memory_limits(GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let image = ptx("tessera_test_spin_50us");
+    // SAFETY: valid out-pointers; handles from the driver; no kernel parameters.
+    unsafe {
+        let mut module: H = std::ptr::null_mut();
+        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
+        let mut f: H = std::ptr::null_mut();
+        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, c"tessera_test_spin_50us".as_ptr()));
+        let mut stream: H = std::ptr::null_mut();
+        ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
+        let none: *mut *mut c_void = std::ptr::null_mut();
+        let null: H = std::ptr::null_mut();
+        ck("cuLaunchKernel", (cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, stream, none, none));
+        ck("cuLaunchKernel (null stream)", (cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, null, none, none));
+        let config = LaunchConfig { grid: [1, 1, 1], block: [32, 1, 1], shared: 0, stream, attrs: null, num_attrs: 0 };
+        ck("cuLaunchKernelEx", (cu.cuLaunchKernelEx)(&config, f, none, none));
+        ck("cuLaunchCooperativeKernel", (cu.cuLaunchCooperativeKernel)(f, 1, 1, 1, 32, 1, 1, 0, stream, none));
+        ck("cuStreamBeginCapture", (cu.cuStreamBeginCapture_v2)(stream, 0));
+        ck("captured launch", (cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, stream, none, none));
+        let mut graph: H = std::ptr::null_mut();
+        ck("cuStreamEndCapture", (cu.cuStreamEndCapture)(stream, &mut graph));
+        let mut exec: H = std::ptr::null_mut();
+        ck("cuGraphInstantiate", (cu.cuGraphInstantiateWithFlags)(&mut exec, graph, 0));
+        ck("cuGraphLaunch", (cu.cuGraphLaunch)(exec, stream));
+        ck("cuStreamSynchronize", (cu.cuStreamSynchronize)(stream));
+        // A bad launch is the driver's error, unchanged.
+        assert_ne!((cu.cuLaunchKernel)(null, 1, 1, 1, 32, 1, 1, 0, stream, none, none), SUCCESS);
+    }
+}
+
+// ---- Live limit changes ----------------------------------------------------------------------
+
+#[test]
+fn a_live_limit_change_applies_to_the_next_allocation() {
+    if !in_child() {
+        return run("a_live_limit_change_applies_to_the_next_allocation", &memory_limits(GIB));
+    }
+    let limits = PathBuf::from(std::env::var_os("TESSERA_LIMITS").unwrap());
+    let change = |bytes: u64| {
+        memory_limits(bytes).write_atomic(&limits).unwrap();
+        let path = PathBuf::from(std::env::var_os("TESSERA_REGION").unwrap());
+        Region::open_or_create(&path).unwrap().bump_config_generation();
+    };
+    let s = Session::start(0);
+    let half = 512 * MIB;
+    let _a = s.alloc(half).expect("300 + 512 MiB fit in 1 GiB");
+    assert_eq!(s.alloc(half), Err(OUT_OF_MEMORY), "300 + 1024 MiB do not");
+    assert_eq!(s.mem_info().1, GIB);
+
+    change(2 * GIB);
+    let t = Instant::now();
+    let _b = s.alloc(half).expect("the new limit applies at once");
+    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
+    assert_eq!(s.mem_info(), (2 * GIB - (300 + 1024) * MIB, 2 * GIB));
+
+    // Lowered below what is held: nothing is taken away, nothing more is given, and the
+    // numbers stay sane.
+    change(GIB);
+    assert_eq!(s.alloc(MIB), Err(OUT_OF_MEMORY));
+    assert_eq!(s.mem_info(), (0, GIB), "free is 0, not a wrapped-around number");
+}
+
+// ---- Racing threads and processes ------------------------------------------------------------
+
+const RACERS: usize = 4;
+const THREADS: usize = 4;
+const STEP: u64 = 8 * MIB;
+
+#[test]
+fn threads_and_processes_racing_never_pass_the_limit() {
+    let test = "threads_and_processes_racing_never_pass_the_limit";
+    if in_child() {
+        return racer();
+    }
+    let node = node();
+    let limit = 2 * GIB;
+    let c = Container::new(&memory_limits(limit));
+    let region = c.region();
+    let dir = tempfile::tempdir().unwrap();
+    let start_at = SystemTime::now().duration_since(UNIX_EPOCH).unwrap() + Duration::from_millis(1500);
+    let mut env = container_env(&c, &node);
+    env.push(("RACE_DIR".into(), dir.path().into()));
+    env.push(("RACE_START_NS".into(), start_at.as_nanos().to_string().into()));
+    let kids: Vec<_> = (0..RACERS).map(|_| spawn_child(test, env.clone())).collect();
+    // Wait until every racer has allocated all it could.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let done = || {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("done-"))
+            .count()
+    };
+    while done() < RACERS {
+        assert!(Instant::now() < deadline, "racers did not finish");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let held: u64 = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("done-"))
+        .map(|p| std::fs::read_to_string(p).unwrap().trim().parse::<u64>().unwrap())
+        .sum();
+    let total = held + RACERS as u64 * OVERHEAD_MIB * MIB;
+    assert!(total <= limit, "{total} of {limit}");
+    assert!(total > limit - STEP, "they filled it: {total} of {limit}");
+    assert_eq!(region.used(0), total);
+    let model = Node::open_state(&node.state, None).unwrap();
+    assert_eq!(model.memory_info(0, 0).unwrap().used, total, "the GPU holds what the region says");
+    std::fs::write(dir.path().join("release"), "").unwrap();
+    for k in kids {
+        wait_child(test, k);
+    }
+    region.reap();
+    assert_eq!(region.used(0), 0);
+}
+
+/// A racing process: a context, then at the agreed instant THREADS threads allocate STEP at a
+/// time until refused; reports what it got and holds it until released.
+fn racer() {
+    let dir = PathBuf::from(std::env::var_os("RACE_DIR").unwrap());
+    let start: u128 = std::env::var("RACE_START_NS").unwrap().parse().unwrap();
+    let s = Session::start(0);
+    let ctx = s.ctx as usize;
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos();
+    std::thread::sleep(Duration::from_nanos(start.saturating_sub(now) as u64));
+    let got: Vec<Vec<u64>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..THREADS)
+            .map(|_| {
+                sc.spawn(|| {
+                    // SAFETY: the primary context is made current on this thread too.
+                    ck("cuCtxSetCurrent", unsafe { (s.cu.cuCtxSetCurrent)(ctx as H) });
+                    let mut mine = Vec::new();
+                    loop {
+                        match s.alloc(STEP) {
+                            Ok(p) => mine.push(p),
+                            Err(rc) => {
+                                assert_eq!(rc, OUT_OF_MEMORY);
+                                break mine;
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let n: usize = got.iter().map(Vec::len).sum();
+    let pid = std::process::id();
+    std::fs::write(dir.join(format!("done-{pid}")), (n as u64 * STEP).to_string()).unwrap();
+    while !dir.join("release").exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for p in got.into_iter().flatten() {
+        s.free(p);
+    }
+}
+
+// ---- NVML ------------------------------------------------------------------------------------
+
+#[test]
+fn nvml_shows_the_containers_gpu() {
+    let test = "nvml_shows_the_containers_gpu";
+    if in_child() {
+        return nvml_child();
+    }
+    let node = node();
+    // An outsider (another container, no limits) holds 2 GiB on GPU 0.
+    let (mut outsider, _) = holding(node.command(binary("tessera-workload")), &["--alloc-mib", "2048", "--hold", "60"]);
+    let uuid = Node::open_state(&node.state, None).unwrap().gpus()[0].uuid.clone();
+    let limits = Limits {
+        devices: vec![DeviceLimits { uuid: uuid.clone(), memory_limit: Some(4 * GIB), sm_percent: None }],
+        ..Limits::default()
+    };
+    let c = Container::new(&limits);
+    // One of the container's processes holds 1 GiB on GPU 0.
+    let (mut inside, _) =
+        holding(c.command(&node, binary("tessera-workload")), &["--alloc-mib", "1024", "--hold", "60"]);
+    let mut env = container_env(&c, &node);
+    env.push(("NVML_LIB".into(), node.nvml_path().into()));
+    env.push(("INSIDE_PID".into(), inside.id().to_string().into()));
+    wait_child(test, spawn_child(test, env));
+    for k in [&mut outsider, &mut inside] {
+        k.kill().unwrap();
+        k.wait().unwrap();
+    }
+}
+
+fn nvml_child() {
+    use nvml_wrapper::Nvml;
+    let lib = std::env::var_os("NVML_LIB").unwrap();
+    let inside: u32 = std::env::var("INSIDE_PID").unwrap().parse().unwrap();
+    let nvml = Nvml::builder().lib_path(&lib).init().expect("nvml init");
+    let gpu0 = nvml.device_by_index(0).unwrap();
+    let used = GIB + OVERHEAD_MIB * MIB;
+    let m = gpu0.memory_info().unwrap();
+    assert_eq!(m.total, 4 * GIB, "v2: the limit");
+    assert_eq!(m.used, used, "v2: the container's usage only (the outsider's 2 GiB is not ours)");
+    assert_eq!(m.free, 4 * GIB - used);
+    assert_eq!(m.reserved, 0);
+    let procs = gpu0.running_compute_processes().unwrap();
+    assert_eq!(procs.iter().map(|p| p.pid).collect::<Vec<_>>(), vec![inside], "only the container's processes");
+    // GPU 1 has no limit: as the driver says.
+    let gpu1 = nvml.device_by_index(1).unwrap();
+    assert!(gpu1.memory_info().unwrap().total > 79 * GIB);
+
+    // The v1 calls, raw: memory, and the list protocol (too small a buffer: the size needed).
+    // SAFETY: loading the NVML library nvml-wrapper already loaded.
+    let raw = unsafe { libloading::Library::new(&lib) }.unwrap();
+    type MemV1 = unsafe extern "C" fn(*mut c_void, *mut [u64; 3]) -> c_uint;
+    type ProcsV1 = unsafe extern "C" fn(*mut c_void, *mut c_uint, *mut [u64; 2]) -> c_uint;
+    // SAFETY: nvml.h's signatures; found through dlsym, so through the shim.
+    let (mem_v1, procs_v1) = unsafe {
+        (
+            *raw.get::<MemV1>(b"nvmlDeviceGetMemoryInfo\0").unwrap(),
+            *raw.get::<ProcsV1>(b"nvmlDeviceGetComputeRunningProcesses\0").unwrap(),
+        )
+    };
+    // SAFETY: gpu0's handle; valid out-pointers.
+    unsafe {
+        let h = gpu0.handle().cast::<c_void>();
+        let mut m = [0u64; 3];
+        assert_eq!(mem_v1(h, &mut m), 0);
+        assert_eq!(m, [4 * GIB, 4 * GIB - used, used], "v1: total, free, used");
+        let mut n: c_uint = 0;
+        assert_eq!(procs_v1(h, &mut n, std::ptr::null_mut()), 7, "INSUFFICIENT_SIZE");
+        assert_eq!(n, 1);
+        let mut list = [[0u64; 2]; 4];
+        n = 4;
+        assert_eq!(procs_v1(h, &mut n, list.as_mut_ptr()), 0);
+        assert_eq!((n, list[0][0] as u32), (1, inside));
+    }
+}
+
+// ---- fork --------------------------------------------------------------------------------
+
+#[test]
+fn a_forked_child_starts_over_and_leaves_the_parents_charges_alone() {
+    if !in_child() {
+        return run("a_forked_child_starts_over_and_leaves_the_parents_charges_alone", &memory_limits(GIB));
+    }
+    let s = Session::start(0);
+    let (region, dev) = region_and_dev(&s);
+    let p = s.alloc(256 * MIB).unwrap();
+    let before = region.used(dev);
+    // SAFETY: fork in a process whose other threads hold no locks we need (the test harness
+    // waits); the child only calls the driver through the shim and exits with _exit.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // As with a real driver, CUDA does not survive a fork: the call fails, cleanly.
+        let code = match s.alloc(64 * MIB) {
+            Err(rc) if rc != SUCCESS => 0,
+            _ => 1,
+        };
+        // SAFETY: ends the forked child without running the parent's destructors.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: pid is our child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "child status {status:#x}");
+    region.reap();
+    assert_eq!(region.used(dev), before, "the parent's charges are as they were");
+    s.free(p);
+    assert_eq!(region.used(dev), before - 256 * MIB);
+}
