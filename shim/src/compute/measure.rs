@@ -129,7 +129,7 @@ pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
         }
         l.in_flight.push_back(InFlight { dev: p.dev, ctx: p.ctx, start: p.start, end, charged: p.charged });
     });
-    harvest(st);
+    // Settled at the next launch (before_launch harvests first), never here: once per launch.
 }
 
 /// Settles every measured launch that has completed: corrects its charge to its real GPU time.

@@ -102,7 +102,8 @@ pub fn before_launch(dev: usize, stream: *mut c_void) -> Gate {
         return Gate::PASS;
     }
     let now = now_ns();
-    let uuid = st.region.device_uuid(dev);
+    // The UUID is only needed to find this GPU in the ledger.
+    let uuid = the_ledger().and_then(|_| st.region.device_uuid(dev));
     let entry = the_ledger().zip(uuid.as_deref()).and_then(|(l, u)| l.entry(u, p.key, now));
     if let Some(e) = entry {
         e.launched(now, p.priority, share.map_or(0, |s| s * 10_000));
