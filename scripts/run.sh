@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# Runs Tessera's main job on this machine. With no NVIDIA driver present, on the simulated node
-# (the built-in 8 x H100 node, or the description in $TESSERA_SIM_NODE).
+# Runs Tessera's main job on this machine: tesserad discovers the GPUs through NVML and applies the
+# declared partitions (the long-running daemon with the kubelet API grows from here). With no
+# NVIDIA driver present it runs on the simulated node (the built-in 8 x H100 node, or the
+# description in $TESSERA_SIM_NODE), shows a workload on it, and prints the node's state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 cargo build --workspace --release --quiet
 bin=target/release
 if ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1 '; then
-  echo "tessera: NVIDIA driver found (libnvidia-ml.so.1); running the workload on GPU 0" >&2
-  "$bin/tessera-workload" --alloc-mib 2048 --kernels 50 --kernel-us 2000 --depth 4
-  exec nvidia-smi
+  echo "tessera: NVIDIA driver found (libnvidia-ml.so.1)" >&2
+  exec "$bin/tesserad" "$@"
 fi
-desc=${TESSERA_SIM_NODE:-built-in 8 x H100-SXM5-80GB}
-echo "tessera: no NVIDIA driver found; using the simulated node ($desc)" >&2
+echo "tessera: no NVIDIA driver found; using the simulated node (${TESSERA_SIM_NODE:-built-in 8 x H100-SXM5-80GB})" >&2
 lib_dir=${TESSERA_SIM_LIB_DIR:-${XDG_RUNTIME_DIR:-/tmp}/tessera-sim-lib}
 "$bin/tessera-sim" install "$lib_dir" >/dev/null
-# One workload through the driver ABI, to show the node at work, then the node's state.
+"$bin/tesserad" --sim "$@"
+# A workload through the driver ABI, to show the node at work, then the node's state.
 LD_LIBRARY_PATH="$lib_dir" "$bin/tessera-workload" --alloc-mib 2048 --kernels 50 --kernel-us 2000 --depth 4
-exec "$bin/tessera-sim" status "$@"
+exec "$bin/tessera-sim" status

@@ -1,0 +1,80 @@
+//! Tessera's gRPC contracts, generated from the `.proto` files under `proto/` (no logic here).
+//!
+//! - [`deviceplugin::v1beta1`]: the Kubernetes device-plugin API (`Registration`, `DevicePlugin`)
+//!   and the kubelet's constants for it.
+//! - [`podresources::v1`]: the kubelet pod-resources API (`PodResourcesLister`).
+//! - [`tessera::v1`]: Tessera's own node API (`Node`).
+//!
+//! Every service has both a client (`*_client`) and a server (`*_server`) module.
+
+/// The encoded `google.protobuf.FileDescriptorSet` of all three APIs (with source info), for gRPC
+/// reflection and for tests that check the wire contract.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tessera_proto_descriptor.bin"));
+
+/// Kubernetes device-plugin API.
+pub mod deviceplugin {
+    /// Device-plugin API v1beta1 (protobuf package `v1beta1`).
+    pub mod v1beta1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("v1beta1");
+        }
+        pub use generated::*;
+
+        use std::time::Duration;
+
+        /// The API version a plugin registers with.
+        pub const VERSION: &str = "v1beta1";
+        /// API versions the kubelet accepts.
+        pub const SUPPORTED_VERSIONS: &[&str] = &[VERSION];
+        /// The kubelet's device-plugin directory: its socket and every plugin's socket live here.
+        pub const DEVICE_PLUGIN_PATH: &str = "/var/lib/kubelet/device-plugins/";
+        /// File name of the kubelet's Registration socket inside the device-plugin directory.
+        pub const KUBELET_SOCKET_NAME: &str = "kubelet.sock";
+        /// Full path of the kubelet's Registration socket.
+        pub const KUBELET_SOCKET: &str = "/var/lib/kubelet/device-plugins/kubelet.sock";
+        /// `Device.health` of a usable device.
+        pub const HEALTHY: &str = "Healthy";
+        /// `Device.health` of a device that must not be allocated.
+        pub const UNHEALTHY: &str = "Unhealthy";
+        /// How long the kubelet waits for `PreStartContainer`.
+        pub const PRE_START_CONTAINER_RPC_TIMEOUT: Duration = Duration::from_secs(30);
+    }
+}
+
+/// Kubelet pod-resources API.
+pub mod podresources {
+    /// Pod-resources API v1 (protobuf package `v1`).
+    pub mod v1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("v1");
+        }
+        pub use generated::*;
+
+        /// Where the kubelet serves the pod-resources API by default.
+        pub const POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+    }
+}
+
+/// Tessera's own APIs.
+pub mod tessera {
+    /// The node API v1 (protobuf package `tessera.v1`), served by tesserad to the CLI.
+    pub mod v1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("tessera.v1");
+        }
+        pub use generated::*;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deviceplugin::v1beta1;
+
+    #[test]
+    fn kubelet_socket_is_in_the_plugin_dir() {
+        assert_eq!(v1beta1::KUBELET_SOCKET, format!("{}{}", v1beta1::DEVICE_PLUGIN_PATH, v1beta1::KUBELET_SOCKET_NAME));
+    }
+}
