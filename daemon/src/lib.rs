@@ -3,10 +3,13 @@
 //! - [`config`]: the TOML configuration, validated up front; reload diffs.
 //! - [`discovery`]: the one NVML session and inventory snapshots of the node.
 //! - [`partition`]: MIG layouts (pure planning, NVML apply) and time-sliced shares.
+//! - [`state`]: allocation records, crash-safe on disk, and the per-allocation directories
+//!   (`limits` + `region`) the shim reads.
 //!
-//! Still to come (issue 4): allocation state, the kubelet device-plugin servers, health,
-//! the node API, telemetry.
+//! Still to come (issue 4): the kubelet device-plugin servers, the node API and CLI; then health
+//! and telemetry (issue 6).
 
 pub mod config;
 pub mod discovery;
 pub mod partition;
+pub mod state;

@@ -1,0 +1,15 @@
+//! Allocation state: the crash-safe store of allocation records and the per-allocation
+//! directories (`limits` + `region`) the shim reads.
+//!
+//! - [`record`]: the allocation record (what was handed out, to whom, with which limits).
+//! - [`store`]: one durable file per record; survives `kill -9` at any moment without losing or
+//!   duplicating a committed allocation.
+//! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
+
+pub mod alloc_dir;
+pub mod record;
+pub mod store;
+
+pub use alloc_dir::{AllocDirError, AllocDirs};
+pub use record::{AllocatedDevice, Allocation, ContainerIdentity, Source};
+pub use store::{SetAside, StateError, Store};

@@ -1,0 +1,280 @@
+//! The allocation record: what the daemon handed out, to whom, and with which limits.
+//!
+//! Stored as JSON, one file per allocation (see [`super::store`]); the hook and the CDI spec refer
+//! to it by [`Allocation::id`].
+
+use std::io::Read;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use tessera_region::{ComputeMode, DeviceLimits, LIMITS_VERSION, Limits, Priority};
+
+/// The longest allocation id accepted (ids name files and directories).
+pub const MAX_ID_LEN: usize = 64;
+
+/// Who asked for the allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    /// The kubelet, through the device-plugin `Allocate` call.
+    Kubelet,
+    /// The node API (`tessera.v1`) or the CLI.
+    NodeApi,
+    /// The OCI hook alone (asked by env var or annotation).
+    Hook,
+}
+
+/// The container an allocation is for, as far as it is known (the kubelet's `Allocate` does not
+/// say which pod it is for; the pod-resources API or the hook fill it in later).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContainerIdentity {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+}
+
+impl ContainerIdentity {
+    /// A short name for reports: `namespace/pod/container` when the pod is known, else the
+    /// container id; `None` when nothing is known.
+    pub fn display_name(&self) -> Option<String> {
+        let nonempty = |s: &Option<String>| s.as_deref().map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+        if let Some(pod) = nonempty(&self.pod_name) {
+            let mut name = match nonempty(&self.pod_namespace) {
+                Some(ns) => format!("{ns}/{pod}"),
+                None => pod,
+            };
+            if let Some(c) = nonempty(&self.container_name) {
+                name = format!("{name}/{c}");
+            }
+            return Some(name);
+        }
+        nonempty(&self.container_id)
+    }
+}
+
+/// One device of an allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AllocatedDevice {
+    /// The device as the kubelet / CDI knows it: a GPU UUID, a MIG UUID, or a share id
+    /// `<uuid>::<n>`.
+    pub device_id: String,
+    /// The device the container actually sees and the shim enforces on: the GPU (`GPU-…`) or MIG
+    /// device (`MIG-…`); for a share, the device it is a share of.
+    pub physical_uuid: String,
+    /// Bytes of device memory the container may hold; `None`: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_limit: Option<u64>,
+    /// Percent of the device's SM time, 1..=100; `None`: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_percent: Option<u32>,
+    #[serde(default)]
+    pub priority: Priority,
+    #[serde(default)]
+    pub compute_mode: ComputeMode,
+}
+
+/// One allocation: an id, the container when known, and its devices with their limits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Allocation {
+    /// Unique on the node; names the record file and the per-allocation directory
+    /// (see [`valid_id`]). [`Allocation::new_id`] makes one.
+    pub id: String,
+    /// The extended resource it was allocated under, e.g. `tessera.io/gpu`.
+    pub resource: String,
+    #[serde(default)]
+    pub container: ContainerIdentity,
+    pub source: Source,
+    /// When it was made: nanoseconds since the Unix epoch.
+    pub created_unix_ns: u64,
+    pub devices: Vec<AllocatedDevice>,
+}
+
+impl Allocation {
+    /// A fresh id: 16 lowercase hex digits from `/dev/urandom` (the clock and a counter if that
+    /// cannot be read).
+    pub fn new_id() -> String {
+        let mut bytes = [0u8; 8];
+        let random = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).is_ok();
+        let n = if random {
+            u64::from_le_bytes(bytes)
+        } else {
+            static COUNTER: AtomicU64 = AtomicU64::new(0);
+            let c = COUNTER.fetch_add(1, Ordering::Relaxed);
+            // splitmix64 of (time, pid, counter): distinct per call within this process.
+            let mut z = unix_ns() ^ (u64::from(std::process::id()) << 40) ^ c.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        format!("{n:016x}")
+    }
+
+    /// The limits file the shim enforces for this allocation.
+    ///
+    /// `container` is the container's [display name](ContainerIdentity::display_name), else the
+    /// allocation id. One device entry per physical device: two shares of one device in the same
+    /// allocation add up (memory summed, SM percent summed up to 100). The file has one priority
+    /// and one compute mode: the highest priority of the devices, and `strict` if any device is
+    /// strict (the narrower mode wins).
+    pub fn limits(&self) -> Limits {
+        let mut devices: Vec<DeviceLimits> = Vec::new();
+        for d in &self.devices {
+            match devices.iter_mut().find(|e| e.uuid.eq_ignore_ascii_case(&d.physical_uuid)) {
+                Some(e) => {
+                    // No limit on one part means no limit on the device.
+                    e.memory_limit = e.memory_limit.zip(d.memory_limit).map(|(a, b)| a.saturating_add(b));
+                    e.sm_percent = e.sm_percent.zip(d.sm_percent).map(|(a, b)| a.saturating_add(b).min(100));
+                }
+                None => devices.push(DeviceLimits {
+                    uuid: d.physical_uuid.clone(),
+                    memory_limit: d.memory_limit,
+                    sm_percent: d.sm_percent,
+                }),
+            }
+        }
+        let rank = |p: Priority| match p {
+            Priority::Low => 0,
+            Priority::Normal => 1,
+            Priority::High => 2,
+        };
+        let priority = self.devices.iter().map(|d| d.priority).max_by_key(|&p| rank(p)).unwrap_or_default();
+        let compute_mode =
+            if self.devices.is_empty() || self.devices.iter().any(|d| d.compute_mode == ComputeMode::Strict) {
+                ComputeMode::Strict
+            } else {
+                ComputeMode::WorkConserving
+            };
+        Limits {
+            version: LIMITS_VERSION,
+            container: Some(self.container.display_name().unwrap_or_else(|| self.id.clone())),
+            priority,
+            compute_mode,
+            devices,
+        }
+    }
+}
+
+/// Nanoseconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// Whether `id` may name an allocation: 1..=[`MAX_ID_LEN`] bytes of ASCII letters, digits, `-`
+/// and `_` (it names a file and a directory, so no `/`, no `.`); `Err` says why not.
+pub fn valid_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("the id is empty".to_string());
+    }
+    if id.len() > MAX_ID_LEN {
+        return Err(format!("the id {id:?} is longer than {MAX_ID_LEN} bytes"));
+    }
+    if !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(format!("the id {id:?} holds a character other than A-Z, a-z, 0-9, '-', '_'"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
+        AllocatedDevice {
+            device_id: id.to_string(),
+            physical_uuid: uuid.to_string(),
+            memory_limit: mem,
+            sm_percent: sm,
+            priority: Priority::Normal,
+            compute_mode: ComputeMode::Strict,
+        }
+    }
+
+    fn alloc(devices: Vec<AllocatedDevice>) -> Allocation {
+        Allocation {
+            id: Allocation::new_id(),
+            resource: "tessera.io/share".to_string(),
+            container: ContainerIdentity::default(),
+            source: Source::Kubelet,
+            created_unix_ns: unix_ns(),
+            devices,
+        }
+    }
+
+    #[test]
+    fn new_ids_are_16_hex_and_distinct() {
+        let ids: std::collections::BTreeSet<String> = (0..100).map(|_| Allocation::new_id()).collect();
+        assert_eq!(ids.len(), 100);
+        for id in &ids {
+            assert_eq!(id.len(), 16);
+            assert!(id.bytes().all(|b| b.is_ascii_hexdigit()));
+            valid_id(id).unwrap();
+        }
+    }
+
+    #[test]
+    fn ids_that_would_escape_the_directory_are_refused() {
+        for bad in ["", "../x", "a/b", "a.json", "a b", &"x".repeat(65)] {
+            assert!(valid_id(bad).is_err(), "{bad:?}");
+        }
+        valid_id("pod-1_a").unwrap();
+    }
+
+    #[test]
+    fn json_round_trip_and_defaults() {
+        let mut a = alloc(vec![dev("GPU-a::0", "GPU-a", Some(1 << 30), Some(25))]);
+        a.container.pod_name = Some("p".into());
+        a.source = Source::NodeApi;
+        let text = serde_json::to_string(&a).unwrap();
+        assert!(text.contains("\"node-api\""), "{text}");
+        assert!(!text.contains("pod_uid"), "{text}");
+        assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
+        // Unknown keys are refused: a record is never half understood.
+        let extra = text.replacen('{', "{\"bogus\":1,", 1);
+        assert!(serde_json::from_str::<Allocation>(&extra).is_err());
+    }
+
+    #[test]
+    fn limits_from_record() {
+        let mut a = alloc(vec![
+            dev("GPU-a::0", "GPU-a", Some(1 << 30), Some(60)),
+            dev("GPU-a::1", "GPU-a", Some(1 << 30), Some(60)),
+            dev("MIG-b", "MIG-b", None, Some(10)),
+        ]);
+        a.devices[2].priority = Priority::High;
+        a.devices[0].compute_mode = ComputeMode::WorkConserving;
+        a.devices[1].compute_mode = ComputeMode::WorkConserving;
+        a.devices[2].compute_mode = ComputeMode::WorkConserving;
+        a.container = ContainerIdentity {
+            pod_namespace: Some("ns".into()),
+            pod_name: Some("pod".into()),
+            container_name: Some("c".into()),
+            ..Default::default()
+        };
+        let l = a.limits();
+        l.validate().unwrap();
+        assert_eq!(l.container.as_deref(), Some("ns/pod/c"));
+        assert_eq!(l.priority, Priority::High);
+        assert_eq!(l.compute_mode, ComputeMode::WorkConserving);
+        assert_eq!(l.devices.len(), 2);
+        assert_eq!(l.devices[0].memory_limit, Some(2 << 30));
+        assert_eq!(l.devices[0].sm_percent, Some(100));
+        assert_eq!(l.devices[1].memory_limit, None);
+
+        let b = alloc(vec![dev("GPU-c", "GPU-c", None, None)]);
+        let l = b.limits();
+        assert_eq!(l.container.as_deref(), Some(b.id.as_str()));
+        assert_eq!(l.compute_mode, ComputeMode::Strict);
+        assert_eq!(l.priority, Priority::Normal);
+    }
+}
