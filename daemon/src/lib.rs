@@ -5,11 +5,13 @@
 //! - [`partition`]: MIG layouts (pure planning, NVML apply) and time-sliced shares.
 //! - [`state`]: allocation records, crash-safe on disk, and the per-allocation directories
 //!   (`limits` + `region`) the shim reads.
+//! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
+//!   re-registration when the kubelet restarts.
 //!
-//! Still to come (issue 4): the kubelet device-plugin servers, the node API and CLI; then health
-//! and telemetry (issue 6).
+//! Still to come (issue 4): the node API and CLI; then health and telemetry (issue 6).
 
 pub mod config;
 pub mod discovery;
+pub mod kubelet;
 pub mod partition;
 pub mod state;

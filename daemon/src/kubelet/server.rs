@@ -1,0 +1,286 @@
+//! Serving device plugins to the kubelet: one socket per resource in the device-plugin
+//! directory, registration, and re-registration when the kubelet restarts.
+//!
+//! The kubelet restarting shows as its `kubelet.sock` recreated (a new inode or ctime) and, since
+//! it removes every plugin socket on start, as our own socket gone. Both are polled every
+//! [`POLL_INTERVAL`]; either re-serves the plugin on a fresh socket and registers again.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tessera_proto::deviceplugin::v1beta1::{self as dp, RegisterRequest};
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::{Endpoint, Server};
+
+use super::plugin::DevicePlugin;
+
+/// How often the sockets are checked and a failed registration retried.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// How long one registration attempt may take.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a stopped server may take to wind down before it is aborted.
+const STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// Errors serving a plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("{action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("resource {0} is served twice")]
+    DuplicateResource(String),
+    #[error("plugin task for {resource} failed: {reason}")]
+    Task { resource: String, reason: String },
+}
+
+/// The socket file name for `resource`: `tessera.io/gpu` → `tessera.io_gpu.sock`.
+pub fn socket_name(resource: &str) -> String {
+    let safe: String = resource
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' })
+        .collect();
+    format!("{safe}.sock")
+}
+
+/// A file's identity: a recreated file has a new inode or ctime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+fn file_id(path: &Path) -> Option<FileId> {
+    std::fs::symlink_metadata(path).ok().map(|m| FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+        ctime: m.ctime(),
+        ctime_nsec: m.ctime_nsec(),
+    })
+}
+
+/// Serves one plugin in `plugin_dir` until `shutdown` turns true (or its sender goes), registering
+/// with the kubelet each time it (re)serves. `registrations` counts successful registrations.
+pub async fn serve_plugin(
+    plugin_dir: PathBuf,
+    plugin: DevicePlugin,
+    mut shutdown: watch::Receiver<bool>,
+    registrations: watch::Sender<u64>,
+) -> Result<(), KubeletError> {
+    let name = socket_name(plugin.resource());
+    let socket = plugin_dir.join(&name);
+    let kubelet_socket = plugin_dir.join(dp::KUBELET_SOCKET_NAME);
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        let (stop_tx, server) = start_server(&socket, &plugin)?;
+        let own_id = file_id(&socket);
+
+        // Register, retrying until the kubelet answers.
+        let kubelet_id = loop {
+            let id = file_id(&kubelet_socket);
+            if id.is_some() {
+                match register(&kubelet_socket, &name, plugin.resource()).await {
+                    Ok(()) => {
+                        registrations.send_modify(|n| *n += 1);
+                        tracing::info!(resource = plugin.resource(), socket = %socket.display(), "registered with the kubelet");
+                        break id;
+                    }
+                    Err(e) => {
+                        tracing::debug!(resource = plugin.resource(), error = %e, "registration failed; retrying")
+                    }
+                }
+            }
+            if file_id(&socket) != own_id {
+                // Our socket went while waiting: serve again before registering.
+                break None;
+            }
+            if wait_or_shutdown(&mut shutdown).await {
+                break None;
+            }
+        };
+
+        // Watch for the kubelet restarting.
+        if kubelet_id.is_some() {
+            loop {
+                if wait_or_shutdown(&mut shutdown).await {
+                    break;
+                }
+                if file_id(&kubelet_socket) != kubelet_id {
+                    tracing::info!(resource = plugin.resource(), "kubelet socket recreated; re-registering");
+                    break;
+                }
+                if file_id(&socket) != own_id {
+                    tracing::info!(resource = plugin.resource(), "plugin socket removed; re-serving");
+                    break;
+                }
+            }
+        }
+        stop_server(stop_tx, server);
+    }
+    remove_socket(&socket)?;
+    Ok(())
+}
+
+/// Sleeps one poll interval; true when shutdown was asked for.
+async fn wait_or_shutdown(shutdown: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        changed = shutdown.changed() => changed.is_err() || *shutdown.borrow(),
+        () = tokio::time::sleep(POLL_INTERVAL) => *shutdown.borrow(),
+    }
+}
+
+fn remove_socket(socket: &Path) -> Result<(), KubeletError> {
+    match std::fs::remove_file(socket) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(KubeletError::Io { action: "removing", path: socket.to_owned(), source }),
+    }
+}
+
+type ServerTask = JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// Binds a fresh socket (owner-only) and serves the plugin on it until the returned sender says
+/// stop.
+fn start_server(socket: &Path, plugin: &DevicePlugin) -> Result<(watch::Sender<bool>, ServerTask), KubeletError> {
+    remove_socket(socket)?;
+    let listener = UnixListener::bind(socket).map_err(|source| KubeletError::Io {
+        action: "binding",
+        path: socket.to_owned(),
+        source,
+    })?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|source| KubeletError::Io {
+        action: "setting the mode of",
+        path: socket.to_owned(),
+        source,
+    })?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let service = dp::device_plugin_server::DevicePluginServer::new(plugin.with_stop(stop_rx.clone()));
+    let mut stop = stop_rx;
+    let server = tokio::spawn(Server::builder().add_service(service).serve_with_incoming_shutdown(
+        UnixListenerStream::new(listener),
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        },
+    ));
+    Ok((stop_tx, server))
+}
+
+/// Stops a server in the background: graceful first, aborted after [`STOP_GRACE`].
+fn stop_server(stop: watch::Sender<bool>, mut server: ServerTask) {
+    let _ = stop.send(true);
+    tokio::spawn(async move {
+        if tokio::time::timeout(STOP_GRACE, &mut server).await.is_err() {
+            server.abort();
+        }
+    });
+}
+
+/// One registration with the kubelet.
+async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str) -> Result<(), String> {
+    let channel = Endpoint::from_shared(format!("unix://{}", kubelet_socket.display()))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(REGISTER_TIMEOUT)
+        .timeout(REGISTER_TIMEOUT)
+        .connect()
+        .await
+        .map_err(|e| format!("connecting to {}: {e}", kubelet_socket.display()))?;
+    let mut client = dp::registration_client::RegistrationClient::new(channel);
+    client
+        .register(RegisterRequest {
+            version: dp::VERSION.to_owned(),
+            endpoint: endpoint.to_owned(),
+            resource_name: resource.to_owned(),
+            options: Some(DevicePlugin::options()),
+        })
+        .await
+        .map_err(|status| format!("kubelet refused the registration: {status}"))?;
+    Ok(())
+}
+
+struct Running {
+    registrations: watch::Receiver<u64>,
+    task: JoinHandle<Result<(), KubeletError>>,
+}
+
+/// One server per resource, all stopped together.
+pub struct PluginSet {
+    shutdown: watch::Sender<bool>,
+    running: BTreeMap<String, Running>,
+}
+
+impl std::fmt::Debug for PluginSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PluginSet").field("resources", &self.running.keys().collect::<Vec<_>>()).finish()
+    }
+}
+
+impl PluginSet {
+    /// Starts serving every plugin in `plugin_dir` (on the current tokio runtime). Fails before
+    /// starting anything when a resource appears twice.
+    pub fn start(plugin_dir: impl Into<PathBuf>, plugins: Vec<DevicePlugin>) -> Result<Self, KubeletError> {
+        let plugin_dir = plugin_dir.into();
+        let mut names = std::collections::BTreeSet::new();
+        for plugin in &plugins {
+            if !names.insert(socket_name(plugin.resource())) {
+                return Err(KubeletError::DuplicateResource(plugin.resource().to_owned()));
+            }
+        }
+        let (shutdown, _) = watch::channel(false);
+        let running = plugins
+            .into_iter()
+            .map(|plugin| {
+                let (tx, rx) = watch::channel(0);
+                let resource = plugin.resource().to_owned();
+                let task = tokio::spawn(serve_plugin(plugin_dir.clone(), plugin, shutdown.subscribe(), tx));
+                (resource, Running { registrations: rx, task })
+            })
+            .collect();
+        Ok(Self { shutdown, running })
+    }
+
+    /// The resources served.
+    pub fn resources(&self) -> impl Iterator<Item = &str> {
+        self.running.keys().map(String::as_str)
+    }
+
+    /// How many times `resource` has registered so far (changes on each registration).
+    pub fn registrations(&self, resource: &str) -> Option<watch::Receiver<u64>> {
+        self.running.get(resource).map(|r| r.registrations.clone())
+    }
+
+    /// Waits until every resource has registered at least once (readiness).
+    pub async fn wait_registered(&self) {
+        for running in self.running.values() {
+            let mut rx = running.registrations.clone();
+            let _ = rx.wait_for(|n| *n > 0).await;
+        }
+    }
+
+    /// Stops every server, removes their sockets and reports the first failure.
+    pub async fn stop(self) -> Result<(), KubeletError> {
+        let _ = self.shutdown.send(true);
+        let mut result = Ok(());
+        for (resource, running) in self.running {
+            let outcome = match running.task.await {
+                Ok(r) => r,
+                Err(e) => Err(KubeletError::Task { resource, reason: e.to_string() }),
+            };
+            if result.is_ok() {
+                result = outcome;
+            }
+        }
+        result
+    }
+}
