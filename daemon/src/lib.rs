@@ -7,11 +7,15 @@
 //!   (`limits` + `region`) the shim reads.
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
+//! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
+//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
 //!
 //! Still to come (issue 4): the node API and CLI; then health and telemetry (issue 6).
 
+pub mod allocator;
 pub mod config;
 pub mod discovery;
 pub mod kubelet;
 pub mod partition;
+pub mod resources;
 pub mod state;

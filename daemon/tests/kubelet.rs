@@ -5,98 +5,25 @@
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_daemon::kubelet::{
     Allocator, ContainerAllocation, DevicePlugin, HostDevice, HostMount, PluginDevice, PluginSet, socket_name,
 };
-use tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
-use tessera_proto::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
 use tessera_proto::deviceplugin::v1beta1::{
     self as dp, AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
-    ListAndWatchResponse, PreStartContainerRequest, PreferredAllocationRequest, RegisterRequest,
+    PreStartContainerRequest, PreferredAllocationRequest,
 };
-use tokio::net::UnixListener;
-use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
-use tonic::transport::{Channel, Endpoint, Server};
-use tonic::{Request, Response, Status};
+use tokio::sync::watch;
+use tonic::Status;
+
+mod common;
+
+use common::{TestKubelet, WAIT, next_list};
 
 const GPU: &str = "tessera.io/gpu";
 const SHARE: &str = "tessera.io/gpu-share";
-const WAIT: Duration = Duration::from_secs(5);
-
-/// The kubelet's Registration side: records every request with when it arrived.
-struct Recorder {
-    seen: mpsc::UnboundedSender<(RegisterRequest, Instant)>,
-}
-
-#[tonic::async_trait]
-impl Registration for Recorder {
-    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
-        let req = request.into_inner();
-        if req.version != dp::VERSION {
-            return Err(Status::invalid_argument(format!("unsupported version {}", req.version)));
-        }
-        self.seen.send((req, Instant::now())).map_err(|_| Status::internal("test gone"))?;
-        Ok(Response::new(Empty {}))
-    }
-}
-
-struct TestKubelet {
-    dir: PathBuf,
-    seen: mpsc::UnboundedReceiver<(RegisterRequest, Instant)>,
-    server: JoinHandle<()>,
-    started: Instant,
-}
-
-impl TestKubelet {
-    fn start(dir: &Path) -> Self {
-        let (tx, seen) = mpsc::unbounded_channel();
-        let listener = UnixListener::bind(dir.join(dp::KUBELET_SOCKET_NAME)).expect("bind kubelet.sock");
-        let started = Instant::now();
-        let server = tokio::spawn(async move {
-            Server::builder()
-                .add_service(RegistrationServer::new(Recorder { seen: tx }))
-                .serve_with_incoming(UnixListenerStream::new(listener))
-                .await
-                .expect("test kubelet serves");
-        });
-        Self { dir: dir.to_owned(), seen, server, started }
-    }
-
-    async fn next_registration(&mut self) -> (RegisterRequest, Instant) {
-        tokio::time::timeout(WAIT, self.seen.recv()).await.expect("registered in time").expect("kubelet open")
-    }
-
-    /// Connects to the endpoint a plugin registered, as the kubelet does.
-    async fn connect(&self, req: &RegisterRequest) -> DevicePluginClient<Channel> {
-        let path = self.dir.join(&req.endpoint);
-        let endpoint = Endpoint::from_shared(format!("unix://{}", path.display())).expect("unix endpoint");
-        for _ in 0..100 {
-            if let Ok(channel) = endpoint.connect().await {
-                return DevicePluginClient::new(channel);
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        panic!("could not connect to {}", path.display());
-    }
-
-    /// Stops the kubelet and removes the sockets, as a restarting kubelet does.
-    async fn stop(self) {
-        self.server.abort();
-        let _ = self.server.await;
-        for entry in std::fs::read_dir(&self.dir).expect("read plugin dir") {
-            let path = entry.expect("dir entry").path();
-            if path.extension().is_some_and(|e| e == "sock") {
-                std::fs::remove_file(&path).expect("remove socket");
-            }
-        }
-    }
-}
 
 /// Prefers must-include ids, then the highest-numbered; answers with CDI names, env and mounts.
 struct FakeAllocator;
@@ -135,10 +62,6 @@ fn gpus(n: usize) -> Vec<PluginDevice> {
 
 fn plugin(resource: &str, devices: watch::Receiver<Vec<PluginDevice>>) -> DevicePlugin {
     DevicePlugin::new(resource, devices, Arc::new(FakeAllocator))
-}
-
-async fn next_list(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> ListAndWatchResponse {
-    tokio::time::timeout(WAIT, stream.message()).await.expect("list in time").expect("stream ok").expect("stream open")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

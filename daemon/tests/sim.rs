@@ -212,7 +212,7 @@ fn tesserad(node: &SimNode, config: &str) -> std::process::Output {
     let p = dir.path().join("config.toml");
     std::fs::write(&p, config).unwrap();
     let mut c: Command = node.command(env!("CARGO_BIN_EXE_tesserad"));
-    c.arg("--config").arg(&p).arg("--sim").env("TESSERA_SIM_LIB", node.nvml_path());
+    c.arg("--config").arg(&p).arg("--sim").arg("--once").env("TESSERA_SIM_LIB", node.nvml_path());
     c.output().unwrap()
 }
 

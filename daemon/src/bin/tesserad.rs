@@ -1,15 +1,23 @@
-//! `tesserad`, first stage: load and validate the configuration, discover the GPUs, apply the
-//! declared partitions, print a summary and exit. The long-running daemon (kubelet servers,
-//! state, node API) grows from here.
+//! `tesserad`: load and validate the configuration, discover the GPUs, apply the declared
+//! partitions, then serve every advertised resource to the kubelet (one device-plugin socket per
+//! resource) with allocations kept in the crash-safe state store, until SIGTERM or SIGINT.
+//! Readiness (every resource registered) goes to systemd as `READY=1` when `$NOTIFY_SOCKET` is
+//! set. `--once` prints what was found and applied and exits instead.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
 
 use clap::Parser;
+use tessera_daemon::allocator::DaemonAllocator;
 use tessera_daemon::config::{self, Config};
 use tessera_daemon::discovery::{Inventory, Session};
-use tessera_daemon::partition;
+use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginSet};
+use tessera_daemon::partition::{self, Share};
+use tessera_daemon::resources::Resources;
+use tessera_daemon::state::{AllocDirs, Store};
 
 #[derive(Parser, Debug)]
 #[command(name = "tesserad", version, about = "Tessera node daemon: GPU discovery and partitioning")]
@@ -20,9 +28,13 @@ struct Args {
     /// Use the simulated node (libtessera_sim.so) instead of the NVIDIA driver.
     #[arg(long)]
     sim: bool,
+    /// Discover, apply the layout, print a summary and exit (no kubelet servers).
+    #[arg(long)]
+    once: bool,
 }
 
 fn main() -> ExitCode {
+    let started = Instant::now();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -76,6 +88,18 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if !args.once {
+        let resources = Arc::new(Resources::build(&cfg, &after, &layouts, &shares));
+        // The NVML session lives as long as the daemon.
+        let code = serve(&cfg, resources, started);
+        drop(session);
+        return code;
+    }
+    print_summary(&session, &after, &outcomes, &shares);
+    ExitCode::SUCCESS
+}
+
+fn print_summary(session: &Session, after: &Inventory, outcomes: &[partition::GpuOutcome], shares: &[Share]) {
     println!("library: {} ({})", session.library().display(), session.source());
     for gpu in &after.gpus {
         let mig = match &gpu.mig {
@@ -102,7 +126,106 @@ fn main() -> ExitCode {
             println!("  share {} {} MiB {}% SM", s.id, s.memory_limit >> 20, s.sm_percent);
         }
     }
-    ExitCode::SUCCESS
+}
+
+/// Runs the kubelet servers until SIGTERM or SIGINT.
+fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode {
+    if let Err(e) = std::fs::create_dir_all(&cfg.runtime_dir) {
+        eprintln!("tesserad: runtime directory {}: {e}", cfg.runtime_dir.display());
+        return ExitCode::from(1);
+    }
+    let store = match Store::open(&cfg.state_dir) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("tesserad: state: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let allocator =
+        Arc::new(DaemonAllocator::new(cfg, Arc::clone(&resources), store, AllocDirs::new(&cfg.runtime_dir)));
+    let kept = allocator.reconcile();
+    tracing::info!(allocations = kept, state = %cfg.state_dir.display(), "state loaded");
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tesserad: tokio runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        if let Err(e) = std::fs::create_dir_all(&cfg.device_plugin_dir) {
+            eprintln!("tesserad: {}: {e}", cfg.device_plugin_dir.display());
+            return ExitCode::from(1);
+        }
+        // The senders stay here for the daemon's life (health updates will come through them).
+        let mut senders = Vec::new();
+        let mut plugins = Vec::new();
+        for res in resources.resources.values() {
+            let (tx, rx) = tokio::sync::watch::channel(res.plugin_devices());
+            senders.push(tx);
+            plugins.push(DevicePlugin::new(&res.name, rx, Arc::clone(&allocator) as Arc<dyn Allocator>));
+            tracing::info!(resource = %res.name, devices = res.devices.len(), "serving");
+        }
+        let set = match PluginSet::start(&cfg.device_plugin_dir, plugins) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("tesserad: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let (mut term, mut int) = match (
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()),
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()),
+        ) {
+            (Ok(t), Ok(i)) => (t, i),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("tesserad: signal handlers: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let mut registered = false;
+        loop {
+            tokio::select! {
+                () = set.wait_registered(), if !registered => {
+                    registered = true;
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(resources = set.resources().count(), ms_since_start = ms, "registered");
+                    if let Err(e) = sd_notify("READY=1") {
+                        tracing::warn!(error = %e, "cannot notify systemd");
+                    }
+                }
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+            }
+        }
+        tracing::info!("stopping");
+        let _ = sd_notify("STOPPING=1");
+        let result = set.stop().await;
+        drop(senders);
+        match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tesserad: stopping: {e}");
+                ExitCode::from(1)
+            }
+        }
+    })
+}
+
+/// sd_notify by hand: one datagram to `$NOTIFY_SOCKET` (a path, or an abstract name when it
+/// starts with '@'); nothing when it is unset.
+fn sd_notify(state: &str) -> std::io::Result<()> {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return Ok(()) };
+    let socket = UnixDatagram::unbound()?;
+    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+    let addr = match bytes.strip_prefix(b"@") {
+        Some(name) => SocketAddr::from_abstract_name(name)?,
+        None => SocketAddr::from_pathname(&path)?,
+    };
+    socket.send_to_addr(state.as_bytes(), &addr)?;
+    Ok(())
 }
 
 fn gpu_owns(gpu: &tessera_daemon::discovery::Gpu, uuid: &str) -> bool {

@@ -1,0 +1,348 @@
+//! The daemon's [`Allocator`]: allocations recorded in the crash-safe [`Store`] before the kubelet
+//! is answered, each with its directory (`limits` + `region`) from [`AllocDirs`].
+//!
+//! The kubelet's `Allocate` does not say which pod it is for, and the kubelet may ask again for
+//! the same devices (after a daemon restart, or a retried call): a stored record of the same
+//! resource with the same device set is reused, never duplicated. A record that shares some but
+//! not all devices with a new request is stale (the kubelet hands a device to one container at a
+//! time, so its container is gone): it is removed with its directory.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use tessera_region::{ComputeMode, Priority};
+use tonic::Status;
+
+use crate::config::{Config, Placement};
+use crate::kubelet::{Allocator, ContainerAllocation, HostMount};
+use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
+use crate::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source, Store, record::unix_ns};
+
+/// Where the allocation directory is mounted in the container.
+pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
+
+/// The daemon's allocation decisions over the store.
+#[derive(Debug)]
+pub struct DaemonAllocator {
+    resources: Arc<Resources>,
+    store: Mutex<Store>,
+    dirs: AllocDirs,
+    placement: Placement,
+    priority: Priority,
+    compute_mode: ComputeMode,
+}
+
+impl DaemonAllocator {
+    /// Over `store` and `dirs`, with the share defaults of `config`.
+    pub fn new(config: &Config, resources: Arc<Resources>, store: Store, dirs: AllocDirs) -> DaemonAllocator {
+        DaemonAllocator {
+            resources,
+            store: Mutex::new(store),
+            dirs,
+            placement: config.resources.share_placement,
+            priority: Priority::from_name(&config.limits.priority).unwrap_or_default(),
+            compute_mode: ComputeMode::from_name(&config.limits.compute_mode).unwrap_or_default(),
+        }
+    }
+
+    /// Brings every stored allocation's directory back where it is missing (after a reboot
+    /// cleared the runtime dir); directories present are left alone (their containers run).
+    /// Returns how many records there are.
+    pub fn reconcile(&self) -> usize {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for alloc in store.list() {
+            if !self.dirs.limits_path(&alloc.id).exists()
+                && let Err(e) = self.dirs.create(alloc)
+            {
+                tracing::error!(id = %alloc.id, error = %e, "cannot recreate the allocation directory");
+            }
+        }
+        store.len()
+    }
+
+    /// A copy of every record (for reports and tests).
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).list().cloned().collect()
+    }
+
+    fn resource(&self, name: &str) -> Result<&Resource, Status> {
+        self.resources.get(name).ok_or_else(|| Status::not_found(format!("unknown resource {name}")))
+    }
+
+    fn devices(&self, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
+        ids.iter()
+            .map(|id| {
+                let d = resource.device(id).ok_or_else(|| {
+                    Status::invalid_argument(format!("unknown device id {id:?} for resource {}", resource.name))
+                })?;
+                let share = resource.kind == Kind::Share;
+                Ok(AllocatedDevice {
+                    device_id: d.id.clone(),
+                    physical_uuid: d.physical_uuid.clone(),
+                    memory_limit: d.memory_limit,
+                    sm_percent: d.sm_percent,
+                    priority: if share { self.priority } else { Priority::Normal },
+                    compute_mode: if share { self.compute_mode } else { ComputeMode::Strict },
+                })
+            })
+            .collect()
+    }
+
+    /// Shares of each parent device held by stored allocations.
+    fn share_load(&self, resource: &Resource) -> HashMap<String, usize> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut load = HashMap::new();
+        for alloc in store.list().filter(|a| a.resource == resource.name) {
+            for d in &alloc.devices {
+                *load.entry(d.physical_uuid.clone()).or_insert(0) += 1;
+            }
+        }
+        load
+    }
+
+    fn answer(&self, resource: &Resource, alloc: &Allocation) -> ContainerAllocation {
+        let mut visible: Vec<&str> = Vec::new();
+        for d in &alloc.devices {
+            if !visible.contains(&d.physical_uuid.as_str()) {
+                visible.push(&d.physical_uuid);
+            }
+        }
+        let visible = visible.join(",");
+        let envs = HashMap::from([
+            ("TESSERA_VISIBLE_DEVICES".to_owned(), visible.clone()),
+            ("NVIDIA_VISIBLE_DEVICES".to_owned(), visible),
+            ("TESSERA_ALLOCATION".to_owned(), alloc.id.clone()),
+            ("TESSERA_LIMITS".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::LIMITS_FILE)),
+            ("TESSERA_REGION".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::REGION_FILE)),
+        ]);
+        ContainerAllocation {
+            cdi_devices: alloc
+                .devices
+                .iter()
+                .map(|d| format!("{CDI_VENDOR}/{}={}", resource.kind.cdi_class(), d.device_id))
+                .collect(),
+            envs,
+            // Read-write: the shim writes the region. The limits file in it is only ever replaced
+            // by the daemon (atomic rename), so the container cannot race a half-written one.
+            mounts: vec![HostMount {
+                host_path: self.dirs.dir(&alloc.id).display().to_string(),
+                container_path: CONTAINER_ALLOC_DIR.to_owned(),
+                read_only: false,
+            }],
+            device_specs: Vec::new(),
+            annotations: HashMap::new(),
+        }
+    }
+}
+
+fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {
+    move |e| Status::internal(format!("{what}: {e}"))
+}
+
+impl Allocator for DaemonAllocator {
+    fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status> {
+        let res = self.resource(resource)?;
+        let devices = self.devices(res, device_ids)?;
+        let wanted: BTreeSet<&str> = device_ids.iter().map(String::as_str).collect();
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+
+        let mut same = None;
+        let mut stale = Vec::new();
+        for a in store.list().filter(|a| a.resource == resource) {
+            let held: BTreeSet<&str> = a.devices.iter().map(|d| d.device_id.as_str()).collect();
+            if held == wanted {
+                same = Some(a.clone());
+            } else if !held.is_disjoint(&wanted) {
+                stale.push(a.id.clone());
+            }
+        }
+        for id in stale {
+            tracing::info!(%id, resource, "removing a stale allocation: its devices were allocated again");
+            store.remove(&id).map_err(|e| internal("removing a stale allocation")(e.to_string()))?;
+            if let Err(e) = self.dirs.remove(&id) {
+                tracing::warn!(%id, error = %e, "cannot remove a stale allocation directory");
+            }
+        }
+
+        let alloc = match same {
+            Some(mut existing) => {
+                // Same devices asked for again (a retry, or after a restart): the same record.
+                if existing.devices != devices {
+                    existing.devices = devices;
+                    store.update(&existing).map_err(|e| internal("updating the allocation")(e.to_string()))?;
+                    self.dirs
+                        .update_limits(&existing)
+                        .or_else(|_| self.dirs.create(&existing).map(|_| ()))
+                        .map_err(|e| internal("writing the allocation directory")(e.to_string()))?;
+                } else if !self.dirs.limits_path(&existing.id).exists() {
+                    self.dirs
+                        .create(&existing)
+                        .map_err(|e| internal("creating the allocation directory")(e.to_string()))?;
+                }
+                tracing::info!(id = %existing.id, resource, "allocation reused");
+                existing
+            }
+            None => {
+                let alloc = Allocation {
+                    id: Allocation::new_id(),
+                    resource: resource.to_owned(),
+                    container: ContainerIdentity::default(),
+                    source: Source::Kubelet,
+                    created_unix_ns: unix_ns(),
+                    devices,
+                };
+                // Durable first: a crash after this finds the record (and recreates the
+                // directory); a crash before it leaves nothing, and the kubelet retries.
+                store.insert(&alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+                if let Err(e) = self.dirs.create(&alloc) {
+                    let _ = store.remove(&alloc.id);
+                    return Err(internal("creating the allocation directory")(e.to_string()));
+                }
+                tracing::info!(id = %alloc.id, resource, devices = ?device_ids, "allocated");
+                alloc
+            }
+        };
+        drop(store);
+        Ok(self.answer(res, &alloc))
+    }
+
+    fn preferred(&self, resource: &str, available: &[String], must_include: &[String], size: usize) -> Vec<String> {
+        let Some(res) = self.resources.get(resource) else {
+            return must_include.iter().chain(available).take(size.max(must_include.len())).cloned().collect();
+        };
+        let mut chosen: Vec<String> = must_include.to_vec();
+        let mut rest: Vec<&String> = available.iter().filter(|id| !chosen.contains(id)).collect();
+        rest.sort();
+        match res.kind {
+            Kind::Share => {
+                let mut load = self.share_load(res);
+                let parent = |id: &str| res.device(id).map(|d| d.physical_uuid.clone()).unwrap_or_default();
+                for id in &chosen {
+                    *load.entry(parent(id)).or_insert(0) += 1;
+                }
+                while chosen.len() < size && !rest.is_empty() {
+                    let score = |id: &str| load.get(&parent(id)).copied().unwrap_or(0);
+                    let pick = match self.placement {
+                        // Most loaded first; ties by id (min_by_key keeps the first).
+                        Placement::Packed => (0..rest.len()).max_by_key(|&i| (score(rest[i]), usize::MAX - i)),
+                        Placement::Spread => (0..rest.len()).min_by_key(|&i| (score(rest[i]), i)),
+                    }
+                    .expect("rest is not empty");
+                    let id = rest.remove(pick);
+                    *load.entry(parent(id)).or_insert(0) += 1;
+                    chosen.push(id.clone());
+                }
+            }
+            Kind::Gpu | Kind::Mig => {
+                let gpu = |id: &str| res.device(id).map(|d| d.gpu_index);
+                if chosen.is_empty() && size > 0 && !rest.is_empty() {
+                    // Seed: the device with the most close candidates around it.
+                    let closeness = |a: &str| {
+                        rest.iter()
+                            .filter(|b| match (gpu(a), gpu(b)) {
+                                (Some(x), Some(y)) => {
+                                    self.resources.distance(x, y).0 + self.resources.distance(x, y).1 == 0
+                                }
+                                _ => false,
+                            })
+                            .count()
+                    };
+                    let seed =
+                        (0..rest.len()).max_by_key(|&i| (closeness(rest[i]), usize::MAX - i)).expect("non-empty");
+                    chosen.push(rest.remove(seed).clone());
+                }
+                while chosen.len() < size && !rest.is_empty() {
+                    let cost = |id: &str| {
+                        chosen.iter().fold((0u32, 0u32, 0u32), |acc, c| match (gpu(id), gpu(c)) {
+                            (Some(x), Some(y)) => {
+                                let (n, u, p) = self.resources.distance(x, y);
+                                (acc.0 + u32::from(n), acc.1 + u32::from(u), acc.2 + u32::from(p))
+                            }
+                            _ => (acc.0 + 1, acc.1 + 1, acc.2 + 255),
+                        })
+                    };
+                    let pick = (0..rest.len()).min_by_key(|&i| (cost(rest[i]), i)).expect("non-empty");
+                    chosen.push(rest.remove(pick).clone());
+                }
+            }
+        }
+        chosen
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::ResourceDevice;
+
+    const SHARE: &str = "tessera.io/gpu-share";
+
+    fn resources() -> Arc<Resources> {
+        let mut r = Resources::default();
+        let devices = ["GPU-a", "GPU-b"]
+            .iter()
+            .enumerate()
+            .flat_map(|(g, uuid)| {
+                (0..2).map(move |n| ResourceDevice {
+                    id: format!("{uuid}::{n}"),
+                    physical_uuid: (*uuid).to_string(),
+                    gpu_index: g as u32,
+                    numa_node: Some(0),
+                    healthy: true,
+                    memory_limit: Some(1 << 30),
+                    sm_percent: Some(50),
+                })
+            })
+            .collect();
+        r.resources.insert(SHARE.into(), Resource { name: SHARE.into(), kind: Kind::Share, devices });
+        Arc::new(r)
+    }
+
+    fn allocator(dir: &std::path::Path, placement: Placement) -> DaemonAllocator {
+        let mut config = Config::default();
+        config.resources.share_placement = placement;
+        std::fs::create_dir_all(dir.join("run")).unwrap();
+        let store = Store::open(&dir.join("state")).unwrap();
+        DaemonAllocator::new(&config, resources(), store, AllocDirs::new(&dir.join("run")))
+    }
+
+    fn ids(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn shares_are_packed_or_spread() {
+        let tmp = tempfile::tempdir().unwrap();
+        let all = ids(&["GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-b::1"]);
+        let packed = allocator(tmp.path(), Placement::Packed);
+        packed.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
+        let free = ids(&["GPU-a::0", "GPU-a::1", "GPU-b::1"]);
+        assert_eq!(packed.preferred(SHARE, &free, &[], 1), ["GPU-b::1"]);
+        drop(packed);
+        let tmp = tempfile::tempdir().unwrap();
+        let spread = allocator(tmp.path(), Placement::Spread);
+        assert_eq!(spread.preferred(SHARE, &all, &ids(&["GPU-a::0"]), 2), ["GPU-a::0", "GPU-b::0"]);
+    }
+
+    #[test]
+    fn allocate_records_reuses_and_drops_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let first = a.allocate(SHARE, &ids(&["GPU-a::0", "GPU-a::1"])).unwrap();
+        let id = first.envs["TESSERA_ALLOCATION"].clone();
+        let limits = tessera_region::Limits::load(&tmp.path().join("run/alloc").join(&id).join("limits")).unwrap();
+        assert_eq!(limits.devices[0].memory_limit, Some(2 << 30), "two shares of one GPU add up");
+        assert_eq!(limits.devices[0].sm_percent, Some(100));
+        assert_eq!(first.envs["TESSERA_VISIBLE_DEVICES"], "GPU-a");
+        // Same set, any order: the same record.
+        let again = a.allocate(SHARE, &ids(&["GPU-a::1", "GPU-a::0"])).unwrap();
+        assert_eq!(again.envs["TESSERA_ALLOCATION"], id);
+        assert_eq!(a.allocations().len(), 1);
+        // A request overlapping it: the old record is stale and goes with its directory.
+        let other = a.allocate(SHARE, &ids(&["GPU-a::1"])).unwrap();
+        assert_ne!(other.envs["TESSERA_ALLOCATION"], id);
+        assert_eq!(a.allocations().len(), 1);
+        assert!(!tmp.path().join("run/alloc").join(&id).exists());
+        assert!(a.allocate(SHARE, &ids(&["GPU-z::0"])).is_err());
+    }
+}

@@ -1,0 +1,92 @@
+//! The test kubelet shared by the daemon's integration tests: a Registration server on
+//! `kubelet.sock` in a temporary directory that records registrations, then drives the plugins'
+//! DevicePlugin side as the kubelet does.
+#![allow(dead_code)] // each test crate uses its own part
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
+use tessera_proto::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
+use tessera_proto::deviceplugin::v1beta1::{self as dp, Empty, ListAndWatchResponse, RegisterRequest};
+use tokio::net::UnixListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::{Channel, Endpoint, Server};
+use tonic::{Request, Response, Status};
+
+pub const WAIT: Duration = Duration::from_secs(5);
+
+/// The kubelet's Registration side: records every request with when it arrived.
+struct Recorder {
+    seen: mpsc::UnboundedSender<(RegisterRequest, Instant)>,
+}
+
+#[tonic::async_trait]
+impl Registration for Recorder {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let req = request.into_inner();
+        if req.version != dp::VERSION {
+            return Err(Status::invalid_argument(format!("unsupported version {}", req.version)));
+        }
+        self.seen.send((req, Instant::now())).map_err(|_| Status::internal("test gone"))?;
+        Ok(Response::new(Empty {}))
+    }
+}
+
+pub struct TestKubelet {
+    pub dir: PathBuf,
+    pub seen: mpsc::UnboundedReceiver<(RegisterRequest, Instant)>,
+    pub server: JoinHandle<()>,
+    pub started: Instant,
+}
+
+impl TestKubelet {
+    pub fn start(dir: &Path) -> Self {
+        let (tx, seen) = mpsc::unbounded_channel();
+        let listener = UnixListener::bind(dir.join(dp::KUBELET_SOCKET_NAME)).expect("bind kubelet.sock");
+        let started = Instant::now();
+        let server = tokio::spawn(async move {
+            Server::builder()
+                .add_service(RegistrationServer::new(Recorder { seen: tx }))
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await
+                .expect("test kubelet serves");
+        });
+        Self { dir: dir.to_owned(), seen, server, started }
+    }
+
+    pub async fn next_registration(&mut self) -> (RegisterRequest, Instant) {
+        tokio::time::timeout(WAIT, self.seen.recv()).await.expect("registered in time").expect("kubelet open")
+    }
+
+    /// Connects to the endpoint a plugin registered, as the kubelet does.
+    pub async fn connect(&self, req: &RegisterRequest) -> DevicePluginClient<Channel> {
+        let path = self.dir.join(&req.endpoint);
+        let endpoint = Endpoint::from_shared(format!("unix://{}", path.display())).expect("unix endpoint");
+        for _ in 0..100 {
+            if let Ok(channel) = endpoint.connect().await {
+                return DevicePluginClient::new(channel);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("could not connect to {}", path.display());
+    }
+
+    /// Stops the kubelet and removes the sockets, as a restarting kubelet does.
+    pub async fn stop(self) {
+        self.server.abort();
+        let _ = self.server.await;
+        for entry in std::fs::read_dir(&self.dir).expect("read plugin dir") {
+            let path = entry.expect("dir entry").path();
+            if path.extension().is_some_and(|e| e == "sock") {
+                std::fs::remove_file(&path).expect("remove socket");
+            }
+        }
+    }
+}
+
+pub async fn next_list(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> ListAndWatchResponse {
+    tokio::time::timeout(WAIT, stream.message()).await.expect("list in time").expect("stream ok").expect("stream open")
+}

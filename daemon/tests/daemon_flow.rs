@@ -1,0 +1,247 @@
+//! The built `tesserad` against the simulated node and the test kubelet: it registers every
+//! resource (whole GPUs, shares, MIG devices), lists them, allocates a share (record, directory,
+//! answer), is killed with SIGKILL and restarted (re-registers, keeps the allocation, answers the
+//! same Allocate with the same id), tells systemd it is ready, and stops on SIGTERM.
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use tessera_proto::deviceplugin::v1beta1::{
+    self as dp, AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
+    PreferredAllocationRequest, RegisterRequest,
+};
+use tessera_region::Limits;
+use tessera_sim_testkit::{SimNode, binary};
+
+mod common;
+
+use common::{TestKubelet, next_list};
+
+const NODE: &str = "numa_nodes = 2
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+nvlink = true
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+mig = true
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 2
+nvlink = true
+";
+
+const GPU: &str = "tessera.io/gpu";
+const SHARE: &str = "tessera.io/gpu-share";
+const MIG: &str = "tessera.io/mig-3g.40gb";
+
+fn sim_status(node: &SimNode) -> serde_json::Value {
+    let out = node.command(binary("tessera-sim")).args(["status", "--json"]).output().expect("tessera-sim");
+    assert!(out.status.success());
+    serde_json::from_slice(&out.stdout).expect("status json")
+}
+
+/// The daemon, killed when dropped (a failing test leaves none behind).
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(node: &SimNode, config: &Path, notify: &Path, log: &Path) -> (Daemon, Instant) {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+    let started = Instant::now();
+    let child = node
+        .command(binary("tesserad"))
+        .arg("--config")
+        .arg(config)
+        .env("NOTIFY_SOCKET", notify)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn tesserad");
+    (Daemon(child), started)
+}
+
+/// The registrations of all three resources; the time from spawn to the last one.
+async fn registrations(kubelet: &mut TestKubelet, started: Instant) -> (HashMap<String, RegisterRequest>, Duration) {
+    let mut seen = HashMap::new();
+    let mut last = started;
+    while seen.len() < 3 {
+        let (req, at) = kubelet.next_registration().await;
+        last = last.max(at);
+        seen.insert(req.resource_name.clone(), req);
+    }
+    (seen, last.duration_since(started))
+}
+
+async fn list(kubelet: &TestKubelet, req: &RegisterRequest) -> Vec<dp::Device> {
+    let mut client = kubelet.connect(req).await;
+    let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+    next_list(&mut stream).await.devices
+}
+
+async fn allocate(kubelet: &TestKubelet, req: &RegisterRequest, ids: &[&str]) -> dp::ContainerAllocateResponse {
+    let mut client = kubelet.connect(req).await;
+    let mut resp = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: ids.iter().map(|s| s.to_string()).collect(),
+            }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    resp.container_responses.remove(0)
+}
+
+fn records(state: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(state)
+        .expect("state dir")
+        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn notified(sock: &UnixDatagram) -> String {
+    let mut buf = [0u8; 256];
+    let n = sock.recv(&mut buf).expect("READY=1 within the timeout");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_allocate_kill9_restart_keeps_the_allocation() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let plugins = tmp.path().join("device-plugins");
+    let state = tmp.path().join("state");
+    let runtime = tmp.path().join("run");
+    std::fs::create_dir(&plugins).expect("plugin dir");
+    let config = tmp.path().join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
+             [partitions.default]\nwhole = true\n[partitions.\"0\"]\nshares = {{ count = 4 }}\n\
+             [partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}\n",
+            node.nvml_path(),
+            plugins,
+            state,
+            runtime
+        ),
+    )
+    .expect("config");
+    let notify_path = tmp.path().join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).expect("notify socket");
+    notify.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let log = tmp.path().join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    let mut kubelet = TestKubelet::start(&plugins);
+    let (mut child, started) = spawn(&node, &config, &notify_path, &log);
+    let (seen, took) = registrations(&mut kubelet, started).await;
+    println!("first start: all 3 resources registered {took:?} after spawn");
+    assert_eq!(notified(&notify), "READY=1", "{}", show_log());
+    let mut names: Vec<&str> = seen.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    assert_eq!(names, [GPU, SHARE, MIG], "{}", show_log());
+
+    // What the node has.
+    let status = sim_status(&node);
+    let uuid = |i: usize| status["gpus"][i]["uuid"].as_str().expect("uuid").to_string();
+    let memory0 = status["gpus"][0]["memory_total"].as_u64().expect("memory");
+
+    let mut gpus: Vec<String> = list(&kubelet, &seen[GPU]).await.into_iter().map(|d| d.id).collect();
+    gpus.sort();
+    let mut want = vec![uuid(2), uuid(3)];
+    want.sort();
+    assert_eq!(gpus, want);
+    let shares = list(&kubelet, &seen[SHARE]).await;
+    assert_eq!(
+        shares.iter().map(|d| d.id.clone()).collect::<Vec<_>>(),
+        (0..4).map(|n| format!("{}::{n}", uuid(0))).collect::<Vec<_>>()
+    );
+    assert!(shares.iter().all(|d| d.health == dp::HEALTHY && d.topology.is_some()));
+    let migs = list(&kubelet, &seen[MIG]).await;
+    assert_eq!(migs.len(), 2);
+    assert!(migs.iter().all(|d| d.id.starts_with("MIG-")), "{migs:?}");
+
+    // Preferred: GPUs 2 and 3 share a NUMA node and NVLink; a request for 2 gets both.
+    let mut client = kubelet.connect(&seen[GPU]).await;
+    let preferred = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: gpus.clone(),
+                must_include_device_i_ds: vec![uuid(3)],
+                allocation_size: 2,
+            }],
+        })
+        .await
+        .expect("preferred")
+        .into_inner();
+    assert_eq!(preferred.container_responses[0].device_i_ds, [uuid(3), uuid(2)]);
+
+    // Allocate one share.
+    let share = format!("{}::1", uuid(0));
+    let a = allocate(&kubelet, &seen[SHARE], &[&share]).await;
+    let id = a.envs["TESSERA_ALLOCATION"].clone();
+    assert_eq!(a.envs["TESSERA_VISIBLE_DEVICES"], uuid(0));
+    assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], uuid(0));
+    assert_eq!(a.envs["TESSERA_LIMITS"], "/run/tessera/alloc/limits");
+    assert_eq!(a.envs["TESSERA_REGION"], "/run/tessera/alloc/region");
+    assert_eq!(
+        a.cdi_devices.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+        [format!("tessera.io/share={share}")]
+    );
+    assert_eq!(a.mounts.len(), 1);
+    assert_eq!(a.mounts[0].container_path, "/run/tessera/alloc");
+    let host = Path::new(&a.mounts[0].host_path);
+    assert_eq!(host, runtime.join("alloc").join(&id));
+    let limits = Limits::load(&host.join("limits")).expect("limits file");
+    assert_eq!(limits.devices.len(), 1);
+    assert_eq!(limits.devices[0].uuid, uuid(0));
+    assert_eq!(limits.devices[0].memory_limit, Some(((memory0 / 4) >> 20) << 20));
+    assert_eq!(limits.devices[0].sm_percent, Some(25));
+    assert!(host.join("region").exists());
+    assert_eq!(records(&state), [format!("{id}.json")]);
+    // Asked again (a retried call): the same allocation.
+    let again = allocate(&kubelet, &seen[SHARE], &[&share]).await;
+    assert_eq!(again.envs["TESSERA_ALLOCATION"], id);
+
+    // kill -9, restart: re-registers, the record is kept, the same Allocate gets the same id.
+    child.0.kill().expect("SIGKILL");
+    child.0.wait().expect("reaped");
+    let (mut child, started) = spawn(&node, &config, &notify_path, &log);
+    let (seen, took) = registrations(&mut kubelet, started).await;
+    println!("after kill -9: all 3 resources re-registered {took:?} after spawn (goal: 300 ms)");
+    assert_eq!(notified(&notify), "READY=1");
+    assert_eq!(records(&state), [format!("{id}.json")], "{}", show_log());
+    let after = allocate(&kubelet, &seen[SHARE], &[&share]).await;
+    assert_eq!(after.envs["TESSERA_ALLOCATION"], id, "{}", show_log());
+    assert_eq!(records(&state), [format!("{id}.json")], "no duplicate");
+    // Another share is a new allocation; packing puts it on the same GPU (the only one here).
+    let other = allocate(&kubelet, &seen[SHARE], &[&format!("{}::2", uuid(0))]).await;
+    assert_ne!(other.envs["TESSERA_ALLOCATION"], id);
+    assert_eq!(records(&state).len(), 2);
+
+    // SIGTERM: stops, removes its sockets, exits 0.
+    let pid = child.0.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    let exit = child.0.wait().expect("exit");
+    assert!(exit.success(), "{exit:?}\n{}", show_log());
+    for name in [GPU, SHARE, MIG] {
+        let sock = plugins.join(tessera_daemon::kubelet::socket_name(name));
+        assert!(!sock.exists(), "{} left behind", sock.display());
+    }
+    let text = show_log();
+    assert!(text.contains("registered"), "{text}");
+}
