@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 
-use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, Region, Slot};
+use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, Region, Slot, monotonic_ns};
 
 use crate::ffi::*;
 use crate::memory::Tracker;
@@ -304,14 +304,6 @@ impl ShimState {
             self.region.release(self.slot, dev, bytes);
         }
     }
-}
-
-/// The monotonic clock in ns (vDSO: no syscall).
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: ts is a valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn ctx_slot(key: u64) -> usize {

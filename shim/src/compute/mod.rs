@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::time::Duration;
 
-use tessera_region::{ComputeMode, Priority};
+use tessera_region::{ComputeMode, Priority, monotonic_ns as now_ns};
 
 use crate::state::{self, ShimState};
 
@@ -192,12 +192,4 @@ fn throttle(
         st.region.record_throttled(st.slot, dev, waited);
     }
     Gate { inner: measure::start(st, dev, stream, cost) }
-}
-
-/// CLOCK_MONOTONIC in ns: the same clock in every process and container on the node.
-pub(crate) fn now_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: ts is a valid, writable timespec; clock_gettime only writes it.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
