@@ -66,7 +66,7 @@ pub fn run(node: &Node, cmd: &MigCommand) -> Result<(), String> {
                 print!(
                     ", compute instance {} {}",
                     ci.id,
-                    node.gpu(*gpu).map_err(|e| e.to_string())?.mig_uuid(gi.id, ci.id)
+                    node.gpu(*gpu).map_err(|e| e.to_string())?.mig_uuid(gi.id, ci.id, ci.serial)
                 );
             }
             println!();

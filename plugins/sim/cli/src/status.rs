@@ -87,7 +87,7 @@ fn report(node: &Node) -> NodeReport {
                             ci: Some(c.id),
                             profile: c.profile.name_in(gi.profile),
                             placement: gi.start,
-                            uuid: Some(id.mig_uuid(gi.id, c.id)),
+                            uuid: Some(id.mig_uuid(gi.id, c.id, c.serial)),
                             memory_total: m.map_or(0, |m| m.total),
                             memory_used: m.map_or(0, |m| m.used),
                         });

@@ -1153,7 +1153,7 @@ fn mig_compute_instances_are_cuda_devices() {
         assert_eq!(cu.device_count(), 2);
         assert_eq!(cu.name(0), format!("{H100_NAME} MIG 1g.10gb"));
         assert_eq!(cu.name(1), H100_NAME);
-        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id, ci.serial)));
         assert_eq!(cu.attribute(16, 0), ci.sm_count as i32);
         let gi_memory = gi.profile.memory_mib * MIB;
         let mut total = 0usize;
@@ -1182,11 +1182,11 @@ fn mig_device_selected_by_uuid() {
         let m = model(&node);
         let _first = make_mig_device(&m);
         let (gi, ci) = make_mig_device(&m);
-        visible(Some(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        visible(Some(&m.gpus()[0].mig_uuid(gi.id, ci.id, ci.serial)));
         let cu = Cuda::load(&node);
         cu.init();
         assert_eq!(cu.device_count(), 1);
-        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id)));
+        assert_eq!(cu.uuid(0), uuid_bytes(&m.gpus()[0].mig_uuid(gi.id, ci.id, ci.serial)));
         let mut can = -1;
         assert_eq!(call!(cu, cuDeviceCanAccessPeer(&mut can, 0, 0) as fn(*mut c_int, c_int, c_int)), SUCCESS);
         assert_eq!(can, 0);

@@ -781,7 +781,8 @@ fn mig_instances_under_the_real_rules() {
             assert_eq!(raw.nvmlDeviceGetGpuInstanceId(h0, &mut gid), INVALID_ARGUMENT, "not a MIG device handle");
         }
         assert_eq!(gid, gi_id);
-        assert_eq!(mig_uuid, sim.gpus()[0].mig_uuid(gi_id, cid));
+        let serial = sim.compute_instances(0, Some(gi_id)).unwrap().into_iter().find(|c| c.id == cid).unwrap().serial;
+        assert_eq!(mig_uuid, sim.gpus()[0].mig_uuid(gi_id, cid, serial));
         let mm = m0.memory_info().unwrap();
         assert_eq!(
             (mm.total, mm.used, mm.reserved),

@@ -66,7 +66,9 @@ pub struct CiEntry {
     pub id: AtomicU32,
     pub nvml_profile: AtomicU32,
     pub start: AtomicU32,
-    pub _pad: AtomicU32,
+    /// Creation serial (the node's event sequence at creation): a recreated instance gets a
+    /// new MIG UUID, as on real GPUs.
+    pub serial: AtomicU32,
 }
 
 /// Time-slicing state of one execution unit.

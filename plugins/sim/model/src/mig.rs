@@ -31,6 +31,8 @@ pub struct ComputeInstance {
     pub sm_count: u32,
     /// First compute slice inside the GPU instance.
     pub start: u32,
+    /// Creation serial: part of the MIG UUID.
+    pub serial: u32,
 }
 
 impl ComputeInstance {
@@ -255,6 +257,7 @@ impl Node {
                 profile,
                 sm_count: profile.sm_count_in(gi.profile),
                 start: c.start.load(Relaxed),
+                serial: c.serial.load(Relaxed),
             });
         }
         out.sort_by_key(|ci| (ci.gi_id, ci.id));
@@ -345,7 +348,16 @@ impl Node {
                 .copied()
                 .find(|&s| cis.iter().all(|c| !overlaps((s, profile.slice_count), (c.start, c.profile.slice_count))));
             let Some(start) = next else { break };
-            cis.push(ComputeInstance { slot: usize::MAX, gi_slot: gi.slot, gi_id, id: 0, profile, sm_count: 0, start });
+            cis.push(ComputeInstance {
+                slot: usize::MAX,
+                gi_slot: gi.slot,
+                gi_id,
+                id: 0,
+                profile,
+                sm_count: 0,
+                start,
+                serial: 0,
+            });
             n += 1;
         }
         Ok(n)
@@ -380,6 +392,8 @@ impl Node {
         e.id.store(id, Relaxed);
         e.nvml_profile.store(ci_profile, Relaxed);
         e.start.store(start, Relaxed);
+        let serial = g.shared().header.event_seq.load(Relaxed) as u32;
+        e.serial.store(serial, Relaxed);
         let unit = &gs.units[1 + slot];
         unit.served_until.store(0, Relaxed);
         unit.busy_ns.store(0, Relaxed);
@@ -393,6 +407,7 @@ impl Node {
             profile,
             sm_count: profile.sm_count_in(gi.profile),
             start,
+            serial,
         })
     }
 

@@ -122,9 +122,10 @@ pub struct GpuIdentity {
 }
 
 impl GpuIdentity {
-    /// The UUID of a MIG device (compute instance `ci` of GPU instance `gi`), "MIG-…".
-    pub fn mig_uuid(&self, gi: u32, ci: u32) -> String {
-        let name = format!("{}/{gi}/{ci}", self.uuid);
+    /// The UUID of a MIG device (compute instance `ci` of GPU instance `gi`, created with
+    /// `serial`), "MIG-…". Like the driver's, it is new each time an instance is created.
+    pub fn mig_uuid(&self, gi: u32, ci: u32, serial: u32) -> String {
+        let name = format!("{}/{gi}/{ci}/{serial}", self.uuid);
         format!("MIG-{}", uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, name.as_bytes()))
     }
 
@@ -318,8 +319,9 @@ mod tests {
         uuids.dedup();
         assert_eq!(uuids.len(), 8);
         assert!(a[0].uuid.starts_with("GPU-") && a[0].uuid.len() == 40);
-        assert!(a[0].mig_uuid(1, 0).starts_with("MIG-"));
-        assert_ne!(a[0].mig_uuid(1, 0), a[0].mig_uuid(2, 0));
+        assert!(a[0].mig_uuid(1, 0, 0).starts_with("MIG-"));
+        assert_ne!(a[0].mig_uuid(1, 0, 0), a[0].mig_uuid(2, 0, 0));
+        assert_ne!(a[0].mig_uuid(1, 0, 0), a[0].mig_uuid(1, 0, 1), "recreated instances get new UUIDs");
         let other = NodeDescription::parse("seed = \"x\"\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\n").unwrap();
         assert_ne!(other.identities()[0].uuid, a[0].uuid);
     }

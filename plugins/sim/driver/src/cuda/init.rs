@@ -121,7 +121,7 @@ fn offered(node: &Node) -> Vec<(u32, Vec<Candidate>)> {
                     unit: ci.unit(),
                     domain: ci.domain(),
                     name: format!("{} MIG {}", id.model.name, ci.profile.name_in(gi.profile)),
-                    uuid_str: id.mig_uuid(ci.gi_id, ci.id),
+                    uuid_str: id.mig_uuid(ci.gi_id, ci.id, ci.serial),
                     sm_count: ci.sm_count,
                     total_mem: gi.profile.memory_bytes(),
                     mig: Some((ci.gi_id, ci.id)),

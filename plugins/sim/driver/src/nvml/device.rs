@@ -163,7 +163,7 @@ fn by_uuid(node: &Node, uuid: &str) -> R<nvmlDevice_t> {
             let Ok(cis) = node.compute_instances(id.index, None) else {
                 continue;
             };
-            if let Some(ci) = cis.iter().find(|ci| id.mig_uuid(ci.gi_id, ci.id) == uuid) {
+            if let Some(ci) = cis.iter().find(|ci| id.mig_uuid(ci.gi_id, ci.id, ci.serial) == uuid) {
                 return mig_handle(id.index, ci.gi_id, ci.id);
             }
         }
@@ -310,7 +310,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_ch
             let id = node.gpu(dev.gpu()).nv()?;
             let s = match &dev {
                 Dev::Gpu(_) => id.uuid.clone(),
-                Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id),
+                Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id, m.ci.serial),
             };
             // SAFETY: uuid holds `length` bytes by the caller's contract.
             unsafe { put_str(uuid, length, &s) }
