@@ -8,6 +8,13 @@ PACKAGES=(
   "gcc:gcc"
   "libc6-dev:/usr/include/stdio.h"
   "pkg-config:pkg-config"
+  # daemon/tests/prometheus.rs scrapes tesserad's /metrics with a real Prometheus server.
+  "prometheus:prometheus"
+  # hook/tests/: real runtimes run busybox containers with the hook and the runtime wrapper.
+  "runc:runc"
+  "podman:podman"
+  "containerd:containerd"
+  "busybox-static:/bin/busybox"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest

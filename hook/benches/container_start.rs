@@ -1,0 +1,369 @@
+//! Container start with and without injection on the same runc, as a ratio in one run; and the
+//! hook's and the wrapper's own time on a realistic spec (8 GPUs, 56 shares, 56 MIG instances,
+//! a 550 driver's 24 libraries and 5 tools).
+//!
+//! `cargo bench -p tessera-hook --bench container_start` (root, runc and busybox installed; else
+//! only the in-process part runs). `TESSERA_BENCH_RUNS` sets the runs per variant (default 30).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tessera_hook::cdi::{self, NodeDevice};
+use tessera_hook::config::HookConfig;
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.0} µs", d.as_secs_f64() * 1e6)
+}
+
+/// A node with 8 GPUs, 7 shares and 7 MIG instances each, and 40 driver files.
+fn realistic(node: &Node) {
+    // What a 550 driver installs: each library with its version and its soname link; the tools.
+    let lib = node.driver_root.join("usr/lib/x86_64-linux-gnu");
+    for prefix in tessera_hook::driver::LIBRARY_PREFIXES {
+        let real = lib.join(format!("{prefix}.550.54.15"));
+        let link = lib.join(format!("{prefix}.1"));
+        if !real.exists() {
+            std::fs::write(&real, "x").unwrap();
+        }
+        if std::fs::symlink_metadata(&link).is_err() {
+            std::os::unix::fs::symlink(real.file_name().unwrap(), link).unwrap();
+        }
+    }
+    for tool in tessera_hook::driver::BINARIES {
+        std::fs::write(node.driver_root.join("usr/bin").join(tool), "x").unwrap();
+    }
+    let mut nd = node.node_devices(None);
+    nd.devices.clear();
+    for g in 0..8u32 {
+        let dev = node.dev.join(format!("nvidia{g}"));
+        mknod(&dev, 195, g);
+        let uuid = format!("GPU-{g:08x}-2222-3333-4444-555555555555");
+        nd.devices.push(NodeDevice {
+            class: "gpu".into(),
+            name: uuid.clone(),
+            aliases: vec![g.to_string()],
+            uuid: uuid.clone(),
+            nodes: vec![dev.clone()],
+        });
+        for s in 0..7u32 {
+            nd.devices.push(NodeDevice {
+                class: "share".into(),
+                name: format!("{uuid}::{s}"),
+                aliases: vec![],
+                uuid: uuid.clone(),
+                nodes: vec![dev.clone()],
+            });
+            let cap = node.dev.join(format!("nvidia-caps/nvidia-cap{}", 100 + g * 7 + s));
+            mknod(&cap, 236, 100 + g * 7 + s);
+            let mig = format!("MIG-{g:04x}{s:04x}-bbbb-cccc-dddd-eeeeeeeeeeee");
+            nd.devices.push(NodeDevice {
+                class: "mig".into(),
+                name: mig.clone(),
+                aliases: vec![format!("{g}:{s}")],
+                uuid: mig,
+                nodes: vec![dev.clone(), cap],
+            });
+        }
+    }
+    nd.control_nodes = tessera_hook::driver::control_nodes(&tessera_hook::driver::DriverConfig {
+        root: node.driver_root.clone(),
+        dev_root: node.dev.clone(),
+        ..Default::default()
+    });
+    nd.driver = tessera_hook::driver::discover(&tessera_hook::driver::DriverConfig {
+        root: node.driver_root.clone(),
+        dev_root: node.dev.clone(),
+        ..Default::default()
+    });
+    let specs = cdi::build_specs(&nd).unwrap();
+    cdi::write_specs(&node.cdi, &specs).unwrap();
+    node.allocation("a1", &["GPU-00000000-2222-3333-4444-555555555555"]);
+}
+
+/// CPU time (user + system) of all reaped children so far.
+fn children_cpu() -> Duration {
+    // SAFETY: an all-zero rusage is a valid value of this plain C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is writable for the duration of the call.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Median wall time and mean child CPU time of `f`, which runs one child process.
+fn time_proc<F: FnMut()>(runs: usize, mut f: F) -> (Duration, Duration) {
+    f();
+    let cpu0 = children_cpu();
+    let wall = time(runs - 1, &mut f);
+    ((wall), (children_cpu() - cpu0) / runs as u32)
+}
+
+fn time<F: FnMut()>(runs: usize, mut f: F) -> Duration {
+    f(); // warm-up
+    median(
+        (0..runs)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed()
+            })
+            .collect(),
+    )
+}
+
+fn main() {
+    // `cargo bench` passes --bench; nothing else is taken.
+    let runs: usize = std::env::var("TESSERA_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
+    let node = Node::new();
+    realistic(&node);
+    let cfg = HookConfig::load(&node.config).unwrap();
+
+    // The wrapper's work in-process: read config.json, load the specs, plan, write config.json.
+    let rootfs = node.path().join("rootfs");
+    if busybox_rootfs(&rootfs).is_none() {
+        std::fs::create_dir_all(&rootfs).unwrap();
+    }
+    let ask = ["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"];
+    let have_runc = which("runc").is_some();
+    let fresh_bundle = |dir: &Path, hook: bool| -> PathBuf {
+        if have_runc {
+            bundle(dir, &rootfs, "true", &ask, hook.then_some(&node))
+        } else {
+            std::fs::create_dir_all(dir).unwrap();
+            let c = serde_json::json!({"root": {"path": rootfs}, "process": {"env": ask}});
+            std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+            dir.to_path_buf()
+        }
+    };
+    let b = fresh_bundle(&node.path().join("edit"), false);
+    // Restored in place, as the wrapper writes (a rewrite through truncation costs an ext4 flush).
+    let pristine: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    let restore = |b: &Path, v: &serde_json::Value| tessera_hook::oci::write_config(b, v).unwrap();
+    let edit = time(runs * 10, || {
+        restore(&b, &pristine);
+        assert!(tessera_hook::wrapper::edit_bundle(&cfg, &b).unwrap());
+    });
+    let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
+    let devices: usize = specs.iter().map(|s| s.devices.len()).sum();
+    let cfg_json = tessera_hook::oci::read_config(&b).unwrap();
+    let plan_only = time(runs * 10, || {
+        let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
+        let info = tessera_hook::oci::container_info(&cfg_json, &Default::default()).unwrap();
+        tessera_hook::plan::plan(&cfg, &specs, &info).unwrap().unwrap();
+    });
+    let plan = {
+        let info = tessera_hook::oci::container_info(&cfg_json, &Default::default()).unwrap();
+        tessera_hook::plan::plan(&cfg, &specs, &info).unwrap().unwrap()
+    };
+    let read = time(runs * 10, || {
+        tessera_hook::oci::read_config(&b).unwrap();
+    });
+    let check = time(runs * 10, || tessera_hook::wrapper::check_targets(&rootfs, &plan).unwrap());
+    let apply = time(runs * 10, || {
+        let mut c = cfg_json.clone();
+        tessera_hook::oci::apply_to_config(&mut c, &plan).unwrap();
+    });
+    let write = time(runs * 10, || tessera_hook::oci::write_config(&b, &cfg_json).unwrap());
+    println!(
+        "in-process: read config.json {}, check rootfs targets {}, edit {}, write config.json {}",
+        us(read),
+        us(check),
+        us(apply),
+        us(write)
+    );
+    println!("spec: {} CDI devices (names and aliases) in {} specs", devices, specs.len());
+    println!("in-process: load specs + plan                 {}", us(plan_only));
+    println!("in-process: wrapper edit of config.json       {}", us(edit));
+
+    // The wrapper as a process, its real runtime /bin/true: minus /bin/true alone.
+    let wcfg = node.path().join("hook-true.toml");
+    let text = std::fs::read_to_string(&node.config).unwrap();
+    let text: String =
+        text.lines().filter(|l| !l.starts_with("runtime =")).map(|l| format!("{l}\n")).collect::<String>()
+            + "runtime = \"/bin/true\"\n";
+    std::fs::write(&wcfg, text).unwrap();
+    let (wrapper_proc, wrapper_cpu) = time_proc(runs, || {
+        restore(&b, &pristine);
+        let st = Command::new(WRAPPER)
+            .env("TESSERA_HOOK_CONFIG", &wcfg)
+            .args(["create", "--bundle"])
+            .arg(&b)
+            .arg("x")
+            .status()
+            .unwrap();
+        assert!(st.success());
+    });
+    let (true_proc, true_cpu) = time_proc(runs, || {
+        restore(&b, &pristine);
+        assert!(Command::new("/bin/true").status().unwrap().success());
+    });
+    println!(
+        "process: tessera-runtime create (exec /bin/true) {} vs /bin/true {}: wrapper adds {} wall, {} CPU",
+        ms(wrapper_proc),
+        ms(true_proc),
+        ms(wrapper_proc.saturating_sub(true_proc)),
+        ms(wrapper_cpu.saturating_sub(true_cpu))
+    );
+
+    if !is_root() || !have_runc {
+        println!("SKIP: container start comparison needs root and runc");
+        return;
+    }
+    hook_process(&node, &rootfs, runs, true_proc, true_cpu);
+    let plain = fresh_bundle(&node.path().join("plain"), false);
+    let with_hook = fresh_bundle(&node.path().join("hook"), true);
+    let wrapped = fresh_bundle(&node.path().join("wrapped"), false);
+    let wrapped_pristine: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(wrapped.join("config.json")).unwrap()).unwrap();
+    let state = node.path().join("runc-state");
+    let mut n = 0;
+    let mut start = |runner: &str, b: &Path| {
+        n += 1;
+        let out = Command::new(runner)
+            .env("TESSERA_HOOK_CONFIG", &node.config)
+            .arg("--root")
+            .arg(&state)
+            .args(["run", "--bundle"])
+            .arg(b)
+            .arg(format!("bench-{n}"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", text_of(&out));
+    };
+    // Interleaved, so drift hits all variants alike.
+    let (mut tp, mut th, mut tw) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..=runs {
+        let t = Instant::now();
+        start("runc", &plain);
+        let a = t.elapsed();
+        let t = Instant::now();
+        start("runc", &with_hook);
+        let h = t.elapsed();
+        tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
+        let t = Instant::now();
+        start(WRAPPER, &wrapped);
+        let w = t.elapsed();
+        if i > 0 {
+            tp.push(a);
+            th.push(h);
+            tw.push(w);
+        }
+    }
+    let (p, h, w) = (median(tp), median(th), median(tw));
+    println!("runc run (busybox true), median of {runs}:");
+    println!("  plain                    {}", ms(p));
+    println!(
+        "  with tessera-hook        {}  ratio {:.3}  (+{})",
+        ms(h),
+        h.as_secs_f64() / p.as_secs_f64(),
+        ms(h.saturating_sub(p))
+    );
+    println!(
+        "  via tessera-runtime      {}  ratio {:.3}  (+{})",
+        ms(w),
+        w.as_secs_f64() / p.as_secs_f64(),
+        ms(w.saturating_sub(p))
+    );
+}
+
+/// The hook as a process, doing its whole work: a target process in a private mount namespace
+/// (unshare) and its own device cgroup stand in for a container being created.
+fn hook_process(node: &Node, rootfs: &Path, runs: usize, true_proc: Duration, true_cpu: Duration) {
+    let cg = PathBuf::from(format!("/sys/fs/cgroup/devices/tessera-bench-{}", std::process::id()));
+    if std::fs::create_dir(&cg).is_err() {
+        println!("SKIP: hook process timing needs a cgroup v1 devices hierarchy");
+        return;
+    }
+    let b = bundle(
+        &node.path().join("hook-alone"),
+        rootfs,
+        "true",
+        &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"],
+        None,
+    );
+    let our_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+    let mut times = Vec::new();
+    let mut cpu = Duration::ZERO;
+    for i in 0..=runs {
+        let mut child =
+            Command::new("unshare").args(["-m", "--propagation", "private", "sleep", "30"]).spawn().unwrap();
+        let pid = child.id();
+        std::fs::write(cg.join("cgroup.procs"), pid.to_string()).unwrap();
+        while std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok().is_none_or(|ns| ns == our_ns) {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let state =
+            serde_json::json!({"ociVersion": "1.0.2", "id": "bench", "status": "creating", "pid": pid, "bundle": b});
+        let t = Instant::now();
+        let cpu0 = children_cpu();
+        // TESSERA_BENCH_STRACE=<file>: the last run under `strace -c -f -o <file>` (not timed).
+        let strace = std::env::var_os("TESSERA_BENCH_STRACE").filter(|_| i == runs);
+        let mut cmd = match &strace {
+            Some(out) => {
+                let mut c = Command::new("strace");
+                c.args(["-c", "-f", "-o"]).arg(out).arg(HOOK);
+                c
+            }
+            None => Command::new(HOOK),
+        };
+        let mut hook = cmd
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .arg("--config")
+            .arg(&node.config)
+            .arg("createRuntime")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        hook.stdin.take().unwrap().write_all(state.to_string().as_bytes()).unwrap();
+        let st = hook.wait().unwrap();
+        let d = t.elapsed();
+        if i > 0 {
+            cpu += children_cpu() - cpu0;
+        }
+        assert!(st.success());
+        let _ = child.kill();
+        let _ = child.wait();
+        if i > 0 {
+            times.push(d);
+        }
+    }
+    let _ = std::fs::remove_dir(&cg);
+    let h = median(times);
+    let plan = {
+        let cfg = HookConfig::load(&node.config).unwrap();
+        let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
+        let c = tessera_hook::oci::read_config(&b).unwrap();
+        let info = tessera_hook::oci::container_info(&c, &Default::default()).unwrap();
+        tessera_hook::plan::plan(&cfg, &specs, &info).unwrap().unwrap()
+    };
+    println!(
+        "process: tessera-hook, full injection ({} mounts, {} nodes) {} vs /bin/true {}: hook adds {} wall, {} CPU",
+        plan.mounts.len(),
+        plan.device_nodes.len(),
+        ms(h),
+        ms(true_proc),
+        ms(h.saturating_sub(true_proc)),
+        ms((cpu / runs as u32).saturating_sub(true_cpu))
+    );
+}
+
+fn text_of(o: &std::process::Output) -> String {
+    text(o)
+}

@@ -1,0 +1,180 @@
+//! The OCI hook's way of applying a plan (createRuntime, or prestart on older runtimes): the
+//! container's mount namespace exists and its root file system is mounted, the process has not
+//! started. Everything is prepared in the host's namespace first (detached bind mounts made with
+//! `open_tree`, made read-only with `mount_setattr` before they are visible anywhere, the device
+//! cgroup's `devices.allow` opened); then the hook joins the container's mount namespace, resolves
+//! every target inside the root ([`crate::safe::Root`]) and attaches the mounts onto the resolved
+//! descriptors. Nothing from the container's root is executed, and the hook's own environment is
+//! never the container's.
+
+use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use crate::cdi;
+use crate::config::HookConfig;
+use crate::oci;
+use crate::plan::{self, InjectError, Plan};
+use crate::safe::{NodeOutcome, Root};
+use crate::sys;
+
+/// What the hook did, for its log line.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub devices: usize,
+    pub mounts: usize,
+    pub skipped: usize,
+}
+
+/// The whole hook: state on stdin → config.json → plan → apply. `Ok(None)`: nothing asked.
+pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, InjectError> {
+    let state = oci::parse_state(state)?;
+    let config = oci::read_config(&state.bundle)?;
+    let info = oci::container_info(&config, &state.annotations)?;
+    let root = oci::root_path(&config, &state.bundle)?;
+    if !plan::may_ask(&info) {
+        return Ok(None);
+    }
+    let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).map_err(|e| InjectError(format!("CDI spec {e}")))?;
+    let Some(plan) = plan::plan(cfg, &specs, &info)? else { return Ok(None) };
+    let prepared = prepare(&plan, state.pid)?;
+    apply(prepared, &plan, &root).map(Some)
+}
+
+struct Prepared {
+    ns: OwnedFd,
+    allow: Option<std::fs::File>,
+    nodes: Vec<OwnedFd>,
+    mounts: Vec<(OwnedFd, bool)>,
+}
+
+fn host_err(what: &Path, e: impl std::fmt::Display) -> InjectError {
+    InjectError(format!("{}: {e}", what.display()))
+}
+
+/// Host-side preparation; an error here leaves the container untouched.
+fn prepare(plan: &Plan, pid: i32) -> Result<Prepared, InjectError> {
+    plan::ensure_files(plan)?;
+    let ns_path = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
+    let ns = std::fs::File::open(&ns_path).map_err(|e| host_err(&ns_path, e))?.into();
+    let allow = if plan.device_nodes.is_empty() { None } else { Some(device_cgroup(pid)?) };
+    let mut nodes = Vec::new();
+    for n in &plan.device_nodes {
+        let c = sys::cstr(n.host_path.as_os_str()).map_err(|e| host_err(&n.host_path, e))?;
+        nodes.push(sys::open_tree_clone(&c, false).map_err(|e| host_err(&n.host_path, e))?);
+    }
+    let mut mounts = Vec::new();
+    for m in &plan.mounts {
+        let meta = std::fs::metadata(&m.host_path).map_err(|e| host_err(&m.host_path, e))?;
+        let c = sys::cstr(m.host_path.as_os_str()).map_err(|e| host_err(&m.host_path, e))?;
+        let tree = sys::open_tree_clone(&c, false).map_err(|e| host_err(&m.host_path, format!("open_tree: {e}")))?;
+        let mut attrs = sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        if m.read_only {
+            attrs |= sys::MOUNT_ATTR_RDONLY;
+        }
+        sys::mount_setattr(tree.as_fd(), attrs).map_err(|e| host_err(&m.host_path, format!("mount_setattr: {e}")))?;
+        mounts.push((tree, meta.is_dir()));
+    }
+    Ok(Prepared { ns, allow, nodes, mounts })
+}
+
+/// The container's cgroup v1 `devices.allow`, opened for writing. cgroup v2 has no such file: a
+/// hook cannot extend its eBPF device filter, so the start is refused with a pointer to CDI or
+/// the runtime wrapper, which put the rules in config.json before the runtime builds the filter.
+fn device_cgroup(pid: i32) -> Result<std::fs::File, InjectError> {
+    let cg = PathBuf::from(format!("/proc/{pid}/cgroup"));
+    let text = std::fs::read_to_string(&cg).map_err(|e| host_err(&cg, e))?;
+    let rel = text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        ctrls.split(',').any(|c| c == "devices").then(|| path.to_string())
+    });
+    let Some(rel) = rel else {
+        return Err(InjectError(
+            "cgroup v2: a hook cannot admit devices to the container's device filter; use the CDI spec or tessera-runtime"
+                .into(),
+        ));
+    };
+    if rel.split('/').any(|c| c == "..") {
+        return Err(InjectError(format!("{}: devices path {rel:?} has \"..\"", cg.display())));
+    }
+    // The usual place first (a statfs, not a read of the mount table, which costs milliseconds
+    // on a node with many containers); else wherever the mount table says.
+    let usual = Path::new("/sys/fs/cgroup/devices");
+    let mountpoint = if is_cgroup_v1_devices(usual) {
+        usual.to_string_lossy().into_owned()
+    } else {
+        let mounts =
+            std::fs::read_to_string("/proc/self/mounts").map_err(|e| host_err(Path::new("/proc/self/mounts"), e))?;
+        mounts
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                (f.len() > 3 && f[2] == "cgroup" && f[3].split(',').any(|o| o == "devices")).then(|| f[1].to_string())
+            })
+            .next()
+            .ok_or_else(|| InjectError("cgroup v1 devices controller is not mounted".into()))?
+    };
+    let allow = Path::new(&mountpoint).join(rel.trim_start_matches('/')).join("devices.allow");
+    std::fs::OpenOptions::new().write(true).open(&allow).map_err(|e| host_err(&allow, e))
+}
+
+/// A cgroup v1 mount whose root has `devices.allow`.
+fn is_cgroup_v1_devices(dir: &Path) -> bool {
+    const CGROUP_SUPER_MAGIC: i64 = 0x0027_e0eb;
+    let Ok(c) = sys::cstr(dir.as_os_str()) else { return false };
+    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated, `st` writable, both outlive the call.
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    rc == 0 && st.f_type as i64 == CGROUP_SUPER_MAGIC && dir.join("devices.allow").exists()
+}
+
+fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> {
+    let mut done = Applied::default();
+    if let Some(mut allow) = p.allow {
+        for n in &plan.device_nodes {
+            // One rule per write: the kernel parses each write as one rule.
+            allow
+                .write_all(format!("c {}:{} rwm", n.major, n.minor).as_bytes())
+                .map_err(|e| InjectError(format!("devices.allow: c {}:{} rwm: {e}", n.major, n.minor)))?;
+        }
+    }
+    sys::setns_mnt(p.ns.as_fd())
+        .map_err(|e| InjectError(format!("setns into the container's mount namespace: {e}")))?;
+    let root = Root::open(root).map_err(|e| host_err(root, e))?;
+    let cerr = |path: &Path, e: std::io::Error| InjectError(format!("container {}: {e}", path.display()));
+    for (n, tree) in plan.device_nodes.iter().zip(&p.nodes) {
+        match root.mknod(&n.path, n.major, n.minor) {
+            Ok(NodeOutcome::Created) => done.devices += 1,
+            Ok(NodeOutcome::Existing) => done.skipped += 1,
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                // A user namespace: bind the host's node instead.
+                let target = root.file(&n.path).map_err(|e| cerr(&n.path, e))?;
+                sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&n.path, e))?;
+                done.devices += 1;
+            }
+            Err(e) => return Err(cerr(&n.path, e)),
+        }
+    }
+    let mut dirs = crate::safe::DirCache::default();
+    for (m, (tree, is_dir)) in plan.mounts.iter().zip(&p.mounts) {
+        // A mount made on a directory hides what was cached under it: start afresh after one.
+        let target = if *is_dir {
+            dirs = crate::safe::DirCache::default();
+            root.dir(&m.container_path)
+        } else {
+            root.file_cached(&m.container_path, &mut dirs)
+        };
+        let target = target.map_err(|e| cerr(&m.container_path, e))?;
+        // Already there (a CDI runtime mounted it, or a second hook entry ran): same file, same
+        // read-only state.
+        if crate::safe::same_file(target.as_fd(), tree.as_fd()) && sys::read_only(target.as_fd()) == Some(m.read_only) {
+            done.skipped += 1;
+            continue;
+        }
+        sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&m.container_path, e))?;
+        done.mounts += 1;
+    }
+    Ok(done)
+}

@@ -1,0 +1,47 @@
+//! `tessera-hook`: the OCI hook (createRuntime, or prestart on older runtimes).
+//!
+//! `tessera-hook [--config PATH] [createRuntime|prestart]` reads the container's state on stdin.
+//! Exit 0 with nothing done when the container asks for no Tessera device; otherwise one line on
+//! stderr and exit 1 when anything is wrong (the runtime then fails the start).
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use tessera_hook::config::{DEFAULT_PATH, HookConfig};
+
+fn main() {
+    // Before anything else: the hook never runs with an environment someone else chose.
+    let preloaded = ["LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH"].iter().find(|v| std::env::var_os(v).is_some());
+    tessera_hook::sanitize_env();
+    if let Some(v) = preloaded {
+        // The loader honoured it before main: refuse to act on a process that may be tampered with.
+        fail(&format!("refusing to run with {v} in the environment (hook entries must set env)"));
+    }
+    let mut args = std::env::args().skip(1);
+    let mut config = PathBuf::from(DEFAULT_PATH);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--config" => config = args.next().map(PathBuf::from).unwrap_or_else(|| fail("--config needs a path")),
+            "createRuntime" | "prestart" => {}
+            "--version" | "version" => {
+                println!("tessera-hook {}", env!("CARGO_PKG_VERSION"));
+                return;
+            }
+            other => fail(&format!("unknown argument {other:?}")),
+        }
+    }
+    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
+    let mut state = Vec::new();
+    if let Err(e) = std::io::stdin().take(tessera_hook::oci::MAX_JSON + 1).read_to_end(&mut state) {
+        fail(&format!("state: {e}"));
+    }
+    match tessera_hook::apply::run_hook(&cfg, &state) {
+        Ok(_) => {}
+        Err(e) => fail(&e.0),
+    }
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("tessera-hook: {msg}");
+    std::process::exit(1);
+}

@@ -1,0 +1,44 @@
+//! `tessera-runtime`: the runtime wrapper. Edits config.json on `create`/`run`, then execs the real
+//! runtime (config key `runtime`, default `runc` on PATH) with the original argv.
+//! Configuration: `$TESSERA_HOOK_CONFIG`, else /etc/tessera/hook.toml.
+
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+
+use tessera_hook::config::{DEFAULT_PATH, ENV_CONFIG, HookConfig};
+use tessera_hook::wrapper;
+
+fn main() {
+    let args: Vec<_> = std::env::args_os().collect();
+    let config = std::env::var_os(ENV_CONFIG).map_or_else(|| PathBuf::from(DEFAULT_PATH), PathBuf::from);
+    let sub = wrapper::subcommand(&args);
+    let log = sub.and_then(|s| wrapper::log_target(&args, s));
+    let fail = |msg: String| -> ! {
+        let line = format!("tessera-runtime: {msg}");
+        eprintln!("{line}");
+        if let Some((path, json)) = &log {
+            let text = if *json {
+                format!("{}\n", serde_json::json!({"level": "error", "msg": line}))
+            } else {
+                format!("{line}\n")
+            };
+            let _ = std::fs::OpenOptions::new().append(true).create(true).open(path).and_then(|mut f| {
+                use std::io::Write;
+                f.write_all(text.as_bytes())
+            });
+        }
+        std::process::exit(1);
+    };
+    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(e.to_string()));
+    if let Some(s) = sub
+        && matches!(args[s].to_str(), Some("create" | "run"))
+    {
+        let bundle = wrapper::bundle(&args, s).unwrap_or_else(|| fail("cannot tell the bundle directory".into()));
+        if let Err(e) = wrapper::edit_bundle(&cfg, &bundle) {
+            fail(e.0);
+        }
+    }
+    let runtime = wrapper::real_runtime(&cfg).unwrap_or_else(|e| fail(e.0));
+    let err = std::process::Command::new(&runtime).args(&args[1..]).exec();
+    fail(format!("exec {}: {err}", runtime.display()));
+}

@@ -1,0 +1,589 @@
+//! CDI specs for Tessera's devices: what the daemon writes (one spec per class: `tessera.io/gpu`,
+//! `tessera.io/mig`, `tessera.io/share`) and what the hook and the wrapper read back.
+//!
+//! Device names: the CDI grammar allows `A-Z a-z 0-9 _ - . :` (starting and ending with a letter or
+//! digit), so a share id `GPU-<uuid>::3` is a valid name as it is; [`cdi_device_name`] keeps valid
+//! ids unchanged and replaces any other character with `_`.
+//!
+//! Each device's edits carry a marker variable `TESSERA_CDI_DEVICE_<KEY>=<canonical name>`, so the
+//! hook can tell which devices a CDI-aware runtime injected (aliases carry their canonical name's
+//! marker). Each spec's edits carry the control nodes, the driver's files, the shim, and a
+//! `createRuntime` hook entry running `tessera-hook` (allocation check, limits, region, preload).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::driver::DriverFiles;
+
+pub const VENDOR: &str = "tessera.io";
+/// The CDI version written by default (device annotations need 0.6.0).
+pub const CDI_VERSION: &str = "0.6.0";
+/// For runtimes whose CDI library stops at 0.5.0 (podman 4.3): written without annotations.
+pub const CDI_VERSION_COMPAT: &str = "0.5.0";
+/// The device classes, in the order specs are written and names are looked up.
+pub const CLASSES: &[&str] = &["gpu", "mig", "share"];
+/// Prefix of the per-device marker variable.
+pub const DEVICE_MARKER_PREFIX: &str = "TESSERA_CDI_DEVICE_";
+/// Device annotation carrying the UUID the container's CUDA sees (0.6.0 specs only).
+pub const ANNOTATION_UUID: &str = "tessera.io/uuid";
+/// Where the shim goes in a container.
+pub const SHIM_CONTAINER_PATH: &str = "/usr/lib/tessera/libtessera.so";
+/// The only environment any hook entry we write gets.
+pub const HOOK_ENV: &str = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Spec {
+    pub cdi_version: String,
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    pub devices: Vec<Device>,
+    #[serde(default)]
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Device {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerEdits {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<DeviceNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<Mount>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<Hook>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceNode {
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_path: Option<String>,
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub major: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub permissions: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Mount {
+    pub host_path: String,
+    pub container_path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub options: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hook {
+    pub hook_name: String,
+    pub path: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+}
+
+/// What the daemon knows; no NVML needed to build specs from it.
+#[derive(Debug, Clone, Default)]
+pub struct NodeDevices {
+    pub devices: Vec<NodeDevice>,
+    /// nvidiactl, nvidia-uvm, nvidia-uvm-tools, nvidia-modeset (host paths); absent ones skipped.
+    pub control_nodes: Vec<PathBuf>,
+    /// From [`crate::driver::discover`].
+    pub driver: DriverFiles,
+    /// Host path of libtessera.so.
+    pub shim: Option<PathBuf>,
+    /// Host path of tessera-hook (the `createRuntime` hook entry).
+    pub hook_binary: PathBuf,
+    /// The hook's configuration file, passed as `--config` (none: its default).
+    pub hook_config: Option<PathBuf>,
+    /// The device root the nodes are under (their container path is `/dev/<relative>`).
+    pub dev_root: PathBuf,
+    /// cdiVersion to write: [`CDI_VERSION`] when none; [`CDI_VERSION_COMPAT`] drops annotations.
+    pub cdi_version: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeDevice {
+    /// "gpu" | "mig" | "share".
+    pub class: String,
+    /// GPU-uuid, MIG-uuid, GPU-uuid::3.
+    pub name: String,
+    /// e.g. "0", "0:1".
+    pub aliases: Vec<String>,
+    /// The GPU or MIG uuid the container's CUDA sees.
+    pub uuid: String,
+    /// Host paths: /dev/nvidia3, /dev/nvidia-caps/nvidia-cap21, ...
+    pub nodes: Vec<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CdiError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {reason}", path.display())]
+    Parse { path: PathBuf, reason: String },
+    #[error("{key}: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> CdiError {
+    CdiError::Invalid { key: key.into(), reason: reason.into() }
+}
+
+/// A device id as a CDI device name: valid ids unchanged (`GPU-…::3` included), any character
+/// outside `A-Za-z0-9_.:-` replaced with `_`.
+pub fn cdi_device_name(device_id: &str) -> String {
+    device_id.chars().map(|c| if c.is_ascii_alphanumeric() || "_-.:".contains(c) { c } else { '_' }).collect()
+}
+
+/// Whether `name` is a valid CDI device name.
+pub fn is_valid_device_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    !b.is_empty()
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && b.iter().all(|c| c.is_ascii_alphanumeric() || b"_-.:".contains(c))
+}
+
+/// The marker variable's name for a canonical device name.
+pub fn marker_key(canonical: &str) -> String {
+    let key: String =
+        canonical.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_uppercase() } else { '_' }).collect();
+    format!("{DEVICE_MARKER_PREFIX}{key}")
+}
+
+/// The UUID the container's CUDA sees for a device id: a share's parent GPU, else the id.
+pub fn uuid_of(device_id: &str) -> &str {
+    device_id.split_once("::").map_or(device_id, |(parent, _)| parent)
+}
+
+/// One spec per class present, devices in the order given, aliases after their device.
+pub fn build_specs(node: &NodeDevices) -> Result<Vec<Spec>, CdiError> {
+    let version = node.cdi_version.clone().unwrap_or_else(|| CDI_VERSION.into());
+    if version != CDI_VERSION && version != CDI_VERSION_COMPAT {
+        return Err(invalid("cdi_version", format!("{version:?} is not {CDI_VERSION} or {CDI_VERSION_COMPAT}")));
+    }
+    let annotations = version == CDI_VERSION;
+    let dev_root = if node.dev_root.as_os_str().is_empty() { Path::new("/dev") } else { &node.dev_root };
+    let common = common_edits(node, dev_root)?;
+    let mut specs = Vec::new();
+    for class in CLASSES {
+        let mut devices = Vec::new();
+        for (i, d) in node.devices.iter().enumerate().filter(|(_, d)| d.class == *class) {
+            let key = |f: &str| format!("devices[{i}].{f}");
+            let name = cdi_device_name(&d.name);
+            if !is_valid_device_name(&name) {
+                return Err(invalid(key("name"), format!("{:?} is not a valid CDI device name", d.name)));
+            }
+            let mut edits =
+                ContainerEdits { env: vec![format!("{}={}", marker_key(&name), name)], ..Default::default() };
+            for n in &d.nodes {
+                edits.device_nodes.push(device_node(n, dev_root).map_err(|e| invalid(key("nodes"), e))?);
+            }
+            let mut ann = BTreeMap::new();
+            if annotations {
+                ann.insert(ANNOTATION_UUID.to_string(), d.uuid.clone());
+            }
+            let names = std::iter::once(name.clone()).chain(d.aliases.iter().map(|a| cdi_device_name(a)));
+            for n in names {
+                if devices.iter().any(|x: &Device| x.name == n) {
+                    return Err(invalid(key("aliases"), format!("{n:?} is already a {class} device name")));
+                }
+                devices.push(Device { name: n, annotations: ann.clone(), container_edits: edits.clone() });
+            }
+        }
+        if let Some((i, d)) = node.devices.iter().enumerate().find(|(_, d)| !CLASSES.contains(&d.class.as_str())) {
+            return Err(invalid(format!("devices[{i}].class"), format!("{:?} is not gpu, mig or share", d.class)));
+        }
+        if !devices.is_empty() {
+            specs.push(Spec {
+                cdi_version: version.clone(),
+                kind: format!("{VENDOR}/{class}"),
+                annotations: BTreeMap::new(),
+                devices,
+                container_edits: common.clone(),
+            });
+        }
+    }
+    Ok(specs)
+}
+
+fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, CdiError> {
+    let mut edits = ContainerEdits::default();
+    for (i, n) in node.control_nodes.iter().enumerate() {
+        if !n.exists() {
+            continue;
+        }
+        edits.device_nodes.push(device_node(n, dev_root).map_err(|e| invalid(format!("control_nodes[{i}]"), e))?);
+    }
+    let ro = || ["ro", "nosuid", "nodev", "bind"].map(String::from).to_vec();
+    for f in node.driver.libraries.iter().chain(&node.driver.binaries) {
+        edits.mounts.push(Mount {
+            host_path: f.display().to_string(),
+            container_path: node.driver.container_path(f).display().to_string(),
+            options: ro(),
+        });
+    }
+    if let Some(shim) = &node.shim {
+        edits.mounts.push(Mount {
+            host_path: shim.display().to_string(),
+            container_path: SHIM_CONTAINER_PATH.into(),
+            options: ro(),
+        });
+    }
+    let mut args = vec!["tessera-hook".to_string()];
+    if let Some(c) = &node.hook_config {
+        args.extend(["--config".into(), c.display().to_string()]);
+    }
+    args.push("createRuntime".into());
+    edits.hooks.push(Hook {
+        hook_name: "createRuntime".into(),
+        path: node.hook_binary.display().to_string(),
+        args,
+        env: vec![HOOK_ENV.into()],
+    });
+    Ok(edits)
+}
+
+/// A character device node's CDI entry, its numbers read with stat() from the host node.
+fn device_node(host: &Path, dev_root: &Path) -> Result<DeviceNode, String> {
+    let m = std::fs::metadata(host).map_err(|e| format!("{}: {e}", host.display()))?;
+    if !m.file_type().is_char_device() {
+        return Err(format!("{} is not a character device", host.display()));
+    }
+    let rdev = m.rdev();
+    let container = match host.strip_prefix(dev_root) {
+        Ok(rel) => Path::new("/dev").join(rel),
+        Err(_) => host.to_path_buf(),
+    };
+    Ok(DeviceNode {
+        path: container.display().to_string(),
+        host_path: Some(host.display().to_string()),
+        kind: Some("c".into()),
+        major: Some(libc::major(rdev) as i64),
+        minor: Some(libc::minor(rdev) as i64),
+        permissions: Some("rwm".into()),
+    })
+}
+
+/// The file a class's spec is written to.
+pub fn spec_file_name(class: &str) -> String {
+    format!("{VENDOR}-{class}.json")
+}
+
+/// Writes each spec to `tessera.io-<class>.json` atomically (temporary file, fsync, rename, fsync
+/// of the directory) and removes `tessera.io-*.json` of classes no longer present. Other files are
+/// never touched.
+pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| CdiError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut keep = Vec::new();
+    for (i, spec) in specs.iter().enumerate() {
+        let class = spec
+            .kind
+            .strip_prefix(VENDOR)
+            .and_then(|k| k.strip_prefix('/'))
+            .filter(|c| CLASSES.contains(c))
+            .ok_or_else(|| invalid(format!("specs[{i}].kind"), format!("{:?} is not a {VENDOR} class", spec.kind)))?;
+        let name = spec_file_name(class);
+        let path = dir.join(&name);
+        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let mut text = serde_json::to_vec_pretty(spec).map_err(|e| invalid(format!("specs[{i}]"), e.to_string()))?;
+        text.push(b'\n');
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&tmp)?;
+            f.write_all(&text)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(CdiError::Io { path, source: e });
+        }
+        keep.push(name);
+    }
+    for entry in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("{VENDOR}-")) && name.ends_with(".json") && !keep.contains(&name) {
+            std::fs::remove_file(entry.path()).map_err(io(&entry.path()))?;
+        }
+    }
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+}
+
+/// Reads the `tessera.io-*.json` specs in `dir` (a missing directory holds none). A spec that
+/// cannot be read, parsed, or is not of a Tessera class is an error naming the file.
+pub fn load_specs(dir: &Path) -> Result<Vec<Spec>, CdiError> {
+    let mut specs = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(specs),
+        Err(source) => return Err(CdiError::Io { path: dir.into(), source }),
+    };
+    let mut paths: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("{VENDOR}-")) && n.ends_with(".json"))
+        })
+        .collect();
+    paths.sort();
+    for path in paths {
+        let text = std::fs::read(&path).map_err(|source| CdiError::Io { path: path.clone(), source })?;
+        let spec: Spec =
+            serde_json::from_slice(&text).map_err(|e| CdiError::Parse { path: path.clone(), reason: e.to_string() })?;
+        let class_ok =
+            spec.kind.strip_prefix(VENDOR).and_then(|k| k.strip_prefix('/')).is_some_and(|c| CLASSES.contains(&c));
+        if !class_ok {
+            return Err(CdiError::Parse { path, reason: format!("kind: {:?} is not a {VENDOR} class", spec.kind) });
+        }
+        if let Some((i, d)) = spec.devices.iter().enumerate().find(|(_, d)| !is_valid_device_name(&d.name)) {
+            return Err(CdiError::Parse { path, reason: format!("devices[{i}].name: {:?} is not valid", d.name) });
+        }
+        specs.push(spec);
+    }
+    Ok(specs)
+}
+
+/// The specs of several directories; for a kind found in more than one, the later directory wins
+/// (CDI's precedence: `/var/run/cdi` over `/etc/cdi`).
+pub fn load_spec_dirs(dirs: &[PathBuf]) -> Result<Vec<Spec>, CdiError> {
+    let mut by_kind: BTreeMap<String, Spec> = BTreeMap::new();
+    for d in dirs {
+        for s in load_specs(d)? {
+            by_kind.insert(s.kind.clone(), s);
+        }
+    }
+    // In class order.
+    Ok(CLASSES.iter().filter_map(|c| by_kind.remove(&format!("{VENDOR}/{c}"))).collect())
+}
+
+impl Spec {
+    /// The class part of the kind (`gpu` for `tessera.io/gpu`).
+    pub fn class(&self) -> &str {
+        self.kind.rsplit('/').next().unwrap_or("")
+    }
+}
+
+impl Device {
+    /// The canonical name (the marker's value): the device's own name for a canonical entry, the
+    /// aliased device's name for an alias.
+    pub fn canonical(&self) -> &str {
+        self.container_edits
+            .env
+            .iter()
+            .find_map(|e| e.strip_prefix(DEVICE_MARKER_PREFIX).and_then(|kv| kv.split_once('=')).map(|(_, v)| v))
+            .unwrap_or(&self.name)
+    }
+
+    /// The UUID the container's CUDA sees: the annotation when present, else derived from the name.
+    pub fn uuid(&self) -> &str {
+        self.annotations.get(ANNOTATION_UUID).map_or_else(|| uuid_of(self.canonical()), |s| s.as_str())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A fake node: device nodes made with mknod under `root/dev`, one GPU with a share, one MIG.
+    pub(crate) fn fake_node(root: &Path) -> NodeDevices {
+        let dev = root.join("dev");
+        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
+        let mk = |p: &Path, major: u32, minor: u32| {
+            if p.exists() {
+                return;
+            }
+            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
+            let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(major, minor)) };
+            assert_eq!(rc, 0, "mknod {}: {}", p.display(), std::io::Error::last_os_error());
+        };
+        mk(&dev.join("nvidia0"), 195, 0);
+        mk(&dev.join("nvidia1"), 195, 1);
+        mk(&dev.join("nvidiactl"), 195, 255);
+        mk(&dev.join("nvidia-uvm"), 510, 0);
+        mk(&dev.join("nvidia-caps/nvidia-cap21"), 511, 21);
+        NodeDevices {
+            devices: vec![
+                NodeDevice {
+                    class: "gpu".into(),
+                    name: "GPU-aaaa".into(),
+                    aliases: vec!["0".into()],
+                    uuid: "GPU-aaaa".into(),
+                    nodes: vec![dev.join("nvidia0")],
+                },
+                NodeDevice {
+                    class: "share".into(),
+                    name: "GPU-aaaa::3".into(),
+                    aliases: vec![],
+                    uuid: "GPU-aaaa".into(),
+                    nodes: vec![dev.join("nvidia0")],
+                },
+                NodeDevice {
+                    class: "mig".into(),
+                    name: "MIG-bbbb".into(),
+                    aliases: vec!["1:0".into()],
+                    uuid: "MIG-bbbb".into(),
+                    nodes: vec![dev.join("nvidia1"), dev.join("nvidia-caps/nvidia-cap21")],
+                },
+            ],
+            control_nodes: vec![dev.join("nvidiactl"), dev.join("nvidia-uvm"), dev.join("nvidia-modeset")],
+            driver: DriverFiles::default(),
+            shim: None,
+            hook_binary: PathBuf::from("/usr/bin/tessera-hook"),
+            hook_config: None,
+            dev_root: dev,
+            cdi_version: None,
+        }
+    }
+
+    #[test]
+    fn names() {
+        assert_eq!(cdi_device_name("GPU-5c89-x::3"), "GPU-5c89-x::3");
+        assert!(is_valid_device_name("GPU-5c89-x::3"));
+        assert_eq!(cdi_device_name("a b/c"), "a_b_c");
+        assert!(!is_valid_device_name("-a") && !is_valid_device_name("a:") && !is_valid_device_name(""));
+        assert_eq!(marker_key("GPU-aa::3"), "TESSERA_CDI_DEVICE_GPU_AA__3");
+        assert_eq!(uuid_of("GPU-aa::3"), "GPU-aa");
+        assert_eq!(uuid_of("MIG-bb"), "MIG-bb");
+    }
+
+    #[test]
+    fn build_write_load_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = fake_node(dir.path());
+        let specs = build_specs(&node).unwrap();
+        assert_eq!(
+            specs.iter().map(|s| s.kind.as_str()).collect::<Vec<_>>(),
+            ["tessera.io/gpu", "tessera.io/mig", "tessera.io/share"]
+        );
+        let gpu = &specs[0];
+        assert_eq!(gpu.cdi_version, "0.6.0");
+        assert_eq!(gpu.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), ["GPU-aaaa", "0"]);
+        let n = &gpu.devices[0].container_edits.device_nodes[0];
+        assert_eq!((n.path.as_str(), n.major, n.minor), ("/dev/nvidia0", Some(195), Some(0)));
+        assert_eq!(gpu.devices[1].canonical(), "GPU-aaaa");
+        assert_eq!(gpu.devices[0].annotations[ANNOTATION_UUID], "GPU-aaaa");
+        // nvidia-modeset is absent: skipped.
+        let ctl: Vec<_> = gpu.container_edits.device_nodes.iter().map(|n| n.path.as_str()).collect();
+        assert_eq!(ctl, ["/dev/nvidiactl", "/dev/nvidia-uvm"]);
+        let mig = &specs[1];
+        assert_eq!(mig.devices[0].container_edits.device_nodes[1].path, "/dev/nvidia-caps/nvidia-cap21");
+        assert_eq!(specs[2].devices[0].uuid(), "GPU-aaaa");
+        let hook = &gpu.container_edits.hooks[0];
+        assert_eq!(
+            (hook.hook_name.as_str(), hook.env.as_slice()),
+            ("createRuntime", [HOOK_ENV.to_string()].as_slice())
+        );
+
+        let cdi = dir.path().join("cdi");
+        std::fs::create_dir_all(&cdi).unwrap();
+        std::fs::write(cdi.join("nvidia.com-gpu.json"), "{}").unwrap();
+        write_specs(&cdi, &specs).unwrap();
+        let text = std::fs::read_to_string(cdi.join("tessera.io-gpu.json")).unwrap();
+        assert!(text.contains("\"cdiVersion\": \"0.6.0\"") && text.contains("\"containerEdits\""), "{text}");
+        assert_eq!(load_specs(&cdi).unwrap(), specs);
+
+        // A class gone: its file goes; other vendors' files stay; no temporary files remain.
+        write_specs(&cdi, &specs[..1]).unwrap();
+        let mut names: Vec<_> = std::fs::read_dir(&cdi).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        assert_eq!(names, ["nvidia.com-gpu.json", "tessera.io-gpu.json"]);
+        assert_eq!(load_spec_dirs(&[dir.path().join("none"), cdi.clone()]).unwrap(), specs[..1]);
+    }
+
+    #[test]
+    fn readers_never_see_half_a_spec() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = fake_node(dir.path());
+        let full = build_specs(&node).unwrap();
+        let mut small = full.clone();
+        small[0].devices.truncate(1);
+        let cdi = dir.path().join("cdi");
+        write_specs(&cdi, &full).unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader = {
+            let (cdi, stop) = (cdi.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let specs = load_specs(&cdi).expect("every read sees a whole spec");
+                    assert!(specs.len() == 3, "a class vanished mid-rewrite");
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for i in 0..40 {
+            write_specs(&cdi, if i % 2 == 0 { &small } else { &full }).unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(reader.join().unwrap() > 0);
+    }
+
+    #[test]
+    fn compat_version_has_no_annotations() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut node = fake_node(dir.path());
+        node.cdi_version = Some(CDI_VERSION_COMPAT.into());
+        let specs = build_specs(&node).unwrap();
+        assert!(specs.iter().all(|s| s.cdi_version == "0.5.0" && s.devices.iter().all(|d| d.annotations.is_empty())));
+        assert_eq!(specs[1].devices[0].uuid(), "MIG-bbbb");
+        node.cdi_version = Some("0.9.9".into());
+        assert!(build_specs(&node).unwrap_err().to_string().starts_with("cdi_version: "));
+    }
+
+    #[test]
+    fn bad_inputs_name_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut node = fake_node(dir.path());
+        node.devices[0].nodes.push(dir.path().join("dev/missing"));
+        assert!(build_specs(&node).unwrap_err().to_string().starts_with("devices[0].nodes: "));
+        let mut node = fake_node(dir.path());
+        node.devices[2].aliases.push("0".into());
+        node.devices[1].class = "tpu".into();
+        assert!(build_specs(&node).unwrap_err().to_string().starts_with("devices[1].class: "));
+        let mut node = fake_node(dir.path());
+        node.devices[0].aliases.push("GPU-aaaa".into());
+        assert!(build_specs(&node).unwrap_err().to_string().starts_with("devices[0].aliases: "));
+        let cdi = dir.path().join("cdi");
+        std::fs::create_dir_all(&cdi).unwrap();
+        std::fs::write(cdi.join("tessera.io-gpu.json"), "{\"cdiVersion\": 1}").unwrap();
+        let e = load_specs(&cdi).unwrap_err().to_string();
+        assert!(e.starts_with(&cdi.join("tessera.io-gpu.json").display().to_string()), "{e}");
+    }
+}

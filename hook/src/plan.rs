@@ -1,0 +1,618 @@
+//! What a container asked for, checked against its allocation, and everything it gets — computed
+//! in full before anything is changed (the hook and the wrapper then only apply a [`Plan`]).
+//!
+//! Requests: env `TESSERA_VISIBLE_DEVICES` (else `NVIDIA_VISIBLE_DEVICES`), annotation
+//! `tessera.io/devices` (comma lists of UUIDs, share ids, aliases such as indexes, or one of
+//! `all`, `none`, `void`), annotations `cdi.k8s.io/<anything>` holding `tessera.io/<class>=<name>`
+//! names, and the marker variables of devices a CDI-aware runtime already injected.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::cdi::{self, Spec};
+use crate::config::HookConfig;
+
+pub const ENV_VISIBLE: &str = "TESSERA_VISIBLE_DEVICES";
+pub const ENV_NVIDIA_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
+pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION";
+pub const ANNOTATION_DEVICES: &str = "tessera.io/devices";
+pub const ANNOTATION_ALLOCATION: &str = "tessera.io/allocation";
+pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+/// Where the allocation directory appears in a container.
+pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
+pub const PRELOAD_PATH: &str = "/etc/ld.so.preload";
+/// The container's loader configuration entry naming the directories of the driver's libraries.
+pub const LD_CONF_PATH: &str = "/etc/ld.so.conf.d/000-tessera.conf";
+
+/// One line, naming the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InjectError(pub String);
+
+impl InjectError {
+    pub fn new(msg: impl Into<String>) -> InjectError {
+        InjectError(msg.into())
+    }
+}
+
+/// What the hook and wrapper read from a container's config.json (and the hook's state).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerInfo {
+    /// process.env, the last value of a name winning.
+    pub env: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedDevice {
+    pub class: String,
+    /// Canonical CDI device name.
+    pub name: String,
+    pub uuid: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeEdit {
+    /// In the container.
+    pub path: PathBuf,
+    pub host_path: PathBuf,
+    pub major: u32,
+    pub minor: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MountEdit {
+    pub host_path: PathBuf,
+    pub container_path: PathBuf,
+    pub read_only: bool,
+}
+
+/// Everything one container gets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    pub devices: Vec<PlannedDevice>,
+    pub device_nodes: Vec<NodeEdit>,
+    /// In order: a mount may go inside an earlier one (the region inside the allocation directory).
+    pub mounts: Vec<MountEdit>,
+    pub env: Vec<(String, String)>,
+    pub allocation: Option<String>,
+    /// Host files some mounts come from (the preload, the loader entry), with their content: made
+    /// by [`ensure_files`] before the mounts.
+    pub files: Vec<(PathBuf, String)>,
+}
+
+enum List {
+    All,
+    None,
+    Void,
+    Ids(Vec<String>),
+}
+
+fn parse_list(field: &str, value: &str) -> Result<List, InjectError> {
+    let items: Vec<&str> = value.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    if items.is_empty() {
+        return Ok(List::Void);
+    }
+    for kw in ["all", "none", "void"] {
+        if items.iter().any(|i| i.eq_ignore_ascii_case(kw)) {
+            if items.len() > 1 {
+                return Err(InjectError(format!("{field}: {kw:?} cannot be combined with other values in {value:?}")));
+            }
+            return Ok(match kw {
+                "all" => List::All,
+                "none" => List::None,
+                _ => List::Void,
+            });
+        }
+    }
+    if let Some(bad) = items.iter().find(|i| !i.chars().all(|c| c.is_ascii_alphanumeric() || "_-.:".contains(c))) {
+        return Err(InjectError(format!("{field}: {bad:?} is not a device id")));
+    }
+    Ok(List::Ids(items.into_iter().map(String::from).collect()))
+}
+
+/// A device a request names: (field, class if qualified, id).
+struct Ask {
+    field: String,
+    class: Option<String>,
+    id: String,
+}
+
+/// Whether the container may be asking for anything of ours: cheap, no spec read. A container
+/// that does not (most) costs the hook and the wrapper no more than this, and a broken spec
+/// on the node cannot stop it from starting.
+pub fn may_ask(info: &ContainerInfo) -> bool {
+    let listed = |v: &String| !matches!(v.trim(), "" | "void");
+    info.annotations.get(ANNOTATION_DEVICES).is_some_and(listed)
+        || info.env.get(ENV_VISIBLE).is_some_and(listed)
+        || (!info.env.contains_key(ENV_VISIBLE) && info.env.get(ENV_NVIDIA_VISIBLE).is_some_and(listed))
+        || info.annotations.iter().any(|(k, v)| k.starts_with(CDI_ANNOTATION_PREFIX) && v.contains(cdi::VENDOR))
+        || info.env.keys().any(|k| k.starts_with(cdi::DEVICE_MARKER_PREFIX))
+}
+
+/// Computes the plan; `None` when the container asks for nothing of ours.
+pub fn plan(cfg: &HookConfig, specs: &[Spec], info: &ContainerInfo) -> Result<Option<Plan>, InjectError> {
+    let mut asks: Vec<Ask> = Vec::new();
+    let mut all_from: Option<String> = None;
+    let mut driver_only = false;
+    let mut lists: Vec<(String, String)> = Vec::new();
+    if let Some(v) = info.annotations.get(ANNOTATION_DEVICES) {
+        lists.push((format!("annotation {ANNOTATION_DEVICES}"), v.clone()));
+    }
+    if let Some(v) = info.env.get(ENV_VISIBLE) {
+        lists.push((ENV_VISIBLE.into(), v.clone()));
+    } else if let Some(v) = info.env.get(ENV_NVIDIA_VISIBLE) {
+        lists.push((ENV_NVIDIA_VISIBLE.into(), v.clone()));
+    }
+    let allocation = allocation_id(info)?;
+    for (field, value) in &lists {
+        match parse_list(field, value)? {
+            // CUDA base images set NVIDIA_VISIBLE_DEVICES=all: without an allocation it asks nothing.
+            List::All if field == ENV_NVIDIA_VISIBLE && allocation.is_none() && cfg.require_allocation => {}
+            List::All => all_from = Some(field.clone()),
+            List::None => driver_only = true,
+            List::Void => {}
+            List::Ids(ids) => asks.extend(ids.into_iter().map(|id| Ask { field: field.clone(), class: None, id })),
+        }
+    }
+    for (key, value) in &info.annotations {
+        if !key.starts_with(CDI_ANNOTATION_PREFIX) {
+            continue;
+        }
+        for name in value.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let field = format!("annotation {key}");
+            let Some((kind, id)) = name.split_once('=') else {
+                return Err(InjectError(format!("{field}: {name:?} is not a CDI device name (vendor/class=name)")));
+            };
+            let Some(class) = kind.strip_prefix(cdi::VENDOR).and_then(|k| k.strip_prefix('/')) else { continue };
+            if !cdi::CLASSES.contains(&class) {
+                return Err(InjectError(format!("{field}: {kind:?} is not a {} class", cdi::VENDOR)));
+            }
+            asks.push(Ask { field, class: Some(class.into()), id: id.into() });
+        }
+    }
+    for (key, value) in &info.env {
+        if key.starts_with(cdi::DEVICE_MARKER_PREFIX) {
+            asks.push(Ask { field: key.clone(), class: None, id: value.clone() });
+        }
+    }
+    if asks.is_empty() && all_from.is_none() && !driver_only {
+        return Ok(None);
+    }
+
+    // The allocation and what it admits.
+    let mut plan = Plan { allocation: allocation.clone(), ..Plan::default() };
+    let allowed: Option<Vec<String>> = match &allocation {
+        Some(id) => Some(load_allocation(cfg, id)?),
+        None if cfg.require_allocation => {
+            let what = asks.first().map_or_else(|| all_from.clone().unwrap_or_default(), |a| a.field.clone());
+            return Err(InjectError(format!(
+                "{what}: devices asked for, but no allocation is named (set {ENV_ALLOCATION} or annotation {ANNOTATION_ALLOCATION})"
+            )));
+        }
+        None => None,
+    };
+
+    // Resolve every ask to a spec device.
+    let mut chosen: Vec<(usize, usize, String)> = Vec::new();
+    for a in &asks {
+        let (s, d) = find_device(specs, a.class.as_deref(), &a.id).ok_or_else(|| {
+            InjectError(format!("{}: {:?} is not a device in the CDI specs ({})", a.field, a.id, dirs(cfg)))
+        })?;
+        chosen.push((s, d, a.field.clone()));
+    }
+    if let Some(field) = &all_from {
+        match &allowed {
+            Some(uuids) => {
+                for u in uuids {
+                    let (s, d) =
+                        ["gpu", "mig"].iter().find_map(|c| find_device(specs, Some(c), u)).ok_or_else(|| {
+                            InjectError(format!(
+                                "{field}: allocated device {u:?} is not in the CDI specs ({})",
+                                dirs(cfg)
+                            ))
+                        })?;
+                    chosen.push((s, d, field.clone()));
+                }
+            }
+            None => {
+                for (s, spec) in specs.iter().enumerate().filter(|(_, s)| s.class() == "gpu") {
+                    for (d, dev) in spec.devices.iter().enumerate() {
+                        if dev.canonical() == dev.name {
+                            chosen.push((s, d, field.clone()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // Check against the allocation; gather the edits.
+    let mut classes: Vec<usize> = Vec::new();
+    for (s, d, field) in &chosen {
+        let spec = &specs[*s];
+        let dev = &spec.devices[*d];
+        let uuid = dev.uuid().to_string();
+        if let (Some(uuids), Some(id)) = (&allowed, &allocation)
+            && !uuids.iter().any(|u| u.eq_ignore_ascii_case(&uuid))
+        {
+            return Err(InjectError(format!(
+                "{field}: device {:?} is not allocated to this container (allocation {id:?} holds {})",
+                dev.canonical(),
+                if uuids.is_empty() { "no devices".to_string() } else { uuids.join(", ") }
+            )));
+        }
+        if !plan.devices.iter().any(|p| p.name == dev.canonical() && p.class == spec.class()) {
+            plan.devices.push(PlannedDevice { class: spec.class().into(), name: dev.canonical().into(), uuid });
+        }
+        add_edits(&mut plan, &dev.container_edits, &format!("{} device {:?}", spec.kind, dev.name))?;
+        if !classes.contains(s) {
+            classes.push(*s);
+        }
+    }
+    if driver_only && classes.is_empty() {
+        classes.extend(specs.iter().position(|s| s.class() == "gpu"));
+    }
+    for s in classes {
+        add_edits(&mut plan, &specs[s].container_edits, &format!("{} spec", specs[s].kind))?;
+    }
+
+    // The shim, its preload, the allocation directory, the environment.
+    if let Some(shim) = &cfg.shim_path {
+        if shim.is_file() {
+            push_mount(&mut plan, shim.clone(), cdi::SHIM_CONTAINER_PATH.into(), true)?;
+            let preload = cfg.runtime_dir.join("hook").join("ld.so.preload");
+            push_mount(&mut plan, preload.clone(), PRELOAD_PATH.into(), true)?;
+            plan.files.push((preload, preload_content()));
+        } else if allocation.is_some() {
+            return Err(InjectError(format!("shim_path: {} does not exist", shim.display())));
+        }
+    }
+    // The loader entry: the directories the driver's libraries went to (the cache itself is not
+    // rebuilt: see docs/hook.md, "ld cache").
+    let mut lib_dirs: Vec<String> = Vec::new();
+    for m in &plan.mounts {
+        let is_lib = m
+            .container_path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("lib") && n.contains(".so"));
+        if let Some(dir) = m.container_path.parent().filter(|_| is_lib).map(|d| d.display().to_string())
+            && m.container_path != Path::new(cdi::SHIM_CONTAINER_PATH)
+            && !lib_dirs.contains(&dir)
+        {
+            lib_dirs.push(dir);
+        }
+    }
+    if !lib_dirs.is_empty() {
+        let content: String = lib_dirs.iter().map(|d| format!("{d}\n")).collect();
+        let host = cfg.runtime_dir.join("hook").join(format!("ld.so.conf-{:016x}", fnv1a(content.as_bytes())));
+        push_mount(&mut plan, host.clone(), LD_CONF_PATH.into(), true)?;
+        plan.files.push((host, content));
+    }
+    if let Some(id) = &allocation {
+        let dir = cfg.runtime_dir.join("alloc").join(id);
+        push_mount(&mut plan, dir.clone(), CONTAINER_ALLOC_DIR.into(), true)?;
+        push_mount(&mut plan, dir.join("region"), Path::new(CONTAINER_ALLOC_DIR).join("region"), false)?;
+        plan.env.push(("TESSERA_LIMITS".into(), format!("{CONTAINER_ALLOC_DIR}/limits")));
+        plan.env.push(("TESSERA_REGION".into(), format!("{CONTAINER_ALLOC_DIR}/region")));
+        plan.env.push((ENV_ALLOCATION.into(), id.clone()));
+    }
+    let mut uuids: Vec<&str> = Vec::new();
+    for d in &plan.devices {
+        if !uuids.contains(&d.uuid.as_str()) {
+            uuids.push(&d.uuid);
+        }
+    }
+    let visible = if uuids.is_empty() { "none".to_string() } else { uuids.join(",") };
+    plan.env.push((ENV_VISIBLE.into(), visible));
+    Ok(Some(plan))
+}
+
+fn dirs(cfg: &HookConfig) -> String {
+    cfg.cdi_spec_dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// The allocation's id, from env `TESSERA_ALLOCATION` or annotation `tessera.io/allocation`.
+fn allocation_id(info: &ContainerInfo) -> Result<Option<String>, InjectError> {
+    let env = info.env.get(ENV_ALLOCATION).map(|s| s.trim()).filter(|s| !s.is_empty());
+    let ann = info.annotations.get(ANNOTATION_ALLOCATION).map(|s| s.trim()).filter(|s| !s.is_empty());
+    let (field, id) = match (env, ann) {
+        (Some(e), Some(a)) if e != a => {
+            return Err(InjectError(format!(
+                "annotation {ANNOTATION_ALLOCATION}: {a:?} differs from {ENV_ALLOCATION}={e:?}"
+            )));
+        }
+        (_, Some(a)) => (format!("annotation {ANNOTATION_ALLOCATION}"), a),
+        (Some(e), None) => (ENV_ALLOCATION.to_string(), e),
+        (None, None) => return Ok(None),
+    };
+    let ok =
+        id.len() <= 128 && id.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) && !id.starts_with('.');
+    if !ok {
+        return Err(InjectError(format!("{field}: {id:?} is not an allocation id")));
+    }
+    Ok(Some(id.to_string()))
+}
+
+/// The UUIDs an allocation holds (its limits file's UUID entries).
+fn load_allocation(cfg: &HookConfig, id: &str) -> Result<Vec<String>, InjectError> {
+    let dir = cfg.runtime_dir.join("alloc").join(id);
+    let limits = tessera_region::Limits::load(&dir.join("limits"))
+        .map_err(|e| InjectError(format!("allocation {id:?}: {e}")))?;
+    let region = dir.join("region");
+    match std::fs::symlink_metadata(&region) {
+        Ok(m) if m.is_file() => {}
+        Ok(_) => return Err(InjectError(format!("allocation {id:?}: {} is not a regular file", region.display()))),
+        Err(e) => return Err(InjectError(format!("allocation {id:?}: {}: {e}", region.display()))),
+    }
+    Ok(limits
+        .devices
+        .iter()
+        .map(|d| d.uuid.clone())
+        .filter(|u| u != tessera_region::ALL_DEVICES && !u.starts_with("index:"))
+        .collect())
+}
+
+/// A device by name or alias: exact first, then ignoring ASCII case; classes in order.
+fn find_device(specs: &[Spec], class: Option<&str>, id: &str) -> Option<(usize, usize)> {
+    let name = cdi::cdi_device_name(id);
+    let in_class = |s: &&Spec| class.is_none_or(|c| s.class() == c);
+    for exact in [true, false] {
+        for (si, spec) in specs.iter().enumerate().filter(|(_, s)| in_class(s)) {
+            if let Some(di) = spec
+                .devices
+                .iter()
+                .position(|d| if exact { d.name == name } else { d.name.eq_ignore_ascii_case(&name) })
+            {
+                return Some((si, di));
+            }
+        }
+    }
+    None
+}
+
+fn add_edits(plan: &mut Plan, edits: &cdi::ContainerEdits, what: &str) -> Result<(), InjectError> {
+    for (i, n) in edits.device_nodes.iter().enumerate() {
+        let field = format!("{what}: deviceNodes[{i}]");
+        if n.kind.as_deref().is_some_and(|k| k != "c") {
+            return Err(InjectError(format!("{field}.type: {:?} is not \"c\"", n.kind)));
+        }
+        let num = |v: Option<i64>, f: &str| {
+            v.and_then(|v| u32::try_from(v).ok())
+                .ok_or_else(|| InjectError(format!("{field}.{f}: missing or out of range")))
+        };
+        let edit = NodeEdit {
+            path: checked_container_path(&n.path, &format!("{field}.path"))?,
+            host_path: PathBuf::from(n.host_path.as_deref().unwrap_or(&n.path)),
+            major: num(n.major, "major")?,
+            minor: num(n.minor, "minor")?,
+        };
+        match plan.device_nodes.iter().find(|e| e.path == edit.path) {
+            Some(e) if (e.major, e.minor) != (edit.major, edit.minor) => {
+                return Err(InjectError(format!("{field}: {} given twice with different numbers", n.path)));
+            }
+            Some(_) => {}
+            None => plan.device_nodes.push(edit),
+        }
+    }
+    for (i, m) in edits.mounts.iter().enumerate() {
+        let field = format!("{what}: mounts[{i}]");
+        let ro = m.options.iter().any(|o| o == "ro");
+        let path = checked_container_path(&m.container_path, &format!("{field}.containerPath"))?;
+        if !m.host_path.starts_with('/') {
+            return Err(InjectError(format!("{field}.hostPath: {:?} is not absolute", m.host_path)));
+        }
+        push_mount(plan, m.host_path.clone().into(), path, ro)?;
+    }
+    for (i, e) in edits.env.iter().enumerate() {
+        let Some((k, v)) = e.split_once('=') else {
+            return Err(InjectError(format!("{what}: env[{i}]: {e:?} is not NAME=VALUE")));
+        };
+        if !plan.env.iter().any(|(pk, _)| pk == k) {
+            plan.env.push((k.into(), v.into()));
+        }
+    }
+    Ok(())
+}
+
+fn checked_container_path(p: &str, field: &str) -> Result<PathBuf, InjectError> {
+    let path = Path::new(p);
+    if !path.is_absolute() || path.components().any(|c| matches!(c, std::path::Component::ParentDir)) {
+        return Err(InjectError(format!("{field}: {p:?} is not an absolute path without \"..\"")));
+    }
+    Ok(path.to_path_buf())
+}
+
+fn push_mount(plan: &mut Plan, host: PathBuf, container: PathBuf, read_only: bool) -> Result<(), InjectError> {
+    match plan.mounts.iter().find(|m| m.container_path == container) {
+        Some(m) if m.host_path != host => Err(InjectError(format!(
+            "mount {}: given from both {} and {}",
+            container.display(),
+            m.host_path.display(),
+            host.display()
+        ))),
+        Some(_) => Ok(()),
+        None => {
+            plan.mounts.push(MountEdit { host_path: host, container_path: container, read_only });
+            Ok(())
+        }
+    }
+}
+
+/// The content of the preload file: the shim's container path.
+pub fn preload_content() -> String {
+    format!("{}\n", cdi::SHIM_CONTAINER_PATH)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Makes the plan's host files (atomically) where they are missing or differ.
+pub fn ensure_files(plan: &Plan) -> Result<(), InjectError> {
+    for (path, want) in &plan.files {
+        if std::fs::read_to_string(path).is_ok_and(|s| &s == want) {
+            continue;
+        }
+        let err = |e: std::io::Error| InjectError(format!("{}: {e}", path.display()));
+        let dir = path.parent().ok_or_else(|| InjectError(format!("{}: no parent", path.display())))?;
+        std::fs::create_dir_all(dir).map_err(err)?;
+        let tmp = dir.join(format!(".tmp.{}", std::process::id()));
+        std::fs::write(&tmp, want).map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(err)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::cdi::tests::fake_node;
+
+    pub(crate) struct Fixture {
+        pub dir: tempfile::TempDir,
+        pub cfg: HookConfig,
+        pub specs: Vec<Spec>,
+    }
+
+    pub(crate) fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let node = fake_node(dir.path());
+        let specs = cdi::build_specs(&node).unwrap();
+        let run = dir.path().join("run");
+        let alloc = run.join("alloc/a1");
+        std::fs::create_dir_all(&alloc).unwrap();
+        std::fs::write(alloc.join("limits"), "version = 1\n[[devices]]\nuuid = \"GPU-aaaa\"\nmemory_limit = 1024\n")
+            .unwrap();
+        std::fs::write(alloc.join("region"), b"").unwrap();
+        let shim = dir.path().join("libtessera.so");
+        std::fs::write(&shim, b"elf").unwrap();
+        let cfg = HookConfig {
+            cdi_spec_dirs: vec![dir.path().join("cdi")],
+            runtime_dir: run,
+            driver_root: dir.path().into(),
+            dev_root: dir.path().join("dev"),
+            runtime: "runc".into(),
+            require_allocation: true,
+            shim_path: Some(shim),
+        };
+        Fixture { dir, cfg, specs }
+    }
+
+    fn info(env: &[(&str, &str)], ann: &[(&str, &str)]) -> ContainerInfo {
+        ContainerInfo {
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            annotations: ann.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }
+    }
+
+    fn err(f: &Fixture, env: &[(&str, &str)], ann: &[(&str, &str)]) -> String {
+        plan(&f.cfg, &f.specs, &info(env, ann)).unwrap_err().0
+    }
+
+    #[test]
+    fn nothing_asked_is_no_plan() {
+        let f = fixture();
+        assert!(!may_ask(&info(&[("PATH", "/bin"), (ENV_VISIBLE, "void")], &[("cdi.k8s.io/x", "nvidia.com/gpu=0")])));
+        assert!(may_ask(&info(&[(ENV_NVIDIA_VISIBLE, "all")], &[])));
+        assert!(!may_ask(&info(&[(ENV_VISIBLE, ""), (ENV_NVIDIA_VISIBLE, "all")], &[])));
+        assert_eq!(plan(&f.cfg, &f.specs, &info(&[("PATH", "/bin")], &[])).unwrap(), None);
+        assert_eq!(plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "void")], &[])).unwrap(), None);
+        // A CUDA image's default asks nothing without an allocation.
+        assert_eq!(plan(&f.cfg, &f.specs, &info(&[(ENV_NVIDIA_VISIBLE, "all")], &[])).unwrap(), None);
+    }
+
+    #[test]
+    fn allocated_device_by_every_way_of_asking() {
+        let f = fixture();
+        for (env, ann) in [
+            (vec![(ENV_VISIBLE, "GPU-aaaa"), (ENV_ALLOCATION, "a1")], vec![]),
+            (vec![(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], vec![]),
+            (vec![(ENV_NVIDIA_VISIBLE, "all"), (ENV_ALLOCATION, "a1")], vec![]),
+            (vec![], vec![(ANNOTATION_DEVICES, "gpu-AAAA"), (ANNOTATION_ALLOCATION, "a1")]),
+            (vec![(ENV_ALLOCATION, "a1")], vec![("cdi.k8s.io/x", "nvidia.com/gpu=0,tessera.io/gpu=GPU-aaaa")]),
+            (vec![(ENV_ALLOCATION, "a1"), ("TESSERA_CDI_DEVICE_GPU_AAAA", "GPU-aaaa")], vec![]),
+        ] {
+            let p = plan(&f.cfg, &f.specs, &info(&env, &ann)).unwrap().unwrap();
+            assert_eq!(
+                p.devices,
+                [PlannedDevice { class: "gpu".into(), name: "GPU-aaaa".into(), uuid: "GPU-aaaa".into() }],
+                "{env:?} {ann:?}"
+            );
+            let nodes: Vec<_> = p.device_nodes.iter().map(|n| (n.path.to_str().unwrap(), n.major, n.minor)).collect();
+            assert_eq!(nodes, [("/dev/nvidia0", 195, 0), ("/dev/nvidiactl", 195, 255), ("/dev/nvidia-uvm", 510, 0)]);
+            let mounts: Vec<_> = p.mounts.iter().map(|m| (m.container_path.to_str().unwrap(), m.read_only)).collect();
+            assert_eq!(
+                mounts,
+                [
+                    (cdi::SHIM_CONTAINER_PATH, true),
+                    (PRELOAD_PATH, true),
+                    (CONTAINER_ALLOC_DIR, true),
+                    ("/run/tessera/alloc/region", false)
+                ]
+            );
+            let env: BTreeMap<_, _> = p.env.iter().cloned().collect();
+            assert_eq!(env["TESSERA_LIMITS"], "/run/tessera/alloc/limits");
+            assert_eq!(env[ENV_VISIBLE], "GPU-aaaa");
+            assert_eq!(env["TESSERA_CDI_DEVICE_GPU_AAAA"], "GPU-aaaa");
+        }
+        // A share maps to its parent GPU.
+        let p = plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "GPU-aaaa::3"), (ENV_ALLOCATION, "a1")], &[]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.devices[0].class, "share");
+        assert_eq!(p.devices[0].uuid, "GPU-aaaa");
+    }
+
+    #[test]
+    fn refusals_name_the_field() {
+        let f = fixture();
+        let e = err(&f, &[(ENV_VISIBLE, "MIG-bbbb"), (ENV_ALLOCATION, "a1")], &[]);
+        assert_eq!(
+            e,
+            "TESSERA_VISIBLE_DEVICES: device \"MIG-bbbb\" is not allocated to this container (allocation \"a1\" holds GPU-aaaa)"
+        );
+        let e = err(&f, &[(ENV_VISIBLE, "1:0"), (ENV_ALLOCATION, "a1")], &[]);
+        assert!(e.contains("\"MIG-bbbb\" is not allocated"), "{e}");
+        let e = err(&f, &[(ENV_VISIBLE, "GPU-aaaa")], &[]);
+        assert!(e.starts_with("TESSERA_VISIBLE_DEVICES: devices asked for, but no allocation is named"), "{e}");
+        let e = err(&f, &[(ENV_VISIBLE, "GPU-zzzz"), (ENV_ALLOCATION, "a1")], &[]);
+        assert!(e.starts_with("TESSERA_VISIBLE_DEVICES: \"GPU-zzzz\" is not a device in the CDI specs"), "{e}");
+        let e = err(&f, &[(ENV_VISIBLE, "all,0")], &[]);
+        assert!(e.starts_with("TESSERA_VISIBLE_DEVICES: \"all\" cannot be combined"), "{e}");
+        let e = err(&f, &[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "../etc")], &[]);
+        assert_eq!(e, "TESSERA_ALLOCATION: \"../etc\" is not an allocation id");
+        let e = err(&f, &[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "nope")], &[]);
+        assert!(e.starts_with("allocation \"nope\": ") && e.contains("alloc/nope/limits"), "{e}");
+        let e = err(&f, &[(ENV_ALLOCATION, "a1")], &[("cdi.k8s.io/x", "tessera.io/gpu")]);
+        assert!(e.starts_with("annotation cdi.k8s.io/x: \"tessera.io/gpu\" is not a CDI device name"), "{e}");
+        let e = err(&f, &[(ENV_ALLOCATION, "a1")], &[("cdi.k8s.io/x", "tessera.io/tpu=0")]);
+        assert!(e.starts_with("annotation cdi.k8s.io/x: \"tessera.io/tpu\" is not a tessera.io class"), "{e}");
+        let e = err(&f, &[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], &[(ANNOTATION_ALLOCATION, "a2")]);
+        assert!(e.starts_with("annotation tessera.io/allocation: \"a2\" differs"), "{e}");
+        std::fs::write(f.cfg.runtime_dir.join("alloc/a1/limits"), "version = 1\n[[devices]]\nuuid = 5\n").unwrap();
+        let e = err(&f, &[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], &[]);
+        assert!(e.ends_with("devices[0].uuid: expected a string, found an integer"), "{e}");
+        std::fs::remove_file(f.cfg.shim_path.as_ref().unwrap()).unwrap();
+        std::fs::write(f.cfg.runtime_dir.join("alloc/a1/limits"), "version = 1\n").unwrap();
+        let e = err(&f, &[(ENV_VISIBLE, "none"), (ENV_ALLOCATION, "a1")], &[]);
+        assert!(e.starts_with("shim_path: "), "{e}");
+        drop(f.dir);
+    }
+
+    #[test]
+    fn standalone_host_needs_no_allocation() {
+        let mut f = fixture();
+        f.cfg.require_allocation = false;
+        let p = plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "all")], &[])).unwrap().unwrap();
+        assert_eq!(p.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), ["GPU-aaaa"]);
+        assert!(p.mounts.iter().all(|m| !m.container_path.starts_with(CONTAINER_ALLOC_DIR)));
+        let p = plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "1:0")], &[])).unwrap().unwrap();
+        let nodes: Vec<_> = p.device_nodes.iter().map(|n| n.path.to_str().unwrap()).collect();
+        assert_eq!(nodes, ["/dev/nvidia1", "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidiactl", "/dev/nvidia-uvm"]);
+        let p = plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "none")], &[])).unwrap().unwrap();
+        assert!(p.devices.is_empty() && p.device_nodes.len() == 2);
+        assert!(p.env.contains(&(ENV_VISIBLE.into(), "none".into())));
+    }
+}

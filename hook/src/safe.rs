@@ -1,0 +1,337 @@
+//! Paths inside a container's root file system, resolved the way the kernel does with
+//! `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`: `..` stops at the root, an absolute symlink
+//! starts again from the root, magic links (`/proc/self/root`) are refused. Where openat2 is
+//! missing (ENOSYS) the same rules are applied one component at a time with `O_NOFOLLOW` opens and
+//! `readlinkat`, so no symlink is ever followed by the kernel.
+//!
+//! Everything returned is an `O_PATH` descriptor; callers act on descriptors (`*at` calls,
+//! `move_mount` onto the fd), never on a path string again, so nothing can be swapped in between
+//! (the lesson of CVE-2024-0132).
+
+use std::collections::VecDeque;
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path};
+
+use crate::sys;
+
+const MAX_LINKS: u32 = 40;
+
+/// A container root file system, held open.
+#[derive(Debug)]
+pub struct Root {
+    fd: OwnedFd,
+    /// Always walk component by component (tests; kernels without openat2).
+    walk_only: bool,
+}
+
+/// Directories already resolved inside a root, by their path in it.
+#[derive(Debug, Default)]
+pub struct DirCache(Vec<(std::path::PathBuf, OwnedFd)>);
+
+/// What [`Root::mknod`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeOutcome {
+    Created,
+    /// The same device node was already there.
+    Existing,
+}
+
+fn errno(code: i32) -> io::Error {
+    io::Error::from_raw_os_error(code)
+}
+
+impl Root {
+    /// Opens the root directory (a host path the runtime gave us).
+    pub fn open(path: &Path) -> io::Result<Root> {
+        let c = sys::cstr(path.as_os_str())?;
+        let fd = sys::openat(
+            // SAFETY: AT_FDCWD is a valid "directory fd" for *at calls; it is never closed.
+            unsafe { BorrowedFd::borrow_raw(libc::AT_FDCWD) },
+            &c,
+            libc::O_PATH | libc::O_DIRECTORY,
+            0,
+        )?;
+        Ok(Root { fd, walk_only: false })
+    }
+
+    /// The same root, resolved only by the component walk (the ENOSYS fallback), for tests.
+    pub fn walk_only(mut self) -> Root {
+        self.walk_only = true;
+        self
+    }
+
+    /// An `O_PATH` descriptor of `path` inside the root, every symlink resolved inside the root.
+    pub fn resolve(&self, path: &Path) -> io::Result<OwnedFd> {
+        if !self.walk_only {
+            let rel = relative(path);
+            let c = sys::cstr(rel.as_os_str())?;
+            match sys::openat2(self.fd.as_fd(), &c, libc::O_PATH, sys::RESOLVE_IN_ROOT | sys::RESOLVE_NO_MAGICLINKS) {
+                Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {}
+                r => return r,
+            }
+        }
+        self.walk(path, false)
+    }
+
+    /// The component walk; with `create`, a missing name is made as a directory (mode 0755) and
+    /// the walk goes on into it, so that links are followed inside the root as they would be.
+    fn walk(&self, path: &Path, create: bool) -> io::Result<OwnedFd> {
+        let mut stack: Vec<OwnedFd> = vec![self.fd.try_clone()?];
+        let mut todo: VecDeque<OsString> = components(path).into();
+        let mut links = 0;
+        while let Some(name) = todo.pop_front() {
+            if name == ".." {
+                if stack.len() > 1 {
+                    stack.pop();
+                }
+                continue;
+            }
+            let cur = stack.last().expect("the root stays on the stack");
+            let c = sys::cstr(&name)?;
+            let fd = match sys::openat(cur.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+                Err(e) if create && e.raw_os_error() == Some(libc::ENOENT) => {
+                    match sys::mkdirat(cur.as_fd(), &c, 0o755) {
+                        Ok(()) => {}
+                        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                        Err(e) => return Err(e),
+                    }
+                    sys::openat(cur.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?
+                }
+                r => r?,
+            };
+            let mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+            if mode == libc::S_IFLNK {
+                links += 1;
+                if links > MAX_LINKS {
+                    return Err(errno(libc::ELOOP));
+                }
+                let target = sys::readlinkat(cur.as_fd(), &c)?;
+                let target = Path::new(&target);
+                if target.is_absolute() {
+                    stack.truncate(1);
+                }
+                for (i, comp) in components(target).into_iter().enumerate() {
+                    todo.insert(i, comp);
+                }
+            } else if todo.is_empty() {
+                return Ok(fd);
+            } else if mode == libc::S_IFDIR {
+                stack.push(fd);
+            } else {
+                return Err(errno(libc::ENOTDIR));
+            }
+        }
+        stack.pop().expect("the root stays on the stack").try_clone()
+    }
+
+    /// The first existing component of `path` (lexically, from the root) that is a symbolic link,
+    /// if any; the walk stops at the first missing component. Never follows anything.
+    pub fn first_symlink(&self, path: &Path) -> io::Result<Option<std::path::PathBuf>> {
+        let mut cur = self.fd.try_clone()?;
+        let mut seen = std::path::PathBuf::from("/");
+        for name in components(path) {
+            if name == ".." {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, "path has \"..\""));
+            }
+            seen.push(&name);
+            let fd = match sys::openat(cur.as_fd(), &sys::cstr(&name)?, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+                Ok(fd) => fd,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            let mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+            if mode == libc::S_IFLNK {
+                return Ok(Some(seen));
+            }
+            if mode != libc::S_IFDIR {
+                return Ok(None);
+            }
+            cur = fd;
+        }
+        Ok(None)
+    }
+
+    /// Makes every missing directory of `path` (mode 0755) inside the root; returns the last one.
+    pub fn mkdir_all(&self, path: &Path) -> io::Result<OwnedFd> {
+        let dir = self.walk(path, true)?;
+        if sys::fstat(dir.as_fd())?.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(errno(libc::ENOTDIR));
+        }
+        Ok(dir)
+    }
+
+    /// A regular file at `path` (created empty, mode 0644, when missing), for a file bind mount.
+    pub fn file(&self, path: &Path) -> io::Result<OwnedFd> {
+        self.file_cached(path, &mut DirCache::default())
+    }
+
+    /// [`Root::file`], reusing the parent directories already resolved for earlier files (two
+    /// dozen libraries share one directory).
+    pub fn file_cached(&self, path: &Path, cache: &mut DirCache) -> io::Result<OwnedFd> {
+        let (parent, name) = split(path)?;
+        let dir = match cache.0.iter().position(|(p, _)| p == parent) {
+            Some(i) => &cache.0[i].1,
+            None => {
+                let fd = self.mkdir_all(parent)?;
+                cache.0.push((parent.to_path_buf(), fd));
+                &cache.0.last().expect("just pushed").1
+            }
+        };
+        let c = sys::cstr(name)?;
+        match sys::openat(dir.as_fd(), &c, libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY, 0o644) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+        let mut fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        let mut mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+        if mode == libc::S_IFLNK {
+            // A link the image put there: followed inside the root.
+            fd = self.resolve(path)?;
+            mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+        }
+        if mode != libc::S_IFREG {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "exists and is not a regular file"));
+        }
+        Ok(fd)
+    }
+
+    /// A directory at `path`, made when missing, for a directory bind mount.
+    pub fn dir(&self, path: &Path) -> io::Result<OwnedFd> {
+        self.mkdir_all(path)
+    }
+
+    /// A character device node at `path` (mode 0666). An existing node with the same numbers is
+    /// kept; anything else there is an error. `EPERM` (a user namespace) is returned as is.
+    pub fn mknod(&self, path: &Path, major: u32, minor: u32) -> io::Result<NodeOutcome> {
+        let (parent, name) = split(path)?;
+        let dir = self.mkdir_all(parent)?;
+        let dev = libc::makedev(major, minor);
+        match sys::mknodat(dir.as_fd(), &sys::cstr(name)?, libc::S_IFCHR | 0o666, dev) {
+            Ok(()) => Ok(NodeOutcome::Created),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                let fd = sys::openat(dir.as_fd(), &sys::cstr(name)?, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+                let st = sys::fstat(fd.as_fd())?;
+                if st.st_mode & libc::S_IFMT == libc::S_IFCHR && st.st_rdev == dev {
+                    Ok(NodeOutcome::Existing)
+                } else {
+                    Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!("exists and is not device {major}:{minor}"),
+                    ))
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Whether two descriptors name the same file (a bind mount of one onto the other already done).
+pub fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
+    match (sys::fstat(a), sys::fstat(b)) {
+        (Ok(x), Ok(y)) => x.st_dev == y.st_dev && x.st_ino == y.st_ino,
+        _ => false,
+    }
+}
+
+fn relative(path: &Path) -> std::path::PathBuf {
+    let rel: std::path::PathBuf = components(path).iter().collect();
+    if rel.as_os_str().is_empty() { ".".into() } else { rel }
+}
+
+/// The names of a path, `.` dropped, `..` kept (resolution handles it), root ignored.
+fn components(path: &Path) -> Vec<OsString> {
+    path.components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n.to_os_string()),
+            Component::ParentDir => Some(OsString::from("..")),
+            _ => None,
+        })
+        .collect()
+}
+
+fn split(path: &Path) -> io::Result<(&Path, &OsStr)> {
+    match (path.parent(), path.file_name()) {
+        (Some(p), Some(n)) if n.as_bytes() != b".." => Ok((p, n)),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} has no file name", path.display()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn fd_path(fd: &OwnedFd) -> std::path::PathBuf {
+        std::fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(fd))).unwrap()
+    }
+
+    /// A root full of traps pointing at a victim directory outside it.
+    fn hostile() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("rootfs");
+        let victim = dir.path().join("victim");
+        std::fs::create_dir_all(root.join("real")).unwrap();
+        std::fs::create_dir_all(&victim).unwrap();
+        std::fs::write(victim.join("keep"), b"host").unwrap();
+        symlink(&victim, root.join("etc")).unwrap(); // absolute, to a host path
+        symlink("../../../../../../victim", root.join("up")).unwrap();
+        symlink("/proc/self/root", root.join("magic")).unwrap();
+        symlink("loop2", root.join("loop1")).unwrap();
+        symlink("loop1", root.join("loop2")).unwrap();
+        symlink("/real", root.join("abs")).unwrap();
+        (dir, root, victim)
+    }
+
+    fn check_stays_inside(r: Root, root: &Path, victim: &Path) {
+        // The absolute link is followed inside the root: <root>/<victim path> does not exist.
+        let e = r.resolve(Path::new("/etc/keep")).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+        // Making files through it makes them inside the root.
+        let fd = r.file(Path::new("/etc/ld.so.preload")).unwrap();
+        let made = fd_path(&fd);
+        assert!(made.starts_with(root), "{}", made.display());
+        assert!(root.join(victim.strip_prefix("/").unwrap()).join("ld.so.preload").is_file());
+        // `..` stops at the root.
+        let fd = r.resolve(Path::new("/up")).unwrap_err();
+        assert_eq!(fd.raw_os_error(), Some(libc::ENOENT));
+        let fd = r.resolve(Path::new("/../../real")).unwrap();
+        assert_eq!(fd_path(&fd), root.join("real"));
+        assert_eq!(fd_path(&r.resolve(Path::new("abs")).unwrap()), root.join("real"));
+        assert_eq!(r.resolve(Path::new("/loop1")).unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        assert_eq!(r.mknod(Path::new("/dev/nvidia0"), 1, 3).unwrap(), NodeOutcome::Created);
+        assert_eq!(r.mknod(Path::new("/dev/nvidia0"), 1, 3).unwrap(), NodeOutcome::Existing);
+        assert!(r.mknod(Path::new("/dev/nvidia0"), 1, 5).is_err());
+        assert_eq!(r.first_symlink(Path::new("/etc/ld.so.preload")).unwrap(), Some("/etc".into()));
+        assert_eq!(r.first_symlink(Path::new("/real/x/y")).unwrap(), None);
+        assert_eq!(r.first_symlink(Path::new("/abs")).unwrap(), Some("/abs".into()));
+        // The victim is untouched.
+        let names: Vec<_> = std::fs::read_dir(victim).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["keep"]);
+    }
+
+    #[test]
+    fn openat2_keeps_inside_the_root() {
+        let (_d, root, victim) = hostile();
+        let r = Root::open(&root).unwrap();
+        // No procfs in this root: the link leads nowhere inside it.
+        assert_eq!(r.resolve(Path::new("/magic/tmp")).unwrap_err().raw_os_error(), Some(libc::ENOENT));
+        // A magic link (procfs' `root`) is refused outright.
+        let proc = Root::open(Path::new("/proc/self")).unwrap();
+        assert_eq!(proc.resolve(Path::new("root/tmp")).unwrap_err().raw_os_error(), Some(libc::ELOOP));
+        check_stays_inside(r, &root, &victim);
+    }
+
+    #[test]
+    fn component_walk_keeps_inside_the_root() {
+        let (_d, root, victim) = hostile();
+        let r = Root::open(&root).unwrap().walk_only();
+        // The walk reads /proc/self/root as the string "/": it stays inside the root.
+        let e = r.resolve(Path::new("/magic/victim")).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
+        check_stays_inside(r, &root, &victim);
+    }
+}

@@ -1,0 +1,159 @@
+//! The runtime wrapper (`tessera-runtime`), for containerd 1.6 and plain runc: on `create` (and
+//! `run`) it edits the bundle's config.json — device nodes, device-cgroup rules, bind mounts,
+//! environment — then execs the real runtime with the original argv. Every other subcommand passes
+//! straight through. Path safety inside the root is then the runtime's own (runc resolves mount
+//! targets inside the root); the wrapper itself only writes the bundle's config.json.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use crate::cdi;
+use crate::config::HookConfig;
+use crate::oci;
+use crate::plan::{self, InjectError};
+
+/// runc's global options that take a value.
+const VALUE_OPTIONS: &[&str] = &["--root", "--log", "--log-format", "--criu", "--rootless"];
+
+/// The subcommand's index in `args` (args[0] is the program), skipping global options.
+pub fn subcommand(args: &[OsString]) -> Option<usize> {
+    let mut i = 1;
+    while i < args.len() {
+        let a = args[i].to_string_lossy();
+        if a == "--" {
+            return (i + 1 < args.len()).then_some(i + 1);
+        }
+        if a.starts_with('-') {
+            if VALUE_OPTIONS.contains(&a.as_ref()) {
+                i += 1;
+            }
+            i += 1;
+            continue;
+        }
+        return Some(i);
+    }
+    None
+}
+
+/// The bundle a `create`/`run` names: `--bundle X`, `--bundle=X`, `-b X`, `-b=X`, else the cwd.
+pub fn bundle(args: &[OsString], sub: usize) -> Option<PathBuf> {
+    let mut i = sub + 1;
+    while i < args.len() {
+        let a = args[i].to_string_lossy();
+        for flag in ["--bundle", "-b"] {
+            if a == flag {
+                return args.get(i + 1).map(PathBuf::from);
+            }
+            if let Some(v) = a.strip_prefix(flag).and_then(|r| r.strip_prefix('=')) {
+                return Some(PathBuf::from(v));
+            }
+        }
+        i += 1;
+    }
+    std::env::current_dir().ok()
+}
+
+/// The `--log` file and its format, where runc's caller reads errors from.
+pub fn log_target(args: &[OsString], sub: usize) -> Option<(PathBuf, bool)> {
+    let mut log = None;
+    let mut json = false;
+    let mut i = 1;
+    while i < sub {
+        let a = args[i].to_string_lossy();
+        let next = || args.get(i + 1).map(|s| s.to_string_lossy().into_owned());
+        if a == "--log" {
+            log = next().map(PathBuf::from);
+        } else if let Some(v) = a.strip_prefix("--log=") {
+            log = Some(v.into());
+        } else if a == "--log-format" {
+            json = next().as_deref() == Some("json");
+        } else if a == "--log-format=json" {
+            json = true;
+        }
+        i += 1;
+    }
+    log.map(|l| (l, json))
+}
+
+/// Edits the bundle for a create; `Ok(false)`: the container asks for nothing of ours.
+pub fn edit_bundle(cfg: &HookConfig, bundle: &Path) -> Result<bool, InjectError> {
+    let mut config = oci::read_config(bundle)?;
+    let info = oci::container_info(&config, &Default::default())?;
+    if !plan::may_ask(&info) {
+        return Ok(false);
+    }
+    let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).map_err(|e| InjectError(format!("CDI spec {e}")))?;
+    let Some(plan) = plan::plan(cfg, &specs, &info)? else { return Ok(false) };
+    check_targets(&oci::root_path(&config, bundle)?, &plan)?;
+    oci::apply_to_config(&mut config, &plan)?;
+    plan::ensure_files(&plan)?;
+    oci::write_config(bundle, &config)?;
+    Ok(true)
+}
+
+/// Refuses a root file system where a path the runtime will create or mount on passes through a
+/// symbolic link: the runtime, not the wrapper, acts on these paths, and some runtimes (runc
+/// 1.1.5 creating /dev entries) follow such links on the host.
+pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError> {
+    let root = crate::safe::Root::open(rootfs)
+        .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
+    let targets = plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path));
+    for t in targets {
+        match root.first_symlink(t) {
+            Ok(None) => {}
+            Ok(Some(link)) => {
+                return Err(InjectError(format!(
+                    "root file system: {} is a symbolic link; refusing to put {} through it",
+                    link.display(),
+                    t.display()
+                )));
+            }
+            Err(e) => return Err(InjectError(format!("root file system: {}: {e}", t.display()))),
+        }
+    }
+    Ok(())
+}
+
+/// The real runtime: a path, or a name on PATH that is not this program itself.
+pub fn real_runtime(cfg: &HookConfig) -> Result<PathBuf, InjectError> {
+    if cfg.runtime.contains('/') {
+        return Ok(PathBuf::from(&cfg.runtime));
+    }
+    let me = std::env::current_exe().and_then(|p| p.canonicalize()).ok();
+    let path = std::env::var_os("PATH")
+        .unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
+    for dir in std::env::split_paths(&path) {
+        let p = dir.join(&cfg.runtime);
+        if p.is_file() && p.canonicalize().ok() != me {
+            return Ok(p);
+        }
+    }
+    Err(InjectError(format!("runtime: {:?} is not on PATH", cfg.runtime)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<OsString> {
+        s.split_whitespace().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn finds_subcommand_and_bundle_like_runc_does() {
+        let a = args("runc --root /r --log /l.json --log-format json --systemd-cgroup create --bundle /b c1");
+        let s = subcommand(&a).unwrap();
+        assert_eq!(a[s], "create");
+        assert_eq!(bundle(&a, s).unwrap(), Path::new("/b"));
+        assert_eq!(log_target(&a, s).unwrap(), (PathBuf::from("/l.json"), true));
+        let a = args("runc create -b=/x c1");
+        assert_eq!(bundle(&a, subcommand(&a).unwrap()).unwrap(), Path::new("/x"));
+        let a = args("runc --debug run --bundle=/y c1");
+        assert_eq!(bundle(&a, subcommand(&a).unwrap()).unwrap(), Path::new("/y"));
+        let a = args("runc create c1");
+        assert_eq!(bundle(&a, 1).unwrap(), std::env::current_dir().unwrap());
+        assert_eq!(subcommand(&args("runc --root /r")), None);
+        let a = args("runc --root=/r state c1");
+        assert_eq!(a[subcommand(&a).unwrap()], "state");
+    }
+}

@@ -1,0 +1,351 @@
+//! runc directly: the OCI hook in config.json, and the runtime wrapper in front of runc.
+//! Each container checks from inside what it sees; hostile images prove nothing escapes.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use common::*;
+
+enum Via<'a> {
+    Plain,
+    Wrapper(&'a Node),
+}
+
+fn runc(base: &Path, bundle: &Path, id: &str, via: Via<'_>) -> Output {
+    let id = format!("{id}-{}", std::process::id());
+    let mut cmd = match via {
+        Via::Plain => Command::new("runc"),
+        Via::Wrapper(node) => {
+            let mut c = Command::new(WRAPPER);
+            c.env("TESSERA_HOOK_CONFIG", &node.config);
+            c
+        }
+    };
+    cmd.arg("--root").arg(base.join("runc-state")).arg("run").arg("--bundle").arg(bundle).arg(&id);
+    cmd.stdin(std::process::Stdio::null());
+    cmd.output().expect("run runc")
+}
+
+/// runc is here and can run a plain container; else a SKIP line.
+fn runc_works(base: &Path) -> bool {
+    if !is_root() {
+        return skip("runc tests need root");
+    }
+    if which("runc").is_none() {
+        return skip("runc is not installed (Debian package runc)");
+    }
+    let Some(rootfs) = busybox_rootfs(&base.join("probe-rootfs")) else { return false };
+    let b = bundle(&base.join("probe"), &rootfs, "echo ok", &[], None);
+    let out = runc(base, &b, "probe", Via::Plain);
+    if !(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok")) {
+        return skip(&format!("runc cannot run containers here: {}", text(&out)));
+    }
+    true
+}
+
+const ASK_GPU0: &[&str] = &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"];
+
+#[test]
+fn hook_injects_exactly_the_allocated_gpu() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let b = bundle(&node.path().join("b"), &rootfs, PROBE, ASK_GPU0, Some(&node));
+    let out = runc(node.path(), &b, "hook-gpu0", Via::Plain);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_gpu0(&all);
+}
+
+#[test]
+fn wrapper_injects_exactly_the_allocated_gpu_and_env() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let b = bundle(&node.path().join("b"), &rootfs, PROBE, ASK_GPU0, None);
+    let out = runc(node.path(), &b, "wrap-gpu0", Via::Wrapper(&node));
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_gpu0(&all);
+    assert_eq!(
+        lines(&all, "env "),
+        [format!("env TESSERA_LIMITS=/run/tessera/alloc/limits TESSERA_ALLOCATION=a1 TESSERA_VISIBLE_DEVICES={GPU0}")],
+        "{all}"
+    );
+}
+
+#[test]
+fn mig_device_gets_its_caps_node() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let env = ["TESSERA_VISIBLE_DEVICES=1:0", "TESSERA_ALLOCATION=a-mig"];
+    let b = bundle(&node.path().join("b"), &rootfs, PROBE, &env, Some(&node));
+    let out = runc(node.path(), &b, "hook-mig", Via::Plain);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_eq!(
+        lines(&all, "node "),
+        [
+            "node /dev/nvidia-uvm eb:0",
+            "node /dev/nvidia-uvm-tools eb:1",
+            "node /dev/nvidia1 c3:1",
+            "node /dev/nvidiactl c3:ff",
+            "node /dev/nvidia-caps/nvidia-cap21 ec:15",
+        ],
+        "{all}"
+    );
+    assert!(lines(&all, "open1 ")[0].contains("No such device or address"), "{all}");
+}
+
+#[test]
+fn unallocated_device_is_refused_by_hook_and_wrapper() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let env = ["TESSERA_VISIBLE_DEVICES=1", "TESSERA_ALLOCATION=a1"];
+    let marker = "echo STARTED";
+    let b = bundle(&node.path().join("b1"), &rootfs, marker, &env, Some(&node));
+    let out = runc(node.path(), &b, "hook-refused", Via::Plain);
+    let all = text(&out);
+    assert!(!out.status.success() && !all.contains("STARTED"), "{all}");
+    // runc quotes the hook's stderr in its own log line.
+    let unquoted = all.replace("\\\"", "\"");
+    assert!(
+        unquoted.contains(&format!("tessera-hook: TESSERA_VISIBLE_DEVICES: device \"{GPU1}\" is not allocated")),
+        "{all}"
+    );
+
+    let b = bundle(&node.path().join("b2"), &rootfs, marker, &env, None);
+    let before = std::fs::read(b.join("config.json")).unwrap();
+    let out = runc(node.path(), &b, "wrap-refused", Via::Wrapper(&node));
+    let all = text(&out);
+    assert!(!out.status.success() && !all.contains("STARTED"), "{all}");
+    assert!(all.contains("tessera-runtime: TESSERA_VISIBLE_DEVICES: device"), "{all}");
+    assert_eq!(std::fs::read(b.join("config.json")).unwrap(), before, "config.json left as it was");
+
+    // No allocation named: refused.
+    let b = bundle(&node.path().join("b3"), &rootfs, marker, &["TESSERA_VISIBLE_DEVICES=0"], Some(&node));
+    let out = runc(node.path(), &b, "hook-noalloc", Via::Plain);
+    let all = text(&out);
+    assert!(!out.status.success() && all.contains("no allocation is named"), "{all}");
+}
+
+#[test]
+fn container_without_request_is_untouched() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    // Even a broken spec on the node does not stop a container that asks for nothing.
+    std::fs::write(node.cdi.join("tessera.io-gpu.json"), "{").unwrap();
+    for (i, via_hook) in [true, false].into_iter().enumerate() {
+        let b = bundle(&node.path().join(format!("b{i}")), &rootfs, PROBE, &[], via_hook.then_some(&node));
+        let before = std::fs::read(b.join("config.json")).unwrap();
+        let out = if via_hook {
+            runc(node.path(), &b, "plain-hook", Via::Plain)
+        } else {
+            runc(node.path(), &b, "plain-wrap", Via::Wrapper(&node))
+        };
+        let all = text(&out);
+        assert!(out.status.success(), "{all}");
+        assert!(lines(&all, "node ").is_empty() && lines(&all, "file ").is_empty(), "{all}");
+        assert_eq!(std::fs::read(b.join("config.json")).unwrap(), before);
+    }
+    assert!(!rootfs.join("etc/ld.so.preload").exists());
+}
+
+#[test]
+fn malformed_inputs_fail_the_start_with_one_line() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    // A bad annotation value.
+    let b = bundle(&node.path().join("b1"), &rootfs, "echo STARTED", &["TESSERA_ALLOCATION=a1"], Some(&node));
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    c["annotations"] = serde_json::json!({"cdi.k8s.io/x": "tessera.io/gpu"});
+    std::fs::write(b.join("config.json"), c.to_string()).unwrap();
+    let out = runc(node.path(), &b, "bad-ann", Via::Plain);
+    let all = text(&out);
+    assert!(!out.status.success() && !all.contains("STARTED"), "{all}");
+    let unquoted = all.replace("\\\"", "\"");
+    assert!(
+        unquoted.contains("tessera-hook: annotation cdi.k8s.io/x: \"tessera.io/gpu\" is not a CDI device name"),
+        "{all}"
+    );
+    // A broken limits file.
+    node.allocation("broken", &[]);
+    std::fs::write(node.run.join("alloc/broken/limits"), "version = 1\n[[devices]]\nuuid = 5\n").unwrap();
+    let b = bundle(
+        &node.path().join("b2"),
+        &rootfs,
+        "echo STARTED",
+        &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=broken"],
+        None,
+    );
+    let out = runc(node.path(), &b, "bad-limits", Via::Wrapper(&node));
+    let all = text(&out);
+    assert!(!out.status.success() && all.contains("devices[0].uuid: expected a string"), "{all}");
+    // A broken spec: a container asking for a device gets the file named.
+    let spec = node.cdi.join("tessera.io-gpu.json");
+    std::fs::write(&spec, "{").unwrap();
+    let b3 = bundle(
+        &node.path().join("b3"),
+        &rootfs,
+        "echo STARTED",
+        &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"],
+        None,
+    );
+    let out = runc(node.path(), &b3, "bad-spec", Via::Wrapper(&node));
+    let all = text(&out);
+    assert!(!out.status.success() && all.contains(&format!("tessera-runtime: CDI spec {}: ", spec.display())), "{all}");
+    // The wrapper on a broken config.json.
+    std::fs::write(b.join("config.json"), "{\"process\": {\"env\": 7}}").unwrap();
+    let out = runc(node.path(), &b, "bad-config", Via::Wrapper(&node));
+    let all = text(&out);
+    assert!(
+        !out.status.success()
+            && all.contains("tessera-runtime: config.json: process.env: expected an array of strings"),
+        "{all}"
+    );
+}
+
+/// The entries runc 1.1.5 itself makes in a /dev that is a link to a host directory (it follows
+/// the link on the host before any hook runs): not ours, listed so the check covers the rest.
+const RUNC_DEV_LINKS: &[&str] = &["fd", "ptmx", "stdin", "stdout", "stderr"];
+
+fn without_runc_links(v: &Path, snap: Vec<(String, String)>) -> Vec<(String, String)> {
+    snap.into_iter().filter(|(p, _)| !RUNC_DEV_LINKS.iter().any(|n| Path::new(p) == v.join(n))).collect()
+}
+
+/// Hostile images: /etc, /usr/lib and /dev as links to a host directory, and no /etc at all.
+/// The hook resolves every path inside the root: the start succeeds with everything inside.
+/// The wrapper cannot (the runtime acts on the paths): it refuses such a root before runc runs.
+#[test]
+fn hostile_images_write_nothing_outside() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let victim = victim(node.path());
+    let before = snapshot(&victim);
+    let cases: &[(&str, &[&str])] =
+        &[("etc", &["etc"]), ("usrlib", &["usr/lib"]), ("dev", &["dev"]), ("all", &["etc", "usr/lib", "dev"])];
+    for (name, links) in cases {
+        for via_hook in [true, false] {
+            let rootfs = node.path().join(format!("rootfs-{name}-{via_hook}"));
+            busybox_rootfs(&rootfs).unwrap();
+            for l in *links {
+                std::fs::remove_dir_all(rootfs.join(l)).unwrap();
+                std::os::unix::fs::symlink(&victim, rootfs.join(l)).unwrap();
+            }
+            let b = bundle(
+                &node.path().join(format!("b-{name}-{via_hook}")),
+                &rootfs,
+                PROBE,
+                ASK_GPU0,
+                via_hook.then_some(&node),
+            );
+            let out = if via_hook {
+                runc(node.path(), &b, &format!("hostile-{name}-h"), Via::Plain)
+            } else {
+                runc(node.path(), &b, &format!("hostile-{name}-w"), Via::Wrapper(&node))
+            };
+            let all = text(&out);
+            println!(
+                "hostile {name} via {}: success={}",
+                if via_hook { "hook" } else { "wrapper" },
+                out.status.success()
+            );
+            if via_hook {
+                assert!(out.status.success(), "{all}");
+                // Everything landed inside the container's own root.
+                assert_eq!(lines(&all, "preload "), ["preload /usr/lib/tessera/libtessera.so"], "{all}");
+                assert!(lines(&all, "open0 ")[0].contains("No such device or address"), "{all}");
+                assert_eq!(
+                    without_runc_links(&victim, snapshot(&victim)),
+                    before,
+                    "victim changed: {name} via hook: {all}"
+                );
+                for n in RUNC_DEV_LINKS {
+                    let _ = std::fs::remove_file(victim.join(n));
+                }
+            } else {
+                assert!(!out.status.success(), "{all}");
+                assert!(
+                    all.contains("tessera-runtime: root file system: /") && all.contains("is a symbolic link"),
+                    "{all}"
+                );
+                assert_eq!(snapshot(&victim), before, "victim changed: {name} via wrapper: {all}");
+            }
+        }
+    }
+    // No /etc at all: made inside the root, the start succeeds.
+    for via_hook in [true, false] {
+        let rootfs = node.path().join(format!("rootfs-noetc-{via_hook}"));
+        busybox_rootfs(&rootfs).unwrap();
+        std::fs::remove_dir_all(rootfs.join("etc")).unwrap();
+        let b = bundle(
+            &node.path().join(format!("b-noetc-{via_hook}")),
+            &rootfs,
+            PROBE,
+            ASK_GPU0,
+            via_hook.then_some(&node),
+        );
+        let out = if via_hook {
+            runc(node.path(), &b, "noetc-h", Via::Plain)
+        } else {
+            runc(node.path(), &b, "noetc-w", Via::Wrapper(&node))
+        };
+        let all = text(&out);
+        assert!(out.status.success(), "{all}");
+        assert_gpu0(&all);
+    }
+    assert_eq!(snapshot(&victim), before);
+}
+
+/// The hook listed for both prestart and createRuntime (or once per CDI spec): the second run
+/// finds everything in place and changes nothing.
+#[test]
+fn hook_twice_is_idempotent() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let b = bundle(
+        &node.path().join("b"),
+        &rootfs,
+        &format!(
+            "{PROBE}\ngrep -c tessera-hook-test /proc/self/mountinfo; grep tessera-hook-test /proc/self/mountinfo | cut -d' ' -f4,5"
+        ),
+        ASK_GPU0,
+        Some(&node),
+    );
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    let entry = c["hooks"]["createRuntime"][0].clone();
+    c["hooks"]["prestart"] = serde_json::json!([entry.clone()]);
+    c["hooks"]["createRuntime"] = serde_json::json!([entry.clone(), entry]);
+    std::fs::write(b.join("config.json"), c.to_string()).unwrap();
+    let out = runc(node.path(), &b, "twice", Via::Plain);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_gpu0(&all);
+    // Mounts from the test's directory: the root, 3 libraries, nvidia-smi, shim, preload, loader
+    // entry, allocation dir, region — once each.
+    let count = all.lines().find(|l| l.chars().all(|c| c.is_ascii_digit()) && !l.is_empty()).unwrap();
+    assert_eq!(count, "10", "{all}");
+}
