@@ -18,4 +18,31 @@ lib_dir=${TESSERA_SIM_LIB_DIR:-${XDG_RUNTIME_DIR:-/tmp}/tessera-sim-lib}
 "$bin/tesserad" --sim --once "$@"
 # A workload through the driver ABI, to show the node at work, then the node's state.
 LD_LIBRARY_PATH="$lib_dir" "$bin/tessera-workload" --alloc-mib 2048 --kernels 50 --kernel-us 2000 --depth 4
-exec "$bin/tessera-sim" status
+"$bin/tessera-sim" status
+
+# The daemon serving: GPU 0 split into 4 shares, the node API on a socket of its own; the CLI
+# shows the node, re-partitions GPU 1 into MIG instances (a mode change waits for a reset, so
+# the simulated GPU is reset as an operator would), and lists the events; then SIGTERM.
+demo=$(mktemp -d)
+trap 'kill "${daemon:-}" 2>/dev/null || true; rm -rf "$demo"' EXIT
+cat >"$demo/config.toml" <<EOF
+sim = true
+device_plugin_dir = "$demo/plugins"
+state_dir = "$demo/state"
+runtime_dir = "$demo/run"
+[partitions."0"]
+shares = { count = 4 }
+EOF
+"$bin/tesserad" --config "$demo/config.toml" 2>"$demo/tesserad.log" &
+daemon=$!
+for _ in $(seq 100); do [[ -S $demo/run/tessera.sock ]] && break; sleep 0.05; done
+cli() { echo "\$ tessera $*" >&2; "$bin/tessera" --socket "$demo/run/tessera.sock" "$@"; }
+cli status
+cli layout apply --gpu 1 --mig 3g.40gb=2 || true
+"$bin/tessera-sim" reset --gpu 1 >/dev/null
+cli layout apply --gpu 1 --mig 3g.40gb=2 || true
+cli events --replay 20
+# Leave the simulated GPU 1 as it was for the next run: whole again (MIG off after a reset).
+"$bin/tessera" --socket "$demo/run/tessera.sock" layout apply --gpu 1 --whole >/dev/null || true
+kill -TERM "$daemon" && wait "$daemon"
+"$bin/tessera-sim" reset --gpu 1 >/dev/null

@@ -8,7 +8,7 @@
 //! time, so its container is gone): it is removed with its directory.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
@@ -24,24 +24,39 @@ pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
 /// The daemon's allocation decisions over the store.
 #[derive(Debug)]
 pub struct DaemonAllocator {
-    resources: Arc<Resources>,
+    /// Replaced whole when a layout change or a health change alters what is offered.
+    resources: RwLock<Arc<Resources>>,
     store: Mutex<Store>,
     dirs: AllocDirs,
+    defaults: RwLock<Defaults>,
+}
+
+/// What reloads may change: share placement, and the limits new share allocations get.
+#[derive(Debug, Clone, Copy)]
+struct Defaults {
     placement: Placement,
     priority: Priority,
     compute_mode: ComputeMode,
+}
+
+impl Defaults {
+    fn of(config: &Config) -> Defaults {
+        Defaults {
+            placement: config.resources.share_placement,
+            priority: Priority::from_name(&config.limits.priority).unwrap_or_default(),
+            compute_mode: ComputeMode::from_name(&config.limits.compute_mode).unwrap_or_default(),
+        }
+    }
 }
 
 impl DaemonAllocator {
     /// Over `store` and `dirs`, with the share defaults of `config`.
     pub fn new(config: &Config, resources: Arc<Resources>, store: Store, dirs: AllocDirs) -> DaemonAllocator {
         DaemonAllocator {
-            resources,
+            resources: RwLock::new(resources),
             store: Mutex::new(store),
             dirs,
-            placement: config.resources.share_placement,
-            priority: Priority::from_name(&config.limits.priority).unwrap_or_default(),
-            compute_mode: ComputeMode::from_name(&config.limits.compute_mode).unwrap_or_default(),
+            defaults: RwLock::new(Defaults::of(config)),
         }
     }
 
@@ -65,11 +80,55 @@ impl DaemonAllocator {
         self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).list().cloned().collect()
     }
 
-    fn resource(&self, name: &str) -> Result<&Resource, Status> {
-        self.resources.get(name).ok_or_else(|| Status::not_found(format!("unknown resource {name}")))
+    /// What is offered now.
+    pub fn resources(&self) -> Arc<Resources> {
+        Arc::clone(&self.resources.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
+    /// Offers `resources` from now on (allocations already made are kept).
+    pub fn set_resources(&self, resources: Arc<Resources>) {
+        *self.resources.write().unwrap_or_else(std::sync::PoisonError::into_inner) = resources;
+    }
+
+    /// The share defaults of `config` for allocations from now on (a reload; records made
+    /// before keep theirs).
+    pub fn set_defaults(&self, config: &Config) {
+        *self.defaults.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Defaults::of(config);
+    }
+
+    fn defaults(&self) -> Defaults {
+        *self.defaults.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The per-allocation directories.
+    pub fn dirs(&self) -> &AllocDirs {
+        &self.dirs
+    }
+
+    /// Removes an allocation and its directory (its container is gone). Returns whether it existed.
+    pub fn release(&self, id: &str) -> Result<bool, Status> {
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let existed = store.remove(id).map_err(|e| internal("removing the allocation")(e.to_string()))?.is_some();
+        if let Err(e) = self.dirs.remove(id) {
+            tracing::warn!(%id, error = %e, "cannot remove an allocation directory");
+        }
+        Ok(existed)
+    }
+
+    /// Every device id and physical UUID some allocation holds.
+    pub fn held(&self) -> BTreeSet<String> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        store.list().flat_map(|a| &a.devices).flat_map(|d| [d.device_id.clone(), d.physical_uuid.clone()]).collect()
+    }
+
+    fn resource(&self, name: &str) -> Result<(Arc<Resources>, Resource), Status> {
+        let all = self.resources();
+        let res = all.get(name).cloned().ok_or_else(|| Status::not_found(format!("unknown resource {name}")))?;
+        Ok((all, res))
     }
 
     fn devices(&self, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
+        let defaults = self.defaults();
         ids.iter()
             .map(|id| {
                 let d = resource.device(id).ok_or_else(|| {
@@ -81,8 +140,8 @@ impl DaemonAllocator {
                     physical_uuid: d.physical_uuid.clone(),
                     memory_limit: d.memory_limit,
                     sm_percent: d.sm_percent,
-                    priority: if share { self.priority } else { Priority::Normal },
-                    compute_mode: if share { self.compute_mode } else { ComputeMode::Strict },
+                    priority: if share { defaults.priority } else { Priority::Normal },
+                    compute_mode: if share { defaults.compute_mode } else { ComputeMode::Strict },
                 })
             })
             .collect()
@@ -108,8 +167,12 @@ impl DaemonAllocator {
             }
         }
         let visible = visible.join(",");
+        // What the hook and the runtime wrapper ask the CDI specs for: the allocated devices by
+        // their CDI names (a share id, a MIG or GPU UUID); NVIDIA's variable carries the UUIDs
+        // CUDA sees, for tools that read it.
+        let devices: Vec<&str> = alloc.devices.iter().map(|d| d.device_id.as_str()).collect();
         let envs = HashMap::from([
-            ("TESSERA_VISIBLE_DEVICES".to_owned(), visible.clone()),
+            ("TESSERA_VISIBLE_DEVICES".to_owned(), devices.join(",")),
             ("NVIDIA_VISIBLE_DEVICES".to_owned(), visible),
             ("TESSERA_ALLOCATION".to_owned(), alloc.id.clone()),
             ("TESSERA_LIMITS".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::LIMITS_FILE)),
@@ -141,7 +204,8 @@ fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {
 
 impl Allocator for DaemonAllocator {
     fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status> {
-        let res = self.resource(resource)?;
+        let (_, res) = self.resource(resource)?;
+        let res = &res;
         let devices = self.devices(res, device_ids)?;
         let wanted: BTreeSet<&str> = device_ids.iter().map(String::as_str).collect();
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -207,7 +271,8 @@ impl Allocator for DaemonAllocator {
     }
 
     fn preferred(&self, resource: &str, available: &[String], must_include: &[String], size: usize) -> Vec<String> {
-        let Some(res) = self.resources.get(resource) else {
+        let all = self.resources();
+        let Some(res) = all.get(resource) else {
             return must_include.iter().chain(available).take(size.max(must_include.len())).cloned().collect();
         };
         let mut chosen: Vec<String> = must_include.to_vec();
@@ -222,7 +287,7 @@ impl Allocator for DaemonAllocator {
                 }
                 while chosen.len() < size && !rest.is_empty() {
                     let score = |id: &str| load.get(&parent(id)).copied().unwrap_or(0);
-                    let pick = match self.placement {
+                    let pick = match self.defaults().placement {
                         // Most loaded first; ties by id (min_by_key keeps the first).
                         Placement::Packed => (0..rest.len()).max_by_key(|&i| (score(rest[i]), usize::MAX - i)),
                         Placement::Spread => (0..rest.len()).min_by_key(|&i| (score(rest[i]), i)),
@@ -240,9 +305,7 @@ impl Allocator for DaemonAllocator {
                     let closeness = |a: &str| {
                         rest.iter()
                             .filter(|b| match (gpu(a), gpu(b)) {
-                                (Some(x), Some(y)) => {
-                                    self.resources.distance(x, y).0 + self.resources.distance(x, y).1 == 0
-                                }
+                                (Some(x), Some(y)) => all.distance(x, y).0 + all.distance(x, y).1 == 0,
                                 _ => false,
                             })
                             .count()
@@ -255,7 +318,7 @@ impl Allocator for DaemonAllocator {
                     let cost = |id: &str| {
                         chosen.iter().fold((0u32, 0u32, 0u32), |acc, c| match (gpu(id), gpu(c)) {
                             (Some(x), Some(y)) => {
-                                let (n, u, p) = self.resources.distance(x, y);
+                                let (n, u, p) = all.distance(x, y);
                                 (acc.0 + u32::from(n), acc.1 + u32::from(u), acc.2 + u32::from(p))
                             }
                             _ => (acc.0 + 1, acc.1 + 1, acc.2 + 255),
@@ -333,7 +396,8 @@ mod tests {
         let limits = tessera_region::Limits::load(&tmp.path().join("run/alloc").join(&id).join("limits")).unwrap();
         assert_eq!(limits.devices[0].memory_limit, Some(2 << 30), "two shares of one GPU add up");
         assert_eq!(limits.devices[0].sm_percent, Some(100));
-        assert_eq!(first.envs["TESSERA_VISIBLE_DEVICES"], "GPU-a");
+        assert_eq!(first.envs["TESSERA_VISIBLE_DEVICES"], "GPU-a::0,GPU-a::1");
+        assert_eq!(first.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
         // Same set, any order: the same record.
         let again = a.allocate(SHARE, &ids(&["GPU-a::1", "GPU-a::0"])).unwrap();
         assert_eq!(again.envs["TESSERA_ALLOCATION"], id);

@@ -10,12 +10,28 @@
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
 //! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
 //!
-//! Still to come (issue 4): the node API and CLI; then health and telemetry (issue 6).
+//! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
+//!   the one place that changes it: layout changes, reloads.
+//! - [`events`]: the event stream (health, partition changes, faults), kept for replay.
+//! - [`health`]: XID / ECC / lost-GPU detection, the XID policy, recovery after a reset.
+//! - [`cdi`]: the CDI specs written for container runtimes, refreshed when offerings change.
+//! - [`api`]: the node API (`tessera.v1`) on an owner-only Unix socket.
+//! - [`usage`]: per-container usage read from the accounting regions.
+//! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
+//! - [`socket`]: owner-only Unix sockets.
 
 pub mod allocator;
+pub mod api;
+pub mod cdi;
 pub mod config;
 pub mod discovery;
+pub mod events;
+pub mod health;
 pub mod kubelet;
+pub mod node;
 pub mod partition;
 pub mod resources;
+pub mod socket;
 pub mod state;
+pub mod telemetry;
+pub mod usage;

@@ -173,6 +173,31 @@ impl Resources {
         self.resources.get(name)
     }
 
+    /// Every offered device of GPU `index`, with its resource.
+    pub fn devices_of_gpu(&self, index: u32) -> impl Iterator<Item = (&Resource, &ResourceDevice)> {
+        self.resources
+            .values()
+            .flat_map(move |r| r.devices.iter().filter(move |d| d.gpu_index == index).map(move |d| (r, d)))
+    }
+
+    /// A device by id, with its resource.
+    pub fn device(&self, id: &str) -> Option<(&Resource, &ResourceDevice)> {
+        self.resources.values().find_map(|r| r.device(id).map(|d| (r, d)))
+    }
+
+    /// Marks unhealthy every device on a GPU in `gpus` or carved from a device in `uuids`.
+    pub fn mark_unhealthy(
+        &mut self,
+        gpus: &std::collections::BTreeSet<u32>,
+        uuids: &std::collections::BTreeSet<String>,
+    ) {
+        for r in self.resources.values_mut() {
+            for d in &mut r.devices {
+                d.healthy = !(gpus.contains(&d.gpu_index) || uuids.contains(&d.physical_uuid) || uuids.contains(&d.id));
+            }
+        }
+    }
+
     /// How far apart two GPUs are, nearest first: (not on one NVLink, not on one NUMA node,
     /// where their PCIe paths meet). The same GPU is `(0, 0, 0)`.
     pub fn distance(&self, a: u32, b: u32) -> (u8, u8, u8) {

@@ -6,7 +6,6 @@
 use std::collections::HashMap;
 use std::os::unix::net::UnixDatagram;
 use std::path::Path;
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use tessera_proto::deviceplugin::v1beta1::{
@@ -18,7 +17,7 @@ use tessera_sim_testkit::{SimNode, binary};
 
 mod common;
 
-use common::{TestKubelet, next_list};
+use common::{TestKubelet, next_list, spawn};
 
 const NODE: &str = "numa_nodes = 2
 [[gpu]]
@@ -43,31 +42,6 @@ fn sim_status(node: &SimNode) -> serde_json::Value {
     let out = node.command(binary("tessera-sim")).args(["status", "--json"]).output().expect("tessera-sim");
     assert!(out.status.success());
     serde_json::from_slice(&out.stdout).expect("status json")
-}
-
-/// The daemon, killed when dropped (a failing test leaves none behind).
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(node: &SimNode, config: &Path, notify: &Path, log: &Path) -> (Daemon, Instant) {
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
-    let started = Instant::now();
-    let child = node
-        .command(binary("tesserad"))
-        .arg("--config")
-        .arg(config)
-        .env("NOTIFY_SOCKET", notify)
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn tesserad");
-    (Daemon(child), started)
 }
 
 /// The registrations of all three resources; the time from spawn to the last one.
@@ -194,7 +168,7 @@ async fn register_allocate_kill9_restart_keeps_the_allocation() {
     let share = format!("{}::1", uuid(0));
     let a = allocate(&kubelet, &seen[SHARE], &[&share]).await;
     let id = a.envs["TESSERA_ALLOCATION"].clone();
-    assert_eq!(a.envs["TESSERA_VISIBLE_DEVICES"], uuid(0));
+    assert_eq!(a.envs["TESSERA_VISIBLE_DEVICES"], share);
     assert_eq!(a.envs["NVIDIA_VISIBLE_DEVICES"], uuid(0));
     assert_eq!(a.envs["TESSERA_LIMITS"], "/run/tessera/alloc/limits");
     assert_eq!(a.envs["TESSERA_REGION"], "/run/tessera/alloc/region");

@@ -10,14 +10,21 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::collections::BTreeMap;
+
 use clap::Parser;
 use tessera_daemon::allocator::DaemonAllocator;
+use tessera_daemon::cdi::CdiWriter;
 use tessera_daemon::config::{self, Config};
 use tessera_daemon::discovery::{Inventory, Session};
-use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginSet};
+use tessera_daemon::events::EventBus;
+use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginDevice, PluginSet};
+use tessera_daemon::node::{ConfigSource, NodeController, StartError};
 use tessera_daemon::partition::{self, Share};
-use tessera_daemon::resources::Resources;
-use tessera_daemon::state::{AllocDirs, Store};
+use tessera_daemon::resources::{Resource, Resources};
+use tessera_daemon::state::Store;
+use tessera_daemon::{api, telemetry};
+use tokio::signal::unix::{SignalKind, signal};
 
 #[derive(Parser, Debug)]
 #[command(name = "tesserad", version, about = "Tessera node daemon: GPU discovery and partitioning")]
@@ -58,6 +65,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    if !args.once {
+        let source = ConfigSource { path: args.config.clone(), explicit };
+        return serve(session, cfg, source, started);
+    }
     let inv = match session.inventory() {
         Ok(i) => i,
         Err(e) => {
@@ -88,13 +99,6 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    if !args.once {
-        let resources = Arc::new(Resources::build(&cfg, &after, &layouts, &shares));
-        // The NVML session lives as long as the daemon.
-        let code = serve(&cfg, resources, started);
-        drop(session);
-        return code;
-    }
     print_summary(&session, &after, &outcomes, &shares);
     ExitCode::SUCCESS
 }
@@ -128,11 +132,16 @@ fn print_summary(session: &Session, after: &Inventory, outcomes: &[partition::Gp
     }
 }
 
-/// Runs the kubelet servers until SIGTERM or SIGINT.
-fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode {
-    if let Err(e) = std::fs::create_dir_all(&cfg.runtime_dir) {
-        eprintln!("tesserad: runtime directory {}: {e}", cfg.runtime_dir.display());
-        return ExitCode::from(1);
+/// How many events are kept on disk for replay.
+const KEPT_EVENTS: usize = 1000;
+
+/// Runs the kubelet servers and the node API until SIGTERM or SIGINT; SIGHUP reloads.
+fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) -> ExitCode {
+    for dir in [&cfg.runtime_dir, &cfg.state_dir, &cfg.device_plugin_dir] {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("tesserad: {}: {e}", dir.display());
+            return ExitCode::from(1);
+        }
     }
     let store = match Store::open(&cfg.state_dir) {
         Ok(s) => s,
@@ -141,10 +150,24 @@ fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode 
             return ExitCode::from(1);
         }
     };
-    let allocator =
-        Arc::new(DaemonAllocator::new(cfg, Arc::clone(&resources), store, AllocDirs::new(&cfg.runtime_dir)));
-    let kept = allocator.reconcile();
-    tracing::info!(allocations = kept, state = %cfg.state_dir.display(), "state loaded");
+    let events = Arc::new(EventBus::new(KEPT_EVENTS, Some(cfg.state_dir.join("events.pb"))));
+    let (controller, results) = match NodeController::start(session, cfg.clone(), source, store, events) {
+        Ok(c) => c,
+        Err(e @ StartError::Config(_)) => {
+            eprintln!("tesserad: {e}");
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("tesserad: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    for r in &results {
+        for i in &r.issues {
+            tracing::warn!(gpu = r.gpu_index, issue = %i.message, "layout");
+        }
+    }
+    let controller = Arc::new(controller);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -153,37 +176,69 @@ fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode 
         }
     };
     runtime.block_on(async move {
-        if let Err(e) = std::fs::create_dir_all(&cfg.device_plugin_dir) {
-            eprintln!("tesserad: {}: {e}", cfg.device_plugin_dir.display());
-            return ExitCode::from(1);
-        }
-        // The senders stay here for the daemon's life (health updates will come through them).
-        let mut senders = Vec::new();
-        let mut plugins = Vec::new();
-        for res in resources.resources.values() {
-            let (tx, rx) = tokio::sync::watch::channel(res.plugin_devices());
-            senders.push(tx);
-            plugins.push(DevicePlugin::new(&res.name, rx, Arc::clone(&allocator) as Arc<dyn Allocator>));
-            tracing::info!(resource = %res.name, devices = res.devices.len(), "serving");
-        }
-        let set = match PluginSet::start(&cfg.device_plugin_dir, plugins) {
+        let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+        let mut resources_rx = controller.watch_resources();
+        let mut plugins = Plugins::default();
+        let initial = Arc::clone(&resources_rx.borrow_and_update());
+        // CDI specs for the runtimes, now and whenever what is offered changes.
+        let mut cdi = CdiWriter::new(&cfg.injection);
+        write_cdi(&mut cdi, &controller);
+        let set = match plugins.start(&cfg, &initial, controller.allocator()) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("tesserad: {e}");
                 return ExitCode::from(1);
             }
         };
-        let (mut term, mut int) = match (
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()),
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()),
-        ) {
-            (Ok(t), Ok(i)) => (t, i),
-            (Err(e), _) | (_, Err(e)) => {
-                eprintln!("tesserad: signal handlers: {e}");
-                return ExitCode::from(1);
-            }
+        let api_socket = cfg.node_api_socket();
+        let api_task = tokio::spawn(api::serve(api_socket, Arc::clone(&controller), shutdown_rx.clone()));
+        let health_task = tessera_daemon::health::HealthMonitor::spawn(
+            Arc::clone(&controller),
+            cfg.health.clone(),
+            shutdown_rx.clone(),
+        );
+        // Prometheus /metrics only when an address is configured.
+        let metrics_task = match &cfg.telemetry.metrics_listen {
+            None => None,
+            // `bind` leaves the listener non-blocking, as tokio needs.
+            Some(addr) => match telemetry::bind(addr).and_then(|l| {
+                tokio::net::TcpListener::from_std(l).map_err(|e| telemetry::TelemetryError::Listen {
+                    key: "telemetry.metrics_listen",
+                    addr: addr.clone(),
+                    reason: e.to_string(),
+                })
+            }) {
+                Ok(listener) => {
+                    tracing::info!(address = %addr, "metrics listening");
+                    let source = Arc::new(telemetry::NodeSource::new(Arc::clone(&controller)));
+                    Some(tokio::spawn(telemetry::serve(listener, source, shutdown_rx.clone())))
+                }
+                Err(e) => {
+                    eprintln!("tesserad: {e}");
+                    return ExitCode::from(2);
+                }
+            },
         };
+        let (mut term, mut int, mut hup) =
+            match (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup())) {
+                (Ok(t), Ok(i), Ok(h)) => (t, i, h),
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => {
+                    eprintln!("tesserad: signal handlers: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+        let mut set = set;
         let mut registered = false;
+        // A host without a kubelet (a plain systemd GPU host): nothing will register, so the
+        // daemon is ready once it serves the node API. Plugins still register if one comes.
+        let kubelet_socket = cfg.device_plugin_dir.join(tessera_proto::deviceplugin::v1beta1::KUBELET_SOCKET_NAME);
+        if !kubelet_socket.exists() {
+            registered = true;
+            tracing::info!(socket = %kubelet_socket.display(), "no kubelet here; ready without registering");
+            if let Err(e) = sd_notify("READY=1") {
+                tracing::warn!(error = %e, "cannot notify systemd");
+            }
+        }
         loop {
             tokio::select! {
                 () = set.wait_registered(), if !registered => {
@@ -194,14 +249,37 @@ fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode 
                         tracing::warn!(error = %e, "cannot notify systemd");
                     }
                 }
+                changed = resources_rx.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    let now = Arc::clone(&resources_rx.borrow_and_update());
+                    plugins.update(&mut set, &now, controller.allocator());
+                    write_cdi(&mut cdi, &controller);
+                }
+                _ = hup.recv() => {
+                    tracing::info!("SIGHUP: reloading the configuration");
+                    let c = Arc::clone(&controller);
+                    let _ = tokio::task::spawn_blocking(move || c.reload(false)).await;
+                }
                 _ = term.recv() => break,
                 _ = int.recv() => break,
             }
         }
         tracing::info!("stopping");
         let _ = sd_notify("STOPPING=1");
+        let _ = shutdown_tx.send(true);
         let result = set.stop().await;
-        drop(senders);
+        // Each server winds down on its own; none may hold the stop up for long (a client that
+        // keeps a connection open is cut off after STOP_GRACE).
+        if let Some(task) = metrics_task {
+            finish("metrics endpoint", task).await;
+        }
+        if tokio::time::timeout(STOP_GRACE, health_task).await.is_err() {
+            tracing::warn!("the health monitor did not stop in time");
+        }
+        finish("node API", api_task).await;
+        drop(plugins);
         match result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
@@ -210,6 +288,88 @@ fn serve(cfg: &Config, resources: Arc<Resources>, started: Instant) -> ExitCode 
             }
         }
     })
+}
+
+/// How long a stopping server may take before it is cut off.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits for a server task to end, up to [`STOP_GRACE`]; then aborts it.
+async fn finish<E: std::fmt::Display>(what: &str, mut task: tokio::task::JoinHandle<Result<(), E>>) {
+    match tokio::time::timeout(STOP_GRACE, &mut task).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "{what}"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "{what} task"),
+        Err(_) => {
+            tracing::warn!("{what} did not stop in time; cut off");
+            task.abort();
+        }
+    }
+}
+
+/// Refreshes the CDI specs; a failure is logged (containers asking by CDI name fail to start
+/// until the next refresh succeeds, which is what a runtime reports to the user).
+fn write_cdi(cdi: &mut Option<CdiWriter>, controller: &NodeController) {
+    if let Some(writer) = cdi
+        && let Err(e) = writer.write(&controller.view())
+    {
+        tracing::error!(error = %e, "cannot write the CDI specs");
+    }
+}
+
+/// One device list per served resource; a resource that appears after start (a layout change)
+/// gets a plugin of its own, one that disappears is served with no devices.
+#[derive(Default)]
+struct Plugins {
+    senders: BTreeMap<String, tokio::sync::watch::Sender<Vec<PluginDevice>>>,
+}
+
+impl Plugins {
+    fn plugin(&mut self, res: &Resource, allocator: &Arc<DaemonAllocator>) -> DevicePlugin {
+        let (tx, rx) = tokio::sync::watch::channel(res.plugin_devices());
+        self.senders.insert(res.name.clone(), tx);
+        tracing::info!(resource = %res.name, devices = res.devices.len(), "serving");
+        DevicePlugin::new(&res.name, rx, Arc::clone(allocator) as Arc<dyn Allocator>)
+    }
+
+    fn start(
+        &mut self,
+        cfg: &Config,
+        resources: &Resources,
+        allocator: &Arc<DaemonAllocator>,
+    ) -> Result<PluginSet, tessera_daemon::kubelet::KubeletError> {
+        let plugins = resources.resources.values().map(|r| self.plugin(r, allocator)).collect();
+        PluginSet::start(&cfg.device_plugin_dir, plugins)
+    }
+
+    fn update(&mut self, set: &mut PluginSet, resources: &Resources, allocator: &Arc<DaemonAllocator>) {
+        for res in resources.resources.values() {
+            match self.senders.get(&res.name) {
+                Some(tx) => {
+                    let devices = res.plugin_devices();
+                    tx.send_if_modified(|d| {
+                        let changed = *d != devices;
+                        *d = devices;
+                        changed
+                    });
+                }
+                None => {
+                    let plugin = self.plugin(res, allocator);
+                    if let Err(e) = set.add(plugin) {
+                        tracing::error!(resource = %res.name, error = %e, "cannot serve a new resource");
+                    }
+                }
+            }
+        }
+        for (name, tx) in &self.senders {
+            if !resources.resources.contains_key(name) {
+                tx.send_if_modified(|d| {
+                    let changed = !d.is_empty();
+                    d.clear();
+                    changed
+                });
+            }
+        }
+    }
 }
 
 /// sd_notify by hand: one datagram to `$NOTIFY_SOCKET` (a path, or an abstract name when it

@@ -51,6 +51,8 @@ pub struct Config {
     pub health: Health,
     /// Defaults for the limits of shares (what `libtessera.so` enforces).
     pub limits: ShareLimits,
+    /// How containers get their devices: the CDI specs written for container runtimes.
+    pub injection: Injection,
     /// Partitions: `default` for every GPU, or per GPU by index (`"0"`) or UUID (`"GPU-…"`).
     /// A GPU no entry names is left as it is (unmanaged).
     pub partitions: BTreeMap<String, PartitionSpec>,
@@ -69,6 +71,7 @@ impl Default for Config {
             telemetry: Telemetry::default(),
             health: Health::default(),
             limits: ShareLimits::default(),
+            injection: Injection::default(),
             partitions: BTreeMap::new(),
         }
     }
@@ -123,12 +126,23 @@ pub struct Health {
     pub interval_seconds: u64,
     /// XIDs caused by applications, not the GPU: they never make a device unhealthy.
     pub ignored_xids: Vec<u32>,
+    /// XIDs that always make a device unhealthy, whatever the built-in XID table says.
+    pub fatal_xids: Vec<u32>,
+    /// How long a recovered device must keep passing probes before it is healthy again
+    /// (milliseconds, 0..=3600000).
+    pub recovery_check_ms: u64,
 }
 
 impl Default for Health {
     fn default() -> Self {
         // The application-caused XIDs the Kubernetes NVIDIA device plugin ignores too.
-        Health { enabled: true, interval_seconds: 5, ignored_xids: vec![13, 31, 43, 45, 68, 109] }
+        Health {
+            enabled: true,
+            interval_seconds: 5,
+            ignored_xids: vec![13, 31, 43, 45, 68, 109],
+            fatal_xids: Vec::new(),
+            recovery_check_ms: 10_000,
+        }
     }
 }
 
@@ -145,6 +159,38 @@ pub struct ShareLimits {
 impl Default for ShareLimits {
     fn default() -> Self {
         ShareLimits { compute_mode: "strict".into(), priority: "normal".into() }
+    }
+}
+
+/// `[injection]`: the CDI specs (`tessera.io/gpu`, `/mig`, `/share`) the daemon writes for
+/// container runtimes, and the host files they put into containers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Injection {
+    /// Where the specs are written (`tessera.io-<class>.json`). Empty: no specs.
+    pub cdi_spec_dir: PathBuf,
+    /// `0.6.0`, or `0.5.0` for runtimes that refuse newer specs (podman 4.3).
+    pub cdi_version: String,
+    /// The host driver's root: its libraries and tools, and `proc/driver/nvidia-caps/mig-minors`.
+    pub driver_root: PathBuf,
+    /// Where the GPU device nodes are (`nvidia<minor>`, `nvidiactl`, `nvidia-caps/`).
+    pub dev_root: PathBuf,
+    /// `libtessera.so` on the host, preloaded in containers. Empty: no shim.
+    pub shim_path: PathBuf,
+    /// `tessera-hook` on the host (the specs' `createRuntime` hook).
+    pub hook_path: PathBuf,
+}
+
+impl Default for Injection {
+    fn default() -> Self {
+        Injection {
+            cdi_spec_dir: PathBuf::from("/var/run/cdi"),
+            cdi_version: "0.6.0".into(),
+            driver_root: PathBuf::from("/"),
+            dev_root: PathBuf::from("/dev"),
+            shim_path: PathBuf::from("/usr/local/lib/tessera/libtessera.so"),
+            hook_path: PathBuf::from("/usr/local/bin/tessera-hook"),
+        }
     }
 }
 

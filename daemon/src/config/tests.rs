@@ -122,6 +122,11 @@ fn semantic_errors_name_the_key() {
     refused("[telemetry]\nmetrics_listen = \"9400\"\n", "telemetry.metrics_listen", "listen address");
     refused("[telemetry]\notlp_endpoint = \"collector:4317\"\n", "telemetry.otlp_endpoint", "http");
     refused("[health]\ninterval_seconds = 0\n", "health.interval_seconds", "1..=3600");
+    refused("[injection]\ncdi_version = \"1.0\"\n", "injection.cdi_version", "0.6.0");
+    refused("[injection]\ncdi_spec_dir = \"cdi\"\n", "injection.cdi_spec_dir", "absolute");
+    refused("[injection]\ndev_root = \"dev\"\n", "injection.dev_root", "absolute");
+    refused("[injection]\nshim_path = \"lib/libtessera.so\"\n", "injection.shim_path", "absolute");
+    assert!(Config::parse("[injection]\ncdi_spec_dir = \"\"\nshim_path = \"\"\n").is_ok(), "empty turns them off");
     refused("[limits]\ncompute_mode = \"fair\"\n", "limits.compute_mode", "strict");
     refused("[limits]\npriority = \"urgent\"\n", "limits.priority", "normal");
     refused("[partitions.gpu0]\nwhole = true\n", "partitions.gpu0", "GPU index");

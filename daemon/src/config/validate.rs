@@ -10,6 +10,24 @@ use super::{Config, ConfigError, GpuSelector, PartitionSpec, SharesSpec};
 /// Most shares of one device (each needs at least 1% of its SM time).
 pub const MAX_SHARES: u32 = 100;
 
+fn injection(i: &super::Injection) -> Result<(), ConfigError> {
+    if !i.cdi_spec_dir.as_os_str().is_empty() {
+        absolute("injection.cdi_spec_dir", &i.cdi_spec_dir)?;
+    }
+    if !["0.6.0", "0.5.0"].contains(&i.cdi_version.as_str()) {
+        return Err(ConfigError::new(
+            "injection.cdi_version",
+            format!("{:?}: expected \"0.6.0\", or \"0.5.0\" for runtimes that refuse newer specs", i.cdi_version),
+        ));
+    }
+    absolute("injection.driver_root", &i.driver_root)?;
+    absolute("injection.dev_root", &i.dev_root)?;
+    if !i.shim_path.as_os_str().is_empty() {
+        absolute("injection.shim_path", &i.shim_path)?;
+    }
+    absolute("injection.hook_path", &i.hook_path)
+}
+
 pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
     if let Some(lib) = &c.nvml_library
         && lib.as_os_str().is_empty()
@@ -28,6 +46,7 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
         return Err(ConfigError::new(key, "the node API socket path is longer than a Unix socket allows (107 bytes)"));
     }
     resource_prefix(&c.resources.prefix)?;
+    injection(&c.injection)?;
     if let Some(addr) = &c.telemetry.metrics_listen
         && addr.parse::<SocketAddr>().is_err()
     {
@@ -49,6 +68,18 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
         return Err(ConfigError::new(
             "health.interval_seconds",
             format!("{} is out of range 1..=3600", c.health.interval_seconds),
+        ));
+    }
+    if c.health.recovery_check_ms > 3_600_000 {
+        return Err(ConfigError::new(
+            "health.recovery_check_ms",
+            format!("{} is out of range 0..=3600000", c.health.recovery_check_ms),
+        ));
+    }
+    if let Some(x) = c.health.fatal_xids.iter().find(|x| c.health.ignored_xids.contains(x)) {
+        return Err(ConfigError::new(
+            "health.fatal_xids",
+            format!("XID {x} is also in health.ignored_xids; an XID is either ignored or fatal"),
         ));
     }
     if tessera_region::ComputeMode::from_name(&c.limits.compute_mode).is_none() {

@@ -50,6 +50,8 @@ pub struct Gpu {
     pub pci_bus_id: String,
     /// NUMA node: NVML's answer, else sysfs'; `None` when neither knows.
     pub numa_node: Option<u32>,
+    /// The device file's minor number (`/dev/nvidia<minor>`), when NVML says.
+    pub minor: Option<u32>,
     /// MIG: `None` when the GPU cannot do MIG.
     pub mig: Option<MigInfo>,
     /// Indices of the GPUs with an active NVLink to this one.

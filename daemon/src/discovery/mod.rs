@@ -147,6 +147,8 @@ impl Session {
             memory_total,
             pci_bus_id,
             numa_node,
+            // /dev/nvidia<minor>; a platform without device files (or a driver refusing) has none.
+            minor: dev.minor_number().ok(),
             mig,
             nvlink_peers: Vec::new(),
             processes,

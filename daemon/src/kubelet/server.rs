@@ -6,12 +6,11 @@
 //! [`POLL_INTERVAL`]; either re-serves the plugin on a fresh socket and registers again.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tessera_proto::deviceplugin::v1beta1::{self as dp, RegisterRequest};
-use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -154,14 +153,8 @@ type ServerTask = JoinHandle<Result<(), tonic::transport::Error>>;
 /// Binds a fresh socket (owner-only) and serves the plugin on it until the returned sender says
 /// stop.
 fn start_server(socket: &Path, plugin: &DevicePlugin) -> Result<(watch::Sender<bool>, ServerTask), KubeletError> {
-    remove_socket(socket)?;
-    let listener = UnixListener::bind(socket).map_err(|source| KubeletError::Io {
+    let listener = crate::socket::bind_owner_only_tokio(socket).map_err(|source| KubeletError::Io {
         action: "binding",
-        path: socket.to_owned(),
-        source,
-    })?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600)).map_err(|source| KubeletError::Io {
-        action: "setting the mode of",
         path: socket.to_owned(),
         source,
     })?;
@@ -216,6 +209,7 @@ struct Running {
 
 /// One server per resource, all stopped together.
 pub struct PluginSet {
+    plugin_dir: PathBuf,
     shutdown: watch::Sender<bool>,
     running: BTreeMap<String, Running>,
 }
@@ -247,7 +241,20 @@ impl PluginSet {
                 (resource, Running { registrations: rx, task })
             })
             .collect();
-        Ok(Self { shutdown, running })
+        Ok(Self { plugin_dir, shutdown, running })
+    }
+
+    /// Starts serving one more resource (a layout change made a new kind of device). Refused when
+    /// the resource is already served.
+    pub fn add(&mut self, plugin: DevicePlugin) -> Result<(), KubeletError> {
+        let resource = plugin.resource().to_owned();
+        if self.running.keys().any(|r| socket_name(r) == socket_name(&resource)) {
+            return Err(KubeletError::DuplicateResource(resource));
+        }
+        let (tx, rx) = watch::channel(0);
+        let task = tokio::spawn(serve_plugin(self.plugin_dir.clone(), plugin, self.shutdown.subscribe(), tx));
+        self.running.insert(resource, Running { registrations: rx, task });
+        Ok(())
     }
 
     /// The resources served.

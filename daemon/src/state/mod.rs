@@ -4,9 +4,11 @@
 //! - [`record`]: the allocation record (what was handed out, to whom, with which limits).
 //! - [`store`]: one durable file per record; survives `kill -9` at any moment without losing or
 //!   duplicating a committed allocation.
+//! - [`durable`]: crash-safe whole-file writes (the event log, layout overrides).
 //! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
 
 pub mod alloc_dir;
+pub mod durable;
 pub mod record;
 pub mod store;
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test crate uses its own part
 
 use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
@@ -89,4 +90,30 @@ impl TestKubelet {
 
 pub async fn next_list(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> ListAndWatchResponse {
     tokio::time::timeout(WAIT, stream.message()).await.expect("list in time").expect("stream ok").expect("stream open")
+}
+
+/// The daemon, killed when dropped (a failing test leaves none behind).
+pub struct Daemon(pub Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts the built `tesserad` on `node` with `config`, readiness to `notify`, stderr to `log`.
+pub fn spawn(node: &tessera_sim_testkit::SimNode, config: &Path, notify: &Path, log: &Path) -> (Daemon, Instant) {
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+    let started = Instant::now();
+    let child = node
+        .command(tessera_sim_testkit::binary("tesserad"))
+        .arg("--config")
+        .arg(config)
+        .env("NOTIFY_SOCKET", notify)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn tesserad");
+    (Daemon(child), started)
 }

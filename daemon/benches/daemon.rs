@@ -1,0 +1,237 @@
+//! tesserad's own costs, against the built daemon on the simulated node and the test kubelet
+//! (run with `scripts/bench.sh daemon`; figures in docs/benchmarks.md):
+//!
+//! - start to registered: spawn → every resource registered with the kubelet, 8 x H100;
+//! - Allocate latency p50/p99 over 1,000 allocations, beside the same client's no-op RPC
+//!   (GetDevicePluginOptions) on the same socket, interleaved, as the baseline (ratio in one run);
+//! - resident memory (VmRSS) at idle and holding 1,000 allocations.
+//!
+//! Not a test: nothing here asserts a time; the goals are printed beside the figures.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{TestKubelet, spawn};
+use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_sim_testkit::SimNode;
+
+const STARTS: usize = 10;
+const ALLOCATIONS: usize = 1000;
+
+/// The runtime dir on tmpfs, as `/run` is on a GPU host (the per-allocation `limits` and
+/// `region` live there); the state dir stays on disk, where its fsyncs are real.
+fn runtime_dir() -> tempfile::TempDir {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.expect("runtime tempdir")
+}
+
+fn config(node: &SimNode, dir: &Path, run: &Path, partitions: &str) -> std::path::PathBuf {
+    let path = dir.join("config.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n{partitions}\n",
+            node.nvml_path(),
+            dir.join("plugins"),
+            dir.join("state"),
+            run,
+        ),
+    )
+    .expect("config");
+    path
+}
+
+fn durable_write(dir: &Path, i: usize) {
+    use std::io::Write;
+    let tmp = dir.join(format!("{i}.json.tmp"));
+    let mut f = std::fs::File::create(&tmp).expect("create");
+    f.write_all(&[b'x'; 400]).expect("write");
+    f.sync_all().expect("fsync");
+    std::fs::rename(&tmp, dir.join(format!("{i}.json"))).expect("rename");
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).expect("fsync dir");
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+    line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("a number")
+}
+
+async fn registered(
+    kubelet: &mut TestKubelet,
+    resources: usize,
+) -> Vec<tessera_proto::deviceplugin::v1beta1::RegisterRequest> {
+    let mut seen = std::collections::BTreeMap::new();
+    while seen.len() < resources {
+        let (req, _) = kubelet.next_registration().await;
+        seen.insert(req.resource_name.clone(), req);
+    }
+    seen.into_values().collect()
+}
+
+async fn start_to_registered() {
+    // 8 x H100 (the simulator's default node): GPU 0 whole, the other 7 split into 4 shares each.
+    let node = SimNode::new();
+    let mut times = Vec::new();
+    for _ in 0..STARTS {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(tmp.path().join("plugins")).expect("plugins");
+        let run = runtime_dir();
+        let cfg = config(
+            &node,
+            tmp.path(),
+            run.path(),
+            "[partitions.default]\nshares = { count = 4 }\n[partitions.\"0\"]\nwhole = true\n",
+        );
+        let mut kubelet = TestKubelet::start(&tmp.path().join("plugins"));
+        let (daemon, started) = spawn(&node, &cfg, &tmp.path().join("no-notify"), &tmp.path().join("log"));
+        let regs = registered(&mut kubelet, 2).await;
+        let last = regs.len();
+        times.push(started.elapsed());
+        drop(daemon);
+        kubelet.stop().await;
+        assert_eq!(last, 2);
+    }
+    times.sort();
+    println!(
+        "start to registered (8 GPUs, 2 resources, {STARTS} starts): p50 {:.1} ms, max {:.1} ms (goal: 300 ms)",
+        percentile(&times, 0.5).as_secs_f64() * 1e3,
+        times.last().expect("runs").as_secs_f64() * 1e3
+    );
+}
+
+async fn allocate_and_rss() {
+    // 10 GPUs x 100 shares: 1,000 distinct share devices, one allocation each.
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 10\n");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir(tmp.path().join("plugins")).expect("plugins");
+    let run = runtime_dir();
+    let cfg = config(&node, tmp.path(), run.path(), "[partitions.default]\nshares = { count = 100 }\n");
+    let mut kubelet = TestKubelet::start(&tmp.path().join("plugins"));
+    let (daemon, _) = spawn(&node, &cfg, &tmp.path().join("no-notify"), &tmp.path().join("log"));
+    let regs = registered(&mut kubelet, 1).await;
+    let mut client = kubelet.connect(&regs[0]).await;
+    let mut list = client.list_and_watch(Empty {}).await.expect("list").into_inner();
+    let devices = common::next_list(&mut list).await.devices;
+    assert_eq!(devices.len(), ALLOCATIONS);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = daemon.0.id();
+    let idle = rss_kib(pid);
+    let (mut alloc, mut noop, mut floor) = (Vec::new(), Vec::new(), Vec::new());
+    let floor_dir = tmp.path().join("floor");
+    std::fs::create_dir(&floor_dir).expect("floor dir");
+    for (i, d) in devices.iter().enumerate() {
+        // The durability floor on the state dir's disk: one record written as the store does
+        // (tmp, fsync, rename, fsync the directory).
+        let t = Instant::now();
+        durable_write(&floor_dir, i);
+        floor.push(t.elapsed());
+        let t = Instant::now();
+        client.get_device_plugin_options(Empty {}).await.expect("options");
+        noop.push(t.elapsed());
+        let t = Instant::now();
+        client
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest { devices_ids: vec![d.id.clone()] }],
+            })
+            .await
+            .expect("allocate");
+        alloc.push(t.elapsed());
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let held = rss_kib(pid);
+    alloc.sort();
+    noop.sort();
+    floor.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let (a50, a99, n50, n99) =
+        (percentile(&alloc, 0.5), percentile(&alloc, 0.99), percentile(&noop, 0.5), percentile(&noop, 0.99));
+    println!(
+        "Allocate ({ALLOCATIONS} allocations, durable record + limits + region each): p50 {:.3} ms, p99 {:.3} ms (goal p99 < 1 ms)",
+        ms(a50),
+        ms(a99)
+    );
+    println!(
+        "  baseline no-op RPC on the same socket: p50 {:.3} ms, p99 {:.3} ms; Allocate / no-op at p50 = {:.1}x",
+        ms(n50),
+        ms(n99),
+        a50.as_secs_f64() / n50.as_secs_f64()
+    );
+    println!(
+        "  durability floor (one record: write, fsync, rename, fsync dir) on the same disk: p50 {:.3} ms, p99 {:.3} ms",
+        ms(percentile(&floor, 0.5)),
+        ms(percentile(&floor, 0.99))
+    );
+    println!(
+        "resident memory: idle {:.1} MB, with {ALLOCATIONS} allocations {:.1} MB (goal < 30 MB)",
+        idle as f64 / 1024.0,
+        held as f64 / 1024.0
+    );
+    drop(daemon);
+}
+
+/// Where Allocate's time goes, in this process: the durable record (state dir, on disk) and the
+/// allocation directory (limits + region, on the runtime dir's tmpfs).
+fn breakdown() {
+    use tessera_daemon::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source, Store};
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let run = runtime_dir();
+    let mut store = Store::open(&tmp.path().join("state")).expect("store");
+    let dirs = AllocDirs::new(run.path());
+    let (mut insert, mut create) = (Vec::new(), Vec::new());
+    for i in 0..300u64 {
+        let alloc = Allocation {
+            id: format!("{i:016x}"),
+            resource: "tessera.io/gpu-share".into(),
+            container: ContainerIdentity::default(),
+            source: Source::Kubelet,
+            created_unix_ns: i,
+            devices: vec![AllocatedDevice {
+                device_id: format!("GPU-0::{i}"),
+                physical_uuid: "GPU-0".into(),
+                memory_limit: Some(1 << 30),
+                sm_percent: Some(10),
+                priority: Default::default(),
+                compute_mode: Default::default(),
+            }],
+        };
+        let t = Instant::now();
+        store.insert(&alloc).expect("insert");
+        insert.push(t.elapsed());
+        let t = Instant::now();
+        dirs.create(&alloc).expect("create");
+        create.push(t.elapsed());
+    }
+    insert.sort();
+    create.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "  in-process: record insert p50 {:.3} ms p99 {:.3} ms; allocation directory (limits + region, tmpfs) p50 {:.3} ms p99 {:.3} ms",
+        ms(percentile(&insert, 0.5)),
+        ms(percentile(&insert, 0.99)),
+        ms(percentile(&create, 0.5)),
+        ms(percentile(&create, 0.99))
+    );
+}
+
+fn main() {
+    // `cargo bench` passes --bench; a filter argument picks one part.
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    runtime.block_on(async {
+        if filter.as_deref().is_none_or(|f| "start".contains(f) || f.contains("start")) {
+            start_to_registered().await;
+        }
+        if filter.as_deref().is_none_or(|f| f.contains("alloc") || f.contains("rss")) {
+            allocate_and_rss().await;
+            breakdown();
+        }
+    });
+}

@@ -1,0 +1,187 @@
+//! The node API, `tessera.v1.Node`, served on an owner-only Unix socket (nothing listens on a
+//! network address). Reports come from the controller's live picture; `ApplyLayout` and `Reload`
+//! go through the controller; `WatchEvents` streams the event bus.
+
+mod devices;
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+
+use tessera_proto::tessera::v1 as api;
+use tessera_proto::tessera::v1::node_server::{Node, NodeServer};
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_stream::Stream;
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::{Request, Response, Status};
+
+use crate::node::NodeController;
+use crate::usage::UsageSampler;
+
+pub use devices::{list_devices, list_partitions};
+
+/// The service.
+#[derive(Debug)]
+pub struct NodeApi {
+    controller: Arc<NodeController>,
+    usage: Mutex<UsageSampler>,
+    /// Ends open event streams when the daemon stops (a graceful stop waits for open calls).
+    shutdown: watch::Receiver<bool>,
+}
+
+impl NodeApi {
+    pub fn new(controller: Arc<NodeController>, shutdown: watch::Receiver<bool>) -> NodeApi {
+        NodeApi { controller, usage: Mutex::new(UsageSampler::new()), shutdown }
+    }
+}
+
+/// Serves the node API on `socket` (mode 0600) until `shutdown` turns true; the socket is removed
+/// at the end.
+pub async fn serve(
+    socket: PathBuf,
+    controller: Arc<NodeController>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let listener = crate::socket::bind_owner_only_tokio(&socket)?;
+    tracing::info!(socket = %socket.display(), "node API listening");
+    let result = tonic::transport::Server::builder()
+        .add_service(NodeServer::new(NodeApi::new(controller, shutdown.clone())))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+            let _ = shutdown.wait_for(|s| *s).await;
+        })
+        .await;
+    let _ = std::fs::remove_file(&socket);
+    result.map_err(std::io::Error::other)
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<api::Event, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Node for NodeApi {
+    async fn list_devices(
+        &self,
+        req: Request<api::ListDevicesRequest>,
+    ) -> Result<Response<api::ListDevicesResponse>, Status> {
+        let req = req.into_inner();
+        let view = self.controller.view();
+        let devices = list_devices(&view, &self.controller.allocations(), &req)?;
+        Ok(Response::new(api::ListDevicesResponse { devices }))
+    }
+
+    async fn list_partitions(
+        &self,
+        req: Request<api::ListPartitionsRequest>,
+    ) -> Result<Response<api::ListPartitionsResponse>, Status> {
+        let view = self.controller.view();
+        let partitions = list_partitions(&view, &req.into_inner().gpu)?;
+        Ok(Response::new(api::ListPartitionsResponse { partitions }))
+    }
+
+    async fn list_allocations(
+        &self,
+        req: Request<api::ListAllocationsRequest>,
+    ) -> Result<Response<api::ListAllocationsResponse>, Status> {
+        let req = req.into_inner();
+        let resources = self.controller.allocator().resources();
+        let allocations = self
+            .controller
+            .allocations()
+            .into_iter()
+            .filter(|a| {
+                req.device_id.is_empty()
+                    || a.devices.iter().any(|d| d.device_id == req.device_id || d.physical_uuid == req.device_id)
+            })
+            .filter(|a| {
+                req.pod_namespace.is_empty() || a.container.pod_namespace.as_deref() == Some(&req.pod_namespace)
+            })
+            .filter(|a| req.pod_name.is_empty() || a.container.pod_name.as_deref() == Some(&req.pod_name))
+            .map(|a| devices::allocation(&a, &resources))
+            .collect();
+        Ok(Response::new(api::ListAllocationsResponse { allocations }))
+    }
+
+    async fn apply_layout(
+        &self,
+        req: Request<api::ApplyLayoutRequest>,
+    ) -> Result<Response<api::ApplyLayoutResponse>, Status> {
+        let controller = Arc::clone(&self.controller);
+        let req = req.into_inner();
+        // NVML calls and state on disk: off the async workers.
+        let result = tokio::task::spawn_blocking(move || controller.apply_layout(&req))
+            .await
+            .map_err(|e| Status::internal(format!("layout task: {e}")))?;
+        result.map(Response::new).map_err(Status::invalid_argument)
+    }
+
+    type WatchEventsStream = EventStream;
+
+    async fn watch_events(
+        &self,
+        req: Request<api::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let req = req.into_inner();
+        for (i, k) in req.kinds.iter().enumerate() {
+            if api::EventKind::try_from(*k).is_err() {
+                return Err(Status::invalid_argument(format!("kinds[{i}]: {k} is not an EventKind")));
+            }
+        }
+        let (past, mut rx) = self.controller.events().subscribe(req.replay as usize);
+        let wanted = move |e: &api::Event| {
+            (req.kinds.is_empty() || req.kinds.contains(&e.kind))
+                && (req.device_id.is_empty() || e.device_id == req.device_id || e.device_uuid == req.device_id)
+        };
+        let (tx, out) = mpsc::channel(64);
+        let mut shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            for e in past.into_iter().filter(&wanted) {
+                if tx.send(Ok(e)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                let e = tokio::select! {
+                    r = rx.recv() => r,
+                    () = tx.closed() => return,
+                    _ = shutdown.wait_for(|s| *s) => return,
+                };
+                match e {
+                    Ok(e) if wanted(&e) => {
+                        if tx.send(Ok(e)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    // The subscriber sees the gap in the sequence numbers.
+                    Err(broadcast::error::RecvError::Lagged(n)) => tracing::warn!(missed = n, "event watcher lagged"),
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    async fn get_usage(&self, req: Request<api::GetUsageRequest>) -> Result<Response<api::GetUsageResponse>, Status> {
+        let req = req.into_inner();
+        let allocations = self.controller.allocations();
+        if !req.allocation_id.is_empty() && !allocations.iter().any(|a| a.id == req.allocation_id) {
+            return Err(Status::not_found(format!("allocation_id: no allocation {:?}", req.allocation_id)));
+        }
+        let report = {
+            let mut sampler = self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            sampler.sample(&allocations, self.controller.allocator().dirs(), tessera_region::monotonic_ns())
+        };
+        Ok(Response::new(devices::usage_response(&report, &allocations, &req)))
+    }
+
+    async fn reload(&self, req: Request<api::ReloadRequest>) -> Result<Response<api::ReloadResponse>, Status> {
+        let controller = Arc::clone(&self.controller);
+        let dry_run = req.into_inner().dry_run;
+        tokio::task::spawn_blocking(move || controller.reload(dry_run))
+            .await
+            .map(Response::new)
+            .map_err(|e| Status::internal(format!("reload task: {e}")))
+    }
+}

@@ -1,0 +1,536 @@
+//! `tessera`: the node's command line, a client of tesserad's node API (`tessera.v1` on its
+//! owner-only Unix socket).
+//!
+//! - `tessera status`: GPUs, partitions, shares, who holds each device, and usage.
+//! - `tessera layout apply`: re-partition GPUs (only free devices change).
+//! - `tessera events`: the event stream (kept events first with `--replay`).
+//! - `tessera allocations`, `tessera reload`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use tessera_daemon::config::{self, Config};
+use tessera_proto::tessera::v1 as api;
+use tessera_proto::tessera::v1::node_client::NodeClient;
+use tonic::transport::Channel;
+
+#[derive(Parser, Debug)]
+#[command(name = "tessera", version, about = "Tessera node CLI (talks to tesserad's node API)")]
+struct Cli {
+    /// The node API socket. Default: the daemon configuration's `node_api_socket`.
+    #[arg(long, global = true, value_name = "PATH", env = "TESSERA_SOCKET")]
+    socket: Option<PathBuf>,
+    /// The daemon configuration (to find the socket).
+    #[arg(long, global = true, value_name = "FILE", default_value = config::DEFAULT_PATH)]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// GPUs, partitions, shares, holders and usage.
+    Status {
+        /// Print the node API's answers as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Partition layouts.
+    Layout {
+        #[command(subcommand)]
+        command: LayoutCommand,
+    },
+    /// Stream events (health, partition changes, faults, recoveries).
+    Events {
+        /// First print up to this many kept events.
+        #[arg(long, default_value_t = 0)]
+        replay: u32,
+        /// Keep watching for new events (default: print the kept ones and stop).
+        #[arg(long, short)]
+        follow: bool,
+        /// Only events about this device.
+        #[arg(long)]
+        device: Option<String>,
+    },
+    /// Allocations and who holds them.
+    Allocations,
+    /// Re-read the daemon's configuration file (as SIGHUP does).
+    Reload {
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum LayoutCommand {
+    /// Apply a layout to some GPUs; devices in use are never removed.
+    Apply(ApplyArgs),
+    /// Show each GPU's layout: current, desired, state.
+    Show,
+}
+
+#[derive(Args, Debug)]
+struct ApplyArgs {
+    /// Which GPUs: `all`, or an index or UUID; repeat for several.
+    #[arg(long = "gpu", required = true)]
+    gpus: Vec<String>,
+    /// The whole GPU as one device (MIG off).
+    #[arg(long, conflicts_with_all = ["mig", "shares"])]
+    whole: bool,
+    /// MIG instances, as mig-parted counts them: `1g.10gb=4,3g.40gb=1`.
+    #[arg(long, conflicts_with = "shares")]
+    mig: Option<String>,
+    /// N equal time-sliced shares of the GPU (MIG off).
+    #[arg(long)]
+    shares: Option<u32>,
+    /// Plan and report only.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let socket = match &cli.socket {
+        Some(s) => s.clone(),
+        None => {
+            let explicit = cli.config.as_os_str() != config::DEFAULT_PATH;
+            match Config::load(&cli.config, explicit) {
+                Ok(c) => c.node_api_socket(),
+                Err(e) => {
+                    eprintln!("tessera: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tessera: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli.command, socket)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("tessera: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn connect(socket: &std::path::Path) -> Result<NodeClient<Channel>, String> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach tesserad at {}: {e} (is it running? see --socket)", socket.display()))?;
+    Ok(NodeClient::new(channel))
+}
+
+fn status_err(s: tonic::Status) -> String {
+    format!("{}: {}", s.code(), s.message())
+}
+
+async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
+    let mut client = connect(&socket).await?;
+    match command {
+        Command::Status { json } => status(&mut client, json).await,
+        Command::Layout { command: LayoutCommand::Show } => layout_show(&mut client).await,
+        Command::Layout { command: LayoutCommand::Apply(a) } => layout_apply(&mut client, a).await,
+        Command::Events { replay, follow, device } => events(&mut client, replay, follow, device).await,
+        Command::Allocations => allocations(&mut client).await,
+        Command::Reload { dry_run } => reload(&mut client, dry_run).await,
+    }
+}
+
+async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode, String> {
+    let devices =
+        client.list_devices(api::ListDevicesRequest::default()).await.map_err(status_err)?.into_inner().devices;
+    let partitions = client
+        .list_partitions(api::ListPartitionsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .partitions;
+    let usage = client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?.into_inner();
+    if json {
+        let out = serde_json::json!({
+            "devices": devices.iter().map(device_json).collect::<Vec<_>>(),
+            "partitions": partitions.iter().map(|p| serde_json::json!({
+                "gpu_index": p.gpu_index, "gpu_uuid": p.gpu_uuid,
+                "current": p.current.as_ref().map(describe_layout), "desired": p.desired.as_ref().map(describe_layout),
+                "state": enum_name::<api::PartitionState>(p.state), "device_ids": p.device_ids,
+                "issues": p.issues.iter().map(|i| &i.message).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+            "usage": usage.containers.iter().map(|c| serde_json::json!({
+                "allocation_id": c.allocation_id, "processes": c.processes,
+                "devices": c.devices.iter().map(|d| serde_json::json!({
+                    "device_id": d.device_id, "uuid": d.uuid, "memory_used_bytes": d.memory_used_bytes,
+                    "memory_limit_bytes": d.memory_limit_bytes, "sm_achieved_percent": d.sm_achieved_percent,
+                    "sm_limit_percent": d.sm_limit_percent, "launches": d.launches,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Usage per device id (a container's usage row may name several shares).
+    let mut used: BTreeMap<String, &api::DeviceUsage> = BTreeMap::new();
+    for c in &usage.containers {
+        for d in &c.devices {
+            for id in d.device_id.split(',') {
+                used.insert(id.to_owned(), d);
+            }
+        }
+    }
+    let mut gpu_rows = vec![row(["GPU", "UUID", "MODEL", "MEMORY", "MIG", "HEALTH", "LAYOUT", "STATE"])];
+    let mut dev_rows = vec![row(["DEVICE", "KIND", "RESOURCE", "MEMORY", "SM%", "HELD BY", "USED", "SM NOW"])];
+    for p in &partitions {
+        let gpu = devices.iter().find(|d| d.id == p.gpu_uuid);
+        gpu_rows.push(row([
+            p.gpu_index.to_string(),
+            p.gpu_uuid.clone(),
+            gpu.map(|g| g.model.clone()).unwrap_or_default(),
+            gpu.map(|g| mib(g.memory_bytes)).unwrap_or_default(),
+            mig_mode(p),
+            gpu.map(health).unwrap_or_default(),
+            p.current.as_ref().map(describe_layout).unwrap_or_default(),
+            enum_name::<api::PartitionState>(p.state).to_lowercase(),
+        ]));
+        for d in devices.iter().filter(|d| p.device_ids.contains(&d.id)) {
+            let u = used.get(&d.id);
+            dev_rows.push(row([
+                d.id.clone(),
+                enum_name::<api::DeviceKind>(d.kind).to_lowercase(),
+                d.resource_name.clone(),
+                mib(d.memory_bytes),
+                d.sm_percent.to_string(),
+                holders(d),
+                u.map(|u| mib(u.memory_used_bytes)).unwrap_or_else(|| "-".into()),
+                u.map(|u| format!("{:.1}%", u.sm_achieved_percent)).unwrap_or_else(|| "-".into()),
+            ]));
+        }
+        for i in &p.issues {
+            eprintln!("GPU {}: {}", p.gpu_index, i.message);
+        }
+    }
+    print_table(&gpu_rows);
+    println!();
+    print_table(&dev_rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn layout_show(client: &mut NodeClient<Channel>) -> Result<ExitCode, String> {
+    let partitions = client
+        .list_partitions(api::ListPartitionsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .partitions;
+    let mut rows = vec![row(["GPU", "CURRENT", "DESIRED", "STATE", "MIG", "DEVICES"])];
+    for p in &partitions {
+        rows.push(row([
+            p.gpu_index.to_string(),
+            p.current.as_ref().map(describe_layout).unwrap_or_default(),
+            p.desired.as_ref().map(describe_layout).unwrap_or_else(|| "(unmanaged)".into()),
+            enum_name::<api::PartitionState>(p.state).to_lowercase(),
+            mig_mode(p),
+            p.device_ids.len().to_string(),
+        ]));
+    }
+    print_table(&rows);
+    for p in &partitions {
+        for i in &p.issues {
+            println!("GPU {}: {}", p.gpu_index, i.message);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn layout_apply(client: &mut NodeClient<Channel>, a: ApplyArgs) -> Result<ExitCode, String> {
+    use api::gpu_layout::Layout;
+    let layout = if a.whole {
+        Layout::Whole(api::WholeLayout {})
+    } else if let Some(n) = a.shares {
+        Layout::Shares(api::SharesLayout { count: n, sizes: Vec::new() })
+    } else if let Some(m) = &a.mig {
+        let mut profiles = Vec::new();
+        for part in m.split(',').filter(|p| !p.is_empty()) {
+            let (profile, count) = part.split_once('=').unwrap_or((part, "1"));
+            let count = count.parse().map_err(|_| format!("--mig: {part:?}: the count after '=' must be a number"))?;
+            profiles.push(api::MigProfileCount { profile: profile.to_owned(), count, shares: None });
+        }
+        Layout::Mig(api::MigLayout { profiles })
+    } else {
+        return Err("say which layout: --whole, --mig PROFILE=N,... or --shares N".into());
+    };
+    let targets = a
+        .gpus
+        .iter()
+        .map(|g| {
+            use api::layout_target::Gpus;
+            let gpus = if g == "all" {
+                Gpus::All(api::AllGpus {})
+            } else if let Ok(i) = g.parse() {
+                Gpus::Index(i)
+            } else {
+                Gpus::Uuid(g.clone())
+            };
+            api::LayoutTarget { gpus: Some(gpus), layout: Some(api::GpuLayout { layout: Some(layout.clone()) }) }
+        })
+        .collect();
+    let resp = client
+        .apply_layout(api::ApplyLayoutRequest { targets, dry_run: a.dry_run })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let mut worst = ExitCode::SUCCESS;
+    for r in &resp.results {
+        let outcome = enum_name::<api::LayoutOutcome>(r.outcome).to_lowercase();
+        println!(
+            "GPU {} {}: {}{} -> {} (+{} -{} devices)",
+            r.gpu_index,
+            r.gpu_uuid,
+            outcome,
+            if resp.dry_run { " (dry run)" } else { "" },
+            r.layout.as_ref().map(describe_layout).unwrap_or_default(),
+            r.created_device_ids.len(),
+            r.removed_device_ids.len()
+        );
+        for i in &r.issues {
+            let held: Vec<&str> = i.holders.iter().map(|h| h.allocation_id.as_str()).collect();
+            let by = if held.is_empty() { String::new() } else { format!(" [held by {}]", held.join(", ")) };
+            println!("  {}: {}{by}", enum_name::<api::LayoutIssueKind>(i.kind).to_lowercase(), i.message);
+        }
+        if matches!(
+            api::LayoutOutcome::try_from(r.outcome),
+            Ok(api::LayoutOutcome::Refused | api::LayoutOutcome::Partial)
+        ) {
+            worst = ExitCode::from(3);
+        }
+    }
+    Ok(worst)
+}
+
+async fn events(
+    client: &mut NodeClient<Channel>,
+    replay: u32,
+    follow: bool,
+    device: Option<String>,
+) -> Result<ExitCode, String> {
+    let req = api::WatchEventsRequest { replay, kinds: Vec::new(), device_id: device.unwrap_or_default() };
+    let mut stream = client.watch_events(req).await.map_err(status_err)?.into_inner();
+    let mut seen = 0u32;
+    loop {
+        // Without --follow, stop once the replayed events are printed.
+        let next = if follow || seen < replay {
+            let wait = if follow { None } else { Some(std::time::Duration::from_millis(300)) };
+            match wait {
+                None => stream.message().await,
+                Some(d) => match tokio::time::timeout(d, stream.message()).await {
+                    Ok(m) => m,
+                    Err(_) => break,
+                },
+            }
+        } else {
+            break;
+        };
+        match next.map_err(status_err)? {
+            Some(e) => {
+                seen += 1;
+                println!(
+                    "{} #{} {} {} {} {}",
+                    time(e.time_unix_nano),
+                    e.sequence,
+                    enum_name::<api::EventKind>(e.kind).to_lowercase(),
+                    enum_name::<api::Severity>(e.severity).to_lowercase(),
+                    if e.device_id.is_empty() { "-" } else { &e.device_id },
+                    e.message
+                );
+            }
+            None => break,
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn allocations(client: &mut NodeClient<Channel>) -> Result<ExitCode, String> {
+    let list = client
+        .list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .allocations;
+    let mut rows = vec![row(["ALLOCATION", "RESOURCE", "CONTAINER", "DEVICES", "MEMORY", "SM%", "SOURCE"])];
+    for a in &list {
+        rows.push(row([
+            a.id.clone(),
+            a.resource_name.clone(),
+            a.container.as_ref().map(container_name).unwrap_or_default(),
+            a.devices.iter().map(|d| d.device_id.as_str()).collect::<Vec<_>>().join(","),
+            a.devices.iter().map(|d| mib(d.memory_limit_bytes)).collect::<Vec<_>>().join(","),
+            a.devices.iter().map(|d| d.sm_percent.to_string()).collect::<Vec<_>>().join(","),
+            enum_name::<api::AllocationSource>(a.source).to_lowercase(),
+        ]));
+    }
+    print_table(&rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitCode, String> {
+    let r = client.reload(api::ReloadRequest { dry_run }).await.map_err(status_err)?.into_inner();
+    println!("{}: {}", r.config_path, enum_name::<api::ReloadOutcome>(r.outcome).to_lowercase());
+    for c in &r.applied {
+        println!("  applied {}: {} -> {}", c.key, c.old_value, c.new_value);
+    }
+    for c in &r.needs_restart {
+        println!("  needs a restart {}: {}", c.key, c.reason);
+    }
+    for e in &r.errors {
+        println!("  error {}: {}", e.key, e.reason);
+    }
+    for l in &r.layouts {
+        println!("  GPU {}: {}", l.gpu_index, enum_name::<api::LayoutOutcome>(l.outcome).to_lowercase());
+        for i in &l.issues {
+            println!("    {}", i.message);
+        }
+    }
+    Ok(if r.outcome == api::ReloadOutcome::Rejected as i32 { ExitCode::from(2) } else { ExitCode::SUCCESS })
+}
+
+/// `mig 1g.10gb x4, 3g.40gb x1`, `shares x4`, `whole`.
+fn describe_layout(l: &api::GpuLayout) -> String {
+    use api::gpu_layout::Layout;
+    let shares = |s: &api::SharesLayout| format!("shares x{}", s.count);
+    match &l.layout {
+        Some(Layout::Whole(_)) => "whole".into(),
+        Some(Layout::Shares(s)) => shares(s),
+        Some(Layout::Mig(m)) if m.profiles.is_empty() => "mig (empty)".into(),
+        Some(Layout::Mig(m)) => format!(
+            "mig {}",
+            m.profiles
+                .iter()
+                .map(|p| match &p.shares {
+                    Some(s) => format!("{} x{} ({})", p.profile, p.count, shares(s)),
+                    None => format!("{} x{}", p.profile, p.count),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None => "-".into(),
+    }
+}
+
+fn mig_mode(p: &api::Partition) -> String {
+    let name = |m: i32| match api::MigMode::try_from(m) {
+        Ok(api::MigMode::Enabled) => "on",
+        Ok(api::MigMode::Disabled) => "off",
+        Ok(api::MigMode::Unsupported) => "n/a",
+        _ => "?",
+    };
+    if p.pending_mig_mode == api::MigMode::Unspecified as i32 {
+        name(p.mig_mode).into()
+    } else {
+        format!("{} ({} after reset)", name(p.mig_mode), name(p.pending_mig_mode))
+    }
+}
+
+fn health(d: &api::Device) -> String {
+    let h = enum_name::<api::Health>(d.health).to_lowercase();
+    if d.health_reason.is_empty() { h } else { format!("{h} ({})", d.health_reason) }
+}
+
+fn holders(d: &api::Device) -> String {
+    if d.holders.is_empty() {
+        return "-".into();
+    }
+    d.holders
+        .iter()
+        .map(|h| {
+            let c = h.container.as_ref().map(container_name).unwrap_or_default();
+            if c.is_empty() { h.allocation_id.clone() } else { format!("{} ({c})", h.allocation_id) }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn container_name(c: &api::ContainerIdentity) -> String {
+    if !c.pod_name.is_empty() {
+        let mut s = format!("{}/{}", c.pod_namespace, c.pod_name);
+        if !c.container_name.is_empty() {
+            s.push('/');
+            s.push_str(&c.container_name);
+        }
+        s
+    } else {
+        c.container_id.chars().take(12).collect()
+    }
+}
+
+fn device_json(d: &api::Device) -> serde_json::Value {
+    serde_json::json!({
+        "id": d.id, "uuid": d.uuid, "kind": enum_name::<api::DeviceKind>(d.kind), "parent_id": d.parent_id,
+        "index": d.index, "model": d.model, "resource_name": d.resource_name, "cdi_name": d.cdi_name,
+        "memory_bytes": d.memory_bytes, "sm_percent": d.sm_percent, "health": enum_name::<api::Health>(d.health),
+        "health_reason": d.health_reason, "numa_node": d.numa_node,
+        "holders": d.holders.iter().map(|h| &h.allocation_id).collect::<Vec<_>>(),
+    })
+}
+
+/// A proto enum's value name without its type prefix (`PARTITION_STATE_CONVERGED` → `CONVERGED`).
+fn enum_name<E: TryFrom<i32> + ProtoEnum>(v: i32) -> String {
+    E::try_from(v).map(|e| e.short_name()).unwrap_or_else(|_| v.to_string())
+}
+
+trait ProtoEnum {
+    fn short_name(&self) -> String;
+}
+
+macro_rules! proto_enum {
+    ($($t:ty => $prefix:literal),* $(,)?) => {$(
+        impl ProtoEnum for $t {
+            fn short_name(&self) -> String {
+                self.as_str_name().trim_start_matches($prefix).to_owned()
+            }
+        }
+    )*};
+}
+
+proto_enum!(
+    api::PartitionState => "PARTITION_STATE_",
+    api::DeviceKind => "DEVICE_KIND_",
+    api::Health => "HEALTH_",
+    api::LayoutOutcome => "LAYOUT_OUTCOME_",
+    api::LayoutIssueKind => "LAYOUT_ISSUE_KIND_",
+    api::EventKind => "EVENT_KIND_",
+    api::Severity => "SEVERITY_",
+    api::AllocationSource => "ALLOCATION_SOURCE_",
+    api::ReloadOutcome => "RELOAD_OUTCOME_",
+);
+
+fn mib(bytes: u64) -> String {
+    if bytes == 0 { "-".into() } else { format!("{} MiB", bytes >> 20) }
+}
+
+fn time(unix_ns: u64) -> String {
+    let secs = unix_ns / 1_000_000_000;
+    let (h, m, s) = ((secs / 3600) % 24, (secs / 60) % 60, secs % 60);
+    format!("{h:02}:{m:02}:{s:02}.{:03}Z", (unix_ns / 1_000_000) % 1000)
+}
+
+fn row<const N: usize>(cells: [impl Into<String>; N]) -> Vec<String> {
+    cells.into_iter().map(Into::into).collect()
+}
+
+fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> =
+        (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0)).collect();
+    for r in rows {
+        let line: Vec<String> = r.iter().enumerate().map(|(i, s)| format!("{s:<w$}", w = widths[i])).collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}

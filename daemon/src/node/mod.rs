@@ -1,0 +1,738 @@
+//! The node controller: the daemon's live picture of the node (configuration in effect,
+//! inventory, shares, what is offered, per-GPU layout status, health) and the one place that
+//! changes it. Start-up, reloads and the node API's `ApplyLayout` all go through [`converge`]:
+//! resolve the layouts against the node, refuse what would take a device from an allocation,
+//! plan and apply MIG changes, re-plan shares, rebuild the offered resources, publish them
+//! (kubelet plugins watch them) and emit partition events.
+//!
+//! Changes touch only free devices: a device an allocation holds is never removed or resized;
+//! the GPU keeps its layout and the result says which allocation holds what.
+//!
+//! [`converge`]: NodeController::apply_config
+
+pub mod layout;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tessera_proto::tessera::v1 as api;
+use tokio::sync::watch;
+
+use crate::allocator::DaemonAllocator;
+use crate::config::{self, Config, ConfigError};
+use crate::discovery::{Gpu, Inventory, Session};
+use crate::events::EventBus;
+use crate::partition::{self, GpuLayout, PlanError, Share};
+use crate::resources::Resources;
+use crate::state::{AllocDirs, Allocation, Store};
+
+/// What asked for a configuration to be applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Start,
+    Reload,
+    Api,
+}
+
+/// Where the configuration came from (what a reload re-reads).
+#[derive(Debug, Clone)]
+pub struct ConfigSource {
+    pub path: PathBuf,
+    /// Named on the command line: a missing file is an error, not the defaults.
+    pub explicit: bool,
+}
+
+/// One GPU's layout status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuStatus {
+    pub state: api::PartitionState,
+    /// Why the desired layout is not (yet) in place.
+    pub issues: Vec<api::LayoutIssue>,
+}
+
+/// A consistent copy of the live picture, for reports.
+#[derive(Debug, Clone)]
+pub struct View {
+    /// In effect: the file's configuration with the node API's layout changes on top.
+    pub config: Arc<Config>,
+    pub inventory: Inventory,
+    pub shares: Vec<Share>,
+    pub resources: Arc<Resources>,
+    /// Managed GPUs only (by index).
+    pub status: BTreeMap<u32, GpuStatus>,
+    /// Unhealthy GPUs (by index) and devices (by UUID), with the reason.
+    pub unhealthy_gpus: BTreeMap<u32, String>,
+    pub unhealthy_devices: BTreeMap<String, String>,
+}
+
+/// Why the daemon cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("discovery: {0}")]
+    Discovery(String),
+}
+
+/// The controller.
+pub struct NodeController {
+    session: Session,
+    source: ConfigSource,
+    allocator: Arc<DaemonAllocator>,
+    events: Arc<EventBus>,
+    live: Mutex<Live>,
+    resources_tx: watch::Sender<Arc<Resources>>,
+}
+
+impl std::fmt::Debug for NodeController {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeController").field("source", &self.source).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    /// The file's configuration as last loaded (what a reload diffs against).
+    file_config: Arc<Config>,
+    view: View,
+}
+
+impl NodeController {
+    /// Discovers the node, loads the allocation state, applies the configured layouts and
+    /// builds what is offered. Returns the controller and the per-GPU results.
+    pub fn start(
+        session: Session,
+        config: Config,
+        source: ConfigSource,
+        store: Store,
+        events: Arc<EventBus>,
+    ) -> Result<(NodeController, Vec<api::GpuLayoutResult>), StartError> {
+        let inventory = session.inventory().map_err(|e| StartError::Discovery(e.to_string()))?;
+        // Layout errors the hardware reveals (unknown profiles, shares too big) refuse the start.
+        partition::resolve(&config, &inventory)?;
+        let allocator = Arc::new(DaemonAllocator::new(
+            &config,
+            Arc::new(Resources::default()),
+            store,
+            AllocDirs::new(&config.runtime_dir),
+        ));
+        let kept = allocator.reconcile();
+        tracing::info!(allocations = kept, state = %config.state_dir.display(), "state loaded");
+        let config = Arc::new(config);
+        let view = View {
+            config: Arc::clone(&config),
+            inventory,
+            shares: Vec::new(),
+            resources: Arc::new(Resources::default()),
+            status: BTreeMap::new(),
+            unhealthy_gpus: BTreeMap::new(),
+            unhealthy_devices: BTreeMap::new(),
+        };
+        let (resources_tx, _) = watch::channel(Arc::new(Resources::default()));
+        let controller = NodeController {
+            session,
+            source,
+            allocator,
+            events,
+            live: Mutex::new(Live { file_config: Arc::clone(&config), view }),
+            resources_tx,
+        };
+        let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
+        let results = controller.apply_config((*config).clone(), &all, false, Origin::Start)?;
+        Ok((controller, results))
+    }
+
+    /// The NVML session (for health checks and usage).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// The kubelet-facing allocator.
+    pub fn allocator(&self) -> &Arc<DaemonAllocator> {
+        &self.allocator
+    }
+
+    /// The event bus.
+    pub fn events(&self) -> &Arc<EventBus> {
+        &self.events
+    }
+
+    /// Where the configuration is read from.
+    pub fn source(&self) -> &ConfigSource {
+        &self.source
+    }
+
+    /// What is offered, as it changes.
+    pub fn watch_resources(&self) -> watch::Receiver<Arc<Resources>> {
+        self.resources_tx.subscribe()
+    }
+
+    /// A copy of the live picture.
+    pub fn view(&self) -> View {
+        self.lock().view.clone()
+    }
+
+    /// Every allocation record.
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.allocator.allocations()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The node API's `ApplyLayout`: per target, the GPU's configuration entry replaced by the
+    /// layout asked for (an `all` target replaces `default` and drops per-GPU entries not named
+    /// by another target). A malformed request is an error naming the field; what cannot be
+    /// done on a GPU is in its result.
+    pub fn apply_layout(&self, req: &api::ApplyLayoutRequest) -> Result<api::ApplyLayoutResponse, String> {
+        use api::layout_target::Gpus;
+        let view = self.view();
+        let mut config = (*view.config).clone();
+        let mut named: BTreeMap<u32, usize> = BTreeMap::new();
+        let mut all_target = None;
+        let mut not_found = Vec::new();
+        let mut specs = Vec::new();
+        if req.targets.is_empty() {
+            return Err("targets: empty; name at least one GPU or all".into());
+        }
+        for (i, t) in req.targets.iter().enumerate() {
+            let layout = t.layout.as_ref().ok_or_else(|| format!("targets[{i}].layout: missing"))?;
+            let spec = layout::spec_from_api(layout).map_err(|e| format!("targets[{i}].{e}"))?;
+            let gpu = match &t.gpus {
+                None => return Err(format!("targets[{i}].gpus: none of all, uuid, index is set")),
+                Some(Gpus::All(_)) => {
+                    if all_target.replace(i).is_some() {
+                        return Err(format!("targets[{i}]: `all` is given twice"));
+                    }
+                    specs.push((None, spec));
+                    continue;
+                }
+                Some(Gpus::Uuid(u)) => view.inventory.gpu_by_uuid(u),
+                Some(Gpus::Index(n)) => view.inventory.gpu(*n),
+            };
+            let Some(gpu) = gpu else {
+                let what = match &t.gpus {
+                    Some(Gpus::Uuid(u)) => u.clone(),
+                    Some(Gpus::Index(n)) => n.to_string(),
+                    _ => String::new(),
+                };
+                not_found.push(api::GpuLayoutResult {
+                    gpu_id: what.clone(),
+                    outcome: api::LayoutOutcome::Refused as i32,
+                    issues: vec![issue(
+                        api::LayoutIssueKind::NotFound,
+                        &what,
+                        format!("targets[{i}]: no GPU {what} on this node ({} GPUs)", view.inventory.gpus.len()),
+                    )],
+                    ..Default::default()
+                });
+                continue;
+            };
+            if let Some(j) = named.insert(gpu.index, i) {
+                return Err(format!("targets[{i}]: GPU {} is already named by targets[{j}]", gpu.index));
+            }
+            specs.push((Some(gpu.index), spec));
+        }
+        let mut touched = BTreeSet::new();
+        for (index, spec) in specs {
+            match index {
+                None => {
+                    config.partitions.retain(|key, _| match config::GpuSelector::parse(key) {
+                        Ok(config::GpuSelector::Index(n)) => named.contains_key(&n),
+                        Ok(config::GpuSelector::Uuid(u)) => {
+                            view.inventory.gpu_by_uuid(&u).is_some_and(|g| named.contains_key(&g.index))
+                        }
+                        _ => false,
+                    });
+                    config.partitions.insert("default".into(), spec);
+                    touched.extend(view.inventory.gpus.iter().map(|g| g.index));
+                }
+                Some(index) => {
+                    let gpu = view.inventory.gpu(index).expect("found above");
+                    let key = entry_key(&config, gpu);
+                    config.partitions.insert(key, spec);
+                    touched.insert(index);
+                }
+            }
+        }
+        let mut results =
+            self.apply_config(config, &touched, req.dry_run, Origin::Api).map_err(|e| format!("layout: {e}"))?;
+        results.extend(not_found);
+        Ok(api::ApplyLayoutResponse { results, dry_run: req.dry_run })
+    }
+
+    /// Re-reads the configuration file (SIGHUP or the node API) and applies what can change
+    /// live; layouts changed through the API are replaced by the file's.
+    pub fn reload(&self, dry_run: bool) -> api::ReloadResponse {
+        let path = self.source.path.display().to_string();
+        let new = match Config::load(&self.source.path, self.source.explicit) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "reload refused: the configuration is invalid; nothing changed");
+                return api::ReloadResponse {
+                    outcome: api::ReloadOutcome::Rejected as i32,
+                    config_path: path,
+                    errors: vec![api::ConfigError { key: e.key, reason: e.reason }],
+                    dry_run,
+                    ..Default::default()
+                };
+            }
+        };
+        let (old_file, in_effect) = {
+            let live = self.lock();
+            (Arc::clone(&live.file_config), Arc::clone(&live.view.config))
+        };
+        let diff = config::reload(&old_file, &new);
+        let value = |c: &Config, key: &str| lookup(c, key);
+        let change = |c: &config::Change, reason: &str| api::ConfigChange {
+            key: c.key.clone(),
+            old_value: value(&old_file, &c.key),
+            new_value: value(&new, &c.key),
+            reason: reason.into(),
+        };
+        let applied: Vec<_> =
+            diff.changes.iter().filter(|c| c.when == config::When::Live).map(|c| change(c, "")).collect();
+        let needs_restart: Vec<_> = diff
+            .changes
+            .iter()
+            .filter(|c| c.when == config::When::Restart)
+            .map(|c| change(c, "read only at start; the running value is kept until a restart"))
+            .collect();
+        // Layouts: the file's, over what is in effect (which may carry API changes).
+        let mut effective = diff.effective.clone();
+        effective.partitions = new.partitions.clone();
+        let view = self.view();
+        let touched: BTreeSet<u32> = view
+            .inventory
+            .gpus
+            .iter()
+            .filter(|g| {
+                in_effect.partition_for(g.index, &g.uuid).map(|(_, s)| s)
+                    != new.partition_for(g.index, &g.uuid).map(|(_, s)| s)
+            })
+            .map(|g| g.index)
+            .collect();
+        let layouts = match self.apply_config(effective.clone(), &touched, dry_run, Origin::Reload) {
+            Ok(r) => r,
+            Err(e) => {
+                return api::ReloadResponse {
+                    outcome: api::ReloadOutcome::Rejected as i32,
+                    config_path: path,
+                    errors: vec![api::ConfigError { key: e.key, reason: e.reason }],
+                    dry_run,
+                    ..Default::default()
+                };
+            }
+        };
+        if !dry_run {
+            self.allocator.set_defaults(&effective);
+            self.lock().file_config = Arc::new(new);
+        }
+        let outcome = if applied.is_empty() && needs_restart.is_empty() && touched.is_empty() {
+            api::ReloadOutcome::Unchanged
+        } else if needs_restart.is_empty() {
+            api::ReloadOutcome::Applied
+        } else {
+            api::ReloadOutcome::Partial
+        };
+        tracing::info!(
+            outcome = api::ReloadOutcome::try_from(outcome as i32).map(|o| o.as_str_name()).unwrap_or("?"),
+            live = applied.len(),
+            restart = needs_restart.len(),
+            dry_run,
+            "configuration reloaded"
+        );
+        api::ReloadResponse {
+            outcome: outcome as i32,
+            config_path: path,
+            applied,
+            needs_restart,
+            errors: Vec::new(),
+            layouts,
+            dry_run,
+        }
+    }
+
+    /// Marks GPUs and devices healthy or not (the health monitor's input) and republishes what
+    /// is offered when that changes anything.
+    pub fn set_health(&self, gpus: BTreeMap<u32, String>, devices: BTreeMap<String, String>) {
+        let mut live = self.lock();
+        if live.view.unhealthy_gpus == gpus && live.view.unhealthy_devices == devices {
+            return;
+        }
+        live.view.unhealthy_gpus = gpus;
+        live.view.unhealthy_devices = devices;
+        let mut res = (*live.view.resources).clone();
+        res.mark_unhealthy(
+            &live.view.unhealthy_gpus.keys().copied().collect(),
+            &live.view.unhealthy_devices.keys().cloned().collect(),
+        );
+        let res = Arc::new(res);
+        live.view.resources = Arc::clone(&res);
+        drop(live);
+        self.allocator.set_resources(Arc::clone(&res));
+        self.resources_tx.send_replace(res);
+    }
+
+    /// Makes `config` the configuration in effect: layouts resolved, GPUs in `touched` reported
+    /// on, changes that would take a held device refused per GPU (that GPU keeps its entry),
+    /// MIG plans applied (unless `dry_run`), shares re-planned, resources rebuilt and published.
+    fn apply_config(
+        &self,
+        mut config: Config,
+        touched: &BTreeSet<u32>,
+        dry_run: bool,
+        origin: Origin,
+    ) -> Result<Vec<api::GpuLayoutResult>, ConfigError> {
+        let starting = origin == Origin::Start;
+        // A refused API request leaves nothing behind (its GPU's status stays as it was); a
+        // refused file layout stays wanted, so its GPU shows as diverged with the reasons.
+        let from_api = origin == Origin::Api;
+        // One change at a time: the lock is held from planning to publishing.
+        let mut live = self.lock();
+        let inv = self.session.inventory().map_err(|e| ConfigError::new("", format!("discovery: {e}")))?;
+        let allocations = self.allocator.allocations();
+        let held = held_devices(&allocations);
+        let held_set: BTreeSet<String> = held.keys().cloned().collect();
+        let before_res = Arc::clone(&live.view.resources);
+        let before_config = Arc::clone(&live.view.config);
+
+        // 1. Refuse, per GPU, what would take a held device; those GPUs keep their entry.
+        let layouts = partition::resolve(&config, &inv)?;
+        let mut issues: BTreeMap<u32, Vec<api::LayoutIssue>> = BTreeMap::new();
+        let mut refused = BTreeSet::new();
+        for l in &layouts {
+            let gpu = inv.gpu(l.index).expect("layouts come from this inventory");
+            if let Some(reason) = live.view.unhealthy_gpus.get(&l.index)
+                && !starting
+                && before_config.partition_for(gpu.index, &gpu.uuid).map(|(_, s)| s)
+                    != config.partition_for(gpu.index, &gpu.uuid).map(|(_, s)| s)
+            {
+                issues.entry(l.index).or_default().push(issue(
+                    api::LayoutIssueKind::Unhealthy,
+                    &gpu.uuid,
+                    format!("GPU {} is unhealthy ({reason}); its layout is kept", l.index),
+                ));
+                refused.insert(l.index);
+                continue;
+            }
+            let conflicts = taken_devices(gpu, l, &allocations);
+            if !conflicts.is_empty() {
+                issues.entry(l.index).or_default().extend(conflicts);
+                refused.insert(l.index);
+            }
+        }
+        for &index in &refused {
+            let gpu = inv.gpu(index).expect("refused GPUs come from this inventory");
+            let keep = match before_config.partition_for(gpu.index, &gpu.uuid) {
+                Some((_, spec)) if !starting => spec.clone(),
+                _ => layout::current_spec(gpu, &live.view.shares),
+            };
+            let key = entry_key(&config, gpu);
+            config.partitions.insert(key, keep);
+        }
+        let layouts = partition::resolve(&config, &inv)?;
+
+        // 2. Plan (and apply) the MIG side.
+        let mut outcome: BTreeMap<u32, api::LayoutOutcome> = BTreeMap::new();
+        let mut pending = BTreeSet::new();
+        for l in &layouts {
+            let gpu = inv.gpu(l.index).expect("layouts come from this inventory");
+            if refused.contains(&l.index) {
+                outcome.insert(l.index, api::LayoutOutcome::Refused);
+            }
+            let plan = match partition::plan(l.desired(), gpu.mig.as_ref(), &held_set, &gpu.processes) {
+                Ok(p) => p,
+                Err(e) => {
+                    issues.entry(l.index).or_default().push(plan_issue(gpu, &e, &held));
+                    outcome.insert(l.index, api::LayoutOutcome::Refused);
+                    continue;
+                }
+            };
+            if plan.pending_reset {
+                pending.insert(l.index);
+                issues.entry(l.index).or_default().push(issue(
+                    api::LayoutIssueKind::ResetRequired,
+                    &gpu.uuid,
+                    format!("GPU {}: the MIG mode change takes effect at the next GPU reset (not forced)", l.index),
+                ));
+            }
+            if dry_run || plan.actions.is_empty() {
+                continue;
+            }
+            let cap = gpu.mig.as_ref().map(|m| &m.capability);
+            if let Err(e) = partition::apply(&self.session, l.index, &plan, cap) {
+                let partial = !e.done.is_empty();
+                issues.entry(l.index).or_default().push(issue(
+                    api::LayoutIssueKind::DriverError,
+                    &gpu.uuid,
+                    format!("GPU {}: the driver refused {:?}: {}", l.index, e.action, e.source),
+                ));
+                outcome
+                    .insert(l.index, if partial { api::LayoutOutcome::Partial } else { api::LayoutOutcome::Refused });
+            }
+        }
+
+        // 3. What the node offers now.
+        let after_inv = if dry_run {
+            inv.clone()
+        } else {
+            self.session.inventory().map_err(|e| ConfigError::new("", format!("discovery after partitioning: {e}")))?
+        };
+        let after_layouts = partition::resolve(&config, &after_inv)?;
+        let shares = partition::plan_all_shares(&after_inv, &after_layouts)
+            .map_err(|e| ConfigError::new("partitions", e.to_string()))?;
+        let mut resources = Resources::build(&config, &after_inv, &after_layouts, &shares);
+        resources.mark_unhealthy(
+            &live.view.unhealthy_gpus.keys().copied().collect(),
+            &live.view.unhealthy_devices.keys().cloned().collect(),
+        );
+
+        // 4. Per-GPU results and events.
+        let mut results = Vec::new();
+        let mut status = live.view.status.clone();
+        for gpu in &after_inv.gpus {
+            let managed = after_layouts.iter().any(|l| l.index == gpu.index);
+            let ids = |r: &Resources| -> BTreeSet<String> {
+                r.devices_of_gpu(gpu.index).map(|(_, d)| d.id.clone()).collect()
+            };
+            let (old_ids, new_ids) = (ids(&before_res), ids(&resources));
+            let created: Vec<String> = new_ids.difference(&old_ids).cloned().collect();
+            let removed: Vec<String> = old_ids.difference(&new_ids).cloned().collect();
+            let gpu_issues = issues.remove(&gpu.index).unwrap_or_default();
+            let result_outcome = outcome.get(&gpu.index).copied().unwrap_or(if pending.contains(&gpu.index) {
+                api::LayoutOutcome::PendingReset
+            } else if created.is_empty() && removed.is_empty() {
+                api::LayoutOutcome::Unchanged
+            } else {
+                api::LayoutOutcome::Applied
+            });
+            let api_refusal = from_api && result_outcome == api::LayoutOutcome::Refused;
+            if managed && !dry_run && !api_refusal {
+                let state = match result_outcome {
+                    api::LayoutOutcome::Refused | api::LayoutOutcome::Partial => api::PartitionState::Diverged,
+                    api::LayoutOutcome::PendingReset => api::PartitionState::PendingReset,
+                    _ => api::PartitionState::Converged,
+                };
+                status.insert(gpu.index, GpuStatus { state, issues: gpu_issues.clone() });
+            } else if !managed && !dry_run && !api_refusal {
+                status.remove(&gpu.index);
+            }
+            let current = layout::api_from_spec(&layout::current_spec(gpu, &shares));
+            if !dry_run && (!created.is_empty() || !removed.is_empty()) && !starting {
+                let previous =
+                    inv.gpu(gpu.index).map(|g| layout::api_from_spec(&layout::current_spec(g, &live.view.shares)));
+                self.events.publish(api::Event {
+                    kind: api::EventKind::PartitionChanged as i32,
+                    severity: api::Severity::Info as i32,
+                    device_id: gpu.uuid.clone(),
+                    device_uuid: gpu.uuid.clone(),
+                    device_kind: api::DeviceKind::Gpu as i32,
+                    message: format!(
+                        "GPU {}: {} device(s) created, {} removed",
+                        gpu.index,
+                        created.len(),
+                        removed.len()
+                    ),
+                    detail: Some(api::event::Detail::PartitionChange(api::PartitionChange {
+                        previous,
+                        current: Some(current.clone()),
+                        created_device_ids: created.clone(),
+                        removed_device_ids: removed.clone(),
+                    })),
+                    ..Default::default()
+                });
+            }
+            if touched.contains(&gpu.index) {
+                results.push(api::GpuLayoutResult {
+                    gpu_id: gpu.uuid.clone(),
+                    gpu_uuid: gpu.uuid.clone(),
+                    gpu_index: gpu.index,
+                    outcome: result_outcome as i32,
+                    layout: Some(current),
+                    created_device_ids: created,
+                    removed_device_ids: removed,
+                    issues: gpu_issues,
+                });
+            }
+        }
+        if dry_run {
+            return Ok(results);
+        }
+
+        // 5. Publish.
+        let resources = Arc::new(resources);
+        live.view.config = Arc::new(config);
+        live.view.inventory = after_inv;
+        live.view.shares = shares;
+        live.view.resources = Arc::clone(&resources);
+        live.view.status = status;
+        drop(live);
+        self.allocator.set_resources(Arc::clone(&resources));
+        self.resources_tx.send_replace(resources);
+        Ok(results)
+    }
+}
+
+/// The `partitions` key that decides `gpu`'s layout if it names only that GPU: its UUID key or
+/// index key when present, else the index (a new entry over `default`).
+fn entry_key(config: &Config, gpu: &Gpu) -> String {
+    if config.partitions.contains_key(&gpu.uuid) { gpu.uuid.clone() } else { gpu.index.to_string() }
+}
+
+/// Held device ids and physical UUIDs → the allocations holding them.
+fn held_devices(allocations: &[Allocation]) -> BTreeMap<String, Vec<api::Holder>> {
+    let mut held: BTreeMap<String, Vec<api::Holder>> = BTreeMap::new();
+    for a in allocations {
+        let holder = holder(a);
+        for d in &a.devices {
+            held.entry(d.device_id.clone()).or_default().push(holder.clone());
+            if d.physical_uuid != d.device_id {
+                held.entry(d.physical_uuid.clone()).or_default().push(holder.clone());
+            }
+        }
+    }
+    held
+}
+
+/// The API's holder for an allocation.
+pub fn holder(a: &Allocation) -> api::Holder {
+    api::Holder { allocation_id: a.id.clone(), container: Some(identity(&a.container)) }
+}
+
+/// The API's container identity.
+pub fn identity(c: &crate::state::ContainerIdentity) -> api::ContainerIdentity {
+    api::ContainerIdentity {
+        pod_namespace: c.pod_namespace.clone().unwrap_or_default(),
+        pod_name: c.pod_name.clone().unwrap_or_default(),
+        pod_uid: c.pod_uid.clone().unwrap_or_default(),
+        container_name: c.container_name.clone().unwrap_or_default(),
+        container_id: c.container_id.clone().unwrap_or_default(),
+    }
+}
+
+/// Held devices on `gpu` that layout `l` would remove or resize. MIG instances themselves are
+/// the planner's to keep (it refuses to destroy a held one); this covers whole GPUs, shares of
+/// the GPU and shares of kept MIG instances.
+fn taken_devices(gpu: &Gpu, l: &GpuLayout<'_>, allocations: &[Allocation]) -> Vec<api::LayoutIssue> {
+    use crate::config::PartitionKind;
+    let mig_on = gpu.mig.as_ref().is_some_and(|m| m.current);
+    let mig_devices: BTreeMap<&str, (&str, u64)> = gpu
+        .mig
+        .iter()
+        .flat_map(|m| &m.instances)
+        .flat_map(|gi| gi.devices.iter().map(move |d| (d.uuid.as_str(), (gi.profile.as_str(), d.memory_total))))
+        .collect();
+    let mut out = Vec::new();
+    for a in allocations {
+        for d in &a.devices {
+            let on_gpu = d.physical_uuid == gpu.uuid;
+            let mig_parent = mig_devices.get(d.physical_uuid.as_str());
+            if !on_gpu && mig_parent.is_none() {
+                continue;
+            }
+            let is_share = d.device_id != d.physical_uuid;
+            let survives = match (l.kind, on_gpu, is_share) {
+                // The whole GPU held: only a whole layout (MIG off) keeps it.
+                (PartitionKind::Whole, true, false) => !mig_on,
+                (_, true, false) => false,
+                // A share of the GPU: kept when the new shares plan the same share.
+                (PartitionKind::Shares(spec), true, true) => {
+                    partition::plan_shares(&gpu.uuid, gpu.memory_total, spec).is_ok_and(|s| same_share(&s, d))
+                }
+                (_, true, true) => false,
+                // A MIG device: the planner decides.
+                (_, false, false) => true,
+                // A share of a MIG device: kept when its profile's shares plan the same share.
+                (PartitionKind::Mig { shares, .. }, false, true) => {
+                    let (profile, memory) = *mig_parent.expect("checked above");
+                    shares.and_then(|s| s.get(profile)).is_some_and(|spec| {
+                        partition::plan_shares(&d.physical_uuid, memory, spec).is_ok_and(|s| same_share(&s, d))
+                    })
+                }
+                (_, false, true) => false,
+            };
+            if !survives {
+                out.push(api::LayoutIssue {
+                    kind: api::LayoutIssueKind::InUse as i32,
+                    device_id: d.device_id.clone(),
+                    message: format!(
+                        "GPU {}: {} is allocated ({}); the layout would remove or resize it, so the GPU keeps its layout",
+                        gpu.index, d.device_id, a.id
+                    ),
+                    holders: vec![holder(a)],
+                });
+            }
+        }
+    }
+    out
+}
+
+fn same_share(planned: &[Share], held: &crate::state::AllocatedDevice) -> bool {
+    planned.iter().any(|s| {
+        s.id == held.device_id && Some(s.memory_limit) == held.memory_limit && Some(s.sm_percent) == held.sm_percent
+    })
+}
+
+fn plan_issue(gpu: &Gpu, e: &PlanError, held: &BTreeMap<String, Vec<api::Holder>>) -> api::LayoutIssue {
+    let message = format!("GPU {}: {e}", gpu.index);
+    match e {
+        PlanError::NotSupported => issue(api::LayoutIssueKind::MigUnsupported, &gpu.uuid, message),
+        PlanError::UnknownProfile { .. } => issue(api::LayoutIssueKind::UnknownProfile, &gpu.uuid, message),
+        PlanError::NoFit { .. } => issue(api::LayoutIssueKind::DoesNotFit, &gpu.uuid, message),
+        PlanError::GpuInUse { .. } => issue(api::LayoutIssueKind::InUse, &gpu.uuid, message),
+        PlanError::InUse { gi_id, .. } => {
+            let device = gpu
+                .mig
+                .iter()
+                .flat_map(|m| &m.instances)
+                .find(|gi| gi.gi_id == *gi_id)
+                .and_then(|gi| gi.devices.first())
+                .map(|d| d.uuid.clone())
+                .unwrap_or_default();
+            api::LayoutIssue {
+                kind: api::LayoutIssueKind::InUse as i32,
+                holders: held.get(&device).cloned().unwrap_or_default(),
+                device_id: device,
+                message,
+            }
+        }
+    }
+}
+
+fn issue(kind: api::LayoutIssueKind, device: &str, message: String) -> api::LayoutIssue {
+    api::LayoutIssue { kind: kind as i32, device_id: device.to_owned(), message, holders: Vec::new() }
+}
+
+/// A configuration value by dotted key, as TOML text (empty when absent).
+fn lookup(config: &Config, key: &str) -> String {
+    let Ok(mut v) = toml::Value::try_from(config) else { return String::new() };
+    for part in split_key(key) {
+        match v.get(&part) {
+            Some(next) => v = next.clone(),
+            None => return String::new(),
+        }
+    }
+    match v {
+        toml::Value::String(s) => s,
+        other => other.to_string(),
+    }
+}
+
+/// `a."b.c".d` → [a, b.c, d].
+fn split_key(key: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    for c in key.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            '.' if !quoted => out.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    out.push(cur);
+    out
+}

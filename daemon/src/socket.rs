@@ -1,0 +1,89 @@
+//! Owner-only Unix sockets.
+//!
+//! `bind` then `chmod` leaves a moment where the socket has the umask's mode and anyone may
+//! connect. Instead the socket is bound inside a fresh 0700 directory beside its final path, set
+//! to 0600 there, and renamed into place: at its final path it is owner-only from the first
+//! instant. `umask` would do too, but it is process-wide and other threads create files.
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// Binds a listening Unix socket at `path`, mode 0600, replacing a stale socket there. Refuses to
+/// replace anything that is not a socket (a mistyped path must not delete a file).
+pub fn bind_owner_only(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().ok_or_else(|| invalid(path, "has no file name"))?;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => std::fs::remove_file(path)?,
+        Ok(_) => return Err(invalid(path, "exists and is not a socket")),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let staging = staging_dir(parent, name)?;
+    let result = (|| {
+        let staged = staging.join(name);
+        let listener = std::os::unix::net::UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&staged, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&staging);
+    result
+}
+
+/// The same, as a tokio listener (call inside a runtime).
+pub fn bind_owner_only_tokio(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    let listener = bind_owner_only(path)?;
+    listener.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(listener)
+}
+
+fn staging_dir(parent: &Path, name: &std::ffi::OsStr) -> std::io::Result<PathBuf> {
+    for attempt in 0..16u32 {
+        let mut dir_name = std::ffi::OsString::from(".");
+        dir_name.push(name);
+        dir_name.push(format!(".bind-{}-{attempt}", std::process::id()));
+        let dir = parent.join(dir_name);
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // Left by a crashed earlier run of ours: clear it and try the next name.
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(std::io::Error::other(format!("cannot make a private directory in {}", parent.display())))
+}
+
+fn invalid(path: &Path, why: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{}: {why}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn socket_is_owner_only_and_replaces_only_sockets() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("api.sock");
+        let first = bind_owner_only(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        drop(first);
+        // A stale socket is replaced, and the new one accepts connections.
+        let second = bind_owner_only(&path).unwrap();
+        std::os::unix::net::UnixStream::connect(&path).unwrap();
+        drop(second);
+        // Nothing is left beside it.
+        let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [std::ffi::OsString::from("api.sock")]);
+        // A regular file is never removed.
+        let file = tmp.path().join("notes.txt");
+        std::fs::write(&file, "keep").unwrap();
+        let err = bind_owner_only(&file).unwrap_err();
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+    }
+}

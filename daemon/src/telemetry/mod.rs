@@ -1,0 +1,22 @@
+//! Telemetry export: Prometheus `/metrics` (off unless `telemetry.metrics_listen` is set).
+//!
+//! - [`prometheus`]: the node's metrics ([`NodeMetrics`]: GPUs, per-container usage from
+//!   [`crate::usage`], counts) in the Prometheus text format, with dcgm-exporter's names and
+//!   labels for the per-GPU series so existing dashboards keep working.
+//! - [`server`]: the HTTP endpoint ([`bind`] then [`serve`]) over a [`MetricsSource`].
+//! - [`source`]: the daemon's source ([`NodeSource`]): NVML, the controller, the regions.
+
+pub mod prometheus;
+pub mod server;
+pub mod source;
+
+pub use prometheus::{GpuMetrics, NodeMetrics, render};
+pub use server::{MetricsSource, bind, serve};
+pub use source::NodeSource;
+
+/// What can go wrong setting up telemetry; names the configuration key.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error("{key}: {addr:?}: {reason}")]
+    Listen { key: &'static str, addr: String, reason: String },
+}

@@ -1,0 +1,576 @@
+//! The Prometheus text exposition format (version 0.0.4) of the node's metrics.
+//!
+//! Per GPU, the names dcgm-exporter users already query, with dcgm-exporter's labels (`gpu`,
+//! `UUID`, `device="nvidia<index>"`, `modelName`, `Hostname`, `pci_bus_id`, and `GPU_I_PROFILE`
+//! for MIG devices, whose `UUID` is the MIG device's own so that it joins with the containers'):
+//!
+//! - `DCGM_FI_DEV_FB_USED`, `DCGM_FI_DEV_FB_FREE` (gauges, MiB, as dcgm), `DCGM_FI_DEV_GPU_UTIL`
+//!   (gauge, %, when known).
+//!
+//! Tessera's own, with conventional names and units:
+//!
+//! - `tessera_gpu_healthy` (0/1, the GPU labels above);
+//! - per container and physical device (labels `allocation`, `resource`, `UUID`, `device_id`,
+//!   `namespace`, `pod`, `container`: dcgm-exporter's names for pod attribution; empty when not
+//!   known): `tessera_container_memory_{used,peak,limit}_bytes`,
+//!   `tessera_container_sm_{achieved,limit}_percent`, and the counters
+//!   `tessera_container_{launches,gpu_seconds,throttled_seconds,oom_denials}_total`. A limit is
+//!   left out when there is none;
+//! - per container: `tessera_container_processes`;
+//! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`.
+
+use std::fmt::Write as _;
+
+use crate::usage::UsageReport;
+
+/// The content type of what [`render`] returns.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+const MIB: u64 = 1024 * 1024;
+
+/// One GPU or MIG device of the node.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuMetrics {
+    /// The GPU's NVML index (for a MIG device, its parent's).
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub pci_bus_id: String,
+    /// Bytes.
+    pub memory_used: u64,
+    /// Bytes.
+    pub memory_total: u64,
+    pub utilization_percent: Option<u32>,
+    pub healthy: bool,
+    /// The GPU instance profile (e.g. `1g.10gb`) of a MIG device; `None` for a whole GPU.
+    pub mig_profile: Option<String>,
+    /// The GPU a MIG device is part of.
+    pub parent_uuid: Option<String>,
+}
+
+/// Everything one scrape shows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeMetrics {
+    pub hostname: String,
+    pub gpus: Vec<GpuMetrics>,
+    pub usage: UsageReport,
+    /// Allocations held on the node.
+    pub allocations: usize,
+    /// Events published since the daemon started.
+    pub events_total: u64,
+    /// Fault events published since the daemon started.
+    pub faults_total: u64,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Gauge,
+    Counter,
+}
+
+/// A sample's value: integers are written exactly.
+#[derive(Clone, Copy)]
+enum Value {
+    U(u64),
+    F(f64),
+}
+
+/// Writes one metric family: HELP and TYPE, then its samples.
+struct Family<'a> {
+    out: &'a mut String,
+}
+
+impl<'a> Family<'a> {
+    fn new(out: &'a mut String, name: &str, kind: Kind, help: &str) -> Family<'a> {
+        let kind = match kind {
+            Kind::Gauge => "gauge",
+            Kind::Counter => "counter",
+        };
+        let _ = writeln!(out, "# HELP {name} {}", escape_help(help));
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        Family { out }
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: Value) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                self.out.push_str(k);
+                self.out.push_str("=\"");
+                escape_label_into(self.out, v);
+                self.out.push('"');
+            }
+            self.out.push('}');
+        }
+        self.out.push(' ');
+        match value {
+            Value::U(n) => {
+                let _ = write!(self.out, "{n}");
+            }
+            Value::F(f) => write_float(self.out, f),
+        }
+        self.out.push('\n');
+    }
+}
+
+fn write_float(out: &mut String, f: f64) {
+    if f.is_nan() {
+        out.push_str("NaN");
+    } else if f.is_infinite() {
+        out.push_str(if f > 0.0 { "+Inf" } else { "-Inf" });
+    } else {
+        let _ = write!(out, "{f}");
+    }
+}
+
+/// Label values: backslash, double quote and line feed escaped.
+fn escape_label_into(out: &mut String, v: &str) {
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+}
+
+/// HELP text: backslash and line feed escaped.
+fn escape_help(h: &str) -> String {
+    h.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+/// The node's metrics in the Prometheus text format 0.0.4.
+pub fn render(m: &NodeMetrics) -> String {
+    let mut out = String::with_capacity(4096 + m.gpus.len() * 1024 + m.usage.containers.len() * 4096);
+
+    // Per GPU, dcgm-exporter's names and labels.
+    let gpu_labels: Vec<Vec<(&str, String)>> = m
+        .gpus
+        .iter()
+        .map(|g| {
+            let mut l = vec![
+                ("gpu", g.index.to_string()),
+                ("UUID", g.uuid.clone()),
+                ("device", format!("nvidia{}", g.index)),
+                ("modelName", g.model.clone()),
+                ("Hostname", m.hostname.clone()),
+                ("pci_bus_id", g.pci_bus_id.clone()),
+            ];
+            if let Some(p) = &g.mig_profile {
+                l.push(("GPU_I_PROFILE", p.clone()));
+            }
+            l
+        })
+        .collect();
+    let per_gpu =
+        |out: &mut String, name: &str, kind: Kind, help: &str, value: &dyn Fn(&GpuMetrics) -> Option<Value>| {
+            let mut f = Family::new(out, name, kind, help);
+            for (g, labels) in m.gpus.iter().zip(&gpu_labels) {
+                if let Some(v) = value(g) {
+                    let refs: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    f.sample(name, &refs, v);
+                }
+            }
+        };
+    per_gpu(&mut out, "DCGM_FI_DEV_FB_USED", Kind::Gauge, "Framebuffer memory used (in MiB).", &|g| {
+        Some(Value::U(g.memory_used / MIB))
+    });
+    per_gpu(&mut out, "DCGM_FI_DEV_FB_FREE", Kind::Gauge, "Framebuffer memory free (in MiB).", &|g| {
+        Some(Value::U(g.memory_total.saturating_sub(g.memory_used) / MIB))
+    });
+    per_gpu(&mut out, "DCGM_FI_DEV_GPU_UTIL", Kind::Gauge, "GPU utilization (in %).", &|g| {
+        g.utilization_percent.map(|u| Value::U(u64::from(u)))
+    });
+    per_gpu(&mut out, "tessera_gpu_healthy", Kind::Gauge, "Whether the device is healthy (1) or not (0).", &|g| {
+        Some(Value::U(u64::from(g.healthy)))
+    });
+
+    // Per container and device.
+    type Get = fn(&crate::usage::DeviceUsage) -> Option<Value>;
+    let families: [(&str, Kind, &str, Get); 9] = [
+        ("tessera_container_memory_used_bytes", Kind::Gauge, "Device memory the container holds.", |d| {
+            Some(Value::U(d.memory_used))
+        }),
+        ("tessera_container_memory_peak_bytes", Kind::Gauge, "The most device memory the container has held.", |d| {
+            Some(Value::U(d.memory_peak))
+        }),
+        (
+            "tessera_container_memory_limit_bytes",
+            Kind::Gauge,
+            "The container's device memory limit (absent: no limit).",
+            |d| d.memory_limit.map(Value::U),
+        ),
+        (
+            "tessera_container_sm_achieved_percent",
+            Kind::Gauge,
+            "GPU time over wall time since the previous sample, percent.",
+            |d| Some(Value::F(d.sm_achieved_percent)),
+        ),
+        (
+            "tessera_container_sm_limit_percent",
+            Kind::Gauge,
+            "The container's share of the device's SM time, percent (absent: no limit).",
+            |d| d.sm_limit_percent.map(|p| Value::U(u64::from(p))),
+        ),
+        ("tessera_container_launches_total", Kind::Counter, "Kernel launches.", |d| Some(Value::U(d.launches))),
+        ("tessera_container_gpu_seconds_total", Kind::Counter, "GPU (kernel) time used, seconds.", |d| {
+            Some(Value::F(d.gpu_time_ns as f64 / 1e9))
+        }),
+        (
+            "tessera_container_throttled_seconds_total",
+            Kind::Counter,
+            "Time launches were held back by the SM limit, seconds.",
+            |d| Some(Value::F(d.throttled_ns as f64 / 1e9)),
+        ),
+        (
+            "tessera_container_oom_denials_total",
+            Kind::Counter,
+            "Allocations refused for passing the memory limit.",
+            |d| Some(Value::U(d.oom_denials)),
+        ),
+    ];
+    let ident = |c: &crate::usage::ContainerUsage| {
+        let s = |o: &Option<String>| o.clone().unwrap_or_default();
+        (s(&c.container.pod_namespace), s(&c.container.pod_name), s(&c.container.container_name))
+    };
+    for (name, kind, help, get) in families {
+        let mut f = Family::new(&mut out, name, kind, help);
+        for c in &m.usage.containers {
+            let (ns, pod, container) = ident(c);
+            for d in &c.devices {
+                if let Some(v) = get(d) {
+                    let labels = [
+                        ("allocation", c.allocation_id.as_str()),
+                        ("resource", c.resource.as_str()),
+                        ("UUID", d.uuid.as_str()),
+                        ("device_id", d.device_id.as_str()),
+                        ("namespace", ns.as_str()),
+                        ("pod", pod.as_str()),
+                        ("container", container.as_str()),
+                    ];
+                    f.sample(name, &labels, v);
+                }
+            }
+        }
+    }
+    {
+        let name = "tessera_container_processes";
+        let mut f = Family::new(&mut out, name, Kind::Gauge, "Live processes of the container using the GPU shim.");
+        for c in &m.usage.containers {
+            let (ns, pod, container) = ident(c);
+            let labels = [
+                ("allocation", c.allocation_id.as_str()),
+                ("resource", c.resource.as_str()),
+                ("namespace", ns.as_str()),
+                ("pod", pod.as_str()),
+                ("container", container.as_str()),
+            ];
+            f.sample(name, &labels, Value::U(u64::from(c.processes)));
+        }
+    }
+
+    // Per node.
+    let node: [(&str, Kind, &str, u64); 3] = [
+        ("tessera_allocations", Kind::Gauge, "Allocations held on the node.", m.allocations as u64),
+        ("tessera_events_total", Kind::Counter, "Events published since the daemon started.", m.events_total),
+        ("tessera_faults_total", Kind::Counter, "Fault events published since the daemon started.", m.faults_total),
+    ];
+    for (name, kind, help, v) in node {
+        Family::new(&mut out, name, kind, help).sample(name, &[], Value::U(v));
+    }
+    out
+}
+
+#[cfg(test)]
+pub(crate) mod check {
+    //! A small checker of the text format, for tests: what Prometheus would refuse, it refuses.
+
+    use std::collections::{BTreeMap, HashMap, HashSet};
+
+    /// One sample: name, labels, value.
+    pub type Sample = (String, BTreeMap<String, String>, f64);
+
+    /// Parses `text`; panics naming the line that breaks the format: every sample line
+    /// `name{labels} value` with valid names and escapes, a finite value, HELP and TYPE exactly once
+    /// per name and before its samples, no series twice.
+    pub fn parse(text: &str) -> Vec<Sample> {
+        let mut help = HashSet::new();
+        let mut types: HashMap<String, String> = HashMap::new();
+        let mut series = HashSet::new();
+        let mut samples = Vec::new();
+        assert!(text.ends_with('\n'), "the text ends with a line feed");
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, _) = rest.split_once(' ').unwrap_or((rest, ""));
+                assert!(valid_name(name), "bad name in {line:?}");
+                assert!(help.insert(name.to_string()), "HELP twice for {name}");
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap_or_else(|| panic!("bad TYPE {line:?}"));
+                assert!(["gauge", "counter"].contains(&kind), "bad type in {line:?}");
+                assert!(types.insert(name.to_string(), kind.to_string()).is_none(), "TYPE twice for {name}");
+                continue;
+            }
+            assert!(!line.starts_with('#') && !line.is_empty(), "unexpected line {line:?}");
+            let (name, labels, rest) = match line.find('{') {
+                Some(i) => {
+                    let (labels, rest) = parse_labels(&line[i + 1..]).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+                    (&line[..i], labels, rest)
+                }
+                None => {
+                    let (name, rest) = line.split_once(' ').unwrap_or_else(|| panic!("no value: {line:?}"));
+                    (name, BTreeMap::new(), rest)
+                }
+            };
+            assert!(valid_name(name), "bad name in {line:?}");
+            assert!(help.contains(name) && types.contains_key(name), "sample before HELP/TYPE: {line:?}");
+            if types[name] == "counter" {
+                assert!(name.ends_with("_total"), "counter without _total: {name}");
+            }
+            let value: f64 = rest.trim_start_matches(' ').parse().unwrap_or_else(|_| panic!("bad value: {line:?}"));
+            assert!(value.is_finite(), "value not finite: {line:?}");
+            assert!(series.insert((name.to_string(), labels.clone())), "series twice: {line:?}");
+            samples.push((name.to_string(), labels, value));
+        }
+        for name in &help {
+            assert!(types.contains_key(name), "HELP without TYPE: {name}");
+        }
+        samples
+    }
+
+    fn valid_name(n: &str) -> bool {
+        let mut chars = n.chars();
+        chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    }
+
+    /// Parses `k="v",...}` and returns the labels and what follows the `}`.
+    fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str), String> {
+        let mut labels = BTreeMap::new();
+        let mut rest = s;
+        loop {
+            if let Some(r) = rest.strip_prefix('}') {
+                return Ok((labels, r));
+            }
+            let eq = rest.find('=').ok_or("label without =")?;
+            let key = &rest[..eq];
+            if !valid_name(key) || key.contains(':') {
+                return Err(format!("bad label name {key:?}"));
+            }
+            let mut chars = rest[eq + 1..].strip_prefix('"').ok_or("label value not quoted")?.char_indices();
+            let mut value = String::new();
+            let end = loop {
+                match chars.next().ok_or("unterminated label value")? {
+                    (_, '\\') => match chars.next().ok_or("dangling escape")?.1 {
+                        '\\' => value.push('\\'),
+                        '"' => value.push('"'),
+                        'n' => value.push('\n'),
+                        c => return Err(format!("bad escape \\{c}")),
+                    },
+                    (_, '\n') => return Err("raw line feed in label value".into()),
+                    (i, '"') => break i,
+                    (_, c) => value.push(c),
+                }
+            };
+            if labels.insert(key.to_string(), value).is_some() {
+                return Err(format!("label {key} twice"));
+            }
+            rest = &rest[eq + 1 + 1 + end + 1..];
+            rest = rest.strip_prefix(',').unwrap_or(rest);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check::{Sample, parse};
+    use super::*;
+    use crate::state::ContainerIdentity;
+    use crate::usage::{ContainerUsage, DeviceUsage};
+
+    fn find<'a>(samples: &'a [Sample], name: &str, label: (&str, &str)) -> Vec<&'a Sample> {
+        samples.iter().filter(|(n, l, _)| n == name && l.get(label.0).map(String::as_str) == Some(label.1)).collect()
+    }
+
+    fn device(uuid: &str, id: &str) -> DeviceUsage {
+        DeviceUsage {
+            device_id: id.to_string(),
+            uuid: uuid.to_string(),
+            memory_used: 3 << 30,
+            memory_peak: 4 << 30,
+            memory_limit: Some(8 << 30),
+            sm_limit_percent: Some(25),
+            sm_achieved_percent: 12.5,
+            launches_per_second: 3.0,
+            launches: 12345,
+            gpu_time_ns: 1_500_000_000,
+            throttled_ns: 250_000_000,
+            oom_denials: 2,
+            window_ns: 1_000_000_000,
+        }
+    }
+
+    fn metrics() -> NodeMetrics {
+        let mut unlimited = device("MIG-1", "MIG-1");
+        unlimited.memory_limit = None;
+        unlimited.sm_limit_percent = None;
+        NodeMetrics {
+            hostname: "node-1".into(),
+            gpus: vec![
+                GpuMetrics {
+                    index: 0,
+                    uuid: "GPU-0".into(),
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    pci_bus_id: "00000000:17:00.0".into(),
+                    memory_used: 1536 * MIB + 5,
+                    memory_total: 81559 * MIB,
+                    utilization_percent: Some(37),
+                    healthy: true,
+                    mig_profile: None,
+                    parent_uuid: None,
+                },
+                GpuMetrics {
+                    index: 1,
+                    uuid: "MIG-1".into(),
+                    model: "NVIDIA A100 \"SXM\"\nrev\\2".into(),
+                    pci_bus_id: "00000000:18:00.0".into(),
+                    memory_used: 0,
+                    memory_total: 10 * 1024 * MIB,
+                    utilization_percent: None,
+                    healthy: false,
+                    mig_profile: Some("1g.10gb".into()),
+                    parent_uuid: Some("GPU-1".into()),
+                },
+            ],
+            usage: UsageReport {
+                time_unix_ns: 1,
+                containers: vec![
+                    ContainerUsage {
+                        allocation_id: "a1".into(),
+                        resource: "tessera.io/share".into(),
+                        container: ContainerIdentity {
+                            pod_namespace: Some("team-a".into()),
+                            pod_name: Some("train-0".into()),
+                            container_name: Some("main".into()),
+                            ..Default::default()
+                        },
+                        processes: 3,
+                        devices: vec![device("GPU-0", "GPU-0::0,GPU-0::1"), unlimited],
+                    },
+                    ContainerUsage {
+                        allocation_id: "a2".into(),
+                        resource: "tessera.io/gpu".into(),
+                        container: ContainerIdentity::default(),
+                        processes: 0,
+                        devices: vec![device("GPU-0", "GPU-0")],
+                    },
+                ],
+            },
+            allocations: 2,
+            events_total: 17,
+            faults_total: 1,
+        }
+    }
+
+    #[test]
+    fn renders_valid_text_with_exact_values() {
+        let text = render(&metrics());
+        let samples = parse(&text);
+
+        let fb = find(&samples, "DCGM_FI_DEV_FB_USED", ("UUID", "GPU-0"));
+        assert_eq!(fb.len(), 1);
+        assert_eq!(fb[0].2, 1536.0, "MiB, rounded down");
+        let l = &fb[0].1;
+        assert_eq!(l["gpu"], "0");
+        assert_eq!(l["device"], "nvidia0");
+        assert_eq!(l["modelName"], "NVIDIA H100 80GB HBM3");
+        assert_eq!(l["Hostname"], "node-1");
+        assert_eq!(l["pci_bus_id"], "00000000:17:00.0");
+        assert!(!l.contains_key("GPU_I_PROFILE"));
+        assert_eq!(find(&samples, "DCGM_FI_DEV_FB_FREE", ("UUID", "GPU-0"))[0].2, (81559 - 1536 - 1) as f64);
+        assert_eq!(find(&samples, "DCGM_FI_DEV_GPU_UTIL", ("UUID", "GPU-0"))[0].2, 37.0);
+        assert!(find(&samples, "DCGM_FI_DEV_GPU_UTIL", ("UUID", "MIG-1")).is_empty(), "unknown: left out");
+        let mig = find(&samples, "DCGM_FI_DEV_FB_FREE", ("UUID", "MIG-1"));
+        assert_eq!(mig[0].2, 10240.0);
+        assert_eq!(mig[0].1["GPU_I_PROFILE"], "1g.10gb");
+        assert_eq!(mig[0].1["modelName"], "NVIDIA A100 \"SXM\"\nrev\\2", "escaped and parsed back");
+        assert_eq!(find(&samples, "tessera_gpu_healthy", ("UUID", "GPU-0"))[0].2, 1.0);
+        assert_eq!(find(&samples, "tessera_gpu_healthy", ("UUID", "MIG-1"))[0].2, 0.0);
+
+        let a1 = |name: &str| {
+            let s = find(&samples, name, ("allocation", "a1"));
+            s.into_iter().find(|s| s.1["UUID"] == "GPU-0").map(|s| s.2)
+        };
+        assert_eq!(a1("tessera_container_memory_used_bytes"), Some((3u64 << 30) as f64));
+        assert_eq!(a1("tessera_container_memory_peak_bytes"), Some((4u64 << 30) as f64));
+        assert_eq!(a1("tessera_container_memory_limit_bytes"), Some((8u64 << 30) as f64));
+        assert_eq!(a1("tessera_container_sm_achieved_percent"), Some(12.5));
+        assert_eq!(a1("tessera_container_sm_limit_percent"), Some(25.0));
+        assert_eq!(a1("tessera_container_launches_total"), Some(12345.0));
+        assert_eq!(a1("tessera_container_gpu_seconds_total"), Some(1.5));
+        assert_eq!(a1("tessera_container_throttled_seconds_total"), Some(0.25));
+        assert_eq!(a1("tessera_container_oom_denials_total"), Some(2.0));
+        let used = find(&samples, "tessera_container_memory_used_bytes", ("allocation", "a1"));
+        assert_eq!(used.len(), 2);
+        let l = &used[0].1;
+        assert_eq!(
+            (l["namespace"].as_str(), l["pod"].as_str(), l["container"].as_str()),
+            ("team-a", "train-0", "main")
+        );
+        assert_eq!((l["resource"].as_str(), l["device_id"].as_str()), ("tessera.io/share", "GPU-0::0,GPU-0::1"));
+        // No limit: no sample.
+        assert_eq!(find(&samples, "tessera_container_memory_limit_bytes", ("UUID", "MIG-1")).len(), 0);
+        assert_eq!(find(&samples, "tessera_container_sm_limit_percent", ("UUID", "MIG-1")).len(), 0);
+        // Unknown pod: empty labels (Prometheus drops them).
+        let a2 = find(&samples, "tessera_container_memory_used_bytes", ("allocation", "a2"));
+        assert_eq!(a2[0].1["pod"], "");
+        assert_eq!(find(&samples, "tessera_container_processes", ("allocation", "a1"))[0].2, 3.0);
+
+        let node = |name: &str| samples.iter().find(|s| s.0 == name && s.1.is_empty()).map(|s| s.2);
+        assert_eq!(node("tessera_allocations"), Some(2.0));
+        assert_eq!(node("tessera_events_total"), Some(17.0));
+        assert_eq!(node("tessera_faults_total"), Some(1.0));
+        assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
+        assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
+    }
+
+    #[test]
+    fn empty_node_is_valid() {
+        let m = NodeMetrics { hostname: "h".into(), ..Default::default() };
+        let samples = parse(&render(&m));
+        assert_eq!(samples.len(), 3, "only the node's own: {samples:?}");
+    }
+
+    #[test]
+    fn odd_values_stay_parseable() {
+        let mut m = metrics();
+        m.hostname = "we\\ird\"host\nname".into();
+        m.usage.containers[0].devices[0].sm_achieved_percent = 1e-9;
+        m.usage.containers[0].devices[0].launches = u64::MAX;
+        let samples = parse(&render(&m));
+        let h = find(&samples, "tessera_gpu_healthy", ("UUID", "GPU-0"));
+        assert_eq!(h[0].1["Hostname"], "we\\ird\"host\nname");
+        let sm = find(&samples, "tessera_container_sm_achieved_percent", ("allocation", "a1"));
+        assert_eq!(sm.iter().find(|s| s.1["UUID"] == "GPU-0").unwrap().2, 1e-9);
+    }
+
+    #[test]
+    fn checker_refuses_broken_text() {
+        for bad in [
+            "x 1\n",                                    // no HELP/TYPE
+            "# HELP x h\n# TYPE x gauge\nx NaN\n",      // not finite
+            "# HELP x h\n# TYPE x gauge\nx{a=\"1} 1\n", // unterminated
+            "# HELP x h\n# TYPE x gauge\n# HELP x h\nx 1\n",
+            "# HELP x h\n# TYPE x gauge\nx{a=\"\\q\"} 1\n",
+            "# HELP x h\n# TYPE x gauge\nx 1\nx 2\n",
+        ] {
+            assert!(std::panic::catch_unwind(|| parse(bad)).is_err(), "accepted {bad:?}");
+        }
+    }
+}

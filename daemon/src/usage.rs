@@ -1,0 +1,497 @@
+//! Per-container usage read from the accounting regions.
+//!
+//! [`UsageSampler::sample`] opens each allocation's region (keeping the handle for the next
+//! sample), reaps dead processes, snapshots it and turns the per-process counters into one
+//! picture per container and physical device:
+//!
+//! - memory used and peak are the container's totals on the device (the region keeps them);
+//! - launches, GPU time, throttled time and OOM denials are summed over the processes. A process
+//!   that exits takes its counters out of the region with it, so the sampler keeps what each
+//!   process last had (keyed by slot, pid and start time) and adds it back when the process is
+//!   gone: per allocation and device these counters never go backwards (Prometheus counters);
+//! - rates (achieved SM percent, launches per second) are over the window since this sampler's
+//!   previous sample of the same allocation; the first sample has a window of 0 and rates of 0.
+//!
+//! An allocation's devices are matched to the region's by physical UUID (case-insensitive): two
+//! shares of one GPU in the same allocation are one region device and one [`DeviceUsage`], whose
+//! `device_id` joins the shares' ids with commas. Regions that cannot be opened are logged and
+//! left out (fail soft): telemetry never stops the daemon.
+
+use std::collections::{HashMap, HashSet};
+
+use tessera_region::{Region, Snapshot};
+
+use crate::state::record::unix_ns;
+use crate::state::{AllocDirs, Allocation, ContainerIdentity};
+
+/// Usage of every sampled container at one moment.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UsageReport {
+    /// When the sample was taken: nanoseconds since the Unix epoch.
+    pub time_unix_ns: u64,
+    pub containers: Vec<ContainerUsage>,
+}
+
+/// One allocation's usage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContainerUsage {
+    pub allocation_id: String,
+    /// The extended resource it was allocated under.
+    pub resource: String,
+    pub container: ContainerIdentity,
+    /// Live processes joined to the region (after reaping dead ones).
+    pub processes: u32,
+    /// One per physical device of the allocation, in the allocation's order.
+    pub devices: Vec<DeviceUsage>,
+}
+
+/// One container's usage of one physical device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceUsage {
+    /// The allocation's device ids on this physical device, comma-joined (shares of one GPU).
+    pub device_id: String,
+    /// The physical device (GPU or MIG UUID).
+    pub uuid: String,
+    /// Bytes the container holds on the device now.
+    pub memory_used: u64,
+    /// The most it has held at once.
+    pub memory_peak: u64,
+    /// The allocation's memory limit on the device (shares summed); `None`: no limit.
+    pub memory_limit: Option<u64>,
+    /// The allocation's SM limit on the device (shares summed, at most 100); `None`: no limit.
+    pub sm_limit_percent: Option<u32>,
+    /// GPU time over wall time in the window, percent (may pass 100 when kernels overlap).
+    pub sm_achieved_percent: f64,
+    /// Kernel launches per second in the window.
+    pub launches_per_second: f64,
+    /// Cumulative (monotonic) since the sampler first saw the allocation's processes.
+    pub launches: u64,
+    pub gpu_time_ns: u64,
+    pub throttled_ns: u64,
+    pub oom_denials: u64,
+    /// The window the rates are over: nanoseconds since the previous sample (0: first sample).
+    pub window_ns: u64,
+}
+
+/// The per-process counters on one device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Counters {
+    launches: u64,
+    gpu_time_ns: u64,
+    throttled_ns: u64,
+    oom_denials: u64,
+}
+
+impl Counters {
+    fn add(&mut self, o: &Counters) {
+        self.launches = self.launches.saturating_add(o.launches);
+        self.gpu_time_ns = self.gpu_time_ns.saturating_add(o.gpu_time_ns);
+        self.throttled_ns = self.throttled_ns.saturating_add(o.throttled_ns);
+        self.oom_denials = self.oom_denials.saturating_add(o.oom_denials);
+    }
+
+    fn max(&mut self, o: &Counters) {
+        self.launches = self.launches.max(o.launches);
+        self.gpu_time_ns = self.gpu_time_ns.max(o.gpu_time_ns);
+        self.throttled_ns = self.throttled_ns.max(o.throttled_ns);
+        self.oom_denials = self.oom_denials.max(o.oom_denials);
+    }
+}
+
+/// A process, as long as it lives: its slot could be reused by another process.
+type ProcKey = (usize, u32, u64);
+
+/// What the sampler keeps per allocation between samples.
+struct Tracked {
+    region: Region,
+    /// Monotonic clock of the previous sample; `None` before the first.
+    last_ns: Option<u64>,
+    /// Counters per process at the previous sample, per region device index.
+    last_procs: HashMap<ProcKey, Vec<Counters>>,
+    /// What processes that are gone last had, per region device uuid (lowercase).
+    retired: HashMap<String, Counters>,
+    /// Cumulative counters reported last time, per region device uuid (lowercase).
+    reported: HashMap<String, Counters>,
+}
+
+/// Samples the accounting regions; keeps the previous sample of each allocation for rates and
+/// for counters that outlive their processes. Not shared: one per consumer (its rates are over
+/// its own sampling interval).
+#[derive(Default)]
+pub struct UsageSampler {
+    tracked: HashMap<String, Tracked>,
+    /// Allocations whose region could not be opened, warned about once until it opens again.
+    warned: HashSet<String>,
+}
+
+impl std::fmt::Debug for UsageSampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UsageSampler").field("allocations", &self.tracked.len()).finish()
+    }
+}
+
+impl UsageSampler {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Opens (or reuses an open handle to) each allocation's region, reaps dead processes,
+    /// snapshots it, and computes rates against this sampler's previous sample of the same
+    /// allocation (first sample: rates 0, window 0). Regions that cannot be opened (or whose
+    /// file is not there) are reported with a tracing warning and left out (fail soft).
+    /// Allocations not in `allocations` are forgotten. `now_ns` is the monotonic clock.
+    pub fn sample(&mut self, allocations: &[Allocation], dirs: &AllocDirs, now_ns: u64) -> UsageReport {
+        let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
+        self.tracked.retain(|id, _| live.contains(id.as_str()));
+        self.warned.retain(|id| live.contains(id.as_str()));
+        let mut containers = Vec::with_capacity(allocations.len());
+        for alloc in allocations {
+            if !self.tracked.contains_key(&alloc.id) {
+                let path = dirs.region_path(&alloc.id);
+                // Only an existing region: a missing one would otherwise be created here, with
+                // its directory, for an allocation being removed.
+                let opened = if path.exists() {
+                    Region::open_or_create(&path).map_err(|e| e.to_string())
+                } else {
+                    Err(format!("{}: no region file", path.display()))
+                };
+                match opened {
+                    Ok(region) => {
+                        self.warned.remove(&alloc.id);
+                        self.tracked.insert(
+                            alloc.id.clone(),
+                            Tracked {
+                                region,
+                                last_ns: None,
+                                last_procs: HashMap::new(),
+                                retired: HashMap::new(),
+                                reported: HashMap::new(),
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        if self.warned.insert(alloc.id.clone()) {
+                            tracing::warn!(allocation = %alloc.id, "usage: cannot open the accounting region: {e}");
+                        }
+                        continue;
+                    }
+                }
+            }
+            let Some(t) = self.tracked.get_mut(&alloc.id) else { continue };
+            t.region.reap();
+            let snap = t.region.snapshot();
+            containers.push(t.update(alloc, &snap, now_ns));
+        }
+        UsageReport { time_unix_ns: unix_ns(), containers }
+    }
+}
+
+impl Tracked {
+    /// Folds a fresh snapshot in and reports the allocation's usage.
+    fn update(&mut self, alloc: &Allocation, snap: &Snapshot, now_ns: u64) -> ContainerUsage {
+        let window_ns = self.last_ns.map_or(0, |last| now_ns.saturating_sub(last));
+
+        // Processes gone since the last sample: keep what they had.
+        let procs: HashMap<ProcKey, Vec<Counters>> = snap
+            .processes
+            .iter()
+            .map(|p| {
+                let mut per_dev = vec![Counters::default(); snap.devices.len()];
+                for d in &p.devices {
+                    if let Some(c) = per_dev.get_mut(d.dev) {
+                        *c = Counters {
+                            launches: d.launches,
+                            gpu_time_ns: d.gpu_time_ns,
+                            throttled_ns: d.throttled_ns,
+                            oom_denials: d.oom_denials,
+                        };
+                    }
+                }
+                ((p.slot, p.pid, p.start_time), per_dev)
+            })
+            .collect();
+        let dev_key = |i: usize| snap.devices.get(i).map(|d| d.uuid.to_ascii_lowercase());
+        for (key, counters) in &self.last_procs {
+            if procs.contains_key(key) {
+                continue;
+            }
+            for (i, c) in counters.iter().enumerate() {
+                if let Some(uuid) = dev_key(i) {
+                    self.retired.entry(uuid).or_default().add(c);
+                }
+            }
+        }
+
+        // Cumulative per region device: retired + live.
+        let mut cumulative: HashMap<String, Counters> = self.retired.clone();
+        for counters in procs.values() {
+            for (i, c) in counters.iter().enumerate() {
+                if let Some(uuid) = dev_key(i) {
+                    cumulative.entry(uuid).or_default().add(c);
+                }
+            }
+        }
+
+        let limits = alloc.limits();
+        let mut devices = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
+        for d in &alloc.devices {
+            let key = d.physical_uuid.to_ascii_lowercase();
+            if seen.contains(&key) {
+                continue;
+            }
+            seen.push(key.clone());
+            let device_id = alloc
+                .devices
+                .iter()
+                .filter(|o| o.physical_uuid.eq_ignore_ascii_case(&key))
+                .map(|o| o.device_id.as_str())
+                .collect::<Vec<_>>()
+                .join(",");
+            let limit = limits.devices.iter().find(|l| l.uuid.eq_ignore_ascii_case(&key));
+            let region_dev = snap.devices.iter().find(|r| r.uuid.eq_ignore_ascii_case(&key));
+            let mut now = cumulative.get(&key).copied().unwrap_or_default();
+            let before = self.reported.get(&key).copied().unwrap_or_default();
+            // Never backwards, whatever a racy reading says.
+            now.max(&before);
+            self.reported.insert(key.clone(), now);
+            let secs = window_ns as f64 / 1e9;
+            let (sm_achieved_percent, launches_per_second) = if window_ns == 0 {
+                (0.0, 0.0)
+            } else {
+                (
+                    (now.gpu_time_ns - before.gpu_time_ns) as f64 / window_ns as f64 * 100.0,
+                    (now.launches - before.launches) as f64 / secs,
+                )
+            };
+            devices.push(DeviceUsage {
+                device_id,
+                uuid: d.physical_uuid.clone(),
+                memory_used: region_dev.map_or(0, |r| r.used),
+                memory_peak: region_dev.map_or(0, |r| r.peak),
+                memory_limit: limit.and_then(|l| l.memory_limit),
+                sm_limit_percent: limit.and_then(|l| l.sm_percent),
+                sm_achieved_percent,
+                launches_per_second,
+                launches: now.launches,
+                gpu_time_ns: now.gpu_time_ns,
+                throttled_ns: now.throttled_ns,
+                oom_denials: now.oom_denials,
+                window_ns,
+            });
+        }
+        self.last_procs = procs;
+        self.last_ns = Some(now_ns);
+
+        ContainerUsage {
+            allocation_id: alloc.id.clone(),
+            resource: alloc.resource.clone(),
+            container: alloc.container.clone(),
+            processes: u32::try_from(snap.processes.len()).unwrap_or(u32::MAX),
+            devices,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_region::{ComputeMode, Priority, Slot};
+
+    use super::*;
+    use crate::state::{AllocatedDevice, Source};
+
+    const SEC: u64 = 1_000_000_000;
+
+    fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
+        AllocatedDevice {
+            device_id: id.to_string(),
+            physical_uuid: uuid.to_string(),
+            memory_limit: mem,
+            sm_percent: sm,
+            priority: Priority::Normal,
+            compute_mode: ComputeMode::Strict,
+        }
+    }
+
+    fn alloc(id: &str, devices: Vec<AllocatedDevice>) -> Allocation {
+        Allocation {
+            id: id.to_string(),
+            resource: "tessera.io/share".to_string(),
+            container: ContainerIdentity {
+                pod_namespace: Some("ns".into()),
+                pod_name: Some("pod".into()),
+                container_name: Some("c".into()),
+                ..Default::default()
+            },
+            source: Source::Kubelet,
+            created_unix_ns: unix_ns(),
+            devices,
+        }
+    }
+
+    /// A container process: its own handle on the region (dropping it = the process exiting).
+    struct Proc {
+        region: Region,
+        slot: Slot,
+    }
+
+    impl Proc {
+        fn join(dirs: &AllocDirs, id: &str) -> Proc {
+            let region = Region::open_or_create(&dirs.region_path(id)).unwrap();
+            let slot = region.join().unwrap();
+            Proc { region, slot }
+        }
+
+        fn dev(&self, uuid: &str) -> usize {
+            self.region.device(uuid).unwrap()
+        }
+
+        fn work(&self, uuid: &str, launches: u64, gpu_ns: u64, throttled_ns: u64) {
+            let d = self.dev(uuid);
+            for _ in 0..launches {
+                self.region.record_launch(self.slot, d);
+            }
+            self.region.record_gpu_time(self.slot, d, gpu_ns);
+            self.region.record_throttled(self.slot, d, throttled_ns);
+        }
+    }
+
+    #[test]
+    fn first_sample_then_rates_and_shares_of_one_gpu() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc(
+            "a1",
+            vec![
+                dev("GPU-aaaa::0", "GPU-aaaa", Some(1 << 30), Some(20)),
+                dev("GPU-aaaa::1", "GPU-aaaa", Some(1 << 30), Some(30)),
+                dev("MIG-bbbb", "MIG-bbbb", None, None),
+            ],
+        );
+        dirs.create(&a).unwrap();
+        let p = Proc::join(&dirs, "a1");
+        let ga = p.dev("GPU-aaaa");
+        p.region.set_memory_limit(ga, Some(2 << 30));
+        p.region.try_reserve(p.slot, ga, 300 << 20).unwrap();
+        p.region.release(p.slot, ga, 100 << 20);
+        assert!(p.region.try_reserve(p.slot, ga, 4 << 30).is_err());
+        p.work("GPU-aaaa", 10, SEC / 2, 1000);
+
+        let mut s = UsageSampler::new();
+        let r = s.sample(std::slice::from_ref(&a), &dirs, 100 * SEC);
+        assert!(r.time_unix_ns > 0);
+        assert_eq!(r.containers.len(), 1);
+        let c = &r.containers[0];
+        assert_eq!(c.allocation_id, "a1");
+        assert_eq!(c.resource, "tessera.io/share");
+        assert_eq!(c.container.pod_name.as_deref(), Some("pod"));
+        assert_eq!(c.processes, 1);
+        assert_eq!(c.devices.len(), 2, "one per physical device");
+        let d = &c.devices[0];
+        assert_eq!(d.device_id, "GPU-aaaa::0,GPU-aaaa::1");
+        assert_eq!(d.uuid, "GPU-aaaa");
+        assert_eq!(d.memory_used, 200 << 20);
+        assert_eq!(d.memory_peak, 300 << 20);
+        assert_eq!(d.memory_limit, Some(2 << 30));
+        assert_eq!(d.sm_limit_percent, Some(50));
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns, d.oom_denials), (10, SEC / 2, 1000, 1));
+        assert_eq!((d.window_ns, d.sm_achieved_percent, d.launches_per_second), (0, 0.0, 0.0));
+        // The MIG device was never touched by the container: zeros, its limits from the record.
+        let m = &c.devices[1];
+        assert_eq!((m.device_id.as_str(), m.uuid.as_str()), ("MIG-bbbb", "MIG-bbbb"));
+        assert_eq!((m.memory_used, m.memory_peak, m.memory_limit, m.sm_limit_percent), (0, 0, None, None));
+        assert_eq!((m.launches, m.gpu_time_ns), (0, 0));
+
+        // 2 s later: 40 more launches and 0.5 s more GPU time: 20 launches/s, 25 %.
+        p.work("GPU-aaaa", 40, SEC / 2, 0);
+        let r = s.sample(std::slice::from_ref(&a), &dirs, 102 * SEC);
+        let d = &r.containers[0].devices[0];
+        assert_eq!(d.window_ns, 2 * SEC);
+        assert_eq!((d.launches, d.gpu_time_ns), (50, SEC));
+        assert_eq!(d.launches_per_second, 20.0);
+        assert_eq!(d.sm_achieved_percent, 25.0);
+    }
+
+    #[test]
+    fn counters_of_exited_processes_are_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc("a2", vec![dev("GPU-cccc", "GPU-cccc", None, Some(50))]);
+        dirs.create(&a).unwrap();
+        let p1 = Proc::join(&dirs, "a2");
+        let p2 = Proc::join(&dirs, "a2");
+        let d1 = p1.dev("GPU-cccc");
+        p1.region.try_reserve(p1.slot, d1, 1000).unwrap();
+        p1.work("GPU-cccc", 3, 300, 30);
+        p2.work("GPU-cccc", 4, 400, 40);
+
+        let mut s = UsageSampler::new();
+        let r = s.sample(std::slice::from_ref(&a), &dirs, SEC);
+        let c = &r.containers[0];
+        assert_eq!(c.processes, 2);
+        assert_eq!((c.devices[0].launches, c.devices[0].gpu_time_ns, c.devices[0].throttled_ns), (7, 700, 70));
+        assert_eq!(c.devices[0].memory_used, 1000);
+
+        // p1 does a little more, then exits: the sampler reaps it; its memory goes back, its
+        // counters (as last seen: 3 launches) stay in the totals.
+        p1.work("GPU-cccc", 1, 100, 0);
+        drop(p1);
+        p2.work("GPU-cccc", 1, 100, 0);
+        let r = s.sample(std::slice::from_ref(&a), &dirs, 2 * SEC);
+        let c = &r.containers[0];
+        assert_eq!(c.processes, 1);
+        let d = &c.devices[0];
+        assert_eq!(d.memory_used, 0);
+        assert_eq!(d.memory_peak, 1000);
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (8, 800, 70), "never backwards");
+        assert_eq!(d.window_ns, SEC);
+        assert_eq!(d.launches_per_second, 1.0);
+
+        // A new process takes a slot (perhaps p1's): its counters add on top.
+        let p3 = Proc::join(&dirs, "a2");
+        p3.work("GPU-cccc", 5, 500, 5);
+        drop(p2);
+        let r = s.sample(std::slice::from_ref(&a), &dirs, 3 * SEC);
+        let d = &r.containers[0].devices[0];
+        assert_eq!(r.containers[0].processes, 1);
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (13, 1300, 75));
+        assert_eq!(d.sm_achieved_percent, 500.0 / SEC as f64 * 100.0);
+        drop(p3);
+        let r = s.sample(std::slice::from_ref(&a), &dirs, 4 * SEC);
+        let d = &r.containers[0].devices[0];
+        assert_eq!(r.containers[0].processes, 0);
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (13, 1300, 75));
+        assert_eq!((d.launches_per_second, d.sm_achieved_percent), (0.0, 0.0));
+    }
+
+    #[test]
+    fn missing_regions_are_left_out_and_removed_allocations_forgotten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc("ok", vec![dev("GPU-dddd", "GPU-dddd", None, None)]);
+        let gone = alloc("gone", vec![dev("GPU-eeee", "GPU-eeee", None, None)]);
+        dirs.create(&a).unwrap();
+        let mut s = UsageSampler::new();
+        let both = [gone.clone(), a.clone()];
+        let r = s.sample(&both, &dirs, SEC);
+        assert_eq!(r.containers.iter().map(|c| c.allocation_id.as_str()).collect::<Vec<_>>(), ["ok"]);
+        assert!(!dirs.region_path("gone").exists(), "the sampler creates no region");
+        // A region that is not a region: left out too.
+        std::fs::create_dir_all(dirs.dir("gone")).unwrap();
+        std::fs::write(dirs.region_path("gone"), b"junk").unwrap();
+        let r = s.sample(&both, &dirs, 2 * SEC);
+        assert_eq!(r.containers.len(), 1);
+        // Once it exists, it is sampled (first sample: window 0).
+        std::fs::remove_file(dirs.region_path("gone")).unwrap();
+        dirs.create(&gone).unwrap();
+        let r = s.sample(&both, &dirs, 3 * SEC);
+        assert_eq!(r.containers.len(), 2);
+        assert_eq!(r.containers[0].devices[0].window_ns, 0);
+        assert_eq!(r.containers[1].devices[0].window_ns, SEC);
+        // Dropped from the list: forgotten (a later return starts afresh).
+        s.sample(std::slice::from_ref(&a), &dirs, 4 * SEC);
+        assert_eq!(s.tracked.len(), 1);
+        let r = s.sample(&both, &dirs, 5 * SEC);
+        assert_eq!(r.containers[0].devices[0].window_ns, 0);
+    }
+}

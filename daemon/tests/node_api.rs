@@ -1,0 +1,299 @@
+//! The node API and the `tessera` CLI against the built `tesserad` on the simulated node, with
+//! the test kubelet: the socket is owner-only; devices, partitions and allocations are reported
+//! with their holders; a layout change touches only free devices (a held share refuses its GPU's
+//! change and names the holder, a free MIG GPU is re-partitioned, the new resource registers with
+//! the kubelet and the old one lists no devices); partition events stream and replay after a
+//! restart; a reload applies live keys, reports restart-only ones and rejects a bad file without
+//! changing anything; SIGHUP reloads too.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::time::Duration;
+
+use tessera_proto::deviceplugin::v1beta1::{self as dp, AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::tessera::v1 as api;
+use tessera_proto::tessera::v1::node_client::NodeClient;
+use tessera_sim_testkit::{SimNode, binary};
+use tonic::transport::Channel;
+
+mod common;
+
+use common::{TestKubelet, WAIT, next_list, spawn};
+
+const NODE: &str = "numa_nodes = 1
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+mig = true
+";
+
+const SHARE: &str = "tessera.io/gpu-share";
+const MIG3: &str = "tessera.io/mig-3g.40gb";
+const MIG1: &str = "tessera.io/mig-1g.10gb";
+
+fn config_text(node: &SimNode, dir: &Path, extra: &str) -> String {
+    format!(
+        "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n{extra}\n\
+         [partitions.\"0\"]\nshares = {{ count = 2 }}\n[partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}\n",
+        node.nvml_path(),
+        dir.join("plugins"),
+        dir.join("state"),
+        dir.join("run"),
+    )
+}
+
+async fn client(socket: &Path) -> NodeClient<Channel> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
+    for _ in 0..200 {
+        if let Ok(c) = endpoint.connect().await {
+            return NodeClient::new(c);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("node API not reachable at {}", socket.display());
+}
+
+fn mig_layout(profile: &str, count: u32) -> api::GpuLayout {
+    api::GpuLayout {
+        layout: Some(api::gpu_layout::Layout::Mig(api::MigLayout {
+            profiles: vec![api::MigProfileCount { profile: profile.into(), count, shares: None }],
+        })),
+    }
+}
+
+fn shares_layout(count: u32) -> api::GpuLayout {
+    api::GpuLayout { layout: Some(api::gpu_layout::Layout::Shares(api::SharesLayout { count, sizes: vec![] })) }
+}
+
+fn target(index: u32, layout: api::GpuLayout) -> api::LayoutTarget {
+    api::LayoutTarget { gpus: Some(api::layout_target::Gpus::Index(index)), layout: Some(layout) }
+}
+
+fn tessera(socket: &Path, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("run tessera");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_api_layout_changes_touch_only_free_devices() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    std::fs::create_dir(dir.join("plugins")).expect("plugin dir");
+    let config = dir.join("config.toml");
+    std::fs::write(&config, config_text(&node, dir, "")).expect("config");
+    let notify_path = dir.join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).expect("notify socket");
+    notify.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let log = dir.join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+    let (daemon, _) = spawn(&node, &config, &notify_path, &log);
+    let mut regs = std::collections::HashMap::new();
+    while regs.len() < 2 {
+        let (req, _) = kubelet.next_registration().await;
+        regs.insert(req.resource_name.clone(), req);
+    }
+    let socket = dir.join("run/tessera.sock");
+    let mut api = client(&socket).await;
+    let mode = std::fs::metadata(&socket).expect("socket").permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the node API socket is owner-only");
+
+    // Devices: 2 GPUs, 2 shares of GPU 0, 2 MIG devices of GPU 1.
+    let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("list").into_inner().devices;
+    let kinds = |k: api::DeviceKind| devices.iter().filter(|d| d.kind == k as i32).count();
+    assert_eq!((kinds(api::DeviceKind::Gpu), kinds(api::DeviceKind::Share), kinds(api::DeviceKind::Mig)), (2, 2, 2));
+    let gpu0 =
+        devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32 && d.index == 0).expect("GPU 0").uuid.clone();
+    let share = devices.iter().find(|d| d.kind == api::DeviceKind::Share as i32 && d.index == 0).expect("share 0");
+    assert_eq!(share.id, format!("{gpu0}::0"));
+    assert_eq!(share.resource_name, SHARE);
+    assert_eq!(share.cdi_name, format!("tessera.io/share={gpu0}::0"));
+    assert_eq!(share.sm_percent, 50);
+    let mig = devices.iter().find(|d| d.kind == api::DeviceKind::Mig as i32).expect("a MIG device");
+    assert_eq!(mig.mig.as_ref().expect("mig info").profile, "3g.40gb");
+    assert_eq!(mig.sm_percent, 42, "3 of 7 compute slices");
+    // Unknown filters are errors that name the field.
+    let err = api.list_devices(api::ListDevicesRequest { gpu: "7".into(), ..Default::default() }).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    assert!(err.message().starts_with("gpu:"), "{}", err.message());
+
+    // The kubelet allocates share 0 of GPU 0.
+    let mut plugin = kubelet.connect(&regs[SHARE]).await;
+    let resp = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.id.clone()] }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    let alloc_id = resp.container_responses[0].envs["TESSERA_ALLOCATION"].clone();
+    let allocations =
+        api.list_allocations(api::ListAllocationsRequest::default()).await.expect("allocations").into_inner();
+    assert_eq!(allocations.allocations.len(), 1);
+    assert_eq!(allocations.allocations[0].id, alloc_id);
+    assert_eq!(allocations.allocations[0].devices[0].kind, api::DeviceKind::Share as i32);
+    let held = api
+        .list_devices(api::ListDevicesRequest { gpu: "0".into(), ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner()
+        .devices;
+    let held = held.iter().find(|d| d.id == share.id).expect("share");
+    assert_eq!(held.holders.iter().map(|h| h.allocation_id.as_str()).collect::<Vec<_>>(), [alloc_id.as_str()]);
+
+    // Watch MIG-3g's list as the kubelet does: it must empty when GPU 1 is re-partitioned.
+    let mut mig3 = kubelet.connect(&regs[MIG3]).await;
+    let mut mig3_stream = mig3.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+    assert_eq!(next_list(&mut mig3_stream).await.devices.len(), 2);
+    let mut events = api.watch_events(api::WatchEventsRequest::default()).await.expect("watch").into_inner();
+
+    // A dry run changes nothing.
+    let dry = api
+        .apply_layout(api::ApplyLayoutRequest { targets: vec![target(1, mig_layout("1g.10gb", 7))], dry_run: true })
+        .await
+        .expect("dry run")
+        .into_inner();
+    assert!(dry.dry_run);
+    assert_eq!(kinds_now(&mut api, api::DeviceKind::Mig).await, 2);
+
+    // GPU 0's shares are held: refused, the holder named. GPU 1 is free: 2 x 3g → 7 x 1g.
+    let resp = api
+        .apply_layout(api::ApplyLayoutRequest {
+            targets: vec![target(0, shares_layout(4)), target(1, mig_layout("1g.10gb", 7))],
+            dry_run: false,
+        })
+        .await
+        .expect("apply")
+        .into_inner();
+    let r0 = resp.results.iter().find(|r| r.gpu_index == 0).expect("GPU 0 result");
+    assert_eq!(r0.outcome, api::LayoutOutcome::Refused as i32, "{r0:?}");
+    assert_eq!(r0.issues[0].kind, api::LayoutIssueKind::InUse as i32);
+    assert_eq!(r0.issues[0].device_id, share.id);
+    assert_eq!(r0.issues[0].holders[0].allocation_id, alloc_id);
+    let r1 = resp.results.iter().find(|r| r.gpu_index == 1).expect("GPU 1 result");
+    assert_eq!(r1.outcome, api::LayoutOutcome::Applied as i32, "{r1:?}\n{}", show_log());
+    assert_eq!((r1.created_device_ids.len(), r1.removed_device_ids.len()), (7, 2), "{r1:?}\n{}", show_log());
+
+    // The kubelet hears of it: the new resource registers, the old one lists nothing.
+    let (req, _) = kubelet.next_registration().await;
+    assert_eq!(req.resource_name, MIG1);
+    let mut mig1 = kubelet.connect(&req).await;
+    let mut mig1_stream = mig1.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+    assert_eq!(next_list(&mut mig1_stream).await.devices.len(), 7);
+    assert_eq!(next_list(&mut mig3_stream).await.devices.len(), 0);
+    // The allocation and its share are untouched.
+    assert_eq!(kinds_now(&mut api, api::DeviceKind::Share).await, 2);
+    let event = tokio::time::timeout(WAIT, events.message()).await.expect("event in time").expect("ok").expect("open");
+    assert_eq!(event.kind, api::EventKind::PartitionChanged as i32);
+    assert_eq!(event.device_id, r1.gpu_uuid);
+    let partitions = api.list_partitions(api::ListPartitionsRequest::default()).await.expect("parts").into_inner();
+    let p0 = &partitions.partitions[0];
+    assert_eq!(p0.state, api::PartitionState::Converged as i32, "GPU 0 kept its layout: {p0:?}");
+    assert_eq!(partitions.partitions[1].device_ids.len(), 7);
+
+    // Malformed requests name the field.
+    let err = api
+        .apply_layout(api::ApplyLayoutRequest { targets: vec![target(0, shares_layout(0))], dry_run: false })
+        .await
+        .unwrap_err();
+    assert!(err.message().starts_with("targets[0].layout.shares.count"), "{}", err.message());
+    let err = api
+        .apply_layout(api::ApplyLayoutRequest {
+            targets: vec![target(1, mig_layout("1g.10gb", 1)), target(1, mig_layout("3g.40gb", 1))],
+            dry_run: false,
+        })
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("already named by targets[0]"), "{}", err.message());
+
+    // The CLI: the table shows the holder; layout show; a dry run; events replay.
+    let (code, text) = tessera(&socket, &["status"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains(&gpu0) && text.contains(&alloc_id) && text.contains("mig 1g.10gb x7"), "{text}");
+    let (code, text) = tessera(&socket, &["layout", "apply", "--gpu", "0", "--shares", "4"]);
+    assert_eq!(code, 3, "a refused change exits 3: {text}");
+    assert!(text.contains("in_use") && text.contains(&alloc_id), "{text}");
+    let (code, text) = tessera(&socket, &["events", "--replay", "10"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("partition_changed"), "{text}");
+
+    // Reload: a live key and a restart-only key; then a bad file is rejected and changes nothing.
+    std::fs::write(
+        &config,
+        config_text(&node, dir, "node_api_socket = \"/tmp/elsewhere.sock\"\n[resources]\nshare_placement = \"spread\""),
+    )
+    .expect("config");
+    let r = api.reload(api::ReloadRequest { dry_run: false }).await.expect("reload").into_inner();
+    assert_eq!(r.outcome, api::ReloadOutcome::Partial as i32, "{r:?}");
+    assert_eq!(r.applied.iter().map(|c| c.key.as_str()).collect::<Vec<_>>(), ["resources.share_placement"]);
+    assert_eq!(r.needs_restart.iter().map(|c| c.key.as_str()).collect::<Vec<_>>(), ["node_api_socket"]);
+    // The file's layout for GPU 1 (2 x 3g) replaces the API's 7 x 1g: it is free, so it changes back.
+    let back = r.layouts.iter().find(|l| l.gpu_index == 1).expect("GPU 1 reloaded");
+    assert_eq!(back.outcome, api::LayoutOutcome::Applied as i32, "{back:?}");
+    std::fs::write(&config, "partitions = 3\n").expect("config");
+    let r = api.reload(api::ReloadRequest { dry_run: false }).await.expect("reload").into_inner();
+    assert_eq!(r.outcome, api::ReloadOutcome::Rejected as i32);
+    assert_eq!(r.errors[0].key, "partitions", "{r:?}");
+    assert_eq!(kinds_now(&mut api, api::DeviceKind::Mig).await, 2, "nothing changed");
+
+    // SIGHUP reloads: the file asks GPU 1 for 1 x 7g.
+    std::fs::write(&config, config_text(&node, dir, "").replace("\"3g.40gb\" = 2", "\"7g.80gb\" = 1")).expect("config");
+    let pid = daemon.0.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().expect("kill").success());
+    let deadline = std::time::Instant::now() + WAIT;
+    while kinds_now(&mut api, api::DeviceKind::Mig).await != 1 {
+        assert!(std::time::Instant::now() < deadline, "SIGHUP did not reload:\n{}", show_log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = notify.recv(&mut [0u8; 64]);
+    drop(daemon);
+
+    // Restart: events replay from disk with their sequence numbers.
+    let (mut daemon, _) = spawn(&node, &config, &notify_path, &log);
+    let mut api = client(&socket).await;
+    let mut replay = api
+        .watch_events(api::WatchEventsRequest { replay: 100, ..Default::default() })
+        .await
+        .expect("watch")
+        .into_inner();
+    let first = tokio::time::timeout(WAIT, replay.message()).await.expect("in time").expect("ok").expect("open");
+    assert_eq!(first.sequence, 1);
+    assert_eq!(first.kind, api::EventKind::PartitionChanged as i32);
+
+    // SIGTERM with the event stream still open: the daemon ends the stream and exits cleanly.
+    let pid = daemon.0.id().to_string();
+    let stopping = std::time::Instant::now();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    loop {
+        if let Some(status) = daemon.0.try_wait().expect("wait") {
+            assert!(status.success(), "{status:?}\n{}", show_log());
+            break;
+        }
+        assert!(stopping.elapsed() < Duration::from_secs(4), "no exit within 4 s of SIGTERM:\n{}", show_log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("stopped {:?} after SIGTERM with a watcher attached", stopping.elapsed());
+    drop(replay);
+    let _ = dp::VERSION;
+}
+
+async fn kinds_now(api: &mut NodeClient<Channel>, kind: api::DeviceKind) -> usize {
+    let list = api
+        .list_devices(api::ListDevicesRequest { kinds: vec![kind as i32], ..Default::default() })
+        .await
+        .expect("list")
+        .into_inner();
+    list.devices.len()
+}

@@ -1,0 +1,142 @@
+//! The whole path into a container: the kubelet allocates a share from tesserad (simulated node);
+//! tesserad wrote the CDI specs (fake device nodes and driver root, as a host has them) and the
+//! allocation's directory; a runc container started through `tessera-runtime` with the env the
+//! kubelet's answer carries sees exactly its GPU's node and the control nodes, the driver's
+//! library, libtessera.so in /etc/ld.so.preload, and its share's limits file, read-only.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_sim_testkit::{SimNode, binary};
+use tessera_tests::kubelet::{TestKubelet, next_list, spawn};
+use tessera_tests::{busybox_rootfs, mknod, runc_usable};
+
+const PROBE: &str = r#"
+for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f $(stat -c '%t:%T' $f)"; done
+echo "lib $(cat /usr/lib/x86_64-linux-gnu/libcuda.so.1)"
+echo "preload $(cat /etc/ld.so.preload)"
+echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
+cat /run/tessera/alloc/limits
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_share_reaches_a_runc_container() {
+    if !runc_usable() {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
+    // The host as the daemon and the runtime see it: device nodes and the driver's files.
+    let dev = dir.join("dev");
+    mknod(&dev.join("nvidia0"), 195, 0);
+    mknod(&dev.join("nvidia1"), 195, 1);
+    mknod(&dev.join("nvidiactl"), 195, 255);
+    mknod(&dev.join("nvidia-uvm"), 235, 0);
+    let driver = dir.join("driver");
+    std::fs::create_dir_all(driver.join("usr/lib/x86_64-linux-gnu")).expect("driver dir");
+    std::fs::write(driver.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"), "fake-libcuda").expect("lib");
+    std::fs::write(dir.join("libtessera.so"), "fake-shim").expect("shim");
+
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    std::fs::create_dir(dir.join("plugins")).expect("plugins");
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
+             [injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n\
+             [partitions.default]\nshares = {{ count = 2 }}\n",
+            node.nvml_path(),
+            dir.join("plugins"),
+            dir.join("state"),
+            dir.join("run"),
+            dir.join("cdi"),
+            driver,
+            dev,
+            dir.join("libtessera.so"),
+            binary("tessera-hook"),
+        ),
+    )
+    .expect("config");
+    let log = dir.join("tesserad.log");
+    let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+    let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let (reg, _) = kubelet.next_registration().await;
+    let mut plugin = kubelet.connect(&reg).await;
+    let mut list = plugin.list_and_watch(Empty {}).await.expect("list").into_inner();
+    let share = next_list(&mut list).await.devices[1].id.clone();
+    let resp = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.clone()] }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    let answer = &resp.container_responses[0];
+    assert_eq!(answer.cdi_devices[0].name, format!("tessera.io/share={share}"));
+
+    // The spec the daemon wrote names the share the kubelet handed out.
+    let spec_path = dir.join("cdi/tessera.io-share.json");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&spec_path).unwrap_or_else(|e| panic!("{}: {e}", spec_path.display())))
+            .expect("spec json");
+    assert_eq!(spec["kind"], "tessera.io/share");
+    let names: Vec<&str> =
+        spec["devices"].as_array().expect("devices").iter().filter_map(|d| d["name"].as_str()).collect();
+    assert!(names.contains(&share.as_str()), "{names:?}");
+
+    // The runtime wrapper in front of runc, with the env the kubelet's answer carries.
+    let hook_config = dir.join("hook.toml");
+    std::fs::write(
+        &hook_config,
+        format!(
+            "cdi_spec_dirs = [{:?}]\nruntime_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nruntime = \"runc\"\n",
+            dir.join("cdi"),
+            dir.join("run"),
+            driver,
+            dev,
+            dir.join("libtessera.so"),
+        ),
+    )
+    .expect("hook config");
+    let bundle = dir.join("bundle");
+    std::fs::create_dir(&bundle).expect("bundle");
+    let out = std::process::Command::new("runc").arg("spec").current_dir(&bundle).output().expect("runc spec");
+    assert!(out.status.success());
+    let mut oci: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).expect("read")).expect("json");
+    oci["root"] = serde_json::json!({ "path": rootfs.display().to_string(), "readonly": false });
+    oci["process"]["terminal"] = serde_json::json!(false);
+    oci["process"]["args"] = serde_json::json!(["/bin/sh", "-c", PROBE]);
+    for key in ["TESSERA_VISIBLE_DEVICES", "TESSERA_ALLOCATION"] {
+        let env = format!("{key}={}", answer.envs[key]);
+        oci["process"]["env"].as_array_mut().expect("env").push(serde_json::json!(env));
+    }
+    std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(binary("tessera-runtime"))
+            .env("TESSERA_HOOK_CONFIG", &hook_config)
+            .arg("--root")
+            .arg(dir.join("runc-state"))
+            .args(["run", "--bundle"])
+            .arg(&bundle)
+            .arg(format!("flow-{}", std::process::id()))
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("container in time")
+    .expect("run");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    let nodes: Vec<&str> = text.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes, ["node /dev/nvidia-uvm eb:0", "node /dev/nvidia0 c3:0", "node /dev/nvidiactl c3:ff"], "{text}");
+    assert!(text.contains("lib fake-libcuda"), "{text}");
+    assert!(text.contains("preload /usr/lib/tessera/libtessera.so"), "{text}");
+    assert!(text.contains("limits-writable no"), "{text}");
+    let host_limits = std::fs::read_to_string(Path::new(&answer.mounts[0].host_path).join("limits")).expect("limits");
+    assert!(text.contains(host_limits.trim()), "the container reads its share's limits:\n{text}\nhost:\n{host_limits}");
+}

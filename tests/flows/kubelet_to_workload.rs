@@ -1,0 +1,143 @@
+//! The whole node path without a container runtime: the kubelet allocates a share from tesserad
+//! on the simulated node; a CUDA workload runs with libtessera.so preloaded and the allocation's
+//! limits and region (the files the container would get, at their host paths); the share's
+//! memory limit holds (CUDA_ERROR_OUT_OF_MEMORY past it), the node API's GetUsage and the
+//! `tessera status` table show what the workload holds, and nothing once it is killed.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest};
+use tessera_proto::tessera::v1 as api;
+use tessera_proto::tessera::v1::node_client::NodeClient;
+use tessera_sim_testkit::{SimNode, binary};
+use tessera_tests::kubelet::{TestKubelet, WAIT, spawn};
+use tessera_tests::shim;
+
+const MIB: u64 = 1 << 20;
+const OVERHEAD_MIB: u64 = 300;
+
+async fn node_api(socket: &Path) -> NodeClient<tonic::transport::Channel> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(c) = endpoint.connect().await {
+            return NodeClient::new(c);
+        }
+        assert!(Instant::now() < deadline, "node API not reachable at {}", socket.display());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn usage(api: &mut NodeClient<tonic::transport::Channel>, id: &str) -> api::ContainerUsage {
+    let resp = api
+        .get_usage(api::GetUsageRequest { allocation_id: id.into(), ..Default::default() })
+        .await
+        .expect("usage")
+        .into_inner();
+    resp.containers.into_iter().next().expect("the allocation's usage")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
+    let node = SimNode::with_description(&format!(
+        "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
+    ));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    std::fs::create_dir(dir.join("plugins")).expect("plugins");
+    let config = dir.join("config.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
+             [partitions.default]\nshares = {{ count = 4 }}\n",
+            node.nvml_path(),
+            dir.join("plugins"),
+            dir.join("state"),
+            dir.join("run"),
+        ),
+    )
+    .expect("config");
+    let log = dir.join("tesserad.log");
+    let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+    let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let (reg, _) = kubelet.next_registration().await;
+    assert_eq!(reg.resource_name, "tessera.io/gpu-share");
+
+    // The kubelet allocates share 1.
+    let mut plugin = kubelet.connect(&reg).await;
+    let share = {
+        let mut list = plugin.list_and_watch(tessera_proto::deviceplugin::v1beta1::Empty {}).await.expect("list");
+        tessera_tests::kubelet::next_list(list.get_mut()).await.devices[1].id.clone()
+    };
+    let resp = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.clone()] }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    let answer = &resp.container_responses[0];
+    let id = answer.envs["TESSERA_ALLOCATION"].clone();
+    let host_dir = PathBuf::from(&answer.mounts[0].host_path);
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let limit = usage(&mut api, &id).await.devices[0].memory_limit_bytes;
+    assert!(limit > 0, "a share has a memory limit");
+
+    // What the container's processes get: the shim, and the allocation's files.
+    let workload = |args: &[&str]| {
+        let mut cmd = node.command(binary("tessera-workload"));
+        cmd.env("LD_PRELOAD", shim())
+            .env("TESSERA_LIMITS", host_dir.join("limits"))
+            .env("TESSERA_REGION", host_dir.join("region"))
+            .env("TESSERA_ALLOCATION", &id)
+            .args(args);
+        cmd
+    };
+
+    // Past the limit: refused at the limit, as a real driver refuses past the GPU's memory.
+    let want_mib = (limit / MIB + 1024).to_string();
+    let out = workload(&["--alloc-mib", &want_mib, "--chunk-mib", "1024"]).output().expect("workload");
+    let report: serde_json::Value =
+        serde_json::from_slice(out.stdout.split(|&b| b == b'\n').rfind(|l| !l.is_empty()).expect("a report"))
+            .expect("json");
+    assert_eq!(out.status.code(), Some(3), "OOM exits 3: {report}");
+    assert_eq!(report["alloc_error"], "CUDA_ERROR_OUT_OF_MEMORY", "{report}");
+    let got = report["allocated_bytes"].as_u64().expect("allocated");
+    assert!(got + OVERHEAD_MIB * MIB <= limit && got + OVERHEAD_MIB * MIB + 1024 * MIB > limit, "{got} of {limit}");
+    assert_eq!(report["mem_total"].as_u64(), Some(limit), "cuMemGetInfo shows the share's size");
+
+    // Holding 4 GiB: the node API and the CLI see it.
+    let mut holder = workload(&["--alloc-mib", "4096", "--hold", "60"]).stdout(Stdio::piped()).spawn().expect("spawn");
+    let first = BufReader::new(holder.stdout.take().expect("stdout")).lines().next().expect("line").expect("read");
+    assert!(first.contains("holding"), "{first}");
+    let u = usage(&mut api, &id).await;
+    assert_eq!(u.processes, 1);
+    assert_eq!(u.devices[0].memory_used_bytes, (4096 + OVERHEAD_MIB) * MIB);
+    assert_eq!(u.devices[0].device_id, share);
+    let status = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(dir.join("run/tessera.sock"))
+        .arg("status")
+        .output()
+        .expect("tessera status");
+    let text = String::from_utf8_lossy(&status.stdout);
+    let row = text.lines().find(|l| l.starts_with(&share)).unwrap_or_else(|| panic!("no row for {share}:\n{text}"));
+    assert!(row.contains(&id) && row.contains(&format!("{} MiB", 4096 + OVERHEAD_MIB)), "{row}");
+
+    // Killed: its memory is back, and usage says so.
+    holder.kill().expect("kill");
+    holder.wait().expect("reap");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let u = usage(&mut api, &id).await;
+        if u.processes == 0 && u.devices[0].memory_used_bytes == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "usage after kill: {u:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
