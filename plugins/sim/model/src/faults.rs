@@ -28,7 +28,19 @@ pub struct GpuHealth {
     pub remapped_uncorrectable: u64,
     pub remap_pending: bool,
     pub remap_failure: bool,
+    /// `nvmlDeviceGpuRecoveryAction_t`: [`RECOVERY_NONE`], [`RECOVERY_GPU_RESET`], ….
+    pub recovery_action: u32,
 }
+
+/// The driver's recovery actions (`nvmlDeviceGpuRecoveryAction_t`).
+pub const RECOVERY_NONE: u32 = 0;
+pub const RECOVERY_GPU_RESET: u32 = 1;
+pub const RECOVERY_NODE_REBOOT: u32 = 2;
+
+/// XIDs after which NVIDIA's XID catalog has the GPU reset (the driver reports the recovery
+/// action GPU_RESET until one happens): uncorrectable memory errors (48, 63 with a remap
+/// pending, 64, 94, 95), GPU/engine hangs and firmware faults (61, 62, 74, 119, 120, 140).
+const RESET_XIDS: [u32; 11] = [48, 61, 62, 63, 64, 74, 94, 95, 119, 120, 140];
 
 impl Node {
     /// The GPU's health counters (readable even when it is lost, for the simulator's own CLI).
@@ -46,6 +58,7 @@ impl Node {
             remapped_uncorrectable: gs.remapped_uncorrectable.load(Relaxed),
             remap_pending: gs.remap_pending.load(Relaxed) != 0,
             remap_failure: gs.remap_failure.load(Relaxed) != 0,
+            recovery_action: gs.recovery_action.load(Relaxed),
         })
     }
 
@@ -73,6 +86,9 @@ impl Node {
             }
             XID_ROW_REMAP_FAILURE => gs.remap_failure.store(1, Relaxed),
             _ => {}
+        }
+        if RESET_XIDS.contains(&xid) {
+            gs.recovery_action.store(RECOVERY_GPU_RESET, Relaxed);
         }
         gs.last_xid.store(xid, Relaxed);
         publish(&g, gpu, EventKind::XidCritical, u64::from(xid), mig);
@@ -118,6 +134,7 @@ impl Node {
         let s = g.shared();
         let gs = &s.gpus[gpu as usize];
         let was_lost = gs.lost.load(Acquire) != 0;
+        gs.recovery_action.store(RECOVERY_NONE, Relaxed);
         for slot in g.used_slots() {
             let p = &s.procs[slot];
             let held = p.mem[gpu as usize].iter().any(|m| m.load(Relaxed) > 0);

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSIMNODE");
 /// Bumped on every layout change.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// GPUs on one node.
 pub const MAX_GPUS: usize = 16;
 /// GPU instances, and compute instances, on one GPU (7 is the most any MIG GPU allows).
@@ -96,6 +96,10 @@ pub struct GpuState {
     pub remap_pending: AtomicU32,
     pub remap_failure: AtomicU32,
     pub last_xid: AtomicU32,
+    /// What the driver says the GPU needs (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): 0 none,
+    /// 1 a GPU reset, 2 a node reboot. Set by faults, cleared by a reset.
+    pub recovery_action: AtomicU32,
+    pub _pad: AtomicU32,
     pub ecc_corrected_volatile: AtomicU64,
     pub ecc_uncorrected_volatile: AtomicU64,
     pub ecc_corrected_aggregate: AtomicU64,

@@ -626,6 +626,46 @@ pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
     })
 }
 
+/// `nvmlDeviceGetFieldValues`: each value is answered on its own (its `nvmlReturn`); the call
+/// fails only for a bad handle or array. Of the many field ids, the simulated board knows
+/// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (what the driver says the GPU needs after a fault, cleared
+/// by a reset); every other field is `NOT_SUPPORTED`.
+///
+/// # Safety
+/// `values` must point to `values_count` writable `nvmlFieldValue_t` with `fieldId` set.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
+    device: nvmlDevice_t,
+    values_count: c_int,
+    values: *mut nvmlFieldValue_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            let node = node()?;
+            let gpu = handles::whole_gpu(node, device)?;
+            let count = usize::try_from(values_count).map_err(|_| INVALID_ARGUMENT)?;
+            need(values)?;
+            let h = node.health(gpu).nv()?;
+            let now = tessera_sim_model::realtime_us_from_monotonic(tessera_sim_model::monotonic_ns());
+            for i in 0..count {
+                // SAFETY: `values` is non-null and the caller's contract makes `values_count`
+                // entries writable; `i < count`.
+                let v = unsafe { &mut *values.add(i) };
+                v.timestamp = now as i64;
+                v.latencyUsec = 0;
+                if v.fieldId == field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION {
+                    v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
+                    v.value = nvmlValue_t { uiVal: h.recovery_action };
+                    v.nvmlReturn = nvmlReturn_enum_NVML_SUCCESS;
+                } else {
+                    v.nvmlReturn = NOT_SUPPORTED;
+                }
+            }
+            Ok(())
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
