@@ -284,7 +284,8 @@ pub fn default_state_path(d: &NodeDescription) -> PathBuf {
         // SAFETY: as above.
         _ => PathBuf::from(format!("/tmp/tessera-sim-{}", unsafe { libc::geteuid() })),
     };
-    dir.join(format!("node-{:016x}.state", d.fingerprint()))
+    // The layout version is in the name: a newer simulator never trips over an older one's file.
+    dir.join(format!("node-{:016x}-v{}.state", d.fingerprint(), crate::layout::VERSION))
 }
 
 #[cfg(test)]
