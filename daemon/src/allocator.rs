@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
@@ -21,6 +22,9 @@ use crate::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, So
 /// Where the allocation directory is mounted in the container.
 pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
 
+/// How long [`DaemonAllocator::handed_out`] remembers a hand-out.
+const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// The daemon's allocation decisions over the store.
 #[derive(Debug)]
 pub struct DaemonAllocator {
@@ -29,6 +33,11 @@ pub struct DaemonAllocator {
     store: Mutex<Store>,
     dirs: AllocDirs,
     defaults: RwLock<Defaults>,
+    /// When each record was last handed to the kubelet (made or reused), in this process; the
+    /// pod-resources task never releases a record handed out recently.
+    handed_out: Mutex<HashMap<String, Instant>>,
+    /// Poked after every `Allocate`: the pod-resources task looks again soon.
+    allocated: Arc<tokio::sync::Notify>,
 }
 
 /// What reloads may change: share placement, and the limits new share allocations get.
@@ -57,11 +66,14 @@ impl DaemonAllocator {
             store: Mutex::new(store),
             dirs,
             defaults: RwLock::new(Defaults::of(config)),
+            handed_out: Mutex::new(HashMap::new()),
+            allocated: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
     /// Brings every stored allocation's directory back where it is missing (after a reboot
-    /// cleared the runtime dir); directories present are left alone (their containers run).
+    /// cleared the runtime dir); directories present are left alone (their containers run),
+    /// but a trace left running in their region is stopped.
     /// Returns how many records there are.
     pub fn reconcile(&self) -> usize {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -70,6 +82,14 @@ impl DaemonAllocator {
                 && let Err(e) = self.dirs.create(alloc)
             {
                 tracing::error!(id = %alloc.id, error = %e, "cannot recreate the allocation directory");
+            }
+            // A trace that a previous daemon did not finish (it died mid-trace) stops here: no
+            // one is reading the ring, and recording costs every launch.
+            if let Ok(region) = tessera_region::Region::open_or_create(&self.dirs.region_path(&alloc.id))
+                && region.trace_requested()
+            {
+                region.set_trace_requested(false);
+                tracing::info!(id = %alloc.id, "stopped a trace left running by an earlier daemon");
             }
         }
         store.len()
@@ -113,6 +133,51 @@ impl DaemonAllocator {
             tracing::warn!(%id, error = %e, "cannot remove an allocation directory");
         }
         Ok(existed)
+    }
+
+    /// Sets the container of allocation `id` (the pod-resources API named it), durably, and
+    /// rewrites its limits file so the shim reports the right name. Writes only when the identity
+    /// changed; returns whether it did. An unknown id is `NotFound`.
+    pub fn set_container(&self, id: &str, container: ContainerIdentity) -> Result<bool, Status> {
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(current) = store.get(id) else {
+            return Err(Status::not_found(format!("no allocation {id}")));
+        };
+        if current.container == container {
+            return Ok(false);
+        }
+        let mut alloc = current.clone();
+        alloc.container = container;
+        store.update(&alloc).map_err(|e| internal("updating the allocation")(e.to_string()))?;
+        if let Err(e) = self.dirs.update_limits(&alloc) {
+            tracing::warn!(%id, error = %e, "cannot rewrite the limits file with the container's name");
+        }
+        Ok(true)
+    }
+
+    /// [`release`](Self::release), unless the kubelet was handed allocation `id` less than
+    /// `quiet` ago (it was just reused for a new container). Returns whether it was released.
+    pub fn release_unclaimed(&self, id: &str, quiet: std::time::Duration) -> Result<bool, Status> {
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.handed_out(id).is_some_and(|at| at.elapsed() < quiet) {
+            return Ok(false);
+        }
+        let existed = store.remove(id).map_err(|e| internal("removing the allocation")(e.to_string()))?.is_some();
+        if let Err(e) = self.dirs.remove(id) {
+            tracing::warn!(%id, error = %e, "cannot remove an allocation directory");
+        }
+        Ok(existed)
+    }
+
+    /// When allocation `id` was last handed to the kubelet by this process (made or reused);
+    /// `None` if not since the daemon started.
+    pub fn handed_out(&self, id: &str) -> Option<Instant> {
+        self.handed_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(id).copied()
+    }
+
+    /// Notified after every `Allocate` that succeeded (a permit is kept if nobody waits).
+    pub fn allocated(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.allocated)
     }
 
     /// Every device id and physical UUID some allocation holds.
@@ -266,7 +331,13 @@ impl Allocator for DaemonAllocator {
                 alloc
             }
         };
+        // Under the store lock: `release_unclaimed` sees this hand-out or releases before it.
+        let mut handed_out = self.handed_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        handed_out.retain(|_, at| at.elapsed() < HANDED_OUT_KEPT);
+        handed_out.insert(alloc.id.clone(), Instant::now());
+        drop(handed_out);
         drop(store);
+        self.allocated.notify_one();
         Ok(self.answer(res, &alloc))
     }
 

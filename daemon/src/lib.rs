@@ -17,8 +17,11 @@
 //! - [`cdi`]: the CDI specs written for container runtimes, refreshed when offerings change.
 //! - [`api`]: the node API (`tessera.v1`) on an owner-only Unix socket.
 //! - [`usage`]: per-container usage read from the accounting regions.
+//! - [`podresources`]: which pod holds each allocation (the kubelet's pod-resources API), and
+//!   releasing allocations whose container is gone.
 //! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
 //! - [`socket`]: owner-only Unix sockets.
+//! - [`trace`]: on-demand traces of a container's CUDA calls and kernels (Trace Event Format).
 
 pub mod allocator;
 pub mod api;
@@ -30,8 +33,10 @@ pub mod health;
 pub mod kubelet;
 pub mod node;
 pub mod partition;
+pub mod podresources;
 pub mod resources;
 pub mod socket;
 pub mod state;
 pub mod telemetry;
+pub mod trace;
 pub mod usage;

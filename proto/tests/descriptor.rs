@@ -235,6 +235,7 @@ fn tessera_v1_enums_start_unspecified_and_services_are_complete() {
             ("WatchEvents", true),
             ("GetUsage", false),
             ("Reload", false),
+            ("Trace", false),
         ]
     );
     assert!(!f.enum_type.is_empty());

@@ -23,6 +23,9 @@
 //! - `spawn_true`: spawn `/bin/true` and wait, without and with `LD_PRELOAD=libtessera.so`
 //!   (what a process that never touches CUDA pays for the preload).
 //!
+//! With `TESSERA_SHIM_BENCH_TRACE=1` the shim side runs as while a trace is recorded
+//! (`tessera trace`): the cost of tracing.
+//!
 //! After criterion, each pair is measured once more interleaved (blocks of calls alternating
 //! driver, shim, shim, driver, ...), and the median of the per-round differences is printed:
 //! noise that lasts longer than a block hits both sides alike.
@@ -238,6 +241,16 @@ fn child() {
     // SAFETY: the current context is live.
     let drain = || check(unsafe { sync() }, "cuCtxSynchronize");
 
+    // `TESSERA_SHIM_BENCH_TRACE=1`: every shim call runs as while the daemon records a trace
+    // (API spans, kernels measured with CUDA events, into the region's trace ring, which nobody
+    // reads here: it wraps).
+    if std::env::var_os("TESSERA_SHIM_BENCH_TRACE").is_some_and(|v| v == "1")
+        && let Some(path) = std::env::var_os("TESSERA_REGION")
+    {
+        let region = tessera_region::Region::open_or_create(Path::new(&path)).expect("region");
+        region.set_trace_requested(true);
+        println!("tracing: on");
+    }
     let full_run = std::env::args().any(|a| a == "--bench");
     let mut c = Criterion::default()
         .sample_size(50)

@@ -6,22 +6,42 @@
 use std::ffi::{c_uint, c_void};
 
 use crate::ffi::*;
-use crate::memory::alloc::hook;
+use tessera_region::TraceFunc;
+
 use crate::real::RealCuda;
+use crate::state::enter;
 
 type PP = *mut *mut c_void;
 
 /// Runs a launch through the limiter. A stream whose device cannot be told (a stale handle: the
-/// driver will refuse it) launches without it.
+/// driver will refuse it) launches without it. While a trace is asked for, the call is an API
+/// span and the kernel is measured (CUDA events) for a kernel span; otherwise tracing costs one
+/// relaxed load.
 #[inline]
-fn gated(stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
-    hook(|s, cu| {
-        let Some(dev) = s.device_of_stream(stream.cast()) else { return call(cu) };
-        let g = crate::compute::before_launch(dev, stream.cast());
-        let rc = call(cu);
-        crate::compute::after_launch(g, rc == CUDA_SUCCESS);
-        rc
+fn gated(func: TraceFunc, stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || match enter() {
+        Ok((s, cu)) if s.region.trace_requested() => {
+            let dev = s.device_of_stream(stream.cast());
+            crate::trace::api(s, func, dev, || launch(cu, dev, stream, Some(func), call))
+        }
+        Ok((s, cu)) => launch(cu, s.device_of_stream(stream.cast()), stream, None, call),
+        Err(rc) => rc,
     })
+}
+
+#[inline(always)]
+fn launch(
+    cu: &'static RealCuda,
+    dev: Option<usize>,
+    stream: CUstream,
+    trace: Option<TraceFunc>,
+    call: impl FnOnce(&'static RealCuda) -> CUresult,
+) -> CUresult {
+    let Some(dev) = dev else { return call(cu) };
+    let g = crate::compute::before_launch(dev, stream.cast(), trace);
+    let rc = call(cu);
+    crate::compute::after_launch(g, rc == CUDA_SUCCESS);
+    rc
 }
 
 /// # Safety
@@ -41,7 +61,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     kernelParams: PP,
     extra: PP,
 ) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuLaunchKernel, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchKernel)(
@@ -78,7 +98,7 @@ pub unsafe extern "C" fn cuLaunchKernel_ptsz(
     kernelParams: PP,
     extra: PP,
 ) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuLaunchKernel_ptsz, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchKernel_ptsz)(
@@ -114,7 +134,7 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
     hStream: CUstream,
     kernelParams: PP,
 ) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuLaunchCooperativeKernel, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchCooperativeKernel)(
@@ -149,7 +169,7 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
     hStream: CUstream,
     kernelParams: PP,
 ) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuLaunchCooperativeKernel_ptsz, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchCooperativeKernel_ptsz)(
@@ -188,7 +208,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
-    gated(stream, |cu| {
+    gated(TraceFunc::cuLaunchKernelEx, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { real(config, f, kernelParams, extra) }
@@ -206,7 +226,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
-    gated(stream, |cu| {
+    gated(TraceFunc::cuLaunchKernelEx_ptsz, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { real(config, f, kernelParams, extra) }
@@ -217,7 +237,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 /// As cuda.h's `cuGraphLaunch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuGraphLaunch, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) }
     })
@@ -227,7 +247,7 @@ pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstrea
 /// As cuda.h's `cuGraphLaunch_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(hStream, |cu| {
+    gated(TraceFunc::cuGraphLaunch_ptsz, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) }
     })

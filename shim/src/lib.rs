@@ -11,6 +11,7 @@
 //! - [`memory`]: every allocation family, contexts' overhead, the virtual GPU's memory info;
 //! - [`launch`]: the launch hooks, through the compute limiter;
 //! - [`nvml_view`]: NVML's memory info and process lists as the container sees them.
+//! - [`trace`]: on-demand tracing: API and kernel spans into the region while the daemon asks.
 //!
 //! Rules: nothing runs at load time (no constructor: everything is made on the first CUDA or NVML
 //! call); a process that never touches CUDA pays one comparison per `dlsym` call; no panic
@@ -26,3 +27,4 @@ mod memory;
 mod nvml_view;
 pub(crate) mod real;
 pub(crate) mod state;
+mod trace;

@@ -127,6 +127,20 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     let text = String::from_utf8_lossy(&status.stdout);
     let row = text.lines().find(|l| l.starts_with(&share)).unwrap_or_else(|| panic!("no row for {share}:\n{text}"));
     assert!(row.contains(&id) && row.contains(&format!("{} MiB", 4096 + OVERHEAD_MIB)), "{row}");
+    // `tessera top`: one frame, the container's row with what it holds against its limit.
+    let top = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(dir.join("run/tessera.sock"))
+        .args(["top", "--once", "--interval-ms", "200"])
+        .output()
+        .expect("tessera top");
+    let frame = String::from_utf8_lossy(&top.stdout);
+    assert!(top.status.success(), "{frame}{}", String::from_utf8_lossy(&top.stderr));
+    let row = frame.lines().find(|l| l.starts_with(&id)).unwrap_or_else(|| panic!("no row for {id}:\n{frame}"));
+    assert!(
+        row.contains(&share) && row.contains(&format!("{} MiB / {} MiB", 4096 + OVERHEAD_MIB, limit >> 20)),
+        "{row}"
+    );
 
     // Killed: its memory is back, and usage says so.
     holder.kill().expect("kill");

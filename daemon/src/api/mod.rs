@@ -1,6 +1,7 @@
 //! The node API, `tessera.v1.Node`, served on an owner-only Unix socket (nothing listens on a
 //! network address). Reports come from the controller's live picture; `ApplyLayout` and `Reload`
-//! go through the controller; `WatchEvents` streams the event bus.
+//! go through the controller; `WatchEvents` streams the event bus; `Trace` records a container
+//! for a few seconds (`crate::trace`).
 
 mod devices;
 
@@ -183,5 +184,46 @@ impl Node for NodeApi {
             .await
             .map(Response::new)
             .map_err(|e| Status::internal(format!("reload task: {e}")))
+    }
+
+    async fn trace(&self, req: Request<api::TraceRequest>) -> Result<Response<api::TraceResponse>, Status> {
+        let req = req.into_inner();
+        if req.allocation_id.is_empty() {
+            return Err(Status::invalid_argument("allocation_id: required"));
+        }
+        let duration = crate::trace::check_seconds(req.seconds).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let Some(alloc) = self.controller.allocations().into_iter().find(|a| a.id == req.allocation_id) else {
+            return Err(Status::not_found(format!("allocation_id: no allocation {:?}", req.allocation_id)));
+        };
+        let path = self.controller.allocator().dirs().region_path(&alloc.id);
+        let mut shutdown = self.shutdown.clone();
+        let collected = tokio::select! {
+            r = crate::trace::collect(&alloc.id, &path, duration) => r,
+            _ = shutdown.wait_for(|s| *s) => return Err(Status::unavailable("the daemon is stopping")),
+        };
+        let collected = collected.map_err(|e| match e {
+            crate::trace::TraceError::Seconds(_) => Status::invalid_argument(e.to_string()),
+            crate::trace::TraceError::Busy(_) => Status::failed_precondition(e.to_string()),
+            crate::trace::TraceError::Region(_) => Status::failed_precondition(e.to_string()),
+        })?;
+        let container = devices::allocation(&alloc, &self.controller.allocator().resources())
+            .container
+            .map(|c| {
+                [c.pod_namespace, c.pod_name, c.container_name]
+                    .into_iter()
+                    .filter(|s| !s.is_empty())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            })
+            .unwrap_or_default();
+        let doc = crate::trace::render(&collected, &alloc.id, &container);
+        let processes = collected.entries.iter().map(|e| e.pid).collect::<std::collections::BTreeSet<_>>().len();
+        Ok(Response::new(api::TraceResponse {
+            trace_json: serde_json::to_vec(&doc).map_err(|e| Status::internal(format!("trace JSON: {e}")))?,
+            events: collected.entries.len() as u64,
+            dropped: collected.dropped,
+            processes: processes as u32,
+            duration_nanos: collected.end_ns.saturating_sub(collected.start_ns),
+        }))
     }
 }

@@ -5,6 +5,8 @@
 //! - `tessera layout apply`: re-partition GPUs (only free devices change).
 //! - `tessera events`: the event stream (kept events first with `--replay`).
 //! - `tessera allocations`, `tessera reload`.
+//! - `tessera trace CONTAINER --seconds N [-o FILE]`: a Perfetto / Chrome trace of a container's
+//!   CUDA calls and kernels.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -54,12 +56,33 @@ enum Command {
         #[arg(long)]
         device: Option<String>,
     },
+    /// A live view of the node: per container memory, SM share, launches, throttling, OOMs.
+    Top {
+        /// Refresh interval in milliseconds.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        interval_ms: u64,
+        /// Print one frame (after one interval, so rates have a window) and exit.
+        #[arg(long)]
+        once: bool,
+    },
     /// Allocations and who holds them.
     Allocations,
     /// Re-read the daemon's configuration file (as SIGHUP does).
     Reload {
         #[arg(long)]
         dry_run: bool,
+    },
+    /// Record a container's CUDA calls and kernels as a Perfetto / Chrome trace (JSON).
+    Trace {
+        /// The allocation id, or the container: `namespace/pod/container`, `pod/container`, `pod`,
+        /// or a container id (or its first 12 characters).
+        container: String,
+        /// How long to record (1..=60).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=60))]
+        seconds: u32,
+        /// Where to write the trace. Default: `trace-<allocation id>.json`.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
     },
 }
 
@@ -141,8 +164,10 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Layout { command: LayoutCommand::Show } => layout_show(&mut client).await,
         Command::Layout { command: LayoutCommand::Apply(a) } => layout_apply(&mut client, a).await,
         Command::Events { replay, follow, device } => events(&mut client, replay, follow, device).await,
+        Command::Top { interval_ms, once } => top(&mut client, interval_ms, once).await,
         Command::Allocations => allocations(&mut client).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
+        Command::Trace { container, seconds, output } => trace(&mut client, &container, seconds, output).await,
     }
 }
 
@@ -357,6 +382,88 @@ async fn events(
     Ok(ExitCode::SUCCESS)
 }
 
+/// `tessera top`: frames of GPU and container usage; rates over the refresh interval (the
+/// node API's usage window).
+async fn top(client: &mut NodeClient<Channel>, interval_ms: u64, once: bool) -> Result<ExitCode, String> {
+    let interval = std::time::Duration::from_millis(interval_ms);
+    // The first sample opens the rate window.
+    client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?;
+    loop {
+        tokio::time::sleep(interval).await;
+        let devices =
+            client.list_devices(api::ListDevicesRequest::default()).await.map_err(status_err)?.into_inner().devices;
+        let usage = client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?.into_inner();
+        let frame = top_frame(&devices, &usage);
+        if once {
+            print!("{frame}");
+            return Ok(ExitCode::SUCCESS);
+        }
+        // Clear the screen, then draw.
+        print!("\x1b[H\x1b[2J{frame}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
+}
+
+fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
+    let mut out = format!(
+        "tessera top  {}  window {:.1} s  {} containers\n\n",
+        time(usage.time_unix_nano),
+        usage.window_nanos as f64 / 1e9,
+        usage.containers.len()
+    );
+    let mut gpu_rows = vec![row(["GPU", "MODEL", "HEALTH", "CONTAINERS", "MEM USED", "SM USED"])];
+    for g in devices.iter().filter(|d| d.kind == api::DeviceKind::Gpu as i32) {
+        // Containers on this GPU: their devices' UUID is the GPU's or one of its MIG devices'.
+        let on_gpu = |uuid: &str| uuid == g.uuid || devices.iter().any(|d| d.uuid == uuid && d.parent_id == g.id);
+        let rows: Vec<&api::DeviceUsage> =
+            usage.containers.iter().flat_map(|c| &c.devices).filter(|d| on_gpu(&d.uuid)).collect();
+        let containers = usage.containers.iter().filter(|c| c.devices.iter().any(|d| on_gpu(&d.uuid))).count();
+        gpu_rows.push(row([
+            g.index.to_string(),
+            g.model.clone(),
+            health(g),
+            containers.to_string(),
+            format!("{} / {}", mib(rows.iter().map(|d| d.memory_used_bytes).sum()), mib(g.memory_bytes)),
+            format!("{:.1}%", rows.iter().map(|d| d.sm_achieved_percent).sum::<f64>()),
+        ]));
+    }
+    let mut rows = vec![row([
+        "ALLOCATION",
+        "CONTAINER",
+        "DEVICE",
+        "PROCS",
+        "MEM USED / LIMIT",
+        "PEAK",
+        "SM NOW / LIMIT",
+        "LAUNCH/S",
+        "THROTTLED",
+        "OOM",
+    ])];
+    let mut lines: Vec<(&api::ContainerUsage, &api::DeviceUsage)> =
+        usage.containers.iter().flat_map(|c| c.devices.iter().map(move |d| (c, d))).collect();
+    lines.sort_by(|a, b| b.1.sm_achieved_percent.total_cmp(&a.1.sm_achieved_percent));
+    for (c, d) in lines {
+        let limit = |v: u64, f: fn(u64) -> String| if v == 0 { "-".to_owned() } else { f(v) };
+        rows.push(row([
+            c.allocation_id.clone(),
+            c.container.as_ref().map(container_name).filter(|n| !n.is_empty()).unwrap_or_else(|| "-".into()),
+            d.device_id.clone(),
+            c.processes.to_string(),
+            format!("{} / {}", mib(d.memory_used_bytes), limit(d.memory_limit_bytes, mib)),
+            mib(d.memory_peak_bytes),
+            format!("{:.1}% / {}", d.sm_achieved_percent, limit(u64::from(d.sm_limit_percent), |p| format!("{p}%"))),
+            format!("{:.0}", d.launches_per_second),
+            format!("{:.2} s", d.throttled_nanos as f64 / 1e9),
+            d.oom_denials.to_string(),
+        ]));
+    }
+    out.push_str(&table(&gpu_rows));
+    out.push('\n');
+    out.push_str(&table(&rows));
+    out
+}
+
 async fn allocations(client: &mut NodeClient<Channel>) -> Result<ExitCode, String> {
     let list = client
         .list_allocations(api::ListAllocationsRequest::default())
@@ -378,6 +485,57 @@ async fn allocations(client: &mut NodeClient<Channel>) -> Result<ExitCode, Strin
     }
     print_table(&rows);
     Ok(ExitCode::SUCCESS)
+}
+
+async fn trace(
+    client: &mut NodeClient<Channel>,
+    container: &str,
+    seconds: u32,
+    output: Option<PathBuf>,
+) -> Result<ExitCode, String> {
+    let list = client
+        .list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .allocations;
+    let id = resolve_allocation(&list, container)?;
+    let output = output.unwrap_or_else(|| PathBuf::from(format!("trace-{id}.json")));
+    let r =
+        client.trace(api::TraceRequest { allocation_id: id.clone(), seconds }).await.map_err(status_err)?.into_inner();
+    std::fs::write(&output, &r.trace_json).map_err(|e| format!("{}: {e}", output.display()))?;
+    println!(
+        "{}: {} events from {} process(es) of allocation {id} over {:.1} s{}",
+        output.display(),
+        r.events,
+        r.processes,
+        r.duration_nanos as f64 / 1e9,
+        if r.dropped > 0 { format!(", {} dropped (the trace has gaps)", r.dropped) } else { String::new() }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The allocation `name` means: an allocation id, else exactly one allocation whose container is
+/// `namespace/pod/container`, `pod/container`, `pod`, or whose container id is or starts with it.
+fn resolve_allocation(list: &[api::Allocation], name: &str) -> Result<String, String> {
+    if let Some(a) = list.iter().find(|a| a.id == name) {
+        return Ok(a.id.clone());
+    }
+    let matches = |c: &api::ContainerIdentity| {
+        let full = format!("{}/{}/{}", c.pod_namespace, c.pod_name, c.container_name);
+        let short = format!("{}/{}", c.pod_name, c.container_name);
+        (!c.pod_name.is_empty() && (full == name || short == name || c.pod_name == name))
+            || (!c.container_id.is_empty() && name.len() >= 12 && c.container_id.starts_with(name))
+    };
+    let found: Vec<&api::Allocation> = list.iter().filter(|a| a.container.as_ref().is_some_and(matches)).collect();
+    match found.as_slice() {
+        [a] => Ok(a.id.clone()),
+        [] => Err(format!("no allocation or container {name:?} (see `tessera allocations`)")),
+        many => Err(format!(
+            "{name:?} matches several allocations: {}; name one by its id",
+            many.iter().map(|a| a.id.as_str()).collect::<Vec<_>>().join(", ")
+        )),
+    }
 }
 
 async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitCode, String> {
@@ -526,11 +684,19 @@ fn row<const N: usize>(cells: [impl Into<String>; N]) -> Vec<String> {
 }
 
 fn print_table(rows: &[Vec<String>]) {
+    print!("{}", table(rows));
+}
+
+/// Rows as aligned columns, one line each.
+fn table(rows: &[Vec<String>]) -> String {
     let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> =
         (0..cols).map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0)).collect();
+    let mut out = String::new();
     for r in rows {
         let line: Vec<String> = r.iter().enumerate().map(|(i, s)| format!("{s:<w$}", w = widths[i])).collect();
-        println!("{}", line.join("  ").trim_end());
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
     }
+    out
 }

@@ -197,6 +197,14 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             cfg.health.clone(),
             shutdown_rx.clone(),
         );
+        // Which pod holds each allocation, from the kubelet's pod-resources API (off when empty).
+        let podres_task = (!cfg.pod_resources_socket.as_os_str().is_empty()).then(|| {
+            tessera_daemon::podresources::spawn(
+                Arc::clone(&controller),
+                cfg.pod_resources_socket.clone(),
+                shutdown_rx.clone(),
+            )
+        });
         // Prometheus /metrics only when an address is configured.
         let metrics_task = match &cfg.telemetry.metrics_listen {
             None => None,
@@ -218,6 +226,21 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                     return ExitCode::from(2);
                 }
             },
+        };
+        // OTLP export (metrics and events) only when a collector is configured.
+        let otlp = match &cfg.telemetry.otlp_endpoint {
+            None => None,
+            Some(endpoint) => {
+                let source = Arc::new(telemetry::NodeSource::new(Arc::clone(&controller)));
+                let options = telemetry::OtlpOptions::from_env();
+                match telemetry::otlp::start(endpoint, source, controller.events(), shutdown_rx.clone(), options) {
+                    Ok(exporter) => Some(exporter),
+                    Err(e) => {
+                        eprintln!("tesserad: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            }
         };
         let (mut term, mut int, mut hup) =
             match (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup())) {
@@ -275,8 +298,19 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         if let Some(task) = metrics_task {
             finish("metrics endpoint", task).await;
         }
+        // A last export of what is pending; a collector that does not answer costs STOP_GRACE.
+        if let Some(exporter) = otlp
+            && let Err(e) = exporter.shutdown(STOP_GRACE).await
+        {
+            tracing::warn!(error = %e, "OTLP export");
+        }
         if tokio::time::timeout(STOP_GRACE, health_task).await.is_err() {
             tracing::warn!("the health monitor did not stop in time");
+        }
+        if let Some(task) = podres_task
+            && tokio::time::timeout(STOP_GRACE, task).await.is_err()
+        {
+            tracing::warn!("the pod-resources task did not stop in time");
         }
         finish("node API", api_task).await;
         drop(plugins);

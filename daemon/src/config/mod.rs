@@ -43,6 +43,9 @@ pub struct Config {
     /// The node API (tessera.v1) socket. Unset: `<runtime_dir>/tessera.sock`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_api_socket: Option<PathBuf>,
+    /// The kubelet's pod-resources API socket, read to learn which pod holds each allocation and
+    /// which allocations' containers are gone. Empty: off.
+    pub pod_resources_socket: PathBuf,
     /// How resources are named and shares placed.
     pub resources: Resources,
     /// Metrics and OTLP export; nothing listens or sends unless configured.
@@ -67,6 +70,7 @@ impl Default for Config {
             state_dir: PathBuf::from("/var/lib/tessera"),
             runtime_dir: PathBuf::from("/run/tessera"),
             node_api_socket: None,
+            pod_resources_socket: PathBuf::from(tessera_proto::podresources::v1::POD_RESOURCES_SOCKET),
             resources: Resources::default(),
             telemetry: Telemetry::default(),
             health: Health::default(),

@@ -45,6 +45,12 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
         let key = if c.node_api_socket.is_some() { "node_api_socket" } else { "runtime_dir" };
         return Err(ConfigError::new(key, "the node API socket path is longer than a Unix socket allows (107 bytes)"));
     }
+    if !c.pod_resources_socket.as_os_str().is_empty() {
+        absolute("pod_resources_socket", &c.pod_resources_socket)?;
+        if c.pod_resources_socket.as_os_str().len() > 107 {
+            return Err(ConfigError::new("pod_resources_socket", "longer than a Unix socket path allows (107 bytes)"));
+        }
+    }
     resource_prefix(&c.resources.prefix)?;
     injection(&c.injection)?;
     if let Some(addr) = &c.telemetry.metrics_listen

@@ -6,10 +6,12 @@
 //! - [`server`]: the HTTP endpoint ([`bind`] then [`serve`]) over a [`MetricsSource`].
 //! - [`source`]: the daemon's source ([`NodeSource`]): NVML, the controller, the regions.
 
+pub mod otlp;
 pub mod prometheus;
 pub mod server;
 pub mod source;
 
+pub use otlp::{OtlpExporter, OtlpOptions};
 pub use prometheus::{GpuMetrics, NodeMetrics, render};
 pub use server::{MetricsSource, bind, serve};
 pub use source::NodeSource;

@@ -12,12 +12,16 @@
 //!   the device total; a process's liveness is an open-file-description lock the kernel drops at
 //!   death, so a SIGKILLed process's memory is returned by whoever reaps, and no process-shared lock
 //!   exists that a dead process could leave held.
+//! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans in the
+//!   region, written only while the daemon sets the header's `trace_requested`.
 
 pub mod limits;
 pub mod region;
 mod sys;
+pub mod trace;
 
 pub use limits::*;
 pub use region::*;
 /// The clock of heartbeats and joins (CLOCK_MONOTONIC, ns): the same in every process and container.
 pub use sys::monotonic_ns;
+pub use trace::*;

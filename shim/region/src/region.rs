@@ -41,6 +41,7 @@ use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release, SeqCst};
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64};
 
 use crate::sys;
+use crate::trace::TraceRing;
 
 /// Devices per container.
 pub const MAX_DEVICES: usize = 16;
@@ -53,7 +54,7 @@ pub const MAX_UUID_LEN: usize = 64;
 /// `b"TSREGION"`, first 8 bytes of every region file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSREGION");
 /// Bumped on every layout change.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// Size of the region file in bytes.
 pub const LAYOUT_SIZE: usize = std::mem::size_of::<Shared>();
 /// Slot `i`'s liveness lock is on byte `LIVENESS_BASE + i`, far past the mapped data.
@@ -71,7 +72,7 @@ pub struct Header {
     pub max_devices: AtomicU32,
     pub layout_size: AtomicU64,
     pub max_procs: AtomicU32,
-    /// Non-zero: processes should record traces (reserved for on-demand tracing).
+    /// Non-zero: the daemon asks for a trace; processes record into [`Shared::trace`].
     pub trace_requested: AtomicU32,
     /// Bumped by the daemon after rewriting the limits file.
     pub config_generation: AtomicU64,
@@ -160,6 +161,8 @@ pub struct Shared {
     pub join: JoinHint,
     pub devices: [DeviceEntry; MAX_DEVICES],
     pub slots: [ProcSlot; MAX_PROCS],
+    /// On-demand trace entries (layout version 2); see [`crate::trace`].
+    pub trace: TraceRing,
 }
 
 // The layout is a file format: pin it.
@@ -176,7 +179,8 @@ const _: () = {
     assert!(size_of::<ProcSlot>() == 832);
     assert!(offset_of!(Shared, devices) == 128);
     assert!(offset_of!(Shared, slots) == 128 + 256 * MAX_DEVICES);
-    assert!(LAYOUT_SIZE == 856_192);
+    assert!(offset_of!(Shared, trace) == 856_192);
+    assert!(LAYOUT_SIZE == 1_904_832);
 };
 
 /// `inflight`: one more operation started, one more in flight.
@@ -357,10 +361,11 @@ impl Region {
             if unsafe { libc::ftruncate(fd, LAYOUT_SIZE as libc::off_t) } != 0 {
                 return Err(io_err(&tmp_name, "ftruncate"));
             }
-            // Allocate the blocks now (a disk file system would otherwise allocate them in page
-            // faults on the hot path); best effort: tmpfs, the normal home, needs nothing.
+            // Allocate the accounting blocks now (a disk file system would otherwise allocate them
+            // in page faults on the hot path); best effort: tmpfs, the normal home, needs nothing.
+            // The trace ring is left sparse: it costs memory only once a trace writes to it.
             // SAFETY: fd is open.
-            unsafe { libc::fallocate(fd, 0, 0, LAYOUT_SIZE as libc::off_t) };
+            unsafe { libc::fallocate(fd, 0, 0, std::mem::offset_of!(Shared, trace) as libc::off_t) };
             let shared = map(fd).map_err(|source| RegionError::Io { path: tmp_name.clone(), op: "mmap", source })?;
             // SAFETY: LAYOUT_SIZE zero bytes: a valid Shared, seen by nobody else yet.
             init_header(unsafe { shared.as_ref() });
@@ -399,6 +404,7 @@ impl Region {
 
     /// The raw layout, for readers that need a field no method gives. Prefer the methods: they
     /// keep the invariants (total before slot, slot before total).
+    #[inline]
     pub fn layout(&self) -> &Shared {
         self.shared()
     }
@@ -823,15 +829,6 @@ impl Region {
         self.shared().header.config_generation.fetch_add(1, AcqRel);
     }
 
-    /// Reserved for on-demand tracing.
-    pub fn trace_requested(&self) -> bool {
-        self.shared().header.trace_requested.load(Relaxed) != 0
-    }
-
-    pub fn set_trace_requested(&self, on: bool) {
-        self.shared().header.trace_requested.store(u32::from(on), Relaxed);
-    }
-
     /// `(pid, host pid)` of every joined slot (host pid 0: not known yet). Dead processes not yet
     /// reaped are included: call [`Region::reap`] first.
     pub fn pids(&self) -> Vec<(u32, u32)> {
@@ -1035,7 +1032,7 @@ fn check_file(fd: i32, name: &str) -> Result<(), RegionError> {
     Ok(())
 }
 
-/// Maps the region, populated: no page fault later on a hot path (~210 pages).
+/// Maps the region, populated: no page fault later on a hot path (~465 pages).
 fn map(fd: i32) -> std::io::Result<NonNull<Shared>> {
     let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
     // SAFETY: mapping LAYOUT_SIZE bytes of an fd whose size was checked (or set), shared read-write.
@@ -1202,7 +1199,7 @@ mod tests {
         bytes[8..12].copy_from_slice(&7u32.to_ne_bytes());
         bytes[16..24].copy_from_slice(&(LAYOUT_SIZE as u64).to_ne_bytes());
         std::fs::write(&path, &bytes).unwrap();
-        expect("layout version 7; this build uses version 1");
+        expect(&format!("layout version 7; this build uses version {LAYOUT_VERSION}"));
         bytes[8..12].copy_from_slice(&LAYOUT_VERSION.to_ne_bytes());
         bytes[16..24].copy_from_slice(&4096u64.to_ne_bytes());
         std::fs::write(&path, &bytes).unwrap();

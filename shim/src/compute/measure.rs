@@ -2,6 +2,11 @@
 //! span between the two is the kernel's time on the GPU, waiting for nothing else of its stream
 //! (the "before" event completes when the stream's earlier work does). Spans are harvested when
 //! complete, at the next launch, never waited for on the launch path.
+//!
+//! While a trace is recorded, every launch is measured this way (unthrottled ones too, charged
+//! nothing) and each completed span becomes a kernel entry in the region's trace ring: its GPU
+//! duration is the events' span; its start, which events do not give on the CPU's clock, is
+//! estimated as the later of the launch and the end of the previous measured kernel on the stream.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -9,7 +14,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
 use cudarc::driver::sys::{CUcontext, CUevent, CUresult, CUstream};
-use tessera_region::MAX_DEVICES;
+use tessera_region::{
+    MAX_DEVICES, TRACE_FLAG_START_ESTIMATED, TRACE_NO_DEVICE, TraceEntry, TraceFunc, TraceKind, monotonic_ns,
+};
 
 use super::{bucket, service};
 use crate::real;
@@ -26,15 +33,20 @@ pub struct Pending {
     ctx: usize,
     stream: usize,
     start: usize,
-    charged: i64,
+    /// What the bucket was charged; None: not metered (measured for a trace only).
+    charged: Option<i64>,
+    /// Traced: the launching call, when it was made (monotonic ns) and the launching thread.
+    trace: Option<(TraceFunc, u64, u32)>,
 }
 
 struct InFlight {
     dev: usize,
     ctx: usize,
+    stream: usize,
     start: usize,
     end: usize,
-    charged: i64,
+    charged: Option<i64>,
+    trace: Option<(TraceFunc, u64, u32)>,
 }
 
 #[derive(Default)]
@@ -42,6 +54,8 @@ struct Local {
     in_flight: VecDeque<InFlight>,
     /// Idle events by context (events belong to the context they were made in).
     pool: HashMap<usize, Vec<usize>>,
+    /// Traced kernels: the estimated end of the last one on each stream (monotonic ns).
+    stream_end: HashMap<usize, u64>,
 }
 
 static LOCAL: Mutex<Option<Local>> = Mutex::new(None);
@@ -80,8 +94,15 @@ fn give_back(l: &mut Local, ctx: usize, e: usize) {
 }
 
 /// Records the "before" event on the launch's stream. None when it cannot be measured (then
-/// the launch keeps its estimated charge).
-pub fn start(_st: &ShimState, dev: usize, stream: *mut c_void, charged: i64) -> Option<Pending> {
+/// the launch keeps its estimated charge). `charged`: None when only the trace wants the span.
+pub fn start(
+    _st: &ShimState,
+    dev: usize,
+    stream: *mut c_void,
+    charged: Option<i64>,
+    trace: Option<TraceFunc>,
+) -> Option<Pending> {
+    let trace = trace.map(|f| (f, monotonic_ns(), crate::trace::ids().1));
     let cu = real::cuda()?;
     let mut ctx: CUcontext = std::ptr::null_mut();
     let mut current: CUcontext = std::ptr::null_mut();
@@ -96,7 +117,7 @@ pub fn start(_st: &ShimState, dev: usize, stream: *mut c_void, charged: i64) -> 
         let start = take_event(l, ctx)?;
         // SAFETY: start is a live event of the stream's (current) context.
         if ok(unsafe { (cu.cuEventRecord)(start as CUevent, stream as CUstream) }) {
-            Some(Pending { dev, ctx, stream: stream as usize, start, charged })
+            Some(Pending { dev, ctx, stream: stream as usize, start, charged, trace })
         } else {
             give_back(l, ctx, start);
             None
@@ -110,7 +131,9 @@ pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
     let Some(cu) = real::cuda() else { return };
     with_local(|l| {
         if !accepted {
-            bucket::correct(st.region.bucket(p.dev), -p.charged);
+            if let Some(c) = p.charged {
+                bucket::correct(st.region.bucket(p.dev), -c);
+            }
             give_back(l, p.ctx, p.start);
             return;
         }
@@ -127,7 +150,15 @@ pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
             // SAFETY: a live event recorded by us.
             unsafe { (cu.cuEventSynchronize)(oldest.end as CUevent) };
         }
-        l.in_flight.push_back(InFlight { dev: p.dev, ctx: p.ctx, start: p.start, end, charged: p.charged });
+        l.in_flight.push_back(InFlight {
+            dev: p.dev,
+            ctx: p.ctx,
+            stream: p.stream,
+            start: p.start,
+            end,
+            charged: p.charged,
+            trace: p.trace,
+        });
     });
     // Settled at the next launch (before_launch harvests first), never here: once per launch.
 }
@@ -148,15 +179,51 @@ pub fn harvest(st: &ShimState) {
             let timed = ok(rc) && ok(unsafe { (cu.cuEventElapsedTime)(&mut ms, f.start as CUevent, f.end as CUevent) });
             if timed {
                 let span = (f64::from(ms) * 1e6) as i64;
-                let own = service::own_time(st, f.dev, span);
-                bucket::correct(st.region.bucket(f.dev), own - f.charged);
-                st.region.record_gpu_time(st.slot, f.dev, own as u64);
-                let e = &EXPECTED[f.dev];
-                let old = e.load(Relaxed);
-                e.store(if old <= 0 { own } else { old - old / 8 + own / 8 }, Relaxed);
+                if let Some(charged) = f.charged {
+                    let own = service::own_time(st, f.dev, span);
+                    bucket::correct(st.region.bucket(f.dev), own - charged);
+                    st.region.record_gpu_time(st.slot, f.dev, own as u64);
+                    let e = &EXPECTED[f.dev];
+                    let old = e.load(Relaxed);
+                    e.store(if old <= 0 { own } else { old - old / 8 + own / 8 }, Relaxed);
+                }
+                if let Some((func, launched, tid)) = f.trace {
+                    record_kernel(st, l, &f, (func, launched, tid), span.max(0) as u64);
+                }
+            } else if f.trace.is_some() {
+                l.stream_end.remove(&f.stream);
             }
             give_back(l, f.ctx, f.start);
             give_back(l, f.ctx, f.end);
         }
     });
+}
+
+/// A completed traced kernel as a kernel span: `span` ns of GPU time, started at the later of its
+/// launch and the previous traced kernel's end on its stream, never ending after now.
+fn record_kernel(st: &ShimState, l: &mut Local, f: &InFlight, launch: (TraceFunc, u64, u32), span: u64) {
+    let (func, launched, tid) = launch;
+    let now = monotonic_ns();
+    let prev = l.stream_end.get(&f.stream).copied().unwrap_or(0);
+    let mut start = launched.max(prev);
+    if start.saturating_add(span) > now {
+        start = now.saturating_sub(span).max(launched);
+    }
+    let end = start.saturating_add(span);
+    l.stream_end.insert(f.stream, end);
+    let e = TraceEntry {
+        kind: TraceKind::Kernel,
+        func: func as u8,
+        device: u8::try_from(f.dev).unwrap_or(TRACE_NO_DEVICE),
+        flags: TRACE_FLAG_START_ESTIMATED,
+        result: 0,
+        pid: crate::trace::ids().0,
+        tid,
+        start_ns: start,
+        end_ns: end,
+        bytes: 0,
+        aux: 0,
+        stream: f.stream as u64,
+    };
+    st.region.trace_push(&e);
 }

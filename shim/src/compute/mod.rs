@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::time::Duration;
 
-use tessera_region::{ComputeMode, Priority, monotonic_ns as now_ns};
+use tessera_region::{ComputeMode, Priority, TraceFunc, monotonic_ns as now_ns};
 
 use crate::state::{self, ShimState};
 
@@ -92,14 +92,19 @@ fn the_ledger() -> Option<&'static ledger::Ledger> {
 
 /// Called by every launch hook (cuLaunchKernel, _ptsz, Ex, cooperative, graph launch) before the
 /// real driver call, with the launch's region device index and stream. May block to enforce the
-/// container's SM share or to yield to a high-priority container.
-pub fn before_launch(dev: usize, stream: *mut c_void) -> Gate {
+/// container's SM share or to yield to a high-priority container. `trace`: a trace is being
+/// recorded and this launch came through `trace`'s hook: the kernel is measured (also when not
+/// throttled) and recorded as a kernel span once complete.
+pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<TraceFunc>) -> Gate {
     let Some(st) = state::get() else { return Gate::PASS };
     st.region.record_launch(st.slot, dev);
     let share = st.region.sm_percent(dev).filter(|&p| p < 100);
     let p = policy(st);
     if share.is_none() && p.priority == Priority::Normal {
-        return Gate::PASS;
+        return match trace {
+            None => Gate::PASS,
+            Some(f) => traced_only(st, dev, stream, f),
+        };
     }
     let now = now_ns();
     // The UUID is only needed to find this GPU in the ledger.
@@ -109,14 +114,29 @@ pub fn before_launch(dev: usize, stream: *mut c_void) -> Gate {
         e.launched(now, p.priority, share.map_or(0, |s| s * 10_000));
     }
     match p.priority {
-        Priority::High => return Gate::PASS,
+        Priority::High => {
+            return match trace {
+                None => Gate::PASS,
+                Some(f) => traced_only(st, dev, stream, f),
+            };
+        }
         Priority::Low => yield_to_high(st, dev, p.key, uuid.as_deref()),
         Priority::Normal => {}
     }
     match share {
-        Some(pct) => throttle(st, dev, pct, p, uuid.as_deref(), stream),
-        None => Gate::PASS,
+        Some(pct) => throttle(st, dev, pct, p, uuid.as_deref(), stream, trace),
+        None => match trace {
+            None => Gate::PASS,
+            Some(f) => traced_only(st, dev, stream, f),
+        },
     }
+}
+
+/// A launch the limiter lets through, measured only for the trace: nothing is charged.
+#[cold]
+fn traced_only(st: &'static ShimState, dev: usize, stream: *mut c_void, f: TraceFunc) -> Gate {
+    measure::harvest(st);
+    Gate { inner: measure::start(st, dev, stream, None, Some(f)) }
 }
 
 /// Called after the real driver call; `accepted` is whether it returned CUDA_SUCCESS.
@@ -159,6 +179,7 @@ fn throttle(
     p: Policy,
     uuid: Option<&str>,
     stream: *mut c_void,
+    trace: Option<TraceFunc>,
 ) -> Gate {
     let b = st.region.bucket(dev);
     let mut waited = 0u64;
@@ -191,5 +212,5 @@ fn throttle(
     if waited > 0 {
         st.region.record_throttled(st.slot, dev, waited);
     }
-    Gate { inner: measure::start(st, dev, stream, cost) }
+    Gate { inner: measure::start(st, dev, stream, Some(cost), trace) }
 }

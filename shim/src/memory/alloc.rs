@@ -7,11 +7,15 @@ use super::{Charge, Kind};
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::{ShimState, enter};
+use tessera_region::TraceFunc;
 
 /// Runs a CUDA hook's body with the state and the real driver (or returns the prologue's error).
+/// While the daemon asks for a trace the call is recorded as an API span of `func`; otherwise the
+/// cost of tracing is one relaxed load.
 #[inline]
-pub(crate) fn hook(body: impl FnOnce(&'static ShimState, &'static RealCuda) -> CUresult) -> CUresult {
+pub(crate) fn hook(func: TraceFunc, body: impl FnOnce(&'static ShimState, &'static RealCuda) -> CUresult) -> CUresult {
     guard(CUDA_ERROR_UNKNOWN, || match enter() {
+        Ok((s, cu)) if s.region.trace_requested() => crate::trace::api(s, func, None, || body(s, cu)),
         Ok((s, cu)) => body(s, cu),
         Err(rc) => rc,
     })
@@ -43,6 +47,7 @@ fn charged(
     if bytes == 0 {
         return call();
     }
+    crate::trace::note(r.dev, bytes);
     if !r.s.reserve(r.dev, bytes) {
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -63,6 +68,9 @@ fn charged(
 /// driver refuses the free. Unknown keys pass through.
 fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let c = if key == 0 { None } else { map.remove(key) };
+    if let Some(c) = &c {
+        crate::trace::note(c.dev, c.bytes);
+    }
     let rc = call();
     if let Some(c) = c {
         if rc == CUDA_SUCCESS {
@@ -93,7 +101,7 @@ fn linear(
 /// As cuda.h's `cuMemAlloc_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAlloc_v2, |s, cu| {
         linear(
             s,
             bytesize as u64,
@@ -110,7 +118,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 /// As cuda.h's legacy `cuMemAlloc` (32-bit pointer and size).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAlloc, |s, cu| {
         linear(
             s,
             u64::from(bytesize),
@@ -127,7 +135,7 @@ pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUre
 /// As cuda.h's `cuMemAllocManaged`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocManaged, |s, cu| {
         linear(
             s,
             bytesize as u64,
@@ -145,7 +153,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usi
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| refunded(s, &s.mem.ptrs, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
+    hook(TraceFunc::cuMemFree_v2, |s, cu| refunded(s, &s.mem.ptrs, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
 }
 
 /// # Safety
@@ -153,7 +161,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| refunded(s, &s.mem.ptrs, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+    hook(TraceFunc::cuMemFree, |s, cu| refunded(s, &s.mem.ptrs, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
 }
 
 // ---- Pitched memory --------------------------------------------------------------------------
@@ -213,7 +221,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     Height: usize,
     ElementSizeBytes: c_uint,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocPitch_v2, |s, cu| {
         pitched(
             s,
             WidthInBytes as u64,
@@ -238,7 +246,7 @@ pub unsafe extern "C" fn cuMemAllocPitch(
     Height: c_uint,
     ElementSizeBytes: c_uint,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocPitch, |s, cu| {
         pitched(
             s,
             u64::from(WidthInBytes),
@@ -278,7 +286,7 @@ const NOT_SUPPORTED: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 /// As cuda.h's `cuMemAllocAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocAsync, |s, cu| {
         let Some(f) = cu.cuMemAllocAsync else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
         stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
@@ -289,7 +297,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize
 /// As cuda.h's `cuMemAllocAsync_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemAllocAsync_ptsz else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
         stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
@@ -305,7 +313,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     pool: CUmemoryPool,
     hStream: CUstream,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocFromPoolAsync, |s, cu| {
         let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
         stream_ordered(
             s,
@@ -328,7 +336,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     pool: CUmemoryPool,
     hStream: CUstream,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemAllocFromPoolAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
         stream_ordered(
             s,
@@ -346,7 +354,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
 /// As cuda.h's `cuMemFreeAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemFreeAsync, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
@@ -357,7 +365,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) ->
 /// As cuda.h's `cuMemFreeAsync_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
@@ -375,7 +383,7 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const c_void,
     flags: u64,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemCreate, |s, cu| {
         let prop = prop.cast::<MemAllocPropHead>();
         // SAFETY: the caller's arguments, passed on unchanged.
         let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
@@ -398,7 +406,7 @@ pub unsafe extern "C" fn cuMemCreate(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| refunded(s, &s.mem.physical, handle, || unsafe { (cu.cuMemRelease)(handle) }))
+    hook(TraceFunc::cuMemRelease, |s, cu| refunded(s, &s.mem.physical, handle, || unsafe { (cu.cuMemRelease)(handle) }))
 }
 
 // ---- Arrays ----------------------------------------------------------------------------------
@@ -435,7 +443,7 @@ fn array(s: &ShimState, bytes: Option<u64>, handle: *mut CUarray, call: impl FnO
 /// As cuda.h's `cuArrayCreate_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArrayCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const ArrayDesc) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuArrayCreate_v2, |s, cu| {
         // SAFETY: null or the caller's descriptor.
         let bytes = unsafe { get(pAllocateArray) }
             .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
@@ -448,7 +456,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(pHandle: *mut CUarray, pAllocateArray:
 /// As cuda.h's legacy `cuArrayCreate`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut CUarray, pAllocateArray: *const ArrayDescV1) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuArrayCreate, |s, cu| {
         // SAFETY: null or the caller's descriptor.
         let bytes = unsafe { get(pAllocateArray) }
             .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
@@ -461,7 +469,7 @@ pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut CUarray, pAllocateArray: *c
 /// As cuda.h's `cuArray3DCreate_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArray3DCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const Array3dDesc) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuArray3DCreate_v2, |s, cu| {
         // SAFETY: null or the caller's descriptor.
         let bytes = unsafe { get(pAllocateArray) }
             .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
@@ -474,7 +482,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(pHandle: *mut CUarray, pAllocateArra
 /// As cuda.h's legacy `cuArray3DCreate`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut CUarray, pAllocateArray: *const Array3dDescV1) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuArray3DCreate, |s, cu| {
         // SAFETY: null or the caller's descriptor.
         let bytes = unsafe { get(pAllocateArray) }
             .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
@@ -487,8 +495,10 @@ pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut CUarray, pAllocateArray: 
 /// As cuda.h's `cuArrayDestroy`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArrayDestroy(hArray: CUarray) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| refunded(s, &s.mem.arrays, hArray as u64, || unsafe { (cu.cuArrayDestroy)(hArray) }))
+    hook(TraceFunc::cuArrayDestroy, |s, cu| {
+        // SAFETY: the caller's argument, passed on unchanged.
+        refunded(s, &s.mem.arrays, hArray as u64, || unsafe { (cu.cuArrayDestroy)(hArray) })
+    })
 }
 
 #[cfg(test)]

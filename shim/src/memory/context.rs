@@ -18,6 +18,7 @@ use super::{Charge, Kind};
 use crate::ffi::*;
 use crate::real::{self, RealCuda};
 use crate::state::ShimState;
+use tessera_region::TraceFunc;
 
 /// How a device's memory is read around a context's creation.
 #[derive(Clone, Copy)]
@@ -211,16 +212,20 @@ fn create_regular(
 /// As cuda.h's `cuCtxCreate_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's arguments, passed on unchanged.
-    hook(|s, cu| create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate_v2)(pctx, flags, dev) }))
+    hook(TraceFunc::cuCtxCreate_v2, |s, cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate_v2)(pctx, flags, dev) })
+    })
 }
 
 /// # Safety
 /// As cuda.h's legacy `cuCtxCreate`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxCreate(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's arguments, passed on unchanged.
-    hook(|s, cu| create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate)(pctx, flags, dev) }))
+    hook(TraceFunc::cuCtxCreate, |s, cu| {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate)(pctx, flags, dev) })
+    })
 }
 
 /// # Safety
@@ -233,7 +238,7 @@ pub unsafe extern "C" fn cuCtxCreate_v3(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuCtxCreate_v3, |s, cu| {
         let Some(f) = cu.cuCtxCreate_v3 else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         create_regular(s, cu, pctx, dev, || unsafe { f(pctx, paramsArray, numParams, flags, dev) })
@@ -249,7 +254,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuCtxCreate_v4, |s, cu| {
         let Some(f) = cu.cuCtxCreate_v4 else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         create_regular(s, cu, pctx, dev, || unsafe { f(pctx, ctxCreateParams, flags, dev) })
@@ -270,7 +275,7 @@ fn destroy(s: &ShimState, ctx: CUcontext, call: impl FnOnce() -> CUresult) -> CU
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
+    hook(TraceFunc::cuCtxDestroy_v2, |s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
 }
 
 /// # Safety
@@ -278,7 +283,7 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy(ctx: CUcontext) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
+    hook(TraceFunc::cuCtxDestroy, |s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
 }
 
 // ---- Primary contexts ------------------------------------------------------------------------
@@ -287,7 +292,7 @@ pub unsafe extern "C" fn cuCtxDestroy(ctx: CUcontext) -> CUresult {
 /// As cuda.h's `cuDevicePrimaryCtxRetain`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuDevicePrimaryCtxRetain, |s, cu| {
         let _g = s.mem.lifecycle();
         // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
         let call = || unsafe {
@@ -332,16 +337,20 @@ fn release(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> C
 /// As cuda.h's `cuDevicePrimaryCtxRelease_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) }))
+    hook(TraceFunc::cuDevicePrimaryCtxRelease_v2, |s, cu| {
+        // SAFETY: the caller's argument, passed on unchanged.
+        release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) })
+    })
 }
 
 /// # Safety
 /// As cuda.h's legacy `cuDevicePrimaryCtxRelease`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease)(dev) }))
+    hook(TraceFunc::cuDevicePrimaryCtxRelease, |s, cu| {
+        // SAFETY: the caller's argument, passed on unchanged.
+        release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease)(dev) })
+    })
 }
 
 fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -357,8 +366,10 @@ fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUr
 /// As cuda.h's `cuDevicePrimaryCtxReset_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset_v2)(dev) }))
+    hook(TraceFunc::cuDevicePrimaryCtxReset_v2, |s, cu| {
+        // SAFETY: the caller's argument, passed on unchanged.
+        reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset_v2)(dev) })
+    })
 }
 
 /// # Safety
@@ -366,5 +377,5 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxReset(dev: CUdevice) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(|s, cu| reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset)(dev) }))
+    hook(TraceFunc::cuDevicePrimaryCtxReset, |s, cu| reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset)(dev) }))
 }

@@ -7,6 +7,7 @@ use std::ffi::c_uint;
 use super::alloc::hook;
 use crate::ffi::*;
 use crate::state::ShimState;
+use tessera_region::TraceFunc;
 
 /// (free, total) as the container sees a device, from the driver's figures.
 pub(crate) fn virtual_view(s: &ShimState, dev: usize, real_free: u64, real_total: u64) -> (u64, u64) {
@@ -22,7 +23,7 @@ pub(crate) fn virtual_view(s: &ShimState, dev: usize, real_free: u64, real_total
 /// As cuda.h's `cuMemGetInfo_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemGetInfo_v2, |s, cu| {
         // SAFETY: the caller's out-pointers, passed on unchanged.
         let rc = unsafe { (cu.cuMemGetInfo_v2)(free, total) };
         if rc != CUDA_SUCCESS {
@@ -46,7 +47,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 /// As cuda.h's legacy `cuMemGetInfo` (32-bit sizes).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuMemGetInfo, |s, cu| {
         let (mut f, mut t) = (0usize, 0usize);
         // SAFETY: our own out-pointers; the 64-bit query, narrowed below as the legacy one does.
         let rc = unsafe { (cu.cuMemGetInfo_v2)(&mut f, &mut t) };
@@ -82,7 +83,7 @@ fn capped_total(s: &ShimState, ordinal: CUdevice, real_total: u64) -> u64 {
 /// As cuda.h's `cuDeviceTotalMem_v2`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuDeviceTotalMem_v2, |s, cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         let rc = unsafe { (cu.cuDeviceTotalMem_v2)(bytes, dev) };
         if rc == CUDA_SUCCESS
@@ -100,7 +101,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
 /// As cuda.h's legacy `cuDeviceTotalMem` (a 32-bit size).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut c_uint, dev: CUdevice) -> CUresult {
-    hook(|s, cu| {
+    hook(TraceFunc::cuDeviceTotalMem, |s, cu| {
         let mut t = 0usize;
         // SAFETY: our own out-pointer.
         let rc = unsafe { (cu.cuDeviceTotalMem_v2)(&mut t, dev) };
