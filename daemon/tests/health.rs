@@ -31,13 +31,10 @@ const LATENCY_LIMIT: Duration = Duration::from_secs(1);
 const RECOVERY_CHECK_MS: u64 = 300;
 
 fn config_text(node: &SimNode, dir: &Path, partitions: &str) -> String {
-    format!(
-        "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
-         [health]\ninterval_seconds = 1\nrecovery_check_ms = {RECOVERY_CHECK_MS}\n{partitions}",
-        node.nvml_path(),
-        dir.join("plugins"),
-        dir.join("state"),
-        dir.join("run"),
+    common::config_text(
+        node,
+        dir,
+        &format!("[health]\ninterval_seconds = 1\nrecovery_check_ms = {RECOVERY_CHECK_MS}\n{partitions}"),
     )
 }
 
@@ -46,14 +43,7 @@ fn sim_model(node: &SimNode) -> tessera_sim_model::Node {
 }
 
 async fn client(socket: &Path) -> NodeClient<Channel> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
-    for _ in 0..200 {
-        if let Ok(c) = endpoint.connect().await {
-            return NodeClient::new(c);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("node API not reachable at {}", socket.display());
+    common::node_api(socket).await
 }
 
 /// Reads ListAndWatch until device `id` has `health`; returns when that list arrived.

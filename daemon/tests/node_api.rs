@@ -36,25 +36,17 @@ const MIG3: &str = "tessera.io/mig-3g.40gb";
 const MIG1: &str = "tessera.io/mig-1g.10gb";
 
 fn config_text(node: &SimNode, dir: &Path, extra: &str) -> String {
-    format!(
-        "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n{extra}\n\
-         [partitions.\"0\"]\nshares = {{ count = 2 }}\n[partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}\n",
-        node.nvml_path(),
-        dir.join("plugins"),
-        dir.join("state"),
-        dir.join("run"),
+    common::config_text(
+        node,
+        dir,
+        &format!(
+            "{extra}\n[partitions.\"0\"]\nshares = {{ count = 2 }}\n[partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}"
+        ),
     )
 }
 
 async fn client(socket: &Path) -> NodeClient<Channel> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
-    for _ in 0..200 {
-        if let Ok(c) = endpoint.connect().await {
-            return NodeClient::new(c);
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("node API not reachable at {}", socket.display());
+    common::node_api(socket).await
 }
 
 fn mig_layout(profile: &str, count: u32) -> api::GpuLayout {

@@ -25,15 +25,7 @@ use common::{TestKubelet, WAIT, next_list, spawn};
 const KERNEL_US: f64 = 500.0;
 
 async fn client(socket: &Path) -> NodeClient<Channel> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(c) = endpoint.connect().await {
-            return NodeClient::new(c);
-        }
-        assert!(Instant::now() < deadline, "node API not reachable at {}", socket.display());
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    common::node_api(socket).await
 }
 
 async fn launches(api: &mut NodeClient<Channel>, id: &str) -> u64 {
@@ -74,20 +66,7 @@ async fn a_trace_records_the_workloads_calls_and_kernels() {
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    std::fs::create_dir(dir.join("plugins")).expect("plugins");
-    let config = dir.join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
-             [partitions.default]\nshares = {{ count = 2 }}\n",
-            node.nvml_path(),
-            dir.join("plugins"),
-            dir.join("state"),
-            dir.join("run"),
-        ),
-    )
-    .expect("config");
+    let config = common::write_config(&node, dir, "[partitions.default]\nshares = { count = 2 }");
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
     let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);

@@ -40,26 +40,19 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     std::fs::write(dir.join("libtessera.so"), "fake-shim").expect("shim");
 
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    std::fs::create_dir(dir.join("plugins")).expect("plugins");
-    let config = dir.join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
-             [injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n\
-             [partitions.default]\nshares = {{ count = 2 }}\n",
-            node.nvml_path(),
-            dir.join("plugins"),
-            dir.join("state"),
-            dir.join("run"),
+    let config = tessera_tests::kubelet::write_config(
+        &node,
+        dir,
+        &format!(
+            "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n\
+             [partitions.default]\nshares = {{ count = 2 }}",
             dir.join("cdi"),
             driver,
             dev,
             dir.join("libtessera.so"),
             binary("tessera-hook"),
         ),
-    )
-    .expect("config");
+    );
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
     let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);

@@ -5,7 +5,7 @@
 //! `tessera status` table show what the workload holds, and nothing once it is killed.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -18,18 +18,6 @@ use tessera_tests::shim;
 
 const MIB: u64 = 1 << 20;
 const OVERHEAD_MIB: u64 = 300;
-
-async fn node_api(socket: &Path) -> NodeClient<tonic::transport::Channel> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("uri");
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Ok(c) = endpoint.connect().await {
-            return NodeClient::new(c);
-        }
-        assert!(Instant::now() < deadline, "node API not reachable at {}", socket.display());
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-}
 
 async fn usage(api: &mut NodeClient<tonic::transport::Channel>, id: &str) -> api::ContainerUsage {
     let resp = api
@@ -47,20 +35,7 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     ));
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    std::fs::create_dir(dir.join("plugins")).expect("plugins");
-    let config = dir.join("config.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
-             [partitions.default]\nshares = {{ count = 4 }}\n",
-            node.nvml_path(),
-            dir.join("plugins"),
-            dir.join("state"),
-            dir.join("run"),
-        ),
-    )
-    .expect("config");
+    let config = tessera_tests::kubelet::write_config(&node, dir, "[partitions.default]\nshares = { count = 4 }");
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
     let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
@@ -83,7 +58,7 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     let answer = &resp.container_responses[0];
     let id = answer.envs["TESSERA_ALLOCATION"].clone();
     let host_dir = PathBuf::from(&answer.mounts[0].host_path);
-    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let mut api = tessera_tests::kubelet::node_api(&dir.join("run/tessera.sock")).await;
     let limit = usage(&mut api, &id).await.devices[0].memory_limit_bytes;
     assert!(limit > 0, "a share has a memory limit");
 

@@ -117,3 +117,37 @@ pub fn spawn(node: &tessera_sim_testkit::SimNode, config: &Path, notify: &Path, 
         .expect("spawn tesserad");
     (Daemon(child), started)
 }
+
+/// The configuration every flow starts from: the simulated node's NVML library and, under `dir`,
+/// the kubelet's plugin directory (`plugins`), the state (`state`) and runtime (`run`)
+/// directories; then `body` (more keys, tables).
+pub fn config_text(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str) -> String {
+    format!(
+        "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n{body}\n",
+        node.nvml_path(),
+        dir.join("plugins"),
+        dir.join("state"),
+        dir.join("run"),
+    )
+}
+
+/// Writes [`config_text`] to `<dir>/config.toml` and makes the plugin directory; the path.
+pub fn write_config(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str) -> PathBuf {
+    std::fs::create_dir_all(dir.join("plugins")).expect("plugin dir");
+    let path = dir.join("config.toml");
+    std::fs::write(&path, config_text(node, dir, body)).expect("config");
+    path
+}
+
+/// A node API client on `socket`, retrying while the daemon starts (up to [`WAIT`]).
+pub async fn node_api(socket: &Path) -> tessera_proto::tessera::v1::node_client::NodeClient<Channel> {
+    let endpoint = Endpoint::from_shared(format!("unix://{}", socket.display())).expect("unix endpoint");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(channel) = endpoint.connect().await {
+            return tessera_proto::tessera::v1::node_client::NodeClient::new(channel);
+        }
+        assert!(Instant::now() < deadline, "node API not reachable at {}", socket.display());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
