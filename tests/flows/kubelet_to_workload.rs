@@ -1,8 +1,9 @@
 //! The whole node path without a container runtime: the kubelet allocates a share from tesserad
 //! on the simulated node; a CUDA workload runs with libtessera.so preloaded and the allocation's
 //! limits and region (the files the container would get, at their host paths); the share's
-//! memory limit holds (CUDA_ERROR_OUT_OF_MEMORY past it), the node API's GetUsage and the
-//! `tessera status` table show what the workload holds, and nothing once it is killed.
+//! memory limit holds (CUDA_ERROR_OUT_OF_MEMORY past it); the node API's GetUsage, the
+//! `tessera status` and `tessera top` tables, and a real Prometheus server scraping tesserad's
+//! /metrics show what the workload holds, and nothing once it is killed.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -13,6 +14,7 @@ use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateReq
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
 use tessera_sim_testkit::{SimNode, binary};
+use tessera_tests::kubelet::prometheus::Prometheus;
 use tessera_tests::kubelet::{TestKubelet, WAIT, spawn};
 use tessera_tests::shim;
 
@@ -35,7 +37,13 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     ));
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    let config = tessera_tests::kubelet::write_config(&node, dir, "[partitions.default]\nshares = { count = 4 }");
+    // /metrics on a free loopback port, scraped by a real Prometheus server.
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
+    let config = tessera_tests::kubelet::write_config(
+        &node,
+        dir,
+        &format!("[telemetry]\nmetrics_listen = \"{metrics}\"\n[partitions.default]\nshares = {{ count = 4 }}"),
+    );
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
     let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
@@ -116,6 +124,15 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
         row.contains(&share) && row.contains(&format!("{} MiB / {} MiB", 4096 + OVERHEAD_MIB, limit >> 20)),
         "{row}"
     );
+
+    // Prometheus scrapes what it holds, with the share's labels, and the GPU's dcgm-style series.
+    let prometheus = Prometheus::start(dir, metrics);
+    let held = ((4096 + OVERHEAD_MIB) * MIB) as f64;
+    let labels = prometheus.wait_for(&format!("tessera_container_memory_used_bytes{{allocation=\"{id}\"}}"), held);
+    assert_eq!(labels.get("device_id").and_then(|v| v.as_str()), Some(share.as_str()), "{labels:?}");
+    prometheus.wait_for(&format!("tessera_container_memory_limit_bytes{{allocation=\"{id}\"}}"), limit as f64);
+    let fb = prometheus.query("DCGM_FI_DEV_FB_USED");
+    assert!(fb.len() == 1 && fb[0].1 >= (4096 + OVERHEAD_MIB) as f64, "FB_USED (MiB): {fb:?}");
 
     // Killed: its memory is back, and usage says so.
     holder.kill().expect("kill");

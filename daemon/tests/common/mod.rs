@@ -3,6 +3,8 @@
 //! DevicePlugin side as the kubelet does.
 #![allow(dead_code)] // each test crate uses its own part
 
+pub mod prometheus;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
