@@ -15,7 +15,7 @@ use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
 use crate::config::{Config, Placement};
-use crate::kubelet::{Allocator, ContainerAllocation, HostMount};
+use crate::kubelet::{Allocator, ContainerAllocation, HostDevice, HostMount};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
 use crate::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source, Store, record::unix_ns};
 
@@ -33,11 +33,56 @@ pub struct DaemonAllocator {
     store: Mutex<Store>,
     dirs: AllocDirs,
     defaults: RwLock<Defaults>,
+    /// How a container gets its devices when the runtime does not read CDI specs.
+    direct: Option<DirectInjection>,
     /// When each record was last handed to the kubelet (made or reused), in this process; the
     /// pod-resources task never releases a record handed out recently.
     handed_out: Mutex<HashMap<String, Instant>>,
     /// Poked after every `Allocate`: the pod-resources task looks again soon.
     allocated: Arc<tokio::sync::Notify>,
+}
+
+/// For runtimes without CDI (`injection.cdi_spec_dir` empty): the answer itself carries the
+/// device nodes (with their cgroup rules) and mounts the shim and an `/etc/ld.so.preload` naming
+/// it; the driver's libraries are then the runtime's (or `tessera-runtime`'s) business.
+#[derive(Debug, Clone)]
+struct DirectInjection {
+    /// `nvidiactl`, `nvidia-uvm`, … as present on the host.
+    control_nodes: Vec<std::path::PathBuf>,
+    shim: Option<std::path::PathBuf>,
+    /// `<runtime_dir>/ld.so.preload`, naming the shim at its container path.
+    preload: std::path::PathBuf,
+    /// The host's device root: `<dev_root>/x` is `/dev/x` in the container.
+    dev_root: std::path::PathBuf,
+}
+
+impl DirectInjection {
+    fn container_path(&self, host: &std::path::Path) -> String {
+        match host.strip_prefix(&self.dev_root) {
+            Ok(rest) => std::path::Path::new("/dev").join(rest).display().to_string(),
+            Err(_) => host.display().to_string(),
+        }
+    }
+}
+
+impl DirectInjection {
+    fn of(config: &Config) -> Option<DirectInjection> {
+        let inj = &config.injection;
+        if !inj.cdi_spec_dir.as_os_str().is_empty() {
+            return None;
+        }
+        let control_nodes =
+            tessera_hook::driver::CONTROL_NODES.iter().map(|n| inj.dev_root.join(n)).filter(|p| p.exists()).collect();
+        let shim = (!inj.shim_path.as_os_str().is_empty()).then(|| inj.shim_path.clone());
+        let preload = config.runtime_dir.join("ld.so.preload");
+        if shim.is_some() {
+            let text = format!("{}\n", tessera_hook::cdi::SHIM_CONTAINER_PATH);
+            if let Err(e) = crate::state::durable::write_file(&preload, text.as_bytes(), 0o644) {
+                tracing::error!(file = %preload.display(), error = %e, "cannot write the preload file");
+            }
+        }
+        Some(DirectInjection { control_nodes, shim, preload, dev_root: inj.dev_root.clone() })
+    }
 }
 
 /// What reloads may change: share placement, and the limits new share allocations get.
@@ -66,6 +111,7 @@ impl DaemonAllocator {
             store: Mutex::new(store),
             dirs,
             defaults: RwLock::new(Defaults::of(config)),
+            direct: DirectInjection::of(config),
             handed_out: Mutex::new(HashMap::new()),
             allocated: Arc::new(tokio::sync::Notify::new()),
         }
@@ -243,7 +289,7 @@ impl DaemonAllocator {
             ("TESSERA_LIMITS".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::LIMITS_FILE)),
             ("TESSERA_REGION".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::REGION_FILE)),
         ]);
-        ContainerAllocation {
+        let mut answer = ContainerAllocation {
             cdi_devices: alloc
                 .devices
                 .iter()
@@ -259,7 +305,38 @@ impl DaemonAllocator {
             }],
             device_specs: Vec::new(),
             annotations: HashMap::new(),
+        };
+        if let Some(direct) = &self.direct {
+            // No CDI: the device nodes and the shim come in the answer itself.
+            answer.cdi_devices.clear();
+            let mut nodes: Vec<&std::path::PathBuf> = direct.control_nodes.iter().collect();
+            for d in &alloc.devices {
+                if let Some(rd) = resource.device(&d.device_id) {
+                    nodes.extend(rd.nodes.iter().filter(|n| !nodes.contains(n)).collect::<Vec<_>>());
+                }
+            }
+            answer.device_specs = nodes
+                .into_iter()
+                .map(|n| HostDevice {
+                    host_path: n.display().to_string(),
+                    container_path: direct.container_path(n),
+                    permissions: "rw".into(),
+                })
+                .collect();
+            if let Some(shim) = &direct.shim {
+                answer.mounts.push(HostMount {
+                    host_path: shim.display().to_string(),
+                    container_path: tessera_hook::cdi::SHIM_CONTAINER_PATH.into(),
+                    read_only: true,
+                });
+                answer.mounts.push(HostMount {
+                    host_path: direct.preload.display().to_string(),
+                    container_path: "/etc/ld.so.preload".into(),
+                    read_only: true,
+                });
+            }
         }
+        answer
     }
 }
 
@@ -425,6 +502,7 @@ mod tests {
                     healthy: true,
                     memory_limit: Some(1 << 30),
                     sm_percent: Some(50),
+                    nodes: vec![std::path::PathBuf::from(format!("/dev/nvidia{g}"))],
                 })
             })
             .collect();
@@ -456,6 +534,51 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let spread = allocator(tmp.path(), Placement::Spread);
         assert_eq!(spread.preferred(SHARE, &all, &ids(&["GPU-a::0"]), 2), ["GPU-a::0", "GPU-b::0"]);
+    }
+
+    #[test]
+    fn without_cdi_the_answer_carries_nodes_and_the_shim() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dev = tmp.path().join("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join("nvidiactl"), "").unwrap();
+        let mut config = Config::default();
+        config.injection.cdi_spec_dir = std::path::PathBuf::new();
+        config.injection.dev_root = dev.clone();
+        config.injection.shim_path = "/opt/tessera/libtessera.so".into();
+        config.runtime_dir = tmp.path().join("run");
+        std::fs::create_dir_all(&config.runtime_dir).unwrap();
+        let mut res = (*resources()).clone();
+        for d in res.resources.values_mut().flat_map(|r| &mut r.devices) {
+            d.nodes = vec![dev.join(format!("nvidia{}", d.gpu_index))];
+        }
+        let store = Store::open(&tmp.path().join("state")).unwrap();
+        let a = DaemonAllocator::new(&config, Arc::new(res), store, AllocDirs::new(&config.runtime_dir));
+        let answer = a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
+        assert!(answer.cdi_devices.is_empty(), "no CDI names for a runtime without CDI");
+        let specs: Vec<(String, &str, &str)> = answer
+            .device_specs
+            .iter()
+            .map(|d| (d.host_path.clone(), d.container_path.as_str(), d.permissions.as_str()))
+            .collect();
+        let host = |n: &str| dev.join(n).display().to_string();
+        assert_eq!(specs, [(host("nvidiactl"), "/dev/nvidiactl", "rw"), (host("nvidia1"), "/dev/nvidia1", "rw")]);
+        let mounts: Vec<(&str, &str, bool)> =
+            answer.mounts.iter().map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only)).collect();
+        let preload = config.runtime_dir.join("ld.so.preload");
+        assert_eq!(
+            mounts[1..],
+            [
+                ("/opt/tessera/libtessera.so", "/usr/lib/tessera/libtessera.so", true),
+                (preload.to_str().unwrap(), "/etc/ld.so.preload", true),
+            ]
+        );
+        assert_eq!(std::fs::read_to_string(&preload).unwrap(), "/usr/lib/tessera/libtessera.so\n");
+        // With CDI (the default), the names alone.
+        let b = allocator(&tmp.path().join("cdi"), Placement::Packed);
+        let answer = b.allocate(SHARE, &ids(&["GPU-a::0"])).unwrap();
+        assert_eq!(answer.cdi_devices, ["tessera.io/share=GPU-a::0"]);
+        assert!(answer.device_specs.is_empty());
     }
 
     #[test]

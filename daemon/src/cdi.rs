@@ -24,7 +24,6 @@ const MIG_MINORS: &str = "proc/driver/nvidia-caps/mig-minors";
 pub struct CdiWriter {
     dir: PathBuf,
     base: NodeDevices,
-    mig_minors: PathBuf,
     last: Option<Vec<NodeDevice>>,
 }
 
@@ -46,19 +45,13 @@ impl CdiWriter {
             dev_root: cfg.dev_root.clone(),
             cdi_version: Some(cfg.cdi_version.clone()),
         };
-        Some(CdiWriter {
-            dir: cfg.cdi_spec_dir.clone(),
-            base,
-            mig_minors: cfg.driver_root.join(MIG_MINORS),
-            last: None,
-        })
+        Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None })
     }
 
     /// Writes the specs for what `view` offers, unless that is what was written last. Returns
     /// whether anything was written.
     pub fn write(&mut self, view: &View) -> Result<bool, String> {
-        let minors = std::fs::read_to_string(&self.mig_minors).map(|t| parse_mig_minors(&t)).unwrap_or_default();
-        let devices = node_devices(view, &self.base.dev_root, &minors);
+        let devices = node_devices(view);
         if self.last.as_ref() == Some(&devices) {
             return Ok(false);
         }
@@ -72,54 +65,56 @@ impl CdiWriter {
     }
 }
 
-/// (GPU minor, GI id, CI id or `None` for the GI's own entry) → capability minor.
-type MigMinors = BTreeMap<(u32, u32, Option<u32>), u32>;
+/// The driver's MIG capability minors: (GPU minor, GI id, CI id or `None` for the GI's own
+/// entry) → the `nvidia-cap<N>` minor.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigMinors(BTreeMap<(u32, u32, Option<u32>), u32>);
 
-/// The driver's `mig-minors` table: lines such as `gpu0/gi1/access 12` and
-/// `gpu0/gi1/ci0/access 13` (others, like `config 1`, are not per instance).
-fn parse_mig_minors(text: &str) -> MigMinors {
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        let Some((path, minor)) = line.split_once(' ') else { continue };
-        let Ok(minor) = minor.trim().parse() else { continue };
-        let parts: Vec<&str> = path.split('/').collect();
-        let num = |p: &str, prefix: &str| p.strip_prefix(prefix).and_then(|n| n.parse::<u32>().ok());
-        match parts.as_slice() {
-            [gpu, gi, "access"] => {
-                if let (Some(g), Some(i)) = (num(gpu, "gpu"), num(gi, "gi")) {
-                    out.insert((g, i, None), minor);
-                }
-            }
-            [gpu, gi, ci, "access"] => {
-                if let (Some(g), Some(i), Some(c)) = (num(gpu, "gpu"), num(gi, "gi"), num(ci, "ci")) {
-                    out.insert((g, i, Some(c)), minor);
-                }
-            }
-            _ => {}
-        }
+impl MigMinors {
+    /// `<driver_root>/proc/driver/nvidia-caps/mig-minors`; empty when there is none (no MIG,
+    /// or a platform without capability device files).
+    pub fn read(driver_root: &Path) -> MigMinors {
+        std::fs::read_to_string(driver_root.join(MIG_MINORS)).map(|t| MigMinors::parse(&t)).unwrap_or_default()
     }
-    out
+
+    /// The table's lines: `gpu0/gi1/access 12`, `gpu0/gi1/ci0/access 13` (others, like
+    /// `config 1`, are not per instance).
+    pub fn parse(text: &str) -> MigMinors {
+        let mut out = BTreeMap::new();
+        for line in text.lines() {
+            let Some((path, minor)) = line.split_once(' ') else { continue };
+            let Ok(minor) = minor.trim().parse() else { continue };
+            let parts: Vec<&str> = path.split('/').collect();
+            let num = |p: &str, prefix: &str| p.strip_prefix(prefix).and_then(|n| n.parse::<u32>().ok());
+            match parts.as_slice() {
+                [gpu, gi, "access"] => {
+                    if let (Some(g), Some(i)) = (num(gpu, "gpu"), num(gi, "gi")) {
+                        out.insert((g, i, None), minor);
+                    }
+                }
+                [gpu, gi, ci, "access"] => {
+                    if let (Some(g), Some(i), Some(c)) = (num(gpu, "gpu"), num(gi, "gi"), num(ci, "ci")) {
+                        out.insert((g, i, Some(c)), minor);
+                    }
+                }
+                _ => {}
+            }
+        }
+        MigMinors(out)
+    }
+
+    /// The capability nodes of one MIG device: its GPU instance's, then its compute instance's.
+    pub fn nodes(&self, dev_root: &Path, gpu_minor: u32, gi: u32, ci: u32) -> Vec<PathBuf> {
+        [(gpu_minor, gi, None), (gpu_minor, gi, Some(ci))]
+            .iter()
+            .filter_map(|k| self.0.get(k))
+            .map(|cap| dev_root.join(format!("nvidia-caps/nvidia-cap{cap}")))
+            .collect()
+    }
 }
 
 /// Every offered device with the host nodes it needs.
-fn node_devices(view: &View, dev_root: &Path, minors: &MigMinors) -> Vec<NodeDevice> {
-    let mut gpu_nodes: BTreeMap<&str, Vec<PathBuf>> = BTreeMap::new();
-    for gpu in &view.inventory.gpus {
-        let Some(minor) = gpu.minor else { continue };
-        let parent = dev_root.join(format!("nvidia{minor}"));
-        gpu_nodes.insert(&gpu.uuid, vec![parent.clone()]);
-        for gi in gpu.mig.iter().flat_map(|m| &m.instances) {
-            for d in &gi.devices {
-                let mut nodes = vec![parent.clone()];
-                for key in [(minor, d.gi_id, None), (minor, d.gi_id, Some(d.ci_id))] {
-                    if let Some(cap) = minors.get(&key) {
-                        nodes.push(dev_root.join(format!("nvidia-caps/nvidia-cap{cap}")));
-                    }
-                }
-                gpu_nodes.insert(&d.uuid, nodes);
-            }
-        }
-    }
+fn node_devices(view: &View) -> Vec<NodeDevice> {
     let index_of = |uuid: &str| view.inventory.gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index);
     let mut out = Vec::new();
     for res in view.resources.resources.values() {
@@ -133,7 +128,7 @@ fn node_devices(view: &View, dev_root: &Path, minors: &MigMinors) -> Vec<NodeDev
                 name: cdi::cdi_device_name(&d.id),
                 aliases,
                 uuid: d.physical_uuid.clone(),
-                nodes: gpu_nodes.get(d.physical_uuid.as_str()).cloned().unwrap_or_default(),
+                nodes: d.nodes.clone(),
             });
         }
     }
@@ -147,12 +142,16 @@ mod tests {
 
     #[test]
     fn mig_minors_table() {
-        let t = parse_mig_minors(
+        let t = MigMinors::parse(
             "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\ngpu1/gi2/access 30\nbad line\n",
         );
-        assert_eq!(t.get(&(0, 1, None)), Some(&12));
-        assert_eq!(t.get(&(0, 1, Some(0))), Some(&13));
-        assert_eq!(t.get(&(1, 2, None)), Some(&30));
-        assert_eq!(t.len(), 3);
+        assert_eq!(t.0.len(), 3);
+        let dev = Path::new("/dev");
+        assert_eq!(
+            t.nodes(dev, 0, 1, 0),
+            [PathBuf::from("/dev/nvidia-caps/nvidia-cap12"), PathBuf::from("/dev/nvidia-caps/nvidia-cap13")]
+        );
+        assert_eq!(t.nodes(dev, 1, 2, 0), [PathBuf::from("/dev/nvidia-caps/nvidia-cap30")]);
+        assert!(t.nodes(dev, 3, 1, 0).is_empty());
     }
 }

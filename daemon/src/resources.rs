@@ -57,6 +57,9 @@ pub struct ResourceDevice {
     pub memory_limit: Option<u64>,
     /// Shares only: percent of SM time.
     pub sm_percent: Option<u32>,
+    /// The host device nodes a container needs for it: `/dev/nvidia<minor>`, and for a MIG
+    /// device its `nvidia-caps` access nodes (empty where NVML gives no minor number).
+    pub nodes: Vec<std::path::PathBuf>,
 }
 
 impl ResourceDevice {
@@ -101,8 +104,20 @@ impl Resources {
     /// `inv`.
     pub fn build(config: &Config, inv: &Inventory, layouts: &[GpuLayout<'_>], shares: &[Share]) -> Resources {
         let prefix = config.resources.prefix.as_str();
+        let dev_root = &config.injection.dev_root;
+        let mig_minors = crate::cdi::MigMinors::read(&config.injection.driver_root);
         let mut out = Resources::default();
         for gpu in &inv.gpus {
+            let parent_node = gpu.minor.map(|m| dev_root.join(format!("nvidia{m}")));
+            let nodes_of = |physical: &str| -> Vec<std::path::PathBuf> {
+                let Some(parent) = &parent_node else { return Vec::new() };
+                let mut nodes = vec![parent.clone()];
+                let mig = gpu.mig.iter().flat_map(|m| &m.instances).flat_map(|gi| &gi.devices);
+                if let (Some(d), Some(minor)) = (mig.into_iter().find(|d| d.uuid == physical), gpu.minor) {
+                    nodes.extend(mig_minors.nodes(dev_root, minor, d.gi_id, d.ci_id));
+                }
+                nodes
+            };
             out.gpus.insert(gpu.index, (gpu.numa_node, gpu.nvlink_peers.clone()));
             let layout = layouts.iter().find(|l| l.index == gpu.index).map(|l| l.kind);
             let mig_on = gpu.mig.as_ref().is_some_and(|m| m.current);
@@ -114,6 +129,7 @@ impl Resources {
                 healthy: true,
                 memory_limit: share.map(|s| s.memory_limit),
                 sm_percent: share.map(|s| s.sm_percent),
+                nodes: nodes_of(physical),
             };
             match (layout, mig_on) {
                 (Some(PartitionKind::Shares(_)), false) => {
