@@ -201,6 +201,36 @@ impl DaemonAllocator {
         Ok(true)
     }
 
+    /// Fills what allocations do not know of their container from the records the hook or the
+    /// runtime wrapper left in their directories (`owner`: the runtime's container id, and the
+    /// pod from a CRI runtime's annotations); what is known already (from the kubelet's
+    /// pod-resources API) is kept. Returns how many allocations changed.
+    pub fn adopt_owner_records(&self) -> usize {
+        let mut changed = 0;
+        for alloc in self.allocations() {
+            let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
+            let mut c = alloc.container.clone();
+            let fill = |field: &mut Option<String>, value: Option<String>| {
+                if field.is_none() {
+                    *field = value;
+                }
+            };
+            fill(&mut c.container_id, owner.container_id);
+            fill(&mut c.pod_namespace, owner.pod_namespace);
+            fill(&mut c.pod_name, owner.pod_name);
+            fill(&mut c.pod_uid, owner.pod_uid);
+            fill(&mut c.container_name, owner.container_name);
+            match self.set_container(&alloc.id, c) {
+                Ok(true) => changed += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::debug!(id = %alloc.id, error = %e, "cannot name the allocation from its owner record")
+                }
+            }
+        }
+        changed
+    }
+
     /// [`release`](Self::release), unless the kubelet was handed allocation `id` less than
     /// `quiet` ago (it was just reused for a new container). Returns whether it was released.
     pub fn release_unclaimed(&self, id: &str, quiet: std::time::Duration) -> Result<bool, Status> {

@@ -204,6 +204,10 @@ pub fn spawn_with(
             if *shutdown.borrow() {
                 break;
             }
+            // What the hook or the runtime wrapper recorded (the runtime's container id, a CRI
+            // runtime's pod annotations), with or without a kubelet.
+            let c = Arc::clone(&controller);
+            let _ = tokio::task::spawn_blocking(move || c.allocator().adopt_owner_records()).await;
             if !socket.exists() {
                 tracing::debug!(socket = %socket.display(), "no pod-resources socket; allocations stay unnamed");
             } else {

@@ -155,7 +155,7 @@ fn main() {
     let restore = |b: &Path, v: &serde_json::Value| tessera_hook::oci::write_config(b, v).unwrap();
     let edit = time(runs * 10, || {
         restore(&b, &pristine);
-        assert!(tessera_hook::wrapper::edit_bundle(&cfg, &b).unwrap());
+        assert!(tessera_hook::wrapper::edit_bundle(&cfg, &b, None).unwrap());
     });
     let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
     let devices: usize = specs.iter().map(|s| s.devices.len()).sum();

@@ -38,7 +38,22 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
     let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).map_err(|e| InjectError(format!("CDI spec {e}")))?;
     let Some(plan) = plan::plan(cfg, &specs, &info)? else { return Ok(None) };
     let prepared = prepare(&plan, state.pid)?;
-    apply(prepared, &plan, &root).map(Some)
+    let applied = apply(prepared, &plan, &root)?;
+    record_owner(cfg, &plan, Some(&state.id), &info.annotations);
+    Ok(Some(applied))
+}
+
+/// Leaves the owner record in the allocation's directory (reporting only: errors are ignored).
+pub(crate) fn record_owner(
+    cfg: &HookConfig,
+    plan: &Plan,
+    container_id: Option<&str>,
+    annotations: &std::collections::BTreeMap<String, String>,
+) {
+    if let Some(id) = &plan.allocation {
+        let dir = cfg.runtime_dir.join("alloc").join(id);
+        let _ = crate::owner::Owner::from_annotations(container_id, annotations).write(&dir);
+    }
 }
 
 struct Prepared {

@@ -76,7 +76,7 @@ pub fn log_target(args: &[OsString], sub: usize) -> Option<(PathBuf, bool)> {
 }
 
 /// Edits the bundle for a create; `Ok(false)`: the container asks for nothing of ours.
-pub fn edit_bundle(cfg: &HookConfig, bundle: &Path) -> Result<bool, InjectError> {
+pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) -> Result<bool, InjectError> {
     let mut config = oci::read_config(bundle)?;
     let info = oci::container_info(&config, &Default::default())?;
     if !plan::may_ask(&info) {
@@ -88,6 +88,7 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path) -> Result<bool, InjectError>
     oci::apply_to_config(&mut config, &plan)?;
     plan::ensure_files(&plan)?;
     oci::write_config(bundle, &config)?;
+    crate::apply::record_owner(cfg, &plan, container_id, &info.annotations);
     Ok(true)
 }
 

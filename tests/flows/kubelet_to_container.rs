@@ -2,7 +2,8 @@
 //! tesserad wrote the CDI specs (fake device nodes and driver root, as a host has them) and the
 //! allocation's directory; a runc container started through `tessera-runtime` with the env the
 //! kubelet's answer carries sees exactly its GPU's node and the control nodes, the driver's
-//! library, libtessera.so in /etc/ld.so.preload, and its share's limits file, read-only.
+//! library, libtessera.so in /etc/ld.so.preload, and its share's limits file, read-only; the
+//! wrapper's owner record then names the allocation's container and pod in the node API.
 
 use std::path::Path;
 use std::time::Duration;
@@ -103,11 +104,18 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     oci["root"] = serde_json::json!({ "path": rootfs.display().to_string(), "readonly": false });
     oci["process"]["terminal"] = serde_json::json!(false);
     oci["process"]["args"] = serde_json::json!(["/bin/sh", "-c", PROBE]);
+    // As containerd's CRI plugin annotates a pod's container.
+    oci["annotations"] = serde_json::json!({
+        "io.kubernetes.cri.sandbox-namespace": "team-a",
+        "io.kubernetes.cri.sandbox-name": "trainer",
+        "io.kubernetes.cri.container-name": "main",
+    });
     for key in ["TESSERA_VISIBLE_DEVICES", "TESSERA_ALLOCATION"] {
         let env = format!("{key}={}", answer.envs[key]);
         oci["process"]["env"].as_array_mut().expect("env").push(serde_json::json!(env));
     }
     std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
+    let container_id = format!("flow-{}", std::process::id());
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new(binary("tessera-runtime"))
@@ -116,7 +124,7 @@ async fn a_kubelet_share_reaches_a_runc_container() {
             .arg(dir.join("runc-state"))
             .args(["run", "--bundle"])
             .arg(&bundle)
-            .arg(format!("flow-{}", std::process::id()))
+            .arg(&container_id)
             .stdin(std::process::Stdio::null())
             .output(),
     )
@@ -132,4 +140,26 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     assert!(text.contains("limits-writable no"), "{text}");
     let host_limits = std::fs::read_to_string(Path::new(&answer.mounts[0].host_path).join("limits")).expect("limits");
     assert!(text.contains(host_limits.trim()), "the container reads its share's limits:\n{text}\nhost:\n{host_limits}");
+
+    // The wrapper's owner record names the allocation's container in the daemon's reports.
+    let mut api = tessera_tests::kubelet::node_api(&dir.join("run/tessera.sock")).await;
+    let id = answer.envs["TESSERA_ALLOCATION"].clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let list = api
+            .list_allocations(tessera_proto::tessera::v1::ListAllocationsRequest::default())
+            .await
+            .expect("allocations")
+            .into_inner();
+        let c = list.allocations.iter().find(|a| a.id == id).and_then(|a| a.container.clone()).unwrap_or_default();
+        if c.container_id == container_id {
+            assert_eq!(
+                (c.pod_namespace.as_str(), c.pod_name.as_str(), c.container_name.as_str()),
+                ("team-a", "trainer", "main")
+            );
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the allocation was not named: {c:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

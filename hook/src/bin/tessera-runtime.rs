@@ -34,7 +34,9 @@ fn main() {
         && matches!(args[s].to_str(), Some("create" | "run"))
     {
         let bundle = wrapper::bundle(&args, s).unwrap_or_else(|| fail("cannot tell the bundle directory".into()));
-        if let Err(e) = wrapper::edit_bundle(&cfg, &bundle) {
+        // `create [options] <container-id>`: the id is the last argument.
+        let id = args.last().filter(|_| args.len() > s + 1).and_then(|a| a.to_str());
+        if let Err(e) = wrapper::edit_bundle(&cfg, &bundle, id) {
             fail(e.0);
         }
     }
