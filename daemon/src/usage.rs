@@ -295,23 +295,14 @@ impl Tracked {
 
 #[cfg(test)]
 mod tests {
-    use tessera_region::{ComputeMode, Priority, Slot};
+    use tessera_region::Slot;
 
     use super::*;
     use crate::state::{AllocatedDevice, Source};
 
-    const SEC: u64 = 1_000_000_000;
+    use crate::state::record::tests::dev;
 
-    fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
-        AllocatedDevice {
-            device_id: id.to_string(),
-            physical_uuid: uuid.to_string(),
-            memory_limit: mem,
-            sm_percent: sm,
-            priority: Priority::Normal,
-            compute_mode: ComputeMode::Strict,
-        }
-    }
+    const SEC: u64 = 1_000_000_000;
 
     fn alloc(id: &str, devices: Vec<AllocatedDevice>) -> Allocation {
         Allocation {

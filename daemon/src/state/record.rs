@@ -186,10 +186,11 @@ pub fn valid_id(id: &str) -> Result<(), String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
+    /// A device of an allocation, normal priority and strict (other modules' tests use it too).
+    pub(crate) fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
         AllocatedDevice {
             device_id: id.to_string(),
             physical_uuid: uuid.to_string(),
