@@ -171,16 +171,6 @@ impl DaemonAllocator {
         &self.dirs
     }
 
-    /// Removes an allocation and its directory (its container is gone). Returns whether it existed.
-    pub fn release(&self, id: &str) -> Result<bool, Status> {
-        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let existed = store.remove(id).map_err(|e| internal("removing the allocation")(e.to_string()))?.is_some();
-        if let Err(e) = self.dirs.remove(id) {
-            tracing::warn!(%id, error = %e, "cannot remove an allocation directory");
-        }
-        Ok(existed)
-    }
-
     /// Sets the container of allocation `id` (the pod-resources API named it), durably, and
     /// rewrites its limits file so the shim reports the right name. Writes only when the identity
     /// changed; returns whether it did. An unknown id is `NotFound`.
@@ -207,7 +197,9 @@ impl DaemonAllocator {
     /// pod-resources API) is kept. Returns how many allocations changed.
     pub fn adopt_owner_records(&self) -> usize {
         let mut changed = 0;
-        for alloc in self.allocations() {
+        // Known values are kept, and a record always names its container: an allocation that
+        // knows its container id has nothing to learn from it (no file read every pass).
+        for alloc in self.allocations().into_iter().filter(|a| a.container.container_id.is_none()) {
             let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
             let mut c = alloc.container.clone();
             let fill = |field: &mut Option<String>, value: Option<String>| {
@@ -231,8 +223,9 @@ impl DaemonAllocator {
         changed
     }
 
-    /// [`release`](Self::release), unless the kubelet was handed allocation `id` less than
-    /// `quiet` ago (it was just reused for a new container). Returns whether it was released.
+    /// Removes allocation `id` and its directory (its container is gone), unless the kubelet was
+    /// handed it less than `quiet` ago (it was just reused for a new container). Returns whether
+    /// it was released.
     pub fn release_unclaimed(&self, id: &str, quiet: std::time::Duration) -> Result<bool, Status> {
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if self.handed_out(id).is_some_and(|at| at.elapsed() < quiet) {
