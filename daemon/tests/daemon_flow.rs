@@ -76,14 +76,9 @@ async fn allocate(kubelet: &TestKubelet, req: &RegisterRequest, ids: &[&str]) ->
     resp.container_responses.remove(0)
 }
 
+/// The ids of the allocation records on disk (the store's journal, read beside the daemon).
 fn records(state: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(state)
-        .expect("state dir")
-        .map(|e| e.expect("entry").file_name().into_string().expect("utf-8"))
-        .filter(|n| n.ends_with(".json"))
-        .collect();
-    v.sort();
-    v
+    tessera_daemon::state::store::read_records(state).expect("state dir").into_iter().map(|a| a.id).collect()
 }
 
 fn notified(sock: &UnixDatagram) -> String {
@@ -186,7 +181,7 @@ async fn register_allocate_kill9_restart_keeps_the_allocation() {
     assert_eq!(limits.devices[0].memory_limit, Some(((memory0 / 4) >> 20) << 20));
     assert_eq!(limits.devices[0].sm_percent, Some(25));
     assert!(host.join("region").exists());
-    assert_eq!(records(&state), [format!("{id}.json")]);
+    assert_eq!(records(&state), [id.as_str()]);
     // Asked again (a retried call): the same allocation.
     let again = allocate(&kubelet, &seen[SHARE], &[&share]).await;
     assert_eq!(again.envs["TESSERA_ALLOCATION"], id);
@@ -198,10 +193,10 @@ async fn register_allocate_kill9_restart_keeps_the_allocation() {
     let (seen, took) = registrations(&mut kubelet, started).await;
     println!("after kill -9: all 3 resources re-registered {took:?} after spawn (goal: 300 ms)");
     assert_eq!(notified(&notify), "READY=1");
-    assert_eq!(records(&state), [format!("{id}.json")], "{}", show_log());
+    assert_eq!(records(&state), [id.as_str()], "{}", show_log());
     let after = allocate(&kubelet, &seen[SHARE], &[&share]).await;
     assert_eq!(after.envs["TESSERA_ALLOCATION"], id, "{}", show_log());
-    assert_eq!(records(&state), [format!("{id}.json")], "no duplicate");
+    assert_eq!(records(&state), [id.as_str()], "no duplicate");
     // Another share is a new allocation; packing puts it on the same GPU (the only one here).
     let other = allocate(&kubelet, &seen[SHARE], &[&format!("{}::2", uuid(0))]).await;
     assert_ne!(other.envs["TESSERA_ALLOCATION"], id);

@@ -234,10 +234,10 @@ async fn pod_resources_name_and_release_allocations() {
     let holder = &devices.iter().find(|d| d.id == share).expect("share").holders[0];
     assert_eq!(holder.container.as_ref().expect("holder container").pod_name, "trainer");
     // Durable: the record and the limits file the shim reads.
-    let record: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(s.dir.join(format!("state/{id}.json"))).expect("record")).expect("json");
-    assert_eq!(record["container"]["pod_name"], "trainer", "{record}");
-    assert_eq!(record["container"]["pod_namespace"], "team-a", "{record}");
+    let records = tessera_daemon::state::store::read_records(&s.dir.join("state")).expect("records");
+    let record = records.iter().find(|a| a.id == id).expect("record");
+    assert_eq!(record.container.pod_name.as_deref(), Some("trainer"), "{record:?}");
+    assert_eq!(record.container.pod_namespace.as_deref(), Some("team-a"), "{record:?}");
     let alloc_dir = s.dir.join("run/alloc").join(&id);
     let limits = tessera_region::Limits::load(&alloc_dir.join("limits")).expect("limits");
     assert_eq!(limits.container.as_deref(), Some("team-a/trainer/main"));
@@ -266,7 +266,8 @@ async fn pod_resources_name_and_release_allocations() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!alloc_dir.exists(), "the directory goes with the record");
-    assert!(!s.dir.join(format!("state/{id}.json")).exists());
+    let records = tessera_daemon::state::store::read_records(&s.dir.join("state")).expect("records");
+    assert!(!records.iter().any(|a| a.id == id), "{records:?}");
     assert!(s.show_log().contains("allocation released"), "{}", s.show_log());
     drop(daemon);
 }

@@ -2,13 +2,16 @@
 //! directories (`limits` + `region`) the shim reads.
 //!
 //! - [`record`]: the allocation record (what was handed out, to whom, with which limits).
-//! - [`store`]: one durable file per record; survives `kill -9` at any moment without losing or
-//!   duplicating a committed allocation.
+//! - [`store`]: the records in an append-only journal, one checksummed frame per change, flushed
+//!   before the call returns; survives `kill -9` at any moment without losing or duplicating a
+//!   committed allocation.
+//! - [`journal`]: the journal's on-disk format (frames, replay scan, preallocation).
 //! - [`durable`]: crash-safe whole-file writes (the event log, layout overrides).
 //! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
 
 pub mod alloc_dir;
 pub mod durable;
+pub mod journal;
 pub mod record;
 pub mod store;
 

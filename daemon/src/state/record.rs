@@ -1,7 +1,7 @@
 //! The allocation record: what the daemon handed out, to whom, and with which limits.
 //!
-//! Stored as JSON, one file per allocation (see [`super::store`]); the hook and the CDI spec refer
-//! to it by [`Allocation::id`].
+//! Stored as JSON in the allocation store's journal (see [`super::store`]); the hook and the CDI
+//! spec refer to it by [`Allocation::id`].
 
 use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -87,7 +87,7 @@ pub struct AllocatedDevice {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Allocation {
-    /// Unique on the node; names the record file and the per-allocation directory
+    /// Unique on the node; names the per-allocation directory
     /// (see [`valid_id`]). [`Allocation::new_id`] makes one.
     pub id: String,
     /// The extended resource it was allocated under, e.g. `tessera.io/gpu`.

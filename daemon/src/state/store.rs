@@ -1,24 +1,51 @@
-//! The crash-safe allocation store: one JSON file per allocation, `<dir>/<id>.json`.
+//! The crash-safe allocation store: an append-only journal, `<dir>/allocations.journal`.
 //!
-//! Every change is durable and atomic before the call returns: a record is written to
-//! `<id>.json.tmp`, fsynced, renamed over `<id>.json`, and the directory fsynced; a removal unlinks
-//! the file and fsyncs the directory. After `kill -9` at any moment, [`Store::open`] finds each
-//! record either whole or absent: leftover `*.tmp` files are deleted, and a record file that does
-//! not parse (damaged by something else) is moved aside to `<id>.json.corrupt` and logged, never
-//! silently dropped and never a reason to fail. An in-memory index mirrors the directory.
+//! Every change is durable before the call returns, at the cost of one disk flush: it is encoded
+//! as one checksummed frame (format: [`super::journal`]), written in place at the journal's end
+//! into space the file already holds as written zeros, and fdatasynced (the file's size and block
+//! map do not change, so there is no metadata to flush); only then does the in-memory index change.
+//! A change whose write or flush fails returns the error (naming the journal and the change) and
+//! leaves the index as it was; the bytes it may have written are zeroed, best effort, and the next
+//! change first compacts the journal, so no unacknowledged frame stays in the file that later
+//! frames follow. (As with any failed flush, whether such a change survives a crash before that
+//! compaction is unknown.)
+//!
+//! After `kill -9` (or a power cut) at any moment, [`Store::open`] replays the journal and finds
+//! each change whole or absent. A frame cut short by the crash is the last thing in the file and
+//! was never acknowledged: it is dropped without a word. Damage done by anything else (a frame
+//! that does not check out, with more after it) is never silently dropped and never a reason to
+//! fail: the journal is first copied byte for byte to `allocations.journal.corrupt-<unix-ns>`, an
+//! error is logged that names the copy and the offset, it is reported in [`Store::set_aside`], and
+//! the replay resumes at the next whole frame, so the changes after the damage are kept.
+//!
+//! The journal is compacted at every open and whenever a change does not fit in the space left:
+//! one put frame per live record is written to `allocations.journal.tmp`, zero-filled to the new
+//! capacity (max(1 MiB, 4 × the live frames), rounded up to 64 KiB), fsynced, renamed over the
+//! journal, and the directory fsynced. So the replay stays bounded and the file small. A leftover
+//! `allocations.journal.tmp` (a compaction cut short; the journal it would have replaced is whole)
+//! is deleted at open and reported in [`Store::removed_tmp`].
+//!
+//! Stores from before the journal held one JSON file per record, `<id>.json`: [`Store::open`]
+//! loads them (one that does not parse, or whose id differs from its file name, is moved aside to
+//! `<id>.json.corrupt` and reported), writes them into the journal by the compaction, and only
+//! then deletes them; leftover `<id>.json.tmp` files are deleted. Should a record be both in the
+//! journal and in such a file, the journal's is kept. Other files in the directory (the daemon's
+//! state dir holds the event log and layout files too) are left alone.
 //!
 //! One process owns a store at a time: [`Store::open`] takes an exclusive lock on `<dir>/lock`.
+//! [`read_records`] reads a store without the lock and without writing anything (inspection).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use super::record::{Allocation, valid_id};
+use super::journal::{self, Op, OpRef};
+use super::record::{Allocation, unix_ns, valid_id};
 
 const RECORD_EXT: &str = ".json";
-const TMP_EXT: &str = ".tmp";
+const LEGACY_TMP_EXT: &str = ".json.tmp";
 const CORRUPT_EXT: &str = ".corrupt";
 const LOCK_FILE: &str = "lock";
 
@@ -49,15 +76,42 @@ fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> State
     move |source| StateError::Io { path, op, source }
 }
 
-/// A record file [`Store::open`] found unreadable and moved aside.
+/// Something [`Store::open`] found unreadable and set aside: a legacy record file (moved), or a
+/// damaged stretch of the journal (the journal copied as it was found).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SetAside {
-    /// The record file as found.
+    /// The file as found: the record file, or the journal.
     pub file: PathBuf,
-    /// Where it is now.
+    /// Where it is now: the moved record file, or the journal's copy.
     pub moved_to: PathBuf,
-    /// Why it was not a record.
+    /// Why it was not a record; for the journal, the offset and what was wrong there.
     pub reason: String,
+}
+
+/// Which change a journal write is for (named in its errors).
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Insert,
+    Update,
+    Remove,
+}
+
+impl Change {
+    fn write_op(self) -> &'static str {
+        match self {
+            Change::Insert => "write the insert to the journal",
+            Change::Update => "write the update to the journal",
+            Change::Remove => "write the removal to the journal",
+        }
+    }
+
+    fn sync_op(self) -> &'static str {
+        match self {
+            Change::Insert => "fdatasync the insert",
+            Change::Update => "fdatasync the update",
+            Change::Remove => "fdatasync the removal",
+        }
+    }
 }
 
 /// The allocation records of the node, on disk and mirrored in memory.
@@ -67,16 +121,25 @@ pub struct Store {
     index: BTreeMap<String, Allocation>,
     set_aside: Vec<SetAside>,
     removed_tmp: Vec<PathBuf>,
+    /// The journal, open for writing.
+    journal: File,
+    /// Where the next frame goes: the end of the last acknowledged frame.
+    offset: u64,
+    /// The journal's size; everything from `offset` on is zeros.
+    capacity: u64,
+    /// A write or flush failed (or a compaction's directory flush did): compact before the next
+    /// frame is appended.
+    needs_compaction: bool,
     /// Held for the store's life: the exclusive lock on `<dir>/lock`.
     _lock: File,
 }
 
 impl Store {
-    /// Opens the store in `dir`, creating the directory (mode 0700) if needed, and loads every
-    /// record. Leftover temporary files are deleted; a record that does not parse, or whose id
-    /// differs from its file name, is renamed to `<file>.corrupt` with an error logged that names
-    /// it (see [`Store::set_aside`]). Fails only on I/O errors and when another process holds the
-    /// store.
+    /// Opens the store in `dir`, creating the directory (mode 0700) if needed, replays the journal,
+    /// loads any legacy record files, and compacts. Leftover temporary files are deleted (see
+    /// [`Store::removed_tmp`]); journal damage and unreadable legacy records are set aside with an
+    /// error logged that names them (see [`Store::set_aside`]). Fails only on I/O errors and when
+    /// another process holds the store.
     pub fn open(dir: &Path) -> Result<Store, StateError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir, "create directory"))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io_err(dir, "chmod 0700"))?;
@@ -95,40 +158,56 @@ impl Store {
             Err(TryLockError::Error(e)) => return Err(io_err(&lock_path, "lock")(e)),
         }
 
-        let mut store = Store {
-            dir: dir.to_path_buf(),
-            index: BTreeMap::new(),
-            set_aside: Vec::new(),
-            removed_tmp: Vec::new(),
-            _lock: lock,
-        };
-        let mut names: Vec<String> = Vec::new();
-        for entry in std::fs::read_dir(dir).map_err(io_err(dir, "read directory"))? {
-            let entry = entry.map_err(io_err(dir, "read directory"))?;
-            match entry.file_name().into_string() {
-                Ok(name) => names.push(name),
-                Err(name) => tracing::warn!(dir = %dir.display(), "ignoring a file with a non-UTF-8 name: {name:?}"),
+        let names = file_names(dir)?;
+        let mut removed_tmp = Vec::new();
+        let mut set_aside = Vec::new();
+        for name in names.iter().filter(|n| *n == journal::TMP_NAME || n.ends_with(LEGACY_TMP_EXT)) {
+            // A write that never committed: a compaction whose rename did not happen (the journal
+            // is whole), or a legacy record write whose rename did not.
+            let path = dir.join(name);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&path, "remove leftover temporary file")(e)),
+            }
+            tracing::info!(file = %path.display(), "removed an uncommitted temporary file");
+            removed_tmp.push(path);
+        }
+
+        let journal_path = dir.join(journal::FILE_NAME);
+        let bytes = read_journal(&journal_path)?;
+        let replay = journal::scan(&bytes);
+        let mut index = BTreeMap::new();
+        apply(&mut index, replay.ops);
+        if let Some(at) = replay.torn {
+            tracing::info!(file = %journal_path.display(), offset = at, "dropped a journal write cut short by a crash");
+        }
+        if !replay.damage.is_empty() {
+            let copy = save_copy(dir, &bytes)?;
+            for damage in replay.damage {
+                tracing::error!(
+                    file = %journal_path.display(),
+                    offset = damage.offset,
+                    copy = %copy.display(),
+                    "damaged allocation journal {} at {damage}; the journal as found is kept as {}",
+                    journal_path.display(),
+                    copy.display()
+                );
+                set_aside.push(SetAside {
+                    file: journal_path.clone(),
+                    moved_to: copy.clone(),
+                    reason: damage.to_string(),
+                });
             }
         }
-        names.sort();
-        let mut changed = false;
-        for name in names {
-            let path = dir.join(&name);
-            if name.ends_with(TMP_EXT) {
-                // A write that never committed: its rename did not happen, so the record it would
-                // have replaced (if any) is still whole.
-                match std::fs::remove_file(&path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err(&path, "remove leftover temporary file")(e)),
-                }
-                tracing::info!(file = %path.display(), "removed an uncommitted temporary record");
-                store.removed_tmp.push(path);
-                changed = true;
-                continue;
-            }
+
+        // Legacy record files: into the index (the journal's record wins), deleted once the
+        // compaction below has put them in the journal.
+        let mut legacy = Vec::new();
+        for name in &names {
+            let path = dir.join(name);
             let Some(id) = name.strip_suffix(RECORD_EXT) else {
-                if name != LOCK_FILE && !name.ends_with(CORRUPT_EXT) {
+                if !ours(name) {
                     tracing::warn!(file = %path.display(), "ignoring a file that is not an allocation record");
                 }
                 continue;
@@ -136,10 +215,15 @@ impl Store {
             let bytes = std::fs::read(&path).map_err(io_err(&path, "read"))?;
             match parse_record(id, &bytes) {
                 Ok(record) => {
-                    store.index.insert(id.to_string(), record);
+                    if index.contains_key(id) {
+                        tracing::info!(file = %path.display(), "legacy record file also in the journal; the journal's kept");
+                    } else {
+                        index.insert(id.to_string(), record);
+                    }
+                    legacy.push(path);
                 }
                 Err(reason) => {
-                    let moved_to = store.move_aside(&path)?;
+                    let moved_to = move_aside(&path)?;
                     tracing::error!(
                         file = %path.display(),
                         moved_to = %moved_to.display(),
@@ -147,15 +231,37 @@ impl Store {
                         path.display(),
                         moved_to.display()
                     );
-                    store.set_aside.push(SetAside { file: path, moved_to, reason });
-                    changed = true;
+                    set_aside.push(SetAside { file: path, moved_to, reason });
                 }
             }
         }
-        if changed {
-            store.sync_dir()?;
+
+        // The compaction, and the directory fsync after it, also make the removals and renames
+        // above durable.
+        let (file, offset, capacity) = write_snapshot(dir, index.values(), 0)?;
+        sync_dir(dir)?;
+        if !legacy.is_empty() {
+            for path in &legacy {
+                match std::fs::remove_file(path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io_err(path, "remove migrated legacy record")(e)),
+                }
+            }
+            sync_dir(dir)?;
+            tracing::info!(dir = %dir.display(), records = legacy.len(), "moved legacy record files into the journal");
         }
-        Ok(store)
+        Ok(Store {
+            dir: dir.to_path_buf(),
+            index,
+            set_aside,
+            removed_tmp,
+            journal: file,
+            offset,
+            capacity,
+            needs_compaction: false,
+            _lock: lock,
+        })
     }
 
     /// The store's directory.
@@ -163,7 +269,8 @@ impl Store {
         &self.dir
     }
 
-    /// The record files [`Store::open`] moved aside as corrupt.
+    /// What [`Store::open`] set aside: legacy record files moved aside as corrupt, and damaged
+    /// stretches of the journal (each with the journal's copy).
     pub fn set_aside(&self) -> &[SetAside] {
         &self.set_aside
     }
@@ -173,27 +280,26 @@ impl Store {
         &self.removed_tmp
     }
 
-    /// The file that holds the record `id`.
-    pub fn record_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}{RECORD_EXT}"))
-    }
-
     /// Adds a record, durably; refuses an id already stored.
     pub fn insert(&mut self, alloc: &Allocation) -> Result<(), StateError> {
         valid_id(&alloc.id).map_err(|reason| StateError::InvalidId { id: alloc.id.clone(), reason })?;
         if self.index.contains_key(&alloc.id) {
-            return Err(StateError::Duplicate { id: alloc.id.clone(), path: self.record_path(&alloc.id) });
+            return Err(StateError::Duplicate { id: alloc.id.clone(), path: self.journal_path() });
         }
-        self.write(alloc)
+        self.append(&OpRef::Put(alloc), &alloc.id, Change::Insert)?;
+        self.index.insert(alloc.id.clone(), alloc.clone());
+        Ok(())
     }
 
     /// Replaces a stored record (same id) with `alloc`, durably and atomically: after a crash the
     /// old record or the new one is found, never neither.
     pub fn update(&mut self, alloc: &Allocation) -> Result<(), StateError> {
         if !self.index.contains_key(&alloc.id) {
-            return Err(StateError::NotFound { id: alloc.id.clone(), path: self.record_path(&alloc.id) });
+            return Err(StateError::NotFound { id: alloc.id.clone(), path: self.journal_path() });
         }
-        self.write(alloc)
+        self.append(&OpRef::Put(alloc), &alloc.id, Change::Update)?;
+        self.index.insert(alloc.id.clone(), alloc.clone());
+        Ok(())
     }
 
     /// Removes a record, durably; returns it, or `None` if there was none.
@@ -201,17 +307,8 @@ impl Store {
         if !self.index.contains_key(id) {
             return Ok(None);
         }
-        let path = self.record_path(id);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err(&path, "remove")(e)),
-        }
-        // The file is gone from the directory either way: the index follows it, even if the
-        // directory sync below fails (it is then retried by the next change's sync).
-        let removed = self.index.remove(id);
-        self.sync_dir()?;
-        Ok(removed)
+        self.append(&OpRef::Remove(id), id, Change::Remove)?;
+        Ok(self.index.remove(id))
     }
 
     pub fn get(&self, id: &str) -> Option<&Allocation> {
@@ -231,58 +328,219 @@ impl Store {
         self.index.is_empty()
     }
 
-    /// tmp → fsync → rename → fsync(dir); the index is updated once the record is committed.
-    fn write(&mut self, alloc: &Allocation) -> Result<(), StateError> {
-        let path = self.record_path(&alloc.id);
-        let mut bytes = serde_json::to_vec_pretty(alloc).map_err(|e| StateError::Encode {
-            id: alloc.id.clone(),
+    fn journal_path(&self) -> PathBuf {
+        self.dir.join(journal::FILE_NAME)
+    }
+
+    /// One frame at the journal's end, then fdatasync; compacts first when it does not fit (or a
+    /// write failed before). The caller updates the index once this returns `Ok`.
+    fn append(&mut self, op: &OpRef<'_>, id: &str, change: Change) -> Result<(), StateError> {
+        let path = self.journal_path();
+        let frame = journal::encode(op).map_err(|reason| StateError::Encode {
+            id: id.to_string(),
             path: path.clone(),
-            reason: e.to_string(),
+            reason,
         })?;
-        bytes.push(b'\n');
-        let tmp = self.dir.join(format!("{}{RECORD_EXT}{TMP_EXT}", alloc.id));
-        let written = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err(&tmp, "create"))?;
-            f.write_all(&bytes).map_err(io_err(&tmp, "write"))?;
-            f.sync_all().map_err(io_err(&tmp, "fsync"))?;
-            drop(f);
-            std::fs::rename(&tmp, &path).map_err(io_err(&path, "rename into place"))
-        })();
+        let len = frame.len() as u64;
+        if self.needs_compaction || self.offset + len > self.capacity {
+            self.compact(len)?;
+        }
+        let at = self.offset;
+        let written = self
+            .journal
+            .write_all_at(&frame, at)
+            .map_err(io_err(&path, change.write_op()))
+            .and_then(|()| self.journal.sync_data().map_err(io_err(&path, change.sync_op())));
         if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
+            // Not acknowledged: unwrite what may be there, and start the next change on a fresh
+            // file (the compaction) rather than trust this one's tail.
+            let _ = journal::zero_fill(&self.journal, at, at + len);
+            self.needs_compaction = true;
+            tracing::debug!(file = %path.display(), "{e}; the journal is compacted before the next change");
             return Err(e);
         }
-        // The record is in the directory now; the index mirrors the directory. If the directory
-        // sync fails the caller hears of it, and the next sync (any later change) makes it durable.
-        self.index.insert(alloc.id.clone(), alloc.clone());
-        self.sync_dir()
+        self.offset += len;
+        Ok(())
     }
 
-    fn sync_dir(&self) -> Result<(), StateError> {
-        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io_err(&self.dir, "fsync directory"))
-    }
-
-    /// Renames `path` to `<path>.corrupt` (or `.corrupt.N` if that is taken).
-    fn move_aside(&self, path: &Path) -> Result<PathBuf, StateError> {
-        let base = format!("{}{CORRUPT_EXT}", path.display());
-        let mut target = PathBuf::from(&base);
-        let mut n = 1;
-        while target.symlink_metadata().is_ok() {
-            target = PathBuf::from(format!("{base}.{n}"));
-            n += 1;
-        }
-        std::fs::rename(path, &target).map_err(io_err(path, "move corrupt record aside"))?;
-        Ok(target)
+    /// Rewrites the journal as the live records, with room for `reserve` more bytes of frames.
+    fn compact(&mut self, reserve: u64) -> Result<(), StateError> {
+        let (file, offset, capacity) = write_snapshot(&self.dir, self.index.values(), reserve)?;
+        // The new file is the journal now (renamed into place): write there from here on, and
+        // compact again if the rename is not known to be durable.
+        self.journal = file;
+        self.offset = offset;
+        self.capacity = capacity;
+        self.needs_compaction = true;
+        sync_dir(&self.dir)?;
+        self.needs_compaction = false;
+        tracing::debug!(file = %self.journal_path().display(), records = self.index.len(), bytes = offset, capacity, "journal compacted");
+        Ok(())
     }
 }
 
-/// A record file's contents, checked against its file name.
+/// Reads the records of the store in `dir` without taking its lock and without writing anything:
+/// the journal replayed (damage skipped as [`Store::open`] would, and logged), plus any legacy
+/// `<id>.json` records it does not hold. By id. For inspection, and for a reader beside the daemon.
+pub fn read_records(dir: &Path) -> Result<Vec<Allocation>, StateError> {
+    let names = file_names(dir)?;
+    let journal_path = dir.join(journal::FILE_NAME);
+    let replay = journal::scan(&read_journal(&journal_path)?);
+    for damage in &replay.damage {
+        tracing::warn!(file = %journal_path.display(), "damaged allocation journal at {damage}");
+    }
+    let mut index = BTreeMap::new();
+    apply(&mut index, replay.ops);
+    for name in &names {
+        let Some(id) = name.strip_suffix(RECORD_EXT) else { continue };
+        let path = dir.join(name);
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            // Moved into the journal (by the owner's open) since the listing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err(&path, "read")(e)),
+        };
+        match parse_record(id, &bytes) {
+            Ok(record) => {
+                index.entry(id.to_string()).or_insert(record);
+            }
+            Err(reason) => tracing::warn!(file = %path.display(), "corrupt allocation record: {reason}"),
+        }
+    }
+    Ok(index.into_values().collect())
+}
+
+fn apply(index: &mut BTreeMap<String, Allocation>, ops: Vec<Op>) {
+    for op in ops {
+        match op {
+            Op::Put(record) => {
+                index.insert(record.id.clone(), record);
+            }
+            Op::Remove(id) => {
+                index.remove(&id);
+            }
+        }
+    }
+}
+
+/// The names in `dir`, sorted (a non-UTF-8 name is logged and skipped: none is ours).
+fn file_names(dir: &Path) -> Result<Vec<String>, StateError> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir, "read directory"))? {
+        let entry = entry.map_err(io_err(dir, "read directory"))?;
+        match entry.file_name().into_string() {
+            Ok(name) => names.push(name),
+            Err(name) => tracing::warn!(dir = %dir.display(), "ignoring a file with a non-UTF-8 name: {name:?}"),
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Whether `name` (not a `.json` record) is one of the store's own files (or was: the temporary
+/// files are gone by the time this is asked).
+fn ours(name: &str) -> bool {
+    name == LOCK_FILE
+        || name == journal::FILE_NAME
+        || name == journal::TMP_NAME
+        || name.ends_with(LEGACY_TMP_EXT)
+        || name.starts_with(journal::CORRUPT_PREFIX)
+        || name.contains(&format!("{RECORD_EXT}{CORRUPT_EXT}"))
+}
+
+/// The journal's bytes; empty if there is none yet.
+fn read_journal(path: &Path) -> Result<Vec<u8>, StateError> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(bytes),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io_err(path, "read")(e)),
+    }
+}
+
+/// Writes `records` as the journal: `allocations.journal.tmp`, one put frame each, zeros to the
+/// capacity for them and `reserve` more bytes, fsync, renamed over the journal. Returns the file
+/// (open for writing), the frames' end and the capacity. The caller fsyncs the directory.
+fn write_snapshot<'a>(
+    dir: &Path,
+    records: impl Iterator<Item = &'a Allocation>,
+    reserve: u64,
+) -> Result<(File, u64, u64), StateError> {
+    let journal_path = dir.join(journal::FILE_NAME);
+    let tmp = dir.join(journal::TMP_NAME);
+    let mut frames = Vec::new();
+    for record in records {
+        let frame = journal::encode(&OpRef::Put(record)).map_err(|reason| StateError::Encode {
+            id: record.id.clone(),
+            path: journal_path.clone(),
+            reason,
+        })?;
+        frames.extend(frame);
+    }
+    let end = frames.len() as u64;
+    let capacity = journal::capacity_for(end.saturating_add(reserve));
+    let written = (|| {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io_err(&tmp, "create"))?;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(io_err(&tmp, "chmod 0600"))?;
+        file.write_all_at(&frames, 0).map_err(io_err(&tmp, "write"))?;
+        journal::zero_fill(&file, end, capacity).map_err(io_err(&tmp, "zero-fill"))?;
+        file.sync_all().map_err(io_err(&tmp, "fsync"))?;
+        std::fs::rename(&tmp, &journal_path)
+            .map_err(io_err(&journal_path, "rename the compacted journal into place"))?;
+        Ok(file)
+    })();
+    match written {
+        Ok(file) => Ok((file, end, capacity)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// A byte-for-byte copy of a damaged journal, `allocations.journal.corrupt-<unix-ns>`, fsynced.
+fn save_copy(dir: &Path, bytes: &[u8]) -> Result<PathBuf, StateError> {
+    let base = format!("{}{}", journal::CORRUPT_PREFIX, unix_ns());
+    let mut n = 0;
+    loop {
+        let name = if n == 0 { base.clone() } else { format!("{base}.{n}") };
+        let path = dir.join(name);
+        match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path) {
+            Ok(mut f) => {
+                f.write_all(bytes).map_err(io_err(&path, "write the damaged journal's copy"))?;
+                f.sync_all().map_err(io_err(&path, "fsync the damaged journal's copy"))?;
+                return Ok(path);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
+            Err(e) => return Err(io_err(&path, "create the damaged journal's copy")(e)),
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StateError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(io_err(dir, "fsync directory"))
+}
+
+/// Renames `path` to `<path>.corrupt` (or `.corrupt.N` if that is taken).
+fn move_aside(path: &Path) -> Result<PathBuf, StateError> {
+    let base = format!("{}{CORRUPT_EXT}", path.display());
+    let mut target = PathBuf::from(&base);
+    let mut n = 1;
+    while target.symlink_metadata().is_ok() {
+        target = PathBuf::from(format!("{base}.{n}"));
+        n += 1;
+    }
+    std::fs::rename(path, &target).map_err(io_err(path, "move corrupt record aside"))?;
+    Ok(target)
+}
+
+/// A legacy record file's contents, checked against its file name.
 fn parse_record(file_id: &str, bytes: &[u8]) -> Result<Allocation, String> {
     valid_id(file_id)?;
     let record: Allocation = serde_json::from_slice(bytes).map_err(|e| format!("not a valid record: {e}"))?;
@@ -294,6 +552,8 @@ fn parse_record(file_id: &str, bytes: &[u8]) -> Result<Allocation, String> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt;
+
     use super::*;
     use crate::state::record::{AllocatedDevice, ContainerIdentity, Source};
     use tessera_region::{ComputeMode, Priority};
@@ -316,11 +576,48 @@ mod tests {
         }
     }
 
+    /// A record of about 2 KB, to fill the journal with fewer writes.
+    fn big(id: &str) -> Allocation {
+        let mut a = sample(id);
+        a.container.pod_uid = Some("u".repeat(2000));
+        a
+    }
+
     fn files(dir: &Path) -> Vec<String> {
         let mut v: Vec<String> =
             std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
         v.sort();
         v
+    }
+
+    fn ids<'a>(records: impl IntoIterator<Item = &'a Allocation>) -> Vec<String> {
+        records.into_iter().map(|a| a.id.clone()).collect()
+    }
+
+    fn journal_meta(dir: &Path) -> std::fs::Metadata {
+        std::fs::metadata(dir.join(journal::FILE_NAME)).unwrap()
+    }
+
+    /// The journal's bytes and where its frames start (walking the headers).
+    fn frames(dir: &Path) -> (Vec<u8>, Vec<usize>) {
+        let bytes = std::fs::read(dir.join(journal::FILE_NAME)).unwrap();
+        let (mut offsets, mut at) = (Vec::new(), 0);
+        while at + journal::HEADER_LEN <= bytes.len() && bytes[at..at + 4] == journal::MAGIC.to_le_bytes() {
+            offsets.push(at);
+            at += journal::HEADER_LEN + u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
+        }
+        (bytes, offsets)
+    }
+
+    /// A store in `<tmp>/state` holding `ids` (inserted in order), closed.
+    fn store_with(ids: &[&str]) -> (tempfile::TempDir, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut s = Store::open(&dir).unwrap();
+        for id in ids {
+            s.insert(&sample(id)).unwrap();
+        }
+        (tmp, dir)
     }
 
     #[test]
@@ -333,24 +630,35 @@ mod tests {
         s.insert(&sample("b")).unwrap();
         s.insert(&sample("a")).unwrap();
         assert_eq!(s.get("a"), Some(&sample("a")));
-        assert_eq!(s.list().map(|a| a.id.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(ids(s.list()), ["a", "b"]);
         let err = s.insert(&sample("a")).unwrap_err();
         assert!(matches!(err, StateError::Duplicate { .. }), "{err}");
-        assert!(err.to_string().contains("a.json"), "{err}");
+        assert!(err.to_string().contains("allocations.journal: allocation \"a\" already exists"), "{err}");
         assert_eq!(s.remove("b").unwrap(), Some(sample("b")));
         assert_eq!(s.remove("b").unwrap(), None);
         let mut changed = sample("a");
         changed.devices[0].sm_percent = Some(10);
         s.update(&changed).unwrap();
         assert!(matches!(s.update(&sample("zz")), Err(StateError::NotFound { .. })));
+        assert_eq!(read_records(&dir).unwrap(), [changed.clone()], "a reader beside the owner");
         drop(s);
 
-        assert_eq!(files(&dir), ["a.json", "lock"]);
-        let mode = std::fs::metadata(dir.join("a.json")).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
+        assert_eq!(files(&dir), ["allocations.journal", "lock"]);
+        let meta = journal_meta(&dir);
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(meta.len(), journal::MIN_CAPACITY, "preallocated");
+        // The changes are frames from offset 0, zeros after them.
+        let (bytes, offsets) = frames(&dir);
+        assert_eq!(offsets.len(), 4);
+        let replay = journal::scan(&bytes);
+        assert!(bytes[replay.end as usize..].iter().all(|&b| b == 0));
         let s = Store::open(&dir).unwrap();
-        assert_eq!(s.list().cloned().collect::<Vec<_>>(), [changed]);
-        assert!(s.set_aside().is_empty());
+        assert_eq!(s.list().cloned().collect::<Vec<_>>(), [changed.clone()]);
+        assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty());
+        drop(s);
+        // Compacted at open: one frame per record.
+        assert_eq!(frames(&dir).1.len(), 1);
+        assert_eq!(read_records(&dir).unwrap(), [changed]);
     }
 
     #[test]
@@ -362,7 +670,8 @@ mod tests {
             assert!(matches!(err, StateError::InvalidId { .. }), "{err}");
         }
         assert!(s.is_empty());
-        assert_eq!(files(tmp.path()), ["lock"]);
+        assert_eq!(files(tmp.path()), ["allocations.journal", "lock"]);
+        assert!(frames(tmp.path()).1.is_empty(), "nothing written");
     }
 
     #[test]
@@ -377,24 +686,169 @@ mod tests {
     }
 
     #[test]
-    fn corrupt_records_are_set_aside_and_tmp_files_removed() {
+    fn a_torn_last_write_is_dropped_and_nothing_set_aside() {
+        // The last frame's second half never reached the disk.
+        let (_tmp, dir) = store_with(&["a", "b", "c"]);
+        let (mut bytes, offsets) = frames(&dir);
+        let end = journal::scan(&bytes).end as usize;
+        bytes[(offsets[2] + end) / 2..end].fill(0);
+        std::fs::write(dir.join(journal::FILE_NAME), &bytes).unwrap();
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["a", "b"]);
+        assert!(s.set_aside().is_empty(), "{:?}", s.set_aside());
+        assert_eq!(files(&dir), ["allocations.journal", "lock"]);
+        drop(s);
+
+        // A partial frame after the last one, zeros after it.
+        let (_tmp, dir) = store_with(&["a", "b", "c"]);
+        let (mut bytes, _) = frames(&dir);
+        let end = journal::scan(&bytes).end as usize;
+        let d = journal::encode(&OpRef::Put(&sample("d"))).unwrap();
+        bytes[end..end + d.len() / 3].copy_from_slice(&d[..d.len() / 3]);
+        std::fs::write(dir.join(journal::FILE_NAME), &bytes).unwrap();
+        let mut s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["a", "b", "c"]);
+        assert!(s.set_aside().is_empty(), "{:?}", s.set_aside());
+        // The tail is clean again: the next write lands whole and replays.
+        s.insert(&sample("e")).unwrap();
+        drop(s);
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["a", "b", "c", "e"]);
+        assert!(s.set_aside().is_empty());
+        drop(s);
+
+        // The file cut off inside the last frame.
+        let (_tmp, dir) = store_with(&["a", "b", "c"]);
+        let (_, offsets) = frames(&dir);
+        let f = OpenOptions::new().write(true).open(dir.join(journal::FILE_NAME)).unwrap();
+        f.set_len(offsets[2] as u64 + 20).unwrap();
+        drop(f);
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["a", "b"]);
+        assert!(s.set_aside().is_empty(), "{:?}", s.set_aside());
+        assert_eq!(journal_meta(&dir).len(), journal::MIN_CAPACITY, "rewritten whole");
+    }
+
+    #[test]
+    fn damage_in_the_middle_is_set_aside_and_later_records_recovered() {
+        let names: Vec<String> = (0..10).map(|i| format!("r{i}")).collect();
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let (_tmp, dir) = store_with(&refs);
+        let mut updated = sample("r7");
+        updated.devices[0].sm_percent = Some(10);
+        {
+            let mut s = Store::open(&dir).unwrap();
+            s.remove("r5").unwrap();
+            s.update(&updated).unwrap();
+        }
+        // Flip bytes inside r3's frame (the open compacted: one frame per record, by id).
+        let (mut bytes, offsets) = frames(&dir);
+        assert_eq!(offsets.len(), 12);
+        let at = offsets[3] + journal::HEADER_LEN + 30;
+        for b in &mut bytes[at..at + 4] {
+            *b ^= 0xa5;
+        }
+        std::fs::write(dir.join(journal::FILE_NAME), &bytes).unwrap();
+
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["r0", "r1", "r2", "r4", "r6", "r7", "r8", "r9"]);
+        assert_eq!(s.get("r7"), Some(&updated), "the update after the damage is kept");
+        assert_eq!(s.set_aside().len(), 1, "{:?}", s.set_aside());
+        let aside = &s.set_aside()[0];
+        assert_eq!(aside.file, dir.join(journal::FILE_NAME));
+        let copy = aside.moved_to.file_name().unwrap().to_str().unwrap().to_string();
+        assert!(copy.starts_with(journal::CORRUPT_PREFIX), "{copy}");
+        assert!(aside.reason.starts_with(&format!("offset {}: ", offsets[3])), "{}", aside.reason);
+        assert!(aside.reason.contains("checksum"), "{}", aside.reason);
+        assert_eq!(std::fs::read(&aside.moved_to).unwrap(), bytes, "copied byte for byte");
+        assert_eq!(files(&dir), ["allocations.journal".to_string(), copy.clone(), "lock".to_string()]);
+        drop(s);
+        // Compacted: nothing more to report.
+        let s = Store::open(&dir).unwrap();
+        assert!(s.set_aside().is_empty());
+        assert_eq!(s.len(), 8);
+        assert_eq!(files(&dir), ["allocations.journal".to_string(), copy, "lock".to_string()]);
+    }
+
+    #[test]
+    fn compaction_keeps_the_live_records_and_bounds_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("state");
+        let mut s = Store::open(&dir).unwrap();
+        let mut live = std::collections::VecDeque::new();
+        let (mut written, mut inode, mut compactions) = (0, journal_meta(&dir).ino(), 0);
+        let mut i = 0;
+        // Over 2.5 MB of frames through a 1 MiB file, 8 records live.
+        while written < 5 * journal::MIN_CAPACITY / 2 {
+            let id = format!("{i:016x}");
+            i += 1;
+            written += journal::encode(&OpRef::Put(&big(&id))).unwrap().len() as u64;
+            s.insert(&big(&id)).unwrap();
+            live.push_back(id);
+            if live.len() > 8 {
+                let old = live.pop_front().unwrap();
+                written += journal::encode(&OpRef::Remove(&old)).unwrap().len() as u64;
+                s.remove(&old).unwrap().unwrap();
+            }
+            let meta = journal_meta(&dir);
+            assert_eq!(meta.len(), journal::MIN_CAPACITY);
+            if meta.ino() != inode {
+                inode = meta.ino();
+                compactions += 1;
+            }
+        }
+        assert!(compactions >= 2, "compacted {compactions} times");
+        let want: Vec<String> = live.iter().cloned().collect();
+        assert_eq!(ids(s.list()), want);
+        assert_eq!(ids(&read_records(&dir).unwrap()), want);
+
+        // 1.4 MB live: the file grows to 4 × that, in 64 KiB steps.
+        for n in 0..700 {
+            s.insert(&big(&format!("grow{n}"))).unwrap();
+        }
+        let live_bytes: u64 = s.list().map(|a| journal::encode(&OpRef::Put(a)).unwrap().len() as u64).sum();
+        let size = journal_meta(&dir).len();
+        assert_eq!(size % journal::CAPACITY_STEP, 0);
+        assert!(size > journal::MIN_CAPACITY, "{size}");
+        assert!(size <= 4 * live_bytes + journal::CAPACITY_STEP, "{size} for {live_bytes} live bytes");
+        drop(s);
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(s.len(), 708);
+        assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty());
+        assert_eq!(journal_meta(&dir).len(), journal::capacity_for(live_bytes));
+    }
+
+    #[test]
+    fn legacy_record_files_are_migrated() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
+        let mut newer = sample("b");
+        newer.devices[0].sm_percent = Some(5);
         {
             let mut s = Store::open(dir).unwrap();
-            s.insert(&sample("good")).unwrap();
-            s.insert(&sample("renamed")).unwrap();
+            s.insert(&newer).unwrap();
         }
+        let legacy = |a: &Allocation| {
+            let mut bytes = serde_json::to_vec_pretty(a).unwrap();
+            bytes.push(b'\n');
+            bytes
+        };
+        std::fs::write(dir.join("a.json"), legacy(&sample("a"))).unwrap();
+        std::fs::write(dir.join("b.json"), legacy(&sample("b"))).unwrap();
         std::fs::write(dir.join("bad.json"), b"{\"id\": \"bad\", \"resou").unwrap();
         std::fs::write(dir.join("empty.json"), b"").unwrap();
         // A whole record under another record's name is not trusted either.
-        std::fs::rename(dir.join("renamed.json"), dir.join("other.json")).unwrap();
+        std::fs::write(dir.join("other.json"), legacy(&sample("renamed"))).unwrap();
         std::fs::write(dir.join("good.json.tmp"), b"{\"half\":").unwrap();
-        std::fs::write(dir.join("new.json.tmp"), b"").unwrap();
         std::fs::write(dir.join("bad.json.corrupt"), b"an older one").unwrap();
+        std::fs::write(dir.join("events.pb"), b"not ours").unwrap();
+        let before = files(dir);
+        // A reader sees what the owner will, and changes nothing.
+        assert_eq!(read_records(dir).unwrap(), [sample("a"), newer.clone()]);
+        assert_eq!(files(dir), before);
 
         let s = Store::open(dir).unwrap();
-        assert_eq!(s.list().map(|a| a.id.as_str()).collect::<Vec<_>>(), ["good"]);
+        assert_eq!(s.list().cloned().collect::<Vec<_>>(), [sample("a"), newer.clone()], "the journal's b wins");
         let aside: Vec<_> = s
             .set_aside()
             .iter()
@@ -414,16 +868,68 @@ mod tests {
             ]
         );
         assert!(s.set_aside()[2].reason.contains("differs from its file name"), "{:?}", s.set_aside());
-        assert_eq!(s.removed_tmp().len(), 2);
+        assert_eq!(s.removed_tmp(), [dir.join("good.json.tmp")]);
         assert_eq!(
             files(dir),
-            ["bad.json.corrupt", "bad.json.corrupt.1", "empty.json.corrupt", "good.json", "lock", "other.json.corrupt"]
+            [
+                "allocations.journal",
+                "bad.json.corrupt",
+                "bad.json.corrupt.1",
+                "empty.json.corrupt",
+                "events.pb",
+                "lock",
+                "other.json.corrupt"
+            ]
         );
         assert_eq!(std::fs::read(dir.join("bad.json.corrupt")).unwrap(), b"an older one");
+        assert_eq!(std::fs::read(dir.join("events.pb")).unwrap(), b"not ours");
         drop(s);
-        // Nothing more to do on the next open.
+        // In the journal now; nothing more to do on the next open.
         let s = Store::open(dir).unwrap();
         assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty());
-        assert_eq!(s.len(), 1);
+        assert_eq!(s.list().cloned().collect::<Vec<_>>(), [sample("a"), newer]);
+    }
+
+    #[test]
+    fn a_leftover_compaction_file_is_removed_and_reported() {
+        let (_tmp, dir) = store_with(&["a"]);
+        let mut half = journal::encode(&OpRef::Put(&sample("ghost"))).unwrap();
+        half.truncate(50);
+        std::fs::write(dir.join(journal::TMP_NAME), &half).unwrap();
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(s.removed_tmp(), [dir.join(journal::TMP_NAME)]);
+        assert_eq!(ids(s.list()), ["a"]);
+        assert!(s.set_aside().is_empty());
+        assert_eq!(files(&dir), ["allocations.journal", "lock"]);
+    }
+
+    #[test]
+    fn after_a_failed_write_the_next_change_starts_a_fresh_file() {
+        let (_tmp, dir) = store_with(&["a"]);
+        let mut s = Store::open(&dir).unwrap();
+        // What a failed append leaves: stray bytes past the end, and the flag it sets.
+        s.journal.write_all_at(b"stray bytes", s.offset + 100).unwrap();
+        s.needs_compaction = true;
+        let inode = journal_meta(&dir).ino();
+        s.insert(&sample("b")).unwrap();
+        assert_ne!(journal_meta(&dir).ino(), inode, "compacted first");
+        assert!(!s.needs_compaction);
+        drop(s);
+        let s = Store::open(&dir).unwrap();
+        assert_eq!(ids(s.list()), ["a", "b"]);
+        assert!(s.set_aside().is_empty(), "{:?}", s.set_aside());
+    }
+
+    #[test]
+    fn read_records_takes_no_lock_and_writes_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(matches!(read_records(&tmp.path().join("none")), Err(StateError::Io { .. })));
+        assert!(read_records(tmp.path()).unwrap().is_empty());
+        assert!(files(tmp.path()).is_empty());
+        let mut s = Store::open(tmp.path()).unwrap();
+        s.insert(&sample("a")).unwrap();
+        assert_eq!(read_records(tmp.path()).unwrap(), [sample("a")]);
+        s.remove("a").unwrap();
+        assert!(read_records(tmp.path()).unwrap().is_empty());
     }
 }
