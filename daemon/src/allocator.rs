@@ -255,12 +255,6 @@ impl DaemonAllocator {
         store.list().flat_map(|a| &a.devices).flat_map(|d| [d.device_id.clone(), d.physical_uuid.clone()]).collect()
     }
 
-    fn resource(&self, name: &str) -> Result<(Arc<Resources>, Resource), Status> {
-        let all = self.resources();
-        let res = all.get(name).cloned().ok_or_else(|| Status::not_found(format!("unknown resource {name}")))?;
-        Ok((all, res))
-    }
-
     fn devices(&self, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
         let defaults = self.defaults();
         ids.iter()
@@ -363,25 +357,35 @@ impl DaemonAllocator {
     }
 }
 
+/// Resource `name` in `all`, or NotFound naming it.
+fn resource_of<'a>(all: &'a Resources, name: &str) -> Result<&'a Resource, Status> {
+    all.get(name).ok_or_else(|| Status::not_found(format!("unknown resource {name}")))
+}
+
 fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {
     move |e| Status::internal(format!("{what}: {e}"))
 }
 
 impl Allocator for DaemonAllocator {
     fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status> {
-        let (_, res) = self.resource(resource)?;
-        let res = &res;
+        // A reference into the offer, not a copy: a resource may list a thousand devices.
+        let all = self.resources();
+        let res = resource_of(&all, resource)?;
         let devices = self.devices(res, device_ids)?;
         let wanted: BTreeSet<&str> = device_ids.iter().map(String::as_str).collect();
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
 
+        // One pass over the records, allocating nothing for the ones that share no device.
         let mut same = None;
         let mut stale = Vec::new();
         for a in store.list().filter(|a| a.resource == resource) {
+            if !a.devices.iter().any(|d| wanted.contains(d.device_id.as_str())) {
+                continue;
+            }
             let held: BTreeSet<&str> = a.devices.iter().map(|d| d.device_id.as_str()).collect();
             if held == wanted {
                 same = Some(a.clone());
-            } else if !held.is_disjoint(&wanted) {
+            } else {
                 stale.push(a.id.clone());
             }
         }
