@@ -15,8 +15,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{TestKubelet, spawn};
+use tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
 use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
 use tessera_sim_testkit::SimNode;
+use tonic::transport::Channel;
 
 const STARTS: usize = 10;
 const ALLOCATIONS: usize = 1000;
@@ -63,6 +65,18 @@ fn journal_write(file: &std::fs::File, i: usize) {
     const FRAME: usize = 600;
     file.write_all_at(&[b'x'; FRAME], (i * FRAME) as u64).expect("pwrite");
     file.sync_data().expect("fdatasync");
+}
+
+/// One Allocate of device `id`, timed from the call to the answer.
+async fn allocate(client: &mut DevicePluginClient<Channel>, id: &str) -> Duration {
+    let t = Instant::now();
+    client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![id.to_string()] }],
+        })
+        .await
+        .expect("allocate");
+    t.elapsed()
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -167,25 +181,11 @@ async fn allocate_and_rss() {
         let t = Instant::now();
         client.get_device_plugin_options(Empty {}).await.expect("options");
         noop.push(t.elapsed());
-        let t = Instant::now();
-        client
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest { devices_ids: vec![d.id.clone()] }],
-            })
-            .await
-            .expect("allocate");
-        alloc.push(t.elapsed());
+        alloc.push(allocate(&mut client, &d.id).await);
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     for d in &devices[PACED..] {
-        let t = Instant::now();
-        client
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest { devices_ids: vec![d.id.clone()] }],
-            })
-            .await
-            .expect("allocate");
-        burst.push(t.elapsed());
+        burst.push(allocate(&mut client, &d.id).await);
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let held = rss_kib(pid);
