@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tessera_region::{
-    ProcessSnapshot, Region, TRACE_FLAG_START_ESTIMATED, TRACE_NO_DEVICE, TraceEntry, TraceKind, monotonic_ns,
+    ProcessSnapshot, Region, TRACE_FLAG_START_ESTIMATED, TRACE_NO_DEVICE, TraceEntry, TraceKind, TraceNames,
+    monotonic_ns,
 };
 
 /// The longest trace asked for at once.
@@ -40,7 +41,10 @@ pub enum TraceError {
 /// What one trace collected.
 #[derive(Debug, Default)]
 pub struct Collected {
+    /// API and kernel spans.
     pub entries: Vec<TraceEntry>,
+    /// Kernel names by (pid, `CUfunction`), from the name entries of the whole trace.
+    pub names: TraceNames,
     /// Entries the reader missed (overwritten before read, torn, abandoned) plus those writers
     /// dropped, during the trace.
     pub dropped: u64,
@@ -83,10 +87,9 @@ pub async fn collect(id: &str, region_path: &Path, duration: Duration) -> Result
     }
     let mut out = Collected::default();
     let dropped_before = region.trace_dropped();
-    let mut cursor = region.trace_cursor();
     out.start_ns = monotonic_ns();
     let guard = Tracing { id: id.to_string(), region: &region };
-    region.set_trace_requested(true);
+    let mut cursor = region.start_trace();
     let deadline = tokio::time::Instant::now() + duration;
     loop {
         let now = tokio::time::Instant::now();
@@ -109,7 +112,8 @@ pub async fn collect(id: &str, region_path: &Path, duration: Duration) -> Result
             out.devices.insert(i as u8, u);
         }
     }
-    // Spans of calls and kernels from before the trace began (harvested late) are left out.
+    // Spans of calls and kernels from before the trace began (harvested late) are left out
+    // (names are kept apart: they are no spans).
     let (t0, t1) = (out.start_ns, out.end_ns);
     out.entries.retain(|e| e.end_ns >= t0 && e.start_ns <= t1 && e.end_ns >= e.start_ns);
     Ok(out)
@@ -118,7 +122,11 @@ pub async fn collect(id: &str, region_path: &Path, duration: Duration) -> Result
 fn read(region: &Region, cursor: u64, last: bool, out: &mut Collected) -> u64 {
     let b = region.trace_read_since(cursor, last);
     out.dropped += b.lost;
-    out.entries.extend(b.entries);
+    for e in b.entries {
+        if !out.names.push(&e) {
+            out.entries.push(e);
+        }
+    }
     b.cursor
 }
 
@@ -130,7 +138,9 @@ fn note_processes(region: &Region, names: &mut BTreeMap<u32, String>) {
 
 /// The Trace Event Format document: `traceEvents` (complete events `ph: "X"`, times in µs from
 /// the trace's start; process and thread names as metadata events `ph: "M"`),
-/// `displayTimeUnit: "ns"`, and `otherData` about the trace.
+/// `displayTimeUnit: "ns"`, and `otherData` about the trace. A kernel span is named after its
+/// function when the trace holds the function's name (announced anywhere in the trace, before
+/// or after the span), else "kernel".
 pub fn render(c: &Collected, allocation_id: &str, container: &str) -> Value {
     let us = |ns: u64| ns.saturating_sub(c.start_ns) as f64 / 1_000.0;
     let dur = |e: &TraceEntry| e.end_ns.saturating_sub(e.start_ns) as f64 / 1_000.0;
@@ -173,18 +183,22 @@ pub fn render(c: &Collected, allocation_id: &str, container: &str) -> Value {
                 } else {
                     "GPU start and end"
                 };
+                let mut args = serde_json::Map::new();
+                args.insert("launched_by".into(), json!(e.func_name()));
+                if e.aux != 0 {
+                    args.insert("function".into(), json!(format!("{:#x}", e.aux)));
+                }
+                args.insert("launch_tid".into(), json!(e.tid));
+                args.insert("device".into(), device(e.device));
+                args.insert("stream".into(), json!(format!("{:#x}", e.stream)));
+                args.insert("timing".into(), json!(timing));
+                let name = c.names.get(e.pid, e.aux).filter(|_| e.aux != 0).unwrap_or("kernel");
                 events.push(json!({
-                    "name": "kernel", "cat": "kernel", "ph": "X",
-                    "ts": us(e.start_ns), "dur": dur(e), "pid": e.pid, "tid": tid,
-                    "args": {
-                        "launched_by": e.func_name(),
-                        "launch_tid": e.tid,
-                        "device": device(e.device),
-                        "stream": format!("{:#x}", e.stream),
-                        "timing": timing,
-                    },
+                    "name": name, "cat": "kernel", "ph": "X",
+                    "ts": us(e.start_ns), "dur": dur(e), "pid": e.pid, "tid": tid, "args": args,
                 }));
             }
+            TraceKind::Name => {} // kept in `names`, never among the spans
         }
     }
     let mut meta = Vec::new();
@@ -264,5 +278,43 @@ mod tests {
         assert!(names.contains(&json!("train (pid 7)")), "{names:?}");
         assert!(names.contains(&json!("GPU 0 stream 0x10")), "{names:?}");
         assert_eq!(v["otherData"]["events"], 2);
+    }
+
+    /// Kernel spans carry their function's name, also when the name entries came after the
+    /// kernel's in the ring; a kernel whose name is unknown (or lost) stays "kernel".
+    #[test]
+    fn kernels_are_named_after_their_function() {
+        let region = Region::anonymous().unwrap();
+        let kernel = |f: u64, at: u64| {
+            let mut k = TraceEntry::api(TraceFunc::cuLaunchKernel, 7, 8, at, at + 1_000);
+            k.kind = TraceKind::Kernel;
+            k.device = 0;
+            k.stream = 0x10;
+            k.aux = f;
+            k
+        };
+        let named = b"_Z11vector_addPKfS0_Pfi";
+        let mut c = Collected { start_ns: 1_000_000, end_ns: 2_000_000, ..Default::default() };
+        // The kernel is read in one batch, its name in the next.
+        region.trace_push(&kernel(0xa0, 1_100_000));
+        let cursor = read(&region, 0, false, &mut c);
+        for e in TraceEntry::name_chunks(7, 8, 0xa0, named) {
+            region.trace_push(&e);
+        }
+        region.trace_push(&kernel(0xb0, 1_200_000));
+        region.trace_push(&TraceEntry::api(TraceFunc::cuInit, 7, 8, 1_300_000, 1_300_100));
+        assert_eq!(read(&region, cursor, true, &mut c), 1 + 1 + 1 + 1);
+        assert_eq!(c.entries.len(), 3, "name entries are not spans");
+        assert_eq!(c.names.get(7, 0xa0), Some("_Z11vector_addPKfS0_Pfi"));
+        let v = render(&c, "a1", "ns/pod/ctr");
+        let k: Vec<_> = v["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "kernel").cloned().collect();
+        assert_eq!(k.len(), 2);
+        assert_eq!(k[0]["name"], "_Z11vector_addPKfS0_Pfi");
+        assert_eq!(k[0]["args"]["function"], "0xa0");
+        assert_eq!(k[0]["args"]["launched_by"], "cuLaunchKernel");
+        assert_eq!(k[1]["name"], "kernel");
+        assert_eq!(k[1]["args"]["function"], "0xb0");
+        assert_eq!(k[0]["tid"], k[1]["tid"], "one stream track");
+        assert_eq!(v["otherData"]["events"], 3);
     }
 }

@@ -3,8 +3,10 @@
 //! allocation's limits and region, launching kernels; while nobody asks for a trace the region's
 //! trace ring stays empty; `Node.Trace` for 1 s returns a valid Trace Event Format document with
 //! the workload's cuLaunchKernel spans (per thread in order, not overlapping) and its kernels
-//! (durations ≈ --kernel-us); the flag is cleared after; bad requests name their field; and
-//! `tessera trace` writes the file and a one-line summary.
+//! (durations ≈ --kernel-us) named after the workload's kernel function (as the simulated
+//! driver's `cuFuncGetName` reports it); the flag is cleared after; bad requests name their
+//! field; and `tessera trace` writes the file and a one-line summary, its kernels named again (a
+//! new trace session: the shim announces names anew).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -23,6 +25,8 @@ mod common;
 use common::{TestKubelet, WAIT, next_list, spawn};
 
 const KERNEL_US: f64 = 500.0;
+/// The workload's kernel function (`tessera-workload`'s PTX names it after its duration).
+const KERNEL_NAME: &str = "tessera_spin_500us";
 
 async fn client(socket: &Path) -> NodeClient<Channel> {
     common::node_api(socket).await
@@ -182,6 +186,8 @@ async fn a_trace_records_the_workloads_calls_and_kernels() {
     assert!(durs[0] > 0.5 * KERNEL_US, "shortest kernel {} µs", durs[0]);
     let mut tracks: HashMap<u64, Vec<(f64, f64)>> = HashMap::new();
     for k in &kernels {
+        assert_eq!(k["name"], KERNEL_NAME, "{k}");
+        assert!(k["args"]["function"].as_str().is_some_and(|f| f.starts_with("0x") && f != "0x0"), "{k}");
         assert_eq!(k["args"]["launched_by"].as_str().map(|n| n.starts_with("cuLaunch")), Some(true), "{k}");
         assert!(k["args"]["device"].as_str().is_some_and(|d| d.starts_with("GPU-")), "{k}");
         tracks
@@ -221,7 +227,9 @@ async fn a_trace_records_the_workloads_calls_and_kernels() {
     assert_eq!(text.lines().count(), 1, "{text}");
     assert!(text.contains("events") && text.contains(&id), "{text}");
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&out_file).expect("trace file")).expect("json");
-    assert!(check_trace(&doc).iter().any(|e| e["cat"] == "kernel"));
+    let kernels: Vec<_> = check_trace(&doc).into_iter().filter(|e| e["cat"] == "kernel").collect();
+    assert!(!kernels.is_empty());
+    assert!(kernels.iter().all(|k| k["name"] == KERNEL_NAME), "a second trace names kernels too: {kernels:?}");
     let out = std::process::Command::new(binary("tessera"))
         .arg("--socket")
         .arg(&socket)

@@ -10,19 +10,26 @@ use tessera_region::TraceFunc;
 
 use crate::real::RealCuda;
 use crate::state::enter;
+use crate::trace::Launch;
 
 type PP = *mut *mut c_void;
 
-/// Runs a launch through the limiter. A stream whose device cannot be told (a stale handle: the
-/// driver will refuse it) launches without it. While a trace is asked for, the call is an API
+/// Runs a launch of `function` (null: a graph) through the limiter. A stream whose device cannot
+/// be told (a stale handle: the driver will refuse it) launches without it. While a trace is asked for, the call is an API
 /// span and the kernel is measured (CUDA events) for a kernel span; otherwise tracing costs one
 /// relaxed load.
 #[inline]
-fn gated(func: TraceFunc, stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
+fn gated(
+    func: TraceFunc,
+    function: CUfunction,
+    stream: CUstream,
+    call: impl FnOnce(&'static RealCuda) -> CUresult,
+) -> CUresult {
     guard(CUDA_ERROR_UNKNOWN, || match enter() {
         Ok((s, cu)) if s.region.trace_requested() => {
             let dev = s.device_of_stream(stream.cast());
-            crate::trace::api(s, func, dev, || launch(cu, dev, stream, Some(func), call))
+            let traced = Launch { func, function: function as usize };
+            crate::trace::api(s, func, dev, || launch(cu, dev, stream, Some(traced), call))
         }
         Ok((s, cu)) => launch(cu, s.device_of_stream(stream.cast()), stream, None, call),
         Err(rc) => rc,
@@ -34,7 +41,7 @@ fn launch(
     cu: &'static RealCuda,
     dev: Option<usize>,
     stream: CUstream,
-    trace: Option<TraceFunc>,
+    trace: Option<Launch>,
     call: impl FnOnce(&'static RealCuda) -> CUresult,
 ) -> CUresult {
     let Some(dev) = dev else { return call(cu) };
@@ -61,7 +68,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     kernelParams: PP,
     extra: PP,
 ) -> CUresult {
-    gated(TraceFunc::cuLaunchKernel, hStream, |cu| {
+    gated(TraceFunc::cuLaunchKernel, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchKernel)(
@@ -98,7 +105,7 @@ pub unsafe extern "C" fn cuLaunchKernel_ptsz(
     kernelParams: PP,
     extra: PP,
 ) -> CUresult {
-    gated(TraceFunc::cuLaunchKernel_ptsz, hStream, |cu| {
+    gated(TraceFunc::cuLaunchKernel_ptsz, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchKernel_ptsz)(
@@ -134,7 +141,7 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
     hStream: CUstream,
     kernelParams: PP,
 ) -> CUresult {
-    gated(TraceFunc::cuLaunchCooperativeKernel, hStream, |cu| {
+    gated(TraceFunc::cuLaunchCooperativeKernel, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchCooperativeKernel)(
@@ -169,7 +176,7 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
     hStream: CUstream,
     kernelParams: PP,
 ) -> CUresult {
-    gated(TraceFunc::cuLaunchCooperativeKernel_ptsz, hStream, |cu| {
+    gated(TraceFunc::cuLaunchCooperativeKernel_ptsz, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
             (cu.cuLaunchCooperativeKernel_ptsz)(
@@ -208,7 +215,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
-    gated(TraceFunc::cuLaunchKernelEx, stream, |cu| {
+    gated(TraceFunc::cuLaunchKernelEx, f, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { real(config, f, kernelParams, extra) }
@@ -226,7 +233,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
-    gated(TraceFunc::cuLaunchKernelEx_ptsz, stream, |cu| {
+    gated(TraceFunc::cuLaunchKernelEx_ptsz, f, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { real(config, f, kernelParams, extra) }
@@ -237,7 +244,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 /// As cuda.h's `cuGraphLaunch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(TraceFunc::cuGraphLaunch, hStream, |cu| {
+    gated(TraceFunc::cuGraphLaunch, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) }
     })
@@ -247,7 +254,7 @@ pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstrea
 /// As cuda.h's `cuGraphLaunch_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(TraceFunc::cuGraphLaunch_ptsz, hStream, |cu| {
+    gated(TraceFunc::cuGraphLaunch_ptsz, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) }
     })

@@ -143,6 +143,9 @@ table! {
             cuLaunchKernelEx(*const CUlaunchConfigHead, CUfunction, PP, PP);
             cuLaunchKernelEx_ptsz(*const CUlaunchConfigHead, CUfunction, PP, PP);
             cuStreamGetCtx_ptsz(CUstream, *mut CUcontext);
+            cuFuncGetName(*mut *const c_char, CUfunction);
+            // Takes a CUkernel: launches accept one cast to CUfunction, and so is it passed here.
+            cuKernelGetName(*mut *const c_char, CUfunction);
         }
     }
 }

@@ -1,7 +1,8 @@
 //! On-demand tracing (docs/shim.md, "Tracing"): while the daemon sets the region's
 //! `trace_requested`, every intercepted CUDA call is recorded as an API span (entry to return, on
 //! the calling thread) and every launched kernel, once its completion is measured
-//! (`compute::measure`), as a kernel span, into the region's trace ring.
+//! (`compute::measure`), as a kernel span, into the region's trace ring. A kernel's function name
+//! is announced once per trace session (`measure::announce`), before its first kernel span.
 //!
 //! Not tracing costs one relaxed load per intercepted call (the flag, read by the hook prologue);
 //! allocation hooks also note their size in a thread-local (`note`), read only by a traced call.
@@ -15,6 +16,14 @@ use tessera_region::{TRACE_NO_DEVICE, TraceEntry, TraceFunc, monotonic_ns};
 
 use crate::ffi::CUresult;
 use crate::state::ShimState;
+
+/// A traced launch: the hook it came through and the kernel's `CUfunction` (0: none, as for a
+/// graph launch).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Launch {
+    pub func: TraceFunc,
+    pub function: usize,
+}
 
 /// This process's pid (0: not read yet). A child forked without exec keeps its parent's, as it
 /// keeps its parent's region slot.

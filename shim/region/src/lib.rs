@@ -12,8 +12,9 @@
 //!   the device total; a process's liveness is an open-file-description lock the kernel drops at
 //!   death, so a SIGKILLed process's memory is returned by whoever reaps, and no process-shared lock
 //!   exists that a dead process could leave held.
-//! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans in the
-//!   region, written only while the daemon sets the header's `trace_requested`.
+//! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans (and
+//!   kernel names) in the region, written only while the daemon sets the header's
+//!   `trace_requested`.
 
 pub mod limits;
 pub mod region;

@@ -7,20 +7,27 @@
 //! nothing) and each completed span becomes a kernel entry in the region's trace ring: its GPU
 //! duration is the events' span; its start, which events do not give on the CPU's clock, is
 //! estimated as the later of the launch and the end of the previous measured kernel on the stream.
+//!
+//! The first time a trace session launches a kernel's `CUfunction`, its name (the real driver's
+//! `cuFuncGetName`, asked once) goes into the ring as name entries, before the kernel's entry.
+//! The handles announced are kept per process with the session they were announced in (the value
+//! of `trace_requested`, a new one per trace: `Region::start_trace`); a new session starts the set
+//! afresh, since the daemon reads only the entries written during its own trace.
 
-use std::collections::{HashMap, VecDeque};
-use std::ffi::c_void;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ffi::{CStr, c_char, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 
-use cudarc::driver::sys::{CUcontext, CUevent, CUresult, CUstream};
+use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUresult, CUstream};
 use tessera_region::{
-    MAX_DEVICES, TRACE_FLAG_START_ESTIMATED, TRACE_NO_DEVICE, TraceEntry, TraceFunc, TraceKind, monotonic_ns,
+    MAX_DEVICES, TRACE_FLAG_START_ESTIMATED, TRACE_NAME_MAX, TRACE_NO_DEVICE, TraceEntry, TraceKind, monotonic_ns,
 };
 
 use super::{bucket, service};
 use crate::real;
 use crate::state::ShimState;
+use crate::trace::Launch;
 
 /// Kernels measured at once per process; beyond, the oldest is waited for.
 const MAX_IN_FLIGHT: usize = 256;
@@ -35,8 +42,8 @@ pub struct Pending {
     start: usize,
     /// What the bucket was charged; None: not metered (measured for a trace only).
     charged: Option<i64>,
-    /// Traced: the launching call, when it was made (monotonic ns) and the launching thread.
-    trace: Option<(TraceFunc, u64, u32)>,
+    /// Traced: the launch, when it was made (monotonic ns) and the launching thread.
+    trace: Option<(Launch, u64, u32)>,
 }
 
 struct InFlight {
@@ -46,7 +53,7 @@ struct InFlight {
     start: usize,
     end: usize,
     charged: Option<i64>,
-    trace: Option<(TraceFunc, u64, u32)>,
+    trace: Option<(Launch, u64, u32)>,
 }
 
 #[derive(Default)]
@@ -56,6 +63,10 @@ struct Local {
     pool: HashMap<usize, Vec<usize>>,
     /// Traced kernels: the estimated end of the last one on each stream (monotonic ns).
     stream_end: HashMap<usize, u64>,
+    /// The trace session `announced` belongs to (0: none yet).
+    names_session: u32,
+    /// `CUfunction`s whose names this process announced in `names_session` (or failed to read).
+    announced: HashSet<usize>,
 }
 
 static LOCAL: Mutex<Option<Local>> = Mutex::new(None);
@@ -100,7 +111,7 @@ pub fn start(
     dev: usize,
     stream: *mut c_void,
     charged: Option<i64>,
-    trace: Option<TraceFunc>,
+    trace: Option<Launch>,
 ) -> Option<Pending> {
     let trace = trace.map(|f| (f, monotonic_ns(), crate::trace::ids().1));
     let cu = real::cuda()?;
@@ -150,6 +161,11 @@ pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
             // SAFETY: a live event recorded by us.
             unsafe { (cu.cuEventSynchronize)(oldest.end as CUevent) };
         }
+        if let Some((Launch { function, .. }, _, tid)) = p.trace
+            && function != 0
+        {
+            announce(st, l, function, crate::trace::ids().0, tid);
+        }
         l.in_flight.push_back(InFlight {
             dev: p.dev,
             ctx: p.ctx,
@@ -187,8 +203,8 @@ pub fn harvest(st: &ShimState) {
                     let old = e.load(Relaxed);
                     e.store(if old <= 0 { own } else { old - old / 8 + own / 8 }, Relaxed);
                 }
-                if let Some((func, launched, tid)) = f.trace {
-                    record_kernel(st, l, &f, (func, launched, tid), span.max(0) as u64);
+                if let Some(launch) = f.trace {
+                    record_kernel(st, l, &f, launch, span.max(0) as u64);
                 }
             } else if f.trace.is_some() {
                 l.stream_end.remove(&f.stream);
@@ -201,8 +217,8 @@ pub fn harvest(st: &ShimState) {
 
 /// A completed traced kernel as a kernel span: `span` ns of GPU time, started at the later of its
 /// launch and the previous traced kernel's end on its stream, never ending after now.
-fn record_kernel(st: &ShimState, l: &mut Local, f: &InFlight, launch: (TraceFunc, u64, u32), span: u64) {
-    let (func, launched, tid) = launch;
+fn record_kernel(st: &ShimState, l: &mut Local, f: &InFlight, launch: (Launch, u64, u32), span: u64) {
+    let (Launch { func, function }, launched, tid) = launch;
     let now = monotonic_ns();
     let prev = l.stream_end.get(&f.stream).copied().unwrap_or(0);
     let mut start = launched.max(prev);
@@ -222,8 +238,49 @@ fn record_kernel(st: &ShimState, l: &mut Local, f: &InFlight, launch: (TraceFunc
         start_ns: start,
         end_ns: end,
         bytes: 0,
-        aux: 0,
+        aux: function as u64,
         stream: f.stream as u64,
     };
     st.region.trace_push(&e);
+}
+
+/// Announces `function`'s name in the ring unless this trace session has already (or no trace
+/// runs). Called once the driver accepted a traced launch of it: the handle is live now (it may
+/// not be by the time the kernel is harvested), and the kernel's entry comes later.
+fn announce(st: &ShimState, l: &mut Local, function: usize, pid: u32, tid: u32) {
+    let session = st.region.trace_session();
+    if session == 0 {
+        return;
+    }
+    if session != l.names_session {
+        l.names_session = session;
+        l.announced.clear();
+    }
+    if !l.announced.insert(function) {
+        return;
+    }
+    if let Some(name) = function_name(function) {
+        for e in TraceEntry::name_chunks(pid, tid, function as u64, &name) {
+            st.region.trace_push(&e);
+        }
+    }
+}
+
+/// The name of a `CUfunction` (or of a `CUkernel`, which launches also take) from the real
+/// driver, up to one byte past what the ring carries (so that a cut is seen); None when the
+/// driver cannot tell (before CUDA 12.3, or an unknown handle).
+fn function_name(function: usize) -> Option<Vec<u8>> {
+    let cu = real::cuda()?;
+    let ask = |get: Option<unsafe extern "C" fn(*mut *const c_char, CUfunction) -> CUresult>| {
+        let get = get?;
+        let mut p: *const c_char = std::ptr::null();
+        // SAFETY: a valid out-pointer; the handle is one the driver has just accepted for a
+        // launch (a CUfunction, or a CUkernel cast to one; asked of the other getter, an error).
+        let rc = unsafe { get(&mut p, function as CUfunction) };
+        (ok(rc) && !p.is_null()).then_some(p)
+    };
+    let p = ask(cu.cuFuncGetName).or_else(|| ask(cu.cuKernelGetName))?;
+    // SAFETY: the driver returned a NUL-terminated string that lives as long as the function.
+    let name = unsafe { CStr::from_ptr(p) }.to_bytes();
+    (!name.is_empty()).then(|| name[..name.len().min(TRACE_NAME_MAX + 1)].to_vec())
 }

@@ -21,9 +21,10 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::time::Duration;
 
-use tessera_region::{ComputeMode, Priority, TraceFunc, monotonic_ns as now_ns};
+use tessera_region::{ComputeMode, Priority, monotonic_ns as now_ns};
 
 use crate::state::{self, ShimState};
+use crate::trace::Launch;
 
 /// A throttled wait sleeps at most this long before looking again (limits may change meanwhile).
 const MAX_NAP_NS: u64 = 5_000_000;
@@ -93,9 +94,9 @@ fn the_ledger() -> Option<&'static ledger::Ledger> {
 /// Called by every launch hook (cuLaunchKernel, _ptsz, Ex, cooperative, graph launch) before the
 /// real driver call, with the launch's region device index and stream. May block to enforce the
 /// container's SM share or to yield to a high-priority container. `trace`: a trace is being
-/// recorded and this launch came through `trace`'s hook: the kernel is measured (also when not
+/// recorded and this launch (its hook and kernel) is traced: the kernel is measured (also when not
 /// throttled) and recorded as a kernel span once complete.
-pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<TraceFunc>) -> Gate {
+pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<Launch>) -> Gate {
     let Some(st) = state::get() else { return Gate::PASS };
     st.region.record_launch(st.slot, dev);
     let share = st.region.sm_percent(dev).filter(|&p| p < 100);
@@ -134,7 +135,7 @@ pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<TraceFunc>) 
 
 /// A launch the limiter lets through, measured only for the trace: nothing is charged.
 #[cold]
-fn traced_only(st: &'static ShimState, dev: usize, stream: *mut c_void, f: TraceFunc) -> Gate {
+fn traced_only(st: &'static ShimState, dev: usize, stream: *mut c_void, f: Launch) -> Gate {
     measure::harvest(st);
     Gate { inner: measure::start(st, dev, stream, None, Some(f)) }
 }
@@ -179,7 +180,7 @@ fn throttle(
     p: Policy,
     uuid: Option<&str>,
     stream: *mut c_void,
-    trace: Option<TraceFunc>,
+    trace: Option<Launch>,
 ) -> Gate {
     let b = st.region.bucket(dev);
     let mut waited = 0u64;
