@@ -11,7 +11,6 @@ use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use crate::cdi;
 use crate::config::HookConfig;
 use crate::oci;
 use crate::plan::{self, InjectError, Plan};
@@ -35,8 +34,7 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
     if !plan::may_ask(&info) {
         return Ok(None);
     }
-    let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).map_err(|e| InjectError(format!("CDI spec {e}")))?;
-    let Some(plan) = plan::plan(cfg, &specs, &info)? else { return Ok(None) };
+    let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(None) };
     let prepared = prepare(&plan, state.pid)?;
     let applied = apply(prepared, &plan, &root)?;
     record_owner(cfg, &plan, Some(&state.id), &info.annotations);

@@ -345,6 +345,12 @@ pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
 /// Reads the `tessera.io-*.json` specs in `dir` (a missing directory holds none). A spec that
 /// cannot be read, parsed, or is not of a Tessera class is an error naming the file.
 pub fn load_specs(dir: &Path) -> Result<Vec<Spec>, CdiError> {
+    load_specs_for(dir, None)
+}
+
+/// [`load_specs`], skipping the files named after a class not in `classes`
+/// (`tessera.io-<class>.json`, as tesserad names them). A file named otherwise is always read.
+pub fn load_specs_for(dir: &Path, classes: Option<&[&str]>) -> Result<Vec<Spec>, CdiError> {
     let mut specs = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -357,7 +363,7 @@ pub fn load_specs(dir: &Path) -> Result<Vec<Spec>, CdiError> {
         .filter(|p| {
             p.file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&format!("{VENDOR}-")) && n.ends_with(".json"))
+                .is_some_and(|n| n.starts_with(&format!("{VENDOR}-")) && n.ends_with(".json") && wanted(n, classes))
         })
         .collect();
     paths.sort();
@@ -381,14 +387,29 @@ pub fn load_specs(dir: &Path) -> Result<Vec<Spec>, CdiError> {
 /// The specs of several directories; for a kind found in more than one, the later directory wins
 /// (CDI's precedence: `/var/run/cdi` over `/etc/cdi`).
 pub fn load_spec_dirs(dirs: &[PathBuf]) -> Result<Vec<Spec>, CdiError> {
+    load_spec_dirs_for(dirs, None)
+}
+
+/// [`load_spec_dirs`] of the files [`load_specs_for`] reads for `classes`.
+pub fn load_spec_dirs_for(dirs: &[PathBuf], classes: Option<&[&str]>) -> Result<Vec<Spec>, CdiError> {
     let mut by_kind: BTreeMap<String, Spec> = BTreeMap::new();
     for d in dirs {
-        for s in load_specs(d)? {
+        for s in load_specs_for(d, classes)? {
             by_kind.insert(s.kind.clone(), s);
         }
     }
     // In class order.
     Ok(CLASSES.iter().filter_map(|c| by_kind.remove(&format!("{VENDOR}/{c}"))).collect())
+}
+
+/// Whether spec file `name` may hold a class in `classes`: unless it is named after another class.
+fn wanted(name: &str, classes: Option<&[&str]>) -> bool {
+    let Some(classes) = classes else { return true };
+    let named = name.strip_prefix(VENDOR).and_then(|n| n.strip_prefix('-')).and_then(|n| n.strip_suffix(".json"));
+    match named {
+        Some(c) if CLASSES.contains(&c) => classes.contains(&c),
+        _ => true,
+    }
 }
 
 impl Spec {

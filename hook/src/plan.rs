@@ -130,8 +130,23 @@ pub fn may_ask(info: &ContainerInfo) -> bool {
         || info.env.keys().any(|k| k.starts_with(cdi::DEVICE_MARKER_PREFIX))
 }
 
-/// Computes the plan; `None` when the container asks for nothing of ours.
-pub fn plan(cfg: &HookConfig, specs: &[Spec], info: &ContainerInfo) -> Result<Option<Plan>, InjectError> {
+/// What a container asks for, before any spec is read.
+struct Requests {
+    asks: Vec<Ask>,
+    /// The field that asked for `all`.
+    all_from: Option<String>,
+    /// `none`: the driver without devices.
+    driver_only: bool,
+    allocation: Option<String>,
+}
+
+impl Requests {
+    fn is_empty(&self) -> bool {
+        self.asks.is_empty() && self.all_from.is_none() && !self.driver_only
+    }
+}
+
+fn requests(cfg: &HookConfig, info: &ContainerInfo) -> Result<Requests, InjectError> {
     let mut asks: Vec<Ask> = Vec::new();
     let mut all_from: Option<String> = None;
     let mut driver_only = false;
@@ -176,9 +191,75 @@ pub fn plan(cfg: &HookConfig, specs: &[Spec], info: &ContainerInfo) -> Result<Op
             asks.push(Ask { field: key.clone(), class: None, id: value.clone() });
         }
     }
-    if asks.is_empty() && all_from.is_none() && !driver_only {
+    Ok(Requests { asks, all_from, driver_only, allocation })
+}
+
+/// The spec classes a request can need, told from the shape of what it names (no spec read);
+/// `None`: any. The GPU class is always in: a share's parent GPU, indexes and `all` resolve there.
+fn classes_needed(cfg: &HookConfig, info: &ContainerInfo) -> Option<Vec<&'static str>> {
+    let r = requests(cfg, info).ok()?;
+    let mut classes = vec!["gpu"];
+    let mut add = |c: &'static str| {
+        if !classes.contains(&c) {
+            classes.push(c);
+        }
+    };
+    for a in &r.asks {
+        match a.class.as_deref() {
+            Some(c) => add(cdi::CLASSES.iter().copied().find(|k| *k == c)?),
+            None => add(class_of_id(&a.id)?),
+        }
+    }
+    if r.all_from.is_some() && r.allocation.is_some() {
+        // The allocation may hold MIG instances.
+        add("mig");
+    }
+    Some(classes)
+}
+
+/// The class a device id names by its shape: a MIG or GPU UUID, a share id (`<uuid>::<n>`), a GPU
+/// index (`0`) or a MIG alias (`0:1`); `None` for anything else.
+fn class_of_id(id: &str) -> Option<&'static str> {
+    let prefix = id.get(..4).map(str::to_ascii_uppercase);
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if id.contains("::") {
+        Some("share")
+    } else if prefix.as_deref() == Some("MIG-") {
+        Some("mig")
+    } else if prefix.as_deref() == Some("GPU-") || digits(id) {
+        Some("gpu")
+    } else if id.split_once(':').is_some_and(|(g, m)| digits(g) && digits(m)) {
+        Some("mig")
+    } else {
+        None
+    }
+}
+
+/// Reads the CDI specs a request needs and computes the plan (the hook's and the wrapper's path).
+/// Only the spec files of the classes the request can name are read: on a node with many MIG
+/// instances and shares, parsing every spec was the larger part of an injection. A guess that
+/// misses (a name of an unusual shape, an error) is retried with every spec, so the result is
+/// always that of [`plan`] over all of them.
+pub fn plan_from_spec_dirs(cfg: &HookConfig, info: &ContainerInfo) -> Result<Option<Plan>, InjectError> {
+    let load = |classes: Option<&[&str]>| {
+        cdi::load_spec_dirs_for(&cfg.cdi_spec_dirs, classes).map_err(|e| InjectError(format!("CDI spec {e}")))
+    };
+    if let Some(classes) = classes_needed(cfg, info)
+        && classes.len() < cdi::CLASSES.len()
+        && let Ok(Ok(plan)) = load(Some(&classes)).map(|specs| plan(cfg, &specs, info))
+    {
+        return Ok(plan);
+    }
+    plan(cfg, &load(None)?, info)
+}
+
+/// Computes the plan; `None` when the container asks for nothing of ours.
+pub fn plan(cfg: &HookConfig, specs: &[Spec], info: &ContainerInfo) -> Result<Option<Plan>, InjectError> {
+    let r = requests(cfg, info)?;
+    if r.is_empty() {
         return Ok(None);
     }
+    let Requests { asks, all_from, driver_only, allocation } = r;
 
     // The allocation and what it admits.
     let mut plan = Plan { allocation: allocation.clone(), ..Plan::default() };
@@ -509,6 +590,58 @@ pub(crate) mod tests {
 
     fn err(f: &Fixture, env: &[(&str, &str)], ann: &[(&str, &str)]) -> String {
         plan(&f.cfg, &f.specs, &info(env, ann)).unwrap_err().0
+    }
+
+    #[test]
+    fn device_ids_tell_their_class_by_shape() {
+        assert_eq!(class_of_id("GPU-aaaa::3"), Some("share"));
+        assert_eq!(class_of_id("mig-bbbb"), Some("mig"));
+        assert_eq!(class_of_id("GPU-aaaa"), Some("gpu"));
+        assert_eq!(class_of_id("12"), Some("gpu"));
+        assert_eq!(class_of_id("1:0"), Some("mig"));
+        assert_eq!(class_of_id("trainer-gpu"), None);
+        assert_eq!(class_of_id("1:"), None);
+    }
+
+    /// The hook's and wrapper's path reads only the spec files a request can need, and always
+    /// plans as over every spec.
+    #[test]
+    fn only_the_needed_specs_are_read_and_the_plan_is_the_same() {
+        let f = fixture();
+        let dir = &f.cfg.cdi_spec_dirs[0];
+        cdi::write_specs(dir, &f.specs).unwrap();
+        let asks: &[&[(&str, &str)]] = &[
+            &[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")],
+            &[(ENV_VISIBLE, "GPU-aaaa::3"), (ENV_ALLOCATION, "a1")],
+            &[(ENV_VISIBLE, "all"), (ENV_ALLOCATION, "a1")],
+            &[(ENV_VISIBLE, "none")],
+        ];
+        for env in asks {
+            let i = info(env, &[]);
+            assert_eq!(plan_from_spec_dirs(&f.cfg, &i), plan(&f.cfg, &f.specs, &i), "{env:?}");
+        }
+        // A broken MIG spec does not stop a GPU or share request, which never reads it...
+        std::fs::write(dir.join("tessera.io-mig.json"), "{ not json").unwrap();
+        for env in &asks[..2] {
+            let i = info(env, &[]);
+            assert_eq!(plan_from_spec_dirs(&f.cfg, &i), plan(&f.cfg, &f.specs, &i), "{env:?}");
+        }
+        // ...while a request that may name a MIG instance reads it and reports it, whether the
+        // shape says so or a name of no known shape makes every spec be read.
+        for id in ["1:0", "MIG-bbbb", "trainer"] {
+            let e = plan_from_spec_dirs(&f.cfg, &info(&[(ENV_VISIBLE, id), (ENV_ALLOCATION, "a1")], &[])).unwrap_err();
+            assert!(e.0.starts_with("CDI spec ") && e.0.contains("tessera.io-mig.json"), "{id}: {e}");
+        }
+        // A spec of a Tessera class under another file name is always read.
+        std::fs::remove_file(dir.join("tessera.io-mig.json")).unwrap();
+        let i = info(&[(ENV_VISIBLE, "MIG-bbbb")], &[]);
+        let mut cfg = f.cfg.clone();
+        cfg.require_allocation = false;
+        assert!(plan_from_spec_dirs(&cfg, &i).unwrap_err().0.contains("not a device in the CDI specs"));
+        let mig = f.specs.iter().find(|s| s.class() == "mig").unwrap();
+        std::fs::write(dir.join("tessera.io-extra.json"), serde_json::to_vec(mig).unwrap()).unwrap();
+        let p = plan_from_spec_dirs(&cfg, &i).unwrap().unwrap();
+        assert_eq!(p.devices[0].name, "MIG-bbbb");
     }
 
     #[test]

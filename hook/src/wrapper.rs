@@ -7,7 +7,6 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use crate::cdi;
 use crate::config::HookConfig;
 use crate::oci;
 use crate::plan::{self, InjectError};
@@ -82,8 +81,7 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) 
     if !plan::may_ask(&info) {
         return Ok(false);
     }
-    let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).map_err(|e| InjectError(format!("CDI spec {e}")))?;
-    let Some(plan) = plan::plan(cfg, &specs, &info)? else { return Ok(false) };
+    let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(false) };
     check_targets(&oci::root_path(&config, bundle)?, &plan)?;
     oci::apply_to_config(&mut config, &plan)?;
     plan::ensure_files(&plan)?;
