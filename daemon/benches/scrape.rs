@@ -85,6 +85,7 @@ fn main() {
             healthy: true,
             mig_profile: None,
             parent_uuid: None,
+            sensors: Default::default(),
         })
         .collect();
     let mut allocations = Vec::new();

@@ -43,6 +43,7 @@ impl MetricsSource for Source1 {
                 healthy: true,
                 mig_profile: None,
                 parent_uuid: None,
+                sensors: Default::default(),
             }],
             usage,
             allocations: self.allocations.len(),

@@ -133,6 +133,24 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     prometheus.wait_for(&format!("tessera_container_memory_limit_bytes{{allocation=\"{id}\"}}"), limit as f64);
     let fb = prometheus.query("DCGM_FI_DEV_FB_USED");
     assert!(fb.len() == 1 && fb[0].1 >= (4096 + OVERHEAD_MIB) as f64, "FB_USED (MiB): {fb:?}");
+    // The sensors NVML reports, under dcgm-exporter's names; an H100 SXM5 draws at most 700 W.
+    for (name, lo, hi) in [
+        ("DCGM_FI_DEV_GPU_TEMP", 15.0, 100.0),
+        ("DCGM_FI_DEV_POWER_USAGE", 1.0, 700.0),
+        ("DCGM_FI_DEV_SM_CLOCK", 100.0, 2000.0),
+        ("DCGM_FI_DEV_MEM_CLOCK", 100.0, 3000.0),
+    ] {
+        let v = prometheus.query(name);
+        assert!(v.len() == 1 && (lo..=hi).contains(&v[0].1), "{name}: {v:?}");
+    }
+    // Corrected ECC errors counted as they happen; they leave the GPU healthy.
+    prometheus.wait_for("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 0.0);
+    let inject = node.command(binary("tessera-sim")).args(["inject", "ecc", "--gpu", "0", "--corrected", "3"]).output();
+    let inject = inject.expect("tessera-sim inject ecc");
+    assert!(inject.status.success(), "{}", String::from_utf8_lossy(&inject.stderr));
+    prometheus.wait_for("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 3.0);
+    prometheus.wait_for("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 0.0);
+    prometheus.wait_for("tessera_gpu_healthy", 1.0);
 
     // Killed: its memory is back, and usage says so.
     holder.kill().expect("kill");

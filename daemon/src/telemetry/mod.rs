@@ -12,7 +12,7 @@ pub mod server;
 pub mod source;
 
 pub use otlp::{OtlpExporter, OtlpOptions};
-pub use prometheus::{GpuMetrics, NodeMetrics, render};
+pub use prometheus::{GpuMetrics, GpuSensors, NodeMetrics, render};
 pub use server::{MetricsSource, bind, serve};
 pub use source::NodeSource;
 

@@ -10,7 +10,10 @@
 //!
 //! - per GPU (attributes `gpu.index`, `gpu.uuid`, `gpu.model`, and `gpu.mig.profile` for a MIG
 //!   device): `tessera.gpu.memory.used`, `tessera.gpu.memory.total` (By),
-//!   `tessera.gpu.utilization` (%, when known), `tessera.gpu.healthy` (1 or 0);
+//!   `tessera.gpu.utilization` (%, when known), `tessera.gpu.healthy` (1 or 0), and where NVML
+//!   tells them `tessera.gpu.temperature` (Cel), `tessera.gpu.power` (mW),
+//!   `tessera.gpu.clock.sm` and `tessera.gpu.clock.memory` (MHz), `tessera.gpu.ecc.corrected` and
+//!   `tessera.gpu.ecc.uncorrected` (errors since the last reset);
 //! - per container and physical device (attributes `tessera.allocation.id`, `tessera.resource`,
 //!   `gpu.uuid`, `tessera.device.id`, and `k8s.namespace.name`, `k8s.pod.name`,
 //!   `k8s.container.name` when known): gauges `tessera.container.memory.used`,
@@ -315,13 +318,23 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
 
     // Per GPU.
     type GpuValue = fn(&super::GpuMetrics) -> Option<u64>;
-    let gpu: [(&'static str, &'static str, &'static str, GpuValue); 4] = [
+    let gpu: [(&'static str, &'static str, &'static str, GpuValue); 10] = [
         ("tessera.gpu.memory.used", "Device memory in use.", "By", |g| Some(g.memory_used)),
         ("tessera.gpu.memory.total", "Device memory in all.", "By", |g| Some(g.memory_total)),
         ("tessera.gpu.utilization", "Time a kernel ran over the last sample period.", "%", |g| {
             g.utilization_percent.map(u64::from)
         }),
         ("tessera.gpu.healthy", "Whether the device is healthy (1) or not (0).", "1", |g| Some(u64::from(g.healthy))),
+        ("tessera.gpu.temperature", "GPU temperature.", "Cel", |g| g.sensors.temperature_c.map(u64::from)),
+        ("tessera.gpu.power", "Power draw.", "mW", |g| g.sensors.power_mw.map(u64::from)),
+        ("tessera.gpu.clock.sm", "SM clock frequency.", "MHz", |g| g.sensors.sm_clock_mhz.map(u64::from)),
+        ("tessera.gpu.clock.memory", "Memory clock frequency.", "MHz", |g| g.sensors.mem_clock_mhz.map(u64::from)),
+        ("tessera.gpu.ecc.corrected", "Corrected ECC errors since the last reset.", "{error}", |g| {
+            g.sensors.ecc_corrected_volatile
+        }),
+        ("tessera.gpu.ecc.uncorrected", "Uncorrected ECC errors since the last reset.", "{error}", |g| {
+            g.sensors.ecc_uncorrected_volatile
+        }),
     ];
     for (name, description, unit, get) in gpu {
         let s = Arc::clone(&sample);

@@ -5,7 +5,11 @@
 //! for MIG devices, whose `UUID` is the MIG device's own so that it joins with the containers'):
 //!
 //! - `DCGM_FI_DEV_FB_USED`, `DCGM_FI_DEV_FB_FREE` (gauges, MiB, as dcgm), `DCGM_FI_DEV_GPU_UTIL`
-//!   (gauge, %, when known).
+//!   (gauge, %, when known);
+//! - when NVML tells them: `DCGM_FI_DEV_GPU_TEMP` (°C), `DCGM_FI_DEV_POWER_USAGE` (W),
+//!   `DCGM_FI_DEV_SM_CLOCK` and `DCGM_FI_DEV_MEM_CLOCK` (MHz), and the volatile ECC counters
+//!   `DCGM_FI_DEV_ECC_SBE_VOL_TOTAL` and `DCGM_FI_DEV_ECC_DBE_VOL_TOTAL` (counters, as dcgm; a
+//!   GPU reset clears them, which Prometheus's `rate` reads as a counter reset).
 //!
 //! Tessera's own, with conventional names and units:
 //!
@@ -46,6 +50,21 @@ pub struct GpuMetrics {
     pub mig_profile: Option<String>,
     /// The GPU a MIG device is part of.
     pub parent_uuid: Option<String>,
+    /// What NVML's sensors and counters say (whole GPUs only).
+    pub sensors: GpuSensors,
+}
+
+/// A GPU's sensors and error counters, each `None` where NVML does not tell it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GpuSensors {
+    pub temperature_c: Option<u32>,
+    pub power_mw: Option<u32>,
+    pub sm_clock_mhz: Option<u32>,
+    pub mem_clock_mhz: Option<u32>,
+    /// Corrected (single-bit) ECC errors since the last reset.
+    pub ecc_corrected_volatile: Option<u64>,
+    /// Uncorrected (double-bit) ECC errors since the last reset.
+    pub ecc_uncorrected_volatile: Option<u64>,
 }
 
 /// Everything one scrape shows.
@@ -186,6 +205,32 @@ pub fn render(m: &NodeMetrics) -> String {
     per_gpu(&mut out, "DCGM_FI_DEV_GPU_UTIL", Kind::Gauge, "GPU utilization (in %).", &|g| {
         g.utilization_percent.map(|u| Value::U(u64::from(u)))
     });
+    per_gpu(&mut out, "DCGM_FI_DEV_GPU_TEMP", Kind::Gauge, "GPU temperature (in C).", &|g| {
+        g.sensors.temperature_c.map(|t| Value::U(u64::from(t)))
+    });
+    per_gpu(&mut out, "DCGM_FI_DEV_POWER_USAGE", Kind::Gauge, "Power draw (in W).", &|g| {
+        g.sensors.power_mw.map(|p| Value::F(f64::from(p) / 1000.0))
+    });
+    per_gpu(&mut out, "DCGM_FI_DEV_SM_CLOCK", Kind::Gauge, "SM clock frequency (in MHz).", &|g| {
+        g.sensors.sm_clock_mhz.map(|c| Value::U(u64::from(c)))
+    });
+    per_gpu(&mut out, "DCGM_FI_DEV_MEM_CLOCK", Kind::Gauge, "Memory clock frequency (in MHz).", &|g| {
+        g.sensors.mem_clock_mhz.map(|c| Value::U(u64::from(c)))
+    });
+    per_gpu(
+        &mut out,
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+        Kind::Counter,
+        "Total number of single-bit volatile ECC errors.",
+        &|g| g.sensors.ecc_corrected_volatile.map(Value::U),
+    );
+    per_gpu(
+        &mut out,
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        Kind::Counter,
+        "Total number of double-bit volatile ECC errors.",
+        &|g| g.sensors.ecc_uncorrected_volatile.map(Value::U),
+    );
     per_gpu(&mut out, "tessera_gpu_healthy", Kind::Gauge, "Whether the device is healthy (1) or not (0).", &|g| {
         Some(Value::U(u64::from(g.healthy)))
     });
@@ -331,7 +376,8 @@ pub(crate) mod check {
             assert!(valid_name(name), "bad name in {line:?}");
             assert!(help.contains(name) && types.contains_key(name), "sample before HELP/TYPE: {line:?}");
             if types[name] == "counter" {
-                assert!(name.ends_with("_total"), "counter without _total: {name}");
+                // dcgm-exporter's counters end in _TOTAL.
+                assert!(name.to_ascii_lowercase().ends_with("_total"), "counter without _total: {name}");
             }
             let value: f64 = rest.trim_start_matches(' ').parse().unwrap_or_else(|_| panic!("bad value: {line:?}"));
             assert!(value.is_finite(), "value not finite: {line:?}");
@@ -434,6 +480,14 @@ mod tests {
                     healthy: true,
                     mig_profile: None,
                     parent_uuid: None,
+                    sensors: GpuSensors {
+                        temperature_c: Some(41),
+                        power_mw: Some(123_456),
+                        sm_clock_mhz: Some(1980),
+                        mem_clock_mhz: Some(2619),
+                        ecc_corrected_volatile: Some(3),
+                        ecc_uncorrected_volatile: Some(0),
+                    },
                 },
                 GpuMetrics {
                     index: 1,
@@ -446,6 +500,7 @@ mod tests {
                     healthy: false,
                     mig_profile: Some("1g.10gb".into()),
                     parent_uuid: Some("GPU-1".into()),
+                    sensors: GpuSensors::default(),
                 },
             ],
             usage: UsageReport {
@@ -496,6 +551,18 @@ mod tests {
         assert_eq!(find(&samples, "DCGM_FI_DEV_FB_FREE", ("UUID", "GPU-0"))[0].2, (81559 - 1536 - 1) as f64);
         assert_eq!(find(&samples, "DCGM_FI_DEV_GPU_UTIL", ("UUID", "GPU-0"))[0].2, 37.0);
         assert!(find(&samples, "DCGM_FI_DEV_GPU_UTIL", ("UUID", "MIG-1")).is_empty(), "unknown: left out");
+        for (name, want) in [
+            ("DCGM_FI_DEV_GPU_TEMP", 41.0),
+            ("DCGM_FI_DEV_POWER_USAGE", 123.456),
+            ("DCGM_FI_DEV_SM_CLOCK", 1980.0),
+            ("DCGM_FI_DEV_MEM_CLOCK", 2619.0),
+            ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 3.0),
+            ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 0.0),
+        ] {
+            assert_eq!(find(&samples, name, ("UUID", "GPU-0"))[0].2, want, "{name}");
+            assert!(find(&samples, name, ("UUID", "MIG-1")).is_empty(), "{name}: not known for the MIG device");
+        }
+        assert!(text.contains("# TYPE DCGM_FI_DEV_ECC_SBE_VOL_TOTAL counter\n"));
         let mig = find(&samples, "DCGM_FI_DEV_FB_FREE", ("UUID", "MIG-1"));
         assert_eq!(mig[0].2, 10240.0);
         assert_eq!(mig[0].1["GPU_I_PROFILE"], "1g.10gb");

@@ -4,7 +4,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::{GpuMetrics, MetricsSource, NodeMetrics};
+use nvml_wrapper::Device;
+use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
+
+use super::{GpuMetrics, GpuSensors, MetricsSource, NodeMetrics};
 use crate::node::NodeController;
 use crate::usage::UsageSampler;
 
@@ -48,6 +51,7 @@ impl MetricsSource for NodeSource {
                     healthy: !view.unhealthy_gpus.contains_key(&g.index),
                     mig_profile: None,
                     parent_uuid: None,
+                    sensors: device.as_ref().map(sensors).unwrap_or_default(),
                 }
             })
             .collect();
@@ -66,5 +70,18 @@ impl MetricsSource for NodeSource {
             events_total,
             faults_total,
         }
+    }
+}
+
+/// What the GPU's sensors and counters say; a reading NVML refuses (not supported, or the GPU
+/// lost) is left out rather than shown as 0.
+fn sensors(d: &Device<'_>) -> GpuSensors {
+    GpuSensors {
+        temperature_c: d.temperature(TemperatureSensor::Gpu).ok(),
+        power_mw: d.power_usage().ok(),
+        sm_clock_mhz: d.clock_info(Clock::SM).ok(),
+        mem_clock_mhz: d.clock_info(Clock::Memory).ok(),
+        ecc_corrected_volatile: d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok(),
+        ecc_uncorrected_volatile: d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok(),
     }
 }
