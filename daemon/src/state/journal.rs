@@ -291,17 +291,9 @@ pub fn scan(buf: &[u8]) -> Replay {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::record::{ContainerIdentity, Source};
 
     fn record(id: &str) -> Allocation {
-        Allocation {
-            id: id.to_string(),
-            resource: "tessera.io/gpu".to_string(),
-            container: ContainerIdentity { pod_name: Some(format!("pod-{id}")), ..Default::default() },
-            source: Source::Kubelet,
-            created_unix_ns: 7,
-            devices: vec![crate::state::record::tests::dev("GPU-1::0", "GPU-1", Some(1 << 30), Some(50))],
-        }
+        crate::state::record::tests::sample(id)
     }
 
     /// Frames of puts of `ids`, then zeros to 4 KiB; the frames' offsets.

@@ -201,6 +201,18 @@ pub(crate) mod tests {
         }
     }
 
+    /// A whole record with one share of 1 GiB and 50% (the store's and the journal's tests).
+    pub(crate) fn sample(id: &str) -> Allocation {
+        Allocation {
+            id: id.to_string(),
+            resource: "tessera.io/gpu".to_string(),
+            container: ContainerIdentity { pod_name: Some(format!("pod-{id}")), ..Default::default() },
+            source: Source::Kubelet,
+            created_unix_ns: 42,
+            devices: vec![dev("GPU-1234::0", "GPU-1234", Some(1 << 30), Some(50))],
+        }
+    }
+
     fn alloc(devices: Vec<AllocatedDevice>) -> Allocation {
         Allocation {
             id: Allocation::new_id(),

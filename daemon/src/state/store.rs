@@ -555,26 +555,8 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
-    use crate::state::record::{AllocatedDevice, ContainerIdentity, Source};
-    use tessera_region::{ComputeMode, Priority};
 
-    fn sample(id: &str) -> Allocation {
-        Allocation {
-            id: id.to_string(),
-            resource: "tessera.io/gpu".to_string(),
-            container: ContainerIdentity { pod_name: Some(format!("pod-{id}")), ..Default::default() },
-            source: Source::Kubelet,
-            created_unix_ns: 42,
-            devices: vec![AllocatedDevice {
-                device_id: "GPU-1234::0".to_string(),
-                physical_uuid: "GPU-1234".to_string(),
-                memory_limit: Some(1 << 30),
-                sm_percent: Some(50),
-                priority: Priority::Normal,
-                compute_mode: ComputeMode::Strict,
-            }],
-        }
-    }
+    use crate::state::record::tests::sample;
 
     /// A record of about 2 KB, to fill the journal with fewer writes.
     fn big(id: &str) -> Allocation {
