@@ -196,8 +196,7 @@ fn requests(cfg: &HookConfig, info: &ContainerInfo) -> Result<Requests, InjectEr
 
 /// The spec classes a request can need, told from the shape of what it names (no spec read);
 /// `None`: any. The GPU class is always in: a share's parent GPU, indexes and `all` resolve there.
-fn classes_needed(cfg: &HookConfig, info: &ContainerInfo) -> Option<Vec<&'static str>> {
-    let r = requests(cfg, info).ok()?;
+fn classes_needed(r: &Requests) -> Option<Vec<&'static str>> {
     let mut classes = vec!["gpu"];
     let mut add = |c: &'static str| {
         if !classes.contains(&c) {
@@ -244,9 +243,10 @@ pub fn plan_from_spec_dirs(cfg: &HookConfig, info: &ContainerInfo) -> Result<Opt
     let load = |classes: Option<&[&str]>| {
         cdi::load_spec_dirs_for(&cfg.cdi_spec_dirs, classes).map_err(|e| InjectError(format!("CDI spec {e}")))
     };
-    if let Some(classes) = classes_needed(cfg, info)
+    if let Ok(r) = requests(cfg, info)
+        && let Some(classes) = classes_needed(&r)
         && classes.len() < cdi::CLASSES.len()
-        && let Ok(Ok(plan)) = load(Some(&classes)).map(|specs| plan(cfg, &specs, info))
+        && let Ok(Ok(plan)) = load(Some(&classes)).map(|specs| plan_requests(cfg, &specs, r))
     {
         return Ok(plan);
     }
@@ -255,7 +255,11 @@ pub fn plan_from_spec_dirs(cfg: &HookConfig, info: &ContainerInfo) -> Result<Opt
 
 /// Computes the plan; `None` when the container asks for nothing of ours.
 pub fn plan(cfg: &HookConfig, specs: &[Spec], info: &ContainerInfo) -> Result<Option<Plan>, InjectError> {
-    let r = requests(cfg, info)?;
+    plan_requests(cfg, specs, requests(cfg, info)?)
+}
+
+/// [`plan`] of requests already read from the container.
+fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option<Plan>, InjectError> {
     if r.is_empty() {
         return Ok(None);
     }

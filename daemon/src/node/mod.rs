@@ -274,13 +274,7 @@ impl NodeController {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(error = %e, "reload refused: the configuration is invalid; nothing changed");
-                return api::ReloadResponse {
-                    outcome: api::ReloadOutcome::Rejected as i32,
-                    config_path: path,
-                    errors: vec![api::ConfigError { key: e.key, reason: e.reason }],
-                    dry_run,
-                    ..Default::default()
-                };
+                return rejected(path, dry_run, e.key, e.reason);
             }
         };
         let (old_file, in_effect) = {
@@ -319,15 +313,7 @@ impl NodeController {
             .collect();
         let layouts = match self.apply_config(effective.clone(), &touched, dry_run, Origin::Reload) {
             Ok(r) => r,
-            Err(e) => {
-                return api::ReloadResponse {
-                    outcome: api::ReloadOutcome::Rejected as i32,
-                    config_path: path,
-                    errors: vec![api::ConfigError { key: e.key, reason: e.reason }],
-                    dry_run,
-                    ..Default::default()
-                };
-            }
+            Err(e) => return rejected(path, dry_run, e.key, e.reason),
         };
         if !dry_run {
             self.allocator.set_defaults(&effective);
@@ -710,6 +696,17 @@ fn issue(kind: api::LayoutIssueKind, device: &str, message: String) -> api::Layo
 }
 
 /// A configuration value by dotted key, as TOML text (empty when absent).
+/// A reload refused for `key`: nothing changed.
+fn rejected(config_path: String, dry_run: bool, key: String, reason: String) -> api::ReloadResponse {
+    api::ReloadResponse {
+        outcome: api::ReloadOutcome::Rejected as i32,
+        config_path,
+        errors: vec![api::ConfigError { key, reason }],
+        dry_run,
+        ..Default::default()
+    }
+}
+
 fn lookup(config: &Config, key: &str) -> String {
     let Ok(mut v) = toml::Value::try_from(config) else { return String::new() };
     for part in split_key(key) {
