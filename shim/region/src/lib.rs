@@ -12,13 +12,19 @@
 //!   the device total; a process's liveness is an open-file-description lock the kernel drops at
 //!   death, so a SIGKILLed process's memory is returned by whoever reaps, and no process-shared lock
 //!   exists that a dead process could leave held.
+//! - [`guard`]: a SIGBUS guard, so that a region file shrunk under its mappings (any process of
+//!   the container can `ftruncate` it) turns the region to zeros in the mappers instead of
+//!   killing them, the daemon among them.
 //! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans (and
 //!   kernel names) in the region, written only while the daemon sets the header's
 //!   `trace_requested`.
 
+pub mod guard;
 pub mod limits;
 pub mod region;
 mod sys;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod trace;
 
 pub use limits::*;

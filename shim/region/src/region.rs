@@ -247,6 +247,8 @@ pub struct Region {
     info: sys::ProcInfo,
     /// Slots this handle joined: their locks are ours, so probing them would say "free".
     own: [AtomicU64; MAX_PROCS / 64],
+    /// The mapping's entry in the SIGBUS guard (a shared file another process may shrink).
+    guard: Option<crate::guard::Guarded>,
 }
 
 // SAFETY: the mapping holds only atomics and stays mapped for the Region's life (unmapped in
@@ -300,7 +302,16 @@ impl Region {
         };
         // SAFETY: a fresh mapping of LAYOUT_SIZE zero bytes: a valid Shared.
         init_header(unsafe { shared.as_ref() });
-        Ok(Region { shared, fd, name, anonymous: true, info: sys::ProcInfo::current(), own: Default::default() })
+        // Private to this process: nobody else can shrink it, so no guard.
+        Ok(Region {
+            shared,
+            fd,
+            name,
+            anonymous: true,
+            info: sys::ProcInfo::current(),
+            own: Default::default(),
+            guard: None,
+        })
     }
 
     /// Opens an existing region; `None` when there is no file.
@@ -322,8 +333,23 @@ impl Region {
             e
         };
         check_file(fd, &name).map_err(close)?;
+        // Installed before the first shared mapping; without it the region still works, unguarded.
+        if let Err(e) = crate::guard::install() {
+            eprintln!(
+                "tessera: {name}: cannot install the SIGBUS guard ({e}); a shrunk region would kill this process"
+            );
+        }
         let shared = map(fd).map_err(|source| close(RegionError::Io { path: name.clone(), op: "mmap", source }))?;
-        Ok(Some(Region { shared, fd, name, anonymous: false, info: sys::ProcInfo::current(), own: Default::default() }))
+        let guard = Some(crate::guard::Guarded::register(shared.as_ptr() as usize, LAYOUT_SIZE));
+        Ok(Some(Region {
+            shared,
+            fd,
+            name,
+            anonymous: false,
+            info: sys::ProcInfo::current(),
+            own: Default::default(),
+            guard,
+        }))
     }
 
     /// Builds a region file under a temporary name and links it to `path` (EEXIST: someone else won).
@@ -361,11 +387,15 @@ impl Region {
             if unsafe { libc::ftruncate(fd, LAYOUT_SIZE as libc::off_t) } != 0 {
                 return Err(io_err(&tmp_name, "ftruncate"));
             }
-            // Allocate the accounting blocks now (a disk file system would otherwise allocate them
-            // in page faults on the hot path); best effort: tmpfs, the normal home, needs nothing.
-            // The trace ring is left sparse: it costs memory only once a trace writes to it.
-            // SAFETY: fd is open.
-            unsafe { libc::fallocate(fd, 0, 0, std::mem::offset_of!(Shared, trace) as libc::off_t) };
+            // Allocate the accounting blocks now: writing the header into a hole of a full file
+            // system would raise SIGBUS instead of an error, and a disk file system would
+            // allocate in page faults on the hot path. The trace ring is left sparse: it costs
+            // memory only once a trace writes to it (a failed fault there is caught by the guard).
+            allocate(fd, std::mem::offset_of!(Shared, trace)).map_err(|source| RegionError::Io {
+                path: tmp_name.clone(),
+                op: "allocate the accounting blocks",
+                source,
+            })?;
             let shared =
                 map_lazy(fd).map_err(|source| RegionError::Io { path: tmp_name.clone(), op: "mmap", source })?;
             // SAFETY: LAYOUT_SIZE zero bytes: a valid Shared, seen by nobody else yet.
@@ -417,6 +447,17 @@ impl Region {
 
     pub fn is_anonymous(&self) -> bool {
         self.anonymous
+    }
+
+    /// Whether the region can no longer be trusted to be shared: its file shrank under the
+    /// mapping (the SIGBUS guard replaced the mapping with zero pages, see [`crate::guard`]), or
+    /// something overwrote its header. Its counters then mean nothing; the owner should report it.
+    pub fn is_damaged(&self) -> bool {
+        let h = &self.shared().header;
+        self.guard.as_ref().is_some_and(crate::guard::Guarded::tripped)
+            || h.magic.load(Relaxed) != MAGIC
+            || h.version.load(Relaxed) != LAYOUT_VERSION
+            || h.layout_size.load(Relaxed) != LAYOUT_SIZE as u64
     }
 
     /// Claims a free process slot for the calling process: a CAS on the slot's state word, then an
@@ -907,6 +948,8 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // Out of the guard's table before the mapping goes.
+        drop(self.guard.take());
         // SAFETY: we mapped LAYOUT_SIZE bytes at shared and own fd. Closing fd drops the liveness
         // locks of the slots this handle joined: they become reapable, as at process death.
         unsafe {
@@ -980,6 +1023,35 @@ fn init_header(s: &Shared) {
     h.max_procs.store(MAX_PROCS as u32, Relaxed);
     h.layout_size.store(LAYOUT_SIZE as u64, Relaxed);
     h.magic.store(MAGIC, Release);
+}
+
+/// Allocates the first `len` bytes of `fd`'s file: `fallocate`, or where the file system has
+/// none, writing zeroes. Out of space is an error here rather than a SIGBUS later.
+fn allocate(fd: i32, len: usize) -> std::io::Result<()> {
+    // SAFETY: fd is open; fallocate only changes the file's allocation.
+    if unsafe { libc::fallocate(fd, 0, 0, len as libc::off_t) } == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+        return Err(e);
+    }
+    let zeros = [0u8; 4096];
+    let mut off = 0;
+    while off < len {
+        let n = zeros.len().min(len - off);
+        // SAFETY: fd is open; zeros is a valid buffer of at least n bytes.
+        let w = unsafe { libc::pwrite(fd, zeros.as_ptr().cast(), n, off as libc::off_t) };
+        if w < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        off += w as usize;
+    }
+    Ok(())
 }
 
 fn io_err(path: &str, op: &'static str) -> RegionError {
