@@ -313,13 +313,20 @@ impl DaemonAllocator {
                 .map(|d| format!("{CDI_VENDOR}/{}={}", resource.kind.cdi_class(), d.device_id))
                 .collect(),
             envs,
-            // Read-write: the shim writes the region. The limits file in it is only ever replaced
-            // by the daemon (atomic rename), so the container cannot race a half-written one.
-            mounts: vec![HostMount {
-                host_path: self.dirs.dir(&alloc.id).display().to_string(),
-                container_path: CONTAINER_ALLOC_DIR.to_owned(),
-                read_only: false,
-            }],
+            // The directory read-only (the container cannot replace its limits or add files);
+            // the region inside it read-write, mounted on top, as the hook and CDI do.
+            mounts: vec![
+                HostMount {
+                    host_path: self.dirs.dir(&alloc.id).display().to_string(),
+                    container_path: CONTAINER_ALLOC_DIR.to_owned(),
+                    read_only: true,
+                },
+                HostMount {
+                    host_path: self.dirs.region_path(&alloc.id).display().to_string(),
+                    container_path: format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::REGION_FILE),
+                    read_only: false,
+                },
+            ],
             device_specs: Vec::new(),
             annotations: HashMap::new(),
         };
@@ -551,21 +558,21 @@ mod tests {
 
     #[test]
     fn shares_are_packed_or_spread() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let all = ids(&["GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-b::1"]);
         let packed = allocator(tmp.path(), Placement::Packed);
         packed.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
         let free = ids(&["GPU-a::0", "GPU-a::1", "GPU-b::1"]);
         assert_eq!(packed.preferred(SHARE, &free, &[], 1), ["GPU-b::1"]);
         drop(packed);
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let spread = allocator(tmp.path(), Placement::Spread);
         assert_eq!(spread.preferred(SHARE, &all, &ids(&["GPU-a::0"]), 2), ["GPU-a::0", "GPU-b::0"]);
     }
 
     #[test]
     fn without_cdi_the_answer_carries_nodes_and_the_shim() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dev = tmp.path().join("dev");
         std::fs::create_dir_all(&dev).unwrap();
         std::fs::write(dev.join("nvidiactl"), "").unwrap();
@@ -593,8 +600,17 @@ mod tests {
         let mounts: Vec<(&str, &str, bool)> =
             answer.mounts.iter().map(|m| (m.host_path.as_str(), m.container_path.as_str(), m.read_only)).collect();
         let preload = config.runtime_dir.join("ld.so.preload");
+        // The allocation directory read-only, its region read-write on top.
+        let dir = a.dirs.dir(&answer.envs["TESSERA_ALLOCATION"]);
         assert_eq!(
-            mounts[1..],
+            mounts[..2],
+            [
+                (dir.to_str().unwrap(), "/run/tessera/alloc", true),
+                (dir.join("region").to_str().unwrap(), "/run/tessera/alloc/region", false),
+            ]
+        );
+        assert_eq!(
+            mounts[2..],
             [
                 ("/opt/tessera/libtessera.so", "/usr/lib/tessera/libtessera.so", true),
                 (preload.to_str().unwrap(), "/etc/ld.so.preload", true),
@@ -610,7 +626,7 @@ mod tests {
 
     #[test]
     fn allocate_records_reuses_and_drops_stale() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let a = allocator(tmp.path(), Placement::Packed);
         let first = a.allocate(SHARE, &ids(&["GPU-a::0", "GPU-a::1"])).unwrap();
         let id = first.envs["TESSERA_ALLOCATION"].clone();

@@ -180,6 +180,19 @@ impl UsageSampler {
             let Some(t) = self.tracked.get_mut(&alloc.id) else { continue };
             t.region.reap();
             let snap = t.region.snapshot();
+            // A container shrank or overwrote its region: its counters are zeros or lies. Say
+            // so once and leave it out; enforcement reads the driver's numbers, not these.
+            if t.region.is_damaged() {
+                if self.warned.insert(alloc.id.clone()) {
+                    tracing::error!(
+                        allocation = %alloc.id,
+                        region = %t.region.name(),
+                        "usage: the accounting region was truncated or overwritten by a process that maps it; \
+                         its usage is not reported"
+                    );
+                }
+                continue;
+            }
             containers.push(t.update(alloc, &snap, now_ns));
         }
         UsageReport { time_unix_ns: unix_ns(), containers }
@@ -349,7 +362,7 @@ mod tests {
 
     #[test]
     fn first_sample_then_rates_and_shares_of_one_gpu() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dirs = AllocDirs::new(tmp.path());
         let a = alloc(
             "a1",
@@ -405,7 +418,7 @@ mod tests {
 
     #[test]
     fn counters_of_exited_processes_are_kept() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dirs = AllocDirs::new(tmp.path());
         let a = alloc("a2", vec![dev("GPU-cccc", "GPU-cccc", None, Some(50))]);
         dirs.create(&a).unwrap();
@@ -457,7 +470,7 @@ mod tests {
 
     #[test]
     fn missing_regions_are_left_out_and_removed_allocations_forgotten() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dirs = AllocDirs::new(tmp.path());
         let a = alloc("ok", vec![dev("GPU-dddd", "GPU-dddd", None, None)]);
         let gone = alloc("gone", vec![dev("GPU-eeee", "GPU-eeee", None, None)]);

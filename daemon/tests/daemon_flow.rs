@@ -171,10 +171,13 @@ async fn register_allocate_kill9_restart_keeps_the_allocation() {
         a.cdi_devices.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
         [format!("tessera.io/share={share}")]
     );
-    assert_eq!(a.mounts.len(), 1);
-    assert_eq!(a.mounts[0].container_path, "/run/tessera/alloc");
+    // The allocation's directory read-only, its region read-write on top of it.
+    assert_eq!(a.mounts.len(), 2);
+    assert_eq!((a.mounts[0].container_path.as_str(), a.mounts[0].read_only), ("/run/tessera/alloc", true));
+    assert_eq!((a.mounts[1].container_path.as_str(), a.mounts[1].read_only), ("/run/tessera/alloc/region", false));
     let host = Path::new(&a.mounts[0].host_path);
     assert_eq!(host, runtime.join("alloc").join(&id));
+    assert_eq!(Path::new(&a.mounts[1].host_path), host.join("region"));
     let limits = Limits::load(&host.join("limits")).expect("limits file");
     assert_eq!(limits.devices.len(), 1);
     assert_eq!(limits.devices[0].uuid, uuid(0));

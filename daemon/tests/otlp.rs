@@ -214,6 +214,9 @@ fn config(node: &SimNode, dir: &Path, endpoint: &str) -> PathBuf {
 }
 
 fn spawn(node: &SimNode, config: &Path, log: &Path) -> Daemon {
+    if let Some(dir) = config.parent() {
+        common::unmount_at_exit(dir);
+    }
     let log = std::fs::File::create(log).expect("log file");
     let child = node
         .command(binary("tesserad"))

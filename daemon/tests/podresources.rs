@@ -137,6 +137,7 @@ impl Setup {
     /// pod-resources task.
     fn spawn(&self) -> Daemon {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("log");
+        common::unmount_at_exit(&self.dir);
         let child = self
             .node
             .command(tessera_sim_testkit::binary("tesserad"))

@@ -187,9 +187,12 @@ pub fn apply_to_config(config: &mut Value, plan: &Plan) -> Result<(), InjectErro
                 Some(_) => return Err(bad("mounts", format!("{dest} is already mounted from elsewhere"))),
                 None => {
                     let rw = if m.read_only { "ro" } else { "rw" };
+                    // Not recursive: the allocation directory's own mounts (its region's tmpfs)
+                    // must not come along read-write under a read-only directory; the region
+                    // comes as a mount of its own.
                     mounts.push(json!({
                         "destination": dest, "type": "bind", "source": src,
-                        "options": ["rbind", rw, "nosuid", "nodev"]
+                        "options": ["bind", rw, "nosuid", "nodev"]
                     }));
                 }
             }
@@ -245,7 +248,7 @@ mod tests {
             c["linux"]["resources"]["devices"][1],
             json!({"allow": true, "type": "c", "major": 195, "minor": 0, "access": "rwm"})
         );
-        assert_eq!(c["mounts"][0]["options"], json!(["rbind", "ro", "nosuid", "nodev"]));
+        assert_eq!(c["mounts"][0]["options"], json!(["bind", "ro", "nosuid", "nodev"]));
     }
 
     #[test]

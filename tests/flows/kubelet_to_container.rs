@@ -19,6 +19,11 @@ echo "lib $(cat /usr/lib/x86_64-linux-gnu/libcuda.so.1)"
 echo "preload $(cat /etc/ld.so.preload)"
 echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
 cat /run/tessera/alloc/limits
+echo "dir-writable $( (touch /run/tessera/alloc/evil) 2>/dev/null && echo yes || echo no)"
+echo "limits-replaceable $( (mv /run/tessera/alloc/region /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
+echo "region-removable $( (rm /run/tessera/alloc/region) 2>/dev/null && echo yes || echo no)"
+echo "region-grows $( (dd if=/dev/zero of=/run/tessera/alloc/region bs=1048576 count=64 seek=2 conv=notrunc) 2>/dev/null && echo yes || echo no)"
+: > /run/tessera/alloc/region && echo "region-truncated"
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,6 +86,10 @@ async fn a_kubelet_share_reaches_a_runc_container() {
         spec["devices"].as_array().expect("devices").iter().filter_map(|d| d["name"].as_str()).collect();
     assert!(names.contains(&share.as_str()), "{names:?}");
 
+    // The daemon maps the new allocation's region (usage), as it would for metrics.
+    let mut api = tessera_tests::kubelet::node_api(&dir.join("run/tessera.sock")).await;
+    api.get_usage(tessera_proto::tessera::v1::GetUsageRequest::default()).await.expect("usage");
+
     // The runtime wrapper in front of runc, with the env the kubelet's answer carries.
     let hook_config = dir.join("hook.toml");
     std::fs::write(
@@ -138,11 +147,18 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     assert!(text.contains("lib fake-libcuda"), "{text}");
     assert!(text.contains("preload /usr/lib/tessera/libtessera.so"), "{text}");
     assert!(text.contains("limits-writable no"), "{text}");
+    // A hostile container: it cannot add files, replace or remove its region, or grow it past
+    // the region's own tmpfs (a few MiB at most, never the host's /run). Truncating it is
+    // possible, and harms only itself: the daemon survives (below).
+    for line in
+        ["dir-writable no", "limits-replaceable no", "region-removable no", "region-grows no", "region-truncated"]
+    {
+        assert!(text.contains(line), "{line}:\n{text}");
+    }
     let host_limits = std::fs::read_to_string(Path::new(&answer.mounts[0].host_path).join("limits")).expect("limits");
     assert!(text.contains(host_limits.trim()), "the container reads its share's limits:\n{text}\nhost:\n{host_limits}");
 
     // The wrapper's owner record names the allocation's container in the daemon's reports.
-    let mut api = tessera_tests::kubelet::node_api(&dir.join("run/tessera.sock")).await;
     let id = answer.envs["TESSERA_ALLOCATION"].clone();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
@@ -162,4 +178,11 @@ async fn a_kubelet_share_reaches_a_runc_container() {
         assert!(std::time::Instant::now() < deadline, "the allocation was not named: {c:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+
+    // The container truncated its region under the daemon's mapping: the daemon reads it
+    // without dying (no SIGBUS), leaves its usage out and says why.
+    api.get_usage(tessera_proto::tessera::v1::GetUsageRequest::default()).await.expect("usage after truncation");
+    api.list_allocations(tessera_proto::tessera::v1::ListAllocationsRequest::default()).await.expect("still serving");
+    let daemon_log = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(daemon_log.contains("truncated or overwritten"), "{daemon_log}");
 }

@@ -6,12 +6,21 @@
 //!   share. After a limits rewrite its config generation is bumped; the shim rereads the limits
 //!   when it sees the change (within 100 ms).
 //!
-//! Directories are 0755: container processes run as any uid and must reach both files.
+//! Who can reach them (docs/security.md): `alloc/` and `spare/` are 0700, so no unprivileged
+//! host user can reach any allocation's files; an allocation's own directory is 0755 because it
+//! is what a container sees at `/run/tessera/alloc`, and its processes run as any uid.
 //!
-//! Creating a region costs milliseconds (a 1.9 MB file, its accounting blocks allocated, its
-//! header written), too much for the kubelet's Allocate. With [`AllocDirs::keep_spares`] a
-//! background thread keeps a few directories ready under `<runtime_dir>/spare/`, each holding a
-//! fresh region; [`AllocDirs::create`] renames one into place and writes only the limits.
+//! A container may write its region, so it may also resize it. So that it cannot fill a host
+//! file system through it, the region lives alone in a tmpfs of its own exactly its size
+//! (`<id>/.region/`, 3 inodes) and is bind-mounted onto `<id>/region`: growing it fails with
+//! ENOSPC. (Shrinking it is caught by the region crate's SIGBUS guard.) Mounting needs
+//! CAP_SYS_ADMIN; without it (an unprivileged test run) the region is a plain file and a warning
+//! says once that it is not capped.
+//!
+//! Creating a region costs milliseconds, too much for the kubelet's Allocate. With
+//! [`AllocDirs::keep_spares`] a background thread keeps a few directories ready under
+//! `<runtime_dir>/spare/`, each holding a fresh region; [`AllocDirs::create`] renames one into
+//! place (its mounts move with it) and writes only the limits.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -21,6 +30,7 @@ use std::time::Duration;
 
 use tessera_region::{Region, RegionError};
 
+use super::mount;
 use super::record::{Allocation, valid_id};
 
 /// The directory under the runtime dir that holds one directory per allocation.
@@ -32,8 +42,13 @@ pub const SPARE_SUBDIR: &str = "spare";
 pub const LIMITS_FILE: &str = "limits";
 /// The region file's name inside an allocation directory.
 pub const REGION_FILE: &str = "region";
+/// The region's own size-capped tmpfs inside an allocation directory.
+pub const REGION_STORE: &str = ".region";
 
+/// An allocation's directory: what a container sees at `/run/tessera/alloc`.
 const DIR_MODE: u32 = 0o755;
+/// `alloc/` and `spare/`: root's alone.
+const PRIVATE_MODE: u32 = 0o700;
 
 /// What went wrong with an allocation directory; names the path and the reason.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +121,7 @@ impl AllocDirs {
     /// clone of these `AllocDirs` is dropped). Spares left by an earlier process are deleted first:
     /// nothing records them, and a fresh region costs little off the request path.
     pub fn keep_spares(&self, count: usize) -> Result<(), AllocDirError> {
+        unmount_under(&self.spares.dir);
         match std::fs::remove_dir_all(&self.spares.dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -114,7 +130,7 @@ impl AllocDirs {
         if let Some(runtime_dir) = self.spares.dir.parent() {
             std::fs::create_dir_all(runtime_dir).map_err(io_err(runtime_dir, "create directory"))?;
         }
-        make_dir(&self.spares.dir)?;
+        make_dir(&self.spares.dir, PRIVATE_MODE)?;
         self.spares.state.lock().unwrap_or_else(PoisonError::into_inner).keep = count;
         let spares = Arc::downgrade(&self.spares);
         std::thread::Builder::new()
@@ -141,6 +157,7 @@ impl AllocDirs {
                 }
                 Err(e) => {
                     tracing::warn!(spare = %spare.display(), error = %e, "cannot use a spare allocation directory");
+                    unmount_under(&spare);
                     let _ = std::fs::remove_dir_all(&spare);
                 }
             }
@@ -171,7 +188,7 @@ impl AllocDirs {
     /// it is replaced and the region's config generation bumped, as [`AllocDirs::update_limits`].
     pub fn create(&self, alloc: &Allocation) -> Result<PathBuf, AllocDirError> {
         check_id(&alloc.id)?;
-        make_dir(&self.root)?;
+        make_dir(&self.root, PRIVATE_MODE)?;
         let dir = self.dir(&alloc.id);
         // A spare holds a fresh region and no limits: the limits below complete it.
         if dir.symlink_metadata().is_err() && self.take_spare(&dir) {
@@ -182,13 +199,16 @@ impl AllocDirs {
                 .map_err(|source| AllocDirError::Limits { path: limits_path, source })?;
             return Ok(dir);
         }
-        make_dir(&dir)?;
+        make_dir(&dir, DIR_MODE)?;
         let limits_path = self.limits_path(&alloc.id);
         let rewrite = limits_path.symlink_metadata().is_ok();
         alloc
             .limits()
             .write_atomic(&limits_path)
             .map_err(|source| AllocDirError::Limits { path: limits_path, source })?;
+        if self.region_path(&alloc.id).symlink_metadata().is_err() {
+            make_region(&dir)?;
+        }
         let region = Region::open_or_create(&self.region_path(&alloc.id))?;
         if rewrite {
             region.bump_config_generation();
@@ -217,6 +237,7 @@ impl AllocDirs {
     pub fn remove(&self, id: &str) -> Result<bool, AllocDirError> {
         check_id(id)?;
         let dir = self.dir(id);
+        unmount_under(&dir);
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
@@ -281,30 +302,86 @@ fn make_spare(sp: &Spares) -> Result<PathBuf, AllocDirError> {
     let n = sp.seq.fetch_add(1, Ordering::Relaxed);
     let building = sp.dir.join(format!("{n}.tmp"));
     let ready = sp.dir.join(n.to_string());
+    unmount_under(&building);
     let _ = std::fs::remove_dir_all(&building);
-    make_dir(&building)?;
-    let made = Region::open_or_create(&building.join(REGION_FILE))
-        .map_err(AllocDirError::from)
-        .and_then(|_| std::fs::rename(&building, &ready).map_err(io_err(&ready, "rename into place")));
+    make_dir(&building, DIR_MODE)?;
+    let made = make_region(&building)
+        .and_then(|()| std::fs::rename(&building, &ready).map_err(io_err(&ready, "rename into place")));
     if let Err(e) = made {
+        unmount_under(&building);
         let _ = std::fs::remove_dir_all(&building);
         return Err(e);
     }
     Ok(ready)
 }
 
+/// Makes the region of allocation directory `dir`: in a tmpfs of its own exactly its size,
+/// bind-mounted onto `dir/region`; a plain file where this process may not mount.
+fn make_region(dir: &Path) -> Result<(), AllocDirError> {
+    let store = dir.join(REGION_STORE);
+    let target = dir.join(REGION_FILE);
+    make_dir(&store, PRIVATE_MODE)?;
+    match mount::capped_tmpfs(&store, tessera_region::LAYOUT_SIZE as u64) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(nix::libc::EPERM) => {
+            warn_uncapped(&e);
+            let _ = std::fs::remove_dir(&store);
+            Region::open_or_create(&target)?;
+            return Ok(());
+        }
+        Err(e) => return Err(io_err(&store, "mount a tmpfs for the region")(e)),
+    }
+    let made = (|| {
+        let inner = store.join(REGION_FILE);
+        drop(Region::open_or_create(&inner)?);
+        std::fs::File::create(&target).map_err(io_err(&target, "create the region's mount point"))?;
+        mount::bind(&inner, &target).map_err(io_err(&target, "bind-mount the region"))
+    })();
+    if made.is_err() {
+        unmount_under(dir);
+        let _ = std::fs::remove_file(&target);
+    }
+    made
+}
+
+/// Says once that regions are plain files (a container could grow its region).
+fn warn_uncapped(e: &std::io::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::warn!(
+            error = %e,
+            "cannot mount a size-capped tmpfs per region (tesserad needs CAP_SYS_ADMIN): regions are plain files, \
+             and a container could grow its own"
+        );
+    });
+}
+
+/// Detaches every mount at or below `dir` (deepest first), so the tree can be removed.
+fn unmount_under(dir: &Path) {
+    for point in mount::points_under(dir) {
+        if let Err(e) = mount::detach(&point) {
+            tracing::warn!(path = %point.display(), error = %e, "cannot unmount");
+        }
+    }
+}
+
 fn check_id(id: &str) -> Result<(), AllocDirError> {
     valid_id(id).map_err(|reason| AllocDirError::InvalidId { id: id.to_string(), reason })
 }
 
-/// Creates `dir` if missing and sets it to 0755 (the umask may have narrowed it).
-fn make_dir(dir: &Path) -> Result<(), AllocDirError> {
+/// Creates `dir` if missing and gives it `mode` (the umask may have narrowed it; an existing
+/// directory of a looser mode, from an older tesserad, is narrowed).
+fn make_dir(dir: &Path, mode: u32) -> Result<(), AllocDirError> {
     match std::fs::create_dir(dir) {
         Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
+            if dir.metadata().is_ok_and(|m| m.permissions().mode() & 0o7777 == mode) {
+                return Ok(());
+            }
+        }
         Err(e) => return Err(io_err(dir, "create directory")(e)),
     }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE)).map_err(io_err(dir, "chmod 0755"))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(io_err(dir, "chmod"))
 }
 
 #[cfg(test)]
@@ -331,18 +408,35 @@ mod tests {
         }
     }
 
+    fn is_root() -> bool {
+        nix::unistd::geteuid().is_root()
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<_> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        v.sort();
+        v
+    }
+
+    /// What an allocation directory holds: a region of its own in a capped tmpfs as root, a
+    /// plain file otherwise.
+    fn expected_names() -> Vec<&'static str> {
+        if is_root() { vec![".region", "limits", "region"] } else { vec!["limits", "region"] }
+    }
+
     fn mode(p: &Path) -> u32 {
         std::fs::metadata(p).unwrap().permissions().mode() & 0o777
     }
 
     #[test]
     fn create_update_remove() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dirs = AllocDirs::new(tmp.path());
         let mut a = alloc("0123456789abcdef");
         let dir = dirs.create(&a).unwrap();
         assert_eq!(dir, tmp.path().join("alloc/0123456789abcdef"));
-        assert_eq!(mode(dirs.root()), 0o755);
+        assert_eq!(mode(dirs.root()), 0o700, "no host user reaches any allocation");
         assert_eq!(mode(&dir), 0o755);
         assert_eq!(mode(&dirs.limits_path(&a.id)), 0o644);
         assert_eq!(mode(&dirs.region_path(&a.id)), 0o666);
@@ -367,10 +461,7 @@ mod tests {
         assert_eq!(region.config_generation(), g0 + 1, "the shim's handle sees the bump");
         assert_eq!(mode(&dirs.limits_path(&a.id)), 0o644);
         // No temporary files left beside them.
-        let mut names: Vec<_> =
-            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-        names.sort();
-        assert_eq!(names, ["limits", "region"]);
+        assert_eq!(names(&dir), expected_names());
 
         // Re-creating (a daemon restart) rewrites and bumps, keeping the region.
         dirs.create(&a).unwrap();
@@ -394,7 +485,7 @@ mod tests {
 
     #[test]
     fn spares_are_taken_and_refilled() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         // Leftovers of an earlier process are cleared.
         std::fs::create_dir_all(tmp.path().join("spare/7.tmp")).unwrap();
         let dirs = AllocDirs::new(tmp.path());
@@ -417,10 +508,8 @@ mod tests {
         assert_eq!(mode(&dirs.region_path(&a.id)), 0o666);
         assert_eq!(Limits::load(&dirs.limits_path(&a.id)).unwrap(), a.limits());
         let region = Region::open_or_create(&dirs.region_path(&a.id)).unwrap();
-        let mut names: Vec<_> =
-            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-        names.sort();
-        assert_eq!(names, ["limits", "region"]);
+        assert_eq!(names(&dir), expected_names());
+        assert_eq!(mode(&tmp.path().join("spare")), 0o700);
         assert_eq!(dirs.ids().unwrap(), ["fromspare"]);
 
         // Taken spares are replaced; each allocation gets a region of its own.
@@ -445,5 +534,87 @@ mod tests {
         assert!(!dirs.limits_path("x1").exists());
         assert!(matches!(dirs.remove("../x"), Err(AllocDirError::InvalidId { .. })));
         assert!(matches!(dirs.create(&alloc("a/b")), Err(AllocDirError::InvalidId { .. })));
+    }
+
+    /// Says SKIP (or fails under TESSERA_REQUIRE_RUNTIMES) where mounts cannot be made.
+    fn root_or_skip(why: &str) -> bool {
+        if is_root() {
+            return true;
+        }
+        assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+        println!("SKIP: {why}");
+        false
+    }
+
+    /// As a hostile container would: the region cannot be grown into the host's memory, replaced
+    /// or removed, and the limits beside it cannot be reached by an unprivileged host user.
+    #[test]
+    fn a_region_cannot_grow_and_host_users_reach_nothing() {
+        if !root_or_skip("regions in capped tmpfs need root") {
+            return;
+        }
+        use std::os::unix::fs::FileExt;
+        use std::os::unix::process::CommandExt;
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc("hostile");
+        let dir = dirs.create(&a).unwrap();
+        let region_path = dirs.region_path(&a.id);
+        let points = mount::points_under(&dir);
+        assert_eq!(points.len(), 2, "the region's tmpfs and its bind mount: {points:?}");
+
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&region_path).unwrap();
+        // Writing past the region's end: the tmpfs holds the region and nothing more.
+        let big = vec![0x5au8; 1 << 20];
+        let mut written = 0u64;
+        let err = loop {
+            match f.write_at(&big, tessera_region::LAYOUT_SIZE as u64 + written) {
+                Ok(n) => written += n as u64,
+                Err(e) => break e,
+            }
+            assert!(written < 8 << 20, "wrote {written} bytes past the region");
+        };
+        assert_eq!(err.raw_os_error(), Some(nix::libc::ENOSPC), "{err}");
+        // Not even the sparse trace ring's worth can be added: at most the region's own size.
+        assert!(written <= tessera_region::LAYOUT_SIZE as u64, "{written}");
+        // The region is a mount point: it cannot be removed or replaced.
+        assert_eq!(std::fs::remove_file(&region_path).unwrap_err().raw_os_error(), Some(nix::libc::EBUSY));
+        std::fs::write(dir.join("evil"), b"x").unwrap();
+        assert_eq!(std::fs::rename(dir.join("evil"), &region_path).unwrap_err().raw_os_error(), Some(nix::libc::EBUSY));
+
+        // An unprivileged host user reaches neither the limits nor the region.
+        for target in [dirs.limits_path(&a.id), region_path.clone(), dirs.root().to_path_buf()] {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg("ls \"$1\" >/dev/null && echo x >> \"$1\"")
+                .arg("sh")
+                .arg(&target)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            assert!(!out.status.success(), "nobody reached {}", target.display());
+            assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"), "{out:?}");
+        }
+
+        // Removing the allocation takes its mounts too.
+        assert!(dirs.remove(&a.id).unwrap());
+        assert!(mount::points_under(tmp.path()).is_empty());
+        assert!(!dir.exists());
+    }
+
+    /// A full runtime dir: the allocation fails with an error naming the file, nothing dies.
+    #[test]
+    fn a_full_runtime_dir_is_a_clear_error() {
+        let Some(fs) = tessera_region::testing::TestTmpfs::mount(256 << 10) else { return };
+        let dirs = AllocDirs::new(fs.path());
+        let first = alloc("before");
+        dirs.create(&first).unwrap();
+        fs.fill();
+        let err = dirs.create(&alloc("after")).unwrap_err().to_string();
+        assert!(err.contains("No space left") && err.contains("after"), "{err}");
+        // The allocation made before is intact.
+        assert_eq!(Limits::load(&dirs.limits_path(&first.id)).unwrap(), first.limits());
+        unmount_under(fs.path().join("alloc").as_path());
     }
 }

@@ -12,6 +12,7 @@
 pub mod alloc_dir;
 pub mod durable;
 pub mod journal;
+pub mod mount;
 pub mod record;
 pub mod store;
 

@@ -104,8 +104,36 @@ impl Drop for Daemon {
     }
 }
 
+/// Test directories whose mounts are detached when the test binary exits.
+static MOUNTED_DIRS: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Detaches, when this test binary exits, the mounts a daemon leaves under `dir`: each region is
+/// a tmpfs of its own (as root), and allocations outlive a killed daemon by design, so a plain
+/// removal of the temporary directory would leave them mounted. At exit, not at drop: a test may
+/// restart the daemon on the same directory.
+pub fn unmount_at_exit(dir: &Path) {
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    extern "C" fn detach_all() {
+        let dirs = MOUNTED_DIRS.lock().map(|d| d.clone()).unwrap_or_default();
+        for d in dirs {
+            tessera_daemon::state::mount::detach_all_under(&d);
+        }
+    }
+    // SAFETY: registers a plain extern "C" function with no arguments; it runs at exit, after
+    // every test, and only detaches mounts.
+    REGISTER.call_once(|| unsafe {
+        libc::atexit(detach_all);
+    });
+    if let Ok(mut d) = MOUNTED_DIRS.lock() {
+        d.push(dir.to_path_buf());
+    }
+}
+
 /// Starts the built `tesserad` on `node` with `config`, readiness to `notify`, stderr to `log`.
 pub fn spawn(node: &tessera_sim_testkit::SimNode, config: &Path, notify: &Path, log: &Path) -> (Daemon, Instant) {
+    if let Some(dir) = config.parent() {
+        unmount_at_exit(dir);
+    }
     let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
     let started = Instant::now();
     let child = node
