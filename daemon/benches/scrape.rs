@@ -120,7 +120,7 @@ fn main() {
             let slot = r.join().unwrap();
             for uuid in [&g, &h] {
                 let d = r.device(uuid).unwrap();
-                r.try_reserve(slot, d, (p as u64 + 1) << 20).unwrap();
+                r.try_reserve(slot, d, (p as u64 + 1) << 20, None).unwrap();
                 for _ in 0..10 {
                     r.record_launch(slot, d);
                 }

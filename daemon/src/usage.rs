@@ -375,10 +375,9 @@ mod tests {
         dirs.create(&a).unwrap();
         let p = Proc::join(&dirs, "a1");
         let ga = p.dev("GPU-aaaa");
-        p.region.set_memory_limit(ga, Some(2 << 30));
-        p.region.try_reserve(p.slot, ga, 300 << 20).unwrap();
+        p.region.try_reserve(p.slot, ga, 300 << 20, Some(2 << 30)).unwrap();
         p.region.release(p.slot, ga, 100 << 20);
-        assert!(p.region.try_reserve(p.slot, ga, 4 << 30).is_err());
+        assert!(p.region.try_reserve(p.slot, ga, 4 << 30, Some(2 << 30)).is_err());
         p.work("GPU-aaaa", 10, SEC / 2, 1000);
 
         let mut s = UsageSampler::new();
@@ -425,7 +424,7 @@ mod tests {
         let p1 = Proc::join(&dirs, "a2");
         let p2 = Proc::join(&dirs, "a2");
         let d1 = p1.dev("GPU-cccc");
-        p1.region.try_reserve(p1.slot, d1, 1000).unwrap();
+        p1.region.try_reserve(p1.slot, d1, 1000, None).unwrap();
         p1.work("GPU-cccc", 3, 300, 30);
         p2.work("GPU-cccc", 4, 400, 40);
 

@@ -91,9 +91,8 @@ fn prometheus_scrapes_exact_container_usage() {
     let region = Region::open_or_create(&dirs.region_path(&alloc.id)).unwrap();
     let slot = region.join().unwrap();
     let dev = region.device(GPU).unwrap();
-    region.set_memory_limit(dev, Some(2 << 30));
-    region.try_reserve(slot, dev, 300 * MIB).unwrap();
-    assert!(region.try_reserve(slot, dev, 4 << 30).is_err());
+    region.try_reserve(slot, dev, 300 * MIB, Some(2 << 30)).unwrap();
+    assert!(region.try_reserve(slot, dev, 4 << 30, Some(2 << 30)).is_err());
     for _ in 0..42 {
         region.record_launch(slot, dev);
     }

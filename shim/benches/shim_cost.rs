@@ -375,14 +375,7 @@ fn report_region() {
     let snap = region.snapshot();
     println!("\nRegion after the run:");
     for d in &snap.devices {
-        println!(
-            "  device {} ({}): memory limit {:?}, sm_percent {:?}, used {} MiB",
-            d.index,
-            d.uuid,
-            d.memory_limit,
-            d.sm_percent,
-            d.used >> 20
-        );
+        println!("  device {} ({}): used {} MiB, peak {} MiB", d.index, d.uuid, d.used >> 20, d.peak >> 20);
     }
     for p in &snap.processes {
         for d in &p.devices {

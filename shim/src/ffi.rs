@@ -100,6 +100,22 @@ pub(crate) struct MemAllocPropHead {
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 pub(crate) const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
 
+/// The fields of `CUarrayMapInfo` that say which physical allocation a sparse-array operation
+/// maps: operation (`CU_MEM_OPERATION_TYPE_MAP` = 1, `UNMAP` = 2), handle type (`GENERIC` = 0)
+/// and the handle; the rest as opaque bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct ArrayMapInfo {
+    pub _resource: [u64; 7],
+    pub mem_operation_type: c_uint,
+    pub mem_handle_type: c_uint,
+    pub mem_handle: u64,
+    pub _rest: [u64; 3],
+}
+
+pub(crate) const CU_MEM_OPERATION_TYPE_MAP: c_uint = 1;
+pub(crate) const CU_MEM_HANDLE_TYPE_GENERIC: c_uint = 0;
+
 // NVML.
 pub(crate) use nvml_wrapper_sys::bindings::{nvmlDevice_t as NvmlDevice, nvmlReturn_t as NvmlReturn};
 pub(crate) const NVML_SUCCESS: NvmlReturn = 0;
@@ -223,5 +239,10 @@ mod tests {
         assert_eq!(size_of::<NvmlMemoryV2>(), 40);
         assert_eq!(size_of::<NvmlProcessInfoV2>(), 24);
         assert_eq!(size_of::<NvmlProcessInfoV1>(), 16);
+        type Info = cudarc::driver::sys::CUarrayMapInfo;
+        assert_eq!(size_of::<ArrayMapInfo>(), size_of::<Info>());
+        assert_eq!(offset_of!(ArrayMapInfo, mem_operation_type), offset_of!(Info, memOperationType));
+        assert_eq!(offset_of!(ArrayMapInfo, mem_handle_type), offset_of!(Info, memHandleType));
+        assert_eq!(offset_of!(ArrayMapInfo, mem_handle), offset_of!(Info, memHandle));
     }
 }

@@ -41,14 +41,15 @@ fn limited(s: &ShimState, n: &RealNvml, device: NvmlDevice) -> Option<(usize, u6
     // SAFETY: a valid out-pointer; failure leaves 0.
     unsafe { (n.nvmlDeviceGetIndex)(device, &mut index) };
     let dev = s.device_of_uuid(uuid, index)?;
-    Some((dev, s.region.memory_limit(dev)?))
+    Some((dev, s.memory_limit(dev)?))
 }
 
 /// (total, used, free) of the container's view.
 fn view(s: &ShimState, dev: usize, limit: u64, real_total: u64, real_free: u64) -> (u64, u64, u64) {
     s.reap_for_query();
     let total = limit.min(real_total);
-    let used = s.region.used(dev);
+    // The region's total, never below what this process itself holds (the region is writable).
+    let used = s.region.used(dev).max(s.held(dev));
     let free = total.saturating_sub(used).min(real_free);
     (total, used, free)
 }

@@ -140,6 +140,12 @@ table! {
             cuMemAllocFromPoolAsync_ptsz(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
             cuMemFreeAsync(CUdeviceptr, CUstream);
             cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
+            cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
+            cuMemUnmap(CUdeviceptr, usize);
+            cuMemAddressFree(CUdeviceptr, usize);
+            cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
+            cuMemMapArrayAsync(*mut ArrayMapInfo, c_uint, CUstream);
+            cuMemMapArrayAsync_ptsz(*mut ArrayMapInfo, c_uint, CUstream);
             cuLaunchKernelEx(*const CUlaunchConfigHead, CUfunction, PP, PP);
             cuLaunchKernelEx_ptsz(*const CUlaunchConfigHead, CUfunction, PP, PP);
             cuStreamGetCtx_ptsz(CUstream, *mut CUcontext);

@@ -7,17 +7,25 @@
 //! config that cannot be read or is malformed prints exactly one line on stderr and disables
 //! CUDA for the process ([`ensure`] fails from then on: fail closed).
 //!
+//! Limits come only from what the container cannot write: the read-only limits file (or, standalone,
+//! the environment), parsed into this process's own memory. The region is shared with every
+//! process of the container, so nothing enforced is read from it: each process keeps its own copy
+//! of every device's memory limit and SM share, and never holds more than the limit by itself
+//! whatever the region's totals say.
+//!
 //! Live reload: the daemon rewrites the limits file atomically, then bumps the region's config
 //! generation. Every intercepted call compares the generation (one atomic load) with the one it
-//! last saw and re-reads the file when it moved; memory limits are copied into the region, so the
-//! next allocation in any process of the container sees them.
+//! last saw and re-reads the file when it moved. The generation is only a prompt (any process of
+//! the container can write it): the file is also looked at (one `stat`) at most once a second,
+//! and re-read when it was replaced, so holding the generation back delays a change by a second.
 
+use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 
-use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, Region, Slot, monotonic_ns};
+use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, MAX_DEVICES, Region, Slot, monotonic_ns};
 
 use crate::ffi::*;
 use crate::memory::Tracker;
@@ -37,6 +45,39 @@ enum Source {
 const MAX_ORDINALS: usize = 64;
 /// Size of the context → ordinal cache.
 const CTX_CACHE: usize = 512;
+/// The limits file is looked at (whatever the generation says) at most this often.
+const FILE_CHECK_NS: u64 = 1_000_000_000;
+/// Intercepted calls on a thread between two looks at the clock for that check.
+const FILE_CHECK_CALLS: u32 = 256;
+
+/// What identifies one version of the limits file: the daemon replaces it by a rename.
+#[derive(Clone, Copy, PartialEq, Eq, Default)]
+struct FileStamp {
+    ino: u64,
+    mtime_ns: i128,
+    size: u64,
+}
+
+fn stamp(path: &std::path::Path) -> Option<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(FileStamp {
+        ino: m.ino(),
+        mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+        size: m.size(),
+    })
+}
+
+/// The limits this process enforces per region device, from its own parsed copy of the limits
+/// (never from the region).
+struct Enforced {
+    /// Memory limit + 1; 0: none.
+    memory: [AtomicU64; MAX_DEVICES],
+    /// SM share in percent; 0: none.
+    sm_percent: [AtomicU32; MAX_DEVICES],
+    /// What this process holds per device (its own tally, beside its region slot's).
+    held: [AtomicU64; MAX_DEVICES],
+}
 
 /// A device this process has seen: its CUDA ordinal (if seen through CUDA), the index its
 /// `index:N` limits entry would have, its UUID and its region index.
@@ -57,6 +98,10 @@ pub(crate) struct ShimState {
     limits: AtomicPtr<Limits>,
     seen_generation: AtomicU64,
     reload_lock: Mutex<()>,
+    /// The limits file as last read, and when it was last looked at.
+    file_stamp: Mutex<Option<FileStamp>>,
+    file_checked_ns: AtomicU64,
+    enforced: Enforced,
     /// Whether any limits source is configured (else NVML and memory queries pass through).
     pub(crate) configured: bool,
     /// CUDA ordinal → region device index + 1 (0: not mapped yet).
@@ -82,31 +127,66 @@ impl ShimState {
         }
     }
 
-    /// Re-reads the limits if the daemon bumped the config generation. One atomic load when not.
+    /// Re-reads the limits if the daemon bumped the config generation, or (looked at once a
+    /// second) the file was replaced. One atomic load and a thread-local count when neither.
     #[inline]
     pub(crate) fn refresh(&self) {
         let g = self.region.config_generation();
         if g != self.seen_generation.load(Relaxed) {
-            self.reload(g);
+            self.reload(Some(g));
+            return;
+        }
+        thread_local!(static CALLS: Cell<u32> = const { Cell::new(0) });
+        let n = CALLS.with(|c| {
+            let n = c.get().wrapping_add(1);
+            c.set(n);
+            n
+        });
+        if n.is_multiple_of(FILE_CHECK_CALLS) {
+            self.check_file();
         }
     }
 
+    /// Re-reads the limits file if it was replaced since it was read (at most once a second).
     #[cold]
-    fn reload(&self, g: u64) {
+    fn check_file(&self) {
+        let Source::File(path) = &self.source else { return };
+        let now = monotonic_ns();
+        let last = self.file_checked_ns.load(Relaxed);
+        if now.saturating_sub(last) < FILE_CHECK_NS
+            || self.file_checked_ns.compare_exchange(last, now, Relaxed, Relaxed).is_err()
+        {
+            return;
+        }
+        let seen = *self.file_stamp.lock().unwrap_or_else(|e| e.into_inner());
+        if stamp(path) != seen {
+            self.reload(None);
+        }
+    }
+
+    /// Re-reads the limits file; `g`: the generation that prompted it.
+    #[cold]
+    fn reload(&self, g: Option<u64>) {
         let Ok(_guard) = self.reload_lock.try_lock() else { return };
-        if self.seen_generation.load(Acquire) == g {
+        if g.is_some_and(|g| self.seen_generation.load(Acquire) == g) {
             return;
         }
         if let Source::File(path) = &self.source {
+            let before = stamp(path);
             match Limits::load(path) {
-                Ok(l) => self.install(l),
+                Ok(l) => {
+                    self.install(l);
+                    *self.file_stamp.lock().unwrap_or_else(|e| e.into_inner()) = before;
+                }
                 Err(e) => eprintln!("tessera: {e}; keeping the previous limits"),
             }
         }
-        self.seen_generation.store(g, Release);
+        if let Some(g) = g {
+            self.seen_generation.store(g, Release);
+        }
     }
 
-    /// Makes `l` the current limits and copies them into the region for every known device.
+    /// Makes `l` the current limits and applies them to every known device.
     fn install(&self, l: Limits) {
         let p = Arc::into_raw(Arc::new(l)).cast_mut();
         self.limits.store(p, Release);
@@ -116,14 +196,29 @@ impl ShimState {
         }
     }
 
-    /// Copies the device's limits into the region.
+    /// Sets the device's enforced limits from the current limits.
     fn apply(&self, k: &Known) {
         let p = self.limits.load(Acquire);
         // SAFETY: as in `limits`: the pointee is never freed.
         let l = unsafe { &*p };
         let d = l.device(&k.uuid, k.index);
-        self.region.set_memory_limit(k.dev, d.and_then(|d| d.memory_limit));
-        self.region.set_sm_percent(k.dev, d.and_then(|d| d.sm_percent));
+        let (Some(memory), Some(sm)) = (self.enforced.memory.get(k.dev), self.enforced.sm_percent.get(k.dev)) else {
+            return;
+        };
+        memory.store(d.and_then(|d| d.memory_limit).map_or(0, |m| m.saturating_add(1)), Release);
+        sm.store(d.and_then(|d| d.sm_percent).unwrap_or(0), Release);
+    }
+
+    /// The memory limit this process enforces on a region device (`None`: none).
+    #[inline]
+    pub(crate) fn memory_limit(&self, dev: usize) -> Option<u64> {
+        self.enforced.memory.get(dev)?.load(Acquire).checked_sub(1)
+    }
+
+    /// The SM share (percent) this process enforces on a region device (`None`: none).
+    #[inline]
+    pub(crate) fn sm_percent(&self, dev: usize) -> Option<u32> {
+        Some(self.enforced.sm_percent.get(dev)?.load(Acquire)).filter(|&p| p != 0)
     }
 
     /// The region device index of a CUDA ordinal (mapping it on first sight).
@@ -273,17 +368,30 @@ impl ShimState {
         }
     }
 
-    /// Reserves `bytes` on a device for this process; on a denial, reclaims dead processes'
-    /// usage and tries once more. False: over the limit.
+    /// Reserves `bytes` on a device for this process, within the limit of its own copy of the
+    /// limits: this process alone never passes it (its own tally), and the container's total in
+    /// the region does not either (on a denial, dead processes' usage is reclaimed and the
+    /// reservation tried once more). False: over the limit.
     pub(crate) fn reserve(&self, dev: usize, bytes: u64) -> bool {
         if bytes == 0 {
             return true;
         }
-        if self.region.try_reserve(self.slot, dev, bytes).is_ok() {
+        let Some(held) = self.enforced.held.get(dev) else { return false };
+        let limit = self.memory_limit(dev);
+        let own =
+            held.fetch_update(AcqRel, Acquire, |h| h.checked_add(bytes).filter(|&t| limit.is_none_or(|l| t <= l)));
+        if own.is_err() {
+            return false;
+        }
+        if self.region.try_reserve(self.slot, dev, bytes, limit).is_ok() {
             return true;
         }
         self.region.reap();
-        self.region.try_reserve(self.slot, dev, bytes).is_ok()
+        if self.region.try_reserve(self.slot, dev, bytes, limit).is_ok() {
+            return true;
+        }
+        held.fetch_sub(bytes, AcqRel);
+        false
     }
 
     /// Reclaims dead processes' usage before a memory query reports it, at most every 100 ms
@@ -301,8 +409,16 @@ impl ShimState {
     /// Returns `bytes` reserved on a device.
     pub(crate) fn refund(&self, dev: usize, bytes: u64) {
         if bytes > 0 {
+            if let Some(held) = self.enforced.held.get(dev) {
+                let _ = held.fetch_update(AcqRel, Acquire, |h| Some(h.saturating_sub(bytes)));
+            }
             self.region.release(self.slot, dev, bytes);
         }
+    }
+
+    /// What this process holds on a device, by its own tally.
+    pub(crate) fn held(&self, dev: usize) -> u64 {
+        self.enforced.held.get(dev).map_or(0, |h| h.load(Acquire))
     }
 }
 
@@ -399,7 +515,18 @@ fn make() -> Result<ShimState, String> {
     };
     let slot = region.join().map_err(|e| format!("tessera: joining the region: {e}; CUDA disabled"))?;
     let generation = region.config_generation();
+    let file_stamp = match &source {
+        Source::File(p) => stamp(p),
+        _ => None,
+    };
     Ok(ShimState {
+        file_stamp: Mutex::new(file_stamp),
+        file_checked_ns: AtomicU64::new(monotonic_ns()),
+        enforced: Enforced {
+            memory: [const { AtomicU64::new(0) }; MAX_DEVICES],
+            sm_percent: [const { AtomicU32::new(0) }; MAX_DEVICES],
+            held: [const { AtomicU64::new(0) }; MAX_DEVICES],
+        },
         limits: AtomicPtr::new(Arc::into_raw(Arc::new(limits)).cast_mut()),
         seen_generation: AtomicU64::new(generation),
         reload_lock: Mutex::new(()),

@@ -8,10 +8,11 @@
 //!   read from a TOML file the daemon rewrites atomically, or from `TESSERA_*` environment variables
 //!   when the shim runs standalone. Every error names the key (or variable) and the reason.
 //! - [`region`]: a fixed-layout mapped file made only of atomics: per device the container's total
-//!   and its limits, per process a slot with its usage and counters. Reserving memory is one CAS on
-//!   the device total; a process's liveness is an open-file-description lock the kernel drops at
-//!   death, so a SIGKILLed process's memory is returned by whoever reaps, and no process-shared lock
-//!   exists that a dead process could leave held.
+//!   (never its limits: the region is the container's to write), per process a slot with its
+//!   usage and counters. Reserving memory is one CAS on the device total; a process's liveness is
+//!   an open-file-description lock the kernel drops at death, so a SIGKILLed process's memory is
+//!   returned by whoever reaps, and no process-shared lock exists that a dead process could leave
+//!   held.
 //! - [`guard`]: a SIGBUS guard, so that a region file shrunk under its mappings (any process of
 //!   the container can `ftruncate` it) turns the region to zeros in the mappers instead of
 //!   killing them, the daemon among them.

@@ -1,8 +1,14 @@
 //! The accounting region: one container's shared, fixed-layout, atomics-only mapped file.
 //!
 //! Every process of the container maps it (through `libtessera.so`), and so does the daemon. It
-//! holds per device the container's total memory use, its limits (the hot-path mirror of the
-//! limits file) and the compute limiter's bucket; per process a slot with its usage and counters.
+//! holds per device the container's total memory use, a context-size hint and the compute
+//! limiter's bucket; per process a slot with its usage and counters.
+//!
+//! # Not a source of limits
+//! Every process of the container can write the whole region. Limits are therefore never read
+//! from it: [`Region::try_reserve`] takes the limit from its caller (the shim's private copy of
+//! the read-only limits file). What a container writes here can disturb its own accounting and
+//! reports, never another container's limit; the daemon enforces from the driver's own numbers.
 //! The layout is [`Shared`]: `#[repr(C)]`, [`LAYOUT_SIZE`] bytes, checked by magic, version and
 //! size on open.
 //!
@@ -54,7 +60,7 @@ pub const MAX_UUID_LEN: usize = 64;
 /// `b"TSREGION"`, first 8 bytes of every region file.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSREGION");
 /// Bumped on every layout change.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// Size of the region file in bytes.
 pub const LAYOUT_SIZE: usize = std::mem::size_of::<Shared>();
 /// Slot `i`'s liveness lock is on byte `LIVENESS_BASE + i`, far past the mapped data.
@@ -106,10 +112,12 @@ pub struct DeviceEntry {
     pub key: AtomicU64,
     /// Bytes of `uuid` (0 until written; written after `key`, identically by anyone).
     pub uuid_len: AtomicU32,
-    /// SM share in percent; 0: none.
-    pub sm_percent: AtomicU32,
-    /// Memory limit in bytes + 1; 0: none.
-    pub memory_limit: AtomicU64,
+    /// Version 2's SM share mirror; unused since version 3 (limits are never read from here).
+    pub _retired: AtomicU32,
+    /// Bytes a CUDA context took on this device when a process of the container last measured
+    /// one (0: none yet): what the next context reserves before it is created. A hint only —
+    /// any process may write it; readers bound it and true the reservation up to the measurement.
+    pub context_hint: AtomicU64,
     /// The container's bytes on the device (≥ the sum of its slots').
     pub used: AtomicU64,
     /// Highest `used` seen.
@@ -618,36 +626,25 @@ impl Region {
         String::from_utf8(bytes[..len].to_vec()).ok()
     }
 
-    /// Sets the memory limit the hot path enforces (the mirror of the limits file); `None`: no limit.
-    /// A limit below the current use refuses new reservations until enough is released.
-    pub fn set_memory_limit(&self, dev: usize, limit: Option<u64>) {
-        if let Some(e) = self.shared().devices.get(dev) {
-            e.memory_limit.store(limit.map_or(0, |l| l.saturating_add(1)), Relaxed);
+    /// The context-size hint of device `dev` (0: none); see [`DeviceEntry::context_hint`].
+    pub fn context_hint(&self, dev: usize) -> u64 {
+        self.shared().devices.get(dev).map_or(0, |d| d.context_hint.load(Relaxed))
+    }
+
+    pub fn set_context_hint(&self, dev: usize, bytes: u64) {
+        if let Some(d) = self.shared().devices.get(dev) {
+            d.context_hint.store(bytes, Relaxed);
         }
     }
 
-    pub fn memory_limit(&self, dev: usize) -> Option<u64> {
-        let raw = self.shared().devices.get(dev)?.memory_limit.load(Relaxed);
-        raw.checked_sub(1)
-    }
-
-    pub fn set_sm_percent(&self, dev: usize, pct: Option<u32>) {
-        if let Some(e) = self.shared().devices.get(dev) {
-            e.sm_percent.store(pct.unwrap_or(0), Relaxed);
-        }
-    }
-
-    pub fn sm_percent(&self, dev: usize) -> Option<u32> {
-        Some(self.shared().devices.get(dev)?.sm_percent.load(Relaxed)).filter(|&p| p != 0)
-    }
-
-    /// Reserves `bytes` on device `dev` for `slot`'s process. Lock-free: a CAS raises the device
-    /// total unless that would pass the limit, THEN the slot (and its peak) is raised; a process
-    /// killed in between leaves the total too high (until [`Region::reconcile`]), never too low.
-    /// On refusal, counts an OOM denial on the slot and returns the total and the limit. An
-    /// out-of-range slot or device is refused.
+    /// Reserves `bytes` on device `dev` for `slot`'s process, within `limit` (`None`: no limit):
+    /// the caller's, never a value from the region, which the container can write. Lock-free: a
+    /// CAS raises the device total unless that would pass the limit, THEN the slot (and its peak)
+    /// is raised; a process killed in between leaves the total too high (until
+    /// [`Region::reconcile`]), never too low. On refusal, counts an OOM denial on the slot and
+    /// returns the total and the limit. An out-of-range slot or device is refused.
     #[inline]
-    pub fn try_reserve(&self, slot: Slot, dev: usize, bytes: u64) -> Result<(), Denied> {
+    pub fn try_reserve(&self, slot: Slot, dev: usize, bytes: u64, limit: Option<u64>) -> Result<(), Denied> {
         let s = self.shared();
         let (Some(d), Some(p)) = (s.devices.get(dev), s.slots.get(slot.index)) else {
             return Err(Denied { used: 0, limit: 0 });
@@ -656,7 +653,6 @@ impl Region {
         // SeqCst throughout: reconcile reasons about the order of the guard, the total and the
         // slot (on x86 every read-modify-write is SeqCst anyway).
         p.inflight.fetch_add(OP_START, SeqCst);
-        let limit = d.memory_limit.load(Relaxed).checked_sub(1);
         let total = match limit {
             None => d.used.fetch_add(bytes, SeqCst).saturating_add(bytes),
             Some(limit) => {
@@ -899,8 +895,6 @@ impl Region {
                 (e.key.load(Acquire) != 0).then(|| DeviceSnapshot {
                     index: i,
                     uuid: self.device_uuid(i).unwrap_or_default(),
-                    memory_limit: self.memory_limit(i),
-                    sm_percent: self.sm_percent(i),
                     used: e.used.load(Relaxed),
                     peak: e.peak.load(Relaxed),
                 })
@@ -972,8 +966,6 @@ pub struct Snapshot {
 pub struct DeviceSnapshot {
     pub index: usize,
     pub uuid: String,
-    pub memory_limit: Option<u64>,
-    pub sm_percent: Option<u32>,
     /// The container's total.
     pub used: u64,
     pub peak: u64,
@@ -1174,17 +1166,17 @@ mod tests {
     fn reserve_up_to_the_limit_exactly() {
         let r = Region::anonymous().unwrap();
         let dev = r.device("GPU-a").unwrap();
-        r.set_memory_limit(dev, Some(1000));
+        let limit = Some(1000);
         let me = r.join().unwrap();
-        assert_eq!(r.try_reserve(me, dev, 600), Ok(()));
-        assert_eq!(r.try_reserve(me, dev, 400), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 600, limit), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 400, limit), Ok(()));
         assert_eq!(r.used(dev), 1000);
-        assert_eq!(r.try_reserve(me, dev, 1), Err(Denied { used: 1000, limit: 1000 }));
-        assert_eq!(r.try_reserve(me, dev, u64::MAX), Err(Denied { used: 1000, limit: 1000 }));
+        assert_eq!(r.try_reserve(me, dev, 1, limit), Err(Denied { used: 1000, limit: 1000 }));
+        assert_eq!(r.try_reserve(me, dev, u64::MAX, limit), Err(Denied { used: 1000, limit: 1000 }));
         assert_eq!(r.used(dev), 1000);
         r.release(me, dev, 400);
         assert_eq!((r.used(dev), r.slot_used(me, dev)), (600, 600));
-        assert_eq!(r.try_reserve(me, dev, 400), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 400, limit), Ok(()));
         // Never more than the slot holds.
         r.release(me, dev, 5000);
         assert_eq!((r.used(dev), r.slot_used(me, dev)), (0, 0));
@@ -1197,12 +1189,9 @@ mod tests {
         assert_eq!((p.devices[0].peak, p.devices[0].oom_denials), (1000, 2));
 
         // A limit below the use refuses until enough is released; None lifts it.
-        assert_eq!(r.try_reserve(me, dev, 800), Ok(()));
-        r.set_memory_limit(dev, Some(500));
-        assert_eq!(r.try_reserve(me, dev, 1), Err(Denied { used: 800, limit: 500 }));
-        r.set_memory_limit(dev, None);
-        assert_eq!(r.memory_limit(dev), None);
-        assert_eq!(r.try_reserve(me, dev, 1 << 40), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 800, limit), Ok(()));
+        assert_eq!(r.try_reserve(me, dev, 1, Some(500)), Err(Denied { used: 800, limit: 500 }));
+        assert_eq!(r.try_reserve(me, dev, 1 << 40, None), Ok(()));
         assert_eq!(r.used(dev), 800 + (1 << 40));
     }
 
@@ -1210,13 +1199,13 @@ mod tests {
     fn bad_indices_are_harmless() {
         let r = Region::anonymous().unwrap();
         let me = r.join().unwrap();
-        assert_eq!(r.try_reserve(me, MAX_DEVICES, 1), Err(Denied { used: 0, limit: 0 }));
-        assert!(r.try_reserve(Slot { index: MAX_PROCS }, 0, 1).is_err());
+        assert_eq!(r.try_reserve(me, MAX_DEVICES, 1, None), Err(Denied { used: 0, limit: 0 }));
+        assert!(r.try_reserve(Slot { index: MAX_PROCS }, 0, 1, None).is_err());
         r.release(me, MAX_DEVICES, 1);
         r.record_launch(me, MAX_DEVICES);
         r.record_gpu_time(Slot { index: MAX_PROCS }, 0, 1);
-        r.set_memory_limit(MAX_DEVICES, Some(1));
-        assert_eq!(r.memory_limit(MAX_DEVICES), None);
+        r.set_context_hint(MAX_DEVICES, 1);
+        assert_eq!(r.context_hint(MAX_DEVICES), 0);
         assert_eq!(r.used(MAX_DEVICES), 0);
         assert_eq!(r.device_uuid(MAX_DEVICES), None);
     }
@@ -1235,11 +1224,8 @@ mod tests {
         assert_eq!(b.device(long_mig).unwrap(), 2);
         assert_eq!(a.device_uuid(2).as_deref(), Some(long_mig));
 
-        a.set_memory_limit(0, Some(8 << 30));
-        a.set_sm_percent(0, Some(30));
-        assert_eq!((b.memory_limit(0), b.sm_percent(0)), (Some(8 << 30), Some(30)));
-        a.set_sm_percent(0, None);
-        assert_eq!(b.sm_percent(0), None);
+        a.set_context_hint(0, 300 << 20);
+        assert_eq!((b.context_hint(0), b.context_hint(1)), (300 << 20, 0));
 
         for i in 3..MAX_DEVICES {
             assert_eq!(a.device(&format!("GPU-{i}")).unwrap(), i);
@@ -1333,10 +1319,10 @@ mod tests {
         let (_dir, path, daemon) = file_region();
         let dev = daemon.device("GPU-a").unwrap();
         let mine = daemon.join().unwrap();
-        daemon.try_reserve(mine, dev, 10).unwrap();
+        daemon.try_reserve(mine, dev, 10, None).unwrap();
         let other = Region::open_or_create(&path).unwrap();
         let s = other.join().unwrap();
-        other.try_reserve(s, dev, 1000).unwrap();
+        other.try_reserve(s, dev, 1000, None).unwrap();
         other.record_launch(s, dev);
         assert_eq!(daemon.reap(), 0, "live slots are not reaped");
         assert_eq!(other.reap(), 0, "nor our own");
@@ -1386,11 +1372,9 @@ mod tests {
         let r = Region::open_or_create(&path).unwrap();
         let d0 = r.device("GPU-0").unwrap();
         let d1 = r.device("GPU-1").unwrap();
-        daemon.set_memory_limit(d1, Some(100));
-        daemon.set_sm_percent(d1, Some(40));
         let me = r.join().unwrap();
-        r.try_reserve(me, d1, 60).unwrap();
-        r.try_reserve(me, d1, 50).unwrap_err();
+        r.try_reserve(me, d1, 60, Some(100)).unwrap();
+        r.try_reserve(me, d1, 50, Some(100)).unwrap_err();
         r.record_launch(me, d1);
         r.record_launch(me, d1);
         r.record_gpu_time(me, d1, 5000);
@@ -1402,17 +1386,7 @@ mod tests {
         let snap = daemon.snapshot();
         assert!(snap.trace_requested);
         assert_eq!(snap.devices.len(), 2);
-        assert_eq!(
-            snap.devices[d1],
-            DeviceSnapshot {
-                index: d1,
-                uuid: "GPU-1".into(),
-                memory_limit: Some(100),
-                sm_percent: Some(40),
-                used: 60,
-                peak: 60,
-            }
-        );
+        assert_eq!(snap.devices[d1], DeviceSnapshot { index: d1, uuid: "GPU-1".into(), used: 60, peak: 60 });
         assert_eq!(snap.processes.len(), 1);
         let p = &snap.processes[0];
         assert_eq!((p.slot, p.pid, p.host_pid), (me.index, std::process::id(), 4242));
@@ -1480,7 +1454,6 @@ mod tests {
         const LIMIT: u64 = 1 << 20;
         let (_dir, path, daemon) = file_region();
         let dev = daemon.device("GPU-shared").unwrap();
-        daemon.set_memory_limit(dev, Some(LIMIT));
         let regions: Vec<Arc<Region>> =
             (0..HANDLES).map(|_| Arc::new(Region::open_or_create(&path).unwrap())).collect();
         let slots: Vec<Slot> = regions.iter().map(|r| r.join().unwrap()).collect();
@@ -1519,7 +1492,7 @@ mod tests {
                         for _ in 0..20_000 {
                             if mine.len() < 16 && next() % 3 != 0 {
                                 let bytes = 1 + next() % (LIMIT / 16);
-                                match r.try_reserve(slot, dev, bytes) {
+                                match r.try_reserve(slot, dev, bytes, Some(LIMIT)) {
                                     Ok(()) => mine.push(bytes),
                                     Err(d) => {
                                         assert!(d.used + bytes > d.limit && d.limit == LIMIT);
@@ -1561,7 +1534,7 @@ mod tests {
         let r = Region::open_or_create(&path).unwrap();
         let dev = r.device("GPU-a").unwrap();
         let me = r.join().unwrap();
-        r.try_reserve(me, dev, 500).unwrap();
+        r.try_reserve(me, dev, 500, None).unwrap();
         assert_eq!(daemon.reconcile(), 0, "nothing to return");
         // A process killed after raising the total, before raising its slot, in the middle of
         // its operation (guard busy): in doubt, left alone.
@@ -1611,7 +1584,7 @@ mod tests {
                             let r = Region::open_or_create(&path).unwrap();
                             let slot = r.join().unwrap();
                             assert!(live.lock().unwrap().insert(slot.index), "slot {} given twice", slot.index);
-                            r.try_reserve(slot, dev, 7).unwrap();
+                            r.try_reserve(slot, dev, 7, None).unwrap();
                             assert_eq!(r.slot_used(slot, dev), 7);
                             live.lock().unwrap().remove(&slot.index);
                             drop(r);
@@ -1637,13 +1610,12 @@ mod tests {
     fn reserve_release_cost() {
         let r = Region::anonymous().unwrap();
         let dev = r.device("GPU-a").unwrap();
-        r.set_memory_limit(dev, Some(1 << 40));
         let me = r.join().unwrap();
         let n = 2_000_000u64;
         let t = std::time::Instant::now();
         for i in 0..n {
             let b = std::hint::black_box(4096 + (i & 1));
-            r.try_reserve(me, dev, b).unwrap();
+            r.try_reserve(me, dev, b, Some(1 << 40)).unwrap();
             r.release(me, dev, b);
         }
         let ns = t.elapsed().as_nanos() as f64 / n as f64;

@@ -149,6 +149,9 @@ trace_funcs! {
     cuDevicePrimaryCtxReset_v2, cuDevicePrimaryCtxReset,
     cuLaunchKernel, cuLaunchKernel_ptsz, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz,
     cuLaunchKernelEx, cuLaunchKernelEx_ptsz, cuGraphLaunch, cuGraphLaunch_ptsz,
+    // Appended, so earlier ids keep their meaning.
+    cuMemMap, cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle, cuMemMapArrayAsync,
+    cuMemMapArrayAsync_ptsz,
 }
 
 impl TraceFunc {

@@ -67,7 +67,8 @@ fn child_entry() {
     let slot = r.join().unwrap();
     let words: Vec<&str> = role.split_whitespace().collect();
     match words.as_slice() {
-        ["reserve", bytes] => match r.try_reserve(slot, dev, bytes.parse().unwrap()) {
+        // The limits are the callers' (the shim's private copy of the limits file).
+        ["reserve", bytes] => match r.try_reserve(slot, dev, bytes.parse().unwrap(), Some(1 << 30)) {
             Ok(()) => println!("ready ok {}", slot.index),
             Err(d) => println!("ready denied {} {}", d.used, d.limit),
         },
@@ -79,7 +80,7 @@ fn child_entry() {
                     loop {
                         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                         let b = 1 + (x >> 33) % max;
-                        if r.try_reserve(slot, dev, b).is_ok() {
+                        if r.try_reserve(slot, dev, b, Some(4 * max)).is_ok() {
                             r.release(slot, dev, b);
                         }
                     }
@@ -98,7 +99,6 @@ fn a_killed_process_is_reaped_and_its_memory_returned() {
     let path = dir.path().join("region");
     let daemon = Region::open_or_create(&path).unwrap();
     let dev = daemon.device(DEVICE).unwrap();
-    daemon.set_memory_limit(dev, Some(1 << 30));
 
     let (a, words) = child("reserve 700000000", &path);
     assert_eq!(words[0], "ok");
@@ -137,7 +137,6 @@ fn a_process_killed_mid_operation_is_reconciled_exactly() {
     let path = dir.path().join("region");
     let daemon = Region::open_or_create(&path).unwrap();
     let dev = daemon.device(DEVICE).unwrap();
-    daemon.set_memory_limit(dev, Some(4 * MAX));
     let mut in_doubt = 0;
     for round in 0..6 {
         let (c, _) = child(&format!("churn {THREADS} {MAX}"), &path);

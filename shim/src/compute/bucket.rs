@@ -22,6 +22,12 @@ pub fn share_ppm(percent: u32) -> i64 {
 /// that whole tokens were earned for is consumed, so frequent refills lose nothing to rounding.
 pub fn refill(b: &ComputeBucket, now: u64, ppm: i64) {
     let last = b.refill_ns.load(Acquire);
+    if last > now.saturating_add(CAP_WINDOW_NS as u64) {
+        // A stamp from the future was written by hand (the region is the container's to write):
+        // start over from now rather than never refill again.
+        let _ = b.refill_ns.compare_exchange(last, now, AcqRel, Relaxed);
+        return;
+    }
     if last >= now {
         return;
     }
@@ -44,7 +50,12 @@ pub fn refill(b: &ComputeBucket, now: u64, ppm: i64) {
 
 /// Takes `cost` ns if the balance allows a launch now; else how long to wait (ns) for it to.
 pub fn try_take(b: &ComputeBucket, cost: i64, ppm: i64) -> Result<(), u64> {
-    let t = b.tokens_ns.load(Acquire);
+    let mut t = b.tokens_ns.load(Acquire);
+    let cap = (CAP_WINDOW_NS * ppm / 1_000_000).max(0);
+    if t > cap {
+        // More than the bucket can ever hold was written by hand: no more than the cap counts.
+        t = b.tokens_ns.fetch_min(cap, AcqRel).min(cap);
+    }
     if t >= 0 {
         b.tokens_ns.fetch_sub(cost, AcqRel);
         return Ok(());
@@ -94,6 +105,28 @@ mod tests {
         refill(&b, 1, ppm);
         refill(&b, 10_000_000_001, ppm);
         assert_eq!(b.tokens_ns.load(Relaxed), CAP_WINDOW_NS / 2);
+    }
+
+    /// What a hostile process of the container writes into its bucket buys no more than the
+    /// burst cap: a huge balance counts as the cap, a refill stamp from the future starts over.
+    #[test]
+    fn hand_written_balances_and_stamps_are_bounded() {
+        let b = bucket();
+        let ppm = share_ppm(10);
+        let cap = CAP_WINDOW_NS / 10;
+        b.tokens_ns.store(i64::MAX, Relaxed);
+        b.refill_ns.store(u64::MAX, Relaxed);
+        let now = 5_000_000_000;
+        refill(&b, now, ppm);
+        assert_eq!(b.refill_ns.load(Relaxed), now, "the stamp starts over");
+        let mut taken = 0;
+        while try_take(&b, 1_000_000, ppm).is_ok() {
+            taken += 1_000_000;
+            assert!(taken <= cap + 1_000_000, "took {taken} ns without earning them");
+        }
+        assert_eq!(taken, cap + 1_000_000, "the cap, then one launch into debt");
+        refill(&b, now + 1_000_000, ppm);
+        assert!(try_take(&b, 1, ppm).is_err(), "still in debt: 1 ms earns 0.1 ms at 10%");
     }
 
     #[test]

@@ -99,7 +99,7 @@ fn the_ledger() -> Option<&'static ledger::Ledger> {
 pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<Launch>) -> Gate {
     let Some(st) = state::get() else { return Gate::PASS };
     st.region.record_launch(st.slot, dev);
-    let share = st.region.sm_percent(dev).filter(|&p| p < 100);
+    let share = st.sm_percent(dev).filter(|&p| p < 100);
     let p = policy(st);
     if share.is_none() && p.priority == Priority::Normal {
         return match trace {
@@ -203,7 +203,7 @@ fn throttle(
                 waited += now_ns() - now;
                 // The share may have changed, or been lifted, while we slept.
                 st.refresh();
-                match st.region.sm_percent(dev).filter(|&p| p < 100) {
+                match st.sm_percent(dev).filter(|&p| p < 100) {
                     Some(p) => pct = p,
                     None => break 0,
                 }

@@ -41,6 +41,7 @@ macro_rules! hooks {
 use memory::alloc;
 use memory::context;
 use memory::info;
+use memory::vmm;
 
 hooks! {
     alloc::cuArray3DCreate,
@@ -72,6 +73,7 @@ hooks! {
     launch::cuLaunchKernelEx,
     launch::cuLaunchKernelEx_ptsz,
     launch::cuLaunchKernel_ptsz,
+    vmm::cuMemAddressFree,
     alloc::cuMemAlloc,
     alloc::cuMemAllocAsync,
     alloc::cuMemAllocAsync_ptsz,
@@ -81,14 +83,19 @@ hooks! {
     alloc::cuMemAllocPitch,
     alloc::cuMemAllocPitch_v2,
     alloc::cuMemAlloc_v2,
-    alloc::cuMemCreate,
+    vmm::cuMemCreate,
     alloc::cuMemFree,
     alloc::cuMemFreeAsync,
     alloc::cuMemFreeAsync_ptsz,
     alloc::cuMemFree_v2,
     info::cuMemGetInfo,
     info::cuMemGetInfo_v2,
-    alloc::cuMemRelease,
+    vmm::cuMemMap,
+    vmm::cuMemMapArrayAsync,
+    vmm::cuMemMapArrayAsync_ptsz,
+    vmm::cuMemRelease,
+    vmm::cuMemRetainAllocationHandle,
+    vmm::cuMemUnmap,
     nvml_view::nvmlDeviceGetComputeRunningProcesses,
     nvml_view::nvmlDeviceGetComputeRunningProcesses_v2,
     nvml_view::nvmlDeviceGetComputeRunningProcesses_v3,

@@ -51,6 +51,7 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuLaunchKernel", 7000, true, "cuLaunchKernel_ptsz"),
     ("cuLaunchKernelEx", 11060, false, "cuLaunchKernelEx"),
     ("cuLaunchKernelEx", 11060, true, "cuLaunchKernelEx_ptsz"),
+    ("cuMemAddressFree", 10020, false, "cuMemAddressFree"),
     ("cuMemAlloc", 2000, false, "cuMemAlloc"),
     ("cuMemAlloc", 3020, false, "cuMemAlloc_v2"),
     ("cuMemAllocAsync", 11020, false, "cuMemAllocAsync"),
@@ -67,7 +68,12 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuMemFreeAsync", 11020, true, "cuMemFreeAsync_ptsz"),
     ("cuMemGetInfo", 2000, false, "cuMemGetInfo"),
     ("cuMemGetInfo", 3020, false, "cuMemGetInfo_v2"),
+    ("cuMemMap", 10020, false, "cuMemMap"),
+    ("cuMemMapArrayAsync", 11010, false, "cuMemMapArrayAsync"),
+    ("cuMemMapArrayAsync", 11010, true, "cuMemMapArrayAsync_ptsz"),
     ("cuMemRelease", 10020, false, "cuMemRelease"),
+    ("cuMemRetainAllocationHandle", 11000, false, "cuMemRetainAllocationHandle"),
+    ("cuMemUnmap", 10020, false, "cuMemUnmap"),
 ];
 
 /// The CUDA version [`VERSIONS`] is complete for.

@@ -1,7 +1,7 @@
 //! The allocation families: reserve in the region, call the driver, roll back if it fails,
 //! remember the charge; frees refund it.
 
-use std::ffi::{c_uint, c_void};
+use std::ffi::c_uint;
 
 use super::{Charge, Kind};
 use crate::ffi::*;
@@ -370,43 +370,6 @@ pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstrea
         // SAFETY: the caller's arguments, passed on unchanged.
         refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
     })
-}
-
-// ---- Virtual memory management ---------------------------------------------------------------
-
-/// # Safety
-/// As cuda.h's `cuMemCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemCreate(
-    handle: *mut CUmemGenericAllocationHandle,
-    size: usize,
-    prop: *const c_void,
-    flags: u64,
-) -> CUresult {
-    hook(TraceFunc::cuMemCreate, |s, cu| {
-        let prop = prop.cast::<MemAllocPropHead>();
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
-        // SAFETY: prop is null or the caller's CUmemAllocationProp, whose head this reads.
-        let Some(p) = (unsafe { get(prop) }) else { return call() };
-        // Only device memory counts (host-located physical memory is not the GPU's).
-        if p.location_type != CU_MEM_LOCATION_TYPE_DEVICE {
-            return call();
-        }
-        let Some(dev) = s.device_of_ordinal(p.location_id) else { return call() };
-        // SAFETY: the driver wrote the handle (it succeeded).
-        let made = || unsafe { get(handle) };
-        charged(Reserved { s, dev, ctx: 0 }, size as u64, Kind::Physical, &s.mem.physical, call, made)
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemRelease`. The charge is refunded when the handle is released (memory still
-/// mapped stays counted by the driver until unmapped; Tessera counts it free at release).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemRelease, |s, cu| refunded(s, &s.mem.physical, handle, || unsafe { (cu.cuMemRelease)(handle) }))
 }
 
 // ---- Arrays ----------------------------------------------------------------------------------

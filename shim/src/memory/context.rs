@@ -1,14 +1,24 @@
-//! Contexts' own device memory: measured around each context's creation (the driver's free
-//! memory before and after, less what this process allocated meanwhile) and charged like an
-//! allocation; refunded when the context is destroyed, or the primary context released for the
-//! last time. Destroying a context also frees the allocations made in it: their charges go too.
+//! Contexts' own device memory: reserved BEFORE the driver creates the context (an estimate),
+//! then trued up to what the creation measured (the driver's figures before and after, less what
+//! this process allocated meanwhile): the excess is refunded; a shortfall is reserved, and if it
+//! does not fit the context is destroyed and the answer is `CUDA_ERROR_OUT_OF_MEMORY`. So the
+//! container's total never passes its limit while contexts are being made, however many
+//! processes start at once. Refunded when the context is destroyed, or the primary context
+//! released for the last time. Destroying a context also frees the allocations made in it: their
+//! charges go too.
+//!
+//! The estimate is what the last context measured in this container took on the device (the
+//! region's `context_hint`, published by whoever measured it), [`DEFAULT_ESTIMATE`] before any
+//! was, and never less than [`FLOOR`] nor more than [`CEILING`]: the hint is writable by the
+//! container's processes, so a hostile writer can only make its own container's reservations
+//! somewhat bigger or smaller for the moment before the true-up.
 //!
 //! The best reading is this process's own usage in NVML's process list (other processes
 //! allocating meanwhile do not disturb it); where NVML does not list us under our pid (a PID
 //! namespace), the device's free memory: by `cuMemGetInfo` in a context this process already has
 //! on the device, else by NVML (the first context on a device has no context to ask in). Both
 //! readings of a pair come from the same source. Without NVML and without an earlier context,
-//! the overhead is not charged.
+//! nothing can be measured and the estimate stays charged.
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::Ordering::*;
@@ -19,6 +29,21 @@ use crate::ffi::*;
 use crate::real::{self, RealCuda};
 use crate::state::ShimState;
 use tessera_region::TraceFunc;
+
+const MIB: u64 = 1 << 20;
+/// The least a context is reserved before it is made: about the smallest a current driver's
+/// context takes on a data-center GPU (and the simulated node's default).
+pub(crate) const FLOOR: u64 = 256 * MIB;
+/// Reserved for a context before any was measured in the container: above what current drivers'
+/// contexts take (a few hundred MiB), so the first ones err on the side of the limit.
+pub(crate) const DEFAULT_ESTIMATE: u64 = 512 * MIB;
+/// No hint above this is believed.
+pub(crate) const CEILING: u64 = 2 << 30;
+
+/// What to reserve for a new context on a region device, from the container's hint.
+pub(crate) fn estimate(hint: u64) -> u64 {
+    if hint == 0 { DEFAULT_ESTIMATE } else { hint.clamp(FLOOR, CEILING) }
+}
 
 /// How a device's memory is read around a context's creation.
 #[derive(Clone, Copy)]
@@ -120,9 +145,11 @@ fn own_usage(h: NvmlDevice) -> Option<u64> {
     None
 }
 
-/// Creates a context with `create` (which returns the driver's result and, on success, the
-/// context), measures its overhead and charges it. Over the limit, `undo` destroys the context
-/// and the answer is `CUDA_ERROR_OUT_OF_MEMORY`. The caller holds the lifecycle lock.
+/// Reserves a context's estimated overhead, creates it with `create` (which returns the driver's
+/// result and, on success, the context), measures its overhead and trues the charge up to it.
+/// Over the limit (before, or after when it took more than estimated), the answer is
+/// `CUDA_ERROR_OUT_OF_MEMORY`; `undo` destroys a context made meanwhile. The caller holds the
+/// lifecycle lock.
 fn charge_creation(
     s: &ShimState,
     cu: &RealCuda,
@@ -132,28 +159,44 @@ fn charge_creation(
     primary: bool,
 ) -> CUresult {
     let Some(dev) = s.device_of_ordinal(ordinal) else { return create().0 };
+    let reserved = estimate(s.region.context_hint(dev));
+    if !s.reserve(dev, reserved) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     let probe = Probe::for_device(s, ordinal, dev);
     let before = probe.read(cu);
-    let own_before = s.region.slot_used(s.slot, dev);
+    let own_before = s.held(dev);
     let (rc, ctx) = create();
-    let Some(ctx) = ctx.filter(|_| rc == CUDA_SUCCESS) else { return rc };
+    let Some(ctx) = ctx.filter(|_| rc == CUDA_SUCCESS) else {
+        s.refund(dev, reserved);
+        return rc;
+    };
     s.remember_context(ctx, ordinal);
     if primary && let Some(p) = s.mem.primaries.get(ordinal as usize) {
         p.store(ctx as u64, Release);
     }
     let after = probe.read(cu);
     // What this process allocated meanwhile (other threads) is not the context's.
-    let meanwhile = s.region.slot_used(s.slot, dev).saturating_sub(own_before);
-    let overhead = match (before, after) {
-        (Reading { own: Some(b), .. }, Reading { own: Some(a), .. }) if a > 0 => a.saturating_sub(b),
-        (Reading { free: Some(b), .. }, Reading { free: Some(a), .. }) => b.saturating_sub(a),
-        _ => 0,
+    let meanwhile = s.held(dev).saturating_sub(own_before);
+    let measured = match (before, after) {
+        (Reading { own: Some(b), .. }, Reading { own: Some(a), .. }) if a > 0 => Some(a.saturating_sub(b)),
+        (Reading { free: Some(b), .. }, Reading { free: Some(a), .. }) => Some(b.saturating_sub(a)),
+        _ => None,
     }
-    .saturating_sub(meanwhile);
-    if !s.reserve(dev, overhead) {
+    .map(|m| m.saturating_sub(meanwhile));
+    // Unmeasurable: the estimate stays charged.
+    let overhead = measured.unwrap_or(reserved);
+    if overhead > reserved && !s.reserve(dev, overhead - reserved) {
         undo(ctx);
         s.forget_context(ctx);
+        s.refund(dev, reserved);
         return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if overhead < reserved {
+        s.refund(dev, reserved - overhead);
+    }
+    if let Some(m) = measured.filter(|&m| m > 0) {
+        s.region.set_context_hint(dev, m);
     }
     s.mem.contexts.insert(ctx as u64, Charge { dev, bytes: overhead, ctx: ctx as usize, kind: Kind::Context });
     rc

@@ -1,6 +1,7 @@
-//! `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU: total = the limit, free = the
-//! limit less what the whole container holds (never more than the GPU really has free). Devices
-//! without a limit answer as the driver does.
+//! `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU: total = the limit (this
+//! process's own copy of it, never the region's), free = the limit less what the whole container
+//! holds (never more than the GPU really has free). Devices without a limit answer as the driver
+//! does.
 
 use std::ffi::c_uint;
 
@@ -11,11 +12,13 @@ use tessera_region::TraceFunc;
 
 /// (free, total) as the container sees a device, from the driver's figures.
 pub(crate) fn virtual_view(s: &ShimState, dev: usize, real_free: u64, real_total: u64) -> (u64, u64) {
-    let Some(limit) = s.region.memory_limit(dev) else { return (real_free, real_total) };
+    let Some(limit) = s.memory_limit(dev) else { return (real_free, real_total) };
     // Dead processes' memory is reclaimed before it is reported.
     s.reap_for_query();
     let total = limit.min(real_total);
-    let free = total.saturating_sub(s.region.used(dev)).min(real_free);
+    // The region's total, never below what this process itself holds (the region is writable).
+    let used = s.region.used(dev).max(s.held(dev));
+    let free = total.saturating_sub(used).min(real_free);
     (free, total)
 }
 
@@ -73,7 +76,7 @@ pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> 
 
 /// The limit-capped total of a device (by CUDA ordinal).
 fn capped_total(s: &ShimState, ordinal: CUdevice, real_total: u64) -> u64 {
-    match s.device_of_ordinal(ordinal).and_then(|d| s.region.memory_limit(d)) {
+    match s.device_of_ordinal(ordinal).and_then(|d| s.memory_limit(d)) {
         Some(limit) => limit.min(real_total),
         None => real_total,
     }

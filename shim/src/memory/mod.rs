@@ -1,9 +1,11 @@
 //! Device-memory limits: every allocation family is reserved in the region before the driver is
 //! called and rolled back if the driver fails; frees refund exactly what was charged.
 //!
-//! - [`alloc`]: linear memory (`cuMemAlloc*`, pitched, managed), stream-ordered allocations, the
-//!   virtual-memory API's physical allocations, arrays;
-//! - [`context`]: each context's own overhead (measured around its creation);
+//! - [`alloc`]: linear memory (`cuMemAlloc*`, pitched, managed), stream-ordered allocations,
+//!   arrays;
+//! - [`vmm`]: the virtual-memory API's physical allocations, charged until released and unmapped;
+//! - [`context`]: each context's own overhead (reserved before it is created, trued up to what
+//!   it measured);
 //! - [`info`]: `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU.
 //!
 //! The [`Tracker`] remembers each live charge (device pointer, array, physical allocation or
@@ -14,6 +16,7 @@
 pub(crate) mod alloc;
 pub(crate) mod context;
 pub(crate) mod info;
+pub(crate) mod vmm;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -30,8 +33,6 @@ pub(crate) enum Kind {
     Async,
     /// A CUDA array: freed with its context.
     Array,
-    /// A physical allocation (`cuMemCreate`): not tied to a context.
-    Physical,
     /// A context's own overhead.
     Context,
 }
@@ -146,8 +147,8 @@ pub(crate) struct Tracker {
     pub ptrs: Sharded,
     /// CUDA array handles.
     pub arrays: Sharded,
-    /// Physical allocation handles.
-    pub physical: Sharded,
+    /// Physical allocations and their mappings.
+    pub vmm: vmm::Vmm,
     /// Contexts' own overhead, by context handle.
     pub contexts: Sharded,
     /// The primary context handle of each CUDA ordinal (0: not seen).
@@ -162,7 +163,7 @@ impl Tracker {
         Tracker {
             ptrs: Sharded::new(),
             arrays: Sharded::new(),
-            physical: Sharded::new(),
+            vmm: vmm::Vmm::new(),
             contexts: Sharded::new(),
             primaries: [const { std::sync::atomic::AtomicU64::new(0) }; 64],
             lifecycle: Mutex::new(()),

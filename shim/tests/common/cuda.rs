@@ -55,6 +55,11 @@ api! {
     cuMemAllocManaged(*mut u64, usize, c_uint);
     cuMemCreate(*mut u64, usize, *const MemAllocProp, u64);
     cuMemRelease(u64);
+    cuMemAddressReserve(*mut u64, usize, usize, u64, u64);
+    cuMemAddressFree(u64, usize);
+    cuMemMap(u64, usize, usize, u64, u64);
+    cuMemUnmap(u64, usize);
+    cuMemRetainAllocationHandle(*mut u64, *mut c_void);
     cuMemAllocAsync(*mut u64, usize, H);
     cuMemFreeAsync(u64, H);
     cuMemAllocFromPoolAsync(*mut u64, usize, H, H);

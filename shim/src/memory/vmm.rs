@@ -1,0 +1,371 @@
+//! The virtual-memory API's physical allocations: charged from `cuMemCreate` until the driver
+//! frees them, which is when every handle to them is released AND every mapping of them is gone
+//! (the driver keeps a released allocation alive while it is mapped; CUDA's memMap samples
+//! release right after mapping).
+//!
+//! Per physical handle this process created, [`Vmm`] counts the handle references (`cuMemCreate`
+//! and each `cuMemRetainAllocationHandle`, less each `cuMemRelease`) and the mappings
+//! (`cuMemMap`, less `cuMemUnmap` and `cuMemAddressFree` of the ranges they lie in); the charge is
+//! refunded when both reach zero. A handle mapped into a sparse array (`cuMemMapArrayAsync`) stays
+//! charged until the process ends: array tiles are not tracked one by one, so Tessera errs on the
+//! side of charging. Handles imported from another process (`cuMemImportFromShareableHandle`)
+//! are the exporter's charge: they are not charged again, and their mappings are not tracked.
+//!
+//! Bookkeeping and driver call happen under one lock, so a handle value the driver frees and
+//! hands out again can never be confused with the old one (virtual-memory calls are rare).
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_uint, c_void};
+use std::sync::{Mutex, MutexGuard};
+
+use super::alloc::hook;
+use crate::ffi::*;
+use crate::state::ShimState;
+use tessera_region::TraceFunc;
+
+/// One physical allocation this process created and was charged for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Physical {
+    dev: usize,
+    bytes: u64,
+    /// Handle references not yet released.
+    handles: u32,
+    /// Live mappings of it in this process.
+    mappings: u32,
+    /// Mapped into a sparse array: kept charged until the process ends.
+    in_array: bool,
+}
+
+impl Physical {
+    fn freed(&self) -> bool {
+        self.handles == 0 && self.mappings == 0 && !self.in_array
+    }
+}
+
+/// A charge to give back: (region device, bytes).
+pub(crate) type Refund = (usize, u64);
+
+#[derive(Default)]
+pub(crate) struct Books {
+    physical: HashMap<u64, Physical>,
+    /// Mappings of charged handles: start address → (size, handle).
+    mappings: BTreeMap<u64, (u64, u64)>,
+}
+
+impl Books {
+    fn created(&mut self, handle: u64, dev: usize, bytes: u64) {
+        let p = Physical { dev, bytes, handles: 1, mappings: 0, in_array: false };
+        self.physical.insert(handle, p);
+    }
+
+    /// One more handle reference (`cuMemRetainAllocationHandle`), if the handle is ours.
+    fn retained(&mut self, handle: u64) {
+        if let Some(p) = self.physical.get_mut(&handle) {
+            p.handles += 1;
+        }
+    }
+
+    /// A handle reference released: the refund if that freed the allocation.
+    fn released(&mut self, handle: u64) -> Option<Refund> {
+        let p = self.physical.get_mut(&handle)?;
+        p.handles = p.handles.saturating_sub(1);
+        self.collect(handle)
+    }
+
+    fn mapped(&mut self, va: u64, size: u64, handle: u64) {
+        if let Some(p) = self.physical.get_mut(&handle) {
+            p.mappings += 1;
+            self.mappings.insert(va, (size, handle));
+        }
+    }
+
+    /// Every tracked mapping starting in `[va, va + size)` is gone: the refunds it frees.
+    fn unmapped(&mut self, va: u64, size: u64) -> Vec<Refund> {
+        let end = va.saturating_add(size);
+        let gone: Vec<(u64, u64)> = self.mappings.range(va..end).map(|(&a, &(_, h))| (a, h)).collect();
+        let mut out = Vec::new();
+        for (a, h) in gone {
+            self.mappings.remove(&a);
+            if let Some(p) = self.physical.get_mut(&h) {
+                p.mappings = p.mappings.saturating_sub(1);
+            }
+            out.extend(self.collect(h));
+        }
+        out
+    }
+
+    fn mapped_into_array(&mut self, handle: u64) {
+        if let Some(p) = self.physical.get_mut(&handle) {
+            p.in_array = true;
+        }
+    }
+
+    fn collect(&mut self, handle: u64) -> Option<Refund> {
+        let p = *self.physical.get(&handle)?;
+        if !p.freed() {
+            return None;
+        }
+        self.physical.remove(&handle);
+        Some((p.dev, p.bytes))
+    }
+
+    /// What is charged for physical allocations (for tests).
+    #[cfg(test)]
+    fn charged(&self) -> u64 {
+        self.physical.values().map(|p| p.bytes).sum()
+    }
+}
+
+/// This process's physical allocations and their mappings.
+pub(crate) struct Vmm {
+    books: Mutex<Books>,
+}
+
+impl Vmm {
+    pub(crate) fn new() -> Vmm {
+        Vmm { books: Mutex::new(Books::default()) }
+    }
+
+    fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn refund_all(s: &ShimState, refunds: impl IntoIterator<Item = Refund>) {
+    for (dev, bytes) in refunds {
+        crate::trace::note(dev, bytes);
+        s.refund(dev, bytes);
+    }
+}
+
+/// # Safety
+/// As cuda.h's `cuMemCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const std::ffi::c_void,
+    flags: u64,
+) -> CUresult {
+    hook(TraceFunc::cuMemCreate, |s, cu| {
+        let prop = prop.cast::<MemAllocPropHead>();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
+        // SAFETY: prop is null or the caller's CUmemAllocationProp, whose head this reads.
+        let Some(p) = (unsafe { get(prop) }) else { return call() };
+        // Only device memory counts (host-located physical memory is not the GPU's).
+        if p.location_type != CU_MEM_LOCATION_TYPE_DEVICE || size == 0 {
+            return call();
+        }
+        let Some(dev) = s.device_of_ordinal(p.location_id) else { return call() };
+        let bytes = size as u64;
+        crate::trace::note(dev, bytes);
+        if !s.reserve(dev, bytes) {
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        let mut books = s.mem.vmm.books();
+        let rc = call();
+        // SAFETY: the driver wrote the handle (it succeeded).
+        match (rc, unsafe { get(handle) }) {
+            (CUDA_SUCCESS, Some(h)) => books.created(h, dev, bytes),
+            _ => s.refund(dev, bytes),
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemRelease`. The charge goes back once the allocation is also unmapped.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    hook(TraceFunc::cuMemRelease, |s, cu| {
+        let mut books = s.mem.vmm.books();
+        // SAFETY: the caller's argument, passed on unchanged.
+        let rc = unsafe { (cu.cuMemRelease)(handle) };
+        let refund = if rc == CUDA_SUCCESS { books.released(handle) } else { None };
+        drop(books);
+        refund_all(s, refund);
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemRetainAllocationHandle`: one more reference to release.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CUresult {
+    hook(TraceFunc::cuMemRetainAllocationHandle, |s, cu| {
+        let Some(f) = cu.cuMemRetainAllocationHandle else { return CUDA_ERROR_NOT_SUPPORTED };
+        let mut books = s.mem.vmm.books();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(handle, addr) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the driver wrote the handle (it succeeded).
+            if let Some(h) = unsafe { get(handle) } {
+                books.retained(h);
+            }
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemMap`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    hook(TraceFunc::cuMemMap, |s, cu| {
+        let Some(f) = cu.cuMemMap else { return CUDA_ERROR_NOT_SUPPORTED };
+        let mut books = s.mem.vmm.books();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(ptr, size, offset, handle, flags) };
+        if rc == CUDA_SUCCESS {
+            books.mapped(ptr, size as u64, handle);
+        }
+        rc
+    })
+}
+
+/// Unmaps (or frees) a virtual range: its mappings are gone, and with them maybe allocations.
+fn unmapping(s: &ShimState, ptr: CUdeviceptr, size: usize, call: impl FnOnce() -> CUresult) -> CUresult {
+    let mut books = s.mem.vmm.books();
+    let rc = call();
+    let refunds = if rc == CUDA_SUCCESS { books.unmapped(ptr, size as u64) } else { Vec::new() };
+    drop(books);
+    refund_all(s, refunds);
+    rc
+}
+
+/// # Safety
+/// As cuda.h's `cuMemUnmap`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    hook(TraceFunc::cuMemUnmap, |s, cu| {
+        let Some(f) = cu.cuMemUnmap else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unmapping(s, ptr, size, || unsafe { f(ptr, size) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemAddressFree` (a driver may drop the range's mappings with it).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    hook(TraceFunc::cuMemAddressFree, |s, cu| {
+        let Some(f) = cu.cuMemAddressFree else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        unmapping(s, ptr, size, || unsafe { f(ptr, size) })
+    })
+}
+
+/// Marks every charged handle `list` maps into a sparse array, then calls the driver.
+///
+/// # Safety
+/// `list` must be null or hold `count` `CUarrayMapInfo` entries (the caller's contract).
+unsafe fn array_mapping(
+    s: &ShimState,
+    list: *mut ArrayMapInfo,
+    count: c_uint,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let mut books = s.mem.vmm.books();
+    let rc = call();
+    if rc == CUDA_SUCCESS && !list.is_null() {
+        for i in 0..count as usize {
+            // SAFETY: the caller's array of `count` entries (contract); read, not kept.
+            let Some(e) = (unsafe { get(list.add(i).cast_const()) }) else { break };
+            if e.mem_operation_type == CU_MEM_OPERATION_TYPE_MAP && e.mem_handle_type == CU_MEM_HANDLE_TYPE_GENERIC {
+                books.mapped_into_array(e.mem_handle);
+            }
+        }
+    }
+    rc
+}
+
+/// # Safety
+/// As cuda.h's `cuMemMapArrayAsync`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMapArrayAsync(list: *mut ArrayMapInfo, count: c_uint, stream: CUstream) -> CUresult {
+    hook(TraceFunc::cuMemMapArrayAsync, |s, cu| {
+        let Some(f) = cu.cuMemMapArrayAsync else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
+        unsafe { array_mapping(s, list, count, || f(list, count, stream)) }
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMemMapArrayAsync_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMapArrayAsync_ptsz(list: *mut ArrayMapInfo, count: c_uint, stream: CUstream) -> CUresult {
+    hook(TraceFunc::cuMemMapArrayAsync_ptsz, |s, cu| {
+        let Some(f) = cu.cuMemMapArrayAsync_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
+        unsafe { array_mapping(s, list, count, || f(list, count, stream)) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn released_but_mapped_stays_charged_until_unmapped() {
+        let mut b = Books::default();
+        b.created(7, 0, 512 * MIB);
+        b.mapped(0x1000_0000, 512 * MIB, 7);
+        assert_eq!(b.released(7), None, "still mapped");
+        assert_eq!(b.charged(), 512 * MIB);
+        assert_eq!(b.unmapped(0x1000_0000, 512 * MIB), vec![(0, 512 * MIB)]);
+        assert_eq!(b.charged(), 0);
+        assert_eq!(b.released(7), None, "a second release of a gone handle refunds nothing");
+    }
+
+    #[test]
+    fn every_mapping_and_every_retained_reference_counts() {
+        let mut b = Books::default();
+        b.created(1, 2, 4 * MIB);
+        b.mapped(0x10_0000, 2 * MIB, 1);
+        b.mapped(0x90_0000, 2 * MIB, 1);
+        b.retained(1);
+        assert_eq!(b.released(1), None);
+        assert_eq!(b.unmapped(0x10_0000, 2 * MIB), vec![], "one mapping left, one handle");
+        assert_eq!(b.released(1), None, "one mapping left");
+        assert_eq!(b.unmapped(0x90_0000, 2 * MIB), vec![(2, 4 * MIB)]);
+    }
+
+    #[test]
+    fn one_unmap_may_cover_several_mappings_and_only_those() {
+        let mut b = Books::default();
+        for (h, va) in [(1u64, 0x100_0000u64), (2, 0x120_0000), (3, 0x140_0000)] {
+            b.created(h, 0, 2 * MIB);
+            b.mapped(va, 2 * MIB, h);
+            assert_eq!(b.released(h), None);
+        }
+        let mut r = b.unmapped(0x100_0000, 4 * MIB);
+        r.sort();
+        assert_eq!(r, vec![(0, 2 * MIB), (0, 2 * MIB)]);
+        assert_eq!(b.charged(), 2 * MIB, "the third, outside the range, stays");
+    }
+
+    #[test]
+    fn unknown_handles_pass_through_and_array_mappings_stay_charged() {
+        let mut b = Books::default();
+        b.mapped(0x100_0000, 2 * MIB, 99);
+        b.retained(99);
+        assert_eq!(b.released(99), None, "imported: not ours to refund");
+        assert!(b.mappings.is_empty());
+        b.created(5, 0, 2 * MIB);
+        b.mapped_into_array(5);
+        assert_eq!(b.released(5), None, "mapped into a sparse array: charged until exit");
+        assert_eq!(b.charged(), 2 * MIB);
+    }
+}
