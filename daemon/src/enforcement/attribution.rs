@@ -188,7 +188,7 @@ mod tests {
             format!("/system.slice/containerd.service/kubepods-besteffort-pod1.slice:cri-containerd:{CID}"),
             format!("/tessera-test/{}", CID.to_ascii_uppercase()),
         ] {
-            assert_eq!(index.owners(7, &[path.clone()], never), Some((vec![0], Via::Cgroup)), "{path}");
+            assert_eq!(index.owners(7, std::slice::from_ref(&path), never), Some((vec![0], Via::Cgroup)), "{path}");
         }
     }
 
@@ -203,7 +203,7 @@ mod tests {
             "/".to_string(),
             "/user.slice/session-3.scope".to_string(),
         ] {
-            assert_eq!(index.owners(7, &[path.clone()], never), None, "{path}");
+            assert_eq!(index.owners(7, std::slice::from_ref(&path), never), None, "{path}");
         }
     }
 

@@ -72,7 +72,7 @@ pub enum Decision {
 pub fn victims(processes: &[Holding], limit: u64) -> Vec<Holding> {
     let mut total: u64 = processes.iter().map(|p| p.used).sum();
     let mut newest_first = processes.to_vec();
-    newest_first.sort_by(|a, b| (b.start, b.pid).cmp(&(a.start, a.pid)));
+    newest_first.sort_by_key(|p| std::cmp::Reverse((p.start, p.pid)));
     let mut out = Vec::new();
     for p in newest_first {
         if total <= limit {
