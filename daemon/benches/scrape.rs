@@ -35,6 +35,7 @@ impl Node {
             allocations: self.allocations.len(),
             events_total: 1234,
             faults_total: 2,
+            enforcement: Default::default(),
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod api;
 pub mod cdi;
 pub mod config;
 pub mod discovery;
+pub mod enforcement;
 pub mod events;
 pub mod health;
 pub mod kubelet;

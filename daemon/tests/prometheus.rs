@@ -49,6 +49,7 @@ impl MetricsSource for Source1 {
             allocations: self.allocations.len(),
             events_total: 5,
             faults_total: 0,
+            enforcement: Default::default(),
         }
     }
 }

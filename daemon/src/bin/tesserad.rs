@@ -197,6 +197,13 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             cfg.health.clone(),
             shutdown_rx.clone(),
         );
+        // Memory limits from NVML's per-process figures: the second line behind the shim.
+        let enforcement = Arc::new(tessera_daemon::enforcement::Stats::default());
+        let enforce_task = tessera_daemon::enforcement::Enforcer::spawn(
+            Arc::clone(&controller),
+            Arc::clone(&enforcement),
+            shutdown_rx.clone(),
+        );
         // Which pod holds each allocation, from the kubelet's pod-resources API (off when empty).
         let podres_task = (!cfg.pod_resources_socket.as_os_str().is_empty()).then(|| {
             tessera_daemon::podresources::spawn(
@@ -218,7 +225,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }) {
                 Ok(listener) => {
                     tracing::info!(address = %addr, "metrics listening");
-                    let source = Arc::new(telemetry::NodeSource::new(Arc::clone(&controller)));
+                    let source = Arc::new(
+                        telemetry::NodeSource::new(Arc::clone(&controller)).with_enforcement(Arc::clone(&enforcement)),
+                    );
                     Some(tokio::spawn(telemetry::serve(listener, source, shutdown_rx.clone())))
                 }
                 Err(e) => {
@@ -231,7 +240,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let otlp = match &cfg.telemetry.otlp_endpoint {
             None => None,
             Some(endpoint) => {
-                let source = Arc::new(telemetry::NodeSource::new(Arc::clone(&controller)));
+                let source = Arc::new(
+                    telemetry::NodeSource::new(Arc::clone(&controller)).with_enforcement(Arc::clone(&enforcement)),
+                );
                 let options = telemetry::OtlpOptions::from_env();
                 match telemetry::otlp::start(endpoint, source, controller.events(), shutdown_rx.clone(), options) {
                     Ok(exporter) => Some(exporter),
@@ -306,6 +317,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         }
         if tokio::time::timeout(STOP_GRACE, health_task).await.is_err() {
             tracing::warn!("the health monitor did not stop in time");
+        }
+        if tokio::time::timeout(STOP_GRACE, enforce_task).await.is_err() {
+            tracing::warn!("the enforcement loop did not stop in time");
         }
         if let Some(task) = podres_task
             && tokio::time::timeout(STOP_GRACE, task).await.is_err()

@@ -52,6 +52,8 @@ pub struct Config {
     pub telemetry: Telemetry,
     /// GPU health checking.
     pub health: Health,
+    /// Memory limits enforced from the driver's per-process figures (kill or report).
+    pub enforcement: crate::enforcement::Settings,
     /// Defaults for the limits of shares (what `libtessera.so` enforces).
     pub limits: ShareLimits,
     /// How containers get their devices: the CDI specs written for container runtimes.
@@ -74,6 +76,7 @@ impl Default for Config {
             resources: Resources::default(),
             telemetry: Telemetry::default(),
             health: Health::default(),
+            enforcement: crate::enforcement::Settings::default(),
             limits: ShareLimits::default(),
             injection: Injection::default(),
             partitions: BTreeMap::new(),

@@ -1,12 +1,12 @@
 //! Reloading: which keys changed between two configurations, which of them the running daemon
-//! can apply live (partitions, limits, health, share placement) and which wait for a restart
+//! can apply live (partitions, limits, health, enforcement, share placement) and which wait for a restart
 //! (library, paths, sockets, names, listeners). The effective configuration takes the live changes
 //! and keeps the running values of the rest.
 
 use super::Config;
 
 /// Keys (and everything under them) that can change while the daemon runs.
-const LIVE: &[&str] = &["partitions", "limits", "health", "resources.share_placement"];
+const LIVE: &[&str] = &["partitions", "limits", "health", "enforcement", "resources.share_placement"];
 
 /// When a change takes effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +63,7 @@ pub fn reload(old: &Config, new: &Config) -> Reload {
     effective.partitions = new.partitions.clone();
     effective.limits = new.limits.clone();
     effective.health = new.health.clone();
+    effective.enforcement = new.enforcement.clone();
     effective.resources.share_placement = new.resources.share_placement;
     Reload { changes, effective }
 }

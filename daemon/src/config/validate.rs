@@ -88,6 +88,7 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
             format!("XID {x} is also in health.ignored_xids; an XID is either ignored or fatal"),
         ));
     }
+    crate::enforcement::settings::validate(&c.enforcement)?;
     if tessera_region::ComputeMode::from_name(&c.limits.compute_mode).is_none() {
         return Err(ConfigError::new(
             "limits.compute_mode",

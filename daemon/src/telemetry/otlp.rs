@@ -23,14 +23,22 @@
 //!   `tessera.container.throttled.time` (s), `tessera.container.oom.denials`;
 //! - per container: `tessera.container.processes`;
 //! - per node: `tessera.allocations` (gauge), `tessera.events`, `tessera.faults` (counters since
-//!   the daemon started).
+//!   the daemon started);
+//! - enforcement: `tessera.container.limit.breaches` (counter per allocation and device: the
+//!   container attributes above, `gpu.uuid`, `tessera.device.id`, `tessera.enforcement.action`;
+//!   Prometheus names it `tessera_container_limit_breaches_total`) and
+//!   `tessera.unattributed.gpu.processes` (gauge).
 //!
 //! Logs: every event published on the [`EventBus`] after the exporter starts becomes one log
 //! record (event name `tessera.event`): severity from the event's (critical is ERROR), body the
 //! message, timestamp the event's, attributes `event.kind` (`FAULT`, `RECOVERY`,
-//! `HEALTH_CHANGED`, `PARTITION_CHANGED`), `event.sequence`, `device.id`, `device.uuid` and
-//! `device.kind` (when the event names a device), `fault.kind` and `xid` (faults and recoveries,
-//! when known), `allocation.ids` (the affected holders, when any). Records are batched (1 s).
+//! `HEALTH_CHANGED`, `PARTITION_CHANGED`, `LIMIT_BREACH`, `UNATTRIBUTED_PROCESS`),
+//! `event.sequence`, `device.id`, `device.uuid` and `device.kind` (when the event names a
+//! device), `fault.kind` and `xid` (faults and recoveries, when known), `allocation.ids` (the
+//! affected holders, when any); a limit breach adds `tessera.enforcement.action`
+//! (`KILLED`/`REPORTED`), `tessera.breach.phase`, `process.pids`, `tessera.killed.pids`,
+//! `tessera.memory.used` and `tessera.memory.limit` (bytes); an unattributed process adds
+//! `process.pid`, `process.command` and `tessera.memory.used`. Records are batched (1 s).
 //!
 //! Failures never reach the daemon: an export that fails (collector down, refused) is logged at
 //! warn once, then at debug until an export succeeds again (logged at info). Exports run on the
@@ -52,7 +60,7 @@ use opentelemetry_sdk::logs::{BatchConfigBuilder, BatchLogProcessor, LogBatch, L
 use opentelemetry_sdk::metrics::data::ResourceMetrics;
 use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
-use tessera_proto::tessera::v1::{DeviceKind, Event, EventKind, FaultKind, Severity, event};
+use tessera_proto::tessera::v1::{BreachAction, BreachPhase, DeviceKind, Event, EventKind, FaultKind, Severity, event};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 
@@ -410,6 +418,41 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
             .build();
     }
 
+    // Enforcement.
+    let s = Arc::clone(&sample);
+    meter
+        .u64_observable_counter("tessera.container.limit.breaches")
+        .with_description("Times the container's processes held more device memory than its limit, by NVML.")
+        .with_unit("{breach}")
+        .with_callback(move |o| {
+            for b in &s.current().enforcement.breaches {
+                let mut a = vec![
+                    KeyValue::new("tessera.allocation.id", b.allocation.clone()),
+                    KeyValue::new("gpu.uuid", b.uuid.clone()),
+                    KeyValue::new("tessera.device.id", b.device_id.clone()),
+                    KeyValue::new("tessera.enforcement.action", b.action),
+                ];
+                for (k, v) in [
+                    ("k8s.namespace.name", &b.namespace),
+                    ("k8s.pod.name", &b.pod),
+                    ("k8s.container.name", &b.container),
+                ] {
+                    if !v.is_empty() {
+                        a.push(KeyValue::new(k, v.clone()));
+                    }
+                }
+                o.observe(b.count, &a);
+            }
+        })
+        .build();
+    let s = Arc::clone(&sample);
+    meter
+        .u64_observable_gauge("tessera.unattributed.gpu.processes")
+        .with_description("Processes holding GPU memory that belong to no allocation.")
+        .with_unit("{process}")
+        .with_callback(move |o| o.observe(s.current().enforcement.unattributed_gpu_processes, &[]))
+        .build();
+
     // Per container.
     let s = sample;
     meter
@@ -513,6 +556,28 @@ fn attributes(e: &Event) -> Vec<(Key, AnyValue)> {
     if !e.affected.is_empty() {
         let ids = e.affected.iter().map(|h| AnyValue::from(h.allocation_id.clone())).collect();
         a.push((Key::new("allocation.ids"), AnyValue::ListAny(Box::new(ids))));
+    }
+    let pids = |p: &[u32]| AnyValue::ListAny(Box::new(p.iter().map(|&p| AnyValue::Int(i64::from(p))).collect()));
+    let bytes = |b: u64| AnyValue::Int(i64::try_from(b).unwrap_or(i64::MAX));
+    match &e.detail {
+        Some(event::Detail::LimitBreach(b)) => {
+            let action = BreachAction::try_from(b.action)
+                .map_or_else(|_| b.action.to_string(), |k| name(k.as_str_name(), "BREACH_ACTION_"));
+            let phase = BreachPhase::try_from(b.phase)
+                .map_or_else(|_| b.phase.to_string(), |k| name(k.as_str_name(), "BREACH_PHASE_"));
+            a.push((Key::new("tessera.enforcement.action"), action.into()));
+            a.push((Key::new("tessera.breach.phase"), phase.into()));
+            a.push((Key::new("process.pids"), pids(&b.pids)));
+            a.push((Key::new("tessera.killed.pids"), pids(&b.killed_pids)));
+            a.push((Key::new("tessera.memory.used"), bytes(b.used_bytes)));
+            a.push((Key::new("tessera.memory.limit"), bytes(b.limit_bytes)));
+        }
+        Some(event::Detail::UnattributedProcess(p)) => {
+            a.push((Key::new("process.pid"), AnyValue::Int(i64::from(p.pid))));
+            a.push((Key::new("process.command"), p.command.clone().into()));
+            a.push((Key::new("tessera.memory.used"), bytes(p.used_bytes)));
+        }
+        _ => {}
     }
     a
 }
@@ -684,7 +749,10 @@ mod tests {
         assert_eq!(calls, 2, "one sample per collection");
         assert_eq!(exports.iter().map(|e| value(e, "tessera.allocations")).collect::<Vec<_>>(), [1.0, 2.0]);
         // Without GPUs or containers only the node's instruments have points.
-        assert_eq!(exports[0].keys().collect::<Vec<_>>(), ["tessera.allocations", "tessera.events", "tessera.faults"]);
+        assert_eq!(
+            exports[0].keys().collect::<Vec<_>>(),
+            ["tessera.allocations", "tessera.events", "tessera.faults", "tessera.unattributed.gpu.processes"]
+        );
     }
 
     #[test]
@@ -734,6 +802,19 @@ mod tests {
             allocations: 0,
             events_total: 4,
             faults_total: 1,
+            enforcement: crate::enforcement::Metrics {
+                breaches: vec![crate::enforcement::BreachCount {
+                    allocation: "alloc-1".into(),
+                    namespace: "ns".into(),
+                    pod: "pod".into(),
+                    container: "c".into(),
+                    uuid: "GPU-a".into(),
+                    device_id: "GPU-a::0".into(),
+                    action: "report",
+                    count: 3,
+                }],
+                unattributed_gpu_processes: 5,
+            },
         };
         let (calls, exports) = collect_twice(base);
         assert_eq!(calls, 2);
@@ -753,6 +834,8 @@ mod tests {
             ("tessera.container.processes", "{process}", 3.0),
             ("tessera.events", "{event}", 4.0),
             ("tessera.faults", "{fault}", 1.0),
+            ("tessera.container.limit.breaches", "{breach}", 3.0),
+            ("tessera.unattributed.gpu.processes", "{process}", 5.0),
         ] {
             assert_eq!((e[name].0.as_str(), value(e, name)), (unit, want), "{name}");
         }
@@ -776,6 +859,44 @@ mod tests {
         .map(|(k, v)| (k.into(), v.into()))
         .into();
         assert_eq!(container, &want);
+        let breach = &e["tessera.container.limit.breaches"].1[0].0;
+        assert_eq!(breach.get("tessera.enforcement.action").map(String::as_str), Some("report"), "{breach:?}");
+        assert_eq!(breach.get("k8s.pod.name").map(String::as_str), Some("pod"), "{breach:?}");
+    }
+
+    #[test]
+    fn limit_breach_attributes() {
+        let e = Event {
+            sequence: 9,
+            kind: EventKind::LimitBreach as i32,
+            severity: Severity::Warning as i32,
+            device_id: "GPU-1::0".into(),
+            device_uuid: "GPU-1".into(),
+            device_kind: DeviceKind::Share as i32,
+            affected: vec![Holder { allocation_id: "a1".into(), container: None }],
+            message: "over".into(),
+            detail: Some(event::Detail::LimitBreach(tessera_proto::tessera::v1::LimitBreach {
+                allocation_id: "a1".into(),
+                pids: vec![10, 11],
+                used_bytes: 3 << 30,
+                limit_bytes: 1 << 30,
+                action: BreachAction::Killed as i32,
+                killed_pids: vec![11],
+                phase: BreachPhase::Started as i32,
+                gpu_index: 1,
+            })),
+            ..Default::default()
+        };
+        let a: std::collections::HashMap<String, AnyValue> =
+            attributes(&e).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+        assert_eq!(a["event.kind"], AnyValue::from("LIMIT_BREACH".to_string()));
+        assert_eq!(a["tessera.enforcement.action"], AnyValue::from("KILLED".to_string()));
+        assert_eq!(a["tessera.breach.phase"], AnyValue::from("STARTED".to_string()));
+        assert_eq!(a["tessera.killed.pids"], AnyValue::ListAny(Box::new(vec![AnyValue::Int(11)])));
+        assert_eq!(a["process.pids"], AnyValue::ListAny(Box::new(vec![AnyValue::Int(10), AnyValue::Int(11)])));
+        assert_eq!(a["tessera.memory.used"], AnyValue::Int(3 << 30));
+        assert_eq!(a["tessera.memory.limit"], AnyValue::Int(1 << 30));
+        assert_eq!(a["allocation.ids"], AnyValue::ListAny(Box::new(vec![AnyValue::from("a1".to_string())])));
     }
 
     #[test]

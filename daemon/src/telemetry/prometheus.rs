@@ -21,7 +21,10 @@
 //!   `tessera_container_{launches,gpu_seconds,throttled_seconds,oom_denials}_total`. A limit is
 //!   left out when there is none;
 //! - per container: `tessera_container_processes`;
-//! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`.
+//! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`;
+//! - enforcement ([`crate::enforcement`]): `tessera_container_limit_breaches_total` (counter, per
+//!   allocation and device: `allocation`, `UUID`, `device_id`, `namespace`, `pod`, `container`,
+//!   `action` = `kill` or `report`) and `tessera_unattributed_gpu_processes` (gauge).
 
 use std::fmt::Write as _;
 
@@ -79,6 +82,8 @@ pub struct NodeMetrics {
     pub events_total: u64,
     /// Fault events published since the daemon started.
     pub faults_total: u64,
+    /// Enforcement's breaches and unattributed processes.
+    pub enforcement: crate::enforcement::Metrics,
 }
 
 #[derive(Clone, Copy)]
@@ -328,6 +333,32 @@ pub fn render(m: &NodeMetrics) -> String {
     for (name, kind, help, v) in node {
         Family::new(&mut out, name, kind, help).sample(name, &[], Value::U(v));
     }
+
+    // Enforcement.
+    {
+        let name = "tessera_container_limit_breaches_total";
+        let help = "Times the container's processes held more device memory than its limit, by NVML (kills, or reported breaches that started).";
+        let mut f = Family::new(&mut out, name, Kind::Counter, help);
+        for b in &m.enforcement.breaches {
+            let labels = [
+                ("allocation", b.allocation.as_str()),
+                ("UUID", b.uuid.as_str()),
+                ("device_id", b.device_id.as_str()),
+                ("namespace", b.namespace.as_str()),
+                ("pod", b.pod.as_str()),
+                ("container", b.container.as_str()),
+                ("action", b.action),
+            ];
+            f.sample(name, &labels, Value::U(b.count));
+        }
+        let name = "tessera_unattributed_gpu_processes";
+        let help = "Processes holding GPU memory that belong to no allocation (at the last enforcement poll).";
+        Family::new(&mut out, name, Kind::Gauge, help).sample(
+            name,
+            &[],
+            Value::U(m.enforcement.unattributed_gpu_processes),
+        );
+    }
     out
 }
 
@@ -530,6 +561,19 @@ mod tests {
             allocations: 2,
             events_total: 17,
             faults_total: 1,
+            enforcement: crate::enforcement::Metrics {
+                breaches: vec![crate::enforcement::BreachCount {
+                    allocation: "a1".into(),
+                    namespace: "team-a".into(),
+                    pod: "train-0".into(),
+                    container: "main".into(),
+                    uuid: "GPU-0".into(),
+                    device_id: "GPU-0::0,GPU-0::1".into(),
+                    action: "kill",
+                    count: 4,
+                }],
+                unattributed_gpu_processes: 2,
+            },
         }
     }
 
@@ -603,6 +647,14 @@ mod tests {
         assert_eq!(node("tessera_allocations"), Some(2.0));
         assert_eq!(node("tessera_events_total"), Some(17.0));
         assert_eq!(node("tessera_faults_total"), Some(1.0));
+        assert_eq!(node("tessera_unattributed_gpu_processes"), Some(2.0));
+        let breach = find(&samples, "tessera_container_limit_breaches_total", ("allocation", "a1"));
+        assert_eq!(breach.len(), 1);
+        assert_eq!(
+            (breach[0].1["action"].as_str(), breach[0].1["pod"].as_str(), breach[0].2),
+            ("kill", "train-0", 4.0)
+        );
+        assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
         assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
         assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
     }
@@ -611,7 +663,7 @@ mod tests {
     fn empty_node_is_valid() {
         let m = NodeMetrics { hostname: "h".into(), ..Default::default() };
         let samples = parse(&render(&m));
-        assert_eq!(samples.len(), 3, "only the node's own: {samples:?}");
+        assert_eq!(samples.len(), 4, "only the node's own: {samples:?}");
     }
 
     #[test]

@@ -17,13 +17,20 @@ pub struct NodeSource {
     controller: Arc<NodeController>,
     sampler: Mutex<UsageSampler>,
     hostname: String,
+    enforcement: Option<Arc<crate::enforcement::Stats>>,
 }
 
 impl NodeSource {
     pub fn new(controller: Arc<NodeController>) -> NodeSource {
         let hostname =
             std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).unwrap_or_default();
-        NodeSource { controller, sampler: Mutex::new(UsageSampler::new()), hostname }
+        NodeSource { controller, sampler: Mutex::new(UsageSampler::new()), hostname, enforcement: None }
+    }
+
+    /// Shows enforcement's counters too.
+    pub fn with_enforcement(mut self, stats: Arc<crate::enforcement::Stats>) -> NodeSource {
+        self.enforcement = Some(stats);
+        self
     }
 }
 
@@ -69,6 +76,7 @@ impl MetricsSource for NodeSource {
             allocations: allocations.len(),
             events_total,
             faults_total,
+            enforcement: self.enforcement.as_ref().map(|s| s.metrics()).unwrap_or_default(),
         }
     }
 }

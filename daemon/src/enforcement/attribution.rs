@@ -1,0 +1,240 @@
+//! Which allocation a GPU process belongs to.
+//!
+//! - By cgroup: a process whose `/proc/<pid>/cgroup` names an allocation's container id belongs
+//!   to it. The id comes from the daemon's record (the pod-resources API or an adopted owner
+//!   record) or the owner record the hook wrote (`<runtime_dir>/alloc/<id>/owner`). Runtimes put
+//!   the id in the cgroup path as a whole component (`/kubepods/…/<id>`, `/docker/<id>`) or as
+//!   the tail of one (`cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope`,
+//!   `libpod-<id>.scope`, `cri-containerd:<id>`); only those forms match, never a substring.
+//! - Else by the region's process slots, as a hint only: a tenant writes its region, so a slot
+//!   naming a pid counts only when that process really maps the allocation's region file (same
+//!   device and inode in `/proc/<pid>/maps`). A tenant can put any pid in its slots; it cannot
+//!   make another process map its region.
+//!
+//! A process may belong to several allocations (one container asking for two resources); on a
+//! device, it counts against those of them that hold the device, whose limits add up. A process
+//! that belongs to allocations none of which holds its device counts against them with a limit
+//! of 0: it holds memory where its container was given none.
+
+use std::collections::HashMap;
+
+use crate::state::Allocation;
+
+/// An allocation's region file, as `stat` names it.
+pub type FileId = (u64, u64);
+
+/// One allocation, as attribution needs it.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    pub id: String,
+    /// Per physical device (UUID, lowercase): the memory limit; `None`: unlimited.
+    pub limits: Vec<(String, Option<u64>)>,
+}
+
+/// How a process was found to belong to its allocations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    Cgroup,
+    Region,
+}
+
+/// The allocations of the node, indexed for attribution.
+#[derive(Debug, Default)]
+pub struct Index {
+    entries: Vec<Entry>,
+    /// Container id (lowercase) -> entries.
+    by_container: HashMap<String, Vec<usize>>,
+    /// Host pid a region slot names -> (entry, the region file).
+    claims: HashMap<u32, Vec<(usize, FileId)>>,
+}
+
+impl Index {
+    /// `containers`: more container ids per allocation id (the owner records); `claims`:
+    /// (allocation id, host pid, region file) for every joined region slot.
+    pub fn new(
+        allocations: &[Allocation],
+        containers: &HashMap<String, String>,
+        claims: &[(String, u32, FileId)],
+    ) -> Index {
+        let mut index = Index::default();
+        let mut position = HashMap::new();
+        for (i, a) in allocations.iter().enumerate() {
+            position.insert(a.id.as_str(), i);
+            let limits =
+                a.limits().devices.into_iter().map(|d| (d.uuid.to_ascii_lowercase(), d.memory_limit)).collect();
+            index.entries.push(Entry { id: a.id.clone(), limits });
+            let ids = a.container.container_id.iter().chain(containers.get(&a.id));
+            for c in ids.map(|c| c.trim().to_ascii_lowercase()).filter(|c| !c.is_empty()) {
+                let list = index.by_container.entry(c).or_default();
+                if !list.contains(&i) {
+                    list.push(i);
+                }
+            }
+        }
+        for (id, pid, file) in claims {
+            if let Some(&i) = position.get(id.as_str())
+                && *pid != 0
+            {
+                index.claims.entry(*pid).or_default().push((i, *file));
+            }
+        }
+        index
+    }
+
+    pub fn entry(&self, i: usize) -> &Entry {
+        &self.entries[i]
+    }
+
+    /// The allocations process `pid` belongs to (indices, ascending) and how that was found;
+    /// `None`: it belongs to none. `cgroups` are its cgroup paths; `maps(file)` says whether it
+    /// maps that file.
+    pub fn owners(&self, pid: u32, cgroups: &[String], maps: impl Fn(FileId) -> bool) -> Option<(Vec<usize>, Via)> {
+        let mut found: Vec<usize> = Vec::new();
+        for path in cgroups {
+            for component in path.split('/') {
+                for id in container_ids_in(component) {
+                    if let Some(list) = self.by_container.get(&id) {
+                        found.extend(list);
+                    }
+                }
+            }
+        }
+        if !found.is_empty() {
+            found.sort_unstable();
+            found.dedup();
+            return Some((found, Via::Cgroup));
+        }
+        let mut found: Vec<usize> =
+            self.claims.get(&pid)?.iter().filter(|(_, file)| maps(*file)).map(|(i, _)| *i).collect();
+        found.sort_unstable();
+        found.dedup();
+        (!found.is_empty()).then_some((found, Via::Region))
+    }
+
+    /// Of `owners`, those holding device `uuid`, and their summed limit there (`None`:
+    /// unlimited). None of them holding it: all of them, with a limit of 0.
+    pub fn on_device(&self, owners: &[usize], uuid: &str) -> (Vec<usize>, Option<u64>) {
+        let uuid = uuid.to_ascii_lowercase();
+        let mut holders = Vec::new();
+        let mut limit = Some(0u64);
+        for &i in owners {
+            if let Some((_, l)) = self.entries[i].limits.iter().find(|(u, _)| *u == uuid) {
+                holders.push(i);
+                limit = limit.zip(*l).map(|(a, b)| a.saturating_add(b));
+            }
+        }
+        if holders.is_empty() { (owners.to_vec(), Some(0)) } else { (holders, limit) }
+    }
+}
+
+/// The container ids a cgroup path component can carry, lowercase: the component itself, and
+/// the tail after the last `-` or `:` of the component without `.scope`.
+fn container_ids_in(component: &str) -> impl Iterator<Item = String> + '_ {
+    let c = component.strip_suffix(".scope").unwrap_or(component);
+    let dash = c.rsplit_once('-').map(|(_, t)| t);
+    let colon = c.rsplit_once(':').map(|(_, t)| t);
+    std::iter::once(component)
+        .chain(Some(c))
+        .chain(dash)
+        .chain(colon)
+        .filter(|s| !s.is_empty())
+        .map(str::to_ascii_lowercase)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{AllocatedDevice, ContainerIdentity, Source};
+
+    const CID: &str = "4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c";
+
+    fn alloc(id: &str, container: Option<&str>, devices: &[(&str, Option<u64>)]) -> Allocation {
+        Allocation {
+            id: id.into(),
+            resource: "tessera.io/gpu".into(),
+            container: ContainerIdentity { container_id: container.map(str::to_string), ..Default::default() },
+            source: Source::Kubelet,
+            created_unix_ns: 1,
+            devices: devices
+                .iter()
+                .map(|(u, l)| AllocatedDevice {
+                    device_id: u.to_string(),
+                    physical_uuid: u.to_string(),
+                    memory_limit: *l,
+                    sm_percent: None,
+                    priority: Default::default(),
+                    compute_mode: Default::default(),
+                })
+                .collect(),
+        }
+    }
+
+    fn never(_: FileId) -> bool {
+        false
+    }
+
+    #[test]
+    fn every_runtime_cgroup_form_names_the_container() {
+        let a = alloc("a1", None, &[("GPU-x", Some(100))]);
+        let owners = HashMap::from([("a1".to_string(), CID.to_string())]);
+        let index = Index::new(&[a], &owners, &[]);
+        for path in [
+            format!("/kubepods/burstable/pod1234/{CID}"),
+            format!("/kubepods.slice/kubepods-pod1.slice/cri-containerd-{CID}.scope"),
+            format!("/kubepods.slice/kubepods-pod1.slice/crio-{CID}.scope"),
+            format!("/system.slice/docker-{CID}.scope"),
+            format!("/docker/{CID}"),
+            format!("/machine.slice/libpod-{CID}.scope/container"),
+            format!("/system.slice/containerd.service/kubepods-besteffort-pod1.slice:cri-containerd:{CID}"),
+            format!("/tessera-test/{}", CID.to_ascii_uppercase()),
+        ] {
+            assert_eq!(index.owners(7, std::slice::from_ref(&path), never), Some((vec![0], Via::Cgroup)), "{path}");
+        }
+    }
+
+    #[test]
+    fn a_substring_or_prefix_of_an_id_is_not_a_match() {
+        let a = alloc("a1", Some(CID), &[("GPU-x", Some(100))]);
+        let index = Index::new(&[a], &HashMap::new(), &[]);
+        for path in [
+            format!("/docker/{CID}0"),
+            format!("/docker/x{CID}"),
+            format!("/docker/{}", &CID[..12]),
+            "/".to_string(),
+            "/user.slice/session-3.scope".to_string(),
+        ] {
+            assert_eq!(index.owners(7, std::slice::from_ref(&path), never), None, "{path}");
+        }
+    }
+
+    #[test]
+    fn a_region_slot_counts_only_when_the_process_maps_that_region() {
+        let a = alloc("a1", None, &[("GPU-x", Some(100))]);
+        let b = alloc("b1", Some(CID), &[("GPU-x", Some(100))]);
+        let claims = vec![("a1".to_string(), 42, (1, 10)), ("a1".to_string(), 43, (1, 10))];
+        let index = Index::new(&[a, b], &HashMap::new(), &claims);
+        // 42 maps a1's region: a1's.
+        assert_eq!(index.owners(42, &["/".into()], |f| f == (1, 10)), Some((vec![0], Via::Region)));
+        // 43 is named by a1's slots (a tenant can write any pid there) but maps no region: nobody's.
+        assert_eq!(index.owners(43, &["/".into()], |f| f == (9, 9)), None);
+        // A process in b1's container that a1's slots name: the cgroup decides, b1's.
+        let path = format!("/docker/{CID}");
+        assert_eq!(index.owners(42, &[path], |_| true), Some((vec![1], Via::Cgroup)));
+        // A pid no slot names.
+        assert_eq!(index.owners(44, &["/".into()], |_| true), None);
+    }
+
+    #[test]
+    fn limits_per_device_add_up_and_a_foreign_device_has_none() {
+        let a = alloc("a1", Some(CID), &[("GPU-x", Some(100)), ("MIG-y", Some(7))]);
+        let b = alloc("b1", Some(CID), &[("GPU-x", Some(50))]);
+        let c = alloc("c1", Some(CID), &[("GPU-z", None)]);
+        let index = Index::new(&[a, b, c], &HashMap::new(), &[]);
+        let (owners, via) = index.owners(1, &[format!("/docker/{CID}")], never).unwrap();
+        assert_eq!((owners.as_slice(), via), (&[0, 1, 2][..], Via::Cgroup));
+        assert_eq!(index.on_device(&owners, "gpu-X"), (vec![0, 1], Some(150)), "two allocations, one device");
+        assert_eq!(index.on_device(&owners, "MIG-y"), (vec![0], Some(7)), "a MIG device's own limit");
+        assert_eq!(index.on_device(&owners, "GPU-z"), (vec![2], None), "no limit");
+        assert_eq!(index.on_device(&owners, "GPU-other"), (vec![0, 1, 2], Some(0)), "not theirs: nothing allowed");
+    }
+}

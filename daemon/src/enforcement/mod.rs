@@ -1,0 +1,449 @@
+//! Enforcement from the driver's own numbers: the second line behind `libtessera.so`.
+//!
+//! The shim limits what an honest program allocates; a program that skips it (a raw `dlsym` of
+//! the driver, a static binary, ioctls) is limited by nothing in the container. So tesserad
+//! polls NVML's per-process memory on every GPU every `[enforcement] interval_ms` (default
+//! 500 ms; [`sample`]), finds each process's allocation ([`attribution`]: its cgroup against the
+//! container id of the allocation's record or owner record, else a region slot that the process
+//! really maps), adds up each allocation's processes per device (GPU or MIG UUID: a share's
+//! limit is its device's), and compares that with the limit in the daemon's own record, never
+//! with anything a tenant can write. Over the limit ([`decision`]):
+//!
+//! - `action = "kill"`: the allocation's processes on that device are SIGKILLed newest first
+//!   until it is under the limit ([`kill`], through a pidfd, so a reused pid is never hit); one
+//!   `limit_breach` event per kill;
+//! - `action = "report"`: a `limit_breach` event when the breach starts, when it changes
+//!   materially (its processes, or a tenth of the limit), and when it ends.
+//!
+//! Only a process attributed to the breaching allocation is ever killed. A process on a GPU that
+//! belongs to no allocation is reported (an `unattributed_process` event and a warning, once per
+//! process) and counted (`tessera_unattributed_gpu_processes`), never killed. Breaches are
+//! counted per allocation and device in `tessera_container_limit_breaches_total`.
+//!
+//! A process that bypasses the shim thus holds more than its limit for at most one interval
+//! plus a poll, and the kill itself (under 1 s at the default).
+
+pub mod attribution;
+pub mod decision;
+pub mod kill;
+pub mod procfs;
+pub mod sample;
+pub mod settings;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tessera_proto::tessera::v1 as api;
+use tessera_region::Region;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use self::attribution::{FileId, Index};
+use self::decision::{Decision, Group, GroupKey, Holding, Phase, ProcKey, Tracker};
+use self::procfs::ProcFs;
+pub use self::settings::{Action, Settings};
+use crate::node::{self, NodeController};
+use crate::state::Allocation;
+
+/// One allocation's breaches on one device, for the metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreachCount {
+    pub allocation: String,
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    /// The device (GPU or MIG UUID).
+    pub uuid: String,
+    /// The allocation's device ids there, comma-joined.
+    pub device_id: String,
+    /// `kill` or `report`.
+    pub action: &'static str,
+    pub count: u64,
+}
+
+/// What enforcement shows in the metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Metrics {
+    /// Breaches since the daemon started (a kill, or a reported breach that started).
+    pub breaches: Vec<BreachCount>,
+    /// Processes on a GPU that belong to no allocation, at the last poll.
+    pub unattributed_gpu_processes: u64,
+}
+
+/// The counters, shared with telemetry.
+#[derive(Debug, Default)]
+pub struct Stats {
+    inner: Mutex<Metrics>,
+}
+
+impl Stats {
+    pub fn metrics(&self) -> Metrics {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Metrics> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn breach(&self, b: BreachCount) {
+        let mut m = self.lock();
+        match m.breaches.iter_mut().find(|o| (&o.allocation, &o.uuid, o.action) == (&b.allocation, &b.uuid, b.action)) {
+            Some(o) => {
+                o.count += b.count;
+                // The pod may have become known since.
+                (o.namespace, o.pod, o.container, o.device_id) = (b.namespace, b.pod, b.container, b.device_id);
+            }
+            None => m.breaches.push(b),
+        }
+    }
+}
+
+/// What one poll did, for the bench and the log.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PollOutcome {
+    /// Processes NVML listed.
+    pub processes: usize,
+    pub attributed: usize,
+    pub unattributed: usize,
+    pub killed: Vec<u32>,
+    pub events: usize,
+}
+
+/// The enforcement loop.
+pub struct Enforcer {
+    controller: Arc<NodeController>,
+    stats: Arc<Stats>,
+    procfs: ProcFs,
+    tracker: Tracker,
+    /// Container ids from the owner records, by allocation id.
+    owners: HashMap<String, String>,
+    /// Open regions and their files, by allocation id.
+    regions: HashMap<String, (Region, FileId)>,
+    /// GPUs NVML would not list, warned about once until they answer.
+    failing: HashSet<u32>,
+}
+
+impl std::fmt::Debug for Enforcer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Enforcer").field("regions", &self.regions.len()).finish_non_exhaustive()
+    }
+}
+
+impl Enforcer {
+    pub fn new(controller: Arc<NodeController>, stats: Arc<Stats>) -> Enforcer {
+        Enforcer {
+            controller,
+            stats,
+            procfs: ProcFs::default(),
+            tracker: Tracker::default(),
+            owners: HashMap::new(),
+            regions: HashMap::new(),
+            failing: HashSet::new(),
+        }
+    }
+
+    /// Starts the loop; it reads `[enforcement]` from the configuration in effect at each poll
+    /// (a reload applies at once) and stops within one interval of `shutdown`.
+    pub fn spawn(
+        controller: Arc<NodeController>,
+        stats: Arc<Stats>,
+        mut shutdown: watch::Receiver<bool>,
+    ) -> JoinHandle<()> {
+        tokio::task::spawn_blocking(move || {
+            let mut enforcer = Enforcer::new(controller, stats);
+            let s = enforcer.settings();
+            tracing::info!(action = s.action.as_str(), interval_ms = s.interval_ms, "enforcement: polling NVML");
+            loop {
+                let began = Instant::now();
+                let settings = enforcer.settings();
+                enforcer.poll(&settings);
+                let next = began + Duration::from_millis(settings.interval_ms);
+                // Sleep in slices so a stop is seen promptly.
+                loop {
+                    if *shutdown.borrow_and_update() || shutdown.has_changed().is_err() {
+                        return;
+                    }
+                    let left = next.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    std::thread::sleep(left.min(Duration::from_millis(50)));
+                }
+            }
+        })
+    }
+
+    fn settings(&self) -> Settings {
+        self.controller.view().config.enforcement.clone()
+    }
+
+    /// One poll: sample, attribute, decide, act, report.
+    pub fn poll(&mut self, settings: &Settings) -> PollOutcome {
+        let inventory = self.controller.view().inventory;
+        let sample = sample::sample(self.controller.session().nvml(), &inventory);
+        for (gpu, why) in &sample.failed {
+            if self.failing.insert(*gpu) {
+                tracing::warn!(gpu, error = %why, "enforcement: NVML does not list this GPU's processes; not enforced there");
+            }
+        }
+        self.failing.retain(|g| sample.failed.iter().any(|(f, _)| f == g));
+        let mut outcome = PollOutcome { processes: sample.processes.len(), ..Default::default() };
+
+        let allocations = self.controller.allocations();
+        self.refresh_owners(&allocations);
+        let mut index = Index::new(&allocations, &self.owners, &[]);
+        let mut claims_loaded = false;
+
+        let mut groups: BTreeMap<GroupKey, Group> = BTreeMap::new();
+        let mut listed = HashSet::new();
+        let mut unattributed: Vec<(ProcKey, &sample::GpuProcess)> = Vec::new();
+        for p in &sample.processes {
+            // Gone between NVML's list and /proc: its memory is going with it.
+            let Some(start) = self.procfs.start_time(p.pid) else { continue };
+            listed.insert((p.pid, start));
+            let cgroups = self.procfs.cgroup_paths(p.pid).unwrap_or_default();
+            let procfs = &self.procfs;
+            let mut owners = index.owners(p.pid, &cgroups, |f| procfs.maps_inode(p.pid, f.0, f.1));
+            if owners.is_none() && !claims_loaded {
+                // Only now are the regions' slots worth reading.
+                claims_loaded = true;
+                let claims = self.claims(&allocations);
+                index = Index::new(&allocations, &self.owners, &claims);
+                let procfs = &self.procfs;
+                owners = index.owners(p.pid, &cgroups, |f| procfs.maps_inode(p.pid, f.0, f.1));
+            }
+            let Some((owners, _via)) = owners else {
+                unattributed.push(((p.pid, start), p));
+                continue;
+            };
+            outcome.attributed += 1;
+            let (holders, limit) = index.on_device(&owners, &p.device_uuid);
+            let key = GroupKey {
+                allocations: holders.iter().map(|&i| index.entry(i).id.clone()).collect(),
+                device_uuid: p.device_uuid.clone(),
+            };
+            groups
+                .entry(key.clone())
+                .or_insert_with(|| Group { key, gpu_index: p.gpu_index, limit, processes: Vec::new() })
+                .processes
+                .push(Holding { pid: p.pid, start, used: p.used });
+        }
+        let groups: Vec<Group> = groups.into_values().collect();
+        for d in self.tracker.decide(settings.action, &groups, &listed) {
+            outcome.events += 1;
+            self.act(d, &allocations, &mut outcome);
+        }
+
+        outcome.unattributed = unattributed.len();
+        let keys: Vec<ProcKey> = unattributed.iter().map(|(k, _)| *k).collect();
+        let fresh: HashSet<ProcKey> = self.tracker.new_unattributed(&keys).into_iter().collect();
+        for (k, p) in unattributed.iter().filter(|(k, _)| fresh.contains(k)) {
+            outcome.events += 1;
+            self.report_unattributed(k.0, p);
+        }
+        self.stats.lock().unattributed_gpu_processes = unattributed.len() as u64;
+        outcome
+    }
+
+    /// Container ids from the owner records the hook wrote, for allocations whose record has
+    /// none (read until one is found; an allocation's container does not change).
+    fn refresh_owners(&mut self, allocations: &[Allocation]) {
+        let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
+        self.owners.retain(|id, _| live.contains(id.as_str()));
+        self.regions.retain(|id, _| live.contains(id.as_str()));
+        let dirs = self.controller.allocator().dirs();
+        for a in allocations {
+            if a.container.container_id.is_some() || self.owners.contains_key(&a.id) {
+                continue;
+            }
+            if let Some(c) = tessera_hook::owner::Owner::read(&dirs.dir(&a.id)).and_then(|o| o.container_id) {
+                self.owners.insert(a.id.clone(), c);
+            }
+        }
+    }
+
+    /// (allocation, host pid, region file) of every joined slot of every allocation's region.
+    fn claims(&mut self, allocations: &[Allocation]) -> Vec<(String, u32, FileId)> {
+        let dirs = self.controller.allocator().dirs();
+        let mut out = Vec::new();
+        for a in allocations {
+            if !self.regions.contains_key(&a.id) {
+                let path = dirs.region_path(&a.id);
+                // Only an existing region: opening must not create one.
+                let Ok(meta) = std::fs::metadata(&path) else { continue };
+                match Region::open_or_create(&path) {
+                    Ok(r) => {
+                        self.regions.insert(a.id.clone(), (r, (meta.dev(), meta.ino())));
+                    }
+                    Err(e) => {
+                        tracing::debug!(allocation = %a.id, error = %e, "enforcement: cannot open the region");
+                        continue;
+                    }
+                }
+            }
+            let Some((region, file)) = self.regions.get(&a.id) else { continue };
+            for (pid, host_pid) in region.pids() {
+                // Host pid when the shim knew it; else the pid it saw (the same without a pid
+                // namespace). Either is checked against the process's own mappings.
+                let pid = if host_pid != 0 { host_pid } else { pid };
+                out.push((a.id.clone(), pid, *file));
+            }
+        }
+        out
+    }
+
+    /// Carries out a decision and publishes its event.
+    fn act(&mut self, d: Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
+        let (key, gpu_index, used, limit, pids, action, phase, killed) = match d {
+            Decision::Kill { key, gpu_index, used, limit, pids, victims } => {
+                let mut killed = Vec::new();
+                let mut failed = Vec::new();
+                for v in &victims {
+                    match kill::kill(&self.procfs, v.pid, v.start) {
+                        Ok(()) => killed.push(v.pid),
+                        // Gone already, or its pid reused: nothing of it is left to kill.
+                        Err(kill::KillError::Gone | kill::KillError::Reused(_)) => {}
+                        Err(e) => {
+                            self.tracker.kill_failed((v.pid, v.start));
+                            failed.push(format!("pid {}: {e}", v.pid));
+                        }
+                    }
+                }
+                if !failed.is_empty() {
+                    tracing::error!(allocation = ?key.allocations, failed = %failed.join("; "), "enforcement: cannot kill");
+                }
+                outcome.killed.extend(&killed);
+                (key, gpu_index, used, limit, pids, api::BreachAction::Killed, Phase::Started, killed)
+            }
+            Decision::Report { key, gpu_index, used, limit, pids, phase } => {
+                (key, gpu_index, used, limit, pids, api::BreachAction::Reported, phase, Vec::new())
+            }
+        };
+        let members: Vec<&Allocation> = allocations.iter().filter(|a| key.allocations.contains(&a.id)).collect();
+        let device_id = device_ids(&members, &key.device_uuid);
+        let counted = action == api::BreachAction::Killed || phase == Phase::Started;
+        if counted {
+            let action_name = if action == api::BreachAction::Killed { "kill" } else { "report" };
+            for a in &members {
+                let s = |o: &Option<String>| o.clone().unwrap_or_default();
+                self.stats.breach(BreachCount {
+                    allocation: a.id.clone(),
+                    namespace: s(&a.container.pod_namespace),
+                    pod: s(&a.container.pod_name),
+                    container: s(&a.container.container_name),
+                    uuid: key.device_uuid.clone(),
+                    device_id: device_id.clone(),
+                    action: action_name,
+                    count: 1,
+                });
+            }
+        }
+        let who = members
+            .iter()
+            .map(|a| match a.container.display_name() {
+                Some(n) => format!("{} ({n})", a.id),
+                None => a.id.clone(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let on = format!("GPU {gpu_index} device {}", key.device_uuid);
+        let what = format!("allocation {who} holds {} on {on}, over its limit of {}", mib(used), mib(limit));
+        let message = match (action, phase) {
+            (api::BreachAction::Killed, _) if killed.is_empty() => format!("{what}; nothing left to kill"),
+            (api::BreachAction::Killed, _) => format!("{what}; killed pid {} (newest first)", join(&killed)),
+            (_, Phase::Started) => format!("{what} (pids {}); reported, not killed", join(&pids)),
+            (_, Phase::Changed) => format!("{what} (pids {}); still over, reported", join(&pids)),
+            (_, Phase::Ended) => {
+                format!("allocation {who} is back under its limit of {} on {on} ({} held)", mib(limit), mib(used))
+            }
+        };
+        let severity = if phase == Phase::Ended { api::Severity::Info } else { api::Severity::Warning };
+        let detail = api::LimitBreach {
+            allocation_id: key.allocations.first().cloned().unwrap_or_default(),
+            pids,
+            used_bytes: used,
+            limit_bytes: limit,
+            action: action as i32,
+            killed_pids: killed,
+            phase: match phase {
+                Phase::Started => api::BreachPhase::Started,
+                Phase::Changed => api::BreachPhase::Changed,
+                Phase::Ended => api::BreachPhase::Ended,
+            } as i32,
+            gpu_index,
+        };
+        self.controller.events().publish(api::Event {
+            kind: api::EventKind::LimitBreach as i32,
+            severity: severity as i32,
+            time_unix_nano: crate::state::record::unix_ns(),
+            device_id,
+            device_uuid: key.device_uuid.clone(),
+            device_kind: device_kind(&members, &key.device_uuid) as i32,
+            affected: members.iter().map(|a| node::holder(a)).collect(),
+            message,
+            detail: Some(api::event::Detail::LimitBreach(detail)),
+            ..Default::default()
+        });
+    }
+
+    fn report_unattributed(&self, pid: u32, p: &sample::GpuProcess) {
+        let command = self.procfs.command(pid);
+        let message = format!(
+            "pid {pid} ({}) holds {} on GPU {} device {} but belongs to no allocation; not enforced",
+            if command.is_empty() { "?" } else { &command },
+            mib(p.used),
+            p.gpu_index,
+            p.device_uuid
+        );
+        let kind = if p.device_uuid.starts_with("MIG-") { api::DeviceKind::Mig } else { api::DeviceKind::Gpu };
+        self.controller.events().publish(api::Event {
+            kind: api::EventKind::UnattributedProcess as i32,
+            severity: api::Severity::Warning as i32,
+            time_unix_nano: crate::state::record::unix_ns(),
+            device_id: p.device_uuid.clone(),
+            device_uuid: p.device_uuid.clone(),
+            device_kind: kind as i32,
+            message,
+            detail: Some(api::event::Detail::UnattributedProcess(api::UnattributedProcess {
+                pid,
+                used_bytes: p.used,
+                gpu_index: p.gpu_index,
+                command,
+            })),
+            ..Default::default()
+        });
+    }
+}
+
+/// The allocations' device ids on the device `uuid`, comma-joined (the UUID when none holds it).
+fn device_ids(members: &[&Allocation], uuid: &str) -> String {
+    let ids: Vec<&str> = members
+        .iter()
+        .flat_map(|a| &a.devices)
+        .filter(|d| d.physical_uuid.eq_ignore_ascii_case(uuid))
+        .map(|d| d.device_id.as_str())
+        .collect();
+    if ids.is_empty() { uuid.to_string() } else { ids.join(",") }
+}
+
+fn device_kind(members: &[&Allocation], uuid: &str) -> api::DeviceKind {
+    let share = members
+        .iter()
+        .flat_map(|a| &a.devices)
+        .any(|d| d.physical_uuid.eq_ignore_ascii_case(uuid) && d.device_id != d.physical_uuid);
+    match (share, uuid.starts_with("MIG-")) {
+        (true, _) => api::DeviceKind::Share,
+        (false, true) => api::DeviceKind::Mig,
+        (false, false) => api::DeviceKind::Gpu,
+    }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{} MiB", bytes >> 20)
+}
+
+fn join(pids: &[u32]) -> String {
+    pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+}

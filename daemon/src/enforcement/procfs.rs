@@ -1,0 +1,129 @@
+//! What `/proc` says about a host process: when it started (to order processes and to know a pid
+//! was not reused), its cgroup paths, whether it maps a given file, its command name. The root
+//! is a parameter so tests can lay out a fake `/proc`.
+
+use std::path::{Path, PathBuf};
+
+/// A `/proc` tree.
+#[derive(Debug, Clone)]
+pub struct ProcFs {
+    root: PathBuf,
+}
+
+impl Default for ProcFs {
+    fn default() -> Self {
+        ProcFs { root: PathBuf::from("/proc") }
+    }
+}
+
+impl ProcFs {
+    pub fn at(root: impl Into<PathBuf>) -> ProcFs {
+        ProcFs { root: root.into() }
+    }
+
+    fn file(&self, pid: u32, name: &str) -> PathBuf {
+        self.root.join(pid.to_string()).join(name)
+    }
+
+    /// The process's start time (clock ticks since boot, field 22 of `stat`); `None`: gone.
+    pub fn start_time(&self, pid: u32) -> Option<u64> {
+        parse_start_time(&std::fs::read_to_string(self.file(pid, "stat")).ok()?)
+    }
+
+    /// The paths of every hierarchy in `/proc/<pid>/cgroup` (v1 and v2 lines alike).
+    pub fn cgroup_paths(&self, pid: u32) -> Option<Vec<String>> {
+        Some(parse_cgroup(&std::fs::read_to_string(self.file(pid, "cgroup")).ok()?))
+    }
+
+    /// Whether the process maps the file with device `dev` and inode `ino` (a shim-loaded
+    /// process maps its allocation's region; nothing else a tenant writes can make another
+    /// process do so).
+    pub fn maps_inode(&self, pid: u32, dev: u64, ino: u64) -> bool {
+        std::fs::read_to_string(self.file(pid, "maps")).is_ok_and(|m| maps_has(&m, dev, ino))
+    }
+
+    /// `comm`, trimmed; empty when unreadable.
+    pub fn command(&self, pid: u32) -> String {
+        std::fs::read_to_string(self.file(pid, "comm")).map(|c| c.trim().to_string()).unwrap_or_default()
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+}
+
+/// Field 22 of `/proc/<pid>/stat`, counted after the command's closing parenthesis (the command
+/// may hold spaces and parentheses).
+pub fn parse_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // After ")": field 3 (state) is the first; start time is field 22.
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+/// The path of each `hierarchy:controllers:path` line.
+pub fn parse_cgroup(text: &str) -> Vec<String> {
+    text.lines().filter_map(|l| l.splitn(3, ':').nth(2)).filter(|p| !p.is_empty()).map(str::to_string).collect()
+}
+
+/// Whether a `maps` text has a mapping of (dev, ino). Lines: `start-end perms offset maj:min inode path`.
+fn maps_has(maps: &str, dev: u64, ino: u64) -> bool {
+    let (major, minor) = (dev_major(dev), dev_minor(dev));
+    maps.lines().any(|l| {
+        let mut f = l.split_ascii_whitespace();
+        let (Some(d), Some(i)) = (f.nth(3), f.next()) else { return false };
+        if i.parse::<u64>().ok() != Some(ino) {
+            return false;
+        }
+        let Some((ma, mi)) = d.split_once(':') else { return false };
+        u64::from_str_radix(ma, 16).ok() == Some(major) && u64::from_str_radix(mi, 16).ok() == Some(minor)
+    })
+}
+
+/// glibc's `major()` of a `dev_t`.
+fn dev_major(dev: u64) -> u64 {
+    ((dev >> 32) & 0xffff_f000) | ((dev >> 8) & 0x0000_0fff)
+}
+
+/// glibc's `minor()` of a `dev_t`.
+fn dev_minor(dev: u64) -> u64 {
+    ((dev >> 12) & 0xffff_ff00) | (dev & 0x0000_00ff)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    #[test]
+    fn start_time_survives_odd_command_names() {
+        let stat = "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(parse_start_time(stat), Some(987_654));
+        assert_eq!(parse_start_time("garbage"), None);
+        let me = ProcFs::default();
+        assert!(me.start_time(std::process::id()).is_some());
+        assert_eq!(me.start_time(u32::MAX), None, "no such process");
+    }
+
+    #[test]
+    fn cgroup_lines_of_v1_and_v2() {
+        let text = "12:pids:/kubepods/pod1/abc\n0::/system.slice/cri-containerd-abc.scope\n1:name=systemd:\n";
+        assert_eq!(parse_cgroup(text), ["/kubepods/pod1/abc", "/system.slice/cri-containerd-abc.scope"]);
+    }
+
+    #[test]
+    fn a_mapped_file_is_found_by_device_and_inode() {
+        let procfs = ProcFs::default();
+        let me = std::process::id();
+        let exe = std::fs::metadata("/proc/self/exe").unwrap();
+        assert!(procfs.maps_inode(me, exe.dev(), exe.ino()), "this test's own executable is mapped");
+        assert!(!procfs.maps_inode(me, exe.dev(), exe.ino() ^ 0x5a5a_5a5a), "another inode is not");
+        let tmp = tempfile::NamedTempFile::new().unwrap();
+        let meta = tmp.as_file().metadata().unwrap();
+        assert!(!procfs.maps_inode(me, meta.dev(), meta.ino()), "an open, unmapped file is not");
+        let maps = "7f00-7f01 rw-s 00000000 00:2a 123 /dev/shm/r\n";
+        let dev = 0x2a;
+        assert!(maps_has(maps, dev, 123));
+        assert!(!maps_has(maps, dev, 124));
+    }
+}

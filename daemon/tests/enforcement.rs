@@ -1,0 +1,369 @@
+//! Enforcement from the driver's own numbers, against the built `tesserad` on the simulated node
+//! with the test kubelet: workloads that bypass the shim entirely (`tessera-workload` without
+//! `LD_PRELOAD`) hold memory, attributed to their allocation by cgroup the way a runtime places
+//! a container (a cgroup whose path ends in the container id of the allocation's owner record):
+//!
+//! - `action = "kill"`: the one over its share's limit is SIGKILLed (time printed; the goal is
+//!   1 s), with a `limit_breach` event naming the allocation, container, GPU, pids, used, limit
+//!   and action, in `tessera events` and in `/metrics`; one under its limit and one that belongs
+//!   to no allocation run to their end; the latter is reported as unattributed;
+//! - `action = "report"`: the one over its limit is reported when the breach starts and ends,
+//!   and never killed.
+//!
+//! Moving a process into a cgroup needs root: without it the tests print SKIP (and fail when
+//! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI).
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Stdio};
+use std::time::{Duration, Instant};
+
+use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::tessera::v1 as api;
+use tessera_sim_testkit::{SimNode, binary};
+
+mod common;
+
+use common::{TestKubelet, WAIT, spawn};
+
+const MIB: u64 = 1 << 20;
+const OVERHEAD_MIB: u64 = 300;
+/// Where the tests make their cgroups (cgroup v1's pids hierarchy, or the v2 root).
+const CGROUP_ROOTS: [&str; 2] = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"];
+
+/// A cgroup hierarchy root the test can make groups in; prints SKIP (or fails under
+/// `TESSERA_REQUIRE_RUNTIMES`) when there is none.
+fn cgroup_root() -> Option<PathBuf> {
+    let root = CGROUP_ROOTS.iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
+    let why = match root {
+        Some(r) => {
+            let probe = r.join(format!("tessera-probe-{}", std::process::id()));
+            match std::fs::create_dir(&probe) {
+                Ok(()) => {
+                    let _ = std::fs::remove_dir(&probe);
+                    return Some(r.to_path_buf());
+                }
+                Err(e) => format!("cannot make a cgroup under {} ({e}); enforcement tests need root", r.display()),
+            }
+        }
+        None => "no cgroup hierarchy with cgroup.procs under /sys/fs/cgroup".to_string(),
+    };
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    None
+}
+
+/// A container's cgroup, `<root>/tessera-test-<pid>-<n>/<container id>`, removed when dropped.
+struct Cgroup {
+    parent: PathBuf,
+    path: PathBuf,
+}
+
+impl Cgroup {
+    fn new(root: &Path, tag: &str, container_id: &str) -> Cgroup {
+        let parent = root.join(format!("tessera-test-{}-{tag}", std::process::id()));
+        let path = parent.join(container_id);
+        std::fs::create_dir_all(&path).expect("make the cgroup");
+        Cgroup { parent, path }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() || !self.path.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_dir(&self.parent);
+    }
+}
+
+/// A 64-hex-digit container id, as containerd and CRI-O make them.
+fn container_id(seed: u64) -> String {
+    let n = u64::from(std::process::id()) << 32 | seed;
+    format!("{:016x}{:016x}{:016x}{:016x}", n, n ^ 0x5555, n ^ 0xaaaa, n.rotate_left(17))
+}
+
+/// The workload with no shim at all, holding `mib` for `hold` seconds, in `cgroup` when given
+/// (it moves itself there before it touches the GPU). Returns once it says it holds the memory,
+/// or once its output ends (killed first).
+fn bypassing_workload(node: &SimNode, cgroup: Option<&Cgroup>, mib: u64, hold: u32) -> (Workload, Option<String>) {
+    let exe = binary("tessera-workload");
+    let args = format!("--alloc-mib {mib} --hold {hold}");
+    let script = match cgroup {
+        Some(c) => format!("echo $$ > {:?} && exec {:?} {args}", c.path.join("cgroup.procs"), exe),
+        None => format!("exec {exe:?} {args}"),
+    };
+    let mut child =
+        node.command("/bin/sh").arg("-c").arg(script).env_remove("LD_PRELOAD").stdout(Stdio::piped()).spawn().unwrap();
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let line = out.read_line(&mut line).ok().filter(|&n| n > 0).map(|_| line);
+    (Workload { child, _out: out }, line)
+}
+
+/// A running workload; its output stays open (it prints again when it ends).
+struct Workload {
+    child: Child,
+    _out: BufReader<ChildStdout>,
+}
+
+impl Workload {
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.child.wait()
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// [`bypassing_workload`], which must get to hold the memory.
+fn holding_workload(node: &SimNode, cgroup: Option<&Cgroup>, mib: u64, hold: u32) -> Workload {
+    let (child, line) = bypassing_workload(node, cgroup, mib, hold);
+    assert!(line.as_deref().is_some_and(|l| l.contains("holding")), "{line:?}");
+    child
+}
+
+/// Allocates one share through the kubelet; (allocation id, allocation directory, the share's
+/// memory limit in bytes).
+async fn allocate_share(
+    plugin: &mut tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<
+        tonic::transport::Channel,
+    >,
+    share: &str,
+) -> (String, PathBuf) {
+    let resp = plugin
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.into()] }],
+        })
+        .await
+        .expect("allocate")
+        .into_inner();
+    let answer = &resp.container_responses[0];
+    (answer.envs["TESSERA_ALLOCATION"].clone(), PathBuf::from(&answer.mounts[0].host_path))
+}
+
+/// The next event of `kinds`, up to `WAIT`.
+async fn next_event(events: &mut tonic::Streaming<api::Event>, what: &str) -> api::Event {
+    tokio::time::timeout(WAIT, events.message())
+        .await
+        .unwrap_or_else(|_| panic!("no {what} event in time"))
+        .expect("event stream ok")
+        .expect("event stream open")
+}
+
+fn breach(e: &api::Event) -> &api::LimitBreach {
+    match &e.detail {
+        Some(api::event::Detail::LimitBreach(b)) => b,
+        other => panic!("not a limit breach: {other:?} ({})", e.message),
+    }
+}
+
+/// A node with one 80 GiB GPU in 4 shares, tesserad running with `enforcement`, the kubelet
+/// registered: (node, tempdir, daemon, plugin client, share ids, metrics address).
+struct Setup {
+    node: SimNode,
+    dir: tempfile::TempDir,
+    _daemon: common::Daemon,
+    _kubelet: TestKubelet,
+    plugin: tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<tonic::transport::Channel>,
+    shares: Vec<String>,
+    metrics: std::net::SocketAddr,
+}
+
+async fn setup(enforcement: &str) -> Setup {
+    let node = SimNode::with_description(&format!(
+        "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
+    ));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
+    let config = common::write_config(
+        &node,
+        dir.path(),
+        &format!(
+            "[telemetry]\nmetrics_listen = \"{metrics}\"\n[enforcement]\n{enforcement}\n[partitions.default]\nshares = {{ count = 4 }}"
+        ),
+    );
+    let mut kubelet = TestKubelet::start(&dir.path().join("plugins"));
+    let (daemon, _) = spawn(&node, &config, &dir.path().join("no-notify"), &dir.path().join("tesserad.log"));
+    let (reg, _) = kubelet.next_registration().await;
+    let mut plugin = kubelet.connect(&reg).await;
+    let shares = {
+        let mut list = plugin.list_and_watch(Empty {}).await.expect("list");
+        common::next_list(list.get_mut()).await.devices.iter().map(|d| d.id.clone()).collect()
+    };
+    Setup { node, dir, _daemon: daemon, _kubelet: kubelet, plugin, shares, metrics }
+}
+
+/// The share's memory limit, from the node API.
+async fn limit_of(api: &mut api::node_client::NodeClient<tonic::transport::Channel>, id: &str) -> u64 {
+    let resp = api
+        .get_usage(api::GetUsageRequest { allocation_id: id.into(), ..Default::default() })
+        .await
+        .expect("usage")
+        .into_inner();
+    resp.containers[0].devices[0].memory_limit_bytes
+}
+
+fn log_of(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("tesserad.log")).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_is() {
+    let Some(root) = cgroup_root() else { return };
+    let mut s = setup("action = \"kill\"\ninterval_ms = 200").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (over_id, over_dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
+    let (under_id, under_dir) = allocate_share(&mut s.plugin, &s.shares[1]).await;
+    let limit = limit_of(&mut api, &over_id).await;
+    assert!(limit > 0, "a share has a memory limit");
+
+    // What the hook records for each container; the cgroups runtimes would make.
+    let (over_cid, under_cid) = (container_id(1), container_id(2));
+    let owner = |cid: &str, pod: &str| tessera_hook::owner::Owner {
+        container_id: Some(cid.into()),
+        pod_namespace: Some("team-a".into()),
+        pod_name: Some(pod.into()),
+        container_name: Some("main".into()),
+        ..Default::default()
+    };
+    owner(&over_cid, "greedy").write(&over_dir).expect("owner record");
+    owner(&under_cid, "modest").write(&under_dir).expect("owner record");
+    let over_cg = Cgroup::new(&root, "over", &over_cid);
+    let under_cg = Cgroup::new(&root, "under", &under_cid);
+
+    let req = api::WatchEventsRequest {
+        kinds: vec![api::EventKind::LimitBreach as i32, api::EventKind::UnattributedProcess as i32],
+        ..Default::default()
+    };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    // Under its limit, and a process of no allocation: both must run to their end.
+    let mut modest = holding_workload(&s.node, Some(&under_cg), 1024, 4);
+    let mut stray = holding_workload(&s.node, None, 512, 4);
+    let unattributed = next_event(&mut events, "unattributed_process").await;
+    assert_eq!(unattributed.kind, api::EventKind::UnattributedProcess as i32, "{}", unattributed.message);
+    match &unattributed.detail {
+        Some(api::event::Detail::UnattributedProcess(p)) => {
+            assert_eq!((p.pid, p.used_bytes, p.gpu_index), (stray.id(), (512 + OVERHEAD_MIB) * MIB, 0));
+            assert_eq!(p.command, "tessera-workloa", "comm is 15 characters at most");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // Over its limit with no shim in the way: killed.
+    let over_mib = limit / MIB + 512;
+    let started = Instant::now();
+    let (mut greedy, _) = bypassing_workload(&s.node, Some(&over_cg), over_mib, 30);
+    let status = greedy.wait().expect("wait");
+    let took = started.elapsed();
+    println!(
+        "enforcement: a bypassing process over its limit was killed {} ms after it held the memory",
+        took.as_millis()
+    );
+    assert_eq!(
+        status.signal(),
+        Some(libc_sigkill()),
+        "SIGKILLed, not ended on its own: {status:?}\n{}",
+        log_of(s.dir.path())
+    );
+
+    let e = next_event(&mut events, "limit_breach").await;
+    assert_eq!(e.kind, api::EventKind::LimitBreach as i32, "{}", e.message);
+    let b = breach(&e);
+    assert_eq!(b.allocation_id, over_id);
+    assert_eq!(b.action, api::BreachAction::Killed as i32);
+    assert_eq!(b.pids, [greedy.id()]);
+    assert_eq!(b.killed_pids, [greedy.id()]);
+    assert_eq!(b.used_bytes, (over_mib + OVERHEAD_MIB) * MIB);
+    assert_eq!(b.limit_bytes, limit);
+    assert_eq!(b.gpu_index, 0);
+    assert_eq!(e.device_id, s.shares[0]);
+    assert_eq!(e.device_kind, api::DeviceKind::Share as i32);
+    let holder = &e.affected[0];
+    let c = holder.container.clone().unwrap_or_default();
+    assert_eq!((holder.allocation_id.as_str(), c.container_id.as_str()), (over_id.as_str(), over_cid.as_str()));
+    assert!(e.message.contains(&format!("killed pid {}", greedy.id())), "{}", e.message);
+
+    // The others were left alone and ended on their own.
+    assert_eq!(modest.wait().expect("wait").code(), Some(0), "under its limit: untouched");
+    assert_eq!(stray.wait().expect("wait").code(), Some(0), "unattributed: reported, never killed");
+    let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
+    assert!(more.is_err(), "no other breach: {more:?}");
+
+    // `tessera events` and /metrics show it.
+    let out = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(s.dir.path().join("run/tessera.sock"))
+        .args(["events", "--replay", "50"])
+        .output()
+        .expect("tessera events");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.contains("limit_breach")).unwrap_or_else(|| panic!("no limit_breach:\n{text}"));
+    assert!(line.contains(&over_id) && line.contains("team-a/greedy/main"), "{line}");
+    assert!(text.lines().any(|l| l.contains("unattributed_process") && l.contains(&stray.id().to_string())), "{text}");
+    let (code, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
+    assert_eq!(code, 200);
+    let series = body
+        .lines()
+        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&over_id))
+        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    assert!(
+        series.contains("action=\"kill\"") && series.contains("pod=\"greedy\"") && series.ends_with(" 1"),
+        "{series}"
+    );
+    assert!(!body.lines().any(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&under_id)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_mode_reports_a_breach_once_and_kills_nothing() {
+    let Some(root) = cgroup_root() else { return };
+    let mut s = setup("action = \"report\"\ninterval_ms = 100").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
+    let limit = limit_of(&mut api, &id).await;
+    let cid = container_id(3);
+    tessera_hook::owner::Owner { container_id: Some(cid.clone()), ..Default::default() }.write(&dir).expect("owner");
+    let cg = Cgroup::new(&root, "report", &cid);
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    // Over the limit for 3 s: about 30 polls, one event when it starts, one when it ends.
+    let over_mib = limit / MIB + 256;
+    let mut greedy = holding_workload(&s.node, Some(&cg), over_mib, 3);
+    let started = next_event(&mut events, "limit_breach started").await;
+    let b = breach(&started);
+    assert_eq!((b.action, b.phase), (api::BreachAction::Reported as i32, api::BreachPhase::Started as i32));
+    assert_eq!(
+        (b.allocation_id.as_str(), b.pids.as_slice(), b.killed_pids.len()),
+        (id.as_str(), &[greedy.id()][..], 0)
+    );
+    assert_eq!((b.used_bytes, b.limit_bytes), ((over_mib + OVERHEAD_MIB) * MIB, limit));
+    assert_eq!(greedy.wait().expect("wait").code(), Some(0), "reported, not killed");
+    let ended = next_event(&mut events, "limit_breach ended").await;
+    assert_eq!(breach(&ended).phase, api::BreachPhase::Ended as i32, "the next event is the end: {}", ended.message);
+    assert_eq!(ended.severity, api::Severity::Info as i32);
+
+    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
+    let series = body
+        .lines()
+        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&id))
+        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    assert!(series.contains("action=\"report\"") && series.ends_with(" 1"), "one breach, however many polls: {series}");
+}
+
+fn libc_sigkill() -> i32 {
+    9
+}
