@@ -291,7 +291,7 @@ pub unsafe extern "C" fn cuModuleLoad(module: *mut sys::CUmodule, fname: *const 
 ///
 /// # Safety
 /// `module` must be null or a valid out-pointer; `image` a loadable image.
-unsafe fn load_data(module: *mut sys::CUmodule, image: *const c_void) -> R {
+pub(crate) unsafe fn load_data(module: *mut sys::CUmodule, image: *const c_void) -> R {
     need(module)?;
     driver()?;
     // SAFETY: as this function's contract.

@@ -14,7 +14,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use super::proc_table::{Entry, Pt, TABLE};
-use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run, sys};
+use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run};
 
 /// `CU_GET_PROC_ADDRESS_DEFAULT`, `_LEGACY_STREAM`, `_PER_THREAD_DEFAULT_STREAM`.
 const PROC_DEFAULT: u64 = 0;
@@ -66,6 +66,9 @@ unsafe fn get_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int,
         _ => return Err(INVALID_VALUE),
     };
     let found = lookup(name, version.max(0) as u32, per_thread);
+    if let Err(why) = found {
+        super::trace::line(format_args!("cuGetProcAddress({name}, {version}, flags {flags}): not found ({why})"));
+    }
     // SAFETY: pfn is checked above; status is optional.
     unsafe {
         put(pfn, found.map_or(std::ptr::null_mut(), |e| e.f.cast_mut().cast()))?;
@@ -95,20 +98,6 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> CUresult {
     // SAFETY: the caller's string and out-pointers, per the API contract.
     run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
-}
-
-/// `cuGetExportTable`: the driver's private tables are not simulated.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetExportTable(
-    ppExportTable: *mut *const c_void,
-    pExportTableId: *const sys::CUuuid,
-) -> CUresult {
-    run(|| {
-        if ppExportTable.is_null() || pExportTableId.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        Err(super::NOT_SUPPORTED)
-    })
 }
 
 #[cfg(test)]

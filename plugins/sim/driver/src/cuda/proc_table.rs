@@ -116,7 +116,7 @@ pub(crate) static TABLE: &[Entry] = &[
     Entry { name: "cuFuncSetCacheConfig", version: 3000, pt: Pt::No, symbol: "cuFuncSetCacheConfig", f: module::cuFuncSetCacheConfig as *const () },
     Entry { name: "cuGetErrorName", version: 6000, pt: Pt::No, symbol: "cuGetErrorName", f: errors::cuGetErrorName as *const () },
     Entry { name: "cuGetErrorString", version: 6000, pt: Pt::No, symbol: "cuGetErrorString", f: errors::cuGetErrorString as *const () },
-    Entry { name: "cuGetExportTable", version: 3000, pt: Pt::No, symbol: "cuGetExportTable", f: proc_address::cuGetExportTable as *const () },
+    Entry { name: "cuGetExportTable", version: 3000, pt: Pt::No, symbol: "cuGetExportTable", f: export_tables::cuGetExportTable as *const () },
     Entry { name: "cuGetProcAddress", version: 11030, pt: Pt::No, symbol: "cuGetProcAddress", f: proc_address::cuGetProcAddress as *const () },
     Entry { name: "cuGetProcAddress", version: 12000, pt: Pt::No, symbol: "cuGetProcAddress_v2", f: proc_address::cuGetProcAddress_v2 as *const () },
     Entry { name: "cuGraphAddEmptyNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddEmptyNode", f: graph::cuGraphAddEmptyNode as *const () },
