@@ -1491,3 +1491,138 @@ fn default_streams_and_cross_stream_waits() {
         assert!(t0.elapsed() >= Duration::from_micros(1800), "cuMemcpyHtoD is ordered after blocking streams");
     });
 }
+
+#[test]
+fn jit_linking_keeps_the_entries_of_its_inputs() {
+    let node = SimNode::new();
+    node.run_isolated("jit_linking_keeps_the_entries_of_its_inputs", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let link = || {
+            let mut state = std::ptr::null_mut();
+            assert_eq!(
+                call!(
+                    cu,
+                    cuLinkCreate_v2(0, std::ptr::null_mut(), std::ptr::null_mut(), &mut state)
+                        as fn(c_uint, *mut c_int, *mut *mut c_void, *mut Handle)
+                ),
+                SUCCESS
+            );
+            state
+        };
+        let add = |state: Handle, kind: c_int, data: &[u8]| {
+            call!(
+                cu,
+                cuLinkAddData_v2(
+                    state,
+                    kind,
+                    data.as_ptr().cast_mut().cast(),
+                    data.len(),
+                    c"input".as_ptr(),
+                    0,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut()
+                )
+                    as fn(Handle, c_int, *mut c_void, usize, *const c_char, c_uint, *mut c_int, *mut *mut c_void)
+            )
+        };
+        let complete = |state: Handle| {
+            let (mut image, mut size) = (std::ptr::null_mut::<c_void>(), 0usize);
+            let r = call!(cu, cuLinkComplete(state, &mut image, &mut size) as fn(Handle, *mut *mut c_void, *mut usize));
+            (r, image, size)
+        };
+        let load_and_get = |image: *mut c_void, name: &CStr| {
+            let mut module = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuModuleLoadData(&mut module, image) as fn(*mut Handle, *const c_void)), SUCCESS);
+            let mut f = std::ptr::null_mut();
+            call!(cu, cuModuleGetFunction(&mut f, module, name.as_ptr()) as fn(*mut Handle, Handle, *const c_char))
+        };
+        // Two PTX inputs: the linked image declares both entries, and nothing else.
+        let state = link();
+        assert_eq!(complete(state).0, INVALID_VALUE, "nothing to link");
+        let a = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry first_2us(\n)\n{\n ret;\n}\n\0";
+        let b = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry second_1ms(\n)\n{\n ret;\n}\n";
+        assert_eq!(add(state, 1, a), SUCCESS);
+        assert_eq!(add(state, 1, b), SUCCESS);
+        assert_eq!(add(state, 9, b), NOT_SUPPORTED, "an input kind the sim does not take");
+        let (r, image, size) = complete(state);
+        assert_eq!(r, SUCCESS);
+        assert!(size > a.len(), "{size}");
+        assert_eq!(load_and_get(image, c"first_2us"), SUCCESS);
+        assert_eq!(load_and_get(image, c"second_1ms"), SUCCESS);
+        assert_eq!(load_and_get(image, c"third"), NOT_FOUND);
+        assert_eq!(add(state, 1, b), INVALID_VALUE, "a completed link takes no more input");
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), INVALID_HANDLE, "destroyed once");
+        assert_eq!(add(state, 1, b), INVALID_HANDLE);
+        // A cubin (even one passed as PTX, as CuPy passes NVRTC's): an opaque image.
+        let state = link();
+        assert_eq!(add(state, 1, b"\x7fELF\x02\x01\x01"), SUCCESS);
+        let (r, image, _) = complete(state);
+        assert_eq!(r, SUCCESS);
+        assert_eq!(load_and_get(image, c"anything_5us"), SUCCESS);
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), SUCCESS);
+
+        // Occupancy of a 256-thread block on an H100: 2048 threads per SM.
+        let f = cu.function(CUBIN, "k");
+        let mut n = -1;
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&mut n, f, 256, 0, 0)
+                    as fn(*mut c_int, Handle, c_int, usize, c_uint)
+            ),
+            SUCCESS
+        );
+        assert_eq!(n, 8);
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&mut n, f, 256, 0, 4)
+                    as fn(*mut c_int, Handle, c_int, usize, c_uint)
+            ),
+            INVALID_VALUE,
+            "unknown flags"
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, 0x1234 as Handle, 256, 0)
+                    as fn(*mut c_int, Handle, c_int, usize)
+            ),
+            INVALID_HANDLE
+        );
+    });
+}
+
+#[test]
+fn functions_the_sim_does_not_model_resolve_and_say_so() {
+    let node = SimNode::new();
+    node.run_isolated("functions_the_sim_does_not_model_resolve_and_say_so", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> u32;
+        let get: GetProc = cu.sym("cuGetProcAddress_v2");
+        for (name, version, flags, symbol) in [
+            ("cuIpcGetMemHandle", 12080, 0, "cuIpcGetMemHandle"),
+            ("cuIpcOpenMemHandle", 12080, 0, "cuIpcOpenMemHandle_v2"),
+            ("cuMemcpy3D", 12080, 2, "cuMemcpy3D_v2_ptds"),
+            ("cuStreamWaitValue32", 12080, 2, "cuStreamWaitValue32_v2_ptsz"),
+            ("cuGraphExecUpdate", 11000, 0, "cuGraphExecUpdate"),
+            ("cuGraphExecUpdate", 12080, 0, "cuGraphExecUpdate_v2"),
+        ] {
+            let cname = CString::new(name).unwrap();
+            let (mut p, mut status) = (std::ptr::null_mut(), -1);
+            // SAFETY: the cuGetProcAddress_v2 signature, with valid pointers.
+            let r = unsafe { get(cname.as_ptr(), &mut p, version, flags, &mut status) };
+            assert_eq!((r, status), (SUCCESS, 0), "{name}");
+            assert_eq!(p, cu.addr(symbol), "{name} {version} {flags}");
+        }
+        cu.init();
+        let mut handle = [0u8; 64];
+        assert_eq!(call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)), NOT_SUPPORTED);
+        assert_eq!(handle, [0u8; 64], "nothing written");
+    });
+}

@@ -13,6 +13,7 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
+use super::not_modelled::ENTRIES as NOT_MODELLED;
 use super::proc_table::{Entry, Pt, TABLE};
 use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run};
 
@@ -32,7 +33,7 @@ pub(crate) fn lookup(name: &str, version: u32, per_thread: bool) -> Result<&'sta
     let mut any = false;
     let mut best: Option<&Entry> = None;
     let mut best_pt: Option<&Entry> = None;
-    for e in TABLE.iter().filter(|e| e.name == name && e.version <= driver_version) {
+    for e in TABLE.iter().chain(NOT_MODELLED).filter(|e| e.name == name && e.version <= driver_version) {
         any = true;
         if e.version > version {
             continue;
@@ -130,7 +131,7 @@ mod tests {
 
     #[test]
     fn table_entries_are_consistent() {
-        for e in TABLE {
+        for e in TABLE.iter().chain(NOT_MODELLED) {
             assert!(e.symbol.starts_with(e.name) || e.name == "cuGraphInstantiate", "{} -> {}", e.name, e.symbol);
             match e.pt {
                 Pt::Ptds => assert!(e.symbol.ends_with("_ptds")),
