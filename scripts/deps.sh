@@ -33,6 +33,41 @@ install_zigbuild() {
 }
 install_zigbuild
 
+# tests/flows/cuda_runtime_programs.rs runs CuPy over the simulated node: NVIDIA's CUDA runtime
+# and NVRTC from their wheels, in a virtual environment of the build (TESSERA_CUDA_RUNTIMES, else
+# target/cuda-runtimes), never system-wide. Pinned: the sim is tested against these runtimes.
+CUDA_RUNTIME_WHEELS=(
+  "cupy-cuda12x==14.2.0"
+  "nvidia-cuda-runtime-cu12==12.9.79"
+  "nvidia-cuda-nvrtc-cu12==12.9.86"
+)
+install_cuda_runtimes() {
+  local root venv
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  venv=${TESSERA_CUDA_RUNTIMES:-$root/target/cuda-runtimes}
+  if [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "import cupy, cupy_backends" 2>/dev/null &&
+    "$venv/bin/pip" show --quiet "${CUDA_RUNTIME_WHEELS[@]%%==*}" >/dev/null 2>&1; then
+    return 0
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    echo "deps: please install python3 (the CUDA runtime tests need it)" >&2
+    return 0
+  fi
+  if ! python3 -m venv "$venv" 2>/dev/null; then
+    # Debian splits venv out of python3.
+    if command -v apt-get >/dev/null 2>&1; then
+      local sudo=""
+      [[ $(id -u) -ne 0 ]] && sudo="sudo"
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends python3-venv
+    fi
+    python3 -m venv "$venv" || { echo "deps: python3 -m venv failed; please install python3-venv" >&2; return 0; }
+  fi
+  echo "deps: installing ${CUDA_RUNTIME_WHEELS[*]} into $venv" >&2
+  "$venv/bin/pip" install --quiet "${CUDA_RUNTIME_WHEELS[@]}" ||
+    echo "deps: pip could not install the CUDA runtime wheels into $venv" >&2
+}
+install_cuda_runtimes
+
 missing=()
 for entry in "${PACKAGES[@]}"; do
   pkg=${entry%%:*}

@@ -951,8 +951,151 @@ fn proc_address_resolves_versions_and_default_stream_flavours() {
         let id = [0u8; 16];
         assert_eq!(
             call!(cu, cuGetExportTable(&mut table, id.as_ptr().cast()) as fn(*mut *const c_void, *const c_void)),
-            NOT_SUPPORTED
+            NOT_FOUND,
+            "a table the driver does not have"
         );
+    });
+}
+
+/// An export table by UUID, as the CUDA runtime asks for it.
+fn export_table(cu: &Cuda, id: u128) -> Result<*const usize, u32> {
+    let mut table: *const c_void = std::ptr::null();
+    let id = id.to_be_bytes();
+    match call!(cu, cuGetExportTable(&mut table, id.as_ptr().cast()) as fn(*mut *const c_void, *const c_void)) {
+        SUCCESS => Ok(table.cast()),
+        e => Err(e),
+    }
+}
+
+/// Entry `i` of a table as a function of type `T`.
+fn entry<T: Copy>(table: *const usize, i: usize) -> T {
+    assert_eq!(size_of::<T>(), size_of::<usize>());
+    // SAFETY: callers index within the table and name the entry's C signature as T.
+    unsafe { std::mem::transmute_copy(&*table.add(i)) }
+}
+
+const CUDART_INTERFACE: u128 = 0x6bd5fb6c_5bf4_e74a_8987_d93912fd9df9;
+const CONTEXT_LOCAL_STORAGE: u128 = 0xc693336e_1121_df11_a8c3_68f355d89593;
+const INTEGRITY_CHECK: u128 = 0xd4082055_bde6_704b_8d34_ba123c66e1f2;
+
+type StoragePut = unsafe extern "C" fn(Handle, usize, usize, Option<extern "C" fn(Handle, usize, usize)>) -> u32;
+type StorageDelete = unsafe extern "C" fn(Handle, usize) -> u32;
+type StorageGet = unsafe extern "C" fn(*mut usize, Handle, usize) -> u32;
+
+/// What the storage destructor saw: the number of calls and the last (context, key, value) sum.
+static DTOR_CALLS: AtomicU64 = AtomicU64::new(0);
+static DTOR_LAST: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn storage_dtor(ctx: Handle, key: usize, value: usize) {
+    DTOR_CALLS.fetch_add(1, Ordering::SeqCst);
+    DTOR_LAST.store((ctx as u64) ^ (key as u64) ^ (value as u64), Ordering::SeqCst);
+}
+
+#[test]
+fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
+    let node = SimNode::new();
+    node.run_isolated("the_runtime_tables_keep_context_storage_and_check_the_driver", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        // Tables the driver does not have, and bad arguments.
+        assert_eq!(export_table(&cu, 0xf8cff951_2146_8b4e_b9e2_fb469e7c0dd9), Err(NOT_FOUND));
+        let mut table: *const c_void = std::ptr::null();
+        assert_eq!(
+            call!(cu, cuGetExportTable(&mut table, std::ptr::null()) as fn(*mut *const c_void, *const c_void)),
+            INVALID_VALUE
+        );
+        // The runtime interface: its size, and the primary context it hands out before retaining.
+        let rt = export_table(&cu, CUDART_INTERFACE).expect("CUDART_INTERFACE");
+        // SAFETY: the table's first word.
+        assert_eq!(unsafe { *rt }, 13 * 8);
+        let primary_of: unsafe extern "C" fn(*mut Handle, c_int) -> u32 = entry(rt, 2);
+        let mut primary: Handle = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { primary_of(&mut primary, 0) }, SUCCESS);
+        // SAFETY: a bad device.
+        assert_eq!(unsafe { primary_of(&mut primary, 99) }, INVALID_DEVICE);
+        let (mut flags, mut active) = (0u32, -1);
+        assert_eq!(
+            call!(cu, cuDevicePrimaryCtxGetState(0, &mut flags, &mut active) as fn(c_int, *mut c_uint, *mut c_int)),
+            SUCCESS
+        );
+        assert_eq!(active, 0, "handed out, not retained");
+        let mut retained: Handle = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuDevicePrimaryCtxRetain(&mut retained, 0) as fn(*mut Handle, c_int)), SUCCESS);
+        assert_eq!(retained, primary, "the retained context is the one handed out");
+
+        // Context-local storage: no size word; get, put, replace, delete, destructors.
+        let cls = export_table(&cu, CONTEXT_LOCAL_STORAGE).expect("CONTEXT_LOCAL_STORAGE");
+        let (putf, deletef, getf): (StoragePut, StorageDelete, StorageGet) =
+            (entry(cls, 0), entry(cls, 1), entry(cls, 2));
+        // SAFETY: the entry's signature; contexts are handles the driver checks.
+        let put = |c, k, v, d| unsafe { putf(c, k, v, d) };
+        // SAFETY: as above.
+        let delete = |c, k| unsafe { deletef(c, k) };
+        let get = |c, k| {
+            let mut v = 0usize;
+            // SAFETY: as above, with a valid out-pointer.
+            match unsafe { getf(&mut v, c, k) } {
+                SUCCESS => Ok(v),
+                e => Err(e),
+            }
+        };
+        let null = std::ptr::null_mut();
+        assert_eq!(get(primary, 0x10), Err(INVALID_HANDLE), "nothing stored yet");
+        assert_eq!(put(primary, 0x10, 0xAA, None), SUCCESS);
+        assert_eq!(put(primary, 0x10, 0xBB, Some(storage_dtor)), SUCCESS, "replaces");
+        assert_eq!(get(primary, 0x10), Ok(0xBB));
+        assert_eq!(get(0xdead0 as Handle, 0x10), Err(INVALID_CONTEXT));
+        assert_eq!(get(null, 0x10), Err(INVALID_CONTEXT), "no current context");
+        assert_eq!(call!(cu, cuCtxSetCurrent(primary) as fn(Handle)), SUCCESS);
+        assert_eq!(get(null, 0x10), Ok(0xBB), "null: the current context");
+        assert_eq!(put(null, 0x20, 0xCC, Some(storage_dtor)), SUCCESS);
+        assert_eq!(delete(primary, 0x20), SUCCESS);
+        assert_eq!(get(primary, 0x20), Err(INVALID_HANDLE), "deleted");
+        assert_eq!(DTOR_CALLS.load(Ordering::SeqCst), 0, "delete runs no destructor");
+        // A reset tears the primary context down: its destructors run, once, and it is empty.
+        assert_eq!(call!(cu, cuDevicePrimaryCtxReset_v2(0) as fn(c_int)), SUCCESS);
+        assert_eq!(DTOR_CALLS.load(Ordering::SeqCst), 1);
+        assert_eq!(DTOR_LAST.load(Ordering::SeqCst), (primary as u64) ^ 0x10 ^ 0xBB);
+        assert_eq!(get(primary, 0x10), Err(INVALID_HANDLE), "a reset context is empty");
+        // A destroyed regular context runs its destructors too.
+        let ctx = cu.ctx_create(1);
+        assert_eq!(put(ctx, 0x30, 0xDD, Some(storage_dtor)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
+        assert_eq!(DTOR_CALLS.load(Ordering::SeqCst), 2);
+        assert_eq!(DTOR_LAST.load(Ordering::SeqCst), (ctx as u64) ^ 0x30 ^ 0xDD);
+        assert_eq!(get(ctx, 0x30), Err(INVALID_CONTEXT), "the context is gone");
+
+        // An entry the sim does not model answers NOT_SUPPORTED (the driver's host heap).
+        let heap = export_table(&cu, 0x195bcbf4_d67d_024a_acc5_1d29cea631ae).expect("HEAP_ACCESS");
+        let heap_alloc: unsafe extern "C" fn(*mut *const c_void, usize, usize) -> u32 = entry(heap, 1);
+        let mut record = std::ptr::null();
+        // SAFETY: a valid out-pointer; the entry writes nothing.
+        assert_eq!(unsafe { heap_alloc(&mut record, 64, 0) }, NOT_SUPPORTED);
+
+        // The integrity check: fixed words for its first revisions, else a digest of the
+        // process, the thread, the time and the devices.
+        let ic = export_table(&cu, INTEGRITY_CHECK).expect("INTEGRITY_CHECK");
+        let check: unsafe extern "C" fn(c_uint, u64, *mut [u64; 2]) -> u32 = entry(ic, 1);
+        let answer = |version, time| {
+            let mut r = [0u64; 2];
+            // SAFETY: a valid out-pointer.
+            assert_eq!(unsafe { check(version, time, &mut r) }, SUCCESS);
+            r
+        };
+        assert_eq!(answer(12080, 5), [0x3341_181C_03CB_675C, 0x8ED3_83AA_1F4C_D1E8]);
+        assert_eq!(answer(12092, 5), answer(12092, 5));
+        assert_ne!(answer(12092, 5), answer(12092, 6));
+        assert_ne!(answer(12092, 5), answer(12082, 5));
+        let here = answer(12092, 5);
+        let other_thread = std::thread::spawn(move || {
+            let mut r = [0u64; 2];
+            // SAFETY: a valid out-pointer.
+            assert_eq!(unsafe { check(12092, 5, &mut r) }, SUCCESS);
+            r
+        });
+        assert_ne!(other_thread.join().unwrap(), here, "the thread is part of the digest");
     });
 }
 
@@ -1346,5 +1489,140 @@ fn default_streams_and_cross_stream_waits() {
         let t0 = Instant::now();
         assert_eq!(cu.htod(dev, &[7u8; 16]), SUCCESS);
         assert!(t0.elapsed() >= Duration::from_micros(1800), "cuMemcpyHtoD is ordered after blocking streams");
+    });
+}
+
+#[test]
+fn jit_linking_keeps_the_entries_of_its_inputs() {
+    let node = SimNode::new();
+    node.run_isolated("jit_linking_keeps_the_entries_of_its_inputs", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let link = || {
+            let mut state = std::ptr::null_mut();
+            assert_eq!(
+                call!(
+                    cu,
+                    cuLinkCreate_v2(0, std::ptr::null_mut(), std::ptr::null_mut(), &mut state)
+                        as fn(c_uint, *mut c_int, *mut *mut c_void, *mut Handle)
+                ),
+                SUCCESS
+            );
+            state
+        };
+        let add = |state: Handle, kind: c_int, data: &[u8]| {
+            call!(
+                cu,
+                cuLinkAddData_v2(
+                    state,
+                    kind,
+                    data.as_ptr().cast_mut().cast(),
+                    data.len(),
+                    c"input".as_ptr(),
+                    0,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut()
+                )
+                    as fn(Handle, c_int, *mut c_void, usize, *const c_char, c_uint, *mut c_int, *mut *mut c_void)
+            )
+        };
+        let complete = |state: Handle| {
+            let (mut image, mut size) = (std::ptr::null_mut::<c_void>(), 0usize);
+            let r = call!(cu, cuLinkComplete(state, &mut image, &mut size) as fn(Handle, *mut *mut c_void, *mut usize));
+            (r, image, size)
+        };
+        let load_and_get = |image: *mut c_void, name: &CStr| {
+            let mut module = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuModuleLoadData(&mut module, image) as fn(*mut Handle, *const c_void)), SUCCESS);
+            let mut f = std::ptr::null_mut();
+            call!(cu, cuModuleGetFunction(&mut f, module, name.as_ptr()) as fn(*mut Handle, Handle, *const c_char))
+        };
+        // Two PTX inputs: the linked image declares both entries, and nothing else.
+        let state = link();
+        assert_eq!(complete(state).0, INVALID_VALUE, "nothing to link");
+        let a = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry first_2us(\n)\n{\n ret;\n}\n\0";
+        let b = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry second_1ms(\n)\n{\n ret;\n}\n";
+        assert_eq!(add(state, 1, a), SUCCESS);
+        assert_eq!(add(state, 1, b), SUCCESS);
+        assert_eq!(add(state, 9, b), NOT_SUPPORTED, "an input kind the sim does not take");
+        let (r, image, size) = complete(state);
+        assert_eq!(r, SUCCESS);
+        assert!(size > a.len(), "{size}");
+        assert_eq!(load_and_get(image, c"first_2us"), SUCCESS);
+        assert_eq!(load_and_get(image, c"second_1ms"), SUCCESS);
+        assert_eq!(load_and_get(image, c"third"), NOT_FOUND);
+        assert_eq!(add(state, 1, b), INVALID_VALUE, "a completed link takes no more input");
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), INVALID_HANDLE, "destroyed once");
+        assert_eq!(add(state, 1, b), INVALID_HANDLE);
+        // A cubin (even one passed as PTX, as CuPy passes NVRTC's): an opaque image.
+        let state = link();
+        assert_eq!(add(state, 1, b"\x7fELF\x02\x01\x01"), SUCCESS);
+        let (r, image, _) = complete(state);
+        assert_eq!(r, SUCCESS);
+        assert_eq!(load_and_get(image, c"anything_5us"), SUCCESS);
+        assert_eq!(call!(cu, cuLinkDestroy(state) as fn(Handle)), SUCCESS);
+
+        // Occupancy of a 256-thread block on an H100: 2048 threads per SM.
+        let f = cu.function(CUBIN, "k");
+        let mut n = -1;
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&mut n, f, 256, 0, 0)
+                    as fn(*mut c_int, Handle, c_int, usize, c_uint)
+            ),
+            SUCCESS
+        );
+        assert_eq!(n, 8);
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&mut n, f, 256, 0, 4)
+                    as fn(*mut c_int, Handle, c_int, usize, c_uint)
+            ),
+            INVALID_VALUE,
+            "unknown flags"
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, 0x1234 as Handle, 256, 0)
+                    as fn(*mut c_int, Handle, c_int, usize)
+            ),
+            INVALID_HANDLE
+        );
+    });
+}
+
+#[test]
+fn functions_the_sim_does_not_model_resolve_and_say_so() {
+    let node = SimNode::new();
+    node.run_isolated("functions_the_sim_does_not_model_resolve_and_say_so", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> u32;
+        let get: GetProc = cu.sym("cuGetProcAddress_v2");
+        for (name, version, flags, symbol) in [
+            ("cuIpcGetMemHandle", 12080, 0, "cuIpcGetMemHandle"),
+            ("cuIpcOpenMemHandle", 12080, 0, "cuIpcOpenMemHandle_v2"),
+            ("cuMemcpy3D", 12080, 2, "cuMemcpy3D_v2_ptds"),
+            ("cuStreamWaitValue32", 12080, 2, "cuStreamWaitValue32_v2_ptsz"),
+            ("cuGraphExecUpdate", 11000, 0, "cuGraphExecUpdate"),
+            ("cuGraphExecUpdate", 12080, 0, "cuGraphExecUpdate_v2"),
+        ] {
+            let cname = CString::new(name).unwrap();
+            let (mut p, mut status) = (std::ptr::null_mut(), -1);
+            // SAFETY: the cuGetProcAddress_v2 signature, with valid pointers.
+            let r = unsafe { get(cname.as_ptr(), &mut p, version, flags, &mut status) };
+            assert_eq!((r, status), (SUCCESS, 0), "{name}");
+            assert_eq!(p, cu.addr(symbol), "{name} {version} {flags}");
+        }
+        cu.init();
+        let mut handle = [0u8; 64];
+        assert_eq!(call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)), NOT_SUPPORTED);
+        assert_eq!(handle, [0u8; 64], "nothing written");
     });
 }

@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::{c_int, c_uint, c_ulonglong};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -20,7 +20,7 @@ use tessera_sim_model::{MAX_GPUS, Node, StreamId};
 use super::errors::{Cu, poll_faults};
 use super::handles::{self, Registry};
 use super::init::{Device, driver};
-use super::{CUresult, INVALID_CONTEXT, INVALID_VALUE, R, need, put, put_opt, run, sys};
+use super::{CUresult, INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE, R, need, put, put_opt, run, sys};
 
 /// Flags `cuCtxCreate` accepts (`CU_CTX_FLAGS_MASK`), and the scheduling ones among them.
 const CTX_FLAGS_MASK: c_uint = 0xFF;
@@ -53,6 +53,19 @@ pub(crate) struct Ctx {
     pub limits: Mutex<[u64; LIMITS]>,
     pub cache_config: AtomicI32,
     pub peers: Mutex<Vec<usize>>,
+    /// Context-local storage (the runtime's per-context state), see [`storage_put`].
+    pub storage: Mutex<Vec<Stored>>,
+}
+
+/// A destructor the runtime registers with a stored value: called with the context, the key and
+/// the value when the context is torn down.
+pub(crate) type StorageDtor = extern "C" fn(sys::CUcontext, *mut c_void, *mut c_void);
+
+/// One value of context-local storage.
+pub(crate) struct Stored {
+    key: usize,
+    value: usize,
+    dtor: Option<StorageDtor>,
 }
 
 /// Primary-context bookkeeping of a device.
@@ -86,6 +99,7 @@ impl Ctx {
             limits: Mutex::new(default_limits(dev)),
             cache_config: AtomicI32::new(0),
             peers: Mutex::new(Vec::new()),
+            storage: Mutex::new(Vec::new()),
         }
     }
 
@@ -132,14 +146,16 @@ impl Ctx {
     pub(crate) fn per_thread_stream(&self, node: &Node) -> R<StreamId> {
         let generation = self.generation.load(Acquire);
         let found =
-            PTDS.with(|c| c.borrow().entries.iter().find(|e| e.0 == self.handle && e.1 == generation).map(|e| e.2));
+            PTDS.try_with(|c| c.borrow().entries.iter().find(|e| e.0 == self.handle && e.1 == generation).map(|e| e.2));
+        // Past the thread's end (exit handlers) nothing is cached: the stream is the context's.
+        let found = found.ok().flatten();
         if let Some(sid) = found {
             return Ok(sid);
         }
         let sid = node.stream_create(self.dev.gpu, self.dev.unit, 0).work()?;
         let tid = thread_id();
         self.ptds.lock().unwrap_or_else(|e| e.into_inner()).push((tid, sid));
-        PTDS.with(|c| {
+        let _ = PTDS.try_with(|c| {
             let mut c = c.borrow_mut();
             c.tid = tid;
             c.entries.retain(|e| e.0 != self.handle);
@@ -201,9 +217,15 @@ fn thread_id() -> u64 {
     TID.with(|t| *t)
 }
 
+/// Runs `f` on this thread's stack of current contexts; `None` once the thread's locals are gone
+/// (in exit handlers, where runtimes release their contexts).
+fn with_stack<T>(f: impl FnOnce(&mut Vec<usize>) -> T) -> Option<T> {
+    STACK.try_with(|s| f(&mut s.borrow_mut())).ok()
+}
+
 /// The handle of this thread's current context, if any.
 pub(crate) fn current_handle() -> Option<usize> {
-    STACK.with(|s| s.borrow().last().copied())
+    with_stack(|s| s.last().copied()).flatten()
 }
 
 /// This thread's current context, looked up in a registry already locked.
@@ -298,6 +320,7 @@ fn activate(node: &Node, ctx: &Ctx) -> R {
 /// With `unregister`, its handle goes too (a regular context; a primary one keeps its handle).
 fn teardown(node: &Node, ctx: &Arc<Ctx>, unregister: bool) {
     let h = ctx.handle;
+    run_storage_dtors(ctx);
     let (streams, events, allocs, arrays) = {
         let mut reg = handles::write();
         if unregister {
@@ -350,11 +373,11 @@ fn teardown(node: &Node, ctx: &Arc<Ctx>, unregister: bool) {
         }
     }
     // The context is no longer current anywhere on this thread.
-    STACK.with(|s| s.borrow_mut().retain(|&c| c != h || !unregister));
+    with_stack(|s| s.retain(|&c| c != h || !unregister));
 }
 
 /// Creates a regular context on a device and makes it current.
-fn create(flags: c_uint, dev: c_int) -> R<usize> {
+pub(crate) fn create(flags: c_uint, dev: c_int) -> R<usize> {
     let d = driver()?;
     poll_faults(d.node)?;
     let device = d.device(dev)?;
@@ -363,7 +386,7 @@ fn create(flags: c_uint, dev: c_int) -> R<usize> {
     activate(d.node, &ctx)?;
     let h = ctx.handle;
     handles::write().ctxs.insert(h, ctx);
-    STACK.with(|s| s.borrow_mut().push(h));
+    with_stack(|s| s.push(h));
     Ok(h)
 }
 
@@ -468,7 +491,7 @@ fn push(h: sys::CUcontext) -> R {
     if h.is_null() || !handles::read().ctxs.contains_key(&(h as usize)) {
         return Err(INVALID_CONTEXT);
     }
-    STACK.with(|s| s.borrow_mut().push(h as usize));
+    with_stack(|s| s.push(h as usize)).ok_or(INVALID_CONTEXT)?;
     Ok(())
 }
 
@@ -484,7 +507,7 @@ pub unsafe extern "C" fn cuCtxPushCurrent(ctx: sys::CUcontext) -> CUresult {
 
 fn pop(pctx: *mut sys::CUcontext) -> R {
     driver()?;
-    let h = STACK.with(|s| s.borrow_mut().pop()).ok_or(INVALID_CONTEXT)?;
+    let h = with_stack(|s| s.pop()).flatten().ok_or(INVALID_CONTEXT)?;
     // SAFETY: pctx is the caller's out-pointer; it may be null.
     unsafe { put_opt(pctx, handles::as_ptr(h)) }
 }
@@ -505,14 +528,13 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: sys::CUcontext) -> CUresult {
     run(|| {
         driver()?;
         if ctx.is_null() {
-            STACK.with(|s| s.borrow_mut().pop());
+            with_stack(|s| s.pop());
             return Ok(());
         }
         if !handles::read().ctxs.contains_key(&(ctx as usize)) {
             return Err(INVALID_CONTEXT);
         }
-        STACK.with(|s| {
-            let mut s = s.borrow_mut();
+        with_stack(|s| {
             s.pop();
             s.push(ctx as usize);
         });
@@ -741,6 +763,55 @@ pub unsafe extern "C" fn cuCtxDisablePeerAccess(peerContext: sys::CUcontext) -> 
     })
 }
 
+// ---- Context-local storage -------------------------------------------------------------------
+//
+// The driver keeps, per context, values keyed by an address, for the CUDA runtime (its state for
+// the context); a value may come with a destructor, called when the context is torn down
+// (destroyed, or a primary context released or reset), as the runtime frees its state there.
+
+/// Stores `value` under `key` in a context (null: the current one), replacing what was there.
+pub(crate) fn storage_put(h: sys::CUcontext, key: usize, value: usize, dtor: Option<StorageDtor>) -> R {
+    driver()?;
+    let ctx = by_handle(h)?;
+    let mut storage = ctx.storage.lock().unwrap_or_else(|e| e.into_inner());
+    match storage.iter_mut().find(|s| s.key == key) {
+        Some(s) => {
+            s.value = value;
+            s.dtor = dtor;
+        }
+        None => storage.push(Stored { key, value, dtor }),
+    }
+    Ok(())
+}
+
+/// Forgets `key` in a context (null: the current one), without calling its destructor.
+pub(crate) fn storage_delete(h: sys::CUcontext, key: usize) -> R {
+    driver()?;
+    let ctx = by_handle(h)?;
+    ctx.storage.lock().unwrap_or_else(|e| e.into_inner()).retain(|s| s.key != key);
+    Ok(())
+}
+
+/// The value under `key` in a context (null: the current one); none is `INVALID_HANDLE`, which
+/// tells the runtime to set the context up.
+pub(crate) fn storage_get(h: sys::CUcontext, key: usize) -> R<usize> {
+    driver()?;
+    let ctx = by_handle(h)?;
+    let storage = ctx.storage.lock().unwrap_or_else(|e| e.into_inner());
+    storage.iter().find(|s| s.key == key).map(|s| s.value).ok_or(INVALID_HANDLE)
+}
+
+/// Empties a context's storage, calling the destructors (outside the lock: they may call back
+/// into the driver).
+fn run_storage_dtors(ctx: &Ctx) {
+    let stored = std::mem::take(&mut *ctx.storage.lock().unwrap_or_else(|e| e.into_inner()));
+    for s in stored {
+        if let Some(dtor) = s.dtor {
+            dtor(handles::as_ptr(ctx.handle), handles::as_ptr(s.key), handles::as_ptr(s.value));
+        }
+    }
+}
+
 // ---- Primary contexts ------------------------------------------------------------------------
 
 fn primary_of(dev: c_int) -> R<(&'static Node, &'static Device)> {
@@ -750,6 +821,20 @@ fn primary_of(dev: c_int) -> R<(&'static Node, &'static Device)> {
 
 fn lock_primary(device: &Device) -> MutexGuard<'_, Primary> {
     device.primary.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A device's primary context handle, made (not retained, not active) if it does not exist yet:
+/// what the runtime asks for before it retains the context.
+pub(crate) fn primary_handle(dev: c_int) -> R<usize> {
+    let (_, device) = primary_of(dev)?;
+    let mut p = lock_primary(device);
+    if let Some(c) = &p.ctx {
+        return Ok(c.handle);
+    }
+    let c = Arc::new(Ctx::new(device, true, p.flags));
+    handles::write().ctxs.insert(c.handle, c.clone());
+    p.ctx = Some(c.clone());
+    Ok(c.handle)
 }
 
 #[unsafe(no_mangle)]

@@ -102,7 +102,7 @@ fn parse_ptx(text: &str) -> Image {
 }
 
 /// Whether an image starts as a binary one does: an ELF cubin, a fatbin, or a fatbin wrapper.
-fn is_binary(b: &[u8]) -> bool {
+pub(crate) fn is_binary(b: &[u8]) -> bool {
     b.starts_with(b"\x7fELF") || b.starts_with(&[0x50, 0xed, 0x55, 0xba]) || b.starts_with(&[0xb1, 0x43, 0x62, 0x46])
 }
 
@@ -291,7 +291,7 @@ pub unsafe extern "C" fn cuModuleLoad(module: *mut sys::CUmodule, fname: *const 
 ///
 /// # Safety
 /// `module` must be null or a valid out-pointer; `image` a loadable image.
-unsafe fn load_data(module: *mut sys::CUmodule, image: *const c_void) -> R {
+pub(crate) unsafe fn load_data(module: *mut sys::CUmodule, image: *const c_void) -> R {
     need(module)?;
     driver()?;
     // SAFETY: as this function's contract.
@@ -635,6 +635,11 @@ pub unsafe extern "C" fn cuLibraryGetModule(pMod: *mut sys::CUmodule, library: s
 fn func(h: usize) -> R<Arc<Func>> {
     driver()?;
     handles::read().funcs.get(&h).cloned().ok_or(INVALID_HANDLE)
+}
+
+/// Fails unless `h` is a function or kernel this process holds.
+pub(crate) fn check_function(h: usize) -> R {
+    func(h).map(drop)
 }
 
 #[unsafe(no_mangle)]

@@ -13,8 +13,9 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
+use super::not_modelled::ENTRIES as NOT_MODELLED;
 use super::proc_table::{Entry, Pt, TABLE};
-use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run, sys};
+use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run};
 
 /// `CU_GET_PROC_ADDRESS_DEFAULT`, `_LEGACY_STREAM`, `_PER_THREAD_DEFAULT_STREAM`.
 const PROC_DEFAULT: u64 = 0;
@@ -32,7 +33,7 @@ pub(crate) fn lookup(name: &str, version: u32, per_thread: bool) -> Result<&'sta
     let mut any = false;
     let mut best: Option<&Entry> = None;
     let mut best_pt: Option<&Entry> = None;
-    for e in TABLE.iter().filter(|e| e.name == name && e.version <= driver_version) {
+    for e in TABLE.iter().chain(NOT_MODELLED).filter(|e| e.name == name && e.version <= driver_version) {
         any = true;
         if e.version > version {
             continue;
@@ -66,6 +67,9 @@ unsafe fn get_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int,
         _ => return Err(INVALID_VALUE),
     };
     let found = lookup(name, version.max(0) as u32, per_thread);
+    if let Err(why) = found {
+        super::trace::line(format_args!("cuGetProcAddress({name}, {version}, flags {flags}): not found ({why})"));
+    }
     // SAFETY: pfn is checked above; status is optional.
     unsafe {
         put(pfn, found.map_or(std::ptr::null_mut(), |e| e.f.cast_mut().cast()))?;
@@ -95,20 +99,6 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 ) -> CUresult {
     // SAFETY: the caller's string and out-pointers, per the API contract.
     run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
-}
-
-/// `cuGetExportTable`: the driver's private tables are not simulated.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetExportTable(
-    ppExportTable: *mut *const c_void,
-    pExportTableId: *const sys::CUuuid,
-) -> CUresult {
-    run(|| {
-        if ppExportTable.is_null() || pExportTableId.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        Err(super::NOT_SUPPORTED)
-    })
 }
 
 #[cfg(test)]
@@ -141,7 +131,7 @@ mod tests {
 
     #[test]
     fn table_entries_are_consistent() {
-        for e in TABLE {
+        for e in TABLE.iter().chain(NOT_MODELLED) {
             assert!(e.symbol.starts_with(e.name) || e.name == "cuGraphInstantiate", "{} -> {}", e.name, e.symbol);
             match e.pt {
                 Pt::Ptds => assert!(e.symbol.ends_with("_ptds")),

@@ -1,0 +1,240 @@
+//! Occupancy queries (`cuOccupancy*`), answered from the device's limits as the occupancy
+//! calculator does: blocks per SM are bounded by the SM's block slots, its threads (in whole
+//! warps) and its shared memory (each block also takes the 1 KiB the driver reserves per block
+//! since compute capability 8.0). Functions use 32 registers and no static shared memory on the
+//! sim (`cuFuncGetAttribute`), so registers never bind before threads.
+
+use std::ffi::{c_int, c_uint};
+
+use super::init::{Device, driver};
+use super::module::check_function;
+use super::{CUresult, INVALID_VALUE, R, need, put, run, sys};
+
+/// `CU_OCCUPANCY_DEFAULT`, `CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE`.
+const FLAGS_MASK: c_uint = 1;
+/// Shared memory the driver keeps per block (compute capability 8.0 and later).
+const RESERVED_SMEM_PER_BLOCK: u64 = 1024;
+
+/// The device limits occupancy depends on.
+struct Limits {
+    max_threads_per_block: u64,
+    max_threads_per_sm: u64,
+    max_blocks_per_sm: u64,
+    smem_per_sm: u64,
+    smem_per_block_max: u64,
+    reserved_per_block: u64,
+    sm_count: u64,
+}
+
+fn limits(d: &Device) -> Limits {
+    let a = |attr| super::device::attribute(d, attr).unwrap_or(0).max(0) as u64;
+    Limits {
+        max_threads_per_block: a(1),
+        max_threads_per_sm: a(39),
+        max_blocks_per_sm: a(106),
+        smem_per_sm: a(81),
+        smem_per_block_max: a(97),
+        reserved_per_block: if d.model.cc_major >= 8 { RESERVED_SMEM_PER_BLOCK } else { 0 },
+        sm_count: d.sm_count as u64,
+    }
+}
+
+/// Blocks of `block` threads using `smem` bytes of dynamic shared memory that fit on one SM.
+fn blocks_per_sm(l: &Limits, block: u64, smem: u64) -> u64 {
+    if block == 0 || block > l.max_threads_per_block || smem > l.smem_per_block_max {
+        return 0;
+    }
+    let by_threads = l.max_threads_per_sm / block.div_ceil(32) / 32;
+    let by_smem = l.smem_per_sm / (smem + l.reserved_per_block).max(1);
+    l.max_blocks_per_sm.min(by_threads).min(by_smem)
+}
+
+/// The device a function's queries are answered for: the current context's.
+fn device_of(f: sys::CUfunction) -> R<&'static Device> {
+    check_function(f as usize)?;
+    let ctx = super::context::current()?;
+    Ok(ctx.dev)
+}
+
+fn check_flags(flags: c_uint) -> R {
+    if flags & !FLAGS_MASK != 0 { Err(INVALID_VALUE) } else { Ok(()) }
+}
+
+fn max_active_blocks(num: *mut c_int, f: sys::CUfunction, block: c_int, smem: usize, flags: c_uint) -> R {
+    need(num)?;
+    driver()?;
+    check_flags(flags)?;
+    let d = device_of(f)?;
+    let n = blocks_per_sm(&limits(d), block.max(0) as u64, smem as u64);
+    // SAFETY: num is the caller's out-pointer (checked above).
+    unsafe { put(num, n as c_int) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
+    numBlocks: *mut c_int,
+    func: sys::CUfunction,
+    blockSize: c_int,
+    dynamicSMemSize: usize,
+) -> CUresult {
+    run(|| max_active_blocks(numBlocks, func, blockSize, dynamicSMemSize, 0))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(
+    numBlocks: *mut c_int,
+    func: sys::CUfunction,
+    blockSize: c_int,
+    dynamicSMemSize: usize,
+    flags: c_uint,
+) -> CUresult {
+    run(|| max_active_blocks(numBlocks, func, blockSize, dynamicSMemSize, flags))
+}
+
+/// The caller's dynamic-shared-memory function of the block size (`CUoccupancyB2DSize`).
+type B2DSize = Option<unsafe extern "C" fn(c_int) -> usize>;
+
+fn potential_block_size(
+    min_grid: *mut c_int,
+    block_out: *mut c_int,
+    f: sys::CUfunction,
+    b2d: B2DSize,
+    smem: usize,
+    limit: c_int,
+    flags: c_uint,
+) -> R {
+    need(min_grid)?;
+    need(block_out)?;
+    driver()?;
+    check_flags(flags)?;
+    let l = limits(device_of(f)?);
+    let max = match limit {
+        0 => l.max_threads_per_block,
+        n if n > 0 => (n as u64).min(l.max_threads_per_block),
+        _ => return Err(INVALID_VALUE),
+    };
+    // The largest block that keeps the most threads resident (ties go to the larger block).
+    let mut best = (0u64, 0u64, 0u64);
+    let mut block = max.next_multiple_of(32).min(l.max_threads_per_block);
+    while block > 0 {
+        let size = block.min(max);
+        let dynamic = match b2d {
+            // SAFETY: the caller's callback, called with a block size as its contract says.
+            Some(cb) => (unsafe { cb(size as c_int) }) as u64,
+            None => smem as u64,
+        };
+        let blocks = blocks_per_sm(&l, size, dynamic);
+        if blocks * size > best.0 * best.1 {
+            best = (blocks, size, dynamic);
+        }
+        block = block.saturating_sub(32);
+    }
+    // SAFETY: both are the caller's out-pointers (checked above).
+    unsafe {
+        put(min_grid, (best.0 * l.sm_count) as c_int)?;
+        put(block_out, best.1 as c_int)
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSize(
+    minGridSize: *mut c_int,
+    blockSize: *mut c_int,
+    func: sys::CUfunction,
+    blockSizeToDynamicSMemSize: B2DSize,
+    dynamicSMemSize: usize,
+    blockSizeLimit: c_int,
+) -> CUresult {
+    run(|| {
+        potential_block_size(
+            minGridSize,
+            blockSize,
+            func,
+            blockSizeToDynamicSMemSize,
+            dynamicSMemSize,
+            blockSizeLimit,
+            0,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSizeWithFlags(
+    minGridSize: *mut c_int,
+    blockSize: *mut c_int,
+    func: sys::CUfunction,
+    blockSizeToDynamicSMemSize: B2DSize,
+    dynamicSMemSize: usize,
+    blockSizeLimit: c_int,
+    flags: c_uint,
+) -> CUresult {
+    run(|| {
+        potential_block_size(
+            minGridSize,
+            blockSize,
+            func,
+            blockSizeToDynamicSMemSize,
+            dynamicSMemSize,
+            blockSizeLimit,
+            flags,
+        )
+    })
+}
+
+/// `cuOccupancyAvailableDynamicSMemPerBlock`: the dynamic shared memory each of `numBlocks`
+/// blocks can have with all of them resident on one SM.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyAvailableDynamicSMemPerBlock(
+    dynamicSmemSize: *mut usize,
+    func: sys::CUfunction,
+    numBlocks: c_int,
+    blockSize: c_int,
+) -> CUresult {
+    run(|| {
+        need(dynamicSmemSize)?;
+        driver()?;
+        let l = limits(device_of(func)?);
+        if numBlocks <= 0 || blockSize <= 0 {
+            return Err(INVALID_VALUE);
+        }
+        let fits = blocks_per_sm(&l, blockSize as u64, 0) >= numBlocks as u64;
+        let each = if fits {
+            (l.smem_per_sm / numBlocks as u64).saturating_sub(l.reserved_per_block).min(l.smem_per_block_max)
+        } else {
+            0
+        };
+        // SAFETY: the caller's out-pointer (checked above).
+        unsafe { put(dynamicSmemSize, each as usize) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An H100 SXM5's limits.
+    fn h100() -> Limits {
+        Limits {
+            max_threads_per_block: 1024,
+            max_threads_per_sm: 2048,
+            max_blocks_per_sm: 32,
+            smem_per_sm: 233_472,
+            smem_per_block_max: 232_448,
+            reserved_per_block: 1024,
+            sm_count: 132,
+        }
+    }
+
+    #[test]
+    fn blocks_are_bounded_by_slots_threads_and_shared_memory() {
+        let l = h100();
+        assert_eq!(blocks_per_sm(&l, 32, 0), 32, "block slots");
+        assert_eq!(blocks_per_sm(&l, 256, 0), 8, "threads");
+        assert_eq!(blocks_per_sm(&l, 1024, 0), 2);
+        assert_eq!(blocks_per_sm(&l, 100, 0), 16, "whole warps");
+        assert_eq!(blocks_per_sm(&l, 128, 48 * 1024), 4, "shared memory with the reserved KiB");
+        assert_eq!(blocks_per_sm(&l, 1025, 0), 0, "too large a block");
+        assert_eq!(blocks_per_sm(&l, 128, 300_000), 0, "too much shared memory");
+        assert_eq!(blocks_per_sm(&l, 0, 0), 0);
+    }
+}

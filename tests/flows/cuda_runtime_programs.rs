@@ -1,0 +1,190 @@
+//! Programs built on the CUDA runtime (libcudart 12.x) run on the simulated node: CuPy, with
+//! NVIDIA's runtime and NVRTC from their Python wheels, initialises, reports the device,
+//! JIT-compiles, links and launches kernels (timed by name, results not computed), copies real
+//! bytes, allocates through its memory pools until its own out-of-memory error, and, under
+//! libtessera.so with a memory limit, sees the limit and fails at it.
+//!
+//! The wheels live in a virtual environment `scripts/deps.sh` makes (`target/cuda-runtimes`, or
+//! `TESSERA_CUDA_RUNTIMES`). Without it the tests print a SKIP line, and fail when
+//! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+use tessera_sim_testkit::{SimNode, profile_dir};
+use tessera_tests::shim;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// The default node's board, and what the sim reserves on it and charges per context.
+const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
+const H100_MEMORY: u64 = 81_559 * MIB;
+const H100_RESERVED: u64 = 454 * MIB;
+const CONTEXT_OVERHEAD: u64 = 256 * MIB;
+
+/// The virtual environment's Python with CuPy importable, or `None` with a SKIP line (an error
+/// when `TESSERA_REQUIRE_RUNTIMES` is set).
+fn cupy_python() -> Option<PathBuf> {
+    let venv = std::env::var_os("TESSERA_CUDA_RUNTIMES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| profile_dir().parent().expect("target dir").join("cuda-runtimes"));
+    let python = venv.join("bin/python");
+    let why = if !python.exists() {
+        format!("no CUDA runtime environment at {} (scripts/deps.sh makes it)", venv.display())
+    } else {
+        match Command::new(&python).args(["-c", "import cupy, cupy_backends"]).output() {
+            Ok(o) if o.status.success() => return Some(python),
+            Ok(o) => format!("CuPy does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
+            Err(e) => format!("{}: {e}", python.display()),
+        }
+    };
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    None
+}
+
+/// What the CuPy program does; it prints one JSON line of what it saw.
+const PROGRAM: &str = r#"
+import json, sys
+import numpy
+import cupy
+from cupy.cuda import runtime, function, compiler
+from cupy_backends.cuda.api import driver
+
+out = {}
+out["count"] = runtime.getDeviceCount()
+props = runtime.getDeviceProperties(0)
+out["name"] = props["name"].decode()
+out["free"], out["total"] = runtime.memGetInfo()
+
+# Real bytes go to the device and come back.
+data = numpy.random.default_rng(7).integers(0, 255, 1 << 20, dtype=numpy.uint8)
+on_device = cupy.asarray(data)
+out["roundtrip"] = bool((cupy.asnumpy(on_device) == data).all())
+copy = cupy.empty_like(on_device)
+copy.data.copy_from_device(on_device.data, on_device.nbytes)
+out["device_copy"] = bool((copy.get() == data).all())
+
+# JIT-compiled kernels (NVRTC) launch; a kernel named for 20 ms takes 20 ms between events.
+doubled = on_device * 2
+spin = cupy.RawKernel(r'extern "C" __global__ void spin_20ms(unsigned char* a) { a[0] = 1; }', "spin_20ms")
+start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+start.record()
+spin((1,), (32,), (on_device,))
+stop.record()
+stop.synchronize()
+out["spin_ms"] = cupy.cuda.get_elapsed_time(start, stop)
+stream = cupy.cuda.Stream(non_blocking=True)
+with stream:
+    doubled = doubled + 1
+stream.synchronize()
+runtime.deviceSynchronize()
+
+# JIT linking, as CuPy's relocatable-code path does, and occupancy.
+image = compiler.compile_using_nvrtc('extern "C" __global__ void linked_1us(int* a) { a[0] = 1; }', arch="90")[0]
+link = function.LinkState()
+link.add_ptr_data(image, "linked.cubin")
+module = function.Module()
+module.load(link.complete())
+linked = module.get_function("linked_1us")
+linked((1,), (1,), (on_device,))
+out["occupancy_256"] = driver.occupancyMaxActiveBlocksPerMultiprocessor(linked.ptr, 256, 0)
+
+# Stream-ordered allocation (cudaMallocAsync pools).
+pool = cupy.cuda.MemoryAsyncPool()
+a = pool.malloc(64 << 20)
+del a
+runtime.deviceSynchronize()
+
+# Everything freed is free on the device again.
+del on_device, copy, doubled
+cupy.get_default_memory_pool().free_all_blocks()
+out["free_before_oom"] = runtime.memGetInfo()[0]
+
+# Allocate through CuPy's pool until its out-of-memory error.
+chunk = int(sys.argv[1])
+held = []
+try:
+    while len(held) < 10000:
+        held.append(cupy.empty(chunk, dtype=cupy.uint8))
+    out["oom"] = None
+except cupy.cuda.memory.OutOfMemoryError:
+    out["oom"] = "OutOfMemoryError"
+out["held"] = len(held) * chunk
+del held
+cupy.get_default_memory_pool().free_all_blocks()
+out["free_after"] = runtime.memGetInfo()[0]
+try:
+    cupy.empty(out["total"] + chunk, dtype=cupy.uint8)
+    out["too_big"] = None
+except cupy.cuda.memory.OutOfMemoryError:
+    out["too_big"] = "OutOfMemoryError"
+print(json.dumps(out))
+"#;
+
+/// Runs the program on a node of its own, with `extra` environment, allocating `chunk` bytes at a
+/// time; what it saw.
+fn run_cupy(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
+    let node = SimNode::new();
+    let out = node
+        .command(python)
+        .args(["-c", PROGRAM, &chunk.to_string()])
+        .envs(extra.iter().copied())
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "CuPy failed on the sim ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+#[test]
+fn cupy_runs_on_the_simulated_node() {
+    let Some(python) = cupy_python() else { return };
+    let v = run_cupy(&python, 4 * GIB, &[]);
+    assert_eq!(u(&v, "count"), 8);
+    assert_eq!(v["name"], H100_NAME);
+    assert_eq!(u(&v, "total"), H100_MEMORY);
+    let free = H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD;
+    assert_eq!(u(&v, "free"), free, "the board less what the sim reserves and the runtime's context");
+    assert_eq!(v["roundtrip"], true, "bytes copied to the device and back are the same");
+    assert_eq!(v["device_copy"], true, "a device-to-device copy moves the bytes");
+    let spin = v["spin_ms"].as_f64().expect("spin_ms");
+    assert!(spin >= 19.9, "a kernel named for 20 ms took {spin} ms between its events");
+    assert_eq!(u(&v, "occupancy_256"), 8, "2048 threads per SM");
+    assert_eq!(v["oom"], "OutOfMemoryError");
+    let held = u(&v, "held");
+    assert!(held <= free && held + 4 * GIB > free, "held {held} of {free} free before CuPy's OOM");
+    assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
+    assert_eq!(u(&v, "free_after"), free);
+    assert_eq!(v["too_big"], "OutOfMemoryError");
+}
+
+#[test]
+fn cupy_under_the_shim_sees_its_limit() {
+    let Some(python) = cupy_python() else { return };
+    let shim = shim();
+    let shim = shim.to_str().expect("utf-8 path");
+    let v = run_cupy(&python, 100 * MIB, &[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
+    assert_eq!(u(&v, "total"), GIB, "memGetInfo shows the limit as the device's memory");
+    let free = u(&v, "free");
+    assert!(free <= GIB - CONTEXT_OVERHEAD, "the runtime's context counts against the limit: {free}");
+    assert_eq!(v["roundtrip"], true);
+    assert_eq!(v["oom"], "OutOfMemoryError", "CuPy's own OOM error at the limit");
+    let held = u(&v, "held");
+    assert!(held <= free && held + 100 * MIB > free, "held {held} of {free} free under a 1 GiB limit");
+    assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
+    assert_eq!(u(&v, "free_after"), free);
+    assert_eq!(v["too_big"], "OutOfMemoryError");
+}
