@@ -38,7 +38,10 @@ fn cgroup_root() -> Option<PathBuf> {
     let root = CGROUP_ROOTS.iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
     let why = match root {
         Some(r) => {
-            let probe = r.join(format!("tessera-probe-{}", std::process::id()));
+            // One name per call: the tests of this file probe in parallel.
+            static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let probe = r.join(format!("tessera-probe-{}-{n}", std::process::id()));
             match std::fs::create_dir(&probe) {
                 Ok(()) => {
                     let _ = std::fs::remove_dir(&probe);
