@@ -22,7 +22,7 @@ use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginDevice, PluginSet};
 use tessera_daemon::node::{ConfigSource, NodeController, StartError};
 use tessera_daemon::partition::{self, Share};
 use tessera_daemon::resources::{Resource, Resources};
-use tessera_daemon::state::Store;
+use tessera_daemon::state::{AllocDirs, Store};
 use tessera_daemon::{api, telemetry};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -143,7 +143,8 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             return ExitCode::from(1);
         }
     }
-    let store = match Store::open(&cfg.state_dir) {
+    // Allocations a damaged journal lost are read back from their directories.
+    let store = match Store::open_with_dirs(&cfg.state_dir, &AllocDirs::new(&cfg.runtime_dir)) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("tesserad: state: {e}");
