@@ -217,3 +217,49 @@ async fn register_allocate_kill9_restart_keeps_the_allocation() {
     let text = show_log();
     assert!(text.contains("registered"), "{text}");
 }
+
+/// A kubelet.sock left by a kubelet that is gone (bound, then closed: connecting is refused) must
+/// not hold readiness up: READY=1 comes once the node API serves, the wait is logged with its
+/// reason, and registration happens in the background once a kubelet listens there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_kubelet_socket_does_not_stall_readiness() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(&node, tmp.path(), "[partitions.default]\nwhole = true\n");
+    let plugins = tmp.path().join("plugins");
+    let kubelet_sock = plugins.join(dp::KUBELET_SOCKET_NAME);
+    drop(std::os::unix::net::UnixListener::bind(&kubelet_sock).expect("bind a kubelet.sock"));
+    assert!(kubelet_sock.exists(), "the stale socket file stays");
+    let notify_path = tmp.path().join("notify.sock");
+    let notify = UnixDatagram::bind(&notify_path).expect("notify socket");
+    notify.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let log = tmp.path().join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+
+    let (child, _) = spawn(&node, &config, &notify_path, &log);
+    assert_eq!(notified(&notify), "READY=1", "{}", show_log());
+    // Serving: the node API answers at once.
+    let api = tmp.path().join("run/tessera.sock");
+    let status = std::process::Command::new(binary("tessera")).arg("--socket").arg(&api).arg("status").output();
+    let status = status.expect("tessera status");
+    assert!(status.status.success(), "{}{}", String::from_utf8_lossy(&status.stderr), show_log());
+    // Why registration waits, once, with the cause.
+    let want = format!("kubelet socket {}: ", kubelet_sock.display());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !show_log().lines().any(|l| l.contains(&want) && l.contains("retrying every 100 ms")) {
+        assert!(Instant::now() < deadline, "no line saying why registration waits:\n{}", show_log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = show_log();
+    let line = text.lines().find(|l| l.contains(&want)).expect("the line");
+    assert!(line.contains("Connection refused") || line.contains("connection refused"), "{line}");
+    let gpu_lines = text.lines().filter(|l| l.contains(&want) && l.contains("tessera.io/gpu")).count();
+    assert_eq!(gpu_lines, 1, "logged once per reason, not per retry:\n{text}");
+
+    // A kubelet comes up on that path: the plugins register in the background.
+    std::fs::remove_file(&kubelet_sock).expect("remove the stale socket");
+    let mut kubelet = TestKubelet::start(&plugins);
+    let (req, _) = kubelet.next_registration().await;
+    assert!(req.resource_name.starts_with("tessera.io/"), "{req:?}");
+    drop(child);
+}

@@ -446,3 +446,55 @@ fn the_probe_finds_a_lost_gpu_without_events() {
         assert!(matches!(health::probe(&session, 2), Probe::Alive(_)));
     });
 }
+
+/// Every event of `events` that arrives before it stays quiet for `quiet`.
+async fn drain(events: &mut tonic::Streaming<api::Event>, quiet: Duration) -> Vec<api::Event> {
+    let mut seen = Vec::new();
+    while let Ok(e) = tokio::time::timeout(quiet, events.message()).await {
+        seen.push(e.expect("event stream ok").expect("event stream open"));
+    }
+    seen
+}
+
+/// A GPU out of service whose uncorrected ECC count keeps rising (every probe and every NVML
+/// event sees a new error) is reported once, not every 50 ms; after a reset and recovery, a new
+/// error is a new fault, reported again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rising_ecc_count_on_an_out_of_service_gpu_is_reported_once() {
+    let node = SimNode::with_description(WHOLE4);
+    let mut s = start(&node, "[partitions.default]\nwhole = true\n", 1).await;
+    let sim = sim_model(&node);
+    let req = api::ListDevicesRequest { kinds: vec![api::DeviceKind::Gpu as i32], ..Default::default() };
+    let mut gpus = s.api.list_devices(req).await.expect("list").into_inner().devices;
+    gpus.sort_by_key(|d| d.index);
+    let uuid = gpus[1].uuid.clone();
+    let mut events = watch_health_events(&mut s.api).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    sim.inject_ecc(1, 0, 1).expect("inject ECC");
+    let e = expect_event(&mut events, "ECC fault", |e| e.device_id == uuid && fault(e).is_some()).await;
+    assert_eq!(fault(&e).unwrap().kind(), api::FaultKind::EccDoubleBit);
+    // 60 more errors over about 1.5 s: 30 probe periods, 60 NVML events.
+    for _ in 0..60 {
+        sim.inject_ecc(1, 0, 1).expect("inject ECC");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let later = drain(&mut events, Duration::from_millis(800)).await;
+    let faults: Vec<&api::Event> = later.iter().filter(|e| e.device_id == uuid && fault(e).is_some()).collect();
+    assert!(faults.is_empty(), "{} more fault events: {:?}", faults.len(), faults.first().map(|e| &e.message));
+    // Only the first fault's own transition (it follows the fault event): no more changes.
+    let changes: Vec<_> = later.iter().filter(|e| e.device_id == uuid).filter_map(change).collect();
+    assert_eq!(changes, [(api::Health::Healthy, api::Health::Unhealthy)], "{later:?}");
+    let (health, reason) = device_health(&mut s.api, &uuid).await;
+    assert_eq!(health, api::Health::Unhealthy);
+    assert!(reason.starts_with("unhealthy: double-bit ECC error"), "{reason}");
+
+    // Reset, back in service; a new error is a new outage, reported at once.
+    sim.reset(1).expect("reset GPU 1");
+    expect_event(&mut events, "GPU 1 recovery", |e| e.device_id == uuid && recovery(e).is_some()).await;
+    sim.inject_ecc(1, 0, 1).expect("inject ECC");
+    expect_event(&mut events, "a new ECC fault", |e| e.device_id == uuid && fault(e).is_some()).await;
+    let log = std::fs::read_to_string(&s.log).unwrap_or_default();
+    let taken = log.lines().filter(|l| l.contains("double-bit ECC") && l.contains("taken out of service")).count();
+    assert!(taken <= 2, "{log}");
+}

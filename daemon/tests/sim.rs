@@ -237,3 +237,39 @@ fn tesserad_refuses_bad_configs_and_applies_good_ones() {
     let again = tesserad(&node, good);
     assert!(String::from_utf8_lossy(&again.stdout).contains("layout: as declared"));
 }
+
+/// Without `--sim` or `sim = true`, a node with no driver is an error naming the library, even
+/// with the simulator at hand; `sim = true` alone selects it.
+#[test]
+fn tesserad_never_falls_back_to_the_simulator() {
+    let driver_present = Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("libnvidia-ml.so.1 "));
+    let node = SimNode::with_description(TWO_H100_MIG);
+    let dir = tempfile::tempdir().unwrap();
+    let run = |config: &str| {
+        let p = dir.path().join("config.toml");
+        std::fs::write(&p, config).unwrap();
+        let mut c: Command = node.command(env!("CARGO_BIN_EXE_tesserad"));
+        // The node's library directory stays off the loader's path (a driver-less node); the
+        // simulator's library is still named, as it would be beside the executable.
+        c.arg("--config").arg(&p).arg("--once").env("TESSERA_SIM_LIB", node.nvml_path()).env_remove("LD_LIBRARY_PATH");
+        c.output().unwrap()
+    };
+    if driver_present {
+        println!("SKIP: an NVIDIA driver is installed here; a node without one cannot be shown");
+    } else {
+        let out = run("");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("no NVIDIA driver: cannot load libnvidia-ml.so.1"), "{err}");
+        assert!(err.contains("/etc/ld.so.cache") && err.contains("--sim"), "{err}");
+        assert!(!err.contains("simulated node,"), "the simulator was not loaded: {err}");
+    }
+    let out = run("sim = true\n");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("the simulated node, as asked"), "{log}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("GPU 0"));
+}

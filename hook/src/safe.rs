@@ -164,6 +164,9 @@ impl Root {
     }
 
     /// A regular file at `path` (created empty, mode 0644, when missing), for a file bind mount.
+    /// A symbolic link there (an image's `libcuda.so.1 -> libcuda.so.535.104.05`, dangling or
+    /// not, or one aimed at `/etc/passwd`) is replaced by the file, never followed: what is
+    /// mounted there is the injected file, and nothing is written through the link.
     pub fn file(&self, path: &Path) -> io::Result<OwnedFd> {
         self.file_cached(path, &mut DirCache::default())
     }
@@ -181,16 +184,23 @@ impl Root {
             }
         };
         let c = sys::cstr(name)?;
-        match sys::openat(dir.as_fd(), &c, libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY, 0o644) {
-            Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => return Err(e),
-        }
+        let create = || -> io::Result<()> {
+            match sys::openat(dir.as_fd(), &c, libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY, 0o644)
+            {
+                Ok(_) => Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => Ok(()),
+                Err(e) => Err(e),
+            }
+        };
+        create()?;
         let mut fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
         let mut mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
         if mode == libc::S_IFLNK {
-            // A link the image put there: followed inside the root.
-            fd = self.resolve(path)?;
+            // The link itself goes (unlinkat acts on the entry in this directory, inside the
+            // root), and the file takes its place.
+            sys::unlinkat(dir.as_fd(), &c)?;
+            create()?;
+            fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
             mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
         }
         if mode != libc::S_IFREG {
@@ -227,6 +237,13 @@ impl Root {
             Err(e) => Err(e),
         }
     }
+}
+
+/// `path` as [`Root::first_symlink`] names it: from `/`, `.` and empty components dropped.
+pub fn absolute(path: &Path) -> std::path::PathBuf {
+    let mut p = std::path::PathBuf::from("/");
+    p.extend(components(path));
+    p
 }
 
 /// Whether two descriptors name the same file (a bind mount of one onto the other already done).
@@ -311,6 +328,32 @@ mod tests {
         // The victim is untouched.
         let names: Vec<_> = std::fs::read_dir(victim).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["keep"]);
+    }
+
+    #[test]
+    fn a_link_where_a_file_goes_is_replaced_never_followed() {
+        for walk_only in [false, true] {
+            let (_d, root, victim) = hostile();
+            let lib = root.join("usr/lib/x86_64-linux-gnu");
+            std::fs::create_dir_all(&lib).unwrap();
+            std::fs::write(lib.join("libcuda.so.550.54"), b"the image's stub").unwrap();
+            symlink("libcuda.so.535.104.05", lib.join("libcuda.so.1")).unwrap(); // dangling
+            symlink("libcuda.so.550.54", lib.join("libcuda.so")).unwrap(); // stale but there
+            symlink(victim.join("keep"), lib.join("libnvidia-ml.so.1")).unwrap(); // out of the root
+            symlink("/etc/passwd", lib.join("libnvidia-ptxjitcompiler.so.1")).unwrap();
+            let r = Root::open(&root).unwrap();
+            let r = if walk_only { r.walk_only() } else { r };
+            for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"] {
+                let path = Path::new("/usr/lib/x86_64-linux-gnu").join(name);
+                let fd = r.file(&path).unwrap();
+                assert_eq!(fd_path(&fd), lib.join(name), "the file is where the link was");
+                let meta = std::fs::symlink_metadata(lib.join(name)).unwrap();
+                assert!(meta.file_type().is_file() && meta.len() == 0, "{name}: {meta:?}");
+            }
+            assert_eq!(std::fs::read(lib.join("libcuda.so.550.54")).unwrap(), b"the image's stub");
+            assert_eq!(std::fs::read(victim.join("keep")).unwrap(), b"host", "nothing written through");
+            assert!(!root.join("etc/passwd").exists());
+        }
     }
 
     #[test]

@@ -95,6 +95,13 @@ pub fn mkdirat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t) -> io::Resu
     unit_result(unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) } as libc::c_long)
 }
 
+/// Removes the directory entry `name` in `dir` (a file or a symbolic link itself, never what a
+/// link points to).
+pub fn unlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated and outlives the call.
+    unit_result(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } as libc::c_long)
+}
+
 pub fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t, dev: libc::dev_t) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and outlives the call.
     unit_result(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode, dev) } as libc::c_long)

@@ -92,14 +92,21 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) 
 
 /// Refuses a root file system where a path the runtime will create or mount on passes through a
 /// symbolic link: the runtime, not the wrapper, acts on these paths, and some runtimes (runc
-/// 1.1.5 creating /dev entries) follow such links on the host.
+/// 1.1.5 creating /dev entries) follow such links on the host. One exception: a file mount (a
+/// driver library) whose own last component is a link (an image's stale
+/// `libcuda.so.1 -> libcuda.so.535.104.05`) gets the link replaced by an empty file, inside the
+/// root and never through the link ([`crate::safe::Root::file`]), for the runtime to mount on.
 pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError> {
     let root = crate::safe::Root::open(rootfs)
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
+    let file_mounts = plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path);
     let targets = plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path));
     for t in targets {
         match root.first_symlink(t) {
             Ok(None) => {}
+            Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.clone().any(|f| f == t) => {
+                root.file(t).map_err(|e| InjectError(format!("root file system: {}: {e}", t.display())))?;
+            }
             Ok(Some(link)) => {
                 return Err(InjectError(format!(
                     "root file system: {} is a symbolic link; refusing to put {} through it",

@@ -349,3 +349,56 @@ fn hook_twice_is_idempotent() {
     let count = all.lines().find(|l| l.chars().all(|c| c.is_ascii_digit()) && !l.is_empty()).unwrap();
     assert_eq!(count, "10", "{all}");
 }
+
+/// An image whose driver-library links are stale: `libcuda.so.1 -> libcuda.so.535.104.05`
+/// (absent), `libnvidia-ml.so.1 -> /etc/passwd`, and one aimed at a host file. The container
+/// starts with the injected libraries, by the hook and by the wrapper; each link is replaced inside
+/// the root, and nothing is written through one (the image's /etc/passwd and the host file keep
+/// their bytes).
+#[test]
+fn stale_driver_library_links_are_replaced_inside_the_root() {
+    let node = Node::new();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let victim = victim(node.path());
+    let before = snapshot(&victim);
+    let host_passwd = std::fs::read("/etc/passwd").ok();
+    for via_hook in [true, false] {
+        let rootfs = node.path().join(format!("rootfs-stale-{via_hook}"));
+        busybox_rootfs(&rootfs).unwrap();
+        std::fs::write(rootfs.join("etc/passwd"), "root:x:0:0:image:/root:/bin/sh\n").unwrap();
+        let lib = rootfs.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::os::unix::fs::symlink("libcuda.so.535.104.05", lib.join("libcuda.so.1")).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", lib.join("libnvidia-ml.so.1")).unwrap();
+        let host_file = std::fs::read_dir(&victim).unwrap().next().unwrap().unwrap().path();
+        std::os::unix::fs::symlink(&host_file, lib.join("libcuda.so.550.54.15")).unwrap();
+        let b = bundle(
+            &node.path().join(format!("b-stale-{via_hook}")),
+            &rootfs,
+            PROBE,
+            ASK_GPU0,
+            via_hook.then_some(&node),
+        );
+        let out = if via_hook {
+            runc(node.path(), &b, "stale-h", Via::Plain)
+        } else {
+            runc(node.path(), &b, "stale-w", Via::Wrapper(&node))
+        };
+        let all = text(&out);
+        let via = if via_hook { "hook" } else { "wrapper" };
+        assert!(out.status.success(), "via {via}: {all}");
+        // The injected libraries are what the container sees at those paths.
+        assert_gpu0(&all);
+        // The links are gone from the image, replaced by (now unmounted) files of its own.
+        for name in ["libcuda.so.1", "libnvidia-ml.so.1", "libcuda.so.550.54.15"] {
+            let meta = std::fs::symlink_metadata(lib.join(name)).unwrap();
+            assert!(meta.file_type().is_file(), "via {via}: {name} is still {meta:?}");
+        }
+        assert_eq!(std::fs::read_to_string(rootfs.join("etc/passwd")).unwrap(), "root:x:0:0:image:/root:/bin/sh\n");
+        assert!(!lib.join("libcuda.so.535.104.05").exists(), "via {via}: nothing made through the link");
+    }
+    assert_eq!(snapshot(&victim), before, "the host file behind a link is untouched");
+    assert_eq!(std::fs::read("/etc/passwd").ok(), host_passwd);
+}

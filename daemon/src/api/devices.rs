@@ -200,6 +200,8 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
             Source::Kubelet => api::AllocationSource::Kubelet,
             Source::NodeApi => api::AllocationSource::NodeApi,
             Source::Hook => api::AllocationSource::Hook,
+            // Not one of the API's sources: the record was rebuilt, its origin is unknown.
+            Source::Recovered => api::AllocationSource::Unspecified,
         } as i32,
         created_unix_nano: a.created_unix_ns,
     }

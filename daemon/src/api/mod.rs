@@ -41,13 +41,30 @@ impl NodeApi {
 pub async fn serve(
     socket: PathBuf,
     controller: Arc<NodeController>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
+    let listener = bind(&socket)?;
+    serve_on(listener, socket, controller, shutdown).await
+}
+
+/// Binds the node API's socket (owner-only), making its directory if needed: once this returns,
+/// clients can connect.
+pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let listener = crate::socket::bind_owner_only_tokio(&socket)?;
+    let listener = crate::socket::bind_owner_only_tokio(socket)?;
     tracing::info!(socket = %socket.display(), "node API listening");
+    Ok(listener)
+}
+
+/// [`serve`] on a socket [`bind`] made; removes `socket` when it stops.
+pub async fn serve_on(
+    listener: tokio::net::UnixListener,
+    socket: PathBuf,
+    controller: Arc<NodeController>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
     let result = tonic::transport::Server::builder()
         .add_service(NodeServer::new(NodeApi::new(controller, shutdown.clone())))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {

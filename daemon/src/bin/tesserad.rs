@@ -1,8 +1,8 @@
 //! `tesserad`: load and validate the configuration, discover the GPUs, apply the declared
 //! partitions, then serve every advertised resource to the kubelet (one device-plugin socket per
 //! resource) with allocations kept in the crash-safe state store, until SIGTERM or SIGINT.
-//! Readiness (every resource registered) goes to systemd as `READY=1` when `$NOTIFY_SOCKET` is
-//! set. `--once` prints what was found and applied and exits instead.
+//! Readiness (the node API serving; kubelet registration goes on in the background) goes to
+//! systemd as `READY=1` when `$NOTIFY_SOCKET` is set. `--once` prints what was found and applied and exits instead.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -22,7 +22,7 @@ use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginDevice, PluginSet};
 use tessera_daemon::node::{ConfigSource, NodeController, StartError};
 use tessera_daemon::partition::{self, Share};
 use tessera_daemon::resources::{Resource, Resources};
-use tessera_daemon::state::Store;
+use tessera_daemon::state::{AllocDirs, Store};
 use tessera_daemon::{api, telemetry};
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -143,7 +143,8 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             return ExitCode::from(1);
         }
     }
-    let store = match Store::open(&cfg.state_dir) {
+    // Allocations a damaged journal lost are read back from their directories.
+    let store = match Store::open_with_dirs(&cfg.state_dir, &AllocDirs::new(&cfg.runtime_dir)) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("tesserad: state: {e}");
@@ -191,7 +192,20 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }
         };
         let api_socket = cfg.node_api_socket();
-        let api_task = tokio::spawn(api::serve(api_socket, Arc::clone(&controller), shutdown_rx.clone()));
+        let api_listener = match api::bind(&api_socket) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("tesserad: node API socket {}: {e}", api_socket.display());
+                return ExitCode::from(1);
+            }
+        };
+        let api_task =
+            tokio::spawn(api::serve_on(api_listener, api_socket, Arc::clone(&controller), shutdown_rx.clone()));
+        // Ready once the node API serves. Registration with the kubelet goes on in the background
+        // (each plugin retries and logs why it waits): a stale kubelet.sock must not hold it up.
+        if let Err(e) = sd_notify("READY=1") {
+            tracing::warn!(error = %e, "cannot notify systemd");
+        }
         let health_task = tessera_daemon::health::HealthMonitor::spawn(
             Arc::clone(&controller),
             cfg.health.clone(),
@@ -263,25 +277,12 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             };
         let mut set = set;
         let mut registered = false;
-        // A host without a kubelet (a plain systemd GPU host): nothing will register, so the
-        // daemon is ready once it serves the node API. Plugins still register if one comes.
-        let kubelet_socket = cfg.device_plugin_dir.join(tessera_proto::deviceplugin::v1beta1::KUBELET_SOCKET_NAME);
-        if !kubelet_socket.exists() {
-            registered = true;
-            tracing::info!(socket = %kubelet_socket.display(), "no kubelet here; ready without registering");
-            if let Err(e) = sd_notify("READY=1") {
-                tracing::warn!(error = %e, "cannot notify systemd");
-            }
-        }
         loop {
             tokio::select! {
                 () = set.wait_registered(), if !registered => {
                     registered = true;
                     let ms = started.elapsed().as_secs_f64() * 1e3;
                     tracing::info!(resources = set.resources().count(), ms_since_start = ms, "registered");
-                    if let Err(e) = sd_notify("READY=1") {
-                        tracing::warn!(error = %e, "cannot notify systemd");
-                    }
                 }
                 changed = resources_rx.changed() => {
                     if changed.is_err() {

@@ -1,5 +1,7 @@
-//! Which NVML library the daemon loads: the real driver by default, the simulated node with
-//! `--sim` (or `sim = true`), or when no driver can be loaded and no library was configured.
+//! Which NVML library the daemon loads: the real driver by default, the simulated node only with
+//! `--sim` (or `sim = true`). Never the simulator on its own: a node with no driver is an error
+//! naming the library tried and where the loader looked, so a broken driver install is never
+//! mistaken for eight healthy simulated GPUs.
 
 use std::path::{Path, PathBuf};
 
@@ -22,8 +24,6 @@ pub enum Source {
     Driver,
     /// `--sim` or `sim = true`.
     SimRequested,
-    /// No driver could be loaded, so the simulated node.
-    SimFallback,
 }
 
 impl std::fmt::Display for Source {
@@ -31,8 +31,7 @@ impl std::fmt::Display for Source {
         f.write_str(match self {
             Source::Configured => "configured nvml_library",
             Source::Driver => "the NVIDIA driver",
-            Source::SimRequested => "the simulated node, as asked (--sim)",
-            Source::SimFallback => "the simulated node: no NVIDIA driver could be loaded",
+            Source::SimRequested => "the simulated node, as asked (--sim or sim = true)",
         })
     }
 }
@@ -55,29 +54,52 @@ fn init(path: &Path) -> Result<Nvml, nvml_wrapper::error::NvmlError> {
 /// Loads NVML for the daemon's life, choosing the library as the module describes; logs which
 /// (and why) as its first line.
 pub fn load(configured: Option<&Path>, sim: bool) -> Result<(Nvml, PathBuf, Source), DiscoveryError> {
-    let sim_path = || {
-        sim_library().ok_or_else(|| DiscoveryError::NoSimLibrary {
-            why: format!("set {SIM_LIB_ENV} or put {SIM_LIB_NAME} beside the executable"),
-        })
-    };
+    load_with(Path::new(DRIVER_NVML), configured, sim)
+}
+
+/// [`load`], with the driver's library named `driver` (tests name one that is absent).
+fn load_with(driver: &Path, configured: Option<&Path>, sim: bool) -> Result<(Nvml, PathBuf, Source), DiscoveryError> {
     let (path, source, nvml) = if sim {
-        let p = sim_path()?;
+        let p = sim_library().ok_or_else(|| DiscoveryError::NoSimLibrary {
+            why: format!("set {SIM_LIB_ENV} or put {SIM_LIB_NAME} beside the executable"),
+        })?;
         let nvml = init(&p).map_err(|e| DiscoveryError::Load { path: p.clone(), source: e })?;
         (p, Source::SimRequested, nvml)
     } else if let Some(p) = configured {
         let nvml = init(p).map_err(|e| DiscoveryError::Load { path: p.to_path_buf(), source: e })?;
         (p.to_path_buf(), Source::Configured, nvml)
     } else {
-        let driver = PathBuf::from(DRIVER_NVML);
-        match init(&driver) {
-            Ok(nvml) => (driver, Source::Driver, nvml),
-            Err(driver_err) => {
-                let p = sim_path().map_err(|_| DiscoveryError::Load { path: driver.clone(), source: driver_err })?;
-                let nvml = init(&p).map_err(|e| DiscoveryError::Load { path: p.clone(), source: e })?;
-                (p, Source::SimFallback, nvml)
-            }
-        }
+        let nvml = init(driver).map_err(|e| DiscoveryError::NoDriver {
+            library: driver.to_path_buf(),
+            searched: searched(),
+            reason: e.to_string(),
+        })?;
+        (driver.to_path_buf(), Source::Driver, nvml)
     };
     tracing::info!(library = %path.display(), "NVML library: {} ({source})", path.display());
     Ok((nvml, path, source))
+}
+
+/// Where the dynamic loader looks for a bare library name, as `ld.so(8)` orders it.
+fn searched() -> String {
+    let env = std::env::var("LD_LIBRARY_PATH").ok().filter(|v| !v.is_empty());
+    let env = env.map_or_else(|| "LD_LIBRARY_PATH (unset)".to_string(), |v| format!("LD_LIBRARY_PATH ({v})"));
+    format!("{env}, the ld.so cache (/etc/ld.so.cache, see `ldconfig -p`), /lib and /usr/lib")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_driver_is_an_error_naming_the_library_never_the_simulator() {
+        // The simulator is right there (as on a developer's machine): it is still not used.
+        let absent = Path::new("libnvidia-ml-absent-for-test.so.1");
+        let err = load_with(absent, None, false).map(|(_, p, s)| (p, s)).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, DiscoveryError::NoDriver { .. }), "{text}");
+        assert!(text.contains("libnvidia-ml-absent-for-test.so.1"), "{text}");
+        assert!(text.contains("LD_LIBRARY_PATH") && text.contains("/etc/ld.so.cache"), "{text}");
+        assert!(text.contains("--sim"), "says how to ask for the simulator: {text}");
+    }
 }

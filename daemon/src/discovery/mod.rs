@@ -20,6 +20,13 @@ pub use library::{SIM_LIB_ENV, SIM_LIB_NAME, Source, sim_library};
 pub enum DiscoveryError {
     #[error("cannot load NVML from {}: {source}", path.display())]
     Load { path: PathBuf, source: NvmlError },
+    #[error(
+        "no NVIDIA driver: cannot load {} ({reason}); the dynamic loader looked in {searched}. Install the \
+         NVIDIA driver, set nvml_library to its libnvidia-ml.so.1, or run the simulated node with --sim \
+         (or sim = true)",
+        library.display()
+    )]
+    NoDriver { library: PathBuf, searched: String, reason: String },
     #[error("no simulated driver library: {why}")]
     NoSimLibrary { why: String },
     #[error("GPU {index}: {what}: {source}")]

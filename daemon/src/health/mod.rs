@@ -9,6 +9,9 @@
 //! - The liveness probe (every `interval_seconds`, and at once when an event wait says a GPU is
 //!   lost) finds lost GPUs and GPUs that stopped answering even when no event came, and
 //!   uncorrected ECC counts that rose without one.
+//! - The same fault again on a device already out of service for it (an uncorrected ECC count
+//!   that keeps rising) is reported at most every [`REPEAT_REPORT`], with a count, not on every
+//!   probe.
 //! - Out-of-service devices are probed every [`RECHECK`]. A reset leaves evidence NVML shows: a
 //!   lost GPU answers again, the volatile ECC counters are cleared, a pending row remap is gone,
 //!   or the driver's recovery action (which asked for a GPU reset) is back to none. With that, the device is `RECOVERING` and, after `recovery_check_ms` of passing probes (at
@@ -40,6 +43,10 @@ use crate::node::{self, NodeController};
 pub const WAIT_MS: u32 = 100;
 /// Event wait, and probe period of each out-of-service device, while some device is out of service.
 pub const RECHECK: Duration = Duration::from_millis(50);
+/// The same fault again on a device already out of service for it (an ECC count that keeps
+/// rising, seen by every probe and event) is reported at most this often, with how many times it
+/// came since the last report; in between it only updates the counters a reset is judged by.
+pub const REPEAT_REPORT: Duration = Duration::from_secs(60);
 /// Consecutive passing probes a recovering device needs, however short the check.
 pub const MIN_PROBES: u32 = 2;
 
@@ -79,6 +86,10 @@ struct Outage {
     /// The reset counters when the fault was seen.
     baseline: Counters,
     check: Option<Check>,
+    /// When a `Fault` event for this outage was last published.
+    reported: Instant,
+    /// The same fault seen again since then, not yet reported.
+    repeats: u64,
 }
 
 impl Outage {
@@ -486,6 +497,25 @@ impl Monitor {
     ) {
         let now = Instant::now();
         let baseline = counters.unwrap_or_default();
+        let mut reason = reason;
+        // The same fault again on a device already out for it: the counters follow (a reset is
+        // judged against the latest), the event and the reason wait for REPEAT_REPORT (one every
+        // 50 ms helps nobody; a new reason would rebuild what is offered each time).
+        if let Some(o) = self.outage_mut(&target)
+            && o.fault == kind
+            && o.xid == xid_no
+            && o.check.is_none()
+            && (o.lost || !lost)
+        {
+            if counters.is_some() {
+                o.baseline = baseline;
+            }
+            o.repeats += 1;
+            if now.duration_since(o.reported) < REPEAT_REPORT {
+                return;
+            }
+            reason = format!("{reason} (seen {} times since the last report)", o.repeats);
+        }
         let (previous, current) = {
             let existing = self.outage_mut(&target);
             match existing {
@@ -499,6 +529,8 @@ impl Monitor {
                         o.baseline = baseline;
                     }
                     o.check = None;
+                    o.reported = now;
+                    o.repeats = 0;
                     (previous, o.health())
                 }
                 None => {
@@ -510,6 +542,8 @@ impl Monitor {
                         lost,
                         baseline,
                         check: None,
+                        reported: now,
+                        repeats: 0,
                     };
                     let current = o.health();
                     match &target {
@@ -809,6 +843,8 @@ mod tests {
             lost: false,
             baseline: Counters::default(),
             check: None,
+            reported: Instant::now(),
+            repeats: 0,
         };
         assert_eq!((o.health(), o.describe().as_str()), (api::Health::Unhealthy, "unhealthy: XID 48"));
         o.lost = true;

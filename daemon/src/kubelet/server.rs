@@ -86,20 +86,35 @@ pub async fn serve_plugin(
         let (stop_tx, server) = start_server(&socket, &plugin)?;
         let own_id = file_id(&socket);
 
-        // Register, retrying until the kubelet answers.
+        // Register, retrying until the kubelet answers; why it waits is logged once per reason.
+        let mut waiting: Option<String> = None;
         let kubelet_id = loop {
             let id = file_id(&kubelet_socket);
-            if id.is_some() {
-                match register(&kubelet_socket, &name, plugin.resource()).await {
+            let why = match id {
+                None => "no such file (no kubelet yet)".to_string(),
+                Some(_) => match register(&kubelet_socket, &name, plugin.resource()).await {
                     Ok(()) => {
                         registrations.send_modify(|n| *n += 1);
                         tracing::info!(resource = plugin.resource(), socket = %socket.display(), "registered with the kubelet");
                         break id;
                     }
-                    Err(e) => {
-                        tracing::debug!(resource = plugin.resource(), error = %e, "registration failed; retrying")
-                    }
+                    Err(e) => e,
+                },
+            };
+            if waiting.as_deref() != Some(why.as_str()) {
+                let (path, every) = (kubelet_socket.display(), POLL_INTERVAL.as_millis());
+                if id.is_none() {
+                    tracing::info!(
+                        resource = plugin.resource(),
+                        "kubelet socket {path}: {why}; retrying every {every} ms"
+                    );
+                } else {
+                    tracing::warn!(
+                        resource = plugin.resource(),
+                        "kubelet socket {path}: {why}; retrying every {every} ms"
+                    );
                 }
+                waiting = Some(why);
             }
             if file_id(&socket) != own_id {
                 // Our socket went while waiting: serve again before registering.
@@ -180,6 +195,21 @@ fn stop_server(stop: watch::Sender<bool>, mut server: ServerTask) {
     });
 }
 
+/// An error with its sources ("transport error: connection refused"), which tonic's own
+/// message leaves out.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        source = s.source();
+    }
+    text
+}
+
 /// One registration with the kubelet.
 async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str) -> Result<(), String> {
     let channel = Endpoint::from_shared(format!("unix://{}", kubelet_socket.display()))
@@ -188,7 +218,7 @@ async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str) -> Resu
         .timeout(REGISTER_TIMEOUT)
         .connect()
         .await
-        .map_err(|e| format!("connecting to {}: {e}", kubelet_socket.display()))?;
+        .map_err(|e| error_chain(&e))?;
     let mut client = dp::registration_client::RegistrationClient::new(channel);
     client
         .register(RegisterRequest {

@@ -8,14 +8,16 @@
 //! - [`journal`]: the journal's on-disk format (frames, replay scan, preallocation).
 //! - [`durable`]: crash-safe whole-file writes (the event log, layout overrides).
 //! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
+//! - [`recover`]: records rebuilt from those directories when the journal lost them.
 
 pub mod alloc_dir;
 pub mod durable;
 pub mod journal;
 pub mod mount;
 pub mod record;
+pub mod recover;
 pub mod store;
 
 pub use alloc_dir::{AllocDirError, AllocDirs};
 pub use record::{AllocatedDevice, Allocation, ContainerIdentity, Source};
-pub use store::{SetAside, StateError, Store};
+pub use store::{Loss, SetAside, StateError, Store};

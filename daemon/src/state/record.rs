@@ -23,6 +23,9 @@ pub enum Source {
     NodeApi,
     /// The OCI hook alone (asked by env var or annotation).
     Hook,
+    /// Rebuilt from its allocation directory after the journal lost it (see
+    /// [`super::recover`]): resource and kubelet device ids unknown.
+    Recovered,
 }
 
 /// The container an allocation is for, as far as it is known (the kubelet's `Allocate` does not

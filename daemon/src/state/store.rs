@@ -13,17 +13,25 @@
 //! After `kill -9` (or a power cut) at any moment, [`Store::open`] replays the journal and finds
 //! each change whole or absent. A frame cut short by the crash is the last thing in the file and
 //! was never acknowledged: it is dropped without a word. Damage done by anything else (a frame
-//! that does not check out, with more after it) is never silently dropped and never a reason to
-//! fail: the journal is first copied byte for byte to `allocations.journal.corrupt-<unix-ns>`, an
-//! error is logged that names the copy and the offset, it is reported in [`Store::set_aside`], and
-//! the replay resumes at the next whole frame, so the changes after the damage are kept.
+//! that does not check out, with more after it; a journal cut short, emptied or zeroed: see
+//! [`super::journal`]) is never silently dropped and never a reason to fail: the journal as found
+//! is kept as `allocations.journal.corrupt-<unix-ns>` (a hard link, so it costs no space whatever
+//! its size), an error is logged that names the copy and the offset, it is reported in
+//! [`Store::set_aside`], and the replay resumes at the next whole frame. With
+//! [`Store::open_with_dirs`], every allocation directory the replay left without a record (and did
+//! not remove) is read back into one ([`super::recover`]); one error line gives the counts (read,
+//! the snapshot's, recovered, unreadable), and [`Store::loss`] reports them.
 //!
-//! The journal is compacted at every open and whenever a change does not fit in the space left:
-//! one put frame per live record is written to `allocations.journal.tmp`, zero-filled to the new
-//! capacity (max(1 MiB, 4 × the live frames), rounded up to 64 KiB), fsynced, renamed over the
-//! journal, and the directory fsynced. So the replay stays bounded and the file small. A leftover
+//! The journal is compacted when it needs to be: at open only after damage, a torn write, a
+//! journal without a header, legacy files, or a file over 4 times the size its records need (a
+//! whole journal is written on in place, so a restart needs no free space); and whenever a change
+//! does not fit in the space left. One header frame and one put frame per live record are written
+//! to `allocations.journal.tmp`, zero-filled to the new capacity (max(1 MiB, 4 × the live frames),
+//! rounded up to 64 KiB), fsynced, renamed over the journal, and the directory fsynced. A leftover
 //! `allocations.journal.tmp` (a compaction cut short; the journal it would have replaced is whole)
-//! is deleted at open and reported in [`Store::removed_tmp`].
+//! is deleted at open and reported in [`Store::removed_tmp`]. A compaction that fails for want of
+//! space ([`StateError::NoSpace`], naming the file system to free) fails the change that needed
+//! it, and nothing else; at open it is not fatal (changes fail until space is back).
 //!
 //! Stores from before the journal held one JSON file per record, `<id>.json`: [`Store::open`]
 //! loads them (one that does not parse, or whose id differs from its file name, is moved aside to
@@ -35,12 +43,12 @@
 //! One process owns a store at a time: [`Store::open`] takes an exclusive lock on `<dir>/lock`.
 //! [`read_records`] reads a store without the lock and without writing anything (inspection).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use super::alloc_dir::AllocDirs;
 use super::journal::{self, Op, OpRef};
 use super::record::{Allocation, unix_ns, valid_id};
 
@@ -54,6 +62,19 @@ const LOCK_FILE: &str = "lock";
 pub enum StateError {
     #[error("{}: {op}: {source}", path.display())]
     Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The state directory's file system is full (or its quota spent).
+    #[error(
+        "{}: {op}: no space left for the allocation store ({source}); free space on the file system of {} \
+         (the journal needs at least 1 MiB to compact)",
+        path.display(),
+        path.parent().unwrap_or(path).display()
+    )]
+    NoSpace {
         path: PathBuf,
         op: &'static str,
         #[source]
@@ -73,7 +94,10 @@ pub enum StateError {
 
 fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StateError {
     let path = path.to_path_buf();
-    move |source| StateError::Io { path, op, source }
+    move |source| match source.raw_os_error() {
+        Some(libc::ENOSPC | libc::EDQUOT) => StateError::NoSpace { path, op, source },
+        _ => StateError::Io { path, op, source },
+    }
 }
 
 /// Something [`Store::open`] found unreadable and set aside: a legacy record file (moved), or a
@@ -86,6 +110,21 @@ pub struct SetAside {
     pub moved_to: PathBuf,
     /// Why it was not a record; for the journal, the offset and what was wrong there.
     pub reason: String,
+}
+
+/// What a damaged journal lost, found by [`Store::open_with_dirs`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Loss {
+    /// Records the journal still gave.
+    pub read: usize,
+    /// Records its last snapshot held, by its header; `None`: no header was read.
+    pub snapshot: Option<u64>,
+    /// Ids of the records rebuilt from their allocation directories.
+    pub recovered: Vec<String>,
+    /// Allocation directories with no record that could not be read back: id, why.
+    pub unreadable: Vec<(String, String)>,
+    /// The journal as found.
+    pub copy: PathBuf,
 }
 
 /// Which change a journal write is for (named in its errors).
@@ -121,6 +160,7 @@ pub struct Store {
     index: BTreeMap<String, Allocation>,
     set_aside: Vec<SetAside>,
     removed_tmp: Vec<PathBuf>,
+    loss: Option<Loss>,
     /// The journal, open for writing.
     journal: File,
     /// Where the next frame goes: the end of the last acknowledged frame.
@@ -135,12 +175,29 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens the store in `dir`, creating the directory (mode 0700) if needed, replays the journal,
-    /// loads any legacy record files, and compacts. Leftover temporary files are deleted (see
-    /// [`Store::removed_tmp`]); journal damage and unreadable legacy records are set aside with an
-    /// error logged that names them (see [`Store::set_aside`]). Fails only on I/O errors and when
-    /// another process holds the store.
+    /// Opens the store in `dir` (see [`Store::open_with_dirs`]), with nothing to recover lost
+    /// records from.
     pub fn open(dir: &Path) -> Result<Store, StateError> {
+        Store::open_inner(dir, None)
+    }
+
+    /// Opens the store in `dir`, creating the directory (mode 0700) if needed, replays the journal
+    /// and loads any legacy record files. Leftover temporary files are deleted (see
+    /// [`Store::removed_tmp`]); journal damage and unreadable legacy records are set aside with an
+    /// error logged that names them (see [`Store::set_aside`]). When the journal lost data, every
+    /// allocation directory in `dirs` it holds no record for is read back into one (see
+    /// [`super::recover`] and [`Store::loss`]).
+    ///
+    /// The journal is compacted only when it needs to be (damage, a torn write, no header, legacy
+    /// files, or a file far larger than its records need); a compaction that fails (a full disk)
+    /// does not stop the open: a whole journal is written on in place, and a damaged one is kept
+    /// until a later change can compact it. Fails on other I/O errors, when the journal does not
+    /// exist and cannot be made, and when another process holds the store.
+    pub fn open_with_dirs(dir: &Path, dirs: &AllocDirs) -> Result<Store, StateError> {
+        Store::open_inner(dir, Some(dirs))
+    }
+
+    fn open_inner(dir: &Path, dirs: Option<&AllocDirs>) -> Result<Store, StateError> {
         std::fs::create_dir_all(dir).map_err(io_err(dir, "create directory"))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io_err(dir, "chmod 0700"))?;
         let lock_path = dir.join(LOCK_FILE);
@@ -175,16 +232,32 @@ impl Store {
         }
 
         let journal_path = dir.join(journal::FILE_NAME);
-        let bytes = read_journal(&journal_path)?;
-        let replay = journal::scan(&bytes);
+        let existing = match OpenOptions::new().read(true).write(true).open(&journal_path) {
+            Ok(f) => Some(f),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(&journal_path, "open")(e)),
+        };
+        let mut replay = match &existing {
+            Some(f) => journal::scan_file(f).map_err(io_err(&journal_path, "read"))?,
+            None => journal::Replay::default(),
+        };
+        if existing.is_some()
+            && let Some(d) = journal::file_damage(&replay)
+        {
+            replay.torn = None;
+            replay.damage.push(d);
+        }
         let mut index = BTreeMap::new();
-        apply(&mut index, replay.ops);
+        let records_read = replay.puts();
+        let removed = apply(&mut index, std::mem::take(&mut replay.ops));
         if let Some(at) = replay.torn {
             tracing::info!(file = %journal_path.display(), offset = at, "dropped a journal write cut short by a crash");
         }
-        if !replay.damage.is_empty() {
-            let copy = save_copy(dir, &bytes)?;
-            for damage in replay.damage {
+        let damaged = !replay.damage.is_empty();
+        let mut loss = None;
+        if damaged {
+            let copy = keep_copy(dir, &journal_path, &names)?;
+            for damage in &replay.damage {
                 tracing::error!(
                     file = %journal_path.display(),
                     offset = damage.offset,
@@ -199,6 +272,28 @@ impl Store {
                     reason: damage.to_string(),
                 });
             }
+            let mut l = Loss { read: index.len(), snapshot: replay.header.map(|h| h.records), copy, ..Loss::default() };
+            if let Some(dirs) = dirs {
+                recover_into(&mut index, &removed, dirs, &mut l);
+            }
+            tracing::error!(
+                file = %journal_path.display(),
+                records_read,
+                kept = l.read,
+                snapshot_records = ?l.snapshot,
+                recovered = l.recovered.len(),
+                unreadable = l.unreadable.len(),
+                "the allocation journal {} lost data: {} record(s) read from it{}; {} recovered from their \
+                 allocation directories{}; {} directories unreadable; the journal as found is kept as {}",
+                journal_path.display(),
+                l.read,
+                l.snapshot.map(|n| format!(" (its last snapshot held {n})")).unwrap_or_default(),
+                l.recovered.len(),
+                dirs.map(|d| format!(" under {}", d.root().display())).unwrap_or_else(|| " (none given)".into()),
+                l.unreadable.len(),
+                l.copy.display()
+            );
+            loss = Some(l);
         }
 
         // Legacy record files: into the index (the journal's record wins), deleted once the
@@ -236,30 +331,71 @@ impl Store {
             }
         }
 
-        // The compaction, and the directory fsync after it, also make the removals and renames
-        // above durable.
-        let (file, offset, capacity) = write_snapshot(dir, index.values(), 0)?;
-        sync_dir(dir)?;
-        if !legacy.is_empty() {
-            for path in &legacy {
-                match std::fs::remove_file(path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(io_err(path, "remove migrated legacy record")(e)),
+        // Compact only when needed: a clean journal is written on in place, so a restart needs
+        // no free space.
+        let live: u64 = index.values().map(|a| journal::encode(&OpRef::Put(a)).map_or(0, |f| f.len() as u64)).sum();
+        let oversized = replay.len > journal::capacity_for(live).saturating_mul(4);
+        let needs = damaged || replay.torn.is_some() || replay.header.is_none() || !legacy.is_empty() || oversized;
+        let (journal, offset, capacity, needs_compaction) = match existing {
+            Some(file) if !needs => (file, replay.end, replay.len, false),
+            existing => match write_snapshot(dir, index.values(), 0) {
+                Ok((file, offset, capacity)) => {
+                    // The directory fsync also makes the removals and renames above durable.
+                    let synced = sync_dir(dir);
+                    if synced.is_ok() && !legacy.is_empty() {
+                        for path in &legacy {
+                            match std::fs::remove_file(path) {
+                                Ok(()) => {}
+                                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                                Err(e) => return Err(io_err(path, "remove migrated legacy record")(e)),
+                            }
+                        }
+                        sync_dir(dir)?;
+                        tracing::info!(dir = %dir.display(), records = legacy.len(), "moved legacy record files into the journal");
+                    }
+                    if let Err(e) = &synced {
+                        tracing::warn!(error = %e, "the compacted journal is compacted again before the next change");
+                    }
+                    (file, offset, capacity, synced.is_err())
                 }
-            }
-            sync_dir(dir)?;
-            tracing::info!(dir = %dir.display(), records = legacy.len(), "moved legacy record files into the journal");
-        }
+                Err(e) => {
+                    let Some(file) = existing else { return Err(e) };
+                    if damaged || !legacy.is_empty() {
+                        // Nothing may be appended after damage: every change compacts first, and
+                        // fails (naming why) until it can.
+                        tracing::error!(
+                            file = %journal_path.display(),
+                            "cannot rewrite the allocation journal: {e}; its records are kept in memory and \
+                             written by the first change that can compact it; until then changes fail"
+                        );
+                        (file, replay.end, replay.len, true)
+                    } else {
+                        // A whole journal: write on after its last frame, a torn write zeroed first.
+                        if let Some(at) = replay.torn {
+                            let to = replay.len.min(at + (journal::HEADER_LEN + journal::MAX_PAYLOAD) as u64);
+                            journal::zero_fill(&file, at, to)
+                                .and_then(|()| file.sync_data())
+                                .map_err(io_err(&journal_path, "zero a torn write"))?;
+                        }
+                        tracing::warn!(
+                            file = %journal_path.display(),
+                            "cannot compact the allocation journal at start: {e}; writing on in place"
+                        );
+                        (file, replay.end, replay.len, false)
+                    }
+                }
+            },
+        };
         Ok(Store {
             dir: dir.to_path_buf(),
             index,
             set_aside,
             removed_tmp,
-            journal: file,
+            loss,
+            journal,
             offset,
             capacity,
-            needs_compaction: false,
+            needs_compaction,
             _lock: lock,
         })
     }
@@ -273,6 +409,11 @@ impl Store {
     /// stretches of the journal (each with the journal's copy).
     pub fn set_aside(&self) -> &[SetAside] {
         &self.set_aside
+    }
+
+    /// What a damaged journal lost at [`Store::open`], and what was recovered; `None` when nothing.
+    pub fn loss(&self) -> Option<&Loss> {
+        self.loss.as_ref()
     }
 
     /// The uncommitted temporary files [`Store::open`] deleted.
@@ -385,7 +526,15 @@ impl Store {
 pub fn read_records(dir: &Path) -> Result<Vec<Allocation>, StateError> {
     let names = file_names(dir)?;
     let journal_path = dir.join(journal::FILE_NAME);
-    let replay = journal::scan(&read_journal(&journal_path)?);
+    let replay = match File::open(&journal_path) {
+        Ok(f) => {
+            let mut replay = journal::scan_file(&f).map_err(io_err(&journal_path, "read"))?;
+            replay.damage.extend(journal::file_damage(&replay));
+            replay
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => journal::Replay::default(),
+        Err(e) => return Err(io_err(&journal_path, "open")(e)),
+    };
     for damage in &replay.damage {
         tracing::warn!(file = %journal_path.display(), "damaged allocation journal at {damage}");
     }
@@ -410,17 +559,24 @@ pub fn read_records(dir: &Path) -> Result<Vec<Allocation>, StateError> {
     Ok(index.into_values().collect())
 }
 
-fn apply(index: &mut BTreeMap<String, Allocation>, ops: Vec<Op>) {
+/// Replays `ops` into `index`; returns the ids the replay removed last (their directories, if a
+/// crash left them, are not allocations any more).
+fn apply(index: &mut BTreeMap<String, Allocation>, ops: Vec<Op>) -> BTreeSet<String> {
+    let mut removed = BTreeSet::new();
     for op in ops {
         match op {
             Op::Put(record) => {
+                removed.remove(&record.id);
                 index.insert(record.id.clone(), record);
             }
             Op::Remove(id) => {
                 index.remove(&id);
+                removed.insert(id);
             }
+            Op::Header(_) => {}
         }
     }
+    removed
 }
 
 /// The names in `dir`, sorted (a non-UTF-8 name is logged and skipped: none is ours).
@@ -448,15 +604,6 @@ fn ours(name: &str) -> bool {
         || name.contains(&format!("{RECORD_EXT}{CORRUPT_EXT}"))
 }
 
-/// The journal's bytes; empty if there is none yet.
-fn read_journal(path: &Path) -> Result<Vec<u8>, StateError> {
-    match std::fs::read(path) {
-        Ok(bytes) => Ok(bytes),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io_err(path, "read")(e)),
-    }
-}
-
 /// Writes `records` as the journal: `allocations.journal.tmp`, one put frame each, zeros to the
 /// capacity for them and `reserve` more bytes, fsync, renamed over the journal. Returns the file
 /// (open for writing), the frames' end and the capacity. The caller fsyncs the directory.
@@ -468,7 +615,9 @@ fn write_snapshot<'a>(
     let journal_path = dir.join(journal::FILE_NAME);
     let tmp = dir.join(journal::TMP_NAME);
     let mut frames = Vec::new();
+    let mut records_n = 0;
     for record in records {
+        records_n += 1;
         let frame = journal::encode(&OpRef::Put(record)).map_err(|reason| StateError::Encode {
             id: record.id.clone(),
             path: journal_path.clone(),
@@ -476,6 +625,14 @@ fn write_snapshot<'a>(
         })?;
         frames.extend(frame);
     }
+    let header = journal::Header { records: records_n, bytes: frames.len() as u64 };
+    let mut head = journal::encode(&OpRef::Header(header)).map_err(|reason| StateError::Encode {
+        id: String::new(),
+        path: journal_path.clone(),
+        reason,
+    })?;
+    head.extend(frames);
+    let frames = head;
     let end = frames.len() as u64;
     let capacity = journal::capacity_for(end.saturating_add(reserve));
     let written = (|| {
@@ -504,21 +661,74 @@ fn write_snapshot<'a>(
     }
 }
 
-/// A byte-for-byte copy of a damaged journal, `allocations.journal.corrupt-<unix-ns>`, fsynced.
-fn save_copy(dir: &Path, bytes: &[u8]) -> Result<PathBuf, StateError> {
+/// Keeps the damaged journal as found: `allocations.journal.corrupt-<unix-ns>`, a hard link to it
+/// (no space needed, whatever its size; the compaction then renames a new journal over the old
+/// name), or a byte copy where links are refused. An earlier copy that is this very file (an open
+/// that could not compact) is reused.
+fn keep_copy(dir: &Path, journal_path: &Path, names: &[String]) -> Result<PathBuf, StateError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(journal_path).map_err(io_err(journal_path, "stat"))?;
+    for name in names.iter().filter(|n| n.starts_with(journal::CORRUPT_PREFIX)) {
+        let path = dir.join(name);
+        if std::fs::metadata(&path).is_ok_and(|m| m.dev() == meta.dev() && m.ino() == meta.ino()) {
+            return Ok(path);
+        }
+    }
     let base = format!("{}{}", journal::CORRUPT_PREFIX, unix_ns());
     let mut n = 0;
     loop {
         let name = if n == 0 { base.clone() } else { format!("{base}.{n}") };
         let path = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path) {
-            Ok(mut f) => {
-                f.write_all(bytes).map_err(io_err(&path, "write the damaged journal's copy"))?;
-                f.sync_all().map_err(io_err(&path, "fsync the damaged journal's copy"))?;
+        if path.symlink_metadata().is_ok() {
+            n += 1;
+            continue;
+        }
+        match std::fs::hard_link(journal_path, &path) {
+            Ok(()) => {
+                sync_dir(dir)?;
                 return Ok(path);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => n += 1,
-            Err(e) => return Err(io_err(&path, "create the damaged journal's copy")(e)),
+            Err(e) => {
+                tracing::warn!(file = %journal_path.display(), error = %e, "cannot link the damaged journal; copying it");
+                std::fs::copy(journal_path, &path)
+                    .and_then(|_| File::open(&path)?.sync_all())
+                    .map_err(io_err(&path, "copy the damaged journal"))?;
+                sync_dir(dir)?;
+                return Ok(path);
+            }
+        }
+    }
+}
+
+/// Adds a record for every allocation directory in `dirs` that `index` lacks and the journal did
+/// not remove, read back from it.
+fn recover_into(
+    index: &mut BTreeMap<String, Allocation>,
+    removed: &BTreeSet<String>,
+    dirs: &AllocDirs,
+    loss: &mut Loss,
+) {
+    let ids = match dirs.ids() {
+        Ok(ids) => ids,
+        Err(e) => {
+            tracing::error!(dir = %dirs.root().display(), error = %e, "cannot list the allocation directories");
+            loss.unreadable.push((String::new(), e.to_string()));
+            return;
+        }
+    };
+    let missing: Vec<String> = ids.into_iter().filter(|id| !index.contains_key(id) && !removed.contains(id)).collect();
+    for id in missing {
+        match super::recover::from_dir(dirs, &id) {
+            Ok(record) => {
+                tracing::warn!(%id, dir = %dirs.dir(&id).display(), "allocation recovered from its directory");
+                loss.recovered.push(id.clone());
+                index.insert(id, record);
+            }
+            Err(reason) => {
+                tracing::error!(%id, dir = %dirs.dir(&id).display(), "cannot recover the allocation from its directory: {reason}");
+                loss.unreadable.push((id, reason));
+            }
         }
     }
 }
@@ -588,6 +798,10 @@ mod tests {
             offsets.push(at);
             at += journal::HEADER_LEN + u32::from_le_bytes(bytes[at + 4..at + 8].try_into().unwrap()) as usize;
         }
+        // The header frame every compaction writes first is not a change.
+        assert_eq!(offsets.first(), Some(&0), "a header frame at offset 0");
+        assert!(bytes[journal::HEADER_LEN..].starts_with(b"{\"header\":"), "a header frame at offset 0");
+        offsets.remove(0);
         (bytes, offsets)
     }
 
@@ -634,13 +848,17 @@ mod tests {
         assert_eq!(offsets.len(), 4);
         let replay = journal::scan(&bytes);
         assert!(bytes[replay.end as usize..].iter().all(|&b| b == 0));
-        let s = Store::open(&dir).unwrap();
+        let inode = meta.ino();
+        let mut s = Store::open(&dir).unwrap();
         assert_eq!(s.list().cloned().collect::<Vec<_>>(), [changed.clone()]);
-        assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty());
+        assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty() && s.loss().is_none());
+        // A whole journal is not compacted at open (a restart needs no free space): written on.
+        assert_eq!(journal_meta(&dir).ino(), inode);
+        s.insert(&sample("c")).unwrap();
         drop(s);
-        // Compacted at open: one frame per record.
-        assert_eq!(frames(&dir).1.len(), 1);
-        assert_eq!(read_records(&dir).unwrap(), [changed]);
+        assert_eq!(journal_meta(&dir).ino(), inode);
+        assert_eq!(frames(&dir).1.len(), 5);
+        assert_eq!(ids(&read_records(&dir).unwrap()), ["a", "c"]);
     }
 
     #[test]
@@ -698,17 +916,125 @@ mod tests {
         assert_eq!(ids(s.list()), ["a", "b", "c", "e"]);
         assert!(s.set_aside().is_empty());
         drop(s);
+    }
 
-        // The file cut off inside the last frame.
-        let (_tmp, dir) = store_with(&["a", "b", "c"]);
+    /// A store in `<tmp>/state` holding `ids`, each with its allocation directory under
+    /// `<tmp>/run`, closed; and those directories.
+    fn store_and_dirs(ids: &[&str]) -> (tempfile::TempDir, PathBuf, AllocDirs) {
+        let (tmp, dir) = store_with(ids);
+        std::fs::create_dir(tmp.path().join("run")).unwrap();
+        let dirs = AllocDirs::new(&tmp.path().join("run"));
+        for id in ids {
+            dirs.create(&sample(id)).unwrap();
+        }
+        (tmp, dir, dirs)
+    }
+
+    /// Damages the journal with `damage`, reopens with the directories, and checks that the loss
+    /// is reported with a copy of the journal as found, and that every record comes back (from the
+    /// journal or its directory): `read` from the journal, the rest recovered.
+    fn reopen_after(ids_in: &[&str], damage: impl FnOnce(&File, &[usize]), read: &[&str], reason: &str) {
+        let (_tmp, dir, dirs) = store_and_dirs(ids_in);
+        let path = dir.join(journal::FILE_NAME);
+        let (_, offsets) = frames(&dir);
+        damage(&OpenOptions::new().write(true).open(&path).unwrap(), &offsets);
+        let found = std::fs::read(&path).unwrap();
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        assert_eq!(s.set_aside().len(), 1, "{:?}", s.set_aside());
+        assert!(s.set_aside()[0].reason.contains(reason), "{:?}", s.set_aside());
+        let loss = s.loss().expect("the loss is reported");
+        assert_eq!(loss.read, read.len(), "{loss:?}");
+        let want_recovered: Vec<String> =
+            ids_in.iter().filter(|id| !read.contains(id)).map(|id| id.to_string()).collect();
+        assert_eq!(loss.recovered, want_recovered);
+        assert!(loss.unreadable.is_empty(), "{loss:?}");
+        assert_eq!(std::fs::read(&loss.copy).unwrap(), found, "the journal kept as found");
+        assert_eq!(ids(s.list()), ids_in, "nothing dropped");
+        for id in &want_recovered {
+            let r = s.get(id).unwrap();
+            assert_eq!((r.source, r.limits().devices), (crate::state::Source::Recovered, sample(id).limits().devices));
+        }
+        for id in read {
+            assert_eq!(s.get(id), Some(&sample(id)), "read whole from the journal");
+        }
+        let copy = loss.copy.clone();
+        drop(s);
+        // Written into a fresh journal: the next open finds it whole, and the copy still there.
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        assert!(s.loss().is_none() && s.set_aside().is_empty());
+        assert_eq!(ids(s.list()), ids_in);
+        assert_eq!(std::fs::read(&copy).unwrap(), found);
+    }
+
+    #[test]
+    fn a_truncated_journal_is_reported_and_its_allocations_recovered_from_their_directories() {
+        // Cut inside c's frame, and cut to nothing but a's.
+        reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[2] as u64 + 20).unwrap(), &["a", "b"], "truncated");
+        reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[1] as u64).unwrap(), &["a"], "truncated");
+    }
+
+    #[test]
+    fn an_empty_journal_is_reported_and_its_allocations_recovered() {
+        reopen_after(&["a", "b"], |f, _| f.set_len(0).unwrap(), &[], "empty");
+    }
+
+    #[test]
+    fn a_zero_filled_journal_is_reported_and_its_allocations_recovered() {
+        // All of it zeroed (a file system that lost its blocks).
+        let zero_all = |f: &File, _: &[usize]| journal::zero_fill(f, 0, journal::MIN_CAPACITY).unwrap();
+        reopen_after(&["a", "b", "c"], zero_all, &[], "zero-filled");
+        // Only the tail of a compacted snapshot: the header says three records, two are left.
+        let (_tmp, dir, dirs) = store_and_dirs(&["a", "b", "c"]);
+        let mut s = Store::open(&dir).unwrap();
+        s.compact(0).unwrap();
+        drop(s);
         let (_, offsets) = frames(&dir);
         let f = OpenOptions::new().write(true).open(dir.join(journal::FILE_NAME)).unwrap();
-        f.set_len(offsets[2] as u64 + 20).unwrap();
+        journal::zero_fill(&f, offsets[2] as u64, journal::MIN_CAPACITY).unwrap();
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        let loss = s.loss().expect("the loss is reported");
+        assert_eq!((loss.read, loss.snapshot, loss.recovered.clone()), (2, Some(3), vec!["c".to_string()]));
+        assert!(s.set_aside()[0].reason.contains("snapshot of 3 records"), "{:?}", s.set_aside());
+        assert_eq!(ids(s.list()), ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn a_huge_sparse_journal_is_read_frame_by_frame() {
+        // 1 TiB, mostly a hole, with one frame far into it: read whole, it could not fit in
+        // memory; read a window at a time with the holes skipped, it opens at once.
+        let (_tmp, dir, dirs) = store_and_dirs(&["a", "b", "d"]);
+        let path = dir.join(journal::FILE_NAME);
+        let (_, offsets) = frames(&dir);
+        let f = OpenOptions::new().write(true).open(&path).unwrap();
+        let far = 1u64 << 39;
+        f.write_all_at(&journal::encode(&OpRef::Remove("b")).unwrap(), far).unwrap();
+        journal::zero_fill(&f, offsets[2] as u64, journal::MIN_CAPACITY).unwrap();
+        f.set_len(1 << 40).unwrap();
         drop(f);
-        let s = Store::open(&dir).unwrap();
-        assert_eq!(ids(s.list()), ["a", "b"]);
-        assert!(s.set_aside().is_empty(), "{:?}", s.set_aside());
-        assert_eq!(journal_meta(&dir).len(), journal::MIN_CAPACITY, "rewritten whole");
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        assert_eq!(ids(s.list()), ["a", "d"], "b removed by the frame after the hole; d from its directory");
+        let loss = s.loss().unwrap();
+        assert_eq!((loss.read, loss.recovered.clone()), (1, vec!["d".to_string()]));
+        assert_eq!(
+            s.set_aside()[0].reason,
+            format!(
+                "offset {}: no frame header (magic 0x00000000, not 0x314a54f7); replay resumed at the next whole frame, offset {far}",
+                offsets[2]
+            )
+        );
+        // Kept as a link, not a copy (no space needed); the journal rewritten small.
+        assert_eq!(std::fs::metadata(&loss.copy).unwrap().len(), 1 << 40);
+        assert_eq!(journal_meta(&dir).len(), journal::MIN_CAPACITY);
+    }
+
+    #[test]
+    fn garbage_in_the_middle_is_reported_and_what_it_hid_recovered() {
+        reopen_after(
+            &["a", "b", "c", "d"],
+            |f, o| f.write_all_at(&[0x5a; 40], o[1] as u64 + 10).unwrap(),
+            &["a", "c", "d"],
+            "checksum",
+        );
     }
 
     #[test]
@@ -797,7 +1123,7 @@ mod tests {
         let s = Store::open(&dir).unwrap();
         assert_eq!(s.len(), 708);
         assert!(s.set_aside().is_empty() && s.removed_tmp().is_empty());
-        assert_eq!(journal_meta(&dir).len(), journal::capacity_for(live_bytes));
+        assert_eq!(journal_meta(&dir).len(), size, "not compacted at open: it fits");
     }
 
     #[test]
