@@ -63,6 +63,7 @@ fn prometheus_scrapes_exact_container_usage() {
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     std::fs::create_dir(&run).unwrap();
+    common::unmount_at_exit(&run);
     let dirs = AllocDirs::new(&run);
     let share = |n: u32| AllocatedDevice {
         device_id: format!("{GPU}::{n}"),

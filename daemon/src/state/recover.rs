@@ -61,7 +61,7 @@ mod tests {
 
     #[test]
     fn a_directory_gives_back_its_limits_and_owner() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dirs = AllocDirs::new(tmp.path());
         let a = sample("r1");
         dirs.create(&a).unwrap();

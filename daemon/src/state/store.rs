@@ -806,8 +806,8 @@ mod tests {
     }
 
     /// A store in `<tmp>/state` holding `ids` (inserted in order), closed.
-    fn store_with(ids: &[&str]) -> (tempfile::TempDir, PathBuf) {
-        let tmp = tempfile::tempdir().unwrap();
+    fn store_with(ids: &[&str]) -> (crate::state::mount::TestDir, PathBuf) {
+        let tmp = crate::state::mount::TestDir::new();
         let dir = tmp.path().join("state");
         let mut s = Store::open(&dir).unwrap();
         for id in ids {
@@ -818,7 +818,7 @@ mod tests {
 
     #[test]
     fn insert_get_list_remove_and_reopen() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dir = tmp.path().join("state");
         let mut s = Store::open(&dir).unwrap();
         assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
@@ -863,7 +863,7 @@ mod tests {
 
     #[test]
     fn bad_ids_are_refused() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let mut s = Store::open(tmp.path()).unwrap();
         for bad in ["", "../escape", "a.b"] {
             let err = s.insert(&sample(bad)).unwrap_err();
@@ -876,7 +876,7 @@ mod tests {
 
     #[test]
     fn a_second_owner_is_refused() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let s = Store::open(tmp.path()).unwrap();
         let err = Store::open(tmp.path()).unwrap_err();
         assert!(matches!(err, StateError::Locked { .. }), "{err}");
@@ -920,7 +920,7 @@ mod tests {
 
     /// A store in `<tmp>/state` holding `ids`, each with its allocation directory under
     /// `<tmp>/run`, closed; and those directories.
-    fn store_and_dirs(ids: &[&str]) -> (tempfile::TempDir, PathBuf, AllocDirs) {
+    fn store_and_dirs(ids: &[&str]) -> (crate::state::mount::TestDir, PathBuf, AllocDirs) {
         let (tmp, dir) = store_with(ids);
         std::fs::create_dir(tmp.path().join("run")).unwrap();
         let dirs = AllocDirs::new(&tmp.path().join("run"));
@@ -1080,7 +1080,7 @@ mod tests {
 
     #[test]
     fn compaction_keeps_the_live_records_and_bounds_the_file() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dir = tmp.path().join("state");
         let mut s = Store::open(&dir).unwrap();
         let mut live = std::collections::VecDeque::new();
@@ -1128,7 +1128,7 @@ mod tests {
 
     #[test]
     fn legacy_record_files_are_migrated() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         let dir = tmp.path();
         let mut newer = sample("b");
         newer.devices[0].sm_percent = Some(5);
@@ -1230,7 +1230,7 @@ mod tests {
 
     #[test]
     fn read_records_takes_no_lock_and_writes_nothing() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = crate::state::mount::TestDir::new();
         assert!(matches!(read_records(&tmp.path().join("none")), Err(StateError::Io { .. })));
         assert!(read_records(tmp.path()).unwrap().is_empty());
         assert!(files(tmp.path()).is_empty());
