@@ -30,9 +30,24 @@ const PACED: usize = 800;
 
 /// The runtime dir on tmpfs, as `/run` is on a GPU host (the per-allocation `limits` and
 /// `region` live there); the state dir stays on disk, where its fsyncs are real.
-fn runtime_dir() -> tempfile::TempDir {
+fn runtime_dir() -> RuntimeDir {
     let shm = Path::new("/dev/shm");
-    if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.expect("runtime tempdir")
+    RuntimeDir(if shm.is_dir() { tempfile::tempdir_in(shm) } else { tempfile::tempdir() }.expect("runtime tempdir"))
+}
+
+/// A runtime dir whose regions' mounts (a tmpfs each, as root) go with it.
+struct RuntimeDir(tempfile::TempDir);
+
+impl RuntimeDir {
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for RuntimeDir {
+    fn drop(&mut self) {
+        tessera_daemon::state::mount::detach_all_under(self.0.path());
+    }
 }
 
 fn config(node: &SimNode, dir: &Path, run: &Path, partitions: &str) -> std::path::PathBuf {

@@ -175,4 +175,5 @@ fn main() {
     percentiles("sample (100 regions)", sample_t);
     percentiles("render", render_t);
     percentiles("scrape over loopback", scrape_t);
+    tessera_daemon::state::mount::detach_all_under(tmp.path());
 }
