@@ -259,3 +259,30 @@ pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CU
         unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) }
     })
 }
+
+/// Forgets the stream's device before the driver destroys it, then destroys it.
+fn stream_destroyed(stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || match enter() {
+        Ok((s, cu)) => {
+            s.forget_stream(stream.cast());
+            call(cu)
+        }
+        Err(rc) => rc,
+    })
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuStreamDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamDestroy(hStream: CUstream) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy)(hStream) })
+}
+
+/// # Safety
+/// As cuda.h's `cuStreamDestroy_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamDestroy_v2(hStream: CUstream) -> CUresult {
+    // SAFETY: the caller's argument, passed on unchanged.
+    stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy_v2)(hStream) })
+}

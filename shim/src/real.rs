@@ -114,6 +114,8 @@ table! {
             cuArray3DCreate_v2(*mut CUarray, *const Array3dDesc);
             cuArrayDestroy(CUarray);
             cuStreamGetCtx(CUstream, *mut CUcontext);
+            cuStreamDestroy(CUstream);
+            cuStreamDestroy_v2(CUstream);
             cuStreamQuery(CUstream);
             cuStreamSynchronize(CUstream);
             cuEventCreate(*mut CUevent, c_uint);

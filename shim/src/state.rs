@@ -45,6 +45,8 @@ enum Source {
 const MAX_ORDINALS: usize = 64;
 /// Size of the context → ordinal cache.
 const CTX_CACHE: usize = 512;
+/// Streams whose device is remembered (direct-mapped; a collision only costs a driver call).
+const STREAM_CACHE: usize = 1024;
 /// The limits file is looked at (whatever the generation says) at most this often.
 const FILE_CHECK_NS: u64 = 1_000_000_000;
 /// Intercepted calls on a thread between two looks at the clock for that check.
@@ -109,6 +111,9 @@ pub(crate) struct ShimState {
     known: Mutex<Vec<Known>>,
     /// Direct-mapped cache: context handle << 8 | (ordinal + 1).
     ctx_cache: [AtomicU64; CTX_CACHE],
+    /// Stream handle << 8 | (region device index + 1): a stream's device, learned once (its
+    /// first launch or stream-ordered allocation), forgotten when the stream or its context goes.
+    stream_cache: [AtomicU64; STREAM_CACHE],
     pub(crate) mem: Tracker,
     /// When this process last reaped for a memory query (ns on the monotonic clock).
     last_reap_ns: AtomicU64,
@@ -313,6 +318,12 @@ impl ShimState {
         if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
             return self.current_device();
         }
+        let key = stream as u64;
+        let slot = &self.stream_cache[cache_slot(key, STREAM_CACHE)];
+        let v = slot.load(Relaxed);
+        if v != 0 && v >> 8 == key {
+            return Some((v & 0xff) as usize - 1);
+        }
         let cu = real::cuda()?;
         let mut ctx: CUcontext = std::ptr::null_mut();
         // SAFETY: stream is the caller's handle; ctx a valid out-pointer.
@@ -320,7 +331,28 @@ impl ShimState {
             return None;
         }
         let ordinal = self.ordinal_of_context(cu, ctx)?;
-        self.device_of_ordinal(ordinal)
+        let dev = self.device_of_ordinal(ordinal)?;
+        if key >> 56 == 0 && dev < 255 {
+            slot.store(key << 8 | (dev as u64 + 1), Relaxed);
+        }
+        Some(dev)
+    }
+
+    /// Forgets a stream about to be destroyed (its handle may come back for a stream elsewhere).
+    pub(crate) fn forget_stream(&self, stream: *mut c_void) {
+        let key = stream as u64;
+        let slot = &self.stream_cache[cache_slot(key, STREAM_CACHE)];
+        let v = slot.load(Relaxed);
+        if v >> 8 == key {
+            let _ = slot.compare_exchange(v, 0, Relaxed, Relaxed);
+        }
+    }
+
+    /// Forgets every stream: a context went, and its streams with it (rare: a reset or destroy).
+    pub(crate) fn forget_all_streams(&self) {
+        for slot in &self.stream_cache {
+            slot.store(0, Relaxed);
+        }
     }
 
     /// A context's CUDA ordinal: from the cache, else by asking the driver in that context.
@@ -423,7 +455,12 @@ impl ShimState {
 }
 
 fn ctx_slot(key: u64) -> usize {
-    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % CTX_CACHE
+    cache_slot(key, CTX_CACHE)
+}
+
+/// A handle's slot in a direct-mapped cache of `len` entries (Fibonacci hashing).
+fn cache_slot(key: u64, len: usize) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % len
 }
 
 // ---- The one instance ----------------------------------------------------------------------
@@ -535,6 +572,7 @@ fn make() -> Result<ShimState, String> {
         by_ordinal: [const { AtomicU32::new(0) }; MAX_ORDINALS],
         known: Mutex::new(Vec::new()),
         ctx_cache: [const { AtomicU64::new(0) }; CTX_CACHE],
+        stream_cache: [const { AtomicU64::new(0) }; STREAM_CACHE],
         mem: Tracker::new(),
         last_reap_ns: AtomicU64::new(0),
         region,

@@ -96,6 +96,8 @@ hooks! {
     vmm::cuMemRelease,
     vmm::cuMemRetainAllocationHandle,
     vmm::cuMemUnmap,
+    launch::cuStreamDestroy,
+    launch::cuStreamDestroy_v2,
     nvml_view::nvmlDeviceGetComputeRunningProcesses,
     nvml_view::nvmlDeviceGetComputeRunningProcesses_v2,
     nvml_view::nvmlDeviceGetComputeRunningProcesses_v3,

@@ -204,6 +204,8 @@ fn charge_creation(
 
 /// A context is gone: refund its overhead and everything allocated in it that died with it.
 fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
+    // Its streams died with it; their handles may come back for streams on another device.
+    s.forget_all_streams();
     if overhead_too {
         if let Some(c) = s.mem.contexts.remove(ctx as u64) {
             s.refund(c.dev, c.bytes);
