@@ -5,6 +5,7 @@
 //! Self-contained: devices come in through a `watch` channel of [`PluginDevice`]s and every
 //! decision goes to an [`Allocator`], so the daemon wires discovery, health and state in.
 
+mod dir_watch;
 mod plugin;
 mod server;
 

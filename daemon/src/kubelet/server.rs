@@ -2,8 +2,11 @@
 //! directory, registration, and re-registration when the kubelet restarts.
 //!
 //! The kubelet restarting shows as its `kubelet.sock` recreated (a new inode or ctime) and, since
-//! it removes every plugin socket on start, as our own socket gone. Both are polled every
-//! [`POLL_INTERVAL`]; either re-serves the plugin on a fresh socket and registers again.
+//! it removes every plugin socket on start, as our own socket gone. Both are checked on every
+//! inotify event in the directory (`dir_watch`), and every [`POLL_INTERVAL`] where inotify is
+//! not available; either re-serves the plugin on a fresh socket and registers again. A kubelet
+//! socket that exists but does not answer yet (bound, not yet listening) is retried after 1 ms,
+//! doubling up to [`POLL_INTERVAL`].
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
@@ -18,8 +21,11 @@ use tonic::transport::{Endpoint, Server};
 
 use super::plugin::DevicePlugin;
 
-/// How often the sockets are checked and a failed registration retried.
+/// How often the sockets are checked without an inotify event, and the longest wait between two
+/// registration attempts.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// The first retry of a registration the kubelet refused (it binds before it listens).
+const FIRST_RETRY: Duration = Duration::from_millis(1);
 /// How long one registration attempt may take.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a stopped server may take to wind down before it is aborted.
@@ -74,6 +80,7 @@ pub async fn serve_plugin(
     plugin_dir: PathBuf,
     plugin: DevicePlugin,
     mut shutdown: watch::Receiver<bool>,
+    mut dir_events: Option<watch::Receiver<u64>>,
     registrations: watch::Sender<u64>,
 ) -> Result<(), KubeletError> {
     let name = socket_name(plugin.resource());
@@ -88,6 +95,7 @@ pub async fn serve_plugin(
 
         // Register, retrying until the kubelet answers; why it waits is logged once per reason.
         let mut waiting: Option<String> = None;
+        let mut retry = FIRST_RETRY;
         let kubelet_id = loop {
             let id = file_id(&kubelet_socket);
             let why = match id {
@@ -120,7 +128,16 @@ pub async fn serve_plugin(
                 // Our socket went while waiting: serve again before registering.
                 break None;
             }
-            if wait_or_shutdown(&mut shutdown).await {
+            // No socket: until the directory changes. A socket that refused: soon, then less often.
+            let delay = if id.is_none() {
+                retry = FIRST_RETRY;
+                POLL_INTERVAL
+            } else {
+                let now = retry;
+                retry = (retry * 2).min(POLL_INTERVAL);
+                now
+            };
+            if wait_or_shutdown(&mut shutdown, &mut dir_events, delay).await {
                 break None;
             }
         };
@@ -128,7 +145,7 @@ pub async fn serve_plugin(
         // Watch for the kubelet restarting.
         if kubelet_id.is_some() {
             loop {
-                if wait_or_shutdown(&mut shutdown).await {
+                if wait_or_shutdown(&mut shutdown, &mut dir_events, POLL_INTERVAL).await {
                     break;
                 }
                 if file_id(&kubelet_socket) != kubelet_id {
@@ -147,11 +164,28 @@ pub async fn serve_plugin(
     Ok(())
 }
 
-/// Sleeps one poll interval; true when shutdown was asked for.
-async fn wait_or_shutdown(shutdown: &mut watch::Receiver<bool>) -> bool {
+/// Waits for a change in the directory, or `delay`; true when shutdown was asked for.
+async fn wait_or_shutdown(
+    shutdown: &mut watch::Receiver<bool>,
+    dir_events: &mut Option<watch::Receiver<u64>>,
+    delay: Duration,
+) -> bool {
+    let changed_dir = async {
+        match dir_events {
+            Some(rx) => {
+                if rx.changed().await.is_err() {
+                    // The watcher ended: poll from now on.
+                    *dir_events = None;
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
     tokio::select! {
         changed = shutdown.changed() => changed.is_err() || *shutdown.borrow(),
-        () = tokio::time::sleep(POLL_INTERVAL) => *shutdown.borrow(),
+        () = changed_dir => *shutdown.borrow(),
+        () = tokio::time::sleep(delay) => *shutdown.borrow(),
     }
 }
 
@@ -242,6 +276,8 @@ pub struct PluginSet {
     plugin_dir: PathBuf,
     shutdown: watch::Sender<bool>,
     running: BTreeMap<String, Running>,
+    /// The directory's inotify events, for every plugin task; `None`: they poll.
+    dir_events: Option<(watch::Receiver<u64>, JoinHandle<()>)>,
 }
 
 impl std::fmt::Debug for PluginSet {
@@ -262,16 +298,19 @@ impl PluginSet {
             }
         }
         let (shutdown, _) = watch::channel(false);
+        let dir_events = super::dir_watch::watch_dir(&plugin_dir);
+        let events = dir_events.as_ref().map(|(rx, _)| rx.clone());
         let running = plugins
             .into_iter()
             .map(|plugin| {
                 let (tx, rx) = watch::channel(0);
                 let resource = plugin.resource().to_owned();
-                let task = tokio::spawn(serve_plugin(plugin_dir.clone(), plugin, shutdown.subscribe(), tx));
+                let task =
+                    tokio::spawn(serve_plugin(plugin_dir.clone(), plugin, shutdown.subscribe(), events.clone(), tx));
                 (resource, Running { registrations: rx, task })
             })
             .collect();
-        Ok(Self { plugin_dir, shutdown, running })
+        Ok(Self { plugin_dir, shutdown, running, dir_events })
     }
 
     /// Starts serving one more resource (a layout change made a new kind of device). Refused when
@@ -282,7 +321,8 @@ impl PluginSet {
             return Err(KubeletError::DuplicateResource(resource));
         }
         let (tx, rx) = watch::channel(0);
-        let task = tokio::spawn(serve_plugin(self.plugin_dir.clone(), plugin, self.shutdown.subscribe(), tx));
+        let events = self.dir_events.as_ref().map(|(rx, _)| rx.clone());
+        let task = tokio::spawn(serve_plugin(self.plugin_dir.clone(), plugin, self.shutdown.subscribe(), events, tx));
         self.running.insert(resource, Running { registrations: rx, task });
         Ok(())
     }
@@ -308,6 +348,9 @@ impl PluginSet {
     /// Stops every server, removes their sockets and reports the first failure.
     pub async fn stop(self) -> Result<(), KubeletError> {
         let _ = self.shutdown.send(true);
+        if let Some((_, watcher)) = &self.dir_events {
+            watcher.abort();
+        }
         let mut result = Ok(());
         for (resource, running) in self.running {
             let outcome = match running.task.await {
