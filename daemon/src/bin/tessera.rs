@@ -12,6 +12,9 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+#[path = "tessera/layout_report.rs"]
+mod layout_report;
+
 use clap::{Args, Parser, Subcommand};
 use tessera_daemon::config::{self, Config};
 use tessera_proto::tessera::v1 as api;
@@ -312,32 +315,11 @@ async fn layout_apply(client: &mut NodeClient<Channel>, a: ApplyArgs) -> Result<
         .await
         .map_err(status_err)?
         .into_inner();
-    let mut worst = ExitCode::SUCCESS;
-    for r in &resp.results {
-        let outcome = enum_name::<api::LayoutOutcome>(r.outcome).to_lowercase();
-        println!(
-            "GPU {} {}: {}{} -> {} (+{} -{} devices)",
-            r.gpu_index,
-            r.gpu_uuid,
-            outcome,
-            if resp.dry_run { " (dry run)" } else { "" },
-            r.layout.as_ref().map(describe_layout).unwrap_or_default(),
-            r.created_device_ids.len(),
-            r.removed_device_ids.len()
-        );
-        for i in &r.issues {
-            let held: Vec<&str> = i.holders.iter().map(|h| h.allocation_id.as_str()).collect();
-            let by = if held.is_empty() { String::new() } else { format!(" [held by {}]", held.join(", ")) };
-            println!("  {}: {}{by}", enum_name::<api::LayoutIssueKind>(i.kind).to_lowercase(), i.message);
-        }
-        if matches!(
-            api::LayoutOutcome::try_from(r.outcome),
-            Ok(api::LayoutOutcome::Refused | api::LayoutOutcome::Partial)
-        ) {
-            worst = ExitCode::from(3);
-        }
-    }
-    Ok(worst)
+    print!("{}", layout_report::results(&resp.results, resp.dry_run));
+    let refused = resp.results.iter().any(|r| {
+        matches!(api::LayoutOutcome::try_from(r.outcome), Ok(api::LayoutOutcome::Refused | api::LayoutOutcome::Partial))
+    });
+    Ok(if refused { ExitCode::from(3) } else { ExitCode::SUCCESS })
 }
 
 async fn events(
@@ -540,7 +522,12 @@ fn resolve_allocation(list: &[api::Allocation], name: &str) -> Result<String, St
 
 async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitCode, String> {
     let r = client.reload(api::ReloadRequest { dry_run }).await.map_err(status_err)?.into_inner();
-    println!("{}: {}", r.config_path, enum_name::<api::ReloadOutcome>(r.outcome).to_lowercase());
+    println!(
+        "{}: {}{}",
+        r.config_path,
+        enum_name::<api::ReloadOutcome>(r.outcome).to_lowercase(),
+        if r.dry_run { " (dry run)" } else { "" }
+    );
     for c in &r.applied {
         println!("  applied {}: {} -> {}", c.key, c.old_value, c.new_value);
     }
@@ -550,11 +537,8 @@ async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitC
     for e in &r.errors {
         println!("  error {}: {}", e.key, e.reason);
     }
-    for l in &r.layouts {
-        println!("  GPU {}: {}", l.gpu_index, enum_name::<api::LayoutOutcome>(l.outcome).to_lowercase());
-        for i in &l.issues {
-            println!("    {}", i.message);
-        }
+    for line in layout_report::results(&r.layouts, false).lines() {
+        println!("  {line}");
     }
     Ok(if r.outcome == api::ReloadOutcome::Rejected as i32 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }

@@ -189,3 +189,17 @@ fn reload_tells_live_from_restart() {
     assert_eq!(r.effective.telemetry, old.telemetry);
     assert!(reload(&old, &old).changes.is_empty());
 }
+
+#[test]
+fn reset_policy_per_gpu_then_default_then_never() {
+    let c = Config::parse(
+        "[partitions.default]\nwhole = true\nreset = \"when-free\"\n[partitions.1]\nmig = {}\nreset = \"never\"\n[partitions.2]\nmig = {}\n",
+    )
+    .expect("parses");
+    assert_eq!(c.reset_policy(0, "GPU-a"), ResetPolicy::WhenFree, "the default entry's");
+    assert_eq!(c.reset_policy(1, "GPU-b"), ResetPolicy::Never, "the GPU's own entry wins");
+    assert_eq!(c.reset_policy(2, "GPU-c"), ResetPolicy::WhenFree, "unset in the GPU's entry: the default's");
+    let c = Config::parse("[partitions.0]\nmig = {}\n").expect("parses");
+    assert_eq!(c.reset_policy(0, "GPU-a"), ResetPolicy::Never, "opt-in only");
+    refused("[partitions.0]\nwhole = true\nreset = \"always\"\n", "partitions.0.reset", "unknown variant");
+}
