@@ -29,10 +29,11 @@ fn tessera(socket: &Path, args: &[&str]) -> (i32, String, String) {
     )
 }
 
-/// Runs `tessera args` into a pipe, reads `lines` lines, closes the pipe (as `head` does) and
-/// asserts the command then ends by itself, with status 0 and nothing on stderr.
+/// Runs `tessera args` into a pipe, reads `lines` lines, closes the pipe (as `head` does), calls
+/// `poke` (something more to print: a follower that printed everything waits for it) and asserts
+/// the command then ends by itself, with status 0 and nothing on stderr.
 #[track_caller]
-fn ends_quietly_when_the_reader_goes(socket: &Path, args: &[&str], lines: usize) -> Vec<String> {
+fn ends_quietly_when_the_reader_goes(socket: &Path, args: &[&str], lines: usize, poke: &dyn Fn()) -> Vec<String> {
     let mut child = Command::new(binary("tessera"))
         .arg("--socket")
         .arg(socket)
@@ -49,6 +50,7 @@ fn ends_quietly_when_the_reader_goes(socket: &Path, args: &[&str], lines: usize)
         got.push(line);
     }
     drop(reader);
+    poke();
     let deadline = Instant::now() + Duration::from_secs(10);
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait") {
@@ -74,28 +76,35 @@ async fn streams_pipes_and_json() {
     let socket = dir.join("run/tessera.sock");
     let _ = common::node_api(&socket).await;
     // A few kept events.
-    for n in ["2", "3", "4", "2"] {
+    let shares = |n: &str| {
         let (code, out, err) = tessera(&socket, &["layout", "apply", "--gpu", "1", "--shares", n]);
         assert_eq!(code, 0, "{out}{err}");
+    };
+    for n in ["2", "3", "4", "2"] {
+        shares(n);
     }
+    let new_event = || {
+        shares("3");
+        shares("2");
+    };
 
     // `| head`: every streaming command ends quietly.
-    let lines = ends_quietly_when_the_reader_goes(&socket, &["events", "--replay", "30", "--follow"], 2);
+    let lines = ends_quietly_when_the_reader_goes(&socket, &["events", "--replay", "30", "--follow"], 2, &new_event);
     assert!(lines[0].contains("partition_changed"), "{lines:?}");
-    ends_quietly_when_the_reader_goes(&socket, &["events", "--replay", "30", "--follow", "--json"], 1);
-    let frame = ends_quietly_when_the_reader_goes(&socket, &["top", "--interval-ms", "100"], 6);
+    ends_quietly_when_the_reader_goes(&socket, &["events", "--replay", "30", "--follow", "--json"], 1, &new_event);
+    let frame = ends_quietly_when_the_reader_goes(&socket, &["top", "--interval-ms", "100"], 6, &|| {});
     let text = frame.concat();
     assert!(!text.contains('\x1b'), "no screen control into a pipe: {text:?}");
     assert!(!text.contains("-0.0%"), "{text}");
     assert!(text.contains("0.0%"), "idle GPUs show 0.0%: {text}");
-    ends_quietly_when_the_reader_goes(&socket, &["top", "--interval-ms", "100", "--json"], 1);
+    ends_quietly_when_the_reader_goes(&socket, &["top", "--interval-ms", "100", "--json"], 1, &|| {});
 
     // --json: each read command's output parses, with the documented fields.
     let (code, out, err) = tessera(&socket, &["events", "--replay", "10", "--json"]);
     assert_eq!(code, 0, "{err}");
     let events: Vec<serde_json::Value> =
         out.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
-    assert_eq!(events.len(), 4, "{out}");
+    assert_eq!(events.len(), 8, "{out}");
     assert_eq!(events[0]["kind"], "PARTITION_CHANGED");
     assert!(events[0]["sequence"].as_u64().is_some() && events[0]["time_unix_nano"].as_u64().is_some());
     assert!(events[0]["device_uuid"].as_str().is_some_and(|u| u.starts_with("GPU-")));
