@@ -68,7 +68,7 @@ memory = "20GiB"
 sm_percent = 25
 
 [[partitions."GPU-1803e5e2-5c0c-53ac-8346-7fc75c124149".shares]]
-memory = 1073741824
+memory = "1073741824B"
 "#;
 
 #[test]
@@ -153,7 +153,9 @@ fn semantic_errors_name_the_key() {
     let none_left = "[[partitions.0.shares]]\nsm_percent = 100\n[[partitions.0.shares]]\nmemory = \"1GiB\"\n";
     refused(none_left, "partitions.0.shares.sm_percent", "0 percent is left for 1");
     refused("[[partitions.0.shares]]\nsm_percent = 101\n", "partitions.0.shares[0].sm_percent", "1..=100");
-    refused("[[partitions.0.shares]]\nmemory = 0\n", "partitions.0.shares[0].memory", "0 bytes");
+    refused("[[partitions.0.shares]]\nmemory = \"0B\"\n", "partitions.0.shares[0].memory", "0 bytes");
+    refused("[[partitions.0.shares]]\nmemory = 8\n", "partitions.0.shares.memory", "8 has no unit");
+    refused("[[partitions.0.shares]]\nmemory = \"8\"\n", "partitions.0.shares.memory", "has no unit");
 }
 
 #[test]
