@@ -5,10 +5,10 @@
 //! picture per container and physical device:
 //!
 //! - memory used and peak are the container's totals on the device (the region keeps them);
-//! - launches, GPU time, throttled time and OOM denials are summed over the processes. A process
-//!   that exits takes its counters out of the region with it, so the sampler keeps what each
-//!   process last had (keyed by slot, pid and start time) and adds it back when the process is
-//!   gone: per allocation and device these counters never go backwards (Prometheus counters);
+//! - launches, GPU time, throttled time and OOM denials are the region's exited totals (a dead
+//!   process's final counters, folded in when its slot is reaped, by whoever reaps it) plus the
+//!   live processes' counters: exact whatever the sampling period, the same for every sampler
+//!   (`tessera top` and `/metrics` agree), and never backwards (Prometheus counters);
 //! - rates (achieved SM percent, launches per second) are over the window since this sampler's
 //!   previous sample of the same allocation; the first sample has a window of 0 and rates of 0.
 //!
@@ -98,18 +98,11 @@ impl Counters {
     }
 }
 
-/// A process, as long as it lives: its slot could be reused by another process.
-type ProcKey = (usize, u32, u64);
-
 /// What the sampler keeps per allocation between samples.
 struct Tracked {
     region: Region,
     /// Monotonic clock of the previous sample; `None` before the first.
     last_ns: Option<u64>,
-    /// Counters per process at the previous sample, per region device index.
-    last_procs: HashMap<ProcKey, Vec<Counters>>,
-    /// What processes that are gone last had, per region device uuid (lowercase).
-    retired: HashMap<String, Counters>,
     /// Cumulative counters reported last time, per region device uuid (lowercase).
     reported: HashMap<String, Counters>,
 }
@@ -158,16 +151,8 @@ impl UsageSampler {
                 match opened {
                     Ok(region) => {
                         self.warned.remove(&alloc.id);
-                        self.tracked.insert(
-                            alloc.id.clone(),
-                            Tracked {
-                                region,
-                                last_ns: None,
-                                last_procs: HashMap::new(),
-                                retired: HashMap::new(),
-                                reported: HashMap::new(),
-                            },
-                        );
+                        self.tracked
+                            .insert(alloc.id.clone(), Tracked { region, last_ns: None, reported: HashMap::new() });
                     }
                     Err(e) => {
                         if self.warned.insert(alloc.id.clone()) {
@@ -204,43 +189,31 @@ impl Tracked {
     fn update(&mut self, alloc: &Allocation, snap: &Snapshot, now_ns: u64) -> ContainerUsage {
         let window_ns = self.last_ns.map_or(0, |last| now_ns.saturating_sub(last));
 
-        // Processes gone since the last sample: keep what they had.
-        let procs: HashMap<ProcKey, Vec<Counters>> = snap
-            .processes
+        // Cumulative per region device: what exited processes left in the region (folded in
+        // when they are reaped) + what the live ones have now.
+        let dev_key = |i: usize| snap.devices.get(i).map(|d| d.uuid.to_ascii_lowercase());
+        let mut cumulative: HashMap<String, Counters> = snap
+            .devices
             .iter()
-            .map(|p| {
-                let mut per_dev = vec![Counters::default(); snap.devices.len()];
-                for d in &p.devices {
-                    if let Some(c) = per_dev.get_mut(d.dev) {
-                        *c = Counters {
-                            launches: d.launches,
-                            gpu_time_ns: d.gpu_time_ns,
-                            throttled_ns: d.throttled_ns,
-                            oom_denials: d.oom_denials,
-                        };
-                    }
-                }
-                ((p.slot, p.pid, p.start_time), per_dev)
+            .map(|d| {
+                let exited = Counters {
+                    launches: d.exited_launches,
+                    gpu_time_ns: d.exited_gpu_time_ns,
+                    throttled_ns: d.exited_throttled_ns,
+                    oom_denials: d.exited_oom_denials,
+                };
+                (d.uuid.to_ascii_lowercase(), exited)
             })
             .collect();
-        let dev_key = |i: usize| snap.devices.get(i).map(|d| d.uuid.to_ascii_lowercase());
-        for (key, counters) in &self.last_procs {
-            if procs.contains_key(key) {
-                continue;
-            }
-            for (i, c) in counters.iter().enumerate() {
-                if let Some(uuid) = dev_key(i) {
-                    self.retired.entry(uuid).or_default().add(c);
-                }
-            }
-        }
-
-        // Cumulative per region device: retired + live.
-        let mut cumulative: HashMap<String, Counters> = self.retired.clone();
-        for counters in procs.values() {
-            for (i, c) in counters.iter().enumerate() {
-                if let Some(uuid) = dev_key(i) {
-                    cumulative.entry(uuid).or_default().add(c);
+        for p in &snap.processes {
+            for d in &p.devices {
+                if let Some(uuid) = dev_key(d.dev) {
+                    cumulative.entry(uuid).or_default().add(&Counters {
+                        launches: d.launches,
+                        gpu_time_ns: d.gpu_time_ns,
+                        throttled_ns: d.throttled_ns,
+                        oom_denials: d.oom_denials,
+                    });
                 }
             }
         }
@@ -293,7 +266,6 @@ impl Tracked {
                 window_ns,
             });
         }
-        self.last_procs = procs;
         self.last_ns = Some(now_ns);
 
         ContainerUsage {
@@ -436,7 +408,7 @@ mod tests {
         assert_eq!(c.devices[0].memory_used, 1000);
 
         // p1 does a little more, then exits: the sampler reaps it; its memory goes back, its
-        // counters (as last seen: 3 launches) stay in the totals.
+        // final counters (4 launches, not the 3 last sampled) stay in the totals.
         p1.work("GPU-cccc", 1, 100, 0);
         drop(p1);
         p2.work("GPU-cccc", 1, 100, 0);
@@ -446,9 +418,9 @@ mod tests {
         let d = &c.devices[0];
         assert_eq!(d.memory_used, 0);
         assert_eq!(d.memory_peak, 1000);
-        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (8, 800, 70), "never backwards");
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (9, 900, 70), "exact, nothing lost");
         assert_eq!(d.window_ns, SEC);
-        assert_eq!(d.launches_per_second, 1.0);
+        assert_eq!(d.launches_per_second, 2.0);
 
         // A new process takes a slot (perhaps p1's): its counters add on top.
         let p3 = Proc::join(&dirs, "a2");
@@ -457,14 +429,36 @@ mod tests {
         let r = s.sample(std::slice::from_ref(&a), &dirs, 3 * SEC);
         let d = &r.containers[0].devices[0];
         assert_eq!(r.containers[0].processes, 1);
-        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (13, 1300, 75));
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (14, 1400, 75));
         assert_eq!(d.sm_achieved_percent, 500.0 / SEC as f64 * 100.0);
         drop(p3);
         let r = s.sample(std::slice::from_ref(&a), &dirs, 4 * SEC);
         let d = &r.containers[0].devices[0];
         assert_eq!(r.containers[0].processes, 0);
-        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (13, 1300, 75));
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (14, 1400, 75));
         assert_eq!((d.launches_per_second, d.sm_achieved_percent), (0.0, 0.0));
+    }
+
+    #[test]
+    fn short_processes_between_samples_are_counted_exactly_by_every_sampler() {
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc("a3", vec![dev("GPU-ffff", "GPU-ffff", None, Some(50))]);
+        dirs.create(&a).unwrap();
+        let mut top = UsageSampler::new();
+        assert_eq!(top.sample(std::slice::from_ref(&a), &dirs, SEC).containers[0].devices[0].launches, 0);
+        // Two processes start and end between two samples of `top`.
+        for launches in [500, 300] {
+            let p = Proc::join(&dirs, "a3");
+            p.work("GPU-ffff", launches, launches * 10, 1);
+            drop(p);
+        }
+        let d = &top.sample(std::slice::from_ref(&a), &dirs, 2 * SEC).containers[0].devices[0];
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (800, 8000, 2));
+        // A sampler that starts later (the metrics endpoint) sees the same totals.
+        let mut metrics = UsageSampler::new();
+        let d = &metrics.sample(std::slice::from_ref(&a), &dirs, 3 * SEC).containers[0].devices[0];
+        assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (800, 8000, 2));
     }
 
     #[test]

@@ -51,7 +51,7 @@ fn dir_env() -> PathBuf {
 fn scribble(region: &Region) {
     let l = region.layout();
     for d in l.devices.iter().take(MAX_DEVICES) {
-        d._retired.store(0, SeqCst);
+        d.exited_oom_denials.store(0, SeqCst);
         d.context_hint.store(0, SeqCst);
         d.bucket.tokens_ns.store(i64::MAX, SeqCst);
         d.bucket.refill_ns.store(u64::MAX, SeqCst);
@@ -89,7 +89,7 @@ fn hostile_victim() {
     let _a = s.alloc(512 * MIB).expect("300 + 512 MiB fit in 1 GiB");
     std::fs::write(dir.join("ready"), "").unwrap();
     wait_for(&dir.join("go"));
-    assert_eq!(region.layout().devices[dev]._retired.load(SeqCst), 0, "the region was scribbled on");
+    assert_eq!(region.layout().devices[dev].exited_oom_denials.load(SeqCst), 0, "the region was scribbled on");
 
     // Memory: the limit holds, and the virtual GPU is still the limit's size.
     assert_eq!(s.alloc(512 * MIB), Err(OUT_OF_MEMORY), "300 + 1024 MiB do not fit in 1 GiB");

@@ -12,6 +12,25 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+// stdout through `output::write`: a reader that goes away ends the command quietly. Defined
+// before the modules so they use it too.
+macro_rules! print {
+    ($($arg:tt)*) => { $crate::output::write(format_args!($($arg)*)) };
+}
+macro_rules! println {
+    () => { $crate::output::write(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::output::write(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+#[path = "tessera/connect.rs"]
+mod connect;
+#[path = "tessera/json.rs"]
+mod json;
+#[path = "tessera/layout_report.rs"]
+mod layout_report;
+#[path = "tessera/output.rs"]
+mod output;
+
 use clap::{Args, Parser, Subcommand};
 use tessera_daemon::config::{self, Config};
 use tessera_proto::tessera::v1 as api;
@@ -55,6 +74,9 @@ enum Command {
         /// Only events about this device.
         #[arg(long)]
         device: Option<String>,
+        /// One JSON object per event, one per line.
+        #[arg(long)]
+        json: bool,
     },
     /// A live view of the node: per container memory, SM share, launches, throttling, OOMs.
     Top {
@@ -64,6 +86,9 @@ enum Command {
         /// Print one frame (after one interval, so rates have a window) and exit.
         #[arg(long)]
         once: bool,
+        /// Frames as JSON, one per line.
+        #[arg(long)]
+        json: bool,
     },
     /// Allocations and who holds them.
     Allocations,
@@ -83,6 +108,9 @@ enum Command {
         /// Where to write the trace. Default: `trace-<allocation id>.json`.
         #[arg(long, short)]
         output: Option<PathBuf>,
+        /// Print the recording's summary as JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -91,7 +119,11 @@ enum LayoutCommand {
     /// Apply a layout to some GPUs; devices in use are never removed.
     Apply(ApplyArgs),
     /// Show each GPU's layout: current, desired, state.
-    Show,
+    Show {
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug)]
@@ -144,30 +176,21 @@ fn main() -> ExitCode {
     }
 }
 
-async fn connect(socket: &std::path::Path) -> Result<NodeClient<Channel>, String> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
-        .map_err(|e| e.to_string())?
-        .connect()
-        .await
-        .map_err(|e| format!("cannot reach tesserad at {}: {e} (is it running? see --socket)", socket.display()))?;
-    Ok(NodeClient::new(channel))
-}
-
-fn status_err(s: tonic::Status) -> String {
-    format!("{}: {}", s.code(), s.message())
-}
+use connect::{connect, status_err};
 
 async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
     let mut client = connect(&socket).await?;
     match command {
         Command::Status { json } => status(&mut client, json).await,
-        Command::Layout { command: LayoutCommand::Show } => layout_show(&mut client).await,
+        Command::Layout { command: LayoutCommand::Show { json } } => layout_show(&mut client, json).await,
         Command::Layout { command: LayoutCommand::Apply(a) } => layout_apply(&mut client, a).await,
-        Command::Events { replay, follow, device } => events(&mut client, replay, follow, device).await,
-        Command::Top { interval_ms, once } => top(&mut client, interval_ms, once).await,
+        Command::Events { replay, follow, device, json } => events(&mut client, replay, follow, device, json).await,
+        Command::Top { interval_ms, once, json } => top(&mut client, interval_ms, once, json).await,
         Command::Allocations => allocations(&mut client).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
-        Command::Trace { container, seconds, output } => trace(&mut client, &container, seconds, output).await,
+        Command::Trace { container, seconds, output, json } => {
+            trace(&mut client, &container, seconds, output, json).await
+        }
     }
 }
 
@@ -235,7 +258,7 @@ async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode
                 d.sm_percent.to_string(),
                 holders(d),
                 u.map(|u| mib(u.memory_used_bytes)).unwrap_or_else(|| "-".into()),
-                u.map(|u| format!("{:.1}%", u.sm_achieved_percent)).unwrap_or_else(|| "-".into()),
+                u.map(|u| percent(u.sm_achieved_percent)).unwrap_or_else(|| "-".into()),
             ]));
         }
         for i in &p.issues {
@@ -248,13 +271,17 @@ async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-async fn layout_show(client: &mut NodeClient<Channel>) -> Result<ExitCode, String> {
+async fn layout_show(client: &mut NodeClient<Channel>, as_json: bool) -> Result<ExitCode, String> {
     let partitions = client
         .list_partitions(api::ListPartitionsRequest::default())
         .await
         .map_err(status_err)?
         .into_inner()
         .partitions;
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&json::partitions(&partitions)).unwrap_or_default());
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut rows = vec![row(["GPU", "CURRENT", "DESIRED", "STATE", "MIG", "DEVICES"])];
     for p in &partitions {
         rows.push(row([
@@ -312,32 +339,11 @@ async fn layout_apply(client: &mut NodeClient<Channel>, a: ApplyArgs) -> Result<
         .await
         .map_err(status_err)?
         .into_inner();
-    let mut worst = ExitCode::SUCCESS;
-    for r in &resp.results {
-        let outcome = enum_name::<api::LayoutOutcome>(r.outcome).to_lowercase();
-        println!(
-            "GPU {} {}: {}{} -> {} (+{} -{} devices)",
-            r.gpu_index,
-            r.gpu_uuid,
-            outcome,
-            if resp.dry_run { " (dry run)" } else { "" },
-            r.layout.as_ref().map(describe_layout).unwrap_or_default(),
-            r.created_device_ids.len(),
-            r.removed_device_ids.len()
-        );
-        for i in &r.issues {
-            let held: Vec<&str> = i.holders.iter().map(|h| h.allocation_id.as_str()).collect();
-            let by = if held.is_empty() { String::new() } else { format!(" [held by {}]", held.join(", ")) };
-            println!("  {}: {}{by}", enum_name::<api::LayoutIssueKind>(i.kind).to_lowercase(), i.message);
-        }
-        if matches!(
-            api::LayoutOutcome::try_from(r.outcome),
-            Ok(api::LayoutOutcome::Refused | api::LayoutOutcome::Partial)
-        ) {
-            worst = ExitCode::from(3);
-        }
-    }
-    Ok(worst)
+    print!("{}", layout_report::results(&resp.results, resp.dry_run));
+    let refused = resp.results.iter().any(|r| {
+        matches!(api::LayoutOutcome::try_from(r.outcome), Ok(api::LayoutOutcome::Refused | api::LayoutOutcome::Partial))
+    });
+    Ok(if refused { ExitCode::from(3) } else { ExitCode::SUCCESS })
 }
 
 async fn events(
@@ -345,6 +351,7 @@ async fn events(
     replay: u32,
     follow: bool,
     device: Option<String>,
+    as_json: bool,
 ) -> Result<ExitCode, String> {
     let req = api::WatchEventsRequest { replay, kinds: Vec::new(), device_id: device.unwrap_or_default() };
     let mut stream = client.watch_events(req).await.map_err(status_err)?.into_inner();
@@ -364,6 +371,10 @@ async fn events(
             break;
         };
         match next.map_err(status_err)? {
+            Some(e) if as_json => {
+                seen += 1;
+                println!("{}", json::event(&e));
+            }
             Some(e) => {
                 seen += 1;
                 println!(
@@ -384,7 +395,12 @@ async fn events(
 
 /// `tessera top`: frames of GPU and container usage; rates over the refresh interval (the
 /// node API's usage window).
-async fn top(client: &mut NodeClient<Channel>, interval_ms: u64, once: bool) -> Result<ExitCode, String> {
+async fn top(
+    client: &mut NodeClient<Channel>,
+    interval_ms: u64,
+    once: bool,
+    as_json: bool,
+) -> Result<ExitCode, String> {
     let interval = std::time::Duration::from_millis(interval_ms);
     // The first sample opens the rate window.
     client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?;
@@ -393,15 +409,19 @@ async fn top(client: &mut NodeClient<Channel>, interval_ms: u64, once: bool) -> 
         let devices =
             client.list_devices(api::ListDevicesRequest::default()).await.map_err(status_err)?.into_inner().devices;
         let usage = client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?.into_inner();
-        let frame = top_frame(&devices, &usage);
+        if as_json {
+            println!("{}", json::usage(&usage));
+        } else if once || !output::is_terminal() {
+            // Piped or logged: frames one after another, no screen control.
+            let frame = top_frame(&devices, &usage);
+            print!("{}{frame}", if once { "" } else { "\n" });
+        } else {
+            // Clear the screen, then draw.
+            print!("\x1b[H\x1b[2J{}", top_frame(&devices, &usage));
+        }
         if once {
-            print!("{frame}");
             return Ok(ExitCode::SUCCESS);
         }
-        // Clear the screen, then draw.
-        print!("\x1b[H\x1b[2J{frame}");
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
     }
 }
 
@@ -425,7 +445,7 @@ fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
             health(g),
             containers.to_string(),
             format!("{} / {}", mib(rows.iter().map(|d| d.memory_used_bytes).sum()), mib(g.memory_bytes)),
-            format!("{:.1}%", rows.iter().map(|d| d.sm_achieved_percent).sum::<f64>()),
+            percent(rows.iter().map(|d| d.sm_achieved_percent).sum::<f64>()),
         ]));
     }
     let mut rows = vec![row([
@@ -452,8 +472,12 @@ fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
             c.processes.to_string(),
             format!("{} / {}", mib(d.memory_used_bytes), limit(d.memory_limit_bytes, mib)),
             mib(d.memory_peak_bytes),
-            format!("{:.1}% / {}", d.sm_achieved_percent, limit(u64::from(d.sm_limit_percent), |p| format!("{p}%"))),
-            format!("{:.0}", d.launches_per_second),
+            format!(
+                "{} / {}",
+                percent(d.sm_achieved_percent),
+                limit(u64::from(d.sm_limit_percent), |p| format!("{p}%"))
+            ),
+            format!("{:.0}", non_negative(d.launches_per_second)),
             format!("{:.2} s", d.throttled_nanos as f64 / 1e9),
             d.oom_denials.to_string(),
         ]));
@@ -492,6 +516,7 @@ async fn trace(
     container: &str,
     seconds: u32,
     output: Option<PathBuf>,
+    as_json: bool,
 ) -> Result<ExitCode, String> {
     let list = client
         .list_allocations(api::ListAllocationsRequest::default())
@@ -501,9 +526,31 @@ async fn trace(
         .allocations;
     let id = resolve_allocation(&list, container)?;
     let output = output.unwrap_or_else(|| PathBuf::from(format!("trace-{id}.json")));
+    // The output must be writable before seconds of recording go into it.
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&output)
+        .map_err(|e| format!("{}: {e}; nothing was recorded (choose another -o)", output.display()))?;
     let r =
         client.trace(api::TraceRequest { allocation_id: id.clone(), seconds }).await.map_err(status_err)?.into_inner();
-    std::fs::write(&output, &r.trace_json).map_err(|e| format!("{}: {e}", output.display()))?;
+    {
+        use std::io::Write;
+        file.set_len(0)
+            .and_then(|()| file.write_all(&r.trace_json))
+            .map_err(|e| format!("{}: {e}", output.display()))?;
+    }
+    if r.events == 0 {
+        eprintln!(
+            "tessera: nothing was recorded: no process of allocation {id} made a CUDA call in {seconds} s \
+             (is its workload running, with libtessera.so loaded?)"
+        );
+    }
+    if as_json {
+        println!("{}", json::trace(&output.display().to_string(), &id, &r));
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "{}: {} events from {} process(es) of allocation {id} over {:.1} s{}",
         output.display(),
@@ -540,7 +587,12 @@ fn resolve_allocation(list: &[api::Allocation], name: &str) -> Result<String, St
 
 async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitCode, String> {
     let r = client.reload(api::ReloadRequest { dry_run }).await.map_err(status_err)?.into_inner();
-    println!("{}: {}", r.config_path, enum_name::<api::ReloadOutcome>(r.outcome).to_lowercase());
+    println!(
+        "{}: {}{}",
+        r.config_path,
+        enum_name::<api::ReloadOutcome>(r.outcome).to_lowercase(),
+        if r.dry_run { " (dry run)" } else { "" }
+    );
     for c in &r.applied {
         println!("  applied {}: {} -> {}", c.key, c.old_value, c.new_value);
     }
@@ -550,11 +602,8 @@ async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitC
     for e in &r.errors {
         println!("  error {}: {}", e.key, e.reason);
     }
-    for l in &r.layouts {
-        println!("  GPU {}: {}", l.gpu_index, enum_name::<api::LayoutOutcome>(l.outcome).to_lowercase());
-        for i in &l.issues {
-            println!("    {}", i.message);
-        }
+    for line in layout_report::results(&r.layouts, false).lines() {
+        println!("  {line}");
     }
     Ok(if r.outcome == api::ReloadOutcome::Rejected as i32 { ExitCode::from(2) } else { ExitCode::SUCCESS })
 }
@@ -598,7 +647,13 @@ fn mig_mode(p: &api::Partition) -> String {
 
 fn health(d: &api::Device) -> String {
     let h = enum_name::<api::Health>(d.health).to_lowercase();
-    if d.health_reason.is_empty() { h } else { format!("{h} ({})", d.health_reason) }
+    // The reason may start with the state itself (`unhealthy: XID 79`): say it once.
+    let reason = d.health_reason.trim();
+    let reason = reason
+        .get(..h.len())
+        .filter(|p| p.eq_ignore_ascii_case(&h))
+        .map_or(reason, |_| reason[h.len()..].trim_start_matches([':', ' ', '-']));
+    if reason.is_empty() { h } else { format!("{h} ({reason})") }
 }
 
 fn holders(d: &api::Device) -> String {
@@ -667,7 +722,18 @@ proto_enum!(
     api::Severity => "SEVERITY_",
     api::AllocationSource => "ALLOCATION_SOURCE_",
     api::ReloadOutcome => "RELOAD_OUTCOME_",
+    api::MigMode => "MIG_MODE_",
 );
+
+/// A percentage with one decimal; never `-0.0%` (a negative rate is a clock artefact).
+fn percent(v: f64) -> String {
+    format!("{:.1}%", non_negative(v))
+}
+
+/// `v`, or 0 when it is negative, `-0.0` or not a number.
+fn non_negative(v: f64) -> f64 {
+    if v > 0.0 { v } else { 0.0 }
+}
 
 fn mib(bytes: u64) -> String {
     if bytes == 0 { "-".into() } else { format!("{} MiB", bytes >> 20) }

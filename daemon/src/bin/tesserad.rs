@@ -211,6 +211,10 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             cfg.health.clone(),
             shutdown_rx.clone(),
         );
+        // MIG mode changes finish themselves once NVML shows the reset (or tesserad resets a free
+        // GPU whose policy is `reset = "when-free"`).
+        let reset_task =
+            tokio::spawn(tessera_daemon::node::mig::watch_pending_resets(Arc::clone(&controller), shutdown_rx.clone()));
         // Memory limits from NVML's per-process figures: the second line behind the shim.
         let enforcement = Arc::new(tessera_daemon::enforcement::Stats::default());
         let enforce_task = tessera_daemon::enforcement::Enforcer::spawn(
@@ -318,6 +322,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         }
         if tokio::time::timeout(STOP_GRACE, health_task).await.is_err() {
             tracing::warn!("the health monitor did not stop in time");
+        }
+        if tokio::time::timeout(STOP_GRACE, reset_task).await.is_err() {
+            tracing::warn!("the pending-reset watch did not stop in time");
         }
         if tokio::time::timeout(STOP_GRACE, enforce_task).await.is_err() {
             tracing::warn!("the enforcement loop did not stop in time");

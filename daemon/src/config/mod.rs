@@ -219,6 +219,23 @@ pub struct PartitionSpec {
     /// split the same way.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mig_shares: Option<BTreeMap<String, SharesSpec>>,
+    /// Whether tesserad may reset the GPU itself to finish a MIG mode change; unset: the
+    /// `default` entry's, else `never`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reset: Option<ResetPolicy>,
+}
+
+/// `reset` in a `[partitions.<key>]` entry: who finishes a MIG mode change (which takes effect
+/// only at a GPU reset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ResetPolicy {
+    /// An operator resets the GPU (`nvidia-smi -r`); tesserad applies the layout once NVML shows it.
+    #[default]
+    Never,
+    /// tesserad resets the GPU itself (`nvmlDeviceResetGpu`) once none of its devices is held
+    /// and no process uses it.
+    WhenFree,
 }
 
 /// What a validated [`PartitionSpec`] asks for.
@@ -346,6 +363,14 @@ impl Config {
     pub fn partition_for(&self, index: u32, uuid: &str) -> Option<(&str, &PartitionSpec)> {
         let by = |k: &str| self.partitions.get_key_value(k).map(|(k, v)| (k.as_str(), v));
         by(uuid).or_else(|| by(&index.to_string())).or_else(|| by("default"))
+    }
+
+    /// The `reset` policy for a GPU: its entry's, else `[partitions.default]`'s, else `never`.
+    pub fn reset_policy(&self, index: u32, uuid: &str) -> ResetPolicy {
+        self.partition_for(index, uuid)
+            .and_then(|(_, s)| s.reset)
+            .or_else(|| self.partitions.get("default").and_then(|s| s.reset))
+            .unwrap_or_default()
     }
 }
 

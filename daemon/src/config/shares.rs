@@ -6,18 +6,15 @@ use std::fmt;
 use serde::de::{self, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-/// A size in bytes, written as an integer or a string with a unit (`"20GiB"`, `"1.5GB"`), as the
-/// limits file writes them (`tessera_region::parse_size`).
+/// A size in bytes, written as a string with a unit (`"20GiB"`, `"1.5GB"`, `"512B"`;
+/// `tessera_region::parse_size_with_unit`); a bare number is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ByteSize(pub u64);
 
 impl Serialize for ByteSize {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        // TOML integers are i64: a size past that is written as a string.
-        match i64::try_from(self.0) {
-            Ok(v) => s.serialize_i64(v),
-            Err(_) => s.serialize_str(&self.0.to_string()),
-        }
+        // With its unit, as it must be read back.
+        s.serialize_str(&format!("{}B", self.0))
     }
 }
 
@@ -30,17 +27,22 @@ impl<'de> Deserialize<'de> for ByteSize {
                 f.write_str("a size: bytes, or a string such as \"20GiB\"")
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<ByteSize, E> {
-                u64::try_from(v).map(ByteSize).map_err(|_| E::custom(format!("{v} is not a size (negative)")))
+                Err(E::custom(bare(v)))
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<ByteSize, E> {
-                Ok(ByteSize(v))
+                Err(E::custom(bare(v)))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<ByteSize, E> {
-                tessera_region::parse_size(v).map(ByteSize).map_err(E::custom)
+                tessera_region::parse_size_with_unit(v).map(ByteSize).map_err(E::custom)
             }
         }
         d.deserialize_any(V)
     }
+}
+
+/// Why a bare number is refused as a size: its unit is a guess (bytes? MiB, as HAMi counts?).
+fn bare(v: impl fmt::Display) -> String {
+    format!("{v} has no unit: write a string such as \"{v}MiB\" (MiB = 2^20 bytes), \"{v}GiB\" or \"{v}B\" (bytes)")
 }
 
 impl fmt::Display for ByteSize {

@@ -68,7 +68,7 @@ memory = "20GiB"
 sm_percent = 25
 
 [[partitions."GPU-1803e5e2-5c0c-53ac-8346-7fc75c124149".shares]]
-memory = 1073741824
+memory = "1073741824B"
 "#;
 
 #[test]
@@ -153,7 +153,9 @@ fn semantic_errors_name_the_key() {
     let none_left = "[[partitions.0.shares]]\nsm_percent = 100\n[[partitions.0.shares]]\nmemory = \"1GiB\"\n";
     refused(none_left, "partitions.0.shares.sm_percent", "0 percent is left for 1");
     refused("[[partitions.0.shares]]\nsm_percent = 101\n", "partitions.0.shares[0].sm_percent", "1..=100");
-    refused("[[partitions.0.shares]]\nmemory = 0\n", "partitions.0.shares[0].memory", "0 bytes");
+    refused("[[partitions.0.shares]]\nmemory = \"0B\"\n", "partitions.0.shares[0].memory", "0 bytes");
+    refused("[[partitions.0.shares]]\nmemory = 8\n", "partitions.0.shares.memory", "8 has no unit");
+    refused("[[partitions.0.shares]]\nmemory = \"8\"\n", "partitions.0.shares.memory", "has no unit");
 }
 
 #[test]
@@ -188,4 +190,18 @@ fn reload_tells_live_from_restart() {
     assert_eq!(r.effective.runtime_dir, old.runtime_dir, "paths wait for a restart");
     assert_eq!(r.effective.telemetry, old.telemetry);
     assert!(reload(&old, &old).changes.is_empty());
+}
+
+#[test]
+fn reset_policy_per_gpu_then_default_then_never() {
+    let c = Config::parse(
+        "[partitions.default]\nwhole = true\nreset = \"when-free\"\n[partitions.1]\nmig = {}\nreset = \"never\"\n[partitions.2]\nmig = {}\n",
+    )
+    .expect("parses");
+    assert_eq!(c.reset_policy(0, "GPU-a"), ResetPolicy::WhenFree, "the default entry's");
+    assert_eq!(c.reset_policy(1, "GPU-b"), ResetPolicy::Never, "the GPU's own entry wins");
+    assert_eq!(c.reset_policy(2, "GPU-c"), ResetPolicy::WhenFree, "unset in the GPU's entry: the default's");
+    let c = Config::parse("[partitions.0]\nmig = {}\n").expect("parses");
+    assert_eq!(c.reset_policy(0, "GPU-a"), ResetPolicy::Never, "opt-in only");
+    refused("[partitions.0]\nwhole = true\nreset = \"always\"\n", "partitions.0.reset", "unknown variant");
 }

@@ -5,6 +5,7 @@
 mod inventory;
 mod library;
 pub(crate) mod mig_calls;
+mod reset;
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,7 @@ use nvml_wrapper::error::NvmlError;
 
 pub use inventory::*;
 pub use library::{SIM_LIB_ENV, SIM_LIB_NAME, Source, sim_library};
+pub use reset::ResetError;
 
 /// Why discovery failed.
 #[derive(Debug, thiserror::Error)]

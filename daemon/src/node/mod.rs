@@ -11,6 +11,7 @@
 //! [`converge`]: NodeController::apply_config
 
 pub mod layout;
+pub mod mig;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -33,6 +34,8 @@ enum Origin {
     Start,
     Reload,
     Api,
+    /// A GPU waiting for a reset to finish a MIG mode change ([`mig`]).
+    Reset,
 }
 
 /// Where the configuration came from (what a reload re-reads).
@@ -96,6 +99,9 @@ struct Live {
     /// The file's configuration as last loaded (what a reload diffs against).
     file_config: Arc<Config>,
     view: View,
+    /// GPUs whose reset tesserad tried and the driver refused: not retried on its own (a new
+    /// apply or reload tries again).
+    reset_refused: BTreeSet<u32>,
 }
 
 /// Allocation directories kept ready for Allocate: a burst larger than this makes the rest on the
@@ -138,7 +144,7 @@ impl NodeController {
             source,
             allocator,
             events,
-            live: Mutex::new(Live { file_config: Arc::clone(&config), view }),
+            live: Mutex::new(Live { file_config: Arc::clone(&config), view, reset_refused: BTreeSet::new() }),
             resources_tx,
         };
         let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
@@ -227,7 +233,7 @@ impl NodeController {
                     issues: vec![issue(
                         api::LayoutIssueKind::NotFound,
                         &what,
-                        format!("targets[{i}]: no GPU {what} on this node ({} GPUs)", view.inventory.gpus.len()),
+                        format!("targets[{i}]: GPU {what} does not exist ({})", gpu_range(&view.inventory)),
                     )],
                     ..Default::default()
                 });
@@ -249,12 +255,17 @@ impl NodeController {
                         }
                         _ => false,
                     });
+                    let mut spec = spec;
+                    // The layout changes, not who may reset the GPU.
+                    spec.reset = config.partitions.get("default").and_then(|s| s.reset);
                     config.partitions.insert("default".into(), spec);
                     touched.extend(view.inventory.gpus.iter().map(|g| g.index));
                 }
                 Some(index) => {
                     let gpu = view.inventory.gpu(index).expect("found above");
                     let key = entry_key(&config, gpu);
+                    let mut spec = spec;
+                    spec.reset = config.partitions.get(&key).and_then(|s| s.reset);
                     config.partitions.insert(key, spec);
                     touched.insert(index);
                 }
@@ -319,7 +330,11 @@ impl NodeController {
             self.allocator.set_defaults(&effective);
             self.lock().file_config = Arc::new(new);
         }
-        let outcome = if applied.is_empty() && needs_restart.is_empty() && touched.is_empty() {
+        // A layout counts as changed when its entry changed or its devices did (a GPU that
+        // finished a MIG mode change after a reset).
+        let layouts_changed = !touched.is_empty()
+            || layouts.iter().any(|l| !l.created_device_ids.is_empty() || !l.removed_device_ids.is_empty());
+        let outcome = if applied.is_empty() && needs_restart.is_empty() && !layouts_changed {
             api::ReloadOutcome::Unchanged
         } else if needs_restart.is_empty() {
             api::ReloadOutcome::Applied
@@ -402,7 +417,7 @@ impl NodeController {
                 issues.entry(l.index).or_default().push(issue(
                     api::LayoutIssueKind::Unhealthy,
                     &gpu.uuid,
-                    format!("GPU {} is unhealthy ({reason}); its layout is kept", l.index),
+                    format!("the GPU is unhealthy ({reason}); its layout is kept"),
                 ));
                 refused.insert(l.index);
                 continue;
@@ -415,18 +430,21 @@ impl NodeController {
         }
         for &index in &refused {
             let gpu = inv.gpu(index).expect("refused GPUs come from this inventory");
-            let keep = match before_config.partition_for(gpu.index, &gpu.uuid) {
+            let mut keep = match before_config.partition_for(gpu.index, &gpu.uuid) {
                 Some((_, spec)) if !starting => spec.clone(),
                 _ => layout::current_spec(gpu, &live.view.shares),
             };
             let key = entry_key(&config, gpu);
+            keep.reset = config.partitions.get(&key).and_then(|s| s.reset);
             config.partitions.insert(key, keep);
         }
         let layouts = partition::resolve(&config, &inv)?;
 
-        // 2. Plan (and apply) the MIG side.
+        // 2. Plan (and apply) the MIG side. A dry run predicts the inventory each plan leaves.
         let mut outcome: BTreeMap<u32, api::LayoutOutcome> = BTreeMap::new();
         let mut pending = BTreeSet::new();
+        let mut predicted = inv.clone();
+        let mut reset_gpus = BTreeSet::new();
         for l in &layouts {
             let gpu = inv.gpu(l.index).expect("layouts come from this inventory");
             if refused.contains(&l.index) {
@@ -440,33 +458,78 @@ impl NodeController {
                     continue;
                 }
             };
+            let mut plan = plan;
+            let mut after = mig::predict(gpu, &plan);
+            if !dry_run && !self.apply_plan(gpu, &plan, &mut issues, &mut outcome) {
+                continue;
+            }
+            // A mode change: reset the GPU now if its policy allows and nothing holds it.
+            let may_reset = plan.pending_reset
+                && config.reset_policy(gpu.index, &gpu.uuid) == config::ResetPolicy::WhenFree
+                && mig::is_free(gpu, &allocations);
+            if may_reset {
+                let reset = if dry_run {
+                    Some(mig::predict_reset(&after))
+                } else {
+                    match self.session.reset_gpu(gpu.index) {
+                        Ok(()) => {
+                            tracing::info!(
+                                gpu = gpu.index,
+                                "GPU reset to finish its MIG mode change (reset = when-free)"
+                            );
+                            reset_gpus.insert(gpu.index);
+                            live.reset_refused.remove(&gpu.index);
+                            let fresh = self
+                                .session
+                                .inventory()
+                                .map_err(|e| ConfigError::new("", format!("discovery after a GPU reset: {e}")))?;
+                            fresh.gpu(gpu.index).cloned()
+                        }
+                        Err(e) => {
+                            tracing::warn!(gpu = gpu.index, error = %e, "cannot reset the GPU; its MIG mode change waits");
+                            live.reset_refused.insert(gpu.index);
+                            issues.entry(l.index).or_default().push(issue(
+                                api::LayoutIssueKind::DriverError,
+                                &gpu.uuid,
+                                format!("tesserad could not reset the GPU (reset = \"when-free\"): {e}"),
+                            ));
+                            None
+                        }
+                    }
+                };
+                if let Some(reset) = reset {
+                    match partition::plan(l.desired(), reset.mig.as_ref(), &held_set, &reset.processes) {
+                        Ok(p) => {
+                            if !dry_run && !self.apply_plan(&reset, &p, &mut issues, &mut outcome) {
+                                continue;
+                            }
+                            after = mig::predict(&reset, &p);
+                            plan = p;
+                        }
+                        Err(e) => {
+                            issues.entry(l.index).or_default().push(plan_issue(&reset, &e, &held));
+                            outcome.insert(l.index, api::LayoutOutcome::Refused);
+                            continue;
+                        }
+                    }
+                }
+            }
             if plan.pending_reset {
                 pending.insert(l.index);
                 issues.entry(l.index).or_default().push(issue(
                     api::LayoutIssueKind::ResetRequired,
                     &gpu.uuid,
-                    format!("GPU {}: the MIG mode change takes effect at the next GPU reset (not forced)", l.index),
+                    "the MIG mode change takes effect at the next GPU reset (tesserad finishes the layout then)".into(),
                 ));
             }
-            if dry_run || plan.actions.is_empty() {
-                continue;
-            }
-            let cap = gpu.mig.as_ref().map(|m| &m.capability);
-            if let Err(e) = partition::apply(&self.session, l.index, &plan, cap) {
-                let partial = !e.done.is_empty();
-                issues.entry(l.index).or_default().push(issue(
-                    api::LayoutIssueKind::DriverError,
-                    &gpu.uuid,
-                    format!("GPU {}: the driver refused {:?}: {}", l.index, e.action, e.source),
-                ));
-                outcome
-                    .insert(l.index, if partial { api::LayoutOutcome::Partial } else { api::LayoutOutcome::Refused });
+            if let Some(g) = predicted.gpus.iter_mut().find(|g| g.index == l.index) {
+                *g = after;
             }
         }
 
         // 3. What the node offers now.
         let after_inv = if dry_run {
-            inv.clone()
+            predicted
         } else {
             self.session.inventory().map_err(|e| ConfigError::new("", format!("discovery after partitioning: {e}")))?
         };
@@ -534,7 +597,7 @@ impl NodeController {
                     ..Default::default()
                 });
             }
-            if touched.contains(&gpu.index) {
+            if touched.contains(&gpu.index) || !created.is_empty() || !removed.is_empty() {
                 results.push(api::GpuLayoutResult {
                     gpu_id: gpu.uuid.clone(),
                     gpu_uuid: gpu.uuid.clone(),
@@ -565,10 +628,53 @@ impl NodeController {
     }
 }
 
+impl NodeController {
+    /// Applies `plan` on `gpu`; false, with the issue and outcome recorded, when the driver
+    /// refused an action.
+    fn apply_plan(
+        &self,
+        gpu: &Gpu,
+        plan: &partition::MigPlan,
+        issues: &mut BTreeMap<u32, Vec<api::LayoutIssue>>,
+        outcome: &mut BTreeMap<u32, api::LayoutOutcome>,
+    ) -> bool {
+        if plan.actions.is_empty() {
+            return true;
+        }
+        let cap = gpu.mig.as_ref().map(|m| &m.capability);
+        match partition::apply(&self.session, gpu.index, plan, cap) {
+            Ok(_) => true,
+            Err(e) => {
+                let partial = !e.done.is_empty();
+                issues.entry(gpu.index).or_default().push(issue(
+                    api::LayoutIssueKind::DriverError,
+                    &gpu.uuid,
+                    format!("the driver refused {:?}: {}", e.action, e.source),
+                ));
+                outcome
+                    .insert(gpu.index, if partial { api::LayoutOutcome::Partial } else { api::LayoutOutcome::Refused });
+                false
+            }
+        }
+    }
+}
+
 /// The `partitions` key that decides `gpu`'s layout if it names only that GPU: its UUID key or
 /// index key when present, else the index (a new entry over `default`).
 fn entry_key(config: &Config, gpu: &Gpu) -> String {
     if config.partitions.contains_key(&gpu.uuid) { gpu.uuid.clone() } else { gpu.index.to_string() }
+}
+
+/// The GPUs a node has, for errors: `GPUs 0-7`, `GPU 0`, `no GPUs`.
+fn gpu_range(inv: &Inventory) -> String {
+    let mut idx: Vec<u32> = inv.gpus.iter().map(|g| g.index).collect();
+    idx.sort_unstable();
+    match idx.as_slice() {
+        [] => "this node has no GPUs".into(),
+        [one] => format!("this node has GPU {one}"),
+        [first, .., last] if (last - first) as usize + 1 == idx.len() => format!("this node has GPUs {first}-{last}"),
+        _ => format!("this node has GPUs {}", idx.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
+    }
 }
 
 /// Held device ids and physical UUIDs → the allocations holding them.
@@ -648,8 +754,8 @@ fn taken_devices(gpu: &Gpu, l: &GpuLayout<'_>, allocations: &[Allocation]) -> Ve
                     kind: api::LayoutIssueKind::InUse as i32,
                     device_id: d.device_id.clone(),
                     message: format!(
-                        "GPU {}: {} is allocated ({}); the layout would remove or resize it, so the GPU keeps its layout",
-                        gpu.index, d.device_id, a.id
+                        "{} is allocated ({}); the layout would remove or resize it, so the GPU keeps its layout",
+                        d.device_id, a.id
                     ),
                     holders: vec![holder(a)],
                 });
@@ -666,7 +772,7 @@ fn same_share(planned: &[Share], held: &crate::state::AllocatedDevice) -> bool {
 }
 
 fn plan_issue(gpu: &Gpu, e: &PlanError, held: &BTreeMap<String, Vec<api::Holder>>) -> api::LayoutIssue {
-    let message = format!("GPU {}: {e}", gpu.index);
+    let message = e.to_string();
     match e {
         PlanError::NotSupported => issue(api::LayoutIssueKind::MigUnsupported, &gpu.uuid, message),
         PlanError::UnknownProfile { .. } => issue(api::LayoutIssueKind::UnknownProfile, &gpu.uuid, message),

@@ -84,10 +84,10 @@ fn check(at: &str, gpu: &Gpu, kind: PartitionKind<'_>) -> Result<(), ConfigError
                     return Err(ConfigError::new(
                         format!("{at}.mig.{}", crate::config::quote_key(name)),
                         format!(
-                            "GPU {} ({}) has no MIG profile {name:?}; it has {}",
+                            "GPU {} ({}) has no MIG profile {name:?}; {}",
                             gpu.index,
                             gpu.name,
-                            mig.capability.names().join(", ")
+                            super::mig_plan::offered(&mig.capability.names())
                         ),
                     ));
                 };

@@ -58,7 +58,7 @@ impl MigPlan {
 pub enum PlanError {
     #[error("the GPU does not support MIG")]
     NotSupported,
-    #[error("the GPU has no MIG profile {profile:?}; it has {}", available.join(", "))]
+    #[error("the GPU has no MIG profile {profile:?}; {}", offered(available))]
     UnknownProfile { profile: String, available: Vec<String> },
     #[error("GPU instance {gi_id} ({profile}) is in use ({why}) and the layout does not keep it")]
     InUse { gi_id: u32, profile: String, why: String },
@@ -66,6 +66,15 @@ pub enum PlanError {
     GpuInUse { pids: Vec<u32> },
     #[error("{wanted} does not fit on the GPU{}", if kept.is_empty() { String::new() } else { format!(" beside the instances in use ({})", kept.join(", ")) })]
     NoFit { wanted: String, kept: Vec<String> },
+}
+
+/// The profiles a GPU offers, for errors: a driver may list none.
+pub(crate) fn offered(available: &[String]) -> String {
+    if available.is_empty() {
+        "its driver lists no MIG profiles".into()
+    } else {
+        format!("it has {}", available.join(", "))
+    }
 }
 
 /// Plans one GPU. `mig` is `None` for a GPU without MIG; `held` names MIG device UUIDs that

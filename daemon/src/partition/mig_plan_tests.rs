@@ -177,3 +177,11 @@ fn a_kept_instance_without_compute_instance_gets_one() {
     let p = plan(Desired::On(&w), Some(&on(vec![bare])), &none(), &[]).unwrap();
     assert_eq!(p.actions, vec![MigAction::CreateComputeInstance { gi_id: 1, profile: "7g.80gb".into() }]);
 }
+
+#[test]
+fn an_unknown_profile_on_a_driver_that_lists_none_says_so() {
+    let e = PlanError::UnknownProfile { profile: "1g.10gb".into(), available: vec![] }.to_string();
+    assert!(e.ends_with("its driver lists no MIG profiles"), "{e}");
+    let e = PlanError::UnknownProfile { profile: "9g".into(), available: vec!["1g.10gb".into()] }.to_string();
+    assert!(e.ends_with("it has 1g.10gb"), "{e}");
+}

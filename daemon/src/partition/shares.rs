@@ -35,9 +35,9 @@ impl Share {
 /// Why shares do not fit their device.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ShareError {
-    #[error("the shares' memory sums to {wanted} bytes, more than the device's {available}")]
+    #[error("the shares' memory sums to {}, more than the device's {}", tessera_region::human_size(*wanted), tessera_region::human_size(*available))]
     MemoryOver { wanted: u64, available: u64 },
-    #[error("{open} shares without a memory size share {left} bytes: less than 1 MiB each")]
+    #[error("{open} shares without a memory size share {}: less than 1 MiB each", tessera_region::human_size(*left))]
     MemoryTooSmall { open: usize, left: u64 },
     #[error("no shares declared")]
     Empty,
@@ -128,6 +128,8 @@ mod tests {
             plan_shares("GPU-a", 80 * GIB, &spec),
             Err(ShareError::MemoryOver { wanted: 100 * GIB, available: 80 * GIB })
         );
+        let e = ShareError::MemoryOver { wanted: 100 * GIB, available: 80 * GIB }.to_string();
+        assert!(e.contains("sums to 100 GiB, more than the device's 80 GiB"), "sizes for people: {e}");
         let spec = SharesSpec::Explicit(vec![
             ShareSize { memory: Some(ByteSize(80 * GIB)), sm_percent: None },
             ShareSize::default(),

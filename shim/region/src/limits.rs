@@ -502,6 +502,38 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     u64::try_from(bytes).map_err(|_| too_large())
 }
 
+/// Parses a size a person wrote (the configuration's `memory`, `TESSERA_MEMORY_LIMIT`): as
+/// [`parse_size`], but the unit is required. A bare number is refused: `8` would be 8 bytes to
+/// this parser but 8 MiB to a HAMi user. Units as in Kubernetes: `Ki Mi Gi Ti` (or `KiB` …) are
+/// powers of 1024, `K M G T` (or `KB` …) powers of 1000, `B` bytes.
+pub fn parse_size_with_unit(text: &str) -> Result<u64, String> {
+    let s = text.trim();
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(format!(
+            "{text:?} has no unit: write \"{s}GiB\" (GiB = 2^30 bytes), \"{s}GB\" (GB = 10^9 bytes), \"{s}MiB\" or \"{s}B\" (bytes)"
+        ));
+    }
+    parse_size(text)
+}
+
+/// A size for people: `8 GiB`, `512 MiB`, `1.5 GiB`, `100 B` (in GiB from 1 GiB, MiB from 1 MiB;
+/// up to two decimals).
+pub fn human_size(bytes: u64) -> String {
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    let fmt = |v: f64, unit: &str| {
+        let t = format!("{v:.2}");
+        format!("{} {unit}", t.trim_end_matches('0').trim_end_matches('.'))
+    };
+    if bytes >= GIB {
+        fmt(bytes as f64 / GIB as f64, "GiB")
+    } else if bytes >= MIB {
+        fmt(bytes as f64 / MIB as f64, "MiB")
+    } else {
+        format!("{bytes} B")
+    }
+}
+
 /// A variable's value for all devices and per CUDA ordinal.
 struct PerDevice<T> {
     all: Option<T>,
@@ -559,7 +591,7 @@ fn per_device<T: Copy>(
 }
 
 fn memory_value(v: &str) -> Result<u64, String> {
-    match parse_size(v)? {
+    match parse_size_with_unit(v)? {
         0 => Err(format!("{v:?} is not a limit (unset the variable for no limit)")),
         n => Ok(n),
     }
@@ -790,6 +822,21 @@ sm_percent = 100
     }
 
     #[test]
+    fn sizes_people_write_need_a_unit() {
+        assert_eq!(parse_size_with_unit("8Gi"), Ok(8 << 30));
+        assert_eq!(parse_size_with_unit("8G"), Ok(8_000_000_000));
+        assert_eq!(parse_size_with_unit("8B"), Ok(8));
+        let e = parse_size_with_unit("8").unwrap_err();
+        assert!(e.contains("no unit") && e.contains("GiB") && e.contains("10^9"), "{e}");
+        assert!(parse_size_with_unit("1.5").is_err());
+        assert!(parse_size_with_unit("8QB").unwrap_err().contains("not a size"));
+        assert_eq!(human_size(8 << 30), "8 GiB");
+        assert_eq!(human_size(3 << 29), "1.5 GiB");
+        assert_eq!(human_size(512 << 20), "512 MiB");
+        assert_eq!(human_size(100), "100 B");
+    }
+
+    #[test]
     fn env_none_when_unset() {
         assert!(env(&[]).unwrap().is_none());
         assert!(env(&[(ENV_MEMORY_LIMIT, ""), (ENV_SM_PERCENT, "  ")]).unwrap().is_none());
@@ -804,7 +851,7 @@ sm_percent = 100
             l.devices,
             vec![DeviceLimits { uuid: "*".into(), memory_limit: Some(8 << 30), sm_percent: Some(30) }]
         );
-        for (v, want) in [("512MiB", 512u64 << 20), ("1.5GB", 1_500_000_000), ("8589934592", 8 << 30)] {
+        for (v, want) in [("512MiB", 512u64 << 20), ("1.5GB", 1_500_000_000), ("8589934592B", 8 << 30)] {
             let l = env(&[(ENV_MEMORY_LIMIT, v)]).unwrap().unwrap();
             assert_eq!(l.devices[0].memory_limit, Some(want), "{v}");
         }
@@ -846,7 +893,9 @@ sm_percent = 100
     fn env_errors_name_the_variable() {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[(ENV_MEMORY_LIMIT, "8QB")], "TESSERA_MEMORY_LIMIT: \"8QB\" is not a size"),
-            (&[(ENV_MEMORY_LIMIT, "0")], "TESSERA_MEMORY_LIMIT: \"0\" is not a limit"),
+            (&[(ENV_MEMORY_LIMIT, "0B")], "TESSERA_MEMORY_LIMIT: \"0B\" is not a limit"),
+            (&[(ENV_MEMORY_LIMIT, "8")], "TESSERA_MEMORY_LIMIT: \"8\" has no unit: write \"8GiB\""),
+            (&[(ENV_MEMORY_LIMIT, "0=512")], "TESSERA_MEMORY_LIMIT: \"512\" has no unit"),
             (&[(ENV_MEMORY_LIMIT, "0=8GiB,x=1GiB")], "TESSERA_MEMORY_LIMIT: \"x\" is not a device ordinal"),
             (&[(ENV_MEMORY_LIMIT, "0=8GiB,0=1GiB")], "TESSERA_MEMORY_LIMIT: \"0=8GiB,0=1GiB\" gives device 0 twice"),
             (&[(ENV_MEMORY_LIMIT, "1GiB,2GiB")], "TESSERA_MEMORY_LIMIT: \"1GiB,2GiB\" gives the value for all"),

@@ -112,8 +112,9 @@ pub struct DeviceEntry {
     pub key: AtomicU64,
     /// Bytes of `uuid` (0 until written; written after `key`, identically by anyone).
     pub uuid_len: AtomicU32,
-    /// Version 2's SM share mirror; unused since version 3 (limits are never read from here).
-    pub _retired: AtomicU32,
+    /// OOM denials of the container's processes that are gone (folded in by [`Region::reap`],
+    /// saturating). Version 2 kept its SM share mirror here; limits are never read from here.
+    pub exited_oom_denials: AtomicU32,
     /// Bytes a CUDA context took on this device when a process of the container last measured
     /// one (0: none yet): what the next context reserves before it is created. A hint only —
     /// any process may write it; readers bound it and true the reservation up to the measurement.
@@ -122,7 +123,10 @@ pub struct DeviceEntry {
     pub used: AtomicU64,
     /// Highest `used` seen.
     pub peak: AtomicU64,
-    pub _reserved: [AtomicU64; 3],
+    /// Launches, GPU time and throttled time (ns) of the container's processes that are gone,
+    /// folded in by [`Region::reap`] when it frees their slots: with the live slots' counters,
+    /// the container's exact totals however rarely anyone samples.
+    pub exited: [AtomicU64; 3],
     pub uuid: [AtomicU64; MAX_UUID_LEN / 8],
     /// On its own cache lines, away from `used`.
     pub bucket: ComputeBucket,
@@ -764,6 +768,19 @@ impl Region {
                     if held != 0 {
                         d.used.fetch_sub(held, SeqCst);
                     }
+                    // The dead process's counters join the container's exited totals: out of the
+                    // slot first, so a reader may briefly miss them but never counts them twice.
+                    let counters = [&mine.launches, &mine.gpu_time_ns, &mine.throttled_ns];
+                    for (total, c) in d.exited.iter().zip(counters) {
+                        let n = c.swap(0, SeqCst);
+                        if n != 0 {
+                            total.fetch_add(n, SeqCst);
+                        }
+                    }
+                    let ooms = u32::try_from(mine.oom_denials.swap(0, SeqCst)).unwrap_or(u32::MAX);
+                    if ooms != 0 {
+                        let _ = d.exited_oom_denials.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_add(ooms)));
+                    }
                 }
                 p.inflight.store(ops + OP_START - 1, SeqCst);
                 p.pid.store(0, Relaxed);
@@ -897,6 +914,10 @@ impl Region {
                     uuid: self.device_uuid(i).unwrap_or_default(),
                     used: e.used.load(Relaxed),
                     peak: e.peak.load(Relaxed),
+                    exited_launches: e.exited[0].load(Relaxed),
+                    exited_gpu_time_ns: e.exited[1].load(Relaxed),
+                    exited_throttled_ns: e.exited[2].load(Relaxed),
+                    exited_oom_denials: u64::from(e.exited_oom_denials.load(Relaxed)),
                 })
             })
             .collect();
@@ -969,6 +990,11 @@ pub struct DeviceSnapshot {
     /// The container's total.
     pub used: u64,
     pub peak: u64,
+    /// The counters of the container's processes that are gone (reaped).
+    pub exited_launches: u64,
+    pub exited_gpu_time_ns: u64,
+    pub exited_throttled_ns: u64,
+    pub exited_oom_denials: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1350,6 +1376,35 @@ mod tests {
     }
 
     #[test]
+    fn a_reaped_process_leaves_its_counters_in_the_exited_totals() {
+        let (_dir, path, daemon) = file_region();
+        let dev = daemon.device("GPU-a").unwrap();
+        for (launches, ooms) in [(500u64, 1u64), (300, 2)] {
+            let p = Region::open_or_create(&path).unwrap();
+            let s = p.join().unwrap();
+            for _ in 0..launches {
+                p.record_launch(s, dev);
+            }
+            p.record_gpu_time(s, dev, launches * 10);
+            p.record_throttled(s, dev, 7);
+            for _ in 0..ooms {
+                p.try_reserve(s, dev, 100, Some(10)).unwrap_err();
+            }
+            // Gone before anyone sampled it.
+            drop(p);
+        }
+        assert_eq!(daemon.reap(), 2);
+        let d = &daemon.snapshot().devices[dev];
+        assert_eq!(
+            (d.exited_launches, d.exited_gpu_time_ns, d.exited_throttled_ns, d.exited_oom_denials),
+            (800, 8000, 14, 3),
+            "every launch of both processes, none lost"
+        );
+        assert_eq!(daemon.reap(), 0);
+        assert_eq!(daemon.snapshot().devices[dev].exited_launches, 800, "folded once");
+    }
+
+    #[test]
     fn join_fills_every_slot_then_reaps() {
         let (_dir, path, a) = file_region();
         let b = Region::open_or_create(&path).unwrap();
@@ -1386,7 +1441,19 @@ mod tests {
         let snap = daemon.snapshot();
         assert!(snap.trace_requested);
         assert_eq!(snap.devices.len(), 2);
-        assert_eq!(snap.devices[d1], DeviceSnapshot { index: d1, uuid: "GPU-1".into(), used: 60, peak: 60 });
+        assert_eq!(
+            snap.devices[d1],
+            DeviceSnapshot {
+                index: d1,
+                uuid: "GPU-1".into(),
+                used: 60,
+                peak: 60,
+                exited_launches: 0,
+                exited_gpu_time_ns: 0,
+                exited_throttled_ns: 0,
+                exited_oom_denials: 0
+            }
+        );
         assert_eq!(snap.processes.len(), 1);
         let p = &snap.processes[0];
         assert_eq!((p.slot, p.pid, p.host_pid), (me.index, std::process::id(), 4242));

@@ -1113,3 +1113,24 @@ fn a_node_without_nvlink_or_mig() {
         assert_eq!(s, nvmlGpuP2PStatus_enum_NVML_P2P_STATUS_NOT_SUPPORTED);
     });
 }
+
+#[test]
+fn reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli() {
+    let node = SimNode::with_description(MIG_NODE);
+    node.run_isolated("reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli", || {
+        let nvml = open(&node);
+        let lib = library(&node);
+        let reset: unsafe extern "C" fn(nvmlDevice_t) -> nvmlReturn_t = sym(&lib, "nvmlDeviceResetGpu");
+        let d1 = nvml.device_by_index(1).unwrap();
+        // SAFETY: the handle is only passed back to the library.
+        let h1 = unsafe { d1.handle() };
+        assert_eq!(d1.set_mig_mode(true).unwrap(), RESET_REQUIRED);
+        // SAFETY: a live device handle.
+        assert_eq!(unsafe { reset(h1) }, SUCCESS);
+        let mode = d1.mig_mode().unwrap();
+        assert_eq!((mode.current, mode.pending), (1, 1), "the pending MIG mode is applied");
+        // A stale pointer is refused, not followed.
+        // SAFETY: the library checks a handle before using it.
+        assert_eq!(unsafe { reset(0x10 as nvmlDevice_t) }, INVALID_ARGUMENT);
+    });
+}

@@ -24,6 +24,7 @@ mod init;
 mod memory;
 mod mig;
 mod processes;
+mod reset;
 mod sensors;
 mod topology;
 

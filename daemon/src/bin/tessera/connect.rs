@@ -1,0 +1,68 @@
+//! Reaching tesserad's node API, with errors that say what happened and what to do: no socket,
+//! a socket only its owner may use, nothing listening, something that is not the node API.
+
+use std::io::ErrorKind;
+use std::os::unix::fs::FileTypeExt;
+use std::path::Path;
+
+use tessera_proto::tessera::v1::node_client::NodeClient;
+use tonic::transport::Channel;
+
+/// Why the socket cannot be used, checked directly (the gRPC transport hides the cause).
+pub fn diagnose(socket: &Path) -> Option<String> {
+    let at = socket.display();
+    let meta = match std::fs::metadata(socket) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            return Some(format!(
+                "no such file {at}: tesserad is not running, or its node_api_socket is elsewhere \
+                 (pass --socket PATH or --config FILE)"
+            ));
+        }
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+            return Some(format!("permission denied on {at}'s directory: run as root (sudo tessera …)"));
+        }
+        Err(e) => return Some(format!("{at}: {e}")),
+    };
+    if !meta.file_type().is_socket() {
+        return Some(format!("{at} is not a socket: pass tesserad's node API socket with --socket"));
+    }
+    match std::os::unix::net::UnixStream::connect(socket) {
+        Ok(_) => None,
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => Some(format!(
+            "permission denied on {at}: the node API socket is owner-only (mode 0600); run as its owner (sudo tessera …)"
+        )),
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Some(format!(
+            "connection refused on {at}: nothing listens there (tesserad stopped and left its socket); start tesserad"
+        )),
+        Err(e) => Some(format!("{at}: {e}")),
+    }
+}
+
+/// A client of the node API on `socket`.
+pub async fn connect(socket: &Path) -> Result<NodeClient<Channel>, String> {
+    if let Some(why) = diagnose(socket) {
+        return Err(format!("cannot reach tesserad: {why}"));
+    }
+    let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach tesserad at {}: {e}", socket.display()))?;
+    Ok(NodeClient::new(channel))
+}
+
+/// A failed call, in words: the code, and the message when there is one; a server that does
+/// not serve the node API is named as such.
+pub fn status_err(s: tonic::Status) -> String {
+    match s.code() {
+        tonic::Code::Unimplemented => format!(
+            "the socket's server does not serve tessera's node API (tessera.v1.Node){}: is --socket tesserad's \
+             node_api_socket?",
+            if s.message().is_empty() { String::new() } else { format!(" ({})", s.message()) }
+        ),
+        tonic::Code::Unavailable if s.message().is_empty() => "tesserad is not answering (unavailable)".into(),
+        code if s.message().is_empty() => format!("{code}"),
+        code => format!("{code}: {}", s.message()),
+    }
+}
