@@ -4,13 +4,14 @@
 
 mod install;
 mod mig;
+mod soname;
 mod status;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tessera_sim_model::{Node, SimError};
+use tessera_sim_model::{Node, NodeDescription, SimError};
 
 #[derive(Parser)]
 #[command(name = "tessera-sim", version, about = "Simulated GPU node: layout, state, faults, MIG")]
@@ -27,8 +28,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Lay the driver library out in DIR as libnvidia-ml.so.1 and libcuda.so.1 (and their
-    /// unversioned names), for LD_LIBRARY_PATH or nvml-wrapper's lib_path.
+    /// Lay the driver library out in DIR as a real driver installs libcuda and libnvidia-ml:
+    /// libcuda.so.<driver version> (SONAME libcuda.so.1) with the links libcuda.so.1 and
+    /// libcuda.so, and the same for libnvidia-ml; for LD_LIBRARY_PATH or nvml-wrapper's lib_path.
     Install {
         dir: PathBuf,
         /// The built libtessera_sim.so (default: beside this program, or $TESSERA_SIM_LIB).
@@ -104,10 +106,20 @@ fn open(cli: &Cli) -> Result<Node, SimError> {
     Node::open(node.as_deref(), state.as_deref())
 }
 
+/// The node description (--node, else $TESSERA_SIM_NODE, else the default node), without
+/// opening the node's state.
+fn description(cli: &Cli) -> Result<NodeDescription, String> {
+    let path = cli.node.clone().or_else(|| std::env::var_os(tessera_sim_model::ENV_NODE).map(PathBuf::from));
+    match path {
+        Some(p) => NodeDescription::load(&p).map_err(|e| e.to_string()),
+        None => Ok(NodeDescription::default_node()),
+    }
+}
+
 fn run(cli: Cli) -> Result<(), String> {
     match &cli.command {
         Command::Install { dir, lib } => {
-            install::install(dir, lib.as_deref())?;
+            install::install(dir, lib.as_deref(), &description(&cli)?.driver_version)?;
             println!("{}", dir.display());
             Ok(())
         }

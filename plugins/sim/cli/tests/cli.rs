@@ -1,6 +1,7 @@
 //! tessera-sim as an operator uses it: layout, status, faults, MIG, bad input.
 
-use std::process::Output;
+use std::path::Path;
+use std::process::{Command, Output};
 
 use tessera_sim_testkit::{SimNode, binary};
 
@@ -12,18 +13,72 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
+/// A dynamic-section entry of an ELF file, as `readelf -d` prints it (e.g. "SONAME", "NEEDED").
+fn dynamic(path: &Path, tag: &str) -> Vec<String> {
+    let o = Command::new("readelf").arg("-d").arg(path).output().expect("run readelf (binutils)");
+    assert!(o.status.success(), "readelf {}: {}", path.display(), text(&o));
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter(|l| l.contains(&format!("({tag})")))
+        .filter_map(|l| Some(l.split('[').nth(1)?.trim_end_matches(']').to_string()))
+        .collect()
+}
+
 #[test]
-fn install_lays_out_both_driver_names() {
+fn install_lays_out_versioned_libraries_with_real_sonames() {
     let node = SimNode::new();
     let dir = node.root.join("drivers");
     let o = sim(&node, &["install", dir.to_str().unwrap()]);
     assert!(o.status.success(), "{}", text(&o));
-    for name in ["libnvidia-ml.so.1", "libnvidia-ml.so", "libcuda.so.1", "libcuda.so"] {
-        let target = std::fs::read_link(dir.join(name)).unwrap();
-        assert_eq!(target.to_str(), Some("libtessera_sim.so"), "{name}");
+    for (name, soname) in [("libcuda.so", "libcuda.so.1"), ("libnvidia-ml.so", "libnvidia-ml.so.1")] {
+        let versioned = format!("{name}.570.133.20");
+        assert_eq!(std::fs::read_link(dir.join(soname)).unwrap().to_str(), Some(versioned.as_str()));
+        assert_eq!(std::fs::read_link(dir.join(name)).unwrap().to_str(), Some(soname));
+        assert_eq!(dynamic(&dir.join(&versioned), "SONAME"), [soname], "{versioned}");
     }
-    let copy = std::fs::read(dir.join("libtessera_sim.so")).unwrap();
-    assert_eq!(copy, std::fs::read(tessera_sim_testkit::sim_library()).unwrap());
+    // The built library keeps its own placeholder name: only the copies are renamed.
+    assert_eq!(dynamic(&tessera_sim_testkit::sim_library(), "SONAME"), ["libtessera_sim.so"]);
+    // Installing again over a layout replaces it (an upgrade of the driver).
+    let o = sim(&node, &["install", dir.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", text(&o));
+}
+
+#[test]
+fn a_program_linked_with_lcuda_records_libcuda_so_1_and_runs() {
+    let node = SimNode::new();
+    let dir = node.root.join("drivers");
+    assert!(sim(&node, &["install", dir.to_str().unwrap()]).status.success());
+    let src = node.root.join("prog.c");
+    std::fs::write(
+        &src,
+        "#include <stdio.h>\n\
+         int cuInit(unsigned); int cuDriverGetVersion(int *);\n\
+         int nvmlInit_v2(void); int nvmlDeviceGetCount_v2(unsigned *);\n\
+         int main(void) { int v = 0; unsigned n = 0;\n\
+           if (cuInit(0) || cuDriverGetVersion(&v) || nvmlInit_v2() || nvmlDeviceGetCount_v2(&n)) return 1;\n\
+           printf(\"cuda %d gpus %u\\n\", v, n); return 0; }\n",
+    )
+    .unwrap();
+    let exe = node.root.join("prog");
+    let o = Command::new("cc")
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&dir)
+        // Both libraries define every name (one implementation): keep both, as with NVIDIA's.
+        .args(["-Wl,--no-as-needed", "-lcuda", "-lnvidia-ml"])
+        .output()
+        .expect("run cc");
+    assert!(o.status.success(), "cc: {}", text(&o));
+    let needed = dynamic(&exe, "NEEDED");
+    assert!(needed.contains(&"libcuda.so.1".to_string()), "{needed:?}");
+    assert!(needed.contains(&"libnvidia-ml.so.1".to_string()), "{needed:?}");
+    // Run with only the installed layout on the library path: both real names resolve, and the
+    // two libraries (two copies in one process, as NVIDIA's two) see the same node.
+    let o = node.command(&exe).env("LD_LIBRARY_PATH", &dir).output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "cuda 12080 gpus 8");
 }
 
 #[test]

@@ -56,7 +56,7 @@ mod pools;
 mod proc_address;
 mod proc_table;
 mod stream;
-mod trace;
+pub(crate) mod trace;
 mod vmm;
 
 use std::ffi::c_char;

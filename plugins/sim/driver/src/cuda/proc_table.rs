@@ -119,6 +119,7 @@ pub(crate) static TABLE: &[Entry] = &[
     Entry { name: "cuGetExportTable", version: 3000, pt: Pt::No, symbol: "cuGetExportTable", f: export_tables::cuGetExportTable as *const () },
     Entry { name: "cuGetProcAddress", version: 11030, pt: Pt::No, symbol: "cuGetProcAddress", f: proc_address::cuGetProcAddress as *const () },
     Entry { name: "cuGetProcAddress", version: 12000, pt: Pt::No, symbol: "cuGetProcAddress_v2", f: proc_address::cuGetProcAddress_v2 as *const () },
+    Entry { name: "cuGetProcAddress", version: 12000, pt: Pt::Ptsz, symbol: "cuGetProcAddress_v2_ptsz", f: proc_address::cuGetProcAddress_v2_ptsz as *const () },
     Entry { name: "cuGraphAddEmptyNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddEmptyNode", f: graph::cuGraphAddEmptyNode as *const () },
     Entry { name: "cuGraphAddHostNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddHostNode", f: graph::cuGraphAddHostNode as *const () },
     Entry { name: "cuGraphAddKernelNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddKernelNode", f: graph::cuGraphAddKernelNode as *const () },

@@ -23,9 +23,11 @@ mod handles;
 mod init;
 mod memory;
 mod mig;
+mod not_modelled;
 mod processes;
 mod sensors;
 mod topology;
+mod units;
 
 use std::ffi::c_char;
 
