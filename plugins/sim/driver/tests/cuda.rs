@@ -441,9 +441,12 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         assert_eq!(cu.mem_info().0, 0);
         assert_eq!(cu.try_alloc(1), Err(OUT_OF_MEMORY));
         let mut s = std::ptr::null_mut();
-        // Other families are refused too, and leave nothing behind.
+        // Other families are refused too, and leave nothing behind; managed memory, which pages
+        // to the host, is not (as on a real driver), and takes nothing of the full device.
         let mut p = 0;
-        assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), OUT_OF_MEMORY);
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, 0);
+        cu.free(p);
         assert_eq!(call!(cu, cuStreamCreate(&mut s, 0) as fn(*mut Handle, c_uint)), SUCCESS);
         assert_eq!(call!(cu, cuMemAllocAsync(&mut p, 4096, s) as fn(*mut CUdeviceptr, usize, Handle)), OUT_OF_MEMORY);
         let mut c2 = std::ptr::null_mut();
@@ -451,6 +454,41 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         cu.free(all);
         assert_eq!(cu.mem_info().0, free);
         assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
+    });
+}
+
+#[test]
+fn managed_memory_may_exceed_the_device_and_is_charged_what_fits() {
+    let node = SimNode::new();
+    node.run_isolated("managed_memory_may_exceed_the_device_and_is_charged_what_fits", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let (free, total) = cu.mem_info();
+        let used = m.memory_info(0, 0).unwrap().used;
+        let (mut a, mut b) = (0, 0);
+        // Twice the device: allowed, the device holds what was free.
+        let big = 2 * total as usize;
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut a, big, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, 0);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, used + free);
+        // The memory is real: its last byte can be written and read back.
+        let last = a + big as u64 - 1;
+        assert_eq!(cu.htod(last, &[42]), SUCCESS);
+        let mut back = [0u8];
+        assert_eq!(cu.dtoh(&mut back, last), SUCCESS);
+        assert_eq!(back, [42]);
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut b, 1 << 20, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        // Freed in any order, everything charged comes back, and nothing more.
+        cu.free(a);
+        assert_eq!(cu.mem_info().0, free);
+        cu.free(b);
+        assert_eq!(cu.mem_info().0, free);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, used);
+        // A bad flag is still refused.
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut a, 4096, 4) as fn(*mut CUdeviceptr, usize, c_uint)), INVALID_VALUE);
     });
 }
 

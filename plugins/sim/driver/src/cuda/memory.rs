@@ -160,14 +160,27 @@ pub(crate) fn release(node: &Node, a: &Alloc) {
 
 /// Allocates `bytes` of device memory in a context's domain and registers it.
 pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: bool) -> R<u64> {
+    alloc_charging(node, ctx, bytes, |_| Ok(bytes), kind, low)
+}
+
+/// As [`alloc_in`], charging what `charge_of` says, given the domain's free memory.
+fn alloc_charging(
+    node: &Node,
+    ctx: &Ctx,
+    bytes: u64,
+    charge_of: impl FnOnce(u64) -> R<u64>,
+    kind: MemKind,
+    low: bool,
+) -> R<u64> {
     if bytes == 0 {
         return Err(INVALID_VALUE);
     }
     ctx.check(node)?;
     let d = ctx.dev;
-    let epoch = charge(node, d.gpu, d.domain, bytes)?;
+    let charged = charge_of(node.memory_info(d.gpu, d.domain).work()?.free)?;
+    let epoch = charge(node, d.gpu, d.domain, charged)?;
     let Some(base) = map_anon(bytes, low) else {
-        refund(node, d.gpu, d.domain, bytes, epoch);
+        refund(node, d.gpu, d.domain, charged, epoch);
         return Err(OUT_OF_MEMORY);
     };
     let a = Alloc {
@@ -179,7 +192,7 @@ pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: b
         dev: d.ordinal,
         gpu: d.gpu,
         domain: d.domain,
-        charge: bytes,
+        charge: charged,
         epoch,
         id: next_buffer_id(),
         sync_memops: false,
@@ -342,6 +355,10 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 const MEM_ATTACH_GLOBAL: c_uint = 0x1;
 const MEM_ATTACH_HOST: c_uint = 0x2;
 
+/// `cuMemAllocManaged`: as on a real driver, managed memory may exceed the device's (it pages
+/// between host and device). The sim charges the device what is free at allocation (the pages a
+/// program that touches its memory on the GPU keeps resident) and keeps the rest on the host; it
+/// does not evict managed pages for later allocations.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
     run(|| {
@@ -350,7 +367,8 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize
             return Err(INVALID_VALUE);
         }
         let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Managed, false)?;
+        let bytes = bytesize as u64;
+        let p = alloc_charging(node, &ctx, bytes, |free| Ok(bytes.min(free)), MemKind::Managed, false)?;
         // SAFETY: dptr is the caller's out-pointer (checked above).
         unsafe { put(dptr, p) }
     })
