@@ -188,3 +188,85 @@ fn cupy_under_the_shim_sees_its_limit() {
     assert_eq!(u(&v, "free_after"), free);
     assert_eq!(v["too_big"], "OutOfMemoryError");
 }
+
+/// Two CuPy processes share one allocation through CUDA IPC (`cudaIpcGetMemHandle` /
+/// `cudaIpcOpenMemHandle`, as PyTorch's multiprocess tensors do): the importer reads what the
+/// exporter wrote and the exporter reads the importer's answer; the allocation is counted once.
+const IPC_PROGRAM: &str = r#"
+import json, subprocess, sys
+import numpy
+import cupy
+from cupy.cuda import runtime
+
+SIZE = 256 << 20
+if sys.argv[1] == "export":
+    runtime.setDevice(0)
+    ptr = runtime.malloc(SIZE)
+    host = numpy.arange(SIZE // 4, dtype=numpy.uint32)
+    runtime.memcpy(ptr, host.ctypes.data, SIZE, runtime.memcpyHostToDevice)
+    handle = bytes(runtime.ipcGetMemHandle(ptr))
+    child = subprocess.run([sys.executable, "-c", sys.argv[2], "import", handle.hex()], capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit("importer failed: " + child.stdout + child.stderr)
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    back = numpy.zeros(4, dtype=numpy.uint32)
+    runtime.memcpy(back.ctypes.data, ptr + SIZE - 16, 16, runtime.memcpyDeviceToHost)
+    out["exporter_sees"] = back.tolist()
+    out["exporter_free"] = runtime.memGetInfo()[0]
+    try:
+        runtime.ipcOpenMemHandle(handle)
+        out["own_handle"] = "opened"
+    except runtime.CUDARuntimeError as e:
+        out["own_handle"] = str(e)
+    runtime.free(ptr)
+    out["exporter_free_after"] = runtime.memGetInfo()[0]
+    print(json.dumps(out))
+else:
+    runtime.setDevice(0)
+    free_before = runtime.memGetInfo()[0]
+    ptr = runtime.ipcOpenMemHandle(bytes.fromhex(sys.argv[2]))
+    got = numpy.zeros(4, dtype=numpy.uint32)
+    runtime.memcpy(got.ctypes.data, ptr + 1024, 16, runtime.memcpyDeviceToHost)
+    answer = numpy.array([7, 7, 7, 7], dtype=numpy.uint32)
+    runtime.memcpy(ptr + SIZE - 16, answer.ctypes.data, 16, runtime.memcpyHostToDevice)
+    out = {"importer_sees": got.tolist(), "importer_free_before": free_before, "importer_free": runtime.memGetInfo()[0]}
+    try:
+        runtime.free(ptr)
+        out["free_imported"] = "freed"
+    except runtime.CUDARuntimeError as e:
+        out["free_imported"] = str(e)
+    runtime.ipcCloseMemHandle(ptr)
+    print(json.dumps(out))
+"#;
+
+#[test]
+fn cupy_processes_share_memory_through_ipc_counted_once() {
+    let Some(python) = cupy_python() else { return };
+    let node = SimNode::new();
+    let out = node
+        .command(&python)
+        .args(["-c", IPC_PROGRAM, "export", IPC_PROGRAM])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "CuPy IPC failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(v["importer_sees"], serde_json::json!([256, 257, 258, 259]), "the exporter's bytes");
+    assert_eq!(v["exporter_sees"], serde_json::json!([7, 7, 7, 7]), "the importer's bytes");
+    let shared = 256 * MIB;
+    let board = H100_MEMORY - H100_RESERVED;
+    // Both processes hold a context; the shared allocation counts once, and opening it took nothing.
+    assert_eq!(u(&v, "importer_free_before"), board - 2 * CONTEXT_OVERHEAD - shared);
+    assert_eq!(u(&v, "importer_free"), u(&v, "importer_free_before"), "importing charges nothing");
+    assert_eq!(u(&v, "exporter_free"), board - CONTEXT_OVERHEAD - shared, "the importer has exited");
+    assert_eq!(u(&v, "exporter_free_after"), board - CONTEXT_OVERHEAD);
+    assert!(v["own_handle"].as_str().unwrap().contains("cudaError"), "a process's own handle is refused: {v}");
+    assert!(v["free_imported"].as_str().unwrap().contains("cudaError"), "cudaFree of imported memory is refused: {v}");
+}

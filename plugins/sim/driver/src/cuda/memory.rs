@@ -85,6 +85,8 @@ pub(crate) enum MemKind {
     Global,
     /// The storage of a CUDA array.
     Array,
+    /// Another process's allocation, opened with `cuIpcOpenMemHandle` (charged to the exporter).
+    Imported,
 }
 
 /// One allocation the process holds.
@@ -154,6 +156,7 @@ pub(crate) fn unmap(base: u64, len: usize) {
 
 /// Frees an allocation removed from the registry: its mapping and its charge.
 pub(crate) fn release(node: &Node, a: &Alloc) {
+    super::ipc::forget(a.base);
     unmap(a.base, a.map_len);
     refund(node, a.gpu, a.domain, a.charge, a.epoch);
 }

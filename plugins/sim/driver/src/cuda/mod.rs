@@ -46,6 +46,7 @@ mod graph;
 mod handles;
 mod init;
 mod integrity;
+mod ipc;
 mod launch;
 mod link;
 mod memory;
