@@ -1664,3 +1664,137 @@ fn functions_the_sim_does_not_model_resolve_and_say_so() {
         assert_eq!(handle, [0u8; 64], "nothing written");
     });
 }
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` for `bytes` of pinned memory on device 0.
+fn graph_alloc_params(bytes: usize) -> cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS {
+    // SAFETY: all-zero is a valid value of this plain C struct (null pointers, zero enums listed).
+    let mut p: cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.poolProps.allocType = cudarc::driver::sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.poolProps.location.type_ = cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    p.bytesize = bytes;
+    p
+}
+
+#[test]
+fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
+    let node = SimNode::new();
+    node.run_isolated("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let s = cu.stream();
+        let (free, _) = cu.mem_info();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        type Params = cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS;
+        let graph = || {
+            let mut g = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+            g
+        };
+        let instantiate = |g: Handle| {
+            let mut e = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuGraphInstantiateWithFlags(&mut e, g, 0) as fn(*mut Handle, Handle, u64)), SUCCESS);
+            e
+        };
+        let attr = |a: c_int| {
+            let mut v = 0u64;
+            assert_eq!(call!(cu, cuDeviceGetGraphMemAttribute(0, a, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
+            v
+        };
+        // An allocation node reserves its address when added; nothing is charged yet.
+        let g = graph();
+        let (mut n, mut p) = (std::ptr::null_mut(), graph_alloc_params(256 * MIB as usize));
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g, std::ptr::null(), 0, &mut p)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            SUCCESS
+        );
+        assert_ne!(p.dptr, 0);
+        assert_eq!(used(), base);
+        let mut back = graph_alloc_params(0);
+        assert_eq!(call!(cu, cuGraphMemAllocNodeGetParams(n, &mut back) as fn(Handle, *mut Params)), SUCCESS);
+        assert_eq!((back.bytesize, back.dptr), (p.bytesize, p.dptr));
+        let e = instantiate(g);
+        // Launching charges it, at that address; the memory is real.
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base + 256 * MIB);
+        assert_eq!(cu.mem_info().0, free - 256 * MIB);
+        assert_eq!(attr(0), 256 * MIB, "USED_MEM_CURRENT");
+        assert_eq!(cu.htod(p.dptr + 100, &[5]), SUCCESS);
+        // The graph cannot run again while its allocation lives.
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), INVALID_VALUE);
+        assert_eq!(used(), base + 256 * MIB, "a refused launch charges nothing");
+        // Freed outside the graph (cuMemFree), it can run again.
+        cu.free(p.dptr);
+        assert_eq!(used(), base);
+        assert_eq!((attr(0), attr(1)), (0, 256 * MIB), "current, high watermark");
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base + 256 * MIB);
+        // A free node in another graph returns it.
+        let g2 = graph();
+        let mut f = std::ptr::null_mut();
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemFreeNode(&mut f, g2, std::ptr::null(), 0, p.dptr)
+                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
+            ),
+            SUCCESS
+        );
+        let mut dptr = 0u64;
+        assert_eq!(call!(cu, cuGraphMemFreeNodeGetParams(f, &mut dptr) as fn(Handle, *mut u64)), SUCCESS);
+        assert_eq!(dptr, p.dptr);
+        let mut ty: c_int = -1;
+        assert_eq!(call!(cu, cuGraphNodeGetType(f, &mut ty) as fn(Handle, *mut c_int)), SUCCESS);
+        assert_eq!(ty, 11, "CU_GRAPH_NODE_TYPE_MEM_FREE");
+        let e2 = instantiate(g2);
+        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), INVALID_VALUE, "freed twice");
+        // More than the device has: the launch fails with OUT_OF_MEMORY and charges nothing.
+        let g3 = graph();
+        let mut big = graph_alloc_params(free as usize + 1);
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut big)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            SUCCESS
+        );
+        let e3 = instantiate(g3);
+        assert_eq!(call!(cu, cuGraphLaunch(e3, s) as fn(Handle, Handle)), OUT_OF_MEMORY);
+        assert_eq!(used(), base);
+        // Bad requests.
+        let mut zero = graph_alloc_params(0);
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut zero)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            INVALID_VALUE
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemFreeNode(&mut f, g3, std::ptr::null(), 0, 0x1234)
+                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
+            ),
+            INVALID_VALUE,
+            "not a graph allocation"
+        );
+        let mut v = 5u64;
+        assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), INVALID_VALUE);
+        v = 0;
+        assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
+        assert_eq!(attr(1), 0, "the high watermark reset to current");
+        assert_eq!(call!(cu, cuDeviceGraphMemTrim(0) as fn(c_int)), SUCCESS);
+    });
+}

@@ -87,6 +87,8 @@ pub(crate) enum MemKind {
     Array,
     /// Another process's allocation, opened with `cuIpcOpenMemHandle` (charged to the exporter).
     Imported,
+    /// A graph allocation, made when its graph ran an allocation node.
+    Graph,
 }
 
 /// One allocation the process holds.
@@ -225,10 +227,13 @@ fn free_device(dptr: u64) -> R {
     let a = {
         let mut reg = handles::write();
         match reg.mem.get(&dptr) {
-            Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_)) => {}
+            Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_) | MemKind::Graph) => {}
             _ => return Err(INVALID_VALUE),
         }
         let a = reg.mem.remove(&dptr).expect("checked above");
+        if a.kind == MemKind::Graph {
+            super::graph_mem::on_released(&a);
+        }
         if let MemKind::Pool(p) = a.kind
             && let Some(pool) = reg.pools.get(&p)
         {

@@ -43,6 +43,7 @@ mod errors;
 mod event;
 mod export_tables;
 mod graph;
+mod graph_mem;
 mod handles;
 mod init;
 mod integrity;
