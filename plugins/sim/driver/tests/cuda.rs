@@ -1660,8 +1660,17 @@ fn functions_the_sim_does_not_model_resolve_and_say_so() {
         }
         cu.init();
         let mut handle = [0u8; 64];
-        assert_eq!(call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)), NOT_SUPPORTED);
+        // (Memory handles are modelled; event handles are not.)
+        assert_eq!(
+            call!(cu, cuIpcGetEventHandle(handle.as_mut_ptr(), std::ptr::null_mut()) as fn(*mut u8, Handle)),
+            NOT_SUPPORTED
+        );
         assert_eq!(handle, [0u8; 64], "nothing written");
+        assert_eq!(
+            call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)),
+            INVALID_VALUE,
+            "not an allocation"
+        );
     });
 }
 
