@@ -6,9 +6,10 @@
                                                          # "symbol base-name version flavour"
     derive-names.py nvml NVML_H > nvml.names             # nvml.h (NVIDIA/go-nvml, gen/nvml/nvml.h)
 
-Each line starts with the exported name. A name is exported when the header declares a function under it, or maps a public name to it
-(`#define cuMemAlloc cuMemAlloc_v2`, `__CUDA_API_PTDS(...)`, `#define nvmlInit nvmlInit_v2`); the
-header's legacy section declares the unversioned names a driver still exports. For CUDA every
+Each line starts with the exported name. A name is exported when the header declares a function
+under it, or (cuda.h) maps a public name to it (`#define cuMemAlloc cuMemAlloc_v2`,
+`__CUDA_API_PTDS(...)`); the headers' legacy sections declare the unversioned names a driver still
+exports (nvml.h: `nvmlInit` beside `nvmlInit_v2`). For CUDA every
 `PFN_<base>_v<version>[_ptds|_ptsz]` typedef of cudaTypedefs.h is an export too: the n-th version
 of a base name is `<base>`, `<base>_v2`, ...; a per-thread flavour is the version it extends plus
 `_ptds`/`_ptsz`. Only names are taken from the headers (facts about the ABI), nothing else.
@@ -23,7 +24,8 @@ def strip_comments(text):
 
 
 def declared(text, prefix, marker):
-    return set(re.findall(r"\b%s\s+(%s\w+)\s*\(" % (marker, prefix), text))
+    """Functions declared `... MARKER [type words] name(` (nvml.h: `const DECLDIR char* nvmlErrorString(`)."""
+    return set(re.findall(r"\b%s[\s\w\*]*?\b(%s\w+)\s*\(" % (marker, prefix), text))
 
 
 def macro_targets(text, prefix):
@@ -82,7 +84,8 @@ def cuda(include):
 
 def nvml(path):
     head = strip_comments(open(path).read())
-    return declared(head, "nvml", "DECLDIR") | macro_targets(head, "nvml")
+    # Only declared functions: nvml.h also #defines constants to nvml-prefixed names.
+    return declared(head, "nvml", "DECLDIR")
 
 
 def main():
