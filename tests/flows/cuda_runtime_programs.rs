@@ -91,11 +91,15 @@ linked = module.get_function("linked_1us")
 linked((1,), (1,), (on_device,))
 out["occupancy_256"] = driver.occupancyMaxActiveBlocksPerMultiprocessor(linked.ptr, 256, 0)
 
-# Stream-ordered allocation (cudaMallocAsync pools).
+# Stream-ordered allocation (cudaMallocAsync pools). CuPy raises the pool's release threshold to
+# the maximum, so freed memory stays reserved (used on the device) until the pool is trimmed.
 pool = cupy.cuda.MemoryAsyncPool()
 a = pool.malloc(64 << 20)
+free_while_held = runtime.memGetInfo()[0]
 del a
 runtime.deviceSynchronize()
+out["async_kept"] = runtime.memGetInfo()[0] == free_while_held
+pool.free_all_blocks()
 
 # Everything freed is free on the device again.
 del on_device, copy, doubled
@@ -169,6 +173,7 @@ fn cupy_runs_on_the_simulated_node() {
     assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
     assert_eq!(u(&v, "free_after"), free);
     assert_eq!(v["too_big"], "OutOfMemoryError");
+    assert_eq!(v["async_kept"], true, "a pool keeps freed memory up to its release threshold");
 }
 
 #[test]

@@ -1807,3 +1807,73 @@ fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
         assert_eq!(call!(cu, cuDeviceGraphMemTrim(0) as fn(c_int)), SUCCESS);
     });
 }
+
+#[test]
+fn pools_keep_freed_memory_up_to_their_release_threshold() {
+    let node = SimNode::new();
+    node.run_isolated("pools_keep_freed_memory_up_to_their_release_threshold", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let s = cu.stream();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let mut pool = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuDeviceGetDefaultMemPool(&mut pool, 0) as fn(*mut Handle, c_int)), SUCCESS);
+        let attr = |a: c_int| {
+            let mut v = 0u64;
+            assert_eq!(
+                call!(cu, cuMemPoolGetAttribute(pool, a, (&raw mut v).cast()) as fn(Handle, c_int, *mut c_void)),
+                SUCCESS
+            );
+            v
+        };
+        let alloc = |bytes: u64| {
+            let mut p = 0;
+            assert_eq!(
+                call!(cu, cuMemAllocAsync(&mut p, bytes as usize, s) as fn(*mut CUdeviceptr, usize, Handle)),
+                SUCCESS
+            );
+            p
+        };
+        let free_async = |p: CUdeviceptr| {
+            assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        };
+        // Threshold 0 (the default): a free returns the memory.
+        free_async(alloc(64 * MIB));
+        assert_eq!(used(), base);
+        // Threshold 1 GiB: freed memory stays reserved, counted on the device, and is reused.
+        let mut threshold = GIB;
+        assert_eq!(
+            call!(cu, cuMemPoolSetAttribute(pool, 4, (&raw mut threshold).cast()) as fn(Handle, c_int, *mut c_void)),
+            SUCCESS
+        );
+        free_async(alloc(512 * MIB));
+        assert_eq!(used(), base + 512 * MIB, "kept by the pool");
+        assert_eq!((attr(5), attr(7)), (512 * MIB, 0), "reserved, used");
+        let p = alloc(256 * MIB);
+        assert_eq!(used(), base + 512 * MIB, "served from the reserve: no new charge");
+        assert_eq!((attr(5), attr(7)), (512 * MIB, 256 * MIB));
+        cu.free(p); // cuMemFree of a pool allocation goes back to the pool too
+        assert_eq!(used(), base + 512 * MIB);
+        // A free beyond the threshold releases the excess.
+        free_async(alloc(2 * GIB));
+        assert_eq!(used(), base + GIB, "kept up to the threshold");
+        assert_eq!(attr(5), GIB);
+        // Trimming releases the reserve down to what is asked.
+        assert_eq!(call!(cu, cuMemPoolTrimTo(pool, 100 * MIB as usize) as fn(Handle, usize)), SUCCESS);
+        assert_eq!(used(), base + 100 * MIB);
+        assert_eq!(call!(cu, cuMemPoolTrimTo(pool, 0) as fn(Handle, usize)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(attr(5), 0);
+        // The device's whole memory can still be allocated once the reserve is used up.
+        free_async(alloc(GIB));
+        let (free, _) = cu.mem_info();
+        let all = alloc(free + GIB);
+        assert_eq!(cu.mem_info().0, 0);
+        free_async(all);
+        assert_eq!(used(), base + GIB);
+    });
+}

@@ -158,9 +158,14 @@ pub(crate) fn unmap(base: u64, len: usize) {
 
 /// Frees an allocation removed from the registry: its mapping and its charge.
 pub(crate) fn release(node: &Node, a: &Alloc) {
+    release_keeping(node, a, 0);
+}
+
+/// As [`release`], but `kept` bytes of the charge stay charged (a pool's reserve holds them).
+pub(crate) fn release_keeping(node: &Node, a: &Alloc, kept: u64) {
     super::ipc::forget(a.base);
     unmap(a.base, a.map_len);
-    refund(node, a.gpu, a.domain, a.charge, a.epoch);
+    refund(node, a.gpu, a.domain, a.charge.saturating_sub(kept), a.epoch);
 }
 
 /// Allocates `bytes` of device memory in a context's domain and registers it.
@@ -224,7 +229,7 @@ fn free_device(dptr: u64) -> R {
     }
     // A sticky process error does not stop freeing: the memory is returned either way.
     let _ = super::errors::poll_faults(node);
-    let a = {
+    let (a, kept) = {
         let mut reg = handles::write();
         match reg.mem.get(&dptr) {
             Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_) | MemKind::Graph) => {}
@@ -234,14 +239,13 @@ fn free_device(dptr: u64) -> R {
         if a.kind == MemKind::Graph {
             super::graph_mem::on_released(&a);
         }
-        if let MemKind::Pool(p) = a.kind
-            && let Some(pool) = reg.pools.get(&p)
-        {
-            pool.on_free(a.size);
-        }
-        a
+        let kept = match a.kind {
+            MemKind::Pool(p) => reg.pools.get(&p).map_or(0, |pool| pool.on_free(a.size, a.epoch)),
+            _ => 0,
+        };
+        (a, kept)
     };
-    release(node, &a);
+    release_keeping(node, &a, kept);
     Ok(())
 }
 

@@ -29,7 +29,8 @@
 //! - the model has no dependencies between streams: `cuStreamWaitEvent` across streams holds the
 //!   calling thread until the event completes, and work queued on the legacy stream does not wait
 //!   for the blocking streams (synchronizing the legacy stream, and synchronous copies, do);
-//! - memory pools keep nothing in reserve (reserved equals used);
+//! - memory pools release what a free leaves above their release threshold at once (a real
+//!   driver waits for the next synchronization);
 //! - every compute instance of a MIG GPU is a CUDA device (real drivers document enumerating one
 //!   MIG device per process);
 //! - only created streams can be captured (not the default streams).
