@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 
 use tessera_sim_model::Node;
 
-/// The one library plays both of NVIDIA's: NVML and the CUDA driver.
-pub const NAMES: [&str; 4] = ["libnvidia-ml.so.1", "libnvidia-ml.so", "libcuda.so.1", "libcuda.so"];
+/// The two libraries the one driver library is laid out as: its name and the SONAME its copy carries.
+pub const LIBRARIES: [&str; 2] = ["libcuda.so", "libnvidia-ml.so"];
 const LIB: &str = "libtessera_sim.so";
 
 fn find_lib(explicit: Option<&Path>) -> Result<PathBuf, String> {
@@ -25,21 +25,40 @@ fn find_lib(explicit: Option<&Path>) -> Result<PathBuf, String> {
         .ok_or_else(|| format!("cannot find {LIB} (looked at {candidates:?}); build it with cargo build -p tessera-sim-driver or pass --lib"))
 }
 
-/// Copies the library into `dir` and links every driver name to it. Returns the copy's path.
-pub fn install(dir: &Path, lib: Option<&Path>) -> Result<PathBuf, String> {
+/// Lays the driver library out in `dir` as a real driver installs its two libraries: for each,
+/// a copy `<name>.<driver version>` carrying the real SONAME (`<name>.1`), the link `<name>.1`
+/// to it, and the development link `<name>` to `<name>.1`. Copies are written whole under a
+/// temporary name and renamed, so a process loading an old copy keeps a whole file.
+pub fn install(dir: &Path, lib: Option<&Path>, driver_version: &str) -> Result<(), String> {
     let lib = find_lib(lib)?;
+    let elf = std::fs::read(&lib).map_err(|e| format!("read {}: {e}", lib.display()))?;
     std::fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let target = dir.join(LIB);
-    // Copy to a temporary name and rename: a process loading the old copy keeps a whole file.
-    let tmp = dir.join(format!(".{LIB}.{}", std::process::id()));
-    std::fs::copy(&lib, &tmp).map_err(|e| format!("copy {} to {}: {e}", lib.display(), tmp.display()))?;
-    std::fs::rename(&tmp, &target).map_err(|e| format!("rename into {}: {e}", target.display()))?;
-    for name in NAMES {
-        let link = dir.join(name);
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(LIB, &link).map_err(|e| format!("link {}: {e}", link.display()))?;
+    for name in LIBRARIES {
+        let soname = format!("{name}.1");
+        let versioned = format!("{name}.{driver_version}");
+        let mut copy = elf.clone();
+        crate::soname::set(&mut copy, &soname).map_err(|e| format!("{}: {e}", lib.display()))?;
+        let tmp = dir.join(format!(".{versioned}.{}", std::process::id()));
+        std::fs::write(&tmp, &copy).map_err(|e| format!("write {}: {e}", tmp.display()))?;
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .map_err(|e| format!("chmod {}: {e}", tmp.display()))?;
+        let target = dir.join(&versioned);
+        std::fs::rename(&tmp, &target).map_err(|e| format!("rename into {}: {e}", target.display()))?;
+        link(dir, &versioned, &soname)?;
+        link(dir, &soname, name)?;
     }
-    Ok(target)
+    Ok(())
+}
+
+/// Makes `dir/name` a symbolic link to `target` (relative), replacing what was there.
+pub fn link(dir: &Path, target: &str, name: &str) -> Result<(), String> {
+    let path = dir.join(name);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("replace {}: {e}", path.display())),
+    }
+    std::os::unix::fs::symlink(target, &path).map_err(|e| format!("link {}: {e}", path.display()))
 }
 
 /// Replaces this process with tessera-workload (found beside this program), pointed at the node.
@@ -51,7 +70,7 @@ pub fn exec_workload(node: &Node, description: Option<&Path>, args: &[String]) -
         return Err(format!("{} is missing; build it with cargo build -p tessera-workload", workload.display()));
     }
     let lib_dir = node.state_path().with_extension("lib");
-    install(&lib_dir, None)?;
+    install(&lib_dir, None, &node.description().driver_version)?;
     let mut ld = lib_dir.into_os_string();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
         ld.push(":");

@@ -2,15 +2,18 @@
 //! programs look for NVIDIA's, shows the node's state, injects faults and drives MIG the way an
 //! operator would on a real node, and starts the workload program against the node.
 
+mod driver_root;
 mod install;
 mod mig;
+mod nvidia_smi;
+mod soname;
 mod status;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tessera_sim_model::{Node, SimError};
+use tessera_sim_model::{Node, NodeDescription, SimError};
 
 #[derive(Parser)]
 #[command(name = "tessera-sim", version, about = "Simulated GPU node: layout, state, faults, MIG")]
@@ -27,10 +30,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Lay the driver library out in DIR as libnvidia-ml.so.1 and libcuda.so.1 (and their
-    /// unversioned names), for LD_LIBRARY_PATH or nvml-wrapper's lib_path.
+    /// Lay the driver library out in DIR as a real driver installs libcuda and libnvidia-ml:
+    /// libcuda.so.<driver version> (SONAME libcuda.so.1) with the links libcuda.so.1 and
+    /// libcuda.so, and the same for libnvidia-ml; for LD_LIBRARY_PATH or nvml-wrapper's lib_path.
     Install {
-        dir: PathBuf,
+        /// The directory for the libraries (not with --driver-root).
+        #[arg(required_unless_present = "driver_root", conflicts_with = "driver_root")]
+        dir: Option<PathBuf>,
+        /// Lay out a whole driver root instead: versioned libraries and the toolkit's stub
+        /// libraries under usr/lib/x86_64-linux-gnu, usr/bin/nvidia-smi over the node, the proc
+        /// tree under proc/driver (kept current after MIG changes) and the device nodes under dev
+        /// (character devices as root, empty files otherwise).
+        #[arg(long, value_name = "DIR")]
+        driver_root: Option<PathBuf>,
         /// The built libtessera_sim.so (default: beside this program, or $TESSERA_SIM_LIB).
         #[arg(long)]
         lib: Option<PathBuf>,
@@ -104,11 +116,26 @@ fn open(cli: &Cli) -> Result<Node, SimError> {
     Node::open(node.as_deref(), state.as_deref())
 }
 
+/// The node description (--node, else $TESSERA_SIM_NODE, else the default node), without
+/// opening the node's state.
+fn description(cli: &Cli) -> Result<NodeDescription, String> {
+    let path = cli.node.clone().or_else(|| std::env::var_os(tessera_sim_model::ENV_NODE).map(PathBuf::from));
+    match path {
+        Some(p) => NodeDescription::load(&p).map_err(|e| e.to_string()),
+        None => Ok(NodeDescription::default_node()),
+    }
+}
+
 fn run(cli: Cli) -> Result<(), String> {
     match &cli.command {
-        Command::Install { dir, lib } => {
-            install::install(dir, lib.as_deref())?;
-            println!("{}", dir.display());
+        Command::Install { dir, lib, driver_root } => {
+            if let Some(root) = driver_root {
+                driver_root::install_root(&open(&cli).map_err(|e| e.to_string())?, root, lib.as_deref())?;
+                println!("{}", root.display());
+            } else if let Some(dir) = dir {
+                install::install(dir, lib.as_deref(), &description(&cli)?.driver_version)?;
+                println!("{}", dir.display());
+            }
             Ok(())
         }
         Command::Status { json } => status::print(&open(&cli).map_err(|e| e.to_string())?, *json),
@@ -137,6 +164,9 @@ fn run(cli: Cli) -> Result<(), String> {
 }
 
 fn main() -> ExitCode {
+    if nvidia_smi::invoked_as_nvidia_smi() {
+        return nvidia_smi::main();
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

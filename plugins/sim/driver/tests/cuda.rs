@@ -441,9 +441,12 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         assert_eq!(cu.mem_info().0, 0);
         assert_eq!(cu.try_alloc(1), Err(OUT_OF_MEMORY));
         let mut s = std::ptr::null_mut();
-        // Other families are refused too, and leave nothing behind.
+        // Other families are refused too, and leave nothing behind; managed memory, which pages
+        // to the host, is not (as on a real driver), and takes nothing of the full device.
         let mut p = 0;
-        assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), OUT_OF_MEMORY);
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, 0);
+        cu.free(p);
         assert_eq!(call!(cu, cuStreamCreate(&mut s, 0) as fn(*mut Handle, c_uint)), SUCCESS);
         assert_eq!(call!(cu, cuMemAllocAsync(&mut p, 4096, s) as fn(*mut CUdeviceptr, usize, Handle)), OUT_OF_MEMORY);
         let mut c2 = std::ptr::null_mut();
@@ -451,6 +454,41 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         cu.free(all);
         assert_eq!(cu.mem_info().0, free);
         assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
+    });
+}
+
+#[test]
+fn managed_memory_may_exceed_the_device_and_is_charged_what_fits() {
+    let node = SimNode::new();
+    node.run_isolated("managed_memory_may_exceed_the_device_and_is_charged_what_fits", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let (free, total) = cu.mem_info();
+        let used = m.memory_info(0, 0).unwrap().used;
+        let (mut a, mut b) = (0, 0);
+        // Twice the device: allowed, the device holds what was free.
+        let big = 2 * total as usize;
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut a, big, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        assert_eq!(cu.mem_info().0, 0);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, used + free);
+        // The memory is real: its last byte can be written and read back.
+        let last = a + big as u64 - 1;
+        assert_eq!(cu.htod(last, &[42]), SUCCESS);
+        let mut back = [0u8];
+        assert_eq!(cu.dtoh(&mut back, last), SUCCESS);
+        assert_eq!(back, [42]);
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut b, 1 << 20, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
+        // Freed in any order, everything charged comes back, and nothing more.
+        cu.free(a);
+        assert_eq!(cu.mem_info().0, free);
+        cu.free(b);
+        assert_eq!(cu.mem_info().0, free);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, used);
+        // A bad flag is still refused.
+        assert_eq!(call!(cu, cuMemAllocManaged(&mut a, 4096, 4) as fn(*mut CUdeviceptr, usize, c_uint)), INVALID_VALUE);
     });
 }
 
@@ -1622,7 +1660,220 @@ fn functions_the_sim_does_not_model_resolve_and_say_so() {
         }
         cu.init();
         let mut handle = [0u8; 64];
-        assert_eq!(call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)), NOT_SUPPORTED);
+        // (Memory handles are modelled; event handles are not.)
+        assert_eq!(
+            call!(cu, cuIpcGetEventHandle(handle.as_mut_ptr(), std::ptr::null_mut()) as fn(*mut u8, Handle)),
+            NOT_SUPPORTED
+        );
         assert_eq!(handle, [0u8; 64], "nothing written");
+        assert_eq!(
+            call!(cu, cuIpcGetMemHandle(handle.as_mut_ptr(), 0) as fn(*mut u8, CUdeviceptr)),
+            INVALID_VALUE,
+            "not an allocation"
+        );
+    });
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` for `bytes` of pinned memory on device 0.
+fn graph_alloc_params(bytes: usize) -> cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS {
+    // SAFETY: all-zero is a valid value of this plain C struct (null pointers, zero enums listed).
+    let mut p: cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS = unsafe { std::mem::zeroed() };
+    p.poolProps.allocType = cudarc::driver::sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.poolProps.location.type_ = cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    p.bytesize = bytes;
+    p
+}
+
+#[test]
+fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
+    let node = SimNode::new();
+    node.run_isolated("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let s = cu.stream();
+        let (free, _) = cu.mem_info();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        type Params = cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS;
+        let graph = || {
+            let mut g = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+            g
+        };
+        let instantiate = |g: Handle| {
+            let mut e = std::ptr::null_mut();
+            assert_eq!(call!(cu, cuGraphInstantiateWithFlags(&mut e, g, 0) as fn(*mut Handle, Handle, u64)), SUCCESS);
+            e
+        };
+        let attr = |a: c_int| {
+            let mut v = 0u64;
+            assert_eq!(call!(cu, cuDeviceGetGraphMemAttribute(0, a, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
+            v
+        };
+        // An allocation node reserves its address when added; nothing is charged yet.
+        let g = graph();
+        let (mut n, mut p) = (std::ptr::null_mut(), graph_alloc_params(256 * MIB as usize));
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g, std::ptr::null(), 0, &mut p)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            SUCCESS
+        );
+        assert_ne!(p.dptr, 0);
+        assert_eq!(used(), base);
+        let mut back = graph_alloc_params(0);
+        assert_eq!(call!(cu, cuGraphMemAllocNodeGetParams(n, &mut back) as fn(Handle, *mut Params)), SUCCESS);
+        assert_eq!((back.bytesize, back.dptr), (p.bytesize, p.dptr));
+        let e = instantiate(g);
+        // Launching charges it, at that address; the memory is real.
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base + 256 * MIB);
+        assert_eq!(cu.mem_info().0, free - 256 * MIB);
+        assert_eq!(attr(0), 256 * MIB, "USED_MEM_CURRENT");
+        assert_eq!(cu.htod(p.dptr + 100, &[5]), SUCCESS);
+        // The graph cannot run again while its allocation lives.
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), INVALID_VALUE);
+        assert_eq!(used(), base + 256 * MIB, "a refused launch charges nothing");
+        // Freed outside the graph (cuMemFree), it can run again.
+        cu.free(p.dptr);
+        assert_eq!(used(), base);
+        assert_eq!((attr(0), attr(1)), (0, 256 * MIB), "current, high watermark");
+        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base + 256 * MIB);
+        // A free node in another graph returns it.
+        let g2 = graph();
+        let mut f = std::ptr::null_mut();
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemFreeNode(&mut f, g2, std::ptr::null(), 0, p.dptr)
+                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
+            ),
+            SUCCESS
+        );
+        let mut dptr = 0u64;
+        assert_eq!(call!(cu, cuGraphMemFreeNodeGetParams(f, &mut dptr) as fn(Handle, *mut u64)), SUCCESS);
+        assert_eq!(dptr, p.dptr);
+        let mut ty: c_int = -1;
+        assert_eq!(call!(cu, cuGraphNodeGetType(f, &mut ty) as fn(Handle, *mut c_int)), SUCCESS);
+        assert_eq!(ty, 11, "CU_GRAPH_NODE_TYPE_MEM_FREE");
+        let e2 = instantiate(g2);
+        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), INVALID_VALUE, "freed twice");
+        // More than the device has: the launch fails with OUT_OF_MEMORY and charges nothing.
+        let g3 = graph();
+        let mut big = graph_alloc_params(free as usize + 1);
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut big)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            SUCCESS
+        );
+        let e3 = instantiate(g3);
+        assert_eq!(call!(cu, cuGraphLaunch(e3, s) as fn(Handle, Handle)), OUT_OF_MEMORY);
+        assert_eq!(used(), base);
+        // Bad requests.
+        let mut zero = graph_alloc_params(0);
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut zero)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
+            ),
+            INVALID_VALUE
+        );
+        assert_eq!(
+            call!(
+                cu,
+                cuGraphAddMemFreeNode(&mut f, g3, std::ptr::null(), 0, 0x1234)
+                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
+            ),
+            INVALID_VALUE,
+            "not a graph allocation"
+        );
+        let mut v = 5u64;
+        assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), INVALID_VALUE);
+        v = 0;
+        assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
+        assert_eq!(attr(1), 0, "the high watermark reset to current");
+        assert_eq!(call!(cu, cuDeviceGraphMemTrim(0) as fn(c_int)), SUCCESS);
+    });
+}
+
+#[test]
+fn pools_keep_freed_memory_up_to_their_release_threshold() {
+    let node = SimNode::new();
+    node.run_isolated("pools_keep_freed_memory_up_to_their_release_threshold", || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        let m = model(&node);
+        cu.init();
+        cu.ctx_create(0);
+        let s = cu.stream();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let mut pool = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuDeviceGetDefaultMemPool(&mut pool, 0) as fn(*mut Handle, c_int)), SUCCESS);
+        let attr = |a: c_int| {
+            let mut v = 0u64;
+            assert_eq!(
+                call!(cu, cuMemPoolGetAttribute(pool, a, (&raw mut v).cast()) as fn(Handle, c_int, *mut c_void)),
+                SUCCESS
+            );
+            v
+        };
+        let alloc = |bytes: u64| {
+            let mut p = 0;
+            assert_eq!(
+                call!(cu, cuMemAllocAsync(&mut p, bytes as usize, s) as fn(*mut CUdeviceptr, usize, Handle)),
+                SUCCESS
+            );
+            p
+        };
+        let free_async = |p: CUdeviceptr| {
+            assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        };
+        // Threshold 0 (the default): a free returns the memory.
+        free_async(alloc(64 * MIB));
+        assert_eq!(used(), base);
+        // Threshold 1 GiB: freed memory stays reserved, counted on the device, and is reused.
+        let mut threshold = GIB;
+        assert_eq!(
+            call!(cu, cuMemPoolSetAttribute(pool, 4, (&raw mut threshold).cast()) as fn(Handle, c_int, *mut c_void)),
+            SUCCESS
+        );
+        free_async(alloc(512 * MIB));
+        assert_eq!(used(), base + 512 * MIB, "kept by the pool");
+        assert_eq!((attr(5), attr(7)), (512 * MIB, 0), "reserved, used");
+        let p = alloc(256 * MIB);
+        assert_eq!(used(), base + 512 * MIB, "served from the reserve: no new charge");
+        assert_eq!((attr(5), attr(7)), (512 * MIB, 256 * MIB));
+        cu.free(p); // cuMemFree of a pool allocation goes back to the pool too
+        assert_eq!(used(), base + 512 * MIB);
+        // A free beyond the threshold releases the excess.
+        free_async(alloc(2 * GIB));
+        assert_eq!(used(), base + GIB, "kept up to the threshold");
+        assert_eq!(attr(5), GIB);
+        // Trimming releases the reserve down to what is asked.
+        assert_eq!(call!(cu, cuMemPoolTrimTo(pool, 100 * MIB as usize) as fn(Handle, usize)), SUCCESS);
+        assert_eq!(used(), base + 100 * MIB);
+        assert_eq!(call!(cu, cuMemPoolTrimTo(pool, 0) as fn(Handle, usize)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(attr(5), 0);
+        // The device's whole memory can still be allocated once the reserve is used up.
+        free_async(alloc(GIB));
+        let (free, _) = cu.mem_info();
+        let all = alloc(free + GIB);
+        assert_eq!(cu.mem_info().0, 0);
+        free_async(all);
+        assert_eq!(used(), base + GIB);
     });
 }

@@ -13,6 +13,7 @@
 pub mod catalog;
 mod clock;
 mod compute;
+pub mod driver_root;
 mod events;
 mod ext_cuda;
 pub mod faults;

@@ -59,6 +59,47 @@ impl Node {
         Ok(self.gpu(gpu)?.model)
     }
 
+    /// See [`Node::set_mig_mode_inner`]; the driver roots' proc trees follow.
+    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<bool> {
+        let r = self.set_mig_mode_inner(gpu, enable);
+        self.refresh_driver_roots();
+        r
+    }
+
+    /// See [`Node::create_gpu_instance_inner`]; the driver roots' proc trees follow.
+    pub fn create_gpu_instance(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
+        let r = self.create_gpu_instance_inner(gpu, nvml_profile, placement);
+        self.refresh_driver_roots();
+        r
+    }
+
+    /// See [`Node::destroy_gpu_instance_inner`]; the driver roots' proc trees follow.
+    pub fn destroy_gpu_instance(&self, gpu: u32, gi_id: u32) -> Result<()> {
+        let r = self.destroy_gpu_instance_inner(gpu, gi_id);
+        self.refresh_driver_roots();
+        r
+    }
+
+    /// See [`Node::create_compute_instance_inner`]; the driver roots' proc trees follow.
+    pub fn create_compute_instance(
+        &self,
+        gpu: u32,
+        gi_id: u32,
+        ci_profile: u32,
+        placement: Option<u32>,
+    ) -> Result<ComputeInstance> {
+        let r = self.create_compute_instance_inner(gpu, gi_id, ci_profile, placement);
+        self.refresh_driver_roots();
+        r
+    }
+
+    /// See [`Node::destroy_compute_instance_inner`]; the driver roots' proc trees follow.
+    pub fn destroy_compute_instance(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
+        let r = self.destroy_compute_instance_inner(gpu, gi_id, ci_id);
+        self.refresh_driver_roots();
+        r
+    }
+
     /// (current, pending) MIG mode.
     pub fn mig_mode(&self, gpu: u32) -> Result<(bool, bool)> {
         self.check_gpu(gpu)?;
@@ -69,7 +110,7 @@ impl Node {
 
     /// Asks for a MIG mode; it takes effect at the next reset. Returns whether a reset is now
     /// pending. Refused while processes use the GPU, or while GPU instances exist.
-    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<bool> {
+    fn set_mig_mode_inner(&self, gpu: u32, enable: bool) -> Result<bool> {
         let g = self.region.lock();
         self.check_gpu(gpu)?;
         mig_spec(self.model(gpu)?)?;
@@ -179,7 +220,7 @@ impl Node {
     }
 
     /// Creates a GPU instance, at `placement` (first memory slice) or the first that fits.
-    pub fn create_gpu_instance(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
+    fn create_gpu_instance_inner(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         let p = self.gi_profile(gpu, nvml_profile)?;
@@ -216,7 +257,7 @@ impl Node {
     }
 
     /// Destroys a GPU instance; refused while it has compute instances or memory in use.
-    pub fn destroy_gpu_instance(&self, gpu: u32, gi_id: u32) -> Result<()> {
+    fn destroy_gpu_instance_inner(&self, gpu: u32, gi_id: u32) -> Result<()> {
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         g.reap();
@@ -364,7 +405,7 @@ impl Node {
     }
 
     /// Creates a compute instance in a GPU instance, at `placement` or the first that fits.
-    pub fn create_compute_instance(
+    fn create_compute_instance_inner(
         &self,
         gpu: u32,
         gi_id: u32,
@@ -412,7 +453,7 @@ impl Node {
     }
 
     /// Destroys a compute instance; refused while a process holds a context on it.
-    pub fn destroy_compute_instance(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
+    fn destroy_compute_instance_inner(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         g.reap();

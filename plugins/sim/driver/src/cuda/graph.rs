@@ -20,11 +20,35 @@ use super::{CUresult, ILLEGAL_STATE, INVALID_VALUE, R, get, need, put, put_opt, 
 /// One unit of queued work, as run on a stream or recorded in a graph.
 #[derive(Clone)]
 pub(crate) enum Op {
-    Kernel { func: Arc<Func> },
-    Memcpy { dst: u64, src: u64, n: u64 },
-    Memset { dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64 },
-    Host { f: unsafe extern "C" fn(*mut c_void), data: usize },
+    Kernel {
+        func: Arc<Func>,
+    },
+    Memcpy {
+        dst: u64,
+        src: u64,
+        n: u64,
+    },
+    Memset {
+        dst: u64,
+        pitch: u64,
+        value: u32,
+        elem: u32,
+        width: u64,
+        height: u64,
+    },
+    Host {
+        f: unsafe extern "C" fn(*mut c_void),
+        data: usize,
+    },
     Empty,
+    /// A graph allocation at its reserved address ([`super::graph_mem`]).
+    MemAlloc {
+        base: u64,
+        bytes: u64,
+    },
+    MemFree {
+        base: u64,
+    },
 }
 
 impl Op {
@@ -36,6 +60,8 @@ impl Op {
             Op::Memset { .. } => 2,
             Op::Host { .. } => 3,
             Op::Empty => 5,
+            Op::MemAlloc { .. } => 10,
+            Op::MemFree { .. } => 11,
         }
     }
 }
@@ -52,6 +78,8 @@ pub(crate) fn run_op(node: &'static Node, t: &Target, op: &Op) -> R {
         }
         Op::Host { f, data } => enqueue_host(node, t.sid, HostCall::Func(*f, *data)),
         Op::Empty => Ok(()),
+        Op::MemAlloc { base, bytes } => super::graph_mem::allocate(node, t, *base, *bytes),
+        Op::MemFree { base } => super::graph_mem::free(node, *base),
     }
 }
 
@@ -459,7 +487,13 @@ unsafe fn read_deps(deps: *const sys::CUgraphNode, n: usize) -> R<Vec<usize>> {
 ///
 /// # Safety
 /// `ph` must be null or a valid out-pointer; `deps` as in [`read_deps`].
-unsafe fn add_node(ph: *mut sys::CUgraphNode, g: sys::CUgraph, deps: *const sys::CUgraphNode, n: usize, op: Op) -> R {
+pub(crate) unsafe fn add_node(
+    ph: *mut sys::CUgraphNode,
+    g: sys::CUgraph,
+    deps: *const sys::CUgraphNode,
+    n: usize,
+    op: Op,
+) -> R {
     need(ph)?;
     let g = graph(g)?;
     // SAFETY: as this function's contract.

@@ -85,6 +85,10 @@ pub(crate) enum MemKind {
     Global,
     /// The storage of a CUDA array.
     Array,
+    /// Another process's allocation, opened with `cuIpcOpenMemHandle` (charged to the exporter).
+    Imported,
+    /// A graph allocation, made when its graph ran an allocation node.
+    Graph,
 }
 
 /// One allocation the process holds.
@@ -154,20 +158,39 @@ pub(crate) fn unmap(base: u64, len: usize) {
 
 /// Frees an allocation removed from the registry: its mapping and its charge.
 pub(crate) fn release(node: &Node, a: &Alloc) {
+    release_keeping(node, a, 0);
+}
+
+/// As [`release`], but `kept` bytes of the charge stay charged (a pool's reserve holds them).
+pub(crate) fn release_keeping(node: &Node, a: &Alloc, kept: u64) {
+    super::ipc::forget(a.base);
     unmap(a.base, a.map_len);
-    refund(node, a.gpu, a.domain, a.charge, a.epoch);
+    refund(node, a.gpu, a.domain, a.charge.saturating_sub(kept), a.epoch);
 }
 
 /// Allocates `bytes` of device memory in a context's domain and registers it.
 pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: bool) -> R<u64> {
+    alloc_charging(node, ctx, bytes, |_| Ok(bytes), kind, low)
+}
+
+/// As [`alloc_in`], charging what `charge_of` says, given the domain's free memory.
+fn alloc_charging(
+    node: &Node,
+    ctx: &Ctx,
+    bytes: u64,
+    charge_of: impl FnOnce(u64) -> R<u64>,
+    kind: MemKind,
+    low: bool,
+) -> R<u64> {
     if bytes == 0 {
         return Err(INVALID_VALUE);
     }
     ctx.check(node)?;
     let d = ctx.dev;
-    let epoch = charge(node, d.gpu, d.domain, bytes)?;
+    let charged = charge_of(node.memory_info(d.gpu, d.domain).work()?.free)?;
+    let epoch = charge(node, d.gpu, d.domain, charged)?;
     let Some(base) = map_anon(bytes, low) else {
-        refund(node, d.gpu, d.domain, bytes, epoch);
+        refund(node, d.gpu, d.domain, charged, epoch);
         return Err(OUT_OF_MEMORY);
     };
     let a = Alloc {
@@ -179,7 +202,7 @@ pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: b
         dev: d.ordinal,
         gpu: d.gpu,
         domain: d.domain,
-        charge: bytes,
+        charge: charged,
         epoch,
         id: next_buffer_id(),
         sync_memops: false,
@@ -206,21 +229,23 @@ fn free_device(dptr: u64) -> R {
     }
     // A sticky process error does not stop freeing: the memory is returned either way.
     let _ = super::errors::poll_faults(node);
-    let a = {
+    let (a, kept) = {
         let mut reg = handles::write();
         match reg.mem.get(&dptr) {
-            Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_)) => {}
+            Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_) | MemKind::Graph) => {}
             _ => return Err(INVALID_VALUE),
         }
         let a = reg.mem.remove(&dptr).expect("checked above");
-        if let MemKind::Pool(p) = a.kind
-            && let Some(pool) = reg.pools.get(&p)
-        {
-            pool.on_free(a.size);
+        if a.kind == MemKind::Graph {
+            super::graph_mem::on_released(&a);
         }
-        a
+        let kept = match a.kind {
+            MemKind::Pool(p) => reg.pools.get(&p).map_or(0, |pool| pool.on_free(a.size, a.epoch)),
+            _ => 0,
+        };
+        (a, kept)
     };
-    release(node, &a);
+    release_keeping(node, &a, kept);
     Ok(())
 }
 
@@ -342,6 +367,10 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 const MEM_ATTACH_GLOBAL: c_uint = 0x1;
 const MEM_ATTACH_HOST: c_uint = 0x2;
 
+/// `cuMemAllocManaged`: as on a real driver, managed memory may exceed the device's (it pages
+/// between host and device). The sim charges the device what is free at allocation (the pages a
+/// program that touches its memory on the GPU keeps resident) and keeps the rest on the host; it
+/// does not evict managed pages for later allocations.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
     run(|| {
@@ -350,7 +379,8 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize
             return Err(INVALID_VALUE);
         }
         let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Managed, false)?;
+        let bytes = bytesize as u64;
+        let p = alloc_charging(node, &ctx, bytes, |free| Ok(bytes.min(free)), MemKind::Managed, false)?;
         // SAFETY: dptr is the caller's out-pointer (checked above).
         unsafe { put(dptr, p) }
     })

@@ -29,7 +29,8 @@
 //! - the model has no dependencies between streams: `cuStreamWaitEvent` across streams holds the
 //!   calling thread until the event completes, and work queued on the legacy stream does not wait
 //!   for the blocking streams (synchronizing the legacy stream, and synchronous copies, do);
-//! - memory pools keep nothing in reserve (reserved equals used);
+//! - memory pools release what a free leaves above their release threshold at once (a real
+//!   driver waits for the next synchronization);
 //! - every compute instance of a MIG GPU is a CUDA device (real drivers document enumerating one
 //!   MIG device per process);
 //! - only created streams can be captured (not the default streams).
@@ -43,9 +44,11 @@ mod errors;
 mod event;
 mod export_tables;
 mod graph;
+mod graph_mem;
 mod handles;
 mod init;
 mod integrity;
+mod ipc;
 mod launch;
 mod link;
 mod memory;
@@ -56,7 +59,7 @@ mod pools;
 mod proc_address;
 mod proc_table;
 mod stream;
-mod trace;
+pub(crate) mod trace;
 mod vmm;
 
 use std::ffi::c_char;

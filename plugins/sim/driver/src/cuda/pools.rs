@@ -1,8 +1,10 @@
 //! Memory pools and stream-ordered allocation (`cuMemAllocAsync`, `cuMemFreeAsync`).
 //!
-//! A pool here keeps nothing in reserve: an allocation is charged to the model when made and
-//! refunded when freed, so the model's accounting stays exact (a real pool may hold freed memory
-//! up to its release threshold; reserved and used figures are equal here).
+//! As a real pool, a pool keeps freed memory in reserve up to its release threshold
+//! (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`, 0 by default): that memory stays charged to the device
+//! (NVML and `cuMemGetInfo` count it as used) and serves the pool's next allocations without a new
+//! charge, until `cuMemPoolTrimTo` releases it or the pool is destroyed. What a free leaves above
+//! the threshold is released at once (a real driver releases it at the next synchronization).
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::errors::poll_faults;
 use super::handles;
 use super::init::{Device, driver};
-use super::memory::{Alloc, MemKind, charge, map_anon, next_buffer_id, refund, release};
+use super::memory::{Alloc, MemKind, charge, map_anon, next_buffer_id, refund, release_keeping};
 use super::stream::resolve_and_check;
 use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
 
@@ -26,6 +28,9 @@ struct PoolState {
     used: u64,
     used_high: u64,
     reserved_high: u64,
+    /// Freed memory kept in reserve (charged to the model in `kept_epoch`).
+    kept: u64,
+    kept_epoch: u64,
     /// Devices granted access besides the pool's own: (ordinal, `CUmemAccess_flags`).
     access: Vec<(c_int, u32)>,
 }
@@ -54,6 +59,8 @@ impl Pool {
                 used: 0,
                 used_high: 0,
                 reserved_high: 0,
+                kept: 0,
+                kept_epoch: 0,
                 access: Vec::new(),
             }),
         }
@@ -63,22 +70,59 @@ impl Pool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Counts an allocation from the pool (fails beyond its maximum size).
-    fn on_alloc(&self, bytes: u64) -> R {
+    /// Counts an allocation from the pool (fails beyond its maximum size). Returns how many of
+    /// its bytes the reserve covers (already charged in `epoch`, the GPU's current one).
+    fn on_alloc(&self, bytes: u64, epoch: u64) -> R<u64> {
         let mut s = self.state();
         if self.max_size > 0 && s.used + bytes > self.max_size {
             return Err(OUT_OF_MEMORY);
         }
+        if s.kept_epoch != epoch {
+            // A reset freed the reserve in the model.
+            s.kept = 0;
+        }
+        let from_reserve = bytes.min(s.kept);
+        s.kept -= from_reserve;
         s.used += bytes;
         s.used_high = s.used_high.max(s.used);
-        s.reserved_high = s.reserved_high.max(s.used);
-        Ok(())
+        s.reserved_high = s.reserved_high.max(s.used + s.kept);
+        Ok(from_reserve)
     }
 
-    /// Counts a free back to the pool.
-    pub(crate) fn on_free(&self, bytes: u64) {
+    /// Undoes [`Pool::on_alloc`] for an allocation that failed after it.
+    fn undo_alloc(&self, bytes: u64, from_reserve: u64) {
         let mut s = self.state();
         s.used = s.used.saturating_sub(bytes);
+        s.kept += from_reserve;
+    }
+
+    /// Counts a free back to the pool: returns how many of the bytes (charged in `epoch`) the pool
+    /// keeps in reserve, up to its release threshold; the caller refunds the rest.
+    pub(crate) fn on_free(&self, bytes: u64, epoch: u64) -> u64 {
+        let mut s = self.state();
+        s.used = s.used.saturating_sub(bytes);
+        let now = super::memory::current_epoch(self.dev.gpu);
+        if epoch != now {
+            // Charged before a reset, which freed it in the model: nothing to keep.
+            return 0;
+        }
+        if s.kept_epoch != now {
+            // The reserve was charged before a reset (freed since): start anew.
+            s.kept = 0;
+            s.kept_epoch = now;
+        }
+        let room = s.release_threshold.saturating_sub(s.used + s.kept);
+        let keep = bytes.min(room);
+        s.kept += keep;
+        keep
+    }
+
+    /// Releases the reserve down to `keep` bytes: returns (bytes to refund, their epoch).
+    fn trim_to(&self, keep: u64) -> (u64, u64) {
+        let mut s = self.state();
+        let released = s.kept.saturating_sub(keep);
+        s.kept -= released;
+        (released, s.kept_epoch)
     }
 }
 
@@ -190,6 +234,7 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: sys::CUmemoryPool) -> CUresult {
         if p.default {
             return Err(INVALID_VALUE);
         }
+        trim(&p, 0)?;
         let _ = p.dev.mem_pool.compare_exchange(
             p.handle,
             0,
@@ -201,10 +246,18 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: sys::CUmemoryPool) -> CUresult {
     })
 }
 
-/// `cuMemPoolTrimTo`: nothing is held in reserve, so nothing to release.
+/// Returns the pool's reserve above `keep` bytes to the device.
+fn trim(p: &Pool, keep: u64) -> R {
+    let node = driver()?.node;
+    let (released, epoch) = p.trim_to(keep);
+    refund(node, p.dev.gpu, p.dev.domain, released, epoch);
+    Ok(())
+}
+
+/// `cuMemPoolTrimTo`: releases the reserve down to `minBytesToKeep`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolTrimTo(pool: sys::CUmemoryPool, _minBytesToKeep: usize) -> CUresult {
-    run(|| self::pool(pool).map(|_| ()))
+pub unsafe extern "C" fn cuMemPoolTrimTo(pool: sys::CUmemoryPool, minBytesToKeep: usize) -> CUresult {
+    run(|| trim(&*self::pool(pool)?, minBytesToKeep as u64))
 }
 
 #[unsafe(no_mangle)]
@@ -221,7 +274,7 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(pool: sys::CUmemoryPool, attr: c_
                 3 => s.reuse_allow_internal_dependencies = get(value.cast::<i32>())?,
                 4 => s.release_threshold = get(value.cast::<u64>())?,
                 // The high-water marks can only be reset (to the current value), with 0.
-                6 if get(value.cast::<u64>())? == 0 => s.reserved_high = s.used,
+                6 if get(value.cast::<u64>())? == 0 => s.reserved_high = s.used + s.kept,
                 8 if get(value.cast::<u64>())? == 0 => s.used_high = s.used,
                 _ => return Err(INVALID_VALUE),
             }
@@ -242,7 +295,8 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: sys::CUmemoryPool, attr: c_
                 2 => put(value.cast::<i32>(), s.reuse_allow_opportunistic),
                 3 => put(value.cast::<i32>(), s.reuse_allow_internal_dependencies),
                 4 => put(value.cast::<u64>(), s.release_threshold),
-                5 | 7 => put(value.cast::<u64>(), s.used),
+                5 => put(value.cast::<u64>(), s.used + s.kept),
+                7 => put(value.cast::<u64>(), s.used),
                 6 => put(value.cast::<u64>(), s.reserved_high),
                 8 => put(value.cast::<u64>(), s.used_high),
                 _ => Err(INVALID_VALUE),
@@ -335,17 +389,18 @@ fn alloc_async(
     };
     let d = p.dev;
     let bytes = bytes as u64;
-    p.on_alloc(bytes)?;
-    let epoch = match charge(node, d.gpu, d.domain, bytes) {
+    let now = super::memory::current_epoch(d.gpu);
+    let from_reserve = p.on_alloc(bytes, now)?;
+    let epoch = match charge(node, d.gpu, d.domain, bytes - from_reserve) {
         Ok(e) => e,
         Err(e) => {
-            p.on_free(bytes);
+            p.undo_alloc(bytes, from_reserve);
             return Err(e);
         }
     };
     let Some(base) = map_anon(bytes, false) else {
-        refund(node, d.gpu, d.domain, bytes, epoch);
-        p.on_free(bytes);
+        refund(node, d.gpu, d.domain, bytes - from_reserve, epoch);
+        p.undo_alloc(bytes, from_reserve);
         return Err(OUT_OF_MEMORY);
     };
     handles::write().mem.insert(
@@ -415,18 +470,17 @@ fn free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream, pt: bool) -> R {
     if dptr == 0 {
         return Ok(());
     }
-    let a = {
+    let (a, kept) = {
         let mut reg = handles::write();
         let pool = match reg.mem.get(&dptr).map(|a| a.kind) {
             Some(MemKind::Pool(p)) => p,
             _ => return Err(INVALID_VALUE),
         };
-        if let Some(p) = reg.pools.get(&pool) {
-            p.on_free(reg.mem[&dptr].size);
-        }
-        reg.mem.remove(&dptr).expect("checked above")
+        let a = reg.mem.remove(&dptr).expect("checked above");
+        let kept = reg.pools.get(&pool).map_or(0, |p| p.on_free(a.size, a.epoch));
+        (a, kept)
     };
-    release(node, &a);
+    release_keeping(node, &a, kept);
     Ok(())
 }
 

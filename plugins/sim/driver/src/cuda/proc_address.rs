@@ -101,6 +101,19 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
 }
 
+/// The per-thread flavour `cuda.h` declares for `cuGetProcAddress_v2`: the same lookup.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: u64,
+    symbolStatus: *mut c_int,
+) -> CUresult {
+    // SAFETY: the caller's string and out-pointers, per the API contract.
+    run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

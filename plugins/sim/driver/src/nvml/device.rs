@@ -1,6 +1,6 @@
 //! Device enumeration and identity: count, handles by index / UUID / serial / PCI bus id, name,
 //! UUID, serial, index, minor number, PCI info, compute capability, architecture, brand, board id,
-//! NUMA node, attributes.
+//! NUMA node, attributes, virtualization mode.
 
 use std::ffi::{c_char, c_int, c_uint};
 
@@ -607,6 +607,28 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeMode(device: nvmlDevice_t, mode: *m
         status(|| {
             // SAFETY: mode is null or valid for a write by the caller's contract.
             unsafe { gpu_value(device, mode, true, |_, _| Ok(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT)) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetVirtualizationMode`: `NVML_GPU_VIRTUALIZATION_MODE_NONE`, as on a bare-metal
+/// GPU with no vGPU manager (NVIDIA's DRA driver asks before it manages MIG devices). A MIG
+/// device is `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
+    device: nvmlDevice_t,
+    mode: *mut nvmlGpuVirtualizationMode_t,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            let node = node()?;
+            if matches!(handles::device(node, device)?, Dev::Mig(_)) {
+                return Err(INVALID_ARGUMENT);
+            }
+            // SAFETY: mode is null or valid for a write by the caller's contract.
+            unsafe {
+                gpu_value(device, mode, false, |_, _| Ok(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE))
+            }
         })
     })
 }

@@ -23,10 +23,12 @@ mod handles;
 mod init;
 mod memory;
 mod mig;
+mod not_modelled;
 mod processes;
 mod reset;
 mod sensors;
 mod topology;
+mod units;
 
 use std::ffi::c_char;
 
