@@ -58,7 +58,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let session = match Session::open(cfg.nvml_library.as_deref(), args.sim || cfg.sim) {
+    let session = match Session::open_in(cfg.nvml_library.as_deref(), args.sim || cfg.sim, &cfg.injection.driver_root) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("tesserad: {e}");
@@ -182,7 +182,13 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let mut plugins = Plugins::default();
         let initial = Arc::clone(&resources_rx.borrow_and_update());
         // CDI specs for the runtimes, now and whenever what is offered changes.
-        let mut cdi = CdiWriter::new(&cfg.injection);
+        let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("tesserad: {e}");
+                return ExitCode::from(1);
+            }
+        };
         write_cdi(&mut cdi, &controller);
         let set = match plugins.start(&cfg, &initial, controller.allocator()) {
             Ok(s) => s,
