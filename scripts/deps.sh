@@ -15,6 +15,10 @@ PACKAGES=(
   "podman:podman"
   "containerd:containerd"
   "busybox-static:/bin/busybox"
+  # daemon/tests/deploy.rs: `systemd-analyze verify` of deploy/systemd/tesserad.service.
+  "systemd:systemd-analyze"
+  # daemon/tests/deploy.rs: `kubectl kustomize` renders deploy/kubernetes (Debian: kubernetes-client).
+  "kubernetes-client:kubectl"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest

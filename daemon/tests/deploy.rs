@@ -6,6 +6,9 @@
 use std::path::Path;
 
 use tessera_daemon::config::Config;
+use tessera_hook::paths;
+
+mod common;
 
 fn deploy(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
@@ -19,26 +22,76 @@ fn systemd_unit_is_notify_and_reloads_with_sighup() {
     assert!(lines.contains(&"Type=notify"), "{unit}");
     assert!(lines.contains(&"ExecReload=/bin/kill -HUP $MAINPID"), "{unit}");
     let exec = lines.iter().find(|l| l.starts_with("ExecStart=")).expect("ExecStart");
-    assert!(exec.contains("tesserad --config /etc/tessera/config.toml"), "{exec}");
+    assert_eq!(*exec, format!("ExecStart={} --config {}", paths::DAEMON, paths::DAEMON_CONFIG));
+    assert!(lines.contains(&"RuntimeDirectoryPreserve=yes"), "allocations must survive a restart: {unit}");
+}
+
+/// Every region is a tmpfs tesserad mounts under runtime_dir, which the runtime must see: a unit
+/// option that gives the service a mount namespace of its own would hide every region from
+/// containers (their region would be an empty file). And a path the unit requires that a plain
+/// host lacks fails the start with 226/NAMESPACE: any such path must be optional (`-`).
+#[test]
+fn systemd_unit_keeps_the_hosts_mount_namespace() {
+    let unit = deploy("systemd/tesserad.service");
+    let namespacing = [
+        "ProtectSystem=",
+        "ProtectHome=",
+        "PrivateTmp=",
+        "PrivateDevices=",
+        "PrivateMounts=",
+        "ReadWritePaths=",
+        "ReadOnlyPaths=",
+        "InaccessiblePaths=",
+        "TemporaryFileSystem=",
+        "BindPaths=",
+        "BindReadOnlyPaths=",
+        "ProtectKernelTunables=",
+        "ProtectKernelModules=",
+        "ProtectKernelLogs=",
+        "ProtectControlGroups=",
+        "ProtectClock=",
+        "ProtectHostname=",
+        "ProtectProc=",
+        "MountFlags=",
+        "RootDirectory=",
+        "RootImage=",
+    ];
+    for line in unit.lines().map(str::trim).filter(|l| !l.starts_with('#')) {
+        let bad = namespacing.iter().find(|o| line.starts_with(*o));
+        assert!(bad.is_none(), "{line}: puts tesserad in a mount namespace whose region mounts never reach the host");
+    }
+}
+
+#[test]
+fn systemd_analyze_verifies_the_unit() {
+    let unit = deploy("systemd/tesserad.service");
     let Ok(out) = std::process::Command::new("systemd-analyze").arg("--version").output() else {
-        println!("SKIP systemd-analyze verify: systemd-analyze is not installed");
-        return;
+        return common::skip("systemd-analyze is not installed (scripts/deps.sh installs Debian's systemd)");
     };
     assert!(out.status.success());
-    // Verify a copy that points at the built daemon (the unit names the installed path).
+    // Verify a copy that points at the built daemon (the unit names the installed path), which
+    // systemd-analyze checks is executable.
     let tmp = tempfile::tempdir().expect("tempdir");
     let copy = tmp.path().join("tesserad.service");
     let daemon = tessera_sim_testkit::binary("tesserad");
-    std::fs::write(&copy, unit.replace("/usr/local/bin/tesserad", &daemon.display().to_string())).expect("copy");
-    let out = std::process::Command::new("systemd-analyze")
-        .args(["verify", "--man=no"])
-        .arg(&copy)
-        .output()
-        .expect("systemd-analyze");
-    let text = String::from_utf8_lossy(&out.stderr);
-    // Only complaints about this unit count (the host's own units may have their own).
-    let ours: Vec<&str> = text.lines().filter(|l| l.contains("tesserad.service")).collect();
-    assert!(ours.is_empty(), "systemd-analyze verify:\n{text}");
+    std::fs::write(&copy, unit.replace(paths::DAEMON, &daemon.display().to_string())).expect("copy");
+    let verify = |file: &Path| {
+        let out = std::process::Command::new("systemd-analyze")
+            .args(["verify", "--man=no"])
+            .arg(file)
+            .output()
+            .expect("systemd-analyze");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        // Only complaints about this unit count (the host's own units may have their own).
+        let ours = text.lines().any(|l| l.contains("tesserad.service"));
+        (out.status.success() && !ours, text)
+    };
+    let (ok, text) = verify(&copy);
+    assert!(ok, "systemd-analyze verify:\n{text}");
+    // The check can fail: a unit naming a program that is not there is refused.
+    std::fs::write(&copy, unit.replace(paths::DAEMON, "/nonexistent/tesserad")).expect("copy");
+    let (ok, text) = verify(&copy);
+    assert!(!ok, "systemd-analyze verify accepted a missing ExecStart program:\n{text}");
 }
 
 #[test]
