@@ -67,6 +67,18 @@ pub enum ConfigError {
     Invalid { path: PathBuf, key: String, reason: String },
 }
 
+/// The wrapper's configuration file: `$TESSERA_HOOK_CONFIG`, else [`DEFAULT_PATH`] when it
+/// exists, else the one tesserad writes for its specs (`/run/tessera/hook.toml`) when that exists
+/// (a containerd runtime handler cannot give the wrapper an argument or an environment, and a
+/// node set up by `tessera install` has no file of its own), else [`DEFAULT_PATH`] (the defaults).
+pub fn wrapper_config_path(env: Option<std::ffi::OsString>, default: &Path, generated: &Path) -> PathBuf {
+    match env {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ if !default.exists() && generated.exists() => generated.to_path_buf(),
+        _ => default.to_path_buf(),
+    }
+}
+
 impl HookConfig {
     /// Reads `path`; a missing file at [`DEFAULT_PATH`] gives the defaults, elsewhere it is an error.
     pub fn load(path: &Path) -> Result<HookConfig, ConfigError> {
@@ -197,6 +209,20 @@ shim_path = ""
         assert_eq!(c.runtime, "/usr/sbin/runc");
         assert!(!c.require_allocation);
         assert_eq!(c.shim_path, None);
+    }
+
+    #[test]
+    fn the_wrapper_falls_back_to_the_daemons_file_only_when_the_operator_wrote_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (default, generated) = (dir.path().join("etc-hook.toml"), dir.path().join("run-hook.toml"));
+        let pick = |env: Option<&str>| wrapper_config_path(env.map(Into::into), &default, &generated);
+        assert_eq!(pick(None), default, "neither exists: the defaults");
+        std::fs::write(&generated, "").unwrap();
+        assert_eq!(pick(None), generated);
+        assert_eq!(pick(Some("")), generated, "an empty variable names nothing");
+        std::fs::write(&default, "").unwrap();
+        assert_eq!(pick(None), default, "the operator's file wins");
+        assert_eq!(pick(Some("/x.toml")), Path::new("/x.toml"));
     }
 
     #[test]

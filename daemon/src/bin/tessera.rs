@@ -72,6 +72,10 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Put the hook, the runtime wrapper and the shim on this host and configure its runtimes.
+    Install(tessera_daemon::install::InstallArgs),
+    /// Undo `tessera install`: remove what it wrote, restore what it edited.
+    Uninstall(tessera_daemon::install::UninstallArgs),
     /// Record a container's CUDA calls and kernels as a Perfetto / Chrome trace (JSON).
     Trace {
         /// The allocation id, or the container: `namespace/pod/container`, `pod/container`, `pod`,
@@ -115,6 +119,9 @@ struct ApplyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(code) = host_setup(&cli.command) {
+        return code;
+    }
     let socket = match &cli.socket {
         Some(s) => s.clone(),
         None => {
@@ -144,6 +151,26 @@ fn main() -> ExitCode {
     }
 }
 
+/// `install` and `uninstall` need no daemon.
+fn host_setup(command: &Command) -> Option<ExitCode> {
+    use tessera_daemon::install;
+    let result = match command {
+        Command::Install(a) => install::install(a),
+        Command::Uninstall(a) => install::uninstall(a),
+        _ => return None,
+    };
+    Some(match result {
+        Ok(report) => {
+            install::print(&report);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tessera: {e}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
 async fn connect(socket: &std::path::Path) -> Result<NodeClient<Channel>, String> {
     let channel = tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
         .map_err(|e| e.to_string())?
@@ -168,6 +195,7 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Allocations => allocations(&mut client).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
         Command::Trace { container, seconds, output } => trace(&mut client, &container, seconds, output).await,
+        Command::Install(_) | Command::Uninstall(_) => unreachable!("handled before connecting"),
     }
 }
 
