@@ -47,6 +47,9 @@ pub struct Config {
     /// The kubelet's pod-resources API socket, read to learn which pod holds each allocation and
     /// which allocations' containers are gone. Empty: off.
     pub pod_resources_socket: PathBuf,
+    /// tesserad's log lines on stderr: `text` (one line each, colours only on a terminal) or
+    /// `json` (one object each, for log pipelines). `--log-format` overrides it.
+    pub log_format: LogFormat,
     /// How resources are named and shares placed.
     pub resources: Resources,
     /// Metrics and OTLP export; nothing listens or sends unless configured.
@@ -74,6 +77,7 @@ impl Default for Config {
             runtime_dir: PathBuf::from(paths::RUNTIME_DIR),
             node_api_socket: None,
             pod_resources_socket: PathBuf::from(tessera_proto::podresources::v1::POD_RESOURCES_SOCKET),
+            log_format: LogFormat::Text,
             resources: Resources::default(),
             telemetry: Telemetry::default(),
             health: Health::default(),
@@ -83,6 +87,17 @@ impl Default for Config {
             partitions: BTreeMap::new(),
         }
     }
+}
+
+/// `log_format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (`journalctl`, `kubectl logs`).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// `[resources]`.
@@ -249,6 +264,17 @@ pub enum PartitionKind<'a> {
     Mig { profiles: &'a BTreeMap<String, u32>, shares: Option<&'a BTreeMap<String, SharesSpec>> },
     /// Shares of the whole GPU, MIG mode off.
     Shares(&'a SharesSpec),
+}
+
+impl PartitionKind<'_> {
+    /// `whole`, `mig` or `shares`, as the file spells them.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PartitionKind::Whole => "whole",
+            PartitionKind::Mig { .. } => "mig",
+            PartitionKind::Shares(_) => "shares",
+        }
+    }
 }
 
 impl PartitionSpec {
