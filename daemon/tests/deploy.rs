@@ -231,6 +231,8 @@ fn kustomize_overlays_render_validate_and_mount_what_the_config_names() {
         assert_eq!(daemon["readinessProbe"]["exec"]["command"][0], paths::CLI);
         for c in pod["containers"].as_array().unwrap().iter().chain(pod["initContainers"].as_array().unwrap()) {
             assert!(c["resources"]["requests"]["cpu"].is_string() && c["resources"]["requests"]["memory"].is_string());
+            // The image's own user is nobody: root only where the manifest says so.
+            assert_eq!(c["securityContext"]["runAsUser"], 0, "{}", c["name"]);
         }
         let svc = find(&docs, "Service", "tesserad-metrics");
         assert_eq!(svc["spec"]["ports"][0]["targetPort"], daemon["ports"][0]["name"]);
