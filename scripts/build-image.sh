@@ -5,8 +5,10 @@
 #   scripts/build-image.sh [--tag NAME] [--profile release|debug] [--no-build]
 #
 # --profile debug uses target/debug (what the tests built); --no-build uses what is there.
-# The shim is the glibc-2.17 build (cargo zigbuild, as scripts/test.sh makes it);
-# TESSERA_IMAGE_SHIM names another libtessera.so. Prints the image name last.
+# What the installer copies onto hosts is built against glibc 2.17 (cargo zigbuild, as
+# scripts/test.sh builds the shim), so that it runs on any host's glibc: the shim, and
+# tessera-hook and tessera-runtime when their 2.17 builds exist (else this build's, with a
+# warning). TESSERA_IMAGE_SHIM names another libtessera.so. Prints the image name last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,12 +26,13 @@ done
 case $profile in release | debug) ;; *) echo "build-image: --profile must be release or debug, not $profile" >&2; exit 2 ;; esac
 command -v podman >/dev/null || { echo "build-image: podman is not installed (Debian package podman)" >&2; exit 1; }
 
-shim_217=target/glibc-2.17/x86_64-unknown-linux-gnu/release/libtessera.so
+glibc_217=target/glibc-2.17/x86_64-unknown-linux-gnu/release
+shim_217=$glibc_217/libtessera.so
 if [[ $build == 1 ]]; then
   flag=(); [[ $profile == release ]] && flag=(--release)
   cargo build "${flag[@]}" -p tessera-daemon -p tessera-hook --bins
-  [[ -n ${TESSERA_IMAGE_SHIM:-} ]] ||
-    cargo zigbuild -p tessera-shim --release --target x86_64-unknown-linux-gnu.2.17 --target-dir target/glibc-2.17
+  cargo zigbuild -p tessera-shim -p tessera-hook --release --target x86_64-unknown-linux-gnu.2.17 \
+    --target-dir target/glibc-2.17
 fi
 shim=${TESSERA_IMAGE_SHIM:-$shim_217}
 [[ -f $shim ]] || { echo "build-image: $shim is missing: build the glibc-2.17 shim (scripts/test.sh shows how) or set TESSERA_IMAGE_SHIM" >&2; exit 1; }
@@ -41,6 +44,13 @@ mkdir -p "$ctx/rootfs/usr/local/bin" "$ctx/rootfs/usr/local/lib/tessera" "$ctx/r
 chmod 1777 "$ctx/rootfs/tmp"
 for b in "${bins[@]}"; do
   src=target/$profile/$b
+  if [[ $b == tessera-hook || $b == tessera-runtime ]]; then
+    if [[ -x $glibc_217/$b ]]; then
+      src=$glibc_217/$b
+    else
+      echo "build-image: warning: no glibc-2.17 $b; the image's runs only on hosts with this machine's glibc or newer" >&2
+    fi
+  fi
   [[ -x $src ]] || { echo "build-image: $src is missing: build it (or drop --no-build)" >&2; exit 1; }
   install -m 0755 "$src" "$ctx/rootfs/usr/local/bin/$b"
 done
@@ -52,7 +62,7 @@ fi
 
 # The libraries the programs load, at the paths the loader looks for them; and glibc's libraries
 # that the driver's libnvidia-ml.so.1 (dlopened from the host's driver root) needs.
-libs=$(for b in "${bins[@]}"; do ldd "target/$profile/$b"; done |
+libs=$(for b in "${bins[@]}"; do ldd "$ctx/rootfs/usr/local/bin/$b"; done |
   awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && $1 ~ /ld-linux/ {print $1}' | sort -u)
 libdir=$(dirname "$(ldd "target/$profile/tesserad" | awk '/libc.so.6/ {print $3}')")
 for extra in libdl.so.2 libpthread.so.0 librt.so.1 libm.so.6; do
