@@ -29,8 +29,8 @@ pub const DRIVER_NVML: &str = "libnvidia-ml.so.1";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// NVML library to load. Unset: the real driver's `libnvidia-ml.so.1`, and the simulated node
-    /// when no driver can be loaded. Set: exactly this library, an error if it cannot be loaded.
+    /// NVML library to load. Unset: the driver's `libnvidia-ml.so.1` (under `injection.driver_root`
+    /// when that is not `/`); never the simulator unasked. Set: exactly this library.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvml_library: Option<PathBuf>,
     /// Use the simulated node (`libtessera_sim.so`) instead of the driver; same as `--sim`.
