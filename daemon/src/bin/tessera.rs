@@ -119,8 +119,10 @@ struct ApplyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Some(code) = host_setup(&cli.command) {
-        return code;
+    match &cli.command {
+        Command::Install(a) => return tessera_daemon::install::finish(tessera_daemon::install::install(a)),
+        Command::Uninstall(a) => return tessera_daemon::install::finish(tessera_daemon::install::uninstall(a)),
+        _ => {} // the rest talk to tesserad
     }
     let socket = match &cli.socket {
         Some(s) => s.clone(),
@@ -149,26 +151,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// `install` and `uninstall` need no daemon.
-fn host_setup(command: &Command) -> Option<ExitCode> {
-    use tessera_daemon::install;
-    let result = match command {
-        Command::Install(a) => install::install(a),
-        Command::Uninstall(a) => install::uninstall(a),
-        _ => return None,
-    };
-    Some(match result {
-        Ok(report) => {
-            install::print(&report);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("tessera: {e}");
-            ExitCode::FAILURE
-        }
-    })
 }
 
 async fn connect(socket: &std::path::Path) -> Result<NodeClient<Channel>, String> {

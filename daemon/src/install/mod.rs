@@ -434,12 +434,22 @@ pub fn uninstall(args: &UninstallArgs) -> Result<Report, String> {
     Ok(ins.report)
 }
 
-/// Prints a report: one line per action, then the restarts needed.
-pub fn print(report: &Report) {
-    for l in &report.lines {
-        println!("{l}");
-    }
-    for r in &report.restarts {
-        println!("restart needed: {r}");
+/// The command's end: the report on stdout (one line per action, then the restarts needed) and
+/// success, or the error on stderr and failure.
+pub fn finish(result: Result<Report, String>) -> std::process::ExitCode {
+    match result {
+        Ok(report) => {
+            for l in &report.lines {
+                println!("{l}");
+            }
+            for r in &report.restarts {
+                println!("restart needed: {r}");
+            }
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tessera: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
