@@ -135,6 +135,9 @@ fn install_writes_what_the_runtimes_need_and_uninstall_gives_the_host_back() {
     );
     assert!(said.contains("restart needed: containerd"), "{said}");
     assert!(r.join("var/lib/tessera/install.json").is_file());
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(r.join("var/lib/tessera")).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o700, "the daemon's state directory is its alone");
 
     // Again: nothing changes, no restart asked for.
     let installed = tree(r);

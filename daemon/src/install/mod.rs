@@ -14,6 +14,7 @@ mod containerd;
 mod host;
 
 use std::collections::BTreeSet;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -178,7 +179,9 @@ impl Installer<'_> {
             let real = self.at(&d.display().to_string())?;
             self.say(format!("create {}/", d.display()));
             if !self.dry {
-                std::fs::create_dir(&real).map_err(|e| format!("{}: {e}", d.display()))?;
+                // The daemon's state directory (the manifest's) is the daemon's alone: 0700.
+                let mode = if d == Path::new(paths::STATE_DIR) { 0o700 } else { 0o755 };
+                std::fs::DirBuilder::new().mode(mode).create(&real).map_err(|e| format!("{}: {e}", d.display()))?;
             }
             self.manifest.record(Entry::Dir { path: d });
         }
