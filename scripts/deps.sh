@@ -15,6 +15,10 @@ PACKAGES=(
   "podman:podman"
   "containerd:containerd"
   "busybox-static:/bin/busybox"
+  # daemon/tests/deploy.rs: `systemd-analyze verify` of deploy/systemd/tesserad.service.
+  "systemd:systemd-analyze"
+  # daemon/tests/deploy.rs: `kubectl kustomize` renders deploy/kubernetes (Debian: kubernetes-client).
+  "kubernetes-client:kubectl"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest
@@ -67,6 +71,20 @@ install_cuda_runtimes() {
     echo "deps: pip could not install the CUDA runtime wheels into $venv" >&2
 }
 install_cuda_runtimes
+
+# daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
+# schemas with kubernetes-validate, in a virtual environment of the build (never system-wide).
+install_k8s_validate() {
+  local root venv
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  venv=$root/target/k8s-validate
+  [[ -x $venv/bin/kubernetes-validate ]] && return 0
+  command -v python3 >/dev/null 2>&1 || { echo "deps: please install python3 (kubernetes-validate)" >&2; return 0; }
+  python3 -m venv "$venv" 2>/dev/null || { echo "deps: python3 -m venv failed; please install python3-venv" >&2; return 0; }
+  echo "deps: installing kubernetes-validate into $venv" >&2
+  "$venv/bin/pip" install --quiet kubernetes-validate || echo "deps: pip could not install kubernetes-validate" >&2
+}
+install_k8s_validate
 
 missing=()
 for entry in "${PACKAGES[@]}"; do

@@ -438,7 +438,7 @@ impl Allocator for DaemonAllocator {
                     let _ = store.remove(&alloc.id);
                     return Err(internal("creating the allocation directory")(e.to_string()));
                 }
-                tracing::info!(id = %alloc.id, resource, devices = ?device_ids, "allocated");
+                tracing::info!(id = %alloc.id, resource, devices = %device_ids.join(","), "allocated");
                 alloc
             }
         };

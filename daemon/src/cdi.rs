@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use tessera_hook::cdi::{self, NodeDevice, NodeDevices};
-use tessera_hook::driver::{self, DriverConfig};
+use tessera_hook::config::HookConfig;
+use tessera_hook::driver::{self, DriverConfig, DriverFiles};
+use tessera_hook::paths;
 
 use crate::config::Injection;
 use crate::node::View;
@@ -28,24 +30,31 @@ pub struct CdiWriter {
 }
 
 impl CdiWriter {
-    /// `None` when no spec directory is configured. Driver files are found once, now.
-    pub fn new(cfg: &Injection) -> Option<CdiWriter> {
+    /// `None` when no spec directory is configured. Driver files are found once, now, under the
+    /// driver root as the daemon sees it, and written into the specs as the host sees them. The
+    /// hook configuration the specs name (`<runtime_dir>/hook.toml`) is written now too, from
+    /// the same settings, so that the specs' hook never falls back to its own defaults.
+    pub fn new(cfg: &Injection, runtime_dir: &Path) -> Result<Option<CdiWriter>, String> {
         if cfg.cdi_spec_dir.as_os_str().is_empty() {
-            return None;
+            return Ok(None);
         }
         let driver_cfg =
             DriverConfig { root: cfg.driver_root.clone(), dev_root: cfg.dev_root.clone(), ..DriverConfig::default() };
+        let hook_config = runtime_dir.join(paths::GENERATED_HOOK_CONFIG);
+        let text = spec_hook_config(cfg, runtime_dir).render();
+        crate::state::durable::write_file(&hook_config, text.as_bytes(), 0o644)
+            .map_err(|e| format!("writing the specs' hook configuration {}: {e}", hook_config.display()))?;
         let base = NodeDevices {
             devices: Vec::new(),
             control_nodes: driver::control_nodes(&driver_cfg),
-            driver: driver::discover(&driver_cfg),
+            driver: as_host_sees(driver::discover(&driver_cfg), cfg.host_driver_root()),
             shim: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
             hook_binary: cfg.hook_path.clone(),
-            hook_config: None,
+            hook_config,
             dev_root: cfg.dev_root.clone(),
             cdi_version: Some(cfg.cdi_version.clone()),
         };
-        Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None })
+        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None }))
     }
 
     /// Writes the specs for what `view` offers, unless that is what was written last. Returns
@@ -62,6 +71,33 @@ impl CdiWriter {
         tracing::info!(dir = %self.dir.display(), devices = devices.len(), "CDI specs written");
         self.last = Some(devices);
         Ok(true)
+    }
+}
+
+/// The hook configuration the specs' hook entry names: the daemon's own paths, driver files as
+/// the host sees them, an allocation always required (the daemon hands them out).
+pub fn spec_hook_config(cfg: &Injection, runtime_dir: &Path) -> HookConfig {
+    HookConfig {
+        cdi_spec_dirs: vec![cfg.cdi_spec_dir.clone()],
+        runtime_dir: runtime_dir.to_path_buf(),
+        driver_root: cfg.host_driver_root().to_path_buf(),
+        dev_root: cfg.dev_root.clone(),
+        require_allocation: true,
+        shim_path: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
+        ..HookConfig::default()
+    }
+}
+
+/// Driver files found under the daemon's view of the driver root, renamed to the host's view.
+fn as_host_sees(found: DriverFiles, host_root: &Path) -> DriverFiles {
+    if found.root == host_root {
+        return found;
+    }
+    let rebase = |p: PathBuf| p.strip_prefix(&found.root).map(|rel| host_root.join(rel)).unwrap_or(p);
+    DriverFiles {
+        root: host_root.to_path_buf(),
+        libraries: found.libraries.iter().cloned().map(rebase).collect(),
+        binaries: found.binaries.iter().cloned().map(rebase).collect(),
     }
 }
 
@@ -139,6 +175,57 @@ fn node_devices(view: &View) -> Vec<NodeDevice> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn specs_name_a_hook_config_with_the_daemons_paths_and_the_hosts_driver_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        let lib = seen.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libcuda.so.1"), "fake").unwrap();
+        let run = tmp.path().join("elsewhere/run");
+        std::fs::create_dir_all(&run).unwrap();
+        let cfg = Injection {
+            cdi_spec_dir: tmp.path().join("cdi"),
+            driver_root: seen.clone(),
+            host_driver_root: PathBuf::from("/run/nvidia/driver"),
+            ..Injection::default()
+        };
+        let w = CdiWriter::new(&cfg, &run).unwrap().expect("a writer");
+        assert_eq!(w.base.hook_config, run.join("hook.toml"));
+        assert_eq!(w.base.driver.root, Path::new("/run/nvidia/driver"));
+        assert_eq!(
+            w.base.driver.libraries,
+            [PathBuf::from("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1")]
+        );
+        let hook = tessera_hook::config::HookConfig::load(&run.join("hook.toml")).unwrap();
+        assert_eq!(hook.runtime_dir, run);
+        assert_eq!(hook.cdi_spec_dirs, [tmp.path().join("cdi")]);
+        assert_eq!(hook.driver_root, Path::new("/run/nvidia/driver"));
+        assert_eq!(hook.shim_path.as_deref(), Some(Path::new(paths::SHIM)));
+        assert!(hook.require_allocation);
+        // The specs' hook entry carries it.
+        let gpu = NodeDevice {
+            class: "gpu".into(),
+            name: "GPU-x".into(),
+            aliases: vec![],
+            uuid: "GPU-x".into(),
+            nodes: vec![PathBuf::from("/dev/null")],
+        };
+        let specs = cdi::build_specs(&NodeDevices { devices: vec![gpu], ..w.base.clone() }).unwrap();
+        let hook = &specs[0].container_edits.hooks[0];
+        let config = run.join("hook.toml").display().to_string();
+        assert_eq!(hook.args, ["tessera-hook", "--config", config.as_str(), "createRuntime"]);
+        assert_eq!(hook.path, paths::HOOK);
+    }
+
+    #[test]
+    fn an_unwritable_runtime_dir_is_an_error_naming_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), ..Injection::default() };
+        let e = CdiWriter::new(&cfg, &tmp.path().join("missing")).unwrap_err();
+        assert!(e.contains("missing/hook.toml"), "{e}");
+    }
 
     #[test]
     fn mig_minors_table() {

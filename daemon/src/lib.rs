@@ -21,6 +21,7 @@
 //!   releasing allocations whose container is gone.
 //! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
 //! - [`socket`]: owner-only Unix sockets.
+//! - [`install`]: `tessera install` / `uninstall`: the hook, wrapper and shim on a host, runtimes configured.
 //! - [`trace`]: on-demand traces of a container's CUDA calls and kernels (Trace Event Format).
 
 pub mod allocator;
@@ -31,6 +32,7 @@ pub mod discovery;
 pub mod enforcement;
 pub mod events;
 pub mod health;
+pub mod install;
 pub mod kubelet;
 pub mod node;
 pub mod partition;

@@ -65,7 +65,7 @@ impl Settings {
         if let Some(v) = std::env::var_os(GRACE_ENV) {
             match v.to_str().and_then(|v| v.trim().parse::<u64>().ok()) {
                 Some(secs) => s.grace = Duration::from_secs(secs),
-                None => tracing::warn!(value = ?v, "{GRACE_ENV} is not a number of seconds; ignored"),
+                None => tracing::warn!(value = %v.to_string_lossy(), "{GRACE_ENV} is not a number of seconds; ignored"),
             }
         }
         s

@@ -164,7 +164,7 @@ impl Resources {
                 (Some(kind), _) => {
                     tracing::warn!(
                         gpu = gpu.index,
-                        ?kind,
+                        layout = kind.name(),
                         mig_on,
                         "the GPU is not in its layout's MIG mode yet (a reset is pending): nothing advertised"
                     );

@@ -1,11 +1,18 @@
 //! The deployment files in deploy/: the systemd unit is a valid Type=notify unit that reloads
 //! with SIGHUP (checked by systemd-analyze when the machine has it, against the built binary),
-//! and the DaemonSet's embedded configuration is one tesserad accepts, with the kubelet's
-//! device-plugin directory mounted where that configuration says.
+//! and the Kubernetes kustomization renders, validates against the 1.34 and 1.37 schemas, and
+//! mounts what its embedded configuration names.
 
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
 
 use tessera_daemon::config::Config;
+use tessera_hook::paths;
+
+mod common;
 
 fn deploy(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
@@ -19,48 +26,234 @@ fn systemd_unit_is_notify_and_reloads_with_sighup() {
     assert!(lines.contains(&"Type=notify"), "{unit}");
     assert!(lines.contains(&"ExecReload=/bin/kill -HUP $MAINPID"), "{unit}");
     let exec = lines.iter().find(|l| l.starts_with("ExecStart=")).expect("ExecStart");
-    assert!(exec.contains("tesserad --config /etc/tessera/config.toml"), "{exec}");
-    let Ok(out) = std::process::Command::new("systemd-analyze").arg("--version").output() else {
-        println!("SKIP systemd-analyze verify: systemd-analyze is not installed");
-        return;
-    };
-    assert!(out.status.success());
-    // Verify a copy that points at the built daemon (the unit names the installed path).
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let copy = tmp.path().join("tesserad.service");
-    let daemon = tessera_sim_testkit::binary("tesserad");
-    std::fs::write(&copy, unit.replace("/usr/local/bin/tesserad", &daemon.display().to_string())).expect("copy");
-    let out = std::process::Command::new("systemd-analyze")
-        .args(["verify", "--man=no"])
-        .arg(&copy)
-        .output()
-        .expect("systemd-analyze");
-    let text = String::from_utf8_lossy(&out.stderr);
-    // Only complaints about this unit count (the host's own units may have their own).
-    let ours: Vec<&str> = text.lines().filter(|l| l.contains("tesserad.service")).collect();
-    assert!(ours.is_empty(), "systemd-analyze verify:\n{text}");
+    assert_eq!(*exec, format!("ExecStart={} --config {}", paths::DAEMON, paths::DAEMON_CONFIG));
+    assert!(lines.contains(&"RuntimeDirectoryPreserve=yes"), "allocations must survive a restart: {unit}");
+}
+
+/// Every region is a tmpfs tesserad mounts under runtime_dir, which the runtime must see: a unit
+/// option that gives the service a mount namespace of its own would hide every region from
+/// containers (their region would be an empty file). And a path the unit requires that a plain
+/// host lacks fails the start with 226/NAMESPACE: any such path must be optional (`-`).
+#[test]
+fn systemd_unit_keeps_the_hosts_mount_namespace() {
+    let unit = deploy("systemd/tesserad.service");
+    let namespacing = [
+        "ProtectSystem=",
+        "ProtectHome=",
+        "PrivateTmp=",
+        "PrivateDevices=",
+        "PrivateMounts=",
+        "ReadWritePaths=",
+        "ReadOnlyPaths=",
+        "InaccessiblePaths=",
+        "TemporaryFileSystem=",
+        "BindPaths=",
+        "BindReadOnlyPaths=",
+        "ProtectKernelTunables=",
+        "ProtectKernelModules=",
+        "ProtectKernelLogs=",
+        "ProtectControlGroups=",
+        "ProtectClock=",
+        "ProtectHostname=",
+        "ProtectProc=",
+        "MountFlags=",
+        "RootDirectory=",
+        "RootImage=",
+    ];
+    for line in unit.lines().map(str::trim).filter(|l| !l.starts_with('#')) {
+        let bad = namespacing.iter().find(|o| line.starts_with(*o));
+        assert!(bad.is_none(), "{line}: puts tesserad in a mount namespace whose region mounts never reach the host");
+    }
 }
 
 #[test]
-fn daemonset_config_is_valid_and_mounts_what_it_names() {
-    let yaml = deploy("kubernetes/daemonset.yaml");
-    // The ConfigMap's config.toml: the indented block after `config.toml: |`.
-    let start = yaml.find("config.toml: |").expect("config.toml in the ConfigMap");
-    let block: Vec<&str> = yaml[start..]
-        .lines()
-        .skip(1)
-        .take_while(|l| l.starts_with("    ") || l.trim().is_empty())
-        .map(|l| l.strip_prefix("    ").unwrap_or(l))
-        .collect();
-    let config = Config::parse(&block.join("\n")).unwrap_or_else(|e| panic!("embedded config: {e}"));
-    for (path, what) in [
-        (config.device_plugin_dir.to_str().expect("utf-8").trim_end_matches('/'), "device-plugin dir"),
-        (config.state_dir.to_str().expect("utf-8"), "state dir"),
-        (config.runtime_dir.to_str().expect("utf-8"), "runtime dir"),
-    ] {
-        assert!(yaml.contains(&format!("mountPath: {path}")), "the {what} {path} is not mounted");
-        assert!(yaml.contains(&format!("path: {path}")), "the {what} {path} is not a hostPath");
+fn systemd_analyze_verifies_the_unit() {
+    let unit = deploy("systemd/tesserad.service");
+    let Ok(out) = std::process::Command::new("systemd-analyze").arg("--version").output() else {
+        return common::skip("systemd-analyze is not installed (scripts/deps.sh installs Debian's systemd)");
+    };
+    assert!(out.status.success());
+    // Verify a copy that points at the built daemon (the unit names the installed path), which
+    // systemd-analyze checks is executable.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let copy = tmp.path().join("tesserad.service");
+    let daemon = tessera_sim_testkit::binary("tesserad");
+    std::fs::write(&copy, unit.replace(paths::DAEMON, &daemon.display().to_string())).expect("copy");
+    let verify = |file: &Path| {
+        let out = std::process::Command::new("systemd-analyze")
+            .args(["verify", "--man=no"])
+            .arg(file)
+            .output()
+            .expect("systemd-analyze");
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        // Only complaints about this unit count (the host's own units may have their own).
+        let ours = text.lines().any(|l| l.contains("tesserad.service"));
+        (out.status.success() && !ours, text)
+    };
+    let (ok, text) = verify(&copy);
+    assert!(ok, "systemd-analyze verify:\n{text}");
+    // The check can fail: a unit naming a program that is not there is refused.
+    std::fs::write(&copy, unit.replace(paths::DAEMON, "/nonexistent/tesserad")).expect("copy");
+    let (ok, text) = verify(&copy);
+    assert!(!ok, "systemd-analyze verify accepted a missing ExecStart program:\n{text}");
+}
+
+/// The renderer: `kubectl kustomize` (Debian's kubernetes-client), or SKIP.
+fn kubectl() -> Option<PathBuf> {
+    let found = which("kubectl");
+    if found.is_none() {
+        common::skip("kubectl is not installed (Debian package kubernetes-client; scripts/deps.sh installs it)");
     }
-    assert!(yaml.contains("\"--config\", \"/etc/tessera/config.toml\""));
-    assert!(yaml.contains("mountPath: /etc/tessera"));
+    found
+}
+
+/// kubernetes-validate: the virtual environment scripts/deps.sh makes, else on PATH, or SKIP.
+fn validator() -> Option<PathBuf> {
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/k8s-validate/bin");
+    let found = Some(venv.join("kubernetes-validate")).filter(|p| p.is_file()).or_else(|| which("kubernetes-validate"));
+    if found.is_none() {
+        common::skip("kubernetes-validate is not installed (scripts/deps.sh puts it in target/k8s-validate)");
+    }
+    found
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// `kubectl kustomize deploy/kubernetes/<dir>`: the YAML text.
+fn render(kubectl: &Path, dir: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes").join(dir);
+    let out = Command::new(kubectl).arg("kustomize").arg(&path).output().expect("kubectl kustomize");
+    assert!(out.status.success(), "kubectl kustomize {dir}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+/// The rendered documents as JSON (PyYAML from the validator's environment).
+fn documents(validator: &Path, yaml: &str) -> Vec<Value> {
+    let python = validator.with_file_name("python");
+    let python = if python.is_file() { python } else { PathBuf::from("python3") };
+    let mut child = Command::new(python)
+        .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+/// Both overlays render, validate strictly against the Kubernetes 1.34 and 1.37 schemas (a
+/// kind the schemas do not know counts as a failure, not a warning), and say what tesserad
+/// needs: its configuration's directories mounted from the same host paths, the runtime
+/// directory Bidirectional, the host's driver root where the configuration says, the installer
+/// as an init container with the host's root, probes, requests, the token only in DRA mode.
+#[test]
+fn kustomize_overlays_render_validate_and_mount_what_the_config_names() {
+    let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
+    for (overlay, token) in [("overlays/device-plugin", false), ("overlays/dra", true)] {
+        let yaml = render(&kubectl, overlay);
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("rendered.yaml");
+        std::fs::write(&file, &yaml).unwrap();
+        for version in ["1.34.0", "1.37.0"] {
+            let out = Command::new(&validator)
+                .args(["--strict", "--quiet", "-k", version])
+                .arg(&file)
+                .output()
+                .expect("kubernetes-validate");
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && said.trim().is_empty(), "{overlay} against {version}:\n{said}");
+        }
+        let docs = documents(&validator, &yaml);
+        let ds = find(&docs, "DaemonSet", "tesserad");
+        let pod = &ds["spec"]["template"]["spec"];
+        assert_eq!(pod["automountServiceAccountToken"], token, "{overlay}: the token only where DRA needs it");
+        assert_eq!(pod["hostPID"], true);
+        let cm = find(&docs, "ConfigMap", "tessera-config");
+        let cfg = Config::parse(cm["data"]["config.toml"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+        let volumes = pod["volumes"].as_array().unwrap();
+        let host_path = |volume: &str| {
+            volumes.iter().find(|v| v["name"] == volume).and_then(|v| v["hostPath"]["path"].as_str()).map(String::from)
+        };
+        let daemon = &pod["containers"].as_array().unwrap().iter().find(|c| c["name"] == "tesserad").unwrap();
+        assert_eq!(daemon["command"][0], paths::DAEMON);
+        let mounts = daemon["volumeMounts"].as_array().unwrap();
+        let mount = |path: &Path| {
+            let path = path.to_str().unwrap().trim_end_matches('/');
+            mounts.iter().find(|m| m["mountPath"] == path).unwrap_or_else(|| panic!("{overlay}: {path} is not mounted"))
+        };
+        for dir in [
+            &cfg.device_plugin_dir,
+            &cfg.state_dir,
+            &cfg.runtime_dir,
+            &cfg.injection.cdi_spec_dir,
+            &cfg.injection.dev_root,
+        ] {
+            let m = mount(dir);
+            let host = host_path(m["name"].as_str().unwrap());
+            assert_eq!(
+                host.as_deref(),
+                Some(dir.to_str().unwrap().trim_end_matches('/')),
+                "{overlay}: {} is the host's",
+                dir.display()
+            );
+        }
+        for kubelet in
+            ["/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/pod-resources"]
+        {
+            mount(Path::new(kubelet));
+        }
+        assert_eq!(mount(&cfg.runtime_dir)["mountPropagation"], "Bidirectional", "regions' mounts must reach the host");
+        let driver = mount(&cfg.injection.driver_root);
+        assert_eq!(host_path(driver["name"].as_str().unwrap()).as_deref(), cfg.injection.host_driver_root().to_str());
+        assert_eq!(mount(Path::new(paths::DAEMON_CONFIG).parent().unwrap())["readOnly"], true);
+        // The installer first, with the host's root.
+        let init = &pod["initContainers"][0];
+        assert_eq!(init["command"][0], paths::CLI);
+        assert_eq!(init["command"][1], "install");
+        let root = init["command"][3].as_str().unwrap();
+        let root_mount = init["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == root).unwrap();
+        assert_eq!(host_path(root_mount["name"].as_str().unwrap()).as_deref(), Some("/"));
+        // Probes on what the daemon serves; the metrics port is the configured one.
+        let port = cfg.telemetry.metrics_listen.as_deref().and_then(|l| l.rsplit(':').next()).unwrap();
+        assert_eq!(daemon["ports"][0]["containerPort"].to_string(), port);
+        assert_eq!(daemon["livenessProbe"]["httpGet"]["path"], "/healthz");
+        assert_eq!(daemon["livenessProbe"]["httpGet"]["port"], daemon["ports"][0]["name"]);
+        assert_eq!(daemon["readinessProbe"]["exec"]["command"][0], paths::CLI);
+        for c in pod["containers"].as_array().unwrap().iter().chain(pod["initContainers"].as_array().unwrap()) {
+            assert!(c["resources"]["requests"]["cpu"].is_string() && c["resources"]["requests"]["memory"].is_string());
+            // The image's own user is nobody: root only where the manifest says so.
+            assert_eq!(c["securityContext"]["runAsUser"], 0, "{}", c["name"]);
+        }
+        let svc = find(&docs, "Service", "tesserad-metrics");
+        assert_eq!(svc["spec"]["ports"][0]["targetPort"], daemon["ports"][0]["name"]);
+        assert_eq!(svc["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"]);
+        assert_eq!(find(&docs, "RuntimeClass", "tessera")["handler"], tessera_daemon::install::HANDLER);
+    }
+}
+
+/// The ServiceMonitor (kept apart: it needs the Prometheus Operator's CRD) selects the metrics
+/// Service by its labels and scrapes its named port.
+#[test]
+fn the_service_monitor_scrapes_the_metrics_service() {
+    let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
+    let monitor = documents(&validator, &render(&kubectl, "monitoring"));
+    let base = documents(&validator, &render(&kubectl, "overlays/device-plugin"));
+    let sm = find(&monitor, "ServiceMonitor", "tesserad");
+    let svc = find(&base, "Service", "tesserad-metrics");
+    assert_eq!(sm["metadata"]["namespace"], svc["metadata"]["namespace"]);
+    for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&svc["metadata"]["labels"][k], v, "the ServiceMonitor selects label {k}");
+    }
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], svc["spec"]["ports"][0]["name"]);
+    assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
 }

@@ -118,8 +118,9 @@ pub struct NodeDevices {
     pub shim: Option<PathBuf>,
     /// Host path of tessera-hook (the `createRuntime` hook entry).
     pub hook_binary: PathBuf,
-    /// The hook's configuration file, passed as `--config` (none: its default).
-    pub hook_config: Option<PathBuf>,
+    /// The hook's configuration file, always passed as `--config`: a spec's hook must find the
+    /// configuration of the daemon that wrote it, whatever that daemon's paths are.
+    pub hook_config: PathBuf,
     /// The device root the nodes are under (their container path is `/dev/<relative>`).
     pub dev_root: PathBuf,
     /// cdiVersion to write: [`CDI_VERSION`] when none; [`CDI_VERSION_COMPAT`] drops annotations.
@@ -259,11 +260,12 @@ fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, C
             options: ro(),
         });
     }
-    let mut args = vec!["tessera-hook".to_string()];
-    if let Some(c) = &node.hook_config {
-        args.extend(["--config".into(), c.display().to_string()]);
-    }
-    args.push("createRuntime".into());
+    let args = vec![
+        "tessera-hook".to_string(),
+        "--config".into(),
+        node.hook_config.display().to_string(),
+        "createRuntime".into(),
+    ];
     edits.hooks.push(Hook {
         hook_name: "createRuntime".into(),
         path: node.hook_binary.display().to_string(),
@@ -485,8 +487,8 @@ pub(crate) mod tests {
             control_nodes: vec![dev.join("nvidiactl"), dev.join("nvidia-uvm"), dev.join("nvidia-modeset")],
             driver: DriverFiles::default(),
             shim: None,
-            hook_binary: PathBuf::from("/usr/bin/tessera-hook"),
-            hook_config: None,
+            hook_binary: PathBuf::from(crate::paths::HOOK),
+            hook_config: PathBuf::from("/run/tessera/hook.toml"),
             dev_root: dev,
             cdi_version: None,
         }
@@ -530,6 +532,9 @@ pub(crate) mod tests {
             (hook.hook_name.as_str(), hook.env.as_slice()),
             ("createRuntime", [HOOK_ENV.to_string()].as_slice())
         );
+        // Always `--config`: the hook must find the writing daemon's paths, not its own defaults.
+        assert_eq!(hook.path, crate::paths::HOOK);
+        assert_eq!(hook.args, ["tessera-hook", "--config", "/run/tessera/hook.toml", "createRuntime"]);
 
         let cdi = dir.path().join("cdi");
         std::fs::create_dir_all(&cdi).unwrap();

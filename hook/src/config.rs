@@ -9,13 +9,15 @@
 //! dev_root = "/dev"
 //! runtime = "runc"                      # the wrapper's real runtime: a name on PATH or a path
 //! require_allocation = true
-//! shim_path = "/usr/lib/tessera/libtessera.so"
+//! shim_path = "/usr/local/lib/tessera/libtessera.so"
 //! ```
 
 use std::path::{Path, PathBuf};
 
+use crate::paths;
+
 /// Where the configuration is read from when nothing else is said.
-pub const DEFAULT_PATH: &str = "/etc/tessera/hook.toml";
+pub const DEFAULT_PATH: &str = crate::paths::HOOK_CONFIG;
 /// The wrapper's way to name another configuration file (the hook takes `--config`).
 pub const ENV_CONFIG: &str = "TESSERA_HOOK_CONFIG";
 
@@ -40,13 +42,13 @@ pub struct HookConfig {
 impl Default for HookConfig {
     fn default() -> HookConfig {
         HookConfig {
-            cdi_spec_dirs: vec![PathBuf::from("/etc/cdi"), PathBuf::from("/var/run/cdi")],
-            runtime_dir: PathBuf::from("/run/tessera"),
+            cdi_spec_dirs: paths::CDI_SPEC_DIRS.iter().map(PathBuf::from).collect(),
+            runtime_dir: PathBuf::from(paths::RUNTIME_DIR),
             driver_root: PathBuf::from("/"),
             dev_root: PathBuf::from("/dev"),
             runtime: "runc".into(),
             require_allocation: true,
-            shim_path: Some(PathBuf::from("/usr/lib/tessera/libtessera.so")),
+            shim_path: Some(PathBuf::from(paths::SHIM)),
         }
     }
 }
@@ -63,6 +65,18 @@ pub enum ConfigError {
     Syntax { path: PathBuf, reason: String },
     #[error("{}: {key}: {reason}", path.display())]
     Invalid { path: PathBuf, key: String, reason: String },
+}
+
+/// The wrapper's configuration file: `$TESSERA_HOOK_CONFIG`, else [`DEFAULT_PATH`] when it
+/// exists, else the one tesserad writes for its specs (`/run/tessera/hook.toml`) when that exists
+/// (a containerd runtime handler cannot give the wrapper an argument or an environment, and a
+/// node set up by `tessera install` has no file of its own), else [`DEFAULT_PATH`] (the defaults).
+pub fn wrapper_config_path(env: Option<std::ffi::OsString>, default: &Path, generated: &Path) -> PathBuf {
+    match env {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ if !default.exists() && generated.exists() => generated.to_path_buf(),
+        _ => default.to_path_buf(),
+    }
 }
 
 impl HookConfig {
@@ -134,6 +148,24 @@ impl HookConfig {
         Ok(c)
     }
 
+    /// The configuration as a file [`HookConfig::parse`] reads back unchanged (the daemon writes
+    /// the one its CDI specs name).
+    pub fn render(&self) -> String {
+        let quote = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
+        let dirs: Vec<String> = self.cdi_spec_dirs.iter().map(|d| quote(d)).collect();
+        format!(
+            "cdi_spec_dirs = [{}]\nruntime_dir = {}\ndriver_root = {}\ndev_root = {}\nruntime = {}\n\
+             require_allocation = {}\nshim_path = {}\n",
+            dirs.join(", "),
+            quote(&self.runtime_dir),
+            quote(&self.driver_root),
+            quote(&self.dev_root),
+            toml::Value::String(self.runtime.clone()),
+            self.require_allocation,
+            self.shim_path.as_deref().map_or_else(|| "\"\"".to_string(), quote),
+        )
+    }
+
     /// The driver discovery settings this configuration names.
     pub fn driver(&self) -> crate::driver::DriverConfig {
         crate::driver::DriverConfig {
@@ -177,6 +209,31 @@ shim_path = ""
         assert_eq!(c.runtime, "/usr/sbin/runc");
         assert!(!c.require_allocation);
         assert_eq!(c.shim_path, None);
+    }
+
+    #[test]
+    fn the_wrapper_falls_back_to_the_daemons_file_only_when_the_operator_wrote_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let (default, generated) = (dir.path().join("etc-hook.toml"), dir.path().join("run-hook.toml"));
+        let pick = |env: Option<&str>| wrapper_config_path(env.map(Into::into), &default, &generated);
+        assert_eq!(pick(None), default, "neither exists: the defaults");
+        std::fs::write(&generated, "").unwrap();
+        assert_eq!(pick(None), generated);
+        assert_eq!(pick(Some("")), generated, "an empty variable names nothing");
+        std::fs::write(&default, "").unwrap();
+        assert_eq!(pick(None), default, "the operator's file wins");
+        assert_eq!(pick(Some("/x.toml")), Path::new("/x.toml"));
+    }
+
+    #[test]
+    fn render_reads_back_unchanged() {
+        let mut c = HookConfig::default();
+        assert_eq!(HookConfig::parse(&c.render()).unwrap(), c);
+        c.cdi_spec_dirs = vec![PathBuf::from("/tmp/a \"quoted\" dir"), PathBuf::from("/x")];
+        c.driver_root = PathBuf::from("/run/nvidia/driver");
+        c.shim_path = None;
+        c.require_allocation = false;
+        assert_eq!(HookConfig::parse(&c.render()).unwrap(), c);
     }
 
     #[test]

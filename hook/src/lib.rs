@@ -3,6 +3,7 @@
 //! - [`cdi`]: the CDI specs the daemon writes (`tessera.io/gpu`, `/mig`, `/share`) and the hook reads.
 //! - [`driver`]: the host driver's user-space files, found by name under a driver root.
 //! - [`config`]: the hook's and the wrapper's own configuration (`/etc/tessera/hook.toml`).
+//! - [`paths`]: the default host paths every part and deploy/ use.
 //! - [`owner`]: the record of which container holds an allocation, for the daemon's reports.
 //! - [`plan`]: what a container asked for, checked against its allocation, as one [`plan::Plan`].
 //! - [`oci`]: config.json, the hook's state, and the wrapper's edits.
@@ -18,6 +19,7 @@ pub mod config;
 pub mod driver;
 pub mod oci;
 pub mod owner;
+pub mod paths;
 pub mod plan;
 pub mod safe;
 mod sys;

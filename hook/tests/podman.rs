@@ -114,7 +114,7 @@ fn podman_hooks_dir_injects_on_env_request() {
     std::fs::create_dir_all(&hooks).unwrap();
     let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/hooks.d/tessera-hook.json")).unwrap();
     let hook = example
-        .replace("/usr/bin/tessera-hook", HOOK)
+        .replace("/usr/local/bin/tessera-hook", HOOK)
         .replace("/etc/tessera/hook.toml", &node.config.display().to_string());
     std::fs::write(hooks.join("tessera-hook.json"), hook).unwrap();
     let hooks_arg = format!("--hooks-dir={}", hooks.display());

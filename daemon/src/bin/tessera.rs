@@ -97,6 +97,10 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Put the hook, the runtime wrapper and the shim on this host and configure its runtimes.
+    Install(tessera_daemon::install::InstallArgs),
+    /// Undo `tessera install`: remove what it wrote, restore what it edited.
+    Uninstall(tessera_daemon::install::UninstallArgs),
     /// Record a container's CUDA calls and kernels as a Perfetto / Chrome trace (JSON).
     Trace {
         /// The allocation id, or the container: `namespace/pod/container`, `pod/container`, `pod`,
@@ -147,6 +151,11 @@ struct ApplyArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    match &cli.command {
+        Command::Install(a) => return tessera_daemon::install::finish(tessera_daemon::install::install(a)),
+        Command::Uninstall(a) => return tessera_daemon::install::finish(tessera_daemon::install::uninstall(a)),
+        _ => {} // the rest talk to tesserad
+    }
     let socket = match &cli.socket {
         Some(s) => s.clone(),
         None => {
@@ -191,6 +200,7 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Trace { container, seconds, output, json } => {
             trace(&mut client, &container, seconds, output, json).await
         }
+        Command::Install(_) | Command::Uninstall(_) => unreachable!("handled before connecting"),
     }
 }
 

@@ -38,17 +38,14 @@ struct Args {
     /// Discover, apply the layout, print a summary and exit (no kubelet servers).
     #[arg(long)]
     once: bool,
+    /// Log lines as `text` or `json` (one object per line). Default: the configuration's
+    /// `log_format`, else text.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    log_format: Option<config::LogFormat>,
 }
 
 fn main() -> ExitCode {
     let started = Instant::now();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let args = Args::parse();
     let explicit = args.config.as_os_str() != config::DEFAULT_PATH;
     let cfg = match Config::load(&args.config, explicit) {
@@ -58,7 +55,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let session = match Session::open(cfg.nvml_library.as_deref(), args.sim || cfg.sim) {
+    init_logging(args.log_format.unwrap_or(cfg.log_format));
+    let session = match Session::open_in(cfg.nvml_library.as_deref(), args.sim || cfg.sim, &cfg.injection.driver_root) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("tesserad: {e}");
@@ -182,7 +180,13 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let mut plugins = Plugins::default();
         let initial = Arc::clone(&resources_rx.borrow_and_update());
         // CDI specs for the runtimes, now and whenever what is offered changes.
-        let mut cdi = CdiWriter::new(&cfg.injection);
+        let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir) {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("tesserad: {e}");
+                return ExitCode::from(1);
+            }
+        };
         write_cdi(&mut cdi, &controller);
         let set = match plugins.start(&cfg, &initial, controller.allocator()) {
             Ok(s) => s,
@@ -448,6 +452,34 @@ fn gpu_owns(gpu: &tessera_daemon::discovery::Gpu, uuid: &str) -> bool {
     gpu.mig.iter().flat_map(|m| &m.instances).flat_map(|gi| &gi.devices).any(|d| d.uuid == uuid)
 }
 
+/// Log lines to stderr, for journald and `kubectl logs`: colours only when stderr is a terminal;
+/// `json`: one object per line (level, target, fields, message) for log pipelines.
+fn init_logging(format: config::LogFormat) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        config::LogFormat::Json => builder.json().flatten_event(true).with_ansi(false).init(),
+    }
+}
+
+/// A GPU's MIG state in words: `off`, `on (2 instances)`, `off (on after reset)`, `none`.
+fn describe_mig(mig: Option<&tessera_daemon::discovery::MigInfo>) -> String {
+    match mig {
+        None => "none".into(),
+        Some(m) => {
+            let now = if m.current { format!("on ({} instances)", m.instances.len()) } else { "off".into() };
+            match (m.current, m.pending) {
+                (true, false) => format!("{now}, off after reset"),
+                (false, true) => format!("{now}, on after reset"),
+                _ => now,
+            }
+        }
+    }
+}
+
 fn log_inventory(inv: &Inventory) {
     tracing::info!(driver = %inv.driver_version, cuda = inv.cuda_driver_version, gpus = inv.gpus.len(), "discovered");
     for g in &inv.gpus {
@@ -457,9 +489,9 @@ fn log_inventory(inv: &Inventory) {
             name = %g.name,
             memory_mib = g.memory_total >> 20,
             bus = %g.pci_bus_id,
-            numa = ?g.numa_node,
-            mig = ?g.mig.as_ref().map(|m| (m.current, m.pending, m.instances.len())),
-            nvlink = ?g.nvlink_peers,
+            numa = %g.numa_node.map_or_else(|| "none".to_string(), |n| n.to_string()),
+            mig = %describe_mig(g.mig.as_ref()),
+            nvlink = %g.nvlink_peers.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
             "GPU"
         );
     }

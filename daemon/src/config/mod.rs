@@ -13,6 +13,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use tessera_hook::paths;
 
 pub use reload::{Change, Reload, When, reload};
 pub use shares::{ByteSize, ShareSize, SharesSpec};
@@ -20,7 +21,7 @@ pub(crate) use validate::quote_key;
 pub use validate::{MAX_SHARES, is_profile_name};
 
 /// Where the daemon looks for its configuration when `--config` is not given.
-pub const DEFAULT_PATH: &str = "/etc/tessera/config.toml";
+pub const DEFAULT_PATH: &str = tessera_hook::paths::DAEMON_CONFIG;
 /// The NVML library of the real driver (what `nvml_library` means when unset).
 pub const DRIVER_NVML: &str = "libnvidia-ml.so.1";
 
@@ -28,8 +29,8 @@ pub const DRIVER_NVML: &str = "libnvidia-ml.so.1";
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// NVML library to load. Unset: the real driver's `libnvidia-ml.so.1`, and the simulated node
-    /// when no driver can be loaded. Set: exactly this library, an error if it cannot be loaded.
+    /// NVML library to load. Unset: the driver's `libnvidia-ml.so.1` (under `injection.driver_root`
+    /// when that is not `/`); never the simulator unasked. Set: exactly this library.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvml_library: Option<PathBuf>,
     /// Use the simulated node (`libtessera_sim.so`) instead of the driver; same as `--sim`.
@@ -46,6 +47,9 @@ pub struct Config {
     /// The kubelet's pod-resources API socket, read to learn which pod holds each allocation and
     /// which allocations' containers are gone. Empty: off.
     pub pod_resources_socket: PathBuf,
+    /// tesserad's log lines on stderr: `text` (one line each, colours only on a terminal) or
+    /// `json` (one object each, for log pipelines). `--log-format` overrides it.
+    pub log_format: LogFormat,
     /// How resources are named and shares placed.
     pub resources: Resources,
     /// Metrics and OTLP export; nothing listens or sends unless configured.
@@ -69,10 +73,11 @@ impl Default for Config {
             nvml_library: None,
             sim: false,
             device_plugin_dir: PathBuf::from("/var/lib/kubelet/device-plugins/"),
-            state_dir: PathBuf::from("/var/lib/tessera"),
-            runtime_dir: PathBuf::from("/run/tessera"),
+            state_dir: PathBuf::from(paths::STATE_DIR),
+            runtime_dir: PathBuf::from(paths::RUNTIME_DIR),
             node_api_socket: None,
             pod_resources_socket: PathBuf::from(tessera_proto::podresources::v1::POD_RESOURCES_SOCKET),
+            log_format: LogFormat::Text,
             resources: Resources::default(),
             telemetry: Telemetry::default(),
             health: Health::default(),
@@ -82,6 +87,17 @@ impl Default for Config {
             partitions: BTreeMap::new(),
         }
     }
+}
+
+/// `log_format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines (`journalctl`, `kubectl logs`).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// `[resources]`.
@@ -178,8 +194,14 @@ pub struct Injection {
     pub cdi_spec_dir: PathBuf,
     /// `0.6.0`, or `0.5.0` for runtimes that refuse newer specs (podman 4.3).
     pub cdi_version: String,
-    /// The host driver's root: its libraries and tools, and `proc/driver/nvidia-caps/mig-minors`.
+    /// The host driver's root as the daemon sees it: its libraries and tools (and NVML, when
+    /// `nvml_library` is unset and this is not `/`), and `proc/driver/nvidia-caps/mig-minors`.
     pub driver_root: PathBuf,
+    /// The same root as the host (and so the runtime and the hook) sees it, for the paths written
+    /// into specs; empty: `driver_root`. A daemon in a container sees the host's driver root
+    /// where it is mounted (`/driver-root`), the host at `/` or `/run/nvidia/driver`.
+    #[serde(skip_serializing_if = "is_empty_path")]
+    pub host_driver_root: PathBuf,
     /// Where the GPU device nodes are (`nvidia<minor>`, `nvidiactl`, `nvidia-caps/`).
     pub dev_root: PathBuf,
     /// `libtessera.so` on the host, preloaded in containers. Empty: no shim.
@@ -191,14 +213,26 @@ pub struct Injection {
 impl Default for Injection {
     fn default() -> Self {
         Injection {
-            cdi_spec_dir: PathBuf::from("/var/run/cdi"),
+            cdi_spec_dir: PathBuf::from(paths::CDI_SPEC_DIR),
             cdi_version: "0.6.0".into(),
             driver_root: PathBuf::from("/"),
+            host_driver_root: PathBuf::new(),
             dev_root: PathBuf::from("/dev"),
-            shim_path: PathBuf::from("/usr/local/lib/tessera/libtessera.so"),
-            hook_path: PathBuf::from("/usr/local/bin/tessera-hook"),
+            shim_path: PathBuf::from(paths::SHIM),
+            hook_path: PathBuf::from(paths::HOOK),
         }
     }
+}
+
+impl Injection {
+    /// The driver root as the host sees it: `host_driver_root`, else `driver_root`.
+    pub fn host_driver_root(&self) -> &Path {
+        if self.host_driver_root.as_os_str().is_empty() { &self.driver_root } else { &self.host_driver_root }
+    }
+}
+
+fn is_empty_path(p: &Path) -> bool {
+    p.as_os_str().is_empty()
 }
 
 /// One partition declaration (`[partitions.<key>]`): exactly one of `whole`, `mig`, `shares`.
@@ -247,6 +281,17 @@ pub enum PartitionKind<'a> {
     Mig { profiles: &'a BTreeMap<String, u32>, shares: Option<&'a BTreeMap<String, SharesSpec>> },
     /// Shares of the whole GPU, MIG mode off.
     Shares(&'a SharesSpec),
+}
+
+impl PartitionKind<'_> {
+    /// `whole`, `mig` or `shares`, as the file spells them.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PartitionKind::Whole => "whole",
+            PartitionKind::Mig { .. } => "mig",
+            PartitionKind::Shares(_) => "shares",
+        }
+    }
 }
 
 impl PartitionSpec {

@@ -125,6 +125,7 @@ fn semantic_errors_name_the_key() {
     refused("[injection]\ncdi_version = \"1.0\"\n", "injection.cdi_version", "0.6.0");
     refused("[injection]\ncdi_spec_dir = \"cdi\"\n", "injection.cdi_spec_dir", "absolute");
     refused("[injection]\ndev_root = \"dev\"\n", "injection.dev_root", "absolute");
+    refused("[injection]\nhost_driver_root = \"driver\"\n", "injection.host_driver_root", "absolute");
     refused("[injection]\nshim_path = \"lib/libtessera.so\"\n", "injection.shim_path", "absolute");
     assert!(Config::parse("[injection]\ncdi_spec_dir = \"\"\nshim_path = \"\"\n").is_ok(), "empty turns them off");
     refused("[limits]\ncompute_mode = \"fair\"\n", "limits.compute_mode", "strict");

@@ -21,6 +21,9 @@ fn injection(i: &super::Injection) -> Result<(), ConfigError> {
         ));
     }
     absolute("injection.driver_root", &i.driver_root)?;
+    if !i.host_driver_root.as_os_str().is_empty() {
+        absolute("injection.host_driver_root", &i.host_driver_root)?;
+    }
     absolute("injection.dev_root", &i.dev_root)?;
     if !i.shim_path.as_os_str().is_empty() {
         absolute("injection.shim_path", &i.shim_path)?;

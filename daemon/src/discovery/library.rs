@@ -52,9 +52,27 @@ fn init(path: &Path) -> Result<Nvml, nvml_wrapper::error::NvmlError> {
 }
 
 /// Loads NVML for the daemon's life, choosing the library as the module describes; logs which
-/// (and why) as its first line.
-pub fn load(configured: Option<&Path>, sim: bool) -> Result<(Nvml, PathBuf, Source), DiscoveryError> {
-    load_with(Path::new(DRIVER_NVML), configured, sim)
+/// (and why) as its first line. The driver's library is looked for under `driver_root`
+/// ([`driver_library`]).
+pub fn load(
+    configured: Option<&Path>,
+    sim: bool,
+    driver_root: &Path,
+) -> Result<(Nvml, PathBuf, Source), DiscoveryError> {
+    load_with(&driver_library(driver_root), configured, sim)
+}
+
+/// The driver's NVML: the bare name for the dynamic loader when the driver root is `/`; else
+/// the first `libnvidia-ml.so.1` in the driver root's library directories (a daemon in a
+/// container sees the host's driver where it is mounted; the loader's own paths are the
+/// image's), or the first of them when none has it (the error then names that path).
+pub fn driver_library(driver_root: &Path) -> PathBuf {
+    if driver_root == Path::new("/") {
+        return PathBuf::from(DRIVER_NVML);
+    }
+    let dirs = tessera_hook::driver::DriverConfig::default().library_dirs;
+    let candidates: Vec<PathBuf> = dirs.iter().map(|d| driver_root.join(d).join(DRIVER_NVML)).collect();
+    candidates.iter().find(|p| p.exists()).unwrap_or(&candidates[0]).clone()
 }
 
 /// [`load`], with the driver's library named `driver` (tests name one that is absent).
@@ -71,7 +89,7 @@ fn load_with(driver: &Path, configured: Option<&Path>, sim: bool) -> Result<(Nvm
     } else {
         let nvml = init(driver).map_err(|e| DiscoveryError::NoDriver {
             library: driver.to_path_buf(),
-            searched: searched(),
+            searched: searched(driver),
             reason: e.to_string(),
         })?;
         (driver.to_path_buf(), Source::Driver, nvml)
@@ -81,7 +99,10 @@ fn load_with(driver: &Path, configured: Option<&Path>, sim: bool) -> Result<(Nvm
 }
 
 /// Where the dynamic loader looks for a bare library name, as `ld.so(8)` orders it.
-fn searched() -> String {
+fn searched(library: &Path) -> String {
+    if library.is_absolute() {
+        return "the library directories of injection.driver_root (usr/lib/x86_64-linux-gnu, usr/lib64, …)".into();
+    }
     let env = std::env::var("LD_LIBRARY_PATH").ok().filter(|v| !v.is_empty());
     let env = env.map_or_else(|| "LD_LIBRARY_PATH (unset)".to_string(), |v| format!("LD_LIBRARY_PATH ({v})"));
     format!("{env}, the ld.so cache (/etc/ld.so.cache, see `ldconfig -p`), /lib and /usr/lib")
@@ -101,5 +122,19 @@ mod tests {
         assert!(text.contains("libnvidia-ml-absent-for-test.so.1"), "{text}");
         assert!(text.contains("LD_LIBRARY_PATH") && text.contains("/etc/ld.so.cache"), "{text}");
         assert!(text.contains("--sim"), "says how to ask for the simulator: {text}");
+    }
+
+    #[test]
+    fn the_driver_library_is_found_under_a_mounted_driver_root() {
+        assert_eq!(driver_library(Path::new("/")), Path::new(DRIVER_NVML));
+        let tmp = tempfile::tempdir().unwrap();
+        let lib64 = tmp.path().join("usr/lib64");
+        std::fs::create_dir_all(&lib64).unwrap();
+        // None there yet: the first library directory is named (the error says where).
+        assert_eq!(driver_library(tmp.path()), tmp.path().join("usr/lib/x86_64-linux-gnu").join(DRIVER_NVML));
+        std::fs::write(lib64.join(DRIVER_NVML), "not really").unwrap();
+        assert_eq!(driver_library(tmp.path()), lib64.join(DRIVER_NVML));
+        let err = load_with(&driver_library(tmp.path()), None, false).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("usr/lib64/libnvidia-ml.so.1") && err.contains("injection.driver_root"), "{err}");
     }
 }

@@ -45,10 +45,16 @@ pub struct Session {
 }
 
 impl Session {
-    /// Loads NVML: `configured` (`nvml_library`), the simulated node when `sim`, else the driver
-    /// with the simulated node as fallback. Logs the choice first.
+    /// Loads NVML: `configured` (`nvml_library`), the simulated node when `sim`, else the
+    /// driver's (never the simulator unasked). Logs the choice first.
     pub fn open(configured: Option<&Path>, sim: bool) -> Result<Session, DiscoveryError> {
-        let (nvml, library, source) = library::load(configured, sim)?;
+        Session::open_in(configured, sim, Path::new("/"))
+    }
+
+    /// [`Session::open`], with the driver's library looked for under `driver_root`
+    /// (`injection.driver_root`: a daemon in a container sees the host's driver mounted there).
+    pub fn open_in(configured: Option<&Path>, sim: bool, driver_root: &Path) -> Result<Session, DiscoveryError> {
+        let (nvml, library, source) = library::load(configured, sim, driver_root)?;
         Ok(Session { nvml, library, source })
     }
 

@@ -312,7 +312,7 @@ impl Enforcer {
                     }
                 }
                 if !failed.is_empty() {
-                    tracing::error!(allocation = ?key.allocations, failed = %failed.join("; "), "enforcement: cannot kill");
+                    tracing::error!(allocation = %key.allocations.join(","), failed = %failed.join("; "), "enforcement: cannot kill");
                 }
                 outcome.killed.extend(&killed);
                 (key, gpu_index, used, limit, pids, api::BreachAction::Killed, Phase::Started, killed)

@@ -64,7 +64,7 @@ pub fn apply(
             }
         };
         r.map_err(|e| fail(e, &out.done))?;
-        tracing::info!(gpu = index, ?action, "MIG");
+        tracing::info!(gpu = index, "MIG: {action}");
         out.done.push(action.clone());
     }
     Ok(out)

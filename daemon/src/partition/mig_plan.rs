@@ -37,6 +37,22 @@ pub enum MigAction {
     CreateInstance { profile: String, profile_id: u32, start: u32 },
 }
 
+impl std::fmt::Display for MigAction {
+    /// For logs and reports: `create 3g.40gb at 4`, not Rust's debug form.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MigAction::SetMode { enable } => {
+                write!(f, "MIG mode {} (at the next reset)", if *enable { "on" } else { "off" })
+            }
+            MigAction::DestroyInstance { gi_id, profile } => write!(f, "destroy {profile} GPU instance {gi_id}"),
+            MigAction::CreateComputeInstance { gi_id, profile } => {
+                write!(f, "create the compute instance of {profile} GPU instance {gi_id}")
+            }
+            MigAction::CreateInstance { profile, start, .. } => write!(f, "create {profile} at placement {start}"),
+        }
+    }
+}
+
 /// The actions for one GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct MigPlan {

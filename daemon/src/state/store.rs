@@ -280,7 +280,7 @@ impl Store {
                 file = %journal_path.display(),
                 records_read,
                 kept = l.read,
-                snapshot_records = ?l.snapshot,
+                snapshot_records = l.snapshot.unwrap_or(0),
                 recovered = l.recovered.len(),
                 unreadable = l.unreadable.len(),
                 "the allocation journal {} lost data: {} record(s) read from it{}; {} recovered from their \
@@ -586,7 +586,9 @@ fn file_names(dir: &Path) -> Result<Vec<String>, StateError> {
         let entry = entry.map_err(io_err(dir, "read directory"))?;
         match entry.file_name().into_string() {
             Ok(name) => names.push(name),
-            Err(name) => tracing::warn!(dir = %dir.display(), "ignoring a file with a non-UTF-8 name: {name:?}"),
+            Err(name) => {
+                tracing::warn!(dir = %dir.display(), "ignoring a file with a non-UTF-8 name: {}", name.to_string_lossy())
+            }
         }
     }
     names.sort();

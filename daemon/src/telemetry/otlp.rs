@@ -103,7 +103,9 @@ impl OtlpOptions {
         if let Some(v) = std::env::var_os(INTERVAL_ENV) {
             match v.to_str().and_then(|s| s.trim().parse::<u64>().ok()).filter(|&ms| ms > 0) {
                 Some(ms) => o.interval = Duration::from_millis(ms),
-                None => tracing::warn!(value = ?v, "{INTERVAL_ENV} is not a positive number of milliseconds; ignored"),
+                None => {
+                    tracing::warn!(value = %v.to_string_lossy(), "{INTERVAL_ENV} is not a positive number of milliseconds; ignored")
+                }
             }
         }
         o

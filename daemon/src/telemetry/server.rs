@@ -121,6 +121,10 @@ fn log_conn(r: Result<(), hyper::Error>) {
 }
 
 async fn handle(req: Request<Incoming>, source: Arc<dyn MetricsSource>) -> Result<Response<Full<Bytes>>, Infallible> {
+    // A liveness probe: the daemon's runtime answers; no metric is rendered for it.
+    if req.uri().path() == "/healthz" {
+        return Ok(plain(StatusCode::OK, "ok\n"));
+    }
     if req.uri().path() != "/metrics" {
         return Ok(plain(StatusCode::NOT_FOUND, "not found: metrics are at /metrics\n"));
     }
@@ -206,6 +210,11 @@ mod tests {
 
         let r = request(addr, "GET", "/metrics?x=1");
         assert!(r.contains("\ntessera_allocations 2\n"), "{r}");
+
+        // Liveness: ok, and no render.
+        let r = request(addr, "GET", "/healthz");
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n") && r.ends_with("\r\n\r\nok\n"), "{r}");
+        assert_eq!(source.0.load(Ordering::SeqCst), 2, "a probe renders nothing");
 
         let r = request(addr, "HEAD", "/metrics");
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");

@@ -1,16 +1,19 @@
 //! `tessera-runtime`: the runtime wrapper. Edits config.json on `create`/`run`, then execs the real
 //! runtime (config key `runtime`, default `runc` on PATH) with the original argv.
-//! Configuration: `$TESSERA_HOOK_CONFIG`, else /etc/tessera/hook.toml.
+//! Configuration: `$TESSERA_HOOK_CONFIG`, else /etc/tessera/hook.toml, else the daemon's
+//! /run/tessera/hook.toml when only that exists (`config::wrapper_config_path`).
 
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::Path;
 
-use tessera_hook::config::{DEFAULT_PATH, ENV_CONFIG, HookConfig};
+use tessera_hook::config::{DEFAULT_PATH, ENV_CONFIG, HookConfig, wrapper_config_path};
+use tessera_hook::paths;
 use tessera_hook::wrapper;
 
 fn main() {
     let args: Vec<_> = std::env::args_os().collect();
-    let config = std::env::var_os(ENV_CONFIG).map_or_else(|| PathBuf::from(DEFAULT_PATH), PathBuf::from);
+    let generated = Path::new(paths::RUNTIME_DIR).join(paths::GENERATED_HOOK_CONFIG);
+    let config = wrapper_config_path(std::env::var_os(ENV_CONFIG), Path::new(DEFAULT_PATH), &generated);
     let sub = wrapper::subcommand(&args);
     let log = sub.and_then(|s| wrapper::log_target(&args, s));
     let fail = |msg: String| -> ! {

@@ -171,7 +171,7 @@ impl Node {
             driver: tessera_hook::driver::discover(&cfg),
             shim: Some(self.shim.clone()),
             hook_binary: PathBuf::from(HOOK),
-            hook_config: Some(self.config.clone()),
+            hook_config: self.config.clone(),
             dev_root: self.dev.clone(),
             cdi_version: cdi_version.map(String::from),
         }
