@@ -9,8 +9,14 @@ use std::path::PathBuf;
 use prost::Message;
 
 /// Relative to `proto/`; the path is the file's name inside the descriptor set.
-const PROTOS: &[&str] =
-    &["kubelet/deviceplugin/v1beta1/api.proto", "kubelet/podresources/v1/api.proto", "tessera/v1/node.proto"];
+const PROTOS: &[&str] = &[
+    "kubelet/deviceplugin/v1beta1/api.proto",
+    "kubelet/podresources/v1/api.proto",
+    "kubelet/pluginregistration/v1/api.proto",
+    "kubelet/dra/v1/api.proto",
+    "kubelet/dra/v1beta1/api.proto",
+    "tessera/v1/node.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?);

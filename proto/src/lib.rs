@@ -3,11 +3,14 @@
 //! - [`deviceplugin::v1beta1`]: the Kubernetes device-plugin API (`Registration`, `DevicePlugin`)
 //!   and the kubelet's constants for it.
 //! - [`podresources::v1`]: the kubelet pod-resources API (`PodResourcesLister`).
+//! - [`pluginregistration::v1`]: the kubelet's plugin registration (`Registration`), which DRA
+//!   drivers serve in the kubelet's plugins_registry directory.
+//! - [`dra::v1`] and [`dra::v1beta1`]: the kubelet's DRA plugin service (`DRAPlugin`).
 //! - [`tessera::v1`]: Tessera's own node API (`Node`).
 //!
 //! Every service has both a client (`*_client`) and a server (`*_server`) module.
 
-/// The encoded `google.protobuf.FileDescriptorSet` of all three APIs (with source info), for gRPC
+/// The encoded `google.protobuf.FileDescriptorSet` of every API here (with source info), for gRPC
 /// reflection and for tests that check the wire contract.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tessera_proto_descriptor.bin"));
 
@@ -54,6 +57,51 @@ pub mod podresources {
 
         /// Where the kubelet serves the pod-resources API by default.
         pub const POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+    }
+}
+
+/// The kubelet's plugin-registration API (the plugin watcher of `plugins_registry`).
+pub mod pluginregistration {
+    /// Plugin registration v1 (protobuf package `pluginregistration`).
+    pub mod v1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("pluginregistration");
+        }
+        pub use generated::*;
+
+        /// `PluginInfo.type` of a DRA driver.
+        pub const DRA_PLUGIN: &str = "DRAPlugin";
+        /// The kubelet's plugin-registration directory.
+        pub const PLUGINS_REGISTRY_DIR: &str = "/var/lib/kubelet/plugins_registry";
+    }
+}
+
+/// The kubelet's Dynamic Resource Allocation plugin API.
+pub mod dra {
+    /// DRA plugin API v1 (protobuf package `k8s.io.kubelet.pkg.apis.dra.v1`), kubelets from 1.34.
+    pub mod v1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
+        }
+        pub use generated::*;
+
+        /// What a driver lists in `PluginInfo.supported_versions` for this service.
+        pub const DRA_PLUGIN_SERVICE: &str = "v1.DRAPlugin";
+    }
+
+    /// DRA plugin API v1beta1 (protobuf package `k8s.io.kubelet.pkg.apis.dra.v1beta1`), for
+    /// kubelets before 1.34; the same messages as v1.
+    pub mod v1beta1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
+        }
+        pub use generated::*;
+
+        /// What a driver lists in `PluginInfo.supported_versions` for this service.
+        pub const DRA_PLUGIN_SERVICE: &str = "v1beta1.DRAPlugin";
     }
 }
 

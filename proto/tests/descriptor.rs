@@ -245,3 +245,99 @@ fn tessera_v1_enums_start_unspecified_and_services_are_complete() {
         assert!(zero.name().ends_with("_UNSPECIFIED"), "{} starts with {}", e.name(), zero.name());
     }
 }
+
+#[test]
+fn plugin_registration_v1_wire_contract() {
+    let set = set();
+    let f = file(&set, "pluginregistration");
+    assert_eq!(f.name(), "kubelet/pluginregistration/v1/api.proto");
+    assert_eq!(f.syntax(), "proto3");
+    let registration = service(f, "Registration");
+    let m: Vec<_> = registration.method.iter().map(|m| (m.name(), m.input_type(), m.output_type())).collect();
+    assert_eq!(
+        m,
+        [
+            ("GetInfo", ".pluginregistration.InfoRequest", ".pluginregistration.PluginInfo"),
+            (
+                "NotifyRegistrationStatus",
+                ".pluginregistration.RegistrationStatus",
+                ".pluginregistration.RegistrationStatusResponse"
+            ),
+        ]
+    );
+    use Label::{Optional as One, Repeated};
+    let info = message(f, "PluginInfo");
+    field(info, "type", 1, Type::String, One, None);
+    field(info, "name", 2, Type::String, One, None);
+    field(info, "endpoint", 3, Type::String, One, None);
+    field(info, "supported_versions", 4, Type::String, Repeated, None);
+    let status = message(f, "RegistrationStatus");
+    field(status, "plugin_registered", 1, Type::Bool, One, None);
+    field(status, "error", 2, Type::String, One, None);
+    assert!(message(f, "RegistrationStatusResponse").field.is_empty());
+    assert!(message(f, "InfoRequest").field.is_empty());
+}
+
+/// v1 and v1beta1 are the same service and messages in two packages.
+#[test]
+fn dra_v1_and_v1beta1_wire_contract() {
+    let set = set();
+    for version in ["v1", "v1beta1"] {
+        let package = format!("k8s.io.kubelet.pkg.apis.dra.{version}");
+        let f = file(&set, &package);
+        assert_eq!(f.name(), format!("kubelet/dra/{version}/api.proto"));
+        assert_eq!(f.syntax(), "proto3");
+        let p = |name: &str| format!(".{package}.{name}");
+        let plugin = service(f, "DRAPlugin");
+        let m: Vec<_> = plugin
+            .method
+            .iter()
+            .map(|m| (m.name().to_owned(), m.input_type().to_owned(), m.output_type().to_owned()))
+            .collect();
+        assert_eq!(
+            m,
+            [
+                (
+                    "NodePrepareResources".to_owned(),
+                    p("NodePrepareResourcesRequest"),
+                    p("NodePrepareResourcesResponse")
+                ),
+                (
+                    "NodeUnprepareResources".to_owned(),
+                    p("NodeUnprepareResourcesRequest"),
+                    p("NodeUnprepareResourcesResponse")
+                ),
+            ],
+            "{version}"
+        );
+        use Label::{Optional as One, Repeated};
+        field(message(f, "NodePrepareResourcesRequest"), "claims", 1, Type::Message, Repeated, Some(&p("Claim")));
+        field(message(f, "NodeUnprepareResourcesRequest"), "claims", 1, Type::Message, Repeated, Some(&p("Claim")));
+        // map<string, …> claims = 1: a repeated entry message with key 1 and value 2.
+        for (response, value) in [
+            ("NodePrepareResourcesResponse", "NodePrepareResourceResponse"),
+            ("NodeUnprepareResourcesResponse", "NodeUnprepareResourceResponse"),
+        ] {
+            let msg = message(f, response);
+            let entry = p(&format!("{response}.ClaimsEntry"));
+            field(msg, "claims", 1, Type::Message, Repeated, Some(&entry));
+            let nested = msg.nested_type.iter().find(|n| n.name() == "ClaimsEntry").expect("ClaimsEntry");
+            assert!(nested.options.as_ref().is_some_and(|o| o.map_entry()), "{response}.claims is a map");
+            field(nested, "key", 1, Type::String, One, None);
+            field(nested, "value", 2, Type::Message, One, Some(&p(value)));
+        }
+        let prepared = message(f, "NodePrepareResourceResponse");
+        field(prepared, "devices", 1, Type::Message, Repeated, Some(&p("Device")));
+        field(prepared, "error", 2, Type::String, One, None);
+        field(message(f, "NodeUnprepareResourceResponse"), "error", 1, Type::String, One, None);
+        let device = message(f, "Device");
+        field(device, "request_names", 1, Type::String, Repeated, None);
+        field(device, "pool_name", 2, Type::String, One, None);
+        field(device, "device_name", 3, Type::String, One, None);
+        field(device, "cdi_device_ids", 4, Type::String, Repeated, None);
+        let claim = message(f, "Claim");
+        field(claim, "namespace", 1, Type::String, One, None);
+        field(claim, "uid", 2, Type::String, One, None);
+        field(claim, "name", 3, Type::String, One, None);
+    }
+}
