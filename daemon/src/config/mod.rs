@@ -4,6 +4,7 @@
 //! whether shares fit a GPU's memory) is checked later against the discovered model
 //! (`partition::layout`). Every option is documented in `docs/configuration.md`.
 
+pub mod kubernetes;
 mod reload;
 mod shares;
 mod validate;
@@ -65,6 +66,8 @@ pub struct Config {
     /// Partitions: `default` for every GPU, or per GPU by index (`"0"`) or UUID (`"GPU-…"`).
     /// A GPU no entry names is left as it is (unmanaged).
     pub partitions: BTreeMap<String, PartitionSpec>,
+    /// Device plugin, DRA or both; the kubelet's plugin directories and the API server.
+    pub kubernetes: kubernetes::Kubernetes,
 }
 
 impl Default for Config {
@@ -85,6 +88,7 @@ impl Default for Config {
             limits: ShareLimits::default(),
             injection: Injection::default(),
             partitions: BTreeMap::new(),
+            kubernetes: kubernetes::Kubernetes::default(),
         }
     }
 }

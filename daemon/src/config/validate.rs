@@ -104,6 +104,7 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
             format!("{:?} is not one of \"low\", \"normal\", \"high\"", c.limits.priority),
         ));
     }
+    super::kubernetes::validate(&c.kubernetes)?;
     for (key, spec) in &c.partitions {
         let at = format!("partitions.{}", quote_key(key));
         GpuSelector::parse(key).map_err(|r| ConfigError::new(&at, r))?;
