@@ -9,6 +9,8 @@
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
 //! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
+//! - [`dra`]: the Kubernetes DRA driver `gpu.tessera.io`: kubelet registration and DRA service,
+//!   claims read and ResourceSlices published through the API server.
 //!
 //! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
 //!   the one place that changes it: layout changes, reloads.
@@ -29,6 +31,7 @@ pub mod api;
 pub mod cdi;
 pub mod config;
 pub mod discovery;
+pub mod dra;
 pub mod enforcement;
 pub mod events;
 pub mod health;

@@ -3,6 +3,8 @@
 //! DevicePlugin side as the kubelet does.
 #![allow(dead_code)] // each test crate uses its own part
 
+pub mod apiserver;
+pub mod dra_kubelet;
 pub mod prometheus;
 
 use std::path::{Path, PathBuf};

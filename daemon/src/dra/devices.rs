@@ -1,0 +1,218 @@
+//! The devices this node publishes for DRA, from the inventory: a whole GPU (MIG off), one
+//! shareable device per such GPU (many claims at once, each consuming `memory` bytes and `sm`
+//! percent), and every MIG device that exists. Names are DNS labels the scheduler and the kubelet
+//! hand back; [`DraDevice::name`] is how a claim's result is mapped to a physical UUID.
+//!
+//! Also Kubernetes quantities (`8Gi`, `30`, `1500M`): parsed to integers, written canonically.
+
+use std::collections::BTreeMap;
+
+use crate::discovery::{Gpu, Inventory};
+
+/// What kind of device a published one is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DraKind {
+    /// A whole GPU, exclusively.
+    Gpu,
+    /// A part of a whole GPU: `memory` and `sm` consumed per claim.
+    Shared,
+    /// An existing MIG device (GPU instance `gi`, compute instance `ci`).
+    Mig { profile: String, gi: u32, ci: u32 },
+}
+
+/// One published device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraDevice {
+    /// The device name in the slice: `gpu-<index>`, `gpu-<index>-shared`, `gpu-<index>-mig-<gi>-<ci>`.
+    pub name: String,
+    pub kind: DraKind,
+    /// The UUID the container sees: the GPU's, or the MIG device's.
+    pub uuid: String,
+    /// The parent GPU.
+    pub gpu_index: u32,
+    pub gpu_uuid: String,
+    pub product: String,
+    /// Device memory in bytes (the MIG device's for MIG).
+    pub memory: u64,
+    pub driver_version: String,
+    /// `12.4` from NVML's CUDA driver version.
+    pub cuda_driver_version: String,
+    pub numa_node: Option<u32>,
+    pub pci_bus_id: String,
+    /// Why it is out (unhealthy); `None`: usable.
+    pub unhealthy: Option<String>,
+}
+
+impl DraDevice {
+    /// `Hopper`, `Ampere`, … from the product name; `None` when not known.
+    pub fn architecture(&self) -> Option<&'static str> {
+        architecture(&self.product).map(|(a, _)| a)
+    }
+
+    /// The CUDA compute capability (`9.0`) from the product name; `None` when not known.
+    pub fn compute_capability(&self) -> Option<&'static str> {
+        architecture(&self.product).map(|(_, cc)| cc)
+    }
+}
+
+/// (architecture, compute capability) of NVIDIA's data-centre products by name.
+fn architecture(product: &str) -> Option<(&'static str, &'static str)> {
+    let p = product.to_ascii_uppercase();
+    let has = |m: &str| p.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w.starts_with(m));
+    [
+        ("B200", "Blackwell", "10.0"),
+        ("GB200", "Blackwell", "10.0"),
+        ("H100", "Hopper", "9.0"),
+        ("H200", "Hopper", "9.0"),
+        ("H800", "Hopper", "9.0"),
+        ("GH200", "Hopper", "9.0"),
+        ("L40", "Ada Lovelace", "8.9"),
+        ("L4", "Ada Lovelace", "8.9"),
+        ("A100", "Ampere", "8.0"),
+        ("A30", "Ampere", "8.0"),
+        ("A10", "Ampere", "8.6"),
+        ("V100", "Volta", "7.0"),
+        ("T4", "Turing", "7.5"),
+    ]
+    .iter()
+    .find(|(m, _, _)| has(m))
+    .map(|(_, a, cc)| (*a, *cc))
+}
+
+/// The devices of `inv`'s GPUs that `include` accepts (mode `both` keeps the device plugin's
+/// GPUs out), marked with the health monitor's reasons (`unhealthy_gpus` by index,
+/// `unhealthy_devices` by UUID).
+pub fn from_inventory(
+    inv: &Inventory,
+    include: impl Fn(&Gpu) -> bool,
+    unhealthy_gpus: &BTreeMap<u32, String>,
+    unhealthy_devices: &BTreeMap<String, String>,
+) -> Vec<DraDevice> {
+    let cuda = format!("{}.{}", inv.cuda_driver_version / 1000, (inv.cuda_driver_version % 1000) / 10);
+    let mut out = Vec::new();
+    for g in inv.gpus.iter().filter(|g| include(g)) {
+        let gpu_reason = unhealthy_gpus.get(&g.index).cloned();
+        let base = DraDevice {
+            name: format!("gpu-{}", g.index),
+            kind: DraKind::Gpu,
+            uuid: g.uuid.clone(),
+            gpu_index: g.index,
+            gpu_uuid: g.uuid.clone(),
+            product: g.name.clone(),
+            memory: g.memory_total,
+            driver_version: inv.driver_version.clone(),
+            cuda_driver_version: cuda.clone(),
+            numa_node: g.numa_node,
+            pci_bus_id: g.pci_bus_id.clone(),
+            unhealthy: gpu_reason.clone().or_else(|| unhealthy_devices.get(&g.uuid).cloned()),
+        };
+        match &g.mig {
+            Some(mig) if mig.current => {
+                for inst in &mig.instances {
+                    for d in &inst.devices {
+                        out.push(DraDevice {
+                            name: format!("gpu-{}-mig-{}-{}", g.index, d.gi_id, d.ci_id),
+                            kind: DraKind::Mig { profile: inst.profile.clone(), gi: d.gi_id, ci: d.ci_id },
+                            uuid: d.uuid.clone(),
+                            memory: d.memory_total,
+                            unhealthy: gpu_reason.clone().or_else(|| unhealthy_devices.get(&d.uuid).cloned()),
+                            ..base.clone()
+                        });
+                    }
+                }
+            }
+            _ => {
+                out.push(DraDevice { name: format!("gpu-{}-shared", g.index), kind: DraKind::Shared, ..base.clone() });
+                out.push(base);
+            }
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+/// A Kubernetes quantity as an integer: `8Gi`, `1500M`, `30`, `0.5Gi`, `1e3`. `None` for
+/// anything else, a fraction of one unit left over (`1500m`), or overflow.
+pub fn parse_quantity(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, suffix) = t.split_at(split);
+    let (mul, div): (u128, u128) = match suffix {
+        "" => (1, 1),
+        "Ki" => (1 << 10, 1),
+        "Mi" => (1 << 20, 1),
+        "Gi" => (1 << 30, 1),
+        "Ti" => (1 << 40, 1),
+        "Pi" => (1 << 50, 1),
+        "Ei" => (1 << 60, 1),
+        "m" => (1, 1000),
+        "k" => (1_000, 1),
+        "M" => (1_000_000, 1),
+        "G" => (1_000_000_000, 1),
+        "T" => (1_000_000_000_000, 1),
+        "P" => (1_000_000_000_000_000, 1),
+        "E" => (1_000_000_000_000_000_000, 1),
+        s if s.starts_with(['e', 'E']) => (10u128.checked_pow(s[1..].parse().ok()?)?, 1),
+        _ => return None,
+    };
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && frac.is_empty() {
+        return None;
+    }
+    let digits = format!("{whole}{frac}");
+    let scale = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
+    let n: u128 = digits.parse().ok()?;
+    let value = n.checked_mul(mul)?;
+    let den = scale.checked_mul(div)?;
+    if value % den != 0 {
+        return None;
+    }
+    u64::try_from(value / den).ok()
+}
+
+/// An integer as a quantity: binary suffixes when exact (`80Gi`), else plain digits.
+pub fn format_bytes(n: u64) -> String {
+    for (shift, suffix) in [(40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")] {
+        if n != 0 && n.is_multiple_of(1 << shift) {
+            return format!("{}{suffix}", n >> shift);
+        }
+    }
+    n.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("8Gi"), Some(8 << 30));
+        assert_eq!(parse_quantity("30"), Some(30));
+        assert_eq!(parse_quantity("1500M"), Some(1_500_000_000));
+        assert_eq!(parse_quantity("0.5Gi"), Some(1 << 29));
+        assert_eq!(parse_quantity("1e3"), Some(1000));
+        assert_eq!(parse_quantity("2000m"), Some(2));
+        assert_eq!(parse_quantity("1500m"), None, "a fraction of one is not a count");
+        assert_eq!(parse_quantity("8GB"), None);
+        assert_eq!(parse_quantity("-1"), None);
+        assert_eq!(parse_quantity(""), None);
+        assert_eq!(parse_quantity("."), None);
+        assert_eq!(parse_quantity("99999999999Ei"), None, "overflow");
+        assert_eq!(format_bytes(80 << 30), "80Gi");
+        assert_eq!(format_bytes(256 << 20), "256Mi");
+        assert_eq!(format_bytes(1000), "1000");
+        assert_eq!(format_bytes(0), "0");
+        for n in [0, 1, 1 << 30, 81_559_289_856, 12_345] {
+            assert_eq!(parse_quantity(&format_bytes(n)), Some(n));
+        }
+    }
+
+    #[test]
+    fn architectures_by_product() {
+        assert_eq!(architecture("NVIDIA H100 80GB HBM3"), Some(("Hopper", "9.0")));
+        assert_eq!(architecture("NVIDIA A100-SXM4-40GB"), Some(("Ampere", "8.0")));
+        assert_eq!(architecture("NVIDIA H200"), Some(("Hopper", "9.0")));
+        assert_eq!(architecture("NVIDIA L4"), Some(("Ada Lovelace", "8.9")));
+        assert_eq!(architecture("Quadro P5000"), None);
+    }
+}

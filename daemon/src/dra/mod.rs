@@ -1,0 +1,42 @@
+//! The Kubernetes DRA driver `gpu.tessera.io` (resource.k8s.io/v1), beside the device plugin:
+//!
+//! - [`kubelet`]: the kubelet side: plugin registration (a `Registration` service on a socket in
+//!   the kubelet's `plugins_registry` directory) and the `DRAPlugin` service, v1 and v1beta1, on
+//!   `<plugins_dir>/gpu.tessera.io/dra.sock`; each claim goes to a [`ClaimDriver`].
+//! - [`claims`]: a ResourceClaim's allocation result (devices, consumed capacity, opaque config
+//!   of this driver) read from the API server through kube-rs.
+//! - [`devices`]: the devices this node publishes (whole GPUs, MIG devices, one shareable device
+//!   per GPU with consumable `memory` and `sm`), and Kubernetes quantities.
+//! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
+
+pub mod claims;
+pub mod devices;
+pub mod kubelet;
+pub mod slices;
+
+pub use kubelet::{ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};
+
+/// The DRA driver name (`ResourceSlice.spec.driver`, DeviceClass selectors, opaque config).
+pub const DRIVER: &str = "gpu.tessera.io";
+/// The registration socket's file name in the kubelet's `plugins_registry` directory.
+pub const REGISTRATION_SOCKET: &str = "gpu.tessera.io-reg.sock";
+/// The DRA service's socket file name in `<plugins_dir>/gpu.tessera.io/`.
+pub const SERVICE_SOCKET: &str = "dra.sock";
+
+/// A client for the API server: `kubeconfig` when given, else kube-rs's inference (`KUBECONFIG`,
+/// the in-cluster service account, `~/.kube/config`).
+pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, String> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("kubernetes.kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| format!("kubernetes.kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::infer().await.map_err(|e| {
+            format!("no API server configured (KUBECONFIG, in-cluster service account, kubernetes.kubeconfig): {e}")
+        })?,
+    };
+    kube::Client::try_from(config).map_err(|e| format!("API server client: {e}"))
+}

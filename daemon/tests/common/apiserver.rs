@@ -1,0 +1,398 @@
+//! A small Kubernetes API server for tests, speaking the real REST protocol (JSON over HTTP/1.1)
+//! for the few resources the DRA driver uses, so kube-rs talks to it unchanged:
+//!
+//! - `GET /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}`;
+//! - `resourceslices`: list (with `fieldSelector` on `spec.nodeName` / `spec.driver`), get,
+//!   create (409 AlreadyExists), replace (409 Conflict on a stale `metadata.resourceVersion`),
+//!   delete; and watch (`?watch=true&resourceVersion=N`: the events after N, then live ones;
+//!   410 Gone for a version older than the history kept).
+//!
+//! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
+//! and the server stopped and started again on the same port (an API server restart).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+
+const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
+const CLAIMS_PREFIX: &str = "/apis/resource.k8s.io/v1/namespaces/";
+/// Events kept for watches that resume; older versions get 410 Gone.
+const HISTORY: usize = 64;
+
+#[derive(Default)]
+struct Store {
+    version: u64,
+    slices: BTreeMap<String, Value>,
+    claims: BTreeMap<(String, String), Value>,
+    /// (resourceVersion, type, object) of slice changes.
+    history: Vec<(u64, &'static str, Value)>,
+    /// Requests seen: "METHOD path".
+    requests: Vec<String>,
+    /// Failures to inject: (method, status code) answered to the next matching request.
+    failures: Vec<(Method, u16)>,
+}
+
+/// The test API server.
+pub struct ApiServer {
+    pub addr: SocketAddr,
+    store: Arc<Mutex<Store>>,
+    events: broadcast::Sender<(u64, &'static str, Value)>,
+    task: Option<JoinHandle<()>>,
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Response<Full<Bytes>> {
+    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "code": code});
+    respond(code, &body)
+}
+
+fn respond(code: u16, body: &Value) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(StatusCode::from_u16(code).expect("status code"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("response")
+}
+
+fn query(uri: &hyper::Uri) -> BTreeMap<String, String> {
+    let decode = |s: &str| {
+        let s = s.replace('+', " ");
+        let mut out = Vec::new();
+        let b = s.as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%'
+                && i + 3 <= b.len()
+                && let Some(v) = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(v);
+                i += 3;
+                continue;
+            }
+            out.push(b[i]);
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+/// Whether `slice` matches a `fieldSelector` such as `spec.nodeName=n,spec.driver=d`.
+fn selected(slice: &Value, selector: Option<&String>) -> bool {
+    let Some(sel) = selector else { return true };
+    sel.split(',').filter(|t| !t.is_empty()).all(|term| {
+        let (key, want) = term.split_once('=').unwrap_or((term, ""));
+        let want = want.trim_start_matches('=');
+        let got = match key {
+            "spec.nodeName" => slice["spec"]["nodeName"].as_str(),
+            "spec.driver" => slice["spec"]["driver"].as_str(),
+            "metadata.name" => slice["metadata"]["name"].as_str(),
+            _ => None,
+        };
+        got == Some(want)
+    })
+}
+
+impl Store {
+    fn bump(&mut self, obj: &mut Value) -> u64 {
+        self.version += 1;
+        obj["metadata"]["resourceVersion"] = json!(self.version.to_string());
+        self.version
+    }
+
+    fn record(&mut self, events: &broadcast::Sender<(u64, &'static str, Value)>, kind: &'static str, obj: &Value) {
+        let v = self.version;
+        self.history.push((v, kind, obj.clone()));
+        if self.history.len() > HISTORY {
+            self.history.remove(0);
+        }
+        let _ = events.send((v, kind, obj.clone()));
+    }
+}
+
+impl ApiServer {
+    /// Starts on a free port of 127.0.0.1.
+    pub async fn start() -> ApiServer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (events, _) = broadcast::channel(256);
+        let mut s = ApiServer { addr, store: Arc::default(), events, task: None };
+        s.serve(listener);
+        s
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        let store = Arc::clone(&self.store);
+        let events = self.events.clone();
+        self.task = Some(tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let store = Arc::clone(&store);
+                let events = events.clone();
+                let service = hyper::service::service_fn(move |req| {
+                    let store = Arc::clone(&store);
+                    let events = events.clone();
+                    async move { Ok::<_, std::convert::Infallible>(handle(req, store, events).await) }
+                });
+                conns.spawn(async move {
+                    let io = hyper_util::rt::TokioIo::new(stream);
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+                });
+            }
+            // Dropping `conns` (the task aborted) closes every connection: a restart.
+        }));
+    }
+
+    /// Stops answering and closes every connection (a crashed or restarting API server).
+    pub async fn stop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+
+    /// Starts again on the same port, with the same objects.
+    pub async fn restart(&mut self) {
+        self.stop().await;
+        let listener = TcpListener::bind(self.addr).await.expect("rebind the same port");
+        self.serve(listener);
+    }
+
+    /// A kubeconfig file for this server (plain HTTP, no credentials).
+    pub fn kubeconfig(&self, dir: &Path) -> PathBuf {
+        let path = dir.join("kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: http://{}\n\
+             users:\n- name: test\n  user: {{}}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n\
+             current-context: test\n",
+            self.addr
+        );
+        std::fs::write(&path, text).expect("kubeconfig");
+        path
+    }
+
+    /// Adds or replaces a ResourceClaim (the scheduler's allocation in its status).
+    pub fn put_claim(&self, claim: Value) {
+        let mut s = self.store.lock().unwrap();
+        let mut claim = claim;
+        s.bump(&mut claim);
+        let key = (
+            claim["metadata"]["namespace"].as_str().expect("namespace").to_owned(),
+            claim["metadata"]["name"].as_str().expect("name").to_owned(),
+        );
+        s.claims.insert(key, claim);
+    }
+
+    /// Every ResourceSlice, by name.
+    pub fn slices(&self) -> BTreeMap<String, Value> {
+        self.store.lock().unwrap().slices.clone()
+    }
+
+    /// Creates a slice directly (another writer, or one left by an earlier node layout).
+    pub fn put_slice(&self, slice: Value) {
+        let mut s = self.store.lock().unwrap();
+        let mut slice = slice;
+        s.bump(&mut slice);
+        let name = slice["metadata"]["name"].as_str().expect("name").to_owned();
+        s.record(&self.events, "ADDED", &slice);
+        s.slices.insert(name, slice);
+    }
+
+    /// The next request with `method` gets `code` (a Status) instead of its answer.
+    pub fn fail_next(&self, method: Method, code: u16) {
+        self.store.lock().unwrap().failures.push((method, code));
+    }
+
+    /// Every request so far, as "METHOD path".
+    pub fn requests(&self) -> Vec<String> {
+        self.store.lock().unwrap().requests.clone()
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
+    }
+}
+
+async fn handle(
+    req: Request<hyper::body::Incoming>,
+    store: Arc<Mutex<Store>>,
+    events: broadcast::Sender<(u64, &'static str, Value)>,
+) -> Response<Full<Bytes>> {
+    let method = req.method().clone();
+    let uri = req.uri().clone();
+    let path = uri.path().to_owned();
+    let q = query(&uri);
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return status(400, "BadRequest", "unreadable body"),
+    };
+    if q.get("watch").is_some_and(|w| w == "true" || w == "1") && path == SLICES {
+        return watch(&store, &events, &q).await;
+    }
+    let mut s = store.lock().unwrap();
+    s.requests.push(format!("{method} {path}"));
+    if let Some(i) = s.failures.iter().position(|(m, _)| *m == method) {
+        let (_, code) = s.failures.remove(i);
+        let reason = match code {
+            409 => "Conflict",
+            410 => "Expired",
+            429 => "TooManyRequests",
+            _ => "InternalError",
+        };
+        return status(code, reason, "injected failure");
+    }
+    let parsed = || serde_json::from_slice::<Value>(&body);
+    if let Some(rest) = path.strip_prefix(CLAIMS_PREFIX) {
+        let parts: Vec<&str> = rest.split('/').collect();
+        if let [ns, "resourceclaims", name] = parts.as_slice()
+            && method == Method::GET
+        {
+            return match s.claims.get(&((*ns).to_owned(), (*name).to_owned())) {
+                Some(c) => respond(200, c),
+                None => status(404, "NotFound", &format!("resourceclaims.resource.k8s.io \"{name}\" not found")),
+            };
+        }
+        return status(404, "NotFound", "no such resource");
+    }
+    if path == SLICES {
+        return match method {
+            Method::GET => {
+                let items: Vec<Value> =
+                    s.slices.values().filter(|v| selected(v, q.get("fieldSelector"))).cloned().collect();
+                respond(
+                    200,
+                    &json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSliceList",
+                        "metadata": {"resourceVersion": s.version.to_string()}, "items": items}),
+                )
+            }
+            Method::POST => {
+                let Ok(mut obj) = parsed() else { return status(400, "BadRequest", "not JSON") };
+                let Some(name) = obj["metadata"]["name"].as_str().map(str::to_owned) else {
+                    return status(422, "Invalid", "metadata.name: Required value");
+                };
+                if s.slices.contains_key(&name) {
+                    return status(409, "AlreadyExists", &format!("resourceslices \"{name}\" already exists"));
+                }
+                obj["metadata"]["uid"] = json!(format!("uid-{name}-{}", s.version + 1));
+                s.bump(&mut obj);
+                s.record(&events, "ADDED", &obj);
+                s.slices.insert(name, obj.clone());
+                respond(201, &obj)
+            }
+            _ => status(405, "MethodNotAllowed", "method not allowed"),
+        };
+    }
+    if let Some(name) = path.strip_prefix(&format!("{SLICES}/")) {
+        let name = name.to_owned();
+        return match method {
+            Method::GET => match s.slices.get(&name) {
+                Some(v) => respond(200, v),
+                None => status(404, "NotFound", &format!("resourceslices \"{name}\" not found")),
+            },
+            Method::PUT => {
+                let Ok(mut obj) = parsed() else { return status(400, "BadRequest", "not JSON") };
+                let Some(cur) = s.slices.get(&name) else {
+                    return status(404, "NotFound", &format!("resourceslices \"{name}\" not found"));
+                };
+                let want = obj["metadata"]["resourceVersion"].as_str().unwrap_or_default().to_owned();
+                if want != cur["metadata"]["resourceVersion"].as_str().unwrap_or_default() {
+                    return status(
+                        409,
+                        "Conflict",
+                        &format!(
+                            "Operation cannot be fulfilled on resourceslices \"{name}\": the object has been modified"
+                        ),
+                    );
+                }
+                obj["metadata"]["uid"] = cur["metadata"]["uid"].clone();
+                s.bump(&mut obj);
+                s.record(&events, "MODIFIED", &obj);
+                s.slices.insert(name, obj.clone());
+                respond(200, &obj)
+            }
+            Method::DELETE => match s.slices.remove(&name) {
+                Some(mut obj) => {
+                    s.bump(&mut obj);
+                    s.record(&events, "DELETED", &obj);
+                    respond(200, &obj)
+                }
+                None => status(404, "NotFound", &format!("resourceslices \"{name}\" not found")),
+            },
+            _ => status(405, "MethodNotAllowed", "method not allowed"),
+        };
+    }
+    status(404, "NotFound", "the server could not find the requested resource")
+}
+
+/// A watch: the history after `resourceVersion`, then live events for a short while (the body is
+/// sent whole when the window ends: enough for clients that resume). 410 Gone when the version is
+/// older than the history kept.
+async fn watch(
+    store: &Arc<Mutex<Store>>,
+    events: &broadcast::Sender<(u64, &'static str, Value)>,
+    q: &BTreeMap<String, String>,
+) -> Response<Full<Bytes>> {
+    let from: u64 = q.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut rx = events.subscribe();
+    let mut lines = Vec::new();
+    {
+        let mut s = store.lock().unwrap();
+        s.requests.push(format!("WATCH {SLICES}"));
+        let oldest = s.history.first().map_or(s.version, |(v, _, _)| v.saturating_sub(1));
+        if from < oldest {
+            let gone = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
+                "code": 410, "message": format!("too old resource version: {from} ({oldest})")});
+            lines.push(json!({"type": "ERROR", "object": gone}).to_string());
+            return respond_lines(lines);
+        }
+        for (v, kind, obj) in s.history.iter().filter(|(v, _, _)| *v > from) {
+            let _ = v;
+            lines.push(json!({"type": kind, "object": obj}).to_string());
+        }
+    }
+    let window = tokio::time::sleep(std::time::Duration::from_millis(200));
+    tokio::pin!(window);
+    loop {
+        tokio::select! {
+            () = &mut window => break,
+            ev = rx.recv() => match ev {
+                Ok((v, kind, obj)) if v > from => lines.push(json!({"type": kind, "object": obj}).to_string()),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+    }
+    respond_lines(lines)
+}
+
+fn respond_lines(lines: Vec<String>) -> Response<Full<Bytes>> {
+    let mut text = lines.join("\n");
+    text.push('\n');
+    Response::builder()
+        .status(200)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(text)))
+        .expect("response")
+}
