@@ -257,3 +257,57 @@ fn the_service_monitor_scrapes_the_metrics_service() {
     assert_eq!(sm["spec"]["endpoints"][0]["port"], svc["spec"]["ports"][0]["name"]);
     assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
 }
+
+/// The ResourceSlice tesserad writes (whole GPUs, shareable GPUs with consumable capacity, MIG
+/// devices) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
+/// schemas lack is refused, so the check can fail.
+#[test]
+fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
+    use tessera_daemon::dra::devices::{DraDevice, DraKind};
+    let Some(validator) = validator() else { return };
+    let device = |name: &str, kind: DraKind, memory: u64| DraDevice {
+        name: name.into(),
+        kind,
+        uuid: format!("{name}-uuid"),
+        gpu_index: 0,
+        gpu_uuid: "GPU-0".into(),
+        product: "NVIDIA H100 80GB HBM3".into(),
+        memory,
+        driver_version: "550.54.15".into(),
+        cuda_driver_version: "12.4".into(),
+        numa_node: Some(1),
+        pci_bus_id: "00000000:18:00.0".into(),
+        unhealthy: None,
+    };
+    let devices = [
+        device("gpu-0", DraKind::Gpu, 80 << 30),
+        device("gpu-0-shared", DraKind::Shared, 81_559_289_856),
+        device("gpu-1-mig-2-0", DraKind::Mig { profile: "3g.40gb".into(), gi: 2, ci: 0 }, 40 << 30),
+    ];
+    let slice = serde_json::to_value(tessera_daemon::dra::slices::build("node-a", &devices, 3)).unwrap();
+    let mut slice = slice;
+    slice["apiVersion"] = "resource.k8s.io/v1".into();
+    slice["kind"] = "ResourceSlice".into();
+    let tmp = tempfile::tempdir().unwrap();
+    let check = |obj: &Value| {
+        let file = tmp.path().join("slice.json");
+        std::fs::write(&file, serde_json::to_vec(obj).unwrap()).unwrap();
+        ["1.34.0", "1.37.0"].map(|version| {
+            let out = Command::new(&validator)
+                .args(["--strict", "--quiet", "-k", version])
+                .arg(&file)
+                .output()
+                .expect("kubernetes-validate");
+            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            (out.status.success() && said.trim().is_empty(), format!("{version}: {said}"))
+        })
+    };
+    for (ok, said) in check(&slice) {
+        assert!(ok, "{said}\n{slice:#}");
+    }
+    let mut bad = slice.clone();
+    bad["spec"]["devices"][0]["capacity"]["memory"]["bogus"] = 1.into();
+    for (ok, said) in check(&bad) {
+        assert!(!ok, "a field the schema lacks was accepted: {said}");
+    }
+}
