@@ -311,3 +311,75 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
         assert!(!ok, "a field the schema lacks was accepted: {said}");
     }
 }
+
+/// The DRA overlay's DeviceClasses select this driver's three device types; the example claims
+/// (a whole GPU, 8Gi + 30% of an H100, one claim shared by two pods, a MIG 3g.40gb) validate
+/// against 1.34 and 1.37 and name only those classes.
+#[test]
+fn dra_classes_and_example_claims_validate_and_fit_together() {
+    let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
+    let overlay = documents(&validator, &render(&kubectl, "overlays/dra"));
+    let mut classes = std::collections::BTreeMap::new();
+    for name in ["gpu.tessera.io", "gpu-share.tessera.io", "mig.tessera.io"] {
+        let c = find(&overlay, "DeviceClass", name);
+        let cel = c["spec"]["selectors"][0]["cel"]["expression"].as_str().unwrap().to_owned();
+        assert!(cel.contains(&format!("device.driver == \"{}\"", tessera_daemon::dra::DRIVER)), "{name}: {cel}");
+        classes.insert(name, cel);
+    }
+    for (name, ty) in [("gpu.tessera.io", "gpu"), ("gpu-share.tessera.io", "shared"), ("mig.tessera.io", "mig")] {
+        assert!(classes[name].contains(&format!(".type == \"{ty}\"")), "{name} selects type {ty}");
+    }
+    let rbac = find(&overlay, "ClusterRole", "tessera-dra");
+    let rules = rbac["rules"].as_array().unwrap();
+    let allows = |resource: &str, verb: &str| {
+        rules.iter().any(|r| {
+            r["resources"].as_array().unwrap().iter().any(|x| x == resource)
+                && r["verbs"].as_array().unwrap().iter().any(|x| x == verb)
+        })
+    };
+    for (resource, verb) in [
+        ("resourceslices", "create"),
+        ("resourceslices", "update"),
+        ("resourceslices", "delete"),
+        ("resourceclaims", "get"),
+        ("resourceclaims/status", "patch"),
+        ("nodes", "patch"),
+        ("events", "create"),
+    ] {
+        assert!(allows(resource, verb), "the driver's role may {verb} {resource}");
+    }
+
+    let yaml = render(&kubectl, "../kubernetes/examples/dra");
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("examples.yaml");
+    std::fs::write(&file, &yaml).unwrap();
+    for version in ["1.34.0", "1.37.0"] {
+        let out = Command::new(&validator)
+            .args(["--strict", "--quiet", "-k", version])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && said.trim().is_empty(), "examples against {version}:\n{said}");
+    }
+    let docs = documents(&validator, &yaml);
+    let mut named = std::collections::BTreeSet::new();
+    for d in docs.iter().filter(|d| d["kind"] == "ResourceClaimTemplate" || d["kind"] == "ResourceClaim") {
+        let spec = if d["kind"] == "ResourceClaim" { &d["spec"] } else { &d["spec"]["spec"] };
+        for r in spec["devices"]["requests"].as_array().unwrap() {
+            let class = r["exactly"]["deviceClassName"].as_str().unwrap();
+            assert!(classes.contains_key(class), "{} names class {class} the overlay lacks", d["metadata"]["name"]);
+            named.insert(class.to_owned());
+        }
+    }
+    assert_eq!(named.len(), 3, "every class has an example: {named:?}");
+    let share = find(&docs, "ResourceClaimTemplate", "share-8gi-30pct-h100");
+    let request = &share["spec"]["spec"]["devices"]["requests"][0]["exactly"];
+    assert_eq!(request["capacity"]["requests"], serde_json::json!({"memory": "8Gi", "sm": "30"}));
+    // Two pods on one claim.
+    let users = docs
+        .iter()
+        .filter(|d| d["kind"] == "Pod" && d["spec"]["resourceClaims"][0]["resourceClaimName"] == "shared-16gi-50pct")
+        .count();
+    assert_eq!(users, 2);
+}
