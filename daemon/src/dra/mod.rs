@@ -8,10 +8,13 @@
 //! - [`devices`]: the devices this node publishes (whole GPUs, MIG devices, one shareable device
 //!   per GPU with consumable `memory` and `sm`), and Kubernetes quantities.
 //! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
+//! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
+//!   claim UID owns the allocation, the consumed capacity is its limits.
 
 pub mod claims;
 pub mod devices;
 pub mod kubelet;
+pub mod prepare;
 pub mod slices;
 
 pub use kubelet::{ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};

@@ -1,0 +1,283 @@
+//! NodePrepareResources / NodeUnprepareResources: a claim's allocation result becomes one
+//! allocation record whose owner is the claim UID and whose limits are the consumed capacity
+//! (a whole GPU or MIG device: no limit); the answer is the CDI names of its devices.
+//!
+//! Idempotent and crash-safe by construction: the record is written (durably, by the store
+//! behind [`ClaimAllocations`]) before the kubelet is answered, a prepare of a claim that owns a
+//! record returns that record, and an unprepare of a claim that owns none succeeds.
+
+use std::sync::Arc;
+
+use tessera_region::{ComputeMode, Priority};
+use tokio::sync::watch;
+
+use super::claims::{ClaimSource, GrantedDevice, allocation};
+use super::devices::{DraDevice, DraKind};
+use super::slices::{DEFAULT_MEMORY, DEFAULT_SM};
+use super::{ClaimDriver, ClaimRef, PreparedDevice};
+use crate::state::{AllocatedDevice, Allocation};
+
+/// Who an allocation made for a claim belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimOwner {
+    pub claim: ClaimRef,
+    /// The pods the claim is reserved for (name, UID), for reports and metrics.
+    pub pods: Vec<(String, String)>,
+}
+
+/// The allocation store as DRA uses it.
+pub trait ClaimAllocations: Send + Sync + 'static {
+    /// The allocation owned by `owner.claim.uid`; made from `devices` (admitted against every
+    /// other allocation on their GPUs) when there is none.
+    fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String>;
+    /// Releases what claim `uid` owns; `Ok(false)` when it owned nothing.
+    fn release_claim(&self, uid: &str) -> Result<bool, String>;
+}
+
+/// The limits one granted device gives, with the published device it names.
+pub fn allocated_device(
+    granted: &GrantedDevice,
+    published: &[DraDevice],
+    default_priority: Priority,
+    default_compute_mode: ComputeMode,
+) -> Result<(AllocatedDevice, DraDevice), String> {
+    let d = published.iter().find(|d| d.name == granted.device).ok_or_else(|| {
+        format!("device {} is not published by this node (any more); the claim must be allocated again", granted.device)
+    })?;
+    if let Some(why) = &d.unhealthy {
+        return Err(format!("device {} is unhealthy: {why}", d.name));
+    }
+    let (memory_limit, sm_percent, compute_mode) = match d.kind {
+        DraKind::Gpu | DraKind::Mig { .. } => (None, None, ComputeMode::Strict),
+        DraKind::Shared => {
+            let memory = granted.consumed.get("memory").copied().unwrap_or(DEFAULT_MEMORY);
+            let sm = granted.consumed.get("sm").copied().unwrap_or(DEFAULT_SM);
+            if memory == 0 || memory > d.memory {
+                return Err(format!("device {}: memory {memory} is outside 1..={} bytes", d.name, d.memory));
+            }
+            let sm = u32::try_from(sm)
+                .ok()
+                .filter(|s| (1..=100).contains(s))
+                .ok_or_else(|| format!("device {}: sm {sm} is not a percent of the GPU's SM time (1..=100)", d.name))?;
+            (Some(memory), Some(sm), granted.compute_mode.unwrap_or(default_compute_mode))
+        }
+    };
+    let allocated = AllocatedDevice {
+        device_id: d.uuid.clone(),
+        physical_uuid: d.uuid.clone(),
+        memory_limit,
+        sm_percent,
+        priority: granted.priority.unwrap_or(default_priority),
+        compute_mode,
+    };
+    Ok((allocated, d.clone()))
+}
+
+/// The CDI name a container asks for a device by.
+pub fn cdi_name(d: &DraDevice) -> String {
+    let class = match d.kind {
+        DraKind::Mig { .. } => "mig",
+        DraKind::Gpu | DraKind::Shared => "gpu",
+    };
+    format!("{}/{class}={}", tessera_hook::cdi::VENDOR, tessera_hook::cdi::cdi_device_name(&d.uuid))
+}
+
+/// The daemon's [`ClaimDriver`].
+pub struct DraDriver {
+    pub claims: Arc<dyn ClaimSource>,
+    pub allocations: Arc<dyn ClaimAllocations>,
+    /// What this node publishes now.
+    pub devices: watch::Receiver<Vec<DraDevice>>,
+    /// This node's pool (its name).
+    pub pool: String,
+    pub default_priority: Priority,
+    pub default_compute_mode: ComputeMode,
+}
+
+#[tonic::async_trait]
+impl ClaimDriver for DraDriver {
+    async fn prepare(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        let rc = self.claims.read(claim).await?;
+        let granted = allocation(&rc, claim, &self.pool)?;
+        let published = self.devices.borrow().clone();
+        let mut devices = Vec::new();
+        let mut answer = Vec::new();
+        for g in &granted.devices {
+            let (a, d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
+            devices.push(a);
+            answer.push(PreparedDevice {
+                requests: vec![g.request.clone()],
+                pool: g.pool.clone(),
+                device: g.device.clone(),
+                cdi_device_ids: vec![cdi_name(&d)],
+            });
+        }
+        let owner = ClaimOwner { claim: claim.clone(), pods: granted.pods };
+        let allocations = Arc::clone(&self.allocations);
+        let alloc = tokio::task::spawn_blocking(move || allocations.allocate_claim(&owner, devices))
+            .await
+            .map_err(|e| format!("allocation task failed: {e}"))??;
+        tracing::info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, allocation = %alloc.id, "claim prepared");
+        Ok(answer)
+    }
+
+    async fn unprepare(&self, claim: &ClaimRef) -> Result<(), String> {
+        let allocations = Arc::clone(&self.allocations);
+        let uid = claim.uid.clone();
+        let released = tokio::task::spawn_blocking(move || allocations.release_claim(&uid))
+            .await
+            .map_err(|e| format!("release task failed: {e}"))??;
+        if released {
+            tracing::info!(claim = %claim.uid, "claim unprepared");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::{BTreeMap, HashMap};
+    use std::sync::Mutex;
+
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+
+    use super::*;
+    use crate::state::{ContainerIdentity, Source};
+
+    struct Claims(ResourceClaim);
+
+    #[tonic::async_trait]
+    impl ClaimSource for Claims {
+        async fn read(&self, _: &ClaimRef) -> Result<ResourceClaim, String> {
+            Ok(self.0.clone())
+        }
+    }
+
+    /// Records by claim UID, as the store keeps them.
+    #[derive(Default)]
+    struct Records(Mutex<HashMap<String, Allocation>>);
+
+    impl ClaimAllocations for Records {
+        fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String> {
+            let mut r = self.0.lock().unwrap();
+            let n = r.len();
+            Ok(r.entry(owner.claim.uid.clone())
+                .or_insert_with(|| Allocation {
+                    id: format!("a{n}"),
+                    resource: "dra".into(),
+                    container: ContainerIdentity::default(),
+                    source: Source::NodeApi,
+                    created_unix_ns: 0,
+                    devices,
+                })
+                .clone())
+        }
+
+        fn release_claim(&self, uid: &str) -> Result<bool, String> {
+            Ok(self.0.lock().unwrap().remove(uid).is_some())
+        }
+    }
+
+    fn published() -> Vec<DraDevice> {
+        let base = DraDevice {
+            name: "gpu-0".into(),
+            kind: DraKind::Gpu,
+            uuid: "GPU-0".into(),
+            gpu_index: 0,
+            gpu_uuid: "GPU-0".into(),
+            product: "NVIDIA H100".into(),
+            memory: 80 << 30,
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            numa_node: None,
+            pci_bus_id: String::new(),
+            unhealthy: None,
+        };
+        vec![
+            base.clone(),
+            DraDevice { name: "gpu-0-shared".into(), kind: DraKind::Shared, ..base.clone() },
+            DraDevice {
+                name: "gpu-1-mig-2-0".into(),
+                kind: DraKind::Mig { profile: "3g.40gb".into(), gi: 2, ci: 0 },
+                uuid: "MIG-1".into(),
+                memory: 40 << 30,
+                ..base
+            },
+        ]
+    }
+
+    fn granted(device: &str, consumed: &[(&str, u64)]) -> GrantedDevice {
+        GrantedDevice {
+            request: "gpu".into(),
+            pool: "node-a".into(),
+            device: device.into(),
+            consumed: consumed.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect::<BTreeMap<_, _>>(),
+            share_id: None,
+            priority: None,
+            compute_mode: None,
+        }
+    }
+
+    #[test]
+    fn consumed_capacity_becomes_the_limits() {
+        let p = published();
+        let (a, d) = allocated_device(
+            &granted("gpu-0-shared", &[("memory", 8 << 30), ("sm", 30)]),
+            &p,
+            Priority::Normal,
+            ComputeMode::Strict,
+        )
+        .unwrap();
+        assert_eq!((a.memory_limit, a.sm_percent, a.physical_uuid.as_str()), (Some(8 << 30), Some(30), "GPU-0"));
+        assert_eq!(cdi_name(&d), "tessera.io/gpu=GPU-0");
+        let (a, d) =
+            allocated_device(&granted("gpu-1-mig-2-0", &[]), &p, Priority::Normal, ComputeMode::Strict).unwrap();
+        assert_eq!((a.memory_limit, a.sm_percent), (None, None), "a MIG device is the container's whole");
+        assert_eq!(cdi_name(&d), "tessera.io/mig=MIG-1");
+        // Defaults from the request policy when the claim named none.
+        let (a, _) =
+            allocated_device(&granted("gpu-0-shared", &[]), &p, Priority::Low, ComputeMode::WorkConserving).unwrap();
+        assert_eq!((a.memory_limit, a.sm_percent), (Some(DEFAULT_MEMORY), Some(10)));
+        assert_eq!((a.priority, a.compute_mode), (Priority::Low, ComputeMode::WorkConserving));
+        // What a scheduler bug or a hostile edit could hand us.
+        let e = |g: GrantedDevice| allocated_device(&g, &p, Priority::Normal, ComputeMode::Strict).unwrap_err();
+        assert!(e(granted("gpu-0-shared", &[("sm", 101)])).contains("sm 101 is not a percent"));
+        assert!(e(granted("gpu-0-shared", &[("sm", 0)])).contains("sm 0"));
+        assert!(e(granted("gpu-0-shared", &[("memory", 81 << 30)])).contains("outside"));
+        assert!(e(granted("gpu-9", &[])).contains("not published by this node"));
+        let mut sick = p.clone();
+        sick[1].unhealthy = Some("XID 79".into());
+        let err = allocated_device(&granted("gpu-0-shared", &[]), &sick, Priority::Normal, ComputeMode::Strict);
+        assert!(err.unwrap_err().contains("unhealthy: XID 79"));
+    }
+
+    #[tokio::test]
+    async fn prepare_is_idempotent_and_unprepare_releases_once() {
+        let rc: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "ml", "uid": "uid-1"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.tessera.io",
+                "pool": "node-a", "device": "gpu-0-shared", "consumedCapacity": {"memory": "8Gi", "sm": "30"}}]}},
+                "reservedFor": [{"resource": "pods", "name": "p", "uid": "pod-1"}]}
+        }))
+        .unwrap();
+        let records = Arc::new(Records::default());
+        let driver = DraDriver {
+            claims: Arc::new(Claims(rc)),
+            allocations: records.clone(),
+            devices: watch::channel(published()).1,
+            pool: "node-a".into(),
+            default_priority: Priority::Normal,
+            default_compute_mode: ComputeMode::Strict,
+        };
+        let c = ClaimRef { namespace: "ml".into(), uid: "uid-1".into(), name: "train".into() };
+        let first = driver.prepare(&c).await.unwrap();
+        assert_eq!(first[0].cdi_device_ids, ["tessera.io/gpu=GPU-0"]);
+        assert_eq!(driver.prepare(&c).await.unwrap(), first);
+        assert_eq!(records.0.lock().unwrap().len(), 1, "prepared twice, allocated once");
+        assert_eq!(records.0.lock().unwrap()["uid-1"].devices[0].memory_limit, Some(8 << 30));
+        driver.unprepare(&c).await.unwrap();
+        driver.unprepare(&c).await.unwrap();
+        assert!(records.0.lock().unwrap().is_empty());
+    }
+}
