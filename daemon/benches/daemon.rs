@@ -263,6 +263,7 @@ fn breakdown() {
                 priority: Default::default(),
                 compute_mode: Default::default(),
             }],
+            claim: None,
         };
         let t = Instant::now();
         store.insert(&alloc).expect("insert");

@@ -8,7 +8,9 @@
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
-//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
+//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store; the node
+//!   API's on-demand shares (`Allocate`, `Release`, `SetLimits`).
+//! - [`carve`]: admission and placement of shares carved on demand from a GPU's free room.
 //!
 //! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
 //!   the one place that changes it: layout changes, reloads.
@@ -25,6 +27,7 @@
 
 pub mod allocator;
 pub mod api;
+pub mod carve;
 pub mod cdi;
 pub mod config;
 pub mod discovery;

@@ -17,5 +17,5 @@ pub mod record;
 pub mod store;
 
 pub use alloc_dir::{AllocDirError, AllocDirs};
-pub use record::{AllocatedDevice, Allocation, ContainerIdentity, Source};
+pub use record::{AllocatedDevice, Allocation, Claim, ContainerIdentity, Lease, Source};
 pub use store::{SetAside, StateError, Store};
