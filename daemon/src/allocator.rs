@@ -303,7 +303,7 @@ impl DaemonAllocator {
                 priority: req.priority.unwrap_or(defaults.priority),
                 compute_mode,
             }],
-            claim: Some(Claim { owner: req.owner.clone(), lease: req.lease }),
+            claim: Some(Box::new(Claim { owner: req.owner.clone(), lease: req.lease })),
         };
         // Durable first, as the kubelet's: a crash after this finds the record and recreates the
         // directory at start.

@@ -123,7 +123,7 @@ pub struct Allocation {
     pub devices: Vec<AllocatedDevice>,
     /// Node API allocations only (absent in records from before it existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub claim: Option<Claim>,
+    pub claim: Option<Box<Claim>>,
 }
 
 impl Allocation {
@@ -281,7 +281,7 @@ pub(crate) mod tests {
         assert!(!text.contains("pod_uid"), "{text}");
         assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
         assert!(!text.contains("claim"), "kubelet records carry no claim: {text}");
-        a.claim = Some(Claim { owner: Some("fn-1".into()), lease: Lease::Container });
+        a.claim = Some(Box::new(Claim { owner: Some("fn-1".into()), lease: Lease::Container }));
         let text = serde_json::to_string(&a).unwrap();
         assert!(text.contains("\"lease\":\"container\""), "{text}");
         assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
