@@ -68,6 +68,28 @@ install_cuda_runtimes() {
 }
 install_cuda_runtimes
 
+# tests/flows/stock_grpc_clients.rs runs the Python example client (examples/python) with stock
+# grpcio, its modules generated from proto/ by grpcio-tools: a virtual environment of the build
+# (TESSERA_GRPC_PYTHON, else target/grpc-python), never system-wide.
+GRPC_PYTHON_WHEELS=("grpcio==1.85.1" "grpcio-tools==1.85.1")
+install_grpc_python() {
+  local root venv
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  venv=${TESSERA_GRPC_PYTHON:-$root/target/grpc-python}
+  if [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "import grpc, grpc_tools" 2>/dev/null; then
+    return 0
+  fi
+  if ! command -v python3 >/dev/null 2>&1; then
+    echo "deps: please install python3 (the gRPC client example test needs it)" >&2
+    return 0
+  fi
+  python3 -m venv "$venv" || { echo "deps: python3 -m venv failed; please install python3-venv" >&2; return 0; }
+  echo "deps: installing ${GRPC_PYTHON_WHEELS[*]} into $venv" >&2
+  "$venv/bin/pip" install --quiet "${GRPC_PYTHON_WHEELS[@]}" ||
+    echo "deps: pip could not install grpcio into $venv" >&2
+}
+install_grpc_python
+
 missing=()
 for entry in "${PACKAGES[@]}"; do
   pkg=${entry%%:*}
