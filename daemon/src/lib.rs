@@ -11,6 +11,7 @@
 //! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store; the node
 //!   API's on-demand shares (`Allocate`, `Release`, `SetLimits`).
 //! - [`carve`]: admission and placement of shares carved on demand from a GPU's free room.
+//! - [`lease`]: node API allocations leased to a container, released when it is deleted.
 //!
 //! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
 //!   the one place that changes it: layout changes, reloads.
@@ -35,6 +36,7 @@ pub mod enforcement;
 pub mod events;
 pub mod health;
 pub mod kubelet;
+pub mod lease;
 pub mod node;
 pub mod partition;
 pub mod podresources;

@@ -19,10 +19,16 @@ fn main() {
     }
     let mut args = std::env::args().skip(1);
     let mut config = PathBuf::from(DEFAULT_PATH);
+    let mut poststop = false;
+    let mut alloc_dir = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--config" => config = args.next().map(PathBuf::from).unwrap_or_else(|| fail("--config needs a path")),
             "createRuntime" | "prestart" => {}
+            "poststop" => poststop = true,
+            "--alloc-dir" => {
+                alloc_dir = Some(args.next().map(PathBuf::from).unwrap_or_else(|| fail("--alloc-dir needs a path")))
+            }
             "--version" | "version" => {
                 println!("tessera-hook {}", env!("CARGO_PKG_VERSION"));
                 return;
@@ -30,11 +36,23 @@ fn main() {
             other => fail(&format!("unknown argument {other:?}")),
         }
     }
-    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
     let mut state = Vec::new();
     if let Err(e) = std::io::stdin().take(tessera_hook::oci::MAX_JSON + 1).read_to_end(&mut state) {
         fail(&format!("state: {e}"));
     }
+    if poststop {
+        // The container is deleted: say so in its allocation's directory (the daemon releases a
+        // leased allocation bound to it). Nothing to do when the allocation is gone already.
+        let dir = alloc_dir.unwrap_or_else(|| fail("poststop needs --alloc-dir"));
+        let id = tessera_hook::oci::container_id(&state).unwrap_or_else(|e| fail(&e.0));
+        if dir.is_dir()
+            && let Err(e) = tessera_hook::owner::record_deleted(&dir, &id)
+        {
+            fail(&format!("{}: {e}", dir.display()));
+        }
+        return;
+    }
+    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
     match tessera_hook::apply::run_hook(&cfg, &state) {
         Ok(_) => {}
         Err(e) => fail(&e.0),
