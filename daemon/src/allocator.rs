@@ -60,6 +60,9 @@ const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600
 pub struct DaemonAllocator {
     /// Replaced whole when a layout change or a health change alters what is offered.
     resources: RwLock<Arc<Resources>>,
+    /// The GPUs as the controller last published them: the kubelet's new allocations are
+    /// admitted against what carved shares already hold.
+    rooms: RwLock<Arc<Vec<GpuRoom>>>,
     store: Mutex<Store>,
     dirs: AllocDirs,
     defaults: RwLock<Defaults>,
@@ -138,6 +141,7 @@ impl DaemonAllocator {
     pub fn new(config: &Config, resources: Arc<Resources>, store: Store, dirs: AllocDirs) -> DaemonAllocator {
         DaemonAllocator {
             resources: RwLock::new(resources),
+            rooms: RwLock::new(Arc::new(Vec::new())),
             store: Mutex::new(store),
             dirs,
             defaults: RwLock::new(Defaults::of(config)),
@@ -184,6 +188,11 @@ impl DaemonAllocator {
     /// Offers `resources` from now on (allocations already made are kept).
     pub fn set_resources(&self, resources: Arc<Resources>) {
         *self.resources.write().unwrap_or_else(std::sync::PoisonError::into_inner) = resources;
+    }
+
+    /// The GPUs from now on (the controller, when it publishes).
+    pub fn set_rooms(&self, rooms: Vec<GpuRoom>) {
+        *self.rooms.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rooms);
     }
 
     /// The share defaults of `config` for allocations from now on (a reload; records made
@@ -589,6 +598,42 @@ impl Allocator for DaemonAllocator {
                 existing
             }
             None => {
+                // A GPU a carved share holds part of: the kubelet's allocation must fit beside it
+                // (one store, one admission rule), or it is refused saying what is held.
+                let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+                let wanted = Allocation {
+                    id: String::new(),
+                    resource: resource.to_owned(),
+                    container: ContainerIdentity::default(),
+                    source: Source::Kubelet,
+                    created_unix_ns: 0,
+                    devices: devices.clone(),
+                    claim: None,
+                };
+                for gpu in rooms.iter().filter(|g| devices.iter().any(|d| d.physical_uuid == g.uuid)) {
+                    let others = carve::held(gpu, store.list(), None);
+                    let mine = carve::held(gpu, [&wanted], None);
+                    if others.memory.saturating_add(mine.memory) > gpu.memory_total
+                        || others.strict_sm.saturating_add(mine.strict_sm) > 100
+                    {
+                        let carved: Vec<&str> = store
+                            .list()
+                            .filter(|a| a.source == Source::NodeApi)
+                            .filter(|a| a.devices.iter().any(|d| d.physical_uuid == gpu.uuid))
+                            .map(|a| a.id.as_str())
+                            .collect();
+                        return Err(Status::resource_exhausted(format!(
+                            "GPU {} ({}): {} and {}% strict SM are held (node API allocations {}); {} and {}% more do not fit",
+                            gpu.index,
+                            gpu.uuid,
+                            carve::size(others.memory),
+                            others.strict_sm,
+                            if carved.is_empty() { "none".to_string() } else { carved.join(", ") },
+                            carve::size(mine.memory),
+                            mine.strict_sm
+                        )));
+                    }
+                }
                 let alloc = Allocation {
                     id: Allocation::new_id(),
                     resource: resource.to_owned(),
@@ -868,10 +913,17 @@ mod tests {
         assert!(a.allocate_share(&share(1, 101, ""), &rooms()).unwrap_err().message().starts_with("sm_percent"));
         let err = a.allocate_share(&share(1, 1, "GPU-zz"), &rooms()).unwrap_err();
         assert_eq!(err.code(), tonic::Code::NotFound);
-        // The kubelet's stale-record rule never touches a carved share: a kubelet allocation of
-        // other shares leaves both node API records in place.
+        // The other way round: the kubelet's share of GPU-b does not fit beside the carved ones
+        // (4 GiB of 4 GiB held), and is refused naming them.
+        a.set_rooms(rooms());
+        let err = a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains(&first.id) && err.message().contains("4 GiB"), "{}", err.message());
+        // Once the larger one is released it fits (1 GiB + 40% held, 1 GiB + 50% asked), and the
+        // kubelet's stale-record rule leaves the carved share beside it alone.
+        a.release(&first.id).unwrap();
         a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
-        assert!(a.allocations().iter().any(|r| r.id == first.id));
+        assert!(a.allocations().iter().any(|r| r.id == second.id));
     }
 
     #[test]

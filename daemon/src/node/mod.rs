@@ -388,6 +388,7 @@ impl NodeController {
         live.view.resources = Arc::clone(&res);
         drop(live);
         self.allocator.set_resources(Arc::clone(&res));
+        self.allocator.set_rooms(self.gpu_rooms());
         self.resources_tx.send_replace(res);
     }
 
@@ -586,6 +587,7 @@ impl NodeController {
         live.view.status = status;
         drop(live);
         self.allocator.set_resources(Arc::clone(&resources));
+        self.allocator.set_rooms(self.gpu_rooms());
         self.resources_tx.send_replace(resources);
         Ok(results)
     }
