@@ -263,11 +263,20 @@ fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, C
     if let Some(c) = &node.hook_config {
         args.extend(["--config".into(), c.display().to_string()]);
     }
+    let mut poststop = args.clone();
     args.push("createRuntime".into());
     edits.hooks.push(Hook {
         hook_name: "createRuntime".into(),
         path: node.hook_binary.display().to_string(),
         args,
+        env: vec![HOOK_ENV.into()],
+    });
+    // After the container is deleted: tells tesserad, for `--lease container` allocations.
+    poststop.push("poststop".into());
+    edits.hooks.push(Hook {
+        hook_name: "poststop".into(),
+        path: node.hook_binary.display().to_string(),
+        args: poststop,
         env: vec![HOOK_ENV.into()],
     });
     Ok(edits)
@@ -530,6 +539,8 @@ pub(crate) mod tests {
             (hook.hook_name.as_str(), hook.env.as_slice()),
             ("createRuntime", [HOOK_ENV.to_string()].as_slice())
         );
+        let post = &gpu.container_edits.hooks[1];
+        assert_eq!((post.hook_name.as_str(), post.args.last().map(String::as_str)), ("poststop", Some("poststop")));
 
         let cdi = dir.path().join("cdi");
         std::fs::create_dir_all(&cdi).unwrap();
