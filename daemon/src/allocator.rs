@@ -294,10 +294,12 @@ impl DaemonAllocator {
         let compute_mode = req.compute_mode.unwrap_or(defaults.compute_mode);
         let ask = carve::Ask { memory: req.memory, sm_percent: req.sm_percent, compute_mode };
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let records: Vec<Allocation> = store.list().cloned().collect();
+        // References, not copies: admission is on every Allocate's path.
+        let records: Vec<&Allocation> = store.list().collect();
         let gpu = carve::place(gpus, &records, &req.gpu, ask, defaults.placement).map_err(|why| {
             if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
         })?;
+        drop(records);
         let alloc = Allocation {
             id: Allocation::new_id(),
             resource: ON_DEMAND_RESOURCE.to_owned(),
@@ -359,7 +361,6 @@ impl DaemonAllocator {
             d.sm_percent = change.sm_percent.or(d.sm_percent);
             d.priority = change.priority.unwrap_or(d.priority);
         }
-        let records: Vec<Allocation> = store.list().cloned().collect();
         let mut checked: Vec<&str> = Vec::new();
         for d in &alloc.devices {
             if checked.contains(&d.physical_uuid.as_str()) {
@@ -369,7 +370,7 @@ impl DaemonAllocator {
             match gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) {
                 Some(gpu) => {
                     let mine = carve::held(gpu, [&alloc], None);
-                    let others = carve::held(gpu, &records, Some(id));
+                    let others = carve::held(gpu, store.list(), Some(id));
                     let total = carve::Held {
                         memory: others.memory.saturating_add(mine.memory),
                         strict_sm: others.strict_sm.saturating_add(mine.strict_sm),

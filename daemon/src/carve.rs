@@ -78,7 +78,7 @@ pub fn selects(selector: &str, gpu: &GpuRoom) -> bool {
 /// naming each candidate GPU and what it has free.
 pub fn place<'g>(
     gpus: &'g [GpuRoom],
-    records: &[Allocation],
+    records: &[&Allocation],
     selector: &str,
     ask: Ask,
     placement: Placement,
@@ -99,7 +99,7 @@ pub fn place<'g>(
             why.push(format!("GPU {} ({}): {reason}", g.index, g.uuid));
             continue;
         }
-        let h = held(g, records, None);
+        let h = held(g, records.iter().copied(), None);
         let free = g.memory_total.saturating_sub(h.memory);
         if !fits(g, h, ask) {
             why.push(format!(
@@ -204,7 +204,8 @@ mod tests {
     #[test]
     fn packed_takes_the_fullest_spread_the_emptiest() {
         let gpus = [gpu(0, 80), gpu(1, 80), gpu(2, 80)];
-        let records = [record("a", vec![dev("GPU-1", "GPU-1", Some(40 * GIB), Some(40))])];
+        let owned = [record("a", vec![dev("GPU-1", "GPU-1", Some(40 * GIB), Some(40))])];
+        let records: Vec<&Allocation> = owned.iter().collect();
         assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Packed).unwrap().index, 1);
         assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Spread).unwrap().index, 0);
         // Too big for the fuller one: the next.
@@ -218,7 +219,8 @@ mod tests {
     fn a_refusal_names_each_gpu_and_what_it_has_free() {
         let mut gpus = vec![gpu(0, 80), gpu(1, 40)];
         gpus[1].unavailable = Some("unhealthy: XID 79".into());
-        let records = [record("a", vec![dev("GPU-0", "GPU-0", Some(72 * GIB), Some(80))])];
+        let owned = [record("a", vec![dev("GPU-0", "GPU-0", Some(72 * GIB), Some(80))])];
+        let records: Vec<&Allocation> = owned.iter().collect();
         let err = place(&gpus, &records, "", ask(16, 30), Placement::Packed).unwrap_err();
         assert_eq!(
             err,
