@@ -8,7 +8,10 @@
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
-//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
+//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store; the node
+//!   API's on-demand shares (`Allocate`, `Release`, `SetLimits`).
+//! - [`carve`]: admission and placement of shares carved on demand from a GPU's free room.
+//! - [`lease`]: node API allocations leased to a container, released when it is deleted.
 //!
 //! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
 //!   the one place that changes it: layout changes, reloads.
@@ -26,6 +29,7 @@
 
 pub mod allocator;
 pub mod api;
+pub mod carve;
 pub mod cdi;
 pub mod config;
 pub mod discovery;
@@ -34,6 +38,7 @@ pub mod events;
 pub mod health;
 pub mod install;
 pub mod kubelet;
+pub mod lease;
 pub mod node;
 pub mod partition;
 pub mod podresources;
