@@ -37,24 +37,17 @@ install_zigbuild() {
 }
 install_zigbuild
 
-# tests/flows/cuda_runtime_programs.rs runs CuPy over the simulated node: NVIDIA's CUDA runtime
-# and NVRTC from their wheels, in a virtual environment of the build (TESSERA_CUDA_RUNTIMES, else
-# target/cuda-runtimes), never system-wide. Pinned: the sim is tested against these runtimes.
-CUDA_RUNTIME_WHEELS=(
-  "cupy-cuda12x==14.2.0"
-  "nvidia-cuda-runtime-cu12==12.9.79"
-  "nvidia-cuda-nvrtc-cu12==12.9.86"
-)
-install_cuda_runtimes() {
-  local root venv
-  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  venv=${TESSERA_CUDA_RUNTIMES:-$root/target/cuda-runtimes}
-  if [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "import cupy, cupy_backends" 2>/dev/null &&
-    "$venv/bin/pip" show --quiet "${CUDA_RUNTIME_WHEELS[@]%%==*}" >/dev/null 2>&1; then
+# Python tools some tests run, each in a virtual environment of the build (never system-wide):
+# install_venv DIR "IMPORT CHECK" PACKAGE... makes DIR and installs the packages unless the check
+# (python code run in DIR) already passes.
+install_venv() {
+  local venv=$1 check=$2
+  shift 2
+  if [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "$check" 2>/dev/null; then
     return 0
   fi
   if ! command -v python3 >/dev/null 2>&1; then
-    echo "deps: please install python3 (the CUDA runtime tests need it)" >&2
+    echo "deps: please install python3 (for $*)" >&2
     return 0
   fi
   if ! python3 -m venv "$venv" 2>/dev/null; then
@@ -66,25 +59,27 @@ install_cuda_runtimes() {
     fi
     python3 -m venv "$venv" || { echo "deps: python3 -m venv failed; please install python3-venv" >&2; return 0; }
   fi
-  echo "deps: installing ${CUDA_RUNTIME_WHEELS[*]} into $venv" >&2
-  "$venv/bin/pip" install --quiet "${CUDA_RUNTIME_WHEELS[@]}" ||
-    echo "deps: pip could not install the CUDA runtime wheels into $venv" >&2
+  echo "deps: installing $* into $venv" >&2
+  "$venv/bin/pip" install --quiet "$@" || echo "deps: pip could not install $* into $venv" >&2
 }
-install_cuda_runtimes
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# tests/flows/cuda_runtime_programs.rs runs CuPy over the simulated node: NVIDIA's CUDA runtime
+# and NVRTC from their wheels (TESSERA_CUDA_RUNTIMES, else target/cuda-runtimes). Pinned: the
+# sim is tested against these runtimes.
+install_venv "${TESSERA_CUDA_RUNTIMES:-$root/target/cuda-runtimes}" \
+  "import cupy, cupy_backends, importlib.metadata as m; assert m.version('cupy-cuda12x') == '14.2.0'" \
+  "cupy-cuda12x==14.2.0" "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvrtc-cu12==12.9.86"
 
 # daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
-# schemas with kubernetes-validate, in a virtual environment of the build (never system-wide).
-install_k8s_validate() {
-  local root venv
-  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-  venv=$root/target/k8s-validate
-  [[ -x $venv/bin/kubernetes-validate ]] && return 0
-  command -v python3 >/dev/null 2>&1 || { echo "deps: please install python3 (kubernetes-validate)" >&2; return 0; }
-  python3 -m venv "$venv" 2>/dev/null || { echo "deps: python3 -m venv failed; please install python3-venv" >&2; return 0; }
-  echo "deps: installing kubernetes-validate into $venv" >&2
-  "$venv/bin/pip" install --quiet kubernetes-validate || echo "deps: pip could not install kubernetes-validate" >&2
-}
-install_k8s_validate
+# schemas with kubernetes-validate.
+install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes-validate
+
+# tests/flows/stock_grpc_clients.rs runs the Python example client (examples/python) with stock
+# grpcio, its modules generated from proto/ by grpcio-tools (TESSERA_GRPC_PYTHON, else
+# target/grpc-python).
+install_venv "${TESSERA_GRPC_PYTHON:-$root/target/grpc-python}" "import grpc, grpc_tools" \
+  "grpcio==1.85.1" "grpcio-tools==1.85.1"
 
 missing=()
 for entry in "${PACKAGES[@]}"; do

@@ -25,11 +25,17 @@ LD_LIBRARY_PATH="$lib_dir" "$bin/tessera-workload" --alloc-mib 2048 --kernels 50
 # the simulated GPU is reset as an operator would), and lists the events; then SIGTERM.
 demo=$(mktemp -d)
 trap 'kill "${daemon:-}" 2>/dev/null || true; rm -rf "$demo"' EXIT
+# A driver root of the simulated node (device nodes, proc tree, libraries), so the CDI specs name
+# real files, as on a host with a driver.
+"$bin/tessera-sim" install --driver-root "$demo/driver" >/dev/null
 cat >"$demo/config.toml" <<EOF
 sim = true
 device_plugin_dir = "$demo/plugins"
 state_dir = "$demo/state"
 runtime_dir = "$demo/run"
+[injection]
+driver_root = "$demo/driver"
+dev_root = "$demo/driver/dev"
 [partitions."0"]
 shares = { count = 4 }
 EOF

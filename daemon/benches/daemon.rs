@@ -278,6 +278,7 @@ fn breakdown() {
                 priority: Default::default(),
                 compute_mode: Default::default(),
             }],
+            claim: None,
         };
         let t = Instant::now();
         store.insert(&alloc).expect("insert");

@@ -114,6 +114,7 @@ fn main() {
             source: Source::Kubelet,
             created_unix_ns: 1,
             devices: vec![dev(format!("{g}::0"), &g), dev(format!("{g}::1"), &g), dev(h.clone(), &h)],
+            claim: None,
         };
         dirs.create(&a).unwrap();
         for p in 0..PROCS {

@@ -14,13 +14,43 @@ use std::time::Instant;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
+use crate::carve::{self, GpuRoom};
 use crate::config::{Config, Placement};
 use crate::kubelet::{Allocator, ContainerAllocation, HostDevice, HostMount};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
-use crate::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source, Store, record::unix_ns};
+use crate::state::{
+    AllocDirs, AllocatedDevice, Allocation, Claim, ContainerIdentity, Lease, Source, Store, record::unix_ns,
+};
 
 /// Where the allocation directory is mounted in the container.
 pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
+
+/// The resource name of shares carved on demand through the node API (no kubelet resource
+/// is ever named so: the kubelet's reuse and stale-record rules never see them).
+pub const ON_DEMAND_RESOURCE: &str = "node-api/gpu-share";
+
+/// What the node API's `Allocate` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareRequest {
+    pub memory: u64,
+    pub sm_percent: u32,
+    /// `None`: the configuration's `limits.priority`.
+    pub priority: Option<Priority>,
+    /// `None`: the configuration's `limits.compute_mode`.
+    pub compute_mode: Option<ComputeMode>,
+    /// A GPU index, UUID or model name; empty: any.
+    pub gpu: String,
+    pub owner: Option<String>,
+    pub lease: Lease,
+}
+
+/// What the node API's `SetLimits` changes; `None` keeps the value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LimitChange {
+    pub memory: Option<u64>,
+    pub sm_percent: Option<u32>,
+    pub priority: Option<Priority>,
+}
 
 /// How long [`DaemonAllocator::handed_out`] remembers a hand-out.
 const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);
@@ -30,6 +60,9 @@ const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600
 pub struct DaemonAllocator {
     /// Replaced whole when a layout change or a health change alters what is offered.
     resources: RwLock<Arc<Resources>>,
+    /// The GPUs as the controller last published them: the kubelet's new allocations are
+    /// admitted against what carved shares already hold.
+    rooms: RwLock<Arc<Vec<GpuRoom>>>,
     store: Mutex<Store>,
     dirs: AllocDirs,
     defaults: RwLock<Defaults>,
@@ -108,6 +141,7 @@ impl DaemonAllocator {
     pub fn new(config: &Config, resources: Arc<Resources>, store: Store, dirs: AllocDirs) -> DaemonAllocator {
         DaemonAllocator {
             resources: RwLock::new(resources),
+            rooms: RwLock::new(Arc::new(Vec::new())),
             store: Mutex::new(store),
             dirs,
             defaults: RwLock::new(Defaults::of(config)),
@@ -154,6 +188,11 @@ impl DaemonAllocator {
     /// Offers `resources` from now on (allocations already made are kept).
     pub fn set_resources(&self, resources: Arc<Resources>) {
         *self.resources.write().unwrap_or_else(std::sync::PoisonError::into_inner) = resources;
+    }
+
+    /// The GPUs from now on (the controller, when it publishes).
+    pub fn set_rooms(&self, rooms: Vec<GpuRoom>) {
+        *self.rooms.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rooms);
     }
 
     /// The share defaults of `config` for allocations from now on (a reload; records made
@@ -236,6 +275,143 @@ impl DaemonAllocator {
             tracing::warn!(%id, error = %e, "cannot remove an allocation directory");
         }
         Ok(existed)
+    }
+
+    /// The node API's `Allocate`: a share of `memory` bytes and `sm_percent` carved from one of
+    /// `gpus` (placed as `share_placement` says), recorded durably, its directory made. Admission
+    /// counts every record on the GPU (the kubelet's too), under the store lock.
+    pub fn allocate_share(&self, req: &ShareRequest, gpus: &[GpuRoom]) -> Result<Allocation, Status> {
+        if req.memory == 0 {
+            return Err(Status::invalid_argument("memory_bytes: required (the share's device memory, bytes)"));
+        }
+        if !(1..=100).contains(&req.sm_percent) {
+            return Err(Status::invalid_argument(format!(
+                "sm_percent: {} is not a percent of the GPU's SM time (1..=100)",
+                req.sm_percent
+            )));
+        }
+        let defaults = self.defaults();
+        let compute_mode = req.compute_mode.unwrap_or(defaults.compute_mode);
+        let ask = carve::Ask { memory: req.memory, sm_percent: req.sm_percent, compute_mode };
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // References, not copies: admission is on every Allocate's path.
+        let records: Vec<&Allocation> = store.list().collect();
+        let gpu = carve::place(gpus, &records, &req.gpu, ask, defaults.placement).map_err(|why| {
+            if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
+        })?;
+        drop(records);
+        let alloc = Allocation {
+            id: Allocation::new_id(),
+            resource: ON_DEMAND_RESOURCE.to_owned(),
+            container: ContainerIdentity::default(),
+            source: Source::NodeApi,
+            created_unix_ns: unix_ns(),
+            devices: vec![AllocatedDevice {
+                device_id: gpu.uuid.clone(),
+                physical_uuid: gpu.uuid.clone(),
+                memory_limit: Some(req.memory),
+                sm_percent: Some(req.sm_percent),
+                priority: req.priority.unwrap_or(defaults.priority),
+                compute_mode,
+            }],
+            claim: Some(Box::new(Claim { owner: req.owner.clone(), lease: req.lease })),
+        };
+        // Durable first, as the kubelet's: a crash after this finds the record and recreates the
+        // directory at start.
+        store.insert(&alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+        if let Err(e) = self.dirs.create(&alloc) {
+            let _ = store.remove(&alloc.id);
+            return Err(internal("creating the allocation directory")(e.to_string()));
+        }
+        tracing::info!(id = %alloc.id, gpu = gpu.index, memory = req.memory, sm = req.sm_percent, "share carved");
+        Ok(alloc)
+    }
+
+    /// The node API's `Release`: the record, the directory and its region go; `Ok(false)` when
+    /// there was no record (already released). A directory left without a record goes too.
+    pub fn release(&self, id: &str) -> Result<bool, Status> {
+        crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let existed = store.remove(id).map_err(|e| internal("removing the allocation")(e.to_string()))?.is_some();
+        self.dirs.remove(id).map_err(|e| internal("removing the allocation directory")(e.to_string()))?;
+        if existed {
+            tracing::info!(%id, "released");
+        }
+        Ok(existed)
+    }
+
+    /// The node API's `SetLimits`: every device of allocation `id` gets the new memory limit,
+    /// SM percent and priority; admitted as `Allocate` is (the allocation's own share does not
+    /// count against it). The record changes durably first (enforcement reads it), then the
+    /// limits file is rewritten and the region's generation bumped (the shim's one live path).
+    pub fn set_limits(&self, id: &str, change: LimitChange, gpus: &[GpuRoom]) -> Result<Allocation, Status> {
+        if change.memory == Some(0) {
+            return Err(Status::invalid_argument("memory_bytes: must be above 0"));
+        }
+        if let Some(sm) = change.sm_percent.filter(|sm| !(1..=100).contains(sm)) {
+            return Err(Status::invalid_argument(format!("sm_percent: {sm} is not a percent (1..=100)")));
+        }
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(current) = store.get(id).cloned() else {
+            return Err(Status::not_found(format!("allocation_id: no allocation {id:?}")));
+        };
+        let mut alloc = current.clone();
+        for d in &mut alloc.devices {
+            d.memory_limit = change.memory.or(d.memory_limit);
+            d.sm_percent = change.sm_percent.or(d.sm_percent);
+            d.priority = change.priority.unwrap_or(d.priority);
+        }
+        let mut checked: Vec<&str> = Vec::new();
+        for d in &alloc.devices {
+            if checked.contains(&d.physical_uuid.as_str()) {
+                continue;
+            }
+            checked.push(&d.physical_uuid);
+            match gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) {
+                Some(gpu) => {
+                    let mine = carve::held(gpu, [&alloc], None);
+                    let others = carve::held(gpu, store.list(), Some(id));
+                    let total = carve::Held {
+                        memory: others.memory.saturating_add(mine.memory),
+                        strict_sm: others.strict_sm.saturating_add(mine.strict_sm),
+                    };
+                    if total.memory > gpu.memory_total || total.strict_sm > 100 {
+                        return Err(Status::resource_exhausted(format!(
+                            "GPU {} ({}) has {} of {} and {}% strict SM left beside the other allocations; \
+                             allocation {id} would hold {} and {}%",
+                            gpu.index,
+                            gpu.uuid,
+                            carve::size(gpu.memory_total.saturating_sub(others.memory)),
+                            carve::size(gpu.memory_total),
+                            100u32.saturating_sub(others.strict_sm),
+                            carve::size(mine.memory),
+                            mine.strict_sm
+                        )));
+                    }
+                }
+                None => {
+                    // A MIG device (no room known here): limits may shrink, never grow.
+                    let grows = alloc.devices.iter().zip(&current.devices).any(|(new, old)| {
+                        new.physical_uuid == d.physical_uuid
+                            && (new.memory_limit.unwrap_or(u64::MAX) > old.memory_limit.unwrap_or(u64::MAX)
+                                || new.sm_percent.unwrap_or(100) > old.sm_percent.unwrap_or(100))
+                    });
+                    if grows {
+                        return Err(Status::failed_precondition(format!(
+                            "device {}: limits on it can be lowered, not raised",
+                            d.physical_uuid
+                        )));
+                    }
+                }
+            }
+        }
+        if alloc == current {
+            return Ok(alloc);
+        }
+        store.update(&alloc).map_err(|e| internal("updating the allocation")(e.to_string()))?;
+        self.dirs.update_limits(&alloc).map_err(|e| internal("rewriting the limits")(e.to_string()))?;
+        tracing::info!(%id, memory = ?change.memory, sm = ?change.sm_percent, priority = ?change.priority, "limits changed");
+        Ok(alloc)
     }
 
     /// When allocation `id` was last handed to the kubelet by this process (made or reused);
@@ -385,7 +561,7 @@ impl Allocator for DaemonAllocator {
         // One pass over the records, allocating nothing for the ones that share no device.
         let mut same = None;
         let mut stale = Vec::new();
-        for a in store.list().filter(|a| a.resource == resource) {
+        for a in store.list().filter(|a| a.resource == resource && a.source == Source::Kubelet) {
             if !a.devices.iter().any(|d| wanted.contains(d.device_id.as_str())) {
                 continue;
             }
@@ -423,6 +599,42 @@ impl Allocator for DaemonAllocator {
                 existing
             }
             None => {
+                // A GPU a carved share holds part of: the kubelet's allocation must fit beside it
+                // (one store, one admission rule), or it is refused saying what is held.
+                let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+                let wanted = Allocation {
+                    id: String::new(),
+                    resource: resource.to_owned(),
+                    container: ContainerIdentity::default(),
+                    source: Source::Kubelet,
+                    created_unix_ns: 0,
+                    devices: devices.clone(),
+                    claim: None,
+                };
+                for gpu in rooms.iter().filter(|g| devices.iter().any(|d| d.physical_uuid == g.uuid)) {
+                    let others = carve::held(gpu, store.list(), None);
+                    let mine = carve::held(gpu, [&wanted], None);
+                    if others.memory.saturating_add(mine.memory) > gpu.memory_total
+                        || others.strict_sm.saturating_add(mine.strict_sm) > 100
+                    {
+                        let carved: Vec<&str> = store
+                            .list()
+                            .filter(|a| a.source == Source::NodeApi)
+                            .filter(|a| a.devices.iter().any(|d| d.physical_uuid == gpu.uuid))
+                            .map(|a| a.id.as_str())
+                            .collect();
+                        return Err(Status::resource_exhausted(format!(
+                            "GPU {} ({}): {} and {}% strict SM are held (node API allocations {}); {} and {}% more do not fit",
+                            gpu.index,
+                            gpu.uuid,
+                            carve::size(others.memory),
+                            others.strict_sm,
+                            if carved.is_empty() { "none".to_string() } else { carved.join(", ") },
+                            carve::size(mine.memory),
+                            mine.strict_sm
+                        )));
+                    }
+                }
                 let alloc = Allocation {
                     id: Allocation::new_id(),
                     resource: resource.to_owned(),
@@ -430,6 +642,7 @@ impl Allocator for DaemonAllocator {
                     source: Source::Kubelet,
                     created_unix_ns: unix_ns(),
                     devices,
+                    claim: None,
                 };
                 // Durable first: a crash after this finds the record (and recreates the
                 // directory); a crash before it leaves nothing, and the kubelet retries.
@@ -645,5 +858,116 @@ mod tests {
         assert_eq!(a.allocations().len(), 1);
         assert!(!tmp.path().join("run/alloc").join(&id).exists());
         assert!(a.allocate(SHARE, &ids(&["GPU-z::0"])).is_err());
+    }
+
+    fn rooms() -> Vec<GpuRoom> {
+        ["GPU-a", "GPU-b"]
+            .iter()
+            .enumerate()
+            .map(|(i, uuid)| GpuRoom {
+                index: i as u32,
+                uuid: (*uuid).into(),
+                model: "NVIDIA H100".into(),
+                memory_total: 4 << 30,
+                unavailable: None,
+                nodes: Vec::new(),
+            })
+            .collect()
+    }
+
+    fn share(gib: u64, sm: u32, gpu: &str) -> ShareRequest {
+        ShareRequest {
+            memory: gib << 30,
+            sm_percent: sm,
+            priority: None,
+            compute_mode: Some(ComputeMode::Strict),
+            gpu: gpu.into(),
+            owner: Some("fn-a".into()),
+            lease: Lease::None,
+        }
+    }
+
+    /// The kubelet's fixed shares and the node API's carved ones come out of the same room.
+    #[test]
+    fn carved_shares_count_the_kubelets_and_never_overcommit() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        // The kubelet holds two 1 GiB, 50% shares of GPU-a: 2 GiB and 100% SM.
+        a.allocate(SHARE, &ids(&["GPU-a::0", "GPU-a::1"])).unwrap();
+        let err = a.allocate_share(&share(1, 10, "0"), &rooms()).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("GPU 0 (GPU-a): 2 GiB of 4 GiB free, 0% SM free"), "{}", err.message());
+        // Packed: GPU-b is the only one with SM left; filled to its memory, then refused.
+        let first = a.allocate_share(&share(3, 60, ""), &rooms()).unwrap();
+        assert_eq!(first.devices[0].physical_uuid, "GPU-b");
+        assert_eq!(first.source, Source::NodeApi);
+        assert_eq!(first.claim.as_ref().unwrap().owner.as_deref(), Some("fn-a"));
+        let err = a.allocate_share(&share(2, 10, ""), &rooms()).unwrap_err();
+        assert!(err.message().contains("GPU 1 (GPU-b): 1 GiB of 4 GiB free, 40% SM free"), "{}", err.message());
+        let second = a.allocate_share(&share(1, 40, ""), &rooms()).unwrap();
+        assert_eq!(second.devices[0].physical_uuid, "GPU-b");
+        // The record is durable and its limits file says what was asked.
+        let limits = tessera_region::Limits::load(&a.dirs.limits_path(&second.id)).unwrap();
+        assert_eq!((limits.devices[0].memory_limit, limits.devices[0].sm_percent), (Some(1 << 30), Some(40)));
+        // Bad requests name the field.
+        assert!(a.allocate_share(&share(0, 10, ""), &rooms()).unwrap_err().message().starts_with("memory_bytes"));
+        assert!(a.allocate_share(&share(1, 101, ""), &rooms()).unwrap_err().message().starts_with("sm_percent"));
+        let err = a.allocate_share(&share(1, 1, "GPU-zz"), &rooms()).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        // The other way round: the kubelet's share of GPU-b does not fit beside the carved ones
+        // (4 GiB of 4 GiB held), and is refused naming them.
+        a.set_rooms(rooms());
+        let err = a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains(&first.id) && err.message().contains("4 GiB"), "{}", err.message());
+        // Once the larger one is released it fits (1 GiB + 40% held, 1 GiB + 50% asked), and the
+        // kubelet's stale-record rule leaves the carved share beside it alone.
+        a.release(&first.id).unwrap();
+        a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
+        assert!(a.allocations().iter().any(|r| r.id == second.id));
+    }
+
+    #[test]
+    fn release_is_idempotent_and_takes_the_directory() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let x = a.allocate_share(&share(1, 10, ""), &rooms()).unwrap();
+        assert!(a.dirs.dir(&x.id).is_dir());
+        assert!(a.release(&x.id).unwrap());
+        assert!(!a.dirs.dir(&x.id).exists());
+        assert!(a.allocations().is_empty());
+        assert!(!a.release(&x.id).unwrap(), "a second release succeeds, saying it was gone");
+        assert_eq!(a.release("../etc").unwrap_err().code(), tonic::Code::InvalidArgument);
+        // The room is back.
+        a.allocate_share(&share(4, 100, "0"), &rooms()).unwrap();
+    }
+
+    #[test]
+    fn set_limits_rewrites_the_record_and_the_file_within_the_room() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let x = a.allocate_share(&share(1, 30, "0"), &rooms()).unwrap();
+        let y = a.allocate_share(&share(2, 50, "0"), &rooms()).unwrap();
+        let region = tessera_region::Region::open_or_create(&a.dirs.region_path(&x.id)).unwrap();
+        let g0 = region.config_generation();
+        let change = LimitChange { memory: Some(2 << 30), sm_percent: Some(50), priority: Some(Priority::High) };
+        let got = a.set_limits(&x.id, change, &rooms()).unwrap();
+        assert_eq!(got.devices[0].memory_limit, Some(2 << 30));
+        assert_eq!(a.allocations().iter().find(|r| r.id == x.id).unwrap(), &got, "the record changed");
+        let limits = tessera_region::Limits::load(&a.dirs.limits_path(&x.id)).unwrap();
+        assert_eq!((limits.devices[0].memory_limit, limits.devices[0].sm_percent), (Some(2 << 30), Some(50)));
+        assert_eq!(limits.priority, Priority::High);
+        assert_eq!(region.config_generation(), g0 + 1, "running shims are told");
+        // Past the room (y holds 2 GiB and 50%): refused, nothing changed.
+        let err = a.set_limits(&x.id, LimitChange { memory: Some(3 << 30), ..Default::default() }, &rooms());
+        let err = err.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("has 2 GiB of 4 GiB and 50% strict SM left"), "{}", err.message());
+        let err = a.set_limits(&y.id, LimitChange { sm_percent: Some(51), ..Default::default() }, &rooms());
+        assert_eq!(err.unwrap_err().code(), tonic::Code::ResourceExhausted);
+        assert_eq!(region.config_generation(), g0 + 1);
+        assert_eq!(a.set_limits("nope", change, &rooms()).unwrap_err().code(), tonic::Code::NotFound);
+        // Lowering below what is in use is allowed (the shim refuses new allocations past it).
+        a.set_limits(&x.id, LimitChange { memory: Some(1 << 20), ..Default::default() }, &rooms()).unwrap();
     }
 }

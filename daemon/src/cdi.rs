@@ -168,6 +168,23 @@ fn node_devices(view: &View) -> Vec<NodeDevice> {
             });
         }
     }
+    // Every GPU with MIG off is named in the `gpu` class even when it is offered as shares:
+    // a share carved on demand (the node API's Allocate) is asked for as `tessera.io/gpu=<uuid>`,
+    // and the hook admits it only with an allocation holding that GPU.
+    let dev_root = &view.config.injection.dev_root;
+    for g in view.inventory.gpus.iter().filter(|g| !g.mig.as_ref().is_some_and(|m| m.current)) {
+        let name = cdi::cdi_device_name(&g.uuid);
+        if out.iter().any(|d| d.class == "gpu" && d.name == name) {
+            continue;
+        }
+        out.push(NodeDevice {
+            class: Kind::Gpu.cdi_class().to_owned(),
+            name,
+            aliases: vec![g.index.to_string()],
+            uuid: g.uuid.clone(),
+            nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
+        });
+    }
     out.sort_by(|a, b| (&a.class, &a.name).cmp(&(&b.class, &b.name)));
     out
 }

@@ -8,7 +8,10 @@
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
-//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store.
+//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store; the node
+//!   API's on-demand shares (`Allocate`, `Release`, `SetLimits`).
+//! - [`carve`]: admission and placement of shares carved on demand from a GPU's free room.
+//! - [`lease`]: node API allocations leased to a container, released when it is deleted.
 //! - [`dra`]: the Kubernetes DRA driver `gpu.tessera.io`: kubelet registration and DRA service,
 //!   claims read and ResourceSlices published through the API server.
 //!
@@ -28,6 +31,7 @@
 
 pub mod allocator;
 pub mod api;
+pub mod carve;
 pub mod cdi;
 pub mod config;
 pub mod discovery;
@@ -37,6 +41,7 @@ pub mod events;
 pub mod health;
 pub mod install;
 pub mod kubelet;
+pub mod lease;
 pub mod node;
 pub mod partition;
 pub mod podresources;

@@ -328,6 +328,7 @@ mod tests {
                     compute_mode: ComputeMode::Strict,
                 })
                 .collect(),
+            claim: None,
         }
     }
 

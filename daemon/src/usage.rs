@@ -302,6 +302,7 @@ mod tests {
             source: Source::Kubelet,
             created_unix_ns: unix_ns(),
             devices,
+            claim: None,
         }
     }
 

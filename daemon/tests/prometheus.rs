@@ -86,6 +86,7 @@ fn prometheus_scrapes_exact_container_usage() {
         source: Source::Kubelet,
         created_unix_ns: 1,
         devices: vec![share(0), share(1)],
+        claim: None,
     };
     dirs.create(&alloc).unwrap();
 

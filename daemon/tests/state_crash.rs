@@ -42,6 +42,7 @@ fn record(id: &str) -> Allocation {
                 compute_mode: ComputeMode::WorkConserving,
             })
             .collect(),
+        claim: None,
     }
 }
 

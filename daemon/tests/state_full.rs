@@ -64,6 +64,7 @@ fn record(id: &str) -> Allocation {
         source: Source::NodeApi,
         created_unix_ns: 1,
         devices: Vec::new(),
+        claim: None,
     }
 }
 

@@ -37,7 +37,7 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
     let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(None) };
     let prepared = prepare(&plan, state.pid)?;
     let applied = apply(prepared, &plan, &root)?;
-    record_owner(cfg, &plan, Some(&state.id), &info.annotations);
+    record_owner(cfg, &plan, Some(&state.id), &info.annotations, None);
     Ok(Some(applied))
 }
 
@@ -47,10 +47,13 @@ pub(crate) fn record_owner(
     plan: &Plan,
     container_id: Option<&str>,
     annotations: &std::collections::BTreeMap<String, String>,
+    runtime_state: Option<&Path>,
 ) {
     if let Some(id) = &plan.allocation {
         let dir = cfg.runtime_dir.join("alloc").join(id);
-        let _ = crate::owner::Owner::from_annotations(container_id, annotations).write(&dir);
+        let mut owner = crate::owner::Owner::from_annotations(container_id, annotations);
+        owner.runtime_state = runtime_state.map(|p| p.display().to_string());
+        let _ = owner.write(&dir);
     }
 }
 

@@ -260,16 +260,21 @@ fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, C
             options: ro(),
         });
     }
-    let args = vec![
-        "tessera-hook".to_string(),
-        "--config".into(),
-        node.hook_config.display().to_string(),
-        "createRuntime".into(),
-    ];
+    let mut args = vec!["tessera-hook".to_string(), "--config".into(), node.hook_config.display().to_string()];
+    let mut poststop = args.clone();
+    args.push("createRuntime".into());
     edits.hooks.push(Hook {
         hook_name: "createRuntime".into(),
         path: node.hook_binary.display().to_string(),
         args,
+        env: vec![HOOK_ENV.into()],
+    });
+    // After the container is deleted: tells tesserad, for `--lease container` allocations.
+    poststop.push("poststop".into());
+    edits.hooks.push(Hook {
+        hook_name: "poststop".into(),
+        path: node.hook_binary.display().to_string(),
+        args: poststop,
         env: vec![HOOK_ENV.into()],
     });
     Ok(edits)
@@ -535,6 +540,8 @@ pub(crate) mod tests {
         // Always `--config`: the hook must find the writing daemon's paths, not its own defaults.
         assert_eq!(hook.path, crate::paths::HOOK);
         assert_eq!(hook.args, ["tessera-hook", "--config", "/run/tessera/hook.toml", "createRuntime"]);
+        let post = &gpu.container_edits.hooks[1];
+        assert_eq!((post.hook_name.as_str(), post.args.last().map(String::as_str)), ("poststop", Some("poststop")));
 
         let cdi = dir.path().join("cdi");
         std::fs::create_dir_all(&cdi).unwrap();

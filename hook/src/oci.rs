@@ -100,6 +100,14 @@ pub struct State {
     pub annotations: BTreeMap<String, String>,
 }
 
+/// Only the container id of a state (a `poststop` hook's: the process is gone, there may be no
+/// pid).
+pub fn container_id(text: &[u8]) -> Result<String, InjectError> {
+    let v: Value = serde_json::from_slice(text).map_err(|e| InjectError(format!("state: not valid JSON: {e}")))?;
+    let id = v.get("id").and_then(Value::as_str).filter(|s| !s.is_empty());
+    id.map(str::to_string).ok_or_else(|| InjectError("state: id: missing or not a string".into()))
+}
+
 pub fn parse_state(text: &[u8]) -> Result<State, InjectError> {
     let bad = |f: &str, r: &str| InjectError(format!("state: {f}: {r}"));
     let v: Value = serde_json::from_slice(text).map_err(|e| InjectError(format!("state: not valid JSON: {e}")))?;
@@ -141,6 +149,21 @@ fn array_at<'a>(obj: &'a mut Map<String, Value>, key: &str, field: &str) -> Resu
         *entry = json!([]);
     }
     entry.as_array_mut().ok_or_else(|| bad(field, "expected an array"))
+}
+
+/// Adds a `poststop` hook to config.json running `hook poststop --alloc-dir <alloc_dir>` (after
+/// the container is deleted): how a leased allocation learns its container is gone. An entry
+/// already naming the same hook is replaced, not repeated.
+pub fn add_poststop(config: &mut Value, hook: &Path, alloc_dir: &Path) -> Result<(), InjectError> {
+    let hooks = object_at(config, "hooks", "hooks")?;
+    let poststop = array_at(hooks, "poststop", "hooks.poststop")?;
+    let path = hook.display().to_string();
+    poststop.retain(|h| h.get("path").and_then(Value::as_str) != Some(path.as_str()));
+    poststop.push(json!({
+        "path": path,
+        "args": ["tessera-hook", "poststop", "--alloc-dir", alloc_dir.display().to_string()],
+    }));
+    Ok(())
 }
 
 /// Applies a plan to config.json (the wrapper's way): device nodes, device-cgroup rules, bind

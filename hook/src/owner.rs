@@ -26,6 +26,29 @@ pub struct Owner {
     pub pod_uid: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_name: Option<String>,
+    /// The runtime's state directory of the container (`<runc --root>/<id>`), when the runtime
+    /// wrapper knows it: gone once the container is deleted, so the daemon can tell a container
+    /// that vanished without its poststop hook (`--lease container`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_state: Option<String>,
+}
+
+/// The file the `poststop` hook leaves in the allocation directory: the id of the container that
+/// was deleted (a leased allocation bound to it is then released).
+pub const DELETED_FILE: &str = "deleted";
+
+/// Records that container `container_id` using the allocation in `dir` was deleted.
+pub fn record_deleted(dir: &Path, container_id: &str) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{DELETED_FILE}.{}", std::process::id()));
+    std::fs::write(&tmp, container_id)?;
+    std::fs::rename(&tmp, dir.join(DELETED_FILE)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+/// The id of the container the `poststop` hook last recorded as deleted in `dir`.
+pub fn read_deleted(dir: &Path) -> Option<String> {
+    std::fs::read_to_string(dir.join(DELETED_FILE)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
 }
 
 impl Owner {
@@ -39,6 +62,7 @@ impl Owner {
             pod_name: get(&["io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"]),
             pod_uid: get(&["io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"]),
             container_name: get(&["io.kubernetes.cri.container-name", "io.kubernetes.container.name"]),
+            runtime_state: None,
         }
     }
 

@@ -398,6 +398,12 @@ fn dirs(cfg: &HookConfig) -> String {
     cfg.cdi_spec_dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
 }
 
+/// The allocation a container names (env `TESSERA_ALLOCATION` or annotation
+/// `tessera.io/allocation`), checked; `None` when it names none.
+pub fn named_allocation(info: &ContainerInfo) -> Result<Option<String>, InjectError> {
+    allocation_id(info)
+}
+
 /// The allocation's id, from env `TESSERA_ALLOCATION` or annotation `tessera.io/allocation`.
 fn allocation_id(info: &ContainerInfo) -> Result<Option<String>, InjectError> {
     let env = info.env.get(ENV_ALLOCATION).map(|s| s.trim()).filter(|s| !s.is_empty());

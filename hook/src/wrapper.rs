@@ -76,6 +76,18 @@ pub fn log_target(args: &[OsString], sub: usize) -> Option<(PathBuf, bool)> {
 
 /// Edits the bundle for a create; `Ok(false)`: the container asks for nothing of ours.
 pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) -> Result<bool, InjectError> {
+    edit_bundle_for(cfg, bundle, container_id, None)
+}
+
+/// [`edit_bundle`], knowing where the runtime keeps the container's state (`runtime_state`,
+/// recorded in the owner record). A container that names an allocation also gets a `poststop`
+/// hook (`tessera-hook poststop`, beside this program) telling the daemon when it is deleted.
+pub fn edit_bundle_for(
+    cfg: &HookConfig,
+    bundle: &Path,
+    container_id: Option<&str>,
+    runtime_state: Option<&Path>,
+) -> Result<bool, InjectError> {
     let mut config = oci::read_config(bundle)?;
     let info = oci::container_info(&config, &Default::default())?;
     if !plan::may_ask(&info) {
@@ -84,10 +96,35 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) 
     let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(false) };
     check_targets(&oci::root_path(&config, bundle)?, &plan)?;
     oci::apply_to_config(&mut config, &plan)?;
+    if let Some(id) = &plan.allocation
+        && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
+        && hook.is_file()
+    {
+        oci::add_poststop(&mut config, &hook, &cfg.runtime_dir.join("alloc").join(id))?;
+    }
     plan::ensure_files(&plan)?;
     oci::write_config(bundle, &config)?;
-    crate::apply::record_owner(cfg, &plan, container_id, &info.annotations);
+    crate::apply::record_owner(cfg, &plan, container_id, &info.annotations, runtime_state);
     Ok(true)
+}
+
+/// Where runc keeps container `id`'s state: `<--root>/<id>`, runc's default root being
+/// `/run/runc`; `None` for another runtime without `--root` (its default is its own).
+pub fn runtime_state(args: &[OsString], sub: usize, runtime: &str, id: &str) -> Option<PathBuf> {
+    let mut root = None;
+    let mut i = 1;
+    while i < sub {
+        let a = args[i].to_string_lossy();
+        if a == "--root" {
+            root = args.get(i + 1).map(PathBuf::from);
+            i += 1;
+        } else if let Some(v) = a.strip_prefix("--root=") {
+            root = Some(PathBuf::from(v));
+        }
+        i += 1;
+    }
+    let is_runc = Path::new(runtime).file_name().is_some_and(|n| n == "runc");
+    root.or_else(|| is_runc.then(|| PathBuf::from("/run/runc"))).map(|r| r.join(id))
 }
 
 /// Refuses a root file system where a path the runtime will create or mount on passes through a
@@ -143,6 +180,16 @@ mod tests {
 
     fn args(s: &str) -> Vec<OsString> {
         s.split_whitespace().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn runtime_state_from_root() {
+        let a = args("tessera-runtime --log x --root /run/containerd/runc/k8s.io create --bundle b c1");
+        let sub = subcommand(&a).unwrap();
+        assert_eq!(runtime_state(&a, sub, "runc", "c1"), Some(PathBuf::from("/run/containerd/runc/k8s.io/c1")));
+        let a = args("tessera-runtime run c2");
+        assert_eq!(runtime_state(&a, 1, "/usr/bin/runc", "c2"), Some(PathBuf::from("/run/runc/c2")));
+        assert_eq!(runtime_state(&a, 1, "crun", "c2"), None);
     }
 
     #[test]

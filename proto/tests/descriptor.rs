@@ -236,8 +236,24 @@ fn tessera_v1_enums_start_unspecified_and_services_are_complete() {
             ("GetUsage", false),
             ("Reload", false),
             ("Trace", false),
+            ("Allocate", false),
+            ("Release", false),
+            ("SetLimits", false),
         ]
     );
+    use Label::{Optional as One, Repeated};
+    // The on-demand allocation messages: field numbers are the wire contract.
+    field(message(f, "AllocateRequest"), "memory_bytes", 1, Type::Uint64, One, None);
+    field(message(f, "AllocateRequest"), "sm_percent", 2, Type::Uint32, One, None);
+    field(message(f, "AllocateRequest"), "priority", 3, Type::Enum, One, Some(".tessera.v1.Priority"));
+    field(message(f, "AllocateRequest"), "gpu", 5, Type::String, One, None);
+    field(message(f, "AllocateRequest"), "lease", 7, Type::Enum, One, Some(".tessera.v1.Lease"));
+    field(message(f, "AllocateResponse"), "cdi_devices", 2, Type::String, Repeated, None);
+    field(message(f, "ReleaseRequest"), "allocation_id", 1, Type::String, One, None);
+    field(message(f, "SetLimitsRequest"), "memory_bytes", 2, Type::Uint64, One, None);
+    field(message(f, "SetLimitsRequest"), "sm_percent", 3, Type::Uint32, One, None);
+    field(message(f, "Allocation"), "owner", 7, Type::String, One, None);
+    field(message(f, "Allocation"), "lease", 8, Type::Enum, One, Some(".tessera.v1.Lease"));
     assert!(!f.enum_type.is_empty());
     for e in &f.enum_type {
         let zero = &e.value[0];

@@ -7,7 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
 
 use common::cuda::*;
@@ -289,47 +289,34 @@ fn a_killed_process_holding_mapped_virtual_memory_is_reaped() {
 // ---- Contexts: a storm of processes starting at once -----------------------------------------
 
 /// `n` workload processes of one container start at once, each making a context and holding it
-/// for a while, under a limit that takes about 54 of them: sampled all along, the GPU (the
-/// simulated node's own accounting) never holds more than the limit.
+/// for a while, under a limit that takes about 54 of them: the GPU (the simulated node's own
+/// accounting, whose high-water mark every allocation updates under the node's lock) never held
+/// more than the limit, not even for an instant.
 fn storm(n: usize) {
     let node = node();
     let limit = 16 * GIB;
     let c = Container::new(&memory_limits(limit));
     let region = c.region();
-    let stop = AtomicBool::new(false);
-    // The node exists before the sampler and the workloads look at it.
-    drop(Node::open(node.description.as_deref(), Some(&node.state)).unwrap());
-    let (peak, samples, ok, refused) = std::thread::scope(|sc| {
-        let sampler = sc.spawn(|| {
-            let model = Node::open(node.description.as_deref(), Some(&node.state)).unwrap();
-            let (mut peak, mut samples) = (0u64, 0u64);
-            while !stop.load(SeqCst) {
-                peak = peak.max(model.memory_info(0, 0).unwrap().used);
-                samples += 1;
-            }
-            (peak, samples)
-        });
-        let kids: Vec<_> = (0..n)
-            .map(|_| {
-                c.command(&node, binary("tessera-workload"))
-                    .args(["--alloc-mib", "0", "--hold", "3"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .expect("spawn")
-            })
-            .collect();
-        let (mut ok, mut refused) = (0, 0);
-        for mut k in kids {
-            if k.wait().unwrap().success() { ok += 1 } else { refused += 1 }
-        }
-        stop.store(true, SeqCst);
-        let (peak, samples) = sampler.join().unwrap();
-        (peak, samples, ok, refused)
-    });
+    let model = Node::open(node.description.as_deref(), Some(&node.state)).unwrap();
+    model.reset_high_water(0, 0).unwrap();
+    let kids: Vec<_> = (0..n)
+        .map(|_| {
+            c.command(&node, binary("tessera-workload"))
+                .args(["--alloc-mib", "0", "--hold", "3"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn")
+        })
+        .collect();
+    let (mut ok, mut refused) = (0, 0);
+    for mut k in kids {
+        if k.wait().unwrap().success() { ok += 1 } else { refused += 1 }
+    }
+    let peak = model.memory_high_water(0, 0).unwrap();
     let shim_peak = region.snapshot().devices[0].peak;
     println!(
-        "{n} processes: {ok} got a context, {refused} refused; GPU peak {} MiB in {samples} samples, region peak {} MiB, limit {} MiB",
+        "{n} processes: {ok} got a context, {refused} refused; GPU high-water mark {} MiB, region peak {} MiB, limit {} MiB",
         peak / MIB,
         shim_peak / MIB,
         limit / MIB

@@ -180,6 +180,8 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
                 device_id: d.device_id.clone(),
                 uuid: d.physical_uuid.clone(),
                 kind: match kind {
+                    // Carved on demand: a share of the GPU named by its UUID.
+                    _ if a.source == Source::NodeApi => api::DeviceKind::Share,
                     Some(Kind::Gpu) => api::DeviceKind::Gpu,
                     Some(Kind::Mig) => api::DeviceKind::Mig,
                     Some(Kind::Share) => api::DeviceKind::Share,
@@ -196,6 +198,8 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
                 },
             })
             .collect(),
+        owner: a.claim.as_ref().and_then(|c| c.owner.clone()).unwrap_or_default(),
+        lease: super::alloc::api_lease(a) as i32,
         source: match a.source {
             Source::Kubelet => api::AllocationSource::Kubelet,
             Source::NodeApi => api::AllocationSource::NodeApi,

@@ -1,8 +1,10 @@
 //! The node API, `tessera.v1.Node`, served on an owner-only Unix socket (nothing listens on a
 //! network address). Reports come from the controller's live picture; `ApplyLayout` and `Reload`
 //! go through the controller; `WatchEvents` streams the event bus; `Trace` records a container
-//! for a few seconds (`crate::trace`).
+//! for a few seconds (`crate::trace`); `Allocate`, `Release` and `SetLimits` carve, give back
+//! and change shares without a kubelet (`alloc`).
 
+mod alloc;
 mod devices;
 
 use std::path::PathBuf;
@@ -242,5 +244,33 @@ impl Node for NodeApi {
             processes: processes as u32,
             duration_nanos: collected.end_ns.saturating_sub(collected.start_ns),
         }))
+    }
+
+    async fn allocate(&self, req: Request<api::AllocateRequest>) -> Result<Response<api::AllocateResponse>, Status> {
+        let controller = Arc::clone(&self.controller);
+        // A journal flush and a directory made: off the async workers.
+        tokio::task::spawn_blocking(move || alloc::allocate(&controller, &req.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("allocate task: {e}")))?
+            .map(Response::new)
+    }
+
+    async fn release(&self, req: Request<api::ReleaseRequest>) -> Result<Response<api::ReleaseResponse>, Status> {
+        let controller = Arc::clone(&self.controller);
+        tokio::task::spawn_blocking(move || alloc::release(&controller, &req.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("release task: {e}")))?
+            .map(Response::new)
+    }
+
+    async fn set_limits(
+        &self,
+        req: Request<api::SetLimitsRequest>,
+    ) -> Result<Response<api::SetLimitsResponse>, Status> {
+        let controller = Arc::clone(&self.controller);
+        tokio::task::spawn_blocking(move || alloc::set_limits(&controller, &req.into_inner()))
+            .await
+            .map_err(|e| Status::internal(format!("set-limits task: {e}")))?
+            .map(Response::new)
     }
 }

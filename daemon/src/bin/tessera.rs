@@ -4,9 +4,14 @@
 //! - `tessera status`: GPUs, partitions, shares, who holds each device, and usage.
 //! - `tessera layout apply`: re-partition GPUs (only free devices change).
 //! - `tessera events`: the event stream (kept events first with `--replay`).
-//! - `tessera allocations`, `tessera reload`.
+//! - `tessera allocations [--json]`, `tessera reload`.
+//! - `tessera alloc`, `tessera release`, `tessera limits set`: shares carved on demand, given
+//!   back and changed live, without a kubelet (`tessera/alloc.rs`).
 //! - `tessera trace CONTAINER --seconds N [-o FILE]`: a Perfetto / Chrome trace of a container's
 //!   CUDA calls and kernels.
+
+#[path = "tessera/alloc.rs"]
+mod alloc;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -91,7 +96,23 @@ enum Command {
         json: bool,
     },
     /// Allocations and who holds them.
-    Allocations,
+    Allocations {
+        /// Print a JSON array, one object per allocation.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Carve a share of a GPU (memory and SM percent) for a container or a host process.
+    Alloc(alloc::AllocArgs),
+    /// Give an allocation back (succeeds if it is already gone).
+    Release {
+        /// The allocation id.
+        id: String,
+    },
+    /// Change a live allocation's limits.
+    Limits {
+        #[command(subcommand)]
+        command: alloc::LimitsCommand,
+    },
     /// Re-read the daemon's configuration file (as SIGHUP does).
     Reload {
         #[arg(long)]
@@ -195,7 +216,10 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Layout { command: LayoutCommand::Apply(a) } => layout_apply(&mut client, a).await,
         Command::Events { replay, follow, device, json } => events(&mut client, replay, follow, device, json).await,
         Command::Top { interval_ms, once, json } => top(&mut client, interval_ms, once, json).await,
-        Command::Allocations => allocations(&mut client).await,
+        Command::Allocations { json } => alloc::allocations(&mut client, json).await,
+        Command::Alloc(a) => alloc::alloc(&mut client, a).await,
+        Command::Release { id } => alloc::release(&mut client, id).await,
+        Command::Limits { command } => alloc::limits(&mut client, command).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
         Command::Trace { container, seconds, output, json } => {
             trace(&mut client, &container, seconds, output, json).await
@@ -498,29 +522,6 @@ fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
     out
 }
 
-async fn allocations(client: &mut NodeClient<Channel>) -> Result<ExitCode, String> {
-    let list = client
-        .list_allocations(api::ListAllocationsRequest::default())
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .allocations;
-    let mut rows = vec![row(["ALLOCATION", "RESOURCE", "CONTAINER", "DEVICES", "MEMORY", "SM%", "SOURCE"])];
-    for a in &list {
-        rows.push(row([
-            a.id.clone(),
-            a.resource_name.clone(),
-            a.container.as_ref().map(container_name).unwrap_or_default(),
-            a.devices.iter().map(|d| d.device_id.as_str()).collect::<Vec<_>>().join(","),
-            a.devices.iter().map(|d| mib(d.memory_limit_bytes)).collect::<Vec<_>>().join(","),
-            a.devices.iter().map(|d| d.sm_percent.to_string()).collect::<Vec<_>>().join(","),
-            enum_name::<api::AllocationSource>(a.source).to_lowercase(),
-        ]));
-    }
-    print_table(&rows);
-    Ok(ExitCode::SUCCESS)
-}
-
 async fn trace(
     client: &mut NodeClient<Channel>,
     container: &str,
@@ -731,6 +732,7 @@ proto_enum!(
     api::EventKind => "EVENT_KIND_",
     api::Severity => "SEVERITY_",
     api::AllocationSource => "ALLOCATION_SOURCE_",
+    api::Lease => "LEASE_",
     api::ReloadOutcome => "RELOAD_OUTCOME_",
     api::MigMode => "MIG_MODE_",
 );

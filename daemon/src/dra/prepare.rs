@@ -169,6 +169,7 @@ mod tests {
                     source: Source::NodeApi,
                     created_unix_ns: 0,
                     devices,
+                    claim: None,
                 })
                 .clone())
         }

@@ -166,6 +166,7 @@ mod tests {
                     compute_mode: Default::default(),
                 })
                 .collect(),
+            claim: None,
         }
     }
 

@@ -266,6 +266,7 @@ mod tests {
             container: ContainerIdentity::default(),
             source: Source::Kubelet,
             created_unix_ns: 0,
+            claim: None,
             devices: vec![AllocatedDevice {
                 device_id: format!("{physical}::0"),
                 physical_uuid: physical.into(),

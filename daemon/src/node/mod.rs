@@ -187,6 +187,32 @@ impl NodeController {
         self.allocator.allocations()
     }
 
+    /// The GPUs shares can be carved from on demand, with why some cannot be now.
+    pub fn gpu_rooms(&self) -> Vec<crate::carve::GpuRoom> {
+        let view = self.view();
+        let dev_root = &view.config.injection.dev_root;
+        view.inventory
+            .gpus
+            .iter()
+            .map(|g| crate::carve::GpuRoom {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                model: g.name.clone(),
+                memory_total: g.memory_total,
+                unavailable: if let Some(why) = view.unhealthy_gpus.get(&g.index) {
+                    Some(format!("unhealthy: {why}"))
+                } else if let Some(why) = view.unhealthy_devices.get(&g.uuid) {
+                    Some(format!("unhealthy: {why}"))
+                } else if g.mig.as_ref().is_some_and(|m| m.current || m.pending) {
+                    Some("MIG mode is on (shares are carved from GPUs with MIG off)".to_string())
+                } else {
+                    None
+                },
+                nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
+            })
+            .collect()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Live> {
         self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -377,6 +403,7 @@ impl NodeController {
         live.view.resources = Arc::clone(&res);
         drop(live);
         self.allocator.set_resources(Arc::clone(&res));
+        self.allocator.set_rooms(self.gpu_rooms());
         self.resources_tx.send_replace(res);
     }
 
@@ -623,6 +650,7 @@ impl NodeController {
         live.view.status = status;
         drop(live);
         self.allocator.set_resources(Arc::clone(&resources));
+        self.allocator.set_rooms(self.gpu_rooms());
         self.resources_tx.send_replace(resources);
         Ok(results)
     }

@@ -405,6 +405,7 @@ mod tests {
                 priority: Priority::Low,
                 compute_mode: ComputeMode::WorkConserving,
             }],
+            claim: None,
         }
     }
 

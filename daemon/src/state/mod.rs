@@ -19,5 +19,5 @@ pub mod recover;
 pub mod store;
 
 pub use alloc_dir::{AllocDirError, AllocDirs};
-pub use record::{AllocatedDevice, Allocation, ContainerIdentity, Source};
+pub use record::{AllocatedDevice, Allocation, Claim, ContainerIdentity, Lease, Source};
 pub use store::{Loss, SetAside, StateError, Store};

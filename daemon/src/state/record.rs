@@ -86,6 +86,29 @@ pub struct AllocatedDevice {
     pub compute_mode: ComputeMode,
 }
 
+/// How long a node API allocation lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Lease {
+    /// Until it is released.
+    #[default]
+    None,
+    /// Bound to the first container that uses it (its owner record names it); released when
+    /// that container is deleted.
+    Container,
+}
+
+/// What the node API was asked for beyond the devices: who for, and for how long.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Claim {
+    /// Free text from the caller (a function id, a job name).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    #[serde(default)]
+    pub lease: Lease,
+}
+
 /// One allocation: an id, the container when known, and its devices with their limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -101,6 +124,9 @@ pub struct Allocation {
     /// When it was made: nanoseconds since the Unix epoch.
     pub created_unix_ns: u64,
     pub devices: Vec<AllocatedDevice>,
+    /// Node API allocations only (absent in records from before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<Box<Claim>>,
 }
 
 impl Allocation {
@@ -213,6 +239,7 @@ pub(crate) mod tests {
             source: Source::Kubelet,
             created_unix_ns: 42,
             devices: vec![dev("GPU-1234::0", "GPU-1234", Some(1 << 30), Some(50))],
+            claim: None,
         }
     }
 
@@ -224,6 +251,7 @@ pub(crate) mod tests {
             source: Source::Kubelet,
             created_unix_ns: unix_ns(),
             devices,
+            claim: None,
         }
     }
 
@@ -254,6 +282,11 @@ pub(crate) mod tests {
         let text = serde_json::to_string(&a).unwrap();
         assert!(text.contains("\"node-api\""), "{text}");
         assert!(!text.contains("pod_uid"), "{text}");
+        assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
+        assert!(!text.contains("claim"), "kubelet records carry no claim: {text}");
+        a.claim = Some(Box::new(Claim { owner: Some("fn-1".into()), lease: Lease::Container }));
+        let text = serde_json::to_string(&a).unwrap();
+        assert!(text.contains("\"lease\":\"container\""), "{text}");
         assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
         // Unknown keys are refused: a record is never half understood.
         let extra = text.replacen('{', "{\"bogus\":1,", 1);

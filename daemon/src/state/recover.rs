@@ -39,6 +39,8 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
         },
         source: Source::Recovered,
         created_unix_ns,
+        // A node API allocation's owner and lease are in its record only: recovered without them.
+        claim: None,
         devices: limits
             .devices
             .iter()

@@ -19,10 +19,16 @@ fn main() {
     }
     let mut args = std::env::args().skip(1);
     let mut config = PathBuf::from(DEFAULT_PATH);
+    let mut poststop = false;
+    let mut alloc_dir = None;
     while let Some(a) = args.next() {
         match a.as_str() {
             "--config" => config = args.next().map(PathBuf::from).unwrap_or_else(|| fail("--config needs a path")),
             "createRuntime" | "prestart" => {}
+            "poststop" => poststop = true,
+            "--alloc-dir" => {
+                alloc_dir = Some(args.next().map(PathBuf::from).unwrap_or_else(|| fail("--alloc-dir needs a path")))
+            }
             "--version" | "version" => {
                 println!("tessera-hook {}", env!("CARGO_PKG_VERSION"));
                 return;
@@ -30,15 +36,49 @@ fn main() {
             other => fail(&format!("unknown argument {other:?}")),
         }
     }
-    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
     let mut state = Vec::new();
     if let Err(e) = std::io::stdin().take(tessera_hook::oci::MAX_JSON + 1).read_to_end(&mut state) {
         fail(&format!("state: {e}"));
     }
+    if poststop {
+        // The container is deleted: say so in its allocation's directory (the daemon releases a
+        // leased allocation bound to it). Nothing to do when the allocation is gone already, or
+        // the container named none.
+        let id = tessera_hook::oci::container_id(&state).unwrap_or_else(|e| fail(&e.0));
+        let dir = match alloc_dir {
+            Some(d) => d,
+            // From a CDI spec: the allocation the bundle's config.json names.
+            None => match poststop_alloc_dir(&config, &state) {
+                Ok(Some(d)) => d,
+                Ok(None) => return,
+                Err(e) => fail(&e),
+            },
+        };
+        if dir.is_dir()
+            && let Err(e) = tessera_hook::owner::record_deleted(&dir, &id)
+        {
+            fail(&format!("{}: {e}", dir.display()));
+        }
+        return;
+    }
+    let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
     match tessera_hook::apply::run_hook(&cfg, &state) {
         Ok(_) => {}
         Err(e) => fail(&e.0),
     }
+}
+
+/// The allocation directory of the container a poststop state describes: its bundle's config.json
+/// names the allocation; the hook configuration says where allocations live.
+fn poststop_alloc_dir(config: &std::path::Path, state: &[u8]) -> Result<Option<PathBuf>, String> {
+    let cfg = HookConfig::load(config).map_err(|e| e.to_string())?;
+    let v: serde_json::Value = serde_json::from_slice(state).map_err(|e| format!("state: not valid JSON: {e}"))?;
+    let Some(bundle) = v.get("bundle").and_then(|b| b.as_str()) else { return Ok(None) };
+    // The bundle may be gone already (the runtime deleted it): nothing to say then.
+    let Ok(oci) = tessera_hook::oci::read_config(std::path::Path::new(bundle)) else { return Ok(None) };
+    let info = tessera_hook::oci::container_info(&oci, &Default::default()).map_err(|e| e.0)?;
+    let id = tessera_hook::plan::named_allocation(&info).map_err(|e| e.0)?;
+    Ok(id.map(|id| cfg.runtime_dir.join("alloc").join(id)))
 }
 
 fn fail(msg: &str) -> ! {

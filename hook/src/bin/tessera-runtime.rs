@@ -39,7 +39,8 @@ fn main() {
         let bundle = wrapper::bundle(&args, s).unwrap_or_else(|| fail("cannot tell the bundle directory".into()));
         // `create [options] <container-id>`: the id is the last argument.
         let id = args.last().filter(|_| args.len() > s + 1).and_then(|a| a.to_str());
-        if let Err(e) = wrapper::edit_bundle(&cfg, &bundle, id) {
+        let state = id.and_then(|id| wrapper::runtime_state(&args, s, &cfg.runtime, id));
+        if let Err(e) = wrapper::edit_bundle_for(&cfg, &bundle, id, state.as_deref()) {
             fail(e.0);
         }
     }

@@ -141,19 +141,35 @@ fn run(cli: Cli) -> Result<(), String> {
         Command::Status { json } => status::print(&open(&cli).map_err(|e| e.to_string())?, *json),
         Command::Inject(what) => {
             let node = open(&cli).map_err(|e| e.to_string())?;
-            match *what {
-                Inject::Xid { gpu, xid, gi, ci, pid } => node.inject_xid(gpu, xid, gi.zip(ci), pid),
+            // Say what was done: a script's log should show the fault it caused.
+            let done = match *what {
+                Inject::Xid { gpu, xid, gi, ci, pid } => node.inject_xid(gpu, xid, gi.zip(ci), pid).map(|()| {
+                    let on = gi
+                        .zip(ci)
+                        .map_or(String::new(), |(g, c)| format!(" on GPU instance {g}, compute instance {c}"));
+                    let by = pid.map_or(String::new(), |p| format!(", attributed to pid {p}"));
+                    format!("GPU {gpu}: XID {xid} raised{on}{by}")
+                }),
                 Inject::Ecc { gpu, corrected, uncorrected } => {
                     if corrected == 0 && uncorrected == 0 {
                         return Err("inject ecc: give --corrected and/or --uncorrected".into());
                     }
-                    node.inject_ecc(gpu, corrected, uncorrected)
+                    node.inject_ecc(gpu, corrected, uncorrected).map(|()| {
+                        format!("GPU {gpu}: {corrected} corrected and {uncorrected} uncorrected ECC errors added")
+                    })
                 }
-                Inject::Lost { gpu } => node.fall_off_bus(gpu),
+                Inject::Lost { gpu } => node.fall_off_bus(gpu).map(|()| {
+                    format!("GPU {gpu}: fallen off the bus (XID 79); `tessera-sim reset --gpu {gpu}` brings it back")
+                }),
             }
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+            println!("{done}");
+            Ok(())
         }
-        Command::Reset { gpu } => open(&cli).and_then(|n| n.reset(*gpu)).map_err(|e| e.to_string()),
+        Command::Reset { gpu } => open(&cli)
+            .and_then(|n| n.reset(*gpu))
+            .map(|()| println!("GPU {gpu}: reset (back on the bus, volatile ECC counts and the last XID cleared)"))
+            .map_err(|e| e.to_string()),
         Command::Mig(m) => mig::run(&open(&cli).map_err(|e| e.to_string())?, m),
         Command::Events { seconds } => status::follow_events(&open(&cli).map_err(|e| e.to_string())?, *seconds),
         Command::Workload { args } => {

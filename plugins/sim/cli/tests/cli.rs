@@ -98,17 +98,33 @@ fn status_shows_the_default_node() {
 #[test]
 fn faults_show_and_reset_recovers() {
     let node = SimNode::new();
-    assert!(sim(&node, &["inject", "lost", "--gpu", "3"]).status.success());
-    assert!(sim(&node, &["inject", "ecc", "--gpu", "1", "--uncorrected", "2"]).status.success());
-    assert!(sim(&node, &["inject", "xid", "--gpu", "1", "--xid", "48"]).status.success());
+    let said = |args: &[&str], what: &str| {
+        let o = sim(&node, args);
+        assert!(o.status.success() && text(&o).contains(what), "{args:?}: {}", text(&o));
+    };
+    said(&["inject", "lost", "--gpu", "3"], "GPU 3: fallen off the bus");
+    said(
+        &["inject", "ecc", "--gpu", "1", "--uncorrected", "2"],
+        "GPU 1: 0 corrected and 2 uncorrected ECC errors added",
+    );
+    said(&["inject", "xid", "--gpu", "1", "--xid", "48"], "GPU 1: XID 48 raised");
     let v: serde_json::Value = serde_json::from_slice(&sim(&node, &["status", "--json"]).stdout).unwrap();
     assert_eq!(v["gpus"][3]["lost"], true);
     assert_eq!(v["gpus"][1]["ecc_uncorrected"], 2);
     assert_eq!(v["gpus"][1]["last_xid"], 48);
     assert!(text(&sim(&node, &["status"])).contains("LOST"));
-    assert!(sim(&node, &["reset", "--gpu", "3"]).status.success());
+    said(&["reset", "--gpu", "3"], "GPU 3: reset");
     let v: serde_json::Value = serde_json::from_slice(&sim(&node, &["status", "--json"]).stdout).unwrap();
     assert_eq!(v["gpus"][3]["lost"], false);
+    // After a reset a GPU reads healthy: no XID or volatile ECC count left over.
+    said(&["reset", "--gpu", "1"], "GPU 1: reset");
+    let v: serde_json::Value = serde_json::from_slice(&sim(&node, &["status", "--json"]).stdout).unwrap();
+    assert_eq!((v["gpus"][1]["last_xid"].as_u64(), v["gpus"][3]["last_xid"].as_u64()), (Some(0), Some(0)));
+    let table = text(&sim(&node, &["status"]));
+    for gpu in ["1", "3"] {
+        let row = table.lines().find(|l| l.split_whitespace().next() == Some(gpu)).unwrap_or_default();
+        assert!(row.trim_end().ends_with(" ok"), "GPU {gpu} after its reset: {row}");
+    }
 }
 
 #[test]

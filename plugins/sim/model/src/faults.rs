@@ -142,6 +142,8 @@ impl Node {
         let gs = &s.gpus[gpu as usize];
         let was_lost = gs.lost.load(Acquire) != 0;
         gs.recovery_action.store(RECOVERY_NONE, Relaxed);
+        // The fault the reset recovered from is history: the GPU reads healthy again.
+        gs.last_xid.store(0, Relaxed);
         for slot in g.used_slots() {
             let p = &s.procs[slot];
             let held = p.mem[gpu as usize].iter().any(|m| m.load(Relaxed) > 0);

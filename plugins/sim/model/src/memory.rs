@@ -127,11 +127,32 @@ impl Node {
         let g = self.region.lock();
         self.check_gpu(gpu)?;
         let cap = self.domain_capacity(&g, gpu, domain)?;
-        let fits = |g: &Guard| Self::domain_used(g, gpu, domain).checked_add(bytes).is_some_and(|t| t <= cap);
-        if !fits(&g) && (g.reap() == 0 || !fits(&g)) {
+        let fits = |g: &Guard| Self::domain_used(g, gpu, domain).checked_add(bytes).filter(|&t| t <= cap);
+        let Some(total) = fits(&g).or_else(|| if g.reap() == 0 { None } else { fits(&g) }) else {
             return Err(SimError::OutOfMemory);
-        }
+        };
         g.shared().procs[slot].mem[gpu as usize][domain].fetch_add(bytes, Relaxed);
+        g.shared().gpus[gpu as usize].mem_high_water[domain].fetch_max(total, Relaxed);
+        Ok(())
+    }
+
+    /// The most memory a domain ever held at one instant since the node's state was made (or
+    /// [`Node::reset_high_water`]): every allocation updates it under the node's lock.
+    pub fn memory_high_water(&self, gpu: u32, domain: usize) -> Result<u64> {
+        self.check_gpu(gpu)?;
+        let d = self.region.shared().gpus[gpu as usize].mem_high_water.get(domain);
+        d.map(|d| d.load(Relaxed)).ok_or_else(|| SimError::InvalidArgument(format!("memory domain {domain}")))
+    }
+
+    /// Starts a domain's high-water mark again from what it holds now.
+    pub fn reset_high_water(&self, gpu: u32, domain: usize) -> Result<()> {
+        let g = self.region.lock();
+        self.check_gpu(gpu)?;
+        if domain >= DOMAINS {
+            return Err(SimError::InvalidArgument(format!("memory domain {domain}")));
+        }
+        let now = Self::domain_used(&g, gpu, domain);
+        g.shared().gpus[gpu as usize].mem_high_water[domain].store(now, Relaxed);
         Ok(())
     }
 

@@ -1,0 +1,113 @@
+//! The node API's on-demand allocations: `Allocate`, `Release`, `SetLimits` translated to the
+//! allocator's calls, and the answer a container or a host process needs.
+
+use std::collections::HashMap;
+
+use tessera_proto::tessera::v1 as api;
+use tessera_region::{ComputeMode, Priority};
+use tonic::Status;
+
+use crate::allocator::{LimitChange, ShareRequest};
+use crate::node::NodeController;
+use crate::resources::CDI_VENDOR;
+use crate::state::{Allocation, Lease};
+
+/// The request's priority; `None` for UNSPECIFIED, an error naming the field for a bad value.
+pub fn priority(value: i32) -> Result<Option<Priority>, Status> {
+    match api::Priority::try_from(value) {
+        Ok(api::Priority::Unspecified) => Ok(None),
+        Ok(api::Priority::Low) => Ok(Some(Priority::Low)),
+        Ok(api::Priority::Normal) => Ok(Some(Priority::Normal)),
+        Ok(api::Priority::High) => Ok(Some(Priority::High)),
+        Err(_) => Err(Status::invalid_argument(format!("priority: {value} is not a Priority"))),
+    }
+}
+
+fn compute_mode(value: i32) -> Result<Option<ComputeMode>, Status> {
+    match api::ComputeMode::try_from(value) {
+        Ok(api::ComputeMode::Unspecified) => Ok(None),
+        Ok(api::ComputeMode::Strict) => Ok(Some(ComputeMode::Strict)),
+        Ok(api::ComputeMode::WorkConserving) => Ok(Some(ComputeMode::WorkConserving)),
+        Err(_) => Err(Status::invalid_argument(format!("compute_mode: {value} is not a ComputeMode"))),
+    }
+}
+
+fn lease(value: i32) -> Result<Lease, Status> {
+    match api::Lease::try_from(value) {
+        Ok(api::Lease::Unspecified | api::Lease::None) => Ok(Lease::None),
+        Ok(api::Lease::Container) => Ok(Lease::Container),
+        Err(_) => Err(Status::invalid_argument(format!("lease: {value} is not a Lease"))),
+    }
+}
+
+/// The API's lease of a record.
+pub fn api_lease(a: &Allocation) -> api::Lease {
+    match a.claim.as_ref().map(|c| c.lease) {
+        Some(Lease::Container) => api::Lease::Container,
+        Some(Lease::None) => api::Lease::None,
+        None => api::Lease::Unspecified,
+    }
+}
+
+/// `Allocate`.
+pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Result<api::AllocateResponse, Status> {
+    let owner = req.owner.trim();
+    if owner.len() > 256 || owner.chars().any(char::is_control) {
+        return Err(Status::invalid_argument("owner: at most 256 characters, no control characters"));
+    }
+    let share = ShareRequest {
+        memory: req.memory_bytes,
+        sm_percent: req.sm_percent,
+        priority: priority(req.priority)?,
+        compute_mode: compute_mode(req.compute_mode)?,
+        gpu: req.gpu.clone(),
+        owner: (!owner.is_empty()).then(|| owner.to_owned()),
+        lease: lease(req.lease)?,
+    };
+    let allocator = controller.allocator();
+    let alloc = allocator.allocate_share(&share, &controller.gpu_rooms())?;
+    Ok(answer(controller, &alloc))
+}
+
+/// What a process needs to use `alloc`: its CDI names and its environment (host paths for a
+/// standalone host process; the hook and the wrapper repoint them in a container).
+pub fn answer(controller: &NodeController, alloc: &Allocation) -> api::AllocateResponse {
+    let dirs = controller.allocator().dirs();
+    let mut uuids: Vec<&str> = Vec::new();
+    for d in &alloc.devices {
+        if !uuids.contains(&d.physical_uuid.as_str()) {
+            uuids.push(&d.physical_uuid);
+        }
+    }
+    let env = HashMap::from([
+        ("TESSERA_ALLOCATION".to_owned(), alloc.id.clone()),
+        ("TESSERA_VISIBLE_DEVICES".to_owned(), uuids.join(",")),
+        ("NVIDIA_VISIBLE_DEVICES".to_owned(), uuids.join(",")),
+        ("TESSERA_LIMITS".to_owned(), dirs.limits_path(&alloc.id).display().to_string()),
+        ("TESSERA_REGION".to_owned(), dirs.region_path(&alloc.id).display().to_string()),
+    ]);
+    api::AllocateResponse {
+        allocation: Some(super::devices::allocation(alloc, &controller.allocator().resources())),
+        cdi_devices: uuids.iter().map(|u| format!("{CDI_VENDOR}/gpu={u}")).collect(),
+        env,
+    }
+}
+
+/// `Release`.
+pub fn release(controller: &NodeController, req: &api::ReleaseRequest) -> Result<api::ReleaseResponse, Status> {
+    let released = controller.allocator().release(&req.allocation_id)?;
+    Ok(api::ReleaseResponse { released })
+}
+
+/// `SetLimits`.
+pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> Result<api::SetLimitsResponse, Status> {
+    let change =
+        LimitChange { memory: req.memory_bytes, sm_percent: req.sm_percent, priority: priority(req.priority)? };
+    if change == LimitChange::default() {
+        return Err(Status::invalid_argument("nothing to change: give memory_bytes, sm_percent or priority"));
+    }
+    let alloc = controller.allocator().set_limits(&req.allocation_id, change, &controller.gpu_rooms())?;
+    Ok(api::SetLimitsResponse {
+        allocation: Some(super::devices::allocation(&alloc, &controller.allocator().resources())),
+    })
+}

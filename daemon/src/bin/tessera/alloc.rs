@@ -1,0 +1,262 @@
+//! `tessera alloc`, `tessera release`, `tessera limits set`, `tessera allocations`: allocations
+//! without a kubelet (the node API's `Allocate`, `Release`, `SetLimits`, `ListAllocations`).
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand, ValueEnum};
+use tessera_proto::tessera::v1 as api;
+use tessera_proto::tessera::v1::node_client::NodeClient;
+use tonic::transport::Channel;
+
+use super::{container_name, enum_name, mib, print_table, row, status_err};
+
+#[derive(Args, Debug)]
+pub struct AllocArgs {
+    /// Device memory: bytes, or with a unit (KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB mean the same).
+    #[arg(long, value_parser = parse_size)]
+    memory: u64,
+    /// Percent of the GPU's SM time, 1..=100.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    sm: u32,
+    /// Only this GPU: an index, a UUID or a model name (default: any, as `share_placement` says).
+    #[arg(long)]
+    gpu: Option<String>,
+    /// Default: the daemon's `limits.priority`.
+    #[arg(long, value_enum)]
+    priority: Option<PriorityArg>,
+    /// Default: the daemon's `limits.compute_mode`.
+    #[arg(long, value_enum)]
+    compute_mode: Option<ComputeModeArg>,
+    /// Who it is for (free text: a function, a job).
+    #[arg(long)]
+    owner: Option<String>,
+    /// `container`: released when the first container that uses it is deleted.
+    #[arg(long, value_enum, default_value_t = LeaseArg::None)]
+    lease: LeaseArg,
+    /// Print one JSON object: id, devices, cdi_devices, env, owner, lease.
+    #[arg(long, conflicts_with = "env")]
+    json: bool,
+    /// Print only the environment, `KEY=VALUE` per line (for `env $(tessera alloc ... --env) ...`).
+    #[arg(long)]
+    env: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum LimitsCommand {
+    /// Change a live allocation's limits; its processes see them within 100 ms.
+    Set(SetArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct SetArgs {
+    /// The allocation id.
+    id: String,
+    #[arg(long, value_parser = parse_size)]
+    memory: Option<u64>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
+    sm: Option<u32>,
+    #[arg(long, value_enum)]
+    priority: Option<PriorityArg>,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy)]
+pub enum PriorityArg {
+    Low,
+    Normal,
+    High,
+}
+
+impl PriorityArg {
+    fn api(self) -> api::Priority {
+        match self {
+            PriorityArg::Low => api::Priority::Low,
+            PriorityArg::Normal => api::Priority::Normal,
+            PriorityArg::High => api::Priority::High,
+        }
+    }
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy)]
+pub enum ComputeModeArg {
+    Strict,
+    WorkConserving,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseArg {
+    None,
+    Container,
+}
+
+/// A size: bytes, or a number with a binary unit.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => return Err(format!("{text:?}: unknown unit {other:?} (use B, KiB, MiB, GiB or TiB)")),
+    };
+    let n: f64 = num.parse().map_err(|_| format!("{text:?}: expected a number with an optional unit, e.g. 8GiB"))?;
+    let bytes = n * (1u64 << shift) as f64;
+    if !(1.0..=u64::MAX as f64).contains(&bytes) || bytes.fract() != 0.0 {
+        return Err(format!("{text:?}: not a whole number of bytes above 0"));
+    }
+    Ok(bytes as u64)
+}
+
+fn allocation_json(a: &api::Allocation) -> serde_json::Value {
+    serde_json::json!({
+        "id": a.id,
+        "resource": a.resource_name,
+        "source": enum_name::<api::AllocationSource>(a.source).to_lowercase(),
+        "owner": a.owner,
+        "lease": enum_name::<api::Lease>(a.lease).to_lowercase(),
+        "container": a.container.as_ref().map(|c| serde_json::json!({
+            "pod_namespace": c.pod_namespace, "pod_name": c.pod_name, "pod_uid": c.pod_uid,
+            "container_name": c.container_name, "container_id": c.container_id,
+        })),
+        "devices": a.devices.iter().map(|d| serde_json::json!({
+            "device_id": d.device_id, "uuid": d.uuid, "kind": enum_name::<api::DeviceKind>(d.kind).to_lowercase(),
+            "memory_limit_bytes": d.memory_limit_bytes, "sm_percent": d.sm_percent, "priority": d.priority,
+        })).collect::<Vec<_>>(),
+        "created_unix_nano": a.created_unix_nano,
+    })
+}
+
+/// `tessera alloc`.
+pub async fn alloc(client: &mut NodeClient<Channel>, a: AllocArgs) -> Result<ExitCode, String> {
+    let req = api::AllocateRequest {
+        memory_bytes: a.memory,
+        sm_percent: a.sm,
+        priority: a.priority.map_or(api::Priority::Unspecified, PriorityArg::api) as i32,
+        compute_mode: match a.compute_mode {
+            None => api::ComputeMode::Unspecified,
+            Some(ComputeModeArg::Strict) => api::ComputeMode::Strict,
+            Some(ComputeModeArg::WorkConserving) => api::ComputeMode::WorkConserving,
+        } as i32,
+        gpu: a.gpu.unwrap_or_default(),
+        owner: a.owner.unwrap_or_default(),
+        lease: match a.lease {
+            LeaseArg::None => api::Lease::None,
+            LeaseArg::Container => api::Lease::Container,
+        } as i32,
+    };
+    let resp = client.allocate(req).await.map_err(status_err)?.into_inner();
+    let alloc = resp.allocation.unwrap_or_default();
+    let mut env: Vec<(&String, &String)> = resp.env.iter().collect();
+    env.sort();
+    if a.json {
+        let mut out = allocation_json(&alloc);
+        out["cdi_devices"] = serde_json::json!(resp.cdi_devices);
+        out["env"] = serde_json::json!(resp.env);
+        println!("{out}");
+    } else if a.env {
+        for (k, v) in env {
+            println!("{k}={v}");
+        }
+    } else {
+        let d = alloc.devices.first().cloned().unwrap_or_default();
+        println!("allocation {} on {}: {} memory, {}% SM", alloc.id, d.uuid, mib(d.memory_limit_bytes), d.sm_percent);
+        println!("cdi devices: {}", resp.cdi_devices.join(","));
+        for (k, v) in env {
+            println!("{k}={v}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tessera release ID`: succeeds whether or not it was still there.
+pub async fn release(client: &mut NodeClient<Channel>, id: String) -> Result<ExitCode, String> {
+    let r = client.release(api::ReleaseRequest { allocation_id: id.clone() }).await.map_err(status_err)?.into_inner();
+    if r.released {
+        println!("released {id}");
+    } else {
+        println!("{id}: no such allocation (already released)");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tessera limits set ID ...`.
+pub async fn limits(client: &mut NodeClient<Channel>, command: LimitsCommand) -> Result<ExitCode, String> {
+    let LimitsCommand::Set(s) = command;
+    if s.memory.is_none() && s.sm.is_none() && s.priority.is_none() {
+        return Err("say what to change: --memory, --sm or --priority".into());
+    }
+    let r = client
+        .set_limits(api::SetLimitsRequest {
+            allocation_id: s.id.clone(),
+            memory_bytes: s.memory,
+            sm_percent: s.sm,
+            priority: s.priority.map_or(api::Priority::Unspecified, PriorityArg::api) as i32,
+        })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    let a = r.allocation.unwrap_or_default();
+    for d in &a.devices {
+        println!(
+            "{} {}: {} memory, {}% SM, priority {}",
+            a.id,
+            d.device_id,
+            mib(d.memory_limit_bytes),
+            d.sm_percent,
+            d.priority
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tessera allocations [--json]`.
+pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode, String> {
+    let list = client
+        .list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .allocations;
+    if json {
+        println!("{}", serde_json::Value::Array(list.iter().map(allocation_json).collect()));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let mut rows = vec![row(["ALLOCATION", "RESOURCE", "CONTAINER", "DEVICES", "MEMORY", "SM%", "SOURCE", "OWNER"])];
+    for a in &list {
+        let mut owner = a.owner.clone();
+        if a.lease == api::Lease::Container as i32 {
+            owner = format!("{owner} (lease: container)").trim().to_owned();
+        }
+        rows.push(row([
+            a.id.clone(),
+            a.resource_name.clone(),
+            a.container.as_ref().map(container_name).unwrap_or_default(),
+            a.devices.iter().map(|d| d.device_id.as_str()).collect::<Vec<_>>().join(","),
+            a.devices.iter().map(|d| mib(d.memory_limit_bytes)).collect::<Vec<_>>().join(","),
+            a.devices.iter().map(|d| d.sm_percent.to_string()).collect::<Vec<_>>().join(","),
+            enum_name::<api::AllocationSource>(a.source).to_lowercase(),
+            owner,
+        ]));
+    }
+    print_table(&rows);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert!(parse_size("8 potatoes").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("GiB").is_err());
+    }
+}

@@ -1,0 +1,235 @@
+//! Shares carved on demand (the node API's `Allocate` and `SetLimits`): which GPU has room for
+//! a memory size and an SM percent, by the records of every allocation on it, whoever made them.
+//!
+//! Admission, per GPU: the memory limits of its allocations add up to at most its memory (an
+//! allocation without a memory limit, a whole GPU, counts as all of it), and the SM percents of
+//! its strict allocations add up to at most 100 (a strict one without a percent counts as 100;
+//! work-conserving percents are guarantees lent out when idle, so they are not summed). Pure:
+//! the allocator calls it under its store lock, so two requests never both take the last room.
+
+use crate::config::Placement;
+use crate::state::Allocation;
+use tessera_region::ComputeMode;
+
+/// A GPU shares can be carved from, as the controller sees it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuRoom {
+    pub index: u32,
+    pub uuid: String,
+    /// The product name (a request may name a model).
+    pub model: String,
+    pub memory_total: u64,
+    /// Why no share can be carved from it (unhealthy, MIG mode on); `None`: it can.
+    pub unavailable: Option<String>,
+    /// The host device nodes a container needs for it.
+    pub nodes: Vec<std::path::PathBuf>,
+}
+
+/// What one allocation asks of one GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    pub memory: u64,
+    pub sm_percent: u32,
+    pub compute_mode: ComputeMode,
+}
+
+/// What a GPU's allocations hold: memory limits and strict SM percents, summed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    pub memory: u64,
+    pub strict_sm: u32,
+}
+
+/// What the records other than `except` hold on `gpu`.
+pub fn held<'a>(gpu: &GpuRoom, records: impl IntoIterator<Item = &'a Allocation>, except: Option<&str>) -> Held {
+    let mut h = Held::default();
+    for a in records.into_iter().filter(|a| Some(a.id.as_str()) != except) {
+        for d in a.devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(&gpu.uuid)) {
+            h.memory = h.memory.saturating_add(d.memory_limit.unwrap_or(gpu.memory_total));
+            if d.compute_mode == ComputeMode::Strict {
+                h.strict_sm = h.strict_sm.saturating_add(d.sm_percent.unwrap_or(100));
+            }
+        }
+    }
+    h
+}
+
+/// Whether `ask` fits beside `held` on `gpu`.
+pub fn fits(gpu: &GpuRoom, held: Held, ask: Ask) -> bool {
+    let memory_ok = held.memory.checked_add(ask.memory).is_some_and(|m| m <= gpu.memory_total);
+    let sm_ok = ask.compute_mode != ComputeMode::Strict || held.strict_sm.saturating_add(ask.sm_percent) <= 100;
+    memory_ok && sm_ok
+}
+
+/// Whether GPU `gpu` is what `selector` names: an index, a UUID (any case), or a model name
+/// (a case-insensitive part of the product name); empty names every GPU.
+pub fn selects(selector: &str, gpu: &GpuRoom) -> bool {
+    let s = selector.trim();
+    s.is_empty()
+        || s.parse::<u32>().is_ok_and(|i| i == gpu.index)
+        || s.eq_ignore_ascii_case(&gpu.uuid)
+        || (s.parse::<u32>().is_err()
+            && !s.to_ascii_uppercase().starts_with("GPU-")
+            && gpu.model.to_ascii_lowercase().contains(&s.to_ascii_lowercase()))
+}
+
+/// The GPU to carve `ask` from: among those `selector` names that have room, the fullest
+/// (`Packed`) or the emptiest (`Spread`) by memory, ties by index. `Err` says why none fits,
+/// naming each candidate GPU and what it has free.
+pub fn place<'g>(
+    gpus: &'g [GpuRoom],
+    records: &[&Allocation],
+    selector: &str,
+    ask: Ask,
+    placement: Placement,
+) -> Result<&'g GpuRoom, String> {
+    let named: Vec<&GpuRoom> = gpus.iter().filter(|g| selects(selector, g)).collect();
+    if named.is_empty() {
+        let what = if selector.trim().is_empty() {
+            "this node has no GPU".to_string()
+        } else {
+            format!("gpu: no GPU {selector:?} on this node (an index, a GPU UUID or a model name)")
+        };
+        return Err(what);
+    }
+    let mut best: Option<(&GpuRoom, u64)> = None;
+    let mut why = Vec::new();
+    for g in named {
+        if let Some(reason) = &g.unavailable {
+            why.push(format!("GPU {} ({}): {reason}", g.index, g.uuid));
+            continue;
+        }
+        let h = held(g, records.iter().copied(), None);
+        let free = g.memory_total.saturating_sub(h.memory);
+        if !fits(g, h, ask) {
+            why.push(format!(
+                "GPU {} ({}): {} of {} free, {}% SM free",
+                g.index,
+                g.uuid,
+                size(free),
+                size(g.memory_total),
+                100u32.saturating_sub(h.strict_sm)
+            ));
+            continue;
+        }
+        let better = match (best, placement) {
+            (None, _) => true,
+            (Some((_, f)), Placement::Packed) => free < f,
+            (Some((_, f)), Placement::Spread) => free > f,
+        };
+        if better {
+            best = Some((g, free));
+        }
+    }
+    best.map(|(g, _)| g).ok_or_else(|| {
+        let mode = if ask.compute_mode == ComputeMode::Strict { "strict" } else { "work-conserving" };
+        format!("no GPU has room for {} and {}% SM ({mode}): {}", size(ask.memory), ask.sm_percent, why.join("; "))
+    })
+}
+
+/// A size for people: whole GiB or MiB when exact, else MiB with one decimal.
+pub fn size(bytes: u64) -> String {
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    if bytes >= GIB && bytes.is_multiple_of(GIB) {
+        format!("{} GiB", bytes / GIB)
+    } else if bytes.is_multiple_of(MIB) {
+        format!("{} MiB", bytes / MIB)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::record::tests::dev;
+    use crate::state::{Allocation, ContainerIdentity, Source};
+
+    const GIB: u64 = 1 << 30;
+
+    fn gpu(index: u32, gib: u64) -> GpuRoom {
+        GpuRoom {
+            index,
+            uuid: format!("GPU-{index}"),
+            model: "NVIDIA H100 80GB HBM3".into(),
+            memory_total: gib * GIB,
+            unavailable: None,
+            nodes: Vec::new(),
+        }
+    }
+
+    fn record(id: &str, devices: Vec<crate::state::AllocatedDevice>) -> Allocation {
+        Allocation {
+            id: id.into(),
+            resource: "r".into(),
+            container: ContainerIdentity::default(),
+            source: Source::Kubelet,
+            created_unix_ns: 0,
+            devices,
+            claim: None,
+        }
+    }
+
+    fn ask(gib: u64, sm: u32) -> Ask {
+        Ask { memory: gib * GIB, sm_percent: sm, compute_mode: ComputeMode::Strict }
+    }
+
+    #[test]
+    fn every_record_counts_whoever_made_it() {
+        let g = gpu(0, 80);
+        let records = [
+            // A kubelet's fixed share, a whole GPU elsewhere, a work-conserving share.
+            record("k", vec![dev("GPU-0::1", "GPU-0", Some(20 * GIB), Some(25))]),
+            record("w", vec![dev("GPU-1", "GPU-1", None, None)]),
+            record("c", {
+                let mut d = dev("GPU-0", "GPU-0", Some(10 * GIB), Some(50));
+                d.compute_mode = ComputeMode::WorkConserving;
+                vec![d]
+            }),
+        ];
+        assert_eq!(held(&g, &records, None), Held { memory: 30 * GIB, strict_sm: 25 });
+        assert_eq!(held(&g, &records, Some("k")), Held { memory: 10 * GIB, strict_sm: 0 });
+        // A whole GPU leaves nothing.
+        assert_eq!(held(&gpu(1, 80), &records, None).memory, 80 * GIB);
+        assert!(fits(&g, held(&g, &records, None), ask(50, 75)));
+        assert!(!fits(&g, held(&g, &records, None), ask(51, 10)), "memory past the GPU's");
+        assert!(!fits(&g, held(&g, &records, None), ask(1, 76)), "strict SM past 100");
+        let wc = Ask { compute_mode: ComputeMode::WorkConserving, ..ask(1, 90) };
+        assert!(fits(&g, held(&g, &records, None), wc), "work-conserving percents are not summed");
+        // No overflow on absurd asks.
+        assert!(!fits(&g, held(&g, &records, None), Ask { memory: u64::MAX, ..ask(0, 1) }));
+    }
+
+    #[test]
+    fn packed_takes_the_fullest_spread_the_emptiest() {
+        let gpus = [gpu(0, 80), gpu(1, 80), gpu(2, 80)];
+        let owned = [record("a", vec![dev("GPU-1", "GPU-1", Some(40 * GIB), Some(40))])];
+        let records: Vec<&Allocation> = owned.iter().collect();
+        assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Packed).unwrap().index, 1);
+        assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Spread).unwrap().index, 0);
+        // Too big for the fuller one: the next.
+        assert_eq!(place(&gpus, &records, "", ask(41, 30), Placement::Packed).unwrap().index, 0);
+        assert_eq!(place(&gpus, &records, "2", ask(8, 30), Placement::Packed).unwrap().index, 2);
+        assert_eq!(place(&gpus, &records, "gpu-2", ask(8, 30), Placement::Packed).unwrap().index, 2);
+        assert_eq!(place(&gpus, &records, "h100", ask(8, 30), Placement::Packed).unwrap().index, 1);
+    }
+
+    #[test]
+    fn a_refusal_names_each_gpu_and_what_it_has_free() {
+        let mut gpus = vec![gpu(0, 80), gpu(1, 40)];
+        gpus[1].unavailable = Some("unhealthy: XID 79".into());
+        let owned = [record("a", vec![dev("GPU-0", "GPU-0", Some(72 * GIB), Some(80))])];
+        let records: Vec<&Allocation> = owned.iter().collect();
+        let err = place(&gpus, &records, "", ask(16, 30), Placement::Packed).unwrap_err();
+        assert_eq!(
+            err,
+            "no GPU has room for 16 GiB and 30% SM (strict): GPU 0 (GPU-0): 8 GiB of 80 GiB free, 20% SM free; \
+             GPU 1 (GPU-1): unhealthy: XID 79"
+        );
+        let err = place(&gpus, &records, "7", ask(1, 1), Placement::Packed).unwrap_err();
+        assert!(err.starts_with("gpu: no GPU \"7\""), "{err}");
+        let err = place(&gpus, &records, "A100", ask(1, 1), Placement::Packed).unwrap_err();
+        assert!(err.starts_with("gpu: no GPU \"A100\""), "{err}");
+    }
+}

@@ -1,0 +1,187 @@
+//! A host without a kubelet: `tessera alloc` carves a share from the simulated GPU's free room;
+//! a host process (no container) run with the answer's env and libtessera.so preloaded is held
+//! to it, and while it runs `tessera limits set` moves its limit both ways; the allocation
+//! survives `kill -9` of the daemon between Allocate and use; refusals name what is free;
+//! `tessera release` gives everything back, twice without complaint.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, ChildStdin, ChildStdout, Output, Stdio};
+
+use tessera_sim_testkit::{SimNode, binary};
+use tessera_tests::kubelet::{node_api, spawn};
+use tessera_tests::shim;
+
+const GIB: u64 = 1 << 30;
+const OVERHEAD_MIB: u64 = 300;
+
+/// A CUDA driver client (ctypes: the shim's dlsym path) taking "MiB" lines on stdin and
+/// answering each with cuMemAlloc's result code: 0 success, 2 out of memory.
+const DRIVER: &str = r#"
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+dev = ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+ctx = ctypes.c_void_p()
+assert cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+print("ready", flush=True)
+for line in sys.stdin:
+    ptr = ctypes.c_uint64()
+    print(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(line) << 20)), flush=True)
+"#;
+
+fn tessera(dir: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(dir.join("run/tessera.sock"))
+        .args(args)
+        .output()
+        .expect("run tessera")
+}
+
+fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+struct Driver {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Driver {
+    fn start(node: &SimNode, env: &serde_json::Map<String, serde_json::Value>, dir: &Path) -> Driver {
+        let script = dir.join("driver.py");
+        std::fs::write(&script, DRIVER).expect("script");
+        let mut cmd = node.command("python3");
+        cmd.arg(&script).env("LD_PRELOAD", shim()).stdin(Stdio::piped()).stdout(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v.as_str().expect("env values are strings"));
+        }
+        let mut child = cmd.spawn().expect("python3");
+        let stdin = child.stdin.take().expect("stdin");
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("read");
+        assert_eq!(line.trim(), "ready", "the driver client did not start");
+        Driver { child, stdin, stdout }
+    }
+
+    /// cuMemAlloc of `mib` MiB: its result code.
+    fn alloc(&mut self, mib: u64) -> u32 {
+        writeln!(self.stdin, "{mib}").expect("write");
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("read");
+        line.trim().parse().unwrap_or_else(|_| panic!("not a result code: {line:?}"))
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_carved_share_limits_a_host_process_live_and_is_released() {
+    if std::process::Command::new("python3").arg("--version").output().is_err() {
+        assert!(
+            std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(),
+            "TESSERA_REQUIRE_RUNTIMES is set, but no python3"
+        );
+        println!("SKIP: python3 is not installed");
+        return;
+    }
+    let node = SimNode::with_description(&format!(
+        "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
+    ));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = tessera_tests::kubelet::write_config(&node, dir, "");
+    let log = dir.join("tesserad.log");
+    let mut daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let gpu = api
+        .list_devices(tessera_proto::tessera::v1::ListDevicesRequest::default())
+        .await
+        .expect("devices")
+        .into_inner()
+        .devices
+        .remove(0);
+
+    // Allocate: one JSON object with what a container or a host process needs.
+    let out = ok(&tessera(dir, &["alloc", "--memory", "2GiB", "--sm", "30", "--owner", "fn-1", "--json"]));
+    let answer: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let id = answer["id"].as_str().expect("id").to_owned();
+    assert_eq!(answer["devices"][0]["uuid"], gpu.uuid.as_str(), "{answer}");
+    assert_eq!(answer["devices"][0]["memory_limit_bytes"], 2 * GIB, "{answer}");
+    assert_eq!(answer["devices"][0]["sm_percent"], 30, "{answer}");
+    assert_eq!(answer["cdi_devices"], serde_json::json!([format!("tessera.io/gpu={}", gpu.uuid)]));
+    assert_eq!(answer["owner"], "fn-1");
+    let env = answer["env"].as_object().expect("env").clone();
+    let alloc_dir = dir.join("run/alloc").join(&id);
+    assert_eq!(env["TESSERA_ALLOCATION"], id.as_str());
+    assert_eq!(env["TESSERA_LIMITS"], alloc_dir.join("limits").to_str().unwrap());
+    assert_eq!(env["TESSERA_REGION"], alloc_dir.join("region").to_str().unwrap());
+
+    // Refusals say which GPU has how much free: all but 2 GiB, and 70% SM.
+    let free = gpu.memory_bytes - 2 * GIB;
+    let too_big = format!("{}", free + (1 << 20));
+    let out = tessera(dir, &["alloc", "--memory", &too_big, "--sm", "10"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("no GPU has room") && err.contains(&format!("GPU 0 ({}): {} MiB of", gpu.uuid, free >> 20)),
+        "{err}"
+    );
+    let out = tessera(dir, &["alloc", "--memory", "1GiB", "--sm", "71"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("70% SM free"), "{err}");
+    let out = tessera(dir, &["alloc", "--memory", "1GiB", "--sm", "10", "--gpu", "3"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no GPU \"3\""), "{out:?}");
+
+    // The daemon is killed between Allocate and first use: the allocation is still there after
+    // its restart, directory and all.
+    drop(daemon);
+    daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let _ = node_api(&dir.join("run/tessera.sock")).await;
+    let list: serde_json::Value = serde_json::from_str(&ok(&tessera(dir, &["allocations", "--json"]))).expect("json");
+    assert_eq!(list.as_array().map(Vec::len), Some(1), "{list}");
+    assert_eq!(list[0]["id"], id.as_str());
+    assert_eq!(list[0]["owner"], "fn-1");
+    assert_eq!(list[0]["source"], "node_api");
+
+    // A host process with the answer's env: 300 MiB of context + 1 GiB fit in 2 GiB, 1 more does not.
+    let mut driver = Driver::start(&node, &env, dir);
+    assert_eq!(driver.alloc(1024), 0);
+    assert_eq!(driver.alloc(1024), 2, "past the 2 GiB limit: CUDA_ERROR_OUT_OF_MEMORY");
+    // Raised while it runs: the same process gets the room at once.
+    ok(&tessera(dir, &["limits", "set", &id, "--memory", "4GiB", "--sm", "50", "--priority", "high"]));
+    assert_eq!(driver.alloc(1024), 0, "the running process sees the raised limit");
+    let limits = std::fs::read_to_string(alloc_dir.join("limits")).expect("limits");
+    assert!(limits.contains("priority = \"high\"") && limits.contains("sm_percent = 50"), "{limits}");
+    // Lowered below what it holds: nothing is killed, new allocations are refused.
+    ok(&tessera(dir, &["limits", "set", &id, "--memory", "1GiB"]));
+    assert_eq!(driver.alloc(1), 2, "the running process sees the lowered limit");
+    let list: serde_json::Value = serde_json::from_str(&ok(&tessera(dir, &["allocations", "--json"]))).expect("json");
+    assert_eq!(list[0]["devices"][0]["memory_limit_bytes"], GIB, "the record changed too: {list}");
+    // Raising past the GPU is refused and changes nothing.
+    let out = tessera(dir, &["limits", "set", &id, "--sm", "100", "--memory", "200GiB"]);
+    let whole = format!("has {0} MiB of {0} MiB and 100% strict SM left", gpu.memory_bytes >> 20);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains(&whole), "{out:?}");
+    assert!(std::fs::read_to_string(alloc_dir.join("limits")).expect("limits").contains("sm_percent = 50"));
+    drop(driver);
+
+    // Release: the record, the directory and its region go; twice is fine.
+    assert!(ok(&tessera(dir, &["release", &id])).contains(&format!("released {id}")));
+    assert!(!alloc_dir.exists());
+    assert!(ok(&tessera(dir, &["release", &id])).contains("already released"));
+    assert_eq!(ok(&tessera(dir, &["allocations", "--json"])).trim(), "[]");
+    // The whole GPU's room is back.
+    let all = format!("{}", gpu.memory_bytes);
+    ok(&tessera(dir, &["alloc", "--memory", &all, "--sm", "100"]));
+    drop(daemon);
+}
