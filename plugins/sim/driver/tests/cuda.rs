@@ -247,6 +247,16 @@ fn with_driver(test_name: &str, body: impl FnOnce(&SimNode, &Cuda)) {
     });
 }
 
+/// As [`with_driver`], after `cuInit` with a context on GPU 0, the body given the model.
+fn with_context(test_name: &str, body: impl FnOnce(&Node, &Cuda)) {
+    with_driver(test_name, |node, cu| {
+        let m = model(node);
+        cu.init();
+        cu.ctx_create(0);
+        body(&m, cu);
+    });
+}
+
 /// Sets or clears CUDA_VISIBLE_DEVICES for this (isolated, single-threaded) process, before cuInit.
 fn visible(v: Option<&str>) {
     // SAFETY: called at the start of an isolated child's body, before any thread that reads the
@@ -432,10 +442,7 @@ fn mem_get_info_moves_by_exactly_what_is_allocated() {
 
 #[test]
 fn out_of_memory_at_the_physical_size_leaks_nothing() {
-    with_driver("out_of_memory_at_the_physical_size_leaks_nothing", |node, cu| {
-        let m = model(node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("out_of_memory_at_the_physical_size_leaks_nothing", |m, cu| {
         let (free, _) = cu.mem_info();
         assert_eq!(cu.try_alloc(free + 1), Err(OUT_OF_MEMORY));
         assert_eq!(cu.mem_info().0, free, "a refused allocation holds nothing");
@@ -461,10 +468,7 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
 
 #[test]
 fn managed_memory_may_exceed_the_device_and_is_charged_what_fits() {
-    with_driver("managed_memory_may_exceed_the_device_and_is_charged_what_fits", |node, cu| {
-        let m = model(node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("managed_memory_may_exceed_the_device_and_is_charged_what_fits", |m, cu| {
         let (free, total) = cu.mem_info();
         let used = m.memory_info(0, 0).unwrap().used;
         let (mut a, mut b) = (0, 0);
@@ -1270,10 +1274,7 @@ fn a_lost_gpu_fails_calls_and_a_reset_recovers() {
 
 #[test]
 fn an_xid_aimed_at_the_process_is_sticky() {
-    with_driver("an_xid_aimed_at_the_process_is_sticky", |node, cu| {
-        let m = model(node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("an_xid_aimed_at_the_process_is_sticky", |m, cu| {
         let p = cu.alloc(MIB);
         m.inject_xid(0, 31, None, Some(std::process::id())).unwrap();
         assert_eq!(cu.try_alloc(MIB), Err(ILLEGAL_ADDRESS));
@@ -1770,10 +1771,7 @@ fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
 
 #[test]
 fn pools_keep_freed_memory_up_to_their_release_threshold() {
-    with_driver("pools_keep_freed_memory_up_to_their_release_threshold", |node, cu| {
-        let m = model(node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("pools_keep_freed_memory_up_to_their_release_threshold", |m, cu| {
         let s = cu.stream();
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();
