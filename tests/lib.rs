@@ -4,7 +4,8 @@
 #[path = "../daemon/tests/common/mod.rs"]
 pub mod kubelet;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Output;
 
 /// The built shim, `libtessera.so`, beside the test binaries.
 pub fn shim() -> PathBuf {
@@ -37,7 +38,7 @@ fn nix_is_root() -> bool {
 }
 
 /// A character device node (root only), for a fake `/dev`.
-pub fn mknod(path: &std::path::Path, major: u32, minor: u32) {
+pub fn mknod(path: &Path, major: u32, minor: u32) {
     std::fs::create_dir_all(path.parent().expect("a parent")).expect("mkdir");
     let status = std::process::Command::new("mknod")
         .arg(path)
@@ -48,7 +49,7 @@ pub fn mknod(path: &std::path::Path, major: u32, minor: u32) {
 }
 
 /// A busybox root file system (Debian's busybox-static), or `None` with a SKIP line.
-pub fn busybox_rootfs(root: &std::path::Path) -> Option<PathBuf> {
+pub fn busybox_rootfs(root: &Path) -> Option<PathBuf> {
     let Some(busybox) = ["/bin/busybox", "/usr/bin/busybox"].iter().map(PathBuf::from).find(|p| p.is_file()) else {
         println!("SKIP: busybox is not installed (Debian package busybox-static)");
         return None;
@@ -61,4 +62,96 @@ pub fn busybox_rootfs(root: &std::path::Path) -> Option<PathBuf> {
         std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).expect("symlink");
     }
     Some(root.to_path_buf())
+}
+
+/// Runs the `tessera` CLI against the daemon whose socket is `dir/run/tessera.sock`.
+pub fn tessera(dir: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(tessera_sim_testkit::binary("tessera"))
+        .arg("--socket")
+        .arg(dir.join("run/tessera.sock"))
+        .args(args)
+        .output()
+        .expect("run tessera")
+}
+
+/// The stdout of a command that must have succeeded (its output in the failure message).
+pub fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A host's GPU files under a test directory, as the daemon and the runtime see them: device
+/// nodes in `dev`, the driver's library under `driver`, a stand-in `libtessera.so`.
+pub struct FakeHost {
+    pub dir: PathBuf,
+    pub dev: PathBuf,
+    pub driver: PathBuf,
+    pub shim: PathBuf,
+}
+
+impl FakeHost {
+    /// Makes the device `nodes` (name, major, minor; root only) and the driver's and shim's files.
+    pub fn new(dir: &Path, nodes: &[(&str, u32, u32)]) -> FakeHost {
+        let dev = dir.join("dev");
+        for (name, major, minor) in nodes {
+            mknod(&dev.join(name), *major, *minor);
+        }
+        let driver = dir.join("driver");
+        std::fs::create_dir_all(driver.join("usr/lib/x86_64-linux-gnu")).expect("driver dir");
+        std::fs::write(driver.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"), "fake-libcuda").expect("lib");
+        let shim = dir.join("libtessera.so");
+        std::fs::write(&shim, "fake-shim").expect("shim");
+        FakeHost { dir: dir.to_path_buf(), dev, driver, shim }
+    }
+
+    /// tesserad's `[injection]` section for this host (CDI specs in `dir/cdi`).
+    pub fn injection_config(&self) -> String {
+        format!(
+            "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n",
+            self.dir.join("cdi"),
+            self.driver,
+            self.dev,
+            self.shim,
+            tessera_sim_testkit::binary("tessera-hook"),
+        )
+    }
+
+    /// Writes the hook's and runtime wrapper's configuration (runc underneath) to
+    /// `dir/hook.toml`; its path.
+    pub fn write_hook_config(&self) -> PathBuf {
+        let path = self.dir.join("hook.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "cdi_spec_dirs = [{:?}]\nruntime_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nruntime = \"runc\"\n",
+                self.dir.join("cdi"),
+                self.dir.join("run"),
+                self.driver,
+                self.dev,
+                self.shim,
+            ),
+        )
+        .expect("hook config");
+        path
+    }
+}
+
+/// An OCI bundle at `bundle` (from `runc spec`) whose container runs `script` in `rootfs` with
+/// `env` added and, unless null, these `annotations`.
+pub fn runc_bundle(bundle: &Path, rootfs: &Path, script: &str, env: &[String], annotations: serde_json::Value) {
+    std::fs::create_dir(bundle).expect("bundle");
+    let out = std::process::Command::new("runc").arg("spec").current_dir(bundle).output().expect("runc spec");
+    assert!(out.status.success());
+    let mut oci: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).expect("read")).expect("json");
+    oci["root"] = serde_json::json!({ "path": rootfs.display().to_string(), "readonly": false });
+    oci["process"]["terminal"] = serde_json::json!(false);
+    oci["process"]["args"] = serde_json::json!(["/bin/sh", "-c", script]);
+    if !annotations.is_null() {
+        oci["annotations"] = annotations;
+    }
+    for e in env {
+        oci["process"]["env"].as_array_mut().expect("env").push(serde_json::json!(e));
+    }
+    std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
 }

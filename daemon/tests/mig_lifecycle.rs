@@ -14,7 +14,7 @@ use tessera_sim_testkit::{SimNode, binary};
 
 mod common;
 
-use common::{WAIT, spawn};
+use common::{WAIT, spawn, tessera};
 
 const NODE: &str = "numa_nodes = 1
 [[gpu]]
@@ -28,17 +28,6 @@ count = 1
 
 fn layouts(gpu1_reset: &str, gpu1: &str) -> String {
     format!("[partitions.\"0\"]\nmig = {{ \"3g.40gb\" = 2 }}\n[partitions.\"1\"]\n{gpu1}\n{gpu1_reset}\n")
-}
-
-fn tessera(socket: &Path, args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(binary("tessera"))
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("run tessera");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
 }
 
 /// Runs `args` with `--dry-run`, then for real; asserts both print the same and exit the same.

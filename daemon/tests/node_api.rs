@@ -14,12 +14,12 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::{self as dp, AllocateRequest, ContainerAllocateRequest, Empty};
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
-use tessera_sim_testkit::{SimNode, binary};
+use tessera_sim_testkit::SimNode;
 use tonic::transport::Channel;
 
 mod common;
 
-use common::{TestKubelet, WAIT, next_list, spawn};
+use common::{TestKubelet, WAIT, next_list, spawn, tessera};
 
 const NODE: &str = "numa_nodes = 1
 [[gpu]]
@@ -63,17 +63,6 @@ fn shares_layout(count: u32) -> api::GpuLayout {
 
 fn target(index: u32, layout: api::GpuLayout) -> api::LayoutTarget {
     api::LayoutTarget { gpus: Some(api::layout_target::Gpus::Index(index)), layout: Some(layout) }
-}
-
-fn tessera(socket: &Path, args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(binary("tessera"))
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("run tessera");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

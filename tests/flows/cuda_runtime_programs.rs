@@ -8,7 +8,7 @@
 //! `TESSERA_CUDA_RUNTIMES`). Without it the tests print a SKIP line, and fail when
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -130,10 +130,15 @@ print(json.dumps(out))
 /// Runs the program on a node of its own, with `extra` environment, allocating `chunk` bytes at a
 /// time; what it saw.
 fn run_cupy(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
-    let node = SimNode::new();
+    run_python(&SimNode::new(), python, "CuPy on the sim", &["-c", PROGRAM, &chunk.to_string()], extra)
+}
+
+/// Runs `python args…` on `node` (every GPU visible) with `extra` environment; the JSON its
+/// last line prints. `what` names the program in a failure.
+fn run_python(node: &SimNode, python: impl AsRef<Path>, what: &str, args: &[&str], extra: &[(&str, &str)]) -> Value {
     let out = node
         .command(python)
-        .args(["-c", PROGRAM, &chunk.to_string()])
+        .args(args)
         .envs(extra.iter().copied())
         .env_remove("CUDA_VISIBLE_DEVICES")
         .output()
@@ -141,12 +146,11 @@ fn run_cupy(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
-        "CuPy failed on the sim ({}):\n{stdout}\n{}",
+        "{what} failed ({}):\n{stdout}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
 }
 
 fn u(v: &Value, key: &str) -> u64 {
@@ -248,21 +252,7 @@ else:
 fn cupy_processes_share_memory_through_ipc_counted_once() {
     let Some(python) = cupy_python() else { return };
     let node = SimNode::new();
-    let out = node
-        .command(&python)
-        .args(["-c", IPC_PROGRAM, "export", IPC_PROGRAM])
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "CuPy IPC failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    let v = run_python(&node, &python, "CuPy IPC", &["-c", IPC_PROGRAM, "export", IPC_PROGRAM], &[]);
     assert_eq!(v["importer_sees"], serde_json::json!([256, 257, 258, 259]), "the exporter's bytes");
     assert_eq!(v["exporter_sees"], serde_json::json!([7, 7, 7, 7]), "the importer's bytes");
     let shared = 256 * MIB;
@@ -311,16 +301,7 @@ print(json.dumps({"launch": rc, "free_before": before, "free_after": after, "tot
 "#;
 
 fn run_graph_memory(node: &SimNode, bytes: u64, extra: &[(&str, &str)]) -> Value {
-    let out = node
-        .command("python3")
-        .args(["-c", GRAPH_MEMORY_PROGRAM, &bytes.to_string()])
-        .envs(extra.iter().copied())
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "graph program failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    run_python(node, "python3", "graph program", &["-c", GRAPH_MEMORY_PROGRAM, &bytes.to_string()], extra)
 }
 
 #[test]

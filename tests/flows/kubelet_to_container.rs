@@ -11,7 +11,7 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::{TestKubelet, next_list, spawn};
-use tessera_tests::{busybox_rootfs, mknod, runc_usable};
+use tessera_tests::{FakeHost, busybox_rootfs, runc_bundle, runc_usable};
 
 const PROBE: &str = r#"
 for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f $(stat -c '%t:%T' $f)"; done
@@ -35,29 +35,16 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     let dir = tmp.path();
     let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
     // The host as the daemon and the runtime see it: device nodes and the driver's files.
-    let dev = dir.join("dev");
-    mknod(&dev.join("nvidia0"), 195, 0);
-    mknod(&dev.join("nvidia1"), 195, 1);
-    mknod(&dev.join("nvidiactl"), 195, 255);
-    mknod(&dev.join("nvidia-uvm"), 235, 0);
-    let driver = dir.join("driver");
-    std::fs::create_dir_all(driver.join("usr/lib/x86_64-linux-gnu")).expect("driver dir");
-    std::fs::write(driver.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"), "fake-libcuda").expect("lib");
-    std::fs::write(dir.join("libtessera.so"), "fake-shim").expect("shim");
+    let host = FakeHost::new(
+        dir,
+        &[("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255), ("nvidia-uvm", 235, 0)],
+    );
 
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
     let config = tessera_tests::kubelet::write_config(
         &node,
         dir,
-        &format!(
-            "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n\
-             [partitions.default]\nshares = {{ count = 2 }}",
-            dir.join("cdi"),
-            driver,
-            dev,
-            dir.join("libtessera.so"),
-            binary("tessera-hook"),
-        ),
+        &format!("{}[partitions.default]\nshares = {{ count = 2 }}", host.injection_config()),
     );
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
@@ -91,39 +78,19 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     api.get_usage(tessera_proto::tessera::v1::GetUsageRequest::default()).await.expect("usage");
 
     // The runtime wrapper in front of runc, with the env the kubelet's answer carries.
-    let hook_config = dir.join("hook.toml");
-    std::fs::write(
-        &hook_config,
-        format!(
-            "cdi_spec_dirs = [{:?}]\nruntime_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nruntime = \"runc\"\n",
-            dir.join("cdi"),
-            dir.join("run"),
-            driver,
-            dev,
-            dir.join("libtessera.so"),
-        ),
-    )
-    .expect("hook config");
+    let hook_config = host.write_hook_config();
     let bundle = dir.join("bundle");
-    std::fs::create_dir(&bundle).expect("bundle");
-    let out = std::process::Command::new("runc").arg("spec").current_dir(&bundle).output().expect("runc spec");
-    assert!(out.status.success());
-    let mut oci: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).expect("read")).expect("json");
-    oci["root"] = serde_json::json!({ "path": rootfs.display().to_string(), "readonly": false });
-    oci["process"]["terminal"] = serde_json::json!(false);
-    oci["process"]["args"] = serde_json::json!(["/bin/sh", "-c", PROBE]);
+    let env: Vec<String> = ["TESSERA_VISIBLE_DEVICES", "TESSERA_ALLOCATION"]
+        .iter()
+        .map(|key| format!("{key}={}", answer.envs[*key]))
+        .collect();
     // As containerd's CRI plugin annotates a pod's container.
-    oci["annotations"] = serde_json::json!({
+    let annotations = serde_json::json!({
         "io.kubernetes.cri.sandbox-namespace": "team-a",
         "io.kubernetes.cri.sandbox-name": "trainer",
         "io.kubernetes.cri.container-name": "main",
     });
-    for key in ["TESSERA_VISIBLE_DEVICES", "TESSERA_ALLOCATION"] {
-        let env = format!("{key}={}", answer.envs[key]);
-        oci["process"]["env"].as_array_mut().expect("env").push(serde_json::json!(env));
-    }
-    std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
+    runc_bundle(&bundle, &rootfs, PROBE, &env, annotations);
     let container_id = format!("flow-{}", std::process::id());
     let out = tokio::time::timeout(
         Duration::from_secs(60),

@@ -6,34 +6,19 @@
 //! vanished without the hook is released by the daemon's reconcile.
 
 use std::path::Path;
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::{node_api, spawn};
-use tessera_tests::{busybox_rootfs, mknod, runc_usable};
-
-fn tessera(dir: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(binary("tessera"))
-        .arg("--socket")
-        .arg(dir.join("run/tessera.sock"))
-        .args(args)
-        .output()
-        .expect("run tessera")
-}
-
-fn ok(out: Output) -> String {
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use tessera_tests::{FakeHost, busybox_rootfs, ok, runc_bundle, runc_usable, tessera};
 
 fn alloc(dir: &Path, sm: &str) -> serde_json::Value {
-    let out = ok(tessera(dir, &["alloc", "--memory", "4GiB", "--sm", sm, "--lease", "container", "--json"]));
+    let out = ok(&tessera(dir, &["alloc", "--memory", "4GiB", "--sm", sm, "--lease", "container", "--json"]));
     serde_json::from_str(out.trim()).expect("json")
 }
 
 fn allocation_ids(dir: &Path) -> Vec<String> {
-    let list: serde_json::Value = serde_json::from_str(&ok(tessera(dir, &["allocations", "--json"]))).expect("json");
+    let list: serde_json::Value = serde_json::from_str(&ok(&tessera(dir, &["allocations", "--json"]))).expect("json");
     list.as_array().expect("array").iter().map(|a| a["id"].as_str().expect("id").to_owned()).collect()
 }
 
@@ -50,21 +35,10 @@ async fn wait_released(dir: &Path, id: &str, log: &Path) {
     }
 }
 
-/// A bundle running `script` with `env`.
+/// A bundle `dir/name` running `script` with `env`.
 fn bundle(dir: &Path, name: &str, rootfs: &Path, script: &str, env: &[String]) -> std::path::PathBuf {
     let bundle = dir.join(name);
-    std::fs::create_dir(&bundle).expect("bundle");
-    let out = std::process::Command::new("runc").arg("spec").current_dir(&bundle).output().expect("runc spec");
-    assert!(out.status.success());
-    let mut oci: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).expect("read")).expect("json");
-    oci["root"] = serde_json::json!({ "path": rootfs.display().to_string(), "readonly": false });
-    oci["process"]["terminal"] = serde_json::json!(false);
-    oci["process"]["args"] = serde_json::json!(["/bin/sh", "-c", script]);
-    for e in env {
-        oci["process"]["env"].as_array_mut().expect("env").push(serde_json::json!(e));
-    }
-    std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
+    runc_bundle(&bundle, rootfs, script, env, serde_json::Value::Null);
     bundle
 }
 
@@ -76,44 +50,15 @@ async fn a_leased_share_follows_its_runc_container() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
-    let dev = dir.join("dev");
-    mknod(&dev.join("nvidia0"), 195, 0);
-    mknod(&dev.join("nvidiactl"), 195, 255);
-    let driver = dir.join("driver");
-    std::fs::create_dir_all(driver.join("usr/lib/x86_64-linux-gnu")).expect("driver dir");
-    std::fs::write(driver.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"), "fake-libcuda").expect("lib");
-    std::fs::write(dir.join("libtessera.so"), "fake-shim").expect("shim");
+    let host = FakeHost::new(dir, &[("nvidia0", 195, 0), ("nvidiactl", 195, 255)]);
 
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
     // No kubelet: the GPU stays whole in the kubelet's terms; shares are carved on demand.
-    let config = tessera_tests::kubelet::write_config(
-        &node,
-        dir,
-        &format!(
-            "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n",
-            dir.join("cdi"),
-            driver,
-            dev,
-            dir.join("libtessera.so"),
-            binary("tessera-hook"),
-        ),
-    );
+    let config = tessera_tests::kubelet::write_config(&node, dir, &host.injection_config());
     let log = dir.join("tesserad.log");
     let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
     let _ = node_api(&dir.join("run/tessera.sock")).await;
-    let hook_config = dir.join("hook.toml");
-    std::fs::write(
-        &hook_config,
-        format!(
-            "cdi_spec_dirs = [{:?}]\nruntime_dir = {:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nruntime = \"runc\"\n",
-            dir.join("cdi"),
-            dir.join("run"),
-            driver,
-            dev,
-            dir.join("libtessera.so"),
-        ),
-    )
-    .expect("hook config");
+    let hook_config = host.write_hook_config();
     let runc = |args: &[&str]| {
         let mut c = tokio::process::Command::new(binary("tessera-runtime"));
         c.env("TESSERA_HOOK_CONFIG", &hook_config).arg("--root").arg(dir.join("runc-state")).args(args);
@@ -140,7 +85,7 @@ async fn a_leased_share_follows_its_runc_container() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let list: serde_json::Value =
-            serde_json::from_str(&ok(tessera(dir, &["allocations", "--json"]))).expect("json");
+            serde_json::from_str(&ok(&tessera(dir, &["allocations", "--json"]))).expect("json");
         let a = list.as_array().expect("array").iter().find(|a| a["id"] == id.as_str()).cloned();
         if a.as_ref().is_some_and(|a| a["container"]["container_id"] == "fn-a") {
             assert_eq!(a.as_ref().unwrap()["lease"], "container");
@@ -149,7 +94,7 @@ async fn a_leased_share_follows_its_runc_container() {
         assert!(Instant::now() < deadline, "not bound to fn-a: {a:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    ok(tessera(dir, &["limits", "set", &id, "--sm", "45"]));
+    ok(&tessera(dir, &["limits", "set", &id, "--sm", "45"]));
     let out = tokio::time::timeout(Duration::from_secs(60), async {
         let mut stdout = child.stdout.take().expect("stdout");
         let mut text = String::new();

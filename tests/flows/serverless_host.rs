@@ -6,11 +6,11 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Output, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 
-use tessera_sim_testkit::{SimNode, binary};
+use tessera_sim_testkit::SimNode;
 use tessera_tests::kubelet::{node_api, spawn};
-use tessera_tests::shim;
+use tessera_tests::{ok, shim, tessera};
 
 const GIB: u64 = 1 << 30;
 const OVERHEAD_MIB: u64 = 300;
@@ -30,20 +30,6 @@ for line in sys.stdin:
     ptr = ctypes.c_uint64()
     print(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(int(line) << 20)), flush=True)
 "#;
-
-fn tessera(dir: &Path, args: &[&str]) -> Output {
-    std::process::Command::new(binary("tessera"))
-        .arg("--socket")
-        .arg(dir.join("run/tessera.sock"))
-        .args(args)
-        .output()
-        .expect("run tessera")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 struct Driver {
     child: Child,

@@ -206,7 +206,7 @@ fn main() -> ExitCode {
     }
 }
 
-use connect::{connect, status_err};
+use connect::{connect, list_allocations, list_partitions, status_err};
 
 async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
     let mut client = connect(&socket).await?;
@@ -231,12 +231,7 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
 async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode, String> {
     let devices =
         client.list_devices(api::ListDevicesRequest::default()).await.map_err(status_err)?.into_inner().devices;
-    let partitions = client
-        .list_partitions(api::ListPartitionsRequest::default())
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .partitions;
+    let partitions = list_partitions(client).await?;
     let usage = client.get_usage(api::GetUsageRequest::default()).await.map_err(status_err)?.into_inner();
     if json {
         let out = serde_json::json!({
@@ -306,12 +301,7 @@ async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode
 }
 
 async fn layout_show(client: &mut NodeClient<Channel>, as_json: bool) -> Result<ExitCode, String> {
-    let partitions = client
-        .list_partitions(api::ListPartitionsRequest::default())
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .partitions;
+    let partitions = list_partitions(client).await?;
     if as_json {
         println!("{}", serde_json::to_string_pretty(&json::partitions(&partitions)).unwrap_or_default());
         return Ok(ExitCode::SUCCESS);
@@ -529,12 +519,7 @@ async fn trace(
     output: Option<PathBuf>,
     as_json: bool,
 ) -> Result<ExitCode, String> {
-    let list = client
-        .list_allocations(api::ListAllocationsRequest::default())
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .allocations;
+    let list = list_allocations(client).await?;
     let id = resolve_allocation(&list, container)?;
     let output = output.unwrap_or_else(|| PathBuf::from(format!("trace-{id}.json")));
     // The output must be writable before seconds of recording go into it.

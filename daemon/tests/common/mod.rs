@@ -171,6 +171,18 @@ pub fn write_config(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str)
     path
 }
 
+/// Runs the built `tessera` CLI against `socket`: its exit code and its stdout and stderr together.
+pub fn tessera(socket: &Path, args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(tessera_sim_testkit::binary("tessera"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .output()
+        .expect("run tessera");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
 /// A node API client on `socket`, retrying while the daemon starts (up to [`WAIT`]).
 pub async fn node_api(socket: &Path) -> tessera_proto::tessera::v1::node_client::NodeClient<Channel> {
     let endpoint = Endpoint::from_shared(format!("unix://{}", socket.display())).expect("unix endpoint");

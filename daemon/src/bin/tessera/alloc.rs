@@ -213,12 +213,7 @@ pub async fn limits(client: &mut NodeClient<Channel>, command: LimitsCommand) ->
 
 /// `tessera allocations [--json]`.
 pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode, String> {
-    let list = client
-        .list_allocations(api::ListAllocationsRequest::default())
-        .await
-        .map_err(status_err)?
-        .into_inner()
-        .allocations;
+    let list = super::connect::list_allocations(client).await?;
     if json {
         println!("{}", serde_json::Value::Array(list.iter().map(allocation_json).collect()));
         return Ok(ExitCode::SUCCESS);

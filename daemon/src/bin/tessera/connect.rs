@@ -5,6 +5,7 @@ use std::io::ErrorKind;
 use std::os::unix::fs::FileTypeExt;
 use std::path::Path;
 
+use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
 use tonic::transport::Channel;
 
@@ -65,4 +66,19 @@ pub fn status_err(s: tonic::Status) -> String {
         code if s.message().is_empty() => format!("{code}"),
         code => format!("{code}: {}", s.message()),
     }
+}
+
+/// Every partition (GPU) the daemon manages.
+pub async fn list_partitions(client: &mut NodeClient<Channel>) -> Result<Vec<api::Partition>, String> {
+    Ok(client.list_partitions(api::ListPartitionsRequest::default()).await.map_err(status_err)?.into_inner().partitions)
+}
+
+/// Every allocation the daemon holds.
+pub async fn list_allocations(client: &mut NodeClient<Channel>) -> Result<Vec<api::Allocation>, String> {
+    Ok(client
+        .list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .map_err(status_err)?
+        .into_inner()
+        .allocations)
 }

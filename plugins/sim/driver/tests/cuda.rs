@@ -236,6 +236,27 @@ fn model(node: &SimNode) -> Node {
     Node::open(node.description.as_deref(), Some(&node.state)).expect("open the node's state")
 }
 
+/// Runs `body` in a process of its own (see the module's doc) against a default node, every
+/// GPU visible, with the driver loaded.
+fn with_driver(test_name: &str, body: impl FnOnce(&SimNode, &Cuda)) {
+    let node = SimNode::new();
+    node.run_isolated(test_name, || {
+        visible(None);
+        let cu = Cuda::load(&node);
+        body(&node, &cu);
+    });
+}
+
+/// As [`with_driver`], after `cuInit` with a context on GPU 0, the body given the model.
+fn with_context(test_name: &str, body: impl FnOnce(&Node, &Cuda)) {
+    with_driver(test_name, |node, cu| {
+        let m = model(node);
+        cu.init();
+        cu.ctx_create(0);
+        body(&m, cu);
+    });
+}
+
 /// Sets or clears CUDA_VISIBLE_DEVICES for this (isolated, single-threaded) process, before cuInit.
 fn visible(v: Option<&str>) {
     // SAFETY: called at the start of an isolated child's body, before any thread that reads the
@@ -260,11 +281,8 @@ fn uuid_bytes(s: &str) -> [u8; 16] {
 
 #[test]
 fn default_node_enumerates_eight_h100() {
-    let node = SimNode::new();
-    node.run_isolated("default_node_enumerates_eight_h100", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("default_node_enumerates_eight_h100", |node, cu| {
+        let m = model(node);
         // Before cuInit: only the version and error strings answer.
         let mut n = 0;
         assert_eq!(call!(cu, cuDeviceGetCount(&mut n) as fn(*mut c_int)), NOT_INITIALIZED);
@@ -383,11 +401,8 @@ fn visible_devices_empty_hides_every_device() {
 
 #[test]
 fn mem_get_info_moves_by_exactly_what_is_allocated() {
-    let node = SimNode::new();
-    node.run_isolated("mem_get_info_moves_by_exactly_what_is_allocated", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("mem_get_info_moves_by_exactly_what_is_allocated", |node, cu| {
+        let m = model(node);
         cu.init();
         let mut dummy = 0;
         assert_eq!(call!(cu, cuMemAlloc_v2(&mut dummy, 16) as fn(*mut CUdeviceptr, usize)), INVALID_CONTEXT);
@@ -427,13 +442,7 @@ fn mem_get_info_moves_by_exactly_what_is_allocated() {
 
 #[test]
 fn out_of_memory_at_the_physical_size_leaks_nothing() {
-    let node = SimNode::new();
-    node.run_isolated("out_of_memory_at_the_physical_size_leaks_nothing", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("out_of_memory_at_the_physical_size_leaks_nothing", |m, cu| {
         let (free, _) = cu.mem_info();
         assert_eq!(cu.try_alloc(free + 1), Err(OUT_OF_MEMORY));
         assert_eq!(cu.mem_info().0, free, "a refused allocation holds nothing");
@@ -459,13 +468,7 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
 
 #[test]
 fn managed_memory_may_exceed_the_device_and_is_charged_what_fits() {
-    let node = SimNode::new();
-    node.run_isolated("managed_memory_may_exceed_the_device_and_is_charged_what_fits", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("managed_memory_may_exceed_the_device_and_is_charged_what_fits", |m, cu| {
         let (free, total) = cu.mem_info();
         let used = m.memory_info(0, 0).unwrap().used;
         let (mut a, mut b) = (0, 0);
@@ -503,11 +506,8 @@ fn vmm_prop(dev: c_int) -> [u8; 32] {
 
 #[test]
 fn every_allocation_family_is_charged_and_refunded() {
-    let node = SimNode::new();
-    node.run_isolated("every_allocation_family_is_charged_and_refunded", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("every_allocation_family_is_charged_and_refunded", |node, cu| {
+        let m = model(node);
         cu.init();
         cu.ctx_create(1);
         let used = || m.memory_info(1, 0).unwrap().used;
@@ -648,10 +648,7 @@ fn every_allocation_family_is_charged_and_refunded() {
 
 #[test]
 fn copies_and_memsets_move_real_bytes() {
-    let node = SimNode::new();
-    node.run_isolated("copies_and_memsets_move_real_bytes", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("copies_and_memsets_move_real_bytes", |_, cu| {
         cu.init();
         cu.ctx_create(0);
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
@@ -766,10 +763,7 @@ fn copies_and_memsets_move_real_bytes() {
 
 #[test]
 fn kernel_time_shows_in_events_and_waits() {
-    let node = SimNode::new();
-    node.run_isolated("kernel_time_shows_in_events_and_waits", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("kernel_time_shows_in_events_and_waits", |_, cu| {
         cu.init();
         cu.ctx_create(0);
         let k = cu.function(CUBIN, "k_2ms");
@@ -926,10 +920,7 @@ fn two_processes_share_a_gpu_by_time_slicing() {
 
 #[test]
 fn proc_address_resolves_versions_and_default_stream_flavours() {
-    let node = SimNode::new();
-    node.run_isolated("proc_address_resolves_versions_and_default_stream_flavours", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("proc_address_resolves_versions_and_default_stream_flavours", |_, cu| {
         type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> u32;
         let get: GetProc = cu.sym("cuGetProcAddress_v2");
         let resolve = |name: &str, version: c_int, flags: u64| {
@@ -1031,20 +1022,17 @@ extern "C" fn storage_dtor(ctx: Handle, key: usize, value: usize) {
 
 #[test]
 fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
-    let node = SimNode::new();
-    node.run_isolated("the_runtime_tables_keep_context_storage_and_check_the_driver", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("the_runtime_tables_keep_context_storage_and_check_the_driver", |_, cu| {
         cu.init();
         // Tables the driver does not have, and bad arguments.
-        assert_eq!(export_table(&cu, 0xf8cff951_2146_8b4e_b9e2_fb469e7c0dd9), Err(NOT_FOUND));
+        assert_eq!(export_table(cu, 0xf8cff951_2146_8b4e_b9e2_fb469e7c0dd9), Err(NOT_FOUND));
         let mut table: *const c_void = std::ptr::null();
         assert_eq!(
             call!(cu, cuGetExportTable(&mut table, std::ptr::null()) as fn(*mut *const c_void, *const c_void)),
             INVALID_VALUE
         );
         // The runtime interface: its size, and the primary context it hands out before retaining.
-        let rt = export_table(&cu, CUDART_INTERFACE).expect("CUDART_INTERFACE");
+        let rt = export_table(cu, CUDART_INTERFACE).expect("CUDART_INTERFACE");
         // SAFETY: the table's first word.
         assert_eq!(unsafe { *rt }, 13 * 8);
         let primary_of: unsafe extern "C" fn(*mut Handle, c_int) -> u32 = entry(rt, 2);
@@ -1064,7 +1052,7 @@ fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
         assert_eq!(retained, primary, "the retained context is the one handed out");
 
         // Context-local storage: no size word; get, put, replace, delete, destructors.
-        let cls = export_table(&cu, CONTEXT_LOCAL_STORAGE).expect("CONTEXT_LOCAL_STORAGE");
+        let cls = export_table(cu, CONTEXT_LOCAL_STORAGE).expect("CONTEXT_LOCAL_STORAGE");
         let (putf, deletef, getf): (StoragePut, StorageDelete, StorageGet) =
             (entry(cls, 0), entry(cls, 1), entry(cls, 2));
         // SAFETY: the entry's signature; contexts are handles the driver checks.
@@ -1106,7 +1094,7 @@ fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
         assert_eq!(get(ctx, 0x30), Err(INVALID_CONTEXT), "the context is gone");
 
         // An entry the sim does not model answers NOT_SUPPORTED (the driver's host heap).
-        let heap = export_table(&cu, 0x195bcbf4_d67d_024a_acc5_1d29cea631ae).expect("HEAP_ACCESS");
+        let heap = export_table(cu, 0x195bcbf4_d67d_024a_acc5_1d29cea631ae).expect("HEAP_ACCESS");
         let heap_alloc: unsafe extern "C" fn(*mut *const c_void, usize, usize) -> u32 = entry(heap, 1);
         let mut record = std::ptr::null();
         // SAFETY: a valid out-pointer; the entry writes nothing.
@@ -1114,7 +1102,7 @@ fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
 
         // The integrity check: fixed words for its first revisions, else a digest of the
         // process, the thread, the time and the devices.
-        let ic = export_table(&cu, INTEGRITY_CHECK).expect("INTEGRITY_CHECK");
+        let ic = export_table(cu, INTEGRITY_CHECK).expect("INTEGRITY_CHECK");
         let check: unsafe extern "C" fn(c_uint, u64, *mut [u64; 2]) -> u32 = entry(ic, 1);
         let answer = |version, time| {
             let mut r = [0u64; 2];
@@ -1139,10 +1127,7 @@ fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
 
 #[test]
 fn a_captured_graph_replays_in_order() {
-    let node = SimNode::new();
-    node.run_isolated("a_captured_graph_replays_in_order", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("a_captured_graph_replays_in_order", |_, cu| {
         cu.init();
         cu.ctx_create(0);
         let k = cu.function(CUBIN, "k_1ms");
@@ -1252,11 +1237,8 @@ fn a_captured_graph_replays_in_order() {
 
 #[test]
 fn a_lost_gpu_fails_calls_and_a_reset_recovers() {
-    let node = SimNode::new();
-    node.run_isolated("a_lost_gpu_fails_calls_and_a_reset_recovers", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("a_lost_gpu_fails_calls_and_a_reset_recovers", |node, cu| {
+        let m = model(node);
         cu.init();
         let other = cu.ctx_create(1);
         let p1 = cu.alloc(MIB);
@@ -1292,13 +1274,7 @@ fn a_lost_gpu_fails_calls_and_a_reset_recovers() {
 
 #[test]
 fn an_xid_aimed_at_the_process_is_sticky() {
-    let node = SimNode::new();
-    node.run_isolated("an_xid_aimed_at_the_process_is_sticky", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("an_xid_aimed_at_the_process_is_sticky", |m, cu| {
         let p = cu.alloc(MIB);
         m.inject_xid(0, 31, None, Some(std::process::id())).unwrap();
         assert_eq!(cu.try_alloc(MIB), Err(ILLEGAL_ADDRESS));
@@ -1376,11 +1352,8 @@ fn mig_device_selected_by_uuid() {
 
 #[test]
 fn contexts_primary_and_regular() {
-    let node = SimNode::new();
-    node.run_isolated("contexts_primary_and_regular", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("contexts_primary_and_regular", |node, cu| {
+        let m = model(node);
         cu.init();
         let mut cur = 0x1 as Handle;
         assert_eq!(call!(cu, cuCtxGetCurrent(&mut cur) as fn(*mut Handle)), SUCCESS);
@@ -1458,10 +1431,7 @@ fn contexts_primary_and_regular() {
 
 #[test]
 fn default_streams_and_cross_stream_waits() {
-    let node = SimNode::new();
-    node.run_isolated("default_streams_and_cross_stream_waits", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("default_streams_and_cross_stream_waits", |_, cu| {
         cu.init();
         let main_ctx = cu.ctx_create(0) as usize;
         let k2 = cu.function(CUBIN, "k_2ms");
@@ -1532,10 +1502,7 @@ fn default_streams_and_cross_stream_waits() {
 
 #[test]
 fn jit_linking_keeps_the_entries_of_its_inputs() {
-    let node = SimNode::new();
-    node.run_isolated("jit_linking_keeps_the_entries_of_its_inputs", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("jit_linking_keeps_the_entries_of_its_inputs", |_, cu| {
         cu.init();
         cu.ctx_create(0);
         let link = || {
@@ -1637,10 +1604,7 @@ fn jit_linking_keeps_the_entries_of_its_inputs() {
 
 #[test]
 fn functions_the_sim_does_not_model_resolve_and_say_so() {
-    let node = SimNode::new();
-    node.run_isolated("functions_the_sim_does_not_model_resolve_and_say_so", || {
-        visible(None);
-        let cu = Cuda::load(&node);
+    with_driver("functions_the_sim_does_not_model_resolve_and_say_so", |_, cu| {
         type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> u32;
         let get: GetProc = cu.sym("cuGetProcAddress_v2");
         for (name, version, flags, symbol) in [
@@ -1686,11 +1650,8 @@ fn graph_alloc_params(bytes: usize) -> cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_
 
 #[test]
 fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
-    let node = SimNode::new();
-    node.run_isolated("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
+    with_driver("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |node, cu| {
+        let m = model(node);
         cu.init();
         cu.ctx_create(0);
         let s = cu.stream();
@@ -1810,13 +1771,7 @@ fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
 
 #[test]
 fn pools_keep_freed_memory_up_to_their_release_threshold() {
-    let node = SimNode::new();
-    node.run_isolated("pools_keep_freed_memory_up_to_their_release_threshold", || {
-        visible(None);
-        let cu = Cuda::load(&node);
-        let m = model(&node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("pools_keep_freed_memory_up_to_their_release_threshold", |m, cu| {
         let s = cu.stream();
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();

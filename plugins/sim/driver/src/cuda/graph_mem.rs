@@ -17,7 +17,7 @@ use tessera_sim_model::Node;
 use super::graph::Op;
 use super::handles;
 use super::init::driver;
-use super::memory::{Alloc, MemKind, charge, map_anon, next_buffer_id};
+use super::memory::{Alloc, MemKind, charge, map_anon};
 use super::stream::Target;
 use super::{CUresult, INVALID_DEVICE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, raw_u32, run, sys};
 
@@ -36,6 +36,12 @@ fn slot(ordinal: c_int) -> R<usize> {
     usize::try_from(ordinal).ok().filter(|&i| i < DEVICES).ok_or(INVALID_DEVICE)
 }
 
+/// The counters' slot of a device a caller names (checked against the driver's devices).
+fn device_slot(device: sys::CUdevice) -> R<usize> {
+    driver()?.device(device)?;
+    slot(device)
+}
+
 /// Runs an allocation node: charges the memory at its reserved address.
 pub(crate) fn allocate(node: &Node, t: &Target, base: u64, bytes: u64) -> R {
     let d = t.ctx.dev;
@@ -46,19 +52,11 @@ pub(crate) fn allocate(node: &Node, t: &Target, base: u64, bytes: u64) -> R {
     }
     let epoch = charge(node, d.gpu, d.domain, bytes)?;
     let a = Alloc {
-        base,
-        size: bytes,
         // The address belongs to the graph node: freeing returns the memory, not the address.
         map_len: 0,
-        kind: MemKind::Graph,
-        ctx: 0,
-        dev: d.ordinal,
-        gpu: d.gpu,
-        domain: d.domain,
         charge: bytes,
         epoch,
-        id: next_buffer_id(),
-        sync_memops: false,
+        ..Alloc::new(base, bytes, MemKind::Graph, 0, d)
     };
     reg.mem.insert(base, a);
     let i = slot(d.ordinal)?;
@@ -202,8 +200,7 @@ pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
     value: *mut c_void,
 ) -> CUresult {
     run(|| {
-        driver()?.device(device)?;
-        let i = slot(device)?;
+        let i = device_slot(device)?;
         let v = match attr {
             USED_MEM_CURRENT | RESERVED_MEM_CURRENT => USED[i].load(Relaxed),
             USED_MEM_HIGH | RESERVED_MEM_HIGH => USED_HIGH[i].load(Relaxed),
@@ -221,8 +218,7 @@ pub unsafe extern "C" fn cuDeviceSetGraphMemAttribute(
     value: *mut c_void,
 ) -> CUresult {
     run(|| {
-        driver()?.device(device)?;
-        let i = slot(device)?;
+        let i = device_slot(device)?;
         // SAFETY: value is the caller's cuuint64_t (checked by get).
         let v = unsafe { super::get(value.cast::<u64>().cast_const()) }?;
         // Only the high watermarks can be set, and only to zero (which resets them to current).

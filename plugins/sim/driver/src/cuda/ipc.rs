@@ -19,7 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use super::handles;
-use super::memory::{Alloc, MemKind, next_buffer_id};
+use super::memory::{Alloc, MemKind};
 use super::{CUresult, context, init::driver};
 use super::{INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, run, sys};
 
@@ -163,21 +163,7 @@ fn open_mem_handle(bytes: &[u8; 64], flags: c_uint) -> R<u64> {
         return Err(OUT_OF_MEMORY);
     }
     let base = p as u64;
-    let d = ctx.dev;
-    let a = Alloc {
-        base,
-        size: h.size,
-        map_len: len,
-        kind: MemKind::Imported,
-        ctx: ctx.handle,
-        dev: d.ordinal,
-        gpu: d.gpu,
-        domain: d.domain,
-        charge: 0,
-        epoch: 0,
-        id: next_buffer_id(),
-        sync_memops: false,
-    };
+    let a = Alloc { map_len: len, ..Alloc::new(base, h.size, MemKind::Imported, ctx.handle, ctx.dev) };
     handles::write().mem.insert(base, a);
     Ok(base)
 }

@@ -20,7 +20,7 @@ use tessera_sim_model::{MAX_GPUS, MAX_MIG, Node};
 use super::context::{self, Ctx};
 use super::errors::Cu;
 use super::handles::{self, Registry};
-use super::init::driver;
+use super::init::{Device, driver};
 use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, put_opt, run, sys};
 
 const DOMAINS: usize = 1 + MAX_MIG;
@@ -112,6 +112,25 @@ pub(crate) struct Alloc {
 }
 
 impl Alloc {
+    /// A new buffer (a fresh id) of `size` bytes at `base` on `dev`, in the context `ctx` (0:
+    /// none), mapped by us over its whole size and charging nothing: callers override the rest.
+    pub(crate) fn new(base: u64, size: u64, kind: MemKind, ctx: usize, dev: &Device) -> Alloc {
+        Alloc {
+            base,
+            size,
+            map_len: size as usize,
+            kind,
+            ctx,
+            dev: dev.ordinal,
+            gpu: dev.gpu,
+            domain: dev.domain,
+            charge: 0,
+            epoch: 0,
+            id: next_buffer_id(),
+            sync_memops: false,
+        }
+    }
+
     /// Whether this is device memory (as opposed to host memory the device can reach).
     pub(crate) fn on_device(&self) -> bool {
         !matches!(self.kind, MemKind::Host(_) | MemKind::Registered(_))
@@ -193,20 +212,7 @@ fn alloc_charging(
         refund(node, d.gpu, d.domain, charged, epoch);
         return Err(OUT_OF_MEMORY);
     };
-    let a = Alloc {
-        base,
-        size: bytes,
-        map_len: bytes as usize,
-        kind,
-        ctx: ctx.handle,
-        dev: d.ordinal,
-        gpu: d.gpu,
-        domain: d.domain,
-        charge: charged,
-        epoch,
-        id: next_buffer_id(),
-        sync_memops: false,
-    };
+    let a = Alloc { charge: charged, epoch, ..Alloc::new(base, bytes, kind, ctx.handle, d) };
     handles::write().mem.insert(base, a);
     Ok(base)
 }
@@ -448,21 +454,7 @@ fn host_alloc(bytes: u64, flags: c_uint) -> R<u64> {
     }
     let (_, ctx) = ctx_for_work()?;
     let base = map_anon(bytes, false).ok_or(OUT_OF_MEMORY)?;
-    let d = ctx.dev;
-    let a = Alloc {
-        base,
-        size: bytes,
-        map_len: bytes as usize,
-        kind: MemKind::Host(flags),
-        ctx: ctx.handle,
-        dev: d.ordinal,
-        gpu: d.gpu,
-        domain: d.domain,
-        charge: 0,
-        epoch: 0,
-        id: next_buffer_id(),
-        sync_memops: false,
-    };
+    let a = Alloc::new(base, bytes, MemKind::Host(flags), ctx.handle, ctx.dev);
     handles::write().mem.insert(base, a);
     Ok(base)
 }
@@ -581,24 +573,8 @@ fn host_register(p: u64, bytes: u64, flags: c_uint) -> R {
     if overlaps {
         return Err(CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     }
-    let d = ctx.dev;
-    reg.mem.insert(
-        p,
-        Alloc {
-            base: p,
-            size: bytes,
-            map_len: 0,
-            kind: MemKind::Registered(flags),
-            ctx: ctx.handle,
-            dev: d.ordinal,
-            gpu: d.gpu,
-            domain: d.domain,
-            charge: 0,
-            epoch: 0,
-            id: next_buffer_id(),
-            sync_memops: false,
-        },
-    );
+    // The memory is the caller's: nothing of ours to unmap.
+    reg.mem.insert(p, Alloc { map_len: 0, ..Alloc::new(p, bytes, MemKind::Registered(flags), ctx.handle, ctx.dev) });
     Ok(())
 }
 

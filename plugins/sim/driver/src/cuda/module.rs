@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use super::context;
 use super::handles::{self, Registry};
 use super::init::driver;
-use super::memory::{Alloc, MemKind, map_anon, next_buffer_id, unmap};
+use super::memory::{Alloc, MemKind, map_anon, unmap};
 use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run, sys};
 
 /// What any kernel not named for a duration takes.
@@ -420,23 +420,7 @@ fn global_in(m: &Module, name: &str, low: bool) -> R<(u64, u64)> {
         unmap(base, size as usize);
         return Err(INVALID_HANDLE);
     }
-    reg.mem.insert(
-        base,
-        Alloc {
-            base,
-            size,
-            map_len: size as usize,
-            kind: MemKind::Global,
-            ctx: m.ctx,
-            dev: ctx.dev.ordinal,
-            gpu: ctx.dev.gpu,
-            domain: ctx.dev.domain,
-            charge: 0,
-            epoch: 0,
-            id: next_buffer_id(),
-            sync_memops: false,
-        },
-    );
+    reg.mem.insert(base, Alloc::new(base, size, MemKind::Global, m.ctx, ctx.dev));
     globals.insert(name.to_string(), (base, size));
     Ok((base, size))
 }

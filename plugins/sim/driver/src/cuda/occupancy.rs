@@ -77,7 +77,8 @@ pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
     blockSize: c_int,
     dynamicSMemSize: usize,
 ) -> CUresult {
-    run(|| max_active_blocks(numBlocks, func, blockSize, dynamicSMemSize, 0))
+    // SAFETY: the same contract, with no flags.
+    unsafe { cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0) }
 }
 
 #[unsafe(no_mangle)]
@@ -145,8 +146,9 @@ pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSize(
     dynamicSMemSize: usize,
     blockSizeLimit: c_int,
 ) -> CUresult {
-    run(|| {
-        potential_block_size(
+    // SAFETY: the same contract, with no flags.
+    unsafe {
+        cuOccupancyMaxPotentialBlockSizeWithFlags(
             minGridSize,
             blockSize,
             func,
@@ -155,7 +157,7 @@ pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSize(
             blockSizeLimit,
             0,
         )
-    })
+    }
 }
 
 #[unsafe(no_mangle)]

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::errors::poll_faults;
 use super::handles;
 use super::init::{Device, driver};
-use super::memory::{Alloc, MemKind, charge, map_anon, next_buffer_id, refund, release_keeping};
+use super::memory::{Alloc, MemKind, charge, map_anon, refund, release_keeping};
 use super::stream::resolve_and_check;
 use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
 
@@ -403,23 +403,8 @@ fn alloc_async(
         p.undo_alloc(bytes, from_reserve);
         return Err(OUT_OF_MEMORY);
     };
-    handles::write().mem.insert(
-        base,
-        Alloc {
-            base,
-            size: bytes,
-            map_len: bytes as usize,
-            kind: MemKind::Pool(p.handle),
-            ctx: t.ctx.handle,
-            dev: d.ordinal,
-            gpu: d.gpu,
-            domain: d.domain,
-            charge: bytes,
-            epoch,
-            id: next_buffer_id(),
-            sync_memops: false,
-        },
-    );
+    let a = Alloc { charge: bytes, epoch, ..Alloc::new(base, bytes, MemKind::Pool(p.handle), t.ctx.handle, d) };
+    handles::write().mem.insert(base, a);
     // SAFETY: dptr is the caller's out-pointer (checked above).
     unsafe { put(dptr, base) }
 }
