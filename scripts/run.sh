@@ -24,7 +24,13 @@ LD_LIBRARY_PATH="$lib_dir" "$bin/tessera-workload" --alloc-mib 2048 --kernels 50
 # shows the node, re-partitions GPU 1 into MIG instances (a mode change waits for a reset, so
 # the simulated GPU is reset as an operator would), and lists the events; then SIGTERM.
 demo=$(mktemp -d)
-trap 'kill "${daemon:-}" 2>/dev/null || true; rm -rf "$demo"' EXIT
+# Each region is a tmpfs of its own (as root): detach what is mounted under the demo, then remove it.
+cleanup() {
+  kill "${daemon:-}" 2>/dev/null || true
+  awk -v d="$demo/" 'index($5, d) == 1 {print $5}' /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l 2>/dev/null || true
+  rm -rf "$demo"
+}
+trap cleanup EXIT
 # A driver root of the simulated node (device nodes, proc tree, libraries), so the CDI specs name
 # real files, as on a host with a driver.
 "$bin/tessera-sim" install --driver-root "$demo/driver" >/dev/null
