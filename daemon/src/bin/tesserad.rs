@@ -188,12 +188,26 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }
         };
         write_cdi(&mut cdi, &controller);
-        let set = match plugins.start(&cfg, &initial, controller.allocator()) {
+        // `kubernetes.mode = "dra"`: no device-plugin resources (the DRA driver publishes all).
+        let device_plugin = cfg.kubernetes.mode.device_plugin();
+        let served = if device_plugin { Arc::clone(&initial) } else { Arc::new(Resources::default()) };
+        let set = match plugins.start(&cfg, &served, controller.allocator()) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("tesserad: {e}");
                 return ExitCode::from(1);
             }
+        };
+        let dra_task = if cfg.kubernetes.mode.dra() {
+            match tessera_daemon::dra::node::start(Arc::clone(&controller), &cfg, shutdown_rx.clone()).await {
+                Ok(task) => Some(task),
+                Err(e) => {
+                    eprintln!("tesserad: DRA driver: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        } else {
+            None
         };
         let api_socket = cfg.node_api_socket();
         let api_listener = match api::bind(&api_socket) {
@@ -299,7 +313,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                         break;
                     }
                     let now = Arc::clone(&resources_rx.borrow_and_update());
-                    plugins.update(&mut set, &now, controller.allocator());
+                    if device_plugin {
+                        plugins.update(&mut set, &now, controller.allocator());
+                    }
                     write_cdi(&mut cdi, &controller);
                 }
                 _ = hup.recv() => {
@@ -342,6 +358,11 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             && tokio::time::timeout(STOP_GRACE, task).await.is_err()
         {
             tracing::warn!("the pod-resources task did not stop in time");
+        }
+        if let Some(task) = dra_task
+            && tokio::time::timeout(STOP_GRACE, task).await.is_err()
+        {
+            tracing::warn!("the DRA driver did not stop in time");
         }
         finish("node API", api_task).await;
         drop(plugins);
