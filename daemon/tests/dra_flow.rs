@@ -1,0 +1,153 @@
+//! The DRA driver end to end in the built `tesserad` (`kubernetes.mode = "dra"`) on the simulated
+//! node, against the test API server and the test kubelet: the node's ResourceSlice appears; a
+//! claim allocated 8Gi + 30% of GPU 0 is prepared into one allocation with exactly those limits
+//! (node API `ListAllocations`) and the GPU's CDI name; a claim that does not fit beside it is
+//! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
+//! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tessera_proto::dra::v1;
+use tessera_proto::tessera::v1 as api;
+use tessera_sim_testkit::SimNode;
+
+mod common;
+
+use common::apiserver::ApiServer;
+use common::dra_kubelet::{claim, register, v1_client};
+use common::{WAIT, spawn};
+
+const NODE: &str = "numa_nodes = 1
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+";
+
+fn claim_object(uid: &str, name: &str, memory: &str, sm: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "ml", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu-share.tessera.io"}}]}},
+        "status": {
+            "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.tessera.io",
+                "pool": "node-a", "device": "gpu-0-shared", "consumedCapacity": {"memory": memory, "sm": sm}}]}},
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{uid}-pod")}]
+        }
+    })
+}
+
+async fn prepare(endpoint: &Path, uid: &str, name: &str) -> v1::NodePrepareResourceResponse {
+    let mut kubelet = v1_client(endpoint).await;
+    let req = v1::NodePrepareResourcesRequest { claims: vec![claim("ml", uid, name)] };
+    let mut answer = kubelet.node_prepare_resources(req).await.expect("NodePrepareResources").into_inner();
+    answer.claims.remove(uid).expect("an answer for the claim")
+}
+
+async fn unprepare(endpoint: &Path, uid: &str, name: &str) -> String {
+    let mut kubelet = v1_client(endpoint).await;
+    let req = v1::NodeUnprepareResourcesRequest { claims: vec![claim("ml", uid, name)] };
+    let mut answer = kubelet.node_unprepare_resources(req).await.expect("NodeUnprepareResources").into_inner();
+    answer.claims.remove(uid).expect("an answer for the claim").error
+}
+
+async fn allocations(socket: &Path) -> Vec<api::Allocation> {
+    let mut node = common::node_api(socket).await;
+    node.list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .expect("ListAllocations")
+        .into_inner()
+        .allocations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill_9() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let kubeconfig = apiserver.kubeconfig(dir);
+    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
+    std::fs::create_dir_all(&registry).expect("registry dir");
+    let body = format!(
+        "pod_resources_socket = \"\"\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\nkubeconfig = {kubeconfig:?}\n\
+         plugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
+    );
+    let config = common::write_config(&node, dir, &body);
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket = dir.join("run/tessera.sock");
+
+    let (mut daemon, _) = spawn(&node, &config, &notify, &log);
+    // The node's slice: GPU 0 whole and shareable, nothing else.
+    let deadline = Instant::now() + WAIT;
+    let slice = loop {
+        if let Some(s) = apiserver.slices().get("node-a-gpu.tessera.io") {
+            break s.clone();
+        }
+        assert!(Instant::now() < deadline, "no ResourceSlice published; log:\n{}", show_log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!(slice["spec"]["driver"], "gpu.tessera.io");
+    assert_eq!(slice["spec"]["nodeName"], "node-a");
+    let names: Vec<&str> =
+        slice["spec"]["devices"].as_array().expect("devices").iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-0-shared"]);
+    let mut node_api = common::node_api(&socket).await;
+    let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    let gpu0 = devices.devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32).expect("GPU 0").uuid.clone();
+
+    // The kubelet finds the driver and prepares the claim.
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    assert_eq!(reg.endpoint, plugins.join("gpu.tessera.io/dra.sock"));
+    apiserver.put_claim(claim_object("uid-1", "train", "8Gi", "30"));
+    let first = prepare(&reg.endpoint, "uid-1", "train").await;
+    assert_eq!(first.error, "", "log:\n{}", show_log());
+    assert_eq!(first.devices.len(), 1);
+    assert_eq!(first.devices[0].cdi_device_ids, [format!("tessera.io/gpu={gpu0}")]);
+    assert_eq!(
+        (first.devices[0].pool_name.as_str(), first.devices[0].device_name.as_str()),
+        ("node-a", "gpu-0-shared")
+    );
+    let held = allocations(&socket).await;
+    assert_eq!(held.len(), 1);
+    let alloc = &held[0];
+    assert_eq!(alloc.owner, "uid-1", "the claim UID owns the allocation");
+    assert_eq!((alloc.devices[0].uuid.as_str(), alloc.devices[0].memory_limit_bytes), (gpu0.as_str(), 8 << 30));
+    assert_eq!(alloc.devices[0].sm_percent, 30);
+    let pod = alloc.container.as_ref().expect("container");
+    assert_eq!((pod.pod_namespace.as_str(), pod.pod_name.as_str()), ("ml", "train-pod"));
+    assert!(dir.join("run/alloc").join(&alloc.id).join("limits").exists());
+
+    // A claim the scheduler should never have placed here (73Gi beside 8Gi of about 80Gi): refused,
+    // named, and nothing recorded.
+    apiserver.put_claim(claim_object("uid-2", "greedy", "73Gi", "10"));
+    let refused = prepare(&reg.endpoint, "uid-2", "greedy").await;
+    // 81559 MiB on the simulated H100, 8 GiB of it held.
+    assert!(refused.error.contains("has 73367 MiB of 81559 MiB and 70% strict SM left"), "{}", refused.error);
+    assert!(refused.error.contains("the claim asks 73 GiB and 10%"), "{}", refused.error);
+    assert!(refused.devices.is_empty());
+    assert_eq!(allocations(&socket).await.len(), 1);
+
+    // kill -9 between prepare and unprepare, restart on the same state: the same allocation.
+    daemon.0.kill().expect("kill -9");
+    daemon.0.wait().expect("reap");
+    let (daemon2, _) = spawn(&node, &config, &notify, &log);
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    let again = prepare(&reg.endpoint, "uid-1", "train").await;
+    assert_eq!(again, first, "log:\n{}", show_log());
+    let after = allocations(&socket).await;
+    assert_eq!(after.len(), 1, "nothing doubled: {after:?}");
+    assert_eq!(after[0].id, alloc.id);
+    assert_eq!(after[0].devices[0].memory_limit_bytes, 8 << 30);
+
+    // Unprepare releases it (record and directory); a repeat succeeds too.
+    assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
+    assert!(allocations(&socket).await.is_empty());
+    assert!(!dir.join("run/alloc").join(&alloc.id).exists());
+    assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
+    // The room is back: the greedy claim fits now.
+    assert_eq!(prepare(&reg.endpoint, "uid-2", "greedy").await.error, "");
+    drop(daemon2);
+}
