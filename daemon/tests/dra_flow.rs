@@ -4,6 +4,8 @@
 //! (node API `ListAllocations`) and the GPU's CDI name; a claim that does not fit beside it is
 //! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
 //! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
+//! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
+//! them back.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -24,6 +26,42 @@ const NODE: &str = "numa_nodes = 1
 model = \"H100-SXM5-80GB\"
 count = 1
 ";
+
+/// `tesserad`'s configuration for mode `dra` against `apiserver`, kubelet directories under `dir`.
+fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) -> std::path::PathBuf {
+    let kubeconfig = apiserver.kubeconfig(dir);
+    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
+    std::fs::create_dir_all(&registry).expect("registry dir");
+    let body = format!(
+        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\n\
+         kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
+    );
+    common::write_config(node, dir, &body)
+}
+
+/// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
+async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, log: &Path) -> Vec<String> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let names: Option<Vec<String>> = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .expect("devices")
+                .iter()
+                .map(|d| d["name"].as_str().unwrap().into())
+                .collect()
+        });
+        match names {
+            Some(n) if done(&n) => return n,
+            n => assert!(
+                Instant::now() < deadline,
+                "slice devices {n:?}; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
 
 fn claim_object(uid: &str, name: &str, memory: &str, sm: &str) -> Value {
     json!({
@@ -67,14 +105,8 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let apiserver = ApiServer::start().await;
-    let kubeconfig = apiserver.kubeconfig(dir);
+    let config = dra_config(&node, dir, &apiserver, "");
     let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
-    std::fs::create_dir_all(&registry).expect("registry dir");
-    let body = format!(
-        "pod_resources_socket = \"\"\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\nkubeconfig = {kubeconfig:?}\n\
-         plugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
-    );
-    let config = common::write_config(&node, dir, &body);
     let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
     let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
     let socket = dir.join("run/tessera.sock");
@@ -150,4 +182,34 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     // The room is back: the greedy claim fits now.
     assert_eq!(prepare(&reg.endpoint, "uid-2", "greedy").await.error, "");
     drop(daemon2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_back() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 300");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_ecc(1, 0, 1).expect("inject a double-bit ECC error on GPU 1");
+    slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
+    // A claim the scheduler placed on it before the fault is refused, saying why.
+    let mut stale = claim_object("uid-9", "late", "1Gi", "10");
+    stale["status"]["allocation"]["devices"]["results"][0]["device"] = json!("gpu-1-shared");
+    apiserver.put_claim(stale);
+    let refused = prepare(&reg.endpoint, "uid-9", "late").await;
+    assert!(refused.error.contains("gpu-1-shared is unhealthy"), "{}", refused.error);
+    assert!(allocations(&dir.join("run/tessera.sock")).await.is_empty());
+
+    sim.reset(1).expect("reset GPU 1");
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    assert_eq!(prepare(&reg.endpoint, "uid-9", "late").await.error, "");
+    drop(daemon);
 }
