@@ -5,7 +5,8 @@
 //! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
 //! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
 //! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
-//! them back.
+//! them back. In mode `both` the partitioned GPU stays with the device plugin and the other is
+//! DRA's: no GPU is offered twice.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -19,7 +20,7 @@ mod common;
 
 use common::apiserver::ApiServer;
 use common::dra_kubelet::{claim, register, v1_client};
-use common::{WAIT, spawn};
+use common::{TestKubelet, WAIT, next_list, spawn};
 
 const NODE: &str = "numa_nodes = 1
 [[gpu]]
@@ -29,11 +30,15 @@ count = 1
 
 /// `tesserad`'s configuration for mode `dra` against `apiserver`, kubelet directories under `dir`.
 fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) -> std::path::PathBuf {
+    mode_config(node, dir, apiserver, "dra", extra)
+}
+
+fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, extra: &str) -> std::path::PathBuf {
     let kubeconfig = apiserver.kubeconfig(dir);
     let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
     std::fs::create_dir_all(&registry).expect("registry dir");
     let body = format!(
-        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\n\
+        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
          kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
     );
     common::write_config(node, dir, &body)
@@ -211,5 +216,43 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     sim.reset(1).expect("reset GPU 1");
     slice_devices(&apiserver, |n| n == all, &log).await;
     assert_eq!(prepare(&reg.endpoint, "uid-9", "late").await.error, "");
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_mode_both_the_partitioned_gpu_is_the_device_plugins_and_the_other_is_dras() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = mode_config(&node, dir, &apiserver, "both", "[partitions.\"0\"]\nshares = { count = 2 }");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    slice_devices(&apiserver, |n| n == ["gpu-1", "gpu-1-shared"], &log).await;
+    let (share, _) = kubelet.next_registration().await;
+    assert_eq!(share.resource_name, "tessera.io/gpu-share");
+    let mut plugin = kubelet.connect(&share).await;
+    let mut law = plugin.list_and_watch(tessera_proto::deviceplugin::v1beta1::Empty {}).await.expect("ListAndWatch");
+    let list = next_list(law.get_mut()).await;
+    let mut node_api = common::node_api(&dir.join("run/tessera.sock")).await;
+    let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    let gpu0 = devices.devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32 && d.index == 0).expect("GPU 0");
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, [format!("{}::0", gpu0.uuid), format!("{}::1", gpu0.uuid)]);
+    // Every plugin binds its socket at start: only the share resource is served (GPU 1 whole,
+    // `tessera.io/gpu`, is DRA's).
+    let sockets: Vec<String> = std::fs::read_dir(dir.join("plugins"))
+        .expect("plugin dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".sock") && n != "kubelet.sock")
+        .collect();
+    assert_eq!(sockets.len(), 1, "{sockets:?}");
+    // A claim naming the device plugin's GPU is refused: this node does not publish it for DRA.
+    let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(claim_object("uid-3", "wrong", "1Gi", "10"));
+    let refused = prepare(&reg.endpoint, "uid-3", "wrong").await;
+    assert!(refused.error.contains("gpu-0-shared is not published by this node"), "{}", refused.error);
     drop(daemon);
 }

@@ -178,7 +178,7 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let mut resources_rx = controller.watch_resources();
         let mut plugins = Plugins::default();
-        let initial = Arc::clone(&resources_rx.borrow_and_update());
+        resources_rx.borrow_and_update();
         // CDI specs for the runtimes, now and whenever what is offered changes.
         let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir) {
             Ok(w) => w,
@@ -188,9 +188,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }
         };
         write_cdi(&mut cdi, &controller);
-        // `kubernetes.mode = "dra"`: no device-plugin resources (the DRA driver publishes all).
-        let device_plugin = cfg.kubernetes.mode.device_plugin();
-        let served = if device_plugin { Arc::clone(&initial) } else { Arc::new(Resources::default()) };
+        // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin.
+        let mode = cfg.kubernetes.mode;
+        let served = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
         let set = match plugins.start(&cfg, &served, controller.allocator()) {
             Ok(s) => s,
             Err(e) => {
@@ -312,10 +312,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                     if changed.is_err() {
                         break;
                     }
-                    let now = Arc::clone(&resources_rx.borrow_and_update());
-                    if device_plugin {
-                        plugins.update(&mut set, &now, controller.allocator());
-                    }
+                    resources_rx.borrow_and_update();
+                    let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
+                    plugins.update(&mut set, &now, controller.allocator());
                     write_cdi(&mut cdi, &controller);
                 }
                 _ = hup.recv() => {
