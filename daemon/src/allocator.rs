@@ -16,6 +16,7 @@ use tonic::Status;
 
 use crate::carve::{self, GpuRoom};
 use crate::config::{Config, Placement};
+use crate::dra::prepare::{ClaimAllocations, ClaimOwner};
 use crate::kubelet::{Allocator, ContainerAllocation, HostDevice, HostMount};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
 use crate::state::{
@@ -28,6 +29,10 @@ pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
 /// The resource name of shares carved on demand through the node API (no kubelet resource
 /// is ever named so: the kubelet's reuse and stale-record rules never see them).
 pub const ON_DEMAND_RESOURCE: &str = "node-api/gpu-share";
+
+/// The resource name of allocations made for DRA claims (NodePrepareResources); the record's
+/// owner is the claim UID.
+pub const DRA_RESOURCE: &str = "dra/gpu.tessera.io";
 
 /// What the node API's `Allocate` asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -327,6 +332,91 @@ impl DaemonAllocator {
         Ok(alloc)
     }
 
+    /// NodePrepareResources: the allocation claim `owner.claim.uid` owns, made from `devices`
+    /// (limits = the consumed capacity) when it owns none. Admitted as carved shares are, against
+    /// every other record on the same GPUs, under the store lock; recorded durably before the
+    /// kubelet is answered, so a prepare repeated after a crash finds it (nothing doubled).
+    pub fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, Status> {
+        let uid = owner.claim.uid.as_str();
+        if uid.is_empty() {
+            return Err(Status::invalid_argument("claim uid: required (the allocation's owner)"));
+        }
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(existing) = store.list().find(|a| claim_owned_by(a, uid)).cloned() {
+            // A repeated prepare (the kubelet retried, or either of us restarted): the same record.
+            if !self.dirs.limits_path(&existing.id).exists() {
+                self.dirs
+                    .create(&existing)
+                    .map_err(|e| internal("creating the allocation directory")(e.to_string()))?;
+            }
+            tracing::info!(id = %existing.id, claim = uid, "claim allocation reused");
+            return Ok(existing);
+        }
+        if devices.is_empty() {
+            return Err(Status::invalid_argument(format!("claim {uid}: no device of this node to prepare")));
+        }
+        let (pod_name, pod_uid) = match owner.pods.as_slice() {
+            [(name, uid)] => (Some(name.clone()), Some(uid.clone())),
+            _ => (None, None),
+        };
+        let alloc = Allocation {
+            id: Allocation::new_id(),
+            resource: DRA_RESOURCE.to_owned(),
+            container: ContainerIdentity {
+                pod_namespace: Some(owner.claim.namespace.clone()),
+                pod_name,
+                pod_uid,
+                ..ContainerIdentity::default()
+            },
+            source: Source::NodeApi,
+            created_unix_ns: unix_ns(),
+            devices,
+            claim: Some(Box::new(Claim { owner: Some(uid.to_owned()), lease: Lease::None })),
+        };
+        let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+        for gpu in rooms.iter().filter(|g| alloc.devices.iter().any(|d| d.physical_uuid.eq_ignore_ascii_case(&g.uuid)))
+        {
+            let others = carve::held(gpu, store.list(), None);
+            let mine = carve::held(gpu, [&alloc], None);
+            if others.memory.saturating_add(mine.memory) > gpu.memory_total
+                || others.strict_sm.saturating_add(mine.strict_sm) > 100
+            {
+                return Err(Status::resource_exhausted(format!(
+                    "claim {uid}: GPU {} ({}) has {} of {} and {}% strict SM left beside its other allocations; \
+                     the claim asks {} and {}%",
+                    gpu.index,
+                    gpu.uuid,
+                    carve::size(gpu.memory_total.saturating_sub(others.memory)),
+                    carve::size(gpu.memory_total),
+                    100u32.saturating_sub(others.strict_sm),
+                    carve::size(mine.memory),
+                    mine.strict_sm
+                )));
+            }
+        }
+        // Durable first: a crash after this finds the record (and recreates the directory).
+        store.insert(&alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+        if let Err(e) = self.dirs.create(&alloc) {
+            let _ = store.remove(&alloc.id);
+            return Err(internal("creating the allocation directory")(e.to_string()));
+        }
+        tracing::info!(id = %alloc.id, claim = uid, namespace = %owner.claim.namespace, name = %owner.claim.name, "claim allocated");
+        Ok(alloc)
+    }
+
+    /// NodeUnprepareResources: releases what claim `uid` owns (record, directory, region);
+    /// `Ok(false)` when it owns nothing (already released).
+    pub fn release_claim(&self, uid: &str) -> Result<bool, Status> {
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let ids: Vec<String> = store.list().filter(|a| claim_owned_by(a, uid)).map(|a| a.id.clone()).collect();
+        for id in &ids {
+            store.remove(id).map_err(|e| internal("removing the allocation")(e.to_string()))?;
+            self.dirs.remove(id).map_err(|e| internal("removing the allocation directory")(e.to_string()))?;
+            tracing::info!(%id, claim = uid, "claim released");
+        }
+        Ok(!ids.is_empty())
+    }
+
     /// The node API's `Release`: the record, the directory and its region go; `Ok(false)` when
     /// there was no record (already released). A directory left without a record goes too.
     pub fn release(&self, id: &str) -> Result<bool, Status> {
@@ -543,6 +633,22 @@ impl DaemonAllocator {
 /// Resource `name` in `all`, or NotFound naming it.
 fn resource_of<'a>(all: &'a Resources, name: &str) -> Result<&'a Resource, Status> {
     all.get(name).ok_or_else(|| Status::not_found(format!("unknown resource {name}")))
+}
+
+/// Whether `a` is the allocation DRA made for claim `uid`.
+fn claim_owned_by(a: &Allocation, uid: &str) -> bool {
+    a.resource == DRA_RESOURCE && a.claim.as_ref().and_then(|c| c.owner.as_deref()) == Some(uid)
+}
+
+/// The store as the DRA driver uses it.
+impl ClaimAllocations for DaemonAllocator {
+    fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String> {
+        DaemonAllocator::allocate_claim(self, owner, devices).map_err(|s| s.message().to_owned())
+    }
+
+    fn release_claim(&self, uid: &str) -> Result<bool, String> {
+        DaemonAllocator::release_claim(self, uid).map_err(|s| s.message().to_owned())
+    }
 }
 
 fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {
@@ -969,5 +1075,92 @@ mod tests {
         assert_eq!(a.set_limits("nope", change, &rooms()).unwrap_err().code(), tonic::Code::NotFound);
         // Lowering below what is in use is allowed (the shim refuses new allocations past it).
         a.set_limits(&x.id, LimitChange { memory: Some(1 << 20), ..Default::default() }, &rooms()).unwrap();
+    }
+
+    fn claim(uid: &str, pods: &[(&str, &str)]) -> ClaimOwner {
+        ClaimOwner {
+            claim: crate::dra::ClaimRef { namespace: "ml".into(), uid: uid.into(), name: format!("claim-{uid}") },
+            pods: pods.iter().map(|(n, u)| ((*n).to_owned(), (*u).to_owned())).collect(),
+        }
+    }
+
+    fn on(gpu: &str, memory: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
+        AllocatedDevice {
+            device_id: gpu.into(),
+            physical_uuid: gpu.into(),
+            memory_limit: memory,
+            sm_percent: sm,
+            priority: Priority::Normal,
+            compute_mode: ComputeMode::Strict,
+        }
+    }
+
+    #[test]
+    fn a_claim_owns_one_record_with_its_consumed_capacity() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        a.set_rooms(rooms());
+        let first = a.allocate_claim(&claim("uid-1", &[("p", "pod-1")]), vec![on("GPU-a", Some(1 << 30), Some(30))]);
+        let first = first.unwrap();
+        assert_eq!((first.resource.as_str(), first.source), (DRA_RESOURCE, Source::NodeApi));
+        assert_eq!(first.claim.as_ref().unwrap().owner.as_deref(), Some("uid-1"));
+        assert_eq!(first.container.pod_namespace.as_deref(), Some("ml"));
+        assert_eq!(
+            (first.container.pod_name.as_deref(), first.container.pod_uid.as_deref()),
+            (Some("p"), Some("pod-1"))
+        );
+        let limits = tessera_region::Limits::load(&a.dirs.limits_path(&first.id)).unwrap();
+        assert_eq!((limits.devices[0].memory_limit, limits.devices[0].sm_percent), (Some(1 << 30), Some(30)));
+        // Prepared again (other devices even: a hostile retry): the same record, nothing added.
+        let again = a.allocate_claim(&claim("uid-1", &[]), vec![on("GPU-a", Some(3 << 30), Some(70))]).unwrap();
+        assert_eq!(again, first);
+        assert_eq!(a.allocations().len(), 1);
+        // A directory lost (a reboot cleared the runtime dir) comes back on the next prepare.
+        a.dirs.remove(&first.id).unwrap();
+        a.allocate_claim(&claim("uid-1", &[]), Vec::new()).unwrap();
+        assert!(a.dirs.limits_path(&first.id).exists());
+        assert!(a.release_claim("uid-1").unwrap());
+        assert!(!a.dirs.dir(&first.id).exists());
+        assert!(!a.release_claim("uid-1").unwrap(), "a second unprepare succeeds, saying it was gone");
+        assert!(a.allocations().is_empty());
+    }
+
+    #[test]
+    fn claims_are_admitted_beside_every_other_record_and_survive_a_restart() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        a.set_rooms(rooms());
+        // A carved share holds 2 GiB and 50% of GPU-a (4 GiB).
+        a.allocate_share(&share(2, 50, "0"), &rooms()).unwrap();
+        let err = a.allocate_claim(&claim("big", &[]), vec![on("GPU-a", Some(3 << 30), Some(10))]).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains("GPU 0 (GPU-a) has 2 GiB of 4 GiB and 50% strict SM left"), "{}", err.message());
+        let err = a.allocate_claim(&claim("busy", &[]), vec![on("GPU-a", Some(1 << 30), Some(51))]).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        // A whole GPU asks all of it: refused where anything is held, granted where nothing is.
+        assert!(a.allocate_claim(&claim("whole-a", &[]), vec![on("GPU-a", None, None)]).is_err());
+        let whole = a.allocate_claim(&claim("whole-b", &[]), vec![on("GPU-b", None, None)]).unwrap();
+        // The kubelet's share of GPU-b no longer fits either: one store, one rule.
+        assert_eq!(a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap_err().code(), tonic::Code::ResourceExhausted);
+        let fits = a.allocate_claim(&claim("fits", &[]), vec![on("GPU-a", Some(2 << 30), Some(50))]).unwrap();
+        // Refused claims left nothing behind.
+        assert_eq!(a.allocations().len(), 3);
+        assert!(a.allocate_claim(&claim("", &[]), vec![on("GPU-a", None, None)]).is_err());
+        // A new process over the same state: the claims' records are found, not made again.
+        drop(a);
+        let b = allocator(tmp.path(), Placement::Packed);
+        b.set_rooms(rooms());
+        assert_eq!(b.allocate_claim(&claim("fits", &[]), Vec::new()).unwrap(), fits);
+        assert_eq!(b.allocate_claim(&claim("whole-b", &[]), Vec::new()).unwrap(), whole);
+        assert_eq!(b.allocations().len(), 3);
+        // Through the trait the DRA driver uses.
+        let dra: &dyn ClaimAllocations = &b;
+        assert!(dra.release_claim("fits").unwrap());
+        assert!(!dra.release_claim("fits").unwrap());
+        assert!(
+            dra.allocate_claim(&claim("x", &[]), vec![on("GPU-a", Some(3 << 30), Some(40))])
+                .unwrap_err()
+                .contains("left")
+        );
     }
 }

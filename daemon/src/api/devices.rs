@@ -180,8 +180,10 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
                 device_id: d.device_id.clone(),
                 uuid: d.physical_uuid.clone(),
                 kind: match kind {
-                    // Carved on demand: a share of the GPU named by its UUID.
-                    _ if a.source == Source::NodeApi => api::DeviceKind::Share,
+                    // Carved on demand (or a DRA claim's part of a GPU): a share of the GPU named
+                    // by its UUID. A DRA claim's whole GPU or MIG device has no limit and falls
+                    // through to the UUID's kind below.
+                    _ if a.source == Source::NodeApi && d.memory_limit.is_some() => api::DeviceKind::Share,
                     Some(Kind::Gpu) => api::DeviceKind::Gpu,
                     Some(Kind::Mig) => api::DeviceKind::Mig,
                     Some(Kind::Share) => api::DeviceKind::Share,
@@ -266,4 +268,37 @@ pub fn usage_response(
         })
         .collect();
     api::GetUsageResponse { time_unix_nano: report.time_unix_ns, window_nanos: window, containers }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::record::tests::dev;
+    use crate::state::{Claim, ContainerIdentity, Lease};
+
+    #[test]
+    fn dra_claims_show_a_share_a_whole_gpu_or_a_mig_device() {
+        let record = |devices| Allocation {
+            id: "a".into(),
+            resource: crate::allocator::DRA_RESOURCE.into(),
+            container: ContainerIdentity::default(),
+            source: Source::NodeApi,
+            created_unix_ns: 0,
+            devices,
+            claim: Some(Box::new(Claim { owner: Some("uid-1".into()), lease: Lease::None })),
+        };
+        let kinds = |a: &Allocation| -> Vec<i32> {
+            allocation(a, &Resources::default()).devices.iter().map(|d| d.kind).collect()
+        };
+        let a = record(vec![
+            dev("GPU-0", "GPU-0", Some(8 << 30), Some(30)),
+            dev("GPU-1", "GPU-1", None, None),
+            dev("MIG-2", "MIG-2", None, None),
+        ]);
+        assert_eq!(
+            kinds(&a),
+            [api::DeviceKind::Share as i32, api::DeviceKind::Gpu as i32, api::DeviceKind::Mig as i32]
+        );
+        assert_eq!(allocation(&a, &Resources::default()).owner, "uid-1");
+    }
 }

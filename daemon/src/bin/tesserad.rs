@@ -178,7 +178,7 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let mut resources_rx = controller.watch_resources();
         let mut plugins = Plugins::default();
-        let initial = Arc::clone(&resources_rx.borrow_and_update());
+        resources_rx.borrow_and_update();
         // CDI specs for the runtimes, now and whenever what is offered changes.
         let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir) {
             Ok(w) => w,
@@ -188,12 +188,26 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }
         };
         write_cdi(&mut cdi, &controller);
-        let set = match plugins.start(&cfg, &initial, controller.allocator()) {
+        // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin.
+        let mode = cfg.kubernetes.mode;
+        let served = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
+        let set = match plugins.start(&cfg, &served, controller.allocator()) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("tesserad: {e}");
                 return ExitCode::from(1);
             }
+        };
+        let dra_task = if cfg.kubernetes.mode.dra() {
+            match tessera_daemon::dra::node::start(Arc::clone(&controller), &cfg, shutdown_rx.clone()).await {
+                Ok(task) => Some(task),
+                Err(e) => {
+                    eprintln!("tesserad: DRA driver: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        } else {
+            None
         };
         let api_socket = cfg.node_api_socket();
         let api_listener = match api::bind(&api_socket) {
@@ -298,7 +312,8 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                     if changed.is_err() {
                         break;
                     }
-                    let now = Arc::clone(&resources_rx.borrow_and_update());
+                    resources_rx.borrow_and_update();
+                    let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
                     plugins.update(&mut set, &now, controller.allocator());
                     write_cdi(&mut cdi, &controller);
                 }
@@ -342,6 +357,11 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             && tokio::time::timeout(STOP_GRACE, task).await.is_err()
         {
             tracing::warn!("the pod-resources task did not stop in time");
+        }
+        if let Some(task) = dra_task
+            && tokio::time::timeout(STOP_GRACE, task).await.is_err()
+        {
+            tracing::warn!("the DRA driver did not stop in time");
         }
         finish("node API", api_task).await;
         drop(plugins);

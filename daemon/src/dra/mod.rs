@@ -10,10 +10,12 @@
 //! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
 //! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
 //!   claim UID owns the allocation, the consumed capacity is its limits.
+//! - [`node`]: all of it started in tesserad, following the controller's publishes.
 
 pub mod claims;
 pub mod devices;
 pub mod kubelet;
+pub mod node;
 pub mod prepare;
 pub mod slices;
 

@@ -1,0 +1,170 @@
+//! The DRA driver in tesserad (`kubernetes.mode` = `dra` or `both`): the node's ResourceSlice
+//! publisher and the kubelet plugin, over the controller's picture and the daemon's allocator.
+//!
+//! The published devices follow the controller: every publish of what is offered (a layout
+//! change, a health change) recomputes them from its view, so an unhealthy GPU leaves the slice
+//! and comes back on recovery. In mode `both`, GPUs with a `[partitions]` entry stay with the
+//! device plugin and are not published.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use tessera_region::{ComputeMode, Priority};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::DraPlugin;
+use super::claims::KubeClaims;
+use super::devices::{DraDevice, from_inventory};
+use super::prepare::{ClaimAllocations, DraDriver};
+use super::slices::Publisher;
+use crate::config::Config;
+use crate::config::kubernetes::{Mode, is_node_name};
+use crate::node::{NodeController, View};
+use crate::resources::Resources;
+
+/// This node's name: the `kubernetes.node_name` key, else `NODE_NAME`.
+pub fn node_name(cfg: &Config) -> Result<String, String> {
+    if let Some(name) = &cfg.kubernetes.node_name {
+        return Ok(name.clone());
+    }
+    match std::env::var("NODE_NAME") {
+        Ok(name) if is_node_name(&name) => Ok(name),
+        Ok(name) => Err(format!(
+            "NODE_NAME {name:?} is not a node name (lowercase letters, digits, '-' and '.'); \
+             set it to the Node's name or set kubernetes.node_name"
+        )),
+        Err(_) => Err("kubernetes.mode needs this node's name: set NODE_NAME (the downward API's spec.nodeName) \
+             or kubernetes.node_name"
+            .into()),
+    }
+}
+
+/// The devices to publish from `view`.
+pub fn published(view: &View, mode: Mode) -> Vec<DraDevice> {
+    from_inventory(
+        &view.inventory,
+        |g| mode != Mode::Both || !view.status.contains_key(&g.index),
+        &view.unhealthy_gpus,
+        &view.unhealthy_devices,
+    )
+}
+
+/// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
+/// `both` only the devices on the GPUs a `[partitions]` entry manages (`managed`, by index), so
+/// that no GPU is offered twice; a resource left without devices is dropped.
+pub fn device_plugin_resources(mode: Mode, all: &Resources, managed: &BTreeSet<u32>) -> Resources {
+    match mode {
+        Mode::DevicePlugin => all.clone(),
+        Mode::Dra => Resources::default(),
+        Mode::Both => {
+            let mut out = all.clone();
+            for r in out.resources.values_mut() {
+                r.devices.retain(|d| managed.contains(&d.gpu_index));
+            }
+            out.resources.retain(|_, r| !r.devices.is_empty());
+            out
+        }
+    }
+}
+
+/// [`device_plugin_resources`] of what `view` offers.
+pub fn device_plugin_view(mode: Mode, view: &View) -> Arc<Resources> {
+    if mode == Mode::DevicePlugin {
+        return Arc::clone(&view.resources);
+    }
+    let managed: BTreeSet<u32> = view.status.keys().copied().collect();
+    Arc::new(device_plugin_resources(mode, &view.resources, &managed))
+}
+
+/// Starts the publisher and the kubelet plugin; they run until `shutdown` turns true. `Err`
+/// says what is missing (no node name, no API server).
+pub async fn start(
+    controller: Arc<NodeController>,
+    cfg: &Config,
+    shutdown: watch::Receiver<bool>,
+) -> Result<JoinHandle<()>, String> {
+    let node = node_name(cfg)?;
+    let client = super::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
+    let mode = cfg.kubernetes.mode;
+    let (devices_tx, devices_rx) = watch::channel(published(&controller.view(), mode));
+    let follow = {
+        let controller = Arc::clone(&controller);
+        let mut shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let mut offered = controller.watch_resources();
+            loop {
+                tokio::select! {
+                    changed = offered.changed() => if changed.is_err() { return },
+                    changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
+                }
+                let now = published(&controller.view(), mode);
+                devices_tx.send_if_modified(|d| {
+                    let changed = *d != now;
+                    *d = now;
+                    changed
+                });
+            }
+        })
+    };
+    let publisher = Publisher::new(client.clone(), node.clone());
+    let publishing = tokio::spawn(publisher.run(devices_rx.clone(), shutdown.clone(), watch::channel(0).0));
+    let driver = DraDriver {
+        claims: Arc::new(KubeClaims::new(client)),
+        allocations: Arc::clone(controller.allocator()) as Arc<dyn ClaimAllocations>,
+        devices: devices_rx,
+        pool: node.clone(),
+        default_priority: Priority::from_name(&cfg.limits.priority).unwrap_or_default(),
+        default_compute_mode: ComputeMode::from_name(&cfg.limits.compute_mode).unwrap_or_default(),
+    };
+    let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver));
+    let registry = cfg.kubernetes.plugins_registry_dir.clone();
+    std::fs::create_dir_all(&registry)
+        .map_err(|e| format!("kubernetes.plugins_registry_dir {}: {e}", registry.display()))?;
+    tracing::info!(%node, ?mode, "DRA driver starting");
+    Ok(tokio::spawn(async move {
+        if let Err(e) = plugin.serve(registry, shutdown).await {
+            tracing::error!(error = %e, "the DRA kubelet plugin stopped");
+        }
+        let _ = publishing.await;
+        follow.abort();
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{Kind, Resource, ResourceDevice};
+
+    fn device(id: &str, gpu: u32) -> ResourceDevice {
+        ResourceDevice {
+            id: id.into(),
+            physical_uuid: format!("GPU-{gpu}"),
+            gpu_index: gpu,
+            numa_node: None,
+            healthy: true,
+            memory_limit: None,
+            sm_percent: None,
+            nodes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn in_both_modes_the_device_plugin_keeps_only_the_partitioned_gpus() {
+        let mut all = Resources::default();
+        for (name, kind, devices) in [
+            ("tessera.io/gpu", Kind::Gpu, vec![device("GPU-0", 0), device("GPU-1", 1)]),
+            ("tessera.io/gpu-share", Kind::Share, vec![device("GPU-1::0", 1), device("GPU-1::1", 1)]),
+        ] {
+            all.resources.insert(name.into(), Resource { name: name.into(), kind, devices });
+        }
+        let managed = BTreeSet::from([1]);
+        assert_eq!(device_plugin_resources(Mode::DevicePlugin, &all, &managed), all);
+        assert!(device_plugin_resources(Mode::Dra, &all, &managed).resources.is_empty());
+        let both = device_plugin_resources(Mode::Both, &all, &managed);
+        let ids: Vec<&str> = both.resources.values().flat_map(|r| &r.devices).map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["GPU-1", "GPU-1::0", "GPU-1::1"], "GPU 0 is DRA's");
+        // No GPU partitioned: the device plugin serves nothing, not empty resources.
+        assert!(device_plugin_resources(Mode::Both, &all, &BTreeSet::new()).resources.is_empty());
+    }
+}

@@ -1,0 +1,258 @@
+//! The DRA driver end to end in the built `tesserad` (`kubernetes.mode = "dra"`) on the simulated
+//! node, against the test API server and the test kubelet: the node's ResourceSlice appears; a
+//! claim allocated 8Gi + 30% of GPU 0 is prepared into one allocation with exactly those limits
+//! (node API `ListAllocations`) and the GPU's CDI name; a claim that does not fit beside it is
+//! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
+//! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
+//! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
+//! them back. In mode `both` the partitioned GPU stays with the device plugin and the other is
+//! DRA's: no GPU is offered twice.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tessera_proto::dra::v1;
+use tessera_proto::tessera::v1 as api;
+use tessera_sim_testkit::SimNode;
+
+mod common;
+
+use common::apiserver::ApiServer;
+use common::dra_kubelet::{claim, register, v1_client};
+use common::{TestKubelet, WAIT, next_list, spawn};
+
+const NODE: &str = "numa_nodes = 1
+[[gpu]]
+model = \"H100-SXM5-80GB\"
+count = 1
+";
+
+/// `tesserad`'s configuration for mode `dra` against `apiserver`, kubelet directories under `dir`.
+fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) -> std::path::PathBuf {
+    mode_config(node, dir, apiserver, "dra", extra)
+}
+
+fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, extra: &str) -> std::path::PathBuf {
+    let kubeconfig = apiserver.kubeconfig(dir);
+    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
+    std::fs::create_dir_all(&registry).expect("registry dir");
+    let body = format!(
+        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
+         kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
+    );
+    common::write_config(node, dir, &body)
+}
+
+/// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
+async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, log: &Path) -> Vec<String> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let names: Option<Vec<String>> = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .expect("devices")
+                .iter()
+                .map(|d| d["name"].as_str().unwrap().into())
+                .collect()
+        });
+        match names {
+            Some(n) if done(&n) => return n,
+            n => assert!(
+                Instant::now() < deadline,
+                "slice devices {n:?}; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+fn claim_object(uid: &str, name: &str, memory: &str, sm: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "ml", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu-share.tessera.io"}}]}},
+        "status": {
+            "allocation": {"devices": {"results": [{"request": "gpu", "driver": "gpu.tessera.io",
+                "pool": "node-a", "device": "gpu-0-shared", "consumedCapacity": {"memory": memory, "sm": sm}}]}},
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{uid}-pod")}]
+        }
+    })
+}
+
+async fn prepare(endpoint: &Path, uid: &str, name: &str) -> v1::NodePrepareResourceResponse {
+    let mut kubelet = v1_client(endpoint).await;
+    let req = v1::NodePrepareResourcesRequest { claims: vec![claim("ml", uid, name)] };
+    let mut answer = kubelet.node_prepare_resources(req).await.expect("NodePrepareResources").into_inner();
+    answer.claims.remove(uid).expect("an answer for the claim")
+}
+
+async fn unprepare(endpoint: &Path, uid: &str, name: &str) -> String {
+    let mut kubelet = v1_client(endpoint).await;
+    let req = v1::NodeUnprepareResourcesRequest { claims: vec![claim("ml", uid, name)] };
+    let mut answer = kubelet.node_unprepare_resources(req).await.expect("NodeUnprepareResources").into_inner();
+    answer.claims.remove(uid).expect("an answer for the claim").error
+}
+
+async fn allocations(socket: &Path) -> Vec<api::Allocation> {
+    let mut node = common::node_api(socket).await;
+    node.list_allocations(api::ListAllocationsRequest::default())
+        .await
+        .expect("ListAllocations")
+        .into_inner()
+        .allocations
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill_9() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = dra_config(&node, dir, &apiserver, "");
+    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket = dir.join("run/tessera.sock");
+
+    let (mut daemon, _) = spawn(&node, &config, &notify, &log);
+    // The node's slice: GPU 0 whole and shareable, nothing else.
+    let deadline = Instant::now() + WAIT;
+    let slice = loop {
+        if let Some(s) = apiserver.slices().get("node-a-gpu.tessera.io") {
+            break s.clone();
+        }
+        assert!(Instant::now() < deadline, "no ResourceSlice published; log:\n{}", show_log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    assert_eq!(slice["spec"]["driver"], "gpu.tessera.io");
+    assert_eq!(slice["spec"]["nodeName"], "node-a");
+    let names: Vec<&str> =
+        slice["spec"]["devices"].as_array().expect("devices").iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gpu-0", "gpu-0-shared"]);
+    let mut node_api = common::node_api(&socket).await;
+    let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    let gpu0 = devices.devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32).expect("GPU 0").uuid.clone();
+
+    // The kubelet finds the driver and prepares the claim.
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    assert_eq!(reg.endpoint, plugins.join("gpu.tessera.io/dra.sock"));
+    apiserver.put_claim(claim_object("uid-1", "train", "8Gi", "30"));
+    let first = prepare(&reg.endpoint, "uid-1", "train").await;
+    assert_eq!(first.error, "", "log:\n{}", show_log());
+    assert_eq!(first.devices.len(), 1);
+    assert_eq!(first.devices[0].cdi_device_ids, [format!("tessera.io/gpu={gpu0}")]);
+    assert_eq!(
+        (first.devices[0].pool_name.as_str(), first.devices[0].device_name.as_str()),
+        ("node-a", "gpu-0-shared")
+    );
+    let held = allocations(&socket).await;
+    assert_eq!(held.len(), 1);
+    let alloc = &held[0];
+    assert_eq!(alloc.owner, "uid-1", "the claim UID owns the allocation");
+    assert_eq!((alloc.devices[0].uuid.as_str(), alloc.devices[0].memory_limit_bytes), (gpu0.as_str(), 8 << 30));
+    assert_eq!(alloc.devices[0].sm_percent, 30);
+    let pod = alloc.container.as_ref().expect("container");
+    assert_eq!((pod.pod_namespace.as_str(), pod.pod_name.as_str()), ("ml", "train-pod"));
+    assert!(dir.join("run/alloc").join(&alloc.id).join("limits").exists());
+
+    // A claim the scheduler should never have placed here (73Gi beside 8Gi of about 80Gi): refused,
+    // named, and nothing recorded.
+    apiserver.put_claim(claim_object("uid-2", "greedy", "73Gi", "10"));
+    let refused = prepare(&reg.endpoint, "uid-2", "greedy").await;
+    // 81559 MiB on the simulated H100, 8 GiB of it held.
+    assert!(refused.error.contains("has 73367 MiB of 81559 MiB and 70% strict SM left"), "{}", refused.error);
+    assert!(refused.error.contains("the claim asks 73 GiB and 10%"), "{}", refused.error);
+    assert!(refused.devices.is_empty());
+    assert_eq!(allocations(&socket).await.len(), 1);
+
+    // kill -9 between prepare and unprepare, restart on the same state: the same allocation.
+    daemon.0.kill().expect("kill -9");
+    daemon.0.wait().expect("reap");
+    let (daemon2, _) = spawn(&node, &config, &notify, &log);
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    let again = prepare(&reg.endpoint, "uid-1", "train").await;
+    assert_eq!(again, first, "log:\n{}", show_log());
+    let after = allocations(&socket).await;
+    assert_eq!(after.len(), 1, "nothing doubled: {after:?}");
+    assert_eq!(after[0].id, alloc.id);
+    assert_eq!(after[0].devices[0].memory_limit_bytes, 8 << 30);
+
+    // Unprepare releases it (record and directory); a repeat succeeds too.
+    assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
+    assert!(allocations(&socket).await.is_empty());
+    assert!(!dir.join("run/alloc").join(&alloc.id).exists());
+    assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
+    // The room is back: the greedy claim fits now.
+    assert_eq!(prepare(&reg.endpoint, "uid-2", "greedy").await.error, "");
+    drop(daemon2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_back() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 300");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_ecc(1, 0, 1).expect("inject a double-bit ECC error on GPU 1");
+    slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
+    // A claim the scheduler placed on it before the fault is refused, saying why.
+    let mut stale = claim_object("uid-9", "late", "1Gi", "10");
+    stale["status"]["allocation"]["devices"]["results"][0]["device"] = json!("gpu-1-shared");
+    apiserver.put_claim(stale);
+    let refused = prepare(&reg.endpoint, "uid-9", "late").await;
+    assert!(refused.error.contains("gpu-1-shared is unhealthy"), "{}", refused.error);
+    assert!(allocations(&dir.join("run/tessera.sock")).await.is_empty());
+
+    sim.reset(1).expect("reset GPU 1");
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    assert_eq!(prepare(&reg.endpoint, "uid-9", "late").await.error, "");
+    drop(daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_mode_both_the_partitioned_gpu_is_the_device_plugins_and_the_other_is_dras() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = mode_config(&node, dir, &apiserver, "both", "[partitions.\"0\"]\nshares = { count = 2 }");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    slice_devices(&apiserver, |n| n == ["gpu-1", "gpu-1-shared"], &log).await;
+    let (share, _) = kubelet.next_registration().await;
+    assert_eq!(share.resource_name, "tessera.io/gpu-share");
+    let mut plugin = kubelet.connect(&share).await;
+    let mut law = plugin.list_and_watch(tessera_proto::deviceplugin::v1beta1::Empty {}).await.expect("ListAndWatch");
+    let list = next_list(law.get_mut()).await;
+    let mut node_api = common::node_api(&dir.join("run/tessera.sock")).await;
+    let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    let gpu0 = devices.devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32 && d.index == 0).expect("GPU 0");
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, [format!("{}::0", gpu0.uuid), format!("{}::1", gpu0.uuid)]);
+    // Every plugin binds its socket at start: only the share resource is served (GPU 1 whole,
+    // `tessera.io/gpu`, is DRA's).
+    let sockets: Vec<String> = std::fs::read_dir(dir.join("plugins"))
+        .expect("plugin dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".sock") && n != "kubelet.sock")
+        .collect();
+    assert_eq!(sockets.len(), 1, "{sockets:?}");
+    // A claim naming the device plugin's GPU is refused: this node does not publish it for DRA.
+    let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(claim_object("uid-3", "wrong", "1Gi", "10"));
+    let refused = prepare(&reg.endpoint, "uid-3", "wrong").await;
+    assert!(refused.error.contains("gpu-0-shared is not published by this node"), "{}", refused.error);
+    drop(daemon);
+}
