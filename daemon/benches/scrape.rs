@@ -84,9 +84,7 @@ fn main() {
             memory_total: 80 << 30,
             utilization_percent: Some(50),
             healthy: true,
-            mig_profile: None,
-            parent_uuid: None,
-            sensors: Default::default(),
+            ..Default::default()
         })
         .collect();
     let mut allocations = Vec::new();

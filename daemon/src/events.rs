@@ -6,7 +6,7 @@
 //! A subscriber that falls behind by more than the channel holds sees a gap in the sequence
 //! numbers (the proto's contract), never a blocked publisher.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -33,6 +33,8 @@ struct Inner {
     /// Published since this bus was made (the daemon started): all, and faults.
     published: u64,
     faults: u64,
+    /// The last XID seen per GPU (by UUID) since this bus was made, for `DCGM_FI_DEV_XID_ERRORS`.
+    last_xid: BTreeMap<String, u32>,
 }
 
 impl EventBus {
@@ -44,7 +46,15 @@ impl EventBus {
         let next_sequence = kept.back().map_or(1, |e: &Event| e.sequence + 1);
         let (tx, _) = broadcast::channel(CHANNEL_CAPACITY);
         EventBus {
-            inner: Mutex::new(Inner { next_sequence, kept, capacity: capacity.max(1), file, published: 0, faults: 0 }),
+            inner: Mutex::new(Inner {
+                next_sequence,
+                kept,
+                capacity: capacity.max(1),
+                file,
+                published: 0,
+                faults: 0,
+                last_xid: BTreeMap::new(),
+            }),
             tx,
         }
     }
@@ -94,6 +104,18 @@ impl EventBus {
     /// How many events have been published over the bus's whole history (restarts included).
     pub fn published(&self) -> u64 {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).next_sequence - 1
+    }
+
+    /// Notes an XID the health monitor saw on the GPU `gpu_uuid` (whatever the policy made of it).
+    pub fn note_xid(&self, gpu_uuid: &str, xid: u32) {
+        let mut inner = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        inner.last_xid.insert(gpu_uuid.to_string(), xid);
+    }
+
+    /// The last XID noted on each GPU (by UUID) since the daemon started; a reset keeps it, as
+    /// dcgm keeps `DCGM_FI_DEV_XID_ERRORS`.
+    pub fn last_xids(&self) -> BTreeMap<String, u32> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner).last_xid.clone()
     }
 
     /// Events and fault events published since this bus was made (the daemon started).
@@ -179,5 +201,16 @@ mod tests {
         let bus = EventBus::new(3, Some(file.clone()));
         assert_eq!(bus.publish(event("f")), 1);
         assert!(file.with_extension("corrupt").exists());
+    }
+
+    #[test]
+    fn last_xid_per_gpu_is_the_latest_noted() {
+        let bus = EventBus::new(3, None);
+        assert!(bus.last_xids().is_empty());
+        bus.note_xid("GPU-a", 79);
+        bus.note_xid("GPU-b", 13);
+        bus.note_xid("GPU-a", 43);
+        let last = bus.last_xids();
+        assert_eq!((last["GPU-a"], last["GPU-b"], last.len()), (43, 13, 2));
     }
 }

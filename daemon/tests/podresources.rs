@@ -108,6 +108,8 @@ struct Setup {
     dir: PathBuf,
     config: PathBuf,
     log: PathBuf,
+    /// Where `/metrics` answers.
+    metrics: std::net::SocketAddr,
     _notify: UnixDatagram,
 }
 
@@ -118,9 +120,11 @@ impl Setup {
         let dir = tmp.path().to_owned();
         std::fs::create_dir(dir.join("plugins")).expect("plugin dir");
         let config = dir.join("config.toml");
+        let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
         let text = format!(
             "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n\
-             pod_resources_socket = {:?}\n[partitions.\"0\"]\nshares = {{ count = 2 }}\n",
+             pod_resources_socket = {:?}\n[telemetry]\nmetrics_listen = \"{metrics}\"\n\
+             [partitions.\"0\"]\nshares = {{ count = 2 }}\n",
             node.nvml_path(),
             dir.join("plugins"),
             dir.join("state"),
@@ -130,7 +134,7 @@ impl Setup {
         std::fs::write(&config, text).expect("config");
         let notify = UnixDatagram::bind(dir.join("notify.sock")).expect("notify socket");
         let log = dir.join("tesserad.log");
-        Setup { node, _tmp: tmp, dir, config, log, _notify: notify }
+        Setup { node, _tmp: tmp, dir, config, log, metrics, _notify: notify }
     }
 
     /// `tesserad` as `common::spawn` starts it, with a short grace period and debug logs of the
@@ -151,6 +155,15 @@ impl Setup {
             .spawn()
             .expect("spawn tesserad");
         Daemon(child)
+    }
+
+    /// The `DCGM_FI_DEV_FB_USED` line of the GPU `uuid` in `/metrics`.
+    fn fb_used_line(&self, uuid: &str) -> String {
+        let (code, body) = common::prometheus::get(self.metrics, "/metrics").expect("/metrics answers");
+        assert_eq!(code, 200, "{body}");
+        let line =
+            body.lines().find(|l| l.starts_with("DCGM_FI_DEV_FB_USED{") && l.contains(&format!("UUID=\"{uuid}\"")));
+        line.unwrap_or_else(|| panic!("no DCGM_FI_DEV_FB_USED for {uuid}:\n{body}")).to_string()
     }
 
     fn show_log(&self) -> String {
@@ -215,6 +228,13 @@ async fn pod_resources_name_and_release_allocations() {
     let mut api = s.client().await;
     let share = share_id(&mut api).await;
     let id = allocate(&kubelet, &reg, &share).await;
+    let gpu = {
+        let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("list").into_inner().devices;
+        devices.iter().find(|d| d.id == share).expect("share").uuid.clone()
+    };
+    // Held by one container whose pod is not known yet: the GPU's series name no pod.
+    let line = s.fb_used_line(&gpu);
+    assert!(!line.contains("pod=") && !line.contains("namespace="), "{line}");
 
     // The kubelet creates the container and lists its device: the allocation gets its name.
     fake.pods.lock().unwrap().push(pod("team-a", "trainer", "main", &share));
@@ -230,6 +250,11 @@ async fn pod_resources_name_and_release_allocations() {
     };
     assert_eq!((named.pod_namespace.as_str(), named.pod_name.as_str()), ("team-a", "trainer"));
     assert_eq!(named.container_name, "main");
+    // The GPU only this container holds carries its pod, as dcgm-exporter's kubelet mapping does.
+    let line = s.fb_used_line(&gpu);
+    for label in ["container=\"main\"", "namespace=\"team-a\"", "pod=\"trainer\""] {
+        assert!(line.contains(label), "{label} in {line}");
+    }
     // The holder of the share says so too.
     let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("list").into_inner().devices;
     let holder = &devices.iter().find(|d| d.id == share).expect("share").holders[0];

@@ -41,9 +41,7 @@ impl MetricsSource for Source1 {
                 memory_total: 81559 * MIB,
                 utilization_percent: Some(42),
                 healthy: true,
-                mig_profile: None,
-                parent_uuid: None,
-                sensors: Default::default(),
+                ..Default::default()
             }],
             usage,
             allocations: self.allocations.len(),

@@ -151,6 +151,17 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     prometheus.wait_for("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", 3.0);
     prometheus.wait_for("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", 0.0);
     prometheus.wait_for("tessera_gpu_healthy", 1.0);
+    // The last XID the health monitor saw, as dcgm-exporter shows it: 0 before any, then the
+    // latest one (not the largest); application XIDs leave the GPU in service.
+    prometheus.wait_for("DCGM_FI_DEV_XID_ERRORS", 0.0);
+    for xid in ["43", "31"] {
+        let inject = node.command(binary("tessera-sim")).args(["inject", "xid", "--gpu", "0", "--xid", xid]).output();
+        let inject = inject.expect("tessera-sim inject xid");
+        assert!(inject.status.success(), "{}", String::from_utf8_lossy(&inject.stderr));
+        let labels = prometheus.wait_for("DCGM_FI_DEV_XID_ERRORS", xid.parse().expect("a number"));
+        assert_eq!(labels.get("gpu").and_then(|v| v.as_str()), Some("0"), "{labels:?}");
+    }
+    prometheus.wait_for("tessera_gpu_healthy", 1.0);
 
     // Killed: its memory is back, and usage says so.
     holder.kill().expect("kill");

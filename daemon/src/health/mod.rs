@@ -332,10 +332,12 @@ impl Monitor {
     }
 
     fn on_xid(&mut self, gpu: u32, xid_no: u32, mig: Option<(u32, u32)>) {
-        if !self.gpus.contains_key(&gpu) {
+        let Some(watch) = self.gpus.get(&gpu) else {
             tracing::warn!(gpu, xid = xid_no, "XID on a GPU not in the inventory");
             return;
-        }
+        };
+        // Every XID, ignored ones included: DCGM_FI_DEV_XID_ERRORS shows the last one seen.
+        self.controller.events().note_xid(&watch.uuid, xid_no);
         let (action, what) = xid::classify(xid_no, &self.config);
         let mig_uuid = mig.and_then(|(gi, ci)| self.mig_uuid(gpu, gi, ci));
         if let (Some((gi, ci)), None) = (mig, &mig_uuid) {

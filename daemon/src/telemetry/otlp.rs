@@ -269,6 +269,19 @@ fn gpu_attributes(g: &super::GpuMetrics) -> Vec<KeyValue> {
     if let Some(p) = &g.mig_profile {
         a.push(KeyValue::new("gpu.mig.profile", p.clone()));
     }
+    if let Some(id) = g.gpu_instance_id {
+        a.push(KeyValue::new("gpu.mig.instance.id", i64::from(id)));
+    }
+    // The one container holding the device (dcgm-exporter's kubelet mapping).
+    if let Some(h) = &g.holder {
+        for (k, v) in
+            [("k8s.namespace.name", &h.namespace), ("k8s.pod.name", &h.pod), ("k8s.container.name", &h.container)]
+        {
+            if !v.is_empty() {
+                a.push(KeyValue::new(k, v.clone()));
+            }
+        }
+    }
     a
 }
 
@@ -328,7 +341,7 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
 
     // Per GPU.
     type GpuValue = fn(&super::GpuMetrics) -> Option<u64>;
-    let gpu: [(&'static str, &'static str, &'static str, GpuValue); 10] = [
+    let gpu: [(&'static str, &'static str, &'static str, GpuValue); 11] = [
         ("tessera.gpu.memory.used", "Device memory in use.", "By", |g| Some(g.memory_used)),
         ("tessera.gpu.memory.total", "Device memory in all.", "By", |g| Some(g.memory_total)),
         ("tessera.gpu.utilization", "Time a kernel ran over the last sample period.", "%", |g| {
@@ -345,6 +358,7 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
         ("tessera.gpu.ecc.uncorrected", "Uncorrected ECC errors since the last reset.", "{error}", |g| {
             g.sensors.ecc_uncorrected_volatile
         }),
+        ("tessera.gpu.xid.last", "The last XID seen on the GPU (0: none).", "1", |g| g.last_xid.map(u64::from)),
     ];
     for (name, description, unit, get) in gpu {
         let s = Arc::clone(&sample);
@@ -784,6 +798,7 @@ mod tests {
                 memory_total: 80 << 30,
                 utilization_percent: None,
                 healthy: false,
+                last_xid: Some(48),
                 ..Default::default()
             }],
             usage: UsageReport {
@@ -825,6 +840,7 @@ mod tests {
             ("tessera.gpu.memory.used", "By", (5u64 << 30) as f64),
             ("tessera.gpu.memory.total", "By", (80u64 << 30) as f64),
             ("tessera.gpu.healthy", "1", 0.0),
+            ("tessera.gpu.xid.last", "1", 48.0),
             ("tessera.container.memory.used", "By", (3u64 << 30) as f64),
             ("tessera.container.memory.peak", "By", (4u64 << 30) as f64),
             ("tessera.container.memory.limit", "By", (8u64 << 30) as f64),
@@ -864,6 +880,46 @@ mod tests {
         let breach = &e["tessera.container.limit.breaches"].1[0].0;
         assert_eq!(breach.get("tessera.enforcement.action").map(String::as_str), Some("report"), "{breach:?}");
         assert_eq!(breach.get("k8s.pod.name").map(String::as_str), Some("pod"), "{breach:?}");
+    }
+
+    #[test]
+    fn mig_instance_and_sole_holder_attributes() {
+        let gpu =
+            |uuid: &str| super::super::GpuMetrics { uuid: uuid.into(), model: "A100".into(), ..Default::default() };
+        let base = NodeMetrics {
+            gpus: vec![
+                super::super::GpuMetrics { last_xid: Some(0), ..gpu("GPU-a") },
+                super::super::GpuMetrics {
+                    mig_profile: Some("3g.40gb".into()),
+                    gpu_instance_id: Some(2),
+                    holder: Some(super::super::prometheus::PodLabels {
+                        namespace: "ns".into(),
+                        pod: "pod".into(),
+                        container: "c".into(),
+                    }),
+                    ..gpu("MIG-b")
+                },
+            ],
+            ..Default::default()
+        };
+        let (_, exports) = collect_twice(base);
+        let points = &exports[1]["tessera.gpu.memory.total"].1;
+        let of = |uuid: &str| &points.iter().find(|p| p.0["gpu.uuid"] == uuid).expect(uuid).0;
+        let mig = of("MIG-b");
+        for (k, v) in [
+            ("gpu.mig.profile", "3g.40gb"),
+            ("gpu.mig.instance.id", "2"),
+            ("k8s.namespace.name", "ns"),
+            ("k8s.pod.name", "pod"),
+            ("k8s.container.name", "c"),
+        ] {
+            assert_eq!(mig.get(k).map(String::as_str), Some(v), "{k}: {mig:?}");
+        }
+        let whole = of("GPU-a");
+        assert!(!whole.contains_key("gpu.mig.instance.id") && !whole.contains_key("k8s.pod.name"), "{whole:?}");
+        // The last XID: the whole GPU only, 0 when none.
+        let xid = &exports[1]["tessera.gpu.xid.last"].1;
+        assert_eq!((xid.len(), xid[0].0["gpu.uuid"].as_str(), xid[0].1), (1, "GPU-a", 0.0));
     }
 
     #[test]

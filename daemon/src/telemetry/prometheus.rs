@@ -2,14 +2,20 @@
 //!
 //! Per GPU, the names dcgm-exporter users already query, with dcgm-exporter's labels (`gpu`,
 //! `UUID`, `device="nvidia<index>"`, `modelName`, `Hostname`, `pci_bus_id`, and `GPU_I_PROFILE`
-//! for MIG devices, whose `UUID` is the MIG device's own so that it joins with the containers'):
+//! and `GPU_I_ID` for MIG devices, whose `UUID` is the MIG device's own so that it joins with the
+//! containers'):
 //!
 //! - `DCGM_FI_DEV_FB_USED`, `DCGM_FI_DEV_FB_FREE` (gauges, MiB, as dcgm), `DCGM_FI_DEV_GPU_UTIL`
 //!   (gauge, %, when known);
 //! - when NVML tells them: `DCGM_FI_DEV_GPU_TEMP` (°C), `DCGM_FI_DEV_POWER_USAGE` (W),
 //!   `DCGM_FI_DEV_SM_CLOCK` and `DCGM_FI_DEV_MEM_CLOCK` (MHz), and the volatile ECC counters
 //!   `DCGM_FI_DEV_ECC_SBE_VOL_TOTAL` and `DCGM_FI_DEV_ECC_DBE_VOL_TOTAL` (counters, as dcgm; a
-//!   GPU reset clears them, which Prometheus's `rate` reads as a counter reset).
+//!   GPU reset clears them, which Prometheus's `rate` reads as a counter reset);
+//! - `DCGM_FI_DEV_XID_ERRORS` (gauge, whole GPUs): the last XID seen, 0 when none; a reset
+//!   keeps it, as dcgm does.
+//!
+//! MIG devices also have `GPU_I_ID` (the GPU instance id); a device exactly one container holds
+//! also has that container's `container`, `namespace` and `pod` (dcgm-exporter's kubelet mapping).
 //!
 //! Tessera's own, with conventional names and units:
 //!
@@ -53,8 +59,23 @@ pub struct GpuMetrics {
     pub mig_profile: Option<String>,
     /// The GPU a MIG device is part of.
     pub parent_uuid: Option<String>,
+    /// The GPU instance id of a MIG device; `None` for a whole GPU.
+    pub gpu_instance_id: Option<u32>,
     /// What NVML's sensors and counters say (whole GPUs only).
     pub sensors: GpuSensors,
+    /// The last XID the health monitor saw on the GPU since the daemon started, 0 when none
+    /// (kept across GPU resets, as dcgm does); `None` for a MIG device (XIDs are per GPU).
+    pub last_xid: Option<u32>,
+    /// The one container holding the device, when exactly one does and its pod is known.
+    pub holder: Option<PodLabels>,
+}
+
+/// dcgm-exporter's pod attribution labels of a device held by one container.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodLabels {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
 }
 
 /// A GPU's sensors and error counters, each `None` where NVML does not tell it.
@@ -188,6 +209,14 @@ pub fn render(m: &NodeMetrics) -> String {
             if let Some(p) = &g.mig_profile {
                 l.push(("GPU_I_PROFILE", p.clone()));
             }
+            if let Some(id) = g.gpu_instance_id {
+                l.push(("GPU_I_ID", id.to_string()));
+            }
+            if let Some(h) = &g.holder {
+                l.push(("container", h.container.clone()));
+                l.push(("namespace", h.namespace.clone()));
+                l.push(("pod", h.pod.clone()));
+            }
             l
         })
         .collect();
@@ -236,6 +265,9 @@ pub fn render(m: &NodeMetrics) -> String {
         "Total number of double-bit volatile ECC errors.",
         &|g| g.sensors.ecc_uncorrected_volatile.map(Value::U),
     );
+    per_gpu(&mut out, "DCGM_FI_DEV_XID_ERRORS", Kind::Gauge, "Value of the last XID error encountered.", &|g| {
+        g.last_xid.map(|x| Value::U(u64::from(x)))
+    });
     per_gpu(&mut out, "tessera_gpu_healthy", Kind::Gauge, "Whether the device is healthy (1) or not (0).", &|g| {
         Some(Value::U(u64::from(g.healthy)))
     });
@@ -511,6 +543,9 @@ mod tests {
                     healthy: true,
                     mig_profile: None,
                     parent_uuid: None,
+                    gpu_instance_id: None,
+                    last_xid: Some(0),
+                    holder: None,
                     sensors: GpuSensors {
                         temperature_c: Some(41),
                         power_mw: Some(123_456),
@@ -531,6 +566,9 @@ mod tests {
                     healthy: false,
                     mig_profile: Some("1g.10gb".into()),
                     parent_uuid: Some("GPU-1".into()),
+                    gpu_instance_id: Some(13),
+                    last_xid: None,
+                    holder: None,
                     sensors: GpuSensors::default(),
                 },
             ],
@@ -657,6 +695,51 @@ mod tests {
         assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
         assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
         assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
+    }
+
+    #[test]
+    fn last_xid_is_a_gauge_on_whole_gpus_only() {
+        let mut m = metrics();
+        let text = render(&m);
+        assert!(text.contains("# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"));
+        assert!(text.contains("# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.\n"));
+        let samples = parse(&text);
+        assert_eq!(find(&samples, "DCGM_FI_DEV_XID_ERRORS", ("UUID", "GPU-0"))[0].2, 0.0, "none seen: 0");
+        assert!(find(&samples, "DCGM_FI_DEV_XID_ERRORS", ("UUID", "MIG-1")).is_empty(), "per GPU, not per MIG");
+        m.gpus[0].last_xid = Some(79);
+        let samples = parse(&render(&m));
+        let x = find(&samples, "DCGM_FI_DEV_XID_ERRORS", ("UUID", "GPU-0"));
+        assert_eq!((x.len(), x[0].2), (1, 79.0));
+        assert_eq!((x[0].1["gpu"].as_str(), x[0].1["Hostname"].as_str()), ("0", "node-1"));
+    }
+
+    #[test]
+    fn mig_series_carry_the_gpu_instance_id() {
+        let samples = parse(&render(&metrics()));
+        for name in ["DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "tessera_gpu_healthy"] {
+            let mig = find(&samples, name, ("UUID", "MIG-1"));
+            assert_eq!((mig[0].1["GPU_I_ID"].as_str(), mig[0].1["GPU_I_PROFILE"].as_str()), ("13", "1g.10gb"));
+            let whole = find(&samples, name, ("UUID", "GPU-0"));
+            assert!(!whole[0].1.contains_key("GPU_I_ID"), "{name}: a whole GPU has no instance id");
+        }
+    }
+
+    #[test]
+    fn a_device_one_container_holds_carries_its_pod() {
+        let mut m = metrics();
+        m.gpus[1].holder =
+            Some(PodLabels { namespace: "team-b".into(), pod: "infer-\"0\"".into(), container: "server".into() });
+        let samples = parse(&render(&m));
+        for name in ["DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "tessera_gpu_healthy"] {
+            let l = &find(&samples, name, ("UUID", "MIG-1"))[0].1;
+            assert_eq!(
+                (l["namespace"].as_str(), l["pod"].as_str(), l["container"].as_str()),
+                ("team-b", "infer-\"0\"", "server"),
+                "{name}"
+            );
+            let whole = &find(&samples, name, ("UUID", "GPU-0"))[0].1;
+            assert!(!whole.contains_key("pod") && !whole.contains_key("namespace"), "{name}: no holder, no labels");
+        }
     }
 
     #[test]

@@ -2,13 +2,16 @@
 //! utilization from NVML, health from the controller, per-container usage sampled from the
 //! accounting regions (a sampler of its own, so rates cover the time between scrapes).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use nvml_wrapper::Device;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 
+use super::prometheus::PodLabels;
 use super::{GpuMetrics, GpuSensors, MetricsSource, NodeMetrics};
 use crate::node::NodeController;
+use crate::state::Allocation;
 use crate::usage::UsageSampler;
 
 /// Metrics of the node the controller runs.
@@ -38,31 +41,52 @@ impl MetricsSource for NodeSource {
     fn metrics(&self) -> NodeMetrics {
         let view = self.controller.view();
         let nvml = self.controller.session().nvml();
-        let gpus = view
-            .inventory
-            .gpus
-            .iter()
-            .map(|g| {
-                // Live figures; a GPU NVML cannot read (lost) keeps its totals and shows 0 used.
-                let device = nvml.device_by_index(g.index).ok();
-                let memory = device.as_ref().and_then(|d| d.memory_info().ok());
-                let utilization = device.as_ref().and_then(|d| d.utilization_rates().ok()).map(|u| u.gpu);
-                GpuMetrics {
-                    index: g.index,
-                    uuid: g.uuid.clone(),
-                    model: g.name.clone(),
-                    pci_bus_id: g.pci_bus_id.clone(),
-                    memory_used: memory.as_ref().map_or(0, |m| m.used),
-                    memory_total: memory.as_ref().map_or(g.memory_total, |m| m.total),
-                    utilization_percent: utilization,
-                    healthy: !view.unhealthy_gpus.contains_key(&g.index),
-                    mig_profile: None,
-                    parent_uuid: None,
-                    sensors: device.as_ref().map(sensors).unwrap_or_default(),
-                }
-            })
-            .collect();
         let allocations = self.controller.allocations();
+        let holders = sole_holders(&allocations);
+        let last_xids = self.controller.events().last_xids();
+        let mut gpus = Vec::new();
+        for g in &view.inventory.gpus {
+            // Live figures; a GPU NVML cannot read (lost) keeps its totals and shows 0 used.
+            let device = nvml.device_by_index(g.index).ok();
+            let memory = device.as_ref().and_then(|d| d.memory_info().ok());
+            let utilization = device.as_ref().and_then(|d| d.utilization_rates().ok()).map(|u| u.gpu);
+            let gpu_healthy = !view.unhealthy_gpus.contains_key(&g.index);
+            gpus.push(GpuMetrics {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                model: g.name.clone(),
+                pci_bus_id: g.pci_bus_id.clone(),
+                memory_used: memory.as_ref().map_or(0, |m| m.used),
+                memory_total: memory.as_ref().map_or(g.memory_total, |m| m.total),
+                utilization_percent: utilization,
+                healthy: gpu_healthy,
+                sensors: device.as_ref().map(sensors).unwrap_or_default(),
+                last_xid: Some(last_xids.get(&g.uuid).copied().unwrap_or(0)),
+                holder: holders.get(&g.uuid.to_ascii_lowercase()).cloned(),
+                ..Default::default()
+            });
+            // Each MIG device, as dcgm-exporter shows a GPU instance.
+            let instances = g.mig.as_ref().filter(|m| m.current).map_or(&[][..], |m| &m.instances[..]);
+            for gi in instances {
+                for d in &gi.devices {
+                    let memory = nvml.device_by_uuid(d.uuid.as_str()).ok().and_then(|h| h.memory_info().ok());
+                    gpus.push(GpuMetrics {
+                        index: g.index,
+                        uuid: d.uuid.clone(),
+                        model: g.name.clone(),
+                        pci_bus_id: g.pci_bus_id.clone(),
+                        memory_used: memory.as_ref().map_or(0, |m| m.used),
+                        memory_total: memory.as_ref().map_or(d.memory_total, |m| m.total),
+                        healthy: gpu_healthy && !view.unhealthy_devices.contains_key(&d.uuid),
+                        mig_profile: Some(gi.profile.clone()),
+                        parent_uuid: Some(g.uuid.clone()),
+                        gpu_instance_id: Some(d.gi_id),
+                        holder: holders.get(&d.uuid.to_ascii_lowercase()).cloned(),
+                        ..Default::default()
+                    });
+                }
+            }
+        }
         let usage = self.sampler.lock().unwrap_or_else(std::sync::PoisonError::into_inner).sample(
             &allocations,
             self.controller.allocator().dirs(),
@@ -91,5 +115,90 @@ fn sensors(d: &Device<'_>) -> GpuSensors {
         mem_clock_mhz: d.clock_info(Clock::Memory).ok(),
         ecc_corrected_volatile: d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok(),
         ecc_uncorrected_volatile: d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok(),
+    }
+}
+
+/// The pod labels of each device (by lowercase UUID) exactly one allocation holds, when its pod
+/// is known: dcgm-exporter's kubelet mapping. A device shared by two containers gets none.
+fn sole_holders(allocations: &[Allocation]) -> HashMap<String, PodLabels> {
+    let mut by_device: HashMap<String, Option<&Allocation>> = HashMap::new();
+    for a in allocations {
+        for d in &a.devices {
+            by_device
+                .entry(d.physical_uuid.to_ascii_lowercase())
+                .and_modify(|held| {
+                    if held.is_some_and(|h| h.id != a.id) {
+                        *held = None;
+                    }
+                })
+                .or_insert(Some(a));
+        }
+    }
+    by_device
+        .into_iter()
+        .filter_map(|(uuid, a)| {
+            let id = &a?.container;
+            let known = |s: &Option<String>| s.as_deref().map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
+            let pod = known(&id.pod_name)?;
+            let labels = PodLabels {
+                namespace: known(&id.pod_namespace).unwrap_or_default(),
+                pod,
+                container: known(&id.container_name).unwrap_or_default(),
+            };
+            Some((uuid, labels))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{AllocatedDevice, ContainerIdentity, Source};
+
+    fn alloc(id: &str, pod: Option<&str>, uuids: &[&str]) -> Allocation {
+        Allocation {
+            id: id.into(),
+            resource: "tessera.io/share".into(),
+            container: ContainerIdentity {
+                pod_namespace: pod.map(|_| "team-a".into()),
+                pod_name: pod.map(Into::into),
+                container_name: pod.map(|_| "main".into()),
+                ..Default::default()
+            },
+            source: Source::Kubelet,
+            created_unix_ns: 1,
+            devices: uuids
+                .iter()
+                .enumerate()
+                .map(|(i, u)| AllocatedDevice {
+                    device_id: format!("{u}::{i}"),
+                    physical_uuid: (*u).into(),
+                    memory_limit: None,
+                    sm_percent: None,
+                    priority: Default::default(),
+                    compute_mode: Default::default(),
+                })
+                .collect(),
+            claim: None,
+        }
+    }
+
+    #[test]
+    fn only_a_device_one_known_container_holds_gets_pod_labels() {
+        let h = sole_holders(&[
+            // Two shares of GPU-A: still one container.
+            alloc("a1", Some("train-0"), &["GPU-A", "GPU-A", "MIG-X"]),
+            // GPU-B shared by two containers: no one's labels.
+            alloc("a2", Some("infer-0"), &["GPU-B"]),
+            alloc("a3", Some("infer-1"), &["GPU-B"]),
+            // Held by a container whose pod is not known.
+            alloc("a4", None, &["GPU-C"]),
+        ]);
+        let want = PodLabels { namespace: "team-a".into(), pod: "train-0".into(), container: "main".into() };
+        assert_eq!(h.get("gpu-a"), Some(&want));
+        assert_eq!(h.get("mig-x"), Some(&want));
+        assert_eq!(h.get("gpu-b"), None);
+        assert_eq!(h.get("gpu-c"), None);
+        assert_eq!(h.len(), 2);
     }
 }
