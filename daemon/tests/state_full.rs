@@ -43,6 +43,15 @@ impl Drop for Tmpfs {
     }
 }
 
+/// Detaches every mount under a directory when dropped.
+struct Detach(PathBuf);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        tessera_daemon::state::mount::detach_all_under(&self.0);
+    }
+}
+
 /// Root is needed to mount; without it: SKIP, or a failure where runtimes are required.
 fn need_root() -> bool {
     // SAFETY: geteuid has no preconditions and touches no memory.
@@ -94,6 +103,8 @@ fn a_full_state_dir_fails_the_change_not_the_daemon() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
+    // The regions of the allocations made here are mounts: detached before the directory goes.
+    let _regions = Detach(tmp.path().to_path_buf());
     let state = tmp.path().join("state");
     // Room for one journal (1 MiB) and not for a second one beside it.
     let fs = Tmpfs::mount(&state, "1600k");
