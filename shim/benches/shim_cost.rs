@@ -212,6 +212,17 @@ fn child() {
         // SAFETY: f is a live function of the current context; NULL stream, no parameters.
         move || black_box(unsafe { (s.launch)(f, 1, 1, 1, 32, 1, 1, 0, null, null.cast(), null.cast()) })
     };
+    // An explicit (non-default) stream on device 0: the shim must tell its device (issue 15).
+    type CuStreamCreate = unsafe extern "C" fn(*mut H, c_uint) -> c_int;
+    // SAFETY: the driver's export of that name has this signature (cuda.h).
+    let stream_create: CuStreamCreate = unsafe { sym(&cuda, c"cuStreamCreate") };
+    let mut stream: H = std::ptr::null_mut();
+    // SAFETY: device 0's primary context is current; a valid out-pointer; flags 1 (non-blocking).
+    check(unsafe { stream_create(&mut stream, 1) }, "cuStreamCreate");
+    let launch_on = |s: Side, f: H| {
+        // SAFETY: f is a live function of the current context; stream lives for the bench.
+        move || black_box(unsafe { (s.launch)(f, 1, 1, 1, 32, 1, 1, 0, stream, null.cast(), null.cast()) })
+    };
     let alloc_free = |s: Side| {
         move || {
             let mut p = 0u64;
@@ -288,6 +299,9 @@ fn child() {
         set(0);
         let r = interleaved(1000, 1000, launch(driver, func[0]), launch(hooked, func[0]));
         r.print("launch (unlimited)");
+        drain();
+        let r = interleaved(1000, 1000, launch_on(driver, func[0]), launch_on(hooked, func[0]));
+        r.print("launch, explicit stream");
         drain();
         set(1);
         let r = interleaved(1000, 500, launch(driver, func[1]), launch(hooked, func[1]));
