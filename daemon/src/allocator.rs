@@ -649,6 +649,11 @@ impl ClaimAllocations for DaemonAllocator {
     fn release_claim(&self, uid: &str) -> Result<bool, String> {
         DaemonAllocator::release_claim(self, uid).map_err(|s| s.message().to_owned())
     }
+
+    fn claim_allocations(&self) -> Vec<Allocation> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        store.list().filter(|a| a.resource == DRA_RESOURCE).cloned().collect()
+    }
 }
 
 fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {

@@ -38,23 +38,11 @@ impl CdiWriter {
         if cfg.cdi_spec_dir.as_os_str().is_empty() {
             return Ok(None);
         }
-        let driver_cfg =
-            DriverConfig { root: cfg.driver_root.clone(), dev_root: cfg.dev_root.clone(), ..DriverConfig::default() };
         let hook_config = runtime_dir.join(paths::GENERATED_HOOK_CONFIG);
         let text = spec_hook_config(cfg, runtime_dir).render();
         crate::state::durable::write_file(&hook_config, text.as_bytes(), 0o644)
             .map_err(|e| format!("writing the specs' hook configuration {}: {e}", hook_config.display()))?;
-        let base = NodeDevices {
-            devices: Vec::new(),
-            control_nodes: driver::control_nodes(&driver_cfg),
-            driver: as_host_sees(driver::discover(&driver_cfg), cfg.host_driver_root()),
-            shim: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
-            hook_binary: cfg.hook_path.clone(),
-            hook_config,
-            dev_root: cfg.dev_root.clone(),
-            cdi_version: Some(cfg.cdi_version.clone()),
-        };
-        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None }))
+        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base: base(cfg, runtime_dir), last: None }))
     }
 
     /// Writes the specs for what `view` offers, unless that is what was written last. Returns
@@ -72,6 +60,34 @@ impl CdiWriter {
         self.last = Some(devices);
         Ok(true)
     }
+}
+
+/// What every spec shares, without devices: the control nodes and driver files found now under
+/// the driver root as the daemon sees it (written as the host sees them), the shim, and the hook
+/// entry naming `<runtime_dir>/hook.toml` (which [`CdiWriter::new`] writes). The per-claim specs
+/// of the DRA driver are built over the same.
+pub fn base(cfg: &Injection, runtime_dir: &Path) -> NodeDevices {
+    let driver_cfg =
+        DriverConfig { root: cfg.driver_root.clone(), dev_root: cfg.dev_root.clone(), ..DriverConfig::default() };
+    NodeDevices {
+        devices: Vec::new(),
+        control_nodes: driver::control_nodes(&driver_cfg),
+        driver: as_host_sees(driver::discover(&driver_cfg), cfg.host_driver_root()),
+        shim: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
+        hook_binary: cfg.hook_path.clone(),
+        hook_config: runtime_dir.join(paths::GENERATED_HOOK_CONFIG),
+        dev_root: cfg.dev_root.clone(),
+        cdi_version: Some(cfg.cdi_version.clone()),
+    }
+}
+
+/// The host device nodes of the GPU or MIG device `uuid` in `view` (as its class spec lists
+/// them); `None` when `view` has no such device.
+pub fn device_nodes(view: &View, uuid: &str) -> Option<Vec<PathBuf>> {
+    node_devices(view)
+        .into_iter()
+        .find(|d| (d.class == "gpu" || d.class == "mig") && d.uuid.eq_ignore_ascii_case(uuid))
+        .map(|d| d.nodes)
 }
 
 /// The hook configuration the specs' hook entry names: the daemon's own paths, driver files as

@@ -1,5 +1,7 @@
 //! CDI specs for Tessera's devices: what the daemon writes (one spec per class: `tessera.io/gpu`,
-//! `tessera.io/mig`, `tessera.io/share`) and what the hook and the wrapper read back.
+//! `tessera.io/mig`, `tessera.io/share`; and one spec per prepared DRA claim, kind
+//! `tessera.io/claim`, in `tessera.io-claim_<claim UID>.json`) and what the hook and the wrapper
+//! read back.
 //!
 //! Device names: the CDI grammar allows `A-Z a-z 0-9 _ - . :` (starting and ending with a letter or
 //! digit), so a share id `GPU-<uuid>::3` is a valid name as it is; [`cdi_device_name`] keeps valid
@@ -26,6 +28,10 @@ pub const CDI_VERSION: &str = "0.6.0";
 pub const CDI_VERSION_COMPAT: &str = "0.5.0";
 /// The device classes, in the order specs are written and names are looked up.
 pub const CLASSES: &[&str] = &["gpu", "mig", "share"];
+/// The class of the per-claim specs (DRA): one file per prepared claim, many specs of this kind.
+pub const CLAIM_CLASS: &str = "claim";
+/// Every class a `tessera.io` spec may have.
+pub const ALL_CLASSES: &[&str] = &["gpu", "mig", "share", CLAIM_CLASS];
 /// Prefix of the per-device marker variable.
 pub const DEVICE_MARKER_PREFIX: &str = "TESSERA_CDI_DEVICE_";
 /// Device annotation carrying the UUID the container's CUDA sees (0.6.0 specs only).
@@ -306,15 +312,49 @@ pub fn spec_file_name(class: &str) -> String {
     format!("{VENDOR}-{class}.json")
 }
 
-/// Writes each spec to `tessera.io-<class>.json` atomically (temporary file, fsync, rename, fsync
-/// of the directory) and removes `tessera.io-*.json` of classes no longer present. Other files are
-/// never touched.
-pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| CdiError::Io { path, source }
+/// Whether `class` is a class of Tessera's specs (the per-device classes and `claim`).
+pub fn is_class(class: &str) -> bool {
+    ALL_CLASSES.contains(&class)
+}
+
+/// The class a spec file's name says: `tessera.io-<class>.json`, or CDI's transient form
+/// `tessera.io-<class>_<id>.json` (a claim's spec); `None` for other names.
+pub fn file_class(name: &str) -> Option<&str> {
+    let stem = name.strip_prefix(VENDOR)?.strip_prefix('-')?.strip_suffix(".json")?;
+    let class = stem.split_once('_').map_or(stem, |(c, _)| c);
+    is_class(class).then_some(class)
+}
+
+/// Writes `spec` to `dir/name` atomically: a temporary file, fsync, rename, fsync of the
+/// directory (the caller's `sync_dir`, so that many files cost one directory sync).
+fn write_spec_file(dir: &Path, name: &str, spec: &Spec, key: &str) -> Result<(), CdiError> {
+    let path = dir.join(name);
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let mut text = serde_json::to_vec_pretty(spec).map_err(|e| invalid(key, e.to_string()))?;
+    text.push(b'\n');
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&tmp)?;
+        f.write_all(&text)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
     };
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(CdiError::Io { path, source: e });
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CdiError> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|source| CdiError::Io { path: dir.into(), source })
+}
+
+/// Writes each spec to `tessera.io-<class>.json` atomically (temporary file, fsync, rename, fsync
+/// of the directory) and removes the `tessera.io-<class>.json` of classes no longer present. Other
+/// files are never touched: other vendors' specs, and the per-claim specs
+/// (`tessera.io-claim_<uid>.json`), which live as long as their claim is prepared.
+pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
+    std::fs::create_dir_all(dir).map_err(|source| CdiError::Io { path: dir.into(), source })?;
     let mut keep = Vec::new();
     for (i, spec) in specs.iter().enumerate() {
         let class = spec
@@ -324,29 +364,154 @@ pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
             .filter(|c| CLASSES.contains(c))
             .ok_or_else(|| invalid(format!("specs[{i}].kind"), format!("{:?} is not a {VENDOR} class", spec.kind)))?;
         let name = spec_file_name(class);
-        let path = dir.join(&name);
-        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        let mut text = serde_json::to_vec_pretty(spec).map_err(|e| invalid(format!("specs[{i}]"), e.to_string()))?;
-        text.push(b'\n');
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&tmp)?;
-            f.write_all(&text)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(CdiError::Io { path, source: e });
-        }
+        write_spec_file(dir, &name, spec, &format!("specs[{i}]"))?;
         keep.push(name);
     }
-    for entry in std::fs::read_dir(dir).map_err(io(dir))?.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&format!("{VENDOR}-")) && name.ends_with(".json") && !keep.contains(&name) {
-            std::fs::remove_file(entry.path()).map_err(io(&entry.path()))?;
+    for class in CLASSES {
+        let name = spec_file_name(class);
+        let path = dir.join(&name);
+        if keep.contains(&name) {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(source) => return Err(CdiError::Io { path, source }),
         }
     }
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))
+    sync_dir(dir)
+}
+
+/// What a prepared DRA claim gives a container, for [`build_claim_spec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimDevices {
+    /// The claim's UID (the spec's file and device names carry it).
+    pub claim_uid: String,
+    /// The allocation the claim was prepared into (`TESSERA_ALLOCATION`).
+    pub allocation: String,
+    /// `<runtime_dir>/alloc/<id>` on the host: mounted read-only, its `region` read-write.
+    pub alloc_dir: PathBuf,
+    /// The host file naming the shim's container path, mounted at `/etc/ld.so.preload` (the one
+    /// the hook makes and mounts: `<runtime_dir>/hook/ld.so.preload`).
+    pub preload: PathBuf,
+    /// The claim's devices: `uuid` the GPU or MIG UUID, `nodes` its host nodes (`class`, `name`
+    /// and `aliases` are not used: the device is named by [`claim_device_name`]).
+    pub devices: Vec<NodeDevice>,
+}
+
+/// The CDI device name of device `uuid` of claim `claim_uid`: `<claim UID>-<UUID>`.
+pub fn claim_device_name(claim_uid: &str, uuid: &str) -> String {
+    cdi_device_name(&format!("{claim_uid}-{uuid}"))
+}
+
+/// The file a claim's spec is written to: `tessera.io-claim_<uid>.json` (CDI's transient spec name).
+pub fn claim_spec_file_name(claim_uid: &str) -> String {
+    format!("{VENDOR}-{CLAIM_CLASS}_{}.json", cdi_device_name(claim_uid))
+}
+
+/// The spec of one prepared claim, kind `tessera.io/claim`: one device per device of the claim,
+/// each with its nodes, the allocation's directory (read-only) and region (read-write), the
+/// preload naming the shim, and the environment the shim reads; the spec's own edits are the
+/// class specs' (control nodes, driver files, the shim, the hook entries). Always cdiVersion
+/// 0.6.0 (the UUID annotation is how the hook checks a device against the allocation): the
+/// runtimes a kubelet with DRA drives (containerd 1.7+, CRI-O) read it.
+pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec, CdiError> {
+    let dev_root = if node.dev_root.as_os_str().is_empty() { Path::new("/dev") } else { &node.dev_root };
+    if claim.devices.is_empty() {
+        return Err(invalid("devices", format!("claim {} has no device", claim.claim_uid)));
+    }
+    let alloc_dir = claim.alloc_dir.display().to_string();
+    let container_dir = crate::plan::CONTAINER_ALLOC_DIR;
+    let bind = |mode: &str, extra: &[&str]| {
+        [mode, "nosuid", "nodev"].iter().chain(extra).chain(&["bind"]).map(|s| (*s).to_owned()).collect::<Vec<_>>()
+    };
+    let mut mounts = vec![
+        Mount { host_path: alloc_dir.clone(), container_path: container_dir.into(), options: bind("ro", &["noexec"]) },
+        Mount {
+            host_path: claim.alloc_dir.join("region").display().to_string(),
+            container_path: format!("{container_dir}/region"),
+            options: bind("rw", &["noexec"]),
+        },
+    ];
+    if node.shim.is_some() {
+        mounts.push(Mount {
+            host_path: claim.preload.display().to_string(),
+            container_path: crate::plan::PRELOAD_PATH.into(),
+            options: bind("ro", &[]),
+        });
+    }
+    let mut devices: Vec<Device> = Vec::new();
+    for (i, d) in claim.devices.iter().enumerate() {
+        let name = claim_device_name(&claim.claim_uid, &d.uuid);
+        if !is_valid_device_name(&name) {
+            return Err(invalid(format!("devices[{i}]"), format!("{name:?} is not a valid CDI device name")));
+        }
+        if devices.iter().any(|x| x.name == name) {
+            continue;
+        }
+        let mut edits = ContainerEdits {
+            env: vec![
+                format!("{}={name}", marker_key(&name)),
+                format!("{}={}", crate::plan::ENV_ALLOCATION, claim.allocation),
+                format!("TESSERA_LIMITS={container_dir}/limits"),
+                format!("TESSERA_REGION={container_dir}/region"),
+            ],
+            mounts: mounts.clone(),
+            ..Default::default()
+        };
+        for n in &d.nodes {
+            edits.device_nodes.push(device_node(n, dev_root).map_err(|e| invalid(format!("devices[{i}].nodes"), e))?);
+        }
+        let annotations = BTreeMap::from([(ANNOTATION_UUID.to_string(), d.uuid.clone())]);
+        devices.push(Device { name, annotations, container_edits: edits });
+    }
+    Ok(Spec {
+        cdi_version: CDI_VERSION.into(),
+        kind: format!("{VENDOR}/{CLAIM_CLASS}"),
+        annotations: BTreeMap::new(),
+        devices,
+        container_edits: common_edits(node, dev_root)?,
+    })
+}
+
+/// Writes a claim's spec to `tessera.io-claim_<uid>.json`, atomically (a reader sees the old
+/// spec or the new one, never a part; the rename is durable before this returns).
+pub fn write_claim_spec(dir: &Path, claim_uid: &str, spec: &Spec) -> Result<(), CdiError> {
+    if spec.kind != format!("{VENDOR}/{CLAIM_CLASS}") {
+        return Err(invalid("kind", format!("{:?} is not {VENDOR}/{CLAIM_CLASS}", spec.kind)));
+    }
+    std::fs::create_dir_all(dir).map_err(|source| CdiError::Io { path: dir.into(), source })?;
+    write_spec_file(dir, &claim_spec_file_name(claim_uid), spec, "spec")?;
+    sync_dir(dir)
+}
+
+/// Removes a claim's spec; `Ok(false)` when there was none.
+pub fn remove_claim_spec(dir: &Path, claim_uid: &str) -> Result<bool, CdiError> {
+    let path = dir.join(claim_spec_file_name(claim_uid));
+    match std::fs::remove_file(&path) {
+        Ok(()) => sync_dir(dir).map(|()| true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(CdiError::Io { path, source }),
+    }
+}
+
+/// The claim UIDs (as their file names carry them) of the claim specs in `dir`.
+pub fn claim_spec_uids(dir: &Path) -> Result<Vec<String>, CdiError> {
+    let prefix = format!("{VENDOR}-{CLAIM_CLASS}_");
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => return Err(CdiError::Io { path: dir.into(), source }),
+    };
+    let mut uids: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix(&prefix).and_then(|n| n.strip_suffix(".json")).map(str::to_owned)
+        })
+        .collect();
+    uids.sort();
+    Ok(uids)
 }
 
 /// Reads the `tessera.io-*.json` specs in `dir` (a missing directory holds none). A spec that
@@ -356,8 +521,14 @@ pub fn load_specs(dir: &Path) -> Result<Vec<Spec>, CdiError> {
 }
 
 /// [`load_specs`], skipping the files named after a class not in `classes`
-/// (`tessera.io-<class>.json`, as tesserad names them). A file named otherwise is always read.
+/// (`tessera.io-<class>.json` and `tessera.io-<class>_<id>.json`, as tesserad names them). A file
+/// named otherwise is always read.
 pub fn load_specs_for(dir: &Path, classes: Option<&[&str]>) -> Result<Vec<Spec>, CdiError> {
+    Ok(load_named(dir, classes)?.into_iter().map(|(_, s)| s).collect())
+}
+
+/// [`load_specs_for`] with each spec's file name.
+fn load_named(dir: &Path, classes: Option<&[&str]>) -> Result<Vec<(String, Spec)>, CdiError> {
     let mut specs = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -378,21 +549,22 @@ pub fn load_specs_for(dir: &Path, classes: Option<&[&str]>) -> Result<Vec<Spec>,
         let text = std::fs::read(&path).map_err(|source| CdiError::Io { path: path.clone(), source })?;
         let spec: Spec =
             serde_json::from_slice(&text).map_err(|e| CdiError::Parse { path: path.clone(), reason: e.to_string() })?;
-        let class_ok =
-            spec.kind.strip_prefix(VENDOR).and_then(|k| k.strip_prefix('/')).is_some_and(|c| CLASSES.contains(&c));
+        let class_ok = spec.kind.strip_prefix(VENDOR).and_then(|k| k.strip_prefix('/')).is_some_and(is_class);
         if !class_ok {
             return Err(CdiError::Parse { path, reason: format!("kind: {:?} is not a {VENDOR} class", spec.kind) });
         }
         if let Some((i, d)) = spec.devices.iter().enumerate().find(|(_, d)| !is_valid_device_name(&d.name)) {
             return Err(CdiError::Parse { path, reason: format!("devices[{i}].name: {:?} is not valid", d.name) });
         }
-        specs.push(spec);
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        specs.push((name, spec));
     }
     Ok(specs)
 }
 
 /// The specs of several directories; for a kind found in more than one, the later directory wins
-/// (CDI's precedence: `/var/run/cdi` over `/etc/cdi`).
+/// (CDI's precedence: `/var/run/cdi` over `/etc/cdi`). Claim specs, many of one kind, are kept
+/// per file (a later directory's file of the same name wins).
 pub fn load_spec_dirs(dirs: &[PathBuf]) -> Result<Vec<Spec>, CdiError> {
     load_spec_dirs_for(dirs, None)
 }
@@ -400,23 +572,26 @@ pub fn load_spec_dirs(dirs: &[PathBuf]) -> Result<Vec<Spec>, CdiError> {
 /// [`load_spec_dirs`] of the files [`load_specs_for`] reads for `classes`.
 pub fn load_spec_dirs_for(dirs: &[PathBuf], classes: Option<&[&str]>) -> Result<Vec<Spec>, CdiError> {
     let mut by_kind: BTreeMap<String, Spec> = BTreeMap::new();
+    let mut claims: BTreeMap<String, Spec> = BTreeMap::new();
     for d in dirs {
-        for s in load_specs_for(d, classes)? {
-            by_kind.insert(s.kind.clone(), s);
+        for (file, s) in load_named(d, classes)? {
+            if s.class() == CLAIM_CLASS {
+                claims.insert(file, s);
+            } else {
+                by_kind.insert(s.kind.clone(), s);
+            }
         }
     }
-    // In class order.
-    Ok(CLASSES.iter().filter_map(|c| by_kind.remove(&format!("{VENDOR}/{c}"))).collect())
+    // In class order, then the claims.
+    let mut out: Vec<Spec> = CLASSES.iter().filter_map(|c| by_kind.remove(&format!("{VENDOR}/{c}"))).collect();
+    out.extend(claims.into_values());
+    Ok(out)
 }
 
 /// Whether spec file `name` may hold a class in `classes`: unless it is named after another class.
 fn wanted(name: &str, classes: Option<&[&str]>) -> bool {
     let Some(classes) = classes else { return true };
-    let named = name.strip_prefix(VENDOR).and_then(|n| n.strip_prefix('-')).and_then(|n| n.strip_suffix(".json"));
-    match named {
-        Some(c) if CLASSES.contains(&c) => classes.contains(&c),
-        _ => true,
-    }
+    file_class(name).is_none_or(|c| classes.contains(&c))
 }
 
 impl Spec {
@@ -557,6 +732,122 @@ pub(crate) mod tests {
         names.sort();
         assert_eq!(names, ["nvidia.com-gpu.json", "tessera.io-gpu.json"]);
         assert_eq!(load_spec_dirs(&[dir.path().join("none"), cdi.clone()]).unwrap(), specs[..1]);
+    }
+
+    pub(crate) const CLAIM_UID: &str = "7c1b3c8e-5d2a-4b7e-9f00-0123456789ab";
+
+    /// The spec of a claim prepared into allocation `a1` holding GPU-aaaa of [`fake_node`].
+    pub(crate) fn claim_spec(node: &NodeDevices, run: &Path, shim: &Path) -> Spec {
+        let claim = ClaimDevices {
+            claim_uid: CLAIM_UID.into(),
+            allocation: "a1".into(),
+            alloc_dir: run.join("alloc/a1"),
+            preload: run.join("hook/ld.so.preload"),
+            devices: vec![node.devices[0].clone(), node.devices[1].clone()],
+        };
+        let node = NodeDevices { shim: Some(shim.to_path_buf()), ..node.clone() };
+        build_claim_spec(&node, &claim).unwrap()
+    }
+
+    #[test]
+    fn a_claim_spec_carries_the_allocation_and_lives_beside_the_class_specs() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = fake_node(dir.path());
+        let run = dir.path().join("run");
+        let spec = claim_spec(&node, &run, Path::new("/opt/libtessera.so"));
+        assert_eq!((spec.kind.as_str(), spec.cdi_version.as_str()), ("tessera.io/claim", CDI_VERSION));
+        // GPU-aaaa whole and a share of it: one device (the claim holds the GPU once).
+        let name = format!("{CLAIM_UID}-GPU-aaaa");
+        assert_eq!(spec.devices.iter().map(|d| d.name.as_str()).collect::<Vec<_>>(), [name.as_str()]);
+        assert!(is_valid_device_name(&name));
+        let d = &spec.devices[0];
+        assert_eq!(d.uuid(), "GPU-aaaa");
+        assert_eq!(d.canonical(), name);
+        let env = &d.container_edits.env;
+        for want in [
+            format!("{}={name}", marker_key(&name)),
+            "TESSERA_ALLOCATION=a1".into(),
+            "TESSERA_LIMITS=/run/tessera/alloc/limits".into(),
+            "TESSERA_REGION=/run/tessera/alloc/region".into(),
+        ] {
+            assert!(env.contains(&want), "{want} in {env:?}");
+        }
+        let nodes: Vec<_> =
+            d.container_edits.device_nodes.iter().map(|n| (n.path.as_str(), n.major, n.minor)).collect();
+        assert_eq!(nodes, [("/dev/nvidia0", Some(195), Some(0))]);
+        let mounts: Vec<_> = d
+            .container_edits
+            .mounts
+            .iter()
+            .map(|m| (m.host_path.clone(), m.container_path.as_str(), m.options.join(",")))
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                (
+                    run.join("alloc/a1").display().to_string(),
+                    "/run/tessera/alloc",
+                    "ro,nosuid,nodev,noexec,bind".into()
+                ),
+                (
+                    run.join("alloc/a1/region").display().to_string(),
+                    "/run/tessera/alloc/region",
+                    "rw,nosuid,nodev,noexec,bind".into()
+                ),
+                (
+                    run.join("hook/ld.so.preload").display().to_string(),
+                    "/etc/ld.so.preload",
+                    "ro,nosuid,nodev,bind".into()
+                ),
+            ]
+        );
+        // The spec's own edits are the class specs': control nodes, the shim, the hook entries.
+        let shim = spec.container_edits.mounts.iter().find(|m| m.container_path == SHIM_CONTAINER_PATH).unwrap();
+        assert_eq!(shim.host_path, "/opt/libtessera.so");
+        assert_eq!(spec.container_edits.hooks.len(), 2);
+        assert_eq!(spec.container_edits.device_nodes.len(), 2);
+
+        // Written beside the class specs; rewriting the class specs (any classes) keeps it.
+        let cdi = dir.path().join("cdi");
+        let classes = build_specs(&node).unwrap();
+        write_specs(&cdi, &classes).unwrap();
+        write_claim_spec(&cdi, CLAIM_UID, &spec).unwrap();
+        assert!(cdi.join(format!("tessera.io-claim_{CLAIM_UID}.json")).is_file());
+        write_specs(&cdi, &classes[..1]).unwrap();
+        write_specs(&cdi, &[]).unwrap();
+        assert_eq!(claim_spec_uids(&cdi).unwrap(), [CLAIM_UID]);
+        assert_eq!(load_specs(&cdi).unwrap(), [spec.clone()]);
+        // Two claims of one kind, and the class specs: all read, claims after the classes.
+        write_specs(&cdi, &classes).unwrap();
+        let mut other = spec.clone();
+        other.devices[0].name = "other-GPU-aaaa".into();
+        write_claim_spec(&cdi, "other", &other).unwrap();
+        let all = load_spec_dirs(&[dir.path().join("none"), cdi.clone()]).unwrap();
+        let kinds: Vec<&str> = all.iter().map(|s| s.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            ["tessera.io/gpu", "tessera.io/mig", "tessera.io/share", "tessera.io/claim", "tessera.io/claim"]
+        );
+        // Only the claims, when only they are wanted.
+        assert_eq!(load_specs_for(&cdi, Some(&[CLAIM_CLASS])).unwrap().len(), 2);
+        // Removed, once; nothing else goes.
+        assert!(remove_claim_spec(&cdi, CLAIM_UID).unwrap());
+        assert!(!remove_claim_spec(&cdi, CLAIM_UID).unwrap());
+        assert_eq!(claim_spec_uids(&cdi).unwrap(), ["other"]);
+        assert_eq!(load_specs(&cdi).unwrap().len(), 4);
+        // A claim spec of the wrong kind is not written; a claim without devices not built.
+        assert!(write_claim_spec(&cdi, "x", &classes[0]).unwrap_err().to_string().starts_with("kind: "));
+        let empty = ClaimDevices {
+            claim_uid: "x".into(),
+            allocation: "a".into(),
+            alloc_dir: run.clone(),
+            preload: run.clone(),
+            devices: vec![],
+        };
+        assert!(build_claim_spec(&node, &empty).unwrap_err().to_string().contains("has no device"));
+        assert_eq!(file_class("tessera.io-claim_x.json"), Some("claim"));
+        assert_eq!(file_class("tessera.io-gpu.json"), Some("gpu"));
+        assert_eq!(file_class("tessera.io-extra.json"), None);
     }
 
     #[test]

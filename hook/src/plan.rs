@@ -180,7 +180,7 @@ fn requests(cfg: &HookConfig, info: &ContainerInfo) -> Result<Requests, InjectEr
                 return Err(InjectError(format!("{field}: {name:?} is not a CDI device name (vendor/class=name)")));
             };
             let Some(class) = kind.strip_prefix(cdi::VENDOR).and_then(|k| k.strip_prefix('/')) else { continue };
-            if !cdi::CLASSES.contains(&class) {
+            if !cdi::is_class(class) {
                 return Err(InjectError(format!("{field}: {kind:?} is not a {} class", cdi::VENDOR)));
             }
             asks.push(Ask { field, class: Some(class.into()), id: id.into() });
@@ -205,7 +205,7 @@ fn classes_needed(r: &Requests) -> Option<Vec<&'static str>> {
     };
     for a in &r.asks {
         match a.class.as_deref() {
-            Some(c) => add(cdi::CLASSES.iter().copied().find(|k| *k == c)?),
+            Some(c) => add(cdi::ALL_CLASSES.iter().copied().find(|k| *k == c)?),
             None => add(class_of_id(&a.id)?),
         }
     }
@@ -217,11 +217,20 @@ fn classes_needed(r: &Requests) -> Option<Vec<&'static str>> {
 }
 
 /// The class a device id names by its shape: a MIG or GPU UUID, a share id (`<uuid>::<n>`), a GPU
-/// index (`0`) or a MIG alias (`0:1`); `None` for anything else.
+/// index (`0`), a MIG alias (`0:1`) or a claim's device (`<claim UID>-<UUID>`, the claim UID a
+/// UUID as Kubernetes makes them); `None` for anything else.
 fn class_of_id(id: &str) -> Option<&'static str> {
     let prefix = id.get(..4).map(str::to_ascii_uppercase);
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    if id.contains("::") {
+    let claim_device = id.get(..37).is_some_and(|p| {
+        p.bytes().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 | 36 => b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
+    });
+    if claim_device {
+        Some(cdi::CLAIM_CLASS)
+    } else if id.contains("::") {
         Some("share")
     } else if prefix.as_deref() == Some("MIG-") {
         Some("mig")
@@ -245,7 +254,7 @@ pub fn plan_from_spec_dirs(cfg: &HookConfig, info: &ContainerInfo) -> Result<Opt
     };
     if let Ok(r) = requests(cfg, info)
         && let Some(classes) = classes_needed(&r)
-        && classes.len() < cdi::CLASSES.len()
+        && classes.len() < cdi::ALL_CLASSES.len()
         && let Ok(Ok(plan)) = load(Some(&classes)).map(|specs| plan_requests(cfg, &specs, r))
     {
         return Ok(plan);
@@ -706,6 +715,65 @@ pub(crate) mod tests {
             .unwrap();
         assert_eq!(p.devices[0].class, "share");
         assert_eq!(p.devices[0].uuid, "GPU-aaaa");
+    }
+
+    /// A DRA claim's devices, as a CDI runtime injects them (the claim spec's env) or as an
+    /// older kubelet names them (a `cdi.k8s.io/` annotation): the claim's GPU with its
+    /// allocation's limits and region; a claim device of another allocation is refused.
+    #[test]
+    fn a_claim_device_brings_its_allocation() {
+        let f = fixture();
+        let shim = f.cfg.shim_path.clone().unwrap();
+        let claim = cdi::tests::claim_spec(&cdi::tests::fake_node(f.dir.path()), &f.cfg.runtime_dir, &shim);
+        let mut specs = f.specs.clone();
+        specs.push(claim.clone());
+        let name = claim.devices[0].name.clone();
+        assert_eq!(class_of_id(&name), Some(cdi::CLAIM_CLASS));
+        let injected: Vec<(String, String)> = claim.devices[0]
+            .container_edits
+            .env
+            .iter()
+            .map(|e| e.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())).unwrap())
+            .collect();
+        let env: Vec<(&str, &str)> = injected.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let by_annotation = format!("tessera.io/claim={name}");
+        for (env, ann) in [
+            (env.clone(), vec![]),
+            (vec![(ENV_ALLOCATION, "a1")], vec![("cdi.k8s.io/gpu.tessera.io_claim", by_annotation.as_str())]),
+        ] {
+            let p = plan(&f.cfg, &specs, &info(&env, &ann)).unwrap().unwrap();
+            assert_eq!(
+                p.devices,
+                [PlannedDevice { class: "claim".into(), name: name.clone(), uuid: "GPU-aaaa".into() }],
+                "{env:?} {ann:?}"
+            );
+            let mounts: Vec<_> = p.mounts.iter().map(|m| (m.container_path.to_str().unwrap(), m.read_only)).collect();
+            for want in [
+                (CONTAINER_ALLOC_DIR, true),
+                ("/run/tessera/alloc/region", false),
+                (PRELOAD_PATH, true),
+                (cdi::SHIM_CONTAINER_PATH, true),
+            ] {
+                assert!(mounts.contains(&want), "{want:?} in {mounts:?}");
+            }
+            assert_eq!(p.device_nodes[0].path, Path::new("/dev/nvidia0"));
+            assert_eq!(p.allocation.as_deref(), Some("a1"));
+        }
+        // The same through the spec files, reading only what a claim device needs.
+        let dir = &f.cfg.cdi_spec_dirs[0];
+        cdi::write_specs(dir, &f.specs).unwrap();
+        cdi::write_claim_spec(dir, cdi::tests::CLAIM_UID, &claim).unwrap();
+        std::fs::write(dir.join("tessera.io-mig.json"), "{ not json").unwrap();
+        let p = plan_from_spec_dirs(&f.cfg, &info(&env, &[])).unwrap().unwrap();
+        assert_eq!(p.devices[0].name, name);
+        // A hostile container naming the claim device with another allocation: refused.
+        let a2 = f.cfg.runtime_dir.join("alloc/a2");
+        std::fs::create_dir_all(&a2).unwrap();
+        std::fs::write(a2.join("limits"), "version = 1\n[[devices]]\nuuid = \"GPU-bbbb\"\n").unwrap();
+        std::fs::write(a2.join("region"), b"").unwrap();
+        let hostile = info(&[(ENV_ALLOCATION, "a2")], &[("cdi.k8s.io/x", by_annotation.as_str())]);
+        let e = plan(&f.cfg, &specs, &hostile).unwrap_err().0;
+        assert!(e.contains("is not allocated to this container (allocation \"a2\" holds GPU-bbbb)"), "{e}");
     }
 
     #[test]

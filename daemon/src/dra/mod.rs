@@ -10,14 +10,19 @@
 //! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
 //! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
 //!   claim UID owns the allocation, the consumed capacity is its limits.
+//! - [`claim_specs`]: one CDI spec per prepared claim (kind `tessera.io/claim`), the names the
+//!   kubelet passes to the runtime: the devices, the allocation's directory, the shim, its env.
+//! - [`status`]: the claim's `status.devices` (what was granted), by server-side apply.
 //! - [`node`]: all of it started in tesserad, following the controller's publishes.
 
+pub mod claim_specs;
 pub mod claims;
 pub mod devices;
 pub mod kubelet;
 pub mod node;
 pub mod prepare;
 pub mod slices;
+pub mod status;
 
 pub use kubelet::{ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};
 

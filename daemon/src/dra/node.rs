@@ -14,10 +14,12 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::DraPlugin;
+use super::claim_specs::{ClaimSpecs, NodesOf};
 use super::claims::KubeClaims;
 use super::devices::{DraDevice, from_inventory};
 use super::prepare::{ClaimAllocations, DraDriver};
 use super::slices::Publisher;
+use super::status::{KubeClaimStatus, StatusWriter};
 use crate::config::Config;
 use crate::config::kubernetes::{Mode, is_node_name};
 use crate::node::{NodeController, View};
@@ -77,6 +79,25 @@ pub fn device_plugin_view(mode: Mode, view: &View) -> Arc<Resources> {
     Arc::new(device_plugin_resources(mode, &view.resources, &managed))
 }
 
+/// The per-claim CDI specs over the daemon's injection settings, device nodes from the
+/// controller's current view. `Err` when no spec directory is configured: the kubelet passes a
+/// claim to the runtime by CDI names only.
+pub fn claim_specs(controller: Arc<NodeController>, cfg: &Config) -> Result<ClaimSpecs, String> {
+    let inj = &cfg.injection;
+    if inj.cdi_spec_dir.as_os_str().is_empty() {
+        return Err("kubernetes.mode dra/both needs injection.cdi_spec_dir: the kubelet hands a claim to the \
+                    container runtime by CDI names only"
+            .into());
+    }
+    let nodes: NodesOf = Arc::new(move |uuid: &str| crate::cdi::device_nodes(&controller.view(), uuid));
+    Ok(ClaimSpecs::new(
+        inj.cdi_spec_dir.clone(),
+        crate::cdi::base(inj, &cfg.runtime_dir),
+        cfg.runtime_dir.clone(),
+        nodes,
+    ))
+}
+
 /// Starts the publisher and the kubelet plugin; they run until `shutdown` turns true. `Err`
 /// says what is missing (no node name, no API server).
 pub async fn start(
@@ -109,9 +130,19 @@ pub async fn start(
     };
     let publisher = Publisher::new(client.clone(), node.clone());
     let publishing = tokio::spawn(publisher.run(devices_rx.clone(), shutdown.clone(), watch::channel(0).0));
+    let allocations = Arc::clone(controller.allocator()) as Arc<dyn ClaimAllocations>;
+    let specs = Arc::new(claim_specs(Arc::clone(&controller), cfg)?);
+    // The specs of the claims prepared before this start: written again (a lost file comes
+    // back), and those of claims no longer prepared removed, before the kubelet is served.
+    let (written, removed) = specs.reconcile(&allocations.claim_allocations());
+    if written + removed > 0 {
+        tracing::info!(written, removed, "claim CDI specs reconciled with the allocations");
+    }
     let driver = DraDriver {
-        claims: Arc::new(KubeClaims::new(client)),
-        allocations: Arc::clone(controller.allocator()) as Arc<dyn ClaimAllocations>,
+        claims: Arc::new(KubeClaims::new(client.clone())),
+        allocations,
+        specs,
+        status: Arc::new(StatusWriter::new(Arc::new(KubeClaimStatus::new(client)))),
         devices: devices_rx,
         pool: node.clone(),
         default_priority: Priority::from_name(&cfg.limits.priority).unwrap_or_default(),

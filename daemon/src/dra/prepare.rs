@@ -1,19 +1,26 @@
 //! NodePrepareResources / NodeUnprepareResources: a claim's allocation result becomes one
 //! allocation record whose owner is the claim UID and whose limits are the consumed capacity
-//! (a whole GPU or MIG device: no limit); the answer is the CDI names of its devices.
+//! (a whole GPU or MIG device: no limit); the answer is, per device, the CDI name of that device in
+//! the claim's own spec (`tessera.io/claim=<uid>-<uuid>`, [`super::claim_specs`]), which gives the
+//! container the device, the allocation's directory, the shim and its environment. The claim's
+//! `status.devices` then says what was granted ([`super::status`], never failing the prepare).
 //!
 //! Idempotent and crash-safe by construction: the record is written (durably, by the store
-//! behind [`ClaimAllocations`]) before the kubelet is answered, a prepare of a claim that owns a
-//! record returns that record, and an unprepare of a claim that owns none succeeds.
+//! behind [`ClaimAllocations`]) before the spec, and both before the kubelet is answered; a
+//! prepare of a claim that owns a record returns that record (its spec written again, the same
+//! bytes), and an unprepare of a claim that owns none succeeds. Unprepare removes the record,
+//! then the spec; tesserad's start re-writes the specs of recorded claims and removes the others.
 
 use std::sync::Arc;
 
 use tessera_region::{ComputeMode, Priority};
 use tokio::sync::watch;
 
+use super::claim_specs::ClaimSpecs;
 use super::claims::{ClaimSource, GrantedDevice, allocation};
 use super::devices::{DraDevice, DraKind};
 use super::slices::{DEFAULT_MEMORY, DEFAULT_SM};
+use super::status::{DeviceStatus, StatusWriter};
 use super::{ClaimDriver, ClaimRef, PreparedDevice};
 use crate::state::{AllocatedDevice, Allocation};
 
@@ -32,6 +39,8 @@ pub trait ClaimAllocations: Send + Sync + 'static {
     fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String>;
     /// Releases what claim `uid` owns; `Ok(false)` when it owned nothing.
     fn release_claim(&self, uid: &str) -> Result<bool, String>;
+    /// Every allocation made for a claim (after a start: whose specs must exist).
+    fn claim_allocations(&self) -> Vec<Allocation>;
 }
 
 /// The limits one granted device gives, with the published device it names.
@@ -73,19 +82,14 @@ pub fn allocated_device(
     Ok((allocated, d.clone()))
 }
 
-/// The CDI name a container asks for a device by.
-pub fn cdi_name(d: &DraDevice) -> String {
-    let class = match d.kind {
-        DraKind::Mig { .. } => "mig",
-        DraKind::Gpu | DraKind::Shared => "gpu",
-    };
-    format!("{}/{class}={}", tessera_hook::cdi::VENDOR, tessera_hook::cdi::cdi_device_name(&d.uuid))
-}
-
 /// The daemon's [`ClaimDriver`].
 pub struct DraDriver {
     pub claims: Arc<dyn ClaimSource>,
     pub allocations: Arc<dyn ClaimAllocations>,
+    /// The claims' CDI specs.
+    pub specs: Arc<ClaimSpecs>,
+    /// The claims' `status.devices`.
+    pub status: Arc<StatusWriter>,
     /// What this node publishes now.
     pub devices: watch::Receiver<Vec<DraDevice>>,
     /// This node's pool (its name).
@@ -101,32 +105,61 @@ impl ClaimDriver for DraDriver {
         let granted = allocation(&rc, claim, &self.pool)?;
         let published = self.devices.borrow().clone();
         let mut devices = Vec::new();
-        let mut answer = Vec::new();
+        let mut named = Vec::new();
         for g in &granted.devices {
             let (a, d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
             devices.push(a);
+            named.push((g, d));
+        }
+        let owner = ClaimOwner { claim: claim.clone(), pods: granted.pods.clone() };
+        let (allocations, specs) = (Arc::clone(&self.allocations), Arc::clone(&self.specs));
+        let (alloc, ids) = tokio::task::spawn_blocking(move || {
+            let alloc = allocations.allocate_claim(&owner, devices)?;
+            let ids = specs.write(&alloc)?;
+            Ok::<_, String>((alloc, ids))
+        })
+        .await
+        .map_err(|e| format!("allocation task failed: {e}"))??;
+        let mut answer = Vec::new();
+        let mut status = Vec::new();
+        for (g, d) in named {
+            let id = ids.iter().find(|(uuid, _)| uuid.eq_ignore_ascii_case(&d.uuid)).map(|(_, id)| id.clone());
+            let id = id.ok_or_else(|| {
+                format!("claim {}: device {} is not in its allocation {}", claim.uid, d.name, alloc.id)
+            })?;
             answer.push(PreparedDevice {
                 requests: vec![g.request.clone()],
                 pool: g.pool.clone(),
                 device: g.device.clone(),
-                cdi_device_ids: vec![cdi_name(&d)],
+                cdi_device_ids: vec![id],
+            });
+            let held = alloc.devices.iter().find(|a| a.physical_uuid.eq_ignore_ascii_case(&d.uuid));
+            status.push(DeviceStatus {
+                pool: g.pool.clone(),
+                device: g.device.clone(),
+                share_id: g.share_id.clone(),
+                uuid: d.uuid.clone(),
+                memory: held.and_then(|a| a.memory_limit),
+                sm_percent: held.and_then(|a| a.sm_percent),
+                allocation: alloc.id.clone(),
             });
         }
-        let owner = ClaimOwner { claim: claim.clone(), pods: granted.pods };
-        let allocations = Arc::clone(&self.allocations);
-        let alloc = tokio::task::spawn_blocking(move || allocations.allocate_claim(&owner, devices))
-            .await
-            .map_err(|e| format!("allocation task failed: {e}"))??;
+        self.status.write(claim, status);
         tracing::info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, allocation = %alloc.id, "claim prepared");
         Ok(answer)
     }
 
     async fn unprepare(&self, claim: &ClaimRef) -> Result<(), String> {
-        let allocations = Arc::clone(&self.allocations);
+        let (allocations, specs) = (Arc::clone(&self.allocations), Arc::clone(&self.specs));
         let uid = claim.uid.clone();
-        let released = tokio::task::spawn_blocking(move || allocations.release_claim(&uid))
-            .await
-            .map_err(|e| format!("release task failed: {e}"))??;
+        let released = tokio::task::spawn_blocking(move || {
+            let released = allocations.release_claim(&uid)?;
+            specs.remove(&uid)?;
+            Ok::<_, String>(released)
+        })
+        .await
+        .map_err(|e| format!("release task failed: {e}"))??;
+        self.status.write(claim, Vec::new());
         if released {
             tracing::info!(claim = %claim.uid, "claim unprepared");
         }
@@ -142,7 +175,8 @@ mod tests {
     use k8s_openapi::api::resource::v1::ResourceClaim;
 
     use super::*;
-    use crate::state::{ContainerIdentity, Source};
+    use crate::dra::status::{ClaimStatusApi, WriteError};
+    use crate::state::{Claim, ContainerIdentity, Lease, Source};
 
     struct Claims(ResourceClaim);
 
@@ -164,18 +198,34 @@ mod tests {
             Ok(r.entry(owner.claim.uid.clone())
                 .or_insert_with(|| Allocation {
                     id: format!("a{n}"),
-                    resource: "dra".into(),
+                    resource: crate::allocator::DRA_RESOURCE.into(),
                     container: ContainerIdentity::default(),
                     source: Source::NodeApi,
                     created_unix_ns: 0,
                     devices,
-                    claim: None,
+                    claim: Some(Box::new(Claim { owner: Some(owner.claim.uid.clone()), lease: Lease::None })),
                 })
                 .clone())
         }
 
         fn release_claim(&self, uid: &str) -> Result<bool, String> {
             Ok(self.0.lock().unwrap().remove(uid).is_some())
+        }
+
+        fn claim_allocations(&self) -> Vec<Allocation> {
+            self.0.lock().unwrap().values().cloned().collect()
+        }
+    }
+
+    /// The status writes, recorded: (claim UID, entries).
+    #[derive(Default)]
+    struct Statuses(Mutex<Vec<(String, Vec<DeviceStatus>)>>);
+
+    #[tonic::async_trait]
+    impl ClaimStatusApi for Statuses {
+        async fn apply(&self, claim: &ClaimRef, devices: &[DeviceStatus]) -> Result<(), WriteError> {
+            self.0.lock().unwrap().push((claim.uid.clone(), devices.to_vec()));
+            Ok(())
         }
     }
 
@@ -230,11 +280,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!((a.memory_limit, a.sm_percent, a.physical_uuid.as_str()), (Some(8 << 30), Some(30), "GPU-0"));
-        assert_eq!(cdi_name(&d), "tessera.io/gpu=GPU-0");
+        assert_eq!(d.name, "gpu-0-shared");
         let (a, d) =
             allocated_device(&granted("gpu-1-mig-2-0", &[]), &p, Priority::Normal, ComputeMode::Strict).unwrap();
         assert_eq!((a.memory_limit, a.sm_percent), (None, None), "a MIG device is the container's whole");
-        assert_eq!(cdi_name(&d), "tessera.io/mig=MIG-1");
+        assert_eq!((a.physical_uuid.as_str(), d.uuid.as_str()), ("MIG-1", "MIG-1"));
         // Defaults from the request policy when the claim named none.
         let (a, _) =
             allocated_device(&granted("gpu-0-shared", &[]), &p, Priority::Low, ComputeMode::WorkConserving).unwrap();
@@ -263,22 +313,53 @@ mod tests {
         }))
         .unwrap();
         let records = Arc::new(Records::default());
+        let tmp = tempfile::tempdir().unwrap();
+        let nodes: super::super::claim_specs::NodesOf = Arc::new(|_: &str| Some(Vec::new()));
+        let specs = Arc::new(ClaimSpecs::new(
+            tmp.path().join("cdi"),
+            tessera_hook::cdi::NodeDevices::default(),
+            tmp.path().join("run"),
+            nodes,
+        ));
+        let statuses = Arc::new(Statuses::default());
         let driver = DraDriver {
             claims: Arc::new(Claims(rc)),
             allocations: records.clone(),
+            specs,
+            status: Arc::new(StatusWriter::new(statuses.clone())),
             devices: watch::channel(published()).1,
             pool: "node-a".into(),
             default_priority: Priority::Normal,
             default_compute_mode: ComputeMode::Strict,
         };
         let c = ClaimRef { namespace: "ml".into(), uid: "uid-1".into(), name: "train".into() };
+        let spec = tmp.path().join("cdi/tessera.io-claim_uid-1.json");
         let first = driver.prepare(&c).await.unwrap();
-        assert_eq!(first[0].cdi_device_ids, ["tessera.io/gpu=GPU-0"]);
+        assert_eq!(first[0].cdi_device_ids, ["tessera.io/claim=uid-1-GPU-0"]);
+        let written = std::fs::read(&spec).unwrap();
         assert_eq!(driver.prepare(&c).await.unwrap(), first);
+        assert_eq!(std::fs::read(&spec).unwrap(), written, "prepared again: the same spec");
         assert_eq!(records.0.lock().unwrap().len(), 1, "prepared twice, allocated once");
         assert_eq!(records.0.lock().unwrap()["uid-1"].devices[0].memory_limit, Some(8 << 30));
         driver.unprepare(&c).await.unwrap();
+        assert!(!spec.exists(), "unprepared: the spec is gone");
         driver.unprepare(&c).await.unwrap();
         assert!(records.0.lock().unwrap().is_empty());
+        // status.devices: what was granted, then cleared (the writes run in the background).
+        for _ in 0..100 {
+            let seen = statuses.0.lock().unwrap().clone();
+            if seen.iter().any(|(_, d)| !d.is_empty()) && seen.last().is_some_and(|(_, d)| d.is_empty()) {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let seen = statuses.0.lock().unwrap().clone();
+        let set = &seen.iter().find(|(_, d)| !d.is_empty()).expect("a status write").1[0];
+        assert_eq!(
+            (set.device.as_str(), set.uuid.as_str(), set.memory, set.sm_percent),
+            ("gpu-0-shared", "GPU-0", Some(8 << 30), Some(30))
+        );
+        assert_eq!(set.allocation, "a0");
+        assert!(seen.last().unwrap().1.is_empty(), "the last write clears: {seen:?}");
     }
 }
