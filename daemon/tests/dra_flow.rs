@@ -1,15 +1,22 @@
 //! The DRA driver end to end in the built `tesserad` (`kubernetes.mode = "dra"`) on the simulated
 //! node, against the test API server and the test kubelet: the node's ResourceSlice appears; a
 //! claim allocated 8Gi + 30% of GPU 0 is prepared into one allocation with exactly those limits
-//! (node API `ListAllocations`) and the GPU's CDI name; a claim that does not fit beside it is
-//! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
-//! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
+//! (node API `ListAllocations`) and a CDI name in the claim's own spec
+//! (`tessera.io-claim_<uid>.json`: the GPU's node, the allocation's directory and region, the
+//! shim's preload and env), and its `status.devices` says what was granted (written through an
+//! injected API server failure); a claim that does not fit beside it is refused and leaves
+//! nothing; after kill -9 (and the spec lost, as if the kill came between the record and the
+//! spec) a restart writes the same spec again and removes a stray one, and the same claim
+//! prepares to the same allocation and spec (nothing doubled); NodeUnprepareResources releases
+//! it (record, directory, region mount, spec, status entry), twice without error.
 //! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
 //! them back. In mode `both` the partitioned GPU stays with the device plugin and the other is
 //! DRA's: no GPU is offered twice.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+use hyper::Method;
 
 use serde_json::{Value, json};
 use tessera_proto::dra::v1;
@@ -33,12 +40,40 @@ fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) ->
     mode_config(node, dir, apiserver, "dra", extra)
 }
 
+/// A host's GPU files under `dir` as the CDI specs name them: `dev/nvidia0`, `dev/nvidia1` and
+/// `dev/nvidiactl` (character devices: made with mknod as root, else links to /dev/null), an
+/// empty driver root, a stand-in shim; tesserad's `[injection]` section for them.
+fn fake_host(dir: &Path) -> String {
+    let dev = dir.join("dev");
+    std::fs::create_dir_all(&dev).expect("dev");
+    let root = std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")));
+    for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
+        let path = dev.join(name);
+        if root {
+            let ok = std::process::Command::new("mknod").arg(&path).args(["c", "195", &minor.to_string()]).status();
+            assert!(ok.is_ok_and(|s| s.success()), "mknod {}", path.display());
+        } else {
+            std::os::unix::fs::symlink("/dev/null", &path).expect("symlink");
+        }
+    }
+    std::fs::create_dir_all(dir.join("driver")).expect("driver root");
+    std::fs::write(dir.join("libtessera.so"), "stand-in").expect("shim");
+    format!(
+        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\n",
+        dir.join("cdi"),
+        dir.join("driver"),
+        dir.join("libtessera.so")
+    )
+}
+
 fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, extra: &str) -> std::path::PathBuf {
     let kubeconfig = apiserver.kubeconfig(dir);
     let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
     std::fs::create_dir_all(&registry).expect("registry dir");
+    let injection = fake_host(dir);
     let body = format!(
-        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
+        "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
          kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
     );
     common::write_config(node, dir, &body)
@@ -95,6 +130,40 @@ async fn unprepare(endpoint: &Path, uid: &str, name: &str) -> String {
     answer.claims.remove(uid).expect("an answer for the claim").error
 }
 
+/// The claim's `status.devices` once `done` accepts it (up to [`WAIT`]).
+async fn status_devices(apiserver: &ApiServer, name: &str, done: impl Fn(&Value) -> bool, log: &Path) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let devices = apiserver.claim("ml", name).expect("the claim")["status"]["devices"].clone();
+        if done(&devices) {
+            return devices;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "status.devices {devices}; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The claim specs in `dir/cdi`, by file name.
+fn claim_specs(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.join("cdi"))
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+        .unwrap_or_default();
+    names.retain(|n| n.starts_with("tessera.io-claim_"));
+    names.sort();
+    names
+}
+
+/// The mount points under `dir` in this process's mount table.
+fn mounts_under(dir: &Path) -> Vec<String> {
+    let table = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let dir = dir.display().to_string();
+    table.lines().filter_map(|l| l.split(' ').nth(4)).filter(|p| p.starts_with(&dir)).map(String::from).collect()
+}
+
 async fn allocations(socket: &Path) -> Vec<api::Allocation> {
     let mut node = common::node_api(socket).await;
     node.list_allocations(api::ListAllocationsRequest::default())
@@ -135,14 +204,17 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
     let gpu0 = devices.devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32).expect("GPU 0").uuid.clone();
 
-    // The kubelet finds the driver and prepares the claim.
+    // The kubelet finds the driver and prepares the claim; the API server fails the first
+    // status write (the prepare does not mind: it is retried).
     let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
     assert_eq!(reg.endpoint, plugins.join("gpu.tessera.io/dra.sock"));
     apiserver.put_claim(claim_object("uid-1", "train", "8Gi", "30"));
+    apiserver.fail_next(Method::PATCH, 500);
     let first = prepare(&reg.endpoint, "uid-1", "train").await;
     assert_eq!(first.error, "", "log:\n{}", show_log());
     assert_eq!(first.devices.len(), 1);
-    assert_eq!(first.devices[0].cdi_device_ids, [format!("tessera.io/gpu={gpu0}")]);
+    let cdi_name = format!("uid-1-{gpu0}");
+    assert_eq!(first.devices[0].cdi_device_ids, [format!("tessera.io/claim={cdi_name}")]);
     assert_eq!(
         (first.devices[0].pool_name.as_str(), first.devices[0].device_name.as_str()),
         ("node-a", "gpu-0-shared")
@@ -155,7 +227,63 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     assert_eq!(alloc.devices[0].sm_percent, 30);
     let pod = alloc.container.as_ref().expect("container");
     assert_eq!((pod.pod_namespace.as_str(), pod.pod_name.as_str()), ("ml", "train-pod"));
-    assert!(dir.join("run/alloc").join(&alloc.id).join("limits").exists());
+    let alloc_dir = dir.join("run/alloc").join(&alloc.id);
+    assert!(alloc_dir.join("limits").exists());
+
+    // The claim's spec: the CDI name the kubelet got, with the GPU's node, the allocation's
+    // directory read-only and its region read-write, the preload, and the shim's env.
+    assert_eq!(claim_specs(dir), ["tessera.io-claim_uid-1.json"]);
+    let spec_path = dir.join("cdi/tessera.io-claim_uid-1.json");
+    let spec_bytes = std::fs::read(&spec_path).expect("the claim's spec");
+    let spec: Value = serde_json::from_slice(&spec_bytes).expect("json");
+    assert_eq!(spec["kind"], "tessera.io/claim");
+    let device = &spec["devices"][0];
+    assert_eq!(device["name"], cdi_name.as_str());
+    assert_eq!(device["annotations"]["tessera.io/uuid"], gpu0.as_str());
+    let edits = &device["containerEdits"];
+    let env: Vec<&str> = edits["env"].as_array().expect("env").iter().map(|e| e.as_str().unwrap()).collect();
+    for want in [
+        format!("TESSERA_ALLOCATION={}", alloc.id),
+        "TESSERA_LIMITS=/run/tessera/alloc/limits".into(),
+        "TESSERA_REGION=/run/tessera/alloc/region".into(),
+    ] {
+        assert!(env.contains(&want.as_str()), "{want} in {env:?}");
+    }
+    assert_eq!(edits["deviceNodes"][0]["path"], "/dev/nvidia0");
+    let mounts: Vec<(String, String, String)> = edits["mounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .map(|m| {
+            let opts: Vec<&str> = m["options"].as_array().unwrap().iter().map(|o| o.as_str().unwrap()).collect();
+            (m["hostPath"].as_str().unwrap().into(), m["containerPath"].as_str().unwrap().into(), opts[0].into())
+        })
+        .collect();
+    let host = |p: &Path| p.display().to_string();
+    assert_eq!(
+        mounts,
+        [
+            (host(&alloc_dir), "/run/tessera/alloc".into(), "ro".into()),
+            (host(&alloc_dir.join("region")), "/run/tessera/alloc/region".into(), "rw".into()),
+            (host(&dir.join("run/hook/ld.so.preload")), "/etc/ld.so.preload".into(), "ro".into()),
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("run/hook/ld.so.preload")).unwrap(),
+        "/usr/lib/tessera/libtessera.so\n"
+    );
+    let shim = spec["containerEdits"]["mounts"].as_array().expect("spec mounts");
+    assert!(shim.iter().any(|m| m["hostPath"] == host(&dir.join("libtessera.so")).as_str()), "{shim:?}");
+    // status.devices: what was granted, despite the failed first write.
+    let status = status_devices(&apiserver, "train", |d| d.is_array(), &log).await;
+    assert_eq!(
+        status,
+        json!([{"driver": "gpu.tessera.io", "pool": "node-a", "device": "gpu-0-shared",
+            "data": {"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuStatus", "uuid": gpu0,
+                "allocationID": alloc.id, "memory": "8Gi", "sm": 30}}])
+    );
+    assert!(show_log().contains("cannot write the claim's status.devices; retrying"), "{}", show_log());
+    validate_claim_status(&apiserver.claim("ml", "train").expect("claim"));
 
     // A claim the scheduler should never have placed here (73Gi beside 8Gi of about 80Gi): refused,
     // named, and nothing recorded.
@@ -166,27 +294,68 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     assert!(refused.error.contains("the claim asks 73 GiB and 10%"), "{}", refused.error);
     assert!(refused.devices.is_empty());
     assert_eq!(allocations(&socket).await.len(), 1);
+    assert_eq!(claim_specs(dir), ["tessera.io-claim_uid-1.json"], "no spec for a refused claim");
 
-    // kill -9 between prepare and unprepare, restart on the same state: the same allocation.
+    // kill -9 between prepare and unprepare, with the spec lost as if the kill came between the
+    // record and the spec, and a stray spec of a claim never recorded: the restart writes the
+    // same spec again and removes the stray one; the same claim prepares to the same allocation.
     daemon.0.kill().expect("kill -9");
     daemon.0.wait().expect("reap");
+    std::fs::remove_file(&spec_path).expect("lose the spec");
+    std::fs::write(dir.join("cdi/tessera.io-claim_uid-zombie.json"), &spec_bytes).expect("a stray spec");
     let (daemon2, _) = spawn(&node, &config, &notify, &log);
     let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    assert_eq!(claim_specs(dir), ["tessera.io-claim_uid-1.json"], "log:\n{}", show_log());
+    assert_eq!(std::fs::read(&spec_path).expect("written again"), spec_bytes);
     let again = prepare(&reg.endpoint, "uid-1", "train").await;
     assert_eq!(again, first, "log:\n{}", show_log());
     let after = allocations(&socket).await;
     assert_eq!(after.len(), 1, "nothing doubled: {after:?}");
     assert_eq!(after[0].id, alloc.id);
     assert_eq!(after[0].devices[0].memory_limit_bytes, 8 << 30);
+    assert_eq!(std::fs::read(&spec_path).expect("the spec"), spec_bytes, "the same spec");
+    assert_eq!(claim_specs(dir), ["tessera.io-claim_uid-1.json"]);
 
-    // Unprepare releases it (record and directory); a repeat succeeds too.
+    // Unprepare releases it (record, directory, region mount, spec, status entry); a repeat
+    // succeeds too.
     assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
     assert!(allocations(&socket).await.is_empty());
-    assert!(!dir.join("run/alloc").join(&alloc.id).exists());
+    assert!(!alloc_dir.exists());
+    assert!(mounts_under(&alloc_dir).is_empty(), "{:?}", mounts_under(&alloc_dir));
+    assert!(claim_specs(dir).is_empty());
+    status_devices(&apiserver, "train", Value::is_null, &log).await;
     assert_eq!(unprepare(&reg.endpoint, "uid-1", "train").await, "");
     // The room is back: the greedy claim fits now.
     assert_eq!(prepare(&reg.endpoint, "uid-2", "greedy").await.error, "");
     drop(daemon2);
+}
+
+/// The claim with its `status.devices` validates against the 1.37 schema (kubernetes-validate
+/// in target/k8s-validate, as daemon/tests/deploy.rs uses it; SKIP without it).
+fn validate_claim_status(claim: &Value) {
+    let validator = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/k8s-validate/bin/kubernetes-validate");
+    if !validator.is_file() {
+        common::skip("kubernetes-validate is not installed (scripts/deps.sh puts it in target/k8s-validate)");
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let check = |obj: &Value| {
+        let file = tmp.path().join("claim.json");
+        std::fs::write(&file, serde_json::to_vec(obj).expect("json")).expect("write");
+        let out = std::process::Command::new(&validator)
+            .args(["--strict", "--quiet", "-k", "1.37.0"])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success() && said.trim().is_empty(), said)
+    };
+    let (ok, said) = check(claim);
+    assert!(ok, "{said}\n{claim:#}");
+    // The check can fail: a field the schema lacks is refused.
+    let mut bad = claim.clone();
+    bad["status"]["devices"][0]["bogus"] = json!(1);
+    assert!(!check(&bad).0, "a field the schema lacks was accepted");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,6 +2,12 @@
 //! for the few resources the DRA driver uses, so kube-rs talks to it unchanged:
 //!
 //! - `GET /apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}`;
+//! - `PATCH …/resourceclaims/{name}/status` by server-side apply (`application/apply-patch+yaml`,
+//!   what kube-rs sends for `Patch::Apply`) of `status.devices`: entries keyed by driver, pool,
+//!   device and shareID, owned per `fieldManager` (an apply replaces the manager's entries and
+//!   removes those it no longer names; another manager's entry is a 409 unless `force`), each
+//!   entry checked against the claim's allocation results (422), `metadata.uid` a precondition
+//!   (409);
 //! - `resourceslices`: list (with `fieldSelector` on `spec.nodeName` / `spec.driver`), get,
 //!   create (409 AlreadyExists), replace (409 Conflict on a stale `metadata.resourceVersion`),
 //!   delete; and watch (`?watch=true&resourceVersion=N`: the events after N, then live ones;
@@ -39,6 +45,8 @@ struct Store {
     requests: Vec<String>,
     /// Failures to inject: (method, status code) answered to the next matching request.
     failures: Vec<(Method, u16)>,
+    /// Per claim, per field manager: the keys of the `status.devices` entries it owns.
+    status_owners: BTreeMap<(String, String), BTreeMap<String, Vec<Value>>>,
 }
 
 /// The test API server.
@@ -201,6 +209,11 @@ impl ApiServer {
         s.claims.insert(key, claim);
     }
 
+    /// A ResourceClaim as stored now.
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.store.lock().unwrap().claims.get(&(namespace.to_owned(), name.to_owned())).cloned()
+    }
+
     /// Every ResourceSlice, by name.
     pub fn slices(&self) -> BTreeMap<String, Value> {
         self.store.lock().unwrap().slices.clone()
@@ -244,6 +257,8 @@ async fn handle(
     let uri = req.uri().clone();
     let path = uri.path().to_owned();
     let q = query(&uri);
+    let content_type =
+        req.headers().get(hyper::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => return status(400, "BadRequest", "unreadable body"),
@@ -273,6 +288,11 @@ async fn handle(
                 Some(c) => respond(200, c),
                 None => status(404, "NotFound", &format!("resourceclaims.resource.k8s.io \"{name}\" not found")),
             };
+        }
+        if let [ns, "resourceclaims", name, "status"] = parts.as_slice()
+            && method == Method::PATCH
+        {
+            return apply_claim_status(&mut s, ns, name, &q, &content_type, &body);
         }
         return status(404, "NotFound", "no such resource");
     }
@@ -344,6 +364,98 @@ async fn handle(
         };
     }
     status(404, "NotFound", "the server could not find the requested resource")
+}
+
+/// The key of a `status.devices` entry (its list-map keys).
+fn status_key(entry: &Value) -> Value {
+    json!([entry["driver"], entry["pool"], entry["device"], entry.get("shareID").cloned().unwrap_or(Value::Null)])
+}
+
+/// Server-side apply of a ResourceClaim's `status.devices` (the only status field this server
+/// lets an apply change).
+fn apply_claim_status(
+    s: &mut Store,
+    ns: &str,
+    name: &str,
+    q: &BTreeMap<String, String>,
+    content_type: &str,
+    body: &[u8],
+) -> Response<Full<Bytes>> {
+    if !content_type.starts_with("application/apply-patch+yaml") {
+        return status(415, "UnsupportedMediaType", &format!("this server applies only, not {content_type:?} patches"));
+    }
+    let Some(manager) = q.get("fieldManager").filter(|m| !m.is_empty()).cloned() else {
+        return status(422, "Invalid", "fieldManager: Required value: is required for apply patch");
+    };
+    let force = q.get("force").is_some_and(|f| f == "true");
+    let Ok(patch) = serde_json::from_slice::<Value>(body) else { return status(400, "BadRequest", "not JSON") };
+    if patch["apiVersion"] != "resource.k8s.io/v1" || patch["kind"] != "ResourceClaim" {
+        return status(400, "BadRequest", "apiVersion and kind must be resource.k8s.io/v1 ResourceClaim");
+    }
+    let key = (ns.to_owned(), name.to_owned());
+    let Some(mut claim) = s.claims.get(&key).cloned() else {
+        return status(404, "NotFound", &format!("resourceclaims.resource.k8s.io \"{name}\" not found"));
+    };
+    if let Some(uid) = patch["metadata"]["uid"].as_str()
+        && Some(uid) != claim["metadata"]["uid"].as_str()
+    {
+        return status(409, "Conflict", &format!("Precondition failed: UID in precondition: {uid}"));
+    }
+    let wanted: Vec<Value> = patch["status"]["devices"].as_array().cloned().unwrap_or_default();
+    let results = claim["status"]["allocation"]["devices"]["results"].as_array().cloned().unwrap_or_default();
+    for (i, e) in wanted.iter().enumerate() {
+        let allocated = results.iter().any(|r| {
+            r["driver"] == e["driver"]
+                && r["pool"] == e["pool"]
+                && r["device"] == e["device"]
+                && r.get("shareID") == e.get("shareID")
+        });
+        if !allocated {
+            return status(
+                422,
+                "Invalid",
+                &format!("status.devices[{i}]: Invalid value: {e}: must be an allocated device in the claim"),
+            );
+        }
+        if e.get("data").is_some_and(|d| !d.is_object()) {
+            return status(422, "Invalid", &format!("status.devices[{i}].data: must be an object"));
+        }
+    }
+    let keys: Vec<Value> = wanted.iter().map(status_key).collect();
+    let owners = s.status_owners.entry(key.clone()).or_default();
+    if !force
+        && let Some((other, _)) =
+            owners.iter().find(|(m, owned)| **m != manager && owned.iter().any(|k| keys.contains(k)))
+    {
+        return status(409, "Conflict", &format!("Apply failed with 1 conflict: conflict with {other:?}"));
+    }
+    let before = owners.insert(manager.clone(), keys.clone()).unwrap_or_default();
+    // Forced: the entries taken from other managers are no longer theirs.
+    for (_, owned) in owners.iter_mut().filter(|(m, _)| **m != manager) {
+        owned.retain(|k| !keys.contains(k));
+    }
+    let mut devices: Vec<Value> = claim["status"]["devices"].as_array().cloned().unwrap_or_default();
+    devices.retain(|d| {
+        let k = status_key(d);
+        !before.contains(&k) || keys.contains(&k)
+    });
+    for e in wanted {
+        let k = status_key(&e);
+        match devices.iter_mut().find(|d| status_key(d) == k) {
+            Some(d) => *d = e,
+            None => devices.push(e),
+        }
+    }
+    if devices.is_empty() {
+        if let Some(st) = claim["status"].as_object_mut() {
+            st.remove("devices");
+        }
+    } else {
+        claim["status"]["devices"] = Value::Array(devices);
+    }
+    s.bump(&mut claim);
+    s.claims.insert(key, claim.clone());
+    respond(200, &claim)
 }
 
 /// A watch: the history after `resourceVersion`, then live events for a short while (the body is
