@@ -5,6 +5,9 @@
 //! container (its env, `/etc/ld.so.preload` and the allocation's files, each container path taken
 //! to its host path through the spec's mounts) → CUDA_ERROR_OUT_OF_MEMORY past 8 GiB and 0.30 ±
 //! 0.05 of the GPU → NodeUnprepareResources: record, directory, region mount and spec gone.
+//! The same in a runc container (root, runc, busybox) whose config.json gets only what the claim's
+//! spec says (applied as a CDI runtime does, its createRuntime hook entry included): the simulated
+//! driver from the driver root and the shim come from the spec, and the limits hold inside.
 //! The claim's opaque configuration of driver `gpu.tessera.io` (priority, compute mode) reaches
 //! the allocation: in its limits file, and in what the workload achieves (work-conserving alone on
 //! the GPU takes far more than its 30%).
@@ -317,4 +320,171 @@ async fn a_claims_opaque_config_reaches_its_allocation() {
     assert!(error.contains("priority \"urgent\" is not one of"), "{error}");
     assert_eq!(s.allocations().await.len(), 1, "the refused claim left an allocation");
     s.unprepare("uid-burst", "burst").await;
+}
+
+/// Copies `file` into `rootfs` at `at` (relative), with every library `ldd` says it needs at its
+/// own path: a root file system just big enough to run it.
+fn copy_with_libraries(rootfs: &Path, file: &Path, at: Option<&str>) {
+    if let Some(at) = at {
+        let dest = rootfs.join(at);
+        std::fs::create_dir_all(dest.parent().expect("parent")).expect("mkdir");
+        std::fs::copy(file, &dest).expect("copy");
+    }
+    let out = std::process::Command::new("ldd").arg(file).output().expect("ldd");
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let path = line.split("=>").last().and_then(|p| p.split_whitespace().next()).filter(|p| p.starts_with('/'));
+        if let Some(lib) = path {
+            let dest = rootfs.join(lib.trim_start_matches('/'));
+            if !dest.exists() {
+                std::fs::create_dir_all(dest.parent().expect("parent")).expect("mkdir");
+                std::fs::copy(lib, &dest).unwrap_or_else(|e| panic!("{lib}: {e}"));
+            }
+        }
+    }
+}
+
+/// Applies device `name` of CDI `spec` to the bundle's config.json as a CDI runtime does (the
+/// spec's edits, then the device's): env, device nodes with their cgroup rules, bind mounts
+/// (sorted so that a mount comes after the one holding it), hooks.
+fn apply_cdi(config: &Path, spec: &Value, name: &str) {
+    let mut oci: Value = serde_json::from_slice(&std::fs::read(config).expect("config.json")).expect("json");
+    let device = spec["devices"].as_array().expect("devices").iter().find(|d| d["name"] == name).expect("device");
+    for edits in [&spec["containerEdits"], &device["containerEdits"]] {
+        for e in edits["env"].as_array().into_iter().flatten() {
+            oci["process"]["env"].as_array_mut().expect("env").push(e.clone());
+        }
+        for n in edits["deviceNodes"].as_array().into_iter().flatten() {
+            let node = json!({"path": n["path"], "type": "c", "major": n["major"], "minor": n["minor"],
+                "fileMode": 0o666, "uid": 0, "gid": 0});
+            if !oci["linux"]["devices"].is_array() {
+                oci["linux"]["devices"] = json!([]);
+            }
+            oci["linux"]["devices"].as_array_mut().expect("devices").push(node);
+            let rule = json!({"allow": true, "type": "c", "major": n["major"], "minor": n["minor"], "access": "rwm"});
+            oci["linux"]["resources"]["devices"].as_array_mut().expect("device rules").push(rule);
+        }
+        for m in edits["mounts"].as_array().into_iter().flatten() {
+            let mounts = oci["mounts"].as_array_mut().expect("mounts");
+            mounts.retain(|x| x["destination"] != m["containerPath"]);
+            mounts.push(json!({"destination": m["containerPath"], "type": "bind", "source": m["hostPath"],
+                "options": m["options"]}));
+        }
+        for h in edits["hooks"].as_array().into_iter().flatten() {
+            let kind = h["hookName"].as_str().expect("hookName").to_owned();
+            let hook = json!({"path": h["path"], "args": h["args"], "env": h["env"]});
+            let list = &mut oci["hooks"][kind];
+            if !list.is_array() {
+                *list = json!([]);
+            }
+            list.as_array_mut().expect("hooks").push(hook);
+        }
+    }
+    let depth = |m: &Value| Path::new(m["destination"].as_str().unwrap_or("/")).components().count();
+    oci["mounts"].as_array_mut().expect("mounts").sort_by_key(depth);
+    std::fs::write(config, serde_json::to_vec_pretty(&oci).expect("json")).expect("write config.json");
+}
+
+/// The JSON line the container printed between `BEGIN-<tag>` and `END-<tag> <status>`, and that
+/// status.
+fn section(text: &str, tag: &str) -> (Value, String) {
+    let start = text.find(&format!("BEGIN-{tag}\n")).unwrap_or_else(|| panic!("no {tag} in:\n{text}"));
+    let rest = &text[start..];
+    let end = rest.find(&format!("END-{tag} ")).unwrap_or_else(|| panic!("no end of {tag} in:\n{text}"));
+    let status = rest[end..].lines().next().unwrap_or_default().split(' ').nth(1).unwrap_or_default().to_owned();
+    let json =
+        rest[..end].lines().rfind(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no report for {tag}:\n{text}"));
+    (serde_json::from_str(json).expect("a report"), status)
+}
+
+const CONTAINER_SCRIPT: &str = r#"
+echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
+echo "region-writable $(test -w /run/tessera/alloc/region && echo yes || echo no)"
+echo "preload $(cat /etc/ld.so.preload)"
+echo "allocation $TESSERA_ALLOCATION"
+for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
+echo BEGIN-OOM
+/usr/local/bin/tessera-workload --alloc-mib 9216 --chunk-mib 512
+echo "END-OOM $?"
+echo BEGIN-SHARE
+/usr/local/bin/tessera-workload --kernel-us 2000 --seconds 2 --depth 4
+echo "END-SHARE $?"
+"#;
+
+/// The same claim in a runc container that gets its devices, files and environment only from
+/// the claim's CDI spec (applied to config.json as a CDI runtime does, its createRuntime hook
+/// entry included): a root file system holding busybox and the workload with its libraries; the
+/// driver (the simulated one, from the driver root) and the shim come from the spec.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reaches_a_runc_container_through_its_cdi_spec() {
+    if !tessera_tests::runc_usable() {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let s = Setup::start().await;
+    let Some(rootfs) = tessera_tests::busybox_rootfs(&s.dir.join("rootfs")) else { return };
+    copy_with_libraries(&rootfs, &binary("tessera-workload"), Some("usr/local/bin/tessera-workload"));
+    copy_with_libraries(&rootfs, &tessera_tests::shim(), None);
+    copy_with_libraries(&rootfs, &sim_library(), None);
+    s.apiserver.put_claim(claim_object("uid-runc", "boxed", "8Gi", "30", Value::Null));
+    let (name, _) = s.prepare("uid-runc", "boxed").await;
+    let alloc = s.allocations().await.pop().expect("the claim's allocation");
+    let spec = s.spec_with(&name).expect("the claim's spec");
+
+    // The simulated GPU's state, as the real driver's device files would be: the same file.
+    let sim_env: Vec<String> = s
+        .node
+        .env()
+        .into_iter()
+        .filter(|(k, _)| k != "LD_LIBRARY_PATH")
+        .map(|(k, v)| format!("{k}={}", v.to_string_lossy()))
+        .collect();
+    let bundle = s.dir.join("bundle");
+    tessera_tests::runc_bundle(&bundle, &rootfs, CONTAINER_SCRIPT, &sim_env, Value::Null);
+    let config = bundle.join("config.json");
+    apply_cdi(&config, &spec, &name);
+    let mut oci: Value = serde_json::from_slice(&std::fs::read(&config).expect("read")).expect("json");
+    let sim_root = s.node.root.display().to_string();
+    oci["mounts"].as_array_mut().expect("mounts").push(json!({"destination": sim_root, "type": "bind",
+        "source": sim_root, "options": ["rbind", "rw"]}));
+    std::fs::write(&config, serde_json::to_vec_pretty(&oci).expect("json")).expect("write");
+
+    let out = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        tokio::process::Command::new("runc")
+            .arg("--root")
+            .arg(s.dir.join("runc-state"))
+            .args(["run", "--bundle"])
+            .arg(&bundle)
+            .arg("claim-ctr")
+            .stdin(std::process::Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the container in time")
+    .expect("runc run");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}\nlog:\n{}", s.log());
+    for want in [
+        "limits-writable no".to_string(),
+        "region-writable yes".into(),
+        "preload /usr/lib/tessera/libtessera.so".into(),
+        format!("allocation {}", alloc.id),
+        "node /dev/nvidia0".into(),
+    ] {
+        assert!(text.contains(&want), "{want:?} in:\n{text}");
+    }
+    let (oom, status) = section(&text, "OOM");
+    assert_eq!((status.as_str(), oom["alloc_error"].as_str()), ("3", Some("CUDA_ERROR_OUT_OF_MEMORY")), "{oom}");
+    let got = oom["allocated_bytes"].as_u64().expect("allocated");
+    let limit = 8u64 << 30;
+    assert!(got + OVERHEAD_MIB * MIB <= limit && got + OVERHEAD_MIB * MIB + 512 * MIB > limit, "{got} of {limit}");
+    let (r, status) = section(&text, "SHARE");
+    assert_eq!(status, "0", "{r}");
+    let share = r["achieved_share"].as_f64().expect("achieved_share");
+    eprintln!("claim of 30% in a runc container: achieved {share:.3}");
+    assert!((share - 0.30).abs() <= 0.05, "achieved {share} in the container: {r}");
+
+    s.unprepare("uid-runc", "boxed").await;
+    assert!(s.spec_with(&name).is_none());
+    assert!(!s.dir.join("run/alloc").join(&alloc.id).exists());
 }
