@@ -256,3 +256,61 @@ async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conf
     stop_tx.send(true).unwrap();
     tokio::time::timeout(common::WAIT, task).await.unwrap().unwrap();
 }
+
+/// The publisher watches its slices between changes: a slice another writer deletes or edits is
+/// put back at once (the watch sees it; a periodic check would take a minute), and a quiet slice
+/// costs watches, not lists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publisher_puts_back_a_slice_someone_deletes_or_edits_without_polling() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = ApiServer::start().await;
+    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let node = "node-a";
+    let devices = vec![gpu(0, DraKind::Gpu), gpu(0, DraKind::Shared)];
+    let (_dev_tx, dev_rx) = watch::channel(devices.clone());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (synced_tx, mut synced) = watch::channel(0u64);
+    let task = tokio::spawn(Publisher::new(client, node).run(dev_rx, stop_rx, synced_tx));
+    tokio::time::timeout(common::WAIT, synced.wait_for(|n| *n >= 1)).await.unwrap().unwrap();
+    let name = slice_name(node);
+    let names = |api: &ApiServer| -> Option<Vec<String>> {
+        api.slices().get(&name).map(|s| {
+            s["spec"]["devices"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_owned()).collect()
+        })
+    };
+    let ours = Some(vec!["gpu-0".to_string(), "gpu-0-shared".to_string()]);
+    let until_ours = |what: &'static str| {
+        let api = &api;
+        let ours = ours.clone();
+        async move {
+            let deadline = std::time::Instant::now() + common::WAIT;
+            while names(api) != ours {
+                assert!(std::time::Instant::now() < deadline, "not put back after {what}: {:?}", names(api));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    until_ours("the start").await;
+
+    // Deleted by someone else: back.
+    assert!(api.delete_slice(&name));
+    until_ours("a deletion").await;
+    // Edited by someone else (a device gone, as a stale writer would leave it): back.
+    let mut edited = api.slices()[&name].clone();
+    edited["spec"]["devices"].as_array_mut().unwrap().truncate(1);
+    api.put_slice(edited);
+    assert_eq!(names(&api).map(|n| n.len()), Some(1));
+    until_ours("an edit").await;
+
+    // Quiet: watched, not listed again.
+    let lists =
+        |api: &ApiServer| api.requests().iter().filter(|r| *r == "GET /apis/resource.k8s.io/v1/resourceslices").count();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (before, watches_before) = (lists(&api), api.requests().iter().filter(|r| r.starts_with("WATCH")).count());
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(lists(&api), before, "a quiet slice is not listed again");
+    let watches = api.requests().iter().filter(|r| r.starts_with("WATCH")).count();
+    assert!(watches > watches_before, "the publisher keeps watching ({watches_before} → {watches})");
+    stop_tx.send(true).unwrap();
+    tokio::time::timeout(common::WAIT, task).await.unwrap().unwrap();
+}

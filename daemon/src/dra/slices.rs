@@ -4,6 +4,13 @@
 //! change, stale slices of this driver on this node deleted. Failures (conflicts, an API server
 //! restarting) are retried with backoff from 100 ms doubling to 30 s; never a hot loop.
 //!
+//! Between changes of its devices the publisher watches this driver's slices on this node from
+//! the resourceVersion of its last list: any change it sees (another writer's edit, a deletion,
+//! its own write coming back) makes it sync again, so a slice someone deletes or edits is put
+//! back at once instead of at the next periodic check; a watch that ends (the API server's
+//! timeout) is made again from where it was, without a list; one that fails (410 Gone, an error)
+//! means a sync after the backoff.
+//!
 //! Unhealthy devices leave the slice and come back on recovery. The layout is the 1.34 one
 //! (devices only, no shared counters): every field written exists in the 1.34 and 1.37 schemas.
 
@@ -16,8 +23,9 @@ use k8s_openapi::api::resource::v1::{
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::api::{DeleteParams, ListParams, PostParams, WatchEvent, WatchParams};
 use tokio::sync::watch;
+use tokio_stream::StreamExt;
 
 use super::DRIVER;
 use super::devices::{DraDevice, DraKind, format_bytes};
@@ -25,8 +33,8 @@ use super::devices::{DraDevice, DraKind, format_bytes};
 /// The first retry after a failed sync, and the longest wait between retries.
 pub const FIRST_RETRY: Duration = Duration::from_millis(100);
 pub const MAX_RETRY: Duration = Duration::from_secs(30);
-/// How often a synced slice is checked again (someone may have deleted or edited it).
-pub const RESYNC: Duration = Duration::from_secs(60);
+/// How long one watch request asks to last; it is then made again from the last version seen.
+pub const WATCH_TIMEOUT_S: u32 = 290;
 
 /// Granularity of a memory request on a shareable GPU: requests round up to it.
 pub const MEMORY_STEP: u64 = 256 << 20;
@@ -181,8 +189,19 @@ impl Publisher {
     /// the wanted slice remains. A conflict (someone else changed it) is an error: the caller
     /// retries with a fresh list.
     pub async fn sync(&self, devices: &[DraDevice]) -> Result<Synced, kube::Error> {
-        let fields = format!("spec.nodeName={},spec.driver={DRIVER}", self.node);
-        let list = self.api.list(&ListParams::default().fields(&fields)).await?;
+        self.sync_at(devices).await.map(|(s, _)| s)
+    }
+
+    /// The field selector of this driver's slices on this node.
+    fn fields(&self) -> String {
+        format!("spec.nodeName={},spec.driver={DRIVER}", self.node)
+    }
+
+    /// [`Publisher::sync`], and the resourceVersion of its list: a watch from there sees every
+    /// later change, its own writes included.
+    async fn sync_at(&self, devices: &[DraDevice]) -> Result<(Synced, String), kube::Error> {
+        let list = self.api.list(&ListParams::default().fields(&self.fields())).await?;
+        let version = list.metadata.resource_version.clone().unwrap_or_default();
         let name = slice_name(&self.node);
         let mut out = Synced::default();
         let mut current = None;
@@ -215,11 +234,33 @@ impl Publisher {
                 }
             }
         }
-        Ok(out)
+        Ok((out, version))
     }
 
-    /// Syncs whenever `devices` changes (and every [`RESYNC`]), retrying failures with backoff,
-    /// until `shutdown` turns true. `synced` counts successful passes (for tests and readiness).
+    /// Returns once this driver's slices on this node change after `version` (`Ok`), or the
+    /// watch cannot go on (`Err`: 410 Gone, an error); either way the caller syncs again. A watch
+    /// the API server ends quietly is made again from the last version seen.
+    async fn changed_after(&self, mut version: String) -> Result<(), kube::Error> {
+        let fields = self.fields();
+        loop {
+            let params = WatchParams::default().fields(&fields).timeout(WATCH_TIMEOUT_S);
+            let mut events = Box::pin(self.api.watch(&params, &version).await?);
+            while let Some(event) = events.next().await {
+                match event? {
+                    WatchEvent::Bookmark(b) => version = b.metadata.resource_version,
+                    WatchEvent::Error(status) => return Err(kube::Error::Api(status)),
+                    WatchEvent::Added(_) | WatchEvent::Modified(_) | WatchEvent::Deleted(_) => return Ok(()),
+                }
+            }
+            // Ended without a change: watch again (after a pause, so that a server ending every
+            // watch at once cannot make this spin).
+            tokio::time::sleep(FIRST_RETRY).await;
+        }
+    }
+
+    /// Syncs whenever `devices` changes or the watch sees the slices change, retrying failures
+    /// with backoff, until `shutdown` turns true. `synced` counts successful passes (for tests
+    /// and readiness).
     pub async fn run(
         self,
         mut devices: watch::Receiver<Vec<DraDevice>>,
@@ -229,26 +270,45 @@ impl Publisher {
         let mut retry = FIRST_RETRY;
         loop {
             let wanted = devices.borrow_and_update().clone();
-            let wait = match self.sync(&wanted).await {
-                Ok(s) => {
+            let synced_at = match self.sync_at(&wanted).await {
+                Ok((s, version)) => {
                     if s != Synced::default() {
                         tracing::info!(node = %self.node, created = s.created, updated = s.updated, deleted = s.deleted, devices = wanted.len(), "ResourceSlice published");
                     }
-                    retry = FIRST_RETRY;
                     synced.send_modify(|n| *n += 1);
-                    RESYNC
+                    Some(version)
                 }
                 Err(e) => {
                     tracing::warn!(node = %self.node, error = %e, retry_ms = retry.as_millis() as u64, "publishing the ResourceSlice failed; retrying");
-                    let now = retry;
-                    retry = (retry * 2).min(MAX_RETRY);
-                    now
+                    None
+                }
+            };
+            // Until the devices change, or the slices do (watched), or the backoff has passed.
+            let wait = async {
+                match synced_at {
+                    Some(version) => match self.changed_after(version).await {
+                        // Seen changed: sync now (at most every FIRST_RETRY: two writers
+                        // fighting over the slice cannot make this spin).
+                        Ok(()) => {
+                            retry = FIRST_RETRY;
+                            tokio::time::sleep(FIRST_RETRY).await;
+                        }
+                        Err(e) => {
+                            tracing::debug!(node = %self.node, error = %e, "the ResourceSlice watch ended; syncing again");
+                            tokio::time::sleep(retry).await;
+                            retry = (retry * 2).min(MAX_RETRY);
+                        }
+                    },
+                    None => {
+                        tokio::time::sleep(retry).await;
+                        retry = (retry * 2).min(MAX_RETRY);
+                    }
                 }
             };
             tokio::select! {
                 changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
                 changed = devices.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep(wait) => {}
+                () = wait => {}
             }
         }
     }

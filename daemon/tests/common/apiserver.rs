@@ -229,6 +229,15 @@ impl ApiServer {
         s.slices.insert(name, slice);
     }
 
+    /// Deletes a slice directly (another writer, an administrator); whether it was there.
+    pub fn delete_slice(&self, name: &str) -> bool {
+        let mut s = self.store.lock().unwrap();
+        let Some(mut slice) = s.slices.remove(name) else { return false };
+        s.bump(&mut slice);
+        s.record(&self.events, "DELETED", &slice);
+        true
+    }
+
     /// The next request with `method` gets `code` (a Status) instead of its answer.
     pub fn fail_next(&self, method: Method, code: u16) {
         self.store.lock().unwrap().failures.push((method, code));
