@@ -816,7 +816,7 @@ pub(crate) mod tests {
         write_specs(&cdi, &classes[..1]).unwrap();
         write_specs(&cdi, &[]).unwrap();
         assert_eq!(claim_spec_uids(&cdi).unwrap(), [CLAIM_UID]);
-        assert_eq!(load_specs(&cdi).unwrap(), [spec.clone()]);
+        assert_eq!(load_specs(&cdi).unwrap(), std::slice::from_ref(&spec));
         // Two claims of one kind, and the class specs: all read, claims after the classes.
         write_specs(&cdi, &classes).unwrap();
         let mut other = spec.clone();

@@ -14,7 +14,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
-use std::sync::Mutex;
 
 use serde_json::{Value, json};
 use tessera_proto::dra::v1;
@@ -29,7 +28,7 @@ const MIB: u64 = 1 << 20;
 const OVERHEAD_MIB: u64 = 300;
 
 /// These tests measure shares of one simulated GPU on a small machine: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// A host's GPU files under `dir`, and tesserad's `[injection]` for them: the GPU's and the
 /// control device nodes (mknod as root, else links to /dev/null: the process does not open
@@ -243,7 +242,7 @@ fn mounted_under(dir: &Path) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_of_8gi_and_30_percent_limits_a_process_under_its_cdi_spec_until_unprepared() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = SERIAL.lock().await;
     let s = Setup::start().await;
     s.apiserver.put_claim(claim_object("uid-train", "train", "8Gi", "30", Value::Null));
     let (name, applied) = s.prepare("uid-train", "train").await;
@@ -293,7 +292,7 @@ async fn a_claim_of_8gi_and_30_percent_limits_a_process_under_its_cdi_spec_until
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claims_opaque_config_reaches_its_allocation() {
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = SERIAL.lock().await;
     let s = Setup::start().await;
     let config = json!({"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuConfig",
         "priority": "high", "computeMode": "work-conserving"});
@@ -419,7 +418,7 @@ async fn a_claim_reaches_a_runc_container_through_its_cdi_spec() {
     if !tessera_tests::runc_usable() {
         return;
     }
-    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let _serial = SERIAL.lock().await;
     let s = Setup::start().await;
     let Some(rootfs) = tessera_tests::busybox_rootfs(&s.dir.join("rootfs")) else { return };
     copy_with_libraries(&rootfs, &binary("tessera-workload"), Some("usr/local/bin/tessera-workload"));
