@@ -34,7 +34,10 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
     if !plan::may_ask(&info) {
         return Ok(None);
     }
-    let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(None) };
+    let Some(mut plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(None) };
+    // Nodes the runtime already made and admitted (CDI puts them in config.json) need nothing
+    // from the hook; only the others need the device cgroup, which cgroup v2 does not offer.
+    plan.device_nodes.retain(|n| !oci::grants_device(&config, n));
     let prepared = prepare(&plan, state.pid)?;
     let applied = apply(prepared, &plan, &root)?;
     record_owner(cfg, &plan, Some(&state.id), &info.annotations, None);

@@ -166,6 +166,47 @@ pub fn add_poststop(config: &mut Value, hook: &Path, alloc_dir: &Path) -> Result
     Ok(())
 }
 
+/// Whether config.json already gives the container `node`: the same node in `linux.devices`, and
+/// read and write allowed by `linux.resources.devices` (rules in order, a later match overrides an
+/// earlier one, as runc applies them). A CDI-capable runtime has put such nodes there itself, so the
+/// hook need not make them, nor touch the device cgroup (which it cannot do on cgroup v2).
+pub fn grants_device(config: &Value, node: &crate::plan::NodeEdit) -> bool {
+    let path = node.path.to_string_lossy();
+    let listed = config.pointer("/linux/devices").and_then(Value::as_array).is_some_and(|ds| {
+        ds.iter().any(|d| {
+            d.get("path").and_then(Value::as_str) == Some(&*path)
+                && d.get("major").and_then(Value::as_i64) == Some(node.major as i64)
+                && d.get("minor").and_then(Value::as_i64) == Some(node.minor as i64)
+        })
+    });
+    if !listed {
+        return false;
+    }
+    let Some(rules) = config.pointer("/linux/resources/devices").and_then(Value::as_array) else {
+        return false;
+    };
+    let number_matches = |v: Option<&Value>, want: u32| match v {
+        None | Some(Value::Null) => true,
+        Some(n) => n.as_i64().is_some_and(|n| n == -1 || n == want as i64),
+    };
+    let (mut read, mut write) = (false, false);
+    for r in rules {
+        let kind_matches = matches!(r.get("type").and_then(Value::as_str), None | Some("a") | Some("c"));
+        if !kind_matches || !number_matches(r.get("major"), node.major) || !number_matches(r.get("minor"), node.minor) {
+            continue;
+        }
+        let allow = r.get("allow").and_then(Value::as_bool).unwrap_or(false);
+        let access = r.get("access").and_then(Value::as_str).unwrap_or("rwm");
+        if access.contains('r') {
+            read = allow;
+        }
+        if access.contains('w') {
+            write = allow;
+        }
+    }
+    read && write
+}
+
 /// Applies a plan to config.json (the wrapper's way): device nodes, device-cgroup rules, bind
 /// mounts, environment. Entries already there are kept; a clash is an error naming the field.
 pub fn apply_to_config(config: &mut Value, plan: &Plan) -> Result<(), InjectError> {
@@ -238,6 +279,31 @@ pub fn apply_to_config(config: &mut Value, plan: &Plan) -> Result<(), InjectErro
 mod tests {
     use super::*;
     use crate::plan::{MountEdit, NodeEdit};
+
+    #[test]
+    fn a_device_is_granted_only_when_listed_and_allowed_read_write() {
+        let node = &plan().device_nodes[0];
+        let dev = json!({"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 0});
+        let deny_all = json!({"allow": false, "access": "rwm"});
+        let allow = json!({"allow": true, "type": "c", "major": 195, "minor": 0, "access": "rwm"});
+        let cfg =
+            |devices: Value, rules: Value| json!({"linux": {"devices": devices, "resources": {"devices": rules}}});
+        assert!(grants_device(&cfg(json!([dev.clone()]), json!([deny_all.clone(), allow.clone()])), node));
+        // Wildcards, as CDI runtimes and privileged containers write them.
+        let any = json!({"allow": true, "type": "c", "major": 195, "minor": -1, "access": "rw"});
+        assert!(grants_device(&cfg(json!([dev.clone()]), json!([deny_all.clone(), any])), node));
+        // Not listed: the node is not made in the container.
+        assert!(!grants_device(&cfg(json!([]), json!([deny_all.clone(), allow.clone()])), node));
+        // Listed with other numbers.
+        let other = json!({"path": "/dev/nvidia0", "type": "c", "major": 195, "minor": 7});
+        assert!(!grants_device(&cfg(json!([other]), json!([allow.clone()])), node));
+        // Denied after being allowed (a later rule wins), or allowed read-only.
+        assert!(!grants_device(&cfg(json!([dev.clone()]), json!([allow.clone(), deny_all.clone()])), node));
+        let read_only = json!({"allow": true, "type": "c", "major": 195, "minor": 0, "access": "r"});
+        assert!(!grants_device(&cfg(json!([dev.clone()]), json!([deny_all.clone(), read_only])), node));
+        // No rules at all: nothing says it is allowed.
+        assert!(!grants_device(&json!({"linux": {"devices": [dev]}}), node));
+    }
 
     fn plan() -> Plan {
         Plan {
