@@ -10,8 +10,8 @@ use std::ffi::{c_int, c_uint};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub(crate) use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraphExec, CUmemGenericAllocationHandle,
-    CUmemoryPool, CUresult, CUstream, CUuuid,
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode,
+    CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid,
 };
 
 pub(crate) const CUDA_SUCCESS: CUresult = CUresult::CUDA_SUCCESS;

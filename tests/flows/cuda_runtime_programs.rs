@@ -316,9 +316,6 @@ fn graph_memory_nodes_are_charged_at_launch_on_the_sim() {
 }
 
 #[test]
-#[ignore = "gap: libtessera.so does not account graph memory nodes (cuGraphAddMemAllocNode memory \
-            is allocated by cuGraphLaunch, which the shim only gates for time-slicing): a graph \
-            allocates past TESSERA_MEMORY_LIMIT"]
 fn graph_memory_nodes_under_the_shim_hold_its_limit() {
     let node = SimNode::new();
     let shim = shim();
@@ -327,4 +324,8 @@ fn graph_memory_nodes_under_the_shim_hold_its_limit() {
     assert_eq!(u(&v, "total"), GIB, "the limit shows as the device's memory");
     assert_eq!(u(&v, "launch"), 2, "a graph allocating 2 GiB under a 1 GiB limit: CUDA_ERROR_OUT_OF_MEMORY");
     assert_eq!(u(&v, "free_after"), u(&v, "free_before"));
+    // One that fits is charged what it allocated, no more.
+    let v = run_graph_memory(&node, 512 * MIB, &env);
+    assert_eq!(u(&v, "launch"), 0);
+    assert_eq!(u(&v, "free_before") - u(&v, "free_after"), 512 * MIB);
 }

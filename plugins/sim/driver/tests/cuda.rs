@@ -1724,7 +1724,11 @@ fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
         assert_eq!((back.bytesize, back.dptr, back.poolProps.location.id), (p.bytesize, dptr, 0));
         let e = gr.instantiate(g, 0).unwrap();
         assert_eq!(used(), base, "instantiating takes nothing");
-        assert_eq!(gr.instantiate(g, 0), Err(INVALID_VALUE), "one executable graph at a time for a graph with memory nodes");
+        assert_eq!(
+            gr.instantiate(g, 0),
+            Err(INVALID_VALUE),
+            "one executable graph at a time for a graph with memory nodes"
+        );
         // Launching charges it, at that address; the memory is real.
         assert_eq!(gr.launch(e, s), SUCCESS);
         assert_eq!(used(), base + 256 * MIB);
@@ -1857,14 +1861,20 @@ fn auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory
         // cuMemAllocAsync and cuMemFreeAsync on a capturing stream become memory nodes.
         assert_eq!(call!(cu, cuStreamBeginCapture_v2(s, 0) as fn(Handle, c_uint)), SUCCESS);
         let mut p = 0u64;
-        assert_eq!(call!(cu, cuMemAllocAsync(&mut p, 32 * MIB as usize, s) as fn(*mut CUdeviceptr, usize, Handle)), SUCCESS);
+        assert_eq!(
+            call!(cu, cuMemAllocAsync(&mut p, 32 * MIB as usize, s) as fn(*mut CUdeviceptr, usize, Handle)),
+            SUCCESS
+        );
         assert_ne!(p, 0);
         assert_eq!(used(), base + 64 * MIB, "captured: nothing allocated yet");
         assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
         let mut captured = std::ptr::null_mut();
         assert_eq!(call!(cu, cuStreamEndCapture(s, &mut captured) as fn(Handle, *mut Handle)), SUCCESS);
         let mut n = 0usize;
-        assert_eq!(call!(cu, cuGraphGetNodes(captured, std::ptr::null_mut(), &mut n) as fn(Handle, *mut Handle, *mut usize)), SUCCESS);
+        assert_eq!(
+            call!(cu, cuGraphGetNodes(captured, std::ptr::null_mut(), &mut n) as fn(Handle, *mut Handle, *mut usize)),
+            SUCCESS
+        );
         assert_eq!(n, 2, "an allocation node and a free node");
         let ce = gr.instantiate(captured, 0).unwrap();
         assert_eq!(gr.launch(ce, s), SUCCESS);

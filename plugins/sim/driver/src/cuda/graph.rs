@@ -657,7 +657,8 @@ const INSTANTIATE_FLAGS: u64 = AUTO_FREE_ON_LAUNCH | 0x2 | DEVICE_LAUNCH | 0x8;
 
 fn instantiate(ph: *mut sys::CUgraphExec, g: sys::CUgraph, flags: u64) -> R {
     need(ph)?;
-    if flags & !INSTANTIATE_FLAGS != 0 || flags & (AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH) == AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH
+    if flags & !INSTANTIATE_FLAGS != 0
+        || flags & (AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH) == AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH
     {
         return Err(INVALID_VALUE);
     }

@@ -46,9 +46,8 @@ struct GraphPool {
     epoch: u64,
 }
 
-static POOLS: [Mutex<GraphPool>; DEVICES] = [const {
-    Mutex::new(GraphPool { reserved: 0, used: 0, used_high: 0, reserved_high: 0, epoch: 0 })
-}; DEVICES];
+static POOLS: [Mutex<GraphPool>; DEVICES] =
+    [const { Mutex::new(GraphPool { reserved: 0, used: 0, used_high: 0, reserved_high: 0, epoch: 0 }) }; DEVICES];
 
 /// `CUgraphMem_attribute`.
 const USED_MEM_CURRENT: c_int = 0;

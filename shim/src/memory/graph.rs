@@ -1,0 +1,401 @@
+//! Graph memory (`cuGraphAddMemAllocNode`, and allocations captured from `cuMemAllocAsync`): the
+//! driver takes it from the device's graph pool when a launch (or `cuGraphUpload`) maps the
+//! graph's allocations, keeps what is freed in that pool, and returns it to the device only at
+//! `cuDeviceGraphMemTrim`. The process's charge on a device is therefore exactly what the driver
+//! says the pool holds (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`), never the nodes' sizes again.
+//!
+//! - At instantiation the graph's allocation nodes are read (their device and size) and kept per
+//!   executable graph; executables without any cost nothing later.
+//! - Before a launch or upload of such an executable, each device it allocates on reserves the
+//!   sum of its allocation nodes there, less what the pool has free (reserved − used): over the
+//!   limit, the answer is `CUDA_ERROR_OUT_OF_MEMORY` and the driver is not called. After the
+//!   call the charge is set to the pool's reserved size (the excess reservation is refunded).
+//! - `cuDeviceGraphMemTrim` and `cuGraphExecDestroy` set the charge to the pool's size again.
+//! - A process killed with SIGKILL loses its region slot, and with it the charge (the reaping
+//!   path of every other allocation).
+//!
+//! Launches, uploads and trims that move a pool are serialized (one lock); plain kernel
+//! launches never come here, and graph launches of executables without allocation nodes cost
+//! one relaxed load more.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
+use std::sync::{Mutex, MutexGuard};
+
+use super::alloc::hook;
+use crate::ffi::*;
+use crate::real::RealCuda;
+use crate::state::ShimState;
+use tessera_region::TraceFunc;
+
+/// CUDA ordinals whose graph pools are followed.
+const ORDINALS: usize = 64;
+/// `CU_GRAPH_NODE_TYPE_MEM_ALLOC`.
+const NODE_MEM_ALLOC: c_int = 10;
+/// `CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT`, `CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`.
+const USED_MEM_CURRENT: c_int = 0;
+const RESERVED_MEM_CURRENT: c_int = 2;
+/// `CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD`: the instantiation maps the graph's memory too.
+const INSTANTIATE_FLAG_UPLOAD: u64 = 0x2;
+
+/// What an executable graph allocates: (CUDA ordinal, bytes) per device, summed.
+type Needs = Vec<(c_int, u64)>;
+
+/// Graph memory of this process.
+pub(crate) struct GraphMem {
+    /// Executable graphs with allocation nodes, and what they allocate.
+    execs: Mutex<HashMap<u64, Needs>>,
+    /// Whether any executable graph has allocation nodes (the launch path's only cost otherwise).
+    any: AtomicBool,
+    /// What this process is charged for each ordinal's graph pool (its reserved size as last read).
+    charged: [AtomicU64; ORDINALS],
+    /// Serializes the calls that move a pool, so that each reads its own effect.
+    moving: Mutex<()>,
+}
+
+impl GraphMem {
+    pub(crate) fn new() -> GraphMem {
+        GraphMem {
+            execs: Mutex::new(HashMap::new()),
+            any: AtomicBool::new(false),
+            charged: [const { AtomicU64::new(0) }; ORDINALS],
+            moving: Mutex::new(()),
+        }
+    }
+
+    fn execs(&self) -> MutexGuard<'_, HashMap<u64, Needs>> {
+        self.execs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn needs_of(&self, exec: u64) -> Option<Needs> {
+        if !self.any.load(Relaxed) {
+            return None;
+        }
+        self.execs().get(&exec).cloned()
+    }
+
+    /// What this process is charged for a device's graph pool (for tests and reports).
+    #[allow(dead_code)]
+    pub(crate) fn charged(&self, ordinal: c_int) -> u64 {
+        usize::try_from(ordinal).ok().and_then(|i| self.charged.get(i)).map_or(0, |c| c.load(Acquire))
+    }
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS`, with the enums of its pool properties read as raw integers.
+#[repr(C)]
+struct MemAllocNodeParams {
+    pool_props: MemAllocPropHead,
+    /// The rest of `CUmemPoolProps`: security attributes, maximum size, usage, reserved bytes.
+    _pool_rest: [u64; 9],
+    access_descs: *const c_void,
+    access_desc_count: usize,
+    bytesize: usize,
+    dptr: CUdeviceptr,
+}
+const _: () = assert!(
+    std::mem::size_of::<MemAllocNodeParams>() == std::mem::size_of::<cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS>()
+);
+const _: () = assert!(
+    std::mem::offset_of!(MemAllocNodeParams, bytesize)
+        == std::mem::offset_of!(cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS, bytesize)
+);
+
+/// The allocation nodes of a graph, per device (`None`: the driver cannot tell; an empty list:
+/// none).
+fn allocation_nodes(cu: &RealCuda, graph: CUgraph) -> Option<Needs> {
+    let (get_nodes, node_type, params) =
+        (cu.cuGraphGetNodes?, cu.cuGraphNodeGetType?, cu.cuGraphMemAllocNodeGetParams?);
+    let mut n = 0usize;
+    // SAFETY: a null node array asks for the count only; n is a valid out-pointer.
+    if unsafe { get_nodes(graph, std::ptr::null_mut(), &mut n) } != CUDA_SUCCESS {
+        return None;
+    }
+    let mut nodes: Vec<CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: nodes has room for n handles, as n says.
+    if n > 0 && unsafe { get_nodes(graph, nodes.as_mut_ptr(), &mut n) } != CUDA_SUCCESS {
+        return None;
+    }
+    let mut needs: Needs = Vec::new();
+    for &node in nodes.iter().take(n) {
+        let mut ty: c_int = -1;
+        // SAFETY: node is one of the graph's nodes; ty a valid out-pointer.
+        if unsafe { node_type(node, &mut ty) } != CUDA_SUCCESS || ty != NODE_MEM_ALLOC {
+            continue;
+        }
+        let mut p = std::mem::MaybeUninit::<MemAllocNodeParams>::zeroed();
+        // SAFETY: node is an allocation node; p has the layout of CUDA_MEM_ALLOC_NODE_PARAMS.
+        if unsafe { params(node, p.as_mut_ptr().cast()) } != CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: zero-initialized, then written by the driver; every field is a plain integer
+        // or pointer, valid for any bits.
+        let p = unsafe { p.assume_init() };
+        let (dev, bytes) = (p.pool_props.location_id, p.bytesize as u64);
+        match needs.iter_mut().find(|(d, _)| *d == dev) {
+            Some((_, b)) => *b = b.saturating_add(bytes),
+            None => needs.push((dev, bytes)),
+        }
+    }
+    Some(needs)
+}
+
+/// The (used, reserved) size of a device's graph pool, as the driver says.
+fn pool_of(cu: &RealCuda, ordinal: c_int) -> Option<(u64, u64)> {
+    let attr = cu.cuDeviceGetGraphMemAttribute?;
+    let (mut used, mut reserved) = (0u64, 0u64);
+    // SAFETY: both attributes are cuuint64_t, written through valid out-pointers.
+    let ok = unsafe {
+        attr(ordinal, USED_MEM_CURRENT, (&raw mut used).cast()) == CUDA_SUCCESS
+            && attr(ordinal, RESERVED_MEM_CURRENT, (&raw mut reserved).cast()) == CUDA_SUCCESS
+    };
+    ok.then_some((used, reserved))
+}
+
+/// Sets the charge of an ordinal's graph pool to what the driver now holds in it, given `pending`
+/// bytes reserved beside the charge for the call that just ran (refunded or kept as needed).
+fn settle(s: &ShimState, cu: &RealCuda, ordinal: c_int, dev: usize, pending: u64) {
+    let Some(slot) = usize::try_from(ordinal).ok().and_then(|i| s.mem.graphs.charged.get(i)) else {
+        s.refund(dev, pending);
+        return;
+    };
+    let was = slot.load(Acquire);
+    let Some((_, now)) = pool_of(cu, ordinal) else {
+        // Unreadable: keep what was reserved (over-charging, never under).
+        slot.store(was + pending, Release);
+        return;
+    };
+    let held = was + pending;
+    if now < held {
+        s.refund(dev, held - now);
+    } else if now > held {
+        // The driver took more than reserved for (it may round or fragment): charged anyway, so
+        // that the accounting stays true; the container's next allocations see it.
+        s.charge_unchecked(dev, now - held);
+    }
+    slot.store(now, Release);
+}
+
+/// Runs a call that may map graph memory (a launch or upload of `exec`, or an instantiation that
+/// uploads): reserves each device's possible growth first (`CUDA_ERROR_OUT_OF_MEMORY` when it
+/// does not fit, the driver not called), then settles every charge on the pools' sizes.
+fn mapping(s: &ShimState, cu: &RealCuda, needs: &Needs, call: impl FnOnce() -> CUresult) -> CUresult {
+    let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
+    let mut reserved: Vec<(c_int, usize, u64)> = Vec::with_capacity(needs.len());
+    for &(ordinal, bytes) in needs {
+        let Some(dev) = s.device_of_ordinal(ordinal) else { continue };
+        let growth = match pool_of(cu, ordinal) {
+            Some((used, pool)) => bytes.saturating_sub(pool.saturating_sub(used)),
+            None => bytes,
+        };
+        if !s.reserve(dev, growth) {
+            for &(_, d, b) in &reserved {
+                s.refund(d, b);
+            }
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        reserved.push((ordinal, dev, growth));
+    }
+    let rc = call();
+    for &(ordinal, dev, growth) in &reserved {
+        settle(s, cu, ordinal, dev, growth);
+    }
+    rc
+}
+
+/// Settles every pool this process is charged for (after a trim or an executable's destruction).
+fn settle_all(s: &ShimState, cu: &RealCuda) {
+    for (i, c) in s.mem.graphs.charged.iter().enumerate() {
+        if c.load(Acquire) > 0
+            && let Some(dev) = s.device_of_ordinal(i as c_int)
+        {
+            settle(s, cu, i as c_int, dev, 0);
+        }
+    }
+}
+
+/// A graph launch or upload of `exec` (the limiter's gate is the caller's).
+pub(crate) fn launched(exec: CUgraphExec, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Some(s) = crate::state::get() else { return call() };
+    let Some(needs) = s.mem.graphs.needs_of(exec as u64) else { return call() };
+    let Some(cu) = crate::real::cuda() else { return call() };
+    mapping(s, cu, &needs, call)
+}
+
+/// An instantiation of `graph` (`upload`: the flags ask it to map the memory now); on success the
+/// executable's allocation nodes are remembered.
+fn instantiated(
+    s: &ShimState,
+    cu: &RealCuda,
+    graph: CUgraph,
+    upload: bool,
+    exec_out: *mut CUgraphExec,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let needs = allocation_nodes(cu, graph).unwrap_or_default();
+    if needs.is_empty() {
+        return call();
+    }
+    let rc = if upload { mapping(s, cu, &needs, call) } else { call() };
+    // SAFETY: the driver wrote the executable through the caller's out-pointer (it succeeded).
+    if rc == CUDA_SUCCESS
+        && let Some(exec) = unsafe { get(exec_out) }
+    {
+        s.mem.graphs.execs().insert(exec as u64, needs);
+        s.mem.graphs.any.store(true, Relaxed);
+    }
+    rc
+}
+
+/// # Safety
+/// As cuda.h's legacy `cuGraphInstantiate` (CUDA 10 parameters).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    phErrorNode: *mut CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    hook(TraceFunc::cuGraphInstantiate, |s, cu| {
+        let Some(f) = cu.cuGraphInstantiate else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        instantiated(s, cu, hGraph, false, phGraphExec, || unsafe {
+            f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+        })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphInstantiate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate_v2(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    phErrorNode: *mut CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    hook(TraceFunc::cuGraphInstantiate_v2, |s, cu| {
+        let Some(f) = cu.cuGraphInstantiate_v2 else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        instantiated(s, cu, hGraph, false, phGraphExec, || unsafe {
+            f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+        })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphInstantiateWithFlags` (also `cuGraphInstantiate` from CUDA 12.0).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    flags: u64,
+) -> CUresult {
+    hook(TraceFunc::cuGraphInstantiateWithFlags, |s, cu| {
+        let Some(f) = cu.cuGraphInstantiateWithFlags else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        instantiated(s, cu, hGraph, false, phGraphExec, || unsafe { f(phGraphExec, hGraph, flags) })
+    })
+}
+
+/// The flags of a `CUDA_GRAPH_INSTANTIATE_PARAMS` (its first field).
+///
+/// # Safety
+/// `params` must be null or point to a `CUDA_GRAPH_INSTANTIATE_PARAMS`.
+unsafe fn instantiate_flags(params: *mut c_void) -> u64 {
+    // SAFETY: as this function's contract; `flags` is the struct's first field, a cuuint64_t.
+    unsafe { get(params.cast::<u64>().cast_const()) }.unwrap_or(0)
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphInstantiateWithParams`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    instantiateParams: *mut c_void,
+) -> CUresult {
+    hook(TraceFunc::cuGraphInstantiateWithParams, |s, cu| {
+        let Some(f) = cu.cuGraphInstantiateWithParams else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's parameters (cuda.h's contract).
+        let upload = unsafe { instantiate_flags(instantiateParams) } & INSTANTIATE_FLAG_UPLOAD != 0;
+        // SAFETY: the caller's arguments, passed on unchanged.
+        instantiated(s, cu, hGraph, upload, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphInstantiateWithParams_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    instantiateParams: *mut c_void,
+) -> CUresult {
+    hook(TraceFunc::cuGraphInstantiateWithParams_ptsz, |s, cu| {
+        let Some(f) = cu.cuGraphInstantiateWithParams_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's parameters (cuda.h's contract).
+        let upload = unsafe { instantiate_flags(instantiateParams) } & INSTANTIATE_FLAG_UPLOAD != 0;
+        // SAFETY: the caller's arguments, passed on unchanged.
+        instantiated(s, cu, hGraph, upload, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphUpload`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphUpload(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    hook(TraceFunc::cuGraphUpload, |_, cu| {
+        let Some(f) = cu.cuGraphUpload else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        launched(hGraphExec, || unsafe { f(hGraphExec, hStream) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphUpload_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphUpload_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    hook(TraceFunc::cuGraphUpload_ptsz, |_, cu| {
+        let Some(f) = cu.cuGraphUpload_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        launched(hGraphExec, || unsafe { f(hGraphExec, hStream) })
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGraphExecDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: CUgraphExec) -> CUresult {
+    hook(TraceFunc::cuGraphExecDestroy, |s, cu| {
+        let Some(f) = cu.cuGraphExecDestroy else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's argument, passed on unchanged.
+        let rc = unsafe { f(hGraphExec) };
+        if rc == CUDA_SUCCESS
+            && s.mem.graphs.any.load(Relaxed)
+            && s.mem.graphs.execs().remove(&(hGraphExec as u64)).is_some()
+        {
+            let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
+            settle_all(s, cu);
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuDeviceGraphMemTrim`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
+    hook(TraceFunc::cuDeviceGraphMemTrim, |s, cu| {
+        let Some(f) = cu.cuDeviceGraphMemTrim else { return CUDA_ERROR_NOT_SUPPORTED };
+        let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the caller's argument, passed on unchanged.
+        let rc = unsafe { f(device) };
+        if rc == CUDA_SUCCESS {
+            settle_all(s, cu);
+        }
+        rc
+    })
+}
