@@ -1950,3 +1950,92 @@ fn pools_keep_freed_memory_up_to_their_release_threshold() {
         assert_eq!(used(), base + GIB);
     });
 }
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` as the driver reads it (the format as its raw value).
+#[repr(C)]
+struct Array3d {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: c_uint,
+    flags: c_uint,
+}
+
+#[test]
+fn mipmapped_arrays_are_charged_their_levels_and_each_level_is_an_array() {
+    with_context("mipmapped_arrays_are_charged_their_levels_and_each_level_is_an_array", |m, cu| {
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let create = |d: &Array3d, levels: c_uint| {
+            let mut h = std::ptr::null_mut();
+            let rc = call!(cu, cuMipmappedArrayCreate(&mut h, d, levels) as fn(*mut Handle, *const Array3d, c_uint));
+            if rc == SUCCESS { Ok(h) } else { Err(rc) }
+        };
+        // 4096 x 4096 RGBA float (16 bytes a texel), the full chain of 13 levels: every level's
+        // bytes, each rounded up to 512, summed.
+        let rgba = Array3d { width: 4096, height: 4096, depth: 0, format: 0x20, channels: 4, flags: 0 };
+        let h = create(&rgba, 13).unwrap();
+        let expected: u64 = (0..13).map(|i| ((4096u64 >> i) * (4096 >> i) * 16).next_multiple_of(512)).sum();
+        assert_eq!(used(), base + expected);
+        let mut req = [0usize; 4];
+        assert_eq!(
+            call!(cu, cuMipmappedArrayGetMemoryRequirements(req.as_mut_ptr().cast(), h, 0) as fn(*mut c_void, Handle, c_int)),
+            SUCCESS
+        );
+        assert_eq!((req[0] as u64, req[1] as u64), (expected, 2 * MIB), "size, alignment");
+        // Each level is an array: its descriptor, and bytes copied through it.
+        let level = |i: c_uint| {
+            let mut a = std::ptr::null_mut();
+            let rc = call!(cu, cuMipmappedArrayGetLevel(&mut a, h, i) as fn(*mut Handle, Handle, c_uint));
+            if rc == SUCCESS { Ok(a) } else { Err(rc) }
+        };
+        let l3 = level(3).unwrap();
+        let mut d = Array3d { width: 0, height: 0, depth: 9, format: 0, channels: 0, flags: 9 };
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l3) as fn(*mut Array3d, Handle)), SUCCESS);
+        assert_eq!((d.width, d.height, d.depth, d.format, d.channels), (512, 512, 0, 0x20, 4));
+        let l12 = level(12).unwrap();
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l12) as fn(*mut Array3d, Handle)), SUCCESS);
+        assert_eq!((d.width, d.height), (1, 1));
+        let bytes: Vec<u8> = (0..16).collect();
+        assert_eq!(
+            call!(cu, cuMemcpyHtoA_v2(l12, 0, bytes.as_ptr().cast(), 16) as fn(Handle, usize, *const c_void, usize)),
+            SUCCESS
+        );
+        let mut back = [0u8; 16];
+        assert_eq!(
+            call!(cu, cuMemcpyAtoH_v2(back.as_mut_ptr().cast(), l12, 0, 16) as fn(*mut c_void, Handle, usize, usize)),
+            SUCCESS
+        );
+        assert_eq!(back.to_vec(), bytes);
+        assert_eq!(level(13), Err(INVALID_VALUE), "no 14th level");
+        assert_eq!(call!(cu, cuArrayDestroy(l3) as fn(Handle)), INVALID_VALUE, "a level goes with its mipmapped array");
+        // Destroying returns everything; the handle and its levels are gone.
+        assert_eq!(call!(cu, cuMipmappedArrayDestroy(h) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(call!(cu, cuMipmappedArrayDestroy(h) as fn(Handle)), INVALID_HANDLE);
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l3) as fn(*mut Array3d, Handle)), INVALID_HANDLE);
+        // A layered array keeps its layers at every level.
+        let layered = Array3d { width: 256, height: 256, depth: 10, format: 0x01, channels: 1, flags: 0x01 };
+        let h = create(&layered, 3).unwrap();
+        assert_eq!(used(), base + (256 * 256 + 128 * 128 + 64 * 64) * 10);
+        // Bad requests charge nothing.
+        assert_eq!(create(&rgba, 14), Err(INVALID_VALUE), "more levels than halvings");
+        assert_eq!(create(&rgba, 0), Err(INVALID_VALUE));
+        let sparse = Array3d { flags: 0x40, ..rgba };
+        assert_eq!(create(&sparse, 1), Err(NOT_SUPPORTED), "sparse arrays are not modelled");
+        let huge = Array3d { width: 131072, height: 65536, depth: 0, format: 0x20, channels: 4, flags: 0 };
+        assert_eq!(create(&huge, 1), Err(OUT_OF_MEMORY), "128 GiB: more than the board");
+        assert_eq!(used(), base + (256 * 256 + 128 * 128 + 64 * 64) * 10);
+        let mut sp = [0u8; 64];
+        assert_eq!(
+            call!(cu, cuMipmappedArrayGetSparseProperties(sp.as_mut_ptr().cast(), h) as fn(*mut c_void, Handle)),
+            NOT_SUPPORTED
+        );
+        // Destroying the context frees it.
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxGetCurrent(&mut ctx) as fn(*mut Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), base - CONTEXT_OVERHEAD);
+    });
+}
