@@ -100,6 +100,15 @@ pub(crate) struct MemAllocPropHead {
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 pub(crate) const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
 
+/// `CUDA_ARRAY_MEMORY_REQUIREMENTS`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct ArrayMemoryRequirements {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [c_uint; 4],
+}
+
 /// The fields of `CUarrayMapInfo` that say which physical allocation a sparse-array operation
 /// maps: operation (`CU_MEM_OPERATION_TYPE_MAP` = 1, `UNMAP` = 2), handle type (`GENERIC` = 0)
 /// and the handle; the rest as opaque bytes.

@@ -154,6 +154,9 @@ table! {
             cuFuncGetName(*mut *const c_char, CUfunction);
             // Takes a CUkernel: launches accept one cast to CUfunction, and so is it passed here.
             cuKernelGetName(*mut *const c_char, CUfunction);
+            cuMipmappedArrayCreate(*mut CUmipmappedArray, *const Array3dDesc, c_uint);
+            cuMipmappedArrayDestroy(CUmipmappedArray);
+            cuMipmappedArrayGetMemoryRequirements(*mut ArrayMemoryRequirements, CUmipmappedArray, CUdevice);
             // Graph memory (CUDA 11.4 and later).
             cuGraphGetNodes(CUgraph, *mut CUgraphNode, *mut usize);
             cuGraphNodeGetType(CUgraphNode, *mut c_int);

@@ -107,6 +107,8 @@ hooks! {
     vmm::cuMemRelease,
     vmm::cuMemRetainAllocationHandle,
     vmm::cuMemUnmap,
+    alloc::cuMipmappedArrayCreate,
+    alloc::cuMipmappedArrayDestroy,
     launch::cuStreamDestroy,
     launch::cuStreamDestroy_v2,
     nvml_view::nvmlDeviceGetComputeRunningProcesses,

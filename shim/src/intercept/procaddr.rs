@@ -84,6 +84,8 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuMemRelease", 10020, false, "cuMemRelease"),
     ("cuMemRetainAllocationHandle", 11000, false, "cuMemRetainAllocationHandle"),
     ("cuMemUnmap", 10020, false, "cuMemUnmap"),
+    ("cuMipmappedArrayCreate", 5000, false, "cuMipmappedArrayCreate"),
+    ("cuMipmappedArrayDestroy", 5000, false, "cuMipmappedArrayDestroy"),
     ("cuStreamDestroy", 2000, false, "cuStreamDestroy"),
     ("cuStreamDestroy", 4000, false, "cuStreamDestroy_v2"),
 ];

@@ -214,6 +214,13 @@ fn settle_all(s: &ShimState, cu: &RealCuda) {
     }
 }
 
+/// After a context went (a destroy or a primary context's reset): a driver that emptied a graph
+/// pool with it no longer holds that memory.
+pub(crate) fn settle_pools(s: &ShimState, cu: &RealCuda) {
+    let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
+    settle_all(s, cu);
+}
+
 /// A graph launch or upload of `exec` (the limiter's gate is the caller's).
 pub(crate) fn launched(exec: CUgraphExec, call: impl FnOnce() -> CUresult) -> CUresult {
     let Some(s) = crate::state::get() else { return call() };

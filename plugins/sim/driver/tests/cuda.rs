@@ -1980,7 +1980,10 @@ fn mipmapped_arrays_are_charged_their_levels_and_each_level_is_an_array() {
         assert_eq!(used(), base + expected);
         let mut req = [0usize; 4];
         assert_eq!(
-            call!(cu, cuMipmappedArrayGetMemoryRequirements(req.as_mut_ptr().cast(), h, 0) as fn(*mut c_void, Handle, c_int)),
+            call!(
+                cu,
+                cuMipmappedArrayGetMemoryRequirements(req.as_mut_ptr().cast(), h, 0) as fn(*mut c_void, Handle, c_int)
+            ),
             SUCCESS
         );
         assert_eq!((req[0] as u64, req[1] as u64), (expected, 2 * MIB), "size, alignment");

@@ -226,7 +226,10 @@ mod tests {
         assert_eq!(sizes[9], 512, "2 x 1 x 4 bytes, aligned");
         assert_eq!(sizes[10], 512, "1 x 1 x 4 bytes, aligned");
         // A layered 2D array keeps its layers at every level; a 3D one halves its depth.
-        assert_eq!(level_bytes(64, 64, 8, LAYERED, 4, 3).unwrap(), vec![64 * 64 * 8 * 4, 32 * 32 * 8 * 4, 16 * 16 * 8 * 4]);
+        assert_eq!(
+            level_bytes(64, 64, 8, LAYERED, 4, 3).unwrap(),
+            vec![64 * 64 * 8 * 4, 32 * 32 * 8 * 4, 16 * 16 * 8 * 4]
+        );
         assert_eq!(level_bytes(64, 64, 8, 0, 4, 3).unwrap(), vec![64 * 64 * 8 * 4, 32 * 32 * 4 * 4, 16 * 16 * 2 * 4]);
         // 1D.
         assert_eq!(level_bytes(1000, 0, 0, 0, 1, 2).unwrap(), vec![1024, 512]);
