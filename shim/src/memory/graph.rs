@@ -244,8 +244,8 @@ fn instantiated(
         return call();
     }
     let rc = if upload { mapping(s, cu, &needs, call) } else { call() };
-    // SAFETY: the driver wrote the executable through the caller's out-pointer (it succeeded).
     if rc == CUDA_SUCCESS
+        // SAFETY: the driver wrote the executable through the caller's out-pointer (it succeeded).
         && let Some(exec) = unsafe { get(exec_out) }
     {
         s.mem.graphs.execs().insert(exec as u64, needs);
