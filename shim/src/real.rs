@@ -161,6 +161,7 @@ table! {
             cuGraphGetNodes(CUgraph, *mut CUgraphNode, *mut usize);
             cuGraphNodeGetType(CUgraphNode, *mut c_int);
             cuGraphMemAllocNodeGetParams(CUgraphNode, *mut c_void);
+            cuGraphMemFreeNodeGetParams(CUgraphNode, *mut CUdeviceptr);
             cuDeviceGetGraphMemAttribute(CUdevice, c_int, *mut c_void);
             cuDeviceGraphMemTrim(CUdevice);
             cuGraphInstantiate(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);

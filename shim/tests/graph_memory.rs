@@ -59,9 +59,12 @@ impl G<'_> {
         n
     }
     fn instantiate(&self, g: H) -> Result<H, R> {
+        self.instantiate_with(g, 0)
+    }
+    fn instantiate_with(&self, g: H, flags: u64) -> Result<H, R> {
         let mut e: H = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and graph.
-        match unsafe { (self.0.cu.cuGraphInstantiateWithFlags)(&mut e, g, 0) } {
+        match unsafe { (self.0.cu.cuGraphInstantiateWithFlags)(&mut e, g, flags) } {
             SUCCESS => Ok(e),
             rc => Err(rc),
         }
@@ -218,6 +221,66 @@ fn graph_memory_on_another_device_is_charged_there() {
     let e2 = g.instantiate(too_much).unwrap();
     assert_eq!(g.launch(e2), OUT_OF_MEMORY, "device 1's limit");
     assert_eq!(gpu_used(1), 900 * MIB);
+}
+
+/// `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`, as PyTorch instantiates its CUDA graphs.
+const AUTO_FREE_ON_LAUNCH: u64 = 0x1;
+
+#[test]
+fn auto_free_relaunches_are_charged_once() {
+    let test = "auto_free_relaunches_are_charged_once";
+    if !in_child() {
+        let node = node();
+        let c = Container::new(&memory_limits(GIB));
+        wait_child(test, spawn_child(test, container_env(&c, &node)));
+        return;
+    }
+    let s = Session::start(0);
+    let g = G(&s);
+    let (region, dev) = region_and_dev(&s);
+    let base = region.used(dev);
+    let used = || region.used(dev) - base;
+    let gpu = || gpu_used(0) - base;
+    // A graph whose 500 MiB output outlives each replay: every relaunch frees the last one first,
+    // so replays fit although twice the output would not (300 + 2 x 500 MiB > 1 GiB).
+    let graph = g.create();
+    let (_, out) = g.alloc(graph, &[], 0, 500 * MIB);
+    let e = g.instantiate_with(graph, AUTO_FREE_ON_LAUNCH).unwrap();
+    for replay in 0..5 {
+        assert_eq!(g.launch(e), SUCCESS, "replay {replay}");
+        assert_eq!((used(), gpu()), (500 * MIB, 500 * MIB), "replay {replay}");
+    }
+    // Another graph's live allocation beside it: a replay still reuses only its own.
+    let other = g.create();
+    let (_, po) = g.alloc(other, &[], 0, 200 * MIB);
+    let eo = g.instantiate(other).unwrap();
+    ck("launch", g.launch(eo));
+    assert_eq!(used(), 700 * MIB);
+    assert_eq!(g.launch(e), SUCCESS);
+    assert_eq!((used(), gpu()), (700 * MIB, 700 * MIB));
+    // The output freed by the program: the replay takes it from the pool.
+    s.free(out);
+    assert_eq!(g.launch(e), SUCCESS);
+    assert_eq!(used(), 700 * MIB);
+    // A plain (not auto-free) graph of 400 MiB does not fit beside both: 300 + 500 + 200 + 400.
+    let plain = g.create();
+    g.alloc(plain, &[], 0, 400 * MIB);
+    let ep = g.instantiate(plain).unwrap();
+    assert_eq!(g.launch(ep), OUT_OF_MEMORY);
+    assert_eq!((used(), gpu()), (700 * MIB, 700 * MIB));
+    // Freed through the graph's pool by cuMemFreeAsync, then trimmed: nothing is left.
+    // SAFETY: graph allocations of this process, on the null stream.
+    unsafe {
+        ck("cuMemFreeAsync", (s.cu.cuMemFreeAsync)(out, std::ptr::null_mut()));
+        ck("cuMemFreeAsync", (s.cu.cuMemFreeAsync)(po, std::ptr::null_mut()));
+    }
+    ck("launch", g.launch(ep));
+    assert_eq!(used(), 700 * MIB, "400 MiB from the 700 MiB pool");
+    for x in [e, eo, ep] {
+        g.exec_destroy(x);
+    }
+    g.trim(0);
+    assert_eq!((used(), gpu()), (400 * MIB, 400 * MIB), "the plain graph's allocation still lives");
 }
 
 fn wait_for(path: &Path) {

@@ -82,6 +82,16 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
     rc
 }
 
+/// Frees a device pointer (`cuMemFree*`, `cuMemFreeAsync*`): refunds what it charged; a graph
+/// allocation it ends is no longer live (its memory stays in the graph pool, charged there).
+fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let rc = refunded(s, &s.mem.ptrs, dptr, call);
+    if rc == CUDA_SUCCESS {
+        super::graph::freed(s, dptr);
+    }
+    rc
+}
+
 // ---- Linear memory ---------------------------------------------------------------------------
 
 fn linear(
@@ -153,7 +163,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usi
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree_v2, |s, cu| refunded(s, &s.mem.ptrs, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
+    hook(TraceFunc::cuMemFree_v2, |s, cu| pointer_freed(s, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
 }
 
 /// # Safety
@@ -161,7 +171,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree, |s, cu| refunded(s, &s.mem.ptrs, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+    hook(TraceFunc::cuMemFree, |s, cu| pointer_freed(s, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
 }
 
 // ---- Pitched memory --------------------------------------------------------------------------
@@ -357,7 +367,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) ->
     hook(TraceFunc::cuMemFreeAsync, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
-        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
     })
 }
 
@@ -368,7 +378,7 @@ pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstrea
     hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
-        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
     })
 }
 
