@@ -329,3 +329,58 @@ fn a_killed_process_holding_graph_memory_is_reaped() {
     let (code, r, _) = workload(&c, &node, &["--alloc-mib", "700"]);
     assert_eq!(code, 0, "the container has its whole limit again: {r}");
 }
+
+/// In a child: marks `name` in the test's directory `stage`, then waits until `count` processes
+/// have marked it.
+fn barrier(stage: &str, name: &str, count: usize) {
+    let dir = PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR")).join(stage);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join(format!("{name}-{}", std::process::id())), "").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_dir(&dir).unwrap().count() < count {
+        assert!(Instant::now() < deadline, "the other processes never reached {stage}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Processes of one container launching graphs at once, each holding what it got until all have
+/// tried: never more than the limit on the GPU, by the simulated node's own high-water mark.
+#[test]
+fn processes_launching_graphs_at_once_never_pass_the_limit_on_the_gpu() {
+    let test = "processes_launching_graphs_at_once_never_pass_the_limit_on_the_gpu";
+    const KIDS: usize = 6;
+    if in_child() {
+        let s = Session::start(0);
+        let g = G(&s);
+        let graph = g.create();
+        g.alloc(graph, &[], 0, 500 * MIB);
+        let e = g.instantiate(graph).unwrap();
+        // Every context is made before anyone launches.
+        barrier("contexts", "ctx", KIDS);
+        let rc = g.launch(e);
+        assert!(rc == SUCCESS || rc == OUT_OF_MEMORY, "launch: {rc}");
+        // Hold it until every process has tried.
+        barrier("launched", if rc == SUCCESS { "ok" } else { "oom" }, KIDS);
+        return;
+    }
+    let node = node();
+    let limit = 4 * GIB;
+    let c = Container::new(&memory_limits(limit));
+    let model = Node::open(node.description.as_deref(), Some(&node.state)).unwrap();
+    model.reset_high_water(0, 0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut env = container_env(&c, &node);
+    env.push(("TEST_DIR".into(), dir.path().into()));
+    let kids: Vec<_> = (0..KIDS).map(|_| spawn_child(test, env.clone())).collect();
+    for k in kids {
+        wait_child(test, k);
+    }
+    let ok = std::fs::read_dir(dir.path().join("launched"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("ok-"))
+        .count();
+    let peak = model.memory_high_water(0, 0).unwrap();
+    // 6 contexts of 300 MiB leave 2,296 MiB of 4 GiB: four graphs of 500 MiB fit, not five.
+    assert_eq!(ok, 4, "launches that got their memory");
+    assert!(peak <= limit, "the GPU held {} MiB under a limit of {} MiB", peak / MIB, limit / MIB);
+}
