@@ -10,8 +10,8 @@ use std::ffi::{c_int, c_uint};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub(crate) use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraphExec, CUmemGenericAllocationHandle,
-    CUmemoryPool, CUresult, CUstream, CUuuid,
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode,
+    CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid,
 };
 
 pub(crate) const CUDA_SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
@@ -99,6 +99,15 @@ pub(crate) struct MemAllocPropHead {
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 pub(crate) const CU_MEM_LOCATION_TYPE_DEVICE: c_uint = 1;
+
+/// `CUDA_ARRAY_MEMORY_REQUIREMENTS`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct ArrayMemoryRequirements {
+    pub size: usize,
+    pub alignment: usize,
+    pub reserved: [c_uint; 4],
+}
 
 /// The fields of `CUarrayMapInfo` that say which physical allocation a sparse-array operation
 /// maps: operation (`CU_MEM_OPERATION_TYPE_MAP` = 1, `UNMAP` = 2), handle type (`GENERIC` = 0)

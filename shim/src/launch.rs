@@ -246,7 +246,7 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
     gated(TraceFunc::cuGraphLaunch, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) }
+        crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) })
     })
 }
 
@@ -256,7 +256,7 @@ pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstrea
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
     gated(TraceFunc::cuGraphLaunch_ptsz, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) }
+        crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) })
     })
 }
 

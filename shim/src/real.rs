@@ -154,6 +154,24 @@ table! {
             cuFuncGetName(*mut *const c_char, CUfunction);
             // Takes a CUkernel: launches accept one cast to CUfunction, and so is it passed here.
             cuKernelGetName(*mut *const c_char, CUfunction);
+            cuMipmappedArrayCreate(*mut CUmipmappedArray, *const Array3dDesc, c_uint);
+            cuMipmappedArrayDestroy(CUmipmappedArray);
+            cuMipmappedArrayGetMemoryRequirements(*mut ArrayMemoryRequirements, CUmipmappedArray, CUdevice);
+            // Graph memory (CUDA 11.4 and later).
+            cuGraphGetNodes(CUgraph, *mut CUgraphNode, *mut usize);
+            cuGraphNodeGetType(CUgraphNode, *mut c_int);
+            cuGraphMemAllocNodeGetParams(CUgraphNode, *mut c_void);
+            cuGraphMemFreeNodeGetParams(CUgraphNode, *mut CUdeviceptr);
+            cuDeviceGetGraphMemAttribute(CUdevice, c_int, *mut c_void);
+            cuDeviceGraphMemTrim(CUdevice);
+            cuGraphInstantiate(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
+            cuGraphInstantiate_v2(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
+            cuGraphInstantiateWithFlags(*mut CUgraphExec, CUgraph, u64);
+            cuGraphInstantiateWithParams(*mut CUgraphExec, CUgraph, *mut c_void);
+            cuGraphInstantiateWithParams_ptsz(*mut CUgraphExec, CUgraph, *mut c_void);
+            cuGraphExecDestroy(CUgraphExec);
+            cuGraphUpload(CUgraphExec, CUstream);
+            cuGraphUpload_ptsz(CUgraphExec, CUstream);
         }
     }
 }

@@ -426,6 +426,18 @@ impl ShimState {
         false
     }
 
+    /// Charges `bytes` the driver already took on a device, whatever the limit (a true-up of
+    /// memory that cannot be refused any more: the charge stays true).
+    pub(crate) fn charge_unchecked(&self, dev: usize, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        if let Some(held) = self.enforced.held.get(dev) {
+            held.fetch_add(bytes, AcqRel);
+            let _ = self.region.try_reserve(self.slot, dev, bytes, None);
+        }
+    }
+
     /// Reclaims dead processes' usage before a memory query reports it, at most every 100 ms
     /// (a reap costs a syscall per live process; monitoring tools may poll).
     pub(crate) fn reap_for_query(&self) {

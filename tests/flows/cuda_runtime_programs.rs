@@ -316,9 +316,6 @@ fn graph_memory_nodes_are_charged_at_launch_on_the_sim() {
 }
 
 #[test]
-#[ignore = "gap: libtessera.so does not account graph memory nodes (cuGraphAddMemAllocNode memory \
-            is allocated by cuGraphLaunch, which the shim only gates for time-slicing): a graph \
-            allocates past TESSERA_MEMORY_LIMIT"]
 fn graph_memory_nodes_under_the_shim_hold_its_limit() {
     let node = SimNode::new();
     let shim = shim();
@@ -327,4 +324,79 @@ fn graph_memory_nodes_under_the_shim_hold_its_limit() {
     assert_eq!(u(&v, "total"), GIB, "the limit shows as the device's memory");
     assert_eq!(u(&v, "launch"), 2, "a graph allocating 2 GiB under a 1 GiB limit: CUDA_ERROR_OUT_OF_MEMORY");
     assert_eq!(u(&v, "free_after"), u(&v, "free_before"));
+    // One that fits is charged what it allocated, no more.
+    let v = run_graph_memory(&node, 512 * MIB, &env);
+    assert_eq!(u(&v, "launch"), 0);
+    assert_eq!(u(&v, "free_before") - u(&v, "free_after"), 512 * MIB);
+}
+
+/// A CuPy program that captures stream-ordered allocations into a CUDA graph (`cudaMallocAsync`
+/// and `cudaFreeAsync` on a capturing stream become graph memory nodes, as in PyTorch's CUDA
+/// graphs): the graph runs while `other` bytes are held elsewhere, then alone, then again, and
+/// the device's graph pool is trimmed; it prints the free memory at each step.
+const CAPTURED_GRAPH_PROGRAM: &str = r#"
+import ctypes, json, sys
+import cupy
+from cupy.cuda import runtime
+n = int(sys.argv[1])
+other = int(sys.argv[2])
+out = {}
+runtime.setDevice(0)
+cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)
+s = cupy.cuda.Stream(non_blocking=True)
+with s:
+    s.begin_capture()
+    a = cupy.empty(n, dtype=cupy.uint8)
+    a.fill(1)
+    del a
+    g = s.end_capture()
+free = lambda: runtime.memGetInfo()[0]
+out["total"] = runtime.memGetInfo()[1]
+out["free_captured"] = free()
+def launch():
+    try:
+        g.launch(s)
+        s.synchronize()
+        return "ok"
+    except runtime.CUDARuntimeError as e:
+        return str(e).split(":")[0]
+held = runtime.malloc(other)
+out["free_held"] = free()
+out["launch_held"] = launch()
+out["free_refused"] = free()
+runtime.free(held)
+out["launch"] = launch()
+out["free_launched"] = free()
+out["relaunch"] = launch()
+out["free_relaunched"] = free()
+ctypes.CDLL("libcuda.so.1").cuDeviceGraphMemTrim(0)
+out["free_trimmed"] = free()
+print(json.dumps(out))
+"#;
+
+#[test]
+fn cupy_captured_graph_memory_under_the_shim_holds_its_limit() {
+    let Some(python) = cupy_python() else { return };
+    let node = SimNode::new();
+    let (graph, other) = (600 * MIB, 300 * MIB);
+    let args = ["-c", CAPTURED_GRAPH_PROGRAM, &graph.to_string(), &other.to_string()];
+    let shim = shim();
+    let env = [("LD_PRELOAD", shim.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "1GiB")];
+    let v = run_python(&node, &python, "captured graph under the shim", &args, &env);
+    let free = u(&v, "free_captured");
+    assert_eq!(u(&v, "total"), GIB);
+    assert_eq!(free, GIB - CONTEXT_OVERHEAD, "capturing allocates nothing");
+    assert_eq!(u(&v, "free_held"), free - other);
+    assert_eq!(v["launch_held"], "cudaErrorMemoryAllocation", "600 MiB more do not fit beside 300 MiB: {v}");
+    assert_eq!(u(&v, "free_refused"), free - other, "the refused launch took nothing");
+    assert_eq!(v["launch"], "ok");
+    assert_eq!(u(&v, "free_launched"), free - graph, "freed in the graph, kept in the graph pool");
+    assert_eq!(v["relaunch"], "ok");
+    assert_eq!(u(&v, "free_relaunched"), free - graph, "a relaunch reuses the pool");
+    assert_eq!(u(&v, "free_trimmed"), free, "cuDeviceGraphMemTrim gives it back");
+    // On the sim alone the same program runs every launch, with the same pool.
+    let v = run_python(&node, &python, "captured graph on the sim", &args, &[]);
+    assert_eq!(v["launch_held"], "ok");
+    assert_eq!(u(&v, "free_captured") - u(&v, "free_trimmed"), 0);
+    assert_eq!(u(&v, "free_captured") - u(&v, "free_relaunched"), graph);
 }

@@ -152,6 +152,9 @@ trace_funcs! {
     // Appended, so earlier ids keep their meaning.
     cuMemMap, cuMemUnmap, cuMemAddressFree, cuMemRetainAllocationHandle, cuMemMapArrayAsync,
     cuMemMapArrayAsync_ptsz,
+    cuGraphInstantiate, cuGraphInstantiate_v2, cuGraphInstantiateWithFlags, cuGraphInstantiateWithParams,
+    cuGraphInstantiateWithParams_ptsz, cuGraphUpload, cuGraphUpload_ptsz, cuGraphExecDestroy, cuDeviceGraphMemTrim,
+    cuMipmappedArrayCreate, cuMipmappedArrayDestroy,
 }
 
 impl TraceFunc {

@@ -40,10 +40,12 @@ macro_rules! hooks {
 
 use memory::alloc;
 use memory::context;
+use memory::graph;
 use memory::info;
 use memory::vmm;
 
 hooks! {
+
     alloc::cuArray3DCreate,
     alloc::cuArray3DCreate_v2,
     alloc::cuArrayCreate,
@@ -55,6 +57,7 @@ hooks! {
     context::cuCtxCreate_v4,
     context::cuCtxDestroy,
     context::cuCtxDestroy_v2,
+    graph::cuDeviceGraphMemTrim,
     context::cuDevicePrimaryCtxRelease,
     context::cuDevicePrimaryCtxRelease_v2,
     context::cuDevicePrimaryCtxReset,
@@ -64,8 +67,16 @@ hooks! {
     info::cuDeviceTotalMem_v2,
     procaddr::cuGetProcAddress,
     procaddr::cuGetProcAddress_v2,
+    graph::cuGraphExecDestroy,
+    graph::cuGraphInstantiate,
+    graph::cuGraphInstantiateWithFlags,
+    graph::cuGraphInstantiateWithParams,
+    graph::cuGraphInstantiateWithParams_ptsz,
+    graph::cuGraphInstantiate_v2,
     launch::cuGraphLaunch,
     launch::cuGraphLaunch_ptsz,
+    graph::cuGraphUpload,
+    graph::cuGraphUpload_ptsz,
     init::cuInit,
     launch::cuLaunchCooperativeKernel,
     launch::cuLaunchCooperativeKernel_ptsz,
@@ -96,6 +107,8 @@ hooks! {
     vmm::cuMemRelease,
     vmm::cuMemRetainAllocationHandle,
     vmm::cuMemUnmap,
+    alloc::cuMipmappedArrayCreate,
+    alloc::cuMipmappedArrayDestroy,
     launch::cuStreamDestroy,
     launch::cuStreamDestroy_v2,
     nvml_view::nvmlDeviceGetComputeRunningProcesses,

@@ -82,6 +82,16 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
     rc
 }
 
+/// Frees a device pointer (`cuMemFree*`, `cuMemFreeAsync*`): refunds what it charged; a graph
+/// allocation it ends is no longer live (its memory stays in the graph pool, charged there).
+fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let rc = refunded(s, &s.mem.ptrs, dptr, call);
+    if rc == CUDA_SUCCESS {
+        super::graph::freed(s, dptr);
+    }
+    rc
+}
+
 // ---- Linear memory ---------------------------------------------------------------------------
 
 fn linear(
@@ -153,7 +163,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usi
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree_v2, |s, cu| refunded(s, &s.mem.ptrs, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
+    hook(TraceFunc::cuMemFree_v2, |s, cu| pointer_freed(s, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
 }
 
 /// # Safety
@@ -161,7 +171,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree, |s, cu| refunded(s, &s.mem.ptrs, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+    hook(TraceFunc::cuMemFree, |s, cu| pointer_freed(s, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
 }
 
 // ---- Pitched memory --------------------------------------------------------------------------
@@ -357,7 +367,7 @@ pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) ->
     hook(TraceFunc::cuMemFreeAsync, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
-        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
     })
 }
 
@@ -368,7 +378,7 @@ pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstrea
     hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
-        refunded(s, &s.mem.ptrs, dptr, || unsafe { f(dptr, hStream) })
+        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
     })
 }
 
@@ -464,9 +474,145 @@ pub unsafe extern "C" fn cuArrayDestroy(hArray: CUarray) -> CUresult {
     })
 }
 
+// ---- Mipmapped arrays ------------------------------------------------------------------------
+
+/// The texture alignment (`CU_DEVICE_ATTRIBUTE_TEXTURE_ALIGNMENT` of every GPU since Fermi): each
+/// level of a mipmapped array starts on it.
+const LEVEL_ALIGN: u64 = 512;
+/// `CUDA_ARRAY3D_LAYERED`, `CUDA_ARRAY3D_CUBEMAP`: the depth is a layer or face count, kept at
+/// every level.
+const ARRAY3D_LAYERED: c_uint = 0x01;
+const ARRAY3D_CUBEMAP: c_uint = 0x04;
+
+/// The most levels a mipmapped array of this shape has: one per halving of its largest extent
+/// that shrinks, plus one.
+fn most_levels(d: &Array3dDesc) -> c_uint {
+    let keep_depth = d.flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP) != 0;
+    let largest = if keep_depth { d.width.max(d.height) } else { d.width.max(d.height).max(d.depth) };
+    usize::BITS - largest.leading_zeros()
+}
+
+/// Bytes of a mipmapped array before the driver says: level `i` is the descriptor's extents
+/// halved `i` times (at least 1; 0 stays 0; a layered or cubemap depth stays), its bytes rounded
+/// up to the texture alignment, summed over the levels (at most [`most_levels`]). `None`: not a
+/// size (the driver refuses).
+fn mipmap_bytes(d: &Array3dDesc, levels: c_uint) -> Option<u64> {
+    let elem = format_bytes(d.format).checked_mul(u64::from(d.channels.max(1)))?;
+    let keep_depth = d.flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP) != 0;
+    (0..levels.min(most_levels(d))).try_fold(0u64, |total, i| {
+        let shrink = |v: usize| if v == 0 { 0 } else { (v as u64 >> i).max(1) };
+        let depth = if keep_depth { d.depth as u64 } else { shrink(d.depth) };
+        let level = shrink(d.width)
+            .checked_mul(shrink(d.height).max(1))?
+            .checked_mul(depth.max(1))?
+            .checked_mul(elem)?
+            .checked_next_multiple_of(LEVEL_ALIGN)?;
+        total.checked_add(level)
+    })
+}
+
+/// Reserves `estimate`, creates, then trues the charge up to what the driver reports the array
+/// takes (`cuMipmappedArrayGetMemoryRequirements`; `fallback` where it does not answer): more is
+/// reserved too (if it does not fit, the array is destroyed and the answer is
+/// `CUDA_ERROR_OUT_OF_MEMORY`), less is refunded. A request the estimate finds invalid reserves
+/// nothing first (the driver refuses it) but is charged all the same if the driver makes it.
+fn mipmapped(
+    s: &ShimState,
+    cu: &RealCuda,
+    (estimate, fallback): (u64, u64),
+    handle: *mut CUmipmappedArray,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let Some((ctx, ordinal)) = s.current_context() else { return call() };
+    let Some(dev) = s.device_of_ordinal(ordinal) else { return call() };
+    crate::trace::note(dev, estimate);
+    if !s.reserve(dev, estimate) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = call();
+    // SAFETY: the driver wrote the handle through the caller's out-pointer (it succeeded).
+    let made = if rc == CUDA_SUCCESS { unsafe { get(handle) } } else { None };
+    let Some(h) = made.filter(|h| !h.is_null()) else {
+        s.refund(dev, estimate);
+        return rc;
+    };
+    let mut req = ArrayMemoryRequirements::default();
+    let actual = match cu.cuMipmappedArrayGetMemoryRequirements {
+        // SAFETY: a valid out-struct; h is the array just made, ordinal its device.
+        Some(f) if unsafe { f(&mut req, h, ordinal) } == CUDA_SUCCESS && req.size > 0 => req.size as u64,
+        _ => fallback,
+    };
+    if actual > estimate && !s.reserve(dev, actual - estimate) {
+        if let Some(destroy) = cu.cuMipmappedArrayDestroy {
+            // SAFETY: destroying the array just made, which the caller never saw.
+            unsafe { destroy(h) };
+        }
+        s.refund(dev, estimate);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if actual < estimate {
+        s.refund(dev, estimate - actual);
+    }
+    s.mem.arrays.insert(h as u64, Charge { dev, bytes: actual, ctx: ctx as usize, kind: Kind::Array });
+    rc
+}
+
+/// # Safety
+/// As cuda.h's `cuMipmappedArrayCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayCreate(
+    pHandle: *mut CUmipmappedArray,
+    pMipmappedArrayDesc: *const Array3dDesc,
+    numMipmapLevels: c_uint,
+) -> CUresult {
+    hook(TraceFunc::cuMipmappedArrayCreate, |s, cu| {
+        let Some(f) = cu.cuMipmappedArrayCreate else { return NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let call = || unsafe { f(pHandle, pMipmappedArrayDesc, numMipmapLevels) };
+        // SAFETY: null or the caller's descriptor.
+        let Some(d) = (unsafe { get(pMipmappedArrayDesc) }) else { return call() };
+        // Levels past what the shape has: the driver refuses (reserve nothing before).
+        let Some(bytes) = mipmap_bytes(&d, numMipmapLevels) else { return call() };
+        let estimate = if numMipmapLevels <= most_levels(&d) { bytes } else { 0 };
+        mipmapped(s, cu, (estimate, bytes), pHandle, call)
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuMipmappedArrayDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayDestroy(hMipmappedArray: CUmipmappedArray) -> CUresult {
+    hook(TraceFunc::cuMipmappedArrayDestroy, |s, cu| {
+        let Some(f) = cu.cuMipmappedArrayDestroy else { return NOT_SUPPORTED };
+        // SAFETY: the caller's argument, passed on unchanged.
+        refunded(s, &s.mem.arrays, hMipmappedArray as u64, || unsafe { f(hMipmappedArray) })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mipmap_sizes_sum_aligned_levels() {
+        let d = |w: usize, h: usize, depth: usize, flags: c_uint| Array3dDesc {
+            width: w,
+            height: h,
+            depth,
+            format: 0x20,
+            channels: 4,
+            flags,
+        };
+        let full: u64 = (0..13).map(|i| ((4096u64 >> i) * (4096 >> i) * 16).next_multiple_of(512)).sum();
+        assert_eq!(mipmap_bytes(&d(4096, 4096, 0, 0), 13), Some(full));
+        assert_eq!(mipmap_bytes(&d(64, 64, 8, 0), 2), Some(64 * 64 * 8 * 16 + 32 * 32 * 4 * 16), "3D halves its depth");
+        assert_eq!(mipmap_bytes(&d(64, 64, 8, ARRAY3D_LAYERED), 2), Some((64 * 64 + 32 * 32) * 8 * 16), "layers stay");
+        assert_eq!(mipmap_bytes(&d(1, 0, 0, 0), 1), Some(512), "one texel takes the alignment");
+        assert_eq!(mipmap_bytes(&d(usize::MAX, 2, 0, 0), 1), None);
+        assert_eq!(mipmap_bytes(&d(8, 8, 0, 0), 1000), mipmap_bytes(&d(8, 8, 0, 0), 4), "8 x 8 has 4 levels");
+        assert_eq!((most_levels(&d(8, 8, 0, 0)), most_levels(&d(8, 8, 64, ARRAY3D_LAYERED))), (4, 4));
+        assert_eq!(most_levels(&d(8, 8, 64, 0)), 7, "a 3D array's depth shrinks too");
+    }
 
     #[test]
     fn array_sizes_follow_the_descriptor() {

@@ -306,11 +306,12 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     })
 }
 
-fn destroy(s: &ShimState, ctx: CUcontext, call: impl FnOnce() -> CUresult) -> CUresult {
+fn destroy(s: &ShimState, cu: &RealCuda, ctx: CUcontext, call: impl FnOnce() -> CUresult) -> CUresult {
     let _g = s.mem.lifecycle();
     let rc = call();
     if rc == CUDA_SUCCESS && !ctx.is_null() {
         context_gone(s, ctx as usize, true);
+        super::graph::settle_pools(s, cu);
     }
     rc
 }
@@ -320,7 +321,7 @@ fn destroy(s: &ShimState, ctx: CUcontext, call: impl FnOnce() -> CUresult) -> CU
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuCtxDestroy_v2, |s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
+    hook(TraceFunc::cuCtxDestroy_v2, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
 }
 
 /// # Safety
@@ -328,7 +329,7 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy(ctx: CUcontext) -> CUresult {
     // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuCtxDestroy, |s, cu| destroy(s, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
+    hook(TraceFunc::cuCtxDestroy, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
 }
 
 // ---- Primary contexts ------------------------------------------------------------------------
@@ -403,6 +404,7 @@ fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUr
     let rc = call();
     if rc == CUDA_SUCCESS {
         primary_after(s, cu, dev, true);
+        super::graph::settle_pools(s, cu);
     }
     rc
 }

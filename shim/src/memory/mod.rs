@@ -6,6 +6,7 @@
 //! - [`vmm`]: the virtual-memory API's physical allocations, charged until released and unmapped;
 //! - [`context`]: each context's own overhead (reserved before it is created, trued up to what
 //!   it measured);
+//! - [`graph`]: graph memory nodes, charged as the driver's graph pool holds them;
 //! - [`info`]: `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU.
 //!
 //! The [`Tracker`] remembers each live charge (device pointer, array, physical allocation or
@@ -15,6 +16,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod context;
+pub(crate) mod graph;
 pub(crate) mod info;
 pub(crate) mod vmm;
 
@@ -149,6 +151,8 @@ pub(crate) struct Tracker {
     pub arrays: Sharded,
     /// Physical allocations and their mappings.
     pub vmm: vmm::Vmm,
+    /// Graph memory: executable graphs' allocation nodes and each device's graph pool.
+    pub graphs: graph::GraphMem,
     /// Contexts' own overhead, by context handle.
     pub contexts: Sharded,
     /// The primary context handle of each CUDA ordinal (0: not seen).
@@ -164,6 +168,7 @@ impl Tracker {
             ptrs: Sharded::new(),
             arrays: Sharded::new(),
             vmm: vmm::Vmm::new(),
+            graphs: graph::GraphMem::new(),
             contexts: Sharded::new(),
             primaries: [const { std::sync::atomic::AtomicU64::new(0) }; 64],
             lifecycle: Mutex::new(()),

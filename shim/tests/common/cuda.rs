@@ -79,6 +79,16 @@ api! {
     cuStreamEndCapture(H, *mut H);
     cuGraphInstantiateWithFlags(*mut H, H, u64);
     cuGraphLaunch(H, H);
+    cuGraphCreate(*mut H, c_uint);
+    cuGraphAddMemAllocNode(*mut H, H, *const H, usize, *mut MemAllocNodeParams);
+    cuGraphAddMemFreeNode(*mut H, H, *const H, usize, u64);
+    cuGraphExecDestroy(H);
+    cuGraphUpload(H, H);
+    cuDeviceGraphMemTrim(c_int);
+    cuDeviceGetGraphMemAttribute(c_int, c_int, *mut u64);
+    cuMipmappedArrayCreate(*mut H, *const Array3dDesc, c_uint);
+    cuMipmappedArrayDestroy(H);
+    cuMipmappedArrayGetLevel(*mut H, H, c_uint);
     cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
 }
 
@@ -102,6 +112,36 @@ impl MemAllocProp {
             location_id: ordinal,
             win32: std::ptr::null_mut(),
             flags: [0; 8],
+        }
+    }
+}
+
+/// `CUDA_MEM_ALLOC_NODE_PARAMS` (pinned device memory, no access descriptors).
+#[repr(C)]
+pub struct MemAllocNodeParams {
+    pub alloc_type: c_uint,
+    pub handle_types: c_uint,
+    pub location_type: c_uint,
+    pub location_id: c_int,
+    pub pool_rest: [u64; 9],
+    pub access_descs: *const c_void,
+    pub access_desc_count: usize,
+    pub bytesize: usize,
+    pub dptr: u64,
+}
+
+impl MemAllocNodeParams {
+    pub fn device(ordinal: c_int, bytes: u64) -> MemAllocNodeParams {
+        MemAllocNodeParams {
+            alloc_type: 1,
+            handle_types: 0,
+            location_type: 1,
+            location_id: ordinal,
+            pool_rest: [0; 9],
+            access_descs: std::ptr::null(),
+            access_desc_count: 0,
+            bytesize: bytes as usize,
+            dptr: 0,
         }
     }
 }

@@ -1648,124 +1648,242 @@ fn graph_alloc_params(bytes: usize) -> cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_
     p
 }
 
+type AllocParams = cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/// Graph helpers over the driver: create, add memory nodes, instantiate, launch, attributes.
+struct Graphs<'a> {
+    cu: &'a Cuda,
+}
+
+impl Graphs<'_> {
+    fn create(&self) -> Handle {
+        let mut g = std::ptr::null_mut();
+        assert_eq!(call!(self.cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
+        g
+    }
+    /// Adds an allocation node (after `deps`); its node and its address, or the error.
+    fn alloc(&self, g: Handle, deps: &[Handle], p: &mut AllocParams) -> Result<(Handle, u64), u32> {
+        let mut n = std::ptr::null_mut();
+        let rc = call!(
+            self.cu,
+            cuGraphAddMemAllocNode(&mut n, g, deps.as_ptr(), deps.len(), p)
+                as fn(*mut Handle, Handle, *const Handle, usize, *mut AllocParams)
+        );
+        if rc == SUCCESS { Ok((n, p.dptr)) } else { Err(rc) }
+    }
+    fn free(&self, g: Handle, deps: &[Handle], dptr: u64) -> Result<Handle, u32> {
+        let mut n = std::ptr::null_mut();
+        let rc = call!(
+            self.cu,
+            cuGraphAddMemFreeNode(&mut n, g, deps.as_ptr(), deps.len(), dptr)
+                as fn(*mut Handle, Handle, *const Handle, usize, u64)
+        );
+        if rc == SUCCESS { Ok(n) } else { Err(rc) }
+    }
+    fn instantiate(&self, g: Handle, flags: u64) -> Result<Handle, u32> {
+        let mut e = std::ptr::null_mut();
+        let rc = call!(self.cu, cuGraphInstantiateWithFlags(&mut e, g, flags) as fn(*mut Handle, Handle, u64));
+        if rc == SUCCESS { Ok(e) } else { Err(rc) }
+    }
+    fn launch(&self, e: Handle, s: Handle) -> u32 {
+        call!(self.cu, cuGraphLaunch(e, s) as fn(Handle, Handle))
+    }
+    fn exec_destroy(&self, e: Handle) {
+        assert_eq!(call!(self.cu, cuGraphExecDestroy(e) as fn(Handle)), SUCCESS);
+    }
+    fn attr(&self, dev: c_int, a: c_int) -> u64 {
+        let mut v = 0u64;
+        assert_eq!(call!(self.cu, cuDeviceGetGraphMemAttribute(dev, a, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
+        v
+    }
+    /// (used, reserved) of a device's graph pool.
+    fn pool(&self, dev: c_int) -> (u64, u64) {
+        (self.attr(dev, 0), self.attr(dev, 2))
+    }
+    fn trim(&self, dev: c_int) {
+        assert_eq!(call!(self.cu, cuDeviceGraphMemTrim(dev) as fn(c_int)), SUCCESS);
+    }
+}
+
 #[test]
 fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
-    with_driver("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |node, cu| {
-        let m = model(node);
-        cu.init();
-        cu.ctx_create(0);
+    with_context("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |m, cu| {
+        let gr = Graphs { cu };
         let s = cu.stream();
         let (free, _) = cu.mem_info();
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();
-        type Params = cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS;
-        let graph = || {
-            let mut g = std::ptr::null_mut();
-            assert_eq!(call!(cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
-            g
-        };
-        let instantiate = |g: Handle| {
-            let mut e = std::ptr::null_mut();
-            assert_eq!(call!(cu, cuGraphInstantiateWithFlags(&mut e, g, 0) as fn(*mut Handle, Handle, u64)), SUCCESS);
-            e
-        };
-        let attr = |a: c_int| {
-            let mut v = 0u64;
-            assert_eq!(call!(cu, cuDeviceGetGraphMemAttribute(0, a, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
-            v
-        };
         // An allocation node reserves its address when added; nothing is charged yet.
-        let g = graph();
-        let (mut n, mut p) = (std::ptr::null_mut(), graph_alloc_params(256 * MIB as usize));
-        assert_eq!(
-            call!(
-                cu,
-                cuGraphAddMemAllocNode(&mut n, g, std::ptr::null(), 0, &mut p)
-                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
-            ),
-            SUCCESS
-        );
-        assert_ne!(p.dptr, 0);
+        let g = gr.create();
+        let mut p = graph_alloc_params(256 * MIB as usize);
+        let (n, dptr) = gr.alloc(g, &[], &mut p).unwrap();
+        assert_ne!(dptr, 0);
         assert_eq!(used(), base);
         let mut back = graph_alloc_params(0);
-        assert_eq!(call!(cu, cuGraphMemAllocNodeGetParams(n, &mut back) as fn(Handle, *mut Params)), SUCCESS);
-        assert_eq!((back.bytesize, back.dptr), (p.bytesize, p.dptr));
-        let e = instantiate(g);
+        assert_eq!(call!(cu, cuGraphMemAllocNodeGetParams(n, &mut back) as fn(Handle, *mut AllocParams)), SUCCESS);
+        assert_eq!((back.bytesize, back.dptr, back.poolProps.location.id), (p.bytesize, dptr, 0));
+        let e = gr.instantiate(g, 0).unwrap();
+        assert_eq!(used(), base, "instantiating takes nothing");
+        assert_eq!(
+            gr.instantiate(g, 0),
+            Err(INVALID_VALUE),
+            "one executable graph at a time for a graph with memory nodes"
+        );
         // Launching charges it, at that address; the memory is real.
-        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        assert_eq!(gr.launch(e, s), SUCCESS);
         assert_eq!(used(), base + 256 * MIB);
         assert_eq!(cu.mem_info().0, free - 256 * MIB);
-        assert_eq!(attr(0), 256 * MIB, "USED_MEM_CURRENT");
-        assert_eq!(cu.htod(p.dptr + 100, &[5]), SUCCESS);
+        assert_eq!(gr.pool(0), (256 * MIB, 256 * MIB), "USED_MEM_CURRENT, RESERVED_MEM_CURRENT");
+        assert_eq!(cu.htod(dptr + 100, &[5]), SUCCESS);
         // The graph cannot run again while its allocation lives.
-        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), INVALID_VALUE);
+        assert_eq!(gr.launch(e, s), INVALID_VALUE);
         assert_eq!(used(), base + 256 * MIB, "a refused launch charges nothing");
-        // Freed outside the graph (cuMemFree), it can run again.
-        cu.free(p.dptr);
-        assert_eq!(used(), base);
-        assert_eq!((attr(0), attr(1)), (0, 256 * MIB), "current, high watermark");
-        assert_eq!(call!(cu, cuGraphLaunch(e, s) as fn(Handle, Handle)), SUCCESS);
+        // Freed outside the graph (cuMemFree), the memory stays in the device's graph pool.
+        cu.free(dptr);
+        assert_eq!(used(), base + 256 * MIB, "kept by the graph pool");
+        assert_eq!(gr.pool(0), (0, 256 * MIB));
+        assert_eq!((gr.attr(0, 1), gr.attr(0, 3)), (256 * MIB, 256 * MIB), "high watermarks");
+        // Relaunched, it takes its memory from the pool: nothing new is charged.
+        assert_eq!(gr.launch(e, s), SUCCESS);
         assert_eq!(used(), base + 256 * MIB);
-        // A free node in another graph returns it.
-        let g2 = graph();
-        let mut f = std::ptr::null_mut();
-        assert_eq!(
-            call!(
-                cu,
-                cuGraphAddMemFreeNode(&mut f, g2, std::ptr::null(), 0, p.dptr)
-                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
-            ),
-            SUCCESS
-        );
-        let mut dptr = 0u64;
-        assert_eq!(call!(cu, cuGraphMemFreeNodeGetParams(f, &mut dptr) as fn(Handle, *mut u64)), SUCCESS);
-        assert_eq!(dptr, p.dptr);
+        assert_eq!(gr.pool(0), (256 * MIB, 256 * MIB));
+        // A free node in another graph ends it.
+        let g2 = gr.create();
+        let f = gr.free(g2, &[], dptr).unwrap();
+        let mut got = 0u64;
+        assert_eq!(call!(cu, cuGraphMemFreeNodeGetParams(f, &mut got) as fn(Handle, *mut u64)), SUCCESS);
+        assert_eq!(got, dptr);
         let mut ty: c_int = -1;
         assert_eq!(call!(cu, cuGraphNodeGetType(f, &mut ty) as fn(Handle, *mut c_int)), SUCCESS);
         assert_eq!(ty, 11, "CU_GRAPH_NODE_TYPE_MEM_FREE");
-        let e2 = instantiate(g2);
-        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), SUCCESS);
+        let e2 = gr.instantiate(g2, 0).unwrap();
+        assert_eq!(gr.launch(e2, s), SUCCESS);
+        assert_eq!(gr.pool(0), (0, 256 * MIB));
+        assert_eq!(gr.launch(e2, s), INVALID_VALUE, "freed twice");
+        // Destroying the executable graphs returns nothing; trimming returns the pool's free part.
+        gr.exec_destroy(e);
+        gr.exec_destroy(e2);
+        assert_eq!(used(), base + 256 * MIB);
+        gr.trim(0);
         assert_eq!(used(), base);
-        assert_eq!(call!(cu, cuGraphLaunch(e2, s) as fn(Handle, Handle)), INVALID_VALUE, "freed twice");
+        assert_eq!(gr.pool(0), (0, 0));
+        // Destroyed, its graph may be instantiated again.
+        let e = gr.instantiate(g, 0).unwrap();
         // More than the device has: the launch fails with OUT_OF_MEMORY and charges nothing.
-        let g3 = graph();
+        let g3 = gr.create();
         let mut big = graph_alloc_params(free as usize + 1);
-        assert_eq!(
-            call!(
-                cu,
-                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut big)
-                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
-            ),
-            SUCCESS
-        );
-        let e3 = instantiate(g3);
-        assert_eq!(call!(cu, cuGraphLaunch(e3, s) as fn(Handle, Handle)), OUT_OF_MEMORY);
+        gr.alloc(g3, &[], &mut big).unwrap();
+        let e3 = gr.instantiate(g3, 0).unwrap();
+        assert_eq!(gr.launch(e3, s), OUT_OF_MEMORY);
         assert_eq!(used(), base);
+        assert_eq!(gr.pool(0), (0, 0));
         // Bad requests.
-        let mut zero = graph_alloc_params(0);
-        assert_eq!(
-            call!(
-                cu,
-                cuGraphAddMemAllocNode(&mut n, g3, std::ptr::null(), 0, &mut zero)
-                    as fn(*mut Handle, Handle, *const Handle, usize, *mut Params)
-            ),
-            INVALID_VALUE
-        );
-        assert_eq!(
-            call!(
-                cu,
-                cuGraphAddMemFreeNode(&mut f, g3, std::ptr::null(), 0, 0x1234)
-                    as fn(*mut Handle, Handle, *const Handle, usize, u64)
-            ),
-            INVALID_VALUE,
-            "not a graph allocation"
-        );
+        assert_eq!(gr.alloc(g3, &[], &mut graph_alloc_params(0)), Err(INVALID_VALUE));
+        let mut elsewhere = graph_alloc_params(MIB as usize);
+        elsewhere.poolProps.location.id = 99;
+        assert_eq!(gr.alloc(g3, &[], &mut elsewhere), Err(INVALID_VALUE), "no such device");
+        assert_eq!(gr.free(g3, &[], 0x1234), Err(INVALID_VALUE), "not a graph allocation");
+        assert_eq!(gr.instantiate(gr.create(), 0x1 | 0x4).err(), Some(INVALID_VALUE), "auto-free with device launch");
         let mut v = 5u64;
         assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), INVALID_VALUE);
         v = 0;
         assert_eq!(call!(cu, cuDeviceSetGraphMemAttribute(0, 1, &mut v) as fn(c_int, c_int, *mut u64)), SUCCESS);
-        assert_eq!(attr(1), 0, "the high watermark reset to current");
-        assert_eq!(call!(cu, cuDeviceGraphMemTrim(0) as fn(c_int)), SUCCESS);
+        assert_eq!(gr.attr(0, 1), 0, "the high watermark reset to current");
+        gr.exec_destroy(e);
+    });
+}
+
+#[test]
+fn the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device() {
+    with_context("the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device", |m, cu| {
+        let gr = Graphs { cu };
+        let s = cu.stream();
+        let used = |gpu: u32| m.memory_info(gpu, 0).unwrap().used;
+        let (base0, base1) = (used(0), used(1));
+        // alloc A (1 GiB) -> free A -> alloc B (512 MiB) -> free B: B reuses A's memory.
+        let g = gr.create();
+        let (a, pa) = gr.alloc(g, &[], &mut graph_alloc_params(GIB as usize)).unwrap();
+        let fa = gr.free(g, &[a], pa).unwrap();
+        let (b, pb) = gr.alloc(g, &[fa], &mut graph_alloc_params(512 * MIB as usize)).unwrap();
+        gr.free(g, &[b], pb).unwrap();
+        // A node on device 1 allocates there, whatever stream launches the graph.
+        let mut on1 = graph_alloc_params(128 * MIB as usize);
+        on1.poolProps.location.id = 1;
+        let (_, p1) = gr.alloc(g, &[], &mut on1).unwrap();
+        let e = gr.instantiate(g, 0).unwrap();
+        for launch in 0..3 {
+            assert_eq!(gr.launch(e, s), if launch == 0 { SUCCESS } else { INVALID_VALUE }, "launch {launch}");
+        }
+        assert_eq!(used(0), base0 + GIB, "the in-graph free let B reuse A's memory");
+        assert_eq!(gr.pool(0), (0, GIB));
+        assert_eq!(used(1), base1 + 128 * MIB);
+        assert_eq!(gr.pool(1), (128 * MIB, 128 * MIB));
+        // cuMemFreeAsync ends a graph allocation too.
+        assert_eq!(call!(cu, cuMemFreeAsync(p1, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        assert_eq!(gr.pool(1), (0, 128 * MIB));
+        // Several launches of a graph that frees what it allocates take nothing more.
+        for _ in 0..5 {
+            assert_eq!(gr.launch(e, s), SUCCESS);
+            assert_eq!(call!(cu, cuMemFreeAsync(p1, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        }
+        assert_eq!((used(0), used(1)), (base0 + GIB, base1 + 128 * MIB));
+        // A launch that runs out of memory midway takes nothing: what it allocated goes back to the pool.
+        let g2 = gr.create();
+        let (x, px) = gr.alloc(g2, &[], &mut graph_alloc_params(2 * GIB as usize)).unwrap();
+        let (free, _) = cu.mem_info();
+        gr.alloc(g2, &[x], &mut graph_alloc_params(free as usize)).unwrap();
+        let e2 = gr.instantiate(g2, 0).unwrap();
+        assert_eq!(gr.launch(e2, s), OUT_OF_MEMORY);
+        assert_eq!(gr.pool(0), (0, 2 * GIB), "the first node's memory stays in the pool");
+        assert_eq!(call!(cu, cuMemFree_v2(px) as fn(CUdeviceptr)), INVALID_VALUE, "no live allocation is left behind");
+        gr.trim(0);
+        gr.trim(1);
+        assert_eq!((used(0), used(1)), (base0, base1));
+    });
+}
+
+#[test]
+fn auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory() {
+    with_context("auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory", |m, cu| {
+        let gr = Graphs { cu };
+        let s = cu.stream();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        // AUTO_FREE_ON_LAUNCH: a relaunch frees the previous launch's allocation first.
+        let g = gr.create();
+        gr.alloc(g, &[], &mut graph_alloc_params(64 * MIB as usize)).unwrap();
+        let e = gr.instantiate(g, 0x1).unwrap();
+        for _ in 0..3 {
+            assert_eq!(gr.launch(e, s), SUCCESS);
+        }
+        assert_eq!(gr.pool(0), (64 * MIB, 64 * MIB));
+        assert_eq!(used(), base + 64 * MIB);
+        // cuMemAllocAsync and cuMemFreeAsync on a capturing stream become memory nodes.
+        assert_eq!(call!(cu, cuStreamBeginCapture_v2(s, 0) as fn(Handle, c_uint)), SUCCESS);
+        let mut p = 0u64;
+        assert_eq!(
+            call!(cu, cuMemAllocAsync(&mut p, 32 * MIB as usize, s) as fn(*mut CUdeviceptr, usize, Handle)),
+            SUCCESS
+        );
+        assert_ne!(p, 0);
+        assert_eq!(used(), base + 64 * MIB, "captured: nothing allocated yet");
+        assert_eq!(call!(cu, cuMemFreeAsync(p, s) as fn(CUdeviceptr, Handle)), SUCCESS);
+        let mut captured = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuStreamEndCapture(s, &mut captured) as fn(Handle, *mut Handle)), SUCCESS);
+        let mut n = 0usize;
+        assert_eq!(
+            call!(cu, cuGraphGetNodes(captured, std::ptr::null_mut(), &mut n) as fn(Handle, *mut Handle, *mut usize)),
+            SUCCESS
+        );
+        assert_eq!(n, 2, "an allocation node and a free node");
+        let ce = gr.instantiate(captured, 0).unwrap();
+        assert_eq!(gr.launch(ce, s), SUCCESS);
+        assert_eq!(gr.pool(0), (64 * MIB, 96 * MIB), "the pool had nothing free: it grew, and keeps what was freed");
+        assert_eq!(used(), base + 96 * MIB);
+        gr.exec_destroy(e);
+        gr.exec_destroy(ce);
+        gr.trim(0);
+        assert_eq!(used(), base + 64 * MIB, "a live allocation outlives its executable graph and a trim");
     });
 }
 
@@ -1830,5 +1948,97 @@ fn pools_keep_freed_memory_up_to_their_release_threshold() {
         assert_eq!(cu.mem_info().0, 0);
         free_async(all);
         assert_eq!(used(), base + GIB);
+    });
+}
+
+/// `CUDA_ARRAY3D_DESCRIPTOR` as the driver reads it (the format as its raw value).
+#[repr(C)]
+struct Array3d {
+    width: usize,
+    height: usize,
+    depth: usize,
+    format: u32,
+    channels: c_uint,
+    flags: c_uint,
+}
+
+#[test]
+fn mipmapped_arrays_are_charged_their_levels_and_each_level_is_an_array() {
+    with_context("mipmapped_arrays_are_charged_their_levels_and_each_level_is_an_array", |m, cu| {
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let create = |d: &Array3d, levels: c_uint| {
+            let mut h = std::ptr::null_mut();
+            let rc = call!(cu, cuMipmappedArrayCreate(&mut h, d, levels) as fn(*mut Handle, *const Array3d, c_uint));
+            if rc == SUCCESS { Ok(h) } else { Err(rc) }
+        };
+        // 4096 x 4096 RGBA float (16 bytes a texel), the full chain of 13 levels: every level's
+        // bytes, each rounded up to 512, summed.
+        let rgba = Array3d { width: 4096, height: 4096, depth: 0, format: 0x20, channels: 4, flags: 0 };
+        let h = create(&rgba, 13).unwrap();
+        let expected: u64 = (0..13).map(|i| ((4096u64 >> i) * (4096 >> i) * 16).next_multiple_of(512)).sum();
+        assert_eq!(used(), base + expected);
+        let mut req = [0usize; 4];
+        assert_eq!(
+            call!(
+                cu,
+                cuMipmappedArrayGetMemoryRequirements(req.as_mut_ptr().cast(), h, 0) as fn(*mut c_void, Handle, c_int)
+            ),
+            SUCCESS
+        );
+        assert_eq!((req[0] as u64, req[1] as u64), (expected, 2 * MIB), "size, alignment");
+        // Each level is an array: its descriptor, and bytes copied through it.
+        let level = |i: c_uint| {
+            let mut a = std::ptr::null_mut();
+            let rc = call!(cu, cuMipmappedArrayGetLevel(&mut a, h, i) as fn(*mut Handle, Handle, c_uint));
+            if rc == SUCCESS { Ok(a) } else { Err(rc) }
+        };
+        let l3 = level(3).unwrap();
+        let mut d = Array3d { width: 0, height: 0, depth: 9, format: 0, channels: 0, flags: 9 };
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l3) as fn(*mut Array3d, Handle)), SUCCESS);
+        assert_eq!((d.width, d.height, d.depth, d.format, d.channels), (512, 512, 0, 0x20, 4));
+        let l12 = level(12).unwrap();
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l12) as fn(*mut Array3d, Handle)), SUCCESS);
+        assert_eq!((d.width, d.height), (1, 1));
+        let bytes: Vec<u8> = (0..16).collect();
+        assert_eq!(
+            call!(cu, cuMemcpyHtoA_v2(l12, 0, bytes.as_ptr().cast(), 16) as fn(Handle, usize, *const c_void, usize)),
+            SUCCESS
+        );
+        let mut back = [0u8; 16];
+        assert_eq!(
+            call!(cu, cuMemcpyAtoH_v2(back.as_mut_ptr().cast(), l12, 0, 16) as fn(*mut c_void, Handle, usize, usize)),
+            SUCCESS
+        );
+        assert_eq!(back.to_vec(), bytes);
+        assert_eq!(level(13), Err(INVALID_VALUE), "no 14th level");
+        assert_eq!(call!(cu, cuArrayDestroy(l3) as fn(Handle)), INVALID_VALUE, "a level goes with its mipmapped array");
+        // Destroying returns everything; the handle and its levels are gone.
+        assert_eq!(call!(cu, cuMipmappedArrayDestroy(h) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), base);
+        assert_eq!(call!(cu, cuMipmappedArrayDestroy(h) as fn(Handle)), INVALID_HANDLE);
+        assert_eq!(call!(cu, cuArray3DGetDescriptor_v2(&mut d, l3) as fn(*mut Array3d, Handle)), INVALID_HANDLE);
+        // A layered array keeps its layers at every level.
+        let layered = Array3d { width: 256, height: 256, depth: 10, format: 0x01, channels: 1, flags: 0x01 };
+        let h = create(&layered, 3).unwrap();
+        assert_eq!(used(), base + (256 * 256 + 128 * 128 + 64 * 64) * 10);
+        // Bad requests charge nothing.
+        assert_eq!(create(&rgba, 14), Err(INVALID_VALUE), "more levels than halvings");
+        assert_eq!(create(&rgba, 0), Err(INVALID_VALUE));
+        let sparse = Array3d { flags: 0x40, ..rgba };
+        assert_eq!(create(&sparse, 1), Err(NOT_SUPPORTED), "sparse arrays are not modelled");
+        let huge = Array3d { width: 131072, height: 65536, depth: 0, format: 0x20, channels: 4, flags: 0 };
+        assert_eq!(create(&huge, 1), Err(OUT_OF_MEMORY), "128 GiB: more than the board");
+        assert_eq!(used(), base + (256 * 256 + 128 * 128 + 64 * 64) * 10);
+        let mut sp = [0u8; 64];
+        assert_eq!(
+            call!(cu, cuMipmappedArrayGetSparseProperties(sp.as_mut_ptr().cast(), h) as fn(*mut c_void, Handle)),
+            NOT_SUPPORTED
+        );
+        // Destroying the context frees it.
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxGetCurrent(&mut ctx) as fn(*mut Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), base - CONTEXT_OVERHEAD);
     });
 }

@@ -335,6 +335,7 @@ fn teardown(node: &Node, ctx: &Arc<Ctx>, unregister: bool) {
         reg.modules.retain(|_, m| m.ctx != h);
         reg.funcs.retain(|_, f| f.ctx != h);
         let arrays: Vec<_> = reg.arrays.extract_if(|_, a| a.ctx == h).map(|(_, a)| a).collect();
+        reg.mipmaps.retain(|_, m| m.ctx != h);
         let allocs: Vec<_> = reg
             .mem
             .extract_if(.., |_, a| a.ctx == h && !matches!(a.kind, super::memory::MemKind::Pool(_)))

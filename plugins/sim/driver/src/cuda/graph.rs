@@ -41,10 +41,11 @@ pub(crate) enum Op {
         data: usize,
     },
     Empty,
-    /// A graph allocation at its reserved address ([`super::graph_mem`]).
+    /// A graph allocation at its reserved address, on device `dev` ([`super::graph_mem`]).
     MemAlloc {
         base: u64,
         bytes: u64,
+        dev: c_int,
     },
     MemFree {
         base: u64,
@@ -53,7 +54,7 @@ pub(crate) enum Op {
 
 impl Op {
     /// `CUgraphNodeType`.
-    fn node_type(&self) -> c_int {
+    pub(crate) fn node_type(&self) -> c_int {
         match self {
             Op::Kernel { .. } => 0,
             Op::Memcpy { .. } => 1,
@@ -78,8 +79,8 @@ pub(crate) fn run_op(node: &'static Node, t: &Target, op: &Op) -> R {
         }
         Op::Host { f, data } => enqueue_host(node, t.sid, HostCall::Func(*f, *data)),
         Op::Empty => Ok(()),
-        Op::MemAlloc { base, bytes } => super::graph_mem::allocate(node, t, *base, *bytes),
-        Op::MemFree { base } => super::graph_mem::free(node, *base),
+        Op::MemAlloc { base, bytes, dev } => super::graph_mem::allocate(node, *dev, *base, *bytes),
+        Op::MemFree { base } => super::graph_mem::free(*base),
     }
 }
 
@@ -130,7 +131,18 @@ impl Graph {
 /// An instantiated graph: its work, in order.
 pub(crate) struct Exec {
     pub handle: usize,
+    /// The graph it was instantiated from.
+    pub graph: usize,
+    /// `CUDA_GRAPH_INSTANTIATE_FLAG_*`.
+    pub flags: u64,
     pub ops: Vec<Op>,
+}
+
+impl Exec {
+    /// Whether it has memory nodes (then its graph has at most one executable graph at a time).
+    fn has_memory_nodes(&self) -> bool {
+        self.ops.iter().any(|op| matches!(op, Op::MemAlloc { .. } | Op::MemFree { .. }))
+    }
 }
 
 static NEXT_CAPTURE: AtomicU64 = AtomicU64::new(1);
@@ -639,18 +651,29 @@ pub unsafe extern "C" fn cuGraphNodeGetType(hNode: sys::CUgraphNode, type_: *mut
 }
 
 /// `CUDA_GRAPH_INSTANTIATE_FLAG_*`: AUTO_FREE_ON_LAUNCH, UPLOAD, DEVICE_LAUNCH, USE_NODE_PRIORITY.
-const INSTANTIATE_FLAGS: u64 = 0x1 | 0x2 | 0x4 | 0x8;
+const AUTO_FREE_ON_LAUNCH: u64 = 0x1;
+const DEVICE_LAUNCH: u64 = 0x4;
+const INSTANTIATE_FLAGS: u64 = AUTO_FREE_ON_LAUNCH | 0x2 | DEVICE_LAUNCH | 0x8;
 
 fn instantiate(ph: *mut sys::CUgraphExec, g: sys::CUgraph, flags: u64) -> R {
     need(ph)?;
-    if flags & !INSTANTIATE_FLAGS != 0 {
+    if flags & !INSTANTIATE_FLAGS != 0
+        || flags & (AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH) == AUTO_FREE_ON_LAUNCH | DEVICE_LAUNCH
+    {
         return Err(INVALID_VALUE);
     }
     let g = graph(g)?;
     let ops = g.nodes().iter().map(|n| n.op.clone()).collect();
-    let e = Arc::new(Exec { handle: handles::new_handle(), ops });
+    let e = Arc::new(Exec { handle: handles::new_handle(), graph: g.handle, flags, ops });
     let h = e.handle;
-    handles::write().execs.insert(h, e);
+    {
+        let mut reg = handles::write();
+        // A graph with memory nodes has at most one executable graph at a time.
+        if e.has_memory_nodes() && reg.execs.values().any(|x| x.graph == g.handle && x.has_memory_nodes()) {
+            return Err(INVALID_VALUE);
+        }
+        reg.execs.insert(h, e);
+    }
     // SAFETY: ph is the caller's out-pointer (checked above).
     unsafe { put(ph, handles::as_ptr(h)) }
 }
@@ -757,8 +780,32 @@ fn launch(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
         (e, resolve(&reg, node, h, pt)?)
     };
     t.ctx.check(node)?;
-    for op in &e.ops {
-        super::graph::submit(node, &t, op.clone())?;
+    if t.capture().is_some() {
+        for op in &e.ops {
+            submit(node, &t, op.clone())?;
+        }
+        return Ok(());
+    }
+    if e.flags & AUTO_FREE_ON_LAUNCH != 0 {
+        // The previous launch's allocations still live are freed first.
+        for op in &e.ops {
+            if let Op::MemAlloc { base, .. } = op
+                && super::graph_mem::is_live(*base)
+            {
+                super::graph_mem::free(*base)?;
+            }
+        }
+    }
+    for (i, op) in e.ops.iter().enumerate() {
+        if let Err(err) = run_op(node, &t, op) {
+            // A launch that fails allocates nothing: what it allocated goes back to the pool.
+            for done in &e.ops[..i] {
+                if let Op::MemAlloc { base, .. } = done {
+                    let _ = super::graph_mem::free(*base);
+                }
+            }
+            return Err(err);
+        }
     }
     Ok(())
 }

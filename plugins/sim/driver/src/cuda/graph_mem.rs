@@ -1,30 +1,53 @@
-//! Graph memory nodes (`cuGraphAddMemAllocNode`, `cuGraphAddMemFreeNode`) and the device's graph
-//! memory attributes. As on a real driver, adding an allocation node reserves its address (the
-//! node's `dptr` is known before launch), and the memory is allocated, and charged to the model
-//! on the launching stream's device, when the graph runs the node; a free node (or `cuMemFree`
-//! outside the graph) returns it. A graph whose allocation is still live cannot run again
-//! (`CUDA_ERROR_INVALID_VALUE`).
+//! Graph memory nodes (`cuGraphAddMemAllocNode`, `cuGraphAddMemFreeNode`, and allocations captured
+//! from `cuMemAllocAsync`) and the device's graph memory pool, as the real driver keeps them:
 //!
-//! Where the sim differs: a real driver keeps freed graph memory in the device's graph pool
-//! (reserved until `cuDeviceGraphMemTrim`); the sim returns it at once, so reserved equals used.
-//! The reserved addresses stay reserved for the life of the process.
+//! - adding an allocation node reserves its address (the node's `dptr` is known before launch);
+//!   the memory is taken, on the node's device (`poolProps.location.id`), when a launch reaches
+//!   the node; a free node, `cuMemFree` or `cuMemFreeAsync` ends the allocation;
+//! - physical memory comes from the device's graph pool (one per device, per process, apart from
+//!   the stream-ordered pools): an allocation takes what the pool has free, and only the shortfall
+//!   is charged to the device; freed graph memory stays in the pool, charged (NVML and
+//!   `cuMemGetInfo` count it as used), until `cuDeviceGraphMemTrim` returns it. Destroying a graph
+//!   or its executable graph does not return it either;
+//! - `cuDeviceGetGraphMemAttribute`: `USED_MEM_CURRENT` is the memory of live graph allocations,
+//!   `RESERVED_MEM_CURRENT` what the pool holds (used + free), with their high watermarks;
+//! - a graph whose allocation is still live cannot run again (`CUDA_ERROR_INVALID_VALUE`) unless it
+//!   was instantiated with `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`, which frees it first;
+//!   a graph with memory nodes has at most one executable graph at a time.
+//!
+//! Where the sim differs: a real driver maps physical memory at launch or `cuGraphUpload` and may
+//! keep it mapped to an executable graph between launches; the sim takes it when a launch runs
+//! the node and `cuGraphUpload` takes nothing. The reserved addresses stay reserved for the life
+//! of the process.
 
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicU64, Ordering::*};
+use std::sync::{Mutex, MutexGuard};
 
 use tessera_sim_model::Node;
 
 use super::graph::Op;
 use super::handles;
-use super::init::driver;
-use super::memory::{Alloc, MemKind, charge, map_anon};
-use super::stream::Target;
+use super::init::{Device, driver};
+use super::memory::{Alloc, MemKind, charge, current_epoch, map_anon, refund};
 use super::{CUresult, INVALID_DEVICE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, raw_u32, run, sys};
 
-/// Devices tracked for the attributes (ordinals).
+/// Devices with a graph pool (ordinals).
 const DEVICES: usize = 64;
-static USED: [AtomicU64; DEVICES] = [const { AtomicU64::new(0) }; DEVICES];
-static USED_HIGH: [AtomicU64; DEVICES] = [const { AtomicU64::new(0) }; DEVICES];
+
+/// One device's graph memory pool in this process.
+#[derive(Default)]
+struct GraphPool {
+    /// Physical memory the pool holds (charged to the device in `epoch`).
+    reserved: u64,
+    /// Of it, the memory of live graph allocations.
+    used: u64,
+    used_high: u64,
+    reserved_high: u64,
+    epoch: u64,
+}
+
+static POOLS: [Mutex<GraphPool>; DEVICES] =
+    [const { Mutex::new(GraphPool { reserved: 0, used: 0, used_high: 0, reserved_high: 0, epoch: 0 }) }; DEVICES];
 
 /// `CUgraphMem_attribute`.
 const USED_MEM_CURRENT: c_int = 0;
@@ -32,41 +55,53 @@ const USED_MEM_HIGH: c_int = 1;
 const RESERVED_MEM_CURRENT: c_int = 2;
 const RESERVED_MEM_HIGH: c_int = 3;
 
-fn slot(ordinal: c_int) -> R<usize> {
-    usize::try_from(ordinal).ok().filter(|&i| i < DEVICES).ok_or(INVALID_DEVICE)
+/// A device's graph pool, with what a GPU reset freed forgotten.
+fn pool(d: &Device) -> R<MutexGuard<'static, GraphPool>> {
+    let i = usize::try_from(d.ordinal).ok().filter(|&i| i < DEVICES).ok_or(INVALID_DEVICE)?;
+    let mut p = POOLS[i].lock().unwrap_or_else(|e| e.into_inner());
+    let now = current_epoch(d.gpu);
+    if p.epoch != now {
+        // A reset freed the pool's memory in the model (and every allocation in it).
+        *p = GraphPool { epoch: now, ..GraphPool::default() };
+    }
+    Ok(p)
 }
 
-/// The counters' slot of a device a caller names (checked against the driver's devices).
-fn device_slot(device: sys::CUdevice) -> R<usize> {
-    driver()?.device(device)?;
-    slot(device)
+/// The graph pool of a device a caller names.
+fn device_pool(device: sys::CUdevice) -> R<MutexGuard<'static, GraphPool>> {
+    pool(driver()?.device(device)?)
 }
 
-/// Runs an allocation node: charges the memory at its reserved address.
-pub(crate) fn allocate(node: &Node, t: &Target, base: u64, bytes: u64) -> R {
-    let d = t.ctx.dev;
+/// Runs an allocation node: takes `bytes` on device `dev` from its graph pool (charging the
+/// device what the pool lacks) at the node's reserved address.
+pub(crate) fn allocate(node: &Node, dev: c_int, base: u64, bytes: u64) -> R {
+    let d = driver()?.device(dev)?;
     let mut reg = handles::write();
     if reg.mem.contains_key(&base) {
         // The graph's previous allocation was never freed.
         return Err(INVALID_VALUE);
     }
-    let epoch = charge(node, d.gpu, d.domain, bytes)?;
+    let mut p = pool(d)?;
+    let shortfall = bytes.saturating_sub(p.reserved - p.used);
+    charge(node, d.gpu, d.domain, shortfall)?;
+    p.reserved += shortfall;
+    p.used += bytes;
+    p.used_high = p.used_high.max(p.used);
+    p.reserved_high = p.reserved_high.max(p.reserved);
     let a = Alloc {
-        // The address belongs to the graph node: freeing returns the memory, not the address.
+        // The address belongs to the graph node, and the charge to the pool: ending the
+        // allocation returns neither.
         map_len: 0,
-        charge: bytes,
-        epoch,
+        charge: 0,
         ..Alloc::new(base, bytes, MemKind::Graph, 0, d)
     };
     reg.mem.insert(base, a);
-    let i = slot(d.ordinal)?;
-    let now = USED[i].fetch_add(bytes, Relaxed) + bytes;
-    USED_HIGH[i].fetch_max(now, Relaxed);
     Ok(())
 }
 
-/// Runs a free node (or `cuMemFree` of a graph allocation): returns the memory.
-pub(crate) fn free(node: &Node, base: u64) -> R {
+/// Ends a graph allocation (a free node, `cuMemFree`, `cuMemFreeAsync`, or an auto-free
+/// relaunch): its memory goes back to its device's graph pool.
+pub(crate) fn free(base: u64) -> R {
     let a = {
         let mut reg = handles::write();
         if !reg.mem.get(&base).is_some_and(|a| a.kind == MemKind::Graph) {
@@ -75,24 +110,36 @@ pub(crate) fn free(node: &Node, base: u64) -> R {
         reg.mem.remove(&base).expect("checked above")
     };
     on_released(&a);
-    super::memory::release(node, &a);
+    super::ipc::forget(a.base);
     Ok(())
 }
 
-/// Bookkeeping when a graph allocation goes (by a free node or `cuMemFree`).
+/// Bookkeeping when a graph allocation ends: the pool keeps its memory.
 pub(crate) fn on_released(a: &Alloc) {
-    if let Ok(i) = slot(a.dev) {
-        let _ = USED[i].fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(a.size)));
+    if let Ok(d) = driver().and_then(|drv| drv.device(a.dev))
+        && let Ok(mut p) = pool(d)
+    {
+        p.used = p.used.saturating_sub(a.size);
     }
 }
 
+/// Whether a graph allocation is live at `base`.
+pub(crate) fn is_live(base: u64) -> bool {
+    handles::read().mem.get(&base).is_some_and(|a| a.kind == MemKind::Graph)
+}
+
 /// The allocation node of a reserved address, if any graph has one.
-fn alloc_node_of(dptr: u64) -> Option<u64> {
+pub(crate) fn alloc_node_of(dptr: u64) -> Option<u64> {
     let reg = handles::read();
     reg.gnodes.values().find_map(|n| match n.op {
-        Op::MemAlloc { base, bytes } if base == dptr => Some(bytes),
+        Op::MemAlloc { base, bytes, .. } if base == dptr => Some(bytes),
         _ => None,
     })
+}
+
+/// Reserves the address of a new graph allocation of `bytes` (the node is added by the caller).
+pub(crate) fn reserve_address(bytes: u64) -> R<u64> {
+    map_anon(bytes, false).ok_or(OUT_OF_MEMORY)
 }
 
 unsafe fn add_alloc_node(
@@ -102,24 +149,27 @@ unsafe fn add_alloc_node(
     n: usize,
     params: *mut sys::CUDA_MEM_ALLOC_NODE_PARAMS,
 ) -> R {
-    driver()?;
+    let drv = driver()?;
     need(params)?;
     // SAFETY: params is the caller's struct (checked non-null and aligned); only its plain fields
     // are read, the enum ones as raw integers.
-    let (bytes, alloc_type, location_type) = unsafe {
+    let (bytes, alloc_type, location_type, dev) = unsafe {
         (
             std::ptr::addr_of!((*params).bytesize).read(),
             raw_u32(std::ptr::addr_of!((*params).poolProps.allocType)),
             raw_u32(std::ptr::addr_of!((*params).poolProps.location.type_)),
+            std::ptr::addr_of!((*params).poolProps.location.id).read(),
         )
     };
     // CU_MEM_ALLOCATION_TYPE_PINNED on CU_MEM_LOCATION_TYPE_DEVICE is what graphs allocate.
     if bytes == 0 || alloc_type != 1 || location_type != 1 {
         return Err(INVALID_VALUE);
     }
-    let base = map_anon(bytes as u64, false).ok_or(OUT_OF_MEMORY)?;
+    drv.device(dev).map_err(|_| INVALID_VALUE)?;
+    let base = reserve_address(bytes as u64)?;
+    let op = Op::MemAlloc { base, bytes: bytes as u64, dev };
     // SAFETY: as this function's contract.
-    unsafe { super::graph::add_node(ph, g, deps, n, Op::MemAlloc { base, bytes: bytes as u64 }) }?;
+    unsafe { super::graph::add_node(ph, g, deps, n, op) }?;
     // SAFETY: params was checked above; dptr is a plain integer field.
     unsafe { std::ptr::addr_of_mut!((*params).dptr).write(base) };
     Ok(())
@@ -164,7 +214,7 @@ pub unsafe extern "C" fn cuGraphMemAllocNodeGetParams(
         driver()?;
         need(params_out)?;
         let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
-        let Op::MemAlloc { base, bytes } = op else { return Err(INVALID_VALUE) };
+        let Op::MemAlloc { base, bytes, dev } = op else { return Err(INVALID_VALUE) };
         // SAFETY: params_out is the caller's struct (checked); an all-zero value is valid for it
         // (null pointers, zero integers and enums whose zero is a listed value), then the plain
         // and enum fields are written as the node was made.
@@ -174,6 +224,7 @@ pub unsafe extern "C" fn cuGraphMemAllocNodeGetParams(
             std::ptr::addr_of_mut!((*params_out).dptr).write(base);
             std::ptr::addr_of_mut!((*params_out).poolProps.allocType).cast::<u32>().write(1);
             std::ptr::addr_of_mut!((*params_out).poolProps.location.type_).cast::<u32>().write(1);
+            std::ptr::addr_of_mut!((*params_out).poolProps.location.id).write(dev);
         }
         Ok(())
     })
@@ -200,10 +251,12 @@ pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
     value: *mut c_void,
 ) -> CUresult {
     run(|| {
-        let i = device_slot(device)?;
+        let p = device_pool(device)?;
         let v = match attr {
-            USED_MEM_CURRENT | RESERVED_MEM_CURRENT => USED[i].load(Relaxed),
-            USED_MEM_HIGH | RESERVED_MEM_HIGH => USED_HIGH[i].load(Relaxed),
+            USED_MEM_CURRENT => p.used,
+            USED_MEM_HIGH => p.used_high,
+            RESERVED_MEM_CURRENT => p.reserved,
+            RESERVED_MEM_HIGH => p.reserved_high,
             _ => return Err(INVALID_VALUE),
         };
         // SAFETY: value is the caller's cuuint64_t out-pointer (checked by put).
@@ -218,20 +271,30 @@ pub unsafe extern "C" fn cuDeviceSetGraphMemAttribute(
     value: *mut c_void,
 ) -> CUresult {
     run(|| {
-        let i = device_slot(device)?;
+        let mut p = device_pool(device)?;
         // SAFETY: value is the caller's cuuint64_t (checked by get).
         let v = unsafe { super::get(value.cast::<u64>().cast_const()) }?;
         // Only the high watermarks can be set, and only to zero (which resets them to current).
         match attr {
-            USED_MEM_HIGH | RESERVED_MEM_HIGH if v == 0 => USED_HIGH[i].store(USED[i].load(Relaxed), Relaxed),
+            USED_MEM_HIGH if v == 0 => p.used_high = p.used,
+            RESERVED_MEM_HIGH if v == 0 => p.reserved_high = p.reserved,
             _ => return Err(INVALID_VALUE),
         }
         Ok(())
     })
 }
 
+/// `cuDeviceGraphMemTrim`: the pool's memory that no live allocation uses goes back to the
+/// device (nothing is executing or scheduled here: a launch runs its nodes before it returns).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: sys::CUdevice) -> CUresult {
-    // Nothing is kept in reserve: there is nothing to trim.
-    run(|| driver()?.device(device).map(|_| ()))
+    run(|| {
+        let drv = driver()?;
+        let d = drv.device(device)?;
+        let mut p = pool(d)?;
+        let unused = p.reserved - p.used;
+        refund(drv.node, d.gpu, d.domain, unused, p.epoch);
+        p.reserved = p.used;
+        Ok(())
+    })
 }

@@ -15,6 +15,7 @@ use super::context::Ctx;
 use super::event::Event;
 use super::graph::{Exec, GNode, Graph};
 use super::memory::{Alloc, Array};
+use super::mipmap::Mipmap;
 use super::module::{Func, Library, Module};
 use super::pools::Pool;
 use super::stream::Stream;
@@ -35,6 +36,7 @@ pub(crate) struct Registry {
     pub execs: HashMap<usize, Arc<Exec>>,
     pub pools: HashMap<usize, Arc<Pool>>,
     pub arrays: HashMap<usize, Arc<Array>>,
+    pub mipmaps: HashMap<usize, Arc<Mipmap>>,
     /// Allocations (device, managed, pinned host, registered host, module globals), by base.
     pub mem: BTreeMap<u64, Alloc>,
     /// Virtual address reservations (`cuMemAddressReserve`), by base.

@@ -218,7 +218,7 @@ fn alloc_charging(
 }
 
 /// The current context, for a call that works in it.
-fn ctx_for_work() -> R<(&'static Node, Arc<Ctx>)> {
+pub(crate) fn ctx_for_work() -> R<(&'static Node, Arc<Ctx>)> {
     let node = driver()?.node;
     super::errors::poll_faults(node)?;
     let ctx = context::current()?;
@@ -911,6 +911,8 @@ pub(crate) struct Array {
     pub elem: u64,
     pub base: u64,
     pub bytes: u64,
+    /// The mipmapped array it is a level of (0: an array of its own, whose storage it owns).
+    pub mipmap: usize,
 }
 
 impl Array {
@@ -923,7 +925,7 @@ impl Array {
 /// Bytes per channel of a `CUarray_format`: the plain integer and float formats. The video,
 /// block-compressed and normalized formats are not modeled (`NOT_SUPPORTED`); other values are
 /// not formats at all (`INVALID_VALUE`).
-fn format_bytes(format: u32) -> R<u64> {
+pub(crate) fn format_bytes(format: u32) -> R<u64> {
     Ok(match format {
         0x01 | 0x08 => 1,        // UNSIGNED_INT8, SIGNED_INT8
         0x02 | 0x09 | 0x10 => 2, // UNSIGNED_INT16, SIGNED_INT16, HALF
@@ -941,13 +943,13 @@ struct ArrayDesc {
     channels: c_uint,
 }
 #[repr(C)]
-struct Array3dDesc {
-    width: usize,
-    height: usize,
-    depth: usize,
-    format: u32,
-    channels: c_uint,
-    flags: c_uint,
+pub(crate) struct Array3dDesc {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub format: u32,
+    pub channels: c_uint,
+    pub flags: c_uint,
 }
 /// `CUDA_ARRAY_DESCRIPTOR_v1` (legacy 32-bit sizes).
 #[repr(C)]
@@ -986,7 +988,7 @@ fn array_create(width: u64, height: u64, depth: u64, format: u32, channels: u32,
     let (node, ctx) = ctx_for_work()?;
     let base = alloc_in(node, &ctx, bytes, MemKind::Array, false)?;
     let handle = handles::new_handle();
-    let arr = Array { ctx: ctx.handle, width, height, depth, format, channels, flags, elem, base, bytes };
+    let arr = Array { ctx: ctx.handle, width, height, depth, format, channels, flags, elem, base, bytes, mipmap: 0 };
     handles::write().arrays.insert(handle, Arc::new(arr));
     Ok(handle)
 }
@@ -1138,7 +1140,13 @@ pub unsafe extern "C" fn cuArrayDestroy(hArray: sys::CUarray) -> CUresult {
         let node = driver()?.node;
         let (arr, alloc) = {
             let mut reg = handles::write();
-            let arr = reg.arrays.remove(&(hArray as usize)).ok_or(super::INVALID_HANDLE)?;
+            match reg.arrays.get(&(hArray as usize)) {
+                None => return Err(super::INVALID_HANDLE),
+                // A level goes with its mipmapped array (cuMipmappedArrayDestroy).
+                Some(a) if a.mipmap != 0 => return Err(INVALID_VALUE),
+                Some(_) => {}
+            }
+            let arr = reg.arrays.remove(&(hArray as usize)).expect("checked above");
             let alloc = reg.mem.remove(&arr.base);
             (arr, alloc)
         };

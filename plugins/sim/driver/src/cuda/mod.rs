@@ -52,6 +52,7 @@ mod ipc;
 mod launch;
 mod link;
 mod memory;
+mod mipmap;
 mod module;
 mod not_modelled;
 mod occupancy;

@@ -10,6 +10,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::errors::poll_faults;
+use super::graph::Op;
 use super::handles;
 use super::init::{Device, driver};
 use super::memory::{Alloc, MemKind, charge, map_anon, refund, release_keeping};
@@ -389,6 +390,14 @@ fn alloc_async(
     };
     let d = p.dev;
     let bytes = bytes as u64;
+    if let Some(c) = t.capture() {
+        // Captured: the allocation becomes a graph allocation node (its address is known now,
+        // its memory is taken when the graph runs), as a real driver records it.
+        let base = super::graph_mem::reserve_address(bytes)?;
+        c.add(Op::MemAlloc { base, bytes, dev: d.ordinal })?;
+        // SAFETY: dptr is the caller's out-pointer (checked above).
+        return unsafe { put(dptr, base) };
+    }
     let now = super::memory::current_epoch(d.gpu);
     let from_reserve = p.on_alloc(bytes, now)?;
     let epoch = match charge(node, d.gpu, d.domain, bytes - from_reserve) {
@@ -448,12 +457,20 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
 }
 
 /// `cuMemFreeAsync`: the memory goes back at once (nothing reads it after the free in stream
-/// order, since kernels change no memory here).
+/// order, since kernels change no memory here). On a capturing stream, freeing a graph
+/// allocation records a free node; outside, it ends a graph allocation as a free node would.
 fn free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream, pt: bool) -> R {
     let node = driver()?.node;
-    resolve_and_check(stream, pt)?;
+    let t = resolve_and_check(stream, pt)?;
     if dptr == 0 {
         return Ok(());
+    }
+    if let Some(c) = t.capture() {
+        super::graph_mem::alloc_node_of(dptr).ok_or(INVALID_VALUE)?;
+        return c.add(Op::MemFree { base: dptr });
+    }
+    if super::graph_mem::is_live(dptr) {
+        return super::graph_mem::free(dptr);
     }
     let (a, kept) = {
         let mut reg = handles::write();
