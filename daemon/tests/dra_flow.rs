@@ -5,7 +5,8 @@
 //! refused and leaves nothing; after kill -9 and a restart the same claim prepares to the same
 //! allocation (nothing doubled); NodeUnprepareResources releases it, twice without error.
 //! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
-//! them back. In mode `both` the partitioned GPU stays with the device plugin and the other is
+//! them back, and the kubelet's resource-health stream says UNHEALTHY (with the reason) and
+//! HEALTHY again. In mode `both` the partitioned GPU stays with the device plugin and the other is
 //! DRA's: no GPU is offered twice.
 
 use std::path::Path;
@@ -13,13 +14,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tessera_proto::dra::v1;
+use tessera_proto::dra_health::v1::HealthStatus;
 use tessera_proto::tessera::v1 as api;
 use tessera_sim_testkit::SimNode;
 
 mod common;
 
 use common::apiserver::ApiServer;
-use common::dra_kubelet::{claim, register, v1_client};
+use common::dra_kubelet::{claim, health_until, register, v1_client, watch_health};
 use common::{TestKubelet, WAIT, next_list, spawn};
 
 const NODE: &str = "numa_nodes = 1
@@ -27,6 +29,9 @@ const NODE: &str = "numa_nodes = 1
 model = \"H100-SXM5-80GB\"
 count = 1
 ";
+
+/// Device name → (health, message), as the kubelet's health stream says.
+type HealthMap = std::collections::BTreeMap<String, (HealthStatus, String)>;
 
 /// `tesserad`'s configuration for mode `dra` against `apiserver`, kubelet directories under `dir`.
 fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) -> std::path::PathBuf {
@@ -201,9 +206,22 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
     slice_devices(&apiserver, |n| n == all, &log).await;
     let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+    // The resource-health service is named in the registration and streams every device.
+    for v in ["v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"] {
+        assert!(reg.info.supported_versions.iter().any(|s| s == v), "{:?}", reg.info.supported_versions);
+    }
+    let mut health = watch_health(&reg.endpoint).await;
+    let healthy = |m: &HealthMap| m.len() == 4 && m.values().all(|(h, _)| *h == HealthStatus::Healthy);
+    health_until(&mut health, healthy).await;
 
     let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    let injected = Instant::now();
     sim.inject_ecc(1, 0, 1).expect("inject a double-bit ECC error on GPU 1");
+    let sick = health_until(&mut health, |m| m["gpu-1"].0 == HealthStatus::Unhealthy).await;
+    println!("fault to UNHEALTHY on the kubelet's health stream: {} ms", injected.elapsed().as_millis());
+    assert_eq!(sick["gpu-1-shared"].0, HealthStatus::Unhealthy, "{sick:?}");
+    assert!(sick["gpu-1"].1.contains("ECC"), "the reason is the message: {sick:?}");
+    assert_eq!((sick["gpu-0"].0, sick["gpu-0-shared"].0), (HealthStatus::Healthy, HealthStatus::Healthy));
     slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
     // A claim the scheduler placed on it before the fault is refused, saying why.
     let mut stale = claim_object("uid-9", "late", "1Gi", "10");
@@ -214,6 +232,7 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     assert!(allocations(&dir.join("run/tessera.sock")).await.is_empty());
 
     sim.reset(1).expect("reset GPU 1");
+    health_until(&mut health, healthy).await;
     slice_devices(&apiserver, |n| n == all, &log).await;
     assert_eq!(prepare(&reg.endpoint, "uid-9", "late").await.error, "");
     drop(daemon);

@@ -10,10 +10,13 @@
 //! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
 //! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
 //!   claim UID owns the allocation, the consumed capacity is its limits.
+//! - [`health_service`]: the kubelet's resource-health service (`DRAResourceHealth`, v1 and
+//!   v1alpha1) on the DRA socket: every published device's health, streamed on each change.
 //! - [`node`]: all of it started in tesserad, following the controller's publishes.
 
 pub mod claims;
 pub mod devices;
+pub mod health_service;
 pub mod kubelet;
 pub mod node;
 pub mod prepare;

@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use super::DraPlugin;
 use super::claims::KubeClaims;
 use super::devices::{DraDevice, from_inventory};
+use super::health_service::HealthService;
 use super::prepare::{ClaimAllocations, DraDriver};
 use super::slices::Publisher;
 use crate::config::Config;
@@ -109,6 +110,7 @@ pub async fn start(
     };
     let publisher = Publisher::new(client.clone(), node.clone());
     let publishing = tokio::spawn(publisher.run(devices_rx.clone(), shutdown.clone(), watch::channel(0).0));
+    let health = HealthService::new(node.clone(), devices_rx.clone(), cfg.health.enabled);
     let driver = DraDriver {
         claims: Arc::new(KubeClaims::new(client)),
         allocations: Arc::clone(controller.allocator()) as Arc<dyn ClaimAllocations>,
@@ -117,7 +119,7 @@ pub async fn start(
         default_priority: Priority::from_name(&cfg.limits.priority).unwrap_or_default(),
         default_compute_mode: ComputeMode::from_name(&cfg.limits.compute_mode).unwrap_or_default(),
     };
-    let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver));
+    let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver)).with_health(health);
     let registry = cfg.kubernetes.plugins_registry_dir.clone();
     std::fs::create_dir_all(&registry)
         .map_err(|e| format!("kubernetes.plugins_registry_dir {}: {e}", registry.display()))?;
