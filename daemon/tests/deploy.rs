@@ -259,7 +259,7 @@ fn the_service_monitor_scrapes_the_metrics_service() {
 }
 
 /// The ResourceSlice tesserad writes (whole GPUs, shareable GPUs with consumable capacity, MIG
-/// devices) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
+/// devices; unhealthy ones removed, or tainted) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
 /// schemas lack is refused, so the check can fail.
 #[test]
 fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
@@ -304,6 +304,26 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     };
     for (ok, said) in check(&slice) {
         assert!(ok, "{said}\n{slice:#}");
+    }
+    // The 1.36+ layout: unhealthy devices stay, tainted NoExecute (failed) or NoSchedule
+    // (recovering), with the time the taint was added.
+    use tessera_daemon::dra::slices::{Unhealthy, build_with};
+    let mut sick = devices.clone();
+    sick[0].unhealthy = Some("unhealthy: XID 79 (GPU has fallen off the bus)".into());
+    sick[2].unhealthy = Some("recovering: reset (volatile ECC counters cleared)".into());
+    let mut tainted = serde_json::to_value(build_with("node-a", &sick, 4, Unhealthy::Taint, None)).unwrap();
+    tainted["apiVersion"] = "resource.k8s.io/v1".into();
+    tainted["kind"] = "ResourceSlice".into();
+    let effects: Vec<&Value> =
+        tainted["spec"]["devices"].as_array().unwrap().iter().map(|d| &d["taints"][0]["effect"]).collect();
+    assert_eq!(effects, [&Value::from("NoExecute"), &Value::Null, &Value::from("NoSchedule")]);
+    for (ok, said) in check(&tainted) {
+        assert!(ok, "{said}\n{tainted:#}");
+    }
+    let mut bad = tainted.clone();
+    bad["spec"]["devices"][0]["taints"][0]["severity"] = "high".into();
+    for (ok, said) in check(&bad) {
+        assert!(!ok, "a taint field the schema lacks was accepted: {said}");
     }
     let mut bad = slice.clone();
     bad["spec"]["devices"][0]["capacity"]["memory"]["bogus"] = 1.into();

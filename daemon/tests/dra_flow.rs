@@ -275,3 +275,90 @@ async fn in_mode_both_the_partitioned_gpu_is_the_device_plugins_and_the_other_is
     assert!(refused.error.contains("gpu-0-shared is not published by this node"), "{}", refused.error);
     drop(daemon);
 }
+
+/// Device name → the effect of its `gpu.tessera.io/unhealthy` taint (`""`: none), from node-a's
+/// slice once `done` accepts it (up to [`WAIT`]).
+async fn slice_taints(
+    apiserver: &ApiServer,
+    done: impl Fn(&std::collections::BTreeMap<String, String>) -> bool,
+    log: &Path,
+) -> std::collections::BTreeMap<String, String> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let taints = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .expect("devices")
+                .iter()
+                .map(|d| {
+                    let effect = d["taints"].as_array().and_then(|t| t.first()).map(|t| {
+                        assert_eq!(t["key"], "gpu.tessera.io/unhealthy");
+                        assert!(t["timeAdded"].is_string(), "{t}");
+                        t["effect"].as_str().unwrap().to_owned()
+                    });
+                    (d["name"].as_str().unwrap().to_owned(), effect.unwrap_or_default())
+                })
+                .collect()
+        });
+        match taints {
+            Some(t) if done(&t) => return t,
+            t => assert!(
+                Instant::now() < deadline,
+                "slice taints {t:?}; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Against a 1.37 API server an unhealthy GPU's devices stay in the slice with a NoExecute taint
+/// (fallen off the bus), NoSchedule while recovering after the reset, and none once healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_1_36_an_unhealthy_gpu_stays_in_the_slice_with_a_taint() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    apiserver.set_version("37");
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 1500");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let clean = |t: &std::collections::BTreeMap<String, String>| t.len() == 4 && t.values().all(String::is_empty);
+    slice_taints(&apiserver, clean, &log).await;
+
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
+    let t = slice_taints(&apiserver, |t| t.get("gpu-1").is_some_and(|e| e == "NoExecute"), &log).await;
+    assert_eq!(t["gpu-1-shared"], "NoExecute", "{t:?}");
+    assert_eq!((t["gpu-0"].as_str(), t["gpu-0-shared"].as_str()), ("", ""), "GPU 0 is untouched: {t:?}");
+
+    sim.reset(1).expect("reset GPU 1");
+    let t = slice_taints(&apiserver, |t| t.get("gpu-1").is_some_and(|e| e == "NoSchedule"), &log).await;
+    assert_eq!(t["gpu-1-shared"], "NoSchedule", "recovering: {t:?}");
+    slice_taints(&apiserver, clean, &log).await;
+    drop(daemon);
+}
+
+/// A 1.37 API server with the device-taint feature off drops the field: tesserad notices and
+/// takes the unhealthy devices out of the slice instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_drops_taints_gets_the_devices_removed() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    apiserver.set_version("37");
+    apiserver.drop_taints();
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 300");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
+    slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
+    sim.reset(1).expect("reset GPU 1");
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    drop(daemon);
+}

@@ -7,6 +7,8 @@
 //!   delete; and watch (`?watch=true&resourceVersion=N`: the events after N, then live ones;
 //!   410 Gone for a version older than the history kept).
 //!
+//! - `GET /version`: 1.34 unless [`ApiServer::set_version`] says otherwise.
+//!
 //! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
 //! and the server stopped and started again on the same port (an API server restart).
 
@@ -39,6 +41,10 @@ struct Store {
     requests: Vec<String>,
     /// Failures to inject: (method, status code) answered to the next matching request.
     failures: Vec<(Method, u16)>,
+    /// The minor version `/version` names (1.34 when unset).
+    minor: Option<String>,
+    /// Drop `devices[].taints` from written slices, as a server with DRADeviceTaints off does.
+    drop_taints: bool,
 }
 
 /// The test API server.
@@ -221,6 +227,16 @@ impl ApiServer {
         self.store.lock().unwrap().failures.push((method, code));
     }
 
+    /// `/version` says 1.`minor` from now on.
+    pub fn set_version(&self, minor: &str) {
+        self.store.lock().unwrap().minor = Some(minor.to_owned());
+    }
+
+    /// Written slices lose their device taints (the DRADeviceTaints gate off).
+    pub fn drop_taints(&self) {
+        self.store.lock().unwrap().drop_taints = true;
+    }
+
     /// Every request so far, as "METHOD path".
     pub fn requests(&self) -> Vec<String> {
         self.store.lock().unwrap().requests.clone()
@@ -264,6 +280,28 @@ async fn handle(
         return status(code, reason, "injected failure");
     }
     let parsed = || serde_json::from_slice::<Value>(&body);
+    if path == "/version" && method == Method::GET {
+        let minor = s.minor.clone().unwrap_or_else(|| "34".into());
+        return respond(
+            200,
+            &json!({"major": "1", "minor": minor, "gitVersion": format!("v1.{minor}.0"), "gitCommit": "test",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+                "compiler": "gc", "platform": "linux/amd64"}),
+        );
+    }
+    let drop_taints = s.drop_taints;
+    let parsed = || {
+        parsed().map(|mut v| {
+            if drop_taints && let Some(ds) = v["spec"]["devices"].as_array_mut() {
+                for d in ds {
+                    if let Some(d) = d.as_object_mut() {
+                        d.remove("taints");
+                    }
+                }
+            }
+            v
+        })
+    };
     if let Some(rest) = path.strip_prefix(CLAIMS_PREFIX) {
         let parts: Vec<&str> = rest.split('/').collect();
         if let [ns, "resourceclaims", name] = parts.as_slice()
