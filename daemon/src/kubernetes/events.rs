@@ -230,7 +230,7 @@ impl Coalescer {
                 continue;
             }
             let series = (s.count >= 2)
-                .then(|| EventSeries { count: s.count as i32, last_observed_time: MicroTime(s.last_time) });
+                .then_some(EventSeries { count: s.count as i32, last_observed_time: MicroTime(s.last_time) });
             let write = if s.created {
                 Write::Series {
                     namespace: s.occurrence.regarding.event_namespace().to_owned(),
