@@ -49,6 +49,20 @@ fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, ex
     common::write_config(node, dir, &body)
 }
 
+/// Waits for the health monitor's first look: a fault injected before it is its baseline, not a
+/// fault.
+async fn monitor_started(log: &Path) {
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(log).unwrap_or_default().contains("health monitor started") {
+        assert!(
+            Instant::now() < deadline,
+            "no health monitor; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
 async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, log: &Path) -> Vec<String> {
     let deadline = Instant::now() + WAIT;
@@ -214,6 +228,7 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     let healthy = |m: &HealthMap| m.len() == 4 && m.values().all(|(h, _)| *h == HealthStatus::Healthy);
     health_until(&mut health, healthy).await;
 
+    monitor_started(&log).await;
     let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
     let injected = Instant::now();
     sim.inject_ecc(1, 0, 1).expect("inject a double-bit ECC error on GPU 1");
@@ -327,6 +342,7 @@ async fn from_1_36_an_unhealthy_gpu_stays_in_the_slice_with_a_taint() {
     let clean = |t: &std::collections::BTreeMap<String, String>| t.len() == 4 && t.values().all(String::is_empty);
     slice_taints(&apiserver, clean, &log).await;
 
+    monitor_started(&log).await;
     let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
     sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
     let t = slice_taints(&apiserver, |t| t.get("gpu-1").is_some_and(|e| e == "NoExecute"), &log).await;
@@ -355,6 +371,7 @@ async fn a_server_that_drops_taints_gets_the_devices_removed() {
     let (daemon, _) = spawn(&node, &config, &notify, &log);
     let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
     slice_devices(&apiserver, |n| n == all, &log).await;
+    monitor_started(&log).await;
     let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
     sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
     slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
