@@ -14,6 +14,7 @@
 //! - [`lease`]: node API allocations leased to a container, released when it is deleted.
 //! - [`dra`]: the Kubernetes DRA driver `gpu.tessera.io`: kubelet registration and DRA service,
 //!   claims read and ResourceSlices published through the API server.
+//! - [`kubernetes`]: faults and recoveries as Kubernetes Events, and GPU labels on the Node.
 //!
 //! - [`node`]: the live picture of the node (configuration, inventory, layouts, resources) and
 //!   the one place that changes it: layout changes, reloads.
@@ -41,6 +42,7 @@ pub mod events;
 pub mod health;
 pub mod install;
 pub mod kubelet;
+pub mod kubernetes;
 pub mod lease;
 pub mod node;
 pub mod partition;

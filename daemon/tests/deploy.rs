@@ -259,7 +259,7 @@ fn the_service_monitor_scrapes_the_metrics_service() {
 }
 
 /// The ResourceSlice tesserad writes (whole GPUs, shareable GPUs with consumable capacity, MIG
-/// devices) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
+/// devices; unhealthy ones removed, or tainted) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
 /// schemas lack is refused, so the check can fail.
 #[test]
 fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
@@ -305,6 +305,26 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     for (ok, said) in check(&slice) {
         assert!(ok, "{said}\n{slice:#}");
     }
+    // The 1.36+ layout: unhealthy devices stay, tainted NoExecute (failed) or NoSchedule
+    // (recovering), with the time the taint was added.
+    use tessera_daemon::dra::slices::{Unhealthy, build_with};
+    let mut sick = devices.clone();
+    sick[0].unhealthy = Some("unhealthy: XID 79 (GPU has fallen off the bus)".into());
+    sick[2].unhealthy = Some("recovering: reset (volatile ECC counters cleared)".into());
+    let mut tainted = serde_json::to_value(build_with("node-a", &sick, 4, Unhealthy::Taint, None)).unwrap();
+    tainted["apiVersion"] = "resource.k8s.io/v1".into();
+    tainted["kind"] = "ResourceSlice".into();
+    let effects: Vec<&Value> =
+        tainted["spec"]["devices"].as_array().unwrap().iter().map(|d| &d["taints"][0]["effect"]).collect();
+    assert_eq!(effects, [&Value::from("NoExecute"), &Value::Null, &Value::from("NoSchedule")]);
+    for (ok, said) in check(&tainted) {
+        assert!(ok, "{said}\n{tainted:#}");
+    }
+    let mut bad = tainted.clone();
+    bad["spec"]["devices"][0]["taints"][0]["severity"] = "high".into();
+    for (ok, said) in check(&bad) {
+        assert!(!ok, "a taint field the schema lacks was accepted: {said}");
+    }
     let mut bad = slice.clone();
     bad["spec"]["devices"][0]["capacity"]["memory"]["bogus"] = 1.into();
     for (ok, said) in check(&bad) {
@@ -343,11 +363,24 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
         ("resourceslices", "delete"),
         ("resourceclaims", "get"),
         ("resourceclaims/status", "patch"),
+        ("nodes", "get"),
         ("nodes", "patch"),
         ("events", "create"),
+        ("events", "patch"),
     ] {
         assert!(allows(resource, verb), "the driver's role may {verb} {resource}");
     }
+    // Events are written through events.k8s.io/v1, Node labels through the core group.
+    let group_of = |resource: &str| -> Vec<String> {
+        rules
+            .iter()
+            .filter(|r| r["resources"].as_array().unwrap().iter().any(|x| x == resource))
+            .flat_map(|r| r["apiGroups"].as_array().unwrap().iter().map(|g| g.as_str().unwrap().to_owned()))
+            .collect()
+    };
+    assert!(group_of("events").iter().any(|g| g == "events.k8s.io"), "{:?}", group_of("events"));
+    assert_eq!(group_of("nodes"), [""], "nodes only in the core group");
+    assert!(!allows("nodes", "update") && !allows("nodes", "delete"), "labels need patch, nothing more");
 
     let yaml = render(&kubectl, "../kubernetes/examples/dra");
     let tmp = tempfile::tempdir().unwrap();
@@ -382,4 +415,144 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
         .filter(|d| d["kind"] == "Pod" && d["spec"]["resourceClaims"][0]["resourceClaimName"] == "shared-16gi-50pct")
         .count();
     assert_eq!(users, 2);
+}
+
+/// Runs kubernetes-validate on `obj` against 1.34 and 1.37: (valid, what it said) per version.
+fn validate_both(validator: &Path, obj: &Value) -> [(bool, String); 2] {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("object.json");
+    std::fs::write(&file, serde_json::to_vec(obj).unwrap()).unwrap();
+    ["1.34.0", "1.37.0"].map(|version| {
+        let out = Command::new(validator)
+            .args(["--strict", "--quiet", "-k", version])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success() && said.trim().is_empty(), format!("{version}: {said}"))
+    })
+}
+
+/// The Events tesserad writes (a first occurrence, and a series) on a Node and on a Pod validate
+/// strictly against the 1.34 and 1.37 events.k8s.io/v1 schemas; a field they lack is refused.
+#[test]
+fn kubernetes_events_validate_against_the_1_34_and_1_37_schemas() {
+    use tessera_daemon::kubernetes::events::{Coalescer, Write, occurrences};
+    use tessera_proto::tessera::v1 as api;
+    let Some(validator) = validator() else { return };
+    let fault = api::Event {
+        kind: api::EventKind::Fault as i32,
+        device_uuid: "GPU-1".into(),
+        message: "XID 79 (GPU has fallen off the bus)".into(),
+        affected: vec![api::Holder {
+            allocation_id: "a1".into(),
+            container: Some(api::ContainerIdentity {
+                pod_namespace: "ml".into(),
+                pod_name: "trainer-0".into(),
+                pod_uid: "0f2a".into(),
+                ..Default::default()
+            }),
+        }],
+        detail: Some(api::event::Detail::Fault(api::Fault { marks_unhealthy: true, ..Default::default() })),
+        ..Default::default()
+    };
+    let mut c = Coalescer::new("tesserad-node-a");
+    let now = std::time::Instant::now();
+    let wall = k8s_openapi::jiff::Timestamp::now();
+    for o in occurrences("node-a", &fault) {
+        c.observe(o, now, wall);
+    }
+    // The Node's fault twice: created with its series.
+    c.observe(occurrences("node-a", &fault)[0].clone(), now, wall);
+    let events: Vec<Value> = c
+        .due(now)
+        .into_iter()
+        .map(|(w, _)| match w {
+            Write::Create(e) => serde_json::to_value(*e).unwrap(),
+            other => panic!("a new series is created: {other:?}"),
+        })
+        .collect();
+    assert_eq!(events.len(), 2);
+    assert!(events.iter().any(|e| e["series"]["count"] == 2), "{events:#?}");
+    for e in &events {
+        assert_eq!((e["apiVersion"].as_str(), e["kind"].as_str()), (Some("events.k8s.io/v1"), Some("Event")));
+        for (ok, said) in validate_both(&validator, e) {
+            assert!(ok, "{said}\n{e:#}");
+        }
+    }
+    let mut bad = events[0].clone();
+    bad["series"]["state"] = "Ongoing".into();
+    for (ok, said) in validate_both(&validator, &bad) {
+        assert!(!ok, "a field the schema lacks was accepted: {said}");
+    }
+}
+
+/// The Node label patch (labels set, one of ours removed with null) validates as a Node against
+/// the 1.34 and 1.37 schemas, and every key and value is a valid label key and value.
+#[test]
+fn node_label_patch_validates_against_the_1_34_and_1_37_schemas() {
+    use tessera_daemon::discovery::{Gpu, Inventory};
+    use tessera_daemon::kubernetes::labels::{OWNED, labels, patch};
+    let Some(validator) = validator() else { return };
+    let gpu = |index: u32| Gpu {
+        index,
+        uuid: format!("GPU-{index}"),
+        name: "NVIDIA H100 80GB HBM3".into(),
+        memory_total: 81_559 << 20,
+        pci_bus_id: format!("00000000:1{index}:00.0"),
+        numa_node: Some(0),
+        minor: Some(index),
+        mig: None,
+        nvlink_peers: Vec::new(),
+        processes: Vec::new(),
+    };
+    let inv = Inventory {
+        library: "/usr/lib/libnvidia-ml.so.1".into(),
+        driver_version: "570.133.20".into(),
+        cuda_driver_version: 12080,
+        gpus: vec![gpu(0), gpu(1)],
+        topology: Vec::new(),
+    };
+    let wanted = labels(&inv);
+    let want = |k: &str| wanted.get(k).map(String::as_str);
+    assert_eq!(want("tessera.io/gpu.count"), Some("2"));
+    assert_eq!(want("tessera.io/gpu.product"), Some("NVIDIA-H100-80GB-HBM3"));
+    assert_eq!(want("tessera.io/gpu.memory"), Some("81559"));
+    assert_eq!((want("tessera.io/gpu.driver.major"), want("tessera.io/gpu.driver.rev")), (Some("570"), Some("20")));
+    assert_eq!((want("tessera.io/cuda.driver.major"), want("tessera.io/cuda.driver.minor")), (Some("12"), Some("8")));
+    assert_eq!((want("tessera.io/mig.capable"), want("tessera.io/mig.strategy")), (Some("false"), Some("none")));
+    let current = std::collections::BTreeMap::from([
+        ("tessera.io/gpu.family".to_string(), "ampere".to_string()),
+        ("kubernetes.io/hostname".to_string(), "node-a".to_string()),
+    ]);
+    let mut without_family = wanted.clone();
+    without_family.remove("tessera.io/gpu.family");
+    let p = patch(&current, &without_family).expect("a patch");
+    assert_eq!(p["metadata"]["labels"]["tessera.io/gpu.family"], Value::Null, "ours, no longer wanted: removed");
+    assert!(p["metadata"]["labels"].get("kubernetes.io/hostname").is_none(), "others' never named");
+    let name_ok = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            && s.as_bytes()[0].is_ascii_alphanumeric()
+            && s.as_bytes()[s.len() - 1].is_ascii_alphanumeric()
+    };
+    for (k, v) in p["metadata"]["labels"].as_object().unwrap() {
+        assert!(OWNED.contains(&k.as_str()), "{k}");
+        let (prefix, name) = k.split_once('/').unwrap();
+        assert!(prefix == "tessera.io" && name_ok(name), "label key {k}");
+        assert!(v.is_null() || name_ok(v.as_str().unwrap()), "label value {v} of {k}");
+    }
+    let mut node = p.clone();
+    node["apiVersion"] = "v1".into();
+    node["kind"] = "Node".into();
+    node["metadata"]["name"] = "node-a".into();
+    for (ok, said) in validate_both(&validator, &node) {
+        assert!(ok, "{said}\n{node:#}");
+    }
+    let mut bad = node.clone();
+    bad["metadata"]["labelz"] = serde_json::json!({});
+    for (ok, said) in validate_both(&validator, &bad) {
+        assert!(!ok, "a field the schema lacks was accepted: {said}");
+    }
 }

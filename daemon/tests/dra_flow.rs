@@ -10,7 +10,8 @@
 //! prepares to the same allocation and spec (nothing doubled); NodeUnprepareResources releases
 //! it (record, directory, region mount, spec, status entry), twice without error.
 //! A GPU fault takes the GPU's devices out of the slice (and out of prepare) and a reset brings
-//! them back. In mode `both` the partitioned GPU stays with the device plugin and the other is
+//! them back, and the kubelet's resource-health stream says UNHEALTHY (with the reason) and
+//! HEALTHY again. In mode `both` the partitioned GPU stays with the device plugin and the other is
 //! DRA's: no GPU is offered twice.
 
 use std::path::Path;
@@ -20,13 +21,14 @@ use hyper::Method;
 
 use serde_json::{Value, json};
 use tessera_proto::dra::v1;
+use tessera_proto::dra_health::v1::HealthStatus;
 use tessera_proto::tessera::v1 as api;
 use tessera_sim_testkit::SimNode;
 
 mod common;
 
 use common::apiserver::ApiServer;
-use common::dra_kubelet::{claim, register, v1_client};
+use common::dra_kubelet::{claim, health_until, register, v1_client, watch_health};
 use common::{TestKubelet, WAIT, next_list, spawn};
 
 const NODE: &str = "numa_nodes = 1
@@ -34,6 +36,9 @@ const NODE: &str = "numa_nodes = 1
 model = \"H100-SXM5-80GB\"
 count = 1
 ";
+
+/// Device name → (health, message), as the kubelet's health stream says.
+type HealthMap = std::collections::BTreeMap<String, (HealthStatus, String)>;
 
 /// `tesserad`'s configuration for mode `dra` against `apiserver`, kubelet directories under `dir`.
 fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) -> std::path::PathBuf {
@@ -77,6 +82,20 @@ fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, ex
          kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
     );
     common::write_config(node, dir, &body)
+}
+
+/// Waits for the health monitor's first look: a fault injected before it is its baseline, not a
+/// fault.
+async fn monitor_started(log: &Path) {
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(log).unwrap_or_default().contains("health monitor started") {
+        assert!(
+            Instant::now() < deadline,
+            "no health monitor; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
 }
 
 /// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
@@ -370,9 +389,23 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
     slice_devices(&apiserver, |n| n == all, &log).await;
     let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+    // The resource-health service is named in the registration and streams every device.
+    for v in ["v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"] {
+        assert!(reg.info.supported_versions.iter().any(|s| s == v), "{:?}", reg.info.supported_versions);
+    }
+    let mut health = watch_health(&reg.endpoint).await;
+    let healthy = |m: &HealthMap| m.len() == 4 && m.values().all(|(h, _)| *h == HealthStatus::Healthy);
+    health_until(&mut health, healthy).await;
 
+    monitor_started(&log).await;
     let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    let injected = Instant::now();
     sim.inject_ecc(1, 0, 1).expect("inject a double-bit ECC error on GPU 1");
+    let sick = health_until(&mut health, |m| m["gpu-1"].0 == HealthStatus::Unhealthy).await;
+    println!("fault to UNHEALTHY on the kubelet's health stream: {} ms", injected.elapsed().as_millis());
+    assert_eq!(sick["gpu-1-shared"].0, HealthStatus::Unhealthy, "{sick:?}");
+    assert!(sick["gpu-1"].1.contains("ECC"), "the reason is the message: {sick:?}");
+    assert_eq!((sick["gpu-0"].0, sick["gpu-0-shared"].0), (HealthStatus::Healthy, HealthStatus::Healthy));
     slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
     // A claim the scheduler placed on it before the fault is refused, saying why.
     let mut stale = claim_object("uid-9", "late", "1Gi", "10");
@@ -383,6 +416,7 @@ async fn a_gpu_fault_takes_its_devices_out_of_the_slice_and_a_reset_brings_them_
     assert!(allocations(&dir.join("run/tessera.sock")).await.is_empty());
 
     sim.reset(1).expect("reset GPU 1");
+    health_until(&mut health, healthy).await;
     slice_devices(&apiserver, |n| n == all, &log).await;
     assert_eq!(prepare(&reg.endpoint, "uid-9", "late").await.error, "");
     drop(daemon);
@@ -423,5 +457,94 @@ async fn in_mode_both_the_partitioned_gpu_is_the_device_plugins_and_the_other_is
     apiserver.put_claim(claim_object("uid-3", "wrong", "1Gi", "10"));
     let refused = prepare(&reg.endpoint, "uid-3", "wrong").await;
     assert!(refused.error.contains("gpu-0-shared is not published by this node"), "{}", refused.error);
+    drop(daemon);
+}
+
+/// Device name → the effect of its `gpu.tessera.io/unhealthy` taint (`""`: none), from node-a's
+/// slice once `done` accepts it (up to [`WAIT`]).
+async fn slice_taints(
+    apiserver: &ApiServer,
+    done: impl Fn(&std::collections::BTreeMap<String, String>) -> bool,
+    log: &Path,
+) -> std::collections::BTreeMap<String, String> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let taints = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
+            s["spec"]["devices"]
+                .as_array()
+                .expect("devices")
+                .iter()
+                .map(|d| {
+                    let effect = d["taints"].as_array().and_then(|t| t.first()).map(|t| {
+                        assert_eq!(t["key"], "gpu.tessera.io/unhealthy");
+                        assert!(t["timeAdded"].is_string(), "{t}");
+                        t["effect"].as_str().unwrap().to_owned()
+                    });
+                    (d["name"].as_str().unwrap().to_owned(), effect.unwrap_or_default())
+                })
+                .collect()
+        });
+        match taints {
+            Some(t) if done(&t) => return t,
+            t => assert!(
+                Instant::now() < deadline,
+                "slice taints {t:?}; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Against a 1.37 API server an unhealthy GPU's devices stay in the slice with a NoExecute taint
+/// (fallen off the bus), NoSchedule while recovering after the reset, and none once healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn from_1_36_an_unhealthy_gpu_stays_in_the_slice_with_a_taint() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    apiserver.set_version("37");
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 1500");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let clean = |t: &std::collections::BTreeMap<String, String>| t.len() == 4 && t.values().all(String::is_empty);
+    slice_taints(&apiserver, clean, &log).await;
+
+    monitor_started(&log).await;
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
+    let t = slice_taints(&apiserver, |t| t.get("gpu-1").is_some_and(|e| e == "NoExecute"), &log).await;
+    assert_eq!(t["gpu-1-shared"], "NoExecute", "{t:?}");
+    assert_eq!((t["gpu-0"].as_str(), t["gpu-0-shared"].as_str()), ("", ""), "GPU 0 is untouched: {t:?}");
+
+    sim.reset(1).expect("reset GPU 1");
+    let t = slice_taints(&apiserver, |t| t.get("gpu-1").is_some_and(|e| e == "NoSchedule"), &log).await;
+    assert_eq!(t["gpu-1-shared"], "NoSchedule", "recovering: {t:?}");
+    slice_taints(&apiserver, clean, &log).await;
+    drop(daemon);
+}
+
+/// A 1.37 API server with the device-taint feature off drops the field: tesserad notices and
+/// takes the unhealthy devices out of the slice instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_drops_taints_gets_the_devices_removed() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    apiserver.set_version("37");
+    apiserver.drop_taints();
+    let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 300");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    monitor_started(&log).await;
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
+    slice_devices(&apiserver, |n| n == ["gpu-0", "gpu-0-shared"], &log).await;
+    sim.reset(1).expect("reset GPU 1");
+    slice_devices(&apiserver, |n| n == all, &log).await;
     drop(daemon);
 }

@@ -6,6 +6,8 @@
 //! - [`pluginregistration::v1`]: the kubelet's plugin registration (`Registration`), which DRA
 //!   drivers serve in the kubelet's plugins_registry directory.
 //! - [`dra::v1`] and [`dra::v1beta1`]: the kubelet's DRA plugin service (`DRAPlugin`).
+//! - [`dra_health::v1`] and [`dra_health::v1alpha1`]: the kubelet's DRA resource-health service
+//!   (`DRAResourceHealth`, KEP-4680), served beside `DRAPlugin`.
 //! - [`tessera::v1`]: Tessera's own node API (`Node`).
 //!
 //! Every service has both a client (`*_client`) and a server (`*_server`) module.
@@ -102,6 +104,35 @@ pub mod dra {
 
         /// What a driver lists in `PluginInfo.supported_versions` for this service.
         pub const DRA_PLUGIN_SERVICE: &str = "v1beta1.DRAPlugin";
+    }
+}
+
+/// The kubelet's DRA resource-health service (KEP-4680). Generated apart: its protobuf packages
+/// are plain `v1` and `v1alpha1`, and pod-resources is package `v1` too.
+pub mod dra_health {
+    /// Resource health v1 (protobuf package `v1`), kubelets from 1.36.
+    pub mod v1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            include!(concat!(env!("OUT_DIR"), "/dra_health/v1.rs"));
+        }
+        pub use generated::*;
+
+        /// What a driver lists in `PluginInfo.supported_versions` when it serves this service.
+        pub const DRA_RESOURCE_HEALTH_SERVICE: &str = "v1.DRAResourceHealth";
+    }
+
+    /// Resource health v1alpha1 (protobuf package `v1alpha1`), the same messages for kubelets
+    /// from 1.34 (alpha, `ResourceHealthStatus` gate) until they speak v1.
+    pub mod v1alpha1 {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            include!(concat!(env!("OUT_DIR"), "/dra_health/v1alpha1.rs"));
+        }
+        pub use generated::*;
+
+        /// What a driver lists in `PluginInfo.supported_versions` when it serves this service.
+        pub const DRA_RESOURCE_HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
     }
 }
 

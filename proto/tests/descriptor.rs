@@ -357,3 +357,72 @@ fn dra_v1_and_v1beta1_wire_contract() {
         field(claim, "name", 3, Type::String, One, None);
     }
 }
+
+/// The resource-health service: v1 and v1alpha1 are the same service and messages in packages
+/// `v1` and `v1alpha1` (pod-resources is package `v1` too: found by file name).
+#[test]
+fn dra_health_v1_and_v1alpha1_wire_contract() {
+    let set = set();
+    for version in ["v1", "v1alpha1"] {
+        let name = format!("kubelet/dra-health/{version}/api.proto");
+        let f = set.file.iter().find(|f| f.name() == name).unwrap_or_else(|| panic!("{name}"));
+        assert_eq!((f.package(), f.syntax()), (version, "proto3"));
+        let p = |n: &str| format!(".{version}.{n}");
+        let health = service(f, "DRAResourceHealth");
+        let m: Vec<_> = health
+            .method
+            .iter()
+            .map(|m| (m.name().to_owned(), m.input_type().to_owned(), m.output_type().to_owned(), m.server_streaming()))
+            .collect();
+        assert_eq!(
+            m,
+            [("NodeWatchResources".to_owned(), p("NodeWatchResourcesRequest"), p("NodeWatchResourcesResponse"), true)],
+            "{version}"
+        );
+        assert!(message(f, "NodeWatchResourcesRequest").field.is_empty());
+        let status = f.enum_type.iter().find(|e| e.name() == "HealthStatus").expect("HealthStatus");
+        let values: Vec<_> = status.value.iter().map(|v| (v.name(), v.number())).collect();
+        assert_eq!(values, [("UNKNOWN", 0), ("HEALTHY", 1), ("UNHEALTHY", 2)]);
+        use Label::{Optional as One, Repeated};
+        let id = message(f, "DeviceIdentifier");
+        field(id, "pool_name", 1, Type::String, One, None);
+        field(id, "device_name", 2, Type::String, One, None);
+        let d = message(f, "DeviceHealth");
+        field(d, "device", 1, Type::Message, One, Some(&p("DeviceIdentifier")));
+        field(d, "health", 2, Type::Enum, One, Some(&p("HealthStatus")));
+        field(d, "last_updated_time", 3, Type::Int64, One, None);
+        field(d, "health_check_timeout_seconds", 4, Type::Int64, One, None);
+        field(d, "message", 5, Type::String, One, None);
+        field(
+            message(f, "NodeWatchResourcesResponse"),
+            "devices",
+            1,
+            Type::Message,
+            Repeated,
+            Some(&p("DeviceHealth")),
+        );
+    }
+    // The generated server's path is what the kubelet calls.
+    assert_eq!(
+        <tessera_proto::dra_health::v1::dra_resource_health_server::DraResourceHealthServer<Never> as tonic::server::NamedService>::NAME,
+        "v1.DRAResourceHealth"
+    );
+    assert_eq!(tessera_proto::dra_health::v1::DRA_RESOURCE_HEALTH_SERVICE, "v1.DRAResourceHealth");
+    assert_eq!(tessera_proto::dra_health::v1alpha1::DRA_RESOURCE_HEALTH_SERVICE, "v1alpha1.DRAResourceHealth");
+}
+
+/// A server type that never serves, to name the generated service's `NAME`.
+struct Never;
+
+#[tonic::async_trait]
+impl tessera_proto::dra_health::v1::dra_resource_health_server::DraResourceHealth for Never {
+    type NodeWatchResourcesStream =
+        tokio_stream::Empty<Result<tessera_proto::dra_health::v1::NodeWatchResourcesResponse, tonic::Status>>;
+
+    async fn node_watch_resources(
+        &self,
+        _: tonic::Request<tessera_proto::dra_health::v1::NodeWatchResourcesRequest>,
+    ) -> Result<tonic::Response<Self::NodeWatchResourcesStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("never"))
+    }
+}

@@ -209,6 +209,14 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         } else {
             None
         };
+        let kubernetes_task =
+            match tessera_daemon::kubernetes::start(Arc::clone(&controller), &cfg, shutdown_rx.clone()).await {
+                Ok(task) => task,
+                Err(e) => {
+                    eprintln!("tesserad: kubernetes: {e}");
+                    return ExitCode::from(2);
+                }
+            };
         let api_socket = cfg.node_api_socket();
         let api_listener = match api::bind(&api_socket) {
             Ok(l) => l,
@@ -362,6 +370,11 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             && tokio::time::timeout(STOP_GRACE, task).await.is_err()
         {
             tracing::warn!("the DRA driver did not stop in time");
+        }
+        if let Some(task) = kubernetes_task
+            && tokio::time::timeout(STOP_GRACE, task).await.is_err()
+        {
+            tracing::warn!("the Kubernetes Events and labels did not stop in time");
         }
         finish("node API", api_task).await;
         drop(plugins);

@@ -56,7 +56,7 @@ impl DraDevice {
 }
 
 /// (architecture, compute capability) of NVIDIA's data-centre products by name.
-fn architecture(product: &str) -> Option<(&'static str, &'static str)> {
+pub fn architecture(product: &str) -> Option<(&'static str, &'static str)> {
     let p = product.to_ascii_uppercase();
     let has = |m: &str| p.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w.starts_with(m));
     [

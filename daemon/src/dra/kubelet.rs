@@ -13,12 +13,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_proto::dra::{v1, v1beta1};
+use tessera_proto::dra_health;
 use tessera_proto::pluginregistration::v1 as reg;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
+use super::health_service::HealthService;
 use super::{DRIVER, REGISTRATION_SOCKET, SERVICE_SOCKET};
 
 /// How often the sockets are checked for removal.
@@ -59,6 +61,8 @@ pub struct DraPlugin {
     endpoint: PathBuf,
     /// Every `NotifyRegistrationStatus` the kubelet sent: (registered, error).
     status: watch::Sender<Option<(bool, String)>>,
+    /// The resource-health service served beside it, when set ([`DraPlugin::with_health`]).
+    health: Option<HealthService>,
 }
 
 impl std::fmt::Debug for DraPlugin {
@@ -80,7 +84,14 @@ impl DraPlugin {
     /// The plugin whose service listens in `<plugins_dir>/gpu.tessera.io/`.
     pub fn new(plugins_dir: &Path, driver: Arc<dyn ClaimDriver>) -> DraPlugin {
         let endpoint = plugins_dir.join(DRIVER).join(SERVICE_SOCKET);
-        DraPlugin { driver, endpoint, status: watch::channel(None).0 }
+        DraPlugin { driver, endpoint, status: watch::channel(None).0, health: None }
+    }
+
+    /// Also serves the kubelet's resource-health service (v1 and v1alpha1) on the DRA socket,
+    /// and names it in `GetInfo`.
+    pub fn with_health(mut self, health: HealthService) -> DraPlugin {
+        self.health = Some(health);
+        self
     }
 
     /// The DRA service's socket.
@@ -99,7 +110,13 @@ impl DraPlugin {
             r#type: reg::DRA_PLUGIN.to_owned(),
             name: DRIVER.to_owned(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![v1::DRA_PLUGIN_SERVICE.to_owned(), v1beta1::DRA_PLUGIN_SERVICE.to_owned()],
+            supported_versions: [v1::DRA_PLUGIN_SERVICE, v1beta1::DRA_PLUGIN_SERVICE]
+                .into_iter()
+                .chain(self.health.iter().flat_map(|_| {
+                    [dra_health::v1::DRA_RESOURCE_HEALTH_SERVICE, dra_health::v1alpha1::DRA_RESOURCE_HEALTH_SERVICE]
+                }))
+                .map(str::to_owned)
+                .collect(),
         }
     }
 
@@ -149,7 +166,9 @@ impl DraPlugin {
             .map_err(|source| BindError { path: self.endpoint.clone(), source })?;
         let router = Server::builder()
             .add_service(v1::dra_plugin_server::DraPluginServer::new(V1(self.clone())))
-            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(self.clone())));
+            .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(self.clone())))
+            .add_optional_service(self.health.as_ref().map(HealthService::v1))
+            .add_optional_service(self.health.as_ref().map(HealthService::v1alpha1));
         Ok(tokio::spawn(async move {
             let mut stop = stop;
             let serve = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {

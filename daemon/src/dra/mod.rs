@@ -13,11 +13,14 @@
 //! - [`claim_specs`]: one CDI spec per prepared claim (kind `tessera.io/claim`), the names the
 //!   kubelet passes to the runtime: the devices, the allocation's directory, the shim, its env.
 //! - [`status`]: the claim's `status.devices` (what was granted), by server-side apply.
+//! - [`health_service`]: the kubelet's resource-health service (`DRAResourceHealth`, v1 and
+//!   v1alpha1) on the DRA socket: every published device's health, streamed on each change.
 //! - [`node`]: all of it started in tesserad, following the controller's publishes.
 
 pub mod claim_specs;
 pub mod claims;
 pub mod devices;
+pub mod health_service;
 pub mod kubelet;
 pub mod node;
 pub mod prepare;

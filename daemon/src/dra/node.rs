@@ -17,6 +17,7 @@ use super::DraPlugin;
 use super::claim_specs::{ClaimSpecs, NodesOf};
 use super::claims::KubeClaims;
 use super::devices::{DraDevice, from_inventory};
+use super::health_service::HealthService;
 use super::prepare::{ClaimAllocations, DraDriver};
 use super::slices::Publisher;
 use super::status::{KubeClaimStatus, StatusWriter};
@@ -138,6 +139,7 @@ pub async fn start(
     if written + removed > 0 {
         tracing::info!(written, removed, "claim CDI specs reconciled with the allocations");
     }
+    let health = HealthService::new(node.clone(), devices_rx.clone(), cfg.health.enabled);
     let driver = DraDriver {
         claims: Arc::new(KubeClaims::new(client.clone())),
         allocations,
@@ -148,7 +150,7 @@ pub async fn start(
         default_priority: Priority::from_name(&cfg.limits.priority).unwrap_or_default(),
         default_compute_mode: ComputeMode::from_name(&cfg.limits.compute_mode).unwrap_or_default(),
     };
-    let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver));
+    let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver)).with_health(health);
     let registry = cfg.kubernetes.plugins_registry_dir.clone();
     std::fs::create_dir_all(&registry)
         .map_err(|e| format!("kubernetes.plugins_registry_dir {}: {e}", registry.display()))?;

@@ -13,6 +13,10 @@
 //!   delete; and watch (`?watch=true&resourceVersion=N`: the events after N, then live ones;
 //!   410 Gone for a version older than the history kept).
 //!
+//! - `nodes`: get and JSON merge patch (`put_node` adds one);
+//! - events.k8s.io/v1 `events`: create (409 AlreadyExists) and JSON merge patch (404 when gone);
+//! - `GET /version`: 1.34 unless [`ApiServer::set_version`] says otherwise.
+//!
 //! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
 //! and the server stopped and started again on the same port (an API server restart).
 
@@ -31,6 +35,8 @@ use tokio::task::JoinHandle;
 
 const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
 const CLAIMS_PREFIX: &str = "/apis/resource.k8s.io/v1/namespaces/";
+const NODES: &str = "/api/v1/nodes/";
+const EVENTS_PREFIX: &str = "/apis/events.k8s.io/v1/namespaces/";
 /// Events kept for watches that resume; older versions get 410 Gone.
 const HISTORY: usize = 64;
 
@@ -47,6 +53,14 @@ struct Store {
     failures: Vec<(Method, u16)>,
     /// Per claim, per field manager: the keys of the `status.devices` entries it owns.
     status_owners: BTreeMap<(String, String), BTreeMap<String, Vec<Value>>>,
+    /// The minor version `/version` names (1.34 when unset).
+    minor: Option<String>,
+    /// Drop `devices[].taints` from written slices, as a server with DRADeviceTaints off does.
+    drop_taints: bool,
+    /// Nodes by name (get, merge patch).
+    nodes: BTreeMap<String, Value>,
+    /// events.k8s.io/v1 Events by (namespace, name) (create, merge patch).
+    events: BTreeMap<(String, String), Value>,
 }
 
 /// The test API server.
@@ -243,6 +257,35 @@ impl ApiServer {
         self.store.lock().unwrap().failures.push((method, code));
     }
 
+    /// `/version` says 1.`minor` from now on.
+    pub fn set_version(&self, minor: &str) {
+        self.store.lock().unwrap().minor = Some(minor.to_owned());
+    }
+
+    /// Written slices lose their device taints (the DRADeviceTaints gate off).
+    pub fn drop_taints(&self) {
+        self.store.lock().unwrap().drop_taints = true;
+    }
+
+    /// Adds or replaces a Node.
+    pub fn put_node(&self, node: Value) {
+        let mut s = self.store.lock().unwrap();
+        let mut node = node;
+        s.bump(&mut node);
+        let name = node["metadata"]["name"].as_str().expect("name").to_owned();
+        s.nodes.insert(name, node);
+    }
+
+    /// A Node as stored.
+    pub fn node(&self, name: &str) -> Option<Value> {
+        self.store.lock().unwrap().nodes.get(name).cloned()
+    }
+
+    /// Every events.k8s.io Event, by (namespace, name).
+    pub fn events(&self) -> BTreeMap<(String, String), Value> {
+        self.store.lock().unwrap().events.clone()
+    }
+
     /// Every request so far, as "METHOD path".
     pub fn requests(&self) -> Vec<String> {
         self.store.lock().unwrap().requests.clone()
@@ -288,6 +331,78 @@ async fn handle(
         return status(code, reason, "injected failure");
     }
     let parsed = || serde_json::from_slice::<Value>(&body);
+    if path == "/version" && method == Method::GET {
+        let minor = s.minor.clone().unwrap_or_else(|| "34".into());
+        return respond(
+            200,
+            &json!({"major": "1", "minor": minor, "gitVersion": format!("v1.{minor}.0"), "gitCommit": "test",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+                "compiler": "gc", "platform": "linux/amd64"}),
+        );
+    }
+    let drop_taints = s.drop_taints;
+    let parsed = || {
+        parsed().map(|mut v| {
+            if drop_taints && let Some(ds) = v["spec"]["devices"].as_array_mut() {
+                for d in ds {
+                    if let Some(d) = d.as_object_mut() {
+                        d.remove("taints");
+                    }
+                }
+            }
+            v
+        })
+    };
+    if let Some(name) = path.strip_prefix(NODES) {
+        let name = name.to_owned();
+        return match method {
+            Method::GET => match s.nodes.get(&name) {
+                Some(n) => respond(200, n),
+                None => status(404, "NotFound", &format!("nodes \"{name}\" not found")),
+            },
+            Method::PATCH => {
+                let Ok(p) = parsed() else { return status(400, "BadRequest", "not JSON") };
+                let Some(mut node) = s.nodes.get(&name).cloned() else {
+                    return status(404, "NotFound", &format!("nodes \"{name}\" not found"));
+                };
+                merge_patch(&mut node, &p);
+                s.bump(&mut node);
+                s.nodes.insert(name, node.clone());
+                respond(200, &node)
+            }
+            _ => status(405, "MethodNotAllowed", "method not allowed"),
+        };
+    }
+    if let Some(rest) = path.strip_prefix(EVENTS_PREFIX) {
+        let parts: Vec<&str> = rest.split('/').collect();
+        return match (parts.as_slice(), &method) {
+            ([ns, "events"], &Method::POST) => {
+                let Ok(mut obj) = parsed() else { return status(400, "BadRequest", "not JSON") };
+                let Some(name) = obj["metadata"]["name"].as_str().map(str::to_owned) else {
+                    return status(422, "Invalid", "metadata.name: Required value");
+                };
+                let key = ((*ns).to_owned(), name.clone());
+                if s.events.contains_key(&key) {
+                    return status(409, "AlreadyExists", &format!("events \"{name}\" already exists"));
+                }
+                s.bump(&mut obj);
+                s.events.insert(key, obj.clone());
+                respond(201, &obj)
+            }
+            ([ns, "events", name], &Method::PATCH) => {
+                let Ok(p) = parsed() else { return status(400, "BadRequest", "not JSON") };
+                let key = ((*ns).to_owned(), (*name).to_owned());
+                let Some(mut obj) = s.events.get(&key).cloned() else {
+                    return status(404, "NotFound", &format!("events.events.k8s.io \"{name}\" not found"));
+                };
+                merge_patch(&mut obj, &p);
+                s.bump(&mut obj);
+                s.events.insert(key, obj.clone());
+                respond(200, &obj)
+            }
+            _ => status(405, "MethodNotAllowed", "method not allowed"),
+        };
+    }
     if let Some(rest) = path.strip_prefix(CLAIMS_PREFIX) {
         let parts: Vec<&str> = rest.split('/').collect();
         if let [ns, "resourceclaims", name] = parts.as_slice()
@@ -465,6 +580,26 @@ fn apply_claim_status(
     s.bump(&mut claim);
     s.claims.insert(key, claim.clone());
     respond(200, &claim)
+}
+
+/// An RFC 7386 JSON merge patch: objects merged key by key, `null` removes, anything else replaces.
+fn merge_patch(target: &mut Value, patch: &Value) {
+    match (target.as_object_mut(), patch.as_object()) {
+        (Some(t), Some(p)) => {
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (_, Some(p)) => {
+            *target = Value::Object(Default::default());
+            merge_patch(target, &Value::Object(p.clone()));
+        }
+        _ => *target = patch.clone(),
+    }
 }
 
 /// A watch: the history after `resourceVersion`, then live events for a short while (the body is

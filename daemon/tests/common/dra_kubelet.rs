@@ -61,3 +61,51 @@ pub async fn v1beta1_client(endpoint: &Path) -> v1beta1::dra_plugin_client::DraP
 pub fn claim(namespace: &str, uid: &str, name: &str) -> v1::Claim {
     v1::Claim { namespace: namespace.into(), uid: uid.into(), name: name.into() }
 }
+
+/// The kubelet's resource-health client (v1) on a DRA endpoint.
+pub async fn health_v1_client(
+    endpoint: &Path,
+) -> tessera_proto::dra_health::v1::dra_resource_health_client::DraResourceHealthClient<Channel> {
+    tessera_proto::dra_health::v1::dra_resource_health_client::DraResourceHealthClient::new(channel(endpoint).await)
+}
+
+/// Opens the health stream as the kubelet does once a plugin names the service.
+pub async fn watch_health(
+    endpoint: &Path,
+) -> tonic::Streaming<tessera_proto::dra_health::v1::NodeWatchResourcesResponse> {
+    let mut client = health_v1_client(endpoint).await;
+    client
+        .node_watch_resources(tessera_proto::dra_health::v1::NodeWatchResourcesRequest {})
+        .await
+        .expect("NodeWatchResources")
+        .into_inner()
+}
+
+/// Health messages until one where `done` accepts the (device name → health, message) map; that
+/// map. Fails after [`WAIT`].
+pub async fn health_until(
+    stream: &mut tonic::Streaming<tessera_proto::dra_health::v1::NodeWatchResourcesResponse>,
+    done: impl Fn(&std::collections::BTreeMap<String, (tessera_proto::dra_health::v1::HealthStatus, String)>) -> bool,
+) -> std::collections::BTreeMap<String, (tessera_proto::dra_health::v1::HealthStatus, String)> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let msg = tokio::time::timeout(left, stream.message())
+            .await
+            .expect("the health awaited in time")
+            .expect("health stream ok")
+            .expect("health stream open");
+        let map = msg
+            .devices
+            .iter()
+            .map(|d| {
+                let id = d.device.clone().expect("device id");
+                assert_eq!(id.pool_name, "node-a");
+                (id.device_name, (d.health(), d.message.clone()))
+            })
+            .collect();
+        if done(&map) {
+            return map;
+        }
+    }
+}
