@@ -7,13 +7,17 @@
 //!   of this driver) read from the API server through kube-rs.
 //! - [`devices`]: the devices this node publishes (whole GPUs, MIG devices, one shareable device
 //!   per GPU with consumable `memory` and `sm`), and Kubernetes quantities.
-//! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
+//! - [`dynamic_mig`]: MIG placements published as partitionable devices (shared counters per
+//!   GPU) and created / destroyed on demand by prepare / unprepare.
+//! - [`slices`]: those devices as the node's ResourceSlices (the layout follows the API server's
+//!   version), kept current through the API server.
 //! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
 //!   claim UID owns the allocation, the consumed capacity is its limits.
 //! - [`node`]: all of it started in tesserad, following the controller's publishes.
 
 pub mod claims;
 pub mod devices;
+pub mod dynamic_mig;
 pub mod kubelet;
 pub mod node;
 pub mod prepare;

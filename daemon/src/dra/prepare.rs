@@ -13,6 +13,7 @@ use tokio::sync::watch;
 
 use super::claims::{ClaimSource, GrantedDevice, allocation};
 use super::devices::{DraDevice, DraKind};
+use super::dynamic_mig::DynamicMig;
 use super::slices::{DEFAULT_MEMORY, DEFAULT_SM};
 use super::{ClaimDriver, ClaimRef, PreparedDevice};
 use crate::state::{AllocatedDevice, Allocation};
@@ -48,7 +49,7 @@ pub fn allocated_device(
         return Err(format!("device {} is unhealthy: {why}", d.name));
     }
     let (memory_limit, sm_percent, compute_mode) = match d.kind {
-        DraKind::Gpu | DraKind::Mig { .. } => (None, None, ComputeMode::Strict),
+        DraKind::Gpu | DraKind::Mig { .. } | DraKind::MigPlacement(_) => (None, None, ComputeMode::Strict),
         DraKind::Shared => {
             let memory = granted.consumed.get("memory").copied().unwrap_or(DEFAULT_MEMORY);
             let sm = granted.consumed.get("sm").copied().unwrap_or(DEFAULT_SM);
@@ -76,7 +77,7 @@ pub fn allocated_device(
 /// The CDI name a container asks for a device by.
 pub fn cdi_name(d: &DraDevice) -> String {
     let class = match d.kind {
-        DraKind::Mig { .. } => "mig",
+        DraKind::Mig { .. } | DraKind::MigPlacement(_) => "mig",
         DraKind::Gpu | DraKind::Shared => "gpu",
     };
     format!("{}/{class}={}", tessera_hook::cdi::VENDOR, tessera_hook::cdi::cdi_device_name(&d.uuid))
@@ -92,6 +93,8 @@ pub struct DraDriver {
     pub pool: String,
     pub default_priority: Priority,
     pub default_compute_mode: ComputeMode,
+    /// Dynamic MIG (placement devices); `None`: none is published.
+    pub dynamic_mig: Option<Arc<DynamicMig>>,
 }
 
 #[tonic::async_trait]
@@ -103,7 +106,11 @@ impl ClaimDriver for DraDriver {
         let mut devices = Vec::new();
         let mut answer = Vec::new();
         for g in &granted.devices {
-            let (a, d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
+            let (mut a, mut d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
+            if matches!(d.kind, DraKind::MigPlacement(_)) {
+                let made = self.make_placement(&claim.uid, d.clone()).await?;
+                (a.device_id, a.physical_uuid, d.uuid) = (made.uuid.clone(), made.uuid.clone(), made.uuid);
+            }
             devices.push(a);
             answer.push(PreparedDevice {
                 requests: vec![g.request.clone()],
@@ -116,7 +123,8 @@ impl ClaimDriver for DraDriver {
         let allocations = Arc::clone(&self.allocations);
         let alloc = tokio::task::spawn_blocking(move || allocations.allocate_claim(&owner, devices))
             .await
-            .map_err(|e| format!("allocation task failed: {e}"))??;
+            .map_err(|e| format!("allocation task failed: {e}"))?
+            .inspect_err(|_| self.forget_placements(&claim.uid))?;
         tracing::info!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, allocation = %alloc.id, "claim prepared");
         Ok(answer)
     }
@@ -130,7 +138,33 @@ impl ClaimDriver for DraDriver {
         if released {
             tracing::info!(claim = %claim.uid, "claim unprepared");
         }
+        if let Some(dm) = self.dynamic_mig.clone() {
+            let uid = claim.uid.clone();
+            tokio::task::spawn_blocking(move || dm.unprepare(&uid))
+                .await
+                .map_err(|e| format!("dynamic MIG task failed: {e}"))??;
+        }
         Ok(())
+    }
+}
+
+impl DraDriver {
+    /// The MIG instance for a placement device (dynamic MIG), made or found.
+    async fn make_placement(&self, claim_uid: &str, d: DraDevice) -> Result<crate::discovery::MigDevice, String> {
+        let dm = self.dynamic_mig.clone().ok_or_else(|| format!("device {}: dynamic MIG is not enabled", d.name))?;
+        let uid = claim_uid.to_owned();
+        tokio::task::spawn_blocking(move || dm.prepare(&uid, &d))
+            .await
+            .map_err(|e| format!("dynamic MIG task failed: {e}"))?
+    }
+
+    /// A claim refused after its instances were made: they go (best effort; unprepare retries).
+    fn forget_placements(&self, claim_uid: &str) {
+        if let Some(dm) = &self.dynamic_mig
+            && let Err(e) = dm.unprepare(claim_uid)
+        {
+            tracing::warn!(claim = claim_uid, error = %e, "destroying the dynamic MIG instances of a refused claim");
+        }
     }
 }
 
@@ -270,6 +304,7 @@ mod tests {
             pool: "node-a".into(),
             default_priority: Priority::Normal,
             default_compute_mode: ComputeMode::Strict,
+            dynamic_mig: None,
         };
         let c = ClaimRef { namespace: "ml".into(), uid: "uid-1".into(), name: "train".into() };
         let first = driver.prepare(&c).await.unwrap();
