@@ -6,7 +6,7 @@
 //! that placement ([`DynamicMig::prepare`]); NodeUnprepareResources destroys it.
 //!
 //! Which instances tesserad made, and for which claim, is kept in a small journal
-//! (`<state_dir>/dra-mig.json`, written durably before NVML is asked to create anything):
+//! (`<state_dir>/dra-dynamic-mig.state`, JSON, written durably before NVML is asked to create anything):
 //!
 //! - an instance it made stays published as its placement device (allocated in the scheduler's
 //!   view), never also as an existing MIG device another claim could get;
@@ -28,7 +28,9 @@ use crate::node::NodeController;
 use crate::node::mig::Placement;
 
 /// The journal's file name in the state directory.
-pub const JOURNAL_FILE: &str = "dra-mig.json";
+/// Not `.json`: the allocation store reads every `<id>.json` in the state directory as one of its
+/// records.
+pub const JOURNAL_FILE: &str = "dra-dynamic-mig.state";
 
 /// One instance dynamic MIG made (or is about to make) for a claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,8 +73,8 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Loads `<state_dir>/dra-mig.json` (none: empty). A damaged file is copied aside
-    /// (`dra-mig.json.damaged-<unix seconds>`) with an error logged, and the journal starts
+    /// Loads `<state_dir>/dra-dynamic-mig.state` (none: empty). A damaged file is copied aside
+    /// (`dra-dynamic-mig.state.damaged-<unix seconds>`) with an error logged, and the journal starts
     /// empty: the instances it named are then published as existing MIG devices.
     pub fn open(state_dir: &Path) -> Journal {
         let path = state_dir.join(JOURNAL_FILE);
@@ -623,7 +625,7 @@ pub(crate) mod tests {
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with("dra-mig.json.damaged-"))
+            .filter(|n| n.starts_with("dra-dynamic-mig.state.damaged-"))
             .collect();
         assert_eq!(aside.len(), 1);
         let twice = br#"{"version": 1, "instances": [

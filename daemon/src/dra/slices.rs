@@ -278,8 +278,7 @@ pub struct Publisher {
     api: kube::Api<ResourceSlice>,
     client: kube::Client,
     node: String,
-    /// The layout for the API server's version, asked once and again after a failed sync (the
-    /// API server may have been upgraded while it was away).
+    /// The layout last chosen (logged when it changes).
     layout: std::sync::Mutex<Option<SliceLayout>>,
 }
 
@@ -296,19 +295,20 @@ impl Publisher {
         Publisher { api: kube::Api::all(client.clone()), client, node: node.into(), layout: Default::default() }
     }
 
-    /// The slice layout for the API server's version (`GET /version`), cached.
+    /// The slice layout for the API server's version (`GET /version`), asked on every pass: an
+    /// API server upgraded to 1.35 gets the new layout at the next sync (at most [`RESYNC`]).
     pub async fn layout(&self) -> Result<SliceLayout, kube::Error> {
-        if let Some(l) = *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
-            return Ok(l);
-        }
         let info = self.client.apiserver_version().await?;
         let layout = SliceLayout::for_info(&info).unwrap_or_else(|| {
             tracing::warn!(major = %info.major, minor = %info.minor, git_version = %info.git_version,
                 "cannot read the API server's version; using the 1.35+ slice layout");
             SliceLayout::Separate
         });
-        tracing::info!(version = %info.git_version, ?layout, "ResourceSlice layout chosen by the API server's version");
-        *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(layout);
+        let mut last = self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *last != Some(layout) {
+            tracing::info!(version = %info.git_version, ?layout, "ResourceSlice layout chosen by the API server's version");
+            *last = Some(layout);
+        }
         Ok(layout)
     }
 
@@ -316,14 +316,6 @@ impl Publisher {
     /// the wanted slices remain. A conflict (someone else changed one) is an error: the caller
     /// retries with a fresh list.
     pub async fn sync(&self, devices: &[DraDevice]) -> Result<Synced, kube::Error> {
-        let result = self.sync_once(devices).await;
-        if result.is_err() {
-            *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        }
-        result
-    }
-
-    async fn sync_once(&self, devices: &[DraDevice]) -> Result<Synced, kube::Error> {
         let layout = self.layout().await?;
         let fields = format!("spec.nodeName={},spec.driver={DRIVER}", self.node);
         let list = self.api.list(&ListParams::default().fields(&fields)).await?;
@@ -358,6 +350,9 @@ impl Publisher {
             }
         }
         // What is left is stale (an earlier layout, another version's names).
+        for w in &same {
+            current.remove(w.metadata.name.as_deref().unwrap_or_default());
+        }
         for name in current.keys() {
             self.api.delete(name, &DeleteParams::default()).await?;
             out.deleted += 1;

@@ -425,6 +425,42 @@ mod tests {
     }
 
     #[test]
+    fn a_placement_is_refused_with_the_reason_the_gpu_cannot_host_it() {
+        let p = |profile: &str, profile_id, start| Placement {
+            gpu_uuid: "GPU-x".into(),
+            profile: profile.into(),
+            profile_id,
+            start,
+        };
+        let three = p("3g.40gb", 9, 0);
+        let mut on = gpu(true, true, vec![]);
+        on.mig.as_mut().unwrap().capability.profiles[1].placements = vec![0, 4];
+        assert_eq!(placement_refusal(&on, false, &three), None);
+        let e = placement_refusal(&gpu(false, false, vec![]), false, &three).unwrap();
+        assert!(e.contains("MIG mode off (pending off)") && e.contains("enable MIG mode"), "{e}");
+        let e = placement_refusal(&gpu(true, false, vec![]), false, &three).unwrap();
+        assert!(e.contains("MIG mode on (pending off)"), "{e}");
+        let e = placement_refusal(&on, true, &three).unwrap();
+        assert!(e.contains("[partitions] entry"), "{e}");
+        let e = placement_refusal(&on, false, &p("3g.40gb", 9, 2)).unwrap();
+        assert!(e.contains("cannot start at memory slice 2") && e.contains("[0, 4]"), "{e}");
+        let e = placement_refusal(&on, false, &p("2g.20gb", 14, 0)).unwrap();
+        assert!(e.contains("no MIG profile id 14"), "{e}");
+        // An instance over slices 0..4: the 3g at 0 overlaps it unless it is that very instance.
+        let mut busy = on.clone();
+        busy.mig.as_mut().unwrap().instances = vec![instance(1, "3g.40gb")];
+        busy.mig.as_mut().unwrap().instances[0].profile_id = 19;
+        let e = placement_refusal(&busy, false, &three).unwrap();
+        assert!(e.contains("overlaps GPU instance 1 (3g.40gb, slices 0..4)"), "{e}");
+        busy.mig.as_mut().unwrap().instances[0].profile_id = 9;
+        assert_eq!(placement_refusal(&busy, false, &three), None, "the instance of the placement itself");
+        assert_eq!(placement_refusal(&busy, false, &p("3g.40gb", 9, 4)), None);
+        let mut none = on.clone();
+        none.mig = None;
+        assert!(placement_refusal(&none, false, &three).unwrap().contains("does not support MIG"));
+    }
+
+    #[test]
     fn a_gpu_is_free_only_when_nothing_holds_or_uses_it() {
         use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source};
         let g = gpu(true, true, vec![instance(1, "3g.40gb")]);

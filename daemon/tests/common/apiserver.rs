@@ -7,6 +7,9 @@
 //!   delete; and watch (`?watch=true&resourceVersion=N`: the events after N, then live ones;
 //!   410 Gone for a version older than the history kept).
 //!
+//! `GET /version` answers the Kubernetes version set with `set_version` (1.37.0 unless set), as
+//! clients that pick a layout by version ask it.
+//!
 //! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
 //! and the server stopped and started again on the same port (an API server restart).
 
@@ -39,6 +42,8 @@ struct Store {
     requests: Vec<String>,
     /// Failures to inject: (method, status code) answered to the next matching request.
     failures: Vec<(Method, u16)>,
+    /// What `/version` says: (major, minor, patch); `None`: 1.37.0.
+    kube_version: Option<(u32, u32, u32)>,
 }
 
 /// The test API server.
@@ -216,6 +221,11 @@ impl ApiServer {
         s.slices.insert(name, slice);
     }
 
+    /// The Kubernetes version `/version` reports from now on.
+    pub fn set_version(&self, major: u32, minor: u32, patch: u32) {
+        self.store.lock().unwrap().kube_version = Some((major, minor, patch));
+    }
+
     /// The next request with `method` gets `code` (a Status) instead of its answer.
     pub fn fail_next(&self, method: Method, code: u16) {
         self.store.lock().unwrap().failures.push((method, code));
@@ -262,6 +272,15 @@ async fn handle(
             _ => "InternalError",
         };
         return status(code, reason, "injected failure");
+    }
+    if path == "/version" && method == Method::GET {
+        let (major, minor, patch) = s.kube_version.unwrap_or((1, 37, 0));
+        return respond(
+            200,
+            &json!({"major": major.to_string(), "minor": minor.to_string(),
+                "gitVersion": format!("v{major}.{minor}.{patch}"), "gitCommit": "", "gitTreeState": "clean",
+                "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64"}),
+        );
     }
     let parsed = || serde_json::from_slice::<Value>(&body);
     if let Some(rest) = path.strip_prefix(CLAIMS_PREFIX) {
