@@ -361,21 +361,27 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     }
 }
 
-/// The DRA overlay's DeviceClasses select this driver's three device types; the example claims
-/// (a whole GPU, 8Gi + 30% of an H100, one claim shared by two pods, a MIG 3g.40gb) validate
+/// The DRA overlay's DeviceClasses select this driver's four device types; the example claims
+/// (a whole GPU, 8Gi + 30% of an H100, one claim shared by two pods, a MIG 3g.40gb existing or
+/// made on demand) validate
 /// against 1.34 and 1.37 and name only those classes.
 #[test]
 fn dra_classes_and_example_claims_validate_and_fit_together() {
     let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
     let overlay = documents(&validator, &render(&kubectl, "overlays/dra"));
     let mut classes = std::collections::BTreeMap::new();
-    for name in ["gpu.tessera.io", "gpu-share.tessera.io", "mig.tessera.io"] {
+    for name in ["gpu.tessera.io", "gpu-share.tessera.io", "mig.tessera.io", "mig-dynamic.tessera.io"] {
         let c = find(&overlay, "DeviceClass", name);
         let cel = c["spec"]["selectors"][0]["cel"]["expression"].as_str().unwrap().to_owned();
         assert!(cel.contains(&format!("device.driver == \"{}\"", tessera_daemon::dra::DRIVER)), "{name}: {cel}");
         classes.insert(name, cel);
     }
-    for (name, ty) in [("gpu.tessera.io", "gpu"), ("gpu-share.tessera.io", "shared"), ("mig.tessera.io", "mig")] {
+    for (name, ty) in [
+        ("gpu.tessera.io", "gpu"),
+        ("gpu-share.tessera.io", "shared"),
+        ("mig.tessera.io", "mig"),
+        ("mig-dynamic.tessera.io", "mig-placement"),
+    ] {
         assert!(classes[name].contains(&format!(".type == \"{ty}\"")), "{name} selects type {ty}");
     }
     let rbac = find(&overlay, "ClusterRole", "tessera-dra");
@@ -421,7 +427,7 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
             named.insert(class.to_owned());
         }
     }
-    assert_eq!(named.len(), 3, "every class has an example: {named:?}");
+    assert_eq!(named.len(), 4, "every class has an example: {named:?}");
     let share = find(&docs, "ResourceClaimTemplate", "share-8gi-30pct-h100");
     let request = &share["spec"]["spec"]["devices"]["requests"][0]["exactly"];
     assert_eq!(request["capacity"]["requests"], serde_json::json!({"memory": "8Gi", "sm": "30"}));
