@@ -355,7 +355,7 @@ async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_des
     // The made instance is its placement device, not also an existing MIG device.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let after = pool(&apiserver);
-    assert_eq!(after[0].1, [operator.clone()], "{after:?}");
+    assert_eq!(after[0].1, std::slice::from_ref(&operator), "{after:?}");
     assert!(after[2].1.iter().any(|p| p == "gpu-0-mig-3g40gb-4"));
 
     // kill -9 after the instance exists; restart; the kubelet asks again: the same instance.

@@ -103,22 +103,27 @@ impl ClaimDriver for DraDriver {
         let rc = self.claims.read(claim).await?;
         let granted = allocation(&rc, claim, &self.pool)?;
         let published = self.devices.borrow().clone();
-        let mut devices = Vec::new();
-        let mut answer = Vec::new();
-        for g in &granted.devices {
-            let (mut a, mut d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
-            if matches!(d.kind, DraKind::MigPlacement(_)) {
-                let made = self.make_placement(&claim.uid, d.clone()).await?;
-                (a.device_id, a.physical_uuid, d.uuid) = (made.uuid.clone(), made.uuid.clone(), made.uuid);
+        let made = async {
+            let mut devices = Vec::new();
+            let mut answer = Vec::new();
+            for g in &granted.devices {
+                let (mut a, mut d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
+                if matches!(d.kind, DraKind::MigPlacement(_)) {
+                    let made = self.make_placement(&claim.uid, d.clone()).await?;
+                    (a.device_id, a.physical_uuid, d.uuid) = (made.uuid.clone(), made.uuid.clone(), made.uuid);
+                }
+                devices.push(a);
+                answer.push(PreparedDevice {
+                    requests: vec![g.request.clone()],
+                    pool: g.pool.clone(),
+                    device: g.device.clone(),
+                    cdi_device_ids: vec![cdi_name(&d)],
+                });
             }
-            devices.push(a);
-            answer.push(PreparedDevice {
-                requests: vec![g.request.clone()],
-                pool: g.pool.clone(),
-                device: g.device.clone(),
-                cdi_device_ids: vec![cdi_name(&d)],
-            });
-        }
+            Ok::<_, String>((devices, answer))
+        };
+        // A claim refused after some of its MIG instances were made leaves none behind.
+        let (devices, answer) = made.await.inspect_err(|_| self.forget_placements(&claim.uid))?;
         let owner = ClaimOwner { claim: claim.clone(), pods: granted.pods };
         let allocations = Arc::clone(&self.allocations);
         let alloc = tokio::task::spawn_blocking(move || allocations.allocate_claim(&owner, devices))
