@@ -284,7 +284,9 @@ fn instances(sim: &tessera_sim_model::Node) -> Vec<(String, u32)> {
 /// counters in a slice of their own (1.37); a claim allocated `gpu-0-mig-3g40gb-4` makes that
 /// instance and gets its MIG device's CDI name; kill -9 and a restart: the same answer, still one
 /// instance; an overlapping placement is refused naming the instance in the way; unprepare
-/// destroys the instance and the operator's stays.
+/// destroys the instance and the operator's stays. Then the state a kill -9 inside prepare leaves
+/// (journal entry and instance, no allocation): after a restart the claim gets that instance and
+/// no other is made; another claim handed the same placement is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_destroyed_by_unprepare() {
     let node = SimNode::with_description(NODE);
@@ -361,7 +363,7 @@ async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_des
     // kill -9 after the instance exists; restart; the kubelet asks again: the same instance.
     daemon.0.kill().expect("kill -9");
     daemon.0.wait().expect("reap");
-    let (daemon2, _) = spawn(&node, &config, &notify, &log);
+    let (mut daemon2, _) = spawn(&node, &config, &notify, &log);
     let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
     let again = prepare(&reg.endpoint, "uid-m", "infer").await;
     assert_eq!(again, first, "log:\n{}", show_log());
@@ -382,8 +384,27 @@ async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_des
     assert!(allocations(&socket).await.is_empty());
     assert_eq!(instances(&sim), [("1g.10gb".to_string(), 0)]);
     assert_eq!(unprepare(&reg.endpoint, "uid-m", "infer").await, "");
-    // The placement can be made again.
-    assert_eq!(prepare(&reg.endpoint, "uid-m", "infer").await.error, "");
-    assert_eq!(instances(&sim).len(), 2);
-    drop(daemon2);
+
+    // The window a kill -9 can hit inside prepare: the journal entry written and the instance
+    // made, no allocation recorded, the kubelet never answered. The kubelet asks again after the
+    // restart: that instance is the claim's, none is made beside it.
+    daemon2.0.kill().expect("kill -9");
+    daemon2.0.wait().expect("reap");
+    let gi = sim.create_gpu_instance(0, 2, Some(4)).expect("3g.40gb at slice 4");
+    let ci = sim.create_compute_instance(0, gi.id, 2, None).expect("its compute instance");
+    let made = sim.gpu(0).expect("GPU 0").mig_uuid(ci.gi_id, ci.id, ci.serial);
+    std::fs::write(dir.join("state/dra-dynamic-mig.state"), journal.replace("uid-m", "uid-z")).expect("journal");
+    let (daemon3, _) = spawn(&node, &config, &notify, &log);
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(mig_claim("uid-z", "crashed", "gpu-0-mig-3g40gb-4"));
+    let answer = prepare(&reg.endpoint, "uid-z", "crashed").await;
+    assert_eq!(answer.error, "", "log:\n{}", show_log());
+    assert_eq!(answer.devices[0].cdi_device_ids, [format!("tessera.io/mig={made}")]);
+    assert_eq!(instances(&sim).len(), 2, "never two");
+    assert_eq!(allocations(&socket).await[0].devices[0].uuid, made);
+    // Another claim handed the same placement (a stale allocation) is refused, not given it.
+    apiserver.put_claim(mig_claim("uid-y", "other", "gpu-0-mig-3g40gb-4"));
+    let refused = prepare(&reg.endpoint, "uid-y", "other").await;
+    assert!(refused.error.contains("held by claim uid-z"), "{}", refused.error);
+    drop(daemon3);
 }
