@@ -114,6 +114,31 @@ impl Journal {
         self.lock().iter().map(Made::placement).collect()
     }
 
+    /// Drops the entries whose instance `inv` does not show (a crash before NVML made it, a GPU
+    /// reset since): they protect nothing, and a stale one would make an instance someone else
+    /// creates there later look like dynamic MIG's. For start-up, before any prepare; entries of
+    /// GPUs `inv` lacks are kept (the GPU may come back). Returns how many went.
+    pub fn forget_missing(&self, inv: &Inventory) -> Result<usize, String> {
+        let entries = self.entries();
+        let kept: Vec<Made> = entries
+            .iter()
+            .filter(|m| match inv.gpu_by_uuid(&m.gpu_uuid) {
+                None => true,
+                Some(g) => g
+                    .mig
+                    .iter()
+                    .flat_map(|mig| &mig.instances)
+                    .any(|gi| gi.profile_id == m.profile_id && gi.start == m.start),
+            })
+            .cloned()
+            .collect();
+        let gone = entries.len() - kept.len();
+        if gone > 0 {
+            self.store(kept)?;
+        }
+        Ok(gone)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Made>> {
         self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -518,7 +543,7 @@ pub(crate) mod tests {
     struct FakeMig {
         instances: Mutex<BTreeMap<(u32, u32), String>>,
         created: Mutex<u32>,
-        /// Placements an operator made (not through dynamic MIG).
+        /// Set: every ensure is refused with this reason (the GPU cannot host anything now).
         refuse: Mutex<Option<String>>,
     }
 
@@ -613,6 +638,26 @@ pub(crate) mod tests {
         assert_eq!(fake.instances.lock().unwrap().len(), 1, "the operator's instance is untouched");
         assert_eq!(dm.unprepare("uid-a").unwrap(), 0);
         assert_eq!(fake.instances.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn entries_without_an_instance_are_forgotten_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path());
+        let made = |claim: &str, gpu: &str, start| Made {
+            claim_uid: claim.into(),
+            gpu_uuid: gpu.into(),
+            profile: "3g.40gb".into(),
+            profile_id: 9,
+            start,
+        };
+        j.store(vec![made("a", "GPU-0", 4), made("b", "GPU-0", 0), made("c", "GPU-gone", 0)]).unwrap();
+        // GPU 0 holds a 3g.40gb at 4 only.
+        let inv = h100(vec![instance(1, "3g.40gb", 9, 4, 4)]);
+        assert_eq!(j.forget_missing(&inv).unwrap(), 1);
+        let left: Vec<String> = Journal::open(dir.path()).entries().into_iter().map(|m| m.claim_uid).collect();
+        assert_eq!(left, ["a", "c"], "b's instance is gone; c's GPU may come back");
+        assert_eq!(j.forget_missing(&inv).unwrap(), 0);
     }
 
     #[test]

@@ -101,6 +101,11 @@ pub async fn start(
     let client = super::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let mode = cfg.kubernetes.mode;
     let journal = Arc::new(Journal::open(&cfg.state_dir));
+    match journal.forget_missing(&controller.view().inventory) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(entries = n, "dynamic MIG: journal entries without an instance forgotten"),
+        Err(e) => tracing::warn!(error = %e, "dynamic MIG: cannot prune the journal"),
+    }
     let (devices_tx, devices_rx) = watch::channel(published(&controller.view(), mode, &journal.placements()));
     let follow = {
         let controller = Arc::clone(&controller);
