@@ -640,6 +640,88 @@ pub(crate) mod tests {
         assert_eq!(fake.instances.lock().unwrap().len(), 1);
     }
 
+    /// Through the kubelet-facing driver: a placement claim prepared gets the MIG device's CDI
+    /// name and one allocation of it; a claim the allocator refuses after its instance was made
+    /// leaves no instance and no journal entry behind.
+    #[tokio::test]
+    async fn the_driver_makes_the_instance_and_a_refused_claim_leaves_none() {
+        use k8s_openapi::api::resource::v1::ResourceClaim;
+        use tessera_region::{ComputeMode, Priority};
+
+        use crate::dra::claims::ClaimSource;
+        use crate::dra::prepare::{ClaimAllocations, ClaimOwner, DraDriver};
+        use crate::dra::{ClaimDriver, ClaimRef};
+        use crate::state::{AllocatedDevice, Allocation};
+
+        struct OneClaim(ResourceClaim);
+        #[tonic::async_trait]
+        impl ClaimSource for OneClaim {
+            async fn read(&self, _: &ClaimRef) -> Result<ResourceClaim, String> {
+                Ok(self.0.clone())
+            }
+        }
+        /// Admits claims whose UID starts with "ok", recording what they hold.
+        #[derive(Default)]
+        struct Allocator(Mutex<Vec<(String, Vec<AllocatedDevice>)>>);
+        impl ClaimAllocations for Allocator {
+            fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String> {
+                if !owner.claim.uid.starts_with("ok") {
+                    return Err("GPU 0 has no room".into());
+                }
+                self.0.lock().unwrap().push((owner.claim.uid.clone(), devices.clone()));
+                Ok(Allocation {
+                    id: "a1".into(),
+                    resource: "dra".into(),
+                    container: Default::default(),
+                    source: crate::state::Source::NodeApi,
+                    created_unix_ns: 0,
+                    devices,
+                    claim: None,
+                })
+            }
+            fn release_claim(&self, _: &str) -> Result<bool, String> {
+                Ok(false)
+            }
+        }
+
+        let claim = |uid: &str| -> ResourceClaim {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "infer", "namespace": "ml", "uid": uid},
+                "spec": {},
+                "status": {"allocation": {"devices": {"results": [{"request": "mig", "driver": "gpu.tessera.io",
+                    "pool": "node-a", "device": "gpu-0-mig-3g40gb-4"}]}}}
+            }))
+            .unwrap()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(FakeMig::default());
+        let allocator = Arc::new(Allocator::default());
+        let dynamic = Arc::new(DynamicMig::new(Arc::new(Journal::open(dir.path())), fake.clone()));
+        let driver = |uid: &str| DraDriver {
+            claims: Arc::new(OneClaim(claim(uid))),
+            allocations: allocator.clone(),
+            devices: tokio::sync::watch::channel(publish(&h100(Vec::new()), &BTreeSet::new())).1,
+            pool: "node-a".into(),
+            default_priority: Priority::Normal,
+            default_compute_mode: ComputeMode::Strict,
+            dynamic_mig: Some(dynamic.clone()),
+        };
+        let c = |uid: &str| ClaimRef { namespace: "ml".into(), uid: uid.into(), name: "infer".into() };
+        let e = driver("no-room").prepare(&c("no-room")).await.unwrap_err();
+        assert_eq!(e, "GPU 0 has no room");
+        assert!(fake.instances.lock().unwrap().is_empty(), "the instance made for it is gone");
+        assert!(dynamic.journal.entries().is_empty());
+        assert_eq!(*fake.created.lock().unwrap(), 1);
+
+        let ok = driver("ok-1").prepare(&c("ok-1")).await.unwrap();
+        assert_eq!(ok[0].cdi_device_ids, ["tessera.io/mig=MIG-made-2"]);
+        let held = allocator.0.lock().unwrap().clone();
+        assert_eq!(held.len(), 1);
+        assert_eq!((held[0].1[0].physical_uuid.as_str(), held[0].1[0].memory_limit), ("MIG-made-2", None));
+        driver("ok-1").unprepare(&c("ok-1")).await.unwrap();
+        assert!(fake.instances.lock().unwrap().is_empty());
+    }
+
     #[test]
     fn entries_without_an_instance_are_forgotten_at_start() {
         let dir = tempfile::tempdir().unwrap();
