@@ -258,12 +258,15 @@ fn the_service_monitor_scrapes_the_metrics_service() {
     assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
 }
 
-/// The ResourceSlice tesserad writes (whole GPUs, shareable GPUs with consumable capacity, MIG
-/// devices; unhealthy ones removed, or tainted) validates strictly against the 1.34 and 1.37 schemas; an object with a field the
-/// schemas lack is refused, so the check can fail.
+/// The ResourceSlices tesserad writes (whole GPUs, shareable GPUs with consumable capacity, MIG
+/// devices (unhealthy ones removed, or tainted), dynamic MIG placements with their GPUs' shared counters) validate strictly against
+/// the 1.34 and 1.37 schemas in both layouts (counters beside their devices up to 1.34, in
+/// slices of their own from 1.35); an object with a field the schemas lack is refused, so the
+/// check can fail.
 #[test]
 fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
-    use tessera_daemon::dra::devices::{DraDevice, DraKind};
+    use tessera_daemon::dra::devices::{DraDevice, DraKind, GpuCounters, MigPlacement};
+    use tessera_daemon::dra::slices::{SliceLayout, build_pool};
     let Some(validator) = validator() else { return };
     let device = |name: &str, kind: DraKind, memory: u64| DraDevice {
         name: name.into(),
@@ -279,15 +282,36 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
         pci_bus_id: "00000000:18:00.0".into(),
         unhealthy: None,
     };
+    let counters = GpuCounters {
+        name: "gpu-2-counter-set".into(),
+        memory: 81_152 << 20,
+        multiprocessors: 132,
+        memory_slices: (0..8).collect(),
+    };
+    let placement = |profile: &str, id: u32, start: u32, size: u32, sms: u32, mib: u64| DraDevice {
+        gpu_index: 2,
+        gpu_uuid: "GPU-2".into(),
+        ..device(
+            &format!("gpu-2-mig-{}-{start}", profile.replace('.', "")),
+            DraKind::MigPlacement(MigPlacement {
+                profile: profile.into(),
+                profile_id: id,
+                start,
+                size,
+                multiprocessors: sms,
+                counters: counters.clone(),
+            }),
+            mib << 20,
+        )
+    };
     let devices = [
         device("gpu-0", DraKind::Gpu, 80 << 30),
         device("gpu-0-shared", DraKind::Shared, 81_559_289_856),
         device("gpu-1-mig-2-0", DraKind::Mig { profile: "3g.40gb".into(), gi: 2, ci: 0 }, 40 << 30),
+        placement("1g.10gb", 19, 6, 1, 16, 9_984),
+        placement("3g.40gb", 9, 4, 4, 60, 40_448),
+        placement("7g.80gb", 0, 0, 8, 132, 81_152),
     ];
-    let slice = serde_json::to_value(tessera_daemon::dra::slices::build("node-a", &devices, 3)).unwrap();
-    let mut slice = slice;
-    slice["apiVersion"] = "resource.k8s.io/v1".into();
-    slice["kind"] = "ResourceSlice".into();
     let tmp = tempfile::tempdir().unwrap();
     let check = |obj: &Value| {
         let file = tmp.path().join("slice.json");
@@ -302,8 +326,28 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
             (out.status.success() && said.trim().is_empty(), format!("{version}: {said}"))
         })
     };
-    for (ok, said) in check(&slice) {
-        assert!(ok, "{said}\n{slice:#}");
+    let object = |s: &k8s_openapi::api::resource::v1::ResourceSlice| {
+        let mut v = serde_json::to_value(s).unwrap();
+        v["apiVersion"] = "resource.k8s.io/v1".into();
+        v["kind"] = "ResourceSlice".into();
+        v
+    };
+    let single = object(&tessera_daemon::dra::slices::build("node-a", &devices[..3], 3));
+    for (ok, said) in check(&single) {
+        assert!(ok, "{said}\n{single:#}");
+    }
+    for (layout, slices) in [(SliceLayout::Combined, 2), (SliceLayout::Separate, 3)] {
+        let pool = build_pool("node-a", &devices, 3, layout);
+        assert_eq!(pool.len(), slices, "{layout:?}");
+        let mut counters_seen = false;
+        for s in &pool {
+            let obj = object(s);
+            counters_seen |= obj["spec"]["sharedCounters"].is_array();
+            for (ok, said) in check(&obj) {
+                assert!(ok, "{layout:?} {said}\n{obj:#}");
+            }
+        }
+        assert!(counters_seen, "{layout:?}: the counter set was published");
     }
     // The 1.36+ layout: unhealthy devices stay, tainted NoExecute (failed) or NoSchedule
     // (recovering), with the time the taint was added.
@@ -311,7 +355,7 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     let mut sick = devices.clone();
     sick[0].unhealthy = Some("unhealthy: XID 79 (GPU has fallen off the bus)".into());
     sick[2].unhealthy = Some("recovering: reset (volatile ECC counters cleared)".into());
-    let mut tainted = serde_json::to_value(build_with("node-a", &sick, 4, Unhealthy::Taint, None)).unwrap();
+    let mut tainted = serde_json::to_value(build_with("node-a", &sick[..3], 4, Unhealthy::Taint, None)).unwrap();
     tainted["apiVersion"] = "resource.k8s.io/v1".into();
     tainted["kind"] = "ResourceSlice".into();
     let effects: Vec<&Value> =
@@ -325,28 +369,40 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     for (ok, said) in check(&bad) {
         assert!(!ok, "a taint field the schema lacks was accepted: {said}");
     }
-    let mut bad = slice.clone();
+
+    let mut bad = single.clone();
     bad["spec"]["devices"][0]["capacity"]["memory"]["bogus"] = 1.into();
     for (ok, said) in check(&bad) {
         assert!(!ok, "a field the schema lacks was accepted: {said}");
     }
+    let mut bad = object(&build_pool("node-a", &devices, 3, SliceLayout::Combined)[1]);
+    bad["spec"]["devices"][0]["consumesCounters"][0]["bogus"] = 1.into();
+    for (ok, said) in check(&bad) {
+        assert!(!ok, "a field the schema lacks was accepted in a counter consumption: {said}");
+    }
 }
 
-/// The DRA overlay's DeviceClasses select this driver's three device types; the example claims
-/// (a whole GPU, 8Gi + 30% of an H100, one claim shared by two pods, a MIG 3g.40gb) validate
+/// The DRA overlay's DeviceClasses select this driver's four device types; the example claims
+/// (a whole GPU, 8Gi + 30% of an H100, one claim shared by two pods, a MIG 3g.40gb existing or
+/// made on demand) validate
 /// against 1.34 and 1.37 and name only those classes.
 #[test]
 fn dra_classes_and_example_claims_validate_and_fit_together() {
     let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
     let overlay = documents(&validator, &render(&kubectl, "overlays/dra"));
     let mut classes = std::collections::BTreeMap::new();
-    for name in ["gpu.tessera.io", "gpu-share.tessera.io", "mig.tessera.io"] {
+    for name in ["gpu.tessera.io", "gpu-share.tessera.io", "mig.tessera.io", "mig-dynamic.tessera.io"] {
         let c = find(&overlay, "DeviceClass", name);
         let cel = c["spec"]["selectors"][0]["cel"]["expression"].as_str().unwrap().to_owned();
         assert!(cel.contains(&format!("device.driver == \"{}\"", tessera_daemon::dra::DRIVER)), "{name}: {cel}");
         classes.insert(name, cel);
     }
-    for (name, ty) in [("gpu.tessera.io", "gpu"), ("gpu-share.tessera.io", "shared"), ("mig.tessera.io", "mig")] {
+    for (name, ty) in [
+        ("gpu.tessera.io", "gpu"),
+        ("gpu-share.tessera.io", "shared"),
+        ("mig.tessera.io", "mig"),
+        ("mig-dynamic.tessera.io", "mig-placement"),
+    ] {
         assert!(classes[name].contains(&format!(".type == \"{ty}\"")), "{name} selects type {ty}");
     }
     let rbac = find(&overlay, "ClusterRole", "tessera-dra");
@@ -405,7 +461,7 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
             named.insert(class.to_owned());
         }
     }
-    assert_eq!(named.len(), 3, "every class has an example: {named:?}");
+    assert_eq!(named.len(), 4, "every class has an example: {named:?}");
     let share = find(&docs, "ResourceClaimTemplate", "share-8gi-30pct-h100");
     let request = &share["spec"]["spec"]["devices"]["requests"][0]["exactly"];
     assert_eq!(request["capacity"]["requests"], serde_json::json!({"memory": "8Gi", "sm": "30"}));

@@ -9,7 +9,7 @@ use std::time::Duration;
 use hyper::Method;
 use serde_json::json;
 use tessera_daemon::dra::claims::{ClaimSource, KubeClaims, allocation};
-use tessera_daemon::dra::devices::{DraDevice, DraKind};
+use tessera_daemon::dra::devices::{DraDevice, DraKind, GpuCounters, MigPlacement};
 use tessera_daemon::dra::slices::{Publisher, slice_name};
 use tessera_daemon::dra::{self, ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};
 use tessera_proto::dra::{v1, v1beta1};
@@ -138,6 +138,7 @@ fn gpu(index: u32, kind: DraKind) -> DraDevice {
         DraKind::Gpu => format!("gpu-{index}"),
         DraKind::Shared => format!("gpu-{index}-shared"),
         DraKind::Mig { gi, ci, .. } => format!("gpu-{index}-mig-{gi}-{ci}"),
+        DraKind::MigPlacement(p) => format!("gpu-{index}-mig-{}-{}", p.profile, p.start),
     };
     DraDevice {
         name,
@@ -313,4 +314,101 @@ async fn the_publisher_puts_back_a_slice_someone_deletes_or_edits_without_pollin
     assert!(watches > watches_before, "the publisher keeps watching ({watches_before} → {watches})");
     stop_tx.send(true).unwrap();
     tokio::time::timeout(common::WAIT, task).await.unwrap().unwrap();
+}
+
+/// GPU `index`'s placement of `profile` at `start` (dynamic MIG), as the node publishes it.
+fn placement(index: u32, profile: &str, profile_id: u32, start: u32, size: u32, sms: u32) -> DraDevice {
+    let counters = GpuCounters {
+        name: format!("gpu-{index}-counter-set"),
+        memory: 81_152 << 20,
+        multiprocessors: 132,
+        memory_slices: (0..8).collect(),
+    };
+    DraDevice {
+        name: format!("gpu-{index}-mig-{}-{start}", profile.replace('.', "")),
+        kind: DraKind::MigPlacement(MigPlacement {
+            profile: profile.into(),
+            profile_id,
+            start,
+            size,
+            multiprocessors: sms,
+            counters,
+        }),
+        memory: 40_448 << 20,
+        ..gpu(index, DraKind::Gpu)
+    }
+}
+
+/// The slice names of node-a's pool and, per slice, (devices, counter sets).
+fn pool_of(api: &ApiServer) -> BTreeMap<String, (usize, usize)> {
+    api.slices()
+        .into_iter()
+        .filter(|(_, s)| s["spec"]["nodeName"] == "node-a")
+        .map(|(name, s)| {
+            let n = |key: &str| s["spec"][key].as_array().map_or(0, Vec::len);
+            (name, (n("devices"), n("sharedCounters")))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placements_are_laid_out_by_the_api_servers_version_and_follow_an_upgrade() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut api = ApiServer::start().await;
+    api.set_version(1, 34, 2);
+    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let devices = vec![
+        gpu(0, DraKind::Gpu),
+        gpu(0, DraKind::Shared),
+        placement(1, "3g.40gb", 9, 0, 4, 60),
+        placement(1, "3g.40gb", 9, 4, 4, 60),
+        placement(2, "3g.40gb", 9, 0, 4, 60),
+    ];
+    let publisher = Publisher::new(client, "node-a");
+    let s = publisher.sync(&devices).await.unwrap();
+    assert!(s.created, "{s:?}");
+    // 1.34: each GPU's counter set in the slice of the devices that consume it.
+    let combined = BTreeMap::from([
+        (slice_name("node-a"), (2, 0)),
+        (format!("{}-gpu-1", slice_name("node-a")), (2, 1)),
+        (format!("{}-gpu-2", slice_name("node-a")), (1, 1)),
+    ]);
+    assert_eq!(pool_of(&api), combined);
+    let slices = api.slices();
+    let gpu1 = &slices[&format!("{}-gpu-1", slice_name("node-a"))];
+    assert_eq!(gpu1["spec"]["pool"], json!({"name": "node-a", "generation": 0, "resourceSliceCount": 3}));
+    assert_eq!(gpu1["spec"]["sharedCounters"][0]["name"], "gpu-1-counter-set");
+    assert_eq!(gpu1["spec"]["sharedCounters"][0]["counters"]["memory-slice-7"], json!({"value": "1"}));
+    let d = &gpu1["spec"]["devices"][1];
+    assert_eq!(d["name"], "gpu-1-mig-3g40gb-4");
+    assert_eq!(d["consumesCounters"][0]["counterSet"], "gpu-1-counter-set");
+    assert_eq!(d["consumesCounters"][0]["counters"]["memory-slice-4"], json!({"value": "1"}));
+    assert_eq!(d["attributes"]["placementStart"], json!({"int": 4}));
+    assert!(api.requests().contains(&"GET /version".to_string()), "the version was asked");
+    assert_eq!(publisher.sync(&devices).await.unwrap(), Default::default(), "nothing changed");
+
+    // The API server is upgraded to 1.36 (a restart): the next pass moves the counter sets to a
+    // slice of their own, every slice at the next generation, nothing left of the old layout.
+    api.set_version(1, 36, 0);
+    api.restart().await;
+    let s = publisher.sync(&devices).await.unwrap();
+    assert!(s.created && s.updated, "{s:?}");
+    let separate = BTreeMap::from([
+        (slice_name("node-a"), (2, 0)),
+        (format!("{}-gpu-1", slice_name("node-a")), (2, 0)),
+        (format!("{}-gpu-2", slice_name("node-a")), (1, 0)),
+        (format!("{}-counters-0", slice_name("node-a")), (0, 2)),
+    ]);
+    assert_eq!(pool_of(&api), separate);
+    for s in api.slices().values() {
+        assert_eq!(s["spec"]["pool"]["generation"], 1);
+        assert_eq!(s["spec"]["pool"]["resourceSliceCount"], 4);
+        let has = |k: &str| s["spec"].get(k).is_some_and(|v| !v.is_null());
+        assert!(!(has("devices") && has("sharedCounters")), "never both in one slice: {s:#}");
+    }
+    // Back to 1.34 (a downgrade): the counters go back beside their devices, the counter slice goes.
+    api.set_version(1, 34, 0);
+    let s = publisher.sync(&devices).await.unwrap();
+    assert_eq!(s.deleted, 1, "{s:?}");
+    assert_eq!(pool_of(&api), combined);
 }

@@ -29,8 +29,9 @@ fn config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str, kubern
     let kubeconfig = apiserver.kubeconfig(dir);
     let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
     std::fs::create_dir_all(&registry).expect("registry dir");
+    let injection = common::fake_gpu_host(dir);
     let body = format!(
-        "pod_resources_socket = \"\"\n{extra}\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\n\
+        "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\n\
          kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n{kubernetes}\n"
     );
     common::write_config(node, dir, &body)

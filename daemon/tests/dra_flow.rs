@@ -45,38 +45,11 @@ fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) ->
     mode_config(node, dir, apiserver, "dra", extra)
 }
 
-/// A host's GPU files under `dir` as the CDI specs name them: `dev/nvidia0`, `dev/nvidia1` and
-/// `dev/nvidiactl` (character devices: made with mknod as root, else links to /dev/null), an
-/// empty driver root, a stand-in shim; tesserad's `[injection]` section for them.
-fn fake_host(dir: &Path) -> String {
-    let dev = dir.join("dev");
-    std::fs::create_dir_all(&dev).expect("dev");
-    let root = std::fs::read_to_string("/proc/self/status")
-        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")));
-    for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
-        let path = dev.join(name);
-        if root {
-            let ok = std::process::Command::new("mknod").arg(&path).args(["c", "195", &minor.to_string()]).status();
-            assert!(ok.is_ok_and(|s| s.success()), "mknod {}", path.display());
-        } else {
-            std::os::unix::fs::symlink("/dev/null", &path).expect("symlink");
-        }
-    }
-    std::fs::create_dir_all(dir.join("driver")).expect("driver root");
-    std::fs::write(dir.join("libtessera.so"), "stand-in").expect("shim");
-    format!(
-        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\n",
-        dir.join("cdi"),
-        dir.join("driver"),
-        dir.join("libtessera.so")
-    )
-}
-
 fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, extra: &str) -> std::path::PathBuf {
     let kubeconfig = apiserver.kubeconfig(dir);
     let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
     std::fs::create_dir_all(&registry).expect("registry dir");
-    let injection = fake_host(dir);
+    let injection = common::fake_gpu_host(dir);
     let body = format!(
         "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
          kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
@@ -504,7 +477,7 @@ async fn from_1_36_an_unhealthy_gpu_stays_in_the_slice_with_a_taint() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let apiserver = ApiServer::start().await;
-    apiserver.set_version("37");
+    apiserver.set_version(1, 37, 0);
     let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 1500");
     let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
     let (daemon, _) = spawn(&node, &config, &notify, &log);
@@ -533,7 +506,7 @@ async fn a_server_that_drops_taints_gets_the_devices_removed() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let apiserver = ApiServer::start().await;
-    apiserver.set_version("37");
+    apiserver.set_version(1, 37, 0);
     apiserver.drop_taints();
     let config = dra_config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 300");
     let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
@@ -547,4 +520,160 @@ async fn a_server_that_drops_taints_gets_the_devices_removed() {
     sim.reset(1).expect("reset GPU 1");
     slice_devices(&apiserver, |n| n == all, &log).await;
     drop(daemon);
+}
+
+/// A claim allocated the dynamic MIG placement `device`.
+fn mig_claim(uid: &str, name: &str, device: &str) -> Value {
+    json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "ml", "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": {"deviceClassName": "mig-dynamic.tessera.io"}}]}},
+        "status": {
+            "allocation": {"devices": {"results": [{"request": "mig", "driver": "gpu.tessera.io",
+                "pool": "node-a", "device": device}]}},
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{uid}-pod")}]
+        }
+    })
+}
+
+/// GPU 0's GPU instances as the simulator holds them: (profile, start).
+fn instances(sim: &tessera_sim_model::Node) -> Vec<(String, u32)> {
+    let mut out: Vec<(String, u32)> =
+        sim.gpu_instances(0).expect("GPU instances").iter().map(|gi| (gi.profile.name.to_string(), gi.start)).collect();
+    out.sort();
+    out
+}
+
+/// Dynamic MIG end to end: on an H100 with MIG on (an operator's 1g.10gb at slice 0), the pool
+/// lists the operator's instance and every placement it does not overlap, against GPU 0's shared
+/// counters in a slice of their own (1.37); a claim allocated `gpu-0-mig-3g40gb-4` makes that
+/// instance and gets its MIG device's CDI name; kill -9 and a restart: the same answer, still one
+/// instance; an overlapping placement is refused naming the instance in the way; unprepare
+/// destroys the instance and the operator's stays. Then the state a kill -9 inside prepare leaves
+/// (journal entry and instance, no allocation): after a restart the claim gets that instance and
+/// no other is made; another claim handed the same placement is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_destroyed_by_unprepare() {
+    let node = SimNode::with_description(NODE);
+    let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+    sim.set_mig_mode(0, true).expect("MIG on");
+    sim.reset(0).expect("reset GPU 0");
+    let gi = sim.create_gpu_instance(0, 0, Some(0)).expect("the operator's 1g.10gb");
+    sim.create_compute_instance(0, gi.id, 0, None).expect("its compute instance");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    apiserver.set_version(1, 37, 0);
+    let config = dra_config(&node, dir, &apiserver, "");
+    let registry = dir.join("kubelet/plugins_registry");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket = dir.join("run/tessera.sock");
+    let (mut daemon, _) = spawn(&node, &config, &notify, &log);
+
+    let pool = |apiserver: &ApiServer| -> Vec<(String, Vec<String>, Vec<String>)> {
+        apiserver
+            .slices()
+            .into_iter()
+            .map(|(name, s)| {
+                let names = |key: &str| -> Vec<String> {
+                    s["spec"][key]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|d| d["name"].as_str().unwrap().into())
+                        .collect()
+                };
+                (name, names("devices"), names("sharedCounters"))
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + WAIT;
+    while pool(&apiserver).len() < 3 {
+        assert!(Instant::now() < deadline, "no pool of 3 slices: {:?}; log:\n{}", pool(&apiserver), show_log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let before = pool(&apiserver);
+    let operator = format!("gpu-0-mig-{}-0", gi.id);
+    assert_eq!(before[0], ("node-a-gpu.tessera.io".into(), vec![operator.clone()], vec![]), "{before:?}");
+    assert_eq!(before[1].0, "node-a-gpu.tessera.io-counters-0");
+    assert_eq!(before[1].2, ["gpu-0-counter-set"]);
+    let placements = &before[2].1;
+    assert_eq!(before[2].0, "node-a-gpu.tessera.io-gpu-0");
+    for wanted in ["gpu-0-mig-3g40gb-4", "gpu-0-mig-1g10gb-1", "gpu-0-mig-4g40gb-0"] {
+        let present = placements.iter().any(|p| p == wanted);
+        assert_eq!(present, wanted != "gpu-0-mig-4g40gb-0", "{wanted} in {placements:?} (slice 0 is the operator's)");
+    }
+    assert!(!placements.iter().any(|p| p.ends_with("-0")), "nothing overlapping slice 0: {placements:?}");
+    let slices = apiserver.slices();
+    let set = &slices["node-a-gpu.tessera.io-counters-0"]["spec"]["sharedCounters"][0]["counters"];
+    assert!(set.get("memory-slice-0").is_none() && set["memory-slice-1"]["value"] == "1", "{set}");
+
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(mig_claim("uid-m", "infer", "gpu-0-mig-3g40gb-4"));
+    let first = prepare(&reg.endpoint, "uid-m", "infer").await;
+    assert_eq!(first.error, "", "log:\n{}", show_log());
+    assert_eq!(instances(&sim), [("1g.10gb".to_string(), 0), ("3g.40gb".to_string(), 4)]);
+    let held = allocations(&socket).await;
+    assert_eq!(held.len(), 1);
+    let mig_uuid = held[0].devices[0].uuid.clone();
+    assert!(mig_uuid.starts_with("MIG-"), "{mig_uuid}");
+    assert_eq!(first.devices[0].cdi_device_ids, [format!("tessera.io/claim=uid-m-{mig_uuid}")]);
+    // The claim's spec names the made MIG device, written before the answer.
+    let spec = std::fs::read_to_string(dir.join("cdi/tessera.io-claim_uid-m.json")).expect("the claim's spec");
+    assert!(spec.contains(&mig_uuid), "{spec}");
+    assert_eq!(first.devices[0].device_name, "gpu-0-mig-3g40gb-4");
+    // The made instance is its placement device, not also an existing MIG device.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after = pool(&apiserver);
+    assert_eq!(after[0].1, std::slice::from_ref(&operator), "{after:?}");
+    assert!(after[2].1.iter().any(|p| p == "gpu-0-mig-3g40gb-4"));
+
+    // kill -9 after the instance exists; restart; the kubelet asks again: the same instance.
+    daemon.0.kill().expect("kill -9");
+    daemon.0.wait().expect("reap");
+    let (mut daemon2, _) = spawn(&node, &config, &notify, &log);
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    let again = prepare(&reg.endpoint, "uid-m", "infer").await;
+    assert_eq!(again, first, "log:\n{}", show_log());
+    assert_eq!(instances(&sim).len(), 2, "never two");
+    assert_eq!(allocations(&socket).await.len(), 1);
+    let journal = std::fs::read_to_string(dir.join("state/dra-dynamic-mig.state")).expect("the journal");
+    assert!(journal.contains("\"claimUid\": \"uid-m\"") && journal.contains("\"start\": 4"), "{journal}");
+
+    // A placement the GPU cannot host now (it overlaps the instance just made): refused, named.
+    apiserver.put_claim(mig_claim("uid-o", "overlap", "gpu-0-mig-1g10gb-5"));
+    let refused = prepare(&reg.endpoint, "uid-o", "overlap").await;
+    assert!(refused.error.contains("overlaps GPU instance") && refused.error.contains("3g.40gb"), "{}", refused.error);
+    assert_eq!(instances(&sim).len(), 2);
+    assert_eq!(unprepare(&reg.endpoint, "uid-o", "overlap").await, "");
+
+    // Unprepare: the allocation and the instance go; the operator's stays; twice is fine.
+    assert_eq!(unprepare(&reg.endpoint, "uid-m", "infer").await, "", "log:\n{}", show_log());
+    assert!(allocations(&socket).await.is_empty());
+    assert_eq!(instances(&sim), [("1g.10gb".to_string(), 0)]);
+    assert_eq!(unprepare(&reg.endpoint, "uid-m", "infer").await, "");
+
+    // The window a kill -9 can hit inside prepare: the journal entry written and the instance
+    // made, no allocation recorded, the kubelet never answered. The kubelet asks again after the
+    // restart: that instance is the claim's, none is made beside it.
+    daemon2.0.kill().expect("kill -9");
+    daemon2.0.wait().expect("reap");
+    let gi = sim.create_gpu_instance(0, 2, Some(4)).expect("3g.40gb at slice 4");
+    let ci = sim.create_compute_instance(0, gi.id, 2, None).expect("its compute instance");
+    let made = sim.gpu(0).expect("GPU 0").mig_uuid(ci.gi_id, ci.id, ci.serial);
+    std::fs::write(dir.join("state/dra-dynamic-mig.state"), journal.replace("uid-m", "uid-z")).expect("journal");
+    let (daemon3, _) = spawn(&node, &config, &notify, &log);
+    let reg = register(&registry.join("gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(mig_claim("uid-z", "crashed", "gpu-0-mig-3g40gb-4"));
+    let answer = prepare(&reg.endpoint, "uid-z", "crashed").await;
+    assert_eq!(answer.error, "", "log:\n{}", show_log());
+    assert_eq!(answer.devices[0].cdi_device_ids, [format!("tessera.io/claim=uid-z-{made}")]);
+    assert_eq!(instances(&sim).len(), 2, "never two");
+    assert_eq!(allocations(&socket).await[0].devices[0].uuid, made);
+    // Another claim handed the same placement (a stale allocation) is refused, not given it.
+    apiserver.put_claim(mig_claim("uid-y", "other", "gpu-0-mig-3g40gb-4"));
+    let refused = prepare(&reg.endpoint, "uid-y", "other").await;
+    assert!(refused.error.contains("held by claim uid-z"), "{}", refused.error);
+    drop(daemon3);
 }

@@ -114,6 +114,8 @@ pub struct GiProfile {
     pub instance_count: u32,
     /// Memory in MiB.
     pub memory_mib: u64,
+    /// Streaming multiprocessors of one instance (`multiprocessorCount`).
+    pub multiprocessors: u32,
     /// Memory slices one placement spans.
     pub placement_size: u32,
     /// First memory slices it may start at.

@@ -192,6 +192,7 @@ impl Session {
                 slice_count: i.sliceCount,
                 instance_count: i.instanceCount,
                 memory_mib: i.memorySizeMB,
+                multiprocessors: i.multiprocessorCount,
                 placement_size: placements.first().map_or(0, |p| p.1),
                 placements: placements.iter().map(|p| p.0).collect(),
             });

@@ -18,6 +18,43 @@ pub enum DraKind {
     Shared,
     /// An existing MIG device (GPU instance `gi`, compute instance `ci`).
     Mig { profile: String, gi: u32, ci: u32 },
+    /// A MIG placement NodePrepareResources creates on demand (dynamic MIG, `dynamic_mig`):
+    /// it consumes its GPU's shared counters, so the scheduler places no two overlapping ones.
+    MigPlacement(MigPlacement),
+}
+
+/// A GPU-instance profile at one placement, and the counters it takes from its GPU's set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigPlacement {
+    /// `3g.40gb`.
+    pub profile: String,
+    /// NVML's GPU-instance profile id.
+    pub profile_id: u32,
+    /// First memory slice, and memory slices spanned.
+    pub start: u32,
+    pub size: u32,
+    /// Streaming multiprocessors of the instance.
+    pub multiprocessors: u32,
+    /// The GPU's counter set (the same for every placement of one GPU).
+    pub counters: GpuCounters,
+}
+
+/// One GPU's shared counters: what its placements consume, so that the scheduler never picks
+/// two that do not fit together (KEP-4815, as NVIDIA's driver models MIG): memory bytes,
+/// multiprocessors, and one counter of 1 per free memory slice (which encodes placement).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCounters {
+    /// `gpu-<index>-counter-set`.
+    pub name: String,
+    pub memory: u64,
+    pub multiprocessors: u32,
+    /// The memory slices no MIG instance outside dynamic MIG holds.
+    pub memory_slices: Vec<u32>,
+}
+
+/// A shared counter's name for memory slice `i`.
+pub fn memory_slice_counter(i: u32) -> String {
+    format!("memory-slice-{i}")
 }
 
 /// One published device.
@@ -88,23 +125,12 @@ pub fn from_inventory(
     unhealthy_gpus: &BTreeMap<u32, String>,
     unhealthy_devices: &BTreeMap<String, String>,
 ) -> Vec<DraDevice> {
-    let cuda = format!("{}.{}", inv.cuda_driver_version / 1000, (inv.cuda_driver_version % 1000) / 10);
     let mut out = Vec::new();
     for g in inv.gpus.iter().filter(|g| include(g)) {
         let gpu_reason = unhealthy_gpus.get(&g.index).cloned();
         let base = DraDevice {
-            name: format!("gpu-{}", g.index),
-            kind: DraKind::Gpu,
-            uuid: g.uuid.clone(),
-            gpu_index: g.index,
-            gpu_uuid: g.uuid.clone(),
-            product: g.name.clone(),
-            memory: g.memory_total,
-            driver_version: inv.driver_version.clone(),
-            cuda_driver_version: cuda.clone(),
-            numa_node: g.numa_node,
-            pci_bus_id: g.pci_bus_id.clone(),
             unhealthy: gpu_reason.clone().or_else(|| unhealthy_devices.get(&g.uuid).cloned()),
+            ..gpu_device(inv, g)
         };
         match &g.mig {
             Some(mig) if mig.current => {
@@ -129,6 +155,25 @@ pub fn from_inventory(
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     out
+}
+
+/// GPU `g` as a whole-GPU device (`gpu-<index>`, healthy): what every device of it starts from.
+pub fn gpu_device(inv: &Inventory, g: &Gpu) -> DraDevice {
+    let cuda = format!("{}.{}", inv.cuda_driver_version / 1000, (inv.cuda_driver_version % 1000) / 10);
+    DraDevice {
+        name: format!("gpu-{}", g.index),
+        kind: DraKind::Gpu,
+        uuid: g.uuid.clone(),
+        gpu_index: g.index,
+        gpu_uuid: g.uuid.clone(),
+        product: g.name.clone(),
+        memory: g.memory_total,
+        driver_version: inv.driver_version.clone(),
+        cuda_driver_version: cuda,
+        numa_node: g.numa_node,
+        pci_bus_id: g.pci_bus_id.clone(),
+        unhealthy: None,
+    }
 }
 
 /// A Kubernetes quantity as an integer: `8Gi`, `1500M`, `30`, `0.5Gi`, `1e3`. `None` for

@@ -7,7 +7,10 @@
 //!   of this driver) read from the API server through kube-rs.
 //! - [`devices`]: the devices this node publishes (whole GPUs, MIG devices, one shareable device
 //!   per GPU with consumable `memory` and `sm`), and Kubernetes quantities.
-//! - [`slices`]: those devices as the node's ResourceSlice, kept current through the API server.
+//! - [`dynamic_mig`]: MIG placements published as partitionable devices (shared counters per
+//!   GPU) and created / destroyed on demand by prepare / unprepare.
+//! - [`slices`]: those devices as the node's ResourceSlices (the layout follows the API server's
+//!   version), kept current through the API server.
 //! - [`prepare`]: NodePrepareResources / NodeUnprepareResources over the allocation store: the
 //!   claim UID owns the allocation, the consumed capacity is its limits.
 //! - [`claim_specs`]: one CDI spec per prepared claim (kind `tessera.io/claim`), the names the
@@ -20,6 +23,7 @@
 pub mod claim_specs;
 pub mod claims;
 pub mod devices;
+pub mod dynamic_mig;
 pub mod health_service;
 pub mod kubelet;
 pub mod node;

@@ -4,7 +4,9 @@
 //! The published devices follow the controller: every publish of what is offered (a layout
 //! change, a health change) recomputes them from its view, so an unhealthy GPU leaves the slice
 //! and comes back on recovery. In mode `both`, GPUs with a `[partitions]` entry stay with the
-//! device plugin and are not published.
+//! device plugin and are not published. Dynamic MIG placements are published on GPUs with MIG on
+//! that no `[partitions]` entry manages; the instances prepare makes are published again
+//! through the controller (it publishes after each one), with the journal read each time.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -17,12 +19,14 @@ use super::DraPlugin;
 use super::claim_specs::{ClaimSpecs, NodesOf};
 use super::claims::KubeClaims;
 use super::devices::{DraDevice, from_inventory};
+use super::dynamic_mig::{DynamicMig, Journal, MigControl, with_placements};
 use super::health_service::HealthService;
 use super::prepare::{ClaimAllocations, DraDriver};
 use super::slices::Publisher;
 use super::status::{KubeClaimStatus, StatusWriter};
 use crate::config::Config;
 use crate::config::kubernetes::{Mode, is_node_name};
+use crate::node::mig::Placement;
 use crate::node::{NodeController, View};
 use crate::resources::Resources;
 
@@ -43,11 +47,20 @@ pub fn node_name(cfg: &Config) -> Result<String, String> {
     }
 }
 
-/// The devices to publish from `view`.
-pub fn published(view: &View, mode: Mode) -> Vec<DraDevice> {
-    from_inventory(
+/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal).
+/// Dynamic MIG placements are offered on GPUs no `[partitions]` entry manages.
+pub fn published(view: &View, mode: Mode, made: &BTreeSet<Placement>) -> Vec<DraDevice> {
+    let devices = from_inventory(
         &view.inventory,
         |g| mode != Mode::Both || !view.status.contains_key(&g.index),
+        &view.unhealthy_gpus,
+        &view.unhealthy_devices,
+    );
+    with_placements(
+        devices,
+        &view.inventory,
+        |g| !view.status.contains_key(&g.index),
+        made,
         &view.unhealthy_gpus,
         &view.unhealthy_devices,
     )
@@ -109,9 +122,16 @@ pub async fn start(
     let node = node_name(cfg)?;
     let client = super::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let mode = cfg.kubernetes.mode;
-    let (devices_tx, devices_rx) = watch::channel(published(&controller.view(), mode));
+    let journal = Arc::new(Journal::open(&cfg.state_dir));
+    match journal.forget_missing(&controller.view().inventory) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(entries = n, "dynamic MIG: journal entries without an instance forgotten"),
+        Err(e) => tracing::warn!(error = %e, "dynamic MIG: cannot prune the journal"),
+    }
+    let (devices_tx, devices_rx) = watch::channel(published(&controller.view(), mode, &journal.placements()));
     let follow = {
         let controller = Arc::clone(&controller);
+        let journal = Arc::clone(&journal);
         let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
             let mut offered = controller.watch_resources();
@@ -120,7 +140,7 @@ pub async fn start(
                     changed = offered.changed() => if changed.is_err() { return },
                     changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
                 }
-                let now = published(&controller.view(), mode);
+                let now = published(&controller.view(), mode, &journal.placements());
                 devices_tx.send_if_modified(|d| {
                     let changed = *d != now;
                     *d = now;
@@ -149,6 +169,7 @@ pub async fn start(
         pool: node.clone(),
         default_priority: Priority::from_name(&cfg.limits.priority).unwrap_or_default(),
         default_compute_mode: ComputeMode::from_name(&cfg.limits.compute_mode).unwrap_or_default(),
+        dynamic_mig: Some(Arc::new(DynamicMig::new(journal, Arc::clone(&controller) as Arc<dyn MigControl>))),
     };
     let plugin = DraPlugin::new(&cfg.kubernetes.plugins_dir, Arc::new(driver)).with_health(health);
     let registry = cfg.kubernetes.plugins_registry_dir.clone();

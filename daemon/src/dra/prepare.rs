@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use super::claim_specs::ClaimSpecs;
 use super::claims::{ClaimSource, GrantedDevice, allocation};
 use super::devices::{DraDevice, DraKind};
+use super::dynamic_mig::DynamicMig;
 use super::slices::{DEFAULT_MEMORY, DEFAULT_SM};
 use super::status::{DeviceStatus, StatusWriter};
 use super::{ClaimDriver, ClaimRef, PreparedDevice};
@@ -57,7 +58,7 @@ pub fn allocated_device(
         return Err(format!("device {} is unhealthy: {why}", d.name));
     }
     let (memory_limit, sm_percent, compute_mode) = match d.kind {
-        DraKind::Gpu | DraKind::Mig { .. } => (None, None, ComputeMode::Strict),
+        DraKind::Gpu | DraKind::Mig { .. } | DraKind::MigPlacement(_) => (None, None, ComputeMode::Strict),
         DraKind::Shared => {
             let memory = granted.consumed.get("memory").copied().unwrap_or(DEFAULT_MEMORY);
             let sm = granted.consumed.get("sm").copied().unwrap_or(DEFAULT_SM);
@@ -96,6 +97,8 @@ pub struct DraDriver {
     pub pool: String,
     pub default_priority: Priority,
     pub default_compute_mode: ComputeMode,
+    /// Dynamic MIG (placement devices); `None`: none is published.
+    pub dynamic_mig: Option<Arc<DynamicMig>>,
 }
 
 #[tonic::async_trait]
@@ -104,22 +107,39 @@ impl ClaimDriver for DraDriver {
         let rc = self.claims.read(claim).await?;
         let granted = allocation(&rc, claim, &self.pool)?;
         let published = self.devices.borrow().clone();
-        let mut devices = Vec::new();
-        let mut named = Vec::new();
-        for g in &granted.devices {
-            let (a, d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
-            devices.push(a);
-            named.push((g, d));
-        }
+        let made = async {
+            let mut devices = Vec::new();
+            let mut named = Vec::new();
+            for g in &granted.devices {
+                let (mut a, mut d) = allocated_device(g, &published, self.default_priority, self.default_compute_mode)?;
+                if matches!(d.kind, DraKind::MigPlacement(_)) {
+                    let made = self.make_placement(&claim.uid, d.clone()).await?;
+                    (a.device_id, a.physical_uuid, d.uuid) = (made.uuid.clone(), made.uuid.clone(), made.uuid);
+                }
+                devices.push(a);
+                named.push((g, d));
+            }
+            Ok::<_, String>((devices, named))
+        };
+        // A claim refused after some of its MIG instances were made leaves none behind.
+        let (devices, named) = made.await.inspect_err(|_| self.forget_placements(&claim.uid))?;
         let owner = ClaimOwner { claim: claim.clone(), pods: granted.pods.clone() };
         let (allocations, specs) = (Arc::clone(&self.allocations), Arc::clone(&self.specs));
+        // Refused: the claim's new MIG instances go. Allocated but the spec not written: they
+        // stay with the record, and the kubelet's retry writes the spec again.
         let (alloc, ids) = tokio::task::spawn_blocking(move || {
-            let alloc = allocations.allocate_claim(&owner, devices)?;
-            let ids = specs.write(&alloc)?;
-            Ok::<_, String>((alloc, ids))
+            let alloc = allocations.allocate_claim(&owner, devices).map_err(|e| (true, e))?;
+            let ids = specs.write(&alloc).map_err(|e| (false, e))?;
+            Ok::<_, (bool, String)>((alloc, ids))
         })
         .await
-        .map_err(|e| format!("allocation task failed: {e}"))??;
+        .map_err(|e| format!("allocation task failed: {e}"))?
+        .map_err(|(refused, e)| {
+            if refused {
+                self.forget_placements(&claim.uid);
+            }
+            e
+        })?;
         let mut answer = Vec::new();
         let mut status = Vec::new();
         for (g, d) in named {
@@ -163,7 +183,33 @@ impl ClaimDriver for DraDriver {
         if released {
             tracing::info!(claim = %claim.uid, "claim unprepared");
         }
+        if let Some(dm) = self.dynamic_mig.clone() {
+            let uid = claim.uid.clone();
+            tokio::task::spawn_blocking(move || dm.unprepare(&uid))
+                .await
+                .map_err(|e| format!("dynamic MIG task failed: {e}"))??;
+        }
         Ok(())
+    }
+}
+
+impl DraDriver {
+    /// The MIG instance for a placement device (dynamic MIG), made or found.
+    async fn make_placement(&self, claim_uid: &str, d: DraDevice) -> Result<crate::discovery::MigDevice, String> {
+        let dm = self.dynamic_mig.clone().ok_or_else(|| format!("device {}: dynamic MIG is not enabled", d.name))?;
+        let uid = claim_uid.to_owned();
+        tokio::task::spawn_blocking(move || dm.prepare(&uid, &d))
+            .await
+            .map_err(|e| format!("dynamic MIG task failed: {e}"))?
+    }
+
+    /// A claim refused after its instances were made: they go (best effort; unprepare retries).
+    fn forget_placements(&self, claim_uid: &str) {
+        if let Some(dm) = &self.dynamic_mig
+            && let Err(e) = dm.unprepare(claim_uid)
+        {
+            tracing::warn!(claim = claim_uid, error = %e, "destroying the dynamic MIG instances of a refused claim");
+        }
     }
 }
 
@@ -331,6 +377,7 @@ mod tests {
             pool: "node-a".into(),
             default_priority: Priority::Normal,
             default_compute_mode: ComputeMode::Strict,
+            dynamic_mig: None,
         };
         let c = ClaimRef { namespace: "ml".into(), uid: "uid-1".into(), name: "train".into() };
         let spec = tmp.path().join("cdi/tessera.io-claim_uid-1.json");

@@ -1,8 +1,8 @@
-//! The node's ResourceSlice: one pool named after the node, one slice holding every published
-//! device ([`build`], pure), kept current through the API server ([`Publisher`]): created when
-//! missing, replaced (with its resourceVersion, the pool generation bumped) when the devices
-//! change, stale slices of this driver on this node deleted. Failures (conflicts, an API server
-//! restarting) are retried with backoff from 100 ms doubling to 30 s; never a hot loop.
+//! The node's ResourceSlices: one pool named after the node ([`build_pool`], pure), kept current
+//! through the API server ([`Publisher`]): created when missing, replaced (with their
+//! resourceVersion, the pool generation bumped) when the devices change, stale slices of this
+//! driver on this node deleted. Failures (conflicts, an API server restarting) are retried with
+//! backoff from 100 ms doubling to 30 s; never a hot loop.
 //!
 //! Between changes of its devices the publisher watches this driver's slices on this node from
 //! the resourceVersion of its last list: any change it sees (another writer's edit, a deletion,
@@ -11,21 +11,26 @@
 //! timeout) is made again from where it was, without a list; one that fails (410 Gone, an error)
 //! means a sync after the backoff.
 //!
-//! Unhealthy devices either leave the slice and come back on recovery, or, where the API server
+//! Unhealthy devices either leave the pool and come back on recovery, or, where the API server
 //! honours device taints (resource.k8s.io/v1 `devices[].taints`: beta and on by default from
 //! 1.36, alpha behind a gate before), stay in it with a [`TAINT_KEY`] taint ([`Unhealthy`]):
 //! `NoExecute` while the device is failed or lost (the scheduler places nothing there and pods
 //! using it are evicted), `NoSchedule` while it is recovering after a reset (nothing new, running
 //! pods stay). The choice follows the server's `/version`, and falls back to removal when a
-//! written slice comes back without its taints (the gate off). The layout is the 1.34 one
-//! (devices only, no shared counters): every field written exists in the 1.34 and 1.37 schemas.
+//! written slice comes back without its taints (the gate off).
+//!
+//! Devices that consume shared
+//! counters (dynamic MIG placements) are laid out by the API server's version ([`SliceLayout`],
+//! as NVIDIA's DRA driver does): up to 1.34 a device may consume only counters of its own slice,
+//! so each GPU's counter set and its placements share a slice; from 1.35 a slice holds devices or
+//! shared counters, never both.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity, DeviceTaint,
-    ResourcePool, ResourceSlice, ResourceSliceSpec,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Counter, CounterSet, Device, DeviceAttribute, DeviceCapacity,
+    DeviceCounterConsumption, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
@@ -34,7 +39,7 @@ use tokio::sync::watch;
 use tokio_stream::StreamExt;
 
 use super::DRIVER;
-use super::devices::{DraDevice, DraKind, format_bytes};
+use super::devices::{DraDevice, DraKind, GpuCounters, format_bytes, memory_slice_counter};
 
 /// The first retry after a failed sync, and the longest wait between retries.
 pub const FIRST_RETRY: Duration = Duration::from_millis(100);
@@ -131,13 +136,16 @@ fn version(v: &str) -> DeviceAttribute {
 /// One device as the slice lists it.
 pub fn device(d: &DraDevice) -> Device {
     let mut attributes = BTreeMap::from([
-        ("uuid".to_string(), string(&d.uuid)),
         ("index".to_string(), int(i64::from(d.gpu_index))),
         ("productName".to_string(), string(&d.product)),
         ("driverVersion".to_string(), version(&d.driver_version)),
         ("cudaDriverVersion".to_string(), version(&d.cuda_driver_version)),
         ("pciBusID".to_string(), string(&d.pci_bus_id)),
     ]);
+    if !matches!(d.kind, DraKind::MigPlacement(_)) {
+        // A placement has no UUID of its own until it is made.
+        attributes.insert("uuid".into(), string(&d.uuid));
+    }
     if let Some(a) = d.architecture() {
         attributes.insert("architecture".into(), string(a));
     }
@@ -150,6 +158,7 @@ pub fn device(d: &DraDevice) -> Device {
     let memory = format_bytes(d.memory);
     let mut capacity = BTreeMap::new();
     let mut allow_multiple = None;
+    let mut consumes = None;
     match &d.kind {
         DraKind::Gpu => {
             attributes.insert("type".into(), string("gpu"));
@@ -160,6 +169,30 @@ pub fn device(d: &DraDevice) -> Device {
             attributes.insert("migProfile".into(), string(profile));
             attributes.insert("parentUUID".into(), string(&d.gpu_uuid));
             capacity.insert("memory".into(), DeviceCapacity { value: q(memory), request_policy: None });
+        }
+        DraKind::MigPlacement(p) => {
+            attributes.insert("type".into(), string("mig-placement"));
+            attributes.insert("migProfile".into(), string(&p.profile));
+            attributes.insert("parentUUID".into(), string(&d.gpu_uuid));
+            attributes.insert("placementStart".into(), int(i64::from(p.start)));
+            attributes.insert("placementSize".into(), int(i64::from(p.size)));
+            capacity.insert("memory".into(), DeviceCapacity { value: q(memory), request_policy: None });
+            capacity.insert(
+                "multiprocessors".into(),
+                DeviceCapacity { value: q(p.multiprocessors.to_string()), request_policy: None },
+            );
+            let mut counters = BTreeMap::from([
+                ("memory".to_string(), Counter { value: q(format_bytes(d.memory)) }),
+                ("multiprocessors".to_string(), Counter { value: q(p.multiprocessors.to_string()) }),
+            ]);
+            for i in p.start..p.start + p.size {
+                counters.insert(memory_slice_counter(i), Counter { value: q("1") });
+            }
+            consumes = Some(vec![DeviceCounterConsumption {
+                counter_set: p.counters.name.clone(),
+                counters,
+                compatibility_groups: None,
+            }]);
         }
         DraKind::Shared => {
             attributes.insert("type".into(), string("shared"));
@@ -202,54 +235,159 @@ pub fn device(d: &DraDevice) -> Device {
         attributes: Some(attributes),
         capacity: Some(capacity),
         allow_multiple_allocations: allow_multiple,
+        consumes_counters: consumes,
         ..Default::default()
     }
 }
 
-/// The slice for `node` with the healthy `devices`, at pool `generation`.
-pub fn build(node: &str, devices: &[DraDevice], generation: i64) -> ResourceSlice {
-    build_with(node, devices, generation, Unhealthy::Remove, None)
+/// A GPU's counter set as the slice lists it.
+pub fn counter_set(c: &GpuCounters) -> CounterSet {
+    let mut counters = BTreeMap::from([
+        ("memory".to_string(), Counter { value: q(format_bytes(c.memory)) }),
+        ("multiprocessors".to_string(), Counter { value: q(c.multiprocessors.to_string()) }),
+    ]);
+    for &i in &c.memory_slices {
+        counters.insert(memory_slice_counter(i), Counter { value: q("1") });
+    }
+    CounterSet { name: c.name.clone(), counters }
 }
 
-/// The slice for `node` with `devices`, at pool `generation`; unhealthy ones left out or tainted
-/// as `layout` says. A taint already in `previous` (the slice as the server has it) for the same
-/// device, key and effect keeps its `timeAdded`, so an unchanged fault changes nothing.
-pub fn build_with(
+/// How the pool's slices are laid out, by the API server's version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SliceLayout {
+    /// Up to 1.34: a device may consume only counters of its own slice. One slice of the devices
+    /// that consume none, and per GPU with placements one slice with its counter set and them.
+    Combined,
+    /// From 1.35: a slice holds devices or shared counters, never both. One slice of the devices
+    /// that consume none, per GPU one of its placements, and the counter sets (at most
+    /// [`MAX_COUNTER_SETS`] a slice) in slices of their own.
+    Separate,
+}
+
+/// The most counter sets one slice may hold (1.35+).
+pub const MAX_COUNTER_SETS: usize = 8;
+
+impl SliceLayout {
+    /// The layout for API server version `major.minor` (`1`, `35`; a `+` suffix is ignored).
+    pub fn for_version(major: &str, minor: &str) -> Option<SliceLayout> {
+        let number = |s: &str| s.trim_end_matches('+').parse::<u32>().ok();
+        let (major, minor) = (number(major)?, number(minor)?);
+        Some(if (major, minor) <= (1, 34) { SliceLayout::Combined } else { SliceLayout::Separate })
+    }
+
+    /// From `/version`: major and minor, else `gitVersion` (`v1.35.2-gke.100`).
+    pub fn for_info(info: &k8s_openapi::apimachinery::pkg::version::Info) -> Option<SliceLayout> {
+        SliceLayout::for_version(&info.major, &info.minor).or_else(|| {
+            let v = info.git_version.trim_start_matches('v');
+            let mut parts = v.split(['.', '-', '+']);
+            SliceLayout::for_version(parts.next()?, parts.next()?)
+        })
+    }
+}
+
+/// The pool's slices for `node` with the healthy `devices`, at pool `generation`, in `layout`
+/// (unhealthy devices left out).
+pub fn build_pool(node: &str, devices: &[DraDevice], generation: i64, layout: SliceLayout) -> Vec<ResourceSlice> {
+    build_pool_with(node, devices, generation, layout, Unhealthy::Remove, &[])
+}
+
+/// The pool's slices for `node` with `devices`, at pool `generation`, in `layout`; unhealthy ones
+/// left out or tainted as `unhealthy` says. The first is always `<node>-gpu.tessera.io` (the
+/// devices that consume no counters, maybe none); then per GPU with placements
+/// `<node>-gpu.tessera.io-gpu-<index>`, and in the separate layout
+/// `<node>-gpu.tessera.io-counters-<n>`. A taint already in `previous` (the slices as the server
+/// has them) for the same device, key and effect keeps its `timeAdded`, so an unchanged fault
+/// changes nothing.
+pub fn build_pool_with(
     node: &str,
     devices: &[DraDevice],
     generation: i64,
-    layout: Unhealthy,
-    previous: Option<&ResourceSliceSpec>,
-) -> ResourceSlice {
+    layout: SliceLayout,
+    unhealthy: Unhealthy,
+    previous: &[ResourceSliceSpec],
+) -> Vec<ResourceSlice> {
     let added = |name: &str, t: &DeviceTaint| {
         previous
-            .and_then(|p| p.devices.as_ref())
-            .and_then(|ds| ds.iter().find(|d| d.name == name))
+            .iter()
+            .flat_map(|p| p.devices.iter().flatten())
+            .find(|d| d.name == name)
             .and_then(|d| d.taints.as_ref())
             .and_then(|ts| ts.iter().find(|p| p.key == t.key && p.effect == t.effect))
             .and_then(|p| p.time_added.clone())
     };
-    let listed = devices.iter().filter_map(|d| match (&d.unhealthy, layout) {
-        (None, _) => Some(device(d)),
-        (Some(_), Unhealthy::Remove) => None,
-        (Some(why), Unhealthy::Taint) => {
-            let mut t = taint(why, now_seconds());
-            if let Some(then) = added(&d.name, &t) {
-                t.time_added = Some(then);
+    let listed: Vec<(&DraDevice, Device)> = devices
+        .iter()
+        .filter_map(|d| match (&d.unhealthy, unhealthy) {
+            (None, _) => Some((d, device(d))),
+            (Some(_), Unhealthy::Remove) => None,
+            (Some(why), Unhealthy::Taint) => {
+                let mut t = taint(why, now_seconds());
+                if let Some(then) = added(&d.name, &t) {
+                    t.time_added = Some(then);
+                }
+                Some((d, Device { taints: Some(vec![t]), ..device(d) }))
             }
-            Some(Device { taints: Some(vec![t]), ..device(d) })
+        })
+        .collect();
+    let plain: Vec<Device> = listed
+        .iter()
+        .filter(|(d, _)| !matches!(d.kind, DraKind::MigPlacement(_)))
+        .map(|(_, dev)| dev.clone())
+        .collect();
+    // Per GPU: its counter set and placements.
+    let mut per_gpu: BTreeMap<u32, (CounterSet, Vec<Device>)> = BTreeMap::new();
+    for (d, dev) in &listed {
+        if let DraKind::MigPlacement(p) = &d.kind {
+            per_gpu.entry(d.gpu_index).or_insert_with(|| (counter_set(&p.counters), Vec::new())).1.push(dev.clone());
         }
-    });
-    ResourceSlice {
-        metadata: ObjectMeta { name: Some(slice_name(node)), ..Default::default() },
-        spec: ResourceSliceSpec {
-            driver: DRIVER.to_owned(),
-            node_name: Some(node.to_owned()),
-            pool: ResourcePool { name: node.to_owned(), generation, resource_slice_count: 1 },
-            devices: Some(listed.collect()),
-            ..Default::default()
-        },
     }
+    let mut specs = vec![(slice_name(node), Some(plain), None)];
+    let mut sets = Vec::new();
+    for (index, (set, placements)) in per_gpu {
+        let name = format!("{}-gpu-{index}", slice_name(node));
+        match layout {
+            SliceLayout::Combined => specs.push((name, Some(placements), Some(vec![set]))),
+            SliceLayout::Separate => {
+                specs.push((name, Some(placements), None));
+                sets.push(set);
+            }
+        }
+    }
+    for (n, chunk) in sets.chunks(MAX_COUNTER_SETS).enumerate() {
+        specs.push((format!("{}-counters-{n}", slice_name(node)), None, Some(chunk.to_vec())));
+    }
+    let count = i64::try_from(specs.len()).unwrap_or(i64::MAX);
+    specs
+        .into_iter()
+        .map(|(name, devices, shared_counters)| ResourceSlice {
+            metadata: ObjectMeta { name: Some(name), ..Default::default() },
+            spec: ResourceSliceSpec {
+                driver: DRIVER.to_owned(),
+                node_name: Some(node.to_owned()),
+                pool: ResourcePool { name: node.to_owned(), generation, resource_slice_count: count },
+                devices,
+                shared_counters,
+                ..Default::default()
+            },
+        })
+        .collect()
+}
+
+/// The one slice of a pool without placements (`<node>-gpu.tessera.io`), at `generation`.
+pub fn build(node: &str, devices: &[DraDevice], generation: i64) -> ResourceSlice {
+    build_with(node, devices, generation, Unhealthy::Remove, None)
+}
+
+/// [`build`], unhealthy devices left out or tainted as `unhealthy` says (see [`build_pool_with`]).
+pub fn build_with(
+    node: &str,
+    devices: &[DraDevice],
+    generation: i64,
+    unhealthy: Unhealthy,
+    previous: Option<&ResourceSliceSpec>,
+) -> ResourceSlice {
+    let previous: Vec<ResourceSliceSpec> = previous.into_iter().cloned().collect();
+    build_pool_with(node, devices, generation, SliceLayout::Combined, unhealthy, &previous).swap_remove(0)
 }
 
 /// Whether every taint written in `sent` came back in `got` (an API server with the device-taint
@@ -267,13 +405,16 @@ fn taints_kept(sent: &ResourceSlice, got: &ResourceSlice) -> bool {
     tainted(sent) == tainted(got)
 }
 
-/// Keeps the node's slice in the API server equal to the devices it is given.
+/// Keeps the node's slices in the API server equal to the devices it is given.
 pub struct Publisher {
-    client: kube::Client,
     api: kube::Api<ResourceSlice>,
+    client: kube::Client,
     node: String,
-    /// Decided on the first sync (the server's version), or set by [`Publisher::with_layout`].
-    layout: std::sync::Mutex<Option<Unhealthy>>,
+    /// The slice layout last chosen (logged when it changes).
+    layout: std::sync::Mutex<Option<SliceLayout>>,
+    /// What becomes of unhealthy devices whatever the server's version: set by
+    /// [`Publisher::with_layout`], or to removal once the server dropped the taints written.
+    unhealthy: std::sync::Mutex<Option<Unhealthy>>,
 }
 
 /// What one sync did.
@@ -286,27 +427,44 @@ pub struct Synced {
     pub taints_dropped: bool,
 }
 
+fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Publisher {
     pub fn new(client: kube::Client, node: impl Into<String>) -> Publisher {
-        Publisher { api: kube::Api::all(client.clone()), client, node: node.into(), layout: Default::default() }
+        Publisher {
+            api: kube::Api::all(client.clone()),
+            client,
+            node: node.into(),
+            layout: Default::default(),
+            unhealthy: Default::default(),
+        }
     }
 
     /// Unhealthy devices are handled as `layout` says, whatever the server's version.
     pub fn with_layout(self, layout: Unhealthy) -> Publisher {
-        *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(layout);
+        *locked(&self.unhealthy) = Some(layout);
         self
     }
 
-    /// What becomes of unhealthy devices: decided once from the server's `/version`.
-    async fn layout(&self) -> Result<Unhealthy, kube::Error> {
-        if let Some(l) = *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
-            return Ok(l);
-        }
+    /// The slice layout and what becomes of unhealthy devices, for the API server's version
+    /// (`GET /version`), asked on every pass: a server upgraded to 1.35 or 1.36 gets the new
+    /// layout at the next sync.
+    pub async fn layout(&self) -> Result<(SliceLayout, Unhealthy), kube::Error> {
         let info = self.client.apiserver_version().await?;
-        let l = unhealthy_layout(&info.major, &info.minor);
-        tracing::info!(version = %info.git_version, layout = ?l, "unhealthy DRA devices: tainted from 1.36, removed before");
-        *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(l);
-        Ok(l)
+        let layout = SliceLayout::for_info(&info).unwrap_or_else(|| {
+            tracing::warn!(major = %info.major, minor = %info.minor, git_version = %info.git_version,
+                "cannot read the API server's version; using the 1.35+ slice layout");
+            SliceLayout::Separate
+        });
+        let mut last = locked(&self.layout);
+        if *last != Some(layout) {
+            tracing::info!(version = %info.git_version, ?layout, "ResourceSlice layout chosen by the API server's version");
+            *last = Some(layout);
+        }
+        let unhealthy = locked(&self.unhealthy).unwrap_or_else(|| unhealthy_layout(&info.major, &info.minor));
+        Ok((layout, unhealthy))
     }
 
     /// A written slice came back without its taints: remove unhealthy devices from now on.
@@ -315,12 +473,12 @@ impl Publisher {
             return true;
         }
         tracing::warn!(node = %self.node, "the API server dropped the device taints (the DRADeviceTaints feature is off): unhealthy devices leave the slice instead");
-        *self.layout.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Unhealthy::Remove);
+        *locked(&self.unhealthy) = Some(Unhealthy::Remove);
         false
     }
 
     /// One pass: list this driver's slices on this node, create, replace or delete so that exactly
-    /// the wanted slice remains. A conflict (someone else changed it) is an error: the caller
+    /// the wanted slices remain. A conflict (someone else changed one) is an error: the caller
     /// retries with a fresh list.
     pub async fn sync(&self, devices: &[DraDevice]) -> Result<Synced, kube::Error> {
         self.sync_at(devices).await.map(|(s, _)| s)
@@ -334,43 +492,52 @@ impl Publisher {
     /// [`Publisher::sync`], and the resourceVersion of its list: a watch from there sees every
     /// later change, its own writes included.
     async fn sync_at(&self, devices: &[DraDevice]) -> Result<(Synced, String), kube::Error> {
+        let (layout, unhealthy) = self.layout().await?;
         let list = self.api.list(&ListParams::default().fields(&self.fields())).await?;
-        let layout = self.layout().await?;
         let version = list.metadata.resource_version.clone().unwrap_or_default();
-        let name = slice_name(&self.node);
         let mut out = Synced::default();
-        let mut current = None;
-        for s in list.items {
-            // The server may ignore the field selector: check ourselves.
-            if s.spec.driver != DRIVER || s.spec.node_name.as_deref() != Some(self.node.as_str()) {
-                continue;
-            }
-            let sname = s.metadata.name.clone().unwrap_or_default();
-            if sname == name {
-                current = Some(s);
-            } else {
-                self.api.delete(&sname, &DeleteParams::default()).await?;
-                out.deleted += 1;
-            }
-        }
-        match current {
-            None => {
-                let new = build_with(&self.node, devices, 0, layout, None);
-                let got = self.api.create(&PostParams::default(), &new).await?;
-                out.created = true;
-                out.taints_dropped = !self.check_taints(&new, &got);
-            }
-            Some(cur) => {
-                let generation = cur.spec.pool.generation;
-                let same = build_with(&self.node, devices, generation, layout, Some(&cur.spec));
-                if cur.spec != same.spec {
-                    let mut next = build_with(&self.node, devices, generation + 1, layout, Some(&cur.spec));
-                    next.metadata.resource_version = cur.metadata.resource_version.clone();
-                    let got = self.api.replace(&name, &PostParams::default(), &next).await?;
-                    out.updated = true;
-                    out.taints_dropped = !self.check_taints(&next, &got);
+        // The server may ignore the field selector: check ourselves.
+        let mut current: BTreeMap<String, ResourceSlice> = list
+            .items
+            .into_iter()
+            .filter(|s| s.spec.driver == DRIVER && s.spec.node_name.as_deref() == Some(self.node.as_str()))
+            .map(|s| (s.metadata.name.clone().unwrap_or_default(), s))
+            .collect();
+        let previous: Vec<ResourceSliceSpec> = current.values().map(|s| s.spec.clone()).collect();
+        let generation = current.values().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+        let same = build_pool_with(&self.node, devices, generation, layout, unhealthy, &previous);
+        let existing = |w: &ResourceSlice| current.get(w.metadata.name.as_deref().unwrap_or_default());
+        let unchanged = same.iter().all(|w| existing(w).is_some_and(|c| c.spec == w.spec));
+        if !unchanged {
+            // A new pool starts at 0; a changed one moves every slice to the next generation.
+            let next = if same.iter().any(|w| existing(w).is_some()) { generation + 1 } else { 0 };
+            for mut want in build_pool_with(&self.node, devices, next, layout, unhealthy, &previous) {
+                let name = want.metadata.name.clone().unwrap_or_default();
+                let got = match current.remove(&name) {
+                    None => {
+                        let got = self.api.create(&PostParams::default(), &want).await?;
+                        out.created = true;
+                        got
+                    }
+                    Some(cur) => {
+                        want.metadata.resource_version = cur.metadata.resource_version.clone();
+                        let got = self.api.replace(&name, &PostParams::default(), &want).await?;
+                        out.updated = true;
+                        got
+                    }
+                };
+                if !self.check_taints(&want, &got) {
+                    out.taints_dropped = true;
                 }
             }
+        }
+        // What is left is stale (an earlier layout, another version's names).
+        for w in &same {
+            current.remove(w.metadata.name.as_deref().unwrap_or_default());
+        }
+        for name in current.keys() {
+            self.api.delete(name, &DeleteParams::default()).await?;
+            out.deleted += 1;
         }
         Ok((out, version))
     }
@@ -460,10 +627,181 @@ impl Publisher {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::dra::devices::DraKind;
+    use std::collections::BTreeSet;
 
-    fn device(name: &str, unhealthy: Option<&str>) -> DraDevice {
+    use super::*;
+    use crate::dra::dynamic_mig::tests::{h100, publish};
+
+    /// Eight H100s with MIG on and one whole GPU: every placement of every GPU.
+    fn node() -> Vec<DraDevice> {
+        let mut inv = h100(Vec::new());
+        let one = inv.gpus[0].clone();
+        for i in 1..8 {
+            let mut g = one.clone();
+            g.index = i;
+            g.uuid = format!("GPU-{i}");
+            inv.gpus.push(g);
+        }
+        let mut whole = one.clone();
+        whole.index = 8;
+        whole.uuid = "GPU-8".into();
+        whole.mig = None;
+        inv.gpus.push(whole);
+        publish(&inv, &BTreeSet::new())
+    }
+
+    fn counters_in(s: &ResourceSlice) -> usize {
+        s.spec.shared_counters.iter().flatten().map(|c| c.counters.len()).sum()
+    }
+
+    fn consumed_in(s: &ResourceSlice) -> usize {
+        s.spec
+            .devices
+            .iter()
+            .flatten()
+            .flat_map(|d| d.consumes_counters.iter().flatten())
+            .map(|c| c.counters.len())
+            .sum()
+    }
+
+    /// Every counter a device consumes exists, with room, in a set `visible` lists.
+    fn check_consumption(devices: &[Device], visible: &[CounterSet]) {
+        for d in devices {
+            for c in d.consumes_counters.iter().flatten() {
+                let set = visible.iter().find(|s| s.name == c.counter_set);
+                let set = set.unwrap_or_else(|| panic!("{} consumes set {} it cannot see", d.name, c.counter_set));
+                for (name, v) in &c.counters {
+                    let have = set.counters.get(name).unwrap_or_else(|| panic!("{}: no counter {name}", d.name));
+                    let (have, want) = (parse_quantity_or_panic(&have.value.0), parse_quantity_or_panic(&v.value.0));
+                    assert!(want <= have, "{}: {name} {want} > {have}", d.name);
+                }
+            }
+        }
+    }
+
+    fn parse_quantity_or_panic(s: &str) -> u64 {
+        crate::dra::devices::parse_quantity(s).unwrap_or_else(|| panic!("quantity {s}"))
+    }
+
+    #[test]
+    fn up_to_1_34_each_gpus_counters_share_a_slice_with_its_placements_within_the_limits() {
+        let pool = build_pool("node-a", &node(), 4, SliceLayout::Combined);
+        let names: Vec<&str> = pool.iter().map(|s| s.metadata.name.as_deref().unwrap()).collect();
+        assert_eq!(names.len(), 9, "{names:?}");
+        assert_eq!(names[0], "node-a-gpu.tessera.io");
+        assert_eq!(names[1], "node-a-gpu.tessera.io-gpu-0");
+        for s in &pool {
+            assert_eq!((s.spec.pool.generation, s.spec.pool.resource_slice_count), (4, 9));
+            let devices = s.spec.devices.as_deref().unwrap_or_default();
+            // 1.34's limits: 128 devices, 32 counters in all sets, 1024 consumed counters a slice.
+            assert!(devices.len() <= 128 && counters_in(s) <= 32 && consumed_in(s) <= 1024);
+            // A device consumes only counters of its own slice.
+            check_consumption(devices, s.spec.shared_counters.as_deref().unwrap_or_default());
+        }
+        let first = &pool[0];
+        assert!(first.spec.shared_counters.is_none());
+        let plain: Vec<&str> = first.spec.devices.iter().flatten().map(|d| d.name.as_str()).collect();
+        assert_eq!(plain, ["gpu-8", "gpu-8-shared"]);
+        let gpu0 = &pool[1];
+        assert_eq!(gpu0.spec.shared_counters.as_ref().unwrap()[0].name, "gpu-0-counter-set");
+        assert_eq!(gpu0.spec.devices.as_ref().unwrap().len(), 18);
+    }
+
+    #[test]
+    fn from_1_35_a_slice_holds_devices_or_counters_never_both_within_the_limits() {
+        let pool = build_pool("node-a", &node(), 0, SliceLayout::Separate);
+        let all_sets: Vec<CounterSet> =
+            pool.iter().flat_map(|s| s.spec.shared_counters.clone().unwrap_or_default()).collect();
+        assert_eq!(all_sets.len(), 8);
+        let names: BTreeSet<&str> = all_sets.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names.len(), 8, "counter set names are unique in the pool");
+        let mut counter_slices = 0;
+        for s in &pool {
+            let devices = s.spec.devices.as_deref().unwrap_or_default();
+            let sets = s.spec.shared_counters.as_deref().unwrap_or_default();
+            assert!(devices.is_empty() || sets.is_empty(), "{:?} holds both", s.metadata.name);
+            if !sets.is_empty() {
+                counter_slices += 1;
+                assert!(s.spec.devices.is_none(), "a counter slice sets no devices field at all");
+                assert!(sets.len() <= MAX_COUNTER_SETS && sets.iter().all(|c| c.counters.len() <= 32));
+            }
+            // 1.37's limits: 64 devices where any consumes counters; at most 2 consumptions a device.
+            assert!(devices.len() <= 64);
+            assert!(devices.iter().all(|d| d.consumes_counters.as_ref().is_none_or(|c| c.len() <= 2)));
+            check_consumption(devices, &all_sets);
+            assert_eq!(s.spec.pool.resource_slice_count, i64::try_from(pool.len()).unwrap());
+        }
+        assert_eq!(counter_slices, 1);
+        assert_eq!(pool.last().unwrap().metadata.name.as_deref(), Some("node-a-gpu.tessera.io-counters-0"));
+        // Nine GPUs' sets take two counter slices.
+        let mut more = node();
+        let extra: Vec<DraDevice> = more
+            .iter()
+            .filter(|d| d.gpu_index == 0)
+            .cloned()
+            .map(|mut d| {
+                d.gpu_index = 9;
+                d.name = d.name.replacen("gpu-0", "gpu-9", 1);
+                if let DraKind::MigPlacement(p) = &mut d.kind {
+                    p.counters.name = "gpu-9-counter-set".into();
+                }
+                d
+            })
+            .collect();
+        more.extend(extra);
+        let pool = build_pool("node-a", &more, 0, SliceLayout::Separate);
+        let counter_slices: Vec<usize> =
+            pool.iter().filter_map(|s| s.spec.shared_counters.as_ref()).map(Vec::len).collect();
+        assert_eq!(counter_slices, [8, 1]);
+    }
+
+    #[test]
+    fn a_placement_consumes_its_memory_sms_and_memory_slices() {
+        let d = node().into_iter().find(|d| d.name == "gpu-0-mig-3g40gb-4").unwrap();
+        let dev = device(&d);
+        let attrs = dev.attributes.as_ref().unwrap();
+        assert_eq!(attrs["type"].string.as_deref(), Some("mig-placement"));
+        assert_eq!(attrs["migProfile"].string.as_deref(), Some("3g.40gb"));
+        assert_eq!(attrs["parentUUID"].string.as_deref(), Some("GPU-0"));
+        assert_eq!((attrs["placementStart"].int, attrs["placementSize"].int), (Some(4), Some(4)));
+        assert!(!attrs.contains_key("uuid"), "no UUID before it exists");
+        let c = &dev.consumes_counters.as_ref().unwrap()[0];
+        assert_eq!(c.counter_set, "gpu-0-counter-set");
+        let consumed: Vec<(&str, &str)> = c.counters.iter().map(|(k, v)| (k.as_str(), v.value.0.as_str())).collect();
+        assert_eq!(
+            consumed,
+            [
+                ("memory", "40448Mi"),
+                ("memory-slice-4", "1"),
+                ("memory-slice-5", "1"),
+                ("memory-slice-6", "1"),
+                ("memory-slice-7", "1"),
+                ("multiprocessors", "60")
+            ]
+        );
+        assert_eq!(dev.capacity.as_ref().unwrap()["multiprocessors"].value.0, "60");
+    }
+
+    #[test]
+    fn the_layout_follows_the_version() {
+        assert_eq!(SliceLayout::for_version("1", "34"), Some(SliceLayout::Combined));
+        assert_eq!(SliceLayout::for_version("1", "33+"), Some(SliceLayout::Combined));
+        assert_eq!(SliceLayout::for_version("1", "35"), Some(SliceLayout::Separate));
+        assert_eq!(SliceLayout::for_version("1", "37"), Some(SliceLayout::Separate));
+        assert_eq!(SliceLayout::for_version("2", "0"), Some(SliceLayout::Separate));
+        assert_eq!(SliceLayout::for_version("", ""), None);
+        let info = |major: &str, minor: &str, git: &str| k8s_openapi::apimachinery::pkg::version::Info {
+            major: major.into(),
+            minor: minor.into(),
+            git_version: git.into(),
+            ..Default::default()
+        };
+        assert_eq!(SliceLayout::for_info(&info("", "", "v1.34.3-gke.1")), Some(SliceLayout::Combined));
+        assert_eq!(SliceLayout::for_info(&info("", "", "v1.36.0")), Some(SliceLayout::Separate));
+        assert_eq!(SliceLayout::for_info(&info("", "", "nonsense")), None);
+    }
+
+    fn plain_device(name: &str, unhealthy: Option<&str>) -> DraDevice {
         DraDevice {
             name: name.into(),
             kind: DraKind::Gpu,
@@ -493,10 +831,10 @@ mod tests {
     #[test]
     fn unhealthy_devices_leave_or_carry_a_taint_by_state() {
         let devices = [
-            device("gpu-0", None),
-            device("gpu-1", Some("unhealthy: XID 79 (GPU has fallen off the bus)")),
-            device("gpu-2", Some("lost: not answering")),
-            device("gpu-3", Some("recovering: reset (volatile ECC counters cleared)")),
+            plain_device("gpu-0", None),
+            plain_device("gpu-1", Some("unhealthy: XID 79 (GPU has fallen off the bus)")),
+            plain_device("gpu-2", Some("lost: not answering")),
+            plain_device("gpu-3", Some("recovering: reset (volatile ECC counters cleared)")),
         ];
         let names =
             |s: &ResourceSlice| -> Vec<String> { s.spec.devices.iter().flatten().map(|d| d.name.clone()).collect() };

@@ -7,6 +7,10 @@
 //!   allocation holds any of its devices and no process uses it.
 //! - **Dry runs** predict the inventory a plan leaves ([`predict`], [`predict_reset`]), so a dry
 //!   run reports what the real run will (instances made by a plan get placeholder UUIDs).
+//! - **On demand** (DRA's dynamic MIG): one GPU instance at a named placement made
+//!   ([`NodeController::ensure_mig_placement`]) or destroyed ([`NodeController::remove_mig_placement`])
+//!   on a GPU no `[partitions]` entry manages, through the same apply code, then the picture
+//!   refreshed and published like any other change.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -15,9 +19,10 @@ use std::time::Duration;
 use tessera_proto::tessera::v1 as api;
 use tokio::sync::watch;
 
-use super::{NodeController, Origin};
+use super::{Live, NodeController, Origin};
 use crate::discovery::{Gpu, MigDevice, MigInstance};
-use crate::partition::{MigAction, MigPlan};
+use crate::partition::{self, MigAction, MigPlan};
+use crate::resources::Resources;
 use crate::state::Allocation;
 
 /// How often GPUs waiting for a reset are looked at (only while some GPU waits).
@@ -146,6 +151,172 @@ impl NodeController {
     }
 }
 
+/// A GPU-instance profile at one placement on one GPU (by UUID: indices may change).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Placement {
+    pub gpu_uuid: String,
+    /// Profile name (`3g.40gb`), for messages; the id decides.
+    pub profile: String,
+    pub profile_id: u32,
+    pub start: u32,
+}
+
+impl std::fmt::Display for Placement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} at memory slice {} of {}", self.profile, self.start, self.gpu_uuid)
+    }
+}
+
+/// Why `gpu` cannot host `p` now (MIG mode, management, profile, overlap), or `None` when it
+/// can. An instance of `p` itself at `p.start` is not an overlap.
+pub fn placement_refusal(gpu: &Gpu, managed: bool, p: &Placement) -> Option<String> {
+    let Some(mig) = &gpu.mig else { return Some(format!("GPU {} ({}) does not support MIG", gpu.index, gpu.name)) };
+    if !(mig.current && mig.pending) {
+        return Some(format!(
+            "GPU {} has MIG mode {} (pending {}): dynamic MIG needs it on; enable MIG mode and reset the GPU",
+            gpu.index,
+            if mig.current { "on" } else { "off" },
+            if mig.pending { "on" } else { "off" }
+        ));
+    }
+    if managed {
+        return Some(format!(
+            "GPU {} is laid out by a [partitions] entry, which owns its MIG instances; dynamic MIG is for GPUs no entry names",
+            gpu.index
+        ));
+    }
+    let Some(profile) = mig.capability.profile_by_id(p.profile_id) else {
+        return Some(format!("GPU {} has no MIG profile id {} ({})", gpu.index, p.profile_id, p.profile));
+    };
+    if !profile.placements.contains(&p.start) {
+        return Some(format!(
+            "{} cannot start at memory slice {} on GPU {} (it may start at {:?})",
+            profile.name, p.start, gpu.index, profile.placements
+        ));
+    }
+    let end = p.start + profile.placement_size;
+    mig.instances
+        .iter()
+        .filter(|gi| !(gi.profile_id == p.profile_id && gi.start == p.start))
+        .find(|gi| gi.start < end && p.start < gi.start + gi.size)
+        .map(|gi| {
+            format!(
+                "{} at memory slices {}..{} overlaps GPU instance {} ({}, slices {}..{}) on GPU {}",
+                profile.name,
+                p.start,
+                end,
+                gi.gi_id,
+                gi.profile,
+                gi.start,
+                gi.start + gi.size,
+                gpu.index
+            )
+        })
+}
+
+impl NodeController {
+    /// Makes sure a GPU instance of `p` exists at its placement with its compute instance, and
+    /// returns its MIG device. An instance already there is reused only when `adopt` says it is
+    /// the caller's (made by an earlier call that did not return); otherwise it is refused as
+    /// taken. Refused, with the reason, when the GPU cannot host it now
+    /// ([`placement_refusal`]). The new picture is published before returning.
+    pub fn ensure_mig_placement(&self, p: &Placement, adopt: bool) -> Result<MigDevice, String> {
+        let live = self.lock();
+        let inv = self.session.inventory().map_err(|e| format!("discovery: {e}"))?;
+        let gpu = inv.gpu_by_uuid(&p.gpu_uuid).ok_or_else(|| format!("no GPU {} on this node", p.gpu_uuid))?;
+        let managed = live.view.status.contains_key(&gpu.index);
+        if let Some(why) = placement_refusal(gpu, managed, p) {
+            return Err(why);
+        }
+        let mig = gpu.mig.as_ref().expect("checked by placement_refusal");
+        let profile = mig.capability.profile_by_id(p.profile_id).expect("checked by placement_refusal").clone();
+        let existing = mig.instances.iter().find(|gi| gi.profile_id == p.profile_id && gi.start == p.start);
+        let action = match existing {
+            Some(gi) if !adopt => {
+                return Err(format!(
+                    "{p} is taken by GPU instance {} that tesserad did not make for this claim; the claim must be allocated again",
+                    gi.gi_id
+                ));
+            }
+            Some(gi) => match gi.devices.first() {
+                Some(d) => return Ok(d.clone()),
+                // A crash between the GPU instance and its compute instance.
+                None => MigAction::CreateComputeInstance { gi_id: gi.gi_id, profile: profile.name.clone() },
+            },
+            None => {
+                MigAction::CreateInstance { profile: profile.name.clone(), profile_id: p.profile_id, start: p.start }
+            }
+        };
+        let plan = MigPlan { actions: vec![action], pending_reset: false };
+        partition::apply(&self.session, gpu.index, &plan, Some(&mig.capability))
+            .map_err(|e| format!("the driver refused to create {p}: {}", e.source))?;
+        let made = self.refresh_locked(live)?;
+        made.gpu_by_uuid(&p.gpu_uuid)
+            .and_then(|g| g.mig.as_ref())
+            .and_then(|m| m.instances.iter().find(|gi| gi.profile_id == p.profile_id && gi.start == p.start))
+            .and_then(|gi| gi.devices.first().cloned())
+            .ok_or_else(|| format!("{p} was created but NVML does not list its MIG device"))
+    }
+
+    /// Destroys the GPU instance at `p`'s placement when there is one; `Ok(false)` when there is
+    /// none. Refused while an allocation holds its MIG device or processes run on it.
+    pub fn remove_mig_placement(&self, p: &Placement) -> Result<bool, String> {
+        let live = self.lock();
+        let inv = self.session.inventory().map_err(|e| format!("discovery: {e}"))?;
+        let Some(gpu) = inv.gpu_by_uuid(&p.gpu_uuid) else { return Ok(false) };
+        let Some(gi) =
+            gpu.mig.iter().flat_map(|m| &m.instances).find(|gi| gi.profile_id == p.profile_id && gi.start == p.start)
+        else {
+            return Ok(false);
+        };
+        let uuids: BTreeSet<&str> = gi.devices.iter().map(|d| d.uuid.as_str()).collect();
+        if let Some(a) = self
+            .allocator
+            .allocations()
+            .into_iter()
+            .find(|a| a.devices.iter().any(|d| uuids.contains(d.physical_uuid.as_str())))
+        {
+            return Err(format!("{p}: its MIG device is still allocated ({}); not destroyed", a.id));
+        }
+        if gi.has_processes() {
+            let pids: Vec<u32> = gi.devices.iter().flat_map(|d| d.processes.iter().copied()).collect();
+            return Err(format!("{p}: processes {pids:?} still run on it; not destroyed"));
+        }
+        let plan = MigPlan {
+            actions: vec![MigAction::DestroyInstance { gi_id: gi.gi_id, profile: gi.profile.clone() }],
+            pending_reset: false,
+        };
+        let cap = gpu.mig.as_ref().map(|m| &m.capability);
+        partition::apply(&self.session, gpu.index, &plan, cap)
+            .map_err(|e| format!("the driver refused to destroy {p}: {}", e.source))?;
+        self.refresh_locked(live)?;
+        Ok(true)
+    }
+
+    /// After an on-demand MIG change: the node discovered again, what is offered rebuilt from
+    /// the configuration in effect (no layout planned), and published. Returns the inventory.
+    fn refresh_locked(&self, mut live: std::sync::MutexGuard<'_, Live>) -> Result<crate::discovery::Inventory, String> {
+        let inv = self.session.inventory().map_err(|e| format!("discovery after a MIG change: {e}"))?;
+        let config = std::sync::Arc::clone(&live.view.config);
+        let layouts = partition::resolve(&config, &inv).map_err(|e| e.to_string())?;
+        let shares = partition::plan_all_shares(&inv, &layouts).map_err(|e| e.to_string())?;
+        let mut resources = Resources::build(&config, &inv, &layouts, &shares);
+        resources.mark_unhealthy(
+            &live.view.unhealthy_gpus.keys().copied().collect(),
+            &live.view.unhealthy_devices.keys().cloned().collect(),
+        );
+        let resources = Arc::new(resources);
+        live.view.inventory = inv.clone();
+        live.view.shares = shares;
+        live.view.resources = Arc::clone(&resources);
+        drop(live);
+        self.allocator.set_resources(Arc::clone(&resources));
+        self.allocator.set_rooms(self.gpu_rooms());
+        self.resources_tx.send_replace(resources);
+        Ok(inv)
+    }
+}
+
 /// Looks at GPUs waiting for a reset every [`PENDING_RESET_CHECK`] until shutdown.
 pub async fn watch_pending_resets(controller: Arc<NodeController>, mut shutdown: watch::Receiver<bool>) {
     loop {
@@ -174,6 +345,7 @@ mod tests {
             slice_count: slices,
             instance_count: 7 / slices,
             memory_mib: mem,
+            multiprocessors: 16 * slices,
             placement_size: size,
             placements: vec![0],
         };
@@ -250,6 +422,42 @@ mod tests {
         assert!(!reset.mig.as_ref().unwrap().current);
         // A reset without a pending change keeps the instances.
         assert_eq!(predict_reset(&g).mig.as_ref().unwrap().instances.len(), 2);
+    }
+
+    #[test]
+    fn a_placement_is_refused_with_the_reason_the_gpu_cannot_host_it() {
+        let p = |profile: &str, profile_id, start| Placement {
+            gpu_uuid: "GPU-x".into(),
+            profile: profile.into(),
+            profile_id,
+            start,
+        };
+        let three = p("3g.40gb", 9, 0);
+        let mut on = gpu(true, true, vec![]);
+        on.mig.as_mut().unwrap().capability.profiles[1].placements = vec![0, 4];
+        assert_eq!(placement_refusal(&on, false, &three), None);
+        let e = placement_refusal(&gpu(false, false, vec![]), false, &three).unwrap();
+        assert!(e.contains("MIG mode off (pending off)") && e.contains("enable MIG mode"), "{e}");
+        let e = placement_refusal(&gpu(true, false, vec![]), false, &three).unwrap();
+        assert!(e.contains("MIG mode on (pending off)"), "{e}");
+        let e = placement_refusal(&on, true, &three).unwrap();
+        assert!(e.contains("[partitions] entry"), "{e}");
+        let e = placement_refusal(&on, false, &p("3g.40gb", 9, 2)).unwrap();
+        assert!(e.contains("cannot start at memory slice 2") && e.contains("[0, 4]"), "{e}");
+        let e = placement_refusal(&on, false, &p("2g.20gb", 14, 0)).unwrap();
+        assert!(e.contains("no MIG profile id 14"), "{e}");
+        // An instance over slices 0..4: the 3g at 0 overlaps it unless it is that very instance.
+        let mut busy = on.clone();
+        busy.mig.as_mut().unwrap().instances = vec![instance(1, "3g.40gb")];
+        busy.mig.as_mut().unwrap().instances[0].profile_id = 19;
+        let e = placement_refusal(&busy, false, &three).unwrap();
+        assert!(e.contains("overlaps GPU instance 1 (3g.40gb, slices 0..4)"), "{e}");
+        busy.mig.as_mut().unwrap().instances[0].profile_id = 9;
+        assert_eq!(placement_refusal(&busy, false, &three), None, "the instance of the placement itself");
+        assert_eq!(placement_refusal(&busy, false, &p("3g.40gb", 9, 4)), None);
+        let mut none = on.clone();
+        none.mig = None;
+        assert!(placement_refusal(&none, false, &three).unwrap().contains("does not support MIG"));
     }
 
     #[test]

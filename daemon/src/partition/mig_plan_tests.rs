@@ -12,6 +12,7 @@ fn h100() -> MigCapability {
         slice_count: slices,
         instance_count: count,
         memory_mib: mib,
+        multiprocessors: 16 * slices,
         placement_size: size,
         placements: starts.to_vec(),
     };

@@ -15,7 +15,8 @@
 //!
 //! - `nodes`: get and JSON merge patch (`put_node` adds one);
 //! - events.k8s.io/v1 `events`: create (409 AlreadyExists) and JSON merge patch (404 when gone);
-//! - `GET /version`: 1.34 unless [`ApiServer::set_version`] says otherwise.
+//! - `GET /version`: 1.34.0 unless [`ApiServer::set_version`] says otherwise (clients pick the
+//!   slice layout and what becomes of unhealthy devices by it).
 //!
 //! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
 //! and the server stopped and started again on the same port (an API server restart).
@@ -53,14 +54,14 @@ struct Store {
     failures: Vec<(Method, u16)>,
     /// Per claim, per field manager: the keys of the `status.devices` entries it owns.
     status_owners: BTreeMap<(String, String), BTreeMap<String, Vec<Value>>>,
-    /// The minor version `/version` names (1.34 when unset).
-    minor: Option<String>,
     /// Drop `devices[].taints` from written slices, as a server with DRADeviceTaints off does.
     drop_taints: bool,
     /// Nodes by name (get, merge patch).
     nodes: BTreeMap<String, Value>,
     /// events.k8s.io/v1 Events by (namespace, name) (create, merge patch).
     events: BTreeMap<(String, String), Value>,
+    /// What `/version` says: (major, minor, patch); `None`: 1.34.0.
+    kube_version: Option<(u32, u32, u32)>,
 }
 
 /// The test API server.
@@ -252,14 +253,14 @@ impl ApiServer {
         true
     }
 
+    /// The Kubernetes version `/version` reports from now on.
+    pub fn set_version(&self, major: u32, minor: u32, patch: u32) {
+        self.store.lock().unwrap().kube_version = Some((major, minor, patch));
+    }
+
     /// The next request with `method` gets `code` (a Status) instead of its answer.
     pub fn fail_next(&self, method: Method, code: u16) {
         self.store.lock().unwrap().failures.push((method, code));
-    }
-
-    /// `/version` says 1.`minor` from now on.
-    pub fn set_version(&self, minor: &str) {
-        self.store.lock().unwrap().minor = Some(minor.to_owned());
     }
 
     /// Written slices lose their device taints (the DRADeviceTaints gate off).
@@ -330,16 +331,16 @@ async fn handle(
         };
         return status(code, reason, "injected failure");
     }
-    let parsed = || serde_json::from_slice::<Value>(&body);
     if path == "/version" && method == Method::GET {
-        let minor = s.minor.clone().unwrap_or_else(|| "34".into());
+        let (major, minor, patch) = s.kube_version.unwrap_or((1, 34, 0));
         return respond(
             200,
-            &json!({"major": "1", "minor": minor, "gitVersion": format!("v1.{minor}.0"), "gitCommit": "test",
-                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
-                "compiler": "gc", "platform": "linux/amd64"}),
+            &json!({"major": major.to_string(), "minor": minor.to_string(),
+                "gitVersion": format!("v{major}.{minor}.{patch}"), "gitCommit": "", "gitTreeState": "clean",
+                "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64"}),
         );
     }
+    let parsed = || serde_json::from_slice::<Value>(&body);
     let drop_taints = s.drop_taints;
     let parsed = || {
         parsed().map(|mut v| {

@@ -203,3 +203,30 @@ pub fn skip(why: &str) {
     println!("SKIP: {why}");
     eprintln!("SKIP: {why}");
 }
+
+/// A host's GPU files under `dir` as the CDI specs name them: `dev/nvidia0`, `dev/nvidia1` and
+/// `dev/nvidiactl` (character devices: made with mknod as root, else links to /dev/null), an
+/// empty driver root, a stand-in shim; tesserad's `[injection]` section for them.
+pub fn fake_gpu_host(dir: &Path) -> String {
+    let dev = dir.join("dev");
+    std::fs::create_dir_all(&dev).expect("dev");
+    let root = std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0")));
+    for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
+        let path = dev.join(name);
+        if root {
+            let ok = std::process::Command::new("mknod").arg(&path).args(["c", "195", &minor.to_string()]).status();
+            assert!(ok.is_ok_and(|s| s.success()), "mknod {}", path.display());
+        } else {
+            std::os::unix::fs::symlink("/dev/null", &path).expect("symlink");
+        }
+    }
+    std::fs::create_dir_all(dir.join("driver")).expect("driver root");
+    std::fs::write(dir.join("libtessera.so"), "stand-in").expect("shim");
+    format!(
+        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\n",
+        dir.join("cdi"),
+        dir.join("driver"),
+        dir.join("libtessera.so")
+    )
+}
