@@ -626,6 +626,14 @@ pub(crate) fn check_function(h: usize) -> R {
     func(h).map(drop)
 }
 
+/// A function's compile-time cluster dimensions (zeros: none required) and whether it allows a
+/// non-portable cluster size (`CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`).
+pub(crate) fn cluster_attributes(h: usize) -> R<([u32; 3], bool)> {
+    let f = func(h)?;
+    let dim = |i: usize| f.cluster[i].load(Relaxed).max(0) as u32;
+    Ok(([dim(0), dim(1), dim(2)], f.non_portable_cluster.load(Relaxed) != 0))
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuKernelGetFunction(pFunc: *mut sys::CUfunction, kernel: sys::CUkernel) -> CUresult {
     run(|| {
