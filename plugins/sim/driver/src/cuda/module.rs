@@ -329,7 +329,10 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut sys::CUmodule, fatCu
 /// Removes a module, its functions and its globals.
 fn unload(reg: &mut Registry, h: usize) -> Vec<Alloc> {
     let Some(m) = reg.modules.remove(&h) else { return Vec::new() };
-    reg.funcs.retain(|_, f| f.module != h);
+    // Only its own functions: cuBLAS unloads hundreds of modules at exit, each with many.
+    for f in m.funcs.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        reg.funcs.remove(f);
+    }
     let globals: Vec<u64> = m.globals.lock().unwrap_or_else(|e| e.into_inner()).values().map(|g| g.0).collect();
     globals.iter().filter_map(|b| reg.mem.remove(b)).collect()
 }
@@ -545,7 +548,9 @@ pub unsafe extern "C" fn cuLibraryUnload(library: sys::CUlibrary) -> CUresult {
         let mods: Vec<usize> = lib.modules.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect();
         let freed = {
             let mut reg = handles::write();
-            reg.funcs.retain(|_, f| f.library != lib.handle);
+            for k in lib.kernels.lock().unwrap_or_else(|e| e.into_inner()).values() {
+                reg.funcs.remove(k);
+            }
             mods.into_iter().flat_map(|m| unload(&mut reg, m)).collect::<Vec<_>>()
         };
         for a in freed {
