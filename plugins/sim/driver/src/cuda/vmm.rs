@@ -198,16 +198,15 @@ pub unsafe extern "C" fn cuMemCreate(
         let node = driver()?.node;
         poll_faults(node)?;
         node.check_gpu(d.gpu).map_err(|_| CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE)?;
+        let name = format!("{MEMFD_PREFIX}{}:{}\0", d.gpu, d.domain);
         let epoch = charge(node, d.gpu, d.domain, size)?;
-        let name =
-            std::ffi::CString::new(format!("{MEMFD_PREFIX}{}:{}", d.gpu, d.domain)).map_err(|_| INVALID_VALUE)?;
-        // SAFETY: the name is a valid C string; memfd_create makes a new anonymous file.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
-        // SAFETY: fd is the file just made; it grows sparse, then its size is sealed.
-        if fd < 0
-            || unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0
-            || unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, SEALS) } != 0
-        {
+        // SAFETY: the name is NUL-terminated; memfd_create makes a new anonymous file.
+        let fd = unsafe { libc::memfd_create(name.as_ptr().cast(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let sized = |fd| {
+            // SAFETY: fd is the file just made: it grows sparse, then its size is sealed.
+            unsafe { libc::ftruncate(fd, size as libc::off_t) == 0 && libc::fcntl(fd, libc::F_ADD_SEALS, SEALS) == 0 }
+        };
+        if fd < 0 || !sized(fd) {
             if fd >= 0 {
                 // SAFETY: fd is ours.
                 unsafe { libc::close(fd) };
