@@ -71,6 +71,23 @@ install_venv "${TESSERA_CUDA_RUNTIMES:-$root/target/cuda-runtimes}" \
   "import cupy, cupy_backends, importlib.metadata as m; assert m.version('cupy-cuda12x') == '14.2.0'" \
   "cupy-cuda12x==14.2.0" "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvrtc-cu12==12.9.86"
 
+# tests/flows/cuda_runtime_programs.rs runs PyTorch 2.8 (the CUDA 12.8 build) over the simulated
+# node (TESSERA_TORCH_RUNTIME, else target/torch-runtime). Trimmed: torch without its dependency
+# resolution, plus only the NVIDIA libraries libtorch_cuda.so links against and the Python modules
+# `import torch` needs (about 5.3 GB installed, 3.4 GB downloaded; the full install, with
+# cuSOLVER, NVRTC, NVTX and Triton, is 6.5 GB). TESSERA_NO_TORCH=1 skips it (the PyTorch tests then
+# print a SKIP line, or fail under TESSERA_REQUIRE_RUNTIMES).
+if [[ ${TESSERA_NO_TORCH:-0} != 1 ]]; then
+  install_venv "${TESSERA_TORCH_RUNTIME:-$root/target/torch-runtime}" \
+    "import torch; assert torch.__version__ == '2.8.0+cu128'" \
+    --no-deps "torch==2.8.0" \
+    "nvidia-cuda-runtime-cu12==12.8.90" "nvidia-cuda-cupti-cu12==12.8.90" "nvidia-cublas-cu12==12.8.4.1" \
+    "nvidia-cudnn-cu12==9.10.2.21" "nvidia-cufft-cu12==11.3.3.83" "nvidia-curand-cu12==10.3.9.90" \
+    "nvidia-cusparse-cu12==12.5.8.93" "nvidia-cusparselt-cu12==0.7.1" "nvidia-nccl-cu12==2.27.3" \
+    "nvidia-nvjitlink-cu12==12.8.93" "nvidia-cufile-cu12==1.13.1.3" \
+    filelock typing-extensions sympy mpmath networkx jinja2 MarkupSafe fsspec
+fi
+
 # daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
 # schemas with kubernetes-validate.
 install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes-validate

@@ -1,8 +1,10 @@
 //! The MIG lifecycle and dry runs, against the built `tesserad` and `tessera` on the simulated
-//! node (no kubelet: the daemon serves the node API alone):
-//! - a MIG mode change left `pending_reset` finishes by itself once the GPU is reset
-//!   (`tessera-sim reset`), with no reload;
-//! - with `reset = "when-free"` one `layout apply` turns MIG on or off end to end;
+//! node (no kubelet: the daemon serves the node API alone), on both kinds of GPU:
+//! - an A100 takes a MIG mode at the next GPU reset: a change left `pending_reset` finishes by
+//!   itself once the GPU is reset (`tessera-sim reset`), with no reload; with
+//!   `reset = "when-free"` tesserad resets it, and one `layout apply` turns MIG on or off;
+//! - an H100 switches in place: one `layout apply` turns MIG on or off, with no reset, whatever
+//!   the reset policy;
 //! - for every kind of change, `--dry-run` prints exactly what the real run then prints (for
 //!   `layout apply` and `reload`).
 
@@ -26,8 +28,26 @@ model = \"H100-SXM5-80GB\"
 count = 1
 ";
 
+/// The same node with A100s, which take a MIG mode at the next reset.
+const A100_NODE: &str = "numa_nodes = 1
+[[gpu]]
+model = \"A100-SXM4-40GB\"
+count = 1
+mig = true
+[[gpu]]
+model = \"A100-SXM4-40GB\"
+count = 1
+";
+
+/// What tesserad logs when it resets a GPU for a MIG mode change.
+const RESET_LOGGED: &str = "GPU reset to finish its MIG mode change";
+
 fn layouts(gpu1_reset: &str, gpu1: &str) -> String {
-    format!("[partitions.\"0\"]\nmig = {{ \"3g.40gb\" = 2 }}\n[partitions.\"1\"]\n{gpu1}\n{gpu1_reset}\n")
+    layouts_with("3g.40gb", gpu1_reset, gpu1)
+}
+
+fn layouts_with(gpu0_profile: &str, gpu1_reset: &str, gpu1: &str) -> String {
+    format!("[partitions.\"0\"]\nmig = {{ \"{gpu0_profile}\" = 2 }}\n[partitions.\"1\"]\n{gpu1}\n{gpu1_reset}\n")
 }
 
 /// Runs `args` with `--dry-run`, then for real; asserts both print the same and exit the same.
@@ -65,13 +85,13 @@ fn start(node: &SimNode, dir: &Path, body: &str) -> (common::Daemon, std::path::
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_mig_mode_change_finishes_by_itself_after_the_reset() {
-    let node = SimNode::with_description(NODE);
+async fn an_a100_mig_mode_change_finishes_by_itself_after_the_reset() {
+    let node = SimNode::with_description(A100_NODE);
     let tmp = tempfile::tempdir().expect("tempdir");
-    let (_daemon, socket, log) = start(&node, tmp.path(), &layouts("", "whole = true"));
+    let (_daemon, socket, log) = start(&node, tmp.path(), &layouts_with("3g.20gb", "", "whole = true"));
     let _ = common::node_api(&socket).await;
 
-    let (code, text) = tessera(&socket, &["layout", "apply", "--gpu", "1", "--mig", "1g.10gb=7"]);
+    let (code, text) = tessera(&socket, &["layout", "apply", "--gpu", "1", "--mig", "1g.5gb=7"]);
     assert_eq!(code, 0, "{text}");
     assert!(text.contains("pending_reset -> whole (+0 -1 devices)"), "{text}");
     assert!(text.contains("reset_required: the MIG mode change takes effect at the next GPU reset"), "{text}");
@@ -126,23 +146,25 @@ async fn dry_runs_predict_every_kind_of_change() {
     // Whole GPU to shares and back.
     let out = apply("1", &["--shares", "4"]);
     assert!(out.contains("applied -> shares x4 (+4 -1 devices)"), "{out}");
-    // MIG on with reset = "when-free": one command end to end (the GPU is free).
+    // MIG on: one command end to end; an H100 needs no reset for it.
     let out = apply("1", &["--mig", "1g.10gb=7"]);
     assert!(out.contains("applied -> mig 1g.10gb x7 (+7 -4 devices)"), "{out}");
     assert_eq!(partition(&socket, 1).await.state, api::PartitionState::Converged as i32);
     // And off again.
     let out = apply("1", &["--whole"]);
     assert!(out.contains("applied -> whole (+1 -7 devices)"), "{out}");
-    // MIG off with reset = "never": instances go now, the mode waits for a reset.
+    // MIG off with reset = "never": the same, at once.
     let out = apply("0", &["--whole"]);
-    assert!(out.contains("pending_reset -> mig (empty) (+0 -5 devices)"), "{out}");
+    assert!(out.contains("applied -> whole (+1 -5 devices)"), "{out}");
     assert!(!out.contains("GPU 0: GPU 0"), "no doubled prefix: {out}");
+    assert!(!out.contains("reset_required"), "{out}");
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!text.contains(RESET_LOGGED), "tesserad reset an H100:\n{text}");
     // A GPU that does not exist.
     let out = apply("9", &["--whole"]);
     assert!(out.contains("GPU 9: refused: GPU 9 does not exist (this node has GPUs 0-1)"), "{out}");
 
-    // Reload: the file's layouts come back (GPU 0: MIG on again, cancelling the pending change;
-    // GPU 1 from whole to 2 shares).
+    // Reload: the file's layouts come back (GPU 0: MIG on again; GPU 1 from whole to 2 shares).
     std::fs::write(
         dir.join("config.toml"),
         common::config_text(&node, dir, &layouts("reset = \"when-free\"", "shares = { count = 2 }")),
@@ -150,8 +172,36 @@ async fn dry_runs_predict_every_kind_of_change() {
     .expect("config");
     let out = same_as_dry_run(&socket, &["reload"], &log);
     assert!(out.contains(": applied\n"), "{out}");
-    assert!(out.contains("applied -> mig 3g.40gb x2 (+2 -0 devices)"), "{out}");
+    assert!(out.contains("applied -> mig 3g.40gb x2 (+2 -1 devices)"), "{out}");
     assert!(out.contains("applied -> shares x2 (+2 -1 devices)"), "{out}");
     let out = same_as_dry_run(&socket, &["reload"], &log);
     assert!(out.contains(": unchanged\n"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_a100_mode_change_takes_a_reset_and_dry_runs_say_so() {
+    let node = SimNode::with_description(A100_NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (_daemon, socket, log) =
+        start(&node, tmp.path(), &layouts_with("3g.20gb", "reset = \"when-free\"", "whole = true"));
+    let _ = common::node_api(&socket).await;
+    let apply = |gpu: &str, layout: &[&str]| {
+        let mut args = vec!["layout", "apply", "--gpu", gpu];
+        args.extend_from_slice(layout);
+        same_as_dry_run(&socket, &args, &log)
+    };
+    // MIG on with reset = "when-free": tesserad resets the free GPU, then makes the instances.
+    let out = apply("1", &["--mig", "1g.5gb=7"]);
+    assert!(out.contains("applied -> mig 1g.5gb x7 (+7 -1 devices)"), "{out}");
+    assert_eq!(partition(&socket, 1).await.state, api::PartitionState::Converged as i32);
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(text.matches(RESET_LOGGED).count(), 1, "one reset, by tesserad:\n{text}");
+    // And off again, the same way.
+    let out = apply("1", &["--whole"]);
+    assert!(out.contains("applied -> whole (+1 -7 devices)"), "{out}");
+    // MIG off with reset = "never": the instances go now, the mode waits for a reset.
+    let out = apply("0", &["--whole"]);
+    assert!(out.contains("pending_reset -> mig (empty) (+0 -2 devices)"), "{out}");
+    assert!(out.contains("reset_required"), "{out}");
+    assert_eq!(partition(&socket, 0).await.state, api::PartitionState::PendingReset as i32);
 }

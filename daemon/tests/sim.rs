@@ -145,11 +145,13 @@ fn a_layout_change_is_refused_for_an_instance_in_use() {
 }
 
 #[test]
-fn a_mode_change_pends_until_a_reset() {
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    node.run_isolated("a_mode_change_pends_until_a_reset", || {
+fn an_ampere_mode_change_pends_until_a_reset() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n");
+    node.run_isolated("an_ampere_mode_change_pends_until_a_reset", || {
         let s = session(&node);
-        let want = layout(&[("1g.10gb", 7)]);
+        let mig = s.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(!mig.switches_in_place, "an A100 takes its MIG mode at a reset");
+        let want = layout(&[("1g.5gb", 7)]);
         let a = plan_apply(&s, 0, Desired::On(&want), &BTreeSet::new()).unwrap();
         assert_eq!(a.done, vec![MigAction::SetMode { enable: true }]);
         assert!(a.pending_reset);
@@ -167,6 +169,31 @@ fn a_mode_change_pends_until_a_reset() {
         // Back to whole: instances destroyed, mode off pending.
         let off = plan_apply(&s, 0, Desired::Off, &BTreeSet::new()).unwrap();
         assert!(off.pending_reset && off.done.len() == 8, "{off:?}");
+        let mig = s.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(mig.current && !mig.pending && mig.instances.is_empty());
+    });
+}
+
+#[test]
+fn a_hopper_mode_change_takes_effect_at_once() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    node.run_isolated("a_hopper_mode_change_takes_effect_at_once", || {
+        let s = session(&node);
+        assert!(s.inventory().unwrap().gpus[0].mig.as_ref().unwrap().switches_in_place);
+        let want = layout(&[("1g.10gb", 7)]);
+        let a = plan_apply(&s, 0, Desired::On(&want), &BTreeSet::new()).unwrap();
+        assert_eq!(a.done, vec![MigAction::SetMode { enable: true }]);
+        assert!(!a.pending_reset, "no reset needed: {a:?}");
+        let mig = s.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(mig.current && mig.pending);
+        // The instances, with no reset in between.
+        let after = plan_apply(&s, 0, Desired::On(&want), &BTreeSet::new()).unwrap();
+        assert_eq!(after.done.len(), 7, "{after:?}");
+        // Back to whole: instances destroyed and the mode off, at once.
+        let off = plan_apply(&s, 0, Desired::Off, &BTreeSet::new()).unwrap();
+        assert!(!off.pending_reset && off.done.len() == 8, "{off:?}");
+        let mig = s.inventory().unwrap().gpus[0].mig.clone().unwrap();
+        assert!(!mig.current && !mig.pending && mig.instances.is_empty());
     });
 }
 

@@ -67,6 +67,9 @@ pub struct MigInfo {
     pub current: bool,
     /// MIG mode after the next reset.
     pub pending: bool,
+    /// A mode change takes effect when it is set (Hopper and later), not at the next GPU reset
+    /// (Ampere), by the board's architecture (docs/sim.md, "MIG mode changes").
+    pub switches_in_place: bool,
     /// The model's GPU-instance profiles.
     pub capability: MigCapability,
     /// The GPU instances (empty with MIG off), by GPU-instance id.

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus, TopologyLevel};
+use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
 
 pub use inventory::*;
@@ -239,7 +240,11 @@ impl Session {
                 }
             }
         }
-        Ok(MigInfo { current, pending, capability, instances })
+        let switches_in_place = matches!(
+            dev.architecture(),
+            Ok(DeviceArchitecture::Hopper | DeviceArchitecture::Blackwell | DeviceArchitecture::Unknown)
+        );
+        Ok(MigInfo { current, pending, switches_in_place, capability, instances })
     }
 }
 

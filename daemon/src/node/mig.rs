@@ -1,5 +1,7 @@
-//! The MIG lifecycle after a mode change: a MIG mode takes effect only at a GPU reset, so a
-//! layout that turns MIG on or off is left `pending_reset`. This module finishes it:
+//! The MIG lifecycle after a mode change. On a GPU that switches MIG mode in place (Hopper and
+//! later) the controller applies the whole layout in one step ([`predict_in_place`] for dry
+//! runs). On one that takes the mode at a GPU reset (Ampere), a layout that turns MIG on or off is
+//! left `pending_reset`, and this module finishes it:
 //!
 //! - **Reset seen**: once NVML shows the mode in effect (current = pending), the layout in effect
 //!   is applied to that GPU, whoever reset it.
@@ -75,8 +77,15 @@ pub fn predict(gpu: &Gpu, plan: &MigPlan) -> Gpu {
 /// `gpu` after a reset: the pending MIG mode in effect (a change destroys every instance) and
 /// no processes.
 pub fn predict_reset(gpu: &Gpu) -> Gpu {
-    let mut out = gpu.clone();
+    let mut out = predict_in_place(gpu);
     out.processes.clear();
+    out
+}
+
+/// `gpu` once a GPU that switches MIG mode in place has taken the mode asked for (a change
+/// destroys every instance; processes stay).
+pub fn predict_in_place(gpu: &Gpu) -> Gpu {
+    let mut out = gpu.clone();
     if let Some(mig) = out.mig.as_mut()
         && mig.current != mig.pending
     {
@@ -360,6 +369,7 @@ mod tests {
             mig: Some(MigInfo {
                 current,
                 pending,
+                switches_in_place: false,
                 capability: MigCapability {
                     profiles: vec![p("1g.10gb", 19, 1, 9984, 1), p("3g.40gb", 9, 3, 40320, 4)],
                     compute_slices: 7,

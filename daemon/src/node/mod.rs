@@ -490,13 +490,24 @@ impl NodeController {
             if !dry_run && !self.apply_plan(gpu, &plan, &mut issues, &mut outcome) {
                 continue;
             }
-            // A mode change: reset the GPU now if its policy allows and nothing holds it.
+            // A mode change on a GPU that switches MIG mode in place (Hopper and later) is in
+            // effect now: its instances are planned from what NVML shows at once. On one that
+            // takes it at a reset (Ampere), reset the GPU now if its policy allows and nothing
+            // holds it.
+            let in_place = plan.pending_reset && gpu.mig.as_ref().is_some_and(|m| m.switches_in_place);
             let may_reset = plan.pending_reset
+                && !in_place
                 && config.reset_policy(gpu.index, &gpu.uuid) == config::ResetPolicy::WhenFree
                 && mig::is_free(gpu, &allocations);
-            if may_reset {
+            if in_place || may_reset {
                 let reset = if dry_run {
-                    Some(mig::predict_reset(&after))
+                    Some(if in_place { mig::predict_in_place(&after) } else { mig::predict_reset(&after) })
+                } else if in_place {
+                    let fresh = self
+                        .session
+                        .inventory()
+                        .map_err(|e| ConfigError::new("", format!("discovery after a MIG mode change: {e}")))?;
+                    fresh.gpu(gpu.index).cloned()
                 } else {
                     match self.session.reset_gpu(gpu.index) {
                         Ok(()) => {

@@ -2,7 +2,7 @@
 //! reported with the action it stopped at. Nothing here decides anything: the planner did.
 
 use nvml_wrapper::error::NvmlError;
-use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED;
+use nvml_wrapper_sys::bindings::nvmlReturn_enum_NVML_SUCCESS;
 
 use super::mig_plan::{MigAction, MigPlan};
 use crate::discovery::mig_calls;
@@ -41,10 +41,11 @@ pub fn apply(
         let dev = nvml.device_by_index(index).map_err(|e| fail(e, &out.done))?;
         let slices = |profile: &str| cap.and_then(|c| c.profile(profile)).map(|p| (p.slice_count, p.placement_size));
         let r: Result<(), NvmlError> = match action {
+            // `activationStatus`: SUCCESS when the mode is in effect (in place on Hopper and
+            // later); RESET_REQUIRED, or IN_USE when the driver could not reset a busy GPU
+            // itself, when it waits for a reset (Ampere).
             MigAction::SetMode { enable } => dev.set_mig_mode(*enable).map(|status| {
-                if status == nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED {
-                    out.pending_reset = true;
-                }
+                out.pending_reset = status != nvmlReturn_enum_NVML_SUCCESS;
             }),
             MigAction::DestroyInstance { gi_id, .. } => mig_calls::gpu_instance_by_id(nvml, &dev, *gi_id)
                 .and_then(|gi| mig_calls::destroy_gpu_instance(nvml, gi)),

@@ -49,7 +49,7 @@ fn gi(cap: &MigCapability, gi_id: u32, profile: &str, start: u32, pids: &[u32]) 
 }
 
 fn on(instances: Vec<MigInstance>) -> MigInfo {
-    MigInfo { current: true, pending: true, capability: h100(), instances }
+    MigInfo { current: true, pending: true, switches_in_place: true, capability: h100(), instances }
 }
 
 fn want(list: &[(&str, u32)]) -> BTreeMap<String, u32> {
@@ -77,7 +77,8 @@ fn a_matching_gpu_needs_nothing() {
     let w = want(&[("3g.40gb", 1), ("4g.40gb", 1)]);
     let p = plan(Desired::On(&w), Some(&mig), &none(), &[]).unwrap();
     assert!(p.is_noop(), "{p:?}");
-    let off = MigInfo { current: false, pending: false, capability: h100(), instances: vec![] };
+    let off =
+        MigInfo { current: false, pending: false, switches_in_place: true, capability: h100(), instances: vec![] };
     assert!(plan(Desired::Off, Some(&off), &none(), &[]).unwrap().is_noop());
     assert!(plan(Desired::Off, None, &none(), &[]).unwrap().is_noop());
 }
@@ -141,7 +142,8 @@ fn instances_in_use_are_never_destroyed() {
 #[test]
 fn mode_changes_pend_until_a_reset() {
     let w = want(&[("1g.10gb", 2)]);
-    let off = MigInfo { current: false, pending: false, capability: h100(), instances: vec![] };
+    let off =
+        MigInfo { current: false, pending: false, switches_in_place: true, capability: h100(), instances: vec![] };
     let p = plan(Desired::On(&w), Some(&off), &none(), &[]).unwrap();
     assert_eq!(p.actions, vec![MigAction::SetMode { enable: true }]);
     assert!(p.pending_reset);

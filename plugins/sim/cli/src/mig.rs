@@ -1,7 +1,7 @@
 //! `tessera-sim mig`: MIG mode and instances, by profile name as nvidia-smi takes them.
 
 use clap::Subcommand;
-use tessera_sim_model::Node;
+use tessera_sim_model::{MigModeChange, Node};
 
 #[derive(Subcommand)]
 pub enum MigCommand {
@@ -38,11 +38,14 @@ pub enum MigCommand {
 pub fn run(node: &Node, cmd: &MigCommand) -> Result<(), String> {
     match cmd {
         MigCommand::Mode { gpu, mode } => {
-            let pending = node.set_mig_mode(*gpu, mode == "on").map_err(|e| e.to_string())?;
-            if pending {
-                println!("GPU {gpu}: MIG mode {mode} is pending; run `tessera-sim reset --gpu {gpu}` to apply it");
-            } else {
-                println!("GPU {gpu}: MIG mode is {mode}");
+            match node.set_mig_mode(*gpu, mode == "on").map_err(|e| e.to_string())? {
+                MigModeChange::PendingReset { in_use } => {
+                    let why = if in_use { " (processes use the GPU, so the driver could not reset it)" } else { "" };
+                    println!(
+                        "GPU {gpu}: MIG mode {mode} is pending{why}; run `tessera-sim reset --gpu {gpu}` to apply it"
+                    );
+                }
+                MigModeChange::Applied | MigModeChange::Unchanged => println!("GPU {gpu}: MIG mode is {mode}"),
             }
             Ok(())
         }

@@ -129,14 +129,22 @@ fn faults_show_and_reset_recovers() {
 
 #[test]
 fn mig_through_the_cli() {
-    let node = SimNode::new();
-    let o = sim(&node, &["mig", "mode", "--gpu", "0", "on"]);
-    assert!(text(&o).contains("pending"), "{}", text(&o));
+    // An A100 takes its MIG mode at the next reset.
+    let a100 = SimNode::with_description("[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n");
+    let o = sim(&a100, &["mig", "mode", "--gpu", "0", "on"]);
+    assert!(text(&o).contains("GPU 0: MIG mode on is pending;"), "{}", text(&o));
     assert!(
-        !sim(&node, &["mig", "create", "--gpu", "0", "--profile", "1g.10gb"]).status.success(),
+        !sim(&a100, &["mig", "create", "--gpu", "0", "--profile", "1g.5gb"]).status.success(),
         "not before the reset"
     );
-    assert!(sim(&node, &["reset", "--gpu", "0"]).status.success());
+    assert!(sim(&a100, &["reset", "--gpu", "0"]).status.success());
+    let o = sim(&a100, &["mig", "create", "--gpu", "0", "--profile", "1g.5gb"]);
+    assert!(o.status.success(), "{}", text(&o));
+
+    // An H100 (the default node) switches at once.
+    let node = SimNode::new();
+    let o = sim(&node, &["mig", "mode", "--gpu", "0", "on"]);
+    assert!(text(&o).contains("GPU 0: MIG mode is on"), "{}", text(&o));
     let o = sim(&node, &["mig", "create", "--gpu", "0", "--profile", "4g.40gb"]);
     assert!(o.status.success(), "{}", text(&o));
     assert!(text(&o).contains("MIG-"));
@@ -222,7 +230,6 @@ fn driver_root_proc_tree_follows_mig_changes() {
     assert!(caps.join("mig/config").exists());
     assert!(!caps.join("gpu1/mig").exists(), "no instances yet");
     assert!(sim(&node, &["mig", "mode", "--gpu", "1", "on"]).status.success());
-    assert!(sim(&node, &["reset", "--gpu", "1"]).status.success());
     let o = sim(&node, &["mig", "create", "--gpu", "1", "--profile", "3g.40gb"]);
     assert!(o.status.success(), "{}", text(&o));
     let gi = std::fs::read_dir(caps.join("gpu1/mig")).unwrap().next().unwrap().unwrap().path();

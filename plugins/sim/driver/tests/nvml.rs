@@ -851,7 +851,7 @@ fn mig_instances_under_the_real_rules() {
         }
         assert_eq!(capacity(9), 2);
 
-        // GPU 1 has MIG off: enabling it is pending until the GPU is reset.
+        // GPU 1 (an H100) has MIG off: enabling it takes effect at once, as on Hopper.
         let d1 = nvml.device_by_index(1).unwrap();
         // SAFETY: the handle is only passed back to the library.
         let h1 = unsafe { d1.handle() };
@@ -864,17 +864,10 @@ fn mig_instances_under_the_real_rules() {
         );
         sim.alloc(1, 0, GIB).unwrap();
         assert!(matches!(d1.set_mig_mode(true), Err(NvmlError::InUse)), "a process holds memory on the GPU");
-        sim.free(1, 0, GIB);
-        assert_eq!(d1.set_mig_mode(true).unwrap(), RESET_REQUIRED);
         let mode = d1.mig_mode().unwrap();
-        assert_eq!((mode.current, mode.pending), (0, 1));
-        assert_eq!(
-            // SAFETY: as above.
-            unsafe { raw.nvmlDeviceCreateGpuInstance(h1, 19, &mut gi1) },
-            NOT_SUPPORTED,
-            "still pending"
-        );
-        sim.reset(1).unwrap();
+        assert_eq!((mode.current, mode.pending), (0, 0), "a refused change leaves nothing pending");
+        sim.free(1, 0, GIB);
+        assert_eq!(d1.set_mig_mode(true).unwrap(), SUCCESS, "Hopper: no reset needed");
         let mode = d1.mig_mode().unwrap();
         assert_eq!((mode.current, mode.pending), (1, 1));
         assert_eq!(
@@ -897,7 +890,48 @@ fn mig_instances_under_the_real_rules() {
             assert_eq!(raw.nvmlDeviceSetMigMode(h1, 7, &mut activation), INVALID_ARGUMENT);
             assert_eq!(raw.nvmlDeviceSetMigMode(h1, NVML_DEVICE_MIG_DISABLE, &mut activation), SUCCESS);
         }
-        assert_eq!(activation, RESET_REQUIRED);
+        assert_eq!(activation, SUCCESS);
+        let mode = d1.mig_mode().unwrap();
+        assert_eq!((mode.current, mode.pending), (0, 0), "off at once");
+    });
+}
+
+#[test]
+fn ampere_mig_mode_waits_for_a_reset_and_says_why() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n");
+    node.run_isolated("ampere_mig_mode_waits_for_a_reset_and_says_why", || {
+        let nvml = open(&node);
+        let sim = model(&node);
+        let raw = nvml.lib();
+        let d0 = nvml.device_by_index(0).unwrap();
+        // SAFETY: the handle is only passed back to the library.
+        let h0 = unsafe { d0.handle() };
+        // A process on the GPU: the mode is recorded, the driver could not reset the GPU.
+        sim.alloc(0, 0, GIB).unwrap();
+        assert_eq!(d0.set_mig_mode(true).unwrap(), IN_USE);
+        let mode = d0.mig_mode().unwrap();
+        assert_eq!((mode.current, mode.pending), (0, 1));
+        sim.free(0, 0, GIB);
+        assert_eq!(d0.set_mig_mode(true).unwrap(), RESET_REQUIRED);
+        let mut gi: nvmlGpuInstance_t = std::ptr::null_mut();
+        assert_eq!(
+            // SAFETY: valid handle and out-pointer.
+            unsafe { raw.nvmlDeviceCreateGpuInstance(h0, 19, &mut gi) },
+            NOT_SUPPORTED,
+            "still pending"
+        );
+        sim.reset(0).unwrap();
+        let mode = d0.mig_mode().unwrap();
+        assert_eq!((mode.current, mode.pending), (1, 1));
+        // SAFETY: as above.
+        assert_eq!(unsafe { raw.nvmlDeviceCreateGpuInstance(h0, 19, &mut gi) }, SUCCESS);
+        // SAFETY: a live GPU-instance handle.
+        assert_eq!(unsafe { raw.nvmlGpuInstanceDestroy(gi) }, SUCCESS);
+        assert_eq!(d0.set_mig_mode(false).unwrap(), RESET_REQUIRED, "off waits for a reset too");
+        let mode = d0.mig_mode().unwrap();
+        assert_eq!((mode.current, mode.pending), (1, 0));
+        // The bare-metal answer, whatever the MIG mode.
+        assert_eq!(d0.virtualization_mode().unwrap(), nvml_wrapper::enum_wrappers::device::GpuVirtualizationMode::Bare);
     });
 }
 
@@ -1116,7 +1150,10 @@ fn a_node_without_nvlink_or_mig() {
 
 #[test]
 fn reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli() {
-    let node = SimNode::with_description(MIG_NODE);
+    // An A100 (GPU 1) keeps its MIG mode pending until a reset.
+    let node = SimNode::with_description(
+        "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\nmig = true\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n",
+    );
     node.run_isolated("reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli", || {
         let nvml = open(&node);
         let lib = library(&node);

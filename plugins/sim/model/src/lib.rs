@@ -31,7 +31,7 @@ pub use compute::{EventMark, StreamId, Ticket, UtilWindow};
 pub use events::{Event, EventCursor, EventKind};
 pub use layout::{MAX_GPUS, MAX_MIG, MAX_PROCS, MAX_STREAMS};
 pub use memory::{MemoryInfo, ProcessUsage};
-pub use mig::{ComputeInstance, GpuInstance};
+pub use mig::{ComputeInstance, GpuInstance, MigModeChange};
 pub use node::{GpuIdentity, NodeDescription, TopologyLevel};
 
 use region::Region;

@@ -46,6 +46,26 @@ impl ComputeInstance {
     }
 }
 
+/// What asking for a MIG mode did (`nvmlDeviceSetMigMode`), as the model's architecture does it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MigModeChange {
+    /// The GPU was already in that mode (a pending change the other way is cancelled).
+    Unchanged,
+    /// Hopper and later: the mode took effect at once, no reset needed.
+    Applied,
+    /// Ampere: the mode is pending until the GPU is reset; `in_use` when processes use the GPU
+    /// (the driver's own reset attempt is refused: `activationStatus` `NVML_ERROR_IN_USE`).
+    PendingReset { in_use: bool },
+}
+
+impl GpuModel {
+    /// Whether the model switches MIG mode in place (Hopper and later) rather than at the next
+    /// GPU reset (Ampere).
+    pub fn mig_mode_switches_in_place(&self) -> bool {
+        self.architecture >= crate::catalog::NVML_DEVICE_ARCH_HOPPER
+    }
+}
+
 fn mig_spec(model: &'static GpuModel) -> Result<&'static MigSpec> {
     model.mig.as_ref().ok_or_else(|| SimError::NotSupported(format!("{} has no MIG", model.key)))
 }
@@ -60,7 +80,7 @@ impl Node {
     }
 
     /// See [`Node::set_mig_mode_inner`]; the driver roots' proc trees follow.
-    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<bool> {
+    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<MigModeChange> {
         let r = self.set_mig_mode_inner(gpu, enable);
         self.refresh_driver_roots();
         r
@@ -108,22 +128,39 @@ impl Node {
         Ok((gs.mig_current.load(Relaxed) != 0, gs.mig_pending.load(Relaxed) != 0))
     }
 
-    /// Asks for a MIG mode; it takes effect at the next reset. Returns whether a reset is now
-    /// pending. Refused while processes use the GPU, or while GPU instances exist.
-    fn set_mig_mode_inner(&self, gpu: u32, enable: bool) -> Result<bool> {
+    /// Asks for a MIG mode, as the model's driver does (docs/sim.md, "MIG mode changes"):
+    /// - Ampere: the mode becomes pending and takes effect at the next reset, also while
+    ///   processes use the GPU (the driver's own reset attempt then fails: `in_use`);
+    /// - Hopper and later: the mode takes effect at once; refused while processes use the GPU.
+    ///
+    /// Disabling is refused while GPU instances exist, on every model.
+    fn set_mig_mode_inner(&self, gpu: u32, enable: bool) -> Result<MigModeChange> {
         let g = self.region.lock();
         self.check_gpu(gpu)?;
-        mig_spec(self.model(gpu)?)?;
+        let model = self.model(gpu)?;
+        mig_spec(model)?;
         g.reap();
         let gs = &g.shared().gpus[gpu as usize];
-        if busy_on_gpu(&g, gpu) {
-            return Err(SimError::InUse(format!("processes are using GPU {gpu}")));
-        }
+        let busy = busy_on_gpu(&g, gpu);
+        let current = gs.mig_current.load(Relaxed) != 0;
         if !enable && gs.gis.iter().any(|e| e.valid.load(Relaxed) != 0) {
             return Err(SimError::InUse(format!("GPU {gpu} still has GPU instances")));
         }
+        if current == enable {
+            gs.mig_pending.store(u32::from(enable), Relaxed);
+            return Ok(MigModeChange::Unchanged);
+        }
+        if !model.mig_mode_switches_in_place() {
+            gs.mig_pending.store(u32::from(enable), Relaxed);
+            return Ok(MigModeChange::PendingReset { in_use: busy });
+        }
+        if busy {
+            return Err(SimError::InUse(format!("processes are using GPU {gpu}")));
+        }
         gs.mig_pending.store(u32::from(enable), Relaxed);
-        Ok(gs.mig_current.load(Relaxed) != u32::from(enable))
+        gs.mig_current.store(u32::from(enable), Relaxed);
+        publish(&g, gpu, EventKind::MigConfigChange, u64::from(enable), None);
+        Ok(MigModeChange::Applied)
     }
 
     fn gis_locked(&self, g: &Guard, gpu: u32) -> Result<Vec<GpuInstance>> {
@@ -478,6 +515,7 @@ fn busy_on_gpu(g: &Guard, gpu: u32) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::MigModeChange;
     use crate::SimError;
     use crate::catalog::{
         NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, NVML_GPU_INSTANCE_PROFILE_1_SLICE, NVML_GPU_INSTANCE_PROFILE_3_SLICE,
@@ -489,26 +527,65 @@ mod tests {
         node_from(Some("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 2\nmig = true\n"))
     }
 
+    const A100: &str = "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n";
+
     #[test]
-    fn mode_change_is_pending_until_reset() {
-        let t = default_node();
+    fn ampere_mode_change_is_pending_until_reset_even_in_use() {
+        let t = node_from(Some(A100));
+        let other = reopen(&t.state);
         assert_eq!(t.node.mig_mode(0).unwrap(), (false, false));
-        assert!(t.node.set_mig_mode(0, true).unwrap(), "a reset is needed");
+        other.alloc(0, 0, 1 << 20).unwrap();
+        assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::PendingReset { in_use: true });
+        drop(other);
+        assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::PendingReset { in_use: false });
         assert_eq!(t.node.mig_mode(0).unwrap(), (false, true));
-        assert!(matches!(t.node.gpu_instances(0), Err(SimError::NotSupported(_))));
+        assert!(matches!(t.node.gpu_instances(0), Err(SimError::NotSupported(_))), "not before the reset");
+        // Asked back before the reset: the pending change is cancelled.
+        assert_eq!(t.node.set_mig_mode(0, false).unwrap(), MigModeChange::Unchanged);
+        assert_eq!(t.node.mig_mode(0).unwrap(), (false, false));
+        t.node.set_mig_mode(0, true).unwrap();
         t.node.reset(0).unwrap();
         assert_eq!(t.node.mig_mode(0).unwrap(), (true, true));
         assert!(t.node.gpu_instances(0).unwrap().is_empty());
     }
 
     #[test]
-    fn mode_change_refused_while_in_use() {
+    fn hopper_mode_change_takes_effect_at_once_when_idle() {
+        let t = default_node();
+        let watcher = reopen(&t.state);
+        let mut cursor = watcher.event_cursor();
+        assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::Applied);
+        assert_eq!(t.node.mig_mode(0).unwrap(), (true, true));
+        assert!(t.node.gpu_instances(0).unwrap().is_empty(), "MIG on, no reset");
+        let ev = watcher.next_event(&mut cursor, |_| true, std::time::Duration::from_secs(1)).unwrap().unwrap();
+        assert_eq!((ev.gpu, ev.kind, ev.data), (0, crate::EventKind::MigConfigChange, 1));
+        assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::Unchanged);
+        // A reset keeps the mode: there is nothing pending.
+        t.node.reset(0).unwrap();
+        assert_eq!(t.node.mig_mode(0).unwrap(), (true, true));
+        assert_eq!(t.node.set_mig_mode(0, false).unwrap(), MigModeChange::Applied);
+        assert_eq!(t.node.mig_mode(0).unwrap(), (false, false));
+    }
+
+    #[test]
+    fn hopper_mode_change_refused_while_in_use() {
         let t = default_node();
         let other = reopen(&t.state);
         other.alloc(0, 0, 1 << 20).unwrap();
         assert!(matches!(t.node.set_mig_mode(0, true), Err(SimError::InUse(_))));
+        assert_eq!(t.node.mig_mode(0).unwrap(), (false, false), "nothing left pending");
         drop(other);
-        assert!(t.node.set_mig_mode(0, true).is_ok());
+        assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::Applied);
+    }
+
+    #[test]
+    fn disabling_is_refused_while_instances_exist_on_every_model() {
+        for desc in [A100, "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"] {
+            let t = node_from(Some(&format!("{desc}mig = true\n")));
+            t.node.create_gpu_instance(0, NVML_GPU_INSTANCE_PROFILE_1_SLICE, None).unwrap();
+            assert!(matches!(t.node.set_mig_mode(0, false), Err(SimError::InUse(_))), "{desc}");
+            assert_eq!(t.node.mig_mode(0).unwrap(), (true, true), "{desc}");
+        }
     }
 
     #[test]

@@ -119,8 +119,16 @@ static CUDART_INTERFACE: Table<13> = Table([
 
 // ---- Tools (profiler) tables -----------------------------------------------------------------
 
-/// Thread-local tool state: a size and data words the runtime reads (none: no tool attached).
-static TOOLS_TLS: Table<4> = Table([size_word::<4>(), ptr::null(), ptr::null(), ptr::null()]);
+/// Entry 2 of the tools TLS table: the calling thread's current context, as `cuCtxGetCurrent`
+/// (the runtime inside cuBLAS calls it before its first handle is made, and follows the pointer).
+unsafe extern "C" fn tls_current_context(pctx: *mut sys::CUcontext) -> CUresult {
+    // SAFETY: the same contract as cuCtxGetCurrent: pctx is the caller's out-pointer.
+    unsafe { context::cuCtxGetCurrent(pctx) }
+}
+
+/// The tools' thread-local interface: a size word, then functions.
+static TOOLS_TLS: Table<4> =
+    Table([size_word::<4>(), unknown!(1, 1), tls_current_context as *const (), unknown!(1, 3)]);
 
 /// Buffers the runtime's callback hooks live in (written by the runtime, read by tools).
 struct HookBuffer<const N: usize>(std::cell::UnsafeCell<[u32; N]>);
@@ -287,6 +295,28 @@ extern "C" fn context_flag() -> u32 {
 static CONTEXT_CHECKS: Table<4> =
     Table([size_word::<4>(), unknown!(8, 1), context_check as *const (), context_flag as *const ()]);
 
+// ---- Tools context (21318c60-9714-3248-8ca6-41ff7324c8f2) ------------------------------------
+
+/// Entry 4: a context's unique id, as `cuCtxGetId` (cuBLAS asks before its first GEMM).
+unsafe extern "C" fn tools_context_id(ctx: sys::CUcontext, id: *mut u64) -> CUresult {
+    // SAFETY: the same contract as cuCtxGetId: id is the caller's out-pointer.
+    unsafe { context::cuCtxGetId(ctx, id) }
+}
+
+/// Words `1..N` of a table whose entries are all unknown, after its size word.
+macro_rules! unknown_entries {
+    ($table:expr, $n:literal; $($index:literal)*) => {
+        [size_word::<$n>(), $(unknown!($table, $index)),*]
+    };
+}
+
+/// The tools' context interface: a size word and 94 functions (as recent drivers serve it).
+static TOOLS_CONTEXT: Table<95> = Table({
+    let mut t = unknown_entries!(9, 95; 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94);
+    t[4] = tools_context_id as *const ();
+    t
+});
+
 // ---- The lookup ------------------------------------------------------------------------------
 
 /// A table served: its name, UUID and where it starts.
@@ -294,7 +324,7 @@ type Known = (&'static str, [u8; 16], fn() -> *const c_void);
 
 /// Every table served: its name (for traces), UUID (bytes as the runtime passes them) and start.
 /// `unknown!(T, _)` refers to a table by its index here.
-static KNOWN: [Known; 9] = [
+static KNOWN: [Known; 10] = [
     ("CUDART_INTERFACE", uuid(0x6bd5fb6c_5bf4_e74a_8987_d93912fd9df9), || CUDART_INTERFACE.start()),
     ("TOOLS_TLS", uuid(0x42d85a81_23f6_cb47_8298_f6e78a3aecdc), || TOOLS_TLS.start()),
     ("TOOLS_RUNTIME_CALLBACK_HOOKS", uuid(0xa094798c_2e74_2e74_93f2_0800200c0a66), || {
@@ -306,6 +336,7 @@ static KNOWN: [Known; 9] = [
     ("DEVICE_EXTENDED_RT", uuid(0xb10541e1_f7c7_c74a_9f64_f223be99f1e2), || DEVICE_EXTENDED_RT.start()),
     ("INTEGRITY_CHECK", uuid(0xd4082055_bde6_704b_8d34_ba123c66e1f2), || INTEGRITY_CHECK.start()),
     ("CONTEXT_CHECKS", uuid(0x263e8860_7cd2_6143_92f6_bbd5006dfa7e), || CONTEXT_CHECKS.start()),
+    ("TOOLS_CONTEXT", uuid(0x21318c60_9714_3248_8ca6_41ff7324c8f2), || TOOLS_CONTEXT.start()),
 ];
 
 /// A UUID's bytes in the order it is written.
@@ -365,7 +396,7 @@ mod tests {
                 // SAFETY: that table has four words.
                 assert_eq!(unsafe { *t.add(3) }, 0, "{name} ends with a null word");
             } else {
-                assert!(first % 8 == 0 && (16..=26 * 8).contains(&first), "{name}: size word {first}");
+                assert!(first % 8 == 0 && (16..=95 * 8).contains(&first), "{name}: size word {first}");
             }
             assert_eq!(find(id).ok(), Some(start()));
         }

@@ -329,7 +329,10 @@ pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut sys::CUmodule, fatCu
 /// Removes a module, its functions and its globals.
 fn unload(reg: &mut Registry, h: usize) -> Vec<Alloc> {
     let Some(m) = reg.modules.remove(&h) else { return Vec::new() };
-    reg.funcs.retain(|_, f| f.module != h);
+    // Only its own functions: cuBLAS unloads hundreds of modules at exit, each with many.
+    for f in m.funcs.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        reg.funcs.remove(f);
+    }
     let globals: Vec<u64> = m.globals.lock().unwrap_or_else(|e| e.into_inner()).values().map(|g| g.0).collect();
     globals.iter().filter_map(|b| reg.mem.remove(b)).collect()
 }
@@ -545,7 +548,9 @@ pub unsafe extern "C" fn cuLibraryUnload(library: sys::CUlibrary) -> CUresult {
         let mods: Vec<usize> = lib.modules.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect();
         let freed = {
             let mut reg = handles::write();
-            reg.funcs.retain(|_, f| f.library != lib.handle);
+            for k in lib.kernels.lock().unwrap_or_else(|e| e.into_inner()).values() {
+                reg.funcs.remove(k);
+            }
             mods.into_iter().flat_map(|m| unload(&mut reg, m)).collect::<Vec<_>>()
         };
         for a in freed {
@@ -624,6 +629,14 @@ fn func(h: usize) -> R<Arc<Func>> {
 /// Fails unless `h` is a function or kernel this process holds.
 pub(crate) fn check_function(h: usize) -> R {
     func(h).map(drop)
+}
+
+/// A function's compile-time cluster dimensions (zeros: none required) and whether it allows a
+/// non-portable cluster size (`CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED`).
+pub(crate) fn cluster_attributes(h: usize) -> R<([u32; 3], bool)> {
+    let f = func(h)?;
+    let dim = |i: usize| f.cluster[i].load(Relaxed).max(0) as u32;
+    Ok(([dim(0), dim(1), dim(2)], f.non_portable_cluster.load(Relaxed) != 0))
 }
 
 #[unsafe(no_mangle)]

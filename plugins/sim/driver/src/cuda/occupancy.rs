@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_uint};
 
 use super::init::{Device, driver};
 use super::module::check_function;
-use super::{CUresult, INVALID_VALUE, R, need, put, run, sys};
+use super::{CUresult, INVALID_VALUE, NOT_SUPPORTED, R, get, need, put, raw_u32, run, sys};
 
 /// `CU_OCCUPANCY_DEFAULT`, `CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE`.
 const FLAGS_MASK: c_uint = 1;
@@ -210,6 +210,124 @@ pub unsafe extern "C" fn cuOccupancyAvailableDynamicSMemPerBlock(
     })
 }
 
+/// `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`.
+const LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: u32 = 4;
+/// The largest cluster every cluster-capable GPU runs (`cudaOccupancyMaxPotentialClusterSize`'s
+/// portable limit), and the largest a Hopper GPC runs with a non-portable size allowed.
+const PORTABLE_CLUSTER: u64 = 8;
+const NON_PORTABLE_CLUSTER: u64 = 16;
+/// Graphics processing clusters of the sim's Hopper boards (GH100: 8, their SMs spread over
+/// them); a thread-block cluster runs inside one GPC.
+const HOPPER_GPCS: u64 = 8;
+
+/// What a cluster query is about: the cluster's blocks, and the blocks one SM holds.
+struct ClusterQuery {
+    limits: Limits,
+    /// Blocks per cluster (`None`: neither the configuration nor the function sets it).
+    size: Option<u64>,
+    non_portable: bool,
+    blocks_per_sm: u64,
+}
+
+/// Reads a cluster query's launch configuration and function.
+///
+/// # Safety
+/// `config` must be null or point to a `CUlaunchConfig` whose `attrs` hold `numAttrs` entries.
+unsafe fn cluster_query(f: sys::CUfunction, config: *const sys::CUlaunchConfig) -> R<ClusterQuery> {
+    driver()?;
+    let d = device_of(f)?;
+    if d.model.cc_major < 9 {
+        // No thread-block clusters before Hopper (CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH is 0).
+        return Err(NOT_SUPPORTED);
+    }
+    // SAFETY: as this function's contract (null/misaligned checked by get).
+    let c = unsafe { get(config) }?;
+    let mut dims = None;
+    if c.numAttrs > 0 {
+        if c.attrs.is_null() {
+            return Err(INVALID_VALUE);
+        }
+        for i in 0..c.numAttrs as usize {
+            // SAFETY: attrs holds numAttrs entries; the id is read as the raw integer C stored,
+            // and the cluster dimension is three unsigned ints at the start of the value union.
+            unsafe {
+                let a = c.attrs.add(i);
+                if raw_u32(std::ptr::addr_of!((*a).id)) == LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION {
+                    dims = Some(std::ptr::addr_of!((*a).value).cast::<[u32; 3]>().read_unaligned());
+                }
+            }
+        }
+    }
+    let (required, non_portable) = super::module::cluster_attributes(f as usize)?;
+    let product = |d: [u32; 3]| d.iter().map(|&x| u64::from(x.max(1))).product::<u64>();
+    let size = match (dims, required.iter().any(|&x| x > 0)) {
+        // A required size and a configured one must agree.
+        (Some(d), true) if d != required => return Err(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE),
+        (Some(d), _) => Some(product(d)),
+        (None, true) => Some(product(required)),
+        (None, false) => None,
+    };
+    let limits = limits(d);
+    let block = u64::from(c.blockDimX) * u64::from(c.blockDimY) * u64::from(c.blockDimZ);
+    let blocks_per_sm = blocks_per_sm(&limits, block, u64::from(c.sharedMemBytes));
+    Ok(ClusterQuery { limits, size, non_portable, blocks_per_sm })
+}
+
+/// The SMs of the smallest GPC.
+fn smallest_gpc(l: &Limits) -> u64 {
+    l.sm_count / HOPPER_GPCS
+}
+
+/// Clusters of `size` blocks resident at once on the device: each GPC holds whole clusters.
+fn active_clusters(l: &Limits, blocks_per_sm: u64, size: u64) -> u64 {
+    let (each, extra) = (l.sm_count / HOPPER_GPCS, l.sm_count % HOPPER_GPCS);
+    // `extra` GPCs have one SM more than the others.
+    let per_gpc = |sms: u64| blocks_per_sm * sms / size.max(1);
+    per_gpc(each + 1) * extra + per_gpc(each) * (HOPPER_GPCS - extra)
+}
+
+/// `cuOccupancyMaxActiveClusters`: how many clusters of the configured (or the function's
+/// required) size can be resident at once; 0 when a cluster does not fit in a GPC.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxActiveClusters(
+    numClusters: *mut c_int,
+    func: sys::CUfunction,
+    config: *const sys::CUlaunchConfig,
+) -> CUresult {
+    run(|| {
+        need(numClusters)?;
+        // SAFETY: the caller's configuration, per the API contract.
+        let q = unsafe { cluster_query(func, config) }?;
+        let size = q.size.ok_or(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE)?;
+        let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
+        if size > max {
+            return Err(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE);
+        }
+        let n = active_clusters(&q.limits, q.blocks_per_sm, size);
+        // SAFETY: the caller's out-pointer (checked above).
+        unsafe { put(numClusters, n.min(c_int::MAX as u64) as c_int) }
+    })
+}
+
+/// `cuOccupancyMaxPotentialClusterSize`: the largest cluster that fits in a GPC with the
+/// configuration's blocks (8 portable, 16 with a non-portable size allowed).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuOccupancyMaxPotentialClusterSize(
+    clusterSize: *mut c_int,
+    func: sys::CUfunction,
+    config: *const sys::CUlaunchConfig,
+) -> CUresult {
+    run(|| {
+        need(clusterSize)?;
+        // SAFETY: the caller's configuration, per the API contract.
+        let q = unsafe { cluster_query(func, config) }?;
+        let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
+        let n = (q.blocks_per_sm * smallest_gpc(&q.limits)).min(max);
+        // SAFETY: the caller's out-pointer (checked above).
+        unsafe { put(clusterSize, n as c_int) }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,5 +356,17 @@ mod tests {
         assert_eq!(blocks_per_sm(&l, 1025, 0), 0, "too large a block");
         assert_eq!(blocks_per_sm(&l, 128, 300_000), 0, "too much shared memory");
         assert_eq!(blocks_per_sm(&l, 0, 0), 0);
+    }
+
+    #[test]
+    fn clusters_fill_whole_gpcs() {
+        let l = h100();
+        // 132 SMs over 8 GPCs: four of 17 SMs and four of 16.
+        assert_eq!(active_clusters(&l, 1, 1), 132, "one block per SM, clusters of one");
+        assert_eq!(active_clusters(&l, 1, 2), 4 * 8 + 4 * 8, "17 SMs hold 8 pairs, as 16 do");
+        assert_eq!(active_clusters(&l, 2, 8), 4 * 4 + 4 * 4);
+        assert_eq!(active_clusters(&l, 1, 16), 8, "one cluster of 16 per GPC");
+        assert_eq!(active_clusters(&l, 0, 8), 0, "blocks that do not fit anywhere");
+        assert_eq!(smallest_gpc(&l), 16);
     }
 }

@@ -5,6 +5,16 @@
 //! address (shared), so two mappings of one allocation see the same bytes, and access flags are
 //! page protections: memory mapped without access cannot be reached by a copy (the range check
 //! refuses it before any byte moves).
+//!
+//! Sharing between processes (`cuMemExportToShareableHandle` /
+//! `cuMemImportFromShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, as PyTorch's
+//! expandable segments share memory): the shareable handle is a duplicate of the allocation's
+//! memfd, which a program passes to another process of the node over a unix socket like any file
+//! descriptor. The memfd is named for the GPU and memory domain it lives on and sealed against
+//! resizing, so an importer can tell a handle of this driver, and map it without fearing a
+//! truncation. The allocation is charged once, to the exporter; an imported one charges nothing.
+//! Where the sim differs: a real driver keeps the memory counted until the last process lets go of
+//! it; here it stops being counted when the exporter frees it (the importer keeps its pages).
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_ulonglong, c_void};
@@ -17,12 +27,19 @@ use super::handles::{self, Registry};
 use super::init::{Device, driver};
 use super::memory::{PtrInfo, charge, refund};
 use super::pools::{ALLOCATION_TYPE_PINNED, AccessDesc, LOCATION_TYPE_DEVICE};
-use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
+use super::{CUresult, INVALID_DEVICE, INVALID_VALUE, NOT_SUPPORTED, OUT_OF_MEMORY, R, get, need, put, run, sys};
 
 /// `cuMemGetAllocationGranularity`: 2 MiB, minimum and recommended alike.
 pub(crate) const GRANULARITY: u64 = 2 << 20;
 
 static NEXT_PHYS: AtomicU64 = AtomicU64::new(1);
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// What every allocation's memfd is named after: `tessera-vmm:<gpu>:<memory domain>`.
+const MEMFD_PREFIX: &str = "tessera-vmm:";
+/// The seals an allocation's memfd carries: its size is fixed for good.
+const SEALS: c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 /// A physical allocation.
 pub(crate) struct Phys {
@@ -181,11 +198,15 @@ pub unsafe extern "C" fn cuMemCreate(
         let node = driver()?.node;
         poll_faults(node)?;
         node.check_gpu(d.gpu).map_err(|_| CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE)?;
+        let name = format!("{MEMFD_PREFIX}{}:{}\0", d.gpu, d.domain);
         let epoch = charge(node, d.gpu, d.domain, size)?;
-        // SAFETY: the name is a valid C string; memfd_create makes a new anonymous file.
-        let fd = unsafe { libc::memfd_create(c"tessera-vmm".as_ptr(), libc::MFD_CLOEXEC) };
-        // SAFETY: fd is the file just made; it grows sparse.
-        if fd < 0 || unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
+        // SAFETY: the name is NUL-terminated; memfd_create makes a new anonymous file.
+        let fd = unsafe { libc::memfd_create(name.as_ptr().cast(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let sized = |fd| {
+            // SAFETY: fd is the file just made: it grows sparse, then its size is sealed.
+            unsafe { libc::ftruncate(fd, size as libc::off_t) == 0 && libc::fcntl(fd, libc::F_ADD_SEALS, SEALS) == 0 }
+        };
+        if fd < 0 || !sized(fd) {
             if fd >= 0 {
                 // SAFETY: fd is ours.
                 unsafe { libc::close(fd) };
@@ -520,5 +541,109 @@ pub unsafe extern "C" fn cuMemGetAllocationPropertiesFromHandle(
         };
         // SAFETY: prop is the caller's out-pointer (checked above), of AllocProp's layout.
         unsafe { put(prop.cast::<AllocProp>(), out) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareableHandle: *mut c_void,
+    handle: sys::CUmemGenericAllocationHandle,
+    handleType: c_int,
+    flags: c_ulonglong,
+) -> CUresult {
+    run(|| {
+        need(shareableHandle.cast::<c_int>())?;
+        driver()?;
+        let kind = handleType as u32;
+        if flags != 0 || !kind.is_power_of_two() {
+            return Err(INVALID_VALUE);
+        }
+        let reg = handles::read();
+        let p = reg.phys.get(&handle).filter(|p| p.refs > 0).ok_or(INVALID_VALUE)?;
+        // Only a kind the allocation was made exportable as (`requestedHandleTypes`).
+        if p.handle_types & kind == 0 {
+            return Err(INVALID_VALUE);
+        }
+        if kind != HANDLE_TYPE_POSIX_FD {
+            // Windows handles and fabric handles (which need an NVSwitch fabric manager).
+            return Err(NOT_SUPPORTED);
+        }
+        // SAFETY: p.fd is the allocation's memfd, open while it is registered.
+        let fd = unsafe { libc::fcntl(p.fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: the caller's out-pointer (checked above): an int for a file descriptor.
+        unsafe { put(shareableHandle.cast::<c_int>(), fd) }
+    })
+}
+
+/// What a shareable handle names: the GPU, memory domain and size of an allocation of this
+/// driver, read from its memfd.
+fn shared_allocation(fd: c_int) -> R<(u32, usize, u64)> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(|_| INVALID_VALUE)?;
+    let link = link.to_string_lossy();
+    let rest = link.strip_prefix("/memfd:").and_then(|l| l.strip_prefix(MEMFD_PREFIX)).ok_or(INVALID_VALUE)?;
+    let rest = rest.strip_suffix(" (deleted)").unwrap_or(rest);
+    let (gpu, domain) = rest.split_once(':').ok_or(INVALID_VALUE)?;
+    let (gpu, domain) = (gpu.parse().map_err(|_| INVALID_VALUE)?, domain.parse().map_err(|_| INVALID_VALUE)?);
+    // SAFETY: fcntl on a descriptor the caller gave; it fails for one that is not open.
+    if unsafe { libc::fcntl(fd, libc::F_GET_SEALS) } & SEALS != SEALS {
+        return Err(INVALID_VALUE);
+    }
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a stat into st on success.
+    if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
+        return Err(INVALID_VALUE);
+    }
+    // SAFETY: fstat succeeded, so st is initialized.
+    let size = unsafe { st.assume_init() }.st_size as u64;
+    if size == 0 || !size.is_multiple_of(GRANULARITY) {
+        return Err(INVALID_VALUE);
+    }
+    Ok((gpu, domain, size))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut sys::CUmemGenericAllocationHandle,
+    osHandle: *mut c_void,
+    shHandleType: c_int,
+) -> CUresult {
+    run(|| {
+        need(handle)?;
+        let drv = driver()?;
+        match shHandleType as u32 {
+            HANDLE_TYPE_POSIX_FD => {}
+            2 | 4 | 8 => return Err(NOT_SUPPORTED),
+            _ => return Err(INVALID_VALUE),
+        }
+        // The file descriptor travels in the pointer's value.
+        let fd = c_int::try_from(osHandle as usize).map_err(|_| INVALID_VALUE)?;
+        let (gpu, domain, size) = shared_allocation(fd)?;
+        let dev = drv.devices.iter().find(|d| d.gpu == gpu && d.domain == domain).ok_or(INVALID_DEVICE)?;
+        poll_faults(drv.node)?;
+        drv.node.check_gpu(gpu).map_err(|_| CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE)?;
+        // Our own reference: the caller keeps (and closes) the descriptor it passed.
+        // SAFETY: fd was checked open above.
+        let own = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if own < 0 {
+            return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let h = NEXT_PHYS.fetch_add(1, Relaxed);
+        // The exporter was charged; importing charges nothing.
+        let phys = Phys {
+            fd: own,
+            size,
+            dev,
+            charge: 0,
+            epoch: super::memory::current_epoch(gpu),
+            handle_types: HANDLE_TYPE_POSIX_FD,
+            refs: 1,
+            mappings: 0,
+        };
+        handles::write().phys.insert(h, phys);
+        // SAFETY: handle is the caller's out-pointer (checked above).
+        unsafe { put(handle, h) }
     })
 }

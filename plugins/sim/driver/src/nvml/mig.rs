@@ -8,7 +8,7 @@
 use std::ffi::c_uint;
 
 use nvml_wrapper_sys::bindings::*;
-use tessera_sim_model::{CiProfile, ComputeInstance, GiProfile, GpuInstance, GpuModel, Node, SimError};
+use tessera_sim_model::{CiProfile, ComputeInstance, GiProfile, GpuInstance, GpuModel, MigModeChange, Node, SimError};
 
 use super::handles::{self, Dev, DevRef, ci_handle, gi_handle, gpu_handle, mig_handle};
 use super::*;
@@ -97,10 +97,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     })
 }
 
-/// `nvmlDeviceSetMigMode`: the mode becomes pending and takes effect at the next GPU reset
-/// (`activationStatus` = `NVML_ERROR_RESET_REQUIRED`; `NVML_SUCCESS` when already in that mode).
-/// Refused with `IN_USE` (in both the return code and `activationStatus`) while processes use
-/// the GPU or, to disable, while GPU instances exist.
+/// `nvmlDeviceSetMigMode`, per architecture (docs/sim.md, "MIG mode changes"):
+/// - Ampere: the mode becomes pending until the next GPU reset; `NVML_SUCCESS` with
+///   `activationStatus` `NVML_ERROR_RESET_REQUIRED`, or `NVML_ERROR_IN_USE` while processes use
+///   the GPU (the driver could not reset it);
+/// - Hopper and later: the mode takes effect at once (`activationStatus` `NVML_SUCCESS`);
+///   refused with `IN_USE` (return code and `activationStatus`) while processes use the GPU.
+///
+/// Already in that mode: `NVML_SUCCESS` twice. Disabling while GPU instances exist: `IN_USE`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceSetMigMode(
     device: nvmlDevice_t,
@@ -119,8 +123,9 @@ pub unsafe extern "C" fn nvmlDeviceSetMigMode(
             };
             mig_model(node, gpu)?;
             let activation = match node.set_mig_mode(gpu, enable) {
-                Ok(true) => RESET_REQUIRED,
-                Ok(false) => SUCCESS,
+                Ok(MigModeChange::PendingReset { in_use: true }) => IN_USE,
+                Ok(MigModeChange::PendingReset { in_use: false }) => RESET_REQUIRED,
+                Ok(MigModeChange::Applied | MigModeChange::Unchanged) => SUCCESS,
                 Err(SimError::InUse(_)) => {
                     // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
                     unsafe { put(activation_status, IN_USE) }?;

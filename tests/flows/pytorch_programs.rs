@@ -1,0 +1,175 @@
+//! PyTorch 2.8 (the CUDA 12.8 build, with cuBLAS) runs on the simulated node: it finds the GPUs,
+//! reports the device, copies real bytes, launches kernels and a GEMM (timed, results not
+//! computed), synchronises, allocates through its caching allocator (also with
+//! `expandable_segments:True`, which maps memory with the driver's VMM calls) until its own
+//! `torch.OutOfMemoryError`, and, under libtessera.so with a memory limit, sees the limit in
+//! `torch.cuda.mem_get_info()` and fails at it.
+//!
+//! PyTorch lives in a virtual environment `scripts/deps.sh` makes (`target/torch-runtime`, or
+//! `TESSERA_TORCH_RUNTIME`). Without it the tests print a SKIP line, and fail when
+//! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+use tessera_sim_testkit::{SimNode, profile_dir};
+use tessera_tests::shim;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// The default node's board, and what the sim reserves on it and charges per context.
+const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
+const H100_MEMORY: u64 = 81_559 * MIB;
+const H100_RESERVED: u64 = 454 * MIB;
+const CONTEXT_OVERHEAD: u64 = 256 * MIB;
+/// What cuBLAS and the loaded kernels keep on the device outside PyTorch's allocator, at most.
+const LIBRARIES_KEEP: u64 = 128 * MIB;
+
+/// The virtual environment's Python with PyTorch importable, or `None` with a SKIP line (an error
+/// when `TESSERA_REQUIRE_RUNTIMES` is set).
+fn torch_python() -> Option<PathBuf> {
+    let venv = std::env::var_os("TESSERA_TORCH_RUNTIME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| profile_dir().parent().expect("target dir").join("torch-runtime"));
+    let python = venv.join("bin/python");
+    let why = if !python.exists() {
+        format!("no PyTorch environment at {} (scripts/deps.sh makes it)", venv.display())
+    } else {
+        match Command::new(&python).args(["-c", "import torch"]).output() {
+            Ok(o) if o.status.success() => return Some(python),
+            Ok(o) => format!("PyTorch does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
+            Err(e) => format!("{}: {e}", python.display()),
+        }
+    };
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    None
+}
+
+/// What the PyTorch program does; it prints one JSON line of what it saw.
+const PROGRAM: &str = r#"
+import json, sys
+import torch
+
+chunk = int(sys.argv[1])
+out = {"available": torch.cuda.is_available()}
+out["count"] = torch.cuda.device_count()
+out["name"] = torch.cuda.get_device_name(0)
+out["free"], out["total"] = torch.cuda.mem_get_info()
+
+# Real bytes to the device and back; kernels and a GEMM (cuBLAS) launch and the device
+# synchronises (the sim runs no kernel code, so their results are not checked).
+host = torch.arange(1 << 20, dtype=torch.int32)
+dev = host.to("cuda")
+out["roundtrip"] = bool(torch.equal(dev.cpu(), host))
+y = dev + 1
+z = torch.randn(512, 512, device="cuda") @ torch.randn(512, 512, device="cuda")
+torch.cuda.synchronize()
+out["shapes"] = [list(y.shape), list(z.shape)]
+out["expandable"] = [s.get("is_expandable", False) for s in torch.cuda.memory._snapshot()["segments"]]
+del host, dev, y, z
+
+# Allocate through the caching allocator until its out-of-memory error.
+held = []
+try:
+    while len(held) < 10000:
+        held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+    out["oom"] = None
+except torch.OutOfMemoryError:
+    out["oom"] = "OutOfMemoryError"
+out["held"] = len(held) * chunk
+del held
+torch.cuda.empty_cache()
+out["reserved_after"] = torch.cuda.memory_reserved()
+out["free_after"] = torch.cuda.mem_get_info()[0]
+print(json.dumps(out))
+"#;
+
+/// Runs the program on a node of its own with `extra` environment, allocating `chunk` bytes at a
+/// time; what it saw.
+fn run_torch(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
+    let node = SimNode::new();
+    let out = node
+        .command(python)
+        .args(["-c", PROGRAM, &chunk.to_string()])
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
+        .envs(extra.iter().copied())
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "PyTorch on the sim failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}
+
+/// What every run shows, whatever its allocator settings: the program ran to the end.
+fn check_common(v: &Value, expandable: bool) {
+    assert_eq!(v["available"], true, "torch.cuda.is_available(): {v}");
+    assert_eq!(u(v, "count"), 8);
+    assert_eq!(v["name"], H100_NAME);
+    assert_eq!(v["roundtrip"], true, "bytes copied to the device and back are the same");
+    assert_eq!(v["shapes"], serde_json::json!([[1 << 20], [512, 512]]), "the kernels and the GEMM ran");
+    let segments = v["expandable"].as_array().expect("segments");
+    assert!(!segments.is_empty() && segments.iter().all(|s| s == expandable), "segments: {v}");
+    assert_eq!(v["oom"], "OutOfMemoryError", "PyTorch's own OOM error: {v}");
+}
+
+fn runs_on_the_sim(alloc_conf: &str) {
+    let Some(python) = torch_python() else { return };
+    let v = run_torch(&python, 4 * GIB, &[("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)]);
+    check_common(&v, !alloc_conf.is_empty());
+    assert_eq!(u(&v, "total"), H100_MEMORY);
+    let free = H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD;
+    assert_eq!(u(&v, "free"), free, "the board less what the sim reserves and the context");
+    let held = u(&v, "held");
+    assert!(held <= free && held + 4 * GIB + LIBRARIES_KEEP > free, "held {held} of {free} free before the OOM");
+    // What the allocator gave back is free on the device again.
+    let (after, reserved) = (u(&v, "free_after"), u(&v, "reserved_after"));
+    assert!(after + reserved <= free && after + reserved + LIBRARIES_KEEP > free, "{v}");
+}
+
+#[test]
+fn pytorch_runs_on_the_simulated_node() {
+    runs_on_the_sim("");
+}
+
+#[test]
+fn pytorch_with_expandable_segments_maps_memory_through_vmm() {
+    runs_on_the_sim("expandable_segments:True");
+}
+
+fn sees_the_shims_limit(alloc_conf: &str) {
+    let Some(python) = torch_python() else { return };
+    let shim = shim();
+    let shim = shim.to_str().expect("utf-8 path");
+    let env = [("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB"), ("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)];
+    let v = run_torch(&python, 100 * MIB, &env);
+    check_common(&v, !alloc_conf.is_empty());
+    assert_eq!(u(&v, "total"), GIB, "mem_get_info shows the limit as the device's memory");
+    assert_eq!(u(&v, "free"), GIB - CONTEXT_OVERHEAD, "the context counts against the limit");
+    let held = u(&v, "held");
+    let free = GIB - CONTEXT_OVERHEAD;
+    assert!(held <= free && held + 100 * MIB + LIBRARIES_KEEP > free, "held {held} of {free} under a 1 GiB limit");
+    let (after, reserved) = (u(&v, "free_after"), u(&v, "reserved_after"));
+    assert!(after + reserved <= free && after + reserved + LIBRARIES_KEEP > free, "{v}");
+}
+
+#[test]
+fn pytorch_under_the_shim_sees_its_limit() {
+    sees_the_shims_limit("");
+}
+
+#[test]
+fn pytorch_with_expandable_segments_under_the_shim_sees_its_limit() {
+    sees_the_shims_limit("expandable_segments:True");
+}
