@@ -1,7 +1,9 @@
 //! What one `/metrics` scrape costs on a busy node: 8 GPUs, 100 containers (100 real accounting
 //! regions, 4 live processes each, two shares per container on one GPU and one on another).
 //! Prints p50/p99 of sampling the regions, of rendering, and of a whole scrape over loopback
-//! (`cargo bench -p tessera-daemon --bench scrape`).
+//! (`cargo bench -p tessera-daemon --bench scrape`), with CPU time per call (this process's,
+//! where the server runs). Baseline, interleaved with the busy node's scrapes on the same server
+//! code: a node with the same GPUs and no containers.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -71,6 +73,27 @@ fn scrape(addr: SocketAddr) -> usize {
     out.len()
 }
 
+/// CPU time of this whole process (user + system): the server's threads and the client's.
+fn process_cpu() -> Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Serves `source`'s metrics on loopback; returns the address and what stops the server.
+fn serve(
+    rt: &tokio::runtime::Runtime,
+    source: Arc<dyn MetricsSource>,
+) -> (SocketAddr, tokio::sync::watch::Sender<bool>, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let listener = telemetry::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let _g = rt.enter();
+    let server = rt.spawn(telemetry::serve(tokio::net::TcpListener::from_std(listener).unwrap(), source, stopped));
+    (addr, stop, server)
+}
+
 fn main() {
     let tmp = tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir()).unwrap();
     let dirs = AllocDirs::new(tmp.path());
@@ -130,6 +153,12 @@ fn main() {
         }
         allocations.push(a);
     }
+    let empty = Arc::new(Node {
+        gpus: gpus.clone(),
+        allocations: Vec::new(),
+        dirs: AllocDirs::new(tmp.path()),
+        sampler: Mutex::new(UsageSampler::new()),
+    });
     let node = Arc::new(Node { gpus, allocations, dirs, sampler: Mutex::new(UsageSampler::new()) });
 
     // Warm up: open every region once.
@@ -137,6 +166,7 @@ fn main() {
     let mut sample_t = Vec::new();
     let mut render_t = Vec::new();
     let mut size = 0;
+    let cpu0 = process_cpu();
     for _ in 0..ROUNDS {
         let t = Instant::now();
         let m = node.sample();
@@ -145,26 +175,35 @@ fn main() {
         size = telemetry::render(&m).len();
         render_t.push(t.elapsed());
     }
+    let sample_render_cpu = (process_cpu() - cpu0) / ROUNDS as u32;
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let listener = telemetry::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let server = {
-        let _g = rt.enter();
-        let source: Arc<dyn MetricsSource> = node.clone();
-        rt.spawn(telemetry::serve(tokio::net::TcpListener::from_std(listener).unwrap(), source, stopped))
-    };
+    let (addr, stop, server) = serve(&rt, node.clone());
+    let (empty_addr, empty_stop, empty_server) = serve(&rt, empty.clone());
     scrape(addr);
-    let mut scrape_t = Vec::new();
+    scrape(empty_addr);
+    // Interleaved: busy node, empty node, empty node, busy node, ...
+    let (mut scrape_t, mut empty_t) = (Vec::new(), Vec::new());
+    let (mut busy_cpu, mut empty_cpu) = (Duration::ZERO, Duration::ZERO);
     let mut wire = 0;
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        wire = scrape(addr);
-        scrape_t.push(t.elapsed());
+    for i in 0..ROUNDS {
+        for busy in if i % 2 == 0 { [true, false] } else { [false, true] } {
+            let (t, c) = (Instant::now(), process_cpu());
+            if busy {
+                wire = scrape(addr);
+                scrape_t.push(t.elapsed());
+                busy_cpu += process_cpu() - c;
+            } else {
+                scrape(empty_addr);
+                empty_t.push(t.elapsed());
+                empty_cpu += process_cpu() - c;
+            }
+        }
     }
-    stop.send(true).unwrap();
-    rt.block_on(server).unwrap().unwrap();
+    for (stop, server) in [(stop, server), (empty_stop, empty_server)] {
+        stop.send(true).unwrap();
+        rt.block_on(server).unwrap().unwrap();
+    }
 
     println!(
         "scrape: {GPUS} GPUs, {CONTAINERS} containers ({} regions, {} processes), {size} bytes of text ({wire} on the wire)",
@@ -174,5 +213,13 @@ fn main() {
     percentiles("sample (100 regions)", sample_t);
     percentiles("render", render_t);
     percentiles("scrape over loopback", scrape_t);
+    percentiles("baseline: empty node scrape", empty_t);
+    let per = |d: Duration| format!("{:.3} ms", d.as_secs_f64() * 1e3 / ROUNDS as f64);
+    println!(
+        "CPU per call (whole process): sample + render {:.3} ms; scrape {} vs empty node {}",
+        sample_render_cpu.as_secs_f64() * 1e3,
+        per(busy_cpu),
+        per(empty_cpu)
+    );
     tessera_daemon::state::mount::detach_all_under(tmp.path());
 }

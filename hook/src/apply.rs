@@ -61,9 +61,10 @@ pub(crate) fn record_owner(
 }
 
 struct Prepared {
+    /// The hook's own mount namespace, to clone a host device node from when `mknod` is refused.
+    host_ns: OwnedFd,
     ns: OwnedFd,
     allow: Option<std::fs::File>,
-    nodes: Vec<OwnedFd>,
     mounts: Vec<(OwnedFd, bool)>,
 }
 
@@ -76,11 +77,15 @@ fn prepare(plan: &Plan, pid: i32) -> Result<Prepared, InjectError> {
     plan::ensure_files(plan)?;
     let ns_path = PathBuf::from(format!("/proc/{pid}/ns/mnt"));
     let ns = std::fs::File::open(&ns_path).map_err(|e| host_err(&ns_path, e))?.into();
+    let own = Path::new("/proc/self/ns/mnt");
+    let host_ns = std::fs::File::open(own).map_err(|e| host_err(own, e))?.into();
     let allow = if plan.device_nodes.is_empty() { None } else { Some(device_cgroup(pid)?) };
-    let mut nodes = Vec::new();
+    // Device nodes are made with mknod; a host node is cloned as a bind mount only where mknod
+    // is refused (a user namespace), then. Cloning each up front cost a detached mount per node
+    // that, unused, the kernel dissolves at close after an RCU grace period: milliseconds of
+    // wall time per start. A missing host node is still an error before anything changes.
     for n in &plan.device_nodes {
-        let c = sys::cstr(n.host_path.as_os_str()).map_err(|e| host_err(&n.host_path, e))?;
-        nodes.push(sys::open_tree_clone(&c, false).map_err(|e| host_err(&n.host_path, e))?);
+        std::fs::metadata(&n.host_path).map_err(|e| host_err(&n.host_path, e))?;
     }
     let mut mounts = Vec::new();
     for m in &plan.mounts {
@@ -94,7 +99,7 @@ fn prepare(plan: &Plan, pid: i32) -> Result<Prepared, InjectError> {
         sys::mount_setattr(tree.as_fd(), attrs).map_err(|e| host_err(&m.host_path, format!("mount_setattr: {e}")))?;
         mounts.push((tree, meta.is_dir()));
     }
-    Ok(Prepared { ns, allow, nodes, mounts })
+    Ok(Prepared { host_ns, ns, allow, mounts })
 }
 
 /// The container's cgroup v1 `devices.allow`, opened for writing. cgroup v2 has no such file: a
@@ -149,9 +154,22 @@ fn is_cgroup_v1_devices(dir: &Path) -> bool {
     rc == 0 && st.f_type as i64 == CGROUP_SUPER_MAGIC && dir.join("devices.allow").exists()
 }
 
+/// A detached bind mount of a host device node, made from the container's mount namespace: back
+/// to the hook's own namespace for the `open_tree` (a path, and a clone, of the host), then into
+/// the container's again, where the tree is attached. `root`'s descriptors stay valid across.
+fn clone_host_node(p: &Prepared, host_path: &Path) -> Result<OwnedFd, InjectError> {
+    let c = sys::cstr(host_path.as_os_str()).map_err(|e| host_err(host_path, e))?;
+    sys::setns_mnt(p.host_ns.as_fd())
+        .map_err(|e| InjectError(format!("setns back into the host's mount namespace: {e}")))?;
+    let tree = sys::open_tree_clone(&c, false).map_err(|e| host_err(host_path, e));
+    sys::setns_mnt(p.ns.as_fd())
+        .map_err(|e| InjectError(format!("setns into the container's mount namespace: {e}")))?;
+    tree
+}
+
 fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> {
     let mut done = Applied::default();
-    if let Some(mut allow) = p.allow {
+    if let Some(mut allow) = p.allow.as_ref() {
         for n in &plan.device_nodes {
             // One rule per write: the kernel parses each write as one rule.
             allow
@@ -163,12 +181,13 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         .map_err(|e| InjectError(format!("setns into the container's mount namespace: {e}")))?;
     let root = Root::open(root).map_err(|e| host_err(root, e))?;
     let cerr = |path: &Path, e: std::io::Error| InjectError(format!("container {}: {e}", path.display()));
-    for (n, tree) in plan.device_nodes.iter().zip(&p.nodes) {
+    for n in &plan.device_nodes {
         match root.mknod(&n.path, n.major, n.minor) {
             Ok(NodeOutcome::Created) => done.devices += 1,
             Ok(NodeOutcome::Existing) => done.skipped += 1,
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 // A user namespace: bind the host's node instead.
+                let tree = clone_host_node(&p, &n.host_path)?;
                 let target = root.file(&n.path).map_err(|e| cerr(&n.path, e))?;
                 sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&n.path, e))?;
                 done.devices += 1;

@@ -130,14 +130,27 @@ impl Root {
     /// The first existing component of `path` (lexically, from the root) that is a symbolic link,
     /// if any; the walk stops at the first missing component. Never follows anything.
     pub fn first_symlink(&self, path: &Path) -> io::Result<Option<std::path::PathBuf>> {
-        let mut cur = self.fd.try_clone()?;
+        self.first_symlink_cached(path, &mut DirCache::default())
+    }
+
+    /// [`Root::first_symlink`], reusing the directories earlier walks found to be real
+    /// directories (`cache`: one per check; three dozen targets share a few parents, and each
+    /// component walked costs an `openat` and an `fstat`).
+    pub fn first_symlink_cached(&self, path: &Path, cache: &mut DirCache) -> io::Result<Option<std::path::PathBuf>> {
         let mut seen = std::path::PathBuf::from("/");
+        // The directory the walk is in: an index into the cache (None: the root).
+        let mut cur: Option<usize> = None;
         for name in components(path) {
             if name == ".." {
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, "path has \"..\""));
             }
             seen.push(&name);
-            let fd = match sys::openat(cur.as_fd(), &sys::cstr(&name)?, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+            if let Some(i) = cache.0.iter().position(|(p, _)| *p == seen) {
+                cur = Some(i);
+                continue;
+            }
+            let dir = cur.map_or(self.fd.as_fd(), |i| cache.0[i].1.as_fd());
+            let fd = match sys::openat(dir, &sys::cstr(&name)?, libc::O_PATH | libc::O_NOFOLLOW, 0) {
                 Ok(fd) => fd,
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
                 Err(e) => return Err(e),
@@ -149,7 +162,8 @@ impl Root {
             if mode != libc::S_IFDIR {
                 return Ok(None);
             }
-            cur = fd;
+            cache.0.push((seen.clone(), fd));
+            cur = Some(cache.0.len() - 1);
         }
         Ok(None)
     }
@@ -325,6 +339,16 @@ mod tests {
         assert_eq!(r.first_symlink(Path::new("/etc/ld.so.preload")).unwrap(), Some("/etc".into()));
         assert_eq!(r.first_symlink(Path::new("/real/x/y")).unwrap(), None);
         assert_eq!(r.first_symlink(Path::new("/abs")).unwrap(), Some("/abs".into()));
+        // One cache across walks (as the wrapper checks its targets) answers the same, in any
+        // order: a cached directory never hides a link below or beside it.
+        let paths = ["/real/x/y", "/etc/ld.so.preload", "/real/x", "/abs/x", "/real", "/etc", "/loop1/z", "/up"];
+        let mut cache = DirCache::default();
+        for _ in 0..2 {
+            for p in paths {
+                let p = Path::new(p);
+                assert_eq!(r.first_symlink_cached(p, &mut cache).unwrap(), r.first_symlink(p).unwrap(), "{p:?}");
+            }
+        }
         // The victim is untouched.
         let names: Vec<_> = std::fs::read_dir(victim).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["keep"]);

@@ -138,8 +138,10 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
     let file_mounts = plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path);
     let targets = plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path));
+    // The targets share a few parent directories: each is walked once.
+    let mut walked = crate::safe::DirCache::default();
     for t in targets {
-        match root.first_symlink(t) {
+        match root.first_symlink_cached(t, &mut walked) {
             Ok(None) => {}
             Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.clone().any(|f| f == t) => {
                 root.file(t).map_err(|e| InjectError(format!("root file system: {}: {e}", t.display())))?;

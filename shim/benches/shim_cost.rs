@@ -64,10 +64,103 @@ sm_percent = 99
 "#;
 
 fn main() {
+    if std::env::var_os(FIRST_ALLOC).is_some() {
+        first_alloc();
+        return;
+    }
     if std::env::var_os(CHILD).is_none() {
         std::process::exit(parent());
     }
     child();
+}
+
+/// Set in a process that measures its own start-up: `cuInit`, device 0's primary context made
+/// current and the first `cuMemAlloc_v2` (1 MiB), through `dlopen("libcuda.so.1")` + `dlsym` as
+/// a program does (under `LD_PRELOAD=libtessera.so` these find the shim's hooks); prints the
+/// microseconds from before the `dlopen` to the allocation's return.
+const FIRST_ALLOC: &str = "TESSERA_SHIM_BENCH_FIRST_ALLOC";
+
+/// The start-up a process pays to its first allocation, in a function of its own for callgrind.
+#[inline(never)]
+fn instr_first_alloc() -> f64 {
+    let t = Instant::now();
+    let cuda = open(Path::new("libcuda.so.1"));
+    // SAFETY: these names have these signatures in cuda.h (the driver's or the shim's hooks).
+    let (init, retain, alloc): (CuInit, CuRetain, CuAlloc) =
+        unsafe { (sym(&cuda, c"cuInit"), sym(&cuda, c"cuDevicePrimaryCtxRetain"), sym(&cuda, c"cuMemAlloc_v2")) };
+    // SAFETY: as above; the shim does not hook cuCtxSetCurrent.
+    let set_current: CuSetCurrent = unsafe { sym(&cuda, c"cuCtxSetCurrent") };
+    let (mut ctx, mut p) = (std::ptr::null_mut(), 0u64);
+    // SAFETY: valid out-pointers; the context comes from the driver.
+    unsafe {
+        check(init(0), "cuInit");
+        check(retain(&mut ctx, 0), "cuDevicePrimaryCtxRetain");
+        check(set_current(ctx), "cuCtxSetCurrent");
+        check(alloc(&mut p, MIB), "cuMemAlloc_v2");
+    }
+    let us = t.elapsed().as_nanos() as f64 / 1000.0;
+    std::mem::forget(cuda);
+    us
+}
+
+fn first_alloc() {
+    println!("{:.1}", instr_first_alloc());
+}
+
+/// Start-up to the first allocation, without and with the shim preloaded: `runs` interleaved
+/// pairs of processes (medians of the in-process times), or with `instr` the instructions of
+/// [`instr_first_alloc`] under callgrind, one process each.
+fn first_alloc_pairs(node: &SimNode, limits: &Path, region: &Path, runs: usize, instr: bool) {
+    let shim = profile_dir().join("libtessera.so");
+    let exe = std::env::current_exe().expect("current_exe");
+    let run = |preload: bool| -> f64 {
+        let out = profile_dir().join(format!("shim_cost.first_alloc.{}.callgrind", u8::from(preload)));
+        let mut c = if instr {
+            let mut c = node.command("valgrind");
+            c.args(["--tool=callgrind", "--collect-atstart=no", "--toggle-collect=*::instr_first_alloc"])
+                .arg(format!("--callgrind-out-file={}", out.display()))
+                .arg(&exe);
+            c
+        } else {
+            node.command(&exe)
+        };
+        c.env(FIRST_ALLOC, "1").env("TESSERA_LIMITS", limits).env("TESSERA_REGION", region);
+        match preload {
+            true => c.env("LD_PRELOAD", &shim),
+            false => c.env_remove("LD_PRELOAD"),
+        };
+        let o = c.output().expect("run the start-up child");
+        assert!(o.status.success(), "start-up child: {}", String::from_utf8_lossy(&o.stderr));
+        if instr {
+            let text = std::fs::read_to_string(&out).expect("the callgrind profile");
+            let total = text.lines().find_map(|l| l.strip_prefix("summary: ")).expect("a summary line");
+            return total.trim().parse().expect("a count");
+        }
+        String::from_utf8_lossy(&o.stdout).trim().parse().expect("microseconds")
+    };
+    if instr {
+        let (plain, shim) = (run(false), run(true));
+        println!(
+            "\nStart-up to the first cuMemAlloc_v2 (instructions, callgrind; in process: dlopen, cuInit, context, alloc):"
+        );
+        println!("  plain {plain:.0}, shim preloaded {shim:.0}, added {:.0} ({:.2}x)", shim - plain, shim / plain);
+        return;
+    }
+    let (mut a, mut b, mut d) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..runs {
+        let (x, y) = if i % 2 == 0 {
+            let x = run(false);
+            (x, run(true))
+        } else {
+            let y = run(true);
+            (run(false), y)
+        };
+        a.push(x);
+        b.push(y);
+        d.push(y - x);
+    }
+    println!("\nStart-up to the first cuMemAlloc_v2, in process ({runs} interleaved pairs of processes, medians):");
+    println!("  plain {:.0} µs, shim preloaded {:.0} µs, added {:.0} µs", median(a), median(b), median(d));
 }
 
 /// Makes the node and the container's files, runs this binary again inside them, and passes on
@@ -78,16 +171,131 @@ fn parent() -> i32 {
     std::fs::write(&limits, LIMITS).expect("write the limits file");
     let region = node.root.join("region");
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let status = node
-        .command(std::env::current_exe().expect("current_exe"))
-        .args(args)
-        .env(CHILD, "1")
-        .env("TESSERA_LIMITS", &limits)
-        .env("TESSERA_REGION", &region)
-        .env_remove("LD_PRELOAD")
-        .status()
-        .expect("run the benchmark child");
-    status.code().unwrap_or(1)
+    let instr = std::env::var(INSTR).ok().filter(|v| !v.is_empty());
+    // The whole node, then a process that sees device 0 alone (CUDA_VISIBLE_DEVICES=0): the
+    // default stream's device needs no lookup there.
+    for (run, visible) in [(0, None), (1, Some("0"))] {
+        let exe = std::env::current_exe().expect("current_exe");
+        // Kept beside the build for a closer look (callgrind_annotate).
+        let out = profile_dir().join(format!("shim_cost.{run}.callgrind"));
+        if instr.is_some() {
+            remove_profile(&out);
+        }
+        let mut c = match &instr {
+            Some(_) => {
+                let mut c = node.command("valgrind");
+                // Instructions are counted only inside the marker functions, and a profile part
+                // is dumped as each marker begins: each part holds the previous marker's count.
+                c.args(["--tool=callgrind", "--collect-atstart=no", "--toggle-collect=*::instr_*"])
+                    .arg("--dump-before=shim_cost::instr_*")
+                    .arg(format!("--callgrind-out-file={}", out.display()))
+                    .arg(exe);
+                c
+            }
+            None => node.command(exe),
+        };
+        c.args(&args)
+            .env(CHILD, "1")
+            .env("TESSERA_LIMITS", &limits)
+            .env("TESSERA_REGION", &region)
+            .env_remove("LD_PRELOAD");
+        match visible {
+            Some(v) => c.env("CUDA_VISIBLE_DEVICES", v),
+            None => c.env_remove("CUDA_VISIBLE_DEVICES"),
+        };
+        let status = c.status().expect("run the benchmark child");
+        if !status.success() {
+            return status.code().unwrap_or(1);
+        }
+        if let Some(n) = &instr {
+            let n: u64 = n.parse().expect("TESSERA_SHIM_BENCH_INSTR: a number of calls per side");
+            print_instructions(&out, n, visible.is_some());
+        }
+    }
+    if instr.is_some() || args.iter().any(|a| a == "--bench") {
+        first_alloc_pairs(&node, &limits, &region, 40, instr.is_some());
+    }
+    0
+}
+
+/// Calls per side in the instruction-count mode (`TESSERA_SHIM_BENCH_INSTR=N`): each pair's
+/// sides run N times under callgrind, each in a function of its own (`instr_*`), and the table
+/// gives the instructions per call of each side from those functions' inclusive costs.
+const INSTR: &str = "TESSERA_SHIM_BENCH_INSTR";
+
+/// Runs `f` `n` times in a function named for the pair and side, so that callgrind's inclusive
+/// cost of that function is exactly that side's (the loop and closure are the same on both).
+macro_rules! counted {
+    ($($name:ident),* $(,)?) => {
+        $(#[inline(never)]
+        fn $name(n: u64, f: &mut dyn FnMut()) {
+            // Unlike every other marker's body: identical functions would be merged into one.
+            black_box(stringify!($name));
+            for _ in 0..n {
+                f();
+            }
+        })*
+        /// The pairs the instruction-count mode measures, by marker function name prefix.
+        const COUNTED: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+
+counted!(
+    instr_launch_default_driver,
+    instr_launch_default_shim,
+    instr_launch_explicit_driver,
+    instr_launch_explicit_shim,
+    instr_launch_per_thread_driver,
+    instr_launch_per_thread_shim,
+    instr_launch_throttled_driver,
+    instr_launch_throttled_shim,
+    instr_alloc_free_1mib_driver,
+    instr_alloc_free_1mib_shim,
+);
+
+/// Removes a callgrind profile and its parts from an earlier run.
+fn remove_profile(profile: &Path) {
+    let _ = std::fs::remove_file(profile);
+    for k in 1.. {
+        if std::fs::remove_file(format!("{}.{k}", profile.display())).is_err() {
+            break;
+        }
+    }
+}
+
+/// Reads each marker's instructions from the callgrind profile parts (part `k`, dumped as marker
+/// `k` began, holds marker `k - 1`'s count; the final dump, the last marker's) and prints
+/// instructions per call: driver, shim, added.
+fn print_instructions(profile: &Path, n: u64, one_device: bool) {
+    let mut cost = std::collections::HashMap::new();
+    let mut previous: Option<String> = None;
+    let parts = (1..).map(|k| format!("{}.{k}", profile.display())).take_while(|p| Path::new(p).exists());
+    let parts: Vec<String> = parts.chain([profile.display().to_string()]).collect();
+    for path in parts {
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let total = text
+            .lines()
+            .find_map(|l| l.strip_prefix("summary: "))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+        if let (Some(m), Some(t)) = (previous.take(), total) {
+            cost.insert(m, t);
+        }
+        previous = text
+            .lines()
+            .find_map(|l| l.strip_prefix("desc: Trigger: --dump-before="))
+            .and_then(|f| f.rsplit("::").next())
+            .map(str::to_string);
+    }
+    let process = if one_device { "a process seeing device 0 alone" } else { "a process seeing both devices" };
+    println!("\nInstructions per call (callgrind, {n} calls per side), {process}:");
+    println!("{:<28} {:>10} {:>10} {:>10}", "pair", "driver", "shim", "added");
+    for name in COUNTED.iter().filter_map(|m| m.strip_suffix("_driver")) {
+        let (Some(d), Some(s)) = (cost.get(&format!("{name}_driver")), cost.get(&format!("{name}_shim"))) else {
+            continue;
+        };
+        let (d, s) = (*d as f64 / n as f64, *s as f64 / n as f64);
+        println!("{:<28} {:>10.1} {:>10.1} {:>10.1}", name.trim_start_matches("instr_"), d, s, s - d);
+    }
 }
 
 type R = c_int;
@@ -108,6 +316,7 @@ type Dlsym = unsafe extern "C" fn(H, *const c_char) -> H;
 #[derive(Clone, Copy)]
 struct Side {
     launch: CuLaunch,
+    launch_ptsz: CuLaunch,
     alloc: CuAlloc,
     free: CuFree,
 }
@@ -158,11 +367,13 @@ fn child() {
         (
             Side {
                 launch: sym(&cuda, c"cuLaunchKernel"),
+                launch_ptsz: sym(&cuda, c"cuLaunchKernel_ptsz"),
                 alloc: sym(&cuda, c"cuMemAlloc_v2"),
                 free: sym(&cuda, c"cuMemFree_v2"),
             },
             Side {
                 launch: sym(&shim, c"cuLaunchKernel"),
+                launch_ptsz: sym(&shim, c"cuLaunchKernel_ptsz"),
                 alloc: sym(&shim, c"cuMemAlloc_v2"),
                 free: sym(&shim, c"cuMemFree_v2"),
             },
@@ -189,12 +400,15 @@ fn child() {
 
     // Set-up through the shim, so that its state (limits, region slot, context overhead) is
     // made as in a program: cuInit, then each device's primary context.
+    // A child run with CUDA_VISIBLE_DEVICES set sees device 0 alone.
+    let one_device = std::env::var_os("CUDA_VISIBLE_DEVICES").is_some();
+    let devices = if one_device { 1 } else { 2 };
     let mut ctx = [std::ptr::null_mut(); 2];
     let mut func = [std::ptr::null_mut(); 2];
     // SAFETY: valid out-pointers; handles come from the driver; C string literals.
     unsafe {
         check(cu_init(0), "cuInit (shim)");
-        for dev in 0..2 {
+        for dev in 0..devices {
             check(retain(&mut ctx[dev], dev as c_int), "cuDevicePrimaryCtxRetain (shim)");
             check(set_current(ctx[dev]), "cuCtxSetCurrent");
             let mut module = std::ptr::null_mut();
@@ -222,6 +436,11 @@ fn child() {
     let launch_on = |s: Side, f: H| {
         // SAFETY: f is a live function of the current context; stream lives for the bench.
         move || black_box(unsafe { (s.launch)(f, 1, 1, 1, 32, 1, 1, 0, stream, null.cast(), null.cast()) })
+    };
+    // The per-thread default stream: `_ptsz` with the NULL stream.
+    let launch_pt = |s: Side, f: H| {
+        // SAFETY: f is a live function of the current context; NULL stream, no parameters.
+        move || black_box(unsafe { (s.launch_ptsz)(f, 1, 1, 1, 32, 1, 1, 0, null, null.cast(), null.cast()) })
     };
     let alloc_free = |s: Side| {
         move || {
@@ -262,7 +481,65 @@ fn child() {
         region.set_trace_requested(true);
         println!("tracing: on");
     }
+    if let Some(n) = std::env::var(INSTR).ok().and_then(|v| v.parse::<u64>().ok()) {
+        set(0);
+        instr_launch_default_driver(n, &mut || {
+            launch(driver, func[0])();
+        });
+        instr_launch_default_shim(n, &mut || {
+            launch(hooked, func[0])();
+        });
+        drain();
+        instr_launch_explicit_driver(n, &mut || {
+            launch_on(driver, func[0])();
+        });
+        instr_launch_explicit_shim(n, &mut || {
+            launch_on(hooked, func[0])();
+        });
+        drain();
+        instr_launch_per_thread_driver(n, &mut || {
+            launch_pt(driver, func[0])();
+        });
+        instr_launch_per_thread_shim(n, &mut || {
+            launch_pt(hooked, func[0])();
+        });
+        drain();
+        if !one_device {
+            set(1);
+            instr_launch_throttled_driver(n, &mut || {
+                launch(driver, func[1])();
+            });
+            instr_launch_throttled_shim(n, &mut || {
+                launch(hooked, func[1])();
+            });
+            drain();
+            set(0);
+            instr_alloc_free_1mib_driver(n, &mut || {
+                alloc_free(driver)();
+            });
+            instr_alloc_free_1mib_shim(n, &mut || {
+                alloc_free(hooked)();
+            });
+        }
+        return;
+    }
     let full_run = std::env::args().any(|a| a == "--bench");
+    if one_device {
+        if full_run {
+            println!("\nA process that sees device 0 alone (CUDA_VISIBLE_DEVICES=0), interleaved:");
+            println!("{:<28} {:>12} {:>12} {:>12} {:>7}", "pair", "driver", "shim", "added", "ratio");
+            set(0);
+            interleaved(1000, 1000, launch(driver, func[0]), launch(hooked, func[0])).print("launch, default stream");
+            drain();
+            interleaved(1000, 1000, launch_on(driver, func[0]), launch_on(hooked, func[0]))
+                .print("launch, explicit stream");
+            drain();
+            interleaved(1000, 1000, launch_pt(driver, func[0]), launch_pt(hooked, func[0]))
+                .print("launch, per-thread stream");
+            drain();
+        }
+        return;
+    }
     let mut c = Criterion::default()
         .sample_size(50)
         .warm_up_time(Duration::from_millis(500))
@@ -302,6 +579,9 @@ fn child() {
         drain();
         let r = interleaved(1000, 1000, launch_on(driver, func[0]), launch_on(hooked, func[0]));
         r.print("launch, explicit stream");
+        drain();
+        let r = interleaved(1000, 1000, launch_pt(driver, func[0]), launch_pt(hooked, func[0]));
+        r.print("launch, per-thread stream");
         drain();
         set(1);
         let r = interleaved(1000, 500, launch(driver, func[1]), launch(hooked, func[1]));

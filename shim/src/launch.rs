@@ -9,7 +9,7 @@ use crate::ffi::*;
 use tessera_region::TraceFunc;
 
 use crate::real::RealCuda;
-use crate::state::enter;
+use crate::state::{enter, enter_launch};
 use crate::trace::Launch;
 
 type PP = *mut *mut c_void;
@@ -18,6 +18,10 @@ type PP = *mut *mut c_void;
 /// be told (a stale handle: the driver will refuse it) launches without it. While a trace is asked for, the call is an API
 /// span and the kernel is measured (CUDA events) for a kernel span; otherwise tracing costs one
 /// relaxed load.
+///
+/// A launch on a device with no SM share, in a normal-priority container, is the fast path: the
+/// generation check, the stream's device (a cache hit, or none to look up for the default
+/// stream of a one-device process), one increment of the slot's own launch counter.
 #[inline]
 fn gated(
     func: TraceFunc,
@@ -25,15 +29,36 @@ fn gated(
     stream: CUstream,
     call: impl FnOnce(&'static RealCuda) -> CUresult,
 ) -> CUresult {
-    guard(CUDA_ERROR_UNKNOWN, || match enter() {
+    guard(CUDA_ERROR_UNKNOWN, || match enter_launch() {
         Ok((s, cu)) if s.region.trace_requested() => {
+            s.refresh();
             let dev = s.device_of_stream(stream.cast());
             let traced = Launch { func, function: function as usize };
             crate::trace::api(s, func, dev, || launch(cu, dev, stream, Some(traced), call))
         }
-        Ok((s, cu)) => launch(cu, s.device_of_stream(stream.cast()), stream, None, call),
+        Ok((s, cu)) => match s.device_of_stream(stream.cast()) {
+            Some(dev) if s.plain_launch(dev) => {
+                s.count_launch(dev);
+                call(cu)
+            }
+            dev => {
+                s.refresh();
+                launch(cu, dev, stream, None, call)
+            }
+        },
         Err(rc) => rc,
     })
+}
+
+/// The real driver when a launch on `stream` takes the fast path ([`ShimState::fast_launch`]:
+/// counted, nothing else to do), else `None`: the hook then runs [`gated`].
+///
+/// [`ShimState::fast_launch`]: crate::state::ShimState::fast_launch
+#[inline(always)]
+fn fast(stream: CUstream) -> Option<&'static RealCuda> {
+    let s = crate::state::get()?;
+    let cu = crate::real::cuda_ready()?;
+    s.fast_launch(stream.cast()).then_some(cu)
 }
 
 #[inline(always)]
@@ -56,6 +81,61 @@ fn launch(
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn cuLaunchKernel(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe {
+            (cu.cuLaunchKernel)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+                extra,
+            )
+        };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe {
+        slow_cuLaunchKernel(
+            f,
+            gridDimX,
+            gridDimY,
+            gridDimZ,
+            blockDimX,
+            blockDimY,
+            blockDimZ,
+            sharedMemBytes,
+            hStream,
+            kernelParams,
+            extra,
+        )
+    }
+}
+
+/// `cuLaunchKernel` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchKernel`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchKernel(
     f: CUfunction,
     gridDimX: c_uint,
     gridDimY: c_uint,
@@ -105,6 +185,61 @@ pub unsafe extern "C" fn cuLaunchKernel_ptsz(
     kernelParams: PP,
     extra: PP,
 ) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe {
+            (cu.cuLaunchKernel_ptsz)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+                extra,
+            )
+        };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe {
+        slow_cuLaunchKernel_ptsz(
+            f,
+            gridDimX,
+            gridDimY,
+            gridDimZ,
+            blockDimX,
+            blockDimY,
+            blockDimZ,
+            sharedMemBytes,
+            hStream,
+            kernelParams,
+            extra,
+        )
+    }
+}
+
+/// `cuLaunchKernel_ptsz` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchKernel_ptsz`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchKernel_ptsz(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
     gated(TraceFunc::cuLaunchKernel_ptsz, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
@@ -141,6 +276,58 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
     hStream: CUstream,
     kernelParams: PP,
 ) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe {
+            (cu.cuLaunchCooperativeKernel)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+            )
+        };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe {
+        slow_cuLaunchCooperativeKernel(
+            f,
+            gridDimX,
+            gridDimY,
+            gridDimZ,
+            blockDimX,
+            blockDimY,
+            blockDimZ,
+            sharedMemBytes,
+            hStream,
+            kernelParams,
+        )
+    }
+}
+
+/// `cuLaunchCooperativeKernel` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchCooperativeKernel`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchCooperativeKernel(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+) -> CUresult {
     gated(TraceFunc::cuLaunchCooperativeKernel, f, hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         unsafe {
@@ -165,6 +352,58 @@ pub unsafe extern "C" fn cuLaunchCooperativeKernel(
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    f: CUfunction,
+    gridDimX: c_uint,
+    gridDimY: c_uint,
+    gridDimZ: c_uint,
+    blockDimX: c_uint,
+    blockDimY: c_uint,
+    blockDimZ: c_uint,
+    sharedMemBytes: c_uint,
+    hStream: CUstream,
+    kernelParams: PP,
+) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe {
+            (cu.cuLaunchCooperativeKernel_ptsz)(
+                f,
+                gridDimX,
+                gridDimY,
+                gridDimZ,
+                blockDimX,
+                blockDimY,
+                blockDimZ,
+                sharedMemBytes,
+                hStream,
+                kernelParams,
+            )
+        };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe {
+        slow_cuLaunchCooperativeKernel_ptsz(
+            f,
+            gridDimX,
+            gridDimY,
+            gridDimZ,
+            blockDimX,
+            blockDimY,
+            blockDimZ,
+            sharedMemBytes,
+            hStream,
+            kernelParams,
+        )
+    }
+}
+
+/// `cuLaunchCooperativeKernel_ptsz` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchCooperativeKernel_ptsz`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchCooperativeKernel_ptsz(
     f: CUfunction,
     gridDimX: c_uint,
     gridDimY: c_uint,
@@ -215,6 +454,30 @@ pub unsafe extern "C" fn cuLaunchKernelEx(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
+    if let Some(real) = crate::real::cuda_ready().and_then(|cu| cu.cuLaunchKernelEx)
+        && fast(stream).is_some()
+    {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe { real(config, f, kernelParams, extra) };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe { slow_cuLaunchKernelEx(config, f, kernelParams, extra) }
+}
+
+/// `cuLaunchKernelEx` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchKernelEx`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchKernelEx(
+    config: *const CUlaunchConfigHead,
+    f: CUfunction,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    let stream = unsafe { config_stream(config) };
     gated(TraceFunc::cuLaunchKernelEx, f, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
@@ -233,6 +496,30 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 ) -> CUresult {
     // SAFETY: the caller's configuration (cuda.h's contract).
     let stream = unsafe { config_stream(config) };
+    if let Some(real) = crate::real::cuda_ready().and_then(|cu| cu.cuLaunchKernelEx_ptsz)
+        && fast(stream).is_some()
+    {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe { real(config, f, kernelParams, extra) };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe { slow_cuLaunchKernelEx_ptsz(config, f, kernelParams, extra) }
+}
+
+/// `cuLaunchKernelEx_ptsz` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchKernelEx_ptsz`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuLaunchKernelEx_ptsz(
+    config: *const CUlaunchConfigHead,
+    f: CUfunction,
+    kernelParams: PP,
+    extra: PP,
+) -> CUresult {
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    let stream = unsafe { config_stream(config) };
     gated(TraceFunc::cuLaunchKernelEx_ptsz, f, stream, |cu| {
         let Some(real) = cu.cuLaunchKernelEx_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
@@ -244,6 +531,21 @@ pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
 /// As cuda.h's `cuGraphLaunch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe { slow_cuGraphLaunch(hGraphExec, hStream) }
+}
+
+/// `cuGraphLaunch` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuGraphLaunch`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
     gated(TraceFunc::cuGraphLaunch, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) })
@@ -254,6 +556,21 @@ pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstrea
 /// As cuda.h's `cuGraphLaunch_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    if let Some(cu) = fast(hStream) {
+        // SAFETY: the caller's arguments, passed on unchanged.
+        return unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) };
+    }
+    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+    unsafe { slow_cuGraphLaunch_ptsz(hGraphExec, hStream) }
+}
+
+/// `cuGraphLaunch_ptsz` past the fast path: the whole limiter.
+///
+/// # Safety
+/// As cuda.h's `cuGraphLaunch_ptsz`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn slow_cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
     gated(TraceFunc::cuGraphLaunch_ptsz, std::ptr::null_mut(), hStream, |cu| {
         // SAFETY: the caller's arguments, passed on unchanged.
         crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) })

@@ -267,6 +267,12 @@ pub(crate) fn cuda() -> Option<&'static RealCuda> {
     .as_ref()
 }
 
+/// The real CUDA driver if it has been loaded already (never loads it): for fast paths.
+#[inline(always)]
+pub(crate) fn cuda_ready() -> Option<&'static RealCuda> {
+    CUDA.get()?.as_ref()
+}
+
 /// The real NVML, loaded on first use.
 pub(crate) fn nvml() -> Option<&'static RealNvml> {
     NVML.get_or_init(|| {

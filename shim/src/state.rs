@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex};
 
-use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, MAX_DEVICES, Region, Slot, monotonic_ns};
+use tessera_region::{ENV_LIMITS, ENV_REGION, Limits, MAX_DEVICES, Priority, Region, Slot, monotonic_ns};
 
 use crate::ffi::*;
 use crate::memory::Tracker;
@@ -79,6 +79,9 @@ struct Enforced {
     sm_percent: [AtomicU32; MAX_DEVICES],
     /// What this process holds per device (its own tally, beside its region slot's).
     held: [AtomicU64; MAX_DEVICES],
+    /// A launch on the device needs nothing of the compute limiter: no SM share below 100% and
+    /// normal priority (set with the other limits; false until the device is known).
+    plain: [AtomicBool; MAX_DEVICES],
 }
 
 /// A device this process has seen: its CUDA ordinal (if seen through CUDA), the index its
@@ -111,6 +114,9 @@ pub(crate) struct ShimState {
     known: Mutex<Vec<Known>>,
     /// Direct-mapped cache: context handle << 8 | (ordinal + 1).
     ctx_cache: [AtomicU64; CTX_CACHE],
+    /// The driver enumerates exactly one device here (seen at `cuInit`): the default streams'
+    /// device is ordinal 0's, whatever context is current (a launch without one fails anyway).
+    one_device: AtomicBool,
     /// Stream handle << 8 | (region device index + 1): a stream's device, learned once (its
     /// first launch or stream-ordered allocation), forgotten when the stream or its context goes.
     stream_cache: [AtomicU64; STREAM_CACHE],
@@ -136,9 +142,7 @@ impl ShimState {
     /// second) the file was replaced. One atomic load and a thread-local count when neither.
     #[inline]
     pub(crate) fn refresh(&self) {
-        let g = self.region.config_generation();
-        if g != self.seen_generation.load(Relaxed) {
-            self.reload(Some(g));
+        if self.refresh_generation() {
             return;
         }
         thread_local!(static CALLS: Cell<u32> = const { Cell::new(0) });
@@ -150,6 +154,98 @@ impl ShimState {
         if n.is_multiple_of(FILE_CHECK_CALLS) {
             self.check_file();
         }
+    }
+
+    /// Re-reads the limits if the daemon bumped the config generation (true: it had moved).
+    #[inline(always)]
+    fn refresh_generation(&self) -> bool {
+        let g = self.region.config_generation();
+        if g != self.seen_generation.load(Relaxed) {
+            self.reload(Some(g));
+            return true;
+        }
+        false
+    }
+
+    /// Whether a launch on region device `dev` needs nothing of the compute limiter.
+    #[inline(always)]
+    pub(crate) fn plain_launch(&self, dev: usize) -> bool {
+        self.enforced.plain.get(dev).is_some_and(|p| p.load(Relaxed))
+    }
+
+    /// Counts a launch on a device in this process's slot. Every [`FILE_CHECK_CALLS`]th launch
+    /// on a device also looks at the limits file (as [`ShimState::refresh`] does for other calls,
+    /// with the slot's own counter instead of a thread-local one).
+    #[inline(always)]
+    pub(crate) fn count_launch(&self, dev: usize) {
+        let before = self.region.count_launch(self.slot, dev);
+        if before % u64::from(FILE_CHECK_CALLS) == u64::from(FILE_CHECK_CALLS) - 1 {
+            self.check_file_guarded();
+        }
+    }
+
+    /// The fast path of a launch on `stream`: true when the launch needs nothing of the limiter
+    /// and has been counted (the caller then calls the driver). False when anything else is
+    /// needed: the generation moved, a trace is asked for, the stream's device is not cached
+    /// (or has a share, or the container a priority); the caller then takes the full path,
+    /// which counts the launch itself. Nothing here can panic, and nothing allocates.
+    #[inline(always)]
+    pub(crate) fn fast_launch(&self, stream: *mut c_void) -> bool {
+        if self.region.config_generation() != self.seen_generation.load(Relaxed) || self.region.trace_requested() {
+            return false;
+        }
+        let Some(dev) = self.cached_device_of_stream(stream) else { return false };
+        if !self.plain_launch(dev) {
+            return false;
+        }
+        self.count_launch(dev);
+        true
+    }
+
+    /// A stream's device when it is known without learning anything: a cached stream, the one
+    /// device of a process that sees one, or the current context's when its device is cached.
+    #[inline(always)]
+    fn cached_device_of_stream(&self, stream: *mut c_void) -> Option<usize> {
+        if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
+            let ordinal = if self.one_device.load(Relaxed) { 0 } else { self.cached_current_ordinal()? };
+            return match self.by_ordinal.get(ordinal)?.load(Acquire) {
+                0 => None,
+                v => Some(v as usize - 1),
+            };
+        }
+        let key = stream as u64;
+        let v = self.stream_cache.get(cache_slot(key, STREAM_CACHE))?.load(Relaxed);
+        (v != 0 && v >> 8 == key).then(|| (v & 0xff) as usize - 1)
+    }
+
+    /// The current context's CUDA ordinal when the context is cached (a driver call: kept out of
+    /// line, so that the fast path needs no registers saved).
+    #[inline(never)]
+    fn cached_current_ordinal(&self) -> Option<usize> {
+        let cu = real::cuda_ready()?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: ctx is a valid out-pointer.
+        if unsafe { (cu.cuCtxGetCurrent)(&mut ctx) } != CUDA_SUCCESS || ctx.is_null() {
+            return None;
+        }
+        let key = ctx as u64;
+        let v = self.ctx_cache.get(ctx_slot(key))?.load(Relaxed);
+        (v != 0 && v >> 8 == key).then(|| (v & 0xff) as usize - 1)
+    }
+
+    /// Notes how many devices the driver enumerates (after a successful `cuInit`).
+    pub(crate) fn learn_device_count(&self, cu: &RealCuda) {
+        let mut n: c_int = 0;
+        // SAFETY: n is a valid out-pointer.
+        let ok = unsafe { (cu.cuDeviceGetCount)(&mut n) } == CUDA_SUCCESS;
+        self.one_device.store(ok && n == 1, Relaxed);
+    }
+
+    /// [`ShimState::check_file`] from outside the hooks' guard (the fast path): a panic stops here.
+    #[cold]
+    #[inline(never)]
+    fn check_file_guarded(&self) {
+        guard((), || self.check_file());
     }
 
     /// Re-reads the limits file if it was replaced since it was read (at most once a second).
@@ -207,11 +303,15 @@ impl ShimState {
         // SAFETY: as in `limits`: the pointee is never freed.
         let l = unsafe { &*p };
         let d = l.device(&k.uuid, k.index);
-        let (Some(memory), Some(sm)) = (self.enforced.memory.get(k.dev), self.enforced.sm_percent.get(k.dev)) else {
+        let (Some(memory), Some(sm), Some(plain)) =
+            (self.enforced.memory.get(k.dev), self.enforced.sm_percent.get(k.dev), self.enforced.plain.get(k.dev))
+        else {
             return;
         };
+        let share = d.and_then(|d| d.sm_percent).unwrap_or(0);
         memory.store(d.and_then(|d| d.memory_limit).map_or(0, |m| m.saturating_add(1)), Release);
-        sm.store(d.and_then(|d| d.sm_percent).unwrap_or(0), Release);
+        sm.store(share, Release);
+        plain.store(l.priority == Priority::Normal && (share == 0 || share >= 100), Release);
     }
 
     /// The memory limit this process enforces on a region device (`None`: none).
@@ -316,6 +416,9 @@ impl ShimState {
     /// context's).
     pub fn device_of_stream(&self, stream: *mut c_void) -> Option<usize> {
         if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
+            if self.one_device.load(Relaxed) {
+                return self.device_of_ordinal(0);
+            }
             return self.current_device();
         }
         let key = stream as u64;
@@ -466,11 +569,13 @@ impl ShimState {
     }
 }
 
+#[inline(always)]
 fn ctx_slot(key: u64) -> usize {
     cache_slot(key, CTX_CACHE)
 }
 
 /// A handle's slot in a direct-mapped cache of `len` entries (Fibonacci hashing).
+#[inline(always)]
 fn cache_slot(key: u64, len: usize) -> usize {
     (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize % len
 }
@@ -485,6 +590,7 @@ static INIT: AtomicU8 = AtomicU8::new(0);
 static ATFORK: AtomicBool = AtomicBool::new(false);
 
 /// The state once made (`None` before the first CUDA/NVML call through us, and when disabled).
+#[inline(always)]
 pub(crate) fn get() -> Option<&'static ShimState> {
     let p = STATE.load(Acquire);
     // SAFETY: a non-null STATE points to a leaked ShimState, never freed.
@@ -575,6 +681,7 @@ fn make() -> Result<ShimState, String> {
             memory: [const { AtomicU64::new(0) }; MAX_DEVICES],
             sm_percent: [const { AtomicU32::new(0) }; MAX_DEVICES],
             held: [const { AtomicU64::new(0) }; MAX_DEVICES],
+            plain: [const { AtomicBool::new(false) }; MAX_DEVICES],
         },
         limits: AtomicPtr::new(Arc::into_raw(Arc::new(limits)).cast_mut()),
         seen_generation: AtomicU64::new(generation),
@@ -584,6 +691,7 @@ fn make() -> Result<ShimState, String> {
         by_ordinal: [const { AtomicU32::new(0) }; MAX_ORDINALS],
         known: Mutex::new(Vec::new()),
         ctx_cache: [const { AtomicU64::new(0) }; CTX_CACHE],
+        one_device: AtomicBool::new(false),
         stream_cache: [const { AtomicU64::new(0) }; STREAM_CACHE],
         mem: Tracker::new(),
         last_reap_ns: AtomicU64::new(0),
@@ -596,8 +704,17 @@ fn make() -> Result<ShimState, String> {
 /// generation checked. `Err` is what the hook returns without calling the driver.
 #[inline]
 pub(crate) fn enter() -> Result<(&'static ShimState, &'static RealCuda), CUresult> {
+    let (s, cu) = enter_launch()?;
+    s.refresh();
+    Ok((s, cu))
+}
+
+/// [`enter`] for a launch hook: the config generation is checked, and the limits file is looked
+/// at by [`ShimState::count_launch`] or [`ShimState::refresh`] (no thread-local count here).
+#[inline(always)]
+pub(crate) fn enter_launch() -> Result<(&'static ShimState, &'static RealCuda), CUresult> {
     let s = ensure().map_err(|_| CUDA_ERROR_NOT_PERMITTED)?;
     let cu = real::cuda().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
-    s.refresh();
+    s.refresh_generation();
     Ok((s, cu))
 }

@@ -234,6 +234,133 @@ fn every_launch_entry_point_reaches_the_driver() {
     }
 }
 
+/// A kernel of the current context (`name` is a `tessera_test_spin_*` kernel: its duration).
+fn kernel(cu: &Cuda, name: &str) -> H {
+    let image = ptx(name);
+    let cname = CString::new(name).unwrap();
+    let (mut module, mut f): (H, H) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid out-pointers and C strings.
+    unsafe {
+        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
+        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, cname.as_ptr()));
+    }
+    f
+}
+
+/// Launches `f` on `stream` `n` times; each must succeed.
+fn launch_n(cu: &Cuda, f: H, stream: H, n: usize) {
+    let none: *mut *mut c_void = std::ptr::null_mut();
+    for _ in 0..n {
+        // SAFETY: f is a live function of the current context, stream one of its streams (or a
+        // default stream); no parameters.
+        ck("cuLaunchKernel", unsafe { (cu.cuLaunchKernel)(f, 1, 1, 1, 32, 1, 1, 0, stream, none, none) });
+    }
+}
+
+/// This process's launches and measured GPU time on the region's entry for `uuid`.
+fn my_launches(uuid: &str) -> (u64, u64) {
+    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
+    let r = Region::open_or_create(&path).expect("open region");
+    let dev = r.device(uuid).expect("device entry");
+    let snap = r.snapshot();
+    let me = snap.processes.iter().find(|p| p.pid == std::process::id()).expect("this process's slot");
+    me.devices.iter().find(|d| d.dev == dev).map_or((0, 0), |d| (d.launches, d.gpu_time_ns))
+}
+
+/// `CU_STREAM_PER_THREAD`: the per-thread default stream of the current context.
+const PER_THREAD: usize = 2;
+
+/// Launches are counted on the device their stream runs on, whatever the stream kind and however
+/// often the thread changes its current context: the default streams follow the current context
+/// (a stale device for them would count, and limit, on the wrong GPU), explicit streams are
+/// remembered per stream. Each kind is launched on more than once, so later launches take the
+/// fast path (the stream's device cached).
+#[test]
+fn launches_count_on_the_device_their_stream_runs_on() {
+    if !in_child() {
+        return run("launches_count_on_the_device_their_stream_runs_on", &memory_limits(8 * GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    let per_thread = PER_THREAD as H;
+    let (mut ctx1, mut stream0, mut stream1): (H, H, H) = (null, null, null);
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    // SAFETY: valid out-pointers; contexts from the driver.
+    unsafe {
+        ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream0, 0));
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, "tessera_test_spin_1us");
+    // SAFETY: as above.
+    unsafe { ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream1, 0)) };
+    launch_n(cu, f1, null, 3);
+    launch_n(cu, f1, per_thread, 2);
+    launch_n(cu, f1, stream1, 4);
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
+    launch_n(cu, f0, null, 6);
+    launch_n(cu, f0, per_thread, 2);
+    launch_n(cu, f0, stream0, 7);
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1)) };
+    launch_n(cu, f1, null, 1);
+    launch_n(cu, f1, stream1, 1);
+    assert_eq!(my_launches(&s.uuid(0)).0, 6 + 2 + 7, "device 0: its default streams and its stream");
+    assert_eq!(my_launches(&s.uuid(1)).0, 3 + 2 + 4 + 2, "device 1: its default streams and its stream");
+}
+
+/// A process that sees one device (`CUDA_VISIBLE_DEVICES`) takes its default streams' device
+/// without asking the driver; that shortcut must neither move the count to another device nor
+/// skip the device's SM share: with a share, launches are measured (GPU time), and once the
+/// share is lifted live, they are only counted.
+#[test]
+fn a_one_device_process_keeps_its_share_on_the_default_streams() {
+    const TEST: &str = "a_one_device_process_keeps_its_share_on_the_default_streams";
+    if !in_child() {
+        let node = node();
+        let limits = Limits {
+            devices: vec![DeviceLimits { uuid: "*".into(), memory_limit: None, sm_percent: Some(99) }],
+            ..Limits::default()
+        };
+        let c = Container::new(&limits);
+        let mut env = container_env(&c, &node);
+        env.push(("CUDA_VISIBLE_DEVICES".into(), "1".into()));
+        return drop(wait_child(TEST, spawn_child(TEST, env)));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let uuid = s.uuid(0);
+    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
+    let other = Region::open_or_create(&path).unwrap().device_uuid(0);
+    assert_eq!(other.as_deref(), Some(uuid.as_str()), "ordinal 0 is the one visible GPU, the region's first");
+    let f = kernel(cu, "tessera_test_spin_50us");
+    let null: H = std::ptr::null_mut();
+    launch_n(cu, f, null, 10);
+    launch_n(cu, f, PER_THREAD as H, 10);
+    // SAFETY: the current context.
+    unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    launch_n(cu, f, null, 1); // harvests the completed spans
+    let (launches, gpu) = my_launches(&uuid);
+    assert_eq!(launches, 21);
+    assert!(gpu >= 20 * 50_000, "the share's launches are measured: {gpu} ns of GPU time");
+    // The share lifted live, as the daemon does: the next launches are counted, not measured.
+    let lifted = memory_limits(8 * GIB);
+    lifted.write_atomic(&PathBuf::from(std::env::var_os("TESSERA_LIMITS").unwrap())).unwrap();
+    Region::open_or_create(&path).unwrap().bump_config_generation();
+    // SAFETY: the current context.
+    unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    launch_n(cu, f, null, 1); // the last measured span settles
+    let (_, settled) = my_launches(&uuid);
+    launch_n(cu, f, null, 5);
+    launch_n(cu, f, PER_THREAD as H, 5);
+    // SAFETY: the current context.
+    unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    launch_n(cu, f, null, 1);
+    assert_eq!(my_launches(&uuid), (33, settled), "counted, no longer measured");
+}
+
 // ---- Live limit changes ----------------------------------------------------------------------
 
 #[test]

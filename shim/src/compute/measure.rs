@@ -59,8 +59,9 @@ struct InFlight {
 #[derive(Default)]
 struct Local {
     in_flight: VecDeque<InFlight>,
-    /// Idle events by context (events belong to the context they were made in).
-    pool: HashMap<usize, Vec<usize>>,
+    /// Idle events by context (events belong to the context they were made in): a process has
+    /// a context or two, so a short list (no hashing on the launch path).
+    pool: Vec<(usize, Vec<usize>)>,
     /// Traced kernels: the estimated end of the last one on each stream (monotonic ns).
     stream_end: HashMap<usize, u64>,
     /// The trace session `announced` belongs to (0: none yet).
@@ -91,7 +92,7 @@ fn ok(rc: CUresult) -> bool {
 
 /// An event of `ctx` from the pool, or a new one (`ctx` must be current).
 fn take_event(l: &mut Local, ctx: usize) -> Option<usize> {
-    if let Some(e) = l.pool.get_mut(&ctx).and_then(Vec::pop) {
+    if let Some(e) = l.pool.iter_mut().find(|(c, _)| *c == ctx).and_then(|(_, idle)| idle.pop()) {
         return Some(e);
     }
     let cu = real::cuda()?;
@@ -101,7 +102,10 @@ fn take_event(l: &mut Local, ctx: usize) -> Option<usize> {
 }
 
 fn give_back(l: &mut Local, ctx: usize, e: usize) {
-    l.pool.entry(ctx).or_default().push(e);
+    match l.pool.iter_mut().find(|(c, _)| *c == ctx) {
+        Some((_, idle)) => idle.push(e),
+        None => l.pool.push((ctx, vec![e])),
+    }
 }
 
 /// Records the "before" event on the launch's stream. None when it cannot be measured (then
@@ -117,9 +121,19 @@ pub fn start(
     let cu = real::cuda()?;
     let mut ctx: CUcontext = std::ptr::null_mut();
     let mut current: CUcontext = std::ptr::null_mut();
-    // SAFETY: valid out-pointers; the stream is the caller's, about to be launched on.
-    let same =
-        unsafe { ok((cu.cuStreamGetCtx)(stream as CUstream, &mut ctx)) && ok((cu.cuCtxGetCurrent)(&mut current)) };
+    // SAFETY: valid out-pointers.
+    if !ok(unsafe { (cu.cuCtxGetCurrent)(&mut current) }) {
+        return None;
+    }
+    // The default streams (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) are the current
+    // context's: no need to ask.
+    let same = if stream as usize <= 2 {
+        ctx = current;
+        true
+    } else {
+        // SAFETY: a valid out-pointer; the stream is the caller's, about to be launched on.
+        ok(unsafe { (cu.cuStreamGetCtx)(stream as CUstream, &mut ctx) })
+    };
     if !same || ctx.is_null() || ctx != current {
         return None; // events are made in the current context; a foreign stream goes unmeasured
     }

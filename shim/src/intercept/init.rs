@@ -12,11 +12,14 @@ use crate::{real, state};
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
     guard(CUDA_ERROR_UNKNOWN, || {
-        if state::ensure().is_err() {
-            return CUDA_ERROR_NOT_PERMITTED;
-        }
+        let Ok(s) = state::ensure() else { return CUDA_ERROR_NOT_PERMITTED };
         let Some(cu) = real::cuda() else { return CUDA_ERROR_NO_DEVICE };
         // SAFETY: the caller's argument, passed on unchanged.
-        unsafe { (cu.cuInit)(Flags) }
+        let rc = unsafe { (cu.cuInit)(Flags) };
+        if rc == CUDA_SUCCESS {
+            // A process that sees one device launches on it from its default streams.
+            s.learn_device_count(cu);
+        }
+        rc
     })
 }

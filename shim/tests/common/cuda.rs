@@ -44,6 +44,7 @@ api! {
     cuDevicePrimaryCtxRetain(*mut H, c_int);
     cuDevicePrimaryCtxRelease_v2(c_int);
     cuCtxSetCurrent(H);
+    cuCtxSynchronize();
     cuCtxCreate_v2(*mut H, c_uint, c_int);
     cuCtxDestroy_v2(H);
     cuMemGetInfo_v2(*mut usize, *mut usize);
