@@ -427,6 +427,7 @@ pub(crate) mod tests {
                     pending: true,
                     capability: MigCapability { profiles, compute_slices: 7 },
                     instances,
+                    switches_in_place: true,
                 }),
                 nvlink_peers: Vec::new(),
                 processes: Vec::new(),
