@@ -531,7 +531,10 @@ unsafe fn slow_cuLaunchKernelEx_ptsz(
 /// As cuda.h's `cuGraphLaunch`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    if let Some(cu) = fast(hStream) {
+    // A graph with memory nodes takes the full path: its memory is reserved there.
+    if !crate::memory::graph::any_memory_nodes()
+        && let Some(cu) = fast(hStream)
+    {
         // SAFETY: the caller's arguments, passed on unchanged.
         return unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) };
     }
@@ -556,7 +559,10 @@ unsafe fn slow_cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUre
 /// As cuda.h's `cuGraphLaunch_ptsz`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    if let Some(cu) = fast(hStream) {
+    // A graph with memory nodes takes the full path: its memory is reserved there.
+    if !crate::memory::graph::any_memory_nodes()
+        && let Some(cu) = fast(hStream)
+    {
         // SAFETY: the caller's arguments, passed on unchanged.
         return unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) };
     }

@@ -309,6 +309,13 @@ fn ran(exec: CUgraphExec, upload: bool, call: impl FnOnce() -> CUresult) -> CUre
     rc
 }
 
+/// Whether some executable of this process has memory nodes: graph launches then take the
+/// launch hooks' full path, which reserves their memory ([`launched`]).
+#[inline]
+pub(crate) fn any_memory_nodes() -> bool {
+    crate::state::get().is_some_and(|s| s.mem.graphs.any.load(Relaxed))
+}
+
 /// A graph launch of `exec`.
 pub(crate) fn launched(exec: CUgraphExec, call: impl FnOnce() -> CUresult) -> CUresult {
     ran(exec, false, call)
