@@ -203,7 +203,14 @@ impl DaemonAllocator {
 
     /// A copy of every record (for reports and tests).
     pub fn allocations(&self) -> Vec<Allocation> {
-        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).list().cloned().collect()
+        self.allocations_where(|_| true)
+    }
+
+    /// A copy of the records `keep` selects: the lease pass runs every second beside Allocate,
+    /// and copies only what it looks at.
+    pub fn allocations_where(&self, keep: impl Fn(&Allocation) -> bool) -> Vec<Allocation> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        store.list().filter(|a| keep(a)).cloned().collect()
     }
 
     /// What is offered now.
@@ -219,6 +226,11 @@ impl DaemonAllocator {
     /// The GPUs from now on (the controller, when it publishes).
     pub fn set_rooms(&self, rooms: Vec<GpuRoom>) {
         *self.rooms.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rooms);
+    }
+
+    /// The GPUs as the controller last published them (no copy of its picture per call).
+    pub fn rooms(&self) -> Arc<Vec<GpuRoom>> {
+        Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// The share defaults of `config` for allocations from now on (a reload; records made
@@ -264,7 +276,7 @@ impl DaemonAllocator {
         let mut changed = 0;
         // Known values are kept, and a record always names its container: an allocation that
         // knows its container id has nothing to learn from it (no file read every pass).
-        for alloc in self.allocations().into_iter().filter(|a| a.container.container_id.is_none()) {
+        for alloc in self.allocations_where(|a| a.container.container_id.is_none()) {
             let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
             let mut c = alloc.container.clone();
             let fill = |field: &mut Option<String>, value: Option<String>| {

@@ -61,7 +61,8 @@ pub fn sweep(allocator: &DaemonAllocator) -> Vec<(String, String)> {
     allocator.adopt_owner_records();
     let now = SystemTime::now();
     let mut released = Vec::new();
-    for alloc in allocator.allocations() {
+    let leased = |a: &Allocation| a.claim.as_ref().is_some_and(|c| c.lease == Lease::Container);
+    for alloc in allocator.allocations_where(leased) {
         let Some(why) = ended(&alloc, allocator.dirs(), now) else { continue };
         match allocator.release(&alloc.id) {
             Ok(_) => {
@@ -158,7 +159,8 @@ mod tests {
         let state = tmp.path().join("runc/c1");
         std::fs::create_dir_all(&cgroup).unwrap();
         std::fs::create_dir_all(&state).unwrap();
-        let later = SystemTime::now() + STATE_GRACE;
+        // Past the grace of every owner record this test writes (it rewrites the record below).
+        let later = SystemTime::now() + 2 * STATE_GRACE;
         let mut owner = Owner {
             container_id: Some("c1".into()),
             cgroup: Some(cgroup.display().to_string()),

@@ -72,7 +72,9 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
         lease: lease(req.lease)?,
     };
     let allocator = controller.allocator();
-    let alloc = allocator.allocate_share(&share, &controller.gpu_rooms())?;
+    // The rooms the controller published (health and layout changes republish them): no copy of
+    // its whole picture on every call.
+    let alloc = allocator.allocate_share(&share, &allocator.rooms())?;
     Ok(answer(controller, &alloc))
 }
 
@@ -119,7 +121,8 @@ pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> R
     if change == LimitChange::default() {
         return Err(Status::invalid_argument("nothing to change: give memory_bytes, sm_percent or priority"));
     }
-    let alloc = controller.allocator().set_limits(&req.allocation_id, change, &controller.gpu_rooms())?;
+    let allocator = controller.allocator();
+    let alloc = allocator.set_limits(&req.allocation_id, change, &allocator.rooms())?;
     Ok(api::SetLimitsResponse {
         allocation: Some(super::devices::allocation(&alloc, &controller.allocator().resources())),
     })
