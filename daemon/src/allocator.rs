@@ -34,10 +34,31 @@ pub const ON_DEMAND_RESOURCE: &str = "node-api/gpu-share";
 /// owner is the claim UID.
 pub const DRA_RESOURCE: &str = "dra/gpu.tessera.io";
 
+/// The resource name of whole GPUs given through the node API.
+pub const WHOLE_RESOURCE: &str = "node-api/gpu";
+
+/// The resource name of MIG devices given whole through the node API.
+pub const MIG_RESOURCE: &str = "node-api/mig";
+
+/// What kind of device the node API's `Allocate` asks for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum DeviceAsk {
+    /// A share carved from a GPU's free memory and SM time.
+    #[default]
+    Share,
+    /// A MIG device of this profile (e.g. `3g.40gb`), whole.
+    Mig(String),
+    /// This many whole GPUs, exclusive.
+    Whole(u32),
+}
+
 /// What the node API's `Allocate` asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShareRequest {
+    pub device: DeviceAsk,
+    /// Shares only (0 for MIG and whole GPUs).
     pub memory: u64,
+    /// Shares only (0 for MIG and whole GPUs).
     pub sm_percent: u32,
     /// `None`: the configuration's `limits.priority`.
     pub priority: Option<Priority>,
@@ -182,7 +203,14 @@ impl DaemonAllocator {
 
     /// A copy of every record (for reports and tests).
     pub fn allocations(&self) -> Vec<Allocation> {
-        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).list().cloned().collect()
+        self.allocations_where(|_| true)
+    }
+
+    /// A copy of the records `keep` selects: the lease pass runs every second beside Allocate,
+    /// and copies only what it looks at.
+    pub fn allocations_where(&self, keep: impl Fn(&Allocation) -> bool) -> Vec<Allocation> {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        store.list().filter(|a| keep(a)).cloned().collect()
     }
 
     /// What is offered now.
@@ -198,6 +226,11 @@ impl DaemonAllocator {
     /// The GPUs from now on (the controller, when it publishes).
     pub fn set_rooms(&self, rooms: Vec<GpuRoom>) {
         *self.rooms.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rooms);
+    }
+
+    /// The GPUs as the controller last published them (no copy of its picture per call).
+    pub fn rooms(&self) -> Arc<Vec<GpuRoom>> {
+        Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// The share defaults of `config` for allocations from now on (a reload; records made
@@ -243,7 +276,7 @@ impl DaemonAllocator {
         let mut changed = 0;
         // Known values are kept, and a record always names its container: an allocation that
         // knows its container id has nothing to learn from it (no file read every pass).
-        for alloc in self.allocations().into_iter().filter(|a| a.container.container_id.is_none()) {
+        for alloc in self.allocations_where(|a| a.container.container_id.is_none()) {
             let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
             let mut c = alloc.container.clone();
             let fill = |field: &mut Option<String>, value: Option<String>| {
@@ -286,6 +319,10 @@ impl DaemonAllocator {
     /// `gpus` (placed as `share_placement` says), recorded durably, its directory made. Admission
     /// counts every record on the GPU (the kubelet's too), under the store lock.
     pub fn allocate_share(&self, req: &ShareRequest, gpus: &[GpuRoom]) -> Result<Allocation, Status> {
+        match &req.device {
+            DeviceAsk::Share => {}
+            DeviceAsk::Mig(_) | DeviceAsk::Whole(_) => return self.allocate_device(req, gpus),
+        }
         if req.memory == 0 {
             return Err(Status::invalid_argument("memory_bytes: required (the share's device memory, bytes)"));
         }
@@ -329,6 +366,72 @@ impl DaemonAllocator {
             return Err(internal("creating the allocation directory")(e.to_string()));
         }
         tracing::info!(id = %alloc.id, gpu = gpu.index, memory = req.memory, sm = req.sm_percent, "share carved");
+        Ok(alloc)
+    }
+
+    /// The node API's `Allocate` of whole devices: `count` whole GPUs with nothing on them, or a
+    /// free MIG device of a profile; no limits (the device is the limit). Admitted under the
+    /// store lock against every record, as shares are: while held, a whole GPU counts as all of
+    /// its memory and 100% strict SM, so no share is carved from it.
+    fn allocate_device(&self, req: &ShareRequest, gpus: &[GpuRoom]) -> Result<Allocation, Status> {
+        if req.memory != 0 || req.sm_percent != 0 {
+            return Err(Status::invalid_argument(
+                "memory_bytes, sm_percent: a whole GPU or MIG device has no share limits; leave them 0",
+            ));
+        }
+        if req.compute_mode.is_some() {
+            return Err(Status::invalid_argument("compute_mode: only for shares (a whole device is not time-sliced)"));
+        }
+        let refused = |why: String| {
+            if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
+        };
+        let defaults = self.defaults();
+        let priority = req.priority.unwrap_or(defaults.priority);
+        let whole = |uuid: &str| AllocatedDevice {
+            device_id: uuid.to_owned(),
+            physical_uuid: uuid.to_owned(),
+            memory_limit: None,
+            sm_percent: None,
+            priority,
+            compute_mode: ComputeMode::Strict,
+        };
+        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let records: Vec<&Allocation> = store.list().collect();
+        let (resource, devices) = match &req.device {
+            DeviceAsk::Share => unreachable!("shares are carved by allocate_share"),
+            DeviceAsk::Whole(count) => {
+                if *count == 0 {
+                    return Err(Status::invalid_argument("whole_gpus: at least 1"));
+                }
+                let picked = carve::place_whole(gpus, &records, &req.gpu, *count).map_err(refused)?;
+                (WHOLE_RESOURCE, picked.iter().map(|g| whole(&g.uuid)).collect::<Vec<_>>())
+            }
+            DeviceAsk::Mig(profile) => {
+                if profile.trim().is_empty() || profile.len() > 64 {
+                    return Err(Status::invalid_argument("mig_profile: a GPU instance profile name, e.g. 3g.40gb"));
+                }
+                let (_, slot) = carve::place_mig(gpus, &records, &req.gpu, profile.trim()).map_err(refused)?;
+                (MIG_RESOURCE, vec![whole(&slot.uuid)])
+            }
+        };
+        drop(records);
+        let alloc = Allocation {
+            id: Allocation::new_id(),
+            resource: resource.to_owned(),
+            container: ContainerIdentity::default(),
+            source: Source::NodeApi,
+            created_unix_ns: unix_ns(),
+            devices,
+            claim: Some(Box::new(Claim { owner: req.owner.clone(), lease: req.lease })),
+        };
+        // Durable first, as shares are.
+        store.insert(&alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+        if let Err(e) = self.dirs.create(&alloc) {
+            let _ = store.remove(&alloc.id);
+            return Err(internal("creating the allocation directory")(e.to_string()));
+        }
+        let uuids: Vec<&str> = alloc.devices.iter().map(|d| d.physical_uuid.as_str()).collect();
+        tracing::info!(id = %alloc.id, resource, devices = %uuids.join(","), "devices allocated whole");
         Ok(alloc)
     }
 
@@ -981,6 +1084,8 @@ mod tests {
                 model: "NVIDIA H100".into(),
                 memory_total: 4 << 30,
                 unavailable: None,
+                mig_mode: false,
+                mig: Vec::new(),
                 nodes: Vec::new(),
             })
             .collect()
@@ -988,6 +1093,7 @@ mod tests {
 
     fn share(gib: u64, sm: u32, gpu: &str) -> ShareRequest {
         ShareRequest {
+            device: DeviceAsk::Share,
             memory: gib << 30,
             sm_percent: sm,
             priority: None,
@@ -1036,6 +1142,69 @@ mod tests {
         a.release(&first.id).unwrap();
         a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
         assert!(a.allocations().iter().any(|r| r.id == second.id));
+    }
+
+    /// Whole GPUs are exclusive both ways; a MIG device goes to one allocation at a time.
+    #[test]
+    fn whole_gpus_and_mig_devices_through_allocate() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let mut gpus = rooms();
+        gpus.push(GpuRoom {
+            index: 2,
+            uuid: "GPU-m".into(),
+            model: "NVIDIA A100".into(),
+            memory_total: 40 << 30,
+            unavailable: None,
+            mig_mode: true,
+            mig: vec![carve::MigSlot {
+                uuid: "MIG-m0".into(),
+                profile: "3g.20gb".into(),
+                memory_total: 20 << 30,
+                unavailable: None,
+            }],
+            nodes: Vec::new(),
+        });
+        let ask = |device: DeviceAsk| ShareRequest {
+            device,
+            memory: 0,
+            sm_percent: 0,
+            compute_mode: None,
+            ..share(0, 0, "")
+        };
+        let share_a = a.allocate_share(&share(1, 10, "0"), &gpus).unwrap();
+        // GPU-a has a share: the one whole GPU is GPU-b; a second is refused naming the share.
+        let whole = a.allocate_share(&ask(DeviceAsk::Whole(1)), &gpus).unwrap();
+        assert_eq!((whole.resource.as_str(), whole.devices[0].physical_uuid.as_str()), (WHOLE_RESOURCE, "GPU-b"));
+        assert_eq!((whole.devices[0].memory_limit, whole.devices[0].sm_percent), (None, None));
+        let err = a.allocate_share(&ask(DeviceAsk::Whole(1)), &gpus).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().contains(&format!("GPU 0 (GPU-a): held by {}", share_a.id)), "{}", err.message());
+        assert!(err.message().contains("GPU 2 (GPU-m): MIG mode is on"), "{}", err.message());
+        // Nothing is carved from the GPU held whole.
+        let err = a.allocate_share(&share(1, 1, "1"), &gpus).unwrap_err();
+        assert!(err.message().contains("0 MiB of 4 GiB free, 0% SM free"), "{}", err.message());
+        // The MIG device, once; its limits file names it.
+        let mig = a.allocate_share(&ask(DeviceAsk::Mig("3g.20gb".into())), &gpus).unwrap();
+        assert_eq!((mig.resource.as_str(), mig.devices[0].device_id.as_str()), (MIG_RESOURCE, "MIG-m0"));
+        let limits = tessera_region::Limits::load(&a.dirs.limits_path(&mig.id)).unwrap();
+        assert_eq!(limits.devices[0].uuid, "MIG-m0");
+        let err = a.allocate_share(&ask(DeviceAsk::Mig("3g.20gb".into())), &gpus).unwrap_err();
+        assert!(err.message().contains(&format!("MIG-m0 held by {}", mig.id)), "{}", err.message());
+        let err = a.allocate_share(&ask(DeviceAsk::Mig("7g.80gb".into())), &gpus).unwrap_err();
+        assert!(err.message().contains("GPU 2 (GPU-m): no 7g.80gb instance"), "{}", err.message());
+        // Bad requests name the field.
+        let err = a.allocate_share(&ShareRequest { memory: 1 << 30, ..ask(DeviceAsk::Whole(1)) }, &gpus).unwrap_err();
+        assert!(err.message().starts_with("memory_bytes, sm_percent"), "{}", err.message());
+        assert!(a.allocate_share(&ask(DeviceAsk::Whole(0)), &gpus).unwrap_err().message().starts_with("whole_gpus"));
+        // Released, the GPU can be carved again and given whole to the next.
+        a.release(&whole.id).unwrap();
+        a.release(&mig.id).unwrap();
+        assert_eq!(
+            a.allocate_share(&ask(DeviceAsk::Mig("3g.20gb".into())), &gpus).unwrap().devices[0].device_id,
+            "MIG-m0"
+        );
+        assert_eq!(a.allocate_share(&share(4, 100, "1"), &gpus).unwrap().devices[0].physical_uuid, "GPU-b");
     }
 
     #[test]

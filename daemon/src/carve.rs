@@ -19,10 +19,39 @@ pub struct GpuRoom {
     /// The product name (a request may name a model).
     pub model: String,
     pub memory_total: u64,
-    /// Why no share can be carved from it (unhealthy, MIG mode on); `None`: it can.
+    /// Why nothing can be allocated on it (unhealthy); `None`: it can.
     pub unavailable: Option<String>,
+    /// MIG mode is on (or pending a reset): no share is carved from it, nor is it given whole;
+    /// its MIG devices are in `mig`.
+    pub mig_mode: bool,
+    /// Its MIG devices, as Allocate hands them out whole.
+    pub mig: Vec<MigSlot>,
     /// The host device nodes a container needs for it.
     pub nodes: Vec<std::path::PathBuf>,
+}
+
+/// One MIG device of a GPU in MIG mode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSlot {
+    pub uuid: String,
+    /// Its GPU instance profile, e.g. `3g.40gb`.
+    pub profile: String,
+    pub memory_total: u64,
+    /// Why it cannot be handed out (unhealthy); `None`: it can.
+    pub unavailable: Option<String>,
+}
+
+/// The allocations (ids) holding device `uuid`: as their device, or as a share's parent.
+fn holders<'a>(uuid: &str, records: &[&'a Allocation]) -> Vec<&'a str> {
+    records
+        .iter()
+        .filter(|a| {
+            a.devices
+                .iter()
+                .any(|d| d.physical_uuid.eq_ignore_ascii_case(uuid) || d.device_id.eq_ignore_ascii_case(uuid))
+        })
+        .map(|a| a.id.as_str())
+        .collect()
 }
 
 /// What one allocation asks of one GPU.
@@ -99,6 +128,13 @@ pub fn place<'g>(
             why.push(format!("GPU {} ({}): {reason}", g.index, g.uuid));
             continue;
         }
+        if g.mig_mode {
+            why.push(format!(
+                "GPU {} ({}): MIG mode is on (shares are carved from GPUs with MIG off; ask for a MIG profile)",
+                g.index, g.uuid
+            ));
+            continue;
+        }
         let h = held(g, records.iter().copied(), None);
         let free = g.memory_total.saturating_sub(h.memory);
         if !fits(g, h, ask) {
@@ -125,6 +161,105 @@ pub fn place<'g>(
         let mode = if ask.compute_mode == ComputeMode::Strict { "strict" } else { "work-conserving" };
         format!("no GPU has room for {} and {}% SM ({mode}): {}", size(ask.memory), ask.sm_percent, why.join("; "))
     })
+}
+
+/// The GPUs `selector` names, or why there are none.
+fn named<'g>(gpus: &'g [GpuRoom], selector: &str) -> Result<Vec<&'g GpuRoom>, String> {
+    let named: Vec<&GpuRoom> = gpus.iter().filter(|g| selects(selector, g)).collect();
+    if named.is_empty() {
+        return Err(if selector.trim().is_empty() {
+            "this node has no GPU".to_string()
+        } else {
+            format!("gpu: no GPU {selector:?} on this node (an index, a GPU UUID or a model name)")
+        });
+    }
+    Ok(named)
+}
+
+/// `count` whole GPUs among those `selector` names: healthy, MIG off, and held by no allocation
+/// at all (a GPU with any share on it is not given whole; while held whole, its full memory and
+/// 100% strict SM count against it, so nothing is carved from it). Lowest indexes first. `Err`
+/// names each candidate GPU and what holds it.
+pub fn place_whole<'g>(
+    gpus: &'g [GpuRoom],
+    records: &[&Allocation],
+    selector: &str,
+    count: u32,
+) -> Result<Vec<&'g GpuRoom>, String> {
+    let named = named(gpus, selector)?;
+    let mut free = Vec::new();
+    let mut why = Vec::new();
+    for g in named.iter().copied() {
+        let held_by = holders(&g.uuid, records);
+        if let Some(reason) = &g.unavailable {
+            why.push(format!("GPU {} ({}): {reason}", g.index, g.uuid));
+        } else if g.mig_mode {
+            why.push(format!("GPU {} ({}): MIG mode is on (ask for a MIG profile)", g.index, g.uuid));
+        } else if !held_by.is_empty() {
+            let h = held(g, records.iter().copied(), None);
+            why.push(format!(
+                "GPU {} ({}): held by {} ({} of {} and {}% strict SM)",
+                g.index,
+                g.uuid,
+                held_by.join(", "),
+                size(h.memory.min(g.memory_total)),
+                size(g.memory_total),
+                h.strict_sm.min(100)
+            ));
+        } else {
+            free.push(g);
+        }
+    }
+    if free.len() >= count as usize {
+        free.truncate(count as usize);
+        return Ok(free);
+    }
+    let plural = if count == 1 { "" } else { "s" };
+    let mut msg = format!("{count} whole GPU{plural} asked, {} free of the {} named", free.len(), named.len());
+    if !why.is_empty() {
+        msg.push_str(&format!(": {}", why.join("; ")));
+    }
+    Err(msg)
+}
+
+/// A free MIG device of `profile` on a GPU `selector` names (lowest GPU index, then the order
+/// NVML lists them). `Err` says what each GPU in MIG mode has of that profile and who holds it,
+/// or which profiles exist when none of that name does.
+pub fn place_mig<'g>(
+    gpus: &'g [GpuRoom],
+    records: &[&Allocation],
+    selector: &str,
+    profile: &str,
+) -> Result<(&'g GpuRoom, &'g MigSlot), String> {
+    let named = named(gpus, selector)?;
+    let mut why = Vec::new();
+    for g in named.iter().copied() {
+        if let Some(reason) = &g.unavailable {
+            why.push(format!("GPU {} ({}): {reason}", g.index, g.uuid));
+            continue;
+        }
+        if !g.mig_mode {
+            why.push(format!("GPU {} ({}): MIG mode is off", g.index, g.uuid));
+            continue;
+        }
+        let of_profile: Vec<&MigSlot> = g.mig.iter().filter(|m| m.profile.eq_ignore_ascii_case(profile)).collect();
+        let mut taken = Vec::new();
+        for m in &of_profile {
+            if m.unavailable.is_none() && holders(&m.uuid, records).is_empty() {
+                return Ok((g, m));
+            }
+            match &m.unavailable {
+                Some(reason) => taken.push(format!("{} {reason}", m.uuid)),
+                None => taken.push(format!("{} held by {}", m.uuid, holders(&m.uuid, records).join(", "))),
+            }
+        }
+        why.push(if of_profile.is_empty() {
+            format!("GPU {} ({}): no {profile} instance", g.index, g.uuid)
+        } else {
+            format!("GPU {} ({}): {}", g.index, g.uuid, taken.join(", "))
+        });
+    }
+    Err(format!("no free MIG device of profile {profile}: {}", why.join("; ")))
 }
 
 /// A size for people: whole GiB or MiB when exact, else MiB with one decimal.
@@ -155,8 +290,26 @@ mod tests {
             model: "NVIDIA H100 80GB HBM3".into(),
             memory_total: gib * GIB,
             unavailable: None,
+            mig_mode: false,
+            mig: Vec::new(),
             nodes: Vec::new(),
         }
+    }
+
+    fn mig_gpu(index: u32, profiles: &[&str]) -> GpuRoom {
+        let mut g = gpu(index, 80);
+        g.mig_mode = true;
+        g.mig = profiles
+            .iter()
+            .enumerate()
+            .map(|(i, p)| MigSlot {
+                uuid: format!("MIG-{index}-{i}"),
+                profile: (*p).into(),
+                memory_total: 40 * GIB,
+                unavailable: None,
+            })
+            .collect();
+        g
     }
 
     fn record(id: &str, devices: Vec<crate::state::AllocatedDevice>) -> Allocation {
@@ -231,5 +384,58 @@ mod tests {
         assert!(err.starts_with("gpu: no GPU \"7\""), "{err}");
         let err = place(&gpus, &records, "A100", ask(1, 1), Placement::Packed).unwrap_err();
         assert!(err.starts_with("gpu: no GPU \"A100\""), "{err}");
+    }
+
+    #[test]
+    fn whole_gpus_only_where_nothing_is_held() {
+        let mut gpus = vec![gpu(0, 80), gpu(1, 80), gpu(2, 80), mig_gpu(3, &["3g.40gb"])];
+        gpus[2].unavailable = Some("unhealthy: XID 79".into());
+        // A work-conserving share of 1 GiB on GPU 0 is enough to keep it from being given whole.
+        let owned = [record("s", {
+            let mut d = dev("GPU-0", "GPU-0", Some(GIB), Some(10));
+            d.compute_mode = ComputeMode::WorkConserving;
+            vec![d]
+        })];
+        let records: Vec<&Allocation> = owned.iter().collect();
+        let got = place_whole(&gpus, &records, "", 1).unwrap();
+        assert_eq!(got.iter().map(|g| g.index).collect::<Vec<_>>(), [1]);
+        let err = place_whole(&gpus, &records, "", 2).unwrap_err();
+        assert_eq!(
+            err,
+            "2 whole GPUs asked, 1 free of the 4 named: GPU 0 (GPU-0): held by s (1 GiB of 80 GiB and 0% strict SM); \
+             GPU 2 (GPU-2): unhealthy: XID 79; GPU 3 (GPU-3): MIG mode is on (ask for a MIG profile)"
+        );
+        assert!(place_whole(&gpus, &records, "0", 1).unwrap_err().contains("held by s"));
+        // A GPU held whole leaves no room for a share: the rule shares are admitted by.
+        let whole = [record("w", vec![dev("GPU-1", "GPU-1", None, None)])];
+        let all: Vec<&Allocation> = owned.iter().chain(&whole).collect();
+        assert!(place(&gpus, &all, "1", ask(1, 1), Placement::Packed).unwrap_err().contains("0 MiB of 80 GiB free"));
+        assert!(place_whole(&gpus, &all, "", 1).unwrap_err().starts_with("1 whole GPU asked, 0 free"));
+    }
+
+    #[test]
+    fn mig_devices_of_a_profile_free_or_named_with_their_holders() {
+        let mut gpus = vec![gpu(0, 80), mig_gpu(1, &["3g.40gb", "3g.40gb"]), mig_gpu(2, &["1g.10gb"])];
+        gpus[2].mig[0].unavailable = Some("unhealthy: XID 94".into());
+        let owned = [record("m", vec![dev("MIG-1-0", "MIG-1-0", None, None)])];
+        let records: Vec<&Allocation> = owned.iter().collect();
+        let (g, m) = place_mig(&gpus, &records, "", "3g.40gb").unwrap();
+        assert_eq!((g.index, m.uuid.as_str()), (1, "MIG-1-1"));
+        // A share of a MIG device holds it too.
+        let owned2 = [
+            record("m", vec![dev("MIG-1-0", "MIG-1-0", None, None)]),
+            record("s", vec![dev("MIG-1-1::0", "MIG-1-1", Some(GIB), Some(50))]),
+        ];
+        let records: Vec<&Allocation> = owned2.iter().collect();
+        let err = place_mig(&gpus, &records, "", "3g.40gb").unwrap_err();
+        assert_eq!(
+            err,
+            "no free MIG device of profile 3g.40gb: GPU 0 (GPU-0): MIG mode is off; \
+             GPU 1 (GPU-1): MIG-1-0 held by m, MIG-1-1 held by s; GPU 2 (GPU-2): no 3g.40gb instance"
+        );
+        let err = place_mig(&gpus, &records, "2", "1g.10gb").unwrap_err();
+        assert!(err.contains("MIG-2-0 unhealthy: XID 94"), "{err}");
+        // Shares are never carved from a GPU in MIG mode.
+        assert!(place(&gpus, &records, "1", ask(1, 1), Placement::Packed).unwrap_err().contains("MIG mode is on"));
     }
 }

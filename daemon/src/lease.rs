@@ -5,8 +5,10 @@
 //!
 //! - its `poststop` hook (added by `tessera-runtime`) leaves the container's id in the
 //!   allocation's `deleted` file;
-//! - a container that vanished without it (the runtime's state removed, a host rebooted): the
-//!   runtime's state directory the wrapper recorded is gone. Only once the owner record is older
+//! - a container that vanished without it (CDI: no poststop entry runs for a container the
+//!   runtime deleted on its own; the runtime's state removed; a host rebooted): the runtime's
+//!   state directory the wrapper or the hook recorded is gone, or, where no state directory could
+//!   be told, the container's cgroup the hook recorded is. Only once the owner record is older
 //!   than [`STATE_GRACE`]: the wrapper records it just before the runtime creates that directory.
 //!
 //! A leased allocation no container has used yet lives until it is used or released.
@@ -41,10 +43,14 @@ pub fn ended(alloc: &Allocation, dirs: &AllocDirs, now: SystemTime) -> Option<St
     if owner.container_id.as_deref() != Some(bound) {
         return None;
     }
-    let state = owner.runtime_state?;
+    let (what, path) = match (owner.runtime_state, owner.cgroup) {
+        (Some(state), _) => ("runtime state", state),
+        (None, Some(cgroup)) => ("cgroup", cgroup),
+        (None, None) => return None,
+    };
     let age = std::fs::metadata(&owner_file).and_then(|m| m.modified()).ok().and_then(|t| now.duration_since(t).ok());
-    if age.is_some_and(|a| a >= STATE_GRACE) && !Path::new(&state).exists() {
-        return Some(format!("container {bound} is gone (its runtime state {state} does not exist)"));
+    if age.is_some_and(|a| a >= STATE_GRACE) && !Path::new(&path).exists() {
+        return Some(format!("container {bound} is gone (its {what} {path} does not exist)"));
     }
     None
 }
@@ -55,7 +61,8 @@ pub fn sweep(allocator: &DaemonAllocator) -> Vec<(String, String)> {
     allocator.adopt_owner_records();
     let now = SystemTime::now();
     let mut released = Vec::new();
-    for alloc in allocator.allocations() {
+    let leased = |a: &Allocation| a.claim.as_ref().is_some_and(|c| c.lease == Lease::Container);
+    for alloc in allocator.allocations_where(leased) {
         let Some(why) = ended(&alloc, allocator.dirs(), now) else { continue };
         match allocator.release(&alloc.id) {
             Ok(_) => {
@@ -136,6 +143,43 @@ mod tests {
         assert_eq!(ended(&a, &dirs, later), None, "its state is there");
         std::fs::remove_dir(&state).unwrap();
         assert_eq!(ended(&a, &dirs, SystemTime::now()), None, "within the grace: the runtime may be creating it");
-        assert!(ended(&a, &dirs, later).is_some_and(|w| w.contains("does not exist")));
+        assert!(ended(&a, &dirs, later).is_some_and(|w| w.contains("runtime state") && w.contains("does not exist")));
+    }
+
+    /// CDI: the hook records the container's cgroup where it cannot tell the runtime's state
+    /// directory; the state directory wins when both are known (a stopped container keeps its
+    /// state directory until deleted).
+    #[test]
+    fn a_vanished_cgroup_ends_it_when_no_state_directory_is_known() {
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let a = leased("l3", Some("c1"));
+        let dir = dirs.create(&a).unwrap();
+        let cgroup = tmp.path().join("cgroup/c1");
+        let state = tmp.path().join("runc/c1");
+        std::fs::create_dir_all(&cgroup).unwrap();
+        std::fs::create_dir_all(&state).unwrap();
+        // Past the grace of every owner record this test writes (it rewrites the record below).
+        let later = SystemTime::now() + 2 * STATE_GRACE;
+        let mut owner = Owner {
+            container_id: Some("c1".into()),
+            cgroup: Some(cgroup.display().to_string()),
+            runtime_state: Some(state.display().to_string()),
+            ..Default::default()
+        };
+        owner.write(&dir).unwrap();
+        std::fs::remove_dir(&cgroup).unwrap();
+        assert_eq!(ended(&a, &dirs, later), None, "its state directory is there: stopped, not deleted");
+        owner.runtime_state = None;
+        owner.write(&dir).unwrap();
+        assert_eq!(ended(&a, &dirs, SystemTime::now()), None, "within the grace");
+        assert!(ended(&a, &dirs, later).is_some_and(|w| w.contains("its cgroup") && w.contains("does not exist")));
+        std::fs::create_dir_all(&cgroup).unwrap();
+        assert_eq!(ended(&a, &dirs, later), None);
+        // A record naming another container never ends this one's lease.
+        owner.container_id = Some("c2".into());
+        std::fs::remove_dir(&cgroup).unwrap();
+        owner.write(&dir).unwrap();
+        assert_eq!(ended(&a, &dirs, later), None);
     }
 }

@@ -40,8 +40,18 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
     plan.device_nodes.retain(|n| !oci::grants_device(&config, n));
     let prepared = prepare(&plan, state.pid)?;
     let applied = apply(prepared, &plan, &root)?;
-    record_owner(cfg, &plan, Some(&state.id), &info.annotations, None);
+    // What tells the daemon this container is gone when no poststop hook runs for it (CDI): the
+    // runtime's state directory, else its cgroup.
+    let gone_when = Vanish { runtime_state: caller_runtime_state(&state.id), cgroup: container_cgroup(state.pid) };
+    record_owner(cfg, &plan, Some(&state.id), &info.annotations, gone_when);
     Ok(Some(applied))
+}
+
+/// What disappears when the container is deleted, as far as the hook or the wrapper can tell.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Vanish {
+    pub runtime_state: Option<PathBuf>,
+    pub cgroup: Option<PathBuf>,
 }
 
 /// Leaves the owner record in the allocation's directory (reporting only: errors are ignored).
@@ -50,14 +60,72 @@ pub(crate) fn record_owner(
     plan: &Plan,
     container_id: Option<&str>,
     annotations: &std::collections::BTreeMap<String, String>,
-    runtime_state: Option<&Path>,
+    gone_when: Vanish,
 ) {
     if let Some(id) = &plan.allocation {
         let dir = cfg.runtime_dir.join("alloc").join(id);
         let mut owner = crate::owner::Owner::from_annotations(container_id, annotations);
-        owner.runtime_state = runtime_state.map(|p| p.display().to_string());
+        owner.runtime_state = gone_when.runtime_state.map(|p| p.display().to_string());
+        owner.cgroup = gone_when.cgroup.map(|p| p.display().to_string());
         let _ = owner.write(&dir);
     }
+}
+
+/// The state directory of container `id` kept by the runtime that runs this hook (its parent:
+/// `runc create`, `runc run`; the root from its `--root`, runc's default otherwise). Only a
+/// directory that exists now is named: a wrong guess must never look like a deleted container.
+pub fn caller_runtime_state(id: &str) -> Option<PathBuf> {
+    if id.is_empty() || id.contains('/') || id == "." || id == ".." {
+        return None;
+    }
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", std::os::unix::process::parent_id())).ok()?;
+    let state = runtime_state_of(&cmdline, id)?;
+    state.is_dir().then_some(state)
+}
+
+/// [`caller_runtime_state`] from the runtime's NUL-separated command line.
+fn runtime_state_of(cmdline: &[u8], id: &str) -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStringExt;
+    let args: Vec<std::ffi::OsString> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| std::ffi::OsString::from_vec(a.to_vec()))
+        .collect();
+    let sub = crate::wrapper::subcommand(&args)?;
+    let runtime = args.first()?.to_string_lossy().into_owned();
+    crate::wrapper::runtime_state(&args, sub, &runtime, id)
+}
+
+/// The cgroup directory of process `pid` (cgroup v2's unified path, else the v1 `pids` or
+/// `memory` hierarchy's), when it exists.
+pub fn container_cgroup(pid: i32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    cgroup_dir(&text, Path::new("/sys/fs/cgroup")).filter(|p| p.is_dir())
+}
+
+/// The directory under `root` that `/proc/<pid>/cgroup` text names (v2 when `root` is the
+/// unified hierarchy, else the first of v1's `pids`, `memory`).
+fn cgroup_dir(text: &str, root: &Path) -> Option<PathBuf> {
+    let entries: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+            Some((ctrls, path))
+        })
+        .collect();
+    let under = |base: PathBuf, path: &str| -> Option<PathBuf> {
+        let rel = path.trim_start_matches('/');
+        // The root cgroup is no container's; a path with ".." is no one's.
+        (!rel.is_empty() && !rel.split('/').any(|c| c == "..")).then(|| base.join(rel))
+    };
+    if root.join("cgroup.controllers").exists() {
+        return entries.iter().find(|(c, _)| c.is_empty()).and_then(|(_, p)| under(root.to_path_buf(), p));
+    }
+    ["pids", "memory"].iter().find_map(|want| {
+        let (_, p) = entries.iter().find(|(c, _)| c.split(',').any(|c| c == *want))?;
+        under(root.join(want), p)
+    })
 }
 
 struct Prepared {
@@ -215,4 +283,40 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         done.mounts += 1;
     }
     Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_callers_state_directory_from_its_command_line() {
+        let podman = b"runc\0--root\0/run/runc\0--systemd-cgroup\0create\0--bundle\0/b\0c1\0";
+        assert_eq!(runtime_state_of(podman, "c1"), Some(PathBuf::from("/run/runc/c1")));
+        let containerd = b"/usr/bin/runc\0--root=/run/containerd/runc/default\0create\0c2\0";
+        assert_eq!(runtime_state_of(containerd, "c2"), Some(PathBuf::from("/run/containerd/runc/default/c2")));
+        assert_eq!(runtime_state_of(b"runc\0run\0c3\0", "c3"), Some(PathBuf::from("/run/runc/c3")));
+        // Another runtime without --root: not guessed.
+        assert_eq!(runtime_state_of(b"crun\0create\0c4\0", "c4"), None);
+        assert_eq!(runtime_state_of(b"", "c5"), None);
+        // An id that would leave the root is never used.
+        assert_eq!(caller_runtime_state("../etc"), None);
+    }
+
+    #[test]
+    fn the_container_cgroup_v1_and_v2() {
+        let tmp = tempfile::tempdir().unwrap();
+        let v1 = "9:name=systemd:/x\n8:pids:/runc/c1\n4:memory:/runc/c1\n0::/\n";
+        assert_eq!(cgroup_dir(v1, tmp.path()), Some(tmp.path().join("pids/runc/c1")));
+        let no_pids = "4:cpu,memory:/m/c1\n";
+        assert_eq!(cgroup_dir(no_pids, tmp.path()), Some(tmp.path().join("memory/m/c1")));
+        std::fs::write(tmp.path().join("cgroup.controllers"), "pids memory").unwrap();
+        assert_eq!(
+            cgroup_dir("0::/system.slice/c1.scope\n", tmp.path()),
+            Some(tmp.path().join("system.slice/c1.scope"))
+        );
+        // The root cgroup and paths that climb out are no container's.
+        assert_eq!(cgroup_dir("0::/\n", tmp.path()), None);
+        assert_eq!(cgroup_dir("0::/a/../../etc\n", tmp.path()), None);
+    }
 }

@@ -31,6 +31,12 @@ pub struct Owner {
     /// that vanished without its poststop hook (`--lease container`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_state: Option<String>,
+    /// The container's cgroup directory (`/sys/fs/cgroup/...`), recorded by the hook where the
+    /// runtime's state directory cannot be told: the runtime removes it when it deletes the
+    /// container, so it serves the same purpose for a container that vanished without its
+    /// poststop hook.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
 }
 
 /// The file the `poststop` hook leaves in the allocation directory: the id of the container that
@@ -63,6 +69,7 @@ impl Owner {
             pod_uid: get(&["io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"]),
             container_name: get(&["io.kubernetes.cri.container-name", "io.kubernetes.container.name"]),
             runtime_state: None,
+            cgroup: None,
         }
     }
 

@@ -104,7 +104,8 @@ pub fn edit_bundle_for(
     }
     plan::ensure_files(&plan)?;
     oci::write_config(bundle, &config)?;
-    crate::apply::record_owner(cfg, &plan, container_id, &info.annotations, runtime_state);
+    let gone_when = crate::apply::Vanish { runtime_state: runtime_state.map(Path::to_path_buf), cgroup: None };
+    crate::apply::record_owner(cfg, &plan, container_id, &info.annotations, gone_when);
     Ok(true)
 }
 

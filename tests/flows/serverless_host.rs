@@ -171,3 +171,70 @@ async fn a_carved_share_limits_a_host_process_live_and_is_released() {
     ok(&tessera(dir, &["alloc", "--memory", &all, "--sm", "100"]));
     drop(daemon);
 }
+
+/// `tessera alloc --mig PROFILE` takes a free MIG device whole and `--whole N` whole GPUs with
+/// nothing on them; both are exclusive against shares, in both directions, and refusals name
+/// what holds each GPU or instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mig_devices_and_whole_gpus_through_the_cli() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let node = SimNode::with_description(
+        "numa_nodes = 1\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\nmig = true\n\
+         [[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n",
+    );
+    let config = tessera_tests::kubelet::write_config(&node, dir, "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n");
+    let log = dir.join("tesserad.log");
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let _ = node_api(&dir.join("run/tessera.sock")).await;
+    let json = |args: &[&str]| -> serde_json::Value {
+        let mut all = vec!["alloc"];
+        all.extend(args);
+        all.push("--json");
+        serde_json::from_str(ok(&tessera(dir, &all)).trim()).expect("json")
+    };
+    let refused = |args: &[&str]| -> String {
+        let mut all = vec!["alloc"];
+        all.extend(args);
+        let out = tessera(dir, &all);
+        assert!(!out.status.success(), "{args:?} was not refused");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+
+    // Two 3g.40gb instances: one each, then none, naming their holders.
+    let m1 = json(&["--mig", "3g.40gb"]);
+    let m2 = json(&["--mig", "3g.40gb", "--lease", "container"]);
+    let (u1, u2) = (m1["devices"][0]["uuid"].as_str().unwrap(), m2["devices"][0]["uuid"].as_str().unwrap());
+    assert!(u1.starts_with("MIG-") && u2.starts_with("MIG-") && u1 != u2, "{m1} {m2}");
+    assert_eq!(m1["devices"][0]["kind"], "mig");
+    assert_eq!(m1["resource"], "node-api/mig");
+    assert_eq!(m1["cdi_devices"][0], format!("tessera.io/mig={u1}"));
+    assert_eq!(m1["env"]["TESSERA_VISIBLE_DEVICES"], u1);
+    let limits = std::fs::read_to_string(m1["env"]["TESSERA_LIMITS"].as_str().unwrap()).expect("limits");
+    assert!(limits.contains(u1), "{limits}");
+    let err = refused(&["--mig", "3g.40gb"]);
+    let (i1, i2) = (m1["id"].as_str().unwrap(), m2["id"].as_str().unwrap());
+    assert!(err.contains("no free MIG device of profile 3g.40gb") && err.contains(i1) && err.contains(i2), "{err}");
+    assert!(refused(&["--mig", "7g.80gb"]).contains("no 7g.80gb instance"));
+
+    // GPU 1 whole; then no share anywhere (GPU 0 is in MIG mode), no second whole GPU.
+    let w = json(&["--whole", "1"]);
+    let gpu1 = w["devices"][0]["uuid"].as_str().unwrap().to_owned();
+    assert_eq!(
+        (w["devices"][0]["kind"].as_str(), w["devices"][0]["memory_limit_bytes"].as_u64()),
+        (Some("gpu"), Some(0))
+    );
+    assert_eq!(w["cdi_devices"][0], format!("tessera.io/gpu={gpu1}"));
+    let err = refused(&["--memory", "1GiB", "--sm", "10"]);
+    assert!(err.contains("MIG mode is on") && err.contains("): 0 MiB of ") && err.contains("0% SM free"), "{err}");
+    assert!(refused(&["--whole", "1"]).contains("1 whole GPU asked, 0 free"));
+    // Given back: a share is carved there, and the GPU is no longer given whole, naming the share.
+    ok(&tessera(dir, &["release", w["id"].as_str().unwrap()]));
+    let s = json(&["--memory", "1GiB", "--sm", "10"]);
+    let err = refused(&["--whole", "1"]);
+    assert!(err.contains(&format!("held by {}", s["id"].as_str().unwrap())), "{err}");
+    // Asking for two kinds at once is a usage error.
+    let err = refused(&["--whole", "1", "--memory", "1GiB", "--sm", "5"]);
+    assert!(err.contains("cannot be used with"), "{err}");
+    assert!(refused(&["--sm", "5"]).contains("--memory"));
+}

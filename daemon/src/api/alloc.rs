@@ -7,7 +7,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
-use crate::allocator::{LimitChange, ShareRequest};
+use crate::allocator::{DeviceAsk, LimitChange, ShareRequest};
 use crate::node::NodeController;
 use crate::resources::CDI_VENDOR;
 use crate::state::{Allocation, Lease};
@@ -55,7 +55,14 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
     if owner.len() > 256 || owner.chars().any(char::is_control) {
         return Err(Status::invalid_argument("owner: at most 256 characters, no control characters"));
     }
+    let device = match (req.mig_profile.trim(), req.whole_gpus) {
+        ("", 0) => DeviceAsk::Share,
+        (profile, 0) => DeviceAsk::Mig(profile.to_owned()),
+        ("", n) => DeviceAsk::Whole(n),
+        _ => return Err(Status::invalid_argument("mig_profile, whole_gpus: ask for one of them, not both")),
+    };
     let share = ShareRequest {
+        device,
         memory: req.memory_bytes,
         sm_percent: req.sm_percent,
         priority: priority(req.priority)?,
@@ -65,7 +72,9 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
         lease: lease(req.lease)?,
     };
     let allocator = controller.allocator();
-    let alloc = allocator.allocate_share(&share, &controller.gpu_rooms())?;
+    // The rooms the controller published (health and layout changes republish them): no copy of
+    // its whole picture on every call.
+    let alloc = allocator.allocate_share(&share, &allocator.rooms())?;
     Ok(answer(controller, &alloc))
 }
 
@@ -88,7 +97,13 @@ pub fn answer(controller: &NodeController, alloc: &Allocation) -> api::AllocateR
     ]);
     api::AllocateResponse {
         allocation: Some(super::devices::allocation(alloc, &controller.allocator().resources())),
-        cdi_devices: uuids.iter().map(|u| format!("{CDI_VENDOR}/gpu={u}")).collect(),
+        cdi_devices: uuids
+            .iter()
+            .map(|u| {
+                let class = if u.to_ascii_uppercase().starts_with("MIG-") { "mig" } else { "gpu" };
+                format!("{CDI_VENDOR}/{class}={u}")
+            })
+            .collect(),
         env,
     }
 }
@@ -106,7 +121,8 @@ pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> R
     if change == LimitChange::default() {
         return Err(Status::invalid_argument("nothing to change: give memory_bytes, sm_percent or priority"));
     }
-    let alloc = controller.allocator().set_limits(&req.allocation_id, change, &controller.gpu_rooms())?;
+    let allocator = controller.allocator();
+    let alloc = allocator.set_limits(&req.allocation_id, change, &allocator.rooms())?;
     Ok(api::SetLimitsResponse {
         allocation: Some(super::devices::allocation(&alloc, &controller.allocator().resources())),
     })

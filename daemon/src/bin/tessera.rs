@@ -101,7 +101,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Carve a share of a GPU (memory and SM percent) for a container or a host process.
+    /// Carve a share of a GPU (memory and SM percent), or take a MIG device or whole GPUs, for a
+    /// container or a host process.
     Alloc(alloc::AllocArgs),
     /// Give an allocation back (succeeds if it is already gone).
     Release {

@@ -187,7 +187,8 @@ impl NodeController {
         self.allocator.allocations()
     }
 
-    /// The GPUs shares can be carved from on demand, with why some cannot be now.
+    /// The GPUs as Allocate sees them: shares carved from those with MIG off, whole GPUs, MIG
+    /// devices; with why some cannot be used now.
     pub fn gpu_rooms(&self) -> Vec<crate::carve::GpuRoom> {
         let view = self.view();
         let dev_root = &view.config.injection.dev_root;
@@ -199,15 +200,26 @@ impl NodeController {
                 uuid: g.uuid.clone(),
                 model: g.name.clone(),
                 memory_total: g.memory_total,
-                unavailable: if let Some(why) = view.unhealthy_gpus.get(&g.index) {
-                    Some(format!("unhealthy: {why}"))
-                } else if let Some(why) = view.unhealthy_devices.get(&g.uuid) {
-                    Some(format!("unhealthy: {why}"))
-                } else if g.mig.as_ref().is_some_and(|m| m.current || m.pending) {
-                    Some("MIG mode is on (shares are carved from GPUs with MIG off)".to_string())
-                } else {
-                    None
-                },
+                unavailable: view
+                    .unhealthy_gpus
+                    .get(&g.index)
+                    .or_else(|| view.unhealthy_devices.get(&g.uuid))
+                    .map(|why| format!("unhealthy: {why}")),
+                mig_mode: g.mig.as_ref().is_some_and(|m| m.current || m.pending),
+                // Only instances in effect (MIG mode on now), each with its one compute instance.
+                mig: g
+                    .mig
+                    .iter()
+                    .filter(|m| m.current)
+                    .flat_map(|m| &m.instances)
+                    .flat_map(|gi| gi.devices.iter().map(move |d| (gi, d)))
+                    .map(|(gi, d)| crate::carve::MigSlot {
+                        uuid: d.uuid.clone(),
+                        profile: gi.profile.clone(),
+                        memory_total: d.memory_total,
+                        unavailable: view.unhealthy_devices.get(&d.uuid).map(|why| format!("unhealthy: {why}")),
+                    })
+                    .collect(),
                 nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
             })
             .collect()

@@ -237,11 +237,24 @@ impl AllocDirs {
     pub fn remove(&self, id: &str) -> Result<bool, AllocDirError> {
         check_id(id)?;
         let dir = self.dir(id);
-        unmount_under(&dir);
+        // The two mounts every directory has, detached by name: reading the mount table (over
+        // 2,000 entries beside 1,000 allocations) on every release cost milliseconds and held the
+        // namespace's lock against Allocate's spares being mounted.
+        for point in [dir.join(REGION_FILE), dir.join(REGION_STORE)] {
+            let _ = mount::detach(&point);
+        }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(true),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(e) => Err(io_err(&dir, "remove directory")(e)),
+            Err(_) => {
+                // Something else is mounted below it: find it in the mount table, then again.
+                unmount_under(&dir);
+                match std::fs::remove_dir_all(&dir) {
+                    Ok(()) => Ok(true),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                    Err(e) => Err(io_err(&dir, "remove directory")(e)),
+                }
+            }
         }
     }
 
@@ -428,6 +441,28 @@ mod tests {
 
     fn mode(p: &Path) -> u32 {
         std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    /// Release detaches the region's two mounts by name; anything else mounted below the
+    /// directory is found in the mount table, and nothing is left mounted either way.
+    #[test]
+    fn remove_leaves_no_mount_behind() {
+        if !is_root() {
+            return;
+        }
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let plain = dirs.create(&alloc("00000000000000a1")).unwrap();
+        let extra = dirs.create(&alloc("00000000000000a2")).unwrap();
+        std::fs::create_dir(extra.join("extra")).unwrap();
+        mount::capped_tmpfs(&extra.join("extra"), 4096).unwrap();
+        assert_eq!(mount::points_under(&extra).len(), 3, "region, its tmpfs and the extra mount");
+        for (id, dir) in [("00000000000000a1", &plain), ("00000000000000a2", &extra)] {
+            assert!(dirs.remove(id).unwrap());
+            assert!(!dir.exists());
+        }
+        assert!(mount::points_under(tmp.path()).is_empty(), "{:?}", mount::points_under(tmp.path()));
+        assert!(!dirs.remove("00000000000000a1").unwrap(), "a second remove finds nothing");
     }
 
     #[test]

@@ -12,12 +12,20 @@ use super::{container_name, enum_name, mib, print_table, row, status_err};
 
 #[derive(Args, Debug)]
 pub struct AllocArgs {
-    /// Device memory: bytes, or with a unit (KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB mean the same).
-    #[arg(long, value_parser = parse_size)]
-    memory: u64,
-    /// Percent of the GPU's SM time, 1..=100.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
-    sm: u32,
+    /// A share's device memory: bytes, or with a unit (KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB
+    /// mean the same).
+    #[arg(long, value_parser = parse_size, required_unless_present_any = ["mig", "whole"], requires = "sm")]
+    memory: Option<u64>,
+    /// A share's percent of the GPU's SM time, 1..=100.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100), requires = "memory")]
+    sm: Option<u32>,
+    /// Instead of a share: a free MIG device of this profile, whole (e.g. 3g.40gb).
+    #[arg(long, value_name = "PROFILE", conflicts_with_all = ["memory", "sm", "whole", "compute_mode"])]
+    mig: Option<String>,
+    /// Instead of a share: this many whole GPUs, exclusive (no GPU with any allocation on it).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..),
+          conflicts_with_all = ["memory", "sm", "compute_mode"])]
+    whole: Option<u32>,
     /// Only this GPU: an index, a UUID or a model name (default: any, as `share_placement` says).
     #[arg(long)]
     gpu: Option<String>,
@@ -131,8 +139,10 @@ fn allocation_json(a: &api::Allocation) -> serde_json::Value {
 /// `tessera alloc`.
 pub async fn alloc(client: &mut NodeClient<Channel>, a: AllocArgs) -> Result<ExitCode, String> {
     let req = api::AllocateRequest {
-        memory_bytes: a.memory,
-        sm_percent: a.sm,
+        memory_bytes: a.memory.unwrap_or(0),
+        sm_percent: a.sm.unwrap_or(0),
+        mig_profile: a.mig.unwrap_or_default(),
+        whole_gpus: a.whole.unwrap_or(0),
         priority: a.priority.map_or(api::Priority::Unspecified, PriorityArg::api) as i32,
         compute_mode: match a.compute_mode {
             None => api::ComputeMode::Unspecified,
@@ -160,8 +170,20 @@ pub async fn alloc(client: &mut NodeClient<Channel>, a: AllocArgs) -> Result<Exi
             println!("{k}={v}");
         }
     } else {
-        let d = alloc.devices.first().cloned().unwrap_or_default();
-        println!("allocation {} on {}: {} memory, {}% SM", alloc.id, d.uuid, mib(d.memory_limit_bytes), d.sm_percent);
+        for d in &alloc.devices {
+            if d.memory_limit_bytes == 0 && d.sm_percent == 0 {
+                let kind = enum_name::<api::DeviceKind>(d.kind).to_lowercase();
+                println!("allocation {} on {}: the whole {kind}", alloc.id, d.uuid);
+            } else {
+                println!(
+                    "allocation {} on {}: {} memory, {}% SM",
+                    alloc.id,
+                    d.uuid,
+                    mib(d.memory_limit_bytes),
+                    d.sm_percent
+                );
+            }
+        }
         println!("cdi devices: {}", resp.cdi_devices.join(","));
         for (k, v) in env {
             println!("{k}={v}");
