@@ -21,8 +21,9 @@ LD_LIBRARY_PATH="$lib_dir" "$bin/tessera-workload" --alloc-mib 2048 --kernels 50
 "$bin/tessera-sim" status
 
 # The daemon serving: GPU 0 split into 4 shares, the node API on a socket of its own; the CLI
-# shows the node, re-partitions GPU 1 into MIG instances (a mode change waits for a reset, so
-# the simulated GPU is reset as an operator would), and lists the events; then SIGTERM.
+# shows the node, re-partitions GPU 1 into MIG instances (an H100 switches MIG mode in place, so
+# the first apply does it all and the second finds nothing to change), and lists the events;
+# then SIGTERM.
 demo=$(mktemp -d)
 # Each region is a tmpfs of its own (as root): detach what is mounted under the demo, then remove it.
 cleanup() {
@@ -51,10 +52,9 @@ for _ in $(seq 100); do [[ -S $demo/run/tessera.sock ]] && break; sleep 0.05; do
 cli() { echo "\$ tessera $*" >&2; "$bin/tessera" --socket "$demo/run/tessera.sock" "$@"; }
 cli status
 cli layout apply --gpu 1 --mig 3g.40gb=2 || true
-"$bin/tessera-sim" reset --gpu 1 >/dev/null
 cli layout apply --gpu 1 --mig 3g.40gb=2 || true
 cli events --replay 20
-# Leave the simulated GPU 1 as it was for the next run: whole again (MIG off after a reset).
+# Leave the simulated GPU 1 as it was for the next run: whole again (MIG off, in place).
 "$bin/tessera" --socket "$demo/run/tessera.sock" layout apply --gpu 1 --whole >/dev/null || true
 kill -TERM "$daemon" && wait "$daemon"
 "$bin/tessera-sim" reset --gpu 1 >/dev/null
