@@ -76,363 +76,54 @@ fn launch(
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuLaunchKernel`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    if let Some(cu) = fast(hStream) {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe {
-            (cu.cuLaunchKernel)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-                extra,
-            )
-        };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe {
-        slow_cuLaunchKernel(
-            f,
-            gridDimX,
-            gridDimY,
-            gridDimZ,
-            blockDimX,
-            blockDimY,
-            blockDimZ,
-            sharedMemBytes,
-            hStream,
-            kernelParams,
-            extra,
-        )
-    }
-}
-
-/// `cuLaunchKernel` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchKernel`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchKernel(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    gated(TraceFunc::cuLaunchKernel, f, hStream, |cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe {
-            (cu.cuLaunchKernel)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-                extra,
-            )
+/// One launch export and its slow half. The export takes the fast path ([`fast`]: counted,
+/// straight to the driver) when its stream allows it (and the optional `if` holds), else calls
+/// `$slow`, kept out of line, which runs the whole limiter ([`gated`]) around the same call.
+/// `$call` is the real driver's function called with the caller's arguments, given `$cu`.
+macro_rules! launch_hook {
+    (@stream stream $s:ident) => { $s };
+    (@stream config $c:ident) => {{
+        // SAFETY: the caller's configuration (cuda.h's contract).
+        unsafe { config_stream($c) }
+    }};
+    (
+        $name:ident, $slow:ident, $how:ident $s:ident, function $function:ident,
+        $(if $eligible:expr,)? ($($arg:ident: $ty:ty),* $(,)?), |$cu:ident| $call:expr
+    ) => {
+        #[doc = concat!("# Safety\nAs cuda.h's `", stringify!($name), "`.")]
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            let stream = launch_hook!(@stream $how $s);
+            if $($eligible &&)? let Some($cu) = fast(stream) {
+                // SAFETY: the caller's arguments, passed on unchanged.
+                return unsafe { $call };
+            }
+            // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+            unsafe { $slow($($arg),*) }
         }
-    })
-}
 
-/// # Safety
-/// As cuda.h's `cuLaunchKernel_ptsz`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel_ptsz(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    if let Some(cu) = fast(hStream) {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe {
-            (cu.cuLaunchKernel_ptsz)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-                extra,
-            )
-        };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe {
-        slow_cuLaunchKernel_ptsz(
-            f,
-            gridDimX,
-            gridDimY,
-            gridDimZ,
-            blockDimX,
-            blockDimY,
-            blockDimZ,
-            sharedMemBytes,
-            hStream,
-            kernelParams,
-            extra,
-        )
-    }
-}
-
-/// `cuLaunchKernel_ptsz` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchKernel_ptsz`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchKernel_ptsz(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    gated(TraceFunc::cuLaunchKernel_ptsz, f, hStream, |cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe {
-            (cu.cuLaunchKernel_ptsz)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-                extra,
-            )
+        #[doc = concat!("`", stringify!($name), "` past the fast path: the whole limiter.\n\n# Safety\nAs cuda.h's `", stringify!($name), "`.")]
+        #[inline(never)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $slow($($arg: $ty),*) -> CUresult {
+            let stream = launch_hook!(@stream $how $s);
+            gated(TraceFunc::$name, $function, stream, |$cu| {
+                // SAFETY: the caller's arguments, passed on unchanged.
+                unsafe { $call }
+            })
         }
-    })
+    };
 }
 
-/// # Safety
-/// As cuda.h's `cuLaunchCooperativeKernel`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-) -> CUresult {
-    if let Some(cu) = fast(hStream) {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe {
-            (cu.cuLaunchCooperativeKernel)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-            )
-        };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe {
-        slow_cuLaunchCooperativeKernel(
-            f,
-            gridDimX,
-            gridDimY,
-            gridDimZ,
-            blockDimX,
-            blockDimY,
-            blockDimZ,
-            sharedMemBytes,
-            hStream,
-            kernelParams,
-        )
-    }
-}
-
-/// `cuLaunchCooperativeKernel` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchCooperativeKernel`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchCooperativeKernel(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-) -> CUresult {
-    gated(TraceFunc::cuLaunchCooperativeKernel, f, hStream, |cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe {
-            (cu.cuLaunchCooperativeKernel)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-            )
-        }
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuLaunchCooperativeKernel_ptsz`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-) -> CUresult {
-    if let Some(cu) = fast(hStream) {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe {
-            (cu.cuLaunchCooperativeKernel_ptsz)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-            )
-        };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe {
-        slow_cuLaunchCooperativeKernel_ptsz(
-            f,
-            gridDimX,
-            gridDimY,
-            gridDimZ,
-            blockDimX,
-            blockDimY,
-            blockDimZ,
-            sharedMemBytes,
-            hStream,
-            kernelParams,
-        )
-    }
-}
-
-/// `cuLaunchCooperativeKernel_ptsz` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchCooperativeKernel_ptsz`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchCooperativeKernel_ptsz(
-    f: CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: CUstream,
-    kernelParams: PP,
-) -> CUresult {
-    gated(TraceFunc::cuLaunchCooperativeKernel_ptsz, f, hStream, |cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe {
-            (cu.cuLaunchCooperativeKernel_ptsz)(
-                f,
-                gridDimX,
-                gridDimY,
-                gridDimZ,
-                blockDimX,
-                blockDimY,
-                blockDimZ,
-                sharedMemBytes,
-                hStream,
-                kernelParams,
-            )
-        }
-    })
-}
+launch_hook!(cuLaunchKernel, slow_cuLaunchKernel, stream hStream, function f,
+    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP, extra: PP), |cu| (cu.cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
+launch_hook!(cuLaunchKernel_ptsz, slow_cuLaunchKernel_ptsz, stream hStream, function f,
+    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP, extra: PP), |cu| (cu.cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
+launch_hook!(cuLaunchCooperativeKernel, slow_cuLaunchCooperativeKernel, stream hStream, function f,
+    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP), |cu| (cu.cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
+launch_hook!(cuLaunchCooperativeKernel_ptsz, slow_cuLaunchCooperativeKernel_ptsz, stream hStream, function f,
+    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP), |cu| (cu.cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
 
 /// The stream of a `CUlaunchConfig` (null config: the null stream; the driver refuses it).
 ///
@@ -443,89 +134,22 @@ unsafe fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
     unsafe { get(config) }.map_or(std::ptr::null_mut(), |c| c.h_stream)
 }
 
-/// # Safety
-/// As cuda.h's `cuLaunchKernelEx`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx(
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    // SAFETY: the caller's configuration (cuda.h's contract).
-    let stream = unsafe { config_stream(config) };
-    if let Some(real) = crate::real::cuda_ready().and_then(|cu| cu.cuLaunchKernelEx)
-        && fast(stream).is_some()
-    {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe { real(config, f, kernelParams, extra) };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe { slow_cuLaunchKernelEx(config, f, kernelParams, extra) }
-}
-
-/// `cuLaunchKernelEx` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchKernelEx`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchKernelEx(
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    // SAFETY: the caller's configuration (cuda.h's contract).
-    let stream = unsafe { config_stream(config) };
-    gated(TraceFunc::cuLaunchKernelEx, f, stream, |cu| {
-        let Some(real) = cu.cuLaunchKernelEx else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe { real(config, f, kernelParams, extra) }
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuLaunchKernelEx_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    // SAFETY: the caller's configuration (cuda.h's contract).
-    let stream = unsafe { config_stream(config) };
-    if let Some(real) = crate::real::cuda_ready().and_then(|cu| cu.cuLaunchKernelEx_ptsz)
-        && fast(stream).is_some()
-    {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe { real(config, f, kernelParams, extra) };
-    }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe { slow_cuLaunchKernelEx_ptsz(config, f, kernelParams, extra) }
-}
-
-/// `cuLaunchKernelEx_ptsz` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuLaunchKernelEx_ptsz`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuLaunchKernelEx_ptsz(
-    config: *const CUlaunchConfigHead,
-    f: CUfunction,
-    kernelParams: PP,
-    extra: PP,
-) -> CUresult {
-    // SAFETY: the caller's configuration (cuda.h's contract).
-    let stream = unsafe { config_stream(config) };
-    gated(TraceFunc::cuLaunchKernelEx_ptsz, f, stream, |cu| {
-        let Some(real) = cu.cuLaunchKernelEx_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unsafe { real(config, f, kernelParams, extra) }
-    })
-}
+// `cuLaunchKernelEx` is optional in the driver (CUDA 11.8+): without it the fast path is not
+// taken and the limiter's path answers `CUDA_ERROR_NOT_SUPPORTED`, as before the fast path.
+launch_hook!(cuLaunchKernelEx, slow_cuLaunchKernelEx, config config, function f,
+if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx.is_some()),
+(config: *const CUlaunchConfigHead, f: CUfunction, kernelParams: PP, extra: PP),
+|cu| match cu.cuLaunchKernelEx {
+    Some(real) => real(config, f, kernelParams, extra),
+    None => CUDA_ERROR_NOT_SUPPORTED,
+});
+launch_hook!(cuLaunchKernelEx_ptsz, slow_cuLaunchKernelEx_ptsz, config config, function f,
+if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx_ptsz.is_some()),
+(config: *const CUlaunchConfigHead, f: CUfunction, kernelParams: PP, extra: PP),
+|cu| match cu.cuLaunchKernelEx_ptsz {
+    Some(real) => real(config, f, kernelParams, extra),
+    None => CUDA_ERROR_NOT_SUPPORTED,
+});
 
 /// # Safety
 /// As cuda.h's `cuGraphLaunch`.
