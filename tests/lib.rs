@@ -155,3 +155,63 @@ pub fn runc_bundle(bundle: &Path, rootfs: &Path, script: &str, env: &[String], a
     }
     std::fs::write(bundle.join("config.json"), serde_json::to_vec(&oci).expect("json")).expect("write");
 }
+
+/// The Python of the virtual environment named by `var` (else `target/<dir>`, where
+/// scripts/deps.sh makes it) when `check` (Python code) runs in it; else `None` with a SKIP line,
+/// an error when `TESSERA_REQUIRE_RUNTIMES` is set unless scripts/deps.sh recorded why it did not
+/// install it on this machine (`<venv>.skipped`: too little disk). `what` names the environment.
+pub fn venv_python(var: &str, dir: &str, check: &str, what: &str) -> Option<PathBuf> {
+    let venv = std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| tessera_sim_testkit::profile_dir().parent().expect("target dir").join(dir));
+    let python = venv.join("bin/python");
+    let why = if !python.exists() {
+        format!("no {what} environment at {} (scripts/deps.sh makes it)", venv.display())
+    } else {
+        match std::process::Command::new(&python).args(["-c", check]).output() {
+            Ok(o) if o.status.success() => return Some(python),
+            Ok(o) => format!("{what} does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
+            Err(e) => format!("{}: {e}", python.display()),
+        }
+    };
+    let mut skipped = venv.into_os_string();
+    skipped.push(".skipped");
+    if let Ok(reason) = std::fs::read_to_string(&skipped) {
+        println!("SKIP: {why}: {}", reason.trim());
+        return None;
+    }
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    None
+}
+
+/// Runs `python args…` on `node` (every GPU visible) with `extra` environment; the JSON its last
+/// line prints. `what` names the program in a failure.
+pub fn run_python_json(
+    node: &tessera_sim_testkit::SimNode,
+    python: impl AsRef<Path>,
+    what: &str,
+    args: &[&str],
+    extra: &[(&str, &str)],
+) -> serde_json::Value {
+    let out = node
+        .command(python)
+        .args(args)
+        .envs(extra.iter().copied())
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
+
+/// `v[key]` as a number, or a panic naming it.
+pub fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+}

@@ -8,12 +8,11 @@
 //! `TESSERA_CUDA_RUNTIMES`). Without it the tests print a SKIP line, and fail when
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 
 use serde_json::Value;
-use tessera_sim_testkit::{SimNode, profile_dir};
-use tessera_tests::shim;
+use tessera_sim_testkit::SimNode;
+use tessera_tests::{json_u64 as u, run_python_json, shim, venv_python};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -22,27 +21,6 @@ const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
 const H100_MEMORY: u64 = 81_559 * MIB;
 const H100_RESERVED: u64 = 454 * MIB;
 const CONTEXT_OVERHEAD: u64 = 256 * MIB;
-
-/// The virtual environment's Python with CuPy importable, or `None` with a SKIP line (an error
-/// when `TESSERA_REQUIRE_RUNTIMES` is set).
-fn cupy_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("TESSERA_CUDA_RUNTIMES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| profile_dir().parent().expect("target dir").join("cuda-runtimes"));
-    let python = venv.join("bin/python");
-    let why = if !python.exists() {
-        format!("no CUDA runtime environment at {} (scripts/deps.sh makes it)", venv.display())
-    } else {
-        match Command::new(&python).args(["-c", "import cupy, cupy_backends"]).output() {
-            Ok(o) if o.status.success() => return Some(python),
-            Ok(o) => format!("CuPy does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
-            Err(e) => format!("{}: {e}", python.display()),
-        }
-    };
-    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
-    println!("SKIP: {why}");
-    None
-}
 
 /// What the CuPy program does; it prints one JSON line of what it saw.
 const PROGRAM: &str = r#"
@@ -130,36 +108,15 @@ print(json.dumps(out))
 /// Runs the program on a node of its own, with `extra` environment, allocating `chunk` bytes at a
 /// time; what it saw.
 fn run_cupy(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
-    run_python(&SimNode::new(), python, "CuPy on the sim", &["-c", PROGRAM, &chunk.to_string()], extra)
-}
-
-/// Runs `python args…` on `node` (every GPU visible) with `extra` environment; the JSON its
-/// last line prints. `what` names the program in a failure.
-fn run_python(node: &SimNode, python: impl AsRef<Path>, what: &str, args: &[&str], extra: &[(&str, &str)]) -> Value {
-    let out = node
-        .command(python)
-        .args(args)
-        .envs(extra.iter().copied())
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+    run_python_json(&SimNode::new(), python, "CuPy on the sim", &["-c", PROGRAM, &chunk.to_string()], extra)
 }
 
 #[test]
 fn cupy_runs_on_the_simulated_node() {
-    let Some(python) = cupy_python() else { return };
+    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+    else {
+        return;
+    };
     let v = run_cupy(&python, 4 * GIB, &[]);
     assert_eq!(u(&v, "count"), 8);
     assert_eq!(v["name"], H100_NAME);
@@ -182,7 +139,10 @@ fn cupy_runs_on_the_simulated_node() {
 
 #[test]
 fn cupy_under_the_shim_sees_its_limit() {
-    let Some(python) = cupy_python() else { return };
+    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+    else {
+        return;
+    };
     let shim = shim();
     let shim = shim.to_str().expect("utf-8 path");
     let v = run_cupy(&python, 100 * MIB, &[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
@@ -250,9 +210,12 @@ else:
 
 #[test]
 fn cupy_processes_share_memory_through_ipc_counted_once() {
-    let Some(python) = cupy_python() else { return };
+    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+    else {
+        return;
+    };
     let node = SimNode::new();
-    let v = run_python(&node, &python, "CuPy IPC", &["-c", IPC_PROGRAM, "export", IPC_PROGRAM], &[]);
+    let v = run_python_json(&node, &python, "CuPy IPC", &["-c", IPC_PROGRAM, "export", IPC_PROGRAM], &[]);
     assert_eq!(v["importer_sees"], serde_json::json!([256, 257, 258, 259]), "the exporter's bytes");
     assert_eq!(v["exporter_sees"], serde_json::json!([7, 7, 7, 7]), "the importer's bytes");
     let shared = 256 * MIB;
@@ -301,7 +264,7 @@ print(json.dumps({"launch": rc, "free_before": before, "free_after": after, "tot
 "#;
 
 fn run_graph_memory(node: &SimNode, bytes: u64, extra: &[(&str, &str)]) -> Value {
-    run_python(node, "python3", "graph program", &["-c", GRAPH_MEMORY_PROGRAM, &bytes.to_string()], extra)
+    run_python_json(node, "python3", "graph program", &["-c", GRAPH_MEMORY_PROGRAM, &bytes.to_string()], extra)
 }
 
 #[test]
@@ -376,13 +339,16 @@ print(json.dumps(out))
 
 #[test]
 fn cupy_captured_graph_memory_under_the_shim_holds_its_limit() {
-    let Some(python) = cupy_python() else { return };
+    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+    else {
+        return;
+    };
     let node = SimNode::new();
     let (graph, other) = (600 * MIB, 300 * MIB);
     let args = ["-c", CAPTURED_GRAPH_PROGRAM, &graph.to_string(), &other.to_string()];
     let shim = shim();
     let env = [("LD_PRELOAD", shim.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "1GiB")];
-    let v = run_python(&node, &python, "captured graph under the shim", &args, &env);
+    let v = run_python_json(&node, &python, "captured graph under the shim", &args, &env);
     let free = u(&v, "free_captured");
     assert_eq!(u(&v, "total"), GIB);
     assert_eq!(free, GIB - CONTEXT_OVERHEAD, "capturing allocates nothing");
@@ -395,7 +361,7 @@ fn cupy_captured_graph_memory_under_the_shim_holds_its_limit() {
     assert_eq!(u(&v, "free_relaunched"), free - graph, "a relaunch reuses the pool");
     assert_eq!(u(&v, "free_trimmed"), free, "cuDeviceGraphMemTrim gives it back");
     // On the sim alone the same program runs every launch, with the same pool.
-    let v = run_python(&node, &python, "captured graph on the sim", &args, &[]);
+    let v = run_python_json(&node, &python, "captured graph on the sim", &args, &[]);
     assert_eq!(v["launch_held"], "ok");
     assert_eq!(u(&v, "free_captured") - u(&v, "free_trimmed"), 0);
     assert_eq!(u(&v, "free_captured") - u(&v, "free_relaunched"), graph);

@@ -10,11 +10,10 @@
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use serde_json::Value;
-use tessera_sim_testkit::{SimNode, profile_dir};
-use tessera_tests::shim;
+use tessera_sim_testkit::SimNode;
+use tessera_tests::{json_u64 as u, run_python_json, shim, venv_python};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -25,36 +24,6 @@ const H100_RESERVED: u64 = 454 * MIB;
 const CONTEXT_OVERHEAD: u64 = 256 * MIB;
 /// What cuBLAS and the loaded kernels keep on the device outside PyTorch's allocator, at most.
 const LIBRARIES_KEEP: u64 = 128 * MIB;
-
-/// The virtual environment's Python with PyTorch importable, or `None` with a SKIP line (an error
-/// when `TESSERA_REQUIRE_RUNTIMES` is set, unless scripts/deps.sh recorded why it did not install
-/// it: `<venv>.skipped`, a machine with too little disk).
-fn torch_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("TESSERA_TORCH_RUNTIME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| profile_dir().parent().expect("target dir").join("torch-runtime"));
-    let python = venv.join("bin/python");
-    let why = if !python.exists() {
-        format!("no PyTorch environment at {} (scripts/deps.sh makes it)", venv.display())
-    } else {
-        match Command::new(&python).args(["-c", "import torch"]).output() {
-            Ok(o) if o.status.success() => return Some(python),
-            Ok(o) => format!("PyTorch does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
-            Err(e) => format!("{}: {e}", python.display()),
-        }
-    };
-    // scripts/deps.sh decided not to install it on this machine (too little disk) and said why:
-    // a SKIP line naming that, even in CI.
-    let mut skipped = venv.into_os_string();
-    skipped.push(".skipped");
-    if let Ok(reason) = std::fs::read_to_string(&skipped) {
-        println!("SKIP: {why}: {}", reason.trim());
-        return None;
-    }
-    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
-    println!("SKIP: {why}");
-    None
-}
 
 /// What the PyTorch program does; it prints one JSON line of what it saw.
 const PROGRAM: &str = r#"
@@ -98,27 +67,7 @@ print(json.dumps(out))
 /// Runs the program on a node of its own with `extra` environment, allocating `chunk` bytes at a
 /// time; what it saw.
 fn run_torch(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
-    let node = SimNode::new();
-    let out = node
-        .command(python)
-        .args(["-c", PROGRAM, &chunk.to_string()])
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("PYTORCH_CUDA_ALLOC_CONF")
-        .envs(extra.iter().copied())
-        .output()
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "PyTorch on the sim failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+    run_python_json(&SimNode::new(), python, "PyTorch on the sim", &["-c", PROGRAM, &chunk.to_string()], extra)
 }
 
 /// What every run shows, whatever its allocator settings: the program ran to the end.
@@ -134,7 +83,7 @@ fn check_common(v: &Value, expandable: bool) {
 }
 
 fn runs_on_the_sim(alloc_conf: &str) {
-    let Some(python) = torch_python() else { return };
+    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
     let v = run_torch(&python, 4 * GIB, &[("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)]);
     check_common(&v, !alloc_conf.is_empty());
     assert_eq!(u(&v, "total"), H100_MEMORY);
@@ -158,7 +107,7 @@ fn pytorch_with_expandable_segments_maps_memory_through_vmm() {
 }
 
 fn sees_the_shims_limit(alloc_conf: &str) {
-    let Some(python) = torch_python() else { return };
+    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
     let shim = shim();
     let shim = shim.to_str().expect("utf-8 path");
     let env = [("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB"), ("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)];

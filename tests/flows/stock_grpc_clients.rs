@@ -7,10 +7,10 @@
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use tessera_sim_testkit::{SimNode, profile_dir};
+use tessera_sim_testkit::SimNode;
 use tessera_tests::kubelet::{TestKubelet, node_api, spawn};
 
 /// One HPACK literal header field without indexing, new name, no Huffman coding.
@@ -109,26 +109,13 @@ async fn the_authorities_stock_clients_send_are_accepted() {
     assert!(raw_call(&socket, "/tessera.v1.Node/NoSuchCall", "localhost").is_err());
 }
 
-/// The virtual environment with grpcio and grpcio-tools (scripts/deps.sh makes it), or `None`
-/// with a SKIP line (an error when `TESSERA_REQUIRE_RUNTIMES` is set).
-fn grpc_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("TESSERA_GRPC_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| profile_dir().parent().expect("target dir").join("grpc-python"));
-    let python = venv.join("bin/python");
-    let why = match std::process::Command::new(&python).args(["-c", "import grpc, grpc_tools"]).output() {
-        Ok(o) if o.status.success() => return Some(python),
-        Ok(o) => format!("grpcio does not import in {}: {}", venv.display(), String::from_utf8_lossy(&o.stderr)),
-        Err(e) => format!("no grpcio environment at {} (scripts/deps.sh makes it): {e}", venv.display()),
-    };
-    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
-    println!("SKIP: {why}");
-    None
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_example_client_runs_with_grpcio_defaults() {
-    let Some(python) = grpc_python() else { return };
+    let Some(python) =
+        tessera_tests::venv_python("TESSERA_GRPC_PYTHON", "grpc-python", "import grpc, grpc_tools", "grpcio")
+    else {
+        return;
+    };
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();

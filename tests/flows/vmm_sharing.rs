@@ -9,7 +9,7 @@
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::shim;
+use tessera_tests::{json_u64 as u, run_python_json, shim};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -123,25 +123,7 @@ print(json.dumps(out))
 "#;
 
 fn run(node: &SimNode, extra: &[(&str, &str)]) -> Value {
-    let out = node
-        .command("python3")
-        .args(["-c", PROGRAM, "export", PROGRAM])
-        .envs(extra.iter().copied())
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the program failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
+    run_python_json(node, "python3", "the program", &["-c", PROGRAM, "export", PROGRAM], extra)
 }
 
 /// What both runs show: the bytes cross, foreign and private handles are refused.
