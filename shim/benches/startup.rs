@@ -168,7 +168,7 @@ fn batch(setup: &Setup, n: usize, preload: Option<&Path>) -> (Vec<f64>, usize) {
     assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
     // SAFETY: pipe(2) just returned these two descriptors, owned by nobody else.
     let (rd, wr) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    let mut kids = Vec::with_capacity(n);
+    let mut kids: Vec<std::process::Child> = Vec::with_capacity(n);
     for _ in 0..n {
         let out = wr.try_clone().expect("dup");
         let k = setup
@@ -209,9 +209,8 @@ fn batch(setup: &Setup, n: usize, preload: Option<&Path>) -> (Vec<f64>, usize) {
         }
     }
     drop(go);
-    for mut k in kids {
-        let _ = k.wait();
-    }
+    let failed = kids.into_iter().map(|mut k| k.wait().is_ok_and(|st| st.success())).filter(|ok| !ok).count();
+    assert_eq!(failed, 0, "{failed} start-up processes did not exit cleanly");
     (times, refused)
 }
 
