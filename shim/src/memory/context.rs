@@ -226,10 +226,13 @@ fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
 // Why this design. Measuring a process's first context needs NVML (its process list: the
 // context is the first thing of ours on the device), and loading and initializing NVML is most
 // of what the shim adds to a process's start-up. The reservation made before the context was
-// created already keeps the limit exact: the estimate is at least what a context takes (the
-// container's last measurement, or more than any current driver's), so while it stands the
-// container is charged more than the GPU holds, never less. Giving the excess back can wait;
-// until it is given back the only harm is that the excess looks used. So the first context is
+// created already keeps the limit exact: the estimate is meant to be at least what a context
+// takes (the container's last measurement, or more than any current driver's), so while it
+// stands the container is charged more than the GPU holds, not less. (Where a context took
+// more, the deferred true-up charges the rest, which the driver holds already: unlike the
+// on-the-spot one it can no longer refuse the context, and later reservations are refused until
+// the container is under its limit again.) Giving the excess back can wait; until it is given
+// back the only harm is that the excess looks used. So the first context is
 // created at once and its true-up deferred to whichever comes first:
 // - a helper thread, started at `cuInit` to load NVML while the driver initializes (where NVML
 //   is ready by the time the context is made, the true-up is done at once as above), and again
@@ -240,8 +243,8 @@ fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
 // Never a deadlock: nobody waits for the helper (NVML is loaded outside any once-cell, so a
 // thread holding the loader lock, say in a constructor that starts CUDA, loads it itself), NVML
 // is never loaded under the waiting list's lock, the true-up takes no other lock of ours but a
-// charge map's shard (never the lifecycle lock), and it adds a shortfall unchecked, never
-// through `reserve` again.
+// charge map's shard and the physical allocations' books (never the lifecycle lock; no holder of
+// those waits for the list), and it adds a shortfall unchecked, never through `reserve` again.
 // A `fork`ed child starts over with a state of its own, helper flag included. A process killed
 // before its true-up holds its estimate in its region slot until the slot is reaped, like any
 // other charge of a dead process.
