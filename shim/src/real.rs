@@ -10,6 +10,8 @@
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
+use std::sync::atomic::AtomicU8;
+use std::sync::atomic::Ordering::{AcqRel, Acquire};
 
 use nvml_wrapper_sys::bindings::nvmlProcessUtilizationSample_t;
 
@@ -273,22 +275,42 @@ pub(crate) fn cuda_ready() -> Option<&'static RealCuda> {
     CUDA.get()?.as_ref()
 }
 
-/// The real NVML, loaded on first use.
+/// The real NVML, loaded on first use. Loaded outside the once-cell, so no thread ever waits
+/// for another's load: the context true-up's helper thread may be loading it while this thread
+/// holds the loader lock (a library's constructor that starts CUDA); `dlopen` of a loaded object
+/// is reference-counted, so two racing loads end in one library and one table.
 pub(crate) fn nvml() -> Option<&'static RealNvml> {
-    NVML.get_or_init(|| {
-        let h = open(NVML_NAMES, true)?;
+    if let Some(n) = NVML.get() {
+        return n.as_ref();
+    }
+    let loaded = open(NVML_NAMES, true).and_then(|h| {
         // SAFETY: h is the real libnvidia-ml's handle; the table lists nvml.h's signatures.
         unsafe { RealNvml::resolve(h) }.ok()
-    })
-    .as_ref()
+    });
+    let _ = NVML.set(loaded);
+    NVML.get()?.as_ref()
 }
 
+/// NVML initialized for our own queries: 0 not yet, 1 yes, 2 it failed.
+static NVML_INIT: AtomicU8 = AtomicU8::new(0);
+
 /// The real NVML, initialized for our own queries (`nvmlInit_v2` is reference-counted, so this
-/// never disturbs the program's own init/shutdown pairs).
+/// never disturbs the program's own init/shutdown pairs, and two threads racing here both
+/// succeed; as with the load, nobody waits for another thread).
 pub(crate) fn nvml_initialized() -> Option<&'static RealNvml> {
-    static INIT: OnceLock<bool> = OnceLock::new();
     let n = nvml()?;
+    match NVML_INIT.load(Acquire) {
+        1 => return Some(n),
+        2 => return None,
+        _ => {}
+    }
     // SAFETY: nvmlInit_v2 takes no arguments.
-    let ok = *INIT.get_or_init(|| unsafe { (n.nvmlInit_v2)() } == NVML_SUCCESS);
+    let ok = unsafe { (n.nvmlInit_v2)() } == NVML_SUCCESS;
+    let _ = NVML_INIT.compare_exchange(0, if ok { 1 } else { 2 }, AcqRel, Acquire);
     ok.then_some(n)
+}
+
+/// NVML if it is loaded and initialized for our own queries already (never loads it).
+pub(crate) fn nvml_ready() -> Option<&'static RealNvml> {
+    if NVML_INIT.load(Acquire) == 1 { NVML.get()?.as_ref() } else { None }
 }

@@ -506,11 +506,17 @@ impl ShimState {
     /// Reserves `bytes` on a device for this process, within the limit of its own copy of the
     /// limits: this process alone never passes it (its own tally), and the container's total in
     /// the region does not either (on a denial, dead processes' usage is reclaimed and the
-    /// reservation tried once more). False: over the limit.
+    /// reservation tried once more). False: over the limit. On a denial, a context of ours whose
+    /// true-up was deferred is trued up first (`memory::context`): its excess reservation must
+    /// never be the reason for a refusal.
     pub(crate) fn reserve(&self, dev: usize, bytes: u64) -> bool {
         if bytes == 0 {
             return true;
         }
+        self.reserve_once(dev, bytes) || (crate::memory::context::settle(self, dev) && self.reserve_once(dev, bytes))
+    }
+
+    fn reserve_once(&self, dev: usize, bytes: u64) -> bool {
         let Some(held) = self.enforced.held.get(dev) else { return false };
         let limit = self.memory_limit(dev);
         let own =

@@ -195,7 +195,7 @@ fn mapped_virtual_memory_stays_charged_until_released_and_unmapped() {
     }
     let s = Session::start(0);
     let (region, dev) = region_and_dev(&s);
-    let base = region.used(dev);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
     assert_eq!(base, OVERHEAD_MIB * MIB);
     let used = || region.used(dev) - base;
     let va = reserve_va(&s, 4 * GIB);
@@ -275,7 +275,7 @@ fn a_killed_process_holding_mapped_virtual_memory_is_reaped() {
     let mut child = spawn_child(test, env);
     wait_for(&dir.path().join("ready"));
     let gpu = || Node::open_state(&node.state, None).unwrap().memory_info(0, 0).unwrap().used;
-    assert_eq!(region.used(0), (OVERHEAD_MIB + 512) * MIB);
+    assert_eq!(settled((OVERHEAD_MIB + 512) * MIB, || region.used(0)), (OVERHEAD_MIB + 512) * MIB);
     assert_eq!(gpu(), (OVERHEAD_MIB + 512) * MIB);
     child.kill().unwrap();
     child.wait().unwrap();

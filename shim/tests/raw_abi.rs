@@ -45,7 +45,7 @@ fn every_allocation_family_is_charged_and_refunded() {
     let s = Session::start(0);
     let cu = &s.cu;
     let (region, dev) = region_and_dev(&s);
-    let base = region.used(dev);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
     assert_eq!(base, OVERHEAD_MIB * MIB, "the primary context's overhead is charged");
     let used = || region.used(dev) - base;
     let gpu = || model().memory_info(0, 0).unwrap().used;
@@ -525,6 +525,7 @@ fn nvml_child() {
     let nvml = Nvml::builder().lib_path(&lib).init().expect("nvml init");
     let gpu0 = nvml.device_by_index(0).unwrap();
     let used = GIB + OVERHEAD_MIB * MIB;
+    settled(used, || gpu0.memory_info().unwrap().used);
     let m = gpu0.memory_info().unwrap();
     assert_eq!(m.total, 4 * GIB, "v2: the limit");
     assert_eq!(m.used, used, "v2: the container's usage only (the outsider's 2 GiB is not ours)");
@@ -573,6 +574,7 @@ fn a_forked_child_starts_over_and_leaves_the_parents_charges_alone() {
     }
     let s = Session::start(0);
     let (region, dev) = region_and_dev(&s);
+    settled(OVERHEAD_MIB * MIB, || region.used(dev));
     let p = s.alloc(256 * MIB).unwrap();
     let before = region.used(dev);
     // SAFETY: fork in a process whose other threads hold no locks we need (the test harness

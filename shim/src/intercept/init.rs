@@ -14,6 +14,10 @@ pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
     guard(CUDA_ERROR_UNKNOWN, || {
         let Ok(s) = state::ensure() else { return CUDA_ERROR_NOT_PERMITTED };
         let Some(cu) = real::cuda() else { return CUDA_ERROR_NO_DEVICE };
+        if s.configured {
+            // NVML loads on a helper thread while the driver initializes (`memory::context`).
+            crate::memory::context::warm_up(s);
+        }
         // SAFETY: the caller's argument, passed on unchanged.
         let rc = unsafe { (cu.cuInit)(Flags) };
         if rc == CUDA_SUCCESS {

@@ -19,9 +19,15 @@
 //! on the device, else by NVML (the first context on a device has no context to ask in). Both
 //! readings of a pair come from the same source. Without NVML and without an earlier context,
 //! nothing can be measured and the estimate stays charged.
+//!
+//! A process's first context on a device, made while NVML is not yet loaded (loading and
+//! initializing it is most of a process's start-up cost through the shim), is trued up later
+//! instead: see [`Deferred`].
 
 use std::ffi::{c_int, c_uint, c_void};
+use std::sync::Mutex;
 use std::sync::atomic::Ordering::*;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use super::alloc::hook;
 use super::{Charge, Kind};
@@ -63,8 +69,7 @@ struct Reading {
 }
 
 impl Probe {
-    fn for_device(s: &ShimState, ordinal: c_int, dev: usize) -> Probe {
-        let ctx = s.mem.contexts.find(|c| c.dev == dev).map(|(k, _)| k as CUcontext);
+    fn for_device(ctx: Option<CUcontext>, ordinal: c_int) -> Probe {
         Probe { ctx, nvml: nvml_device(ordinal) }
     }
 
@@ -146,12 +151,14 @@ fn own_usage(h: NvmlDevice) -> Option<u64> {
 }
 
 /// Reserves a context's estimated overhead, creates it with `create` (which returns the driver's
-/// result and, on success, the context), measures its overhead and trues the charge up to it.
+/// result and, on success, the context), measures its overhead and trues the charge up to it
+/// (for a process's first context on the device while NVML is not loaded yet: later, see
+/// [`Deferred`]).
 /// Over the limit (before, or after when it took more than estimated), the answer is
 /// `CUDA_ERROR_OUT_OF_MEMORY`; `undo` destroys a context made meanwhile. The caller holds the
 /// lifecycle lock.
 fn charge_creation(
-    s: &ShimState,
+    s: &'static ShimState,
     cu: &RealCuda,
     ordinal: c_int,
     create: impl FnOnce() -> (CUresult, Option<CUcontext>),
@@ -159,11 +166,18 @@ fn charge_creation(
     primary: bool,
 ) -> CUresult {
     let Some(dev) = s.device_of_ordinal(ordinal) else { return create().0 };
+    // One still waiting for its true-up goes first: the readings below would count it too.
+    settle(s, dev);
     let reserved = estimate(s.region.context_hint(dev));
+    let idle = s.held(dev) == 0;
     if !s.reserve(dev, reserved) {
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    let probe = Probe::for_device(s, ordinal, dev);
+    let ours = s.mem.contexts.find(|c| c.dev == dev).map(|(k, _)| k as CUcontext);
+    if idle && ours.is_none() && real::nvml_ready().is_none() {
+        return create_deferred(s, Pending { ctx: 0, dev, ordinal, reserved }, create, primary);
+    }
+    let probe = Probe::for_device(ours, ordinal);
     let before = probe.read(cu);
     let own_before = s.held(dev);
     let (rc, ctx) = create();
@@ -171,10 +185,7 @@ fn charge_creation(
         s.refund(dev, reserved);
         return rc;
     };
-    s.remember_context(ctx, ordinal);
-    if primary && let Some(p) = s.mem.primaries.get(ordinal as usize) {
-        p.store(ctx as u64, Release);
-    }
+    made(s, ctx, ordinal, primary);
     let after = probe.read(cu);
     // What this process allocated meanwhile (other threads) is not the context's.
     let meanwhile = s.held(dev).saturating_sub(own_before);
@@ -202,6 +213,270 @@ fn charge_creation(
     rc
 }
 
+/// A context the driver just made: its device remembered, and a primary context's handle.
+fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
+    s.remember_context(ctx, ordinal);
+    if primary && let Some(p) = s.mem.primaries.get(ordinal as usize) {
+        p.store(ctx as u64, Release);
+    }
+}
+
+// ---- The true-up, deferred -------------------------------------------------------------------
+//
+// Why this design. Measuring a process's first context needs NVML (its process list: the
+// context is the first thing of ours on the device), and loading and initializing NVML is most
+// of what the shim adds to a process's start-up. The reservation made before the context was
+// created already keeps the limit exact: the estimate is meant to be at least what a context
+// takes (the container's last measurement, or more than any current driver's), so while it
+// stands the container is charged more than the GPU holds, not less. (Where a context took
+// more, the deferred true-up charges the rest, which the driver holds already: unlike the
+// on-the-spot one it can no longer refuse the context, and later reservations are refused until
+// the container is under its limit again.) Giving the excess back can wait; until it is given
+// back the only harm is that the excess looks used. So the first context is
+// created at once and its true-up deferred to whichever comes first:
+// - a helper thread, started at `cuInit` to load NVML while the driver initializes (where NVML
+//   is ready by the time the context is made, the true-up is done at once as above), and again
+//   when a context starts waiting: the daemon's view is right soon after;
+// - a reservation that would otherwise be refused on the device (`ShimState::reserve` trues up,
+//   then tries once more): the excess never causes a false `CUDA_ERROR_OUT_OF_MEMORY`;
+// - `cuMemGetInfo`, whose answer the excess would change; and another context on the device.
+// Never a deadlock: nobody waits for the helper (NVML is loaded outside any once-cell, so a
+// thread holding the loader lock, say in a constructor that starts CUDA, loads it itself), NVML
+// is never loaded under the waiting list's lock, the true-up takes no other lock of ours but a
+// charge map's shard and the physical allocations' books (never the lifecycle lock; no holder of
+// those waits for the list), and it adds a shortfall unchecked, never through `reserve` again.
+// A `fork`ed child starts over with a state of its own, helper flag included. A process killed
+// before its true-up holds its estimate in its region slot until the slot is reaped, like any
+// other charge of a dead process.
+//
+// The measurement: the context was this process's first on the device and nothing was held
+// there before it, so NVML's figure for this process less what its allocations made since hold
+// is the context's; see [`true_up`] for why it can only err upwards. Anything the driver took for
+// the program meanwhile without an allocation of ours (modules' code, say) lands in the
+// context's charge: the GPU holds it. Where NVML does not list this process (a PID
+// namespace), nothing is measured and the estimate stays, as it would have on the spot had the
+// free-memory reading been unavailable; the `cuInit` warm-up makes that case rare with a real
+// driver, whose `cuInit` takes far longer than NVML's load.
+
+/// A context whose true-up waits for NVML.
+#[derive(Clone, Copy)]
+struct Pending {
+    ctx: u64,
+    dev: usize,
+    ordinal: c_int,
+    /// What was reserved for it.
+    reserved: u64,
+}
+
+/// The contexts whose true-up waits (at most one per device: a later context on the device
+/// trues up the waiting one first), and the helper thread that trues them up.
+pub(crate) struct Deferred {
+    waiting: Mutex<Vec<Pending>>,
+    /// Whether `waiting` may hold any (the one load a reservation's refusal path pays).
+    any: AtomicBool,
+    /// A helper thread is running; it looks at `arrivals` again before it ends.
+    helper: AtomicBool,
+    /// How many contexts have begun waiting, ever.
+    arrivals: AtomicU64,
+}
+
+impl Deferred {
+    pub(crate) fn new() -> Deferred {
+        Deferred {
+            waiting: Mutex::new(Vec::new()),
+            any: AtomicBool::new(false),
+            helper: AtomicBool::new(false),
+            arrivals: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Pending>> {
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops a destroyed context's wait (its charge went with it).
+    fn forget(&self, ctx: usize) {
+        if self.any.load(SeqCst) {
+            let mut w = self.lock();
+            w.retain(|p| p.ctx != ctx as u64);
+            self.any.store(!w.is_empty(), SeqCst);
+        }
+    }
+}
+
+/// Creates a process's first context on a device with its estimate reserved, and leaves the
+/// true-up to the helper thread (or to whatever needs it first).
+fn create_deferred(
+    s: &'static ShimState,
+    mut p: Pending,
+    create: impl FnOnce() -> (CUresult, Option<CUcontext>),
+    primary: bool,
+) -> CUresult {
+    let (rc, ctx) = create();
+    let Some(ctx) = ctx.filter(|_| rc == CUDA_SUCCESS) else {
+        s.refund(p.dev, p.reserved);
+        return rc;
+    };
+    made(s, ctx, p.ordinal, primary);
+    p.ctx = ctx as u64;
+    s.mem.contexts.insert(p.ctx, Charge { dev: p.dev, bytes: p.reserved, ctx: ctx as usize, kind: Kind::Context });
+    {
+        let mut w = s.mem.deferred.lock();
+        w.push(p);
+        s.mem.deferred.any.store(true, SeqCst);
+        s.mem.deferred.arrivals.fetch_add(1, SeqCst);
+    }
+    start_helper(s);
+    rc
+}
+
+/// At `cuInit` in a process with limits: NVML starts loading on the helper thread, so that it is
+/// ready (and the first context measured on the spot) by the time the program makes a context.
+pub(crate) fn warm_up(s: &'static ShimState) {
+    start_helper(s);
+}
+
+/// Starts the helper thread unless one is running. If no thread can be started (a pids limit),
+/// the true-ups wait for the other occasions.
+fn start_helper(s: &'static ShimState) {
+    let d = &s.mem.deferred;
+    if d.helper.swap(true, SeqCst) {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("tessera-true-up".into()).spawn(move || helper(s));
+    if spawned.is_err() {
+        d.helper.store(false, SeqCst);
+    }
+}
+
+/// Loads NVML, trues up every waiting context (one whose device stays busy is tried again after
+/// 1, 4, 16, 64 and 256 ms, then left to the other occasions), and ends, unless one began waiting
+/// meanwhile. (At the program's own priority: it takes the loader lock and the waiting list's
+/// lock, which the program's threads may need.)
+fn helper(s: &'static ShimState) {
+    let d = &s.mem.deferred;
+    loop {
+        let seen = d.arrivals.load(SeqCst);
+        if real::cuda_ready().is_some() {
+            let _ = real::nvml_initialized();
+        }
+        settle_all(s);
+        for ms in [1, 4, 16, 64, 256] {
+            if !d.any.load(SeqCst) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            settle_all(s);
+        }
+        d.helper.store(false, SeqCst);
+        // A context that began waiting after the look above found the flag still set.
+        if d.arrivals.load(SeqCst) == seen || d.helper.swap(true, SeqCst) {
+            return;
+        }
+    }
+}
+
+/// Trues up the context waiting on `dev`, if any (NVML loaded now if need be). True if any
+/// context was waiting when called: the device's charges may have changed since the caller
+/// looked (here, or on another thread that held the list meanwhile), so a refused reservation is
+/// worth trying again. A concurrent caller for the same device waits for the first one's
+/// true-up to be done.
+pub(crate) fn settle(s: &ShimState, dev: usize) -> bool {
+    let d = &s.mem.deferred;
+    if !d.any.load(SeqCst) {
+        return false;
+    }
+    // Loaded before the lock is taken, never under it: a thread waiting for the lock may hold
+    // the loader lock (a constructor that allocates).
+    let _ = real::nvml_initialized();
+    let mut w = d.lock();
+    if let Some(p) = w.iter().find(|p| p.dev == dev).copied()
+        && true_up(s, p)
+    {
+        w.retain(|q| q.ctx != p.ctx);
+        d.any.store(!w.is_empty(), SeqCst);
+    }
+    true
+}
+
+/// Trues up every waiting context it can (those whose device stays busy wait for a later
+/// occasion).
+fn settle_all(s: &ShimState) {
+    let d = &s.mem.deferred;
+    if !d.any.load(SeqCst) {
+        return;
+    }
+    let mut w = d.lock();
+    w.retain(|&p| !true_up(s, p));
+    d.any.store(!w.is_empty(), SeqCst);
+}
+
+/// What this process's allocations that the driver has made hold on a device: charges recorded
+/// after the driver's call returned and removed before the free is called (physical
+/// allocations: under the lock of the driver's calls), so the driver holds at least this much
+/// for them at any instant. (Linear, managed, stream-ordered, arrays and physical; a graph pool's
+/// charge makes [`true_up`] wait, never guess.)
+fn landed(s: &ShimState, dev: usize) -> u64 {
+    let on = |c: &Charge| c.dev == dev;
+    s.mem.ptrs.total_where(on) + s.mem.arrays.total_where(on) + s.mem.vmm.charged_on(dev)
+}
+
+/// Sets a waiting context's charge to what it measures now (see the design note above); false
+/// when it could not measure yet because the device's charges kept moving or include some not
+/// yet made by the driver (then it stays waiting, its estimate charged).
+///
+/// The reading is NVML's figure for this process on the device, less what its allocations
+/// there have landed: NVML counts at least that for them, so the remainder is at least the
+/// context's, never less (never an under-charge). It counts only when this process's own tally
+/// on the device is exactly the context's charge plus the landed allocations before and after
+/// it (nothing reserved but not yet made, nothing being freed, nothing of another kind) and
+/// neither moved meanwhile.
+fn true_up(s: &ShimState, p: Pending) -> bool {
+    let Some(h) = real::nvml_initialized().and_then(|_| nvml_device(p.ordinal)) else { return true };
+    for _ in 0..16 {
+        let Some(c) = s.mem.contexts.get(p.ctx).filter(|c| c.dev == p.dev && c.kind == Kind::Context) else {
+            return true;
+        };
+        let (held, landed_before) = (s.held(p.dev), landed(s, p.dev));
+        if held != c.bytes + landed_before {
+            std::thread::yield_now();
+            continue;
+        }
+        let Some(own) = own_usage(h) else { return true };
+        if s.held(p.dev) != held || landed(s, p.dev) != landed_before {
+            std::thread::yield_now();
+            continue;
+        }
+        // Not listed under our pid (a PID namespace): unmeasurable, the estimate stays.
+        if own == 0 {
+            return true;
+        }
+        apply(s, p, c.bytes, own.saturating_sub(landed_before));
+        return true;
+    }
+    false
+}
+
+/// Changes a waiting context's charge from `charged` to `overhead`.
+fn apply(s: &ShimState, p: Pending, charged: u64, overhead: u64) {
+    // More than reserved: the driver holds it already, so the charge must say so (and later
+    // reservations are refused until it fits again). Charged before the figure changes, so a
+    // concurrent destruction refunds no more than was charged.
+    if overhead > charged {
+        s.charge_unchecked(p.dev, overhead - charged);
+    }
+    match s.mem.contexts.set_bytes(p.ctx, overhead) {
+        Some(old) if overhead < old.bytes => s.refund(p.dev, old.bytes - overhead),
+        Some(_) => {}
+        // Destroyed meanwhile: its refund was the old figure.
+        None if overhead > charged => return s.refund(p.dev, overhead - charged),
+        None => return,
+    }
+    if overhead > 0 {
+        s.region.set_context_hint(p.dev, overhead);
+    }
+}
+
 /// A context is gone: refund its overhead and everything allocated in it that died with it.
 fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
     // Its streams died with it; their handles may come back for streams on another device.
@@ -210,6 +485,7 @@ fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
         if let Some(c) = s.mem.contexts.remove(ctx as u64) {
             s.refund(c.dev, c.bytes);
         }
+        s.mem.deferred.forget(ctx);
         s.forget_context(ctx as CUcontext);
     }
     let dead = |c: &Charge| c.ctx == ctx && c.kind.dies_with_context();
@@ -229,7 +505,7 @@ fn primary_active(cu: &RealCuda, ordinal: c_int) -> bool {
 // ---- Regular contexts ------------------------------------------------------------------------
 
 fn create_regular(
-    s: &ShimState,
+    s: &'static ShimState,
     cu: &'static RealCuda,
     pctx: *mut CUcontext,
     ordinal: c_int,

@@ -13,6 +13,8 @@ use tessera_region::TraceFunc;
 /// (free, total) as the container sees a device, from the driver's figures.
 pub(crate) fn virtual_view(s: &ShimState, dev: usize, real_free: u64, real_total: u64) -> (u64, u64) {
     let Some(limit) = s.memory_limit(dev) else { return (real_free, real_total) };
+    // A context's excess reservation, still waiting for its true-up, would count as used.
+    super::context::settle(s, dev);
     // Dead processes' memory is reclaimed before it is reported.
     s.reap_for_query();
     let total = limit.min(real_total);

@@ -5,7 +5,8 @@
 //!   arrays;
 //! - [`vmm`]: the virtual-memory API's physical allocations, charged until released and unmapped;
 //! - [`context`]: each context's own overhead (reserved before it is created, trued up to what
-//!   it measured);
+//!   it measured: at once, or, for a process's first context on a device while NVML is not yet
+//!   loaded, on a helper thread or before an answer the over-reservation would change);
 //! - [`graph`]: graph memory nodes, charged as the driver's graph pool holds them;
 //! - [`info`]: `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU.
 //!
@@ -106,6 +107,17 @@ impl Sharded {
         self.shard(key).get(&key).copied()
     }
 
+    /// Changes a live charge's bytes in place (under its shard's lock, so a concurrent
+    /// [`Sharded::remove`] refunds either the old figure or the new one, never a mix); the
+    /// charge as it was, or `None` if it is gone.
+    pub(crate) fn set_bytes(&self, key: u64, bytes: u64) -> Option<Charge> {
+        let mut m = self.shard(key);
+        let c = m.get_mut(&key)?;
+        let old = *c;
+        c.bytes = bytes;
+        Some(old)
+    }
+
     /// Removes and returns every charge `take` selects.
     pub(crate) fn drain_where(&self, mut take: impl FnMut(&Charge) -> bool) -> Vec<(u64, Charge)> {
         let mut out = Vec::new();
@@ -131,8 +143,7 @@ impl Sharded {
         })
     }
 
-    /// Total bytes of the charges `pick` selects (for tests and reports).
-    #[allow(dead_code)]
+    /// Total bytes of the charges `pick` selects.
     pub(crate) fn total_where(&self, pick: impl Fn(&Charge) -> bool) -> u64 {
         self.shards
             .iter()
@@ -155,6 +166,8 @@ pub(crate) struct Tracker {
     pub graphs: graph::GraphMem,
     /// Contexts' own overhead, by context handle.
     pub contexts: Sharded,
+    /// Contexts whose true-up waits for NVML.
+    pub deferred: context::Deferred,
     /// The primary context handle of each CUDA ordinal (0: not seen).
     pub primaries: [std::sync::atomic::AtomicU64; 64],
     /// Serializes context creation and destruction, so that overhead measurements do not
@@ -170,6 +183,7 @@ impl Tracker {
             vmm: vmm::Vmm::new(),
             graphs: graph::GraphMem::new(),
             contexts: Sharded::new(),
+            deferred: context::Deferred::new(),
             primaries: [const { std::sync::atomic::AtomicU64::new(0) }; 64],
             lifecycle: Mutex::new(()),
         }
@@ -191,6 +205,10 @@ mod tests {
             m.insert(k * 4096, Charge { dev: (k % 3) as usize, bytes: k, ctx: (k % 2) as usize, kind: Kind::Device });
         }
         assert_eq!(m.get(4096).map(|c| c.bytes), Some(1));
+        assert_eq!(m.set_bytes(4096, 7).map(|c| c.bytes), Some(1), "the charge as it was");
+        assert_eq!(m.get(4096).map(|c| c.bytes), Some(7));
+        assert!(m.set_bytes(3, 7).is_none(), "no such charge");
+        m.set_bytes(4096, 1);
         assert_eq!(m.remove(8192).map(|c| c.bytes), Some(2));
         assert!(m.remove(8192).is_none());
         let odd = m.drain_where(|c| c.ctx == 1);

@@ -129,6 +129,13 @@ impl Vmm {
     fn books(&self) -> MutexGuard<'_, Books> {
         self.books.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// What this process's physical allocations on a device are charged. The driver holds at
+    /// least this for them: the books change under the same lock as the driver's calls that
+    /// make and free them.
+    pub(crate) fn charged_on(&self, dev: usize) -> u64 {
+        self.books().physical.values().filter(|p| p.dev == dev).map(|p| p.bytes).sum()
+    }
 }
 
 fn refund_all(s: &ShimState, refunds: impl IntoIterator<Item = Refund>) {

@@ -28,6 +28,21 @@ pub fn node() -> SimNode {
     ))
 }
 
+/// Reads `read` until it gives `want` (for at most 10 s) and returns the last reading, for the
+/// caller to assert on. For what the daemon sees of a process's first context: the shim trues
+/// that context's charge up on a helper thread soon after the context is made (until then the
+/// reservation made before it is charged), not before the call that made it returns.
+pub fn settled(want: u64, read: impl Fn() -> u64) -> u64 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let got = read();
+        if got == want || std::time::Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
 /// The built shim (`target/debug/libtessera.so`).
 pub fn shim() -> PathBuf {
     let p = profile_dir().join("libtessera.so");
