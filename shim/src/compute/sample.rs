@@ -119,7 +119,7 @@ impl Sampler {
 
     /// The running means: the mean's weight is 1/8 per measurement (what a launch is charged
     /// follows the kernels quickly); the mean square's is 1/256 per launch the measurement
-    /// stands for (`weight`), so that one long kernel keeps sampling dense for a few hundred
+    /// stands for (`weight`), so that one long kernel keeps sampling dense for a few thousand
     /// launches. Racing threads may lose an update: it is advice.
     fn learn(&self, own: i64, weight: i64) {
         let own = own.max(1);
@@ -132,7 +132,7 @@ impl Sampler {
         }
         self.mean_ns.store((old - old / 8 + own / 8).max(1), Relaxed);
         let w = weight.clamp(1, MAX_WEIGHT) as u64;
-        self.mean_sq.store(old_sq - old_sq / 256 * w + sq / 256 * w, Relaxed);
+        self.mean_sq.store((old_sq - old_sq / 256 * w).saturating_add(sq / 256 * w), Relaxed);
     }
 }
 
@@ -301,6 +301,18 @@ mod tests {
         assert!(slipped > 100, "only {slipped} long kernels slipped in: the test tests nothing");
         let error = (charged - real) as f64 / real as f64;
         assert!(error.abs() < 0.03, "{slipped} long kernels: {:.3}% off", error * 100.0);
+    }
+
+    /// Times no kernel takes (a span of hours from a clock gone wrong) saturate, never wrap.
+    #[test]
+    fn absurd_times_saturate() {
+        let s = Sampler::new();
+        for _ in 0..3 {
+            s.learn(i64::MAX, MAX_WEIGHT);
+        }
+        assert_eq!(s.weight(), 1);
+        let plan = Plan { charge: 1_000, weight: MAX_WEIGHT, measure: true };
+        assert_eq!(plan.correction(i64::MAX), i64::MAX);
     }
 
     #[test]
