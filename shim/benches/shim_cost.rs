@@ -16,7 +16,10 @@
 //!   unthrottled path);
 //! - `launch_limited`: the same on device 1, `sm_percent = 99` (the throttled path: token
 //!   bucket, CUDA events around the launches the sampler picks: one in 16 for such tiny
-//!   kernels; 1 ns kernels never run the bucket dry). The instruction-count mode has it twice:
+//!   kernels). The bucket may run dry: on an idle stream a measured kernel's span includes the
+//!   gap between its two event records (~0.5 µs here), every launch is charged that mean, and
+//!   launches come faster than that; the region's report after the run gives the time
+//!   throttled. The instruction-count mode has it twice:
 //!   `launch_sampled` (one in 16 measured, as a native run does) and `launch_throttled` (every
 //!   launch measured and settled, as for kernels of 64 µs and more);
 //! - `alloc_free_1MiB`: `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB on device 0, whose 70 GiB
