@@ -15,13 +15,24 @@
 //! - `launch`: `cuLaunchKernel` of a 1 ns kernel on device 0, which has no SM share (the
 //!   unthrottled path);
 //! - `launch_limited`: the same on device 1, `sm_percent = 99` (the throttled path: token
-//!   bucket, CUDA events around each launch; 1 ns kernels never run the bucket dry);
+//!   bucket, CUDA events around the launches the sampler picks: one in 16 for such tiny
+//!   kernels). The bucket may run dry: on an idle stream a measured kernel's span includes the
+//!   gap between its two event records (~0.5 µs here), every launch is charged that mean, and
+//!   launches come faster than that; the region's report after the run gives the time
+//!   throttled. The instruction-count mode has it twice:
+//!   `launch_sampled` (one in 16 measured, as a native run does) and `launch_throttled` (every
+//!   launch measured and settled, as for kernels of 64 µs and more);
 //! - `alloc_free_1MiB`: `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB on device 0, whose 70 GiB
 //!   limit is enforced;
 //! - `dlsym_miss`: `dlsym(RTLD_DEFAULT, "pthread_create")`, glibc's against the shim's export
 //!   (a name it does not hook: what every process the shim is preloaded into pays per `dlsym`);
 //! - `spawn_true`: spawn `/bin/true` and wait, without and with `LD_PRELOAD=libtessera.so`
 //!   (what a process that never touches CUDA pays for the preload).
+//!
+//! And one baseline, not a pair: the driver's own `cuCtxGetCurrent`, against an empty call, in
+//! the same run. A process that sees several devices asks it on every default-stream launch
+//! (the stream's device is the current context's), so that row's added cost splits into the
+//! driver call the shim makes and the shim's own work.
 //!
 //! With `TESSERA_SHIM_BENCH_TRACE=1` the shim side runs as while a trace is recorded
 //! (`tessera trace`): the cost of tracing.
@@ -249,8 +260,12 @@ counted!(
     instr_launch_per_thread_shim,
     instr_launch_throttled_driver,
     instr_launch_throttled_shim,
+    instr_launch_sampled_driver,
+    instr_launch_sampled_shim,
     instr_alloc_free_1mib_driver,
     instr_alloc_free_1mib_shim,
+    instr_baseline_empty,
+    instr_baseline_ctx_get_current,
 );
 
 /// Removes a callgrind profile and its parts from an earlier run.
@@ -296,6 +311,19 @@ fn print_instructions(profile: &Path, n: u64, one_device: bool) {
         let (d, s) = (*d as f64 / n as f64, *s as f64 / n as f64);
         println!("{:<28} {:>10.1} {:>10.1} {:>10.1}", name.trim_start_matches("instr_"), d, s, s - d);
     }
+    let per_call = |m: &str| cost.get(m).map(|&c| c as f64 / n as f64);
+    if let (Some(empty), Some(get)) = (per_call("instr_baseline_empty"), per_call("instr_baseline_ctx_get_current")) {
+        let call = get - empty;
+        println!("driver's cuCtxGetCurrent alone: {call:.1} instructions per call");
+        let default = per_call("instr_launch_default_shim").zip(per_call("instr_launch_default_driver"));
+        if let (false, Some((s, d))) = (one_device, default) {
+            println!(
+                "  launch_default's +{:.1} added = {call:.1} that driver call + {:.1} the shim's own",
+                s - d,
+                s - d - call
+            );
+        }
+    }
 }
 
 type R = c_int;
@@ -303,6 +331,7 @@ type H = *mut c_void;
 type CuInit = unsafe extern "C" fn(c_uint) -> R;
 type CuRetain = unsafe extern "C" fn(*mut H, c_int) -> R;
 type CuSetCurrent = unsafe extern "C" fn(H) -> R;
+type CuGetCurrent = unsafe extern "C" fn(*mut H) -> R;
 type CuSync = unsafe extern "C" fn() -> R;
 type CuLoad = unsafe extern "C" fn(*mut H, *const c_void) -> R;
 type CuGetFn = unsafe extern "C" fn(*mut H, H, *const c_char) -> R;
@@ -393,6 +422,9 @@ fn child() {
             sym(&cuda, c"cuModuleGetFunction"),
         )
     };
+    // The driver's, alone: what the shim calls on a multi-device process's default-stream launch.
+    // SAFETY: as above.
+    let get_current: CuGetCurrent = unsafe { sym(&cuda, c"cuCtxGetCurrent") };
     // SAFETY: as above.
     let shim_dlsym: Dlsym = unsafe { sym(&shim, c"dlsym") };
     let libc_dlsym: Dlsym = libc::dlsym;
@@ -405,6 +437,8 @@ fn child() {
     let devices = if one_device { 1 } else { 2 };
     let mut ctx = [std::ptr::null_mut(); 2];
     let mut func = [std::ptr::null_mut(); 2];
+    // Device 1's kernels that keep its default stream busy (the sampled pair, below).
+    let (mut busy_1ms, mut busy_2s): (H, H) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: valid out-pointers; handles come from the driver; C string literals.
     unsafe {
         check(cu_init(0), "cuInit (shim)");
@@ -414,6 +448,10 @@ fn child() {
             let mut module = std::ptr::null_mut();
             check(load(&mut module, c"bench".as_ptr().cast()), "cuModuleLoadData");
             check(get_fn(&mut func[dev], module, c"bench_1ns".as_ptr()), "cuModuleGetFunction");
+            if dev == 1 {
+                check(get_fn(&mut busy_1ms, module, c"bench_busy_1ms".as_ptr()), "cuModuleGetFunction");
+                check(get_fn(&mut busy_2s, module, c"bench_busy_2000ms".as_ptr()), "cuModuleGetFunction");
+            }
         }
         check(set_current(ctx[0]), "cuCtxSetCurrent");
         let (mut free, mut total) = (0usize, 0usize);
@@ -466,6 +504,18 @@ fn child() {
         }
     };
     assert_eq!(lookup(libc_dlsym)(), lookup(shim_dlsym)(), "the two dlsym answers differ");
+    let ctx_get_current = || {
+        let mut c: H = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        black_box(unsafe { get_current(&mut c) });
+        black_box(c)
+    };
+    // The other side of the baseline: the same closure shape, no call.
+    let empty = || {
+        let c: H = std::ptr::null_mut();
+        black_box(0);
+        black_box(c)
+    };
     // SAFETY: the primary contexts retained above are live.
     let set = |dev: usize| check(unsafe { set_current(ctx[dev]) }, "cuCtxSetCurrent");
     // SAFETY: the current context is live.
@@ -504,12 +554,45 @@ fn child() {
             launch_pt(hooked, func[0])();
         });
         drain();
+        instr_baseline_empty(n, &mut || {
+            empty();
+        });
+        instr_baseline_ctx_get_current(n, &mut || {
+            ctx_get_current();
+        });
         if !one_device {
             set(1);
+            // Every launch measured and settled. Under callgrind the clock runs tens of times
+            // slow, so a 1 ns kernel's events on an idle stream span tens of µs (the time
+            // between the two records; the first launches, code valgrind translates, far
+            // more), and the sampler measures every launch, as it does for kernels of 64 µs
+            // and more.
             instr_launch_throttled_driver(n, &mut || {
                 launch(driver, func[1])();
             });
             instr_launch_throttled_shim(n, &mut || {
+                launch(hooked, func[1])();
+            });
+            drain();
+            // The same as a native run goes for 1 ns kernels: one launch in 16 measured. First
+            // the sampler learns them with the stream busy across each pair of records (a
+            // driver-launched 1 ms kernel ahead, waited for) until the slow spans above have
+            // left its running mean square; then each side runs behind a 2 s kernel: nothing
+            // completes meanwhile, so the weight stays 16, and the shim side's figure leaves
+            // out settling (a query and an elapsed time per measured launch once its kernel
+            // has completed, in the pair above).
+            for _ in 0..8000 {
+                launch(driver, busy_1ms)();
+                launch(hooked, func[1])();
+                drain();
+            }
+            launch(driver, busy_2s)();
+            instr_launch_sampled_driver(n, &mut || {
+                launch(driver, func[1])();
+            });
+            drain();
+            launch(driver, busy_2s)();
+            instr_launch_sampled_shim(n, &mut || {
                 launch(hooked, func[1])();
             });
             drain();
@@ -577,6 +660,16 @@ fn child() {
         let r = interleaved(1000, 1000, launch(driver, func[0]), launch(hooked, func[0]));
         r.print("launch (unlimited)");
         drain();
+        // The driver call the shim makes in that row, alone (empty call vs the call).
+        let g = interleaved(1000, 1000, empty, ctx_get_current);
+        g.print("(driver cuCtxGetCurrent)");
+        println!(
+            "{:<28} {:>12} {:>12} {:>12}",
+            "  = that call + shim's own",
+            "",
+            show(g.added_ns),
+            show(r.added_ns - g.added_ns)
+        );
         let r = interleaved(1000, 1000, launch_on(driver, func[0]), launch_on(hooked, func[0]));
         r.print("launch, explicit stream");
         drain();

@@ -1,7 +1,9 @@
-//! What each throttled kernel really took: a CUDA event before and after it on its stream. The
+//! What a measured kernel really took: a CUDA event before and after it on its stream. The
 //! span between the two is the kernel's time on the GPU, waiting for nothing else of its stream
 //! (the "before" event completes when the stream's earlier work does). Spans are harvested when
-//! complete, at the next launch, never waited for on the launch path.
+//! complete, at a later measured launch or before a throttled wait, never waited for on the
+//! launch path. Which throttled launches are measured, and what a span corrects the bucket's
+//! charge by, is `sample`'s.
 //!
 //! While a trace is recorded, every launch is measured this way (unthrottled ones too, charged
 //! nothing) and each completed span becomes a kernel entry in the region's trace ring: its GPU
@@ -17,13 +19,14 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUresult, CUstream};
 use tessera_region::{
     MAX_DEVICES, TRACE_FLAG_START_ESTIMATED, TRACE_NAME_MAX, TRACE_NO_DEVICE, TraceEntry, TraceKind, monotonic_ns,
 };
 
+use super::sample::{Plan, Sampler};
 use super::{bucket, service};
 use crate::real;
 use crate::state::ShimState;
@@ -31,8 +34,6 @@ use crate::trace::Launch;
 
 /// Kernels measured at once per process; beyond, the oldest is waited for.
 const MAX_IN_FLIGHT: usize = 256;
-/// Until a device has a measurement, a launch is charged this much.
-const FIRST_GUESS_NS: i64 = 100_000;
 
 /// A launch being measured.
 pub struct Pending {
@@ -40,8 +41,8 @@ pub struct Pending {
     ctx: usize,
     stream: usize,
     start: usize,
-    /// What the bucket was charged; None: not metered (measured for a trace only).
-    charged: Option<i64>,
+    /// What the bucket was charged and at what weight; None: not metered (for a trace only).
+    plan: Option<Plan>,
     /// Traced: the launch, when it was made (monotonic ns) and the launching thread.
     trace: Option<(Launch, u64, u32)>,
 }
@@ -52,7 +53,7 @@ struct InFlight {
     stream: usize,
     start: usize,
     end: usize,
-    charged: Option<i64>,
+    plan: Option<Plan>,
     trace: Option<(Launch, u64, u32)>,
 }
 
@@ -71,14 +72,14 @@ struct Local {
 }
 
 static LOCAL: Mutex<Option<Local>> = Mutex::new(None);
-/// Per device: a running average of a kernel's own GPU time (ns), what a launch is charged.
-static EXPECTED: [AtomicI64; MAX_DEVICES] = [const { AtomicI64::new(0) }; MAX_DEVICES];
+/// `LOCAL`'s `in_flight.len()`, so that a launch with nothing to harvest takes no lock.
+static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+/// Per device: what this process's measured kernels took lately, for charging and sampling.
+static SAMPLERS: [Sampler; MAX_DEVICES] = [const { Sampler::new() }; MAX_DEVICES];
 
-pub fn expected_cost(dev: usize) -> i64 {
-    match EXPECTED.get(dev).map(|e| e.load(Relaxed)) {
-        Some(e) if e > 0 => e,
-        _ => FIRST_GUESS_NS,
-    }
+/// Device `dev`'s sampler (region device indices are below `MAX_DEVICES`).
+pub fn sampler(dev: usize) -> &'static Sampler {
+    &SAMPLERS[dev.min(MAX_DEVICES - 1)]
 }
 
 fn with_local<R>(f: impl FnOnce(&mut Local) -> R) -> R {
@@ -109,12 +110,12 @@ fn give_back(l: &mut Local, ctx: usize, e: usize) {
 }
 
 /// Records the "before" event on the launch's stream. None when it cannot be measured (then
-/// the launch keeps its estimated charge). `charged`: None when only the trace wants the span.
+/// the launch keeps its estimated charge). `plan`: None when only the trace wants the span.
 pub fn start(
     _st: &ShimState,
     dev: usize,
     stream: *mut c_void,
-    charged: Option<i64>,
+    plan: Option<Plan>,
     trace: Option<Launch>,
 ) -> Option<Pending> {
     let trace = trace.map(|f| (f, monotonic_ns(), crate::trace::ids().1));
@@ -142,7 +143,7 @@ pub fn start(
         let start = take_event(l, ctx)?;
         // SAFETY: start is a live event of the stream's (current) context.
         if ok(unsafe { (cu.cuEventRecord)(start as CUevent, stream as CUstream) }) {
-            Some(Pending { dev, ctx, stream: stream as usize, start, charged, trace })
+            Some(Pending { dev, ctx, stream: stream as usize, start, plan, trace })
         } else {
             give_back(l, ctx, start);
             None
@@ -150,15 +151,13 @@ pub fn start(
     })
 }
 
-/// Records the "after" event once the driver accepted the launch; a refused launch is refunded.
+/// Records the "after" event once the driver accepted the launch (a refused one is refunded by
+/// the caller; its event goes back to the pool).
 pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
     let stream = p.stream as *mut c_void;
     let Some(cu) = real::cuda() else { return };
     with_local(|l| {
         if !accepted {
-            if let Some(c) = p.charged {
-                bucket::correct(st.region.bucket(p.dev), -c);
-            }
             give_back(l, p.ctx, p.start);
             return;
         }
@@ -186,15 +185,20 @@ pub fn finish(st: &ShimState, p: Pending, accepted: bool) {
             stream: p.stream,
             start: p.start,
             end,
-            charged: p.charged,
+            plan: p.plan,
             trace: p.trace,
         });
+        IN_FLIGHT.store(l.in_flight.len(), Relaxed);
     });
-    // Settled at the next launch (before_launch harvests first), never here: once per launch.
+    // Settled at a later launch (`harvest`), never here: at most once per launch.
 }
 
-/// Settles every measured launch that has completed: corrects its charge to its real GPU time.
+/// Settles every measured launch that has completed: corrects its charge by what its real GPU
+/// time says (`Sampler::settle`).
 pub fn harvest(st: &ShimState) {
+    if IN_FLIGHT.load(Relaxed) == 0 {
+        return;
+    }
     let Some(cu) = real::cuda() else { return };
     with_local(|l| {
         while let Some(f) = l.in_flight.front() {
@@ -204,18 +208,19 @@ pub fn harvest(st: &ShimState) {
                 break;
             }
             let f = l.in_flight.pop_front().expect("front exists");
+            IN_FLIGHT.store(l.in_flight.len(), Relaxed);
             let mut ms = 0f32;
             // SAFETY: both events were recorded by us on one stream and the later one completed.
             let timed = ok(rc) && ok(unsafe { (cu.cuEventElapsedTime)(&mut ms, f.start as CUevent, f.end as CUevent) });
             if timed {
                 let span = (f64::from(ms) * 1e6) as i64;
-                if let Some(charged) = f.charged {
-                    let own = service::own_time(st, f.dev, span);
-                    bucket::correct(st.region.bucket(f.dev), own - charged);
-                    st.region.record_gpu_time(st.slot, f.dev, own as u64);
-                    let e = &EXPECTED[f.dev];
-                    let old = e.load(Relaxed);
-                    e.store(if old <= 0 { own } else { old - old / 8 + own / 8 }, Relaxed);
+                if let Some(plan) = f.plan {
+                    let own = service::own_time(st, f.dev, span, plan.weight);
+                    let delta = sampler(f.dev).settle(plan, own);
+                    bucket::correct(st.region.bucket(f.dev), delta);
+                    // Its estimate of the GPU time of the launches it stands for.
+                    let estimate = own.max(0).saturating_mul(plan.weight);
+                    st.region.record_gpu_time(st.slot, f.dev, estimate as u64);
                 }
                 if let Some(launch) = f.trace {
                     record_kernel(st, l, &f, launch, span.max(0) as u64);

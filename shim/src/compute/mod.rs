@@ -2,7 +2,10 @@
 //! and high-priority containers run first.
 //!
 //! - `bucket`: the container's budget of GPU nanoseconds, shared by its processes in the region.
-//! - `measure`: what each kernel really took, from CUDA events recorded around it.
+//! - `sample`: which throttled launches are measured (every one for long kernels, one in up to
+//!   16 for tiny ones) and what each is charged, so that the bucket gets the real GPU time on
+//!   average without two CUDA events on every launch.
+//! - `measure`: what a measured kernel really took, from CUDA events recorded around it.
 //! - `service`: how much of that was the container's own GPU time when other containers' kernels
 //!   were time-sliced with it, from NVML's per-process utilization (what a GPU reports, no more).
 //! - `ledger`: what the other containers on the GPU are doing (priority, recent use), for
@@ -14,6 +17,7 @@
 mod bucket;
 mod ledger;
 mod measure;
+mod sample;
 mod service;
 
 use std::ffi::c_void;
@@ -35,12 +39,17 @@ const LEND_MARGIN_PPM: i64 = 20_000;
 
 /// What `before_launch` decided, handed back to `after_launch`.
 pub struct Gate {
+    /// The device and what its bucket was charged, refunded if the driver refuses the launch.
+    charged: Option<(usize, i64)>,
     inner: Option<measure::Pending>,
 }
 
 impl Gate {
-    const PASS: Gate = Gate { inner: None };
+    const PASS: Gate = Gate { charged: None, inner: None };
 }
+
+/// Draws which throttled launches are measured; seeded afresh whenever the policy is read.
+static RNG: sample::Rng = sample::Rng::new(0);
 
 /// The container-wide settings the limiter needs on every launch, cached per config generation.
 #[derive(Clone, Copy)]
@@ -64,6 +73,7 @@ fn policy(st: &ShimState) -> Policy {
         let bits = limits.priority as u64 | (limits.compute_mode as u64) << 8;
         POLICY_BITS.store(bits, Relaxed);
         POLICY_KEY.store(ledger::container_key(&identity), Relaxed);
+        RNG.reseed(now_ns() ^ u64::from(std::process::id()).rotate_left(32));
         POLICY_GEN.store(generation, Release);
     }
     let bits = POLICY_BITS.load(Relaxed);
@@ -137,12 +147,17 @@ pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<Launch>) -> 
 #[cold]
 fn traced_only(st: &'static ShimState, dev: usize, stream: *mut c_void, f: Launch) -> Gate {
     measure::harvest(st);
-    Gate { inner: measure::start(st, dev, stream, None, Some(f)) }
+    Gate { charged: None, inner: measure::start(st, dev, stream, None, Some(f)) }
 }
 
-/// Called after the real driver call; `accepted` is whether it returned CUDA_SUCCESS.
+/// Called after the real driver call; `accepted` is whether it returned CUDA_SUCCESS: a refused
+/// launch is refunded its charge.
 pub fn after_launch(gate: Gate, accepted: bool) {
-    if let (Some(p), Some(st)) = (gate.inner, state::get()) {
+    let Some(st) = state::get() else { return };
+    if !accepted && let Some((dev, charge)) = gate.charged {
+        bucket::correct(st.region.bucket(dev), -charge);
+    }
+    if let Some(p) = gate.inner {
         measure::finish(st, p, accepted);
     }
 }
@@ -183,11 +198,18 @@ fn throttle(
     trace: Option<Launch>,
 ) -> Gate {
     let b = st.region.bucket(dev);
-    let mut waited = 0u64;
-    let cost = loop {
+    // Decided first, before anything about this launch is known (a traced launch is measured
+    // for the trace anyway, so at weight 1).
+    let plan = measure::sampler(dev).plan(&RNG, trace.is_some());
+    // Completed measurements are settled on measured launches and before any wait, not on every
+    // launch: an unmeasured launch of a tiny kernel takes no lock and makes no driver call here.
+    let mut settled = false;
+    let charge = loop {
         let now = now_ns();
         let ppm = effective_ppm(pct, p, uuid, now);
-        measure::harvest(st);
+        if plan.measure || settled {
+            measure::harvest(st);
+        }
         if let Some(used_ppm) = service::maybe_update(st, dev, now)
             && let (Some(l), Some(u)) = (the_ledger(), uuid)
             && let Some(e) = l.entry(u, p.key, now)
@@ -195,23 +217,26 @@ fn throttle(
             e.set_usage(used_ppm, now);
         }
         bucket::refill(b, now, ppm);
-        let cost = measure::expected_cost(dev);
-        match bucket::try_take(b, cost, ppm) {
-            Ok(()) => break cost,
+        match bucket::try_take(b, plan.charge, ppm) {
+            Ok(()) => break Some(plan.charge),
+            // Settled corrections may be refunds: look at them before waiting.
+            Err(_) if !settled => settled = true,
             Err(wait) => {
                 std::thread::sleep(Duration::from_nanos(wait.clamp(20_000, MAX_NAP_NS)));
-                waited += now_ns() - now;
+                st.region.record_throttled(st.slot, dev, now_ns() - now);
                 // The share may have changed, or been lifted, while we slept.
                 st.refresh();
                 match st.sm_percent(dev).filter(|&p| p < 100) {
                     Some(p) => pct = p,
-                    None => break 0,
+                    None => break None,
                 }
             }
         }
     };
-    if waited > 0 {
-        st.region.record_throttled(st.slot, dev, waited);
-    }
-    Gate { inner: measure::start(st, dev, stream, Some(cost), trace) }
+    let Some(charge) = charge else {
+        // The share was lifted: nothing charged, measured only for a trace.
+        return Gate { charged: None, inner: trace.and_then(|f| measure::start(st, dev, stream, None, Some(f))) };
+    };
+    let inner = if plan.measure { measure::start(st, dev, stream, Some(plan), trace) } else { None };
+    Gate { charged: Some((dev, charge)), inner }
 }

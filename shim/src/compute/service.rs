@@ -23,10 +23,11 @@ const FACTOR: usize = 0;
 static HANDLES: [AtomicUsize; MAX_DEVICES] = [const { AtomicUsize::new(0) }; MAX_DEVICES];
 static NVML_UP: AtomicBool = AtomicBool::new(false);
 
-/// A measured span, as the container's own GPU time; also counted for the next factor update.
-pub fn own_time(st: &ShimState, dev: usize, span: i64) -> i64 {
+/// A measured span, as the container's own GPU time; also counted for the next factor update,
+/// `weight` times (the launches it stands for: `sample`).
+pub fn own_time(st: &ShimState, dev: usize, span: i64, weight: i64) -> i64 {
     let b = st.region.bucket(dev);
-    b.window_used_ns.fetch_add(span.max(0) as u64, Relaxed);
+    b.window_used_ns.fetch_add(span.max(0).saturating_mul(weight.max(1)) as u64, Relaxed);
     match b.spare[FACTOR].load(Relaxed) {
         0 => span,
         f => (span as i128 * f as i128 / 1_000_000) as i64,

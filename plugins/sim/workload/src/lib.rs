@@ -32,6 +32,13 @@ pub struct Plan {
     /// Duration of each kernel, in microseconds.
     #[arg(long, default_value_t = 1000)]
     pub kernel_us: u64,
+    /// Every this many launches, one of `--long-us` instead (0: none). The kernels are then one
+    /// function whose duration is its parameter, so that the two lengths are the same kernel.
+    #[arg(long, default_value_t = 0)]
+    pub long_every: u64,
+    /// Duration of the long kernels of `--long-every`, in microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub long_us: u64,
     /// Keep launching for this many seconds.
     #[arg(long, default_value_t = 0.0)]
     pub seconds: f64,
@@ -180,7 +187,12 @@ fn work(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
 }
 
 fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
-    let name = format!("tessera_spin_{}us", plan.kernel_us);
+    // One function for both lengths when they mix: its duration is its parameter (the simulator
+    // reads it too, by the `_argns` name).
+    let name = match plan.long_every {
+        0 => format!("tessera_spin_{}us", plan.kernel_us),
+        _ => "tessera_spin_argns".to_string(),
+    };
     let image = ptx(&name);
     let cname = CString::new(name).expect("no NUL");
     // SAFETY: as in `work`: valid out-pointers, live handles, a NUL-terminated image.
@@ -200,11 +212,12 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         let mut first: Handle = std::ptr::null_mut();
         cu.check("cuEventCreate", (cu.event_create)(&mut first, 0))?;
         cu.check("cuEventRecord", (cu.event_record)(first, stream))?;
-        let mut ns: u64 = plan.kernel_us * 1000;
+        let mut ns: u64 = 0;
         let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
         let begin = Instant::now();
         let deadline = (plan.seconds > 0.0).then(|| begin + Duration::from_secs_f64(plan.seconds));
         let mut launched = 0u64;
+        let mut kernel_ns = 0u64;
         loop {
             if plan.kernels > 0 && launched >= plan.kernels {
                 break;
@@ -218,6 +231,11 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
                     std::thread::sleep(wait);
                 }
             }
+            let long = plan.long_every > 0 && launched % plan.long_every == plan.long_every - 1;
+            let this_ns = if long { plan.long_us } else { plan.kernel_us } * 1000;
+            // The parameter, through the pointer the launch reads it by (the driver copies it).
+            params[0].cast::<u64>().write(this_ns);
+            kernel_ns += this_ns;
             let slot = (launched % depth as u64) as usize;
             if launched >= depth as u64 {
                 cu.check("cuEventSynchronize", (cu.event_synchronize)(events[slot]))?;
@@ -231,7 +249,7 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         }
         cu.check("cuStreamSynchronize", (cu.stream_synchronize)(stream))?;
         r.kernels = launched;
-        r.kernel_time_ms = (launched * plan.kernel_us) as f64 / 1e3;
+        r.kernel_time_ms = kernel_ns as f64 / 1e6;
         if launched > 0 {
             let last = events[((launched - 1) % depth as u64) as usize];
             let mut ms = 0f32;

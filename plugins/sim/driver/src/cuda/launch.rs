@@ -73,7 +73,28 @@ fn launch(
         drop(reg);
         return c.add(Op::Kernel { func });
     }
-    node.launch(t.sid, func.duration_ns).work().map(|_| ())
+    let duration = match func.duration_from_arg {
+        // SAFETY: the caller's parameter array (cuda.h's contract): its first entry points to the
+        // kernel's first parameter, a u64 for a kernel named `_argns`.
+        true => unsafe { first_u64(params) }.unwrap_or(func.duration_ns),
+        false => func.duration_ns,
+    };
+    node.launch(t.sid, duration).work().map(|_| ())
+}
+
+/// The first kernel parameter as a `u64`, if there is one.
+///
+/// # Safety
+/// `params` must be null or a kernel parameter array whose first entry, if not null, points to
+/// at least 8 readable bytes.
+unsafe fn first_u64(params: *mut *mut c_void) -> Option<u64> {
+    if params.is_null() {
+        return None;
+    }
+    // SAFETY: as this function's contract.
+    let first = unsafe { *params };
+    // SAFETY: as this function's contract; the parameter need not be aligned.
+    (!first.is_null()).then(|| unsafe { first.cast::<u64>().read_unaligned() })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -4,7 +4,9 @@
 //! be on a real driver).
 //!
 //! A kernel's duration on the GPU comes from its name: a name ending in `_<N>ns`, `_<N>us` or
-//! `_<N>ms` (e.g. `spin_250us`, or C++ `_Z10spin_250usPf`) takes that long; any other takes 5 µs.
+//! `_<N>ms` (e.g. `spin_250us`, or C++ `_Z10spin_250usPf`) takes that long; a name ending in
+//! `_argns` takes as many nanoseconds as its first parameter (a `u64`) says, launch by launch (as
+//! the workload's spin kernel does on a real GPU); any other takes 5 µs.
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
@@ -179,6 +181,12 @@ fn base_name(name: &str) -> &str {
     }
 }
 
+/// Whether a kernel takes its duration from its first parameter (`u64` ns): its name ends in
+/// `_argns`.
+pub(crate) fn duration_from_arg(name: &str) -> bool {
+    base_name(name).ends_with("_argns")
+}
+
 /// A kernel's duration on the GPU, from its name.
 pub(crate) fn kernel_duration_ns(name: &str) -> u64 {
     let base = base_name(name);
@@ -203,6 +211,9 @@ pub(crate) struct Func {
     pub handle: usize,
     pub name: CString,
     pub duration_ns: u64,
+    /// The duration is the first parameter's (`u64` ns) at each launch; `duration_ns` when the
+    /// launch has none (a graph's node, `extra`-style parameters).
+    pub duration_from_arg: bool,
     /// Module it belongs to (0 for a `CUkernel`).
     pub module: usize,
     /// Library it came from (0 for a module's own function).
@@ -223,6 +234,7 @@ impl Func {
             handle: handles::new_handle(),
             name: CString::new(name).unwrap_or_default(),
             duration_ns: kernel_duration_ns(name),
+            duration_from_arg: duration_from_arg(name),
             module,
             library,
             ctx,
@@ -802,6 +814,10 @@ mod tests {
         assert_eq!(kernel_duration_ns("gemm"), DEFAULT_KERNEL_NS);
         assert_eq!(kernel_duration_ns("gemm_fp16"), DEFAULT_KERNEL_NS);
         assert_eq!(kernel_duration_ns("x_us"), DEFAULT_KERNEL_NS);
+        assert!(duration_from_arg("tessera_spin_argns"));
+        assert!(duration_from_arg("_Z10spin_argnsPm"));
+        assert!(!duration_from_arg("spin_250us"));
+        assert!(!duration_from_arg("argns"));
     }
 
     #[test]
