@@ -743,6 +743,26 @@ mod tests {
         assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
     }
 
+    /// The bytes themselves, as scrapers read them: label order, escapes, number formats.
+    #[test]
+    fn exact_lines() {
+        let text = render(&metrics());
+        let gpu0 = r#"{gpu="0",UUID="GPU-0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-1",pci_bus_id="00000000:17:00.0"}"#;
+        let a1 = r#"{allocation="a1",resource="tessera.io/share",UUID="GPU-0",device_id="GPU-0::0,GPU-0::1",namespace="team-a",pod="train-0",container="main"}"#;
+        for line in [
+            format!("DCGM_FI_DEV_FB_USED{gpu0} 1536\n"),
+            format!("DCGM_FI_DEV_POWER_USAGE{gpu0} 123.456\n"),
+            r#"tessera_gpu_healthy{gpu="1",UUID="MIG-1",device="nvidia1",modelName="NVIDIA A100 \"SXM\"\nrev\\2",Hostname="node-1",pci_bus_id="00000000:18:00.0",GPU_I_PROFILE="1g.10gb",GPU_I_ID="13"} 0"#.to_string() + "\n",
+            format!("tessera_container_launches_total{a1} 12345\n"),
+            format!("tessera_container_gpu_seconds_total{a1} 1.5\n"),
+            format!("tessera_container_sm_achieved_percent{a1} 12.5\n"),
+            r#"tessera_container_processes{allocation="a2",resource="tessera.io/gpu",namespace="",pod="",container=""} 0"#.to_string() + "\n",
+            "# HELP tessera_allocations Allocations held on the node.\n# TYPE tessera_allocations gauge\ntessera_allocations 2\n".to_string(),
+        ] {
+            assert!(text.contains(&line), "missing {line:?} in:\n{text}");
+        }
+    }
+
     #[test]
     fn last_xid_is_a_gauge_on_whole_gpus_only() {
         let mut m = metrics();
