@@ -22,7 +22,7 @@ use std::collections::{HashMap, HashSet};
 use tessera_region::{Region, Snapshot};
 
 use crate::state::record::unix_ns;
-use crate::state::{AllocDirs, Allocation, ContainerIdentity};
+use crate::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity};
 
 /// Usage of every sampled container at one moment.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -103,8 +103,55 @@ struct Tracked {
     region: Region,
     /// Monotonic clock of the previous sample; `None` before the first.
     last_ns: Option<u64>,
-    /// Cumulative counters reported last time, per region device uuid (lowercase).
-    reported: HashMap<String, Counters>,
+    /// The allocation's devices `plan` was made from; new limits make it again.
+    devices: Vec<AllocatedDevice>,
+    /// One entry per physical device of the allocation, in the allocation's order.
+    plan: Vec<Planned>,
+}
+
+/// One physical device of an allocation: what its usage reports that does not change between
+/// samples (made once, not at every scrape), and the counters reported last time.
+struct Planned {
+    /// The allocation's device ids on it, comma-joined.
+    device_id: String,
+    /// As the allocation's first device on it spells it.
+    uuid: String,
+    memory_limit: Option<u64>,
+    sm_limit_percent: Option<u32>,
+    /// Cumulative counters reported last time.
+    reported: Counters,
+}
+
+/// The physical devices of `alloc`, in its order; counters reported before carried over from
+/// `old` (matched by UUID, case-insensitive).
+fn plan(alloc: &Allocation, old: &[Planned]) -> Vec<Planned> {
+    let limits = alloc.limits();
+    let mut plan: Vec<Planned> = Vec::new();
+    for d in &alloc.devices {
+        let uuid = &d.physical_uuid;
+        if plan.iter().any(|p| p.uuid.eq_ignore_ascii_case(uuid)) {
+            continue;
+        }
+        let device_id = alloc
+            .devices
+            .iter()
+            .filter(|o| o.physical_uuid.eq_ignore_ascii_case(uuid))
+            .map(|o| o.device_id.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        let limit = limits.devices.iter().find(|l| l.uuid.eq_ignore_ascii_case(uuid));
+        plan.push(Planned {
+            device_id,
+            uuid: uuid.clone(),
+            memory_limit: limit.and_then(|l| l.memory_limit),
+            sm_limit_percent: limit.and_then(|l| l.sm_percent),
+            reported: old
+                .iter()
+                .find(|p| p.uuid.eq_ignore_ascii_case(uuid))
+                .map_or_else(Counters::default, |p| p.reported),
+        });
+    }
+    plan
 }
 
 /// Samples the accounting regions; keeps the previous sample of each allocation for rates and
@@ -151,8 +198,10 @@ impl UsageSampler {
                 match opened {
                     Ok(region) => {
                         self.warned.remove(&alloc.id);
-                        self.tracked
-                            .insert(alloc.id.clone(), Tracked { region, last_ns: None, reported: HashMap::new() });
+                        self.tracked.insert(
+                            alloc.id.clone(),
+                            Tracked { region, last_ns: None, devices: Vec::new(), plan: Vec::new() },
+                        );
                     }
                     Err(e) => {
                         if self.warned.insert(alloc.id.clone()) {
@@ -163,8 +212,8 @@ impl UsageSampler {
                 }
             }
             let Some(t) = self.tracked.get_mut(&alloc.id) else { continue };
-            t.region.reap();
-            let snap = t.region.snapshot();
+            // Dead processes reaped and the region read in one pass over its slots.
+            let snap = t.region.reap_and_snapshot();
             // A container shrank or overwrote its region: its counters are zeros or lies. Say
             // so once and leave it out; enforcement reads the driver's numbers, not these.
             if t.region.is_damaged() {
@@ -187,28 +236,28 @@ impl UsageSampler {
 impl Tracked {
     /// Folds a fresh snapshot in and reports the allocation's usage.
     fn update(&mut self, alloc: &Allocation, snap: &Snapshot, now_ns: u64) -> ContainerUsage {
+        if self.devices != alloc.devices {
+            self.plan = plan(alloc, &self.plan);
+            self.devices.clone_from(&alloc.devices);
+        }
         let window_ns = self.last_ns.map_or(0, |last| now_ns.saturating_sub(last));
 
-        // Cumulative per region device: what exited processes left in the region (folded in
-        // when they are reaped) + what the live ones have now.
-        let dev_key = |i: usize| snap.devices.get(i).map(|d| d.uuid.to_ascii_lowercase());
-        let mut cumulative: HashMap<String, Counters> = snap
+        // Cumulative per region device (as the snapshot lists them): what exited processes left
+        // in the region (folded in when they are reaped) + what the live ones have now.
+        let mut cumulative: Vec<Counters> = snap
             .devices
             .iter()
-            .map(|d| {
-                let exited = Counters {
-                    launches: d.exited_launches,
-                    gpu_time_ns: d.exited_gpu_time_ns,
-                    throttled_ns: d.exited_throttled_ns,
-                    oom_denials: d.exited_oom_denials,
-                };
-                (d.uuid.to_ascii_lowercase(), exited)
+            .map(|d| Counters {
+                launches: d.exited_launches,
+                gpu_time_ns: d.exited_gpu_time_ns,
+                throttled_ns: d.exited_throttled_ns,
+                oom_denials: d.exited_oom_denials,
             })
             .collect();
         for p in &snap.processes {
             for d in &p.devices {
-                if let Some(uuid) = dev_key(d.dev) {
-                    cumulative.entry(uuid).or_default().add(&Counters {
+                if let Some(c) = cumulative.get_mut(d.dev) {
+                    c.add(&Counters {
                         launches: d.launches,
                         gpu_time_ns: d.gpu_time_ns,
                         throttled_ns: d.throttled_ns,
@@ -218,29 +267,21 @@ impl Tracked {
             }
         }
 
-        let limits = alloc.limits();
-        let mut devices = Vec::new();
-        let mut seen: Vec<String> = Vec::new();
-        for d in &alloc.devices {
-            let key = d.physical_uuid.to_ascii_lowercase();
-            if seen.contains(&key) {
-                continue;
+        let mut devices = Vec::with_capacity(self.plan.len());
+        for planned in &mut self.plan {
+            // The region's entries for this device, matched by UUID (case-insensitive).
+            let mut now = Counters::default();
+            let mut region_dev = None;
+            for (r, c) in snap.devices.iter().zip(&cumulative) {
+                if r.uuid.eq_ignore_ascii_case(&planned.uuid) {
+                    now.add(c);
+                    region_dev.get_or_insert(r);
+                }
             }
-            seen.push(key.clone());
-            let device_id = alloc
-                .devices
-                .iter()
-                .filter(|o| o.physical_uuid.eq_ignore_ascii_case(&key))
-                .map(|o| o.device_id.as_str())
-                .collect::<Vec<_>>()
-                .join(",");
-            let limit = limits.devices.iter().find(|l| l.uuid.eq_ignore_ascii_case(&key));
-            let region_dev = snap.devices.iter().find(|r| r.uuid.eq_ignore_ascii_case(&key));
-            let mut now = cumulative.get(&key).copied().unwrap_or_default();
-            let before = self.reported.get(&key).copied().unwrap_or_default();
+            let before = planned.reported;
             // Never backwards, whatever a racy reading says.
             now.max(&before);
-            self.reported.insert(key.clone(), now);
+            planned.reported = now;
             let secs = window_ns as f64 / 1e9;
             let (sm_achieved_percent, launches_per_second) = if window_ns == 0 {
                 (0.0, 0.0)
@@ -251,12 +292,12 @@ impl Tracked {
                 )
             };
             devices.push(DeviceUsage {
-                device_id,
-                uuid: d.physical_uuid.clone(),
+                device_id: planned.device_id.clone(),
+                uuid: planned.uuid.clone(),
                 memory_used: region_dev.map_or(0, |r| r.used),
                 memory_peak: region_dev.map_or(0, |r| r.peak),
-                memory_limit: limit.and_then(|l| l.memory_limit),
-                sm_limit_percent: limit.and_then(|l| l.sm_percent),
+                memory_limit: planned.memory_limit,
+                sm_limit_percent: planned.sm_limit_percent,
                 sm_achieved_percent,
                 launches_per_second,
                 launches: now.launches,
@@ -460,6 +501,29 @@ mod tests {
         let mut metrics = UsageSampler::new();
         let d = &metrics.sample(std::slice::from_ref(&a), &dirs, 3 * SEC).containers[0].devices[0];
         assert_eq!((d.launches, d.gpu_time_ns, d.throttled_ns), (800, 8000, 2));
+    }
+
+    #[test]
+    fn new_limits_show_at_the_next_sample_and_counters_carry_on() {
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let mut a = alloc("a5", vec![dev("GPU-abcd::0", "GPU-abcd", Some(1 << 30), Some(20))]);
+        dirs.create(&a).unwrap();
+        let p = Proc::join(&dirs, "a5");
+        p.work("GPU-abcd", 5, 100, 0);
+        let mut s = UsageSampler::new();
+        let d = &s.sample(std::slice::from_ref(&a), &dirs, SEC).containers[0].devices[0];
+        assert_eq!((d.memory_limit, d.sm_limit_percent, d.launches), (Some(1 << 30), Some(20), 5));
+        // The limits change (SetLimits) and a second share of the GPU joins the allocation.
+        a.devices[0].memory_limit = Some(2 << 30);
+        a.devices.push(dev("GPU-abcd::1", "gpu-ABCD", Some(1 << 30), Some(30)));
+        p.work("GPU-abcd", 5, 100, 0);
+        let c = &s.sample(std::slice::from_ref(&a), &dirs, 2 * SEC).containers[0];
+        assert_eq!(c.devices.len(), 1, "one physical device, whatever the spelling");
+        let d = &c.devices[0];
+        assert_eq!(d.device_id, "GPU-abcd::0,GPU-abcd::1");
+        assert_eq!((d.memory_limit, d.sm_limit_percent), (Some(3 << 30), Some(50)));
+        assert_eq!((d.launches, d.launches_per_second), (10, 5.0), "the counters carry on");
     }
 
     #[test]

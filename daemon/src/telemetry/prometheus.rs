@@ -137,29 +137,56 @@ impl<'a> Family<'a> {
     }
 
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: Value) {
+        self.sample_with(name, &label_set(labels), value);
+    }
+
+    /// A sample whose labels are already written out ([`label_set`]): series that appear in
+    /// several families (a container's device in nine) have them written once per render.
+    fn sample_with(&mut self, name: &str, label_set: &str, value: Value) {
         self.out.push_str(name);
-        if !labels.is_empty() {
-            self.out.push('{');
-            for (i, (k, v)) in labels.iter().enumerate() {
-                if i > 0 {
-                    self.out.push(',');
-                }
-                self.out.push_str(k);
-                self.out.push_str("=\"");
-                escape_label_into(self.out, v);
-                self.out.push('"');
-            }
-            self.out.push('}');
-        }
+        self.out.push_str(label_set);
         self.out.push(' ');
         match value {
-            Value::U(n) => {
-                let _ = write!(self.out, "{n}");
-            }
+            Value::U(n) => push_u64(self.out, n),
             Value::F(f) => write_float(self.out, f),
         }
         self.out.push('\n');
     }
+}
+
+/// `{k="v",...}` with the values escaped; empty for no labels.
+fn label_set(labels: &[(&str, &str)]) -> String {
+    let mut out = String::new();
+    if !labels.is_empty() {
+        out.push('{');
+        for (i, (k, v)) in labels.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str(k);
+            out.push_str("=\"");
+            escape_label_into(&mut out, v);
+            out.push('"');
+        }
+        out.push('}');
+    }
+    out
+}
+
+/// `n` in decimal, without the formatting machinery (thousands of samples per scrape).
+fn push_u64(out: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // Only ASCII digits were written.
+    out.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
 }
 
 fn write_float(out: &mut String, f: f64) {
@@ -174,6 +201,10 @@ fn write_float(out: &mut String, f: f64) {
 
 /// Label values: backslash, double quote and line feed escaped.
 fn escape_label_into(out: &mut String, v: &str) {
+    if !v.bytes().any(|b| matches!(b, b'\\' | b'"' | b'\n')) {
+        out.push_str(v);
+        return;
+    }
     for c in v.chars() {
         match c {
             '\\' => out.push_str("\\\\"),
@@ -193,31 +224,33 @@ fn escape_help(h: &str) -> String {
 pub fn render(m: &NodeMetrics) -> String {
     let mut out = String::with_capacity(4096 + m.gpus.len() * 1024 + m.usage.containers.len() * 4096);
 
-    // Per GPU, dcgm-exporter's names and labels.
-    let gpu_labels: Vec<Vec<(&str, String)>> = m
+    // Per GPU, dcgm-exporter's names and labels, written out once for all the families.
+    let gpu_labels: Vec<String> = m
         .gpus
         .iter()
         .map(|g| {
+            let (index, device) = (g.index.to_string(), format!("nvidia{}", g.index));
             let mut l = vec![
-                ("gpu", g.index.to_string()),
-                ("UUID", g.uuid.clone()),
-                ("device", format!("nvidia{}", g.index)),
-                ("modelName", g.model.clone()),
-                ("Hostname", m.hostname.clone()),
-                ("pci_bus_id", g.pci_bus_id.clone()),
+                ("gpu", index.as_str()),
+                ("UUID", g.uuid.as_str()),
+                ("device", device.as_str()),
+                ("modelName", g.model.as_str()),
+                ("Hostname", m.hostname.as_str()),
+                ("pci_bus_id", g.pci_bus_id.as_str()),
             ];
             if let Some(p) = &g.mig_profile {
-                l.push(("GPU_I_PROFILE", p.clone()));
+                l.push(("GPU_I_PROFILE", p));
             }
-            if let Some(id) = g.gpu_instance_id {
-                l.push(("GPU_I_ID", id.to_string()));
+            let gi_id = g.gpu_instance_id.map(|id| id.to_string());
+            if let Some(id) = &gi_id {
+                l.push(("GPU_I_ID", id));
             }
             if let Some(h) = &g.holder {
-                l.push(("container", h.container.clone()));
-                l.push(("namespace", h.namespace.clone()));
-                l.push(("pod", h.pod.clone()));
+                l.push(("container", &h.container));
+                l.push(("namespace", &h.namespace));
+                l.push(("pod", &h.pod));
             }
-            l
+            label_set(&l)
         })
         .collect();
     let per_gpu =
@@ -225,8 +258,7 @@ pub fn render(m: &NodeMetrics) -> String {
             let mut f = Family::new(out, name, kind, help);
             for (g, labels) in m.gpus.iter().zip(&gpu_labels) {
                 if let Some(v) = value(g) {
-                    let refs: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                    f.sample(name, &refs, v);
+                    f.sample_with(name, labels, v);
                 }
             }
         };
@@ -316,17 +348,29 @@ pub fn render(m: &NodeMetrics) -> String {
             |d| Some(Value::U(d.oom_denials)),
         ),
     ];
+    // Each container's labels and each of its devices', written out once for all the families.
     let ident = |c: &crate::usage::ContainerUsage| {
         let s = |o: &Option<String>| o.clone().unwrap_or_default();
         (s(&c.container.pod_namespace), s(&c.container.pod_name), s(&c.container.container_name))
     };
-    for (name, kind, help, get) in families {
-        let mut f = Family::new(&mut out, name, kind, help);
-        for c in &m.usage.containers {
+    let container_labels: Vec<(String, Vec<String>)> = m
+        .usage
+        .containers
+        .iter()
+        .map(|c| {
             let (ns, pod, container) = ident(c);
-            for d in &c.devices {
-                if let Some(v) = get(d) {
-                    let labels = [
+            let own = label_set(&[
+                ("allocation", c.allocation_id.as_str()),
+                ("resource", c.resource.as_str()),
+                ("namespace", ns.as_str()),
+                ("pod", pod.as_str()),
+                ("container", container.as_str()),
+            ]);
+            let devices = c
+                .devices
+                .iter()
+                .map(|d| {
+                    label_set(&[
                         ("allocation", c.allocation_id.as_str()),
                         ("resource", c.resource.as_str()),
                         ("UUID", d.uuid.as_str()),
@@ -334,8 +378,18 @@ pub fn render(m: &NodeMetrics) -> String {
                         ("namespace", ns.as_str()),
                         ("pod", pod.as_str()),
                         ("container", container.as_str()),
-                    ];
-                    f.sample(name, &labels, v);
+                    ])
+                })
+                .collect();
+            (own, devices)
+        })
+        .collect();
+    for (name, kind, help, get) in families {
+        let mut f = Family::new(&mut out, name, kind, help);
+        for (c, (_, device_labels)) in m.usage.containers.iter().zip(&container_labels) {
+            for (d, labels) in c.devices.iter().zip(device_labels) {
+                if let Some(v) = get(d) {
+                    f.sample_with(name, labels, v);
                 }
             }
         }
@@ -343,16 +397,8 @@ pub fn render(m: &NodeMetrics) -> String {
     {
         let name = "tessera_container_processes";
         let mut f = Family::new(&mut out, name, Kind::Gauge, "Live processes of the container using the GPU shim.");
-        for c in &m.usage.containers {
-            let (ns, pod, container) = ident(c);
-            let labels = [
-                ("allocation", c.allocation_id.as_str()),
-                ("resource", c.resource.as_str()),
-                ("namespace", ns.as_str()),
-                ("pod", pod.as_str()),
-                ("container", container.as_str()),
-            ];
-            f.sample(name, &labels, Value::U(u64::from(c.processes)));
+        for (c, (labels, _)) in m.usage.containers.iter().zip(&container_labels) {
+            f.sample_with(name, labels, Value::U(u64::from(c.processes)));
         }
     }
 
@@ -695,6 +741,26 @@ mod tests {
         assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
         assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
         assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
+    }
+
+    /// The bytes themselves, as scrapers read them: label order, escapes, number formats.
+    #[test]
+    fn exact_lines() {
+        let text = render(&metrics());
+        let gpu0 = r#"{gpu="0",UUID="GPU-0",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-1",pci_bus_id="00000000:17:00.0"}"#;
+        let a1 = r#"{allocation="a1",resource="tessera.io/share",UUID="GPU-0",device_id="GPU-0::0,GPU-0::1",namespace="team-a",pod="train-0",container="main"}"#;
+        for line in [
+            format!("DCGM_FI_DEV_FB_USED{gpu0} 1536\n"),
+            format!("DCGM_FI_DEV_POWER_USAGE{gpu0} 123.456\n"),
+            r#"tessera_gpu_healthy{gpu="1",UUID="MIG-1",device="nvidia1",modelName="NVIDIA A100 \"SXM\"\nrev\\2",Hostname="node-1",pci_bus_id="00000000:18:00.0",GPU_I_PROFILE="1g.10gb",GPU_I_ID="13"} 0"#.to_string() + "\n",
+            format!("tessera_container_launches_total{a1} 12345\n"),
+            format!("tessera_container_gpu_seconds_total{a1} 1.5\n"),
+            format!("tessera_container_sm_achieved_percent{a1} 12.5\n"),
+            r#"tessera_container_processes{allocation="a2",resource="tessera.io/gpu",namespace="",pod="",container=""} 0"#.to_string() + "\n",
+            "# HELP tessera_allocations Allocations held on the node.\n# TYPE tessera_allocations gauge\ntessera_allocations 2\n".to_string(),
+        ] {
+            assert!(text.contains(&line), "missing {line:?} in:\n{text}");
+        }
     }
 
     #[test]

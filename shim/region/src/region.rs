@@ -744,56 +744,64 @@ impl Region {
         if self.anonymous {
             return 0;
         }
-        let s = self.shared();
         let mut freed = 0;
-        for (i, p) in s.slots.iter().enumerate() {
+        for (i, p) in self.shared().slots.iter().enumerate() {
             let state = p.state.load(Acquire);
-            if kind(state) != LIVE || self.owns(i) {
-                continue;
-            }
-            let byte = LIVENESS_BASE + i as i64;
-            if sys::ofd_held_by_other(self.fd, byte) {
-                continue;
-            }
-            // Take the lock ourselves: one reaper wins, and a joiner between its CAS and its lock
-            // will see the state change and go elsewhere.
-            if !matches!(sys::ofd_try_lock(self.fd, byte), Ok(sys::Lock::Taken)) {
-                continue;
-            }
-            if p.state.load(Acquire) == state {
-                // The owner is dead: whatever it had in flight stays in doubt (in the totals)
-                // for reconcile; the guard now counts only us.
-                let ops = p.inflight.load(SeqCst) & !BUSY_MASK;
-                p.inflight.store(ops + OP_START, SeqCst);
-                for (d, mine) in s.devices.iter().zip(&p.devices) {
-                    // Slot first, then total; a reaper killed here leaves the total too high.
-                    let held = mine.used.swap(0, SeqCst);
-                    if held != 0 {
-                        d.used.fetch_sub(held, SeqCst);
-                    }
-                    // The dead process's counters join the container's exited totals: out of the
-                    // slot first, so a reader may briefly miss them but never counts them twice.
-                    let counters = [&mine.launches, &mine.gpu_time_ns, &mine.throttled_ns];
-                    for (total, c) in d.exited.iter().zip(counters) {
-                        let n = c.swap(0, SeqCst);
-                        if n != 0 {
-                            total.fetch_add(n, SeqCst);
-                        }
-                    }
-                    let ooms = u32::try_from(mine.oom_denials.swap(0, SeqCst)).unwrap_or(u32::MAX);
-                    if ooms != 0 {
-                        let _ = d.exited_oom_denials.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_add(ooms)));
-                    }
-                }
-                p.inflight.store(ops + OP_START - 1, SeqCst);
-                p.pid.store(0, Relaxed);
-                p.host_pid.store(0, Relaxed);
-                p.state.store(next_state(state, FREE), Release);
+            if kind(state) == LIVE && !self.owns(i) && self.free_if_dead(i, state) {
                 freed += 1;
             }
-            sys::ofd_unlock(self.fd, byte);
         }
         self.reconcile();
+        freed
+    }
+
+    /// Frees slot `i`, seen LIVE in `state` and not joined by this handle, when its process is
+    /// gone (its liveness lock is no longer held): its usage is subtracted from the device totals
+    /// and its counters join the exited totals. Returns whether it freed the slot.
+    fn free_if_dead(&self, i: usize, state: u64) -> bool {
+        let s = self.shared();
+        let p = &s.slots[i];
+        let byte = LIVENESS_BASE + i as i64;
+        if sys::ofd_held_by_other(self.fd, byte) {
+            return false;
+        }
+        // Take the lock ourselves: one reaper wins, and a joiner between its CAS and its lock
+        // will see the state change and go elsewhere.
+        if !matches!(sys::ofd_try_lock(self.fd, byte), Ok(sys::Lock::Taken)) {
+            return false;
+        }
+        let freed = p.state.load(Acquire) == state;
+        if freed {
+            // The owner is dead: whatever it had in flight stays in doubt (in the totals)
+            // for reconcile; the guard now counts only us.
+            let ops = p.inflight.load(SeqCst) & !BUSY_MASK;
+            p.inflight.store(ops + OP_START, SeqCst);
+            for (d, mine) in s.devices.iter().zip(&p.devices) {
+                // Slot first, then total; a reaper killed here leaves the total too high.
+                let held = mine.used.swap(0, SeqCst);
+                if held != 0 {
+                    d.used.fetch_sub(held, SeqCst);
+                }
+                // The dead process's counters join the container's exited totals: out of the
+                // slot first, so a reader may briefly miss them but never counts them twice.
+                let counters = [&mine.launches, &mine.gpu_time_ns, &mine.throttled_ns];
+                for (total, c) in d.exited.iter().zip(counters) {
+                    let n = c.swap(0, SeqCst);
+                    if n != 0 {
+                        total.fetch_add(n, SeqCst);
+                    }
+                }
+                let ooms = u32::try_from(mine.oom_denials.swap(0, SeqCst)).unwrap_or(u32::MAX);
+                if ooms != 0 {
+                    let _ = d.exited_oom_denials.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_add(ooms)));
+                }
+            }
+            p.inflight.store(ops + OP_START - 1, SeqCst);
+            p.pid.store(0, Relaxed);
+            p.host_pid.store(0, Relaxed);
+            p.state.store(next_state(state, FREE), Release);
+        }
+        sys::ofd_unlock(self.fd, byte);
         freed
     }
 
@@ -917,8 +925,77 @@ impl Region {
     /// their per-device counters (one per claimed device, in device order). Values are read one by
     /// one, not as one atomic picture. Call [`Region::reap`] first to leave out dead processes.
     pub fn snapshot(&self) -> Snapshot {
+        let devices = self.device_snapshots();
+        let processes = self.live_slots().map(|(i, p, pid)| process_snapshot(i, p, pid, devices.len())).collect();
+        Snapshot {
+            config_generation: self.config_generation(),
+            trace_requested: self.trace_requested(),
+            devices,
+            processes,
+        }
+    }
+
+    /// [`Region::reap`] then [`Region::snapshot`] in one pass over the slots instead of four (the
+    /// reap's, the reconcile's two, the snapshot's): for the daemon, which samples every region
+    /// at every scrape, most of whose slots are free. Dead processes' slots are freed as `reap`
+    /// frees them; [`Region::reconcile`] then runs only when it may have something to return: a
+    /// slot was freed now, or a device total is above what the slots hold (a process killed
+    /// mid-operation, a reaper killed half-way, a reconcile that gave up). A total read while a
+    /// reservation is under way can hide an excess from one call; the next call sees it. A
+    /// process that joins during the call shows in the next one.
+    pub fn reap_and_snapshot(&self) -> Snapshot {
         let s = self.shared();
-        let devices: Vec<DeviceSnapshot> = (0..MAX_DEVICES)
+        // The slots not free after reaping; few, against MAX_PROCS.
+        let mut held: Vec<usize> = Vec::new();
+        let mut freed = false;
+        for (i, p) in s.slots.iter().enumerate() {
+            let state = p.state.load(Acquire);
+            if kind(state) == FREE {
+                continue;
+            }
+            if kind(state) == LIVE && !self.anonymous && !self.owns(i) && self.free_if_dead(i, state) {
+                freed = true;
+            } else {
+                held.push(i);
+            }
+        }
+        // Totals first, then what the slots hold (as reconcile reads them): a release between
+        // the two readings makes a total look high (a reconcile for nothing); a reservation
+        // between can hide an excess until the next call.
+        let totals: [u64; MAX_DEVICES] = std::array::from_fn(|d| s.devices[d].used.load(SeqCst));
+        let mut sums = [0u64; MAX_DEVICES];
+        for &i in &held {
+            for (sum, mine) in sums.iter_mut().zip(&s.slots[i].devices) {
+                *sum = sum.saturating_add(mine.used.load(SeqCst));
+            }
+        }
+        if freed || totals.iter().zip(&sums).any(|(total, sum)| total > sum) {
+            self.reconcile();
+        }
+        let devices = self.device_snapshots();
+        let processes = held
+            .into_iter()
+            .filter_map(|i| {
+                let p = &s.slots[i];
+                if kind(p.state.load(Acquire)) != LIVE {
+                    return None;
+                }
+                let pid = p.pid.load(Acquire);
+                (pid != 0).then(|| process_snapshot(i, p, pid, devices.len()))
+            })
+            .collect();
+        Snapshot {
+            config_generation: self.config_generation(),
+            trace_requested: self.trace_requested(),
+            devices,
+            processes,
+        }
+    }
+
+    /// The claimed device entries, in order.
+    fn device_snapshots(&self) -> Vec<DeviceSnapshot> {
+        let s = self.shared();
+        (0..MAX_DEVICES)
             .map_while(|i| {
                 let e = &s.devices[i];
                 (e.key.load(Acquire) != 0).then(|| DeviceSnapshot {
@@ -932,44 +1009,37 @@ impl Region {
                     exited_oom_denials: u64::from(e.exited_oom_denials.load(Relaxed)),
                 })
             })
-            .collect();
-        let processes = self
-            .live_slots()
-            .map(|(i, p, pid)| {
-                let mut comm = [0u8; 16];
-                comm[..8].copy_from_slice(&p.comm[0].load(Relaxed).to_le_bytes());
-                comm[8..].copy_from_slice(&p.comm[1].load(Relaxed).to_le_bytes());
-                let n = comm.iter().position(|&c| c == 0).unwrap_or(16);
-                ProcessSnapshot {
-                    slot: i,
-                    pid,
-                    host_pid: p.host_pid.load(Relaxed),
-                    start_time: p.start_time.load(Relaxed),
-                    comm: String::from_utf8_lossy(&comm[..n]).into_owned(),
-                    joined_ns: p.joined_ns.load(Relaxed),
-                    heartbeat_ns: p.heartbeat_ns.load(Relaxed),
-                    devices: p.devices[..devices.len()]
-                        .iter()
-                        .enumerate()
-                        .map(|(dev, d)| ProcessDeviceSnapshot {
-                            dev,
-                            used: d.used.load(Relaxed),
-                            peak: d.peak.load(Relaxed),
-                            launches: d.launches.load(Relaxed),
-                            gpu_time_ns: d.gpu_time_ns.load(Relaxed),
-                            throttled_ns: d.throttled_ns.load(Relaxed),
-                            oom_denials: d.oom_denials.load(Relaxed),
-                        })
-                        .collect(),
-                }
+            .collect()
+    }
+}
+
+/// Slot `i` (process `pid`) and its counters on the first `devices` devices.
+fn process_snapshot(i: usize, p: &ProcSlot, pid: u32, devices: usize) -> ProcessSnapshot {
+    let mut comm = [0u8; 16];
+    comm[..8].copy_from_slice(&p.comm[0].load(Relaxed).to_le_bytes());
+    comm[8..].copy_from_slice(&p.comm[1].load(Relaxed).to_le_bytes());
+    let n = comm.iter().position(|&c| c == 0).unwrap_or(16);
+    ProcessSnapshot {
+        slot: i,
+        pid,
+        host_pid: p.host_pid.load(Relaxed),
+        start_time: p.start_time.load(Relaxed),
+        comm: String::from_utf8_lossy(&comm[..n]).into_owned(),
+        joined_ns: p.joined_ns.load(Relaxed),
+        heartbeat_ns: p.heartbeat_ns.load(Relaxed),
+        devices: p.devices[..devices]
+            .iter()
+            .enumerate()
+            .map(|(dev, d)| ProcessDeviceSnapshot {
+                dev,
+                used: d.used.load(Relaxed),
+                peak: d.peak.load(Relaxed),
+                launches: d.launches.load(Relaxed),
+                gpu_time_ns: d.gpu_time_ns.load(Relaxed),
+                throttled_ns: d.throttled_ns.load(Relaxed),
+                oom_denials: d.oom_denials.load(Relaxed),
             })
-            .collect();
-        Snapshot {
-            config_generation: self.config_generation(),
-            trace_requested: self.trace_requested(),
-            devices,
-            processes,
-        }
+            .collect(),
     }
 }
 
@@ -1634,6 +1704,74 @@ mod tests {
         drop(r);
         assert_eq!(daemon.reap(), 1);
         assert_eq!(daemon.used(dev), 0);
+    }
+
+    /// The daemon's one-pass sample: the picture `snapshot` gives, the slots `reap` frees, and
+    /// what a process killed mid-operation left returned, now or once no operation is in doubt.
+    #[test]
+    fn reap_and_snapshot_is_reap_then_snapshot_in_one_pass() {
+        let (_dir, path, daemon) = file_region();
+        let a = Region::open_or_create(&path).unwrap();
+        let (sa, ga) = (a.join().unwrap(), a.device("GPU-a").unwrap());
+        let b = Region::open_or_create(&path).unwrap();
+        let (sb, gb) = (b.join().unwrap(), b.device("GPU-b").unwrap());
+        a.try_reserve(sa, ga, 100, None).unwrap();
+        a.record_launch(sa, ga);
+        b.try_reserve(sb, gb, 200, None).unwrap();
+        b.record_launch(sb, gb);
+        b.record_gpu_time(sb, gb, 50);
+        // Both alive: the snapshot's picture; nothing freed, nothing returned.
+        let snap = daemon.reap_and_snapshot();
+        assert_eq!(snap, daemon.snapshot());
+        assert_eq!(snap.processes.len(), 2);
+        assert_eq!((snap.devices[ga].used, snap.devices[gb].used), (100, 200));
+
+        // b is killed in the middle of a reservation on GPU-a: the total raised, not its slot.
+        let l = b.layout();
+        l.slots[sb.index].inflight.fetch_add(OP_START, SeqCst);
+        l.devices[ga].used.fetch_add(300, SeqCst);
+        drop(b);
+        let snap = daemon.reap_and_snapshot();
+        assert_eq!(snap.processes.iter().map(|p| p.slot).collect::<Vec<_>>(), [sa.index], "b's slot freed");
+        assert_eq!(snap.devices[ga].used, 100, "the excess b left is returned");
+        assert_eq!(snap.devices[gb].used, 0, "b's memory is returned");
+        let d = &snap.devices[gb];
+        assert_eq!((d.exited_launches, d.exited_gpu_time_ns), (1, 50), "b's counters kept");
+        assert_eq!(daemon.reap(), 0, "freed once");
+        assert_eq!(snap, daemon.snapshot());
+
+        // A live process in the middle of a reservation: in doubt, left alone; returned by a
+        // later call that frees nothing, once no operation is in flight (as after a reconcile
+        // that gave up, or a reaper killed half-way).
+        let l = a.layout();
+        l.slots[sa.index].inflight.fetch_add(OP_START, SeqCst);
+        l.devices[ga].used.fetch_add(7, SeqCst);
+        assert_eq!(daemon.reap_and_snapshot().devices[ga].used, 107);
+        l.slots[sa.index].inflight.fetch_sub(1, SeqCst);
+        assert_eq!(daemon.reap_and_snapshot().devices[ga].used, 100);
+        assert_eq!(a.slot_used(sa, ga), 100, "the live process keeps what it holds");
+    }
+
+    /// A container that scribbles over its slots' state words: a slot marked live without a
+    /// process is freed, an odd kind is not shown as a process, the real process is kept.
+    #[test]
+    fn reap_and_snapshot_survives_scribbled_slots() {
+        let (_dir, path, daemon) = file_region();
+        let a = Region::open_or_create(&path).unwrap();
+        let (sa, ga) = (a.join().unwrap(), a.device("GPU-a").unwrap());
+        a.try_reserve(sa, ga, 100, None).unwrap();
+        let l = a.layout();
+        // Live without a liveness lock.
+        l.slots[700].state.store(LIVE, SeqCst);
+        l.slots[700].pid.store(4242, SeqCst);
+        // A kind no join writes.
+        l.slots[900].state.store(3, SeqCst);
+        l.slots[900].pid.store(4343, SeqCst);
+        let snap = daemon.reap_and_snapshot();
+        assert_eq!(snap.processes.iter().map(|p| p.pid).collect::<Vec<_>>(), [std::process::id()]);
+        assert_eq!(kind(l.slots[700].state.load(SeqCst)), FREE, "a live slot without a process is freed");
+        assert_eq!(kind(l.slots[900].state.load(SeqCst)), 3, "not a live slot: not reaped");
+        assert_eq!((snap.devices[ga].used, a.slot_used(sa, ga)), (100, 100));
     }
 
     /// Joins, leaves (by dropping the handle: the lock goes as at death) and reaps racing: no two
