@@ -384,3 +384,33 @@ fn processes_launching_graphs_at_once_never_pass_the_limit_on_the_gpu() {
     assert_eq!(ok, 4, "launches that got their memory");
     assert!(peak <= limit, "the GPU held {} MiB under a limit of {} MiB", peak / MIB, limit / MIB);
 }
+
+/// A graph launched the instant the first context exists (its true-up possibly still waiting for
+/// NVML) must not leave the context's estimate charged for good: the true-up cannot tell a
+/// context from a graph pool that already holds a charge, so it has to come first. Each child
+/// then takes the rest of the limit exactly, and one MiB more is refused; its region settles on
+/// the exact figure. Repeated in 12 processes so that some hit the deferred path.
+#[test]
+fn a_graph_launched_right_after_the_first_context_leaves_the_whole_limit() {
+    let test = "a_graph_launched_right_after_the_first_context_leaves_the_whole_limit";
+    if in_child() {
+        let s = Session::start(0);
+        let g = G(&s);
+        let graph = g.create();
+        g.alloc(graph, &[], 0, 256 * MIB);
+        ck("launch", g.launch(g.instantiate(graph).unwrap()));
+        let rest = GIB - (OVERHEAD_MIB + 256) * MIB;
+        let p = s.alloc(rest);
+        assert!(p.is_ok(), "the rest of the limit under it ({} MiB) was refused: {p:?}", rest / MIB);
+        assert!(s.alloc(MIB).is_err(), "one MiB past the limit was given");
+        let (region, dev) = region_and_dev(&s);
+        assert_eq!(region.used(dev), GIB, "the region holds exactly the limit");
+        assert_eq!(gpu_used(0), GIB, "and so does the GPU");
+        return;
+    }
+    let node = node();
+    for _ in 0..12 {
+        let c = Container::new(&memory_limits(GIB));
+        wait_child(test, spawn_child(test, container_env(&c, &node)));
+    }
+}

@@ -415,7 +415,8 @@ fn settle_all(s: &ShimState) {
 /// after the driver's call returned and removed before the free is called (physical
 /// allocations: under the lock of the driver's calls), so the driver holds at least this much
 /// for them at any instant. (Linear, managed, stream-ordered, arrays and physical; a graph pool's
-/// charge makes [`true_up`] wait, never guess.)
+/// charge makes [`true_up`] wait, never guess, which is why a graph launch that maps memory
+/// settles the waiting context first: `graph::mapping`.)
 fn landed(s: &ShimState, dev: usize) -> u64 {
     let on = |c: &Charge| c.dev == dev;
     s.mem.ptrs.total_where(on) + s.mem.arrays.total_where(on) + s.mem.vmm.charged_on(dev)

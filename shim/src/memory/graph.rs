@@ -242,6 +242,10 @@ fn mapping(
     let mut reserved: Vec<(c_int, usize, u64)> = Vec::with_capacity(needs.len());
     for &(ordinal, bytes) in needs {
         let Some(dev) = s.device_of_ordinal(ordinal) else { continue };
+        // A first context still waiting for its true-up is trued up now: once the pool holds a
+        // charge, the true-up cannot tell the context's memory from the pool's and would wait
+        // for good (the estimate's excess then refusing allocations under the limit).
+        crate::memory::context::settle(s, dev);
         let own = freed_first.iter().find(|(d, _)| *d == ordinal).map_or(0, |(_, b)| *b);
         let growth = match pool_of(cu, ordinal) {
             // What the driver says is live bounds what this call can free.
