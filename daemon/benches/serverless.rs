@@ -178,7 +178,13 @@ async fn allocate_latency() {
     let config = run.config(&node, "");
     let daemon = spawn_daemon(&node, &config, &run.dir);
     let pid = daemon.0.id();
-    let mut c = client(&run.run.path().join("tessera.sock")).await;
+    let socket = run.run.path().join("tessera.sock");
+    // A daemon under a profiler starts many times slower than the client's usual wait.
+    let started = Instant::now();
+    while !socket.exists() && started.elapsed() < Duration::from_secs(300) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut c = client(&socket).await;
     let mut fill = Vec::with_capacity(LIVE);
     for _ in 0..LIVE {
         let t = Instant::now();
