@@ -131,32 +131,120 @@ fn share(memory: u64) -> api::AllocateRequest {
     }
 }
 
+/// The CPU time tesserad's threads have used (user + system, from each thread's `schedstat`):
+/// the request path's threads, and the spare directory thread (it refills in the background).
+#[derive(Debug, Clone, Copy, Default)]
+struct DaemonCpu {
+    request: Duration,
+    spares: Duration,
+}
+
+fn daemon_cpu(pid: u32) -> DaemonCpu {
+    let mut cpu = DaemonCpu::default();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return cpu };
+    for task in tasks.flatten() {
+        let path = task.path();
+        let ns = std::fs::read_to_string(path.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+            .unwrap_or(0);
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if comm.starts_with("tessera-spare") {
+            cpu.spares += Duration::from_nanos(ns);
+        } else {
+            cpu.request += Duration::from_nanos(ns);
+        }
+    }
+    cpu
+}
+
+/// `tesserad` as spawned, or under the command in `TESSERA_BENCH_DAEMON_WRAPPER` (e.g.
+/// `valgrind --tool=callgrind --collect-atstart=no`), for profiles of the same workload.
+fn spawn_daemon(node: &SimNode, config: &Path, dir: &Path) -> common::Daemon {
+    let Some(wrapper) = std::env::var("TESSERA_BENCH_DAEMON_WRAPPER").ok().filter(|w| !w.trim().is_empty()) else {
+        return spawn(node, config, &dir.join("notify"), &dir.join("tesserad.log")).0;
+    };
+    common::unmount_at_exit(dir);
+    let log = std::fs::File::create(dir.join("tesserad.log")).expect("log file");
+    let mut words = wrapper.split_whitespace();
+    let child = node
+        .command(words.next().expect("a wrapper command"))
+        .args(words)
+        .arg(tessera_sim_testkit::binary("tesserad"))
+        .arg("--config")
+        .arg(config)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn the wrapped tesserad");
+    common::Daemon(child)
+}
+
 async fn allocate_latency() {
     let node = SimNode::new();
     let run = Run::new();
     let config = run.config(&node, "");
-    let log = run.dir.join("tesserad.log");
-    let (_daemon, _) = spawn(&node, &config, &run.dir.join("notify"), &log);
-    let mut c = client(&run.run.path().join("tessera.sock")).await;
+    let daemon = spawn_daemon(&node, &config, &run.dir);
+    let pid = daemon.0.id();
+    let socket = run.run.path().join("tessera.sock");
+    // A daemon under a profiler starts many times slower than the client's usual wait.
+    let started = Instant::now();
+    while !socket.exists() && started.elapsed() < Duration::from_secs(300) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut c = client(&socket).await;
     let mut fill = Vec::with_capacity(LIVE);
     for _ in 0..LIVE {
         let t = Instant::now();
         c.allocate(share(256 << 20)).await.expect("allocate");
         fill.push(t.elapsed());
     }
+    if let Ok(pause) = std::env::var("TESSERA_BENCH_PAUSE_AFTER_FILL") {
+        // Time to switch a profiler's collection on (callgrind_control -i on).
+        println!("filled: {LIVE} allocations; pausing {pause} s");
+        tokio::time::sleep(Duration::from_secs(pause.parse().unwrap_or(5))).await;
+    }
     let (mut alloc, mut noop) = (Vec::with_capacity(SAMPLES), Vec::with_capacity(SAMPLES));
+    let (mut alloc_cpu, mut release_cpu, mut noop_cpu) = (Vec::new(), Vec::new(), Vec::new());
+    let loop_start = daemon_cpu(pid);
     for _ in 0..SAMPLES {
+        let before = daemon_cpu(pid);
         let t = Instant::now();
         let _ = c.trace(api::TraceRequest::default()).await.expect_err("a Trace without an id is refused");
         noop.push(t.elapsed());
+        let between = daemon_cpu(pid);
         let t = Instant::now();
         let id = c.allocate(share(256 << 20)).await.expect("allocate").into_inner().allocation.expect("allocation").id;
         alloc.push(t.elapsed());
+        let after = daemon_cpu(pid);
         c.release(api::ReleaseRequest { allocation_id: id }).await.expect("release");
+        let released = daemon_cpu(pid);
+        noop_cpu.push(between.request.saturating_sub(before.request));
+        alloc_cpu.push(after.request.saturating_sub(between.request));
+        release_cpu.push(released.request.saturating_sub(after.request));
     }
-    for v in [&mut fill, &mut alloc, &mut noop] {
+    let loop_end = daemon_cpu(pid);
+    if std::env::var_os("TESSERA_BENCH_DAEMON_WRAPPER").is_some() {
+        // A profiler writes its output when the daemon exits: stop it, rather than kill it.
+        // SAFETY: kill(2) on our own child's pid; it touches no memory of ours.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let mut daemon = daemon;
+        let _ = daemon.0.wait();
+    }
+    for v in [&mut fill, &mut alloc, &mut noop, &mut alloc_cpu, &mut release_cpu, &mut noop_cpu] {
         v.sort();
     }
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "tesserad CPU per call (request threads, thread schedstat; {SAMPLES} samples): Allocate p50 {:.0} us, \
+         mean {:.0} us; Release p50 {:.0} us; no-op RPC p50 {:.0} us; spare directory thread per Allocate \
+         {:.0} us",
+        us(percentile(&alloc_cpu, 0.5)),
+        us(alloc_cpu.iter().sum::<Duration>() / SAMPLES as u32),
+        us(percentile(&release_cpu, 0.5)),
+        us(percentile(&noop_cpu, 0.5)),
+        us(loop_end.spares.saturating_sub(loop_start.spares) / SAMPLES as u32),
+    );
     let (a50, a99, n50, n99) =
         (percentile(&alloc, 0.5), percentile(&alloc, 0.99), percentile(&noop, 0.5), percentile(&noop, 0.99));
     println!(

@@ -336,12 +336,14 @@ impl DaemonAllocator {
         let compute_mode = req.compute_mode.unwrap_or(defaults.compute_mode);
         let ask = carve::Ask { memory: req.memory, sm_percent: req.sm_percent, compute_mode };
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // References, not copies: admission is on every Allocate's path.
-        let records: Vec<&Allocation> = store.list().collect();
-        let gpu = carve::place(gpus, &records, &req.gpu, ask, defaults.placement).map_err(|why| {
-            if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
-        })?;
-        drop(records);
+        // The store's per-GPU sums, not a scan of every record: admission is on every Allocate's
+        // path.
+        let loads = store.loads();
+        let gpu = carve::place(gpus, |g| carve::held_in(g, loads, None), &req.gpu, ask, defaults.placement).map_err(
+            |why| {
+                if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
+            },
+        )?;
         let alloc = Allocation {
             id: Allocation::new_id(),
             resource: ON_DEMAND_RESOURCE.to_owned(),
@@ -479,7 +481,7 @@ impl DaemonAllocator {
         let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
         for gpu in rooms.iter().filter(|g| alloc.devices.iter().any(|d| d.physical_uuid.eq_ignore_ascii_case(&g.uuid)))
         {
-            let others = carve::held(gpu, store.list(), None);
+            let others = carve::held_in(gpu, store.loads(), None);
             let mine = carve::held(gpu, [&alloc], None);
             if others.memory.saturating_add(mine.memory) > gpu.memory_total
                 || others.strict_sm.saturating_add(mine.strict_sm) > 100
@@ -563,7 +565,7 @@ impl DaemonAllocator {
             match gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) {
                 Some(gpu) => {
                     let mine = carve::held(gpu, [&alloc], None);
-                    let others = carve::held(gpu, store.list(), Some(id));
+                    let others = carve::held_in(gpu, store.loads(), Some(&current));
                     let total = carve::Held {
                         memory: others.memory.saturating_add(mine.memory),
                         strict_sm: others.strict_sm.saturating_add(mine.strict_sm),
@@ -826,7 +828,7 @@ impl Allocator for DaemonAllocator {
                     claim: None,
                 };
                 for gpu in rooms.iter().filter(|g| devices.iter().any(|d| d.physical_uuid == g.uuid)) {
-                    let others = carve::held(gpu, store.list(), None);
+                    let others = carve::held_in(gpu, store.loads(), None);
                     let mine = carve::held(gpu, [&wanted], None);
                     if others.memory.saturating_add(mine.memory) > gpu.memory_total
                         || others.strict_sm.saturating_add(mine.strict_sm) > 100
@@ -1205,6 +1207,86 @@ mod tests {
             "MIG-m0"
         );
         assert_eq!(a.allocate_share(&share(4, 100, "1"), &gpus).unwrap().devices[0].physical_uuid, "GPU-b");
+    }
+
+    /// Eight threads carve, change and release shares of two GPUs at once, until both are full:
+    /// no GPU is ever over-admitted (memory or strict SM), the store's per-GPU sums stay what its
+    /// records add up to, and after a restart admission still sees every record.
+    #[test]
+    fn concurrent_allocates_never_over_admit_a_gpu() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Spread);
+        let gpus = rooms();
+        let check = |a: &DaemonAllocator| {
+            let store = a.store.lock().unwrap();
+            assert_eq!(
+                store.loads(),
+                &crate::state::load::Loads::of(store.list()),
+                "sums out of step with the records"
+            );
+            for g in &gpus {
+                let h = carve::held(g, store.list(), None);
+                assert!(h.memory <= g.memory_total && h.strict_sm <= 100, "{} over-admitted: {h:?}", g.uuid);
+            }
+        };
+        std::thread::scope(|scope| {
+            for t in 0..8u64 {
+                let (a, gpus) = (&a, &gpus);
+                scope.spawn(move || {
+                    let mut mine = Vec::new();
+                    let mut refused = 0;
+                    for i in 0..60u64 {
+                        let req = ShareRequest {
+                            memory: [256 << 20, 512 << 20, 1 << 30][((t + i) % 3) as usize],
+                            sm_percent: [10, 15, 30][((t * 7 + i) % 3) as usize],
+                            compute_mode: Some(if i % 4 == 0 {
+                                ComputeMode::WorkConserving
+                            } else {
+                                ComputeMode::Strict
+                            }),
+                            ..share(1, 10, "")
+                        };
+                        match a.allocate_share(&req, gpus) {
+                            Ok(alloc) => mine.push(alloc.id),
+                            Err(e) => {
+                                assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{}", e.message());
+                                refused += 1;
+                            }
+                        }
+                        if i % 5 == 4 && !mine.is_empty() {
+                            assert!(a.release(&mine.remove(0)).unwrap());
+                        }
+                        if i % 7 == 6
+                            && let Some(id) = mine.last()
+                        {
+                            let grow = LimitChange { memory: Some(768 << 20), sm_percent: Some(20), priority: None };
+                            if let Err(e) = a.set_limits(id, grow, gpus) {
+                                assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{}", e.message());
+                            }
+                        }
+                    }
+                    assert!(refused > 0, "thread {t}: the GPUs never filled up, so nothing was tested");
+                });
+            }
+        });
+        check(&a);
+        let held: Vec<carve::Held> = {
+            let store = a.store.lock().unwrap();
+            gpus.iter().map(|g| carve::held(g, store.list(), None)).collect()
+        };
+        // After a restart the sums come from the journal's records alone.
+        drop(a);
+        let a = allocator(tmp.path(), Placement::Spread);
+        check(&a);
+        let store = a.store.lock().unwrap();
+        for (g, before) in gpus.iter().zip(&held) {
+            assert_eq!(carve::held_in(g, store.loads(), None), *before, "{} after a restart", g.uuid);
+        }
+        drop(store);
+        // Full GPUs stay full: a share bigger than what is left anywhere is refused.
+        let free = gpus.iter().zip(&held).map(|(g, h)| g.memory_total - h.memory).max().unwrap();
+        let too_big = ShareRequest { memory: free + 1, sm_percent: 1, ..share(1, 1, "") };
+        assert_eq!(a.allocate_share(&too_big, &gpus).unwrap_err().code(), tonic::Code::ResourceExhausted);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use crate::config::Placement;
 use crate::state::Allocation;
+use crate::state::load::Loads;
 use tessera_region::ComputeMode;
 
 /// A GPU shares can be carved from, as the controller sees it now.
@@ -83,6 +84,18 @@ pub fn held<'a>(gpu: &GpuRoom, records: impl IntoIterator<Item = &'a Allocation>
     h
 }
 
+/// What the records counted in `loads` (the store's) hold on `gpu`, less `except` (a stored
+/// record): the figures [`held`] gives over the same records, read from the sums instead of
+/// scanning every record.
+pub fn held_in(gpu: &GpuRoom, loads: &Loads, except: Option<&Allocation>) -> Held {
+    let load = match except {
+        Some(a) => loads.device_except(&gpu.uuid, a),
+        None => loads.device(&gpu.uuid),
+    };
+    let (memory, strict_sm) = load.held(gpu.memory_total);
+    Held { memory, strict_sm }
+}
+
 /// Whether `ask` fits beside `held` on `gpu`.
 pub fn fits(gpu: &GpuRoom, held: Held, ask: Ask) -> bool {
     let memory_ok = held.memory.checked_add(ask.memory).is_some_and(|m| m <= gpu.memory_total);
@@ -102,12 +115,13 @@ pub fn selects(selector: &str, gpu: &GpuRoom) -> bool {
             && gpu.model.to_ascii_lowercase().contains(&s.to_ascii_lowercase()))
 }
 
-/// The GPU to carve `ask` from: among those `selector` names that have room, the fullest
-/// (`Packed`) or the emptiest (`Spread`) by memory, ties by index. `Err` says why none fits,
-/// naming each candidate GPU and what it has free.
+/// The GPU to carve `ask` from: among those `selector` names that have room (what each holds:
+/// `held_of`, i.e. [`held_in`] the store's loads), the fullest (`Packed`) or the emptiest
+/// (`Spread`) by memory, ties by index. `Err` says why none fits, naming each candidate GPU and
+/// what it has free.
 pub fn place<'g>(
     gpus: &'g [GpuRoom],
-    records: &[&Allocation],
+    held_of: impl Fn(&GpuRoom) -> Held,
     selector: &str,
     ask: Ask,
     placement: Placement,
@@ -135,7 +149,7 @@ pub fn place<'g>(
             ));
             continue;
         }
-        let h = held(g, records.iter().copied(), None);
+        let h = held_of(g);
         let free = g.memory_total.saturating_sub(h.memory);
         if !fits(g, h, ask) {
             why.push(format!(
@@ -324,6 +338,11 @@ mod tests {
         }
     }
 
+    /// What each GPU holds, by a scan of `records`.
+    fn scan<'a>(records: &'a [&'a Allocation]) -> impl Fn(&GpuRoom) -> Held + 'a {
+        move |g| held(g, records.iter().copied(), None)
+    }
+
     fn ask(gib: u64, sm: u32) -> Ask {
         Ask { memory: gib * GIB, sm_percent: sm, compute_mode: ComputeMode::Strict }
     }
@@ -354,18 +373,81 @@ mod tests {
         assert!(!fits(&g, held(&g, &records, None), Ask { memory: u64::MAX, ..ask(0, 1) }));
     }
 
+    /// The store's sums give what a scan of the records gives, for any mix of parts (cases,
+    /// unlimited, strict or not, absurd limits), with or without a record left out.
+    #[test]
+    fn held_from_the_loads_is_held_from_a_scan() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let gpus = [gpu(0, 80), gpu(1, 40), gpu(2, 80)];
+        for round in 0..200 {
+            let owned: Vec<Allocation> = (0..next(12))
+                .map(|i| {
+                    let parts = (0..1 + next(3))
+                        .map(|_| {
+                            let n = next(4);
+                            let uuid = if next(2) == 0 { format!("GPU-{n}") } else { format!("gpu-{n}") };
+                            let memory = match next(5) {
+                                0 => None,
+                                1 => Some(u64::MAX - next(3)),
+                                _ => Some(next(40) * GIB),
+                            };
+                            let mut d = dev(
+                                &format!("{uuid}::{i}"),
+                                &uuid,
+                                memory,
+                                [None, Some(30), Some(100)][next(3) as usize],
+                            );
+                            if next(2) == 0 {
+                                d.compute_mode = ComputeMode::WorkConserving;
+                            }
+                            d
+                        })
+                        .collect();
+                    record(&format!("r{i}"), parts)
+                })
+                .collect();
+            let records: Vec<&Allocation> = owned.iter().collect();
+            let loads = Loads::of(owned.iter());
+            for g in &gpus {
+                assert_eq!(
+                    held_in(g, &loads, None),
+                    held(g, records.iter().copied(), None),
+                    "round {round}, {}",
+                    g.uuid
+                );
+                for a in &owned {
+                    assert_eq!(
+                        held_in(g, &loads, Some(a)),
+                        held(g, records.iter().copied(), Some(&a.id)),
+                        "round {round}, {} without {}",
+                        g.uuid,
+                        a.id
+                    );
+                }
+            }
+            let by_loads = place(&gpus, |g| held_in(g, &loads, None), "", ask(8, 30), Placement::Packed);
+            assert_eq!(by_loads, place(&gpus, scan(&records), "", ask(8, 30), Placement::Packed), "round {round}");
+        }
+    }
+
     #[test]
     fn packed_takes_the_fullest_spread_the_emptiest() {
         let gpus = [gpu(0, 80), gpu(1, 80), gpu(2, 80)];
         let owned = [record("a", vec![dev("GPU-1", "GPU-1", Some(40 * GIB), Some(40))])];
         let records: Vec<&Allocation> = owned.iter().collect();
-        assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Packed).unwrap().index, 1);
-        assert_eq!(place(&gpus, &records, "", ask(8, 30), Placement::Spread).unwrap().index, 0);
+        assert_eq!(place(&gpus, scan(&records), "", ask(8, 30), Placement::Packed).unwrap().index, 1);
+        assert_eq!(place(&gpus, scan(&records), "", ask(8, 30), Placement::Spread).unwrap().index, 0);
         // Too big for the fuller one: the next.
-        assert_eq!(place(&gpus, &records, "", ask(41, 30), Placement::Packed).unwrap().index, 0);
-        assert_eq!(place(&gpus, &records, "2", ask(8, 30), Placement::Packed).unwrap().index, 2);
-        assert_eq!(place(&gpus, &records, "gpu-2", ask(8, 30), Placement::Packed).unwrap().index, 2);
-        assert_eq!(place(&gpus, &records, "h100", ask(8, 30), Placement::Packed).unwrap().index, 1);
+        assert_eq!(place(&gpus, scan(&records), "", ask(41, 30), Placement::Packed).unwrap().index, 0);
+        assert_eq!(place(&gpus, scan(&records), "2", ask(8, 30), Placement::Packed).unwrap().index, 2);
+        assert_eq!(place(&gpus, scan(&records), "gpu-2", ask(8, 30), Placement::Packed).unwrap().index, 2);
+        assert_eq!(place(&gpus, scan(&records), "h100", ask(8, 30), Placement::Packed).unwrap().index, 1);
     }
 
     #[test]
@@ -374,15 +456,15 @@ mod tests {
         gpus[1].unavailable = Some("unhealthy: XID 79".into());
         let owned = [record("a", vec![dev("GPU-0", "GPU-0", Some(72 * GIB), Some(80))])];
         let records: Vec<&Allocation> = owned.iter().collect();
-        let err = place(&gpus, &records, "", ask(16, 30), Placement::Packed).unwrap_err();
+        let err = place(&gpus, scan(&records), "", ask(16, 30), Placement::Packed).unwrap_err();
         assert_eq!(
             err,
             "no GPU has room for 16 GiB and 30% SM (strict): GPU 0 (GPU-0): 8 GiB of 80 GiB free, 20% SM free; \
              GPU 1 (GPU-1): unhealthy: XID 79"
         );
-        let err = place(&gpus, &records, "7", ask(1, 1), Placement::Packed).unwrap_err();
+        let err = place(&gpus, scan(&records), "7", ask(1, 1), Placement::Packed).unwrap_err();
         assert!(err.starts_with("gpu: no GPU \"7\""), "{err}");
-        let err = place(&gpus, &records, "A100", ask(1, 1), Placement::Packed).unwrap_err();
+        let err = place(&gpus, scan(&records), "A100", ask(1, 1), Placement::Packed).unwrap_err();
         assert!(err.starts_with("gpu: no GPU \"A100\""), "{err}");
     }
 
@@ -409,7 +491,9 @@ mod tests {
         // A GPU held whole leaves no room for a share: the rule shares are admitted by.
         let whole = [record("w", vec![dev("GPU-1", "GPU-1", None, None)])];
         let all: Vec<&Allocation> = owned.iter().chain(&whole).collect();
-        assert!(place(&gpus, &all, "1", ask(1, 1), Placement::Packed).unwrap_err().contains("0 MiB of 80 GiB free"));
+        assert!(
+            place(&gpus, scan(&all), "1", ask(1, 1), Placement::Packed).unwrap_err().contains("0 MiB of 80 GiB free")
+        );
         assert!(place_whole(&gpus, &all, "", 1).unwrap_err().starts_with("1 whole GPU asked, 0 free"));
     }
 
@@ -436,6 +520,8 @@ mod tests {
         let err = place_mig(&gpus, &records, "2", "1g.10gb").unwrap_err();
         assert!(err.contains("MIG-2-0 unhealthy: XID 94"), "{err}");
         // Shares are never carved from a GPU in MIG mode.
-        assert!(place(&gpus, &records, "1", ask(1, 1), Placement::Packed).unwrap_err().contains("MIG mode is on"));
+        assert!(
+            place(&gpus, scan(&records), "1", ask(1, 1), Placement::Packed).unwrap_err().contains("MIG mode is on")
+        );
     }
 }

@@ -278,3 +278,90 @@ async fn kinds_now(api: &mut NodeClient<Channel>, kind: api::DeviceKind) -> usiz
         .into_inner();
     list.devices.len()
 }
+
+/// Node API Allocates from four clients at once, the daemon killed with SIGKILL while they are in
+/// flight: every acknowledged allocation is there after the restart, its directory whole (limits
+/// and region), and no GPU was ever over-admitted, before the kill or after it (strict SM: three
+/// 30% shares per GPU; the restarted daemon's admission counts the survivors).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_allocations_survive_kill_9_mid_burst_and_never_over_admit() {
+    let node = SimNode::new();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(&node, tmp.path(), "");
+    let socket = tmp.path().join("run/tessera.sock");
+    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let ask = || api::AllocateRequest {
+        memory_bytes: 1 << 30,
+        sm_percent: 30,
+        compute_mode: api::ComputeMode::Strict as i32,
+        ..Default::default()
+    };
+    let (mut daemon, _) = spawn(&node, &config, &notify, &log);
+    let mut c = client(&socket).await;
+    // Warm up to a few, then four clients allocate until refused while the daemon is killed.
+    let mut acked: Vec<String> = Vec::new();
+    for _ in 0..4 {
+        acked.push(c.allocate(ask()).await.expect("allocate").into_inner().allocation.expect("allocation").id);
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let (tx, socket) = (tx.clone(), socket.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut c = client(&socket).await;
+            while let Ok(r) = c.allocate(ask()).await {
+                // Acknowledged: the answer reached the client.
+                let _ = tx.send(r.into_inner().allocation.expect("allocation").id);
+            }
+        }));
+    }
+    drop(tx);
+    // Kill once a few more were acknowledged, while the others are still asking.
+    while acked.len() < 10 {
+        match tokio::time::timeout(WAIT, rx.recv()).await {
+            Ok(Some(id)) => acked.push(id),
+            _ => break,
+        }
+    }
+    daemon.0.kill().expect("SIGKILL");
+    daemon.0.wait().expect("reaped");
+    for t in tasks {
+        t.await.expect("client task");
+    }
+    while let Ok(id) = rx.try_recv() {
+        acked.push(id);
+    }
+    assert!(acked.len() >= 10, "too few acknowledged before the kill: {}\n{}", acked.len(), show_log());
+
+    let (_daemon, _) = spawn(&node, &config, &notify, &log);
+    let mut c = client(&socket).await;
+    let list = |c: &mut NodeClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            c.list_allocations(api::ListAllocationsRequest::default())
+                .await
+                .expect("allocations")
+                .into_inner()
+                .allocations
+        }
+    };
+    let found = list(&mut c).await;
+    for id in &acked {
+        assert!(found.iter().any(|a| &a.id == id), "acknowledged allocation {id} lost in the kill\n{}", show_log());
+        let dir = tmp.path().join("run/alloc").join(id);
+        let limits = tessera_region::Limits::load(&dir.join("limits")).unwrap_or_else(|e| panic!("{id}: {e}"));
+        assert_eq!((limits.devices[0].memory_limit, limits.devices[0].sm_percent), (Some(1 << 30), Some(30)));
+        assert!(dir.join("region").exists(), "{id}: no region");
+    }
+    // Fill what is left: the survivors count, so no GPU ends up with more than three.
+    while c.allocate(ask()).await.is_ok() {}
+    let after = list(&mut c).await;
+    let mut per_gpu = std::collections::BTreeMap::<String, u32>::new();
+    for a in &after {
+        *per_gpu.entry(a.devices[0].uuid.clone()).or_default() += a.devices[0].sm_percent;
+    }
+    assert_eq!(per_gpu.len(), 8, "every GPU used: {per_gpu:?}");
+    assert!(per_gpu.values().all(|&sm| sm == 90), "strict SM per GPU: {per_gpu:?}");
+    assert_eq!(after.len(), 24);
+}

@@ -145,11 +145,13 @@ impl AllocDirs {
         self.spares.state.lock().unwrap_or_else(PoisonError::into_inner).ready.len()
     }
 
-    /// Moves a spare directory to `dir`; false if none is ready (or none could be moved).
-    fn take_spare(&self, dir: &Path) -> bool {
+    /// Writes `limits` into a spare directory and moves it to `dir`; false if none is ready (or
+    /// none could be completed and moved).
+    fn take_spare(&self, dir: &Path, limits: &[u8]) -> bool {
         let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(spare) = state.ready.pop() {
-            match std::fs::rename(&spare, dir) {
+            let completed = write_new_limits(&spare, limits).and_then(|()| std::fs::rename(&spare, dir));
+            match completed {
                 Ok(()) => {
                     drop(state);
                     self.spares.taken.notify_one();
@@ -190,14 +192,17 @@ impl AllocDirs {
         check_id(&alloc.id)?;
         make_dir(&self.root, PRIVATE_MODE)?;
         let dir = self.dir(&alloc.id);
-        // A spare holds a fresh region and no limits: the limits below complete it.
-        if dir.symlink_metadata().is_err() && self.take_spare(&dir) {
-            let limits_path = self.limits_path(&alloc.id);
-            alloc
-                .limits()
-                .write_atomic(&limits_path)
-                .map_err(|source| AllocDirError::Limits { path: limits_path, source })?;
-            return Ok(dir);
+        // A spare holds a fresh region and no limits: the limits complete it before it is renamed
+        // into place, so the directory appears whole (no temporary file, no second rename).
+        if dir.symlink_metadata().is_err() {
+            let limits = alloc.limits();
+            limits.validate().map_err(|e| AllocDirError::Limits {
+                path: self.limits_path(&alloc.id),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
+            })?;
+            if self.take_spare(&dir, limits.to_toml().as_bytes()) {
+                return Ok(dir);
+            }
         }
         make_dir(&dir, DIR_MODE)?;
         let limits_path = self.limits_path(&alloc.id);
@@ -278,6 +283,20 @@ impl AllocDirs {
         ids.sort();
         Ok(ids)
     }
+}
+
+/// Writes the limits file of spare directory `spare`, which nothing outside this process sees
+/// until it is renamed into place: written in place, flushed, mode 0644 (container processes of
+/// any uid read it), as [`tessera_region::Limits::write_atomic`] leaves it.
+fn write_new_limits(spare: &Path, limits: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = spare.join(LIMITS_FILE);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&path)?;
+    // The umask may have narrowed the mode.
+    f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    f.write_all(limits)?;
+    f.sync_all()
 }
 
 /// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
@@ -543,6 +562,7 @@ mod tests {
         assert_eq!(mode(&dir), 0o755);
         assert_eq!(mode(&dirs.region_path(&a.id)), 0o666);
         assert_eq!(Limits::load(&dirs.limits_path(&a.id)).unwrap(), a.limits());
+        assert_eq!(mode(&dirs.limits_path(&a.id)), 0o644, "container processes of any uid read it");
         let region = Region::open_or_create(&dirs.region_path(&a.id)).unwrap();
         assert_eq!(names(&dir), expected_names());
         assert_eq!(mode(&tmp.path().join("spare")), 0o700);
@@ -557,6 +577,20 @@ mod tests {
         assert_ne!(region.config_generation(), rb.config_generation(), "two regions, not one file");
         wait_for("the pool refilled again", || dirs.spares_ready() == 2);
         assert_eq!(spare_names().len(), 2);
+
+        // A spare that cannot be completed (something already sits at its limits file's name)
+        // is thrown away, never handed out half made: the allocation gets a whole directory.
+        for name in spare_names() {
+            std::fs::write(tmp.path().join("spare").join(name).join(LIMITS_FILE), "stale").unwrap();
+        }
+        let c = alloc("third");
+        let dir = dirs.create(&c).unwrap();
+        assert_eq!(Limits::load(&dirs.limits_path(&c.id)).unwrap(), c.limits());
+        assert_eq!(names(&dir), expected_names());
+        wait_for("the spoiled spares replaced", || {
+            dirs.spares_ready() == 2
+                && spare_names().iter().all(|n| !tmp.path().join("spare").join(n).join(LIMITS_FILE).exists())
+        });
     }
 
     #[test]

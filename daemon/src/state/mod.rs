@@ -8,11 +8,13 @@
 //! - [`journal`]: the journal's on-disk format (frames, replay scan, preallocation).
 //! - [`durable`]: crash-safe whole-file writes (the event log, layout overrides).
 //! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
+//! - [`load`]: what the records hold per physical device, summed beside the index (admission).
 //! - [`recover`]: records rebuilt from those directories when the journal lost them.
 
 pub mod alloc_dir;
 pub mod durable;
 pub mod journal;
+pub mod load;
 pub mod mount;
 pub mod record;
 pub mod recover;

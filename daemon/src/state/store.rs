@@ -50,6 +50,7 @@ use std::path::{Path, PathBuf};
 
 use super::alloc_dir::AllocDirs;
 use super::journal::{self, Op, OpRef};
+use super::load::Loads;
 use super::record::{Allocation, unix_ns, valid_id};
 
 const RECORD_EXT: &str = ".json";
@@ -158,6 +159,8 @@ impl Change {
 pub struct Store {
     dir: PathBuf,
     index: BTreeMap<String, Allocation>,
+    /// What the records in `index` hold per physical device; changed with it.
+    loads: Loads,
     set_aside: Vec<SetAside>,
     removed_tmp: Vec<PathBuf>,
     loss: Option<Loss>,
@@ -388,6 +391,7 @@ impl Store {
         };
         Ok(Store {
             dir: dir.to_path_buf(),
+            loads: Loads::of(index.values()),
             index,
             set_aside,
             removed_tmp,
@@ -428,6 +432,7 @@ impl Store {
             return Err(StateError::Duplicate { id: alloc.id.clone(), path: self.journal_path() });
         }
         self.append(&OpRef::Put(alloc), &alloc.id, Change::Insert)?;
+        self.loads.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
         Ok(())
     }
@@ -439,7 +444,10 @@ impl Store {
             return Err(StateError::NotFound { id: alloc.id.clone(), path: self.journal_path() });
         }
         self.append(&OpRef::Put(alloc), &alloc.id, Change::Update)?;
-        self.index.insert(alloc.id.clone(), alloc.clone());
+        self.loads.add(alloc);
+        if let Some(old) = self.index.insert(alloc.id.clone(), alloc.clone()) {
+            self.loads.remove(&old);
+        }
         Ok(())
     }
 
@@ -449,11 +457,20 @@ impl Store {
             return Ok(None);
         }
         self.append(&OpRef::Remove(id), id, Change::Remove)?;
-        Ok(self.index.remove(id))
+        let removed = self.index.remove(id);
+        if let Some(old) = &removed {
+            self.loads.remove(old);
+        }
+        Ok(removed)
     }
 
     pub fn get(&self, id: &str) -> Option<&Allocation> {
         self.index.get(id)
+    }
+
+    /// What the records hold per physical device (admission reads this, not every record).
+    pub fn loads(&self) -> &Loads {
+        &self.loads
     }
 
     /// Every record, by id.
