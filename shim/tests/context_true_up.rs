@@ -8,38 +8,15 @@ mod common;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::cuda::*;
 use common::*;
-use tessera_region::Region;
 use tessera_sim_model::Node;
 use tessera_sim_testkit::{SimNode, binary};
 
 /// The shim's reservation for a context before any was measured (`memory::context`).
 const ESTIMATE_MIB: u64 = 512;
-
-/// In a child: the container's region and device 0's index in it.
-fn region_and_dev(s: &Session) -> (Region, usize) {
-    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let r = Region::open_or_create(&path).expect("open region");
-    let dev = r.device(&s.uuid(0)).expect("device entry");
-    (r, dev)
-}
-
-/// In a child: what GPU 0 really holds, by the simulated node's own accounting.
-fn gpu_used() -> u64 {
-    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
-    Node::open_state(&state, None).expect("open the node").memory_info(0, 0).unwrap().used
-}
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
 
 fn var(k: &str) -> String {
     std::env::var(k).unwrap_or_else(|_| panic!("{k}"))
@@ -98,7 +75,7 @@ fn fill_child() {
     assert_eq!(got, room, "exactly what the limit leaves beside the context");
     assert_eq!(s.alloc(MIB), Err(OUT_OF_MEMORY), "and not a byte more");
     assert_eq!(region.used(dev), LIMIT);
-    assert_eq!(gpu_used(), LIMIT, "the GPU holds the limit exactly");
+    assert_eq!(gpu_used(0), LIMIT, "the GPU holds the limit exactly");
     assert_eq!(s.mem_info(), (0, LIMIT));
 }
 
@@ -154,7 +131,7 @@ fn pair_child() {
     wait_for(&dir.join(format!("allocated-{other}")));
     assert_eq!(s.alloc(MIB), Err(OUT_OF_MEMORY), "the limit is full");
     assert_eq!(region.used(dev), 2 * ESTIMATE_MIB * MIB);
-    assert_eq!(gpu_used(), 2 * ESTIMATE_MIB * MIB);
+    assert_eq!(gpu_used(0), 2 * ESTIMATE_MIB * MIB);
     std::fs::write(dir.join(format!("checked-{me}")), "").unwrap();
     wait_for(&dir.join(format!("checked-{other}")));
     s.free(p);

@@ -6,7 +6,7 @@
 mod common;
 
 use std::ffi::c_int;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::cuda::*;
@@ -15,20 +15,6 @@ use tessera_region::Region;
 use tessera_sim_model::Node;
 
 const INVALID_VALUE: R = 1;
-
-/// In a child: the container's region and device 0's index in it.
-fn region_and_dev(s: &Session) -> (Region, usize) {
-    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let r = Region::open_or_create(&path).expect("open region");
-    let dev = r.device(&s.uuid(0)).expect("device entry");
-    (r, dev)
-}
-
-/// In a child: what GPU `gpu` really holds, by the simulated node's own accounting.
-fn gpu_used(gpu: u32) -> u64 {
-    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
-    Node::open_state(&state, None).expect("open the node").memory_info(gpu, 0).unwrap().used
-}
 
 /// Graph calls through whatever the dynamic linker hands the program (the shim's hooks).
 struct G<'a>(&'a Session);
@@ -281,14 +267,6 @@ fn auto_free_relaunches_are_charged_once() {
     }
     g.trim(0);
     assert_eq!((used(), gpu()), (400 * MIB, 400 * MIB), "the plain graph's allocation still lives");
-}
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::Ordering::SeqCst;
 use std::time::{Duration, Instant};
@@ -15,28 +15,6 @@ use common::*;
 use tessera_region::{DeviceLimits, Limits, MAX_DEVICES, Region};
 use tessera_sim_model::Node;
 use tessera_sim_testkit::binary;
-
-/// In a child: the container's region, opened as the daemon would, and device 0's index in it.
-fn region_and_dev(s: &Session) -> (Region, usize) {
-    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let r = Region::open_or_create(&path).expect("open region");
-    let dev = r.device(&s.uuid(0)).expect("device entry");
-    (r, dev)
-}
-
-/// In a child: what GPU 0 really holds, by the simulated node's own accounting.
-fn gpu_used() -> u64 {
-    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
-    Node::open_state(&state, None).expect("open the node").memory_info(0, 0).unwrap().used
-}
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !path.exists() {
-        assert!(Instant::now() < deadline, "{} never appeared", path.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 fn dir_env() -> PathBuf {
     PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR"))
@@ -101,7 +79,7 @@ fn hostile_victim() {
     // SAFETY: a valid out-pointer.
     ck("cuDeviceTotalMem", unsafe { (s.cu.cuDeviceTotalMem_v2)(&mut total, 0) });
     assert_eq!(total as u64, GIB);
-    assert_eq!(gpu_used(), 812 * MIB, "the GPU holds no more than the limit allows");
+    assert_eq!(gpu_used(0), 812 * MIB, "the GPU holds no more than the limit allows");
 
     // Compute: the 10% share still throttles (a full balance counts as the burst cap only).
     let image = ptx("tessera_test_spin_1ms");
@@ -207,12 +185,12 @@ fn mapped_virtual_memory_stays_charged_until_released_and_unmapped() {
     map(&s, va, chunk, h);
     release(&s, h);
     assert_eq!(used(), chunk, "released but mapped: still charged");
-    assert_eq!(gpu_used(), base + chunk, "the GPU agrees");
+    assert_eq!(gpu_used(0), base + chunk, "the GPU agrees");
     assert_eq!(create(&s, chunk), Err(OUT_OF_MEMORY), "300 + 2 x 512 MiB do not fit in 1 GiB");
     assert_eq!(s.alloc(chunk), Err(OUT_OF_MEMORY), "nor as linear memory");
     unmap(&s, va, chunk);
     assert_eq!(used(), 0, "unmapped and released: refunded");
-    assert_eq!(gpu_used(), base, "the GPU freed it");
+    assert_eq!(gpu_used(0), base, "the GPU freed it");
 
     // One handle mapped twice: charged until the last mapping goes.
     let small = 128 * MIB;
@@ -250,7 +228,7 @@ fn mapped_virtual_memory_stays_charged_until_released_and_unmapped() {
     // SAFETY: the whole range this process reserved.
     ck("cuMemAddressFree", unsafe { (s.cu.cuMemAddressFree)(va, (4 * GIB) as usize) });
     assert_eq!(used(), 0, "freeing the range dropped its last mapping");
-    assert_eq!(gpu_used(), base);
+    assert_eq!(gpu_used(0), base);
 }
 
 #[test]

@@ -10,16 +10,9 @@ use std::path::PathBuf;
 use common::cuda::*;
 use common::*;
 use tessera_region::Region;
-use tessera_sim_model::Node;
 
 const INVALID_VALUE: R = 1;
 const INVALID_HANDLE: R = 400;
-
-/// In a child: what GPU 0 really holds, by the simulated node's own accounting.
-fn gpu_used() -> u64 {
-    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
-    Node::open_state(&state, None).expect("open the node").memory_info(0, 0).unwrap().used
-}
 
 fn create(s: &Session, d: &Array3dDesc, levels: c_uint) -> Result<H, R> {
     let mut h: H = std::ptr::null_mut();
@@ -56,7 +49,7 @@ fn mipmapped_arrays_hold_the_limit() {
     let dev = region.device(&s.uuid(0)).expect("device entry");
     let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
     let used = || region.used(dev) - base;
-    let gpu = || gpu_used() - base;
+    let gpu = || gpu_used(0) - base;
     let (desc, bytes) = full_chain();
     assert!(bytes > 341 * MIB && bytes < 342 * MIB);
 

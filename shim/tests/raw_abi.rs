@@ -15,14 +15,6 @@ use tessera_region::{DeviceLimits, Limits, Region};
 use tessera_sim_model::Node;
 use tessera_sim_testkit::binary;
 
-/// In a child: the container's region, opened as the daemon would, and device 0's index in it.
-fn region_and_dev(s: &Session) -> (Region, usize) {
-    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let r = Region::open_or_create(&path).expect("open region");
-    let dev = r.device(&s.uuid(0)).expect("device entry");
-    (r, dev)
-}
-
 /// In a child: the model of the node, to see what the GPU really holds.
 fn model() -> Node {
     let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));

@@ -178,3 +178,26 @@ pub fn container_env(c: &Container, node: &SimNode) -> Vec<(String, OsString)> {
     env.extend(c.env());
     env
 }
+
+/// In a child: the container's region, opened as the daemon would, and device 0's index in it.
+pub fn region_and_dev(s: &cuda::Session) -> (Region, usize) {
+    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
+    let r = Region::open_or_create(&path).expect("open region");
+    let dev = r.device(&s.uuid(0)).expect("device entry");
+    (r, dev)
+}
+
+/// In a child: what GPU `gpu` really holds, by the simulated node's own accounting.
+pub fn gpu_used(gpu: u32) -> u64 {
+    let state = PathBuf::from(std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE"));
+    tessera_sim_model::Node::open_state(&state, None).expect("open the node").memory_info(gpu, 0).unwrap().used
+}
+
+/// Waits (up to a minute) for a child to make `path`.
+pub fn wait_for(path: &Path) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !path.exists() {
+        assert!(std::time::Instant::now() < deadline, "{} never appeared", path.display());
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
