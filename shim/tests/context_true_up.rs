@@ -6,9 +6,8 @@
 mod common;
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-use std::time::Duration;
 
 use common::cuda::*;
 use common::*;
@@ -114,7 +113,7 @@ fn two_processes_starting_at_once_under_a_tight_limit_each_get_their_share() {
 }
 
 fn pair_child() {
-    let dir = PathBuf::from(var("TEST_DIR"));
+    let dir = test_dir();
     let me = var("PAIR_INDEX");
     let other = if me == "0" { "1" } else { "0" };
     let s = Session::start(0);
@@ -162,14 +161,12 @@ fn a_process_killed_before_its_true_up_leaves_nothing_charged() {
     let node = node();
     let c = Container::new(&memory_limits(LIMIT));
     let region = c.region();
-    let dir = tempfile::tempdir().unwrap();
+    let libs = tempfile::tempdir().unwrap();
     let mut env = container_env(&c, &node);
     env.retain(|(k, _)| k != "LD_LIBRARY_PATH");
-    env.push(("LD_LIBRARY_PATH".into(), without_nvml(&node, dir.path())));
-    env.push(("TEST_DIR".into(), dir.path().into()));
+    env.push(("LD_LIBRARY_PATH".into(), without_nvml(&node, libs.path())));
     env.push(("KILL_MODE".into(), "wait".into()));
-    let mut child = spawn_child(test, env);
-    wait_for(&dir.path().join("ready"));
+    let (mut child, _dir) = spawn_ready(test, env);
     assert_eq!(region.used(0), ESTIMATE_MIB * MIB, "the excess is still charged (no NVML: no true-up)");
     child.kill().unwrap();
     child.wait().unwrap();
@@ -190,12 +187,9 @@ fn a_process_killed_before_its_true_up_leaves_nothing_charged() {
     }
 
     let c = Container::new(&memory_limits(LIMIT));
-    let d = tempfile::tempdir().unwrap();
     let mut env = container_env(&c, &node);
-    env.push(("TEST_DIR".into(), d.path().into()));
     env.push(("KILL_MODE".into(), "wait".into()));
-    let mut child = spawn_child(test, env);
-    wait_for(&d.path().join("ready"));
+    let (mut child, _dir) = spawn_ready(test, env);
     let region = c.region();
     assert_eq!(settled(OVERHEAD_MIB * MIB, || region.used(0)), OVERHEAD_MIB * MIB, "trued up without another call");
     assert_eq!(region.context_hint(0), OVERHEAD_MIB * MIB, "and measured for the container's next contexts");
@@ -209,8 +203,7 @@ fn killed_child() {
         // SAFETY: signals this process; nothing to clean up.
         unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
-    std::fs::write(PathBuf::from(var("TEST_DIR")).join("ready"), "").unwrap();
-    std::thread::sleep(Duration::from_secs(600));
+    ready_then_wait();
 }
 
 // ---- Many at once: the helper thread, the refusals and the exits racing ------------------------

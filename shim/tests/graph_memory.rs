@@ -283,35 +283,19 @@ fn a_killed_process_holding_graph_memory_is_reaped() {
         let (_, p) = g.alloc(pooled, &[], 0, 256 * MIB);
         ck("launch", g.launch(g.instantiate(pooled).unwrap()));
         s.free(p);
-        let dir = PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR"));
-        std::fs::write(dir.join("ready"), "").unwrap();
-        std::thread::sleep(Duration::from_secs(600));
-        return;
+        return ready_then_wait();
     }
     let node = node();
     let c = Container::new(&memory_limits(GIB));
-    let region = c.region();
-    let dir = tempfile::tempdir().unwrap();
-    let mut env = container_env(&c, &node);
-    env.push(("TEST_DIR".into(), dir.path().into()));
-    let mut child = spawn_child(test, env);
-    wait_for(&dir.path().join("ready"));
-    let gpu = || Node::open_state(&node.state, None).unwrap().memory_info(0, 0).unwrap().used;
-    assert_eq!(settled((OVERHEAD_MIB + 512) * MIB, || region.used(0)), (OVERHEAD_MIB + 512) * MIB);
-    assert_eq!(gpu(), (OVERHEAD_MIB + 512) * MIB);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert_eq!(region.reap(), 1);
-    assert_eq!(region.used(0), 0, "the dead process's graph memory is returned");
-    assert_eq!(gpu(), 0, "and the GPU freed it");
-    let (code, r, _) = workload(&c, &node, &["--alloc-mib", "700"]);
-    assert_eq!(code, 0, "the container has its whole limit again: {r}");
+    let (child, _dir) = spawn_ready(test, container_env(&c, &node));
+    // One graph allocation live and one in the pool: 512 MiB besides the context.
+    assert_killed_holder_is_reaped(&c, &node, child, 512);
 }
 
 /// In a child: marks `name` in the test's directory `stage`, then waits until `count` processes
 /// have marked it.
 fn barrier(stage: &str, name: &str, count: usize) {
-    let dir = PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR")).join(stage);
+    let dir = test_dir().join(stage);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(format!("{name}-{}", std::process::id())), "").unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);

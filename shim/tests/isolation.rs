@@ -16,10 +16,6 @@ use tessera_region::{DeviceLimits, Limits, MAX_DEVICES, Region};
 use tessera_sim_model::Node;
 use tessera_sim_testkit::binary;
 
-fn dir_env() -> PathBuf {
-    PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR"))
-}
-
 // ---- A hostile writer of the region ----------------------------------------------------------
 
 /// Everything in the container's region a tenant might hope the shim trusts: every device entry's
@@ -49,11 +45,7 @@ fn a_hostile_writer_of_the_region_lifts_no_limit() {
         ..Limits::default()
     };
     let c = Container::new(&limits);
-    let dir = tempfile::tempdir().unwrap();
-    let mut env = container_env(&c, &node);
-    env.push(("TEST_DIR".into(), dir.path().into()));
-    let child = spawn_child(test, env);
-    wait_for(&dir.path().join("ready"));
+    let (child, dir) = spawn_ready(test, container_env(&c, &node));
     // The hostile process: this one, mapping the container's region as any of its processes can.
     scribble(&c.region());
     std::fs::write(dir.path().join("go"), "").unwrap();
@@ -61,7 +53,7 @@ fn a_hostile_writer_of_the_region_lifts_no_limit() {
 }
 
 fn hostile_victim() {
-    let dir = dir_env();
+    let dir = test_dir();
     let s = Session::start(0);
     let (region, dev) = region_and_dev(&s);
     let _a = s.alloc(512 * MIB).expect("300 + 512 MiB fit in 1 GiB");
@@ -240,28 +232,12 @@ fn a_killed_process_holding_mapped_virtual_memory_is_reaped() {
         let h = create(&s, 512 * MIB).unwrap();
         map(&s, va, 512 * MIB, h);
         release(&s, h);
-        std::fs::write(dir_env().join("ready"), "").unwrap();
-        std::thread::sleep(Duration::from_secs(600));
-        return;
+        return ready_then_wait();
     }
     let node = node();
     let c = Container::new(&memory_limits(GIB));
-    let region = c.region();
-    let dir = tempfile::tempdir().unwrap();
-    let mut env = container_env(&c, &node);
-    env.push(("TEST_DIR".into(), dir.path().into()));
-    let mut child = spawn_child(test, env);
-    wait_for(&dir.path().join("ready"));
-    let gpu = || Node::open_state(&node.state, None).unwrap().memory_info(0, 0).unwrap().used;
-    assert_eq!(settled((OVERHEAD_MIB + 512) * MIB, || region.used(0)), (OVERHEAD_MIB + 512) * MIB);
-    assert_eq!(gpu(), (OVERHEAD_MIB + 512) * MIB);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert_eq!(region.reap(), 1);
-    assert_eq!(region.used(0), 0, "the dead process's charge is returned");
-    assert_eq!(gpu(), 0, "and the GPU freed its memory");
-    let (code, r, _) = workload(&c, &node, &["--alloc-mib", "700"]);
-    assert_eq!(code, 0, "the container has its whole limit again: {r}");
+    let (child, _dir) = spawn_ready(test, container_env(&c, &node));
+    assert_killed_holder_is_reaped(&c, &node, child, 512);
 }
 
 // ---- Contexts: a storm of processes starting at once -----------------------------------------

@@ -201,3 +201,41 @@ pub fn wait_for(path: &Path) {
         std::thread::sleep(std::time::Duration::from_millis(2));
     }
 }
+
+/// In a child: the directory its parent shares with it (`TEST_DIR`).
+pub fn test_dir() -> PathBuf {
+    PathBuf::from(std::env::var_os("TEST_DIR").expect("TEST_DIR"))
+}
+
+/// In a child: tells the parent it is ready (`TEST_DIR/ready`), then waits to be killed.
+pub fn ready_then_wait() {
+    std::fs::write(test_dir().join("ready"), "").unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(600));
+}
+
+/// Starts `test_name` as a child with `env` and a directory shared through `TEST_DIR`, and
+/// waits until the child says it is ready.
+pub fn spawn_ready(test_name: &str, mut env: Vec<(String, OsString)>) -> (Child, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    env.push(("TEST_DIR".into(), dir.path().into()));
+    let child = spawn_child(test_name, env);
+    wait_for(&dir.path().join("ready"));
+    (child, dir)
+}
+
+/// A child of `c` holding `held_mib` on GPU 0 beside its context, killed with SIGKILL: the reap
+/// returns all of it, the GPU frees it, and the next process gets the container's whole limit.
+pub fn assert_killed_holder_is_reaped(c: &Container, node: &SimNode, mut child: Child, held_mib: u64) {
+    let region = c.region();
+    let gpu = || tessera_sim_model::Node::open_state(&node.state, None).unwrap().memory_info(0, 0).unwrap().used;
+    let held = (OVERHEAD_MIB + held_mib) * MIB;
+    assert_eq!(settled(held, || region.used(0)), held);
+    assert_eq!(gpu(), held);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(region.reap(), 1);
+    assert_eq!(region.used(0), 0, "the dead process's charge is returned");
+    assert_eq!(gpu(), 0, "and the GPU freed its memory");
+    let (code, r, _) = workload(c, node, &["--alloc-mib", "700"]);
+    assert_eq!(code, 0, "the container has its whole limit again: {r}");
+}
