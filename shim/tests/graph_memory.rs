@@ -84,10 +84,7 @@ impl G<'_> {
 fn graph_memory_is_charged_as_the_graph_pool_holds_it() {
     let test = "graph_memory_is_charged_as_the_graph_pool_holds_it";
     if !in_child() {
-        let node = node();
-        let c = Container::new(&memory_limits(GIB));
-        wait_child(test, spawn_child(test, container_env(&c, &node)));
-        return;
+        return run_in_container(test, &memory_limits(GIB));
     }
     let s = Session::start(0);
     let g = G(&s);
@@ -184,10 +181,7 @@ fn graph_memory_is_charged_as_the_graph_pool_holds_it() {
 fn graph_memory_on_another_device_is_charged_there() {
     let test = "graph_memory_on_another_device_is_charged_there";
     if !in_child() {
-        let node = node();
-        let c = Container::new(&memory_limits(GIB));
-        wait_child(test, spawn_child(test, container_env(&c, &node)));
-        return;
+        return run_in_container(test, &memory_limits(GIB));
     }
     let s = Session::start(0);
     let g = G(&s);
@@ -216,10 +210,7 @@ const AUTO_FREE_ON_LAUNCH: u64 = 0x1;
 fn auto_free_relaunches_are_charged_once() {
     let test = "auto_free_relaunches_are_charged_once";
     if !in_child() {
-        let node = node();
-        let c = Container::new(&memory_limits(GIB));
-        wait_child(test, spawn_child(test, container_env(&c, &node)));
-        return;
+        return run_in_container(test, &memory_limits(GIB));
     }
     let s = Session::start(0);
     let g = G(&s);

@@ -158,10 +158,7 @@ fn reserve_va(s: &Session, bytes: u64) -> u64 {
 fn mapped_virtual_memory_stays_charged_until_released_and_unmapped() {
     let test = "mapped_virtual_memory_stays_charged_until_released_and_unmapped";
     if !in_child() {
-        let node = node();
-        let c = Container::new(&memory_limits(GIB));
-        wait_child(test, spawn_child(test, container_env(&c, &node)));
-        return;
+        return run_in_container(test, &memory_limits(GIB));
     }
     let s = Session::start(0);
     let (region, dev) = region_and_dev(&s);

@@ -5,11 +5,9 @@
 mod common;
 
 use std::ffi::c_uint;
-use std::path::PathBuf;
 
 use common::cuda::*;
 use common::*;
-use tessera_region::Region;
 
 const INVALID_VALUE: R = 1;
 const INVALID_HANDLE: R = 400;
@@ -38,15 +36,10 @@ fn full_chain() -> (Array3dDesc, u64) {
 fn mipmapped_arrays_hold_the_limit() {
     let test = "mipmapped_arrays_hold_the_limit";
     if !in_child() {
-        let node = node();
-        let c = Container::new(&memory_limits(GIB));
-        wait_child(test, spawn_child(test, container_env(&c, &node)));
-        return;
+        return run_in_container(test, &memory_limits(GIB));
     }
     let s = Session::start(0);
-    let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let region = Region::open_or_create(&path).expect("open region");
-    let dev = region.device(&s.uuid(0)).expect("device entry");
+    let (region, dev) = region_and_dev(&s);
     let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;

@@ -21,18 +21,12 @@ fn model() -> Node {
     Node::open_state(&state, None).expect("open the node")
 }
 
-fn run(test: &str, limits: &Limits) {
-    let node = node();
-    let c = Container::new(limits);
-    wait_child(test, spawn_child(test, container_env(&c, &node)));
-}
-
 // ---- Allocation families ---------------------------------------------------------------------
 
 #[test]
 fn every_allocation_family_is_charged_and_refunded() {
     if !in_child() {
-        return run("every_allocation_family_is_charged_and_refunded", &memory_limits(8 * GIB));
+        return run_in_container("every_allocation_family_is_charged_and_refunded", &memory_limits(8 * GIB));
     }
     let s = Session::start(0);
     let cu = &s.cu;
@@ -145,7 +139,7 @@ fn proc_address(cu: &Cuda, name: &str, version: c_int, flags: u64) -> *mut c_voi
 #[test]
 fn lookups_hand_out_the_hook_of_the_version_asked_for() {
     if !in_child() {
-        return run("lookups_hand_out_the_hook_of_the_version_asked_for", &memory_limits(GIB));
+        return run_in_container("lookups_hand_out_the_hook_of_the_version_asked_for", &memory_limits(GIB));
     }
     let s = Session::start(0);
     let cu = &s.cu;
@@ -193,7 +187,7 @@ fn lookups_hand_out_the_hook_of_the_version_asked_for() {
 #[test]
 fn every_launch_entry_point_reaches_the_driver() {
     if !in_child() {
-        return run("every_launch_entry_point_reaches_the_driver", &memory_limits(GIB));
+        return run_in_container("every_launch_entry_point_reaches_the_driver", &memory_limits(GIB));
     }
     let s = Session::start(0);
     let cu = &s.cu;
@@ -270,7 +264,7 @@ const PER_THREAD: usize = 2;
 #[test]
 fn launches_count_on_the_device_their_stream_runs_on() {
     if !in_child() {
-        return run("launches_count_on_the_device_their_stream_runs_on", &memory_limits(8 * GIB));
+        return run_in_container("launches_count_on_the_device_their_stream_runs_on", &memory_limits(8 * GIB));
     }
     let s = Session::start(0);
     let cu = &s.cu;
@@ -358,7 +352,7 @@ fn a_one_device_process_keeps_its_share_on_the_default_streams() {
 #[test]
 fn a_live_limit_change_applies_to_the_next_allocation() {
     if !in_child() {
-        return run("a_live_limit_change_applies_to_the_next_allocation", &memory_limits(GIB));
+        return run_in_container("a_live_limit_change_applies_to_the_next_allocation", &memory_limits(GIB));
     }
     let limits = PathBuf::from(std::env::var_os("TESSERA_LIMITS").unwrap());
     let change = |bytes: u64| {
@@ -562,7 +556,10 @@ fn nvml_child() {
 #[test]
 fn a_forked_child_starts_over_and_leaves_the_parents_charges_alone() {
     if !in_child() {
-        return run("a_forked_child_starts_over_and_leaves_the_parents_charges_alone", &memory_limits(GIB));
+        return run_in_container(
+            "a_forked_child_starts_over_and_leaves_the_parents_charges_alone",
+            &memory_limits(GIB),
+        );
     }
     let s = Session::start(0);
     let (region, dev) = region_and_dev(&s);

@@ -239,3 +239,11 @@ pub fn assert_killed_holder_is_reaped(c: &Container, node: &SimNode, mut child: 
     let (code, r, _) = workload(c, node, &["--alloc-mib", "700"]);
     assert_eq!(code, 0, "the container has its whole limit again: {r}");
 }
+
+/// Runs `test_name` again as a child in a fresh container with `limits`, on a fresh node, and
+/// fails if the child failed (the parent's half of a test whose body runs in the child).
+pub fn run_in_container(test_name: &str, limits: &Limits) {
+    let node = node();
+    let c = Container::new(limits);
+    wait_child(test_name, spawn_child(test_name, container_env(&c, &node)));
+}
