@@ -226,6 +226,27 @@ pub fn format_bytes(n: u64) -> String {
 }
 
 #[cfg(test)]
+impl DraDevice {
+    /// A whole, healthy-unless-said H100 named `name` (UUID `GPU-<name>`), for the DRA tests.
+    pub(crate) fn test_gpu(name: &str, unhealthy: Option<&str>) -> DraDevice {
+        DraDevice {
+            name: name.into(),
+            kind: DraKind::Gpu,
+            uuid: format!("GPU-{name}"),
+            gpu_index: 0,
+            gpu_uuid: format!("GPU-{name}"),
+            product: "NVIDIA H100".into(),
+            memory: 80 << 30,
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            numa_node: None,
+            pci_bus_id: String::new(),
+            unhealthy: unhealthy.map(str::to_owned),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -179,23 +179,9 @@ mod tests {
     use tokio_stream::StreamExt;
 
     use super::*;
-    use crate::dra::devices::DraKind;
 
     fn device(name: &str, unhealthy: Option<&str>) -> DraDevice {
-        DraDevice {
-            name: name.into(),
-            kind: DraKind::Gpu,
-            uuid: format!("GPU-{name}"),
-            gpu_index: 0,
-            gpu_uuid: format!("GPU-{name}"),
-            product: "NVIDIA H100".into(),
-            memory: 80 << 30,
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            numa_node: None,
-            pci_bus_id: String::new(),
-            unhealthy: unhealthy.map(str::to_owned),
-        }
+        DraDevice::test_gpu(name, unhealthy)
     }
 
     fn states(r: &v1::NodeWatchResourcesResponse) -> Vec<(String, String, v1::HealthStatus, String)> {

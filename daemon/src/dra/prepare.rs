@@ -276,20 +276,7 @@ mod tests {
     }
 
     fn published() -> Vec<DraDevice> {
-        let base = DraDevice {
-            name: "gpu-0".into(),
-            kind: DraKind::Gpu,
-            uuid: "GPU-0".into(),
-            gpu_index: 0,
-            gpu_uuid: "GPU-0".into(),
-            product: "NVIDIA H100".into(),
-            memory: 80 << 30,
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            numa_node: None,
-            pci_bus_id: String::new(),
-            unhealthy: None,
-        };
+        let base = DraDevice { uuid: "GPU-0".into(), gpu_uuid: "GPU-0".into(), ..DraDevice::test_gpu("gpu-0", None) };
         vec![
             base.clone(),
             DraDevice { name: "gpu-0-shared".into(), kind: DraKind::Shared, ..base.clone() },
