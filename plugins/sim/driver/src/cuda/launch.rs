@@ -207,21 +207,14 @@ unsafe fn launch_ex(
     // integers and pointers only.
     let c = unsafe { get(config) }?;
     let mut cooperative = false;
-    if c.numAttrs > 0 {
-        if c.attrs.is_null() {
-            return Err(INVALID_VALUE);
+    let visit = |id, value: *const u8| {
+        if id == LAUNCH_ATTRIBUTE_COOPERATIVE {
+            // SAFETY: the cooperative value is the int at the start of the value union.
+            cooperative |= unsafe { value.cast::<i32>().read_unaligned() } != 0;
         }
-        for i in 0..c.numAttrs as usize {
-            // SAFETY: attrs holds numAttrs entries; the id is read as the raw integer C stored,
-            // and the cooperative value is the int at the start of the value union.
-            unsafe {
-                let a = c.attrs.add(i);
-                if raw_u32(std::ptr::addr_of!((*a).id)) == LAUNCH_ATTRIBUTE_COOPERATIVE {
-                    cooperative |= std::ptr::addr_of!((*a).value).cast::<i32>().read_unaligned() != 0;
-                }
-            }
-        }
-    }
+    };
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    unsafe { for_each_attribute(&c, visit) }?;
     let l = Launch {
         grid: [c.gridDimX, c.gridDimY, c.gridDimZ],
         block: [c.blockDimX, c.blockDimY, c.blockDimZ],
@@ -229,6 +222,29 @@ unsafe fn launch_ex(
         cooperative,
     };
     launch(f, l, c.hStream, params, extra, pt)
+}
+
+/// Calls `f` with each attribute of a launch configuration: its id (the raw integer C stored)
+/// and a pointer to its value union.
+///
+/// # Safety
+/// `c.attrs` must hold `c.numAttrs` entries (or be null, refused when any are counted).
+pub(super) unsafe fn for_each_attribute(c: &sys::CUlaunchConfig, mut f: impl FnMut(u32, *const u8)) -> R {
+    if c.numAttrs == 0 {
+        return Ok(());
+    }
+    if c.attrs.is_null() {
+        return Err(INVALID_VALUE);
+    }
+    for i in 0..c.numAttrs as usize {
+        // SAFETY: attrs holds numAttrs entries (this function's contract); the id is read as the
+        // raw integer C stored, whatever the enum holds.
+        unsafe {
+            let a = c.attrs.add(i);
+            f(raw_u32(std::ptr::addr_of!((*a).id)), std::ptr::addr_of!((*a).value).cast::<u8>());
+        }
+    }
+    Ok(())
 }
 
 #[unsafe(no_mangle)]

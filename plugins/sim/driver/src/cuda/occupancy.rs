@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_uint};
 
 use super::init::{Device, driver};
 use super::module::check_function;
-use super::{CUresult, INVALID_VALUE, NOT_SUPPORTED, R, get, need, put, raw_u32, run, sys};
+use super::{CUresult, INVALID_VALUE, NOT_SUPPORTED, R, get, need, put, run, sys};
 
 /// `CU_OCCUPANCY_DEFAULT`, `CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE`.
 const FLAGS_MASK: c_uint = 1;
@@ -243,21 +243,14 @@ unsafe fn cluster_query(f: sys::CUfunction, config: *const sys::CUlaunchConfig) 
     // SAFETY: as this function's contract (null/misaligned checked by get).
     let c = unsafe { get(config) }?;
     let mut dims = None;
-    if c.numAttrs > 0 {
-        if c.attrs.is_null() {
-            return Err(INVALID_VALUE);
+    let visit = |id, value: *const u8| {
+        if id == LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION {
+            // SAFETY: the cluster dimension is three unsigned ints at the start of the union.
+            dims = Some(unsafe { value.cast::<[u32; 3]>().read_unaligned() });
         }
-        for i in 0..c.numAttrs as usize {
-            // SAFETY: attrs holds numAttrs entries; the id is read as the raw integer C stored,
-            // and the cluster dimension is three unsigned ints at the start of the value union.
-            unsafe {
-                let a = c.attrs.add(i);
-                if raw_u32(std::ptr::addr_of!((*a).id)) == LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION {
-                    dims = Some(std::ptr::addr_of!((*a).value).cast::<[u32; 3]>().read_unaligned());
-                }
-            }
-        }
-    }
+    };
+    // SAFETY: the caller's configuration (cuda.h's contract).
+    unsafe { super::launch::for_each_attribute(&c, visit) }?;
     let (required, non_portable) = super::module::cluster_attributes(f as usize)?;
     let product = |d: [u32; 3]| d.iter().map(|&x| u64::from(x.max(1))).product::<u64>();
     let size = match (dims, required.iter().any(|&x| x > 0)) {
