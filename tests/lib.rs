@@ -215,3 +215,16 @@ pub fn run_python_json(
 pub fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
 }
+
+pub const MIB: u64 = 1 << 20;
+pub const GIB: u64 = 1 << 30;
+
+/// The simulated node's default board (an H100 SXM5 80GB) as CUDA programs see it: its name, its
+/// memory, what the sim reserves on it, and what it charges per context.
+pub mod h100 {
+    use super::MIB;
+    pub const NAME: &str = "NVIDIA H100 80GB HBM3";
+    pub const MEMORY: u64 = 81_559 * MIB;
+    pub const RESERVED: u64 = 454 * MIB;
+    pub const CONTEXT_OVERHEAD: u64 = 256 * MIB;
+}

@@ -12,15 +12,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::{json_u64 as u, run_python_json, shim, venv_python};
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-/// The default node's board, and what the sim reserves on it and charges per context.
-const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
-const H100_MEMORY: u64 = 81_559 * MIB;
-const H100_RESERVED: u64 = 454 * MIB;
-const CONTEXT_OVERHEAD: u64 = 256 * MIB;
+use tessera_tests::{GIB, MIB, h100, json_u64 as u, run_python_json, shim, venv_python};
 
 /// What the CuPy program does; it prints one JSON line of what it saw.
 const PROGRAM: &str = r#"
@@ -119,9 +111,9 @@ fn cupy_runs_on_the_simulated_node() {
     };
     let v = run_cupy(&python, 4 * GIB, &[]);
     assert_eq!(u(&v, "count"), 8);
-    assert_eq!(v["name"], H100_NAME);
-    assert_eq!(u(&v, "total"), H100_MEMORY);
-    let free = H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD;
+    assert_eq!(v["name"], h100::NAME);
+    assert_eq!(u(&v, "total"), h100::MEMORY);
+    let free = h100::MEMORY - h100::RESERVED - h100::CONTEXT_OVERHEAD;
     assert_eq!(u(&v, "free"), free, "the board less what the sim reserves and the runtime's context");
     assert_eq!(v["roundtrip"], true, "bytes copied to the device and back are the same");
     assert_eq!(v["device_copy"], true, "a device-to-device copy moves the bytes");
@@ -148,7 +140,7 @@ fn cupy_under_the_shim_sees_its_limit() {
     let v = run_cupy(&python, 100 * MIB, &[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
     assert_eq!(u(&v, "total"), GIB, "memGetInfo shows the limit as the device's memory");
     let free = u(&v, "free");
-    assert!(free <= GIB - CONTEXT_OVERHEAD, "the runtime's context counts against the limit: {free}");
+    assert!(free <= GIB - h100::CONTEXT_OVERHEAD, "the runtime's context counts against the limit: {free}");
     assert_eq!(v["roundtrip"], true);
     assert_eq!(v["oom"], "OutOfMemoryError", "CuPy's own OOM error at the limit");
     let held = u(&v, "held");
@@ -219,12 +211,12 @@ fn cupy_processes_share_memory_through_ipc_counted_once() {
     assert_eq!(v["importer_sees"], serde_json::json!([256, 257, 258, 259]), "the exporter's bytes");
     assert_eq!(v["exporter_sees"], serde_json::json!([7, 7, 7, 7]), "the importer's bytes");
     let shared = 256 * MIB;
-    let board = H100_MEMORY - H100_RESERVED;
+    let board = h100::MEMORY - h100::RESERVED;
     // Both processes hold a context; the shared allocation counts once, and opening it took nothing.
-    assert_eq!(u(&v, "importer_free_before"), board - 2 * CONTEXT_OVERHEAD - shared);
+    assert_eq!(u(&v, "importer_free_before"), board - 2 * h100::CONTEXT_OVERHEAD - shared);
     assert_eq!(u(&v, "importer_free"), u(&v, "importer_free_before"), "importing charges nothing");
-    assert_eq!(u(&v, "exporter_free"), board - CONTEXT_OVERHEAD - shared, "the importer has exited");
-    assert_eq!(u(&v, "exporter_free_after"), board - CONTEXT_OVERHEAD);
+    assert_eq!(u(&v, "exporter_free"), board - h100::CONTEXT_OVERHEAD - shared, "the importer has exited");
+    assert_eq!(u(&v, "exporter_free_after"), board - h100::CONTEXT_OVERHEAD);
     assert!(v["own_handle"].as_str().unwrap().contains("cudaError"), "a process's own handle is refused: {v}");
     assert!(v["free_imported"].as_str().unwrap().contains("cudaError"), "cudaFree of imported memory is refused: {v}");
 }
@@ -351,7 +343,7 @@ fn cupy_captured_graph_memory_under_the_shim_holds_its_limit() {
     let v = run_python_json(&node, &python, "captured graph under the shim", &args, &env);
     let free = u(&v, "free_captured");
     assert_eq!(u(&v, "total"), GIB);
-    assert_eq!(free, GIB - CONTEXT_OVERHEAD, "capturing allocates nothing");
+    assert_eq!(free, GIB - h100::CONTEXT_OVERHEAD, "capturing allocates nothing");
     assert_eq!(u(&v, "free_held"), free - other);
     assert_eq!(v["launch_held"], "cudaErrorMemoryAllocation", "600 MiB more do not fit beside 300 MiB: {v}");
     assert_eq!(u(&v, "free_refused"), free - other, "the refused launch took nothing");

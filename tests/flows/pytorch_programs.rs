@@ -13,15 +13,8 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::{json_u64 as u, run_python_json, shim, venv_python};
+use tessera_tests::{GIB, MIB, h100, json_u64 as u, run_python_json, shim, venv_python};
 
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-/// The default node's board, and what the sim reserves on it and charges per context.
-const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
-const H100_MEMORY: u64 = 81_559 * MIB;
-const H100_RESERVED: u64 = 454 * MIB;
-const CONTEXT_OVERHEAD: u64 = 256 * MIB;
 /// What cuBLAS and the loaded kernels keep on the device outside PyTorch's allocator, at most.
 const LIBRARIES_KEEP: u64 = 128 * MIB;
 
@@ -74,7 +67,7 @@ fn run_torch(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
 fn check_common(v: &Value, expandable: bool) {
     assert_eq!(v["available"], true, "torch.cuda.is_available(): {v}");
     assert_eq!(u(v, "count"), 8);
-    assert_eq!(v["name"], H100_NAME);
+    assert_eq!(v["name"], h100::NAME);
     assert_eq!(v["roundtrip"], true, "bytes copied to the device and back are the same");
     assert_eq!(v["shapes"], serde_json::json!([[1 << 20], [512, 512]]), "the kernels and the GEMM ran");
     let segments = v["expandable"].as_array().expect("segments");
@@ -86,8 +79,8 @@ fn runs_on_the_sim(alloc_conf: &str) {
     let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
     let v = run_torch(&python, 4 * GIB, &[("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)]);
     check_common(&v, !alloc_conf.is_empty());
-    assert_eq!(u(&v, "total"), H100_MEMORY);
-    let free = H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD;
+    assert_eq!(u(&v, "total"), h100::MEMORY);
+    let free = h100::MEMORY - h100::RESERVED - h100::CONTEXT_OVERHEAD;
     assert_eq!(u(&v, "free"), free, "the board less what the sim reserves and the context");
     let held = u(&v, "held");
     assert!(held <= free && held + 4 * GIB + LIBRARIES_KEEP > free, "held {held} of {free} free before the OOM");
@@ -114,9 +107,9 @@ fn sees_the_shims_limit(alloc_conf: &str) {
     let v = run_torch(&python, 100 * MIB, &env);
     check_common(&v, !alloc_conf.is_empty());
     assert_eq!(u(&v, "total"), GIB, "mem_get_info shows the limit as the device's memory");
-    assert_eq!(u(&v, "free"), GIB - CONTEXT_OVERHEAD, "the context counts against the limit");
+    assert_eq!(u(&v, "free"), GIB - h100::CONTEXT_OVERHEAD, "the context counts against the limit");
     let held = u(&v, "held");
-    let free = GIB - CONTEXT_OVERHEAD;
+    let free = GIB - h100::CONTEXT_OVERHEAD;
     assert!(held <= free && held + 100 * MIB + LIBRARIES_KEEP > free, "held {held} of {free} under a 1 GiB limit");
     let (after, reserved) = (u(&v, "free_after"), u(&v, "reserved_after"));
     assert!(after + reserved <= free && after + reserved + LIBRARIES_KEEP > free, "{v}");

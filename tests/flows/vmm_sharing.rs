@@ -9,13 +9,8 @@
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::{json_u64 as u, run_python_json, shim};
+use tessera_tests::{GIB, MIB, h100, json_u64 as u, run_python_json, shim};
 
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
-const H100_MEMORY: u64 = 81_559 * MIB;
-const H100_RESERVED: u64 = 454 * MIB;
-const CONTEXT_OVERHEAD: u64 = 256 * MIB;
 const SHARED: u64 = 64 * MIB;
 
 const PROGRAM: &str = r#"
@@ -140,14 +135,14 @@ fn processes_share_a_physical_allocation_counted_once() {
     let node = SimNode::new();
     let v = run(&node, &[]);
     check_sharing(&v);
-    let board = H100_MEMORY - H100_RESERVED;
-    assert_eq!(u(&v, "exporter_free"), board - CONTEXT_OVERHEAD - SHARED);
+    let board = h100::MEMORY - h100::RESERVED;
+    assert_eq!(u(&v, "exporter_free"), board - h100::CONTEXT_OVERHEAD - SHARED);
     // The importer's context and the one shared allocation; importing and mapping take nothing.
-    assert_eq!(u(&v, "importer_free_before"), board - 2 * CONTEXT_OVERHEAD - SHARED);
+    assert_eq!(u(&v, "importer_free_before"), board - 2 * h100::CONTEXT_OVERHEAD - SHARED);
     assert_eq!(u(&v, "importer_free"), u(&v, "importer_free_before"), "importing charges nothing");
     assert_eq!(u(&v, "importer_free_end"), u(&v, "importer_free_before"), "nor does letting go of it");
-    assert_eq!(u(&v, "exporter_free_after_import"), board - CONTEXT_OVERHEAD - SHARED, "the importer has exited");
-    assert_eq!(u(&v, "exporter_free_end"), board - CONTEXT_OVERHEAD, "freed once, by its owner");
+    assert_eq!(u(&v, "exporter_free_after_import"), board - h100::CONTEXT_OVERHEAD - SHARED, "the importer has exited");
+    assert_eq!(u(&v, "exporter_free_end"), board - h100::CONTEXT_OVERHEAD, "freed once, by its owner");
 }
 
 #[test]
@@ -157,8 +152,8 @@ fn under_the_shim_the_importer_is_not_charged() {
     let v = run(&node, &[("LD_PRELOAD", shim.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
     check_sharing(&v);
     assert_eq!(u(&v, "total"), GIB, "the limit shows as the device's memory");
-    assert_eq!(u(&v, "exporter_free"), GIB - CONTEXT_OVERHEAD - SHARED, "the exporter is charged");
+    assert_eq!(u(&v, "exporter_free"), GIB - h100::CONTEXT_OVERHEAD - SHARED, "the exporter is charged");
     assert_eq!(u(&v, "importer_free"), u(&v, "importer_free_before"), "the importer is not charged again");
     assert_eq!(u(&v, "importer_free_end"), u(&v, "importer_free_before"), "nor refunded what it never paid");
-    assert_eq!(u(&v, "exporter_free_end"), GIB - CONTEXT_OVERHEAD);
+    assert_eq!(u(&v, "exporter_free_end"), GIB - h100::CONTEXT_OVERHEAD);
 }
