@@ -73,6 +73,7 @@ pub fn base(cfg: &Injection, runtime_dir: &Path) -> NodeDevices {
         devices: Vec::new(),
         control_nodes: driver::control_nodes(&driver_cfg),
         driver: as_host_sees(driver::discover(&driver_cfg), cfg.host_driver_root()),
+        driver_dir: None,
         shim: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
         hook_binary: cfg.hook_path.clone(),
         hook_config: runtime_dir.join(paths::GENERATED_HOOK_CONFIG),

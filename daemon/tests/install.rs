@@ -315,6 +315,7 @@ fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
         devices: vec![gpu(GPU0, "0", "nvidia0"), gpu("GPU-66666666-7777-8888-9999-000000000000", "1", "nvidia1")],
         control_nodes: tessera_hook::driver::control_nodes(&drv),
         driver: tessera_hook::driver::discover(&drv),
+        driver_dir: None,
         shim: hook_config.shim_path.clone(),
         hook_binary: r.join(&paths::HOOK[1..]),
         hook_config: hook_config_path.clone(),

@@ -38,6 +38,9 @@ pub const DEVICE_MARKER_PREFIX: &str = "TESSERA_CDI_DEVICE_";
 pub const ANNOTATION_UUID: &str = "tessera.io/uuid";
 /// Where the shim goes in a container.
 pub const SHIM_CONTAINER_PATH: &str = "/usr/lib/tessera/libtessera.so";
+/// Where the driver directory appears in a container; each driver file's usual path is a link
+/// into it (`/usr/lib/x86_64-linux-gnu/libcuda.so.1` -> `<this>/usr/lib/x86_64-linux-gnu/libcuda.so.1`).
+pub const DRIVER_CONTAINER_DIR: &str = "/usr/lib/tessera/driver";
 /// The only environment any hook entry we write gets.
 pub const HOOK_ENV: &str = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -120,6 +123,10 @@ pub struct NodeDevices {
     pub control_nodes: Vec<PathBuf>,
     /// From [`crate::driver::discover`].
     pub driver: DriverFiles,
+    /// Host path of the driver directory (`crate::bundle`): `driver`'s files gathered under one
+    /// directory at their paths relative to the driver root. Set: a spec gets one mount of it at
+    /// [`DRIVER_CONTAINER_DIR`] and a link per file; `None`: a mount per file.
+    pub driver_dir: Option<PathBuf>,
     /// Host path of libtessera.so.
     pub shim: Option<PathBuf>,
     /// Host path of tessera-hook (the `createRuntime` hook entry).
@@ -666,6 +673,7 @@ pub(crate) mod tests {
             ],
             control_nodes: vec![dev.join("nvidiactl"), dev.join("nvidia-uvm"), dev.join("nvidia-modeset")],
             driver: DriverFiles::default(),
+            driver_dir: None,
             shim: None,
             hook_binary: PathBuf::from(crate::paths::HOOK),
             hook_config: PathBuf::from("/run/tessera/hook.toml"),

@@ -169,6 +169,7 @@ impl Node {
             ],
             control_nodes: tessera_hook::driver::control_nodes(&cfg),
             driver: tessera_hook::driver::discover(&cfg),
+            driver_dir: None,
             shim: Some(self.shim.clone()),
             hook_binary: PathBuf::from(HOOK),
             hook_config: self.config.clone(),
