@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use crate::config::HookConfig;
 use crate::oci;
 use crate::plan::{self, InjectError, Plan};
-use crate::safe::{NodeOutcome, Root};
+use crate::safe::{LinkOutcome, NodeOutcome, Root};
 use crate::sys;
 
 /// What the hook did, for its log line.
@@ -22,11 +22,14 @@ use crate::sys;
 pub struct Applied {
     pub devices: usize,
     pub mounts: usize,
+    /// Driver files linked into the driver directory's mount.
+    pub links: usize,
     pub skipped: usize,
 }
 
 /// The whole hook: state on stdin → config.json → plan → apply. `Ok(None)`: nothing asked.
-pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, InjectError> {
+/// `links`: the hook entry's own `--link` paths (a CDI runtime's; the spec's entry names the same).
+pub fn run_hook(cfg: &HookConfig, state: &[u8], links: &[PathBuf]) -> Result<Option<Applied>, InjectError> {
     let state = oci::parse_state(state)?;
     let config = oci::read_config(&state.bundle)?;
     let info = oci::container_info(&config, &state.annotations)?;
@@ -35,6 +38,9 @@ pub fn run_hook(cfg: &HookConfig, state: &[u8]) -> Result<Option<Applied>, Injec
         return Ok(None);
     }
     let Some(mut plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(None) };
+    for l in links {
+        plan::add_link(&mut plan, l.clone())?;
+    }
     // Nodes the runtime already made and admitted (CDI puts them in config.json) need nothing
     // from the hook; only the others need the device cgroup, which cgroup v2 does not offer.
     plan.device_nodes.retain(|n| !oci::grants_device(&config, n));
@@ -222,17 +228,23 @@ fn is_cgroup_v1_devices(dir: &Path) -> bool {
     rc == 0 && st.f_type as i64 == CGROUP_SUPER_MAGIC && dir.join("devices.allow").exists()
 }
 
-/// A detached bind mount of a host device node, made from the container's mount namespace: back
-/// to the hook's own namespace for the `open_tree` (a path, and a clone, of the host), then into
-/// the container's again, where the tree is attached. `root`'s descriptors stay valid across.
-fn clone_host_node(p: &Prepared, host_path: &Path) -> Result<OwnedFd, InjectError> {
+/// A detached bind mount of a host file (a device node, a driver file), made from the container's
+/// mount namespace: back to the hook's own namespace for the `open_tree` (a path, and a clone, of
+/// the host), then into the container's again, where the tree is attached. `root`'s descriptors
+/// stay valid across. `read_only`: made read-only (and nosuid, nodev) before it is attached.
+fn clone_host_file(p: &Prepared, host_path: &Path, read_only: bool) -> Result<OwnedFd, InjectError> {
     let c = sys::cstr(host_path.as_os_str()).map_err(|e| host_err(host_path, e))?;
     sys::setns_mnt(p.host_ns.as_fd())
         .map_err(|e| InjectError(format!("setns back into the host's mount namespace: {e}")))?;
     let tree = sys::open_tree_clone(&c, false).map_err(|e| host_err(host_path, e));
     sys::setns_mnt(p.ns.as_fd())
         .map_err(|e| InjectError(format!("setns into the container's mount namespace: {e}")))?;
-    tree
+    let tree = tree?;
+    if read_only {
+        let attrs = sys::MOUNT_ATTR_RDONLY | sys::MOUNT_ATTR_NOSUID | sys::MOUNT_ATTR_NODEV;
+        sys::mount_setattr(tree.as_fd(), attrs).map_err(|e| host_err(host_path, format!("mount_setattr: {e}")))?;
+    }
+    Ok(tree)
 }
 
 fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> {
@@ -255,7 +267,7 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
             Ok(NodeOutcome::Existing) => done.skipped += 1,
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
                 // A user namespace: bind the host's node instead.
-                let tree = clone_host_node(&p, &n.host_path)?;
+                let tree = clone_host_file(&p, &n.host_path, false)?;
                 let target = root.file(&n.path).map_err(|e| cerr(&n.path, e))?;
                 sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&n.path, e))?;
                 done.devices += 1;
@@ -281,6 +293,23 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         }
         sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&m.container_path, e))?;
         done.mounts += 1;
+    }
+    // After the mounts: a link made before a directory mount over its parent would be hidden.
+    let mut dirs = crate::safe::DirCache::default();
+    for l in &plan.links {
+        match root.link_cached(&l.path, &l.target, &mut dirs).map_err(|e| cerr(&l.path, e))? {
+            LinkOutcome::Created => done.links += 1,
+            LinkOutcome::Existing => done.skipped += 1,
+            LinkOutcome::Occupied => {
+                // The image's own file stays in its layer; the driver's is mounted over it.
+                let tree = clone_host_file(&p, &l.host_path, true)?;
+                let target = root.file_cached(&l.path, &mut dirs).map_err(|e| cerr(&l.path, e))?;
+                if !crate::safe::same_file(target.as_fd(), tree.as_fd()) {
+                    sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&l.path, e))?;
+                    done.mounts += 1;
+                }
+            }
+        }
     }
     Ok(done)
 }

@@ -259,12 +259,31 @@ fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, C
         edits.device_nodes.push(device_node(n, dev_root).map_err(|e| invalid(format!("control_nodes[{i}]"), e))?);
     }
     let ro = || ["ro", "nosuid", "nodev", "bind"].map(String::from).to_vec();
-    for f in node.driver.libraries.iter().chain(&node.driver.binaries) {
-        edits.mounts.push(Mount {
-            host_path: f.display().to_string(),
-            container_path: node.driver.container_path(f).display().to_string(),
-            options: ro(),
-        });
+    let driver_files = node.driver.libraries.iter().chain(&node.driver.binaries);
+    // With a driver directory: one mount, and each file's usual path a link into it (made by the
+    // hook entry below, `--link`); the kernel's work per mount was most of a start's cost.
+    let mut links = Vec::new();
+    match &node.driver_dir {
+        Some(dir) if !node.driver.libraries.is_empty() || !node.driver.binaries.is_empty() => {
+            edits.mounts.push(Mount {
+                host_path: dir.display().to_string(),
+                container_path: DRIVER_CONTAINER_DIR.into(),
+                options: ro(),
+            });
+            for f in driver_files {
+                links.push("--link".to_string());
+                links.push(node.driver.container_path(f).display().to_string());
+            }
+        }
+        _ => {
+            for f in driver_files {
+                edits.mounts.push(Mount {
+                    host_path: f.display().to_string(),
+                    container_path: node.driver.container_path(f).display().to_string(),
+                    options: ro(),
+                });
+            }
+        }
     }
     if let Some(shim) = &node.shim {
         edits.mounts.push(Mount {
@@ -276,6 +295,7 @@ fn common_edits(node: &NodeDevices, dev_root: &Path) -> Result<ContainerEdits, C
     let mut args = vec!["tessera-hook".to_string(), "--config".into(), node.hook_config.display().to_string()];
     let mut poststop = args.clone();
     args.push("createRuntime".into());
+    args.extend(links);
     edits.hooks.push(Hook {
         hook_name: "createRuntime".into(),
         path: node.hook_binary.display().to_string(),
@@ -885,6 +905,46 @@ pub(crate) mod tests {
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         assert!(reader.join().unwrap() > 0);
+    }
+
+    /// A driver directory: the specs mount it once and the hook entry links each file into it;
+    /// no files found, or none prepared, means a mount per file (or none) as before.
+    #[test]
+    fn a_driver_directory_is_one_mount_and_the_hook_links_the_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut node = fake_node(dir.path());
+        let lib = Path::new("/usr/lib/x86_64-linux-gnu");
+        node.driver = DriverFiles {
+            root: "/".into(),
+            libraries: vec![lib.join("libcuda.so.1"), lib.join("libnvidia-ml.so.1")],
+            binaries: vec!["/usr/bin/nvidia-smi".into()],
+        };
+        node.driver_dir = Some("/var/lib/tessera/driver/k1".into());
+        let specs = build_specs(&node).unwrap();
+        let edits = &specs[0].container_edits;
+        let driver: Vec<_> = edits.mounts.iter().map(|m| (m.host_path.as_str(), m.container_path.as_str())).collect();
+        assert_eq!(driver, [("/var/lib/tessera/driver/k1", DRIVER_CONTAINER_DIR)]);
+        assert_eq!(edits.mounts[0].options, ["ro", "nosuid", "nodev", "bind"]);
+        let create = edits.hooks.iter().find(|h| h.hook_name == "createRuntime").unwrap();
+        assert_eq!(
+            create.args[4..],
+            [
+                "--link",
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+                "--link",
+                "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1",
+                "--link",
+                "/usr/bin/nvidia-smi"
+            ]
+        );
+        let poststop = edits.hooks.iter().find(|h| h.hook_name == "poststop").unwrap();
+        assert!(!poststop.args.iter().any(|a| a == "--link"));
+        node.driver_dir = None;
+        let per_file = build_specs(&node).unwrap();
+        assert_eq!(per_file[0].container_edits.mounts.len(), 3);
+        node.driver = DriverFiles::default();
+        node.driver_dir = Some("/var/lib/tessera/driver/k1".into());
+        assert!(build_specs(&node).unwrap()[0].container_edits.mounts.is_empty());
     }
 
     #[test]

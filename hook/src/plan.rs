@@ -67,6 +67,19 @@ pub struct MountEdit {
     pub read_only: bool,
 }
 
+/// A driver file's usual path made a link into the driver directory's mount (one mount for all
+/// of the driver's files instead of one each; see docs/hook.md, "Driver directory").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkEdit {
+    /// In the container: where the loader looks (`/usr/lib/x86_64-linux-gnu/libcuda.so.1`).
+    pub path: PathBuf,
+    /// In the container: the same relative path under [`cdi::DRIVER_CONTAINER_DIR`].
+    pub target: PathBuf,
+    /// On the host: the file in the driver directory, bind-mounted at `path` instead where the
+    /// image has a regular file there (a link would mean deleting the image's file).
+    pub host_path: PathBuf,
+}
+
 /// Everything one container gets.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
@@ -74,6 +87,8 @@ pub struct Plan {
     pub device_nodes: Vec<NodeEdit>,
     /// In order: a mount may go inside an earlier one (the region inside the allocation directory).
     pub mounts: Vec<MountEdit>,
+    /// Made after the mounts (they point into the driver directory's mount).
+    pub links: Vec<LinkEdit>,
     pub env: Vec<(String, String)>,
     pub allocation: Option<String>,
     /// Host files some mounts come from (the preload, the loader entry), with their content: made
@@ -365,14 +380,11 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
     // The loader entry: the directories the driver's libraries went to (the cache itself is not
     // rebuilt: see docs/hook.md, "ld cache").
     let mut lib_dirs: Vec<String> = Vec::new();
-    for m in &plan.mounts {
-        let is_lib = m
-            .container_path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("lib") && n.contains(".so"));
-        if let Some(dir) = m.container_path.parent().filter(|_| is_lib).map(|d| d.display().to_string())
-            && m.container_path != Path::new(cdi::SHIM_CONTAINER_PATH)
+    for path in plan.mounts.iter().map(|m| &m.container_path).chain(plan.links.iter().map(|l| &l.path)) {
+        let is_lib =
+            path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("lib") && n.contains(".so"));
+        if let Some(dir) = path.parent().filter(|_| is_lib).map(|d| d.display().to_string())
+            && path != Path::new(cdi::SHIM_CONTAINER_PATH)
             && !lib_dirs.contains(&dir)
         {
             lib_dirs.push(dir);
@@ -505,6 +517,22 @@ fn add_edits(plan: &mut Plan, edits: &cdi::ContainerEdits, what: &str) -> Result
         }
         push_mount(plan, m.host_path.clone().into(), path, ro)?;
     }
+    // Our own hook entry's `--link` arguments (a CDI runtime runs that entry; the hook and the
+    // wrapper read them here): every other hook entry is the runtime's business.
+    for (i, h) in edits.hooks.iter().enumerate() {
+        if Path::new(&h.path).file_name().is_none_or(|n| n != "tessera-hook") {
+            continue;
+        }
+        let mut args = h.args.iter();
+        while let Some(a) = args.next() {
+            if a == "--link" {
+                let field = format!("{what}: hooks[{i}]: --link");
+                let path = args.next().ok_or_else(|| InjectError(format!("{field}: needs a path")))?;
+                add_link(plan, checked_container_path(path, &field)?)
+                    .map_err(|e| InjectError(format!("{field}: {e}")))?;
+            }
+        }
+    }
     for (i, e) in edits.env.iter().enumerate() {
         let Some((k, v)) = e.split_once('=') else {
             return Err(InjectError(format!("{what}: env[{i}]: {e:?} is not NAME=VALUE")));
@@ -512,6 +540,30 @@ fn add_edits(plan: &mut Plan, edits: &cdi::ContainerEdits, what: &str) -> Result
         if !plan.env.iter().any(|(pk, _)| pk == k) {
             plan.env.push((k.into(), v.into()));
         }
+    }
+    Ok(())
+}
+
+/// Makes `path` a link to its copy in the driver directory, which the plan must mount already.
+pub fn add_link(plan: &mut Plan, path: PathBuf) -> Result<(), InjectError> {
+    let dir = Path::new(cdi::DRIVER_CONTAINER_DIR);
+    let Some(mount) = plan.mounts.iter().find(|m| m.container_path == dir) else {
+        return Err(InjectError(format!("{}: no driver directory is mounted at {}", path.display(), dir.display())));
+    };
+    let rel = path.strip_prefix("/").unwrap_or(&path);
+    if rel.as_os_str().is_empty() || path.starts_with(dir) || path.starts_with(CONTAINER_ALLOC_DIR) {
+        return Err(InjectError(format!("{}: not a path a driver file can be linked at", path.display())));
+    }
+    let edit = LinkEdit { target: dir.join(rel), host_path: mount.host_path.join(rel), path };
+    if let Some(m) = plan.mounts.iter().find(|m| m.container_path == edit.path) {
+        return Err(InjectError(format!(
+            "{}: both a link into the driver directory and a mount of {}",
+            edit.path.display(),
+            m.host_path.display()
+        )));
+    }
+    if !plan.links.contains(&edit) {
+        plan.links.push(edit);
     }
     Ok(())
 }
@@ -661,6 +713,100 @@ pub(crate) mod tests {
         std::fs::write(dir.join("tessera.io-extra.json"), serde_json::to_vec(mig).unwrap()).unwrap();
         let p = plan_from_spec_dirs(&cfg, &i).unwrap().unwrap();
         assert_eq!(p.devices[0].name, "MIG-bbbb");
+    }
+
+    /// A spec with a driver directory: one mount of it, and each driver file's usual path a link
+    /// to the same path under it; the loader entry names the links' directories.
+    #[test]
+    fn a_driver_directory_is_one_mount_and_a_link_per_file() {
+        let f = fixture();
+        let lib = Path::new("/usr/lib/x86_64-linux-gnu");
+        let mut node = fake_node(f.dir.path());
+        node.driver = crate::driver::DriverFiles {
+            root: "/".into(),
+            libraries: vec![lib.join("libcuda.so.1"), lib.join("libcuda.so.550.54.15")],
+            binaries: vec!["/usr/bin/nvidia-smi".into()],
+        };
+        node.driver_dir = Some("/var/lib/tessera/driver/k1".into());
+        let specs = cdi::build_specs(&node).unwrap();
+        let p = plan(&f.cfg, &specs, &info(&[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], &[])).unwrap().unwrap();
+        let dir = Path::new(cdi::DRIVER_CONTAINER_DIR);
+        let driver: Vec<_> = p
+            .mounts
+            .iter()
+            .filter(|m| m.host_path.starts_with("/var/lib/tessera") || m.container_path.starts_with(lib))
+            .collect();
+        assert_eq!(
+            driver,
+            [&MountEdit {
+                host_path: "/var/lib/tessera/driver/k1".into(),
+                container_path: dir.into(),
+                read_only: true
+            }]
+        );
+        let links: Vec<_> = p.links.iter().map(|l| (l.path.clone(), l.target.clone(), l.host_path.clone())).collect();
+        assert_eq!(
+            links,
+            [
+                (
+                    lib.join("libcuda.so.1"),
+                    dir.join("usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+                    PathBuf::from("/var/lib/tessera/driver/k1/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+                ),
+                (
+                    lib.join("libcuda.so.550.54.15"),
+                    dir.join("usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"),
+                    PathBuf::from("/var/lib/tessera/driver/k1/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15")
+                ),
+                (
+                    "/usr/bin/nvidia-smi".into(),
+                    dir.join("usr/bin/nvidia-smi"),
+                    PathBuf::from("/var/lib/tessera/driver/k1/usr/bin/nvidia-smi")
+                ),
+            ]
+        );
+        let conf = p.files.iter().find(|(h, _)| h.to_string_lossy().contains("ld.so.conf")).unwrap();
+        assert_eq!(conf.1, "/usr/lib/x86_64-linux-gnu\n");
+        // The same files without a driver directory: a mount each, no links, the same loader entry.
+        node.driver_dir = None;
+        let specs = cdi::build_specs(&node).unwrap();
+        let q = plan(&f.cfg, &specs, &info(&[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], &[])).unwrap().unwrap();
+        assert!(q.links.is_empty());
+        assert_eq!(q.mounts.iter().filter(|m| m.container_path.starts_with(lib)).count(), 2);
+        assert!(q.files.contains(conf));
+    }
+
+    /// `--link` names only paths outside the driver directory and the allocation directory, and
+    /// only where the driver directory is mounted.
+    #[test]
+    fn links_need_the_driver_directory_and_a_sane_path() {
+        let mut p = Plan::default();
+        let e = add_link(&mut p, "/usr/lib/libcuda.so.1".into()).unwrap_err();
+        assert!(e.0.contains("no driver directory is mounted at /usr/lib/tessera/driver"), "{e}");
+        push_mount(&mut p, "/d".into(), cdi::DRIVER_CONTAINER_DIR.into(), true).unwrap();
+        for bad in ["/", "/usr/lib/tessera/driver/x", "/run/tessera/alloc/limits"] {
+            assert!(add_link(&mut p, bad.into()).unwrap_err().0.contains("not a path a driver file"), "{bad}");
+        }
+        push_mount(&mut p, "/h/x".into(), "/usr/lib/x".into(), true).unwrap();
+        assert!(add_link(&mut p, "/usr/lib/x".into()).unwrap_err().0.contains("both a link"));
+        add_link(&mut p, "/usr/lib/y".into()).unwrap();
+        add_link(&mut p, "/usr/lib/y".into()).unwrap();
+        assert_eq!(p.links.len(), 1);
+        // From a spec: a `--link` with no path, or a relative one, names the hook entry.
+        let mut edits = cdi::ContainerEdits::default();
+        edits.hooks.push(cdi::Hook {
+            hook_name: "createRuntime".into(),
+            path: "/usr/local/bin/tessera-hook".into(),
+            args: vec!["tessera-hook".into(), "--link".into(), "usr/lib/z".into()],
+            env: vec![],
+        });
+        let e = add_edits(&mut p, &edits, "gpu spec").unwrap_err();
+        assert!(e.0.contains("gpu spec: hooks[0]: --link") && e.0.contains("not an absolute path"), "{e}");
+        edits.hooks[0].args.truncate(2);
+        assert!(add_edits(&mut p, &edits, "gpu spec").unwrap_err().0.contains("needs a path"));
+        // Another program's hook entry is the runtime's business, whatever its arguments.
+        edits.hooks[0].path = "/usr/bin/nvidia-ctk".into();
+        add_edits(&mut p, &edits, "gpu spec").unwrap();
     }
 
     #[test]

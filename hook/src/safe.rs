@@ -39,6 +39,16 @@ pub enum NodeOutcome {
     Existing,
 }
 
+/// What [`Root::link_cached`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkOutcome {
+    Created,
+    /// The same link was already there.
+    Existing,
+    /// The image has a regular file there: left alone (the caller mounts over it instead).
+    Occupied,
+}
+
 fn errno(code: i32) -> io::Error {
     io::Error::from_raw_os_error(code)
 }
@@ -189,14 +199,7 @@ impl Root {
     /// dozen libraries share one directory).
     pub fn file_cached(&self, path: &Path, cache: &mut DirCache) -> io::Result<OwnedFd> {
         let (parent, name) = split(path)?;
-        let dir = match cache.0.iter().position(|(p, _)| p == parent) {
-            Some(i) => &cache.0[i].1,
-            None => {
-                let fd = self.mkdir_all(parent)?;
-                cache.0.push((parent.to_path_buf(), fd));
-                &cache.0.last().expect("just pushed").1
-            }
-        };
+        let dir = self.parent_cached(parent, cache)?;
         let c = sys::cstr(name)?;
         let create = || -> io::Result<()> {
             match sys::openat(dir.as_fd(), &c, libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_WRONLY, 0o644)
@@ -221,6 +224,45 @@ impl Root {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "exists and is not a regular file"));
         }
         Ok(fd)
+    }
+
+    /// A symbolic link at `path` holding `target`, parent directories made inside the root as
+    /// for [`Root::file_cached`]. A link already there with another target (an image's stale
+    /// `libcuda.so.1`) is replaced, the link itself and never what it points to; a regular file
+    /// is left alone ([`LinkOutcome::Occupied`]); anything else there is an error.
+    pub fn link_cached(&self, path: &Path, target: &Path, cache: &mut DirCache) -> io::Result<LinkOutcome> {
+        let (parent, name) = split(path)?;
+        let dir = self.parent_cached(parent, cache)?;
+        let (c, t) = (sys::cstr(name)?, sys::cstr(target.as_os_str())?);
+        match sys::symlinkat(&t, dir.as_fd(), &c) {
+            Ok(()) => return Ok(LinkOutcome::Created),
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+        let fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
+        match sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT {
+            libc::S_IFREG => Ok(LinkOutcome::Occupied),
+            libc::S_IFLNK if sys::readlinkat(dir.as_fd(), &c)? == target.as_os_str() => Ok(LinkOutcome::Existing),
+            libc::S_IFLNK => {
+                sys::unlinkat(dir.as_fd(), &c)?;
+                sys::symlinkat(&t, dir.as_fd(), &c)?;
+                Ok(LinkOutcome::Created)
+            }
+            _ => Err(io::Error::new(io::ErrorKind::AlreadyExists, "exists and is not a file or a link")),
+        }
+    }
+
+    /// The directory `parent` inside the root (made when missing), from `cache` when an earlier
+    /// call resolved it.
+    fn parent_cached<'c>(&self, parent: &Path, cache: &'c mut DirCache) -> io::Result<&'c OwnedFd> {
+        Ok(match cache.0.iter().position(|(p, _)| p == parent) {
+            Some(i) => &cache.0[i].1,
+            None => {
+                let fd = self.mkdir_all(parent)?;
+                cache.0.push((parent.to_path_buf(), fd));
+                &cache.0.last().expect("just pushed").1
+            }
+        })
     }
 
     /// A directory at `path`, made when missing, for a directory bind mount.
@@ -400,5 +442,45 @@ mod tests {
         let e = r.resolve(Path::new("/magic/victim")).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
         check_stays_inside(r, &root, &victim);
+    }
+
+    /// A link made, kept, or replaced (never followed); an image's regular file left alone; a
+    /// directory refused; a parent reached through the image's links resolved inside the root.
+    #[test]
+    fn links_are_made_inside_the_root_and_never_through_a_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path();
+        let rootp = base.join("root");
+        let victim = base.join("victim");
+        std::fs::create_dir_all(rootp.join("usr/lib")).unwrap();
+        std::fs::create_dir_all(&victim).unwrap();
+        std::fs::write(victim.join("passwd"), "host").unwrap();
+        for walk in [false, true] {
+            let _ = std::fs::remove_dir_all(rootp.join("usr/lib"));
+            std::fs::create_dir_all(rootp.join("usr/lib/dir")).unwrap();
+            std::fs::write(rootp.join("usr/lib/image.so"), "image").unwrap();
+            symlink(victim.join("passwd"), rootp.join("usr/lib/stale.so")).unwrap();
+            let _ = std::fs::remove_file(rootp.join("lib"));
+            symlink(&victim, rootp.join("lib")).unwrap();
+            let root = if walk { Root::open(&rootp).unwrap().walk_only() } else { Root::open(&rootp).unwrap() };
+            let mut c = DirCache::default();
+            let t = Path::new("/usr/lib/tessera/driver/x");
+            assert_eq!(root.link_cached(Path::new("/usr/lib/new.so"), t, &mut c).unwrap(), LinkOutcome::Created);
+            assert_eq!(std::fs::read_link(rootp.join("usr/lib/new.so")).unwrap(), t);
+            assert_eq!(root.link_cached(Path::new("/usr/lib/new.so"), t, &mut c).unwrap(), LinkOutcome::Existing);
+            assert_eq!(root.link_cached(Path::new("/usr/lib/stale.so"), t, &mut c).unwrap(), LinkOutcome::Created);
+            assert_eq!(std::fs::read_link(rootp.join("usr/lib/stale.so")).unwrap(), t);
+            assert_eq!(root.link_cached(Path::new("/usr/lib/image.so"), t, &mut c).unwrap(), LinkOutcome::Occupied);
+            assert_eq!(std::fs::read_to_string(rootp.join("usr/lib/image.so")).unwrap(), "image");
+            assert!(root.link_cached(Path::new("/usr/lib/dir"), t, &mut c).is_err());
+            // `/lib` is the image's link to a host directory: followed inside the root only.
+            root.link_cached(Path::new("/lib/x.so"), t, &mut DirCache::default()).unwrap();
+            let inside = rootp.join(victim.strip_prefix("/").unwrap());
+            assert!(std::fs::symlink_metadata(inside.join("x.so")).unwrap().file_type().is_symlink(), "walk {walk}");
+            assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 1, "walk {walk}");
+            assert_eq!(std::fs::read_to_string(victim.join("passwd")).unwrap(), "host");
+            let top = victim.strip_prefix("/").unwrap().components().next().unwrap();
+            std::fs::remove_dir_all(rootp.join(top)).unwrap();
+        }
     }
 }

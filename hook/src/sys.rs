@@ -102,6 +102,12 @@ pub fn unlinkat(dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
     unit_result(unsafe { libc::unlinkat(dir.as_raw_fd(), name.as_ptr(), 0) } as libc::c_long)
 }
 
+/// A symbolic link `name` in `dir` holding `target` (never resolved here).
+pub fn symlinkat(target: &CStr, dir: BorrowedFd<'_>, name: &CStr) -> io::Result<()> {
+    // SAFETY: both strings are NUL-terminated and outlive the call.
+    unit_result(unsafe { libc::symlinkat(target.as_ptr(), dir.as_raw_fd(), name.as_ptr()) } as libc::c_long)
+}
+
 pub fn mknodat(dir: BorrowedFd<'_>, name: &CStr, mode: libc::mode_t, dev: libc::dev_t) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated and outlives the call.
     unit_result(unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), mode, dev) } as libc::c_long)

@@ -93,8 +93,10 @@ pub fn edit_bundle_for(
     if !plan::may_ask(&info) {
         return Ok(false);
     }
-    let Some(plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(false) };
-    check_targets(&oci::root_path(&config, bundle)?, &plan)?;
+    let Some(mut plan) = plan::plan_from_spec_dirs(cfg, &info)? else { return Ok(false) };
+    let rootfs = oci::root_path(&config, bundle)?;
+    check_targets(&rootfs, &plan)?;
+    make_links(&rootfs, &mut plan)?;
     oci::apply_to_config(&mut config, &plan)?;
     if let Some(id) = &plan.allocation
         && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
@@ -137,8 +139,11 @@ pub fn runtime_state(args: &[OsString], sub: usize, runtime: &str, id: &str) -> 
 pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError> {
     let root = crate::safe::Root::open(rootfs)
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
-    let file_mounts = plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path);
-    let targets = plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path));
+    let links = plan.links.iter().map(|l| &l.path);
+    let file_mounts =
+        plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path).chain(links.clone());
+    let targets =
+        plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path)).chain(links);
     // The targets share a few parent directories: each is walked once.
     let mut walked = crate::safe::DirCache::default();
     for t in targets {
@@ -155,6 +160,33 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
                 )));
             }
             Err(e) => return Err(InjectError(format!("root file system: {}: {e}", t.display()))),
+        }
+    }
+    Ok(())
+}
+
+/// Makes the plan's driver-file links in the root file system (the runtime has no way to: it
+/// only mounts), inside the root and never through a link ([`crate::safe::Root::link_cached`]).
+/// Where the image has a regular file, the driver's file is mounted over it instead (a mount for
+/// the runtime to make). A link outlives the container only where the root is a plain directory
+/// shared by containers; it is the same link for the next.
+pub fn make_links(rootfs: &Path, plan: &mut plan::Plan) -> Result<(), InjectError> {
+    if plan.links.is_empty() {
+        return Ok(());
+    }
+    let root = crate::safe::Root::open(rootfs)
+        .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
+    let mut dirs = crate::safe::DirCache::default();
+    for l in &plan.links {
+        let made = root
+            .link_cached(&l.path, &l.target, &mut dirs)
+            .map_err(|e| InjectError(format!("root file system: {}: {e}", l.path.display())))?;
+        if made == crate::safe::LinkOutcome::Occupied {
+            plan.mounts.push(plan::MountEdit {
+                host_path: l.host_path.clone(),
+                container_path: l.path.clone(),
+                read_only: true,
+            });
         }
     }
     Ok(())

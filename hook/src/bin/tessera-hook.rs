@@ -1,6 +1,8 @@
 //! `tessera-hook`: the OCI hook (createRuntime, or prestart on older runtimes).
 //!
-//! `tessera-hook [--config PATH] [createRuntime|prestart]` reads the container's state on stdin.
+//! `tessera-hook [--config PATH] [createRuntime|prestart] [--link PATH]...` reads the container's
+//! state on stdin. `--link PATH` (from a spec with a driver directory): PATH becomes a link to the
+//! same path under the driver directory's mount, as the spec's own entry says.
 //! Exit 0 with nothing done when the container asks for no Tessera device; otherwise one line on
 //! stderr and exit 1 when anything is wrong (the runtime then fails the start).
 
@@ -21,6 +23,7 @@ fn main() {
     let mut config = PathBuf::from(DEFAULT_PATH);
     let mut poststop = false;
     let mut alloc_dir = None;
+    let mut links = Vec::new();
     while let Some(a) = args.next() {
         match a.as_str() {
             "--config" => config = args.next().map(PathBuf::from).unwrap_or_else(|| fail("--config needs a path")),
@@ -29,6 +32,7 @@ fn main() {
             "--alloc-dir" => {
                 alloc_dir = Some(args.next().map(PathBuf::from).unwrap_or_else(|| fail("--alloc-dir needs a path")))
             }
+            "--link" => links.push(args.next().map(PathBuf::from).unwrap_or_else(|| fail("--link needs a path"))),
             "--version" | "version" => {
                 println!("tessera-hook {}", env!("CARGO_PKG_VERSION"));
                 return;
@@ -62,7 +66,7 @@ fn main() {
         return;
     }
     let cfg = HookConfig::load(&config).unwrap_or_else(|e| fail(&e.to_string()));
-    match tessera_hook::apply::run_hook(&cfg, &state) {
+    match tessera_hook::apply::run_hook(&cfg, &state, &links) {
         Ok(_) => {}
         Err(e) => fail(&e.0),
     }
