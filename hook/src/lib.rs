@@ -2,6 +2,7 @@
 //!
 //! - [`cdi`]: the CDI specs the daemon writes (`tessera.io/gpu`, `/mig`, `/share`) and the hook reads.
 //! - [`driver`]: the host driver's user-space files, found by name under a driver root.
+//! - [`bundle`]: the driver directory: those files gathered once, for one mount per container.
 //! - [`config`]: the hook's and the wrapper's own configuration (`/etc/tessera/hook.toml`).
 //! - [`paths`]: the default host paths every part and deploy/ use.
 //! - [`owner`]: the record of which container holds an allocation, for the daemon's reports.
@@ -14,6 +15,7 @@
 //! docs/hook.md describes the whole.
 
 pub mod apply;
+pub mod bundle;
 pub mod cdi;
 pub mod config;
 pub mod driver;
