@@ -130,7 +130,8 @@ pub fn runtime_state(args: &[OsString], sub: usize, runtime: &str, id: &str) -> 
     root.or_else(|| is_runc.then(|| PathBuf::from("/run/runc"))).map(|r| r.join(id))
 }
 
-/// Refuses a root file system where a path the runtime will create or mount on passes through a
+/// Refuses a root file system where a path the runtime will create or mount on (or a driver file's
+/// link goes in) passes through a
 /// symbolic link: the runtime, not the wrapper, acts on these paths, and some runtimes (runc
 /// 1.1.5 creating /dev entries) follow such links on the host. One exception: a file mount (a
 /// driver library) whose own last component is a link (an image's stale
@@ -140,10 +141,13 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
     let root = crate::safe::Root::open(rootfs)
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
     let links = plan.links.iter().map(|l| &l.path);
-    let file_mounts =
-        plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path).chain(links.clone());
-    let targets =
-        plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path)).chain(links);
+    let file_mounts = plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path);
+    let targets = plan
+        .device_nodes
+        .iter()
+        .map(|n| &n.path)
+        .chain(plan.mounts.iter().map(|m| &m.container_path))
+        .chain(links.clone());
     // The targets share a few parent directories: each is walked once.
     let mut walked = crate::safe::DirCache::default();
     for t in targets {
@@ -152,6 +156,8 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
             Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.clone().any(|f| f == t) => {
                 root.file(t).map_err(|e| InjectError(format!("root file system: {}: {e}", t.display())))?;
             }
+            // A driver file's own link: [`make_links`] replaces it.
+            Ok(Some(link)) if link == crate::safe::absolute(t) && links.clone().any(|l| l == t) => {}
             Ok(Some(link)) => {
                 return Err(InjectError(format!(
                     "root file system: {} is a symbolic link; refusing to put {} through it",

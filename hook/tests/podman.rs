@@ -101,6 +101,18 @@ fn podman_cdi_device_gets_exactly_its_gpu() {
     let all = text(&out);
     assert!(!out.status.success() && !all.contains("STARTED"), "{all}");
     assert!(all.contains("is not allocated to this container"), "{all}");
+
+    // With a driver directory: podman makes its one mount, and the spec's hook entry (its
+    // `--link` arguments) links each driver file into it.
+    let node = Node::with_driver_dir();
+    let _specs = Specs::install(&node);
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let script = format!("{PROBE}\necho \"link $(/bin/busybox readlink /usr/bin/nvidia-smi)\"\n");
+    let out = podman(&["--device", &format!("tessera.io/gpu={GPU0}"), "-e", "TESSERA_ALLOCATION=a1"], &rootfs, &script);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert_gpu0(&all);
+    assert_eq!(lines(&all, "link "), ["link /usr/lib/tessera/driver/usr/bin/nvidia-smi"], "{all}");
 }
 
 #[test]

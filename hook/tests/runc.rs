@@ -234,12 +234,18 @@ fn without_runc_links(v: &Path, snap: Vec<(String, String)>) -> Vec<(String, Str
 /// Hostile images: /etc, /usr/lib and /dev as links to a host directory, and no /etc at all.
 /// The hook resolves every path inside the root: the start succeeds with everything inside.
 /// The wrapper cannot (the runtime acts on the paths): it refuses such a root before runc runs.
+/// The same with a driver directory (its links made inside the root, never through a link).
 #[test]
 fn hostile_images_write_nothing_outside() {
     let node = Node::new();
     if !runc_works(node.path()) {
         return;
     }
+    hostile_images_on(&node);
+    hostile_images_on(&Node::with_driver_dir());
+}
+
+fn hostile_images_on(node: &Node) {
     let victim = victim(node.path());
     let before = snapshot(&victim);
     let cases: &[(&str, &[&str])] =
@@ -257,12 +263,12 @@ fn hostile_images_write_nothing_outside() {
                 &rootfs,
                 PROBE,
                 ASK_GPU0,
-                via_hook.then_some(&node),
+                via_hook.then_some(node),
             );
             let out = if via_hook {
                 runc(node.path(), &b, &format!("hostile-{name}-h"), Via::Plain)
             } else {
-                runc(node.path(), &b, &format!("hostile-{name}-w"), Via::Wrapper(&node))
+                runc(node.path(), &b, &format!("hostile-{name}-w"), Via::Wrapper(node))
             };
             let all = text(&out);
             println!(
@@ -303,12 +309,12 @@ fn hostile_images_write_nothing_outside() {
             &rootfs,
             PROBE,
             ASK_GPU0,
-            via_hook.then_some(&node),
+            via_hook.then_some(node),
         );
         let out = if via_hook {
             runc(node.path(), &b, "noetc-h", Via::Plain)
         } else {
-            runc(node.path(), &b, "noetc-w", Via::Wrapper(&node))
+            runc(node.path(), &b, "noetc-w", Via::Wrapper(node))
         };
         let all = text(&out);
         assert!(out.status.success(), "{all}");
@@ -401,4 +407,66 @@ fn stale_driver_library_links_are_replaced_inside_the_root() {
     }
     assert_eq!(snapshot(&victim), before, "the host file behind a link is untouched");
     assert_eq!(std::fs::read("/etc/passwd").ok(), host_passwd);
+}
+
+/// With a driver directory the container gets one read-only mount of it and a link per driver
+/// file, by the hook and by the wrapper alike: the files read the same, no driver file is a mount
+/// of its own, nothing is written into the directory from inside, and an image's own regular file
+/// at a driver path keeps its bytes in the image (the driver's is mounted over it), while its
+/// hostile link is replaced inside the root and nothing is written through it.
+#[test]
+fn a_driver_directory_is_one_mount_and_a_link_per_file() {
+    let node = Node::with_driver_dir();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let victim = victim(node.path());
+    let before = snapshot(&victim);
+    let dir = node.driver_dir.clone().expect("a driver directory");
+    let script = format!(
+        "{PROBE}\necho \"link $(/bin/busybox readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1)\"\n\
+         echo \"mounts $(grep -c x86_64-linux-gnu /proc/self/mountinfo) $(grep -c ' /usr/lib/tessera/driver ' /proc/self/mountinfo)\"\n\
+         echo \"dir-writable $( (echo x > /usr/lib/tessera/driver/usr/bin/nvidia-smi) 2>/dev/null && echo yes || echo no)\"\n"
+    );
+    for via_hook in [true, false] {
+        let via = if via_hook { "hook" } else { "wrapper" };
+        let rootfs = node.path().join(format!("rootfs-dir-{via}"));
+        busybox_rootfs(&rootfs).unwrap();
+        let lib = rootfs.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libnvidia-ml.so.1"), "image-nvml").unwrap();
+        let host_file = victim.join("precious");
+        std::os::unix::fs::symlink(&host_file, lib.join("libcuda.so.550.54.15")).unwrap();
+        let b =
+            bundle(&node.path().join(format!("b-dir-{via}")), &rootfs, &script, ASK_GPU0, via_hook.then_some(&node));
+        let out = if via_hook {
+            runc(node.path(), &b, "dir-h", Via::Plain)
+        } else {
+            runc(node.path(), &b, "dir-w", Via::Wrapper(&node))
+        };
+        let all = text(&out);
+        assert!(out.status.success(), "via {via}: {all}");
+        assert_gpu0(&all);
+        assert_eq!(
+            lines(&all, "link "),
+            ["link /usr/lib/tessera/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1"],
+            "via {via}: {all}"
+        );
+        // One mount over the image's libnvidia-ml.so.1, the driver directory once.
+        assert_eq!(lines(&all, "mounts "), ["mounts 1 1"], "via {via}: {all}");
+        assert_eq!(lines(&all, "dir-writable "), ["dir-writable no"], "via {via}: {all}");
+        assert_eq!(std::fs::read_to_string(lib.join("libnvidia-ml.so.1")).unwrap(), "image-nvml", "via {via}");
+        let made = std::fs::read_link(lib.join("libcuda.so.550.54.15")).unwrap();
+        assert_eq!(made, Path::new("/usr/lib/tessera/driver/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15"));
+        // A second start over the same root finds its links in place.
+        let again = if via_hook {
+            runc(node.path(), &b, "dir-h2", Via::Plain)
+        } else {
+            runc(node.path(), &b, "dir-w2", Via::Wrapper(&node))
+        };
+        assert!(again.status.success(), "via {via}, again: {}", text(&again));
+        assert_gpu0(&text(&again));
+    }
+    assert_eq!(snapshot(&victim), before, "the host file behind a link is untouched");
+    assert_eq!(std::fs::read_to_string(dir.join("usr/bin/nvidia-smi")).unwrap(), "fake-smi");
 }

@@ -74,6 +74,8 @@ pub struct Node {
     pub run: PathBuf,
     pub shim: PathBuf,
     pub config: PathBuf,
+    /// The driver directory the specs mount (`tessera_hook::bundle`); `None`: a mount per file.
+    pub driver_dir: Option<PathBuf>,
 }
 
 impl Node {
@@ -105,11 +107,22 @@ impl Node {
         let cdi_dir = root.join("cdi");
         let run = root.join("run");
         let config = root.join("hook.toml");
-        let node = Node { dir, driver_root, dev, cdi: cdi_dir, run, shim, config };
+        let node = Node { dir, driver_root, dev, cdi: cdi_dir, run, shim, config, driver_dir: None };
         node.write_config(require_allocation);
         node.write_specs(&node.cdi, cdi_version);
         node.allocation("a1", &[GPU0]);
         node.allocation("a-mig", &[MIG]);
+        node
+    }
+
+    /// [`Node::new`] with its driver files gathered into a driver directory under `state/driver`,
+    /// as tesserad does by default, and the specs written over it.
+    pub fn with_driver_dir() -> Node {
+        let mut node = Node::new();
+        let files = node.node_devices(None).driver;
+        let made = tessera_hook::bundle::prepare(&files, &node.path().join("state/driver")).unwrap();
+        node.driver_dir = Some(made.dir);
+        node.write_specs(&node.cdi, None);
         node
     }
 
@@ -169,7 +182,7 @@ impl Node {
             ],
             control_nodes: tessera_hook::driver::control_nodes(&cfg),
             driver: tessera_hook::driver::discover(&cfg),
-            driver_dir: None,
+            driver_dir: self.driver_dir.clone(),
             shim: Some(self.shim.clone()),
             hook_binary: PathBuf::from(HOOK),
             hook_config: self.config.clone(),
