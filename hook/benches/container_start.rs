@@ -29,8 +29,9 @@ fn us(d: Duration) -> String {
     format!("{:.0} µs", d.as_secs_f64() * 1e6)
 }
 
-/// A node with 8 GPUs, 7 shares and 7 MIG instances each, and 40 driver files.
-fn realistic(node: &Node) {
+/// A node with 8 GPUs, 7 shares and 7 MIG instances each, and 40 driver files; `driver_dir`: its
+/// specs mount a driver directory (tesserad's default) instead of each file.
+fn realistic(node: &Node, driver_dir: bool) {
     // What a 550 driver installs: each library with its version and its soname link; the tools.
     let lib = node.driver_root.join("usr/lib/x86_64-linux-gnu");
     for prefix in tessera_hook::driver::LIBRARY_PREFIXES {
@@ -89,6 +90,10 @@ fn realistic(node: &Node) {
         dev_root: node.dev.clone(),
         ..Default::default()
     });
+    if driver_dir {
+        let made = tessera_hook::bundle::prepare(&nd.driver, &node.path().join("state/driver")).unwrap();
+        nd.driver_dir = Some(made.dir);
+    }
     let specs = cdi::build_specs(&nd).unwrap();
     cdi::write_specs(&node.cdi, &specs).unwrap();
     node.allocation("a1", &["GPU-00000000-2222-3333-4444-555555555555"]);
@@ -129,7 +134,15 @@ fn main() {
     // `cargo bench` passes --bench; nothing else is taken.
     let runs: usize = std::env::var("TESSERA_BENCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(30);
     let node = Node::new();
-    realistic(&node);
+    realistic(&node, false);
+    // The same node with a driver directory, and its own root file system (links made in a
+    // shared one would turn the other variant's mounts into links, and back).
+    let node_dir = Node::new();
+    realistic(&node_dir, true);
+    let rootfs_dir = node_dir.path().join("rootfs");
+    if busybox_rootfs(&rootfs_dir).is_none() {
+        std::fs::create_dir_all(&rootfs_dir).unwrap();
+    }
     let cfg = HookConfig::load(&node.config).unwrap();
 
     // The wrapper's work in-process: read config.json, load the specs, plan, write config.json.
@@ -163,6 +176,26 @@ fn main() {
     let edit = time(runs * 10, || {
         restore(&b, &pristine);
         assert!(tessera_hook::wrapper::edit_bundle(&cfg, &b, None).unwrap());
+    });
+    let cfg_dir = HookConfig::load(&node_dir.config).unwrap();
+    let b_dir = {
+        let dir = node_dir.path().join("edit");
+        if have_runc {
+            bundle(&dir, &rootfs_dir, "true", &ask, None)
+        } else {
+            std::fs::create_dir_all(&dir).unwrap();
+            let c = serde_json::json!({"root": {"path": rootfs_dir}, "process": {"env": ask}});
+            std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+            dir
+        }
+    };
+    let pristine_dir: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b_dir.join("config.json")).unwrap()).unwrap();
+    let owner_dir = node_dir.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
+    let edit_dir = time(runs * 10, || {
+        tessera_hook::oci::write_config(&b_dir, &pristine_dir).unwrap();
+        let _ = std::fs::remove_file(&owner_dir);
+        assert!(tessera_hook::wrapper::edit_bundle(&cfg_dir, &b_dir, None).unwrap());
     });
     let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
     let devices: usize = specs.iter().map(|s| s.devices.len()).sum();
@@ -200,53 +233,82 @@ fn main() {
     println!("in-process: load every spec + plan           {}", us(plan_only));
     println!("in-process: load the specs asked for + plan   {} (what the hook and wrapper do)", us(guided));
     println!("in-process: wrapper edit of config.json       {}", us(edit));
+    println!("in-process: the same, driver directory        {} (links made in the root file system)", us(edit_dir));
+    let plan_dir = {
+        let specs = cdi::load_spec_dirs(&cfg_dir.cdi_spec_dirs).unwrap();
+        let c = tessera_hook::oci::read_config(&b_dir).unwrap();
+        let info = tessera_hook::oci::container_info(&c, &Default::default()).unwrap();
+        tessera_hook::plan::plan(&cfg_dir, &specs, &info).unwrap().unwrap()
+    };
+    let check_dir = time(runs * 10, || tessera_hook::wrapper::check_targets(&rootfs_dir, &plan_dir).unwrap());
+    let links_dir = time(runs * 10, || {
+        let mut p = plan_dir.clone();
+        tessera_hook::wrapper::make_links(&rootfs_dir, &mut p).unwrap();
+    });
+    println!(
+        "in-process, driver directory: check rootfs targets {}, make {} links (already there) {}",
+        us(check_dir),
+        plan_dir.links.len(),
+        us(links_dir)
+    );
 
     // The wrapper as a process, its real runtime /bin/true: minus /bin/true alone.
-    let wcfg = node.path().join("hook-true.toml");
-    let text = std::fs::read_to_string(&node.config).unwrap();
-    let text: String =
-        text.lines().filter(|l| !l.starts_with("runtime =")).map(|l| format!("{l}\n")).collect::<String>()
-            + "runtime = \"/bin/true\"\n";
-    std::fs::write(&wcfg, text).unwrap();
-    let (wrapper_proc, wrapper_cpu) = time_proc(runs, || {
-        restore(&b, &pristine);
-        let st = Command::new(WRAPPER)
-            .env("TESSERA_HOOK_CONFIG", &wcfg)
-            .args(["create", "--bundle"])
-            .arg(&b)
-            .arg("x")
-            .status()
-            .unwrap();
-        assert!(st.success());
-    });
     let (true_proc, true_cpu) = time_proc(runs, || {
         restore(&b, &pristine);
         assert!(Command::new("/bin/true").status().unwrap().success());
     });
-    println!(
-        "process: tessera-runtime create (exec /bin/true) {} vs /bin/true {}: wrapper adds {} wall, {} CPU",
-        ms(wrapper_proc),
-        ms(true_proc),
-        ms(wrapper_proc.saturating_sub(true_proc)),
-        ms(wrapper_cpu.saturating_sub(true_cpu))
-    );
+    for (label, n, b, pristine) in
+        [("a mount per file", &node, &b, &pristine), ("driver directory", &node_dir, &b_dir, &pristine_dir)]
+    {
+        let wcfg = n.path().join("hook-true.toml");
+        let text = std::fs::read_to_string(&n.config).unwrap();
+        let text: String =
+            text.lines().filter(|l| !l.starts_with("runtime =")).map(|l| format!("{l}\n")).collect::<String>()
+                + "runtime = \"/bin/true\"\n";
+        std::fs::write(&wcfg, text).unwrap();
+        let owner = n.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
+        let (wrapper_proc, wrapper_cpu) = time_proc(runs, || {
+            tessera_hook::oci::write_config(b, pristine).unwrap();
+            let _ = std::fs::remove_file(&owner);
+            let st = Command::new(WRAPPER)
+                .env("TESSERA_HOOK_CONFIG", &wcfg)
+                .args(["create", "--bundle"])
+                .arg(b)
+                .arg("x")
+                .status()
+                .unwrap();
+            assert!(st.success());
+        });
+        println!(
+            "process: tessera-runtime create (exec /bin/true), {label}: {} vs /bin/true {}: wrapper adds {} wall, {} CPU",
+            ms(wrapper_proc),
+            ms(true_proc),
+            ms(wrapper_proc.saturating_sub(true_proc)),
+            ms(wrapper_cpu.saturating_sub(true_cpu))
+        );
+    }
 
     if !is_root() || !have_runc {
         println!("SKIP: container start comparison needs root and runc");
         return;
     }
     hook_process(&node, &rootfs, runs, true_proc, true_cpu);
+    hook_process(&node_dir, &rootfs_dir, runs, true_proc, true_cpu);
     let plain = fresh_bundle(&node.path().join("plain"), false);
     let with_hook = fresh_bundle(&node.path().join("hook"), true);
     let wrapped = fresh_bundle(&node.path().join("wrapped"), false);
     let wrapped_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped.join("config.json")).unwrap()).unwrap();
+    let with_hook_dir = bundle(&node_dir.path().join("hook"), &rootfs_dir, "true", &ask, Some(&node_dir));
+    let wrapped_dir = bundle(&node_dir.path().join("wrapped"), &rootfs_dir, "true", &ask, None);
+    let wrapped_dir_pristine: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(wrapped_dir.join("config.json")).unwrap()).unwrap();
     let state = node.path().join("runc-state");
     let mut n = 0;
-    let mut start = |runner: &str, b: &Path| {
+    let mut start = |runner: &str, b: &Path, config: &Path| {
         n += 1;
         let out = Command::new(runner)
-            .env("TESSERA_HOOK_CONFIG", &node.config)
+            .env("TESSERA_HOOK_CONFIG", config)
             .arg("--root")
             .arg(&state)
             .args(["run", "--bundle"])
@@ -258,39 +320,40 @@ fn main() {
         assert!(out.status.success(), "{}", text_of(&out));
     };
     // Interleaved, so drift hits all variants alike.
-    let (mut tp, mut th, mut tw) = (Vec::new(), Vec::new(), Vec::new());
+    let mut times: [Vec<Duration>; 5] = Default::default();
     for i in 0..=runs {
-        let t = Instant::now();
-        start("runc", &plain);
-        let a = t.elapsed();
-        let t = Instant::now();
-        start("runc", &with_hook);
-        let h = t.elapsed();
+        let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
+            let t = Instant::now();
+            start(runner, b, config);
+            if i > 0 {
+                times[k].push(t.elapsed());
+            }
+        };
+        timed(0, "runc", &plain, &node.config);
+        timed(1, "runc", &with_hook, &node.config);
+        timed(2, "runc", &with_hook_dir, &node_dir.config);
         tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
-        let t = Instant::now();
-        start(WRAPPER, &wrapped);
-        let w = t.elapsed();
-        if i > 0 {
-            tp.push(a);
-            th.push(h);
-            tw.push(w);
-        }
+        timed(3, WRAPPER, &wrapped, &node.config);
+        tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
+        timed(4, WRAPPER, &wrapped_dir, &node_dir.config);
     }
-    let (p, h, w) = (median(tp), median(th), median(tw));
-    println!("runc run (busybox true), median of {runs}:");
-    println!("  plain                    {}", ms(p));
-    println!(
-        "  with tessera-hook        {}  ratio {:.3}  (+{})",
-        ms(h),
-        h.as_secs_f64() / p.as_secs_f64(),
-        ms(h.saturating_sub(p))
-    );
-    println!(
-        "  via tessera-runtime      {}  ratio {:.3}  (+{})",
-        ms(w),
-        w.as_secs_f64() / p.as_secs_f64(),
-        ms(w.saturating_sub(p))
-    );
+    let [p, rest @ ..] = times.map(median);
+    println!("runc run (busybox true), median of {runs}, interleaved:");
+    println!("  plain                                        {}", ms(p));
+    let labels = [
+        "with tessera-hook, a mount per file",
+        "with tessera-hook, driver directory",
+        "via tessera-runtime, a mount per file",
+        "via tessera-runtime, driver directory",
+    ];
+    for (label, t) in labels.iter().zip(rest) {
+        println!(
+            "  {label:<44} {}  ratio {:.3}  (+{})",
+            ms(t),
+            t.as_secs_f64() / p.as_secs_f64(),
+            ms(t.saturating_sub(p))
+        );
+    }
 }
 
 /// The hook as a process, doing its whole work: a target process in a private mount namespace
@@ -366,8 +429,9 @@ fn hook_process(node: &Node, rootfs: &Path, runs: usize, true_proc: Duration, tr
         tessera_hook::plan::plan(&cfg, &specs, &info).unwrap().unwrap()
     };
     println!(
-        "process: tessera-hook, full injection ({} mounts, {} nodes) {} vs /bin/true {}: hook adds {} wall, {} CPU",
+        "process: tessera-hook, full injection ({} mounts, {} links, {} nodes) {} vs /bin/true {}: hook adds {} wall, {} CPU",
         plan.mounts.len(),
+        plan.links.len(),
         plan.device_nodes.len(),
         ms(h),
         ms(true_proc),

@@ -141,7 +141,9 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
     let root = crate::safe::Root::open(rootfs)
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
     let links = plan.links.iter().map(|l| &l.path);
-    let file_mounts = plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path);
+    // Worked out once: each `is_dir` is a stat of a host path.
+    let file_mounts: Vec<&PathBuf> =
+        plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path).collect();
     let targets = plan
         .device_nodes
         .iter()
@@ -153,7 +155,7 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
     for t in targets {
         match root.first_symlink_cached(t, &mut walked) {
             Ok(None) => {}
-            Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.clone().any(|f| f == t) => {
+            Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.contains(&t) => {
                 root.file(t).map_err(|e| InjectError(format!("root file system: {}: {e}", t.display())))?;
             }
             // A driver file's own link: [`make_links`] replaces it.
