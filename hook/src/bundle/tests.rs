@@ -266,6 +266,33 @@ fn across_filesystems_files_are_copied() {
 }
 
 #[test]
+fn links_resolve_inside_the_driver_root() {
+    // The daemon sees the host's root at /driver-root: an absolute link means the host's file,
+    // and `..` cannot climb out of the root.
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let mut files = fake_root(&root);
+    let lib = root.join(LIB);
+    symlink("/opt/nvidia/libnvidia-cfg.so.550.54.15", lib.join("libnvidia-ptxjitcompiler.so.1")).unwrap();
+    fs::create_dir_all(root.join("etc")).unwrap();
+    fs::write(root.join("etc/hostname"), b"the driver root's").unwrap();
+    symlink("../../../../../../../../etc/hostname", lib.join("libnvidia-opencl.so.1")).unwrap();
+    symlink("libnvidia-loop.so.2", lib.join("libnvidia-loop.so.1")).unwrap();
+    symlink("libnvidia-loop.so.1", lib.join("libnvidia-loop.so.2")).unwrap();
+    files.libraries.push(lib.join("libnvidia-ptxjitcompiler.so.1"));
+    files.libraries.push(lib.join("libnvidia-opencl.so.1"));
+    let p = prepare(&files, &tmp.path().join("driver")).unwrap();
+    let got = p.dir.join(LIB);
+    assert_eq!(fs::read(got.join("libnvidia-ptxjitcompiler.so.1")).unwrap(), b"cfg 550");
+    assert_eq!(fs::read(got.join("libnvidia-opencl.so.1")).unwrap(), b"the driver root's");
+    // A loop is an error naming it, not a hang.
+    files.libraries.push(lib.join("libnvidia-loop.so.1"));
+    let e = prepare(&files, &tmp.path().join("driver")).unwrap_err();
+    assert_eq!(e.source.raw_os_error(), Some(libc::ELOOP), "{e}");
+    assert!(e.to_string().contains("libnvidia-loop.so.1"), "{e}");
+}
+
+#[test]
 fn a_failed_build_leaves_nothing_behind() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");
