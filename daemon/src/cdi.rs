@@ -301,6 +301,27 @@ mod tests {
         std::fs::write(root.join("usr/bin/nvidia-smi"), "smi").unwrap();
     }
 
+    /// Runs `f` with the log lines it writes captured.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        (out, text)
+    }
+
     fn one_gpu_view(cfg: &Injection) -> View {
         View {
             config: std::sync::Arc::new(crate::config::Config { injection: cfg.clone(), ..Default::default() }),
@@ -360,6 +381,30 @@ mod tests {
     }
 
     #[test]
+    fn a_damaged_driver_directory_is_warned_with_both_paths_and_rebuilt() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        let cfg = Injection { driver_root: seen, ..Injection::default() };
+        let dir = base(&cfg, tmp.path(), &state).driver_dir.expect("a driver directory");
+        std::fs::remove_file(dir.join("usr/bin/nvidia-smi")).unwrap();
+        let (again, log) = logged(|| base(&cfg, tmp.path(), &state));
+        assert_eq!(again.driver_dir.as_deref(), Some(dir.as_path()), "rebuilt under the same name");
+        assert_eq!(std::fs::read(dir.join("usr/bin/nvidia-smi")).unwrap(), b"smi");
+        let aside: Vec<_> = std::fs::read_dir(state.join("driver"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().contains(".damaged-"))
+            .collect();
+        assert_eq!(aside.len(), 1);
+        let warning = log.lines().find(|l| l.contains("WARN")).unwrap_or_else(|| panic!("no warning: {log}"));
+        assert!(warning.contains(&dir.display().to_string()), "{warning}");
+        assert!(warning.contains(&aside[0].display().to_string()), "{warning}");
+        assert!(warning.contains("usr/bin/nvidia-smi is missing"), "{warning}");
+    }
+
+    #[test]
     fn driver_dir_off_or_no_driver_files_keeps_one_mount_per_file() {
         let tmp = tempfile::tempdir().unwrap();
         let seen = tmp.path().join("driver-root");
@@ -384,8 +429,10 @@ mod tests {
         std::fs::create_dir_all(&state).unwrap();
         std::fs::write(state.join("driver"), "a file where the directory goes").unwrap();
         let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), driver_root: seen, ..Injection::default() };
-        let mut w = CdiWriter::new(&cfg, tmp.path(), &state).unwrap().expect("a writer");
+        let (w, log) = logged(|| CdiWriter::new(&cfg, tmp.path(), &state));
+        let mut w = w.unwrap().expect("a writer");
         assert_eq!(w.base.driver_dir, None);
+        assert!(log.contains("WARN") && log.contains(&state.join("driver").display().to_string()), "{log}");
         assert_eq!(w.base.driver.libraries.len(), 2);
         assert!(w.write(&one_gpu_view(&cfg)).unwrap());
         assert!(tmp.path().join("cdi/tessera.io-gpu.json").is_file());
