@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use tessera_hook::bundle;
 use tessera_hook::cdi::{self, NodeDevice, NodeDevices};
 use tessera_hook::config::HookConfig;
 use tessera_hook::driver::{self, DriverConfig, DriverFiles};
@@ -20,6 +21,8 @@ use crate::resources::Kind;
 
 /// Where the driver lists the MIG capability minors, under the driver root.
 const MIG_MINORS: &str = "proc/driver/nvidia-caps/mig-minors";
+/// The driver directories' parent, under the state directory.
+pub const DRIVER_DIRS: &str = "driver";
 
 /// Writes the specs; remembers what it wrote last so an unchanged node costs nothing.
 #[derive(Debug)]
@@ -31,10 +34,11 @@ pub struct CdiWriter {
 
 impl CdiWriter {
     /// `None` when no spec directory is configured. Driver files are found once, now, under the
-    /// driver root as the daemon sees it, and written into the specs as the host sees them. The
-    /// hook configuration the specs name (`<runtime_dir>/hook.toml`) is written now too, from
-    /// the same settings, so that the specs' hook never falls back to its own defaults.
-    pub fn new(cfg: &Injection, runtime_dir: &Path) -> Result<Option<CdiWriter>, String> {
+    /// driver root as the daemon sees it, and written into the specs as the host sees them (and
+    /// gathered into a driver directory under `state_dir`, see [`base`]). The hook configuration
+    /// the specs name (`<runtime_dir>/hook.toml`) is written now too, from the same settings, so
+    /// that the specs' hook never falls back to its own defaults.
+    pub fn new(cfg: &Injection, runtime_dir: &Path, state_dir: &Path) -> Result<Option<CdiWriter>, String> {
         if cfg.cdi_spec_dir.as_os_str().is_empty() {
             return Ok(None);
         }
@@ -42,7 +46,7 @@ impl CdiWriter {
         let text = spec_hook_config(cfg, runtime_dir).render();
         crate::state::durable::write_file(&hook_config, text.as_bytes(), 0o644)
             .map_err(|e| format!("writing the specs' hook configuration {}: {e}", hook_config.display()))?;
-        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base: base(cfg, runtime_dir), last: None }))
+        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base: base(cfg, runtime_dir, state_dir), last: None }))
     }
 
     /// Writes the specs for what `view` offers, unless that is what was written last. Returns
@@ -63,17 +67,18 @@ impl CdiWriter {
 }
 
 /// What every spec shares, without devices: the control nodes and driver files found now under
-/// the driver root as the daemon sees it (written as the host sees them), the shim, and the hook
-/// entry naming `<runtime_dir>/hook.toml` (which [`CdiWriter::new`] writes). The per-claim specs
-/// of the DRA driver are built over the same.
-pub fn base(cfg: &Injection, runtime_dir: &Path) -> NodeDevices {
+/// the driver root as the daemon sees it (written as the host sees them), the driver directory
+/// ([`driver_dir`]), the shim, and the hook entry naming `<runtime_dir>/hook.toml` (which
+/// [`CdiWriter::new`] writes). The per-claim specs of the DRA driver are built over the same.
+pub fn base(cfg: &Injection, runtime_dir: &Path, state_dir: &Path) -> NodeDevices {
     let driver_cfg =
         DriverConfig { root: cfg.driver_root.clone(), dev_root: cfg.dev_root.clone(), ..DriverConfig::default() };
+    let found = driver::discover(&driver_cfg);
     NodeDevices {
         devices: Vec::new(),
         control_nodes: driver::control_nodes(&driver_cfg),
-        driver: as_host_sees(driver::discover(&driver_cfg), cfg.host_driver_root()),
-        driver_dir: None,
+        driver_dir: driver_dir(cfg, state_dir, &found),
+        driver: as_host_sees(found, cfg.host_driver_root()),
         shim: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
         hook_binary: cfg.hook_path.clone(),
         hook_config: runtime_dir.join(paths::GENERATED_HOOK_CONFIG),
@@ -102,6 +107,39 @@ pub fn spec_hook_config(cfg: &Injection, runtime_dir: &Path) -> HookConfig {
         require_allocation: true,
         shim_path: (!cfg.shim_path.as_os_str().is_empty()).then(|| cfg.shim_path.clone()),
         ..HookConfig::default()
+    }
+}
+
+/// The driver directory for `found` (the driver's files as the daemon sees them), prepared under
+/// `<state_dir>/driver`; its path is the host's too, as the state directory has the same path on
+/// the host and in the daemon (the daemonset mounts it so). `None`, and so one mount per driver
+/// file, when `injection.driver_dir` is off, when there are no driver files, or when it cannot be
+/// prepared (warned): a container start never depends on it.
+pub fn driver_dir(cfg: &Injection, state_dir: &Path, found: &DriverFiles) -> Option<PathBuf> {
+    if !cfg.driver_dir || (found.libraries.is_empty() && found.binaries.is_empty()) {
+        return None;
+    }
+    match bundle::prepare(found, &state_dir.join(DRIVER_DIRS)) {
+        Ok(p) => {
+            if let Some(m) = &p.moved_aside {
+                tracing::warn!(
+                    damaged = %m.from.display(), moved_to = %m.to.display(), reason = %m.reason,
+                    "driver directory was damaged: moved aside and built again"
+                );
+            }
+            for leftover in &p.removed_leftovers {
+                tracing::info!(path = %leftover.display(), "removed an interrupted driver directory build");
+            }
+            tracing::info!(
+                dir = %p.dir.display(), built = p.built, hard_links = p.counts.hard_links,
+                copies = p.counts.copies, symlinks = p.counts.symlinks, "driver directory ready"
+            );
+            Some(p.dir)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no driver directory: containers get one mount per driver file");
+            None
+        }
     }
 }
 
@@ -225,7 +263,7 @@ mod tests {
             host_driver_root: PathBuf::from("/run/nvidia/driver"),
             ..Injection::default()
         };
-        let w = CdiWriter::new(&cfg, &run).unwrap().expect("a writer");
+        let w = CdiWriter::new(&cfg, &run, &tmp.path().join("state")).unwrap().expect("a writer");
         assert_eq!(w.base.hook_config, run.join("hook.toml"));
         assert_eq!(w.base.driver.root, Path::new("/run/nvidia/driver"));
         assert_eq!(
@@ -253,11 +291,159 @@ mod tests {
         assert_eq!(hook.path, paths::HOOK);
     }
 
+    /// A driver root as the daemon sees it: a library with its soname link, and a tool.
+    fn fake_driver_root(root: &Path) {
+        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::create_dir_all(root.join("usr/bin")).unwrap();
+        std::fs::write(lib.join("libcuda.so.550.54.15"), "cuda").unwrap();
+        std::os::unix::fs::symlink("libcuda.so.550.54.15", lib.join("libcuda.so.1")).unwrap();
+        std::fs::write(root.join("usr/bin/nvidia-smi"), "smi").unwrap();
+    }
+
+    /// Runs `f` with the log lines it writes captured.
+    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        let out = tracing::subscriber::with_default(subscriber, f);
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        (out, text)
+    }
+
+    fn one_gpu_view(cfg: &Injection) -> View {
+        View {
+            config: std::sync::Arc::new(crate::config::Config { injection: cfg.clone(), ..Default::default() }),
+            inventory: crate::discovery::Inventory {
+                library: PathBuf::new(),
+                driver_version: String::new(),
+                cuda_driver_version: 0,
+                gpus: vec![crate::discovery::Gpu {
+                    index: 0,
+                    uuid: "GPU-0".into(),
+                    name: "NVIDIA H100 80GB HBM3".into(),
+                    memory_total: 80 << 30,
+                    pci_bus_id: "00000000:18:00.0".into(),
+                    numa_node: None,
+                    minor: None,
+                    mig: None,
+                    nvlink_peers: Vec::new(),
+                    processes: Vec::new(),
+                }],
+                topology: Vec::new(),
+            },
+            shares: Vec::new(),
+            resources: Default::default(),
+            status: Default::default(),
+            unhealthy_gpus: Default::default(),
+            unhealthy_devices: Default::default(),
+        }
+    }
+
+    #[test]
+    fn the_driver_directory_is_prepared_under_the_state_dir_from_the_daemons_view() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        let cfg = Injection {
+            cdi_spec_dir: tmp.path().join("cdi"),
+            driver_root: seen.clone(),
+            host_driver_root: PathBuf::from("/run/nvidia/driver"),
+            ..Injection::default()
+        };
+        let w = CdiWriter::new(&cfg, tmp.path(), &state).unwrap().expect("a writer");
+        let parent = state.join("driver");
+        let keys: Vec<_> = std::fs::read_dir(&parent).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        let dir = parent.join(&keys[0]);
+        assert_eq!(w.base.driver_dir.as_deref(), Some(dir.as_path()));
+        // The files are the daemon's (found under driver_root), laid out as the host names them.
+        let lib = dir.join("usr/lib/x86_64-linux-gnu");
+        assert_eq!(std::fs::read_link(lib.join("libcuda.so.1")).unwrap(), Path::new("libcuda.so.550.54.15"));
+        assert_eq!(std::fs::read(lib.join("libcuda.so.1")).unwrap(), b"cuda");
+        assert_eq!(std::fs::read(dir.join("usr/bin/nvidia-smi")).unwrap(), b"smi");
+        assert!(w.base.driver.libraries.iter().all(|l| l.starts_with("/run/nvidia/driver")), "{:?}", w.base.driver);
+        // A second start (the DRA driver's base, a restart) gets the same directory.
+        assert_eq!(base(&cfg, tmp.path(), &state).driver_dir, w.base.driver_dir);
+        assert_eq!(std::fs::read_dir(&parent).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn a_damaged_driver_directory_is_warned_with_both_paths_and_rebuilt() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        let cfg = Injection { driver_root: seen, ..Injection::default() };
+        let dir = base(&cfg, tmp.path(), &state).driver_dir.expect("a driver directory");
+        std::fs::remove_file(dir.join("usr/bin/nvidia-smi")).unwrap();
+        let (again, log) = logged(|| base(&cfg, tmp.path(), &state));
+        assert_eq!(again.driver_dir.as_deref(), Some(dir.as_path()), "rebuilt under the same name");
+        assert_eq!(std::fs::read(dir.join("usr/bin/nvidia-smi")).unwrap(), b"smi");
+        let aside: Vec<_> = std::fs::read_dir(state.join("driver"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().contains(".damaged-"))
+            .collect();
+        assert_eq!(aside.len(), 1);
+        let warning = log.lines().find(|l| l.contains("WARN")).unwrap_or_else(|| panic!("no warning: {log}"));
+        assert!(warning.contains(&dir.display().to_string()), "{warning}");
+        assert!(warning.contains(&aside[0].display().to_string()), "{warning}");
+        assert!(warning.contains("usr/bin/nvidia-smi is missing"), "{warning}");
+    }
+
+    #[test]
+    fn driver_dir_off_or_no_driver_files_keeps_one_mount_per_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        let off = Injection { driver_root: seen.clone(), driver_dir: false, ..Injection::default() };
+        let b = base(&off, tmp.path(), &state);
+        assert_eq!(b.driver_dir, None);
+        assert_eq!(b.driver.libraries.len(), 2, "the files are still named, for a mount each");
+        assert!(!state.exists(), "nothing built");
+        let empty = Injection { driver_root: tmp.path().join("no-driver"), ..Injection::default() };
+        assert_eq!(base(&empty, tmp.path(), &state).driver_dir, None);
+        assert!(!state.exists(), "nothing built without driver files");
+    }
+
+    #[test]
+    fn a_state_dir_that_cannot_hold_it_gives_per_file_mounts_and_specs_are_still_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::write(state.join("driver"), "a file where the directory goes").unwrap();
+        let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), driver_root: seen, ..Injection::default() };
+        let (w, log) = logged(|| CdiWriter::new(&cfg, tmp.path(), &state));
+        let mut w = w.unwrap().expect("a writer");
+        assert_eq!(w.base.driver_dir, None);
+        assert!(log.contains("WARN") && log.contains(&state.join("driver").display().to_string()), "{log}");
+        assert_eq!(w.base.driver.libraries.len(), 2);
+        assert!(w.write(&one_gpu_view(&cfg)).unwrap());
+        assert!(tmp.path().join("cdi/tessera.io-gpu.json").is_file());
+        assert_eq!(std::fs::read_to_string(state.join("driver")).unwrap(), "a file where the directory goes");
+    }
+
     #[test]
     fn an_unwritable_runtime_dir_is_an_error_naming_the_file() {
         let tmp = tempfile::tempdir().unwrap();
         let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), ..Injection::default() };
-        let e = CdiWriter::new(&cfg, &tmp.path().join("missing")).unwrap_err();
+        let e = CdiWriter::new(&cfg, &tmp.path().join("missing"), tmp.path()).unwrap_err();
         assert!(e.contains("missing/hook.toml"), "{e}");
     }
 

@@ -4,9 +4,9 @@
 //!
 //! Layout: `<parent>/<key>/<path relative to the driver root>` for every library and tool. A
 //! soname link whose target is another listed file in the same directory is the same relative
-//! link here; any other file is a hard link of the file it resolves to, or a copy (mode and
-//! modification time kept) where a hard link is refused (another filesystem or mount: `EXDEV`;
-//! `fs.protected_hardlinks`: `EPERM`).
+//! link here; any other file is a hard link of the file it resolves to (inside the driver root),
+//! or a copy (mode and modification time kept) where a hard link is refused (another filesystem
+//! or mount: `EXDEV`; `fs.protected_hardlinks`: `EPERM`).
 //!
 //! `<key>` is a digest of every file's relative path and its resolved file's identity (size,
 //! modification time, device, inode, mode) and of every link's target, so a driver upgrade gives a
@@ -20,6 +20,7 @@
 //! before it is trusted. docs/hook.md, "Driver directory", describes the whole.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -196,7 +197,7 @@ fn plan(files: &DriverFiles) -> Result<Plan, BundleError> {
             return Err(BundleError::invalid("gathering", host, "is not a file path under the driver root".into()));
         }
         // Whatever it is, it must end at a regular file (no dangling or looping links).
-        let resolved = fs::canonicalize(host).map_err(|e| BundleError::new("resolving", host, e))?;
+        let resolved = resolve_in_root(&files.root, rel).map_err(|e| BundleError::new("resolving", host, e))?;
         let meta = fs::metadata(&resolved).map_err(|e| BundleError::new("reading", &resolved, e))?;
         if !meta.is_file() {
             return Err(BundleError::invalid(
@@ -220,6 +221,48 @@ fn plan(files: &DriverFiles) -> Result<Plan, BundleError> {
         }
     }
     Ok(plan)
+}
+
+/// `root/rel` with every link followed as if `root` were `/`: an absolute target is under `root`
+/// and `..` stops at it. A daemon in a container sees the host's driver root at `/driver-root`,
+/// where a link to `/usr/lib/…` means the host's file, not the daemon image's.
+fn resolve_in_root(root: &Path, rel: &Path) -> io::Result<PathBuf> {
+    /// Links followed at most, as the kernel's path walk (ELOOP).
+    const MAX_LINKS: usize = 40;
+    let mut todo: Vec<OsString> = Vec::new();
+    let push = |todo: &mut Vec<OsString>, p: &Path| {
+        for c in p.components().rev() {
+            match c {
+                Component::Normal(n) => todo.push(n.to_os_string()),
+                Component::ParentDir => todo.push(OsString::from("..")),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
+    };
+    push(&mut todo, rel);
+    let mut done = PathBuf::new();
+    let mut links = 0;
+    while let Some(name) = todo.pop() {
+        if name == ".." {
+            done.pop();
+            continue;
+        }
+        let here = root.join(&done).join(&name);
+        if !fs::symlink_metadata(&here)?.file_type().is_symlink() {
+            done.push(name);
+            continue;
+        }
+        links += 1;
+        if links > MAX_LINKS {
+            return Err(io::Error::from_raw_os_error(libc::ELOOP));
+        }
+        let target = fs::read_link(&here)?;
+        if target.is_absolute() {
+            done.clear();
+        }
+        push(&mut todo, &target);
+    }
+    Ok(root.join(done))
 }
 
 /// The target of `host` when it is a link to another listed file in its own directory (a soname
@@ -302,9 +345,9 @@ fn ensure_parent(parent: &Path) -> Result<(), BundleError> {
     Ok(())
 }
 
-/// Removes `.tmp-*` entries left by an interrupted build, except those of a builder still
-/// running (another process whose pid is alive). A leftover that cannot be removed is left: it
-/// is never trusted.
+/// Removes `.tmp-*` entries left by an interrupted build, except those of a builder that may
+/// still be running (another process whose pid is alive; from another pid namespace it is only
+/// litter). What is left is never trusted: only `<key>` is.
 fn remove_leftovers(parent: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(parent) else { return Vec::new() };
     let own = std::process::id();

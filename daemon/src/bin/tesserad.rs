@@ -180,7 +180,7 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let mut plugins = Plugins::default();
         resources_rx.borrow_and_update();
         // CDI specs for the runtimes, now and whenever what is offered changes.
-        let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir) {
+        let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir, &cfg.state_dir) {
             Ok(w) => w,
             Err(e) => {
                 eprintln!("tesserad: {e}");

@@ -212,6 +212,9 @@ pub struct Injection {
     pub shim_path: PathBuf,
     /// `tessera-hook` on the host (the specs' `createRuntime` hook).
     pub hook_path: PathBuf,
+    /// Gather the driver's files once into `<state_dir>/driver/<key>` and give a container one
+    /// mount of it (and a link per file); `false`: one mount per file.
+    pub driver_dir: bool,
 }
 
 impl Default for Injection {
@@ -224,6 +227,7 @@ impl Default for Injection {
             dev_root: PathBuf::from("/dev"),
             shim_path: PathBuf::from(paths::SHIM),
             hook_path: PathBuf::from(paths::HOOK),
+            driver_dir: true,
         }
     }
 }

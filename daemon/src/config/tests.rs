@@ -128,6 +128,7 @@ fn semantic_errors_name_the_key() {
     refused("[injection]\nhost_driver_root = \"driver\"\n", "injection.host_driver_root", "absolute");
     refused("[injection]\nshim_path = \"lib/libtessera.so\"\n", "injection.shim_path", "absolute");
     assert!(Config::parse("[injection]\ncdi_spec_dir = \"\"\nshim_path = \"\"\n").is_ok(), "empty turns them off");
+    refused("[injection]\ndriver_dir = \"no\"\n", "injection.driver_dir", "invalid type");
     refused("[limits]\ncompute_mode = \"fair\"\n", "limits.compute_mode", "strict");
     refused("[limits]\npriority = \"urgent\"\n", "limits.priority", "normal");
     refused("[partitions.gpu0]\nwhole = true\n", "partitions.gpu0", "GPU index");
@@ -157,6 +158,16 @@ fn semantic_errors_name_the_key() {
     refused("[[partitions.0.shares]]\nmemory = \"0B\"\n", "partitions.0.shares[0].memory", "0 bytes");
     refused("[[partitions.0.shares]]\nmemory = 8\n", "partitions.0.shares.memory", "8 has no unit");
     refused("[[partitions.0.shares]]\nmemory = \"8\"\n", "partitions.0.shares.memory", "has no unit");
+}
+
+#[test]
+fn the_driver_directory_is_on_by_default_and_can_be_turned_off() {
+    assert!(Config::default().injection.driver_dir);
+    let off = Config::parse("[injection]\ndriver_dir = false\n").unwrap();
+    assert!(!off.injection.driver_dir);
+    let r = reload(&Config::default(), &off);
+    assert_eq!(r.needs_restart().collect::<Vec<_>>(), ["injection.driver_dir"], "read at start only");
+    assert!(r.effective.injection.driver_dir);
 }
 
 #[test]

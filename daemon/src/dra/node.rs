@@ -106,7 +106,7 @@ pub fn claim_specs(controller: Arc<NodeController>, cfg: &Config) -> Result<Clai
     let nodes: NodesOf = Arc::new(move |uuid: &str| crate::cdi::device_nodes(&controller.view(), uuid));
     Ok(ClaimSpecs::new(
         inj.cdi_spec_dir.clone(),
-        crate::cdi::base(inj, &cfg.runtime_dir),
+        crate::cdi::base(inj, &cfg.runtime_dir, &cfg.state_dir),
         cfg.runtime_dir.clone(),
         nodes,
     ))

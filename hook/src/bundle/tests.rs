@@ -266,6 +266,33 @@ fn across_filesystems_files_are_copied() {
 }
 
 #[test]
+fn links_resolve_inside_the_driver_root() {
+    // The daemon sees the host's root at /driver-root: an absolute link means the host's file,
+    // and `..` cannot climb out of the root.
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let mut files = fake_root(&root);
+    let lib = root.join(LIB);
+    symlink("/opt/nvidia/libnvidia-cfg.so.550.54.15", lib.join("libnvidia-ptxjitcompiler.so.1")).unwrap();
+    fs::create_dir_all(root.join("etc")).unwrap();
+    fs::write(root.join("etc/hostname"), b"the driver root's").unwrap();
+    symlink("../../../../../../../../etc/hostname", lib.join("libnvidia-opencl.so.1")).unwrap();
+    symlink("libnvidia-loop.so.2", lib.join("libnvidia-loop.so.1")).unwrap();
+    symlink("libnvidia-loop.so.1", lib.join("libnvidia-loop.so.2")).unwrap();
+    files.libraries.push(lib.join("libnvidia-ptxjitcompiler.so.1"));
+    files.libraries.push(lib.join("libnvidia-opencl.so.1"));
+    let p = prepare(&files, &tmp.path().join("driver")).unwrap();
+    let got = p.dir.join(LIB);
+    assert_eq!(fs::read(got.join("libnvidia-ptxjitcompiler.so.1")).unwrap(), b"cfg 550");
+    assert_eq!(fs::read(got.join("libnvidia-opencl.so.1")).unwrap(), b"the driver root's");
+    // A loop is an error naming it, not a hang.
+    files.libraries.push(lib.join("libnvidia-loop.so.1"));
+    let e = prepare(&files, &tmp.path().join("driver")).unwrap_err();
+    assert_eq!(e.source.raw_os_error(), Some(libc::ELOOP), "{e}");
+    assert!(e.to_string().contains("libnvidia-loop.so.1"), "{e}");
+}
+
+#[test]
 fn a_failed_build_leaves_nothing_behind() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("root");
@@ -318,4 +345,60 @@ fn files_outside_the_root_or_none_at_all_are_refused() {
     let e = prepare(&files, &parent).unwrap_err();
     assert!(e.to_string().contains("not a file path"), "{e}");
     assert!(!parent.exists(), "nothing made for refused input");
+}
+
+/// Set in the child of [`a_kill_at_any_point_leaves_no_directory_or_a_complete_one`]: the driver
+/// root and the parent to build in.
+const CRASH_CHILD: &str = "TESSERA_BUNDLE_CRASH_CHILD";
+
+#[test]
+fn a_kill_at_any_point_leaves_no_directory_or_a_complete_one() {
+    if let Ok(paths) = std::env::var(CRASH_CHILD) {
+        let (root, parent) = paths.split_once(':').unwrap();
+        let files = discover(&DriverConfig { root: root.into(), ..DriverConfig::default() });
+        prepare_with(&files, Path::new(parent), &copying()).unwrap();
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let files = fake_root(&root);
+    // Big enough that copying and syncing it takes a while.
+    fs::write(root.join(LIB).join("libnvidia-nvvm.so.4"), vec![7u8; 8 << 20]).unwrap();
+    let files = DriverFiles {
+        libraries: [files.libraries, vec![root.join(LIB).join("libnvidia-nvvm.so.4")]].concat(),
+        ..files
+    };
+    let parent = tmp.path().join("driver");
+    let plan = plan(&files).unwrap();
+    let key = parent.join(key(&plan));
+    let (mut complete, mut absent, mut half) = (0, 0, 0);
+    for delay_ms in (0..24).map(|i| i * 3) {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "bundle::tests::a_kill_at_any_point_leaves_no_directory_or_a_complete_one"])
+            .env(CRASH_CHILD, format!("{}:{}", root.display(), parent.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let tmp_left =
+            fs::read_dir(&parent).map(|d| d.flatten().any(|e| e.file_name().to_string_lossy().starts_with(".tmp-")));
+        if key.exists() {
+            assert_eq!(check(&key, &plan).map(|_| ()), Ok(()), "killed after {delay_ms} ms");
+            complete += 1;
+            fs::remove_dir_all(&key).unwrap();
+        } else {
+            absent += 1;
+            half += usize::from(tmp_left.unwrap_or(false));
+        }
+    }
+    let p = prepare(&files, &parent).unwrap();
+    println!(
+        "killed builds: {complete} complete, {absent} with no directory ({half} of them half built); {} leftovers removed",
+        p.removed_leftovers.len()
+    );
+    assert!(p.built);
+    assert_eq!(names(&parent), [key.file_name().unwrap().to_str().unwrap()], "leftovers removed");
 }
