@@ -287,8 +287,20 @@ mod tests {
         let specs = cdi::build_specs(&NodeDevices { devices: vec![gpu], ..w.base.clone() }).unwrap();
         let hook = &specs[0].container_edits.hooks[0];
         let config = run.join("hook.toml").display().to_string();
-        assert_eq!(hook.args, ["tessera-hook", "--config", config.as_str(), "createRuntime"]);
+        // ...and the driver file's link into the driver directory the daemon made.
+        assert_eq!(
+            hook.args,
+            [
+                "tessera-hook",
+                "--config",
+                config.as_str(),
+                "createRuntime",
+                "--link",
+                "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+            ]
+        );
         assert_eq!(hook.path, paths::HOOK);
+        assert!(w.base.driver_dir.as_ref().is_some_and(|d| d.starts_with(tmp.path().join("state/driver"))));
     }
 
     /// A driver root as the daemon sees it: a library with its soname link, and a tool.

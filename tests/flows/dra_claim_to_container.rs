@@ -86,6 +86,8 @@ struct Applied {
     env: Vec<(String, String)>,
     mounts: Vec<(PathBuf, PathBuf, bool)>,
     nodes: Vec<String>,
+    /// Container paths our hook entry links into the driver directory (`--link PATH`).
+    links: Vec<PathBuf>,
 }
 
 impl Applied {
@@ -113,13 +115,24 @@ impl Applied {
             for n in edits["deviceNodes"].as_array().into_iter().flatten() {
                 out.nodes.push(n["path"].as_str().expect("path").into());
             }
+            for h in edits["hooks"].as_array().into_iter().flatten() {
+                let args: Vec<&str> = h["args"].as_array().expect("args").iter().filter_map(|a| a.as_str()).collect();
+                out.links.extend(args.windows(2).filter(|w| w[0] == "--link").map(|w| PathBuf::from(w[1])));
+            }
         }
         out
     }
 
-    /// Where container path `p` comes from on the host: through the deepest mount holding it.
+    /// Where container path `p` comes from on the host: through the deepest mount holding it,
+    /// a driver file's link first taken to its place in the driver directory.
     fn host(&self, p: &str) -> PathBuf {
-        let p = Path::new(p);
+        let linked = self.links.iter().any(|l| l == Path::new(p));
+        let p = if linked {
+            Path::new("/usr/lib/tessera/driver").join(p.trim_start_matches('/'))
+        } else {
+            PathBuf::from(p)
+        };
+        let p = p.as_path();
         let (host, container, _) = self
             .mounts
             .iter()
@@ -260,8 +273,11 @@ async fn a_claim_of_8gi_and_30_percent_limits_a_process_under_its_cdi_spec_until
     assert_eq!((region.0.clone(), region.2), (alloc_dir.join("region"), false));
     assert_eq!(applied.host(env("TESSERA_LIMITS").expect("TESSERA_LIMITS")), alloc_dir.join("limits"));
     assert_eq!(applied.host("/usr/lib/tessera/libtessera.so"), tessera_tests::shim());
+    // The driver's file, through the driver directory tesserad made under its state directory.
     let driver = applied.host("/usr/lib/x86_64-linux-gnu/libcuda.so.1");
-    assert_eq!(driver, s.dir.join("driver/usr/lib/x86_64-linux-gnu/libcuda.so.1"));
+    assert!(driver.starts_with(s.dir.join("state/driver")), "{}", driver.display());
+    let host_file = s.dir.join("driver/usr/lib/x86_64-linux-gnu/libcuda.so.1");
+    assert_eq!(std::fs::read(&driver).expect("driver file"), std::fs::read(&host_file).expect("host file"));
 
     // Past 8 GiB: CUDA_ERROR_OUT_OF_MEMORY at the limit (the context's memory counts).
     let out = applied.workload(&s.node, &["--alloc-mib", &(8192 + 1024).to_string(), "--chunk-mib", "512"]);

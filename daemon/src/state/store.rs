@@ -615,7 +615,9 @@ fn file_names(dir: &Path) -> Result<Vec<String>, StateError> {
 /// Whether `name` (not a `.json` record) is one of the store's own files (or was: the temporary
 /// files are gone by the time this is asked).
 fn ours(name: &str) -> bool {
-    name == LOCK_FILE
+    // The daemon's other state shares the directory: the driver directories (`crate::cdi`).
+    name == crate::cdi::DRIVER_DIRS
+        || name == LOCK_FILE
         || name == journal::FILE_NAME
         || name == journal::TMP_NAME
         || name.ends_with(LEGACY_TMP_EXT)
@@ -1169,6 +1171,8 @@ mod tests {
         std::fs::write(dir.join("good.json.tmp"), b"{\"half\":").unwrap();
         std::fs::write(dir.join("bad.json.corrupt"), b"an older one").unwrap();
         std::fs::write(dir.join("events.pb"), b"not ours").unwrap();
+        std::fs::create_dir(dir.join(crate::cdi::DRIVER_DIRS)).unwrap();
+        std::fs::write(dir.join("driver/k.json"), b"a driver file").unwrap();
         let before = files(dir);
         // A reader sees what the owner will, and changes nothing.
         assert_eq!(read_records(dir).unwrap(), [sample("a"), newer.clone()]);
@@ -1202,6 +1206,7 @@ mod tests {
                 "allocations.journal",
                 "bad.json.corrupt",
                 "bad.json.corrupt.1",
+                "driver",
                 "empty.json.corrupt",
                 "events.pb",
                 "lock",
@@ -1210,6 +1215,7 @@ mod tests {
         );
         assert_eq!(std::fs::read(dir.join("bad.json.corrupt")).unwrap(), b"an older one");
         assert_eq!(std::fs::read(dir.join("events.pb")).unwrap(), b"not ours");
+        assert_eq!(std::fs::read(dir.join("driver/k.json")).unwrap(), b"a driver file");
         drop(s);
         // In the journal now; nothing more to do on the next open.
         let s = Store::open(dir).unwrap();
