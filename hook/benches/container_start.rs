@@ -3,7 +3,10 @@
 //! a 550 driver's 24 libraries and 5 tools).
 //!
 //! `cargo bench -p tessera-hook --bench container_start` (root, runc and busybox installed; else
-//! only the in-process part runs). `TESSERA_BENCH_RUNS` sets the runs per variant (default 30).
+//! only the in-process part runs). `TESSERA_BENCH_RUNS` sets the runs per variant (default 30);
+//! `TESSERA_BENCH_STRACE=<file>` runs the hook once more under strace (`-c -f`, or
+//! `TESSERA_BENCH_STRACE_ARGS`); `TESSERA_BENCH_BIN_DIR=<dir>` takes `tessera-hook` and
+//! `tessera-runtime` from there (e.g. the static build of `scripts/build-static-hook.sh`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -15,6 +18,111 @@ use std::time::{Duration, Instant};
 use common::*;
 use tessera_hook::cdi::{self, NodeDevice};
 use tessera_hook::config::HookConfig;
+
+/// The hook and the wrapper measured: this build's, or those in `TESSERA_BENCH_BIN_DIR`.
+fn bins() -> (PathBuf, PathBuf) {
+    match std::env::var_os("TESSERA_BENCH_BIN_DIR") {
+        Some(d) => (Path::new(&d).join("tessera-hook"), Path::new(&d).join("tessera-runtime")),
+        None => (HOOK.into(), WRAPPER.into()),
+    }
+}
+
+/// `bundle`'s config.json with its hook entry running `hook`.
+fn with_hook_binary(bundle: &Path, hook: &Path) {
+    let path = bundle.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string());
+    std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+}
+
+/// A new root for each container start, as a snapshotter gives one: an overlay of the busybox
+/// root with an empty upper layer, so the mount targets the hook makes, the wrapper's links and
+/// runc's own targets are made anew each time, for every variant alike. The upper layers are on a
+/// tmpfs of the bench's own: on this VM's ext4 (mounted `discard`), creating files right after
+/// others were deleted costs 40–170 µs each and drifts over a run, which drowned the difference
+/// measured. Each root is unmounted and removed once its start is over. Where no overlay can be
+/// mounted (not root), the lower root itself, shared.
+struct FreshRoots {
+    lower: PathBuf,
+    tmpfs: Option<PathBuf>,
+    n: usize,
+    last: Option<PathBuf>,
+}
+
+impl FreshRoots {
+    fn new(lower: &Path) -> FreshRoots {
+        let tmpfs = lower.with_file_name("fresh-roots");
+        std::fs::create_dir_all(&tmpfs).unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=256m", "tessera-bench"])
+            .arg(&tmpfs)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        let mut r = FreshRoots { lower: lower.to_path_buf(), tmpfs: ok.then_some(tmpfs), n: 0, last: None };
+        if r.tmpfs.is_some() && r.next() == r.lower {
+            r.tmpfs = None;
+        }
+        r
+    }
+
+    fn overlay(&self) -> bool {
+        self.tmpfs.is_some()
+    }
+
+    /// A new root; the last one is unmounted and removed (its start is over): mounts left in
+    /// place would slow every later namespace copy and mount.
+    fn next(&mut self) -> PathBuf {
+        self.unmount_last();
+        let Some(tmpfs) = self.tmpfs.clone() else { return self.lower.clone() };
+        self.n += 1;
+        let base = tmpfs.join(self.n.to_string());
+        let (upper, work, root) = (base.join("upper"), base.join("work"), base.join("root"));
+        for d in [&upper, &work, &root] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let opts = format!("lowerdir={},upperdir={},workdir={}", self.lower.display(), upper.display(), work.display());
+        let ok = Command::new("mount")
+            .args(["-t", "overlay", "overlay", "-o", &opts])
+            .arg(&root)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            return self.lower.clone();
+        }
+        self.last = Some(root.clone());
+        root
+    }
+
+    fn unmount_last(&mut self) {
+        if let Some(root) = self.last.take() {
+            let c = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: `c` is a NUL-terminated path that outlives the call.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            let _ = std::fs::remove_dir_all(root.parent().unwrap());
+        }
+    }
+}
+
+impl Drop for FreshRoots {
+    fn drop(&mut self) {
+        self.unmount_last();
+        if let Some(t) = &self.tmpfs {
+            let c = std::ffi::CString::new(t.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: as above.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// `bundle`'s config.json with its root at `root`.
+fn set_root(bundle: &Path, root: &Path) {
+    let path = bundle.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    c["root"]["path"] = serde_json::json!(root.display().to_string());
+    std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+}
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -107,6 +215,21 @@ fn children_cpu() -> Duration {
     unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// [`time_proc`] with `setup` run before each run of `f`, untimed (its children's CPU too).
+fn time_proc_after<S: FnMut(), F: FnMut()>(runs: usize, mut setup: S, mut f: F) -> (Duration, Duration) {
+    setup();
+    f();
+    let (mut walls, mut cpu) = (Vec::new(), Duration::ZERO);
+    for _ in 0..runs {
+        setup();
+        let (t, cpu0) = (Instant::now(), children_cpu());
+        f();
+        walls.push(t.elapsed());
+        cpu += children_cpu() - cpu0;
+    }
+    (median(walls), cpu / runs as u32)
 }
 
 /// Median wall time and mean child CPU time of `f`, which runs one child process.
@@ -252,6 +375,9 @@ fn main() {
         us(links_dir)
     );
 
+    // From here on each start gets a new root, as from a snapshotter.
+    let mut roots = FreshRoots::new(&rootfs);
+    println!("roots: {}", if roots.overlay() { "a new overlay each start" } else { "shared (no overlay mount here)" });
     // The wrapper as a process, its real runtime /bin/true: minus /bin/true alone.
     let (true_proc, true_cpu) = time_proc(runs, || {
         restore(&b, &pristine);
@@ -267,18 +393,25 @@ fn main() {
                 + "runtime = \"/bin/true\"\n";
         std::fs::write(&wcfg, text).unwrap();
         let owner = n.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
-        let (wrapper_proc, wrapper_cpu) = time_proc(runs, || {
-            tessera_hook::oci::write_config(b, pristine).unwrap();
-            let _ = std::fs::remove_file(&owner);
-            let st = Command::new(WRAPPER)
-                .env("TESSERA_HOOK_CONFIG", &wcfg)
-                .args(["create", "--bundle"])
-                .arg(b)
-                .arg("x")
-                .status()
-                .unwrap();
-            assert!(st.success());
-        });
+        let (wrapper_proc, wrapper_cpu) = time_proc_after(
+            runs,
+            || {
+                let mut fresh = pristine.clone();
+                fresh["root"]["path"] = serde_json::json!(roots.next());
+                tessera_hook::oci::write_config(b, &fresh).unwrap();
+                let _ = std::fs::remove_file(&owner);
+            },
+            || {
+                let st = Command::new(bins().1)
+                    .env("TESSERA_HOOK_CONFIG", &wcfg)
+                    .args(["create", "--bundle"])
+                    .arg(b)
+                    .arg("x")
+                    .status()
+                    .unwrap();
+                assert!(st.success());
+            },
+        );
         println!(
             "process: tessera-runtime create (exec /bin/true), {label}: {} vs /bin/true {}: wrapper adds {} wall, {} CPU",
             ms(wrapper_proc),
@@ -292,14 +425,19 @@ fn main() {
         println!("SKIP: container start comparison needs root and runc");
         return;
     }
-    hook_process(&node, &rootfs, runs, true_proc, true_cpu);
-    hook_process(&node_dir, &rootfs_dir, runs, true_proc, true_cpu);
+    hook_process(&node, &rootfs, runs, true_proc, true_cpu, &mut roots);
+    hook_process(&node_dir, &rootfs_dir, runs, true_proc, true_cpu, &mut roots);
     let plain = fresh_bundle(&node.path().join("plain"), false);
     let with_hook = fresh_bundle(&node.path().join("hook"), true);
     let wrapped = fresh_bundle(&node.path().join("wrapped"), false);
     let wrapped_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped.join("config.json")).unwrap()).unwrap();
     let with_hook_dir = bundle(&node_dir.path().join("hook"), &rootfs_dir, "true", &ask, Some(&node_dir));
+    let (hook, wrapper) = bins();
+    println!("binaries: {} and {}", hook.display(), wrapper.display());
+    with_hook_binary(&with_hook, &hook);
+    with_hook_binary(&with_hook_dir, &hook);
+    let wrapper = wrapper.display().to_string();
     let wrapped_dir = bundle(&node_dir.path().join("wrapped"), &rootfs_dir, "true", &ask, None);
     let wrapped_dir_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped_dir.join("config.json")).unwrap()).unwrap();
@@ -323,6 +461,7 @@ fn main() {
     let mut times: [Vec<Duration>; 5] = Default::default();
     for i in 0..=runs {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
+            set_root(b, &roots.next());
             let t = Instant::now();
             start(runner, b, config);
             if i > 0 {
@@ -333,9 +472,9 @@ fn main() {
         timed(1, "runc", &with_hook, &node.config);
         timed(2, "runc", &with_hook_dir, &node_dir.config);
         tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
-        timed(3, WRAPPER, &wrapped, &node.config);
+        timed(3, &wrapper, &wrapped, &node.config);
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
-        timed(4, WRAPPER, &wrapped_dir, &node_dir.config);
+        timed(4, &wrapper, &wrapped_dir, &node_dir.config);
     }
     let [p, rest @ ..] = times.map(median);
     println!("runc run (busybox true), median of {runs}, interleaved:");
@@ -358,7 +497,15 @@ fn main() {
 
 /// The hook as a process, doing its whole work: a target process in a private mount namespace
 /// (unshare) and its own device cgroup stand in for a container being created.
-fn hook_process(node: &Node, rootfs: &Path, runs: usize, true_proc: Duration, true_cpu: Duration) {
+/// Each run gets a new root from `roots` (untimed).
+fn hook_process(
+    node: &Node,
+    rootfs: &Path,
+    runs: usize,
+    true_proc: Duration,
+    true_cpu: Duration,
+    roots: &mut FreshRoots,
+) {
     let cg = PathBuf::from(format!("/sys/fs/cgroup/devices/tessera-bench-{}", std::process::id()));
     if std::fs::create_dir(&cg).is_err() {
         println!("SKIP: hook process timing needs a cgroup v1 devices hierarchy");
@@ -375,6 +522,8 @@ fn hook_process(node: &Node, rootfs: &Path, runs: usize, true_proc: Duration, tr
     let mut times = Vec::new();
     let mut cpu = Duration::ZERO;
     for i in 0..=runs {
+        // Before the namespace is made, so the new root is mounted in it too.
+        set_root(&b, &roots.next());
         let mut child =
             Command::new("unshare").args(["-m", "--propagation", "private", "sleep", "30"]).spawn().unwrap();
         let pid = child.id();
@@ -391,10 +540,12 @@ fn hook_process(node: &Node, rootfs: &Path, runs: usize, true_proc: Duration, tr
         let mut cmd = match &strace {
             Some(out) => {
                 let mut c = Command::new("strace");
-                c.args(["-c", "-f", "-o"]).arg(out).arg(HOOK);
+                // TESSERA_BENCH_STRACE_ARGS: other strace options (e.g. `-f -r -T`) than `-c -f`.
+                let opts = std::env::var("TESSERA_BENCH_STRACE_ARGS").unwrap_or_else(|_| "-c -f".into());
+                c.args(opts.split_whitespace()).arg("-o").arg(out).arg(bins().0);
                 c
             }
-            None => Command::new(HOOK),
+            None => Command::new(bins().0),
         };
         let mut hook = cmd
             .env_clear()

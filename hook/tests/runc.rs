@@ -470,3 +470,56 @@ fn a_driver_directory_is_one_mount_and_a_link_per_file() {
     assert_eq!(snapshot(&victim), before, "the host file behind a link is untouched");
     assert_eq!(std::fs::read_to_string(dir.join("usr/bin/nvidia-smi")).unwrap(), "fake-smi");
 }
+
+/// The static builds of the hook and the wrapper (`scripts/build-static-hook.sh`, what hosts get)
+/// inject exactly what the dynamic ones do, with a driver directory; they name no loader.
+#[test]
+fn static_hook_and_wrapper_inject_like_the_dynamic_ones() {
+    let node = Node::with_driver_dir();
+    if !runc_works(node.path()) {
+        return;
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/static/x86_64-unknown-linux-gnu/release");
+    let (hook, wrapper) = (dir.join("tessera-hook"), dir.join("tessera-runtime"));
+    if !hook.is_file() || !wrapper.is_file() {
+        skip(&format!("no static build in {} (scripts/build-static-hook.sh)", dir.display()));
+        return;
+    }
+    for bin in [&hook, &wrapper] {
+        let elf = std::fs::read(bin).unwrap();
+        // ELF64 program headers: PT_INTERP (3) would name a dynamic loader.
+        let (off, size, n) = (
+            u64::from_le_bytes(elf[32..40].try_into().unwrap()) as usize,
+            u16::from_le_bytes(elf[54..56].try_into().unwrap()) as usize,
+            u16::from_le_bytes(elf[56..58].try_into().unwrap()) as usize,
+        );
+        let interp =
+            (0..n).any(|i| u32::from_le_bytes(elf[off + i * size..off + i * size + 4].try_into().unwrap()) == 3);
+        assert!(!interp, "{} names a dynamic loader", bin.display());
+    }
+    let rootfs = busybox_rootfs(&node.path().join("rootfs-static-hook")).unwrap();
+    let b = bundle(&node.path().join("b-static-hook"), &rootfs, PROBE, ASK_GPU0, Some(&node));
+    let config = b.join("config.json");
+    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string());
+    std::fs::write(&config, serde_json::to_vec(&c).unwrap()).unwrap();
+    let out = runc(node.path(), &b, "static-hook", Via::Plain);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_gpu0(&text(&out));
+
+    let rootfs = busybox_rootfs(&node.path().join("rootfs-static-wrapper")).unwrap();
+    let b = bundle(&node.path().join("b-static-wrapper"), &rootfs, PROBE, ASK_GPU0, None);
+    let id = format!("static-wrapper-{}", std::process::id());
+    let out = Command::new(&wrapper)
+        .env("TESSERA_HOOK_CONFIG", &node.config)
+        .arg("--root")
+        .arg(node.path().join("runc-state"))
+        .args(["run", "--bundle"])
+        .arg(&b)
+        .arg(&id)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert_gpu0(&text(&out));
+}
