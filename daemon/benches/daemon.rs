@@ -9,6 +9,13 @@
 //!   process on the GPU per allocation (in a cgroup named after its container id when the bench
 //!   runs as root), daemon CPU per poll beside NVML's own listing of the same processes.
 //!
+//! With `TESSERA_BENCH_NVIDIA_PLUGIN=<nvidia-device-plugin binary>` (root; built from NVIDIA's
+//! k8s-device-plugin, which is not part of this repository), NVIDIA's plugin runs beside tesserad
+//! on the same simulated node (its NVML is the simulator's), 100 time-slicing replicas per GPU
+//! for the same 1,000 devices, registered with a second test kubelet at its fixed
+//! `/var/lib/kubelet/device-plugins`, and each paced Allocate of tesserad's is followed by one of
+//! NVIDIA's, through the same client code.
+//!
 //! Not a test: nothing here asserts a time; the goals are printed beside the figures.
 
 #[path = "../tests/common/mod.rs"]
@@ -182,6 +189,7 @@ async fn allocate_and_rss() {
     let mut list = client.list_and_watch(Empty {}).await.expect("list").into_inner();
     let devices = common::next_list(&mut list).await.devices;
     assert_eq!(devices.len(), ALLOCATIONS);
+    let mut nvidia = NvidiaPlugin::start(&node, tmp.path()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let pid = daemon.0.id();
     let idle = rss_kib(pid);
@@ -222,6 +230,9 @@ async fn allocate_and_rss() {
         noop_cpu.push(between.saturating_sub(cpu));
         alloc.push(allocate(&mut client, &d.id).await);
         alloc_cpu.push(request_cpu(pid).saturating_sub(between));
+        if let Some(n) = nvidia.as_mut() {
+            n.call(i).await;
+        }
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
     for d in &devices[PACED..] {
@@ -277,7 +288,87 @@ async fn allocate_and_rss() {
         idle as f64 / 1024.0,
         held as f64 / 1024.0
     );
+    if let Some(n) = nvidia {
+        n.report().await;
+    }
     drop(daemon);
+}
+
+/// NVIDIA's device plugin beside tesserad, when `TESSERA_BENCH_NVIDIA_PLUGIN` names its binary.
+struct NvidiaPlugin {
+    child: std::process::Child,
+    kubelet: TestKubelet,
+    client: DevicePluginClient<Channel>,
+    devices: Vec<String>,
+    alloc: Vec<Duration>,
+    noop: Vec<Duration>,
+    made_dir: bool,
+}
+
+impl NvidiaPlugin {
+    /// Its socket directory is fixed; one a real kubelet uses (a `kubelet.sock` there) is left alone.
+    const DIR: &str = "/var/lib/kubelet/device-plugins";
+
+    async fn start(node: &SimNode, tmp: &Path) -> Option<NvidiaPlugin> {
+        let bin = std::env::var_os("TESSERA_BENCH_NVIDIA_PLUGIN")?;
+        let dir = Path::new(Self::DIR);
+        if dir.join("kubelet.sock").exists() {
+            println!("SKIP: NVIDIA's plugin: {} already holds a kubelet.sock", dir.display());
+            return None;
+        }
+        let made_dir = !dir.exists();
+        std::fs::create_dir_all(dir).expect("plugin dir");
+        let mut kubelet = TestKubelet::start(dir);
+        let config = tmp.join("nvidia-plugin.yaml");
+        std::fs::write(
+            &config,
+            "version: v1\nsharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 100\n",
+        )
+        .expect("plugin config");
+        let child = node
+            .command(&bin)
+            .arg("--config-file")
+            .arg(&config)
+            .arg("--fail-on-init-error=true")
+            .stdout(std::fs::File::create(tmp.join("nvidia-plugin.log")).expect("log"))
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start NVIDIA's plugin");
+        let (req, _) = kubelet.next_registration().await;
+        let mut client = kubelet.connect(&req).await;
+        let mut list = client.list_and_watch(Empty {}).await.expect("list").into_inner();
+        let devices: Vec<String> = common::next_list(&mut list).await.devices.into_iter().map(|d| d.id).collect();
+        println!("NVIDIA's plugin: {} registered {} devices", req.resource_name, devices.len());
+        Some(NvidiaPlugin { child, kubelet, client, devices, alloc: Vec::new(), noop: Vec::new(), made_dir })
+    }
+
+    /// The same calls as tesserad's i-th paced one: a no-op, then an Allocate of a new device.
+    async fn call(&mut self, i: usize) {
+        let t = Instant::now();
+        self.client.get_device_plugin_options(Empty {}).await.expect("options");
+        self.noop.push(t.elapsed());
+        let id = self.devices[i % self.devices.len()].clone();
+        self.alloc.push(allocate(&mut self.client, &id).await);
+    }
+
+    async fn report(mut self) {
+        self.alloc.sort();
+        self.noop.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "  NVIDIA's plugin, same client, interleaved: Allocate p50 {:.3} ms, p99 {:.3} ms; no-op p50 {:.3} ms, p99 {:.3} ms",
+            ms(percentile(&self.alloc, 0.5)),
+            ms(percentile(&self.alloc, 0.99)),
+            ms(percentile(&self.noop, 0.5)),
+            ms(percentile(&self.noop, 0.99))
+        );
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.kubelet.stop().await;
+        if self.made_dir {
+            let _ = std::fs::remove_dir(Self::DIR);
+        }
+    }
 }
 
 /// Where Allocate's time goes, in this process: the durable record (the journal, in the state
