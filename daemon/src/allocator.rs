@@ -85,7 +85,7 @@ const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600
 #[derive(Debug)]
 pub struct DaemonAllocator {
     /// Replaced whole when a layout change or a health change alters what is offered.
-    resources: RwLock<Arc<Resources>>,
+    offer: RwLock<Arc<Offer>>,
     /// The GPUs as the controller last published them: the kubelet's new allocations are
     /// admitted against what carved shares already hold.
     rooms: RwLock<Arc<Vec<GpuRoom>>>,
@@ -99,6 +99,34 @@ pub struct DaemonAllocator {
     handed_out: Mutex<HashMap<String, Instant>>,
     /// Poked after every `Allocate`: the pod-resources task looks again soon.
     allocated: Arc<tokio::sync::Notify>,
+}
+
+/// What is offered, and where each device is in it: `Allocate` looks its devices up by id, and a
+/// resource may list a thousand (a scan of string compares per device asked for).
+#[derive(Debug, Default)]
+struct Offer {
+    resources: Arc<Resources>,
+    /// Resource name → device id → index in that resource's `devices`.
+    positions: HashMap<String, HashMap<String, usize>>,
+}
+
+impl Offer {
+    fn of(resources: Arc<Resources>) -> Offer {
+        let mut positions: HashMap<String, HashMap<String, usize>> = HashMap::new();
+        for (name, r) in &resources.resources {
+            let of = positions.entry(name.clone()).or_default();
+            for (i, d) in r.devices.iter().enumerate() {
+                of.entry(d.id.clone()).or_insert(i);
+            }
+        }
+        Offer { resources, positions }
+    }
+
+    /// Device `id` of resource `res` (the first of that id, as `Resource::device`).
+    fn device<'a>(&self, res: &'a Resource, id: &str) -> Option<&'a crate::resources::ResourceDevice> {
+        let i = *self.positions.get(&res.name)?.get(id)?;
+        res.devices.get(i).filter(|d| d.id == id)
+    }
 }
 
 /// For runtimes without CDI (`injection.cdi_spec_dir` empty): the answer itself carries the
@@ -166,7 +194,7 @@ impl DaemonAllocator {
     /// Over `store` and `dirs`, with the share defaults of `config`.
     pub fn new(config: &Config, resources: Arc<Resources>, store: Store, dirs: AllocDirs) -> DaemonAllocator {
         DaemonAllocator {
-            resources: RwLock::new(resources),
+            offer: RwLock::new(Arc::new(Offer::of(resources))),
             rooms: RwLock::new(Arc::new(Vec::new())),
             store: Mutex::new(store),
             dirs,
@@ -215,12 +243,17 @@ impl DaemonAllocator {
 
     /// What is offered now.
     pub fn resources(&self) -> Arc<Resources> {
-        Arc::clone(&self.resources.read().unwrap_or_else(std::sync::PoisonError::into_inner))
+        Arc::clone(&self.offer().resources)
+    }
+
+    fn offer(&self) -> Arc<Offer> {
+        Arc::clone(&self.offer.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// Offers `resources` from now on (allocations already made are kept).
     pub fn set_resources(&self, resources: Arc<Resources>) {
-        *self.resources.write().unwrap_or_else(std::sync::PoisonError::into_inner) = resources;
+        let offer = Arc::new(Offer::of(resources));
+        *self.offer.write().unwrap_or_else(std::sync::PoisonError::into_inner) = offer;
     }
 
     /// The GPUs from now on (the controller, when it publishes).
@@ -626,11 +659,11 @@ impl DaemonAllocator {
         store.list().flat_map(|a| &a.devices).flat_map(|d| [d.device_id.clone(), d.physical_uuid.clone()]).collect()
     }
 
-    fn devices(&self, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
+    fn devices(&self, offer: &Offer, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
         let defaults = self.defaults();
         ids.iter()
             .map(|id| {
-                let d = resource.device(id).ok_or_else(|| {
+                let d = offer.device(resource, id).ok_or_else(|| {
                     Status::invalid_argument(format!("unknown device id {id:?} for resource {}", resource.name))
                 })?;
                 let share = resource.kind == Kind::Share;
@@ -768,19 +801,19 @@ fn internal(what: &str) -> impl FnOnce(String) -> Status + '_ {
 impl Allocator for DaemonAllocator {
     fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status> {
         // A reference into the offer, not a copy: a resource may list a thousand devices.
-        let all = self.resources();
-        let res = resource_of(&all, resource)?;
-        let devices = self.devices(res, device_ids)?;
+        let offer = self.offer();
+        let res = resource_of(&offer.resources, resource)?;
+        let devices = self.devices(&offer, res, device_ids)?;
         let wanted: BTreeSet<&str> = device_ids.iter().map(String::as_str).collect();
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
 
-        // One pass over the records, allocating nothing for the ones that share no device.
+        // Only the records holding an asked-for device (the store's index, not a scan of all).
         let mut same = None;
         let mut stale = Vec::new();
-        for a in store.list().filter(|a| a.resource == resource && a.source == Source::Kubelet) {
-            if !a.devices.iter().any(|d| wanted.contains(d.device_id.as_str())) {
-                continue;
-            }
+        for a in store
+            .holding(device_ids.iter().map(String::as_str))
+            .filter(|a| a.resource == resource && a.source == Source::Kubelet)
+        {
             let held: BTreeSet<&str> = a.devices.iter().map(|d| d.device_id.as_str()).collect();
             if held == wanted {
                 same = Some(a.clone());
@@ -873,8 +906,9 @@ impl Allocator for DaemonAllocator {
         };
         // Under the store lock: `release_unclaimed` sees this hand-out or releases before it.
         let mut handed_out = self.handed_out.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        handed_out.retain(|_, at| at.elapsed() < HANDED_OUT_KEPT);
-        handed_out.insert(alloc.id.clone(), Instant::now());
+        let now = Instant::now();
+        handed_out.retain(|_, at| now.duration_since(*at) < HANDED_OUT_KEPT);
+        handed_out.insert(alloc.id.clone(), now);
         drop(handed_out);
         drop(store);
         self.allocated.notify_one();
@@ -983,6 +1017,64 @@ mod tests {
 
     fn ids(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// The offer's index finds each device as a scan of the resource does (the first of an id),
+    /// nothing for an unknown id or one of another resource, and follows a new offer.
+    #[test]
+    fn the_offer_finds_devices_as_a_scan_does_and_follows_a_new_offer() {
+        let mut r = (*resources()).clone();
+        let res = r.resources.get_mut(SHARE).unwrap();
+        let mut twin = res.devices[1].clone();
+        twin.sm_percent = Some(7);
+        res.devices.push(twin);
+        let offer = Offer::of(Arc::new(r));
+        let res = &offer.resources.resources[SHARE];
+        for d in &res.devices {
+            assert_eq!(offer.device(res, &d.id), res.device(&d.id), "{}", d.id);
+        }
+        assert_eq!(offer.device(res, "GPU-a::1").unwrap().sm_percent, Some(50), "the first of an id");
+        assert!(offer.device(res, "GPU-c::0").is_none());
+        let other = Resource { name: "other".into(), kind: Kind::Share, devices: Vec::new() };
+        assert!(offer.device(&other, "GPU-a::0").is_none());
+
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let e = a.allocate(SHARE, &ids(&["GPU-c::0"])).unwrap_err();
+        assert!(e.message().contains("unknown device id \"GPU-c::0\""), "{e:?}");
+        let mut more = (*resources()).clone();
+        let mut c = more.resources[SHARE].devices[0].clone();
+        c.id = "GPU-c::0".into();
+        more.resources.get_mut(SHARE).unwrap().devices.push(c);
+        a.set_resources(Arc::new(more));
+        a.allocate(SHARE, &ids(&["GPU-c::0"])).unwrap();
+    }
+
+    /// A device allocated again to another container replaces the record that held it (found
+    /// through the store's index of holders), and the same devices again reuse the record.
+    #[test]
+    fn a_device_allocated_again_replaces_its_stale_record_and_the_same_ask_reuses() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let first = a.allocate(SHARE, &ids(&["GPU-a::0", "GPU-b::0"])).unwrap();
+        let again = a.allocate(SHARE, &ids(&["GPU-b::0", "GPU-a::0"])).unwrap();
+        let id = |c: &ContainerAllocation| c.envs["TESSERA_ALLOCATION"].clone();
+        assert_eq!(id(&first), id(&again), "the same record");
+        let other = a.allocate(SHARE, &ids(&["GPU-b::1"])).unwrap();
+        let store = a.store.lock().unwrap();
+        assert_eq!(store.list().count(), 2);
+        drop(store);
+        // GPU-a::0 to a new container: the record holding it (with GPU-b::0) goes.
+        let replaced = a.allocate(SHARE, &ids(&["GPU-a::0"])).unwrap();
+        let store = a.store.lock().unwrap();
+        let held: Vec<Vec<&str>> =
+            store.list().map(|r| r.devices.iter().map(|d| d.device_id.as_str()).collect()).collect();
+        assert_eq!(held.len(), 2, "{held:?}");
+        assert!(held.contains(&vec!["GPU-a::0"]) && held.contains(&vec!["GPU-b::1"]), "{held:?}");
+        assert_ne!(id(&replaced), id(&first));
+        assert_eq!(store.holding(["GPU-b::0"]).count(), 0);
+        drop(store);
+        drop(other);
     }
 
     #[test]

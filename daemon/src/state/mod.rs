@@ -13,6 +13,7 @@
 
 pub mod alloc_dir;
 pub mod durable;
+pub mod holders;
 pub mod journal;
 pub mod load;
 pub mod mount;

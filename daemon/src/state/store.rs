@@ -49,6 +49,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use super::alloc_dir::AllocDirs;
+use super::holders::Holders;
 use super::journal::{self, Op, OpRef};
 use super::load::Loads;
 use super::record::{Allocation, unix_ns, valid_id};
@@ -161,6 +162,8 @@ pub struct Store {
     index: BTreeMap<String, Allocation>,
     /// What the records in `index` hold per physical device; changed with it.
     loads: Loads,
+    /// Which records in `index` hold each device id; changed with it.
+    holders: Holders,
     set_aside: Vec<SetAside>,
     removed_tmp: Vec<PathBuf>,
     loss: Option<Loss>,
@@ -392,6 +395,7 @@ impl Store {
         Ok(Store {
             dir: dir.to_path_buf(),
             loads: Loads::of(index.values()),
+            holders: Holders::of(index.values()),
             index,
             set_aside,
             removed_tmp,
@@ -433,6 +437,7 @@ impl Store {
         }
         self.append(&OpRef::Put(alloc), &alloc.id, Change::Insert)?;
         self.loads.add(alloc);
+        self.holders.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
         Ok(())
     }
@@ -447,7 +452,9 @@ impl Store {
         self.loads.add(alloc);
         if let Some(old) = self.index.insert(alloc.id.clone(), alloc.clone()) {
             self.loads.remove(&old);
+            self.holders.remove(&old);
         }
+        self.holders.add(alloc);
         Ok(())
     }
 
@@ -460,6 +467,7 @@ impl Store {
         let removed = self.index.remove(id);
         if let Some(old) = &removed {
             self.loads.remove(old);
+            self.holders.remove(old);
         }
         Ok(removed)
     }
@@ -471,6 +479,14 @@ impl Store {
     /// What the records hold per physical device (admission reads this, not every record).
     pub fn loads(&self) -> &Loads {
         &self.loads
+    }
+
+    /// The records holding any of `device_ids` (exact device ids), each once, in id order.
+    pub fn holding<'a>(
+        &'a self,
+        device_ids: impl IntoIterator<Item = &'a str>,
+    ) -> impl Iterator<Item = &'a Allocation> {
+        self.holders.holding(device_ids).into_iter().filter_map(|id| self.index.get(id))
     }
 
     /// Every record, by id.
