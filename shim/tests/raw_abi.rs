@@ -465,7 +465,11 @@ fn racer() {
     });
     let n: usize = got.iter().map(Vec::len).sum();
     let pid = std::process::id();
-    std::fs::write(dir.join(format!("done-{pid}")), (n as u64 * STEP).to_string()).unwrap();
+    // Written aside and renamed: the parent counts `done-` files and reads each at once, and a
+    // file it finds created but not yet written would read as empty.
+    let tmp = dir.join(format!("writing-{pid}"));
+    std::fs::write(&tmp, (n as u64 * STEP).to_string()).unwrap();
+    std::fs::rename(&tmp, dir.join(format!("done-{pid}"))).unwrap();
     while !dir.join("release").exists() {
         std::thread::sleep(Duration::from_millis(10));
     }
