@@ -27,12 +27,17 @@ fn bins() -> (PathBuf, PathBuf) {
     }
 }
 
-/// `bundle`'s config.json with its hook entry running `hook`.
-fn with_hook_binary(bundle: &Path, hook: &Path) {
+/// Changes `bundle`'s config.json with `f`.
+fn edit_config(bundle: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let path = bundle.join("config.json");
     let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string());
+    f(&mut c);
     std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+}
+
+/// `bundle`'s config.json with its hook entry running `hook`.
+fn with_hook_binary(bundle: &Path, hook: &Path) {
+    edit_config(bundle, |c| c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string()));
 }
 
 /// A new root for each container start, as a snapshotter gives one: an overlay of the busybox
@@ -118,10 +123,7 @@ impl Drop for FreshRoots {
 
 /// `bundle`'s config.json with its root at `root`.
 fn set_root(bundle: &Path, root: &Path) {
-    let path = bundle.join("config.json");
-    let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    c["root"]["path"] = serde_json::json!(root.display().to_string());
-    std::fs::write(&path, serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+    edit_config(bundle, |c| c["root"]["path"] = serde_json::json!(root.display().to_string()));
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -275,49 +277,37 @@ fn main() {
     }
     let ask = ["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"];
     let have_runc = which("runc").is_some();
-    let fresh_bundle = |dir: &Path, hook: bool| -> PathBuf {
+    // A bundle over `root`, with `hook`'s entry when given (no runc: a config.json of our own).
+    let fresh_bundle = |dir: &Path, root: &Path, hook: Option<&Node>| -> PathBuf {
         if have_runc {
-            bundle(dir, &rootfs, "true", &ask, hook.then_some(&node))
+            bundle(dir, root, "true", &ask, hook)
         } else {
             std::fs::create_dir_all(dir).unwrap();
-            let c = serde_json::json!({"root": {"path": rootfs}, "process": {"env": ask}});
+            let c = serde_json::json!({"root": {"path": root}, "process": {"env": ask}});
             std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
             dir.to_path_buf()
         }
     };
-    let b = fresh_bundle(&node.path().join("edit"), false);
+    let b = fresh_bundle(&node.path().join("edit"), &rootfs, None);
     // Restored in place, as the wrapper writes (a rewrite through truncation costs an ext4 flush).
     let pristine: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
     // Each run starts a new container: the bundle as the runtime made it, and no owner record yet
     // in the allocation directory (replacing one on ext4 would cost a flush a real start never
     // pays: the record is new, and /run is tmpfs).
-    let owner = node.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
-    let restore = |b: &Path, v: &serde_json::Value| {
+    let restore = |n: &Node, b: &Path, v: &serde_json::Value| {
         tessera_hook::oci::write_config(b, v).unwrap();
-        let _ = std::fs::remove_file(&owner);
+        let _ = std::fs::remove_file(n.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE));
     };
     let edit = time(runs * 10, || {
-        restore(&b, &pristine);
+        restore(&node, &b, &pristine);
         assert!(tessera_hook::wrapper::edit_bundle(&cfg, &b, None).unwrap());
     });
     let cfg_dir = HookConfig::load(&node_dir.config).unwrap();
-    let b_dir = {
-        let dir = node_dir.path().join("edit");
-        if have_runc {
-            bundle(&dir, &rootfs_dir, "true", &ask, None)
-        } else {
-            std::fs::create_dir_all(&dir).unwrap();
-            let c = serde_json::json!({"root": {"path": rootfs_dir}, "process": {"env": ask}});
-            std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
-            dir
-        }
-    };
+    let b_dir = fresh_bundle(&node_dir.path().join("edit"), &rootfs_dir, None);
     let pristine_dir: serde_json::Value =
         serde_json::from_slice(&std::fs::read(b_dir.join("config.json")).unwrap()).unwrap();
-    let owner_dir = node_dir.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
     let edit_dir = time(runs * 10, || {
-        tessera_hook::oci::write_config(&b_dir, &pristine_dir).unwrap();
-        let _ = std::fs::remove_file(&owner_dir);
+        restore(&node_dir, &b_dir, &pristine_dir);
         assert!(tessera_hook::wrapper::edit_bundle(&cfg_dir, &b_dir, None).unwrap());
     });
     let specs = cdi::load_spec_dirs(&cfg.cdi_spec_dirs).unwrap();
@@ -380,7 +370,7 @@ fn main() {
     println!("roots: {}", if roots.overlay() { "a new overlay each start" } else { "shared (no overlay mount here)" });
     // The wrapper as a process, its real runtime /bin/true: minus /bin/true alone.
     let (true_proc, true_cpu) = time_proc(runs, || {
-        restore(&b, &pristine);
+        restore(&node, &b, &pristine);
         assert!(Command::new("/bin/true").status().unwrap().success());
     });
     for (label, n, b, pristine) in
@@ -392,14 +382,12 @@ fn main() {
             text.lines().filter(|l| !l.starts_with("runtime =")).map(|l| format!("{l}\n")).collect::<String>()
                 + "runtime = \"/bin/true\"\n";
         std::fs::write(&wcfg, text).unwrap();
-        let owner = n.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE);
         let (wrapper_proc, wrapper_cpu) = time_proc_after(
             runs,
             || {
                 let mut fresh = pristine.clone();
                 fresh["root"]["path"] = serde_json::json!(roots.next());
-                tessera_hook::oci::write_config(b, &fresh).unwrap();
-                let _ = std::fs::remove_file(&owner);
+                restore(n, b, &fresh);
             },
             || {
                 let st = Command::new(bins().1)
@@ -427,18 +415,18 @@ fn main() {
     }
     hook_process(&node, &rootfs, runs, true_proc, true_cpu, &mut roots);
     hook_process(&node_dir, &rootfs_dir, runs, true_proc, true_cpu, &mut roots);
-    let plain = fresh_bundle(&node.path().join("plain"), false);
-    let with_hook = fresh_bundle(&node.path().join("hook"), true);
-    let wrapped = fresh_bundle(&node.path().join("wrapped"), false);
+    let plain = fresh_bundle(&node.path().join("plain"), &rootfs, None);
+    let with_hook = fresh_bundle(&node.path().join("hook"), &rootfs, Some(&node));
+    let wrapped = fresh_bundle(&node.path().join("wrapped"), &rootfs, None);
     let wrapped_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped.join("config.json")).unwrap()).unwrap();
-    let with_hook_dir = bundle(&node_dir.path().join("hook"), &rootfs_dir, "true", &ask, Some(&node_dir));
+    let with_hook_dir = fresh_bundle(&node_dir.path().join("hook"), &rootfs_dir, Some(&node_dir));
     let (hook, wrapper) = bins();
     println!("binaries: {} and {}", hook.display(), wrapper.display());
     with_hook_binary(&with_hook, &hook);
     with_hook_binary(&with_hook_dir, &hook);
     let wrapper = wrapper.display().to_string();
-    let wrapped_dir = bundle(&node_dir.path().join("wrapped"), &rootfs_dir, "true", &ask, None);
+    let wrapped_dir = fresh_bundle(&node_dir.path().join("wrapped"), &rootfs_dir, None);
     let wrapped_dir_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped_dir.join("config.json")).unwrap()).unwrap();
     let state = node.path().join("runc-state");

@@ -294,8 +294,8 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&m.container_path, e))?;
         done.mounts += 1;
     }
-    // After the mounts: a link made before a directory mount over its parent would be hidden.
-    let mut dirs = crate::safe::DirCache::default();
+    // After the mounts (a link made before a directory mount over its parent would be hidden);
+    // `dirs` is still good: it was started afresh after each directory mount.
     for l in &plan.links {
         match root.link_cached(&l.path, &l.target, &mut dirs).map_err(|e| cerr(&l.path, e))? {
             LinkOutcome::Created => done.links += 1,

@@ -279,42 +279,26 @@ fn sibling_link(host: &Path, own: &fs::Metadata, listed: &BTreeSet<&Path>) -> Op
 
 /// The directory's name: fnv1a-64 over the layout version and every entry.
 fn key(plan: &Plan) -> String {
-    let mut h = Fnv::new();
-    h.write(FORMAT);
+    let mut b = FORMAT.to_vec();
     for (rel, e) in plan {
-        h.write(rel.as_os_str().as_bytes());
-        h.write(&[0]);
+        b.extend_from_slice(rel.as_os_str().as_bytes());
+        b.push(0);
         match e {
-            Expect::Dir => h.write(b"d"),
+            Expect::Dir => b.push(b'd'),
             Expect::Link(t) => {
-                h.write(b"l");
-                h.write(t.as_os_str().as_bytes());
-                h.write(&[0]);
+                b.push(b'l');
+                b.extend_from_slice(t.as_os_str().as_bytes());
+                b.push(0);
             }
             Expect::File(f) => {
-                h.write(b"f");
+                b.push(b'f');
                 for n in [f.size, f.mtime as u64, f.mtime_nsec as u64, f.dev, f.ino, u64::from(f.mode)] {
-                    h.write(&n.to_le_bytes());
+                    b.extend_from_slice(&n.to_le_bytes());
                 }
             }
         }
     }
-    format!("{:016x}", h.0)
-}
-
-struct Fnv(u64);
-
-impl Fnv {
-    fn new() -> Fnv {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 ^= u64::from(*b);
-            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
+    format!("{:016x}", crate::fnv1a(&b))
 }
 
 fn ensure_parent(parent: &Path) -> Result<(), BundleError> {

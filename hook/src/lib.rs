@@ -40,3 +40,9 @@ pub fn sanitize_env() {
     // SAFETY: as above, single-threaded.
     unsafe { std::env::set_var("PATH", "/usr/sbin:/usr/bin:/sbin:/bin") };
 }
+
+/// FNV-1a, 64 bits: names of generated files that change when their content does (not a
+/// security boundary: the files are root's).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}

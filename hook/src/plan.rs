@@ -392,7 +392,7 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
     }
     if !lib_dirs.is_empty() {
         let content: String = lib_dirs.iter().map(|d| format!("{d}\n")).collect();
-        let host = cfg.runtime_dir.join("hook").join(format!("ld.so.conf-{:016x}", fnv1a(content.as_bytes())));
+        let host = cfg.runtime_dir.join("hook").join(format!("ld.so.conf-{:016x}", crate::fnv1a(content.as_bytes())));
         push_mount(&mut plan, host.clone(), LD_CONF_PATH.into(), true)?;
         plan.files.push((host, content));
     }
@@ -595,10 +595,6 @@ fn push_mount(plan: &mut Plan, host: PathBuf, container: PathBuf, read_only: boo
 /// The content of the preload file: the shim's container path.
 pub fn preload_content() -> String {
     format!("{}\n", cdi::SHIM_CONTAINER_PATH)
-}
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Makes the plan's host files (atomically) where they are missing or differ.

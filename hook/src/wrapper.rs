@@ -130,8 +130,7 @@ pub fn runtime_state(args: &[OsString], sub: usize, runtime: &str, id: &str) -> 
     root.or_else(|| is_runc.then(|| PathBuf::from("/run/runc"))).map(|r| r.join(id))
 }
 
-/// Refuses a root file system where a path the runtime will create or mount on (or a driver file's
-/// link goes in) passes through a
+/// Refuses a root file system where a path the runtime will create or mount on passes through a
 /// symbolic link: the runtime, not the wrapper, acts on these paths, and some runtimes (runc
 /// 1.1.5 creating /dev entries) follow such links on the host. One exception: a file mount (a
 /// driver library) whose own last component is a link (an image's stale
@@ -140,16 +139,10 @@ pub fn runtime_state(args: &[OsString], sub: usize, runtime: &str, id: &str) -> 
 pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError> {
     let root = crate::safe::Root::open(rootfs)
         .map_err(|e| InjectError(format!("config.json: root.path: {}: {e}", rootfs.display())))?;
-    let links = plan.links.iter().map(|l| &l.path);
     // Worked out once: each `is_dir` is a stat of a host path.
     let file_mounts: Vec<&PathBuf> =
         plan.mounts.iter().filter(|m| !m.host_path.is_dir()).map(|m| &m.container_path).collect();
-    let targets = plan
-        .device_nodes
-        .iter()
-        .map(|n| &n.path)
-        .chain(plan.mounts.iter().map(|m| &m.container_path))
-        .chain(links.clone());
+    let targets = plan.device_nodes.iter().map(|n| &n.path).chain(plan.mounts.iter().map(|m| &m.container_path));
     // The targets share a few parent directories: each is walked once.
     let mut walked = crate::safe::DirCache::default();
     for t in targets {
@@ -158,8 +151,6 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
             Ok(Some(link)) if link == crate::safe::absolute(t) && file_mounts.contains(&t) => {
                 root.file(t).map_err(|e| InjectError(format!("root file system: {}: {e}", t.display())))?;
             }
-            // A driver file's own link: [`make_links`] replaces it.
-            Ok(Some(link)) if link == crate::safe::absolute(t) && links.clone().any(|l| l == t) => {}
             Ok(Some(link)) => {
                 return Err(InjectError(format!(
                     "root file system: {} is a symbolic link; refusing to put {} through it",
@@ -174,7 +165,8 @@ pub fn check_targets(rootfs: &Path, plan: &plan::Plan) -> Result<(), InjectError
 }
 
 /// Makes the plan's driver-file links in the root file system (the runtime has no way to: it
-/// only mounts), inside the root and never through a link ([`crate::safe::Root::link_cached`]).
+/// only mounts), inside the root and never through a link ([`crate::safe::Root::link_cached`]):
+/// the wrapper acts on these paths itself, so [`check_targets`] need not refuse them.
 /// Where the image has a regular file, the driver's file is mounted over it instead (a mount for
 /// the runtime to make). A link outlives the container only where the root is a plain directory
 /// shared by containers; it is the same link for the next.
