@@ -373,6 +373,23 @@ fn main() {
         restore(&node, &b, &pristine);
         assert!(Command::new("/bin/true").status().unwrap().success());
     });
+    // Process start alone: the hook exiting at once (`--version`), against `/bin/true`, many times
+    // (a static build's gain is the loader's work, under a millisecond).
+    let (start_proc, start_cpu) = time_proc(runs * 10, || {
+        assert!(
+            Command::new(bins().0).arg("--version").stdout(std::process::Stdio::null()).status().unwrap().success()
+        );
+    });
+    let (true_start, true_start_cpu) = time_proc(runs * 10, || {
+        assert!(Command::new("/bin/true").status().unwrap().success());
+    });
+    println!(
+        "process start: tessera-hook --version {} wall, {} CPU; /bin/true {} wall, {} CPU",
+        ms(start_proc),
+        ms(start_cpu),
+        ms(true_start),
+        ms(true_start_cpu)
+    );
     for (label, n, b, pristine) in
         [("a mount per file", &node, &b, &pristine), ("driver directory", &node_dir, &b_dir, &pristine_dir)]
     {
