@@ -27,11 +27,14 @@
 //!   releasing allocations whose container is gone.
 //! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
 //! - [`socket`]: owner-only Unix sockets.
+//! - [`blocking`]: short blocking work (a journal flush) run inside a request handler without a
+//!   thread hop.
 //! - [`install`]: `tessera install` / `uninstall`: the hook, wrapper and shim on a host, runtimes configured.
 //! - [`trace`]: on-demand traces of a container's CUDA calls and kernels (Trace Event Format).
 
 pub mod allocator;
 pub mod api;
+pub mod blocking;
 pub mod carve;
 pub mod cdi;
 pub mod config;

@@ -247,30 +247,18 @@ impl Node for NodeApi {
     }
 
     async fn allocate(&self, req: Request<api::AllocateRequest>) -> Result<Response<api::AllocateResponse>, Status> {
-        let controller = Arc::clone(&self.controller);
-        // A journal flush and a directory made: off the async workers.
-        tokio::task::spawn_blocking(move || alloc::allocate(&controller, &req.into_inner()))
-            .await
-            .map_err(|e| Status::internal(format!("allocate task: {e}")))?
-            .map(Response::new)
+        // A journal flush and a directory made, on this handler's thread (`blocking`).
+        crate::blocking::run(|| alloc::allocate(&self.controller, &req.into_inner())).map(Response::new)
     }
 
     async fn release(&self, req: Request<api::ReleaseRequest>) -> Result<Response<api::ReleaseResponse>, Status> {
-        let controller = Arc::clone(&self.controller);
-        tokio::task::spawn_blocking(move || alloc::release(&controller, &req.into_inner()))
-            .await
-            .map_err(|e| Status::internal(format!("release task: {e}")))?
-            .map(Response::new)
+        crate::blocking::run(|| alloc::release(&self.controller, &req.into_inner())).map(Response::new)
     }
 
     async fn set_limits(
         &self,
         req: Request<api::SetLimitsRequest>,
     ) -> Result<Response<api::SetLimitsResponse>, Status> {
-        let controller = Arc::clone(&self.controller);
-        tokio::task::spawn_blocking(move || alloc::set_limits(&controller, &req.into_inner()))
-            .await
-            .map_err(|e| Status::internal(format!("set-limits task: {e}")))?
-            .map(Response::new)
+        crate::blocking::run(|| alloc::set_limits(&self.controller, &req.into_inner())).map(Response::new)
     }
 }

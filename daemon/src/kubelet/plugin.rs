@@ -95,7 +95,7 @@ impl ContainerAllocation {
 }
 
 /// The daemon's decisions behind the plugin. Calls may block briefly (state on disk): `allocate`
-/// runs on the blocking pool.
+/// runs on the handler's thread (`crate::blocking`), the plugin set's own.
 pub trait Allocator: Send + Sync {
     /// Allocate `device_ids` (known and healthy, checked by the plugin) of `resource` to one
     /// container.
@@ -248,16 +248,13 @@ impl dp::device_plugin_server::DevicePlugin for DevicePlugin {
         for ids in &requests {
             self.check_ids(ids)?;
         }
-        let allocator = Arc::clone(&self.allocator);
-        let resource = self.resource.clone();
-        let container_responses = tokio::task::spawn_blocking(move || {
+        // A journal flush and a directory made, on this handler's thread (no hop to a pool thread).
+        let container_responses = crate::blocking::run(|| {
             requests
                 .iter()
-                .map(|ids| allocator.allocate(&resource, ids).map(ContainerAllocation::into_proto))
+                .map(|ids| self.allocator.allocate(&self.resource, ids).map(ContainerAllocation::into_proto))
                 .collect::<Result<Vec<_>, Status>>()
-        })
-        .await
-        .map_err(|e| Status::internal(format!("allocation task failed: {e}")))??;
+        })?;
         Ok(Response::new(AllocateResponse { container_responses }))
     }
 

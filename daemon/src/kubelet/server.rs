@@ -271,13 +271,70 @@ struct Running {
     task: JoinHandle<Result<(), KubeletError>>,
 }
 
-/// One server per resource, all stopped together.
+/// The thread every plugin server of a [`PluginSet`] runs on: a current-thread runtime of its
+/// own. The kubelet calls one plugin at a time, and on one thread a call is read, answered
+/// (Allocate's journal flush included, inline: `crate::blocking`) and written without waking
+/// any other thread; on the daemon's multi-threaded runtime each call woke sibling workers and
+/// handed the flush to a pool thread, which cost the call more than the flush itself. A flush
+/// that stalls holds up only these servers, whose caller waits for that answer anyway.
+struct PluginThread {
+    handle: tokio::runtime::Handle,
+    /// The thread's id in the kernel (`/proc/self/task/<tid>`): the tests read its counters.
+    #[cfg_attr(not(test), allow(dead_code))]
+    tid: i32,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PluginThread {
+    fn start(plugin_dir: &Path) -> Result<Self, KubeletError> {
+        let io = |source| KubeletError::Io {
+            action: "starting the device-plugin thread for",
+            path: plugin_dir.to_owned(),
+            source,
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(io)?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("tessera-kubelet".into())
+            .spawn(move || {
+                let _ = tid_tx.send(nix::unistd::gettid().as_raw());
+                runtime.block_on(async move {
+                    let _ = stopped.await;
+                });
+                // Dropped here, outside any async context: the tasks still there are cancelled.
+                drop(runtime);
+            })
+            .map_err(io)?;
+        let tid = tid_rx.recv().unwrap_or(0);
+        tracing::debug!(tid, "device-plugin servers' thread started");
+        Ok(Self { handle, tid, stop: Some(stop), thread: Some(thread) })
+    }
+}
+
+impl Drop for PluginThread {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take()
+            && thread.thread().id() != std::thread::current().id()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// One server per resource, all stopped together; they run on a thread of their own.
 pub struct PluginSet {
     plugin_dir: PathBuf,
     shutdown: watch::Sender<bool>,
     running: BTreeMap<String, Running>,
     /// The directory's inotify events, for every plugin task; `None`: they poll.
     dir_events: Option<(watch::Receiver<u64>, JoinHandle<()>)>,
+    thread: PluginThread,
 }
 
 impl std::fmt::Debug for PluginSet {
@@ -287,8 +344,8 @@ impl std::fmt::Debug for PluginSet {
 }
 
 impl PluginSet {
-    /// Starts serving every plugin in `plugin_dir` (on the current tokio runtime). Fails before
-    /// starting anything when a resource appears twice.
+    /// Starts serving every plugin in `plugin_dir`, on a thread of their own ([`PluginThread`]).
+    /// Fails before starting anything when a resource appears twice.
     pub fn start(plugin_dir: impl Into<PathBuf>, plugins: Vec<DevicePlugin>) -> Result<Self, KubeletError> {
         let plugin_dir = plugin_dir.into();
         let mut names = std::collections::BTreeSet::new();
@@ -297,20 +354,30 @@ impl PluginSet {
                 return Err(KubeletError::DuplicateResource(plugin.resource().to_owned()));
             }
         }
+        let thread = PluginThread::start(&plugin_dir)?;
         let (shutdown, _) = watch::channel(false);
-        let dir_events = super::dir_watch::watch_dir(&plugin_dir);
+        // The watch registers with the reactor of the thread its task runs on.
+        let dir_events = {
+            let _on_thread = thread.handle.enter();
+            super::dir_watch::watch_dir(&plugin_dir)
+        };
         let events = dir_events.as_ref().map(|(rx, _)| rx.clone());
         let running = plugins
             .into_iter()
             .map(|plugin| {
                 let (tx, rx) = watch::channel(0);
                 let resource = plugin.resource().to_owned();
-                let task =
-                    tokio::spawn(serve_plugin(plugin_dir.clone(), plugin, shutdown.subscribe(), events.clone(), tx));
+                let task = thread.handle.spawn(serve_plugin(
+                    plugin_dir.clone(),
+                    plugin,
+                    shutdown.subscribe(),
+                    events.clone(),
+                    tx,
+                ));
                 (resource, Running { registrations: rx, task })
             })
             .collect();
-        Ok(Self { plugin_dir, shutdown, running, dir_events })
+        Ok(Self { plugin_dir, shutdown, running, dir_events, thread })
     }
 
     /// Starts serving one more resource (a layout change made a new kind of device). Refused when
@@ -322,7 +389,13 @@ impl PluginSet {
         }
         let (tx, rx) = watch::channel(0);
         let events = self.dir_events.as_ref().map(|(rx, _)| rx.clone());
-        let task = tokio::spawn(serve_plugin(self.plugin_dir.clone(), plugin, self.shutdown.subscribe(), events, tx));
+        let task = self.thread.handle.spawn(serve_plugin(
+            self.plugin_dir.clone(),
+            plugin,
+            self.shutdown.subscribe(),
+            events,
+            tx,
+        ));
         self.running.insert(resource, Running { registrations: rx, task });
         Ok(())
     }
@@ -345,7 +418,8 @@ impl PluginSet {
         }
     }
 
-    /// Stops every server, removes their sockets and reports the first failure.
+    /// Stops every server, removes their sockets and reports the first failure; then their
+    /// thread ends.
     pub async fn stop(self) -> Result<(), KubeletError> {
         let _ = self.shutdown.send(true);
         if let Some((_, watcher)) = &self.dir_events {
@@ -362,5 +436,81 @@ impl PluginSet {
             }
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    use prost::Message;
+    use tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient;
+    use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+    use tokio::sync::watch;
+    use tonic::Status;
+
+    use super::{PluginSet, socket_name};
+    use crate::kubelet::{Allocator, ContainerAllocation, DevicePlugin, PluginDevice};
+
+    /// Answers with about 1 KB of environment: past h2's 256-byte threshold for chaining a payload.
+    struct BigAnswers;
+
+    impl Allocator for BigAnswers {
+        fn allocate(&self, _: &str, ids: &[String]) -> Result<ContainerAllocation, Status> {
+            let envs =
+                (0..24).map(|i| (format!("TESSERA_TEST_{i:02}"), format!("{}-{i:032}", ids.join(",")))).collect();
+            Ok(ContainerAllocation { envs, annotations: HashMap::new(), ..Default::default() })
+        }
+
+        fn preferred(&self, _: &str, _: &[String], _: &[String], _: usize) -> Vec<String> {
+            Vec::new()
+        }
+    }
+
+    /// Write-type system calls the thread has made so far (`/proc/<tid>/io`).
+    fn writes(tid: i32) -> u64 {
+        let path = format!("/proc/self/task/{tid}/io");
+        let io = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e} (task I/O accounting)"));
+        io.lines()
+            .find_map(|l| l.strip_prefix("syscw:"))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{path} has no syscw line: {io}"))
+    }
+
+    /// One write per Allocate answer (headers, data and trailers together), so the kubelet's
+    /// reader wakes once: the vendored h2 copies a payload of up to 4 KiB into its buffer instead
+    /// of chaining it, which made such an answer two writes. The servers' writes are all made on
+    /// the plugin set's own thread.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_allocate_answer_is_one_write() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_tx, rx) = watch::channel(vec![PluginDevice::healthy("GPU-0", None)]);
+        let plugin = DevicePlugin::new("tessera.io/gpu", rx, Arc::new(BigAnswers));
+        let set = PluginSet::start(dir.path(), vec![plugin]).expect("start");
+        let socket = dir.path().join(socket_name("tessera.io/gpu"));
+        let endpoint =
+            tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display())).expect("endpoint");
+        let mut channel = None;
+        for _ in 0..500 {
+            if let Ok(c) = endpoint.connect().await {
+                channel = Some(c);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let mut client = DevicePluginClient::new(channel.expect("the plugin socket answers"));
+        // The connection's settings are exchanged by the first call.
+        client.get_device_plugin_options(Empty {}).await.expect("options");
+        let request = || AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec!["GPU-0".into()] }],
+        };
+        let before = writes(set.thread.tid);
+        for _ in 0..10 {
+            let answer = client.allocate(request()).await.expect("allocate").into_inner();
+            assert!(answer.encoded_len() > 512, "an answer over h2's chaining threshold");
+        }
+        assert_eq!(writes(set.thread.tid) - before, 10, "one write per answer");
+        set.stop().await.expect("stop");
     }
 }

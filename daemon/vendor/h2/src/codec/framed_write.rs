@@ -71,6 +71,10 @@ const DEFAULT_BUFFER_CAPACITY: usize = 16 * 1_024;
 /// the max frame size can't be less than 16kb, so not even close).
 const CHAIN_THRESHOLD: usize = 256;
 
+/// Tessera's patch: payloads up to this size are copied into the buffer when it has room for
+/// them and the next frame, instead of being chained (see `Encoder::buffer`).
+const COPY_LIMIT: usize = 4 * 1_024;
+
 /// Chain payloads bigger than this when vectored I/O is **not** enabled.
 /// A larger value in this scenario will reduce the number of small and
 /// fragmented data being sent, and hereby improve the throughput.
@@ -237,7 +241,14 @@ where
                     return Err(PayloadTooBig);
                 }
 
-                if len >= self.chain_threshold {
+                // Tessera's patch: a payload that fits in the buffer beside room for the next
+                // frame is copied rather than chained. A chained payload stops the encoder from
+                // taking another frame until a flush, so a gRPC answer over 256 bytes went out
+                // as two writes (headers and data, then the trailers) and woke its reader twice.
+                let copy = len <= COPY_LIMIT
+                    && self.buf.get_ref().capacity() - self.buf.get_ref().len()
+                        >= len + frame::HEADER_LEN + self.min_buffer_capacity;
+                if len >= self.chain_threshold && !copy {
                     let head = v.head();
 
                     // Encode the frame head to the buffer
