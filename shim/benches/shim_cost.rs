@@ -74,6 +74,19 @@ uuid = "index:1"
 sm_percent = 99
 "#;
 
+/// The third run's container: both devices with a memory limit, neither with an SM share, so a
+/// default stream's device comes from the thread's view of its current context.
+const LIMITS_NO_SHARE: &str = r#"version = 1
+container = "shim-cost-bench"
+
+[[devices]]
+uuid = "*"
+memory_limit = "70GiB"
+"#;
+
+/// Set in the third run's child: the container has no SM share.
+const NO_SHARE: &str = "TESSERA_SHIM_BENCH_NO_SHARE";
+
 fn main() {
     if std::env::var_os(FIRST_ALLOC).is_some() {
         first_alloc();
@@ -180,12 +193,19 @@ fn parent() -> i32 {
     let node = SimNode::new();
     let limits = node.root.join("limits.toml");
     std::fs::write(&limits, LIMITS).expect("write the limits file");
+    let limits_no_share = node.root.join("limits-no-share.toml");
+    std::fs::write(&limits_no_share, LIMITS_NO_SHARE).expect("write the limits file");
     let region = node.root.join("region");
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let instr = std::env::var(INSTR).ok().filter(|v| !v.is_empty());
     // The whole node, then a process that sees device 0 alone (CUDA_VISIBLE_DEVICES=0): the
-    // default stream's device needs no lookup there.
-    for (run, visible) in [(0, None), (1, Some("0"))] {
+    // default stream's device needs no lookup there; then the whole node with no SM share
+    // (interleaved pairs only, not under callgrind).
+    for (run, visible) in [(0, None), (1, Some("0")), (2, None)] {
+        let no_share = run == 2;
+        if no_share && instr.is_some() {
+            continue;
+        }
         let exe = std::env::current_exe().expect("current_exe");
         // Kept beside the build for a closer look (callgrind_annotate).
         let out = profile_dir().join(format!("shim_cost.{run}.callgrind"));
@@ -207,13 +227,18 @@ fn parent() -> i32 {
         };
         c.args(&args)
             .env(CHILD, "1")
-            .env("TESSERA_LIMITS", &limits)
+            .env("TESSERA_LIMITS", if no_share { &limits_no_share } else { &limits })
             .env("TESSERA_REGION", &region)
             .env_remove("LD_PRELOAD");
         match visible {
             Some(v) => c.env("CUDA_VISIBLE_DEVICES", v),
             None => c.env_remove("CUDA_VISIBLE_DEVICES"),
         };
+        if no_share {
+            c.env(NO_SHARE, "1");
+        } else {
+            c.env_remove(NO_SHARE);
+        }
         let status = c.status().expect("run the benchmark child");
         if !status.success() {
             return status.code().unwrap_or(1);
@@ -412,11 +437,13 @@ fn child() {
     // SAFETY: as above.
     let (cu_init, retain, shim_mem_info): (CuInit, CuRetain, CuMemInfo) =
         unsafe { (sym(&shim, c"cuInit"), sym(&shim, c"cuDevicePrimaryCtxRetain"), sym(&shim, c"cuMemGetInfo_v2")) };
-    // The shim does not hook these (it does not export them): the driver's, as under a preload.
+    // The shim hooks cuCtxSetCurrent (it keeps each thread's view of its current context), as
+    // a preloaded program's calls reach it; it does not hook the others (it does not export
+    // them): the driver's, as under a preload.
     // SAFETY: as above.
     let (set_current, sync, load, get_fn): (CuSetCurrent, CuSync, CuLoad, CuGetFn) = unsafe {
         (
-            sym(&cuda, c"cuCtxSetCurrent"),
+            sym(&shim, c"cuCtxSetCurrent"),
             sym(&cuda, c"cuCtxSynchronize"),
             sym(&cuda, c"cuModuleLoadData"),
             sym(&cuda, c"cuModuleGetFunction"),
@@ -607,6 +634,30 @@ fn child() {
         return;
     }
     let full_run = std::env::args().any(|a| a == "--bench");
+    if std::env::var_os(NO_SHARE).is_some() {
+        if full_run {
+            println!(
+                "\nA process that sees both devices, neither with an SM share (the default streams' device from \
+                 the thread's view of its current context), interleaved:"
+            );
+            println!("{:<28} {:>12} {:>12} {:>12} {:>7}", "pair", "driver", "shim", "added", "ratio");
+            for dev in [0, 1] {
+                set(dev);
+                interleaved(1000, 1000, launch(driver, func[dev]), launch(hooked, func[dev]))
+                    .print(&format!("launch, default stream, {dev}"));
+                drain();
+                interleaved(1000, 1000, launch_pt(driver, func[dev]), launch_pt(hooked, func[dev]))
+                    .print(&format!("launch, per-thread, {dev}"));
+                drain();
+            }
+            set(0);
+            interleaved(1000, 1000, launch_on(driver, func[0]), launch_on(hooked, func[0]))
+                .print("launch, explicit stream, 0");
+            drain();
+            report_region();
+        }
+        return;
+    }
     if one_device {
         if full_run {
             println!("\nA process that sees device 0 alone (CUDA_VISIBLE_DEVICES=0), interleaved:");

@@ -20,6 +20,7 @@
 #![allow(non_snake_case)] // hooks and their parameters carry cuda.h's and nvml.h's names
 
 mod compute;
+mod current;
 mod ffi;
 mod intercept;
 mod launch;

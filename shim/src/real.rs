@@ -134,6 +134,9 @@ table! {
             cuGraphLaunch_ptsz(CUgraphExec, CUstream);
         }
         optional {
+            cuCtxPushCurrent(CUcontext);
+            cuCtxPopCurrent(*mut CUcontext);
+            cuCtxDetach(CUcontext);
             cuGetProcAddress(*const c_char, *mut *mut c_void, c_int, u64);
             cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
             cuCtxCreate_v3(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice);

@@ -82,7 +82,13 @@ struct Enforced {
     /// A launch on the device needs nothing of the compute limiter: no SM share below 100% and
     /// normal priority (set with the other limits; false until the device is known).
     plain: [AtomicBool; MAX_DEVICES],
+    /// Bit `dev` set: a known device whose launches do need the limiter. While none is, a
+    /// launch may take its device from the thread's view of its current context (`current`).
+    limited: AtomicU32,
 }
+
+// One bit per region device in `Enforced::limited`.
+const _: () = assert!(MAX_DEVICES <= 32);
 
 /// A device this process has seen: its CUDA ordinal (if seen through CUDA), the index its
 /// `index:N` limits entry would have, its UUID and its region index.
@@ -207,7 +213,14 @@ impl ShimState {
     #[inline(always)]
     fn cached_device_of_stream(&self, stream: *mut c_void) -> Option<usize> {
         if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
-            let ordinal = if self.one_device.load(Relaxed) { 0 } else { self.cached_current_ordinal()? };
+            let ordinal = if self.one_device.load(Relaxed) {
+                0
+            } else if self.enforced.limited.load(Acquire) == 0 {
+                // No device needs the limiter: a stale view could only miscount a launch.
+                crate::current::ordinal(|| self.cached_current_ordinal())?
+            } else {
+                self.cached_current_ordinal()?
+            };
             return match self.by_ordinal.get(ordinal)?.load(Acquire) {
                 0 => None,
                 v => Some(v as usize - 1),
@@ -311,7 +324,15 @@ impl ShimState {
         let share = d.and_then(|d| d.sm_percent).unwrap_or(0);
         memory.store(d.and_then(|d| d.memory_limit).map_or(0, |m| m.saturating_add(1)), Release);
         sm.store(share, Release);
-        plain.store(l.priority == Priority::Normal && (share == 0 || share >= 100), Release);
+        let is_plain = l.priority == Priority::Normal && (share == 0 || share >= 100);
+        // Marked limited before it stops being plain, so no launch sees neither.
+        if !is_plain {
+            self.enforced.limited.fetch_or(1 << k.dev, Release);
+        }
+        plain.store(is_plain, Release);
+        if is_plain {
+            self.enforced.limited.fetch_and(!(1 << k.dev), Release);
+        }
     }
 
     /// The memory limit this process enforces on a region device (`None`: none).
@@ -688,6 +709,7 @@ fn make() -> Result<ShimState, String> {
             sm_percent: [const { AtomicU32::new(0) }; MAX_DEVICES],
             held: [const { AtomicU64::new(0) }; MAX_DEVICES],
             plain: [const { AtomicBool::new(false) }; MAX_DEVICES],
+            limited: AtomicU32::new(0),
         },
         limits: AtomicPtr::new(Arc::into_raw(Arc::new(limits)).cast_mut()),
         seen_generation: AtomicU64::new(generation),

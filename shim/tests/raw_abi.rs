@@ -297,6 +297,122 @@ fn launches_count_on_the_device_their_stream_runs_on() {
     assert_eq!(my_launches(&s.uuid(1)).0, 3 + 2 + 4 + 2, "device 1: its default streams and its stream");
 }
 
+/// The shim keeps each thread's view of its current context (so a default-stream launch in a
+/// process that sees two devices need not ask the driver) and forgets it on every call that can
+/// change it: set, push, pop, a context created (it becomes current) and one destroyed. Counts stay
+/// exact across all of them, on several threads at once; and once a device gets an SM share
+/// live, its default-stream launches are measured again (the view is not used while any device
+/// has one).
+#[test]
+fn default_stream_launches_follow_every_kind_of_context_switch() {
+    const TEST: &str = "default_stream_launches_follow_every_kind_of_context_switch";
+    if !in_child() {
+        return run_in_container(TEST, &memory_limits(8 * GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    let per_thread = PER_THREAD as H;
+    let ctx0 = s.ctx;
+    let mut ctx1: H = null;
+    // SAFETY: valid out-pointer; a context from the driver.
+    unsafe {
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, "tessera_test_spin_1us");
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx0)) };
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    let (mut on0, mut on1) = (0u64, 0u64);
+    // Past a check of the view (every 64 uses) on each side of every switch.
+    let n = 70;
+    for round in 0..3 {
+        // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+        unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1)) };
+        launch_n(cu, f1, null, n);
+        on1 += n as u64;
+        // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+        unsafe { ck("cuCtxPushCurrent_v2", (cu.cuCtxPushCurrent_v2)(ctx0)) };
+        launch_n(cu, f0, per_thread, n);
+        on0 += n as u64;
+        let mut popped = null;
+        // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+        unsafe { ck("cuCtxPopCurrent_v2", (cu.cuCtxPopCurrent_v2)(&mut popped)) };
+        assert_eq!(popped, ctx0);
+        launch_n(cu, f1, null, n + round);
+        on1 += (n + round) as u64;
+        // A context of its own on device 0: current once made, gone when destroyed (the
+        // previous one, ctx1, is current again).
+        let mut own = null;
+        // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+        unsafe { ck("cuCtxCreate_v2", (cu.cuCtxCreate_v2)(&mut own, 0, 0)) };
+        let f_own = kernel(cu, "tessera_test_spin_1us");
+        launch_n(cu, f_own, null, 5);
+        on0 += 5;
+        // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+        unsafe { ck("cuCtxDestroy_v2", (cu.cuCtxDestroy_v2)(own)) };
+        launch_n(cu, f1, per_thread, 3);
+        on1 += 3;
+    }
+    assert_eq!(my_launches(&s.uuid(0)).0, on0, "device 0");
+    assert_eq!(my_launches(&s.uuid(1)).0, on1, "device 1");
+
+    // Two threads, each on its own device, switching back and forth at once.
+    let (cu_ptr, ctxs, fs) = (cu as *const Cuda as usize, [ctx0 as usize, ctx1 as usize], [f0 as usize, f1 as usize]);
+    let threads: Vec<_> = (0..2usize)
+        .map(|t| {
+            std::thread::spawn(move || {
+                // SAFETY: the Cuda table outlives the threads (joined below); contexts and
+                // functions are live; each thread sets its own current context.
+                let cu = unsafe { &*(cu_ptr as *const Cuda) };
+                let (null, per_thread): (H, H) = (std::ptr::null_mut(), PER_THREAD as H);
+                let mut counts = [0u64; 2];
+                for i in 0..40 {
+                    let d = (t + i) % 2;
+                    // SAFETY: contexts from the driver, live until destroyed; valid out-pointers.
+                    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctxs[d] as H)) };
+                    launch_n(cu, fs[d] as H, if i % 3 == 0 { per_thread } else { null }, 7 + i % 5);
+                    counts[d] += (7 + i % 5) as u64;
+                }
+                counts
+            })
+        })
+        .collect();
+    for t in threads {
+        let c = t.join().expect("launching thread");
+        on0 += c[0];
+        on1 += c[1];
+    }
+    assert_eq!(my_launches(&s.uuid(0)).0, on0, "device 0, after two threads");
+    assert_eq!(my_launches(&s.uuid(1)).0, on1, "device 1, after two threads");
+
+    // Device 1 gets an SM share live: its default-stream launches are measured from then on.
+    let limits = Limits {
+        devices: vec![
+            DeviceLimits { uuid: s.uuid(0), memory_limit: Some(8 * GIB), sm_percent: None },
+            DeviceLimits { uuid: s.uuid(1), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
+        ],
+        ..Limits::default()
+    };
+    limits.write_atomic(&PathBuf::from(std::env::var_os("TESSERA_LIMITS").unwrap())).unwrap();
+    let region = PathBuf::from(std::env::var_os("TESSERA_REGION").unwrap());
+    Region::open_or_create(&region).unwrap().bump_config_generation();
+    let f1_long = {
+        // SAFETY: a live context.
+        unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1)) };
+        kernel(cu, "tessera_test_spin_50us")
+    };
+    let (_, gpu_before) = my_launches(&s.uuid(1));
+    launch_n(cu, f1_long, null, 20);
+    // SAFETY: the current context.
+    unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    launch_n(cu, f1_long, null, 1); // harvests the completed spans
+    let (launches, gpu) = my_launches(&s.uuid(1));
+    assert_eq!(launches, on1 + 21);
+    assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
+}
+
 /// A process that sees one device (`CUDA_VISIBLE_DEVICES`) takes its default streams' device
 /// without asking the driver; that shortcut must neither move the count to another device nor
 /// skip the device's SM share: with a share, launches are measured (GPU time), and once the

@@ -19,7 +19,7 @@ pub(crate) mod procaddr;
 
 use std::ffi::{CStr, c_char, c_void};
 
-use crate::{launch, memory, nvml_view};
+use crate::{current, launch, memory, nvml_view};
 
 /// A hooked symbol and our function for it.
 pub(crate) struct Hook {
@@ -57,6 +57,12 @@ hooks! {
     context::cuCtxCreate_v4,
     context::cuCtxDestroy,
     context::cuCtxDestroy_v2,
+    current::cuCtxDetach,
+    current::cuCtxPopCurrent,
+    current::cuCtxPopCurrent_v2,
+    current::cuCtxPushCurrent,
+    current::cuCtxPushCurrent_v2,
+    current::cuCtxSetCurrent,
     graph::cuDeviceGraphMemTrim,
     context::cuDevicePrimaryCtxRelease,
     context::cuDevicePrimaryCtxRelease_v2,

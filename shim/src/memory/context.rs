@@ -216,6 +216,10 @@ fn charge_creation(
 /// A context the driver just made: its device remembered, and a primary context's handle.
 fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
     s.remember_context(ctx, ordinal);
+    if !primary {
+        // cuCtxCreate makes the new context current on this thread.
+        crate::current::forget_this_thread();
+    }
     if primary && let Some(p) = s.mem.primaries.get(ordinal as usize) {
         p.store(ctx as u64, Release);
     }
@@ -482,6 +486,8 @@ fn apply(s: &ShimState, p: Pending, charged: u64, overhead: u64) {
 fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
     // Its streams died with it; their handles may come back for streams on another device.
     s.forget_all_streams();
+    // Any thread that had it current has a stale view of its current context.
+    crate::current::forget_every_thread();
     if overhead_too {
         if let Some(c) = s.mem.contexts.remove(ctx as u64) {
             s.refund(c.dev, c.bytes);

@@ -44,6 +44,8 @@ api! {
     cuDevicePrimaryCtxRetain(*mut H, c_int);
     cuDevicePrimaryCtxRelease_v2(c_int);
     cuCtxSetCurrent(H);
+    cuCtxPushCurrent_v2(H);
+    cuCtxPopCurrent_v2(*mut H);
     cuCtxSynchronize();
     cuCtxCreate_v2(*mut H, c_uint, c_int);
     cuCtxDestroy_v2(H);
