@@ -40,6 +40,13 @@ fn with_hook_binary(bundle: &Path, hook: &Path) {
     edit_config(bundle, |c| c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string()));
 }
 
+/// The floor of any hook: the same createRuntime entry running `/bin/true` (no arguments).
+fn with_noop_hook(bundle: &Path) {
+    edit_config(bundle, |c| {
+        c["hooks"]["createRuntime"][0] = serde_json::json!({ "path": "/bin/true", "args": ["true"] });
+    });
+}
+
 /// A new root for each container start, as a snapshotter gives one: an overlay of the busybox
 /// root with an empty upper layer, so the mount targets the hook makes, the wrapper's links and
 /// runc's own targets are made anew each time, for every variant alike. The upper layers are on a
@@ -441,6 +448,8 @@ fn main() {
     println!("binaries: {} and {}", hook.display(), wrapper.display());
     with_hook_binary(&with_hook, &hook);
     with_hook_binary(&with_hook_dir, &hook);
+    let noop_hook = fresh_bundle(&node.path().join("noop-hook"), &rootfs, Some(&node));
+    with_noop_hook(&noop_hook);
     let wrapper = wrapper.display().to_string();
     let wrapped_dir = fresh_bundle(&node_dir.path().join("wrapped"), &rootfs_dir, None);
     let wrapped_dir_pristine: serde_json::Value =
@@ -462,7 +471,7 @@ fn main() {
         assert!(out.status.success(), "{}", text_of(&out));
     };
     // Interleaved, so drift hits all variants alike.
-    let mut times: [Vec<Duration>; 5] = Default::default();
+    let mut times: [Vec<Duration>; 6] = Default::default();
     for i in 0..=runs {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
             set_root(b, &roots.next());
@@ -479,6 +488,7 @@ fn main() {
         timed(3, &wrapper, &wrapped, &node.config);
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
         timed(4, &wrapper, &wrapped_dir, &node_dir.config);
+        timed(5, "runc", &noop_hook, &node.config);
     }
     let [p, rest @ ..] = times.map(median);
     println!("runc run (busybox true), median of {runs}, interleaved:");
@@ -488,6 +498,7 @@ fn main() {
         "with tessera-hook, driver directory",
         "via tessera-runtime, a mount per file",
         "via tessera-runtime, driver directory",
+        "with a hook that does nothing (/bin/true)",
     ];
     for (label, t) in labels.iter().zip(rest) {
         println!(
