@@ -5,8 +5,10 @@
 //! `cargo bench -p tessera-hook --bench container_start` (root, runc and busybox installed; else
 //! only the in-process part runs). `TESSERA_BENCH_RUNS` sets the runs per variant (default 30);
 //! `TESSERA_BENCH_STRACE=<file>` runs the hook once more under strace (`-c -f`, or
-//! `TESSERA_BENCH_STRACE_ARGS`); `TESSERA_BENCH_BIN_DIR=<dir>` takes `tessera-hook` and
-//! `tessera-runtime` from there (e.g. the static build of `scripts/build-static-hook.sh`).
+//! `TESSERA_BENCH_STRACE_ARGS`); `TESSERA_BENCH_RUNC_STRACE=<prefix>` runs each `runc run`
+//! variant once more under `strace -f -tt -T` (`<prefix>.0` plain … `<prefix>.5` the no-op hook);
+//! `TESSERA_BENCH_BIN_DIR=<dir>` takes `tessera-hook` and `tessera-runtime` from there (e.g. the
+//! static build of `scripts/build-static-hook.sh`).
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -456,9 +458,20 @@ fn main() {
         serde_json::from_slice(&std::fs::read(wrapped_dir.join("config.json")).unwrap()).unwrap();
     let state = node.path().join("runc-state");
     let mut n = 0;
-    let mut start = |runner: &str, b: &Path, config: &Path| {
+    // TESSERA_BENCH_RUNC_STRACE=<prefix>: the last round's starts under `strace -f -tt -T`, one
+    // file per variant (`<prefix>.<variant>`; not timed): where runc's own time goes.
+    let runc_strace = std::env::var_os("TESSERA_BENCH_RUNC_STRACE");
+    let mut start = |runner: &str, b: &Path, config: &Path, variant: Option<usize>| {
         n += 1;
-        let out = Command::new(runner)
+        let mut cmd = match (&runc_strace, variant) {
+            (Some(prefix), Some(k)) => {
+                let mut c = Command::new("strace");
+                c.args(["-f", "-tt", "-T", "-o"]).arg(format!("{}.{k}", prefix.to_string_lossy())).arg(runner);
+                c
+            }
+            _ => Command::new(runner),
+        };
+        let out = cmd
             .env("TESSERA_HOOK_CONFIG", config)
             .arg("--root")
             .arg(&state)
@@ -476,7 +489,7 @@ fn main() {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
             set_root(b, &roots.next());
             let t = Instant::now();
-            start(runner, b, config);
+            start(runner, b, config, None);
             if i > 0 {
                 times[k].push(t.elapsed());
             }
@@ -489,6 +502,22 @@ fn main() {
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
         timed(4, &wrapper, &wrapped_dir, &node_dir.config);
         timed(5, "runc", &noop_hook, &node.config);
+    }
+    if runc_strace.is_some() {
+        let variants: [(&str, &Path, &Path); 6] = [
+            ("runc", &plain, &node.config),
+            ("runc", &with_hook, &node.config),
+            ("runc", &with_hook_dir, &node_dir.config),
+            (&wrapper, &wrapped, &node.config),
+            (&wrapper, &wrapped_dir, &node_dir.config),
+            ("runc", &noop_hook, &node.config),
+        ];
+        tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
+        tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
+        for (k, (runner, b, config)) in variants.into_iter().enumerate() {
+            set_root(b, &roots.next());
+            start(runner, b, config, Some(k));
+        }
     }
     let [p, rest @ ..] = times.map(median);
     println!("runc run (busybox true), median of {runs}, interleaved:");
