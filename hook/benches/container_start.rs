@@ -42,10 +42,16 @@ fn with_hook_binary(bundle: &Path, hook: &Path) {
     edit_config(bundle, |c| c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(hook.display().to_string()));
 }
 
-/// The floor of any hook: the same createRuntime entry running `/bin/true` (no arguments).
-fn with_noop_hook(bundle: &Path) {
+/// The floor of any hook: the same createRuntime entry running `program args` (`/bin/true`, or
+/// our hook printing its version: its process start without its work).
+fn with_noop_hook(bundle: &Path, program: &Path, args: &[&str]) {
+    let program = program.display().to_string();
+    let mut argv = vec![program.clone()];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    // The entry's env (PATH alone) is kept, as for our hook.
     edit_config(bundle, |c| {
-        c["hooks"]["createRuntime"][0] = serde_json::json!({ "path": "/bin/true", "args": ["true"] });
+        c["hooks"]["createRuntime"][0]["path"] = serde_json::json!(program);
+        c["hooks"]["createRuntime"][0]["args"] = serde_json::json!(argv);
     });
 }
 
@@ -451,7 +457,9 @@ fn main() {
     with_hook_binary(&with_hook, &hook);
     with_hook_binary(&with_hook_dir, &hook);
     let noop_hook = fresh_bundle(&node.path().join("noop-hook"), &rootfs, Some(&node));
-    with_noop_hook(&noop_hook);
+    with_noop_hook(&noop_hook, Path::new("/bin/true"), &[]);
+    let version_hook = fresh_bundle(&node.path().join("version-hook"), &rootfs, Some(&node));
+    with_noop_hook(&version_hook, &hook, &["--version"]);
     let wrapper = wrapper.display().to_string();
     let wrapped_dir = fresh_bundle(&node_dir.path().join("wrapped"), &rootfs_dir, None);
     let wrapped_dir_pristine: serde_json::Value =
@@ -484,7 +492,7 @@ fn main() {
         assert!(out.status.success(), "{}", text_of(&out));
     };
     // Interleaved, so drift hits all variants alike.
-    let mut times: [Vec<Duration>; 6] = Default::default();
+    let mut times: [Vec<Duration>; 7] = Default::default();
     for i in 0..=runs {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
             set_root(b, &roots.next());
@@ -502,6 +510,7 @@ fn main() {
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
         timed(4, &wrapper, &wrapped_dir, &node_dir.config);
         timed(5, "runc", &noop_hook, &node.config);
+        timed(6, "runc", &version_hook, &node.config);
     }
     if runc_strace.is_some() {
         let variants: [(&str, &Path, &Path); 6] = [
@@ -528,6 +537,7 @@ fn main() {
         "via tessera-runtime, a mount per file",
         "via tessera-runtime, driver directory",
         "with a hook that does nothing (/bin/true)",
+        "with tessera-hook --version as the hook",
     ];
     for (label, t) in labels.iter().zip(rest) {
         println!(
