@@ -84,11 +84,15 @@ fn learn(cell: &Cell<View>, was: View, epoch: u32, answer: Option<usize>) -> Opt
     answer
 }
 
+/// Called on a launch's fast path, outside the hooks' panic guard: the warning is written with
+/// `writeln!`, whose error is dropped (`eprintln!` panics when stderr cannot be written).
 #[cold]
 fn turn_off() {
     if !OFF.swap(true, Relaxed) {
         EPOCH.fetch_add(1, Relaxed);
-        eprintln!(
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
             "tessera: this process changed its current CUDA context by a path libtessera.so does not see; \
              each launch now asks the driver for its device"
         );
