@@ -502,15 +502,26 @@ fn main() {
                 times[k].push(t.elapsed());
             }
         };
-        timed(0, "runc", &plain, &node.config);
-        timed(1, "runc", &with_hook, &node.config);
-        timed(2, "runc", &with_hook_dir, &node_dir.config);
-        tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
-        timed(3, &wrapper, &wrapped, &node.config);
-        tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
-        timed(4, &wrapper, &wrapped_dir, &node_dir.config);
-        timed(5, "runc", &noop_hook, &node.config);
-        timed(6, "runc", &version_hook, &node.config);
+        // Each round starts at another variant, so that each follows every other equally often:
+        // a start leaves deferred work behind (its mounts' teardown, its root's removal), which
+        // lands on whichever start comes next.
+        for j in 0..7 {
+            match (i + j) % 7 {
+                0 => timed(0, "runc", &plain, &node.config),
+                1 => timed(1, "runc", &with_hook, &node.config),
+                2 => timed(2, "runc", &with_hook_dir, &node_dir.config),
+                3 => {
+                    tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
+                    timed(3, &wrapper, &wrapped, &node.config);
+                }
+                4 => {
+                    tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
+                    timed(4, &wrapper, &wrapped_dir, &node_dir.config);
+                }
+                5 => timed(5, "runc", &noop_hook, &node.config),
+                _ => timed(6, "runc", &version_hook, &node.config),
+            }
+        }
     }
     if runc_strace.is_some() {
         let variants: [(&str, &Path, &Path); 6] = [
@@ -528,8 +539,18 @@ fn main() {
             start(runner, b, config, Some(k));
         }
     }
+    // The median of each round's difference to that round's plain start: drift between rounds
+    // (this VM's speed moves by tens of percent within a minute) cancels out.
+    let paired: Vec<f64> = times[1..]
+        .iter()
+        .map(|t| {
+            let mut d: Vec<f64> = t.iter().zip(&times[0]).map(|(a, b)| a.as_secs_f64() - b.as_secs_f64()).collect();
+            d.sort_by(f64::total_cmp);
+            d[d.len() / 2] * 1e3
+        })
+        .collect();
     let [p, rest @ ..] = times.map(median);
-    println!("runc run (busybox true), median of {runs}, interleaved:");
+    println!("runc run (busybox true), median of {runs}, interleaved, each round in another order:");
     println!("  plain                                        {}", ms(p));
     let labels = [
         "with tessera-hook, a mount per file",
@@ -539,9 +560,9 @@ fn main() {
         "with a hook that does nothing (/bin/true)",
         "with tessera-hook --version as the hook",
     ];
-    for (label, t) in labels.iter().zip(rest) {
+    for ((label, t), d) in labels.iter().zip(rest).zip(paired) {
         println!(
-            "  {label:<44} {}  ratio {:.3}  (+{})",
+            "  {label:<44} {}  ratio {:.3}  (+{}; paired: {d:+.2} ms)",
             ms(t),
             t.as_secs_f64() / p.as_secs_f64(),
             ms(t.saturating_sub(p))
