@@ -460,6 +460,16 @@ fn main() {
     with_noop_hook(&noop_hook, Path::new("/bin/true"), &[]);
     let version_hook = fresh_bundle(&node.path().join("version-hook"), &rootfs, Some(&node));
     with_noop_hook(&version_hook, &hook, &["--version"]);
+    // A poststop entry that does nothing, as the wrapper adds one (for leases): `runc run` runs it
+    // at the container's deletion, off a start's path but inside this measure.
+    let noop_poststop = fresh_bundle(&node.path().join("noop-poststop"), &rootfs, None);
+    edit_config(&noop_poststop, |c| {
+        c["hooks"] = serde_json::json!({"poststop": [{
+            "path": "/bin/true",
+            "args": ["true"],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+        }]});
+    });
     let wrapper = wrapper.display().to_string();
     let wrapped_dir = fresh_bundle(&node_dir.path().join("wrapped"), &rootfs_dir, None);
     let wrapped_dir_pristine: serde_json::Value =
@@ -492,7 +502,7 @@ fn main() {
         assert!(out.status.success(), "{}", text_of(&out));
     };
     // Interleaved, so drift hits all variants alike.
-    let mut times: [Vec<Duration>; 7] = Default::default();
+    let mut times: [Vec<Duration>; 8] = Default::default();
     for i in 0..=runs {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
             set_root(b, &roots.next());
@@ -505,8 +515,8 @@ fn main() {
         // Each round starts at another variant, so that each follows every other equally often:
         // a start leaves deferred work behind (its mounts' teardown, its root's removal), which
         // lands on whichever start comes next.
-        for j in 0..7 {
-            match (i + j) % 7 {
+        for j in 0..8 {
+            match (i + j) % 8 {
                 0 => timed(0, "runc", &plain, &node.config),
                 1 => timed(1, "runc", &with_hook, &node.config),
                 2 => timed(2, "runc", &with_hook_dir, &node_dir.config),
@@ -519,7 +529,8 @@ fn main() {
                     timed(4, &wrapper, &wrapped_dir, &node_dir.config);
                 }
                 5 => timed(5, "runc", &noop_hook, &node.config),
-                _ => timed(6, "runc", &version_hook, &node.config),
+                6 => timed(6, "runc", &version_hook, &node.config),
+                _ => timed(7, "runc", &noop_poststop, &node.config),
             }
         }
     }
@@ -559,6 +570,7 @@ fn main() {
         "via tessera-runtime, driver directory",
         "with a hook that does nothing (/bin/true)",
         "with tessera-hook --version as the hook",
+        "with a poststop entry that does nothing",
     ];
     for ((label, t), d) in labels.iter().zip(rest).zip(paired) {
         println!(
