@@ -6,7 +6,8 @@
 //! only the in-process part runs). `TESSERA_BENCH_RUNS` sets the runs per variant (default 30);
 //! `TESSERA_BENCH_STRACE=<file>` runs the hook once more under strace (`-c -f`, or
 //! `TESSERA_BENCH_STRACE_ARGS`); `TESSERA_BENCH_RUNC_STRACE=<prefix>` runs each `runc run`
-//! variant once more under `strace -f -tt -T` (`<prefix>.0` plain … `<prefix>.5` the no-op hook);
+//! variant once more under `strace -f -tt -T` (`<prefix>.<k>`, k in the order the table prints:
+//! 0 plain … 7 the no-op poststop entry);
 //! `TESSERA_BENCH_BIN_DIR=<dir>` takes `tessera-hook` and `tessera-runtime` from there (e.g. the
 //! static build of `scripts/build-static-hook.sh`).
 
@@ -535,13 +536,15 @@ fn main() {
         }
     }
     if runc_strace.is_some() {
-        let variants: [(&str, &Path, &Path); 6] = [
+        let variants: [(&str, &Path, &Path); 8] = [
             ("runc", &plain, &node.config),
             ("runc", &with_hook, &node.config),
             ("runc", &with_hook_dir, &node_dir.config),
             (&wrapper, &wrapped, &node.config),
             (&wrapper, &wrapped_dir, &node_dir.config),
             ("runc", &noop_hook, &node.config),
+            ("runc", &version_hook, &node.config),
+            ("runc", &noop_poststop, &node.config),
         ];
         tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();

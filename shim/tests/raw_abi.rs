@@ -413,6 +413,120 @@ fn default_stream_launches_follow_every_kind_of_context_switch() {
     assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
 }
 
+/// The simulated driver's own `name`, found behind the shim's back as a hostile tenant would:
+/// the driver file's dynamic symbol table read from disk, added to where the loader mapped it
+/// (located through a function the shim does not hook). No lookup the shim interposes is used.
+fn behind_the_shim(name: &str) -> *const c_void {
+    // SAFETY: the driver is loaded already; dlopen only takes another reference.
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.expect("dlopen libcuda.so.1");
+    // SAFETY: the symbol exists; only its address is used.
+    let probe: *mut c_void = *unsafe { lib.get::<*mut c_void>(b"cuCtxGetCurrent\0") }.expect("cuCtxGetCurrent");
+    // SAFETY: an all-zero Dl_info is a valid value of this plain C struct.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: probe is an address inside a loaded object; info a valid out-pointer.
+    assert_ne!(unsafe { libc::dladdr(probe, &mut info) }, 0, "dladdr");
+    // SAFETY: dladdr filled dli_fname with the object's path, a C string it keeps alive.
+    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_str().expect("utf-8 path").to_string();
+    let symbols = common::elf::Elf::read(std::path::Path::new(&file)).dynamic_symbols();
+    let at = |n: &str| {
+        let value = symbols.iter().find(|s| s.0 == n && s.1 != 0).unwrap_or_else(|| panic!("{n} in {file}")).1;
+        info.dli_fbase as usize + value as usize
+    };
+    assert_eq!(at("cuCtxGetCurrent"), probe as usize, "the table read from the file places the loader's symbol");
+    at(name) as *const c_void
+}
+
+type SetCurrent = unsafe extern "C" fn(H) -> R;
+
+/// A tenant that switches its current context behind the shim's back (the driver's own
+/// `cuCtxSetCurrent`, found by reading the driver's file) while a device has an SM share: the
+/// shim keeps no view of the current context then, so the launches land on the device they run
+/// on and the share's limiter measures them; nothing is counted on the device it left.
+#[test]
+fn a_switch_behind_the_shims_back_never_skips_a_share() {
+    const TEST: &str = "a_switch_behind_the_shims_back_never_skips_a_share";
+    if !in_child() {
+        let limits = Limits {
+            devices: vec![
+                DeviceLimits { uuid: "index:0".into(), memory_limit: Some(8 * GIB), sm_percent: None },
+                DeviceLimits { uuid: "index:1".into(), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
+            ],
+            ..Limits::default()
+        };
+        return run_in_container(TEST, &limits);
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    // SAFETY: the driver's export of that name has this signature (cuda.h).
+    let raw_set: SetCurrent = unsafe { std::mem::transmute(behind_the_shim("cuCtxSetCurrent")) };
+    let mut ctx1: H = null;
+    // SAFETY: valid out-pointer; contexts from the driver.
+    unsafe {
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, "tessera_test_spin_50us");
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    launch_n(cu, f0, null, 10);
+    // SAFETY: a live context, set by the driver itself: the shim does not see it.
+    ck("cuCtxSetCurrent (behind the shim)", unsafe { raw_set(ctx1) });
+    let (before, gpu_before) = my_launches(&s.uuid(1));
+    launch_n(cu, f1, null, 20);
+    // SAFETY: the current context.
+    unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    launch_n(cu, f1, null, 1); // harvests the completed spans
+    let (launches, gpu) = my_launches(&s.uuid(1));
+    assert_eq!(launches - before, 21, "every launch counted on the device it ran on");
+    assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
+    assert_eq!(my_launches(&s.uuid(0)).0, 10, "nothing counted on the device left behind");
+}
+
+/// The same switch behind the shim's back with no share anywhere, where the shim keeps each
+/// thread's view of its current context: the stale view is caught at its next check (every 64
+/// uses), so at most that many launches are counted on the device left behind; then views are
+/// off for the process (said once on stderr) and every launch after is counted where it ran.
+/// No launch is lost or counted twice.
+#[test]
+fn a_switch_behind_the_shims_back_is_caught_within_64_launches() {
+    const TEST: &str = "a_switch_behind_the_shims_back_is_caught_within_64_launches";
+    if !in_child() {
+        let node = node();
+        let c = Container::new(&memory_limits(8 * GIB));
+        let stderr = wait_child(TEST, spawn_child(TEST, container_env(&c, &node)));
+        let said = "changed its current CUDA context by a path libtessera.so does not see";
+        assert_eq!(stderr.matches(said).count(), 1, "said once: {stderr}");
+        return;
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    // SAFETY: the driver's export of that name has this signature (cuda.h).
+    let raw_set: SetCurrent = unsafe { std::mem::transmute(behind_the_shim("cuCtxSetCurrent")) };
+    let mut ctx1: H = null;
+    // SAFETY: valid out-pointer; contexts from the driver.
+    unsafe {
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, "tessera_test_spin_1us");
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    launch_n(cu, f0, null, 10);
+    // SAFETY: a live context, set by the driver itself: the shim does not see it.
+    ck("cuCtxSetCurrent (behind the shim)", unsafe { raw_set(ctx1) });
+    launch_n(cu, f1, null, 200);
+    let (on0, on1) = (my_launches(&s.uuid(0)).0, my_launches(&s.uuid(1)).0);
+    assert_eq!(on0 + on1, 210, "every launch counted once");
+    assert!(on0 - 10 <= 64, "at most one view's uses on the device left behind: {on0}");
+    launch_n(cu, f1, null, 100);
+    assert_eq!(my_launches(&s.uuid(1)).0, on1 + 100, "views off: each launch asks the driver");
+    assert_eq!(my_launches(&s.uuid(0)).0, on0);
+}
+
 /// A process that sees one device (`CUDA_VISIBLE_DEVICES`) takes its default streams' device
 /// without asking the driver; that shortcut must neither move the count to another device nor
 /// skip the device's SM share: with a share, launches are measured (GPU time), and once the

@@ -5,6 +5,7 @@
 #![allow(dead_code)] // each test binary uses a part
 
 pub mod cuda;
+pub mod elf;
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader};
