@@ -25,7 +25,7 @@ use crate::real::RealCuda;
 use crate::state::enter;
 
 /// Uses of a view between two checks against the driver.
-pub(crate) const CHECK_EVERY: u32 = 64;
+const CHECK_EVERY: u32 = 64;
 
 /// One thread's view: the ordinal + 1 (0: none), the epoch it was learned in, and how many more
 /// uses it has before the next check.
