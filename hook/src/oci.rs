@@ -153,7 +153,9 @@ fn array_at<'a>(obj: &'a mut Map<String, Value>, key: &str, field: &str) -> Resu
 
 /// Adds a `poststop` hook to config.json running `hook poststop --alloc-dir <alloc_dir>` (after
 /// the container is deleted): how a leased allocation learns its container is gone. An entry
-/// already naming the same hook is replaced, not repeated.
+/// already naming the same hook is replaced, not repeated. The entry sets its environment (as the
+/// CDI specs' do): without one runc hands the hook its own, and the hook refuses to run with
+/// whatever `LD_LIBRARY_PATH` the runtime's caller had.
 pub fn add_poststop(config: &mut Value, hook: &Path, alloc_dir: &Path) -> Result<(), InjectError> {
     let hooks = object_at(config, "hooks", "hooks")?;
     let poststop = array_at(hooks, "poststop", "hooks.poststop")?;
@@ -162,6 +164,7 @@ pub fn add_poststop(config: &mut Value, hook: &Path, alloc_dir: &Path) -> Result
     poststop.push(json!({
         "path": path,
         "args": ["tessera-hook", "poststop", "--alloc-dir", alloc_dir.display().to_string()],
+        "env": [crate::cdi::HOOK_ENV],
     }));
     Ok(())
 }

@@ -111,6 +111,11 @@ async fn a_leased_share_follows_its_runc_container() {
     assert!(after.contains("nvidia0") && after.contains("nvidiactl"), "{after}");
     wait_released(dir, &id, &log).await;
     assert!(!dir.join("run/alloc").join(&id).exists());
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("container fn-a was deleted"),
+        "released by the poststop entry the wrapper adds for a lease, not by the fallback:\n{text}"
+    );
 
     // 2. A container killed with SIGKILL whose runtime state then vanishes without its poststop
     //    hook (a crashed host path): the reconcile releases it once the grace has passed.
