@@ -52,6 +52,17 @@ pub fn record_deleted(dir: &Path, container_id: &str) -> std::io::Result<()> {
     })
 }
 
+/// The file tesserad leaves in the directory of an allocation made with `--lease container`
+/// (its content: `container`). Only such an allocation needs to hear of its container's deletion,
+/// so only for it does the runtime wrapper add its `poststop` entry: a process less at every
+/// other container's deletion.
+pub const LEASE_FILE: &str = "lease";
+
+/// Whether the allocation in `dir` is leased to its container ([`LEASE_FILE`]).
+pub fn is_leased(dir: &Path) -> bool {
+    dir.join(LEASE_FILE).is_file()
+}
+
 /// The id of the container the `poststop` hook last recorded as deleted in `dir`.
 pub fn read_deleted(dir: &Path) -> Option<String> {
     std::fs::read_to_string(dir.join(DELETED_FILE)).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())

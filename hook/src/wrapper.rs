@@ -80,8 +80,9 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) 
 }
 
 /// [`edit_bundle`], knowing where the runtime keeps the container's state (`runtime_state`,
-/// recorded in the owner record). A container that names an allocation also gets a `poststop`
-/// hook (`tessera-hook poststop`, beside this program) telling the daemon when it is deleted.
+/// recorded in the owner record). A container whose allocation is leased to it (`--lease
+/// container`: [`crate::owner::LEASE_FILE`]) also gets a `poststop` hook (`tessera-hook
+/// poststop`, beside this program) telling the daemon when it is deleted.
 pub fn edit_bundle_for(
     cfg: &HookConfig,
     bundle: &Path,
@@ -99,6 +100,7 @@ pub fn edit_bundle_for(
     make_links(&rootfs, &mut plan)?;
     oci::apply_to_config(&mut config, &plan)?;
     if let Some(id) = &plan.allocation
+        && crate::owner::is_leased(&cfg.runtime_dir.join("alloc").join(id))
         && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
         && hook.is_file()
     {

@@ -72,3 +72,52 @@ fn poststop_records_the_deleted_container() {
     let out = poststop(&["--config", &config], r#"{"bundle":"/x"}"#);
     assert!(String::from_utf8_lossy(&out.stderr).contains("state: id"), "{out:?}");
 }
+
+/// The wrapper adds its poststop entry only for an allocation leased to its container (the
+/// daemon's `lease` marker in its directory): every other container's deletion runs no process of
+/// ours.
+#[test]
+fn the_wrapper_adds_its_poststop_entry_only_for_a_leased_allocation() {
+    if !is_root() {
+        skip("the fake node's device nodes need root");
+        return;
+    }
+    let node = Node::new();
+    // The wrapper in front of /bin/true: its edit stays in config.json for us to read.
+    let config = node.path().join("hook-true.toml");
+    let text: String = std::fs::read_to_string(&node.config)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with("runtime ="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(&config, text + "runtime = \"/bin/true\"\n").unwrap();
+    let wrapped = |name: &str| -> serde_json::Value {
+        let b = bundle(&node, name, &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"]);
+        std::fs::create_dir_all(b.join("rootfs")).unwrap();
+        let out = Command::new(WRAPPER)
+            .env("TESSERA_HOOK_CONFIG", &config)
+            .args(["create", "--bundle"])
+            .arg(&b)
+            .arg(name)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap()
+    };
+
+    let c = wrapped("not-leased");
+    assert!(c["mounts"].as_array().is_some_and(|m| !m.is_empty()), "injected: {c}");
+    assert!(c["hooks"]["poststop"].as_array().is_none_or(Vec::is_empty), "no poststop entry: {c}");
+
+    std::fs::write(node.run.join("alloc/a1").join(tessera_hook::owner::LEASE_FILE), "container\n").unwrap();
+    let c = wrapped("leased");
+    let post = c["hooks"]["poststop"].as_array().expect("a poststop entry");
+    assert_eq!(post.len(), 1, "{c}");
+    assert_eq!(post[0]["path"], HOOK, "tessera-hook beside the wrapper: {c}");
+    let dir = node.run.join("alloc/a1").display().to_string();
+    assert_eq!(post[0]["args"], serde_json::json!(["tessera-hook", "poststop", "--alloc-dir", dir]));
+    // Its own environment: runc would otherwise hand it the runtime's, and the hook refuses an
+    // inherited LD_LIBRARY_PATH.
+    assert_eq!(post[0]["env"], serde_json::json!([tessera_hook::cdi::HOOK_ENV]));
+}

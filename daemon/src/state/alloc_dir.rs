@@ -145,12 +145,14 @@ impl AllocDirs {
         self.spares.state.lock().unwrap_or_else(PoisonError::into_inner).ready.len()
     }
 
-    /// Writes `limits` into a spare directory and moves it to `dir`; false if none is ready (or
-    /// none could be completed and moved).
-    fn take_spare(&self, dir: &Path, limits: &[u8]) -> bool {
+    /// Writes `limits` (and the lease marker, when `leased`) into a spare directory and moves it
+    /// to `dir`; false if none is ready (or none could be completed and moved).
+    fn take_spare(&self, dir: &Path, limits: &[u8], leased: bool) -> bool {
         let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(spare) = state.ready.pop() {
-            let completed = write_new_limits(&spare, limits).and_then(|()| std::fs::rename(&spare, dir));
+            let completed = write_new_limits(&spare, limits)
+                .and_then(|()| if leased { write_lease(&spare) } else { Ok(()) })
+                .and_then(|()| std::fs::rename(&spare, dir));
             match completed {
                 Ok(()) => {
                     drop(state);
@@ -186,12 +188,15 @@ impl AllocDirs {
     }
 
     /// Creates (or, after a restart, brings up to date) the directory of `alloc`: writes its
-    /// limits and creates its region. Returns the directory. If a limits file was already there
-    /// it is replaced and the region's config generation bumped, as [`AllocDirs::update_limits`].
+    /// limits (and, for an allocation leased to its container, the lease marker the runtime
+    /// wrapper looks for: [`tessera_hook::owner::LEASE_FILE`]) and creates its region. Returns
+    /// the directory. If a limits file was already there it is replaced and the region's config
+    /// generation bumped, as [`AllocDirs::update_limits`].
     pub fn create(&self, alloc: &Allocation) -> Result<PathBuf, AllocDirError> {
         check_id(&alloc.id)?;
         make_dir(&self.root, PRIVATE_MODE)?;
         let dir = self.dir(&alloc.id);
+        let leased = alloc.claim.as_ref().is_some_and(|c| c.lease == super::record::Lease::Container);
         // A spare holds a fresh region and no limits: the limits complete it before it is renamed
         // into place, so the directory appears whole (no temporary file, no second rename).
         if dir.symlink_metadata().is_err() {
@@ -200,7 +205,7 @@ impl AllocDirs {
                 path: self.limits_path(&alloc.id),
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
             })?;
-            if self.take_spare(&dir, limits.to_toml().as_bytes()) {
+            if self.take_spare(&dir, limits.to_toml().as_bytes(), leased) {
                 return Ok(dir);
             }
         }
@@ -211,6 +216,9 @@ impl AllocDirs {
             .limits()
             .write_atomic(&limits_path)
             .map_err(|source| AllocDirError::Limits { path: limits_path, source })?;
+        if leased && !tessera_hook::owner::is_leased(&dir) {
+            write_lease(&dir).map_err(io_err(&dir.join(tessera_hook::owner::LEASE_FILE), "write"))?;
+        }
         if self.region_path(&alloc.id).symlink_metadata().is_err() {
             make_region(&dir)?;
         }
@@ -297,6 +305,17 @@ fn write_new_limits(spare: &Path, limits: &[u8]) -> std::io::Result<()> {
     f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
     f.write_all(limits)?;
     f.sync_all()
+}
+
+/// Leaves the lease marker in allocation directory `dir` (mode 0644: the container reads it as
+/// it reads its limits; nothing in it is secret). Not flushed: /run is tmpfs, and after a restart
+/// [`AllocDirs::create`] writes it again from the record.
+fn write_lease(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(tessera_hook::owner::LEASE_FILE);
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    std::io::Write::write_all(&mut f, b"container\n")
 }
 
 /// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
@@ -591,6 +610,42 @@ mod tests {
             dirs.spares_ready() == 2
                 && spare_names().iter().all(|n| !tmp.path().join("spare").join(n).join(LIMITS_FILE).exists())
         });
+    }
+
+    /// Only an allocation leased to its container has the marker the runtime wrapper adds its
+    /// poststop entry for, whether its directory came from a spare or was made on the spot, and
+    /// again after a restart that finds the directory without it.
+    #[test]
+    fn only_a_leased_allocation_is_marked() {
+        use crate::state::record::{Claim, Lease};
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let leased = |id: &str| {
+            let mut a = alloc(id);
+            a.claim = Some(Box::new(Claim { owner: Some("fn-1".into()), lease: Lease::Container }));
+            a
+        };
+        let marker = |id: &str| tmp.path().join("alloc").join(id).join(tessera_hook::owner::LEASE_FILE);
+        let on_the_spot = leased("leased1");
+        let dir = dirs.create(&on_the_spot).unwrap();
+        assert!(tessera_hook::owner::is_leased(&dir));
+        assert_eq!(std::fs::read_to_string(marker("leased1")).unwrap(), "container\n");
+        assert_eq!(mode(&marker("leased1")), 0o644);
+        let mut until_released = alloc("kept1");
+        until_released.claim = Some(Box::new(Claim { owner: None, lease: Lease::None }));
+        assert!(!tessera_hook::owner::is_leased(&dirs.create(&until_released).unwrap()));
+        assert!(!tessera_hook::owner::is_leased(&dirs.create(&alloc("kubelet1")).unwrap()));
+        // Lost (a crash between the rename and the marker): made again by the restart's create.
+        std::fs::remove_file(marker("leased1")).unwrap();
+        dirs.create(&on_the_spot).unwrap();
+        assert!(marker("leased1").is_file());
+
+        dirs.keep_spares(2).unwrap();
+        wait_for("two spares", || dirs.spares_ready() == 2);
+        assert!(tessera_hook::owner::is_leased(&dirs.create(&leased("leased2")).unwrap()));
+        wait_for("the pool refilled", || dirs.spares_ready() == 2);
+        let from_spare = dirs.create(&alloc("kubelet2")).unwrap();
+        assert!(!tessera_hook::owner::is_leased(&from_spare), "a spare carries no marker of its own");
     }
 
     #[test]
