@@ -7,7 +7,9 @@
 //! `TESSERA_BENCH_STRACE=<file>` runs the hook once more under strace (`-c -f`, or
 //! `TESSERA_BENCH_STRACE_ARGS`); `TESSERA_BENCH_RUNC_STRACE=<prefix>` runs each `runc run`
 //! variant once more under `strace -f -tt -T` (`<prefix>.<k>`, k in the order the table prints:
-//! 0 plain … 7 the no-op poststop entry);
+//! 0 plain … 11 NVIDIA's runtime);
+//! `TESSERA_BENCH_NVIDIA_RUNTIME=<nvidia-container-runtime>` adds NVIDIA's runtime wrapper (CDI
+//! mode) making the same edit as ours, the baseline for the wrapper;
 //! `TESSERA_BENCH_BIN_DIR=<dir>` takes `tessera-hook` and `tessera-runtime` from there (e.g. the
 //! static build of `scripts/build-static-hook.sh`).
 
@@ -141,6 +143,38 @@ impl Drop for FreshRoots {
 fn set_root(bundle: &Path, root: &Path) {
     edit_config(bundle, |c| c["root"]["path"] = serde_json::json!(root.display().to_string()));
 }
+
+/// A CDI spec (for NVIDIA's runtime) whose device `nvidia.com/gpu=0` makes the edit `edited`
+/// has over `pristine`: its added mounts, device nodes and environment.
+fn nvidia_cdi_spec(edited: &serde_json::Value, pristine: &serde_json::Value) -> String {
+    let added = |pointer: &str| -> Vec<serde_json::Value> {
+        let before = pristine.pointer(pointer).and_then(|v| v.as_array()).cloned().unwrap_or_default();
+        let after = edited.pointer(pointer).and_then(|v| v.as_array()).cloned().unwrap_or_default();
+        after.into_iter().filter(|v| !before.contains(v)).collect()
+    };
+    let mounts: Vec<_> = added("/mounts")
+        .into_iter()
+        .map(|m| serde_json::json!({"hostPath": m["source"], "containerPath": m["destination"], "options": m["options"]}))
+        .collect();
+    let nodes: Vec<_> = added("/linux/devices")
+        .into_iter()
+        .map(|d| {
+            serde_json::json!({"path": d["path"], "type": d["type"], "major": d["major"], "minor": d["minor"],
+                "fileMode": d["fileMode"], "uid": d["uid"], "gid": d["gid"]})
+        })
+        .collect();
+    let env = added("/process/env");
+    assert!(!mounts.is_empty() && !nodes.is_empty(), "the wrapper's edit adds mounts and device nodes");
+    serde_json::json!({
+        "cdiVersion": "0.5.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [{"name": "0", "containerEdits": {"env": env, "deviceNodes": nodes, "mounts": mounts}}],
+    })
+    .to_string()
+}
+
+/// The `runc run` variants timed in each round.
+const VARIANTS: usize = 12;
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
@@ -461,7 +495,7 @@ fn main() {
     with_noop_hook(&noop_hook, Path::new("/bin/true"), &[]);
     let version_hook = fresh_bundle(&node.path().join("version-hook"), &rootfs, Some(&node));
     with_noop_hook(&version_hook, &hook, &["--version"]);
-    // A poststop entry that does nothing, as the wrapper adds one (for leases): `runc run` runs it
+    // A poststop entry that does nothing, as the wrapper adds one for a lease: `runc run` runs it
     // at the container's deletion, off a start's path but inside this measure.
     let noop_poststop = fresh_bundle(&node.path().join("noop-poststop"), &rootfs, None);
     edit_config(&noop_poststop, |c| {
@@ -475,6 +509,66 @@ fn main() {
     let wrapped_dir = fresh_bundle(&node_dir.path().join("wrapped"), &rootfs_dir, None);
     let wrapped_dir_pristine: serde_json::Value =
         serde_json::from_slice(&std::fs::read(wrapped_dir.join("config.json")).unwrap()).unwrap();
+    // The wrapper's path taken apart: its edit (driver directory) made once by the wrapper itself
+    // (its real runtime /bin/true), then that config.json run by runc directly, with and without
+    // the poststop entry the wrapper adds for a leased allocation. Each start's new root lacks the
+    // wrapper's links (made by the wrapper, not runc); runc makes the mount targets itself.
+    let pre_edited = fresh_bundle(&node_dir.path().join("pre-edited"), &rootfs_dir, None);
+    let lease_marker = node_dir.run.join("alloc/a1").join(tessera_hook::owner::LEASE_FILE);
+    std::fs::write(&lease_marker, "container\n").unwrap();
+    let st = Command::new(bins().1)
+        .env("TESSERA_HOOK_CONFIG", node_dir.path().join("hook-true.toml"))
+        .args(["create", "--bundle"])
+        .arg(&pre_edited)
+        .arg("pre-edited")
+        .status()
+        .unwrap();
+    assert!(st.success(), "the wrapper's edit for the pre-edited bundle");
+    std::fs::remove_file(&lease_marker).unwrap();
+    let pre_edited_config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(pre_edited.join("config.json")).unwrap()).unwrap();
+    assert!(pre_edited_config["hooks"]["poststop"].is_array(), "the wrapper adds its poststop entry for a lease");
+    let no_poststop = fresh_bundle(&node_dir.path().join("pre-edited-no-poststop"), &rootfs_dir, None);
+    tessera_hook::oci::write_config(&no_poststop, &pre_edited_config).unwrap();
+    edit_config(&no_poststop, |c| {
+        c["hooks"].as_object_mut().unwrap().remove("poststop");
+    });
+    // TESSERA_BENCH_NVIDIA_RUNTIME=<nvidia-container-runtime>: NVIDIA's runtime wrapper in CDI
+    // mode, its real runtime runc, given one CDI device carrying what our wrapper's edit adds
+    // (the same mounts, device nodes and environment; not the links, which NVIDIA makes with a
+    // hook of its own). The same work through another wrapper: the baseline for ours.
+    let nvidia = std::env::var_os("TESSERA_BENCH_NVIDIA_RUNTIME").map(PathBuf::from);
+    let xdg = node_dir.path().join("xdg");
+    let nvidia_bundle = fresh_bundle(&node_dir.path().join("nvidia"), &rootfs_dir, None);
+    edit_config(&nvidia_bundle, |c| c["annotations"] = serde_json::json!({"cdi.k8s.io/bench": "nvidia.com/gpu=0"}));
+    let nvidia_pristine: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(nvidia_bundle.join("config.json")).unwrap()).unwrap();
+    if let Some(bin) = &nvidia {
+        let spec_dir = node_dir.path().join("nvidia-cdi");
+        std::fs::create_dir_all(&spec_dir).unwrap();
+        std::fs::write(spec_dir.join("bench.json"), nvidia_cdi_spec(&pre_edited_config, &wrapped_dir_pristine))
+            .unwrap();
+        std::fs::create_dir_all(xdg.join("nvidia-container-runtime")).unwrap();
+        std::fs::write(
+            xdg.join("nvidia-container-runtime/config.toml"),
+            format!(
+                "[nvidia-container-runtime]\nmode = \"cdi\"\nruntimes = [\"runc\"]\nlog-level = \"info\"\n\
+                 [nvidia-container-runtime.modes.cdi]\nspec-dirs = [\"{}\"]\ndefault-kind = \"nvidia.com/gpu\"\n\
+                 annotation-prefixes = [\"cdi.k8s.io/\"]\n",
+                spec_dir.display()
+            ),
+        )
+        .unwrap();
+        println!("NVIDIA's runtime: {}", bin.display());
+    }
+    // A container that asks for no GPU, through the wrapper (a node whose every container runs
+    // through it): the wrapper's floor, its process and the runtime's exec.
+    let asks_nothing = if have_runc {
+        bundle(&node_dir.path().join("asks-nothing"), &rootfs_dir, "true", &[], None)
+    } else {
+        fresh_bundle(&node_dir.path().join("asks-nothing"), &rootfs_dir, None)
+    };
+    let nvidia_runner = nvidia.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
     let state = node.path().join("runc-state");
     let mut n = 0;
     // TESSERA_BENCH_RUNC_STRACE=<prefix>: the last round's starts under `strace -f -tt -T`, one
@@ -492,6 +586,7 @@ fn main() {
         };
         let out = cmd
             .env("TESSERA_HOOK_CONFIG", config)
+            .env("XDG_CONFIG_HOME", &xdg)
             .arg("--root")
             .arg(&state)
             .args(["run", "--bundle"])
@@ -503,21 +598,32 @@ fn main() {
         assert!(out.status.success(), "{}", text_of(&out));
     };
     // Interleaved, so drift hits all variants alike.
-    let mut times: [Vec<Duration>; 8] = Default::default();
+    let mut times: [Vec<Duration>; VARIANTS] = Default::default();
+    let mut cpus: [Vec<Duration>; VARIANTS] = Default::default();
     for i in 0..=runs {
         let mut timed = |k: usize, runner: &str, b: &Path, config: &Path| {
             set_root(b, &roots.next());
-            let t = Instant::now();
+            // A new container's allocation has no owner record or deleted file yet: replacing one
+            // on this ext4 (a real host's /run is tmpfs) costs a flush a real start never pays.
+            for n in [&node, &node_dir] {
+                for f in [tessera_hook::owner::OWNER_FILE, tessera_hook::owner::DELETED_FILE] {
+                    let _ = std::fs::remove_file(n.run.join("alloc/a1").join(f));
+                }
+            }
+            let (t, cpu0) = (Instant::now(), children_cpu());
             start(runner, b, config, None);
             if i > 0 {
                 times[k].push(t.elapsed());
+                // runc run reaps the whole tree (it is the subreaper): runc, its init, the hooks,
+                // the container's process.
+                cpus[k].push(children_cpu() - cpu0);
             }
         };
         // Each round starts at another variant, so that each follows every other equally often:
         // a start leaves deferred work behind (its mounts' teardown, its root's removal), which
         // lands on whichever start comes next.
-        for j in 0..8 {
-            match (i + j) % 8 {
+        for j in 0..VARIANTS {
+            match (i + j) % VARIANTS {
                 0 => timed(0, "runc", &plain, &node.config),
                 1 => timed(1, "runc", &with_hook, &node.config),
                 2 => timed(2, "runc", &with_hook_dir, &node_dir.config),
@@ -531,12 +637,20 @@ fn main() {
                 }
                 5 => timed(5, "runc", &noop_hook, &node.config),
                 6 => timed(6, "runc", &version_hook, &node.config),
-                _ => timed(7, "runc", &noop_poststop, &node.config),
+                7 => timed(7, "runc", &noop_poststop, &node.config),
+                8 => timed(8, "runc", &pre_edited, &node_dir.config),
+                9 => timed(9, "runc", &no_poststop, &node_dir.config),
+                10 => timed(10, &wrapper, &asks_nothing, &node_dir.config),
+                _ if nvidia.is_some() => {
+                    tessera_hook::oci::write_config(&nvidia_bundle, &nvidia_pristine).unwrap();
+                    timed(11, &nvidia_runner, &nvidia_bundle, &node_dir.config);
+                }
+                _ => {}
             }
         }
     }
     if runc_strace.is_some() {
-        let variants: [(&str, &Path, &Path); 8] = [
+        let variants: [(&str, &Path, &Path); VARIANTS] = [
             ("runc", &plain, &node.config),
             ("runc", &with_hook, &node.config),
             ("runc", &with_hook_dir, &node_dir.config),
@@ -545,27 +659,39 @@ fn main() {
             ("runc", &noop_hook, &node.config),
             ("runc", &version_hook, &node.config),
             ("runc", &noop_poststop, &node.config),
+            ("runc", &pre_edited, &node_dir.config),
+            ("runc", &no_poststop, &node_dir.config),
+            (&wrapper, &asks_nothing, &node_dir.config),
+            (&nvidia_runner, &nvidia_bundle, &node_dir.config),
         ];
         tessera_hook::oci::write_config(&wrapped, &wrapped_pristine).unwrap();
         tessera_hook::oci::write_config(&wrapped_dir, &wrapped_dir_pristine).unwrap();
-        for (k, (runner, b, config)) in variants.into_iter().enumerate() {
+        tessera_hook::oci::write_config(&nvidia_bundle, &nvidia_pristine).unwrap();
+        for (k, (runner, b, config)) in
+            variants.into_iter().enumerate().filter(|(k, _)| *k < VARIANTS - 1 || nvidia.is_some())
+        {
             set_root(b, &roots.next());
             start(runner, b, config, Some(k));
         }
     }
     // The median of each round's difference to that round's plain start: drift between rounds
     // (this VM's speed moves by tens of percent within a minute) cancels out.
-    let paired: Vec<f64> = times[1..]
-        .iter()
-        .map(|t| {
-            let mut d: Vec<f64> = t.iter().zip(&times[0]).map(|(a, b)| a.as_secs_f64() - b.as_secs_f64()).collect();
-            d.sort_by(f64::total_cmp);
-            d[d.len() / 2] * 1e3
-        })
-        .collect();
-    let [p, rest @ ..] = times.map(median);
+    let paired_of = |all: &[Vec<Duration>; VARIANTS]| -> Vec<f64> {
+        all[1..]
+            .iter()
+            .filter(|t| !t.is_empty())
+            .map(|t| {
+                let mut d: Vec<f64> = t.iter().zip(&all[0]).map(|(a, b)| a.as_secs_f64() - b.as_secs_f64()).collect();
+                d.sort_by(f64::total_cmp);
+                d[d.len() / 2] * 1e3
+            })
+            .collect()
+    };
+    let (paired, paired_cpu) = (paired_of(&times), paired_of(&cpus));
+    let plain_cpu = median(cpus[0].clone());
+    let [p, rest @ ..] = times.map(|t| if t.is_empty() { Duration::ZERO } else { median(t) });
     println!("runc run (busybox true), median of {runs}, interleaved, each round in another order:");
-    println!("  plain                                        {}", ms(p));
+    println!("  plain                                        {} (CPU {})", ms(p), ms(plain_cpu));
     let labels = [
         "with tessera-hook, a mount per file",
         "with tessera-hook, driver directory",
@@ -574,10 +700,14 @@ fn main() {
         "with a hook that does nothing (/bin/true)",
         "with tessera-hook --version as the hook",
         "with a poststop entry that does nothing",
+        "runc on the wrapper's edit, leased (poststop)",
+        "  the same without its poststop entry",
+        "via tessera-runtime, a container asking nothing",
+        "via NVIDIA's runtime (CDI mode), the same edit",
     ];
-    for ((label, t), d) in labels.iter().zip(rest).zip(paired) {
+    for (((label, t), d), c) in labels.iter().zip(rest).filter(|(_, t)| !t.is_zero()).zip(paired).zip(paired_cpu) {
         println!(
-            "  {label:<44} {}  ratio {:.3}  (+{}; paired: {d:+.2} ms)",
+            "  {label:<44} {}  ratio {:.3}  (+{}; paired: {d:+.2} ms, CPU {c:+.2} ms)",
             ms(t),
             t.as_secs_f64() / p.as_secs_f64(),
             ms(t.saturating_sub(p))
