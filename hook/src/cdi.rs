@@ -439,7 +439,7 @@ pub fn claim_spec_file_name(claim_uid: &str) -> String {
 /// The spec of one prepared claim, kind `tessera.io/claim`: one device per device of the claim,
 /// each with its nodes, the allocation's directory (read-only) and region (read-write), the
 /// preload naming the shim, and the environment the shim reads; the spec's own edits are the
-/// class specs' (control nodes, driver files, the shim, the hook entries). Always cdiVersion
+/// class specs' (control nodes, driver files, the shim, the createRuntime entry). Always cdiVersion
 /// 0.6.0 (the UUID annotation is how the hook checks a device against the allocation): the
 /// runtimes a kubelet with DRA drives (containerd 1.7+, CRI-O) read it.
 pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec, CdiError> {
@@ -492,12 +492,16 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
         let annotations = BTreeMap::from([(ANNOTATION_UUID.to_string(), d.uuid.clone())]);
         devices.push(Device { name, annotations, container_edits: edits });
     }
+    // No poststop entry: a claim's allocation is never leased (the kubelet releases it through
+    // NodeUnprepareResources), so no process of ours runs at its containers' deletion.
+    let mut common = common_edits(node, dev_root)?;
+    common.hooks.retain(|h| h.hook_name != "poststop");
     Ok(Spec {
         cdi_version: CDI_VERSION.into(),
         kind: format!("{VENDOR}/{CLAIM_CLASS}"),
         annotations: BTreeMap::new(),
         devices,
-        container_edits: common_edits(node, dev_root)?,
+        container_edits: common,
     })
 }
 
@@ -829,10 +833,12 @@ pub(crate) mod tests {
                 ),
             ]
         );
-        // The spec's own edits are the class specs': control nodes, the shim, the hook entries.
+        // The spec's own edits are the class specs': control nodes, the shim, the createRuntime
+        // entry; not the poststop entry (a claim is never leased: nothing to hear at deletion).
         let shim = spec.container_edits.mounts.iter().find(|m| m.container_path == SHIM_CONTAINER_PATH).unwrap();
         assert_eq!(shim.host_path, "/opt/libtessera.so");
-        assert_eq!(spec.container_edits.hooks.len(), 2);
+        let hooks: Vec<_> = spec.container_edits.hooks.iter().map(|h| h.hook_name.as_str()).collect();
+        assert_eq!(hooks, ["createRuntime"]);
         assert_eq!(spec.container_edits.device_nodes.len(), 2);
 
         // Written beside the class specs; rewriting the class specs (any classes) keeps it.
