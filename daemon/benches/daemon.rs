@@ -16,6 +16,9 @@
 //! `/var/lib/kubelet/device-plugins`, and each paced Allocate of tesserad's is followed by one of
 //! NVIDIA's, through the same client code.
 //!
+//! `TESSERA_BENCH_STATE_DIR=<dir>` puts tesserad's state directory under `<dir>` (a tmpfs such
+//! as `/dev/shm`: the journal's flush then costs nothing, which shows what is not the disk's).
+//!
 //! Not a test: nothing here asserts a time; the goals are printed beside the figures.
 
 #[path = "../tests/common/mod.rs"]
@@ -65,7 +68,11 @@ fn config(node: &SimNode, dir: &Path, run: &Path, partitions: &str) -> std::path
             "nvml_library = {:?}\ndevice_plugin_dir = {:?}\nstate_dir = {:?}\nruntime_dir = {:?}\n{partitions}\n",
             node.nvml_path(),
             dir.join("plugins"),
-            dir.join("state"),
+            // TESSERA_BENCH_STATE_DIR=<dir>: the state elsewhere, e.g. on a tmpfs, where the
+            // journal's fdatasync costs nothing: tesserad's Allocate without the disk's share.
+            std::env::var_os("TESSERA_BENCH_STATE_DIR")
+                .map(|d| Path::new(&d).join(bench_state_name(dir)))
+                .unwrap_or_else(|| dir.join("state")),
             run,
         ),
     )
@@ -431,6 +438,12 @@ fn breakdown() {
     );
 }
 
+/// The name of a bench daemon's state directory under `TESSERA_BENCH_STATE_DIR`: this process's
+/// and the daemon's own temporary directory's (one state per daemon, as in `dir`).
+fn bench_state_name(dir: &Path) -> String {
+    format!("tessera-bench-{}-{}", std::process::id(), dir.file_name().unwrap_or_default().to_string_lossy())
+}
+
 fn main() {
     // `cargo bench` passes --bench; a filter argument picks one part.
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
@@ -448,6 +461,15 @@ fn main() {
             breakdown();
         }
     });
+    // The state directories put under TESSERA_BENCH_STATE_DIR go with the run.
+    if let Some(d) = std::env::var_os("TESSERA_BENCH_STATE_DIR") {
+        let mine = format!("tessera-bench-{}-", std::process::id());
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_name().to_string_lossy().starts_with(&mine) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
 }
 
 /// Thread CPU time (user + system) of the calling thread.
