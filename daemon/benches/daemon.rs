@@ -37,6 +37,8 @@ const STARTS: usize = 10;
 const ALLOCATIONS: usize = 1000;
 /// Allocations made one every few ms; the rest come in one burst.
 const PACED: usize = 800;
+/// No-op calls timed warm (the second of two back to back), per server.
+const WARM_CALLS: usize = 300;
 
 /// The runtime dir on tmpfs, as `/run` is on a GPU host (the per-allocation `limits` and
 /// `region` live there); the state dir stays on disk, where its fsyncs are real.
@@ -242,6 +244,21 @@ async fn allocate_and_rss() {
         }
         tokio::time::sleep(Duration::from_millis(3)).await;
     }
+    // The gRPC stacks alone: the second of two no-op calls back to back (the server awake, the
+    // connection warm), tesserad's and NVIDIA's interleaved, 3 ms apart as above.
+    let (mut warm, mut nvidia_warm) = (Vec::new(), Vec::new());
+    for _ in 0..WARM_CALLS {
+        client.get_device_plugin_options(Empty {}).await.expect("options");
+        let t = Instant::now();
+        client.get_device_plugin_options(Empty {}).await.expect("options");
+        warm.push(t.elapsed());
+        if let Some(n) = nvidia.as_mut() {
+            nvidia_warm.push(n.warm_noop().await);
+        }
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    warm.sort();
+    nvidia_warm.sort();
     for d in &devices[PACED..] {
         burst.push(allocate(&mut client, &d.id).await);
     }
@@ -274,6 +291,20 @@ async fn allocate_and_rss() {
         ms(n99),
         a50.as_secs_f64() / n50.as_secs_f64()
     );
+    print!(
+        "  warm no-op (the second of two back to back, {WARM_CALLS} times): tesserad p50 {:.3} ms, p99 {:.3} ms",
+        ms(percentile(&warm, 0.5)),
+        ms(percentile(&warm, 0.99))
+    );
+    if nvidia_warm.is_empty() {
+        println!();
+    } else {
+        println!(
+            "; NVIDIA's plugin p50 {:.3} ms, p99 {:.3} ms",
+            ms(percentile(&nvidia_warm, 0.5)),
+            ms(percentile(&nvidia_warm, 0.99))
+        );
+    }
     println!(
         "  tesserad CPU per paced call (threads other than the spare one, schedstat): Allocate p50 {:.0} us, \
          the no-op RPC p50 {:.0} us",
@@ -356,6 +387,14 @@ impl NvidiaPlugin {
         self.noop.push(t.elapsed());
         let id = self.devices[i % self.devices.len()].clone();
         self.alloc.push(allocate(&mut self.client, &id).await);
+    }
+
+    /// Two no-op calls back to back; the second's time.
+    async fn warm_noop(&mut self) -> Duration {
+        self.client.get_device_plugin_options(Empty {}).await.expect("options");
+        let t = Instant::now();
+        self.client.get_device_plugin_options(Empty {}).await.expect("options");
+        t.elapsed()
     }
 
     async fn report(mut self) {
