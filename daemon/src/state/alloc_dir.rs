@@ -155,8 +155,14 @@ impl AllocDirs {
                 .and_then(|()| std::fs::rename(&spare, dir));
             match completed {
                 Ok(()) => {
+                    // The refill thread is woken only once the pool is half spent (else its own
+                    // timeout tops it up): waking a sleeping thread is a syscall and, on a VM, an
+                    // interrupt to another CPU, on the request's path before its answer.
+                    let low = state.ready.len() <= state.keep / 2;
                     drop(state);
-                    self.spares.taken.notify_one();
+                    if low {
+                        self.spares.taken.notify_one();
+                    }
                     return true;
                 }
                 Err(e) => {
@@ -325,7 +331,8 @@ fn refill(spares: Weak<Spares>) {
         let missing = {
             let state = sp.state.lock().unwrap_or_else(PoisonError::into_inner);
             let state = if state.ready.len() >= state.keep {
-                // Woken by a take, or after a while to notice the `AllocDirs` is gone.
+                // Woken by a take that half spent the pool, or after a while: to top up what
+                // other takes left, or to notice the `AllocDirs` is gone.
                 sp.taken.wait_timeout(state, Duration::from_millis(500)).unwrap_or_else(PoisonError::into_inner).0
             } else {
                 state
@@ -423,6 +430,10 @@ fn check_id(id: &str) -> Result<(), AllocDirError> {
 /// Creates `dir` if missing and gives it `mode` (the umask may have narrowed it; an existing
 /// directory of a looser mode, from an older tesserad, is narrowed).
 fn make_dir(dir: &Path, mode: u32) -> Result<(), AllocDirError> {
+    // Already there as it should be (every Allocate after the first): one stat, no mkdir.
+    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.permissions().mode() & 0o7777 == mode) {
+        return Ok(());
+    }
     match std::fs::create_dir(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
