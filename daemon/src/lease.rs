@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::allocator::DaemonAllocator;
-use crate::state::{AllocDirs, Allocation, Lease};
+use crate::state::{AllocDirs, Allocation};
 
 /// How often leases are checked.
 pub const INTERVAL: Duration = Duration::from_secs(1);
@@ -30,7 +30,7 @@ pub const STATE_GRACE: Duration = Duration::from_secs(10);
 
 /// Why `alloc`'s lease has ended, if it has.
 pub fn ended(alloc: &Allocation, dirs: &AllocDirs, now: SystemTime) -> Option<String> {
-    if alloc.claim.as_ref().map(|c| c.lease) != Some(Lease::Container) {
+    if !alloc.leased_to_container() {
         return None;
     }
     let bound = alloc.container.container_id.as_deref()?;
@@ -61,8 +61,7 @@ pub fn sweep(allocator: &DaemonAllocator) -> Vec<(String, String)> {
     allocator.adopt_owner_records();
     let now = SystemTime::now();
     let mut released = Vec::new();
-    let leased = |a: &Allocation| a.claim.as_ref().is_some_and(|c| c.lease == Lease::Container);
-    for alloc in allocator.allocations_where(leased) {
+    for alloc in allocator.allocations_where(Allocation::leased_to_container) {
         let Some(why) = ended(&alloc, allocator.dirs(), now) else { continue };
         match allocator.release(&alloc.id) {
             Ok(_) => {
@@ -95,7 +94,7 @@ pub fn spawn(allocator: Arc<DaemonAllocator>, mut shutdown: watch::Receiver<bool
 mod tests {
     use super::*;
     use crate::state::record::tests::sample;
-    use crate::state::{Claim, ContainerIdentity};
+    use crate::state::{Claim, ContainerIdentity, Lease};
     use tessera_hook::owner::{Owner, record_deleted};
 
     fn leased(id: &str, bound: Option<&str>) -> Allocation {

@@ -99,12 +99,12 @@ pub fn edit_bundle_for(
     check_targets(&rootfs, &plan)?;
     make_links(&rootfs, &mut plan)?;
     oci::apply_to_config(&mut config, &plan)?;
-    if let Some(id) = &plan.allocation
-        && crate::owner::is_leased(&cfg.runtime_dir.join("alloc").join(id))
+    if let Some(dir) = plan.allocation.as_ref().map(|id| cfg.runtime_dir.join("alloc").join(id))
+        && crate::owner::is_leased(&dir)
         && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
         && hook.is_file()
     {
-        oci::add_poststop(&mut config, &hook, &cfg.runtime_dir.join("alloc").join(id))?;
+        oci::add_poststop(&mut config, &hook, &dir)?;
     }
     plan::ensure_files(&plan)?;
     oci::write_config(bundle, &config)?;

@@ -438,6 +438,30 @@ fn behind_the_shim(name: &str) -> *const c_void {
 
 type SetCurrent = unsafe extern "C" fn(H) -> R;
 
+/// Device 1's primary context retained and kernel `f1` loaded in it, 10 launches on device 0's
+/// default stream, then device 1's context made current by the driver's own `cuCtxSetCurrent`,
+/// which the shim does not see. Returns device 1's kernel.
+fn ten_launches_then_a_switch_behind_the_shim(s: &Session, f1: &str) -> H {
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    // SAFETY: the driver's export of that name has this signature (cuda.h).
+    let raw_set: SetCurrent = unsafe { std::mem::transmute(behind_the_shim("cuCtxSetCurrent")) };
+    let mut ctx1: H = null;
+    // SAFETY: valid out-pointer; contexts from the driver.
+    unsafe {
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, f1);
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    launch_n(cu, f0, null, 10);
+    // SAFETY: a live context, set by the driver itself: the shim does not see it.
+    ck("cuCtxSetCurrent (behind the shim)", unsafe { raw_set(ctx1) });
+    f1
+}
+
 /// A tenant that switches its current context behind the shim's back (the driver's own
 /// `cuCtxSetCurrent`, found by reading the driver's file) while a device has an SM share: the
 /// shim keeps no view of the current context then, so the launches land on the device they run
@@ -458,21 +482,7 @@ fn a_switch_behind_the_shims_back_never_skips_a_share() {
     let s = Session::start(0);
     let cu = &s.cu;
     let null: H = std::ptr::null_mut();
-    // SAFETY: the driver's export of that name has this signature (cuda.h).
-    let raw_set: SetCurrent = unsafe { std::mem::transmute(behind_the_shim("cuCtxSetCurrent")) };
-    let mut ctx1: H = null;
-    // SAFETY: valid out-pointer; contexts from the driver.
-    unsafe {
-        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
-        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
-    }
-    let f1 = kernel(cu, "tessera_test_spin_50us");
-    // SAFETY: a live context.
-    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
-    let f0 = kernel(cu, "tessera_test_spin_1us");
-    launch_n(cu, f0, null, 10);
-    // SAFETY: a live context, set by the driver itself: the shim does not see it.
-    ck("cuCtxSetCurrent (behind the shim)", unsafe { raw_set(ctx1) });
+    let f1 = ten_launches_then_a_switch_behind_the_shim(&s, "tessera_test_spin_50us");
     let (before, gpu_before) = my_launches(&s.uuid(1));
     launch_n(cu, f1, null, 20);
     // SAFETY: the current context.
@@ -503,21 +513,7 @@ fn a_switch_behind_the_shims_back_is_caught_within_64_launches() {
     let s = Session::start(0);
     let cu = &s.cu;
     let null: H = std::ptr::null_mut();
-    // SAFETY: the driver's export of that name has this signature (cuda.h).
-    let raw_set: SetCurrent = unsafe { std::mem::transmute(behind_the_shim("cuCtxSetCurrent")) };
-    let mut ctx1: H = null;
-    // SAFETY: valid out-pointer; contexts from the driver.
-    unsafe {
-        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
-        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
-    }
-    let f1 = kernel(cu, "tessera_test_spin_1us");
-    // SAFETY: a live context.
-    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
-    let f0 = kernel(cu, "tessera_test_spin_1us");
-    launch_n(cu, f0, null, 10);
-    // SAFETY: a live context, set by the driver itself: the shim does not see it.
-    ck("cuCtxSetCurrent (behind the shim)", unsafe { raw_set(ctx1) });
+    let f1 = ten_launches_then_a_switch_behind_the_shim(&s, "tessera_test_spin_1us");
     launch_n(cu, f1, null, 200);
     let (on0, on1) = (my_launches(&s.uuid(0)).0, my_launches(&s.uuid(1)).0);
     assert_eq!(on0 + on1, 210, "every launch counted once");

@@ -202,7 +202,7 @@ impl AllocDirs {
         check_id(&alloc.id)?;
         make_dir(&self.root, PRIVATE_MODE)?;
         let dir = self.dir(&alloc.id);
-        let leased = alloc.claim.as_ref().is_some_and(|c| c.lease == super::record::Lease::Container);
+        let leased = alloc.leased_to_container();
         // A spare holds a fresh region and no limits: the limits complete it before it is renamed
         // into place, so the directory appears whole (no temporary file, no second rename).
         if dir.symlink_metadata().is_err() {
@@ -300,28 +300,28 @@ impl AllocDirs {
 }
 
 /// Writes the limits file of spare directory `spare`, which nothing outside this process sees
-/// until it is renamed into place: written in place, flushed, mode 0644 (container processes of
-/// any uid read it), as [`tessera_region::Limits::write_atomic`] leaves it.
+/// until it is renamed into place: written in place, flushed, as
+/// [`tessera_region::Limits::write_atomic`] leaves it.
 fn write_new_limits(spare: &Path, limits: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = spare.join(LIMITS_FILE);
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(&path)?;
-    // The umask may have narrowed the mode.
-    f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    f.write_all(limits)?;
-    f.sync_all()
+    write_new_file(&spare.join(LIMITS_FILE), limits, true)
 }
 
-/// Leaves the lease marker in allocation directory `dir` (mode 0644: the container reads it as
-/// it reads its limits; nothing in it is secret). Not flushed: /run is tmpfs, and after a restart
-/// [`AllocDirs::create`] writes it again from the record.
+/// Leaves the lease marker in allocation directory `dir`. Not flushed: /run is tmpfs, and after a
+/// restart [`AllocDirs::create`] writes it again from the record.
 fn write_lease(dir: &Path) -> std::io::Result<()> {
+    write_new_file(&dir.join(tessera_hook::owner::LEASE_FILE), b"container\n", false)
+}
+
+/// Creates `path` (it must not exist) with `bytes`, mode 0644: container processes of any uid read
+/// an allocation directory's files, and nothing in them is secret. `flush`: fsynced too.
+fn write_new_file(path: &Path, bytes: &[u8], flush: bool) -> std::io::Result<()> {
+    use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let path = dir.join(tessera_hook::owner::LEASE_FILE);
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o644).open(&path)?;
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(path)?;
+    // The umask may have narrowed the mode.
     f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
-    std::io::Write::write_all(&mut f, b"container\n")
+    f.write_all(bytes)?;
+    if flush { f.sync_all() } else { Ok(()) }
 }
 
 /// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
@@ -430,18 +430,16 @@ fn check_id(id: &str) -> Result<(), AllocDirError> {
 /// Creates `dir` if missing and gives it `mode` (the umask may have narrowed it; an existing
 /// directory of a looser mode, from an older tesserad, is narrowed).
 fn make_dir(dir: &Path, mode: u32) -> Result<(), AllocDirError> {
-    // Already there as it should be (every Allocate after the first): one stat, no mkdir.
-    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir() && m.permissions().mode() & 0o7777 == mode) {
-        return Ok(());
-    }
-    match std::fs::create_dir(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {
-            if dir.metadata().is_ok_and(|m| m.permissions().mode() & 0o7777 == mode) {
-                return Ok(());
-            }
-        }
-        Err(e) => return Err(io_err(dir, "create directory")(e)),
+    // Already there (every Allocate after the first): one stat, no mkdir.
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() && m.permissions().mode() & 0o7777 == mode => return Ok(()),
+        Ok(m) if m.is_dir() => {}
+        _ => match std::fs::create_dir(dir) {
+            Ok(()) => {}
+            // Made meanwhile by another thread: its mode is set below all the same.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => return Err(io_err(dir, "create directory")(e)),
+        },
     }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(io_err(dir, "chmod"))
 }

@@ -150,6 +150,11 @@ impl Allocation {
         format!("{n:016x}")
     }
 
+    /// Whether the allocation is leased to the first container that uses it (`--lease container`).
+    pub fn leased_to_container(&self) -> bool {
+        self.claim.as_ref().is_some_and(|c| c.lease == Lease::Container)
+    }
+
     /// The limits file the shim enforces for this allocation.
     ///
     /// `container` is the container's [display name](ContainerIdentity::display_name), else the
