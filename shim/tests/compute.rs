@@ -182,10 +182,21 @@ fn a_live_share_change_applies() {
 
 /// One workload in a container of `limit`% with `args`; its achieved share.
 fn alone(limit: u32, args: &[&str]) -> f64 {
+    alone_and_throttled(limit, args).0
+}
+
+/// [`alone`], and the part of the run the limiter held its launches back (the region's throttled
+/// time over the workload's wall time).
+fn alone_and_throttled(limit: u32, args: &[&str]) -> (f64, f64) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let node = SimNode::new();
     let c = container(&node, "sampled", Some(limit), "normal", "strict");
-    share(&report(start(&node, &c, args)))
+    let r = report(start(&node, &c, args));
+    let got = share(&r);
+    let snap = tessera_region::Region::open_or_create(&c.region).unwrap().snapshot();
+    let throttled_ns: u64 = snap.devices.iter().map(|d| d.exited_throttled_ns).sum::<u64>()
+        + snap.processes.iter().flat_map(|p| &p.devices).map(|d| d.throttled_ns).sum::<u64>();
+    (got, throttled_ns as f64 / 1e6 / r["wall_ms"].as_f64().unwrap())
 }
 
 // A test process (debug build, simulated driver, a shared 2-core machine) launches a few tens
@@ -194,11 +205,18 @@ fn alone(limit: u32, args: &[&str]) -> f64 {
 
 /// 8 µs kernels: one launch in 8 is measured, each measured one charged for 8. At a 5% share
 /// the ±5 points of the other tests would pass a limiter that held nothing, so within 2 points.
+/// Never over the share. Under it only where the limiter did not hold the process back: a
+/// loaded machine can leave a process launching 8 µs kernels short of even 5% by itself (seen
+/// beside three busy loops: 2.3%, hardly throttled); where it held it back for most of the run,
+/// the share is what it got.
 #[test]
 fn tiny_kernels_measured_by_sample_keep_the_share() {
-    let got = alone(5, &["--kernel-us", "8", "--seconds", "3", "--depth", "64"]);
-    eprintln!("5% with 8 µs kernels: achieved {got:.3}");
-    assert!((got - 0.05).abs() <= 0.02, "achieved {got}");
+    let (got, throttled) = alone_and_throttled(5, &["--kernel-us", "8", "--seconds", "3", "--depth", "64"]);
+    eprintln!("5% with 8 µs kernels: achieved {got:.3}, throttled {throttled:.2} of the run");
+    assert!(got <= 0.07, "achieved {got}");
+    if throttled >= 0.5 {
+        assert!(got >= 0.03, "achieved {got}, throttled {throttled:.2} of the run");
+    }
 }
 
 /// A tenant alternating tiny and long kernels of one function (its duration is its parameter,
