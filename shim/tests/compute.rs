@@ -207,7 +207,7 @@ fn alone_and_throttled(limit: u32, args: &[&str]) -> (f64, f64) {
 /// the ±5 points of the other tests would pass a limiter that held nothing, so within 2 points.
 /// Never over the share. Under it only where the limiter did not hold the process back: a
 /// loaded machine can leave a process launching 8 µs kernels short of even 5% by itself (seen
-/// beside three busy loops: 2.3%, hardly throttled); where it held it back for most of the run,
+/// beside two busy loops and a disk writer: 2.3%); where it held it back for most of the run,
 /// the share is what it got.
 #[test]
 fn tiny_kernels_measured_by_sample_keep_the_share() {
