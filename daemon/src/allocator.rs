@@ -229,6 +229,21 @@ impl DaemonAllocator {
         store.len()
     }
 
+    /// The store's change count and, when it differs from `since`, a copy of the records `keep`
+    /// selects: a loop that follows the records every few ms copies them only when they changed.
+    pub fn allocations_changed_since(
+        &self,
+        since: Option<u64>,
+        keep: impl Fn(&Allocation) -> bool,
+    ) -> (u64, Option<Vec<Allocation>>) {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let changes = store.changes();
+        if since == Some(changes) {
+            return (changes, None);
+        }
+        (changes, Some(store.list().filter(|a| keep(a)).cloned().collect()))
+    }
+
     /// A copy of every record (for reports and tests).
     pub fn allocations(&self) -> Vec<Allocation> {
         self.allocations_where(|_| true)
@@ -979,13 +994,13 @@ impl Allocator for DaemonAllocator {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::resources::ResourceDevice;
 
     const SHARE: &str = "tessera.io/gpu-share";
 
-    fn resources() -> Arc<Resources> {
+    pub(crate) fn resources() -> Arc<Resources> {
         let mut r = Resources::default();
         let devices = ["GPU-a", "GPU-b"]
             .iter()
@@ -1007,7 +1022,7 @@ mod tests {
         Arc::new(r)
     }
 
-    fn allocator(dir: &std::path::Path, placement: Placement) -> DaemonAllocator {
+    pub(crate) fn allocator(dir: &std::path::Path, placement: Placement) -> DaemonAllocator {
         let mut config = Config::default();
         config.resources.share_placement = placement;
         std::fs::create_dir_all(dir.join("run")).unwrap();
@@ -1168,7 +1183,7 @@ mod tests {
         assert!(a.allocate(SHARE, &ids(&["GPU-z::0"])).is_err());
     }
 
-    fn rooms() -> Vec<GpuRoom> {
+    pub(crate) fn rooms() -> Vec<GpuRoom> {
         ["GPU-a", "GPU-b"]
             .iter()
             .enumerate()
@@ -1185,7 +1200,7 @@ mod tests {
             .collect()
     }
 
-    fn share(gib: u64, sm: u32, gpu: &str) -> ShareRequest {
+    pub(crate) fn share(gib: u64, sm: u32, gpu: &str) -> ShareRequest {
         ShareRequest {
             device: DeviceAsk::Share,
             memory: gib << 30,

@@ -47,6 +47,7 @@ pub mod install;
 pub mod kubelet;
 pub mod kubernetes;
 pub mod lease;
+pub mod ledger;
 pub mod node;
 pub mod partition;
 pub mod podresources;

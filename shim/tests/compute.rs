@@ -8,7 +8,11 @@
 
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tessera_region::ledger::{Ledger, Member, Publisher};
+use tessera_region::{MAX_DEVICES, Priority, Region};
 
 use serde_json::Value;
 use tessera_sim_testkit::{SimNode, binary, profile_dir};
@@ -16,13 +20,19 @@ use tessera_sim_testkit::{SimNode, binary, profile_dir};
 /// These tests measure time shares on a 2-core machine: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
+/// A container's directory, as tesserad makes one: `limits`, `region` and the daemon's `ledger`
+/// view of the others (found beside the limits file).
 struct Container {
     limits: PathBuf,
     region: PathBuf,
+    ledger: PathBuf,
+    priority: Priority,
 }
 
 fn container(node: &SimNode, name: &str, sm: Option<u32>, priority: &str, mode: &str) -> Container {
-    let limits = node.root.join(format!("{name}.limits"));
+    let dir = node.root.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    let limits = dir.join("limits");
     let sm_line = sm.map(|s| format!("sm_percent = {s}\n")).unwrap_or_default();
     std::fs::write(
         &limits,
@@ -31,7 +41,55 @@ fn container(node: &SimNode, name: &str, sm: Option<u32>, priority: &str, mode: 
         ),
     )
     .unwrap();
-    Container { limits, region: node.root.join(format!("{name}.region")) }
+    let ledger = dir.join(tessera_region::ledger::LEDGER_FILE);
+    Ledger::create(&ledger).unwrap();
+    let priority = tessera_region::Limits::load(&limits).unwrap().priority;
+    Container { limits, region: dir.join("region"), ledger, priority }
+}
+
+/// What tesserad does for these containers: every 10 ms, each one's view of the others published
+/// from their regions, with the priority each one's limits grant (a record's, in the daemon).
+struct Daemon {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+fn publish_for(cs: &[&Container]) -> Daemon {
+    let cs: Vec<(PathBuf, PathBuf, Priority)> =
+        cs.iter().map(|c| (c.region.clone(), c.ledger.clone(), c.priority)).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let quit = Arc::clone(&stop);
+    let thread = std::thread::spawn(move || {
+        let opened: Vec<(Region, Ledger, Priority)> =
+            cs.iter().map(|(r, l, p)| (Region::open_or_create(r).unwrap(), Ledger::open_rw(l).unwrap(), *p)).collect();
+        let ids: Vec<String> = (0..opened.len()).map(|i| i.to_string()).collect();
+        let mut publisher = Publisher::new();
+        while !quit.load(Ordering::Relaxed) {
+            // The devices each container has named in its region (a record lists them in the daemon).
+            let devices: Vec<Vec<(String, Priority)>> = opened
+                .iter()
+                .map(|(r, _, p)| (0..MAX_DEVICES).filter_map(|d| r.device_uuid(d)).map(|u| (u, *p)).collect())
+                .collect();
+            let members: Vec<Member> = opened
+                .iter()
+                .zip(&devices)
+                .zip(&ids)
+                .map(|(((region, ledger, _), devices), id)| Member { id, region, ledger, devices })
+                .collect();
+            publisher.publish(tessera_region::monotonic_ns(), &members);
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    });
+    Daemon { stop, thread: Some(thread) }
 }
 
 fn start(node: &SimNode, c: &Container, args: &[&str]) -> Child {
@@ -39,7 +97,6 @@ fn start(node: &SimNode, c: &Container, args: &[&str]) -> Child {
         .env("LD_PRELOAD", profile_dir().join("libtessera.so"))
         .env("TESSERA_LIMITS", &c.limits)
         .env("TESSERA_REGION", &c.region)
-        .env("TESSERA_LEDGER", node.root.join("ledger"))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -123,6 +180,7 @@ fn work_conserving_borrows_idle_time_and_strict_does_not() {
     let alone = share(&report(start(&node, &lender, &args)));
     assert!(alone >= 0.85, "alone on the GPU, a work-conserving 30% container took {alone}");
     let strict = container(&node, "strict", Some(30), "normal", "strict");
+    let _daemon = publish_for(&[&lender, &strict]);
     let strict_alone = share(&report(start(&node, &strict, &args)));
     assert!((strict_alone - 0.30).abs() <= 0.05, "a strict 30% container alone took {strict_alone}");
     // Side by side: the strict one keeps its 30%, the work-conserving one takes most of the rest.
@@ -141,6 +199,7 @@ fn low_priority_yields_to_high_and_resumes() {
     let node = SimNode::new();
     let high = container(&node, "online", None, "high", "strict");
     let low = container(&node, "offline", None, "low", "strict");
+    let _daemon = publish_for(&[&high, &low]);
     let l = start(&node, &low, &["--kernel-us", "2000", "--seconds", "3", "--depth", "2"]);
     std::thread::sleep(std::time::Duration::from_millis(500));
     // A deeper queue for the high-priority side: its measure is what it gets, not how promptly a

@@ -414,6 +414,7 @@ fn section(text: &str, tag: &str) -> (Value, String) {
 const CONTAINER_SCRIPT: &str = r#"
 echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
 echo "region-writable $(test -w /run/tessera/alloc/region && echo yes || echo no)"
+echo "ledger-writable $( (printf xxxxxxxx | dd of=/run/tessera/alloc/ledger bs=8 count=1 conv=notrunc) 2>/dev/null && echo yes || echo no)"
 echo "preload $(cat /etc/ld.so.preload)"
 echo "allocation $TESSERA_ALLOCATION"
 for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
@@ -482,6 +483,7 @@ async fn a_claim_reaches_a_runc_container_through_its_cdi_spec() {
     for want in [
         "limits-writable no".to_string(),
         "region-writable yes".into(),
+        "ledger-writable no".into(),
         "preload /usr/lib/tessera/libtessera.so".into(),
         format!("allocation {}", alloc.id),
         "node /dev/nvidia0".into(),

@@ -19,6 +19,8 @@ echo "lib $(cat /usr/lib/x86_64-linux-gnu/libcuda.so.1)"
 echo "preload $(cat /etc/ld.so.preload)"
 echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
 cat /run/tessera/alloc/limits
+echo "ledger-readable $(test -r /run/tessera/alloc/ledger && head -c 8 /run/tessera/alloc/ledger)"
+echo "ledger-writable $( (printf xxxxxxxx | dd of=/run/tessera/alloc/ledger bs=8 count=1 conv=notrunc) 2>/dev/null && echo yes || echo no)"
 echo "dir-writable $( (touch /run/tessera/alloc/evil) 2>/dev/null && echo yes || echo no)"
 echo "limits-replaceable $( (mv /run/tessera/alloc/region /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
 echo "region-removable $( (rm /run/tessera/alloc/region) 2>/dev/null && echo yes || echo no)"
@@ -117,9 +119,17 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     // A hostile container: it cannot add files, replace or remove its region, or grow it past
     // the region's own tmpfs (a few MiB at most, never the host's /run). Truncating it is
     // possible, and harms only itself: the daemon survives (below).
-    for line in
-        ["dir-writable no", "limits-replaceable no", "region-removable no", "region-grows no", "region-truncated"]
-    {
+    // Nor can it write the daemon's ledger, which tells it of its neighbours (a tenant that could
+    // would claim high priority, or speak for another).
+    for line in [
+        "dir-writable no",
+        "limits-replaceable no",
+        "region-removable no",
+        "region-grows no",
+        "region-truncated",
+        "ledger-readable TSLEDGR2",
+        "ledger-writable no",
+    ] {
         assert!(text.contains(line), "{line}:\n{text}");
     }
     let host_limits = std::fs::read_to_string(Path::new(&answer.mounts[0].host_path).join("limits")).expect("limits");

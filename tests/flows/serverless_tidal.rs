@@ -5,6 +5,8 @@
 //! live, and the achieved shares follow. Shares are the simulated GPU's own per-process
 //! utilization over a window (what NVML would report), in bands like shim/tests/compute.rs. How
 //! long after `limits set` the new share shows is printed for docs/serverless.md, not asserted.
+//! Nothing but the allocations' own env reaches the workloads: the offline side learns of the
+//! online one from tesserad's ledger beside its limits file, which no tenant can write.
 
 use std::path::Path;
 use std::process::{Child, Stdio};
@@ -25,13 +27,12 @@ fn alloc(dir: &Path, sm: &str, priority: &str, owner: &str) -> serde_json::Value
 }
 
 /// A workload under the shim in allocation `a`, launching 1 ms kernels for `seconds`.
-fn workload(node: &SimNode, a: &serde_json::Value, ledger: &Path, seconds: u32) -> Child {
+fn workload(node: &SimNode, a: &serde_json::Value, seconds: u32) -> Child {
     let mut cmd = node.command(binary("tessera-workload"));
     // 16 ms of kernels queued: a process the host leaves off its CPU for a moment (a loaded
     // machine) still has work on the GPU, so what is measured is the limiter.
     cmd.args(["--kernel-us", "1000", "--depth", "16", "--seconds", &seconds.to_string()])
         .env("LD_PRELOAD", shim())
-        .env("TESSERA_LEDGER", ledger)
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     for (k, v) in a["env"].as_object().expect("env") {
@@ -82,8 +83,7 @@ async fn limits_set_moves_online_and_offline_shares_live() {
     let online = alloc(dir, "50", "high", "online");
     let offline = alloc(dir, "50", "low", "offline");
     assert_eq!(online["devices"][0]["uuid"], offline["devices"][0]["uuid"], "one GPU");
-    let ledger = dir.join("ledger");
-    let mut kids = [workload(&node, &online, &ledger, 30), workload(&node, &offline, &ledger, 30)];
+    let mut kids = [workload(&node, &online, 30), workload(&node, &offline, 30)];
     let (on_pid, off_pid) = (kids[0].id(), kids[1].id());
 
     // Peak traffic: the online function takes the GPU, the batch job waits.

@@ -250,6 +250,8 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         );
         // Leased node API allocations: released when their container is deleted.
         let lease_task = tessera_daemon::lease::spawn(Arc::clone(controller.allocator()), shutdown_rx.clone());
+        // Priorities and lending between containers: each told of its neighbours by the daemon.
+        let ledger_task = tessera_daemon::ledger::spawn(Arc::clone(controller.allocator()), shutdown_rx.clone());
         // Which pod holds each allocation, from the kubelet's pod-resources API (off when empty).
         let podres_task = (!cfg.pod_resources_socket.as_os_str().is_empty()).then(|| {
             tessera_daemon::podresources::spawn(
@@ -360,6 +362,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         }
         if tokio::time::timeout(STOP_GRACE, lease_task).await.is_err() {
             tracing::warn!("the lease task did not stop in time");
+        }
+        if tokio::time::timeout(STOP_GRACE, ledger_task).await.is_err() {
+            tracing::warn!("the ledger task did not stop in time");
         }
         if let Some(task) = podres_task
             && tokio::time::timeout(STOP_GRACE, task).await.is_err()

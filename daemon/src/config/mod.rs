@@ -40,7 +40,7 @@ pub struct Config {
     pub device_plugin_dir: PathBuf,
     /// Crash-safe daemon state (allocations).
     pub state_dir: PathBuf,
-    /// Runtime files: per-allocation directories, the node ledger, the node API socket.
+    /// Runtime files: per-allocation directories (limits, region, ledger), the node API socket.
     pub runtime_dir: PathBuf,
     /// The node API (tessera.v1) socket. Unset: `<runtime_dir>/tessera.sock`.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -5,6 +5,8 @@
 //! - `region` (0666, made by the region crate): the accounting region the shim and the daemon
 //!   share. After a limits rewrite its config generation is bumped; the shim rereads the limits
 //!   when it sees the change (within 100 ms).
+//! - `ledger` (0644, `tessera_region::ledger`): the daemon's view of the other containers on the
+//!   allocation's GPUs, written in place by [`crate::ledger`]; the container only reads it.
 //!
 //! Who can reach them (docs/security.md): `alloc/` and `spare/` are 0700, so no unprivileged
 //! host user can reach any allocation's files; an allocation's own directory is 0755 because it
@@ -28,6 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
+use tessera_region::ledger::{LEDGER_FILE, Ledger, LedgerError};
 use tessera_region::{Region, RegionError};
 
 use super::mount;
@@ -73,6 +76,8 @@ pub enum AllocDirError {
     Missing { path: PathBuf },
     #[error(transparent)]
     Region(#[from] RegionError),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
 }
 
 fn io_err(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> AllocDirError {
@@ -193,6 +198,10 @@ impl AllocDirs {
         self.dir(id).join(REGION_FILE)
     }
 
+    pub fn ledger_path(&self, id: &str) -> PathBuf {
+        self.dir(id).join(LEDGER_FILE)
+    }
+
     /// Creates (or, after a restart, brings up to date) the directory of `alloc`: writes its
     /// limits (and, for an allocation leased to its container, the lease marker the runtime
     /// wrapper looks for: [`tessera_hook::owner::LEASE_FILE`]) and creates its region. Returns
@@ -227,6 +236,9 @@ impl AllocDirs {
         }
         if self.region_path(&alloc.id).symlink_metadata().is_err() {
             make_region(&dir)?;
+        }
+        if self.ledger_path(&alloc.id).symlink_metadata().is_err() {
+            Ledger::create(&self.ledger_path(&alloc.id))?;
         }
         let region = Region::open_or_create(&self.region_path(&alloc.id))?;
         if rewrite {
@@ -364,6 +376,7 @@ fn make_spare(sp: &Spares) -> Result<PathBuf, AllocDirError> {
     let _ = std::fs::remove_dir_all(&building);
     make_dir(&building, DIR_MODE)?;
     let made = make_region(&building)
+        .and_then(|()| Ledger::create(&building.join(LEDGER_FILE)).map(drop).map_err(AllocDirError::from))
         .and_then(|()| std::fs::rename(&building, &ready).map_err(io_err(&ready, "rename into place")));
     if let Err(e) = made {
         unmount_under(&building);
@@ -483,7 +496,7 @@ mod tests {
     /// What an allocation directory holds: a region of its own in a capped tmpfs as root, a
     /// plain file otherwise.
     fn expected_names() -> Vec<&'static str> {
-        if is_root() { vec![".region", "limits", "region"] } else { vec!["limits", "region"] }
+        if is_root() { vec![".region", "ledger", "limits", "region"] } else { vec!["ledger", "limits", "region"] }
     }
 
     fn mode(p: &Path) -> u32 {

@@ -176,6 +176,9 @@ pub struct Store {
     /// A write or flush failed (or a compaction's directory flush did): compact before the next
     /// frame is appended.
     needs_compaction: bool,
+    /// Changes made since the store was opened: lets a loop that follows the records (the
+    /// ledger's, every 10 ms) tell in one load that nothing changed.
+    changes: u64,
     /// Held for the store's life: the exclusive lock on `<dir>/lock`.
     _lock: File,
 }
@@ -404,6 +407,7 @@ impl Store {
             offset,
             capacity,
             needs_compaction,
+            changes: 0,
             _lock: lock,
         })
     }
@@ -439,6 +443,7 @@ impl Store {
         self.loads.add(alloc);
         self.holders.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
+        self.changes += 1;
         Ok(())
     }
 
@@ -455,6 +460,7 @@ impl Store {
             self.holders.remove(&old);
         }
         self.holders.add(alloc);
+        self.changes += 1;
         Ok(())
     }
 
@@ -469,7 +475,13 @@ impl Store {
             self.loads.remove(old);
             self.holders.remove(old);
         }
+        self.changes += 1;
         Ok(removed)
+    }
+
+    /// How many changes (inserts, updates, removals) were made since the store was opened.
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     pub fn get(&self, id: &str) -> Option<&Allocation> {

@@ -16,11 +16,15 @@
 //! - [`guard`]: a SIGBUS guard, so that a region file shrunk under its mappings (any process of
 //!   the container can `ftruncate` it) turns the region to zeros in the mappers instead of
 //!   killing them, the daemon among them.
+//! - [`ledger`]: per allocation, tesserad's view of the other containers on its GPUs (a
+//!   high-priority neighbour busy, what the others use), published into a file the container
+//!   reads only: priorities and lending without a file that tenants share and could forge.
 //! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans (and
 //!   kernel names) in the region, written only while the daemon sets the header's
 //!   `trace_requested`.
 
 pub mod guard;
+pub mod ledger;
 pub mod limits;
 pub mod region;
 mod sys;

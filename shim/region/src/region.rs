@@ -93,16 +93,23 @@ pub struct JoinHint {
     pub _reserved: [AtomicU64; 7],
 }
 
-/// Atomics the compute limiter owns: zero-initialized, never interpreted by this crate.
+/// Atomics the compute limiter owns: zero-initialized. This crate interprets only the three
+/// the daemon's ledger reads ([`crate::ledger`]); like every word here, they are the container's
+/// to write, so they steer nothing but the container's own standing in the ledger.
 #[repr(C)]
 pub struct ComputeBucket {
     pub tokens_ns: AtomicI64,
     pub refill_ns: AtomicU64,
     pub window_start_ns: AtomicU64,
     pub window_used_ns: AtomicU64,
-    pub last_launch_ns: AtomicU64,
-    pub ewma_kernel_ns: AtomicU64,
-    pub spare: [AtomicU64; 10],
+    /// Launches while the container had high priority: the ledger watches it change (a count,
+    /// not a time, so no clock is compared across processes or time namespaces).
+    pub high_launches: AtomicU64,
+    /// The container's use of the GPU over its last window (ppm), for others' lending.
+    pub usage_ppm: AtomicU64,
+    /// Bumped with every `usage_ppm` written: the ledger counts a usage only while it is fresh.
+    pub usage_updates: AtomicU64,
+    pub spare: [AtomicU64; 9],
 }
 
 /// One device the container uses.
@@ -618,6 +625,19 @@ impl Region {
         Err(RegionError::TooManyDevices { path: self.name.clone(), uuid: uuid.to_string() })
     }
 
+    /// The entry of device `uuid` if a process of the container has named it; claims nothing
+    /// (the daemon looks, only the container's processes claim).
+    pub fn find_device(&self, uuid: &str) -> Option<usize> {
+        let key = uuid_key(uuid);
+        let i = self.shared().devices.iter().position(|e| e.key.load(Acquire) == key)?;
+        (self.device_uuid(i).as_deref() == Some(uuid)).then_some(i)
+    }
+
+    /// The key of device entry `dev` (0: free): what the ledger's views are keyed by.
+    pub fn device_key(&self, dev: usize) -> u64 {
+        self.shared().devices.get(dev).map_or(0, |e| e.key.load(Acquire))
+    }
+
     /// The UUID of device entry `dev`, once claimed.
     pub fn device_uuid(&self, dev: usize) -> Option<String> {
         let e = self.shared().devices.get(dev)?;
@@ -1107,7 +1127,7 @@ pub struct ProcessDeviceSnapshot {
 }
 
 /// FNV-1a, 64 bits: stable across builds (the shim and the daemon may be built apart). Never 0.
-fn uuid_key(uuid: &str) -> u64 {
+pub(crate) fn uuid_key(uuid: &str) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in uuid.as_bytes() {
         h ^= u64::from(b);

@@ -8,14 +8,15 @@
 //! - `measure`: what a measured kernel really took, from CUDA events recorded around it.
 //! - `service`: how much of that was the container's own GPU time when other containers' kernels
 //!   were time-sliced with it, from NVML's per-process utilization (what a GPU reports, no more).
-//! - `ledger`: what the other containers on the GPU are doing (priority, recent use), for
-//!   yielding to high priority and for lending idle time in work-conserving mode.
+//! - the ledger (`tessera_region::ledger`): what the other containers on the GPU are doing, as
+//!   tesserad publishes it into a file the container only reads (a high-priority neighbour busy,
+//!   the others' recent use), for yielding to high priority and for lending idle time in
+//!   work-conserving mode. The container tells the daemon its own activity through its region.
 //!
 //! A device with no share and a normal-priority container takes the fast path: one counter
 //! increment in the region and a generation check, nothing else.
 
 mod bucket;
-mod ledger;
 mod measure;
 mod sample;
 mod service;
@@ -25,7 +26,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 use std::time::Duration;
 
-use tessera_region::{ComputeMode, Priority, monotonic_ns as now_ns};
+use tessera_region::ledger::{self, Ledger, Watch};
+use tessera_region::{ComputeMode, MAX_DEVICES, Priority, monotonic_ns as now_ns};
 
 use crate::state::{self, ShimState};
 use crate::trace::Launch;
@@ -56,23 +58,19 @@ static RNG: sample::Rng = sample::Rng::new(0);
 struct Policy {
     priority: Priority,
     mode: ComputeMode,
-    key: u64,
 }
 
 /// The policy as of config generation POLICY_GEN (u64::MAX: never read): lock-free, since every
 /// launch reads it.
 static POLICY_GEN: AtomicU64 = AtomicU64::new(u64::MAX);
 static POLICY_BITS: AtomicU64 = AtomicU64::new(0);
-static POLICY_KEY: AtomicU64 = AtomicU64::new(0);
 
 fn policy(st: &ShimState) -> Policy {
     let generation = st.region.config_generation();
     if POLICY_GEN.load(Acquire) != generation {
         let limits = st.limits();
-        let identity = limits.container.clone().unwrap_or_else(|| format!("pid-{}", std::process::id()));
         let bits = limits.priority as u64 | (limits.compute_mode as u64) << 8;
         POLICY_BITS.store(bits, Relaxed);
-        POLICY_KEY.store(ledger::container_key(&identity), Relaxed);
         RNG.reseed(now_ns() ^ u64::from(std::process::id()).rotate_left(32));
         POLICY_GEN.store(generation, Release);
     }
@@ -87,18 +85,33 @@ fn policy(st: &ShimState) -> Policy {
     } else {
         ComputeMode::Strict
     };
-    Policy { priority, mode, key: POLICY_KEY.load(Relaxed) }
+    Policy { priority, mode }
 }
 
-fn the_ledger() -> Option<&'static ledger::Ledger> {
-    static L: OnceLock<Option<ledger::Ledger>> = OnceLock::new();
+/// The daemon's view of the others on this container's GPUs, opened on first need:
+/// `TESSERA_LEDGER`, else `ledger` beside the limits file. None (standalone, or an older
+/// daemon): no yielding and no lending, said once.
+fn the_ledger() -> Option<&'static Ledger> {
+    static L: OnceLock<Option<Ledger>> = OnceLock::new();
     L.get_or_init(|| {
-        let path = std::env::var_os(ledger::ENV_LEDGER)?;
-        ledger::Ledger::open(std::path::Path::new(&path))
-            .map_err(|e| eprintln!("tessera: {}: {e}; priorities and lending are off", path.to_string_lossy()))
-            .ok()
+        let path = ledger::ledger_path(
+            std::env::var_os(ledger::ENV_LEDGER).as_deref(),
+            std::env::var_os(tessera_region::ENV_LIMITS).as_deref(),
+        )
+        .or_else(|| {
+            eprintln!(
+                "tessera: no ledger (TESSERA_LEDGER, or a limits file beside one); priorities and lending are off"
+            );
+            None
+        })?;
+        Ledger::open_ro(&path).map_err(|e| eprintln!("tessera: {e}; priorities and lending are off")).ok()
     })
     .as_ref()
+}
+
+/// The others on region device `dev`, as the daemon last published them.
+fn view(st: &ShimState, dev: usize) -> Option<&'static ledger::DeviceView> {
+    the_ledger()?.view(st.region.device_key(dev))
 }
 
 /// Called by every launch hook (cuLaunchKernel, _ptsz, Ex, cooperative, graph launch) before the
@@ -117,25 +130,20 @@ pub fn before_launch(dev: usize, stream: *mut c_void, trace: Option<Launch>) -> 
             Some(f) => traced_only(st, dev, stream, f),
         };
     }
-    let now = now_ns();
-    // The UUID is only needed to find this GPU in the ledger.
-    let uuid = the_ledger().and_then(|_| st.region.device_uuid(dev));
-    let entry = the_ledger().zip(uuid.as_deref()).and_then(|(l, u)| l.entry(u, p.key, now));
-    if let Some(e) = entry {
-        e.launched(now, p.priority, share.map_or(0, |s| s * 10_000));
-    }
     match p.priority {
         Priority::High => {
+            // Seen by the daemon, which tells the low-priority containers on this GPU.
+            st.region.bucket(dev).high_launches.fetch_add(1, Relaxed);
             return match trace {
                 None => Gate::PASS,
                 Some(f) => traced_only(st, dev, stream, f),
             };
         }
-        Priority::Low => yield_to_high(st, dev, p.key, uuid.as_deref()),
+        Priority::Low => yield_to_high(st, dev),
         Priority::Normal => {}
     }
     match share {
-        Some(pct) => throttle(st, dev, pct, p, uuid.as_deref(), stream, trace),
+        Some(pct) => throttle(st, dev, pct, p, stream, trace),
         None => match trace {
             None => Gate::PASS,
             Some(f) => traced_only(st, dev, stream, f),
@@ -163,10 +171,12 @@ pub fn after_launch(gate: Gate, accepted: bool) {
 }
 
 /// A low-priority container waits while a high-priority one on its GPU is busy.
-fn yield_to_high(st: &ShimState, dev: usize, key: u64, uuid: Option<&str>) {
-    let (Some(l), Some(uuid)) = (the_ledger(), uuid) else { return };
+fn yield_to_high(st: &ShimState, dev: usize) {
+    /// When this process last saw each device's high-priority count change.
+    static WATCHES: [Watch; MAX_DEVICES] = [const { Watch::new() }; MAX_DEVICES];
+    let (Some(v), Some(w)) = (view(st, dev), WATCHES.get(dev)) else { return };
     let begin = now_ns();
-    while l.others(uuid, key, now_ns(), HIGH_ACTIVE_NS).high_active {
+    while w.high_active(v, now_ns(), HIGH_ACTIVE_NS) {
         std::thread::sleep(Duration::from_millis(1));
     }
     let waited = now_ns() - begin;
@@ -177,14 +187,16 @@ fn yield_to_high(st: &ShimState, dev: usize, key: u64, uuid: Option<&str>) {
 
 /// The share this launch is held to: the container's own, or in work-conserving mode whatever
 /// the others on the GPU leave idle, if that is more.
-fn effective_ppm(pct: u32, p: Policy, uuid: Option<&str>, now: u64) -> i64 {
+fn effective_ppm(st: &ShimState, dev: usize, pct: u32, p: Policy) -> i64 {
     let own = bucket::share_ppm(pct);
     if p.mode != ComputeMode::WorkConserving {
         return own;
     }
-    let (Some(l), Some(uuid)) = (the_ledger(), uuid) else { return own };
-    let others = l.others(uuid, p.key, now, HIGH_ACTIVE_NS);
-    let idle = 1_000_000 - others.usage_ppm.min(1_000_000) as i64 - LEND_MARGIN_PPM;
+    // No ledger: the others are unknown, so nothing is borrowed. A ledger without this device:
+    // the daemon has no neighbour on it to tell of.
+    let Some(l) = the_ledger() else { return own };
+    let others = l.view(st.region.device_key(dev)).map_or(0, |v| v.others_usage_ppm());
+    let idle = 1_000_000 - others.min(1_000_000) as i64 - LEND_MARGIN_PPM;
     own.max(idle)
 }
 
@@ -193,7 +205,6 @@ fn throttle(
     dev: usize,
     mut pct: u32,
     p: Policy,
-    uuid: Option<&str>,
     stream: *mut c_void,
     trace: Option<Launch>,
 ) -> Gate {
@@ -206,15 +217,14 @@ fn throttle(
     let mut settled = false;
     let charge = loop {
         let now = now_ns();
-        let ppm = effective_ppm(pct, p, uuid, now);
+        let ppm = effective_ppm(st, dev, pct, p);
         if plan.measure || settled {
             measure::harvest(st);
         }
-        if let Some(used_ppm) = service::maybe_update(st, dev, now)
-            && let (Some(l), Some(u)) = (the_ledger(), uuid)
-            && let Some(e) = l.entry(u, p.key, now)
-        {
-            e.set_usage(used_ppm, now);
+        if let Some(used_ppm) = service::maybe_update(st, dev, now) {
+            // For the daemon, which tells the others on the GPU (their lending).
+            b.usage_ppm.store(used_ppm, Relaxed);
+            b.usage_updates.fetch_add(1, Release);
         }
         bucket::refill(b, now, ppm);
         match bucket::try_take(b, plan.charge, ppm) {
