@@ -217,6 +217,15 @@ impl DaemonAllocator {
             {
                 tracing::error!(id = %alloc.id, error = %e, "cannot recreate the allocation directory");
             }
+            // A directory an older tesserad made has no ledger view: made now, before more of its
+            // container's processes start (a process looks for it once).
+            let ledger = self.dirs.ledger_path(&alloc.id);
+            if self.dirs.dir(&alloc.id).is_dir()
+                && ledger.symlink_metadata().is_err()
+                && let Err(e) = tessera_region::ledger::Ledger::create(&ledger)
+            {
+                tracing::warn!(id = %alloc.id, error = %e, "cannot make the allocation's ledger view");
+            }
             // A trace that a previous daemon did not finish (it died mid-trace) stops here: no
             // one is reading the ring, and recording costs every launch.
             if let Ok(region) = tessera_region::Region::open_or_create(&self.dirs.region_path(&alloc.id))

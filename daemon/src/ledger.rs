@@ -219,5 +219,10 @@ mod tests {
         launch(&dirs, &third.id, "GPU-a");
         p.pass(&a, 11);
         assert_eq!(high_seen(&dirs, &third.id, "GPU-a"), 1);
+
+        // A directory an older tesserad made, without a view: the next start makes one.
+        std::fs::remove_file(dirs.ledger_path(on)).unwrap();
+        a.reconcile();
+        assert!(Ledger::open_ro(&dirs.ledger_path(on)).is_ok());
     }
 }

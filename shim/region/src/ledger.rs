@@ -328,11 +328,13 @@ impl Publisher {
         }
         self.seen.retain(|_, (listed, _)| *listed == this);
         for (key, list) in &on_device {
+            // Totals once per device, each member's own part taken out: linear in the members.
             let total_usage: u64 = list.iter().map(|&(.., u)| u).sum();
-            for &(i, _, _, own_usage) in list {
-                let others = || list.iter().filter(|&&(j, ..)| j != i);
-                let high_neighbours = others().filter(|&&(_, high, ..)| high).count() as u64;
-                let high_active = others().any(|&(_, _, launched, _)| launched);
+            let highs = list.iter().filter(|&&(_, high, ..)| high).count() as u64;
+            let launched = list.iter().filter(|&&(_, _, l, _)| l).count() as u64;
+            for &(i, high, own_launched, own_usage) in list {
+                let high_neighbours = highs - u64::from(high);
+                let high_active = launched - u64::from(own_launched) > 0;
                 members[i].ledger.publish(*key, high_neighbours, high_active, total_usage - own_usage);
             }
         }

@@ -630,7 +630,15 @@ impl Region {
     pub fn find_device(&self, uuid: &str) -> Option<usize> {
         let key = uuid_key(uuid);
         let i = self.shared().devices.iter().position(|e| e.key.load(Acquire) == key)?;
-        (self.device_uuid(i).as_deref() == Some(uuid)).then_some(i)
+        // The name checked word by word (the daemon asks every 10 ms: no String made).
+        let e = &self.shared().devices[i];
+        let named = e.uuid_len.load(Acquire) as usize == uuid.len()
+            && e.uuid.iter().zip(uuid.as_bytes().chunks(8)).all(|(w, chunk)| {
+                let mut b = [0u8; 8];
+                b[..chunk.len()].copy_from_slice(chunk);
+                w.load(Relaxed) == u64::from_le_bytes(b)
+            });
+        named.then_some(i)
     }
 
     /// The key of device entry `dev` (0: free): what the ledger's views are keyed by.
@@ -1289,6 +1297,20 @@ mod tests {
         let path = dir.path().join("region");
         let r = Region::open_or_create(&path).unwrap();
         (dir, path, r)
+    }
+
+    /// The daemon's look-up claims nothing and finds only the device named exactly.
+    #[test]
+    fn find_device_claims_nothing_and_matches_the_whole_name() {
+        let (_dir, _path, r) = file_region();
+        let long = "MIG-0123456789abcdef-0123456789abcdef-0123456789";
+        assert_eq!(r.find_device("GPU-a"), None);
+        assert_eq!(r.device_key(0), 0, "nothing claimed by looking");
+        let (a, b) = (r.device("GPU-a").unwrap(), r.device(long).unwrap());
+        assert_eq!((r.find_device("GPU-a"), r.find_device(long)), (Some(a), Some(b)));
+        assert_eq!(r.find_device("GPU-ab"), None);
+        assert_eq!(r.find_device(&long[..long.len() - 1]), None);
+        assert_ne!(r.device_key(a), 0);
     }
 
     #[test]
