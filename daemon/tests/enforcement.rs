@@ -8,7 +8,10 @@
 //!   and action, in `tessera events` and in `/metrics`; one under its limit and one that belongs
 //!   to no allocation run to their end; the latter is reported as unattributed;
 //! - `action = "report"`: the one over its limit is reported when the breach starts and ends,
-//!   and never killed.
+//!   and never killed;
+//! - SM time: a bypassing workload launching back to back in a 25% share is killed once a
+//!   window's average is over its share, one launching at a rate within its share runs to its
+//!   end; in report mode the breach is reported when it starts and when its process is gone.
 //!
 //! Moving a process into a cgroup needs root: without it the tests print SKIP (and fail when
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI).
@@ -129,6 +132,21 @@ impl Drop for Workload {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The workload with no shim at all, launching 1 ms kernels for `seconds` (`rate` a second; 0:
+/// back to back, 16 in flight), in `cgroup`.
+fn launching_workload(node: &SimNode, cgroup: &Cgroup, rate: u32, seconds: u32) -> Child {
+    let exe = binary("tessera-workload");
+    let args = format!("--kernel-us 1000 --depth 16 --rate {rate} --seconds {seconds}");
+    let script = format!("echo $$ > {:?} && exec {:?} {args}", cgroup.path.join("cgroup.procs"), exe);
+    node.command("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .env_remove("LD_PRELOAD")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("tessera-workload")
 }
 
 /// [`bypassing_workload`], which must get to hold the memory.
@@ -365,6 +383,106 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
         .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&id))
         .unwrap_or_else(|| panic!("no breach series:\n{body}"));
     assert!(series.contains("action=\"report\"") && series.ends_with(" 1"), "one breach, however many polls: {series}");
+}
+
+/// Writes the owner record a hook would for a container in pod `pod`, and makes its cgroup.
+fn container(root: &Path, dir: &Path, seed: u64, pod: &str) -> (String, Cgroup) {
+    let cid = container_id(seed);
+    tessera_hook::owner::Owner {
+        container_id: Some(cid.clone()),
+        pod_namespace: Some("team-a".into()),
+        pod_name: Some(pod.into()),
+        container_name: Some("main".into()),
+        ..Default::default()
+    }
+    .write(dir)
+    .expect("owner record");
+    let cg = Cgroup::new(root, pod, &cid);
+    (cid, cg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_it_is_not() {
+    let Some(root) = cgroup_root() else { return };
+    // Four shares: 25% SM each, strict, normal priority. A 1 s window at 100 ms polls.
+    let mut s = setup("action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (greedy_id, greedy_dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
+    let (modest_id, modest_dir) = allocate_share(&mut s.plugin, &s.shares[1]).await;
+    let (_, greedy_cg) = container(&root, &greedy_dir, 11, "spinner");
+    let (_, modest_cg) = container(&root, &modest_dir, 12, "paced");
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    // About 10% of the GPU (100 kernels of 1 ms a second) for 4 s, no shim: within its 25%.
+    let mut modest = launching_workload(&s.node, &modest_cg, 100, 4);
+    // Back to back with 16 in flight, no shim: all the GPU the other leaves.
+    let started = Instant::now();
+    let mut greedy = launching_workload(&s.node, &greedy_cg, 0, 30);
+    let status = greedy.wait().expect("wait");
+    println!(
+        "enforcement: a bypassing process over its SM share was killed {} ms after it started",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(status.signal(), Some(libc_sigkill()), "SIGKILLed: {status:?}\n{}", log_of(s.dir.path()));
+
+    let e = next_event(&mut events, "limit_breach").await;
+    let b = breach(&e);
+    assert_eq!(b.limit, api::BreachLimit::Sm as i32, "{}", e.message);
+    assert_eq!((b.allocation_id.as_str(), b.action), (greedy_id.as_str(), api::BreachAction::Killed as i32));
+    assert_eq!((b.pids.as_slice(), b.killed_pids.as_slice()), (&[greedy.id()][..], &[greedy.id()][..]));
+    assert_eq!((b.sm_percent_limit, b.window_ms, b.used_bytes, b.limit_bytes), (25, 1000, 0, 0));
+    assert!(b.sm_percent_used > 35 && b.sm_percent_used <= 100, "{}", e.message);
+    assert_eq!(e.device_id, s.shares[0]);
+    assert!(
+        e.message.contains("SM time") && e.message.contains(&format!("killed pid {}", greedy.id())),
+        "{}",
+        e.message
+    );
+
+    // Within its share, though it has no shim either: untouched, and nothing more reported.
+    assert_eq!(modest.wait().expect("wait").code(), Some(0), "within its share: untouched");
+    let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
+    assert!(more.is_err(), "no other breach: {more:?}");
+    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
+    let series = body
+        .lines()
+        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&greedy_id))
+        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    assert!(
+        series.contains("limit=\"sm\"") && series.contains("action=\"kill\"") && series.ends_with(" 1"),
+        "{series}"
+    );
+    assert!(!body.lines().any(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&modest_id)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sm_report_mode_reports_the_breach_and_its_end_and_kills_nothing() {
+    let Some(root) = cgroup_root() else { return };
+    let mut s = setup("action = \"kill\"\nsm_action = \"report\"\ninterval_ms = 100\nsm_window_ms = 1000").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (id, dir) = allocate_share(&mut s.plugin, &s.shares[3]).await;
+    let (_, cg) = container(&root, &dir, 13, "reported");
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    let mut greedy = launching_workload(&s.node, &cg, 0, 3);
+    let started = next_event(&mut events, "limit_breach started").await;
+    let b = breach(&started);
+    assert_eq!((b.limit, b.action), (api::BreachLimit::Sm as i32, api::BreachAction::Reported as i32));
+    assert_eq!((b.phase, b.pids.as_slice()), (api::BreachPhase::Started as i32, &[greedy.id()][..]));
+    assert_eq!(greedy.wait().expect("wait").code(), Some(0), "reported, not killed");
+    let ended = next_event(&mut events, "limit_breach ended").await;
+    assert_eq!(breach(&ended).phase, api::BreachPhase::Ended as i32, "the next event is the end: {}", ended.message);
+    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
+    let series = body
+        .lines()
+        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&id))
+        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    assert!(
+        series.contains("limit=\"sm\"") && series.contains("action=\"report\"") && series.ends_with(" 1"),
+        "{series}"
+    );
 }
 
 fn libc_sigkill() -> i32 {

@@ -7,11 +7,14 @@
 //! long after `limits set` the new share shows is printed for docs/serverless.md, not asserted.
 //! Nothing but the allocations' own env reaches the workloads: the offline side learns of the
 //! online one from tesserad's ledger beside its limits file, which no tenant can write.
+//! tesserad judges SM time by the driver's numbers over a 1 s window throughout: the limiter,
+//! held to each new share live, never reads as a breach (no `limit_breach` event, nothing killed).
 
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use tessera_proto::tessera::v1 as api;
 use tessera_sim_model::{Node, monotonic_ns};
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::{node_api, spawn};
@@ -68,10 +71,13 @@ async fn limits_set_moves_online_and_offline_shares_live() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let config = tessera_tests::kubelet::write_config(&node, dir, "");
+    // The shortest SM window, so that every phase below is judged by it (the default is 5 s).
+    let config = tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\nsm_window_ms = 1000\n");
     let log = dir.join("tesserad.log");
     let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
-    let _ = node_api(&dir.join("run/tessera.sock")).await;
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut breaches = api.watch_events(req).await.expect("watch events").into_inner();
     let sim_env: std::collections::HashMap<String, std::ffi::OsString> = node.env().into_iter().collect();
     let sim = Node::open(
         sim_env.get("TESSERA_SIM_NODE").map(Path::new),
@@ -124,7 +130,11 @@ async fn limits_set_moves_online_and_offline_shares_live() {
     eprintln!("online high again / offline low: achieved {on:.2} / {off:.2}");
     assert!(yields(on, off), "after the second change: online {on}, offline {off}");
 
+    // Every phase held its share by the driver's numbers: the daemon saw no breach.
+    let seen = tokio::time::timeout(Duration::from_millis(300), breaches.message()).await;
+    assert!(seen.is_err(), "the limiter read as a breach: {seen:?}");
     for k in &mut kids {
+        assert!(k.try_wait().expect("try_wait").is_none(), "a workload ended early (killed?): {:?}", k.try_wait());
         let _ = k.kill();
         let _ = k.wait();
     }

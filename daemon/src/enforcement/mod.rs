@@ -22,6 +22,11 @@
 //!
 //! A process that bypasses the shim thus holds more than its limit for at most one interval
 //! plus a poll, and the kill itself (under 1 s at the default).
+//!
+//! SM time is judged the same way from NVML's per-process utilization ([`sm_time`]): a strict
+//! share whose processes' average over `sm_window_ms` is more than `sm_tolerance_percent` points
+//! over its SM percent is a breach (`sm_action`, by default as `action`): its processes that do
+//! not map its region are killed first, then the heaviest, until the rest fit.
 
 pub mod attribution;
 pub mod decision;
@@ -29,6 +34,7 @@ pub mod kill;
 pub mod procfs;
 pub mod sample;
 pub mod settings;
+pub mod sm_time;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
@@ -60,6 +66,8 @@ pub struct BreachCount {
     pub device_id: String,
     /// `kill` or `report`.
     pub action: &'static str,
+    /// The limit breached: `memory` or `sm`.
+    pub limit: &'static str,
     pub count: u64,
 }
 
@@ -89,7 +97,10 @@ impl Stats {
 
     fn breach(&self, b: BreachCount) {
         let mut m = self.lock();
-        match m.breaches.iter_mut().find(|o| (&o.allocation, &o.uuid, o.action) == (&b.allocation, &b.uuid, b.action)) {
+        let same = |o: &BreachCount| {
+            (&o.allocation, &o.uuid, o.action, o.limit) == (&b.allocation, &b.uuid, b.action, b.limit)
+        };
+        match m.breaches.iter_mut().find(|o| same(o)) {
             Some(o) => {
                 o.count += b.count;
                 // The pod may have become known since.
@@ -123,6 +134,12 @@ pub struct Enforcer {
     regions: HashMap<String, (Region, FileId)>,
     /// GPUs NVML would not list, warned about once until they answer.
     failing: HashSet<u32>,
+    /// SM time's windows.
+    sm: sm_time::Watch,
+    /// When each GPU's utilization was last read (µs since the epoch).
+    utilization_read: HashMap<u32, u64>,
+    /// GPUs whose utilization NVML would not give, warned about once until it does.
+    utilization_failing: HashSet<u32>,
 }
 
 impl std::fmt::Debug for Enforcer {
@@ -141,6 +158,9 @@ impl Enforcer {
             owners: HashMap::new(),
             regions: HashMap::new(),
             failing: HashSet::new(),
+            sm: sm_time::Watch::default(),
+            utilization_read: HashMap::new(),
+            utilization_failing: HashSet::new(),
         }
     }
 
@@ -235,6 +255,9 @@ impl Enforcer {
             outcome.events += 1;
             self.act(d, &allocations, &mut outcome);
         }
+        let listed_gpus: HashSet<u32> =
+            inventory.gpus.iter().map(|g| g.index).filter(|i| !sample.failed.iter().any(|(f, _)| f == i)).collect();
+        self.judge_sm_time(settings, &groups, &allocations, &listed_gpus, &mut outcome);
 
         outcome.unattributed = unattributed.len();
         let keys: Vec<ProcKey> = unattributed.iter().map(|(k, _)| *k).collect();
@@ -294,6 +317,203 @@ impl Enforcer {
         out
     }
 
+    /// SM time: reads the utilization of the GPUs where a group is held to a strict share, adds
+    /// it to the windows, and acts on what they decide. `listed_gpus`: the GPUs whose processes
+    /// this poll listed (a group missing there is gone).
+    fn judge_sm_time(
+        &mut self,
+        settings: &Settings,
+        groups: &[Group],
+        allocations: &[Allocation],
+        listed_gpus: &HashSet<u32>,
+        outcome: &mut PollOutcome,
+    ) {
+        let Some(action) = settings.sm() else {
+            self.sm.clear();
+            self.utilization_read.clear();
+            return;
+        };
+        let tolerance = settings.sm_tolerance_percent;
+        let now_us = realtime_us();
+        let mut per_gpu: HashMap<u32, Option<GpuUse>> = HashMap::new();
+        let mut readings = Vec::new();
+        for g in groups {
+            // NVML gives no per-process utilization inside MIG instances (hardware-isolated anyway).
+            if g.key.device_uuid.starts_with("MIG-") {
+                continue;
+            }
+            let caps: Option<Vec<u32>> = g
+                .key
+                .allocations
+                .iter()
+                .map(|id| {
+                    allocations.iter().find(|a| &a.id == id).and_then(|a| sm_time::cap(&a.limits(), &g.key.device_uuid))
+                })
+                .collect();
+            let Some(cap) = caps.filter(|c| !c.is_empty()).map(|c| c.iter().sum::<u32>()) else { continue };
+            if cap.saturating_add(tolerance) >= 100 {
+                continue;
+            }
+            let read = per_gpu.entry(g.gpu_index).or_insert_with(|| {
+                // A reading covers the time since the GPU's last; a stale mark (no capped group
+                // there for a while) would claim more time than the driver's history holds.
+                let since = self
+                    .utilization_read
+                    .get(&g.gpu_index)
+                    .copied()
+                    .filter(|&t| now_us.saturating_sub(t) <= 1_000_000 && t < now_us)
+                    .unwrap_or(now_us.saturating_sub(settings.interval_ms * 1000));
+                match sample::utilization(self.controller.session().nvml(), g.gpu_index, since) {
+                    Ok(u) => {
+                        self.utilization_failing.remove(&g.gpu_index);
+                        self.utilization_read.insert(g.gpu_index, now_us);
+                        Some(((now_us - since) * 1000, u))
+                    }
+                    Err(e) => {
+                        if self.utilization_failing.insert(g.gpu_index) {
+                            tracing::warn!(gpu = g.gpu_index, error = %e, "enforcement: NVML gives no per-process utilization for this GPU; SM time not enforced there");
+                        }
+                        None
+                    }
+                }
+            });
+            let Some((period_ns, used)) = read else { continue };
+            let uses = g
+                .processes
+                .iter()
+                .map(|p| sm_time::Use { process: (p.pid, p.start), percent: used.get(&p.pid).copied().unwrap_or(0) })
+                .collect();
+            readings.push(sm_time::Reading {
+                key: g.key.clone(),
+                gpu_index: g.gpu_index,
+                cap,
+                period_ns: *period_ns,
+                uses,
+            });
+        }
+        // A GPU listed whose utilization could not be read says nothing about its groups.
+        let read: HashSet<u32> =
+            listed_gpus.iter().copied().filter(|g| per_gpu.get(g).is_none_or(Option::is_some)).collect();
+        let dirs = self.controller.allocator().dirs();
+        let procfs = &self.procfs;
+        let mut under_shim = |key: &GroupKey, (pid, _): ProcKey| {
+            key.allocations.iter().any(|id| {
+                std::fs::metadata(dirs.region_path(id)).is_ok_and(|m| procfs.maps_inode(pid, m.dev(), m.ino()))
+            })
+        };
+        let decisions = self.sm.decide(action, settings.sm_window_ms, tolerance, readings, &read, &mut under_shim);
+        for d in decisions {
+            outcome.events += 1;
+            self.act_sm(d, allocations, outcome);
+        }
+    }
+
+    /// Carries out an SM-time decision and publishes its event.
+    fn act_sm(&mut self, d: sm_time::Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
+        let (key, gpu_index, used, cap, window_ms, pids, action, phase, killed) = match d {
+            sm_time::Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims } => {
+                let mut killed = Vec::new();
+                for (pid, start) in victims {
+                    match kill::kill(&self.procfs, pid, start) {
+                        Ok(()) => killed.push(pid),
+                        Err(kill::KillError::Gone | kill::KillError::Reused(_)) => {}
+                        Err(e) => {
+                            tracing::error!(allocation = %key.allocations.join(","), pid, error = %e, "enforcement: cannot kill")
+                        }
+                    }
+                }
+                outcome.killed.extend(&killed);
+                (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Killed, Phase::Started, killed)
+            }
+            sm_time::Decision::Report { key, gpu_index, used, cap, window_ms, pids, phase } => {
+                (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Reported, phase, Vec::new())
+            }
+        };
+        let members: Vec<&Allocation> = allocations.iter().filter(|a| key.allocations.contains(&a.id)).collect();
+        let device_id = device_ids(&members, &key.device_uuid);
+        if action == api::BreachAction::Killed || phase == Phase::Started {
+            self.count_breach(&members, &key.device_uuid, &device_id, action, "sm");
+        }
+        let who = who(&members);
+        let on = format!("GPU {gpu_index} device {}", key.device_uuid);
+        let seconds = window_ms as f64 / 1000.0;
+        let what = format!(
+            "allocation {who} used {used}% of the SM time on {on} over the last {seconds:.1} s, over its strict share of {cap}%"
+        );
+        let message = match (action, phase) {
+            (api::BreachAction::Killed, _) if killed.is_empty() => format!("{what}; nothing left to kill"),
+            (api::BreachAction::Killed, _) => {
+                format!("{what}; killed pid {} (processes outside the shim first, then the heaviest)", join(&killed))
+            }
+            (_, Phase::Ended) => format!("allocation {who} is back within its strict share of {cap}% on {on}"),
+            _ => format!("{what} (pids {}); reported, not killed", join(&pids)),
+        };
+        let severity = if phase == Phase::Ended { api::Severity::Info } else { api::Severity::Warning };
+        let detail = api::LimitBreach {
+            allocation_id: key.allocations.first().cloned().unwrap_or_default(),
+            pids,
+            action: action as i32,
+            killed_pids: killed,
+            phase: breach_phase(phase) as i32,
+            gpu_index,
+            limit: api::BreachLimit::Sm as i32,
+            sm_percent_used: used,
+            sm_percent_limit: cap,
+            window_ms: u32::try_from(window_ms).unwrap_or(u32::MAX),
+            ..Default::default()
+        };
+        self.publish_breach(&members, &key.device_uuid, device_id, severity, message, detail);
+    }
+
+    /// Counts a breach for each of `members` in the metrics.
+    fn count_breach(
+        &self,
+        members: &[&Allocation],
+        uuid: &str,
+        device_id: &str,
+        action: api::BreachAction,
+        limit: &'static str,
+    ) {
+        let action_name = if action == api::BreachAction::Killed { "kill" } else { "report" };
+        for a in members {
+            let s = |o: &Option<String>| o.clone().unwrap_or_default();
+            self.stats.breach(BreachCount {
+                allocation: a.id.clone(),
+                namespace: s(&a.container.pod_namespace),
+                pod: s(&a.container.pod_name),
+                container: s(&a.container.container_name),
+                uuid: uuid.to_string(),
+                device_id: device_id.to_string(),
+                action: action_name,
+                limit,
+                count: 1,
+            });
+        }
+    }
+
+    fn publish_breach(
+        &self,
+        members: &[&Allocation],
+        uuid: &str,
+        device_id: String,
+        severity: api::Severity,
+        message: String,
+        detail: api::LimitBreach,
+    ) {
+        self.controller.events().publish(api::Event {
+            kind: api::EventKind::LimitBreach as i32,
+            severity: severity as i32,
+            time_unix_nano: crate::state::record::unix_ns(),
+            device_id,
+            device_uuid: uuid.to_string(),
+            device_kind: device_kind(members, uuid) as i32,
+            affected: members.iter().map(|a| node::holder(a)).collect(),
+            message,
+            detail: Some(api::event::Detail::LimitBreach(detail)),
+            ..Default::default()
+        });
+    }
+
     /// Carries out a decision and publishes its event.
     fn act(&mut self, d: Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
         let (key, gpu_index, used, limit, pids, action, phase, killed) = match d {
@@ -323,31 +543,10 @@ impl Enforcer {
         };
         let members: Vec<&Allocation> = allocations.iter().filter(|a| key.allocations.contains(&a.id)).collect();
         let device_id = device_ids(&members, &key.device_uuid);
-        let counted = action == api::BreachAction::Killed || phase == Phase::Started;
-        if counted {
-            let action_name = if action == api::BreachAction::Killed { "kill" } else { "report" };
-            for a in &members {
-                let s = |o: &Option<String>| o.clone().unwrap_or_default();
-                self.stats.breach(BreachCount {
-                    allocation: a.id.clone(),
-                    namespace: s(&a.container.pod_namespace),
-                    pod: s(&a.container.pod_name),
-                    container: s(&a.container.container_name),
-                    uuid: key.device_uuid.clone(),
-                    device_id: device_id.clone(),
-                    action: action_name,
-                    count: 1,
-                });
-            }
+        if action == api::BreachAction::Killed || phase == Phase::Started {
+            self.count_breach(&members, &key.device_uuid, &device_id, action, "memory");
         }
-        let who = members
-            .iter()
-            .map(|a| match a.container.display_name() {
-                Some(n) => format!("{} ({n})", a.id),
-                None => a.id.clone(),
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+        let who = who(&members);
         let on = format!("GPU {gpu_index} device {}", key.device_uuid);
         let what = format!("allocation {who} holds {} on {on}, over its limit of {}", mib(used), mib(limit));
         let message = match (action, phase) {
@@ -367,25 +566,12 @@ impl Enforcer {
             limit_bytes: limit,
             action: action as i32,
             killed_pids: killed,
-            phase: match phase {
-                Phase::Started => api::BreachPhase::Started,
-                Phase::Changed => api::BreachPhase::Changed,
-                Phase::Ended => api::BreachPhase::Ended,
-            } as i32,
+            phase: breach_phase(phase) as i32,
             gpu_index,
-        };
-        self.controller.events().publish(api::Event {
-            kind: api::EventKind::LimitBreach as i32,
-            severity: severity as i32,
-            time_unix_nano: crate::state::record::unix_ns(),
-            device_id,
-            device_uuid: key.device_uuid.clone(),
-            device_kind: device_kind(&members, &key.device_uuid) as i32,
-            affected: members.iter().map(|a| node::holder(a)).collect(),
-            message,
-            detail: Some(api::event::Detail::LimitBreach(detail)),
+            limit: api::BreachLimit::Memory as i32,
             ..Default::default()
-        });
+        };
+        self.publish_breach(&members, &key.device_uuid, device_id, severity, message, detail);
     }
 
     fn report_unattributed(&self, pid: u32, p: &sample::GpuProcess) {
@@ -415,6 +601,33 @@ impl Enforcer {
             ..Default::default()
         });
     }
+}
+
+/// One GPU's reading: the period it covers (ns) and each pid's SM percent over it.
+type GpuUse = (u64, HashMap<u32, u32>);
+
+fn breach_phase(phase: Phase) -> api::BreachPhase {
+    match phase {
+        Phase::Started => api::BreachPhase::Started,
+        Phase::Changed => api::BreachPhase::Changed,
+        Phase::Ended => api::BreachPhase::Ended,
+    }
+}
+
+/// The allocations, each with its container's name when known.
+fn who(members: &[&Allocation]) -> String {
+    members
+        .iter()
+        .map(|a| match a.container.display_name() {
+            Some(n) => format!("{} ({n})", a.id),
+            None => a.id.clone(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn realtime_us() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// The allocations' device ids on the device `uuid`, comma-joined (the UUID when none holds it).

@@ -1,5 +1,8 @@
 //! The driver's own numbers: every process NVML lists on each GPU (the compute and the graphics
-//! lists), with the memory it holds and the device (GPU or MIG device UUID) it holds it on.
+//! lists), with the memory it holds and the device (GPU or MIG device UUID) it holds it on; and,
+//! for SM time, each process's utilization of a GPU since a moment.
+
+use std::collections::HashMap;
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
@@ -71,6 +74,27 @@ pub fn sample(nvml: &Nvml, inventory: &Inventory) -> Sample {
     out
 }
 
+/// Each process's SM utilization (percent) on GPU `index` since `since_us` (µs since the epoch,
+/// NVML's clock), its samples averaged. Nothing ran since: empty.
+pub fn utilization(nvml: &Nvml, index: u32, since_us: u64) -> Result<HashMap<u32, u32>, NvmlError> {
+    let samples = match nvml.device_by_index(index)?.process_utilization_stats(since_us) {
+        Ok(s) => s,
+        Err(NvmlError::NotFound) => return Ok(HashMap::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(average(samples.iter().map(|s| (s.pid, s.sm_util))))
+}
+
+/// (pid, percent) samples to one average per pid (a real driver gives one sample per period).
+fn average(samples: impl Iterator<Item = (u32, u32)>) -> HashMap<u32, u32> {
+    let mut sums: HashMap<u32, (u64, u64)> = HashMap::new();
+    for (pid, pct) in samples {
+        let e = sums.entry(pid).or_default();
+        *e = (e.0 + u64::from(pct.min(100)), e.1 + 1);
+    }
+    sums.into_iter().map(|(pid, (sum, n))| (pid, (sum / n) as u32)).collect()
+}
+
 /// The MIG device a process entry of GPU `gpu` is on.
 fn mig_uuid(gpu: &crate::discovery::Gpu, p: &ProcessInfo) -> Option<String> {
     let (gi, ci) = (p.gpu_instance_id?, p.compute_instance_id?);
@@ -104,5 +128,11 @@ mod tests {
         merge(&mut list, p(1, 50, "MIG-b"));
         merge(&mut list, p(2, 10, "GPU-a"));
         assert_eq!(list, [p(1, 300, "GPU-a"), p(1, 50, "MIG-b"), p(2, 10, "GPU-a")]);
+    }
+
+    #[test]
+    fn a_processs_samples_are_averaged_and_capped_at_100() {
+        let got = average([(1, 20), (2, 100), (1, 40), (2, 250)].into_iter());
+        assert_eq!(got, HashMap::from([(1, 30), (2, 100)]));
     }
 }

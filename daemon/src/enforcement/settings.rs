@@ -1,5 +1,6 @@
 //! `[enforcement]`: what the daemon does when an allocation's processes hold more device memory
-//! than its limit, by the driver's own figures, and how often it looks.
+//! than its limit, or take more SM time than their strict share, by the driver's own figures,
+//! and how often it looks.
 
 use serde::{Deserialize, Serialize};
 
@@ -10,6 +11,11 @@ use crate::config::ConfigError;
 pub const MAX_INTERVAL_MS: u64 = 500;
 /// The shortest: below this the poll's own cost (NVML and /proc reads) starts to matter.
 pub const MIN_INTERVAL_MS: u64 = 10;
+/// SM time is judged over a window: shorter ones would judge the limiter's bursts, not its
+/// average; longer ones let a bypassing process run free for that long.
+pub const SM_WINDOW_MS: std::ops::RangeInclusive<u64> = 1000..=60_000;
+/// Points over its share an allocation's SM time may read before it is a breach.
+pub const SM_TOLERANCE_PERCENT: std::ops::RangeInclusive<u32> = 1..=50;
 
 /// `[enforcement]`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,12 +26,46 @@ pub struct Settings {
     pub action: Action,
     /// Milliseconds between polls of NVML's per-process memory (10..=500).
     pub interval_ms: u64,
+    /// SM time over a strict share: `kill`, `report` or `off`; unset: as `action`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sm_action: Option<SmAction>,
+    /// The window SM time is averaged over, in milliseconds (1000..=60000).
+    pub sm_window_ms: u64,
+    /// Points over its share the average may read before it is a breach (1..=50).
+    pub sm_tolerance_percent: u32,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Settings { action: Action::Kill, interval_ms: MAX_INTERVAL_MS }
+        Settings {
+            action: Action::Kill,
+            interval_ms: MAX_INTERVAL_MS,
+            sm_action: None,
+            sm_window_ms: 5000,
+            sm_tolerance_percent: 10,
+        }
     }
+}
+
+impl Settings {
+    /// What an SM-time breach gets: `None` when SM time is not enforced.
+    pub fn sm(&self) -> Option<Action> {
+        match self.sm_action {
+            None => Some(self.action),
+            Some(SmAction::Kill) => Some(Action::Kill),
+            Some(SmAction::Report) => Some(Action::Report),
+            Some(SmAction::Off) => None,
+        }
+    }
+}
+
+/// `sm_action`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SmAction {
+    Kill,
+    Report,
+    Off,
 }
 
 /// What a breach gets.
@@ -57,6 +97,28 @@ pub fn validate(s: &Settings) -> Result<(), ConfigError> {
             ),
         ));
     }
+    if !SM_WINDOW_MS.contains(&s.sm_window_ms) {
+        return Err(ConfigError::new(
+            "enforcement.sm_window_ms",
+            format!(
+                "{} is out of range {}..={} (SM time is judged by its average over this window)",
+                s.sm_window_ms,
+                SM_WINDOW_MS.start(),
+                SM_WINDOW_MS.end()
+            ),
+        ));
+    }
+    if !SM_TOLERANCE_PERCENT.contains(&s.sm_tolerance_percent) {
+        return Err(ConfigError::new(
+            "enforcement.sm_tolerance_percent",
+            format!(
+                "{} is out of range {}..={} (points over its share an allocation may read)",
+                s.sm_tolerance_percent,
+                SM_TOLERANCE_PERCENT.start(),
+                SM_TOLERANCE_PERCENT.end()
+            ),
+        ));
+    }
     Ok(())
 }
 
@@ -79,6 +141,24 @@ mod tests {
         let e = Config::parse("[enforcement]\naction = \"terminate\"\n").unwrap_err();
         assert!(e.key.starts_with("enforcement"), "{e}");
         assert!(e.to_string().contains("kill") && e.to_string().contains("report"), "{e}");
+        assert_eq!((d.sm(), d.sm_window_ms, d.sm_tolerance_percent), (Some(Action::Kill), 5000, 10));
+        let c = Config::parse("[enforcement]\naction = \"report\"\n").unwrap();
+        assert_eq!(c.enforcement.sm(), Some(Action::Report), "unset: as action");
+        let c = Config::parse("[enforcement]\nsm_action = \"off\"\nsm_window_ms = 2000\nsm_tolerance_percent = 5\n")
+            .unwrap();
+        assert_eq!((c.enforcement.sm(), c.enforcement.action), (None, Action::Kill));
+        assert_eq!((c.enforcement.sm_window_ms, c.enforcement.sm_tolerance_percent), (2000, 5));
+        for (bad, key) in [
+            ("sm_window_ms = 999", "enforcement.sm_window_ms"),
+            ("sm_window_ms = 60001", "enforcement.sm_window_ms"),
+            ("sm_tolerance_percent = 0", "enforcement.sm_tolerance_percent"),
+            ("sm_tolerance_percent = 51", "enforcement.sm_tolerance_percent"),
+        ] {
+            let e = Config::parse(&format!("[enforcement]\n{bad}\n")).unwrap_err();
+            assert_eq!(e.key, key, "{bad}: {e}");
+        }
+        let e = Config::parse("[enforcement]\nsm_action = \"throttle\"\n").unwrap_err();
+        assert!(e.to_string().contains("off"), "{e}");
         let e = Config::parse("[enforcement]\nintervl_ms = 100\n").unwrap_err();
         assert!(e.to_string().contains("intervl_ms"), "{e}");
     }

@@ -25,8 +25,8 @@
 //! - per node: `tessera.allocations` (gauge), `tessera.events`, `tessera.faults` (counters since
 //!   the daemon started);
 //! - enforcement: `tessera.container.limit.breaches` (counter per allocation and device: the
-//!   container attributes above, `gpu.uuid`, `tessera.device.id`, `tessera.enforcement.action`;
-//!   Prometheus names it `tessera_container_limit_breaches_total`) and
+//!   container attributes above, `gpu.uuid`, `tessera.device.id`, `tessera.enforcement.action`,
+//!   `tessera.breach.limit` (`memory`/`sm`); Prometheus names it `tessera_container_limit_breaches_total`) and
 //!   `tessera.unattributed.gpu.processes` (gauge).
 //!
 //! Logs: every event published on the [`EventBus`] after the exporter starts becomes one log
@@ -37,7 +37,9 @@
 //! device), `fault.kind` and `xid` (faults and recoveries, when known), `allocation.ids` (the
 //! affected holders, when any); a limit breach adds `tessera.enforcement.action`
 //! (`KILLED`/`REPORTED`), `tessera.breach.phase`, `process.pids`, `tessera.killed.pids`,
-//! `tessera.memory.used` and `tessera.memory.limit` (bytes); an unattributed process adds
+//! `tessera.breach.limit`, then for memory `tessera.memory.used` and `tessera.memory.limit`
+//! (bytes), for SM time `tessera.sm.used_percent`, `tessera.sm.limit_percent` and
+//! `tessera.sm.window_ms`; an unattributed process adds
 //! `process.pid`, `process.command` and `tessera.memory.used`. Records are batched (1 s).
 //!
 //! Failures never reach the daemon: an export that fails (collector down, refused) is logged at
@@ -60,7 +62,9 @@ use opentelemetry_sdk::logs::{BatchConfigBuilder, BatchLogProcessor, LogBatch, L
 use opentelemetry_sdk::metrics::data::ResourceMetrics;
 use opentelemetry_sdk::metrics::exporter::PushMetricExporter;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider, Temporality};
-use tessera_proto::tessera::v1::{BreachAction, BreachPhase, DeviceKind, Event, EventKind, FaultKind, Severity, event};
+use tessera_proto::tessera::v1::{
+    BreachAction, BreachLimit, BreachPhase, DeviceKind, Event, EventKind, FaultKind, Severity, event,
+};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 
@@ -438,7 +442,7 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
     let s = Arc::clone(&sample);
     meter
         .u64_observable_counter("tessera.container.limit.breaches")
-        .with_description("Times the container's processes held more device memory than its limit, by NVML.")
+        .with_description("Times the container's processes held more device memory than its limit, or took more SM time than its strict share, by NVML.")
         .with_unit("{breach}")
         .with_callback(move |o| {
             for b in &s.current().enforcement.breaches {
@@ -447,6 +451,7 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
                     KeyValue::new("gpu.uuid", b.uuid.clone()),
                     KeyValue::new("tessera.device.id", b.device_id.clone()),
                     KeyValue::new("tessera.enforcement.action", b.action),
+                    KeyValue::new("tessera.breach.limit", b.limit),
                 ];
                 for (k, v) in [
                     ("k8s.namespace.name", &b.namespace),
@@ -585,8 +590,16 @@ fn attributes(e: &Event) -> Vec<(Key, AnyValue)> {
             a.push((Key::new("tessera.breach.phase"), phase.into()));
             a.push((Key::new("process.pids"), pids(&b.pids)));
             a.push((Key::new("tessera.killed.pids"), pids(&b.killed_pids)));
-            a.push((Key::new("tessera.memory.used"), bytes(b.used_bytes)));
-            a.push((Key::new("tessera.memory.limit"), bytes(b.limit_bytes)));
+            if b.limit == BreachLimit::Sm as i32 {
+                a.push((Key::new("tessera.breach.limit"), "sm".into()));
+                a.push((Key::new("tessera.sm.used_percent"), AnyValue::Int(i64::from(b.sm_percent_used))));
+                a.push((Key::new("tessera.sm.limit_percent"), AnyValue::Int(i64::from(b.sm_percent_limit))));
+                a.push((Key::new("tessera.sm.window_ms"), AnyValue::Int(i64::from(b.window_ms))));
+            } else {
+                a.push((Key::new("tessera.breach.limit"), "memory".into()));
+                a.push((Key::new("tessera.memory.used"), bytes(b.used_bytes)));
+                a.push((Key::new("tessera.memory.limit"), bytes(b.limit_bytes)));
+            }
         }
         Some(event::Detail::UnattributedProcess(p)) => {
             a.push((Key::new("process.pid"), AnyValue::Int(i64::from(p.pid))));
@@ -828,6 +841,7 @@ mod tests {
                     uuid: "GPU-a".into(),
                     device_id: "GPU-a::0".into(),
                     action: "report",
+                    limit: "memory",
                     count: 3,
                 }],
                 unattributed_gpu_processes: 5,
@@ -942,12 +956,15 @@ mod tests {
                 killed_pids: vec![11],
                 phase: BreachPhase::Started as i32,
                 gpu_index: 1,
+                limit: BreachLimit::Memory as i32,
+                ..Default::default()
             })),
             ..Default::default()
         };
         let a: std::collections::HashMap<String, AnyValue> =
             attributes(&e).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
         assert_eq!(a["event.kind"], AnyValue::from("LIMIT_BREACH".to_string()));
+        assert_eq!(a["tessera.breach.limit"], AnyValue::from("memory".to_string()));
         assert_eq!(a["tessera.enforcement.action"], AnyValue::from("KILLED".to_string()));
         assert_eq!(a["tessera.breach.phase"], AnyValue::from("STARTED".to_string()));
         assert_eq!(a["tessera.killed.pids"], AnyValue::ListAny(Box::new(vec![AnyValue::Int(11)])));
@@ -955,6 +972,26 @@ mod tests {
         assert_eq!(a["tessera.memory.used"], AnyValue::Int(3 << 30));
         assert_eq!(a["tessera.memory.limit"], AnyValue::Int(1 << 30));
         assert_eq!(a["allocation.ids"], AnyValue::ListAny(Box::new(vec![AnyValue::from("a1".to_string())])));
+
+        // SM time: its percents and window, no memory figures.
+        let sm = Event {
+            detail: Some(event::Detail::LimitBreach(tessera_proto::tessera::v1::LimitBreach {
+                limit: BreachLimit::Sm as i32,
+                sm_percent_used: 97,
+                sm_percent_limit: 25,
+                window_ms: 5000,
+                ..Default::default()
+            })),
+            ..e
+        };
+        let a: std::collections::HashMap<String, AnyValue> =
+            attributes(&sm).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+        assert_eq!(a["tessera.breach.limit"], AnyValue::from("sm".to_string()));
+        assert_eq!(
+            (&a["tessera.sm.used_percent"], &a["tessera.sm.limit_percent"], &a["tessera.sm.window_ms"]),
+            (&AnyValue::Int(97), &AnyValue::Int(25), &AnyValue::Int(5000))
+        );
+        assert!(!a.contains_key("tessera.memory.used"), "{a:?}");
     }
 
     #[test]

@@ -30,7 +30,8 @@
 //! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`;
 //! - enforcement ([`crate::enforcement`]): `tessera_container_limit_breaches_total` (counter, per
 //!   allocation and device: `allocation`, `UUID`, `device_id`, `namespace`, `pod`, `container`,
-//!   `action` = `kill` or `report`) and `tessera_unattributed_gpu_processes` (gauge).
+//!   `action` = `kill` or `report`, `limit` = `memory` or `sm`) and
+//!   `tessera_unattributed_gpu_processes` (gauge).
 
 use std::fmt::Write as _;
 
@@ -415,7 +416,7 @@ pub fn render(m: &NodeMetrics) -> String {
     // Enforcement.
     {
         let name = "tessera_container_limit_breaches_total";
-        let help = "Times the container's processes held more device memory than its limit, by NVML (kills, or reported breaches that started).";
+        let help = "Times the container's processes held more device memory than its limit, or took more SM time than its strict share, by NVML (kills, or reported breaches that started).";
         let mut f = Family::new(&mut out, name, Kind::Counter, help);
         for b in &m.enforcement.breaches {
             let labels = [
@@ -426,6 +427,7 @@ pub fn render(m: &NodeMetrics) -> String {
                 ("pod", b.pod.as_str()),
                 ("container", b.container.as_str()),
                 ("action", b.action),
+                ("limit", b.limit),
             ];
             f.sample(name, &labels, Value::U(b.count));
         }
@@ -654,6 +656,7 @@ mod tests {
                     uuid: "GPU-0".into(),
                     device_id: "GPU-0::0,GPU-0::1".into(),
                     action: "kill",
+                    limit: "sm",
                     count: 4,
                 }],
                 unattributed_gpu_processes: 2,
@@ -735,8 +738,8 @@ mod tests {
         let breach = find(&samples, "tessera_container_limit_breaches_total", ("allocation", "a1"));
         assert_eq!(breach.len(), 1);
         assert_eq!(
-            (breach[0].1["action"].as_str(), breach[0].1["pod"].as_str(), breach[0].2),
-            ("kill", "train-0", 4.0)
+            (breach[0].1["action"].as_str(), breach[0].1["limit"].as_str(), breach[0].1["pod"].as_str(), breach[0].2),
+            ("kill", "sm", "train-0", 4.0)
         );
         assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
         assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));

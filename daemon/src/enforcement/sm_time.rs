@@ -1,0 +1,361 @@
+//! SM time against strict shares, by the driver's own numbers.
+//!
+//! The shim holds a strict share to its SM percent by delaying launches; a process that goes
+//! around the shim (a static binary, direct ioctls, its own copy of the driver's entry points) is
+//! held by nothing. NVML's per-process utilization says what each process really got, whatever
+//! it called, so every poll adds each group's reading (its processes' SM percent since the last
+//! poll) to a window of `sm_window_ms`, and a full window whose average is more than
+//! `sm_tolerance_percent` points over the share is a breach. An honest limiter keeps its average
+//! at the share (its bursts last a bucket, far less than a window); a bypassing process runs as
+//! fast as the GPU lets it.
+//!
+//! Judged: a device's strict shares under 100% at normal or low priority, the terms the shim
+//! caps. A high-priority allocation runs uncapped and a work-conserving one may borrow what its
+//! neighbours leave idle, so neither has a fixed ceiling to judge against. The window starts
+//! over when the terms change (a `limits set`), after a kill, and when the group's processes are
+//! gone, so old readings never judge new terms; the reading that finds new terms is dropped too,
+//! since part of its period may have run under the old ones.
+//!
+//! Pure apart from the windows it keeps; [`super::Enforcer`] reads NVML and acts.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+
+use tessera_region::{ComputeMode, Limits, Priority};
+
+use super::decision::{GroupKey, Phase, ProcKey};
+use super::settings::Action;
+
+/// What the shim holds an allocation to on device `uuid`: its strict SM percent, when that caps
+/// it (under 100, normal or low priority).
+pub fn cap(limits: &Limits, uuid: &str) -> Option<u32> {
+    if limits.priority == Priority::High || limits.compute_mode != ComputeMode::Strict {
+        return None;
+    }
+    limits.devices.iter().find(|d| d.uuid.eq_ignore_ascii_case(uuid)).and_then(|d| d.sm_percent).filter(|&p| p < 100)
+}
+
+/// One process's SM time in one poll.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Use {
+    pub process: ProcKey,
+    /// Its SM utilization since the last poll, percent (NVML's samples averaged).
+    pub percent: u32,
+}
+
+/// One group's reading in a poll.
+#[derive(Debug, Clone)]
+pub struct Reading {
+    pub key: GroupKey,
+    pub gpu_index: u32,
+    /// The share the group's processes are held to (the holders' strict percents added up).
+    pub cap: u32,
+    /// How long the reading covers (since the previous poll of the GPU).
+    pub period_ns: u64,
+    pub uses: Vec<Use>,
+}
+
+/// What to do about a group's SM time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Kill `victims`: those without the shim first, then the heaviest, until the rest's
+    /// average fits. `used` is the group's average over the window before the kill.
+    Kill { key: GroupKey, gpu_index: u32, used: u32, cap: u32, window_ms: u64, pids: Vec<u32>, victims: Vec<ProcKey> },
+    /// Report a breach starting or ending.
+    Report { key: GroupKey, gpu_index: u32, used: u32, cap: u32, window_ms: u64, pids: Vec<u32>, phase: Phase },
+}
+
+/// One group's readings over the window.
+#[derive(Debug, Default)]
+struct Window {
+    cap: u32,
+    gpu_index: u32,
+    /// (period, the uses in it), oldest first.
+    readings: VecDeque<(u64, Vec<Use>)>,
+    covered_ns: u64,
+    /// A reported breach is open.
+    reported: bool,
+}
+
+impl Window {
+    fn clear(&mut self) {
+        self.readings.clear();
+        self.covered_ns = 0;
+    }
+
+    /// Each process's average over the window (percent), by process.
+    fn per_process(&self) -> Vec<(ProcKey, u32)> {
+        let mut sums: BTreeMap<ProcKey, u128> = BTreeMap::new();
+        for (period, uses) in &self.readings {
+            for u in uses {
+                *sums.entry(u.process).or_default() += u128::from(u.percent) * u128::from(*period);
+            }
+        }
+        let covered = u128::from(self.covered_ns.max(1));
+        sums.into_iter().map(|(k, s)| (k, (s / covered) as u32)).collect()
+    }
+}
+
+/// The windows of every group judged, between polls.
+#[derive(Debug, Default)]
+pub struct Watch {
+    windows: BTreeMap<GroupKey, Window>,
+}
+
+impl Watch {
+    /// Adds this poll's readings and decides. Groups with no reading this poll (their processes
+    /// gone, their terms no longer capped) are forgotten, an open report ended. `gpus_read`: the
+    /// GPUs whose utilization this poll read; a group on another keeps its window untouched.
+    /// `under_shim`: whether a process of a group maps its allocation's region (asked only for a
+    /// kill: a process that does not has no limiter at all and goes first).
+    pub fn decide(
+        &mut self,
+        action: Action,
+        window_ms: u64,
+        tolerance: u32,
+        readings: Vec<Reading>,
+        gpus_read: &HashSet<u32>,
+        under_shim: &mut dyn FnMut(&GroupKey, ProcKey) -> bool,
+    ) -> Vec<Decision> {
+        let window_ns = window_ms.saturating_mul(1_000_000);
+        let mut out = Vec::new();
+        let seen: HashSet<GroupKey> = readings.iter().map(|r| r.key.clone()).collect();
+        let gone: Vec<GroupKey> = self
+            .windows
+            .iter()
+            .filter(|(k, w)| !seen.contains(*k) && gpus_read.contains(&w.gpu_index))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in gone {
+            if let Some(w) = self.windows.remove(&key)
+                && w.reported
+            {
+                out.push(Decision::Report {
+                    key,
+                    gpu_index: w.gpu_index,
+                    used: 0,
+                    cap: w.cap,
+                    window_ms,
+                    pids: Vec::new(),
+                    phase: Phase::Ended,
+                });
+            }
+        }
+        for r in readings {
+            let fresh = !self.windows.contains_key(&r.key);
+            let w = self.windows.entry(r.key.clone()).or_default();
+            w.gpu_index = r.gpu_index;
+            if fresh || w.cap != r.cap {
+                // New terms: readings under the old ones say nothing about these, and this one's
+                // period may have begun under them.
+                w.clear();
+                w.cap = r.cap;
+                continue;
+            }
+            w.readings.push_back((r.period_ns, r.uses));
+            w.covered_ns += r.period_ns;
+            while w.readings.len() > 1 && w.covered_ns - w.readings[0].0 >= window_ns {
+                let (p, _) = w.readings.pop_front().expect("not empty");
+                w.covered_ns -= p;
+            }
+            if w.covered_ns < window_ns {
+                continue;
+            }
+            let per_process = w.per_process();
+            let used: u32 = per_process.iter().map(|(_, p)| p).sum::<u32>().min(100);
+            let over = used > w.cap.saturating_add(tolerance);
+            let pids: Vec<u32> = per_process.iter().filter(|(_, p)| *p > 0).map(|(k, _)| k.0).collect();
+            let (key, gpu_index, cap) = (r.key, r.gpu_index, w.cap);
+            match (over, action) {
+                (true, Action::Kill) => {
+                    let judged: Vec<(ProcKey, bool, u32)> =
+                        per_process.iter().map(|&(k, p)| (k, p > 0 && under_shim(&key, k), p)).collect();
+                    let victims = victims(&judged, cap.saturating_add(tolerance));
+                    // Whatever the kill leaves is judged afresh.
+                    w.clear();
+                    out.push(Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims });
+                }
+                (true, Action::Report) if !w.reported => {
+                    w.reported = true;
+                    out.push(Decision::Report { key, gpu_index, used, cap, window_ms, pids, phase: Phase::Started });
+                }
+                (false, _) if w.reported => {
+                    w.reported = false;
+                    out.push(Decision::Report { key, gpu_index, used, cap, window_ms, pids, phase: Phase::Ended });
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Forgets every window (SM enforcement turned off).
+    pub fn clear(&mut self) {
+        self.windows.clear();
+    }
+}
+
+/// Processes to kill so that the rest's average is at most `ceiling`, from (process, under the
+/// shim, average): those not under the shim first, then the heaviest; never one that used nothing.
+fn victims(per_process: &[(ProcKey, bool, u32)], ceiling: u32) -> Vec<ProcKey> {
+    let mut order: Vec<&(ProcKey, bool, u32)> = per_process.iter().filter(|(_, _, p)| *p > 0).collect();
+    order.sort_by_key(|&&(k, under_shim, p)| (under_shim, std::cmp::Reverse(p), k));
+    let mut left: u32 = per_process.iter().map(|(_, _, p)| p).sum();
+    let mut out = Vec::new();
+    for &(k, _, p) in order {
+        if left <= ceiling {
+            break;
+        }
+        out.push(k);
+        left -= p;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_region::DeviceLimits;
+
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn key(a: &str) -> GroupKey {
+        GroupKey { allocations: vec![a.into()], device_uuid: "GPU-1".into() }
+    }
+
+    /// (pid, percent); pids of 100 and over run without the shim.
+    fn reading(a: &str, cap: u32, uses: &[(u32, u32)]) -> Reading {
+        Reading {
+            key: key(a),
+            gpu_index: 0,
+            cap,
+            period_ns: 500 * MS,
+            uses: uses.iter().map(|&(pid, percent)| Use { process: (pid, 1), percent }).collect(),
+        }
+    }
+
+    fn gpus() -> HashSet<u32> {
+        HashSet::from([0])
+    }
+
+    fn decide(w: &mut Watch, action: Action, r: Vec<Reading>, read: &HashSet<u32>) -> Vec<Decision> {
+        w.decide(action, 2000, 10, r, read, &mut |_, (pid, _)| pid < 100)
+    }
+
+    #[test]
+    fn only_strict_shares_under_100_at_normal_or_low_priority_are_capped() {
+        let limits = |priority, compute_mode, sm: Option<u32>| Limits {
+            priority,
+            compute_mode,
+            devices: vec![DeviceLimits { uuid: "GPU-ABC".into(), memory_limit: None, sm_percent: sm }],
+            ..Limits::default()
+        };
+        assert_eq!(cap(&limits(Priority::Normal, ComputeMode::Strict, Some(25)), "gpu-abc"), Some(25));
+        assert_eq!(cap(&limits(Priority::Low, ComputeMode::Strict, Some(25)), "GPU-ABC"), Some(25));
+        assert_eq!(cap(&limits(Priority::High, ComputeMode::Strict, Some(25)), "GPU-ABC"), None, "uncapped");
+        assert_eq!(cap(&limits(Priority::Normal, ComputeMode::WorkConserving, Some(25)), "GPU-ABC"), None);
+        assert_eq!(cap(&limits(Priority::Normal, ComputeMode::Strict, Some(100)), "GPU-ABC"), None);
+        assert_eq!(cap(&limits(Priority::Normal, ComputeMode::Strict, None), "GPU-ABC"), None);
+        assert_eq!(cap(&limits(Priority::Normal, ComputeMode::Strict, Some(25)), "GPU-OTHER"), None);
+    }
+
+    #[test]
+    fn a_full_window_over_the_share_kills_the_process_without_the_shim_first() {
+        let mut w = Watch::default();
+        // 2 s window, 500 ms polls: the first reading starts the window, four more fill it.
+        for _ in 0..4 {
+            let r = reading("a", 25, &[(10, 20), (110, 80)]);
+            assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()), []);
+        }
+        let r = reading("a", 25, &[(10, 20), (110, 80)]);
+        let d = decide(&mut w, Action::Kill, vec![r], &gpus());
+        assert_eq!(
+            d,
+            [Decision::Kill {
+                key: key("a"),
+                gpu_index: 0,
+                used: 100,
+                cap: 25,
+                window_ms: 2000,
+                pids: vec![10, 110],
+                victims: vec![(110, 1)]
+            }]
+        );
+        // The window starts over after a kill: four readings to fill it again.
+        for _ in 0..3 {
+            let r = reading("a", 25, &[(10, 20), (110, 80)]);
+            assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()), []);
+        }
+        let r = reading("a", 25, &[(10, 20), (110, 80)]);
+        assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()).len(), 1);
+    }
+
+    #[test]
+    fn the_limiters_average_at_its_share_is_never_a_breach_and_a_burst_is_not_either() {
+        let mut w = Watch::default();
+        // At its share with one burst of a reading at 60% in a 2 s window: average 33.75 < 35.
+        // (The first reading only starts the window: its period may predate these terms.)
+        let mut d = Vec::new();
+        for pct in [99, 25, 25, 60, 25, 25, 25, 25, 25] {
+            d.extend(decide(&mut w, Action::Kill, vec![reading("a", 25, &[(10, pct)])], &gpus()));
+        }
+        assert_eq!(d, []);
+        // Just over the tolerance: 36% on average.
+        for _ in 0..4 {
+            d.extend(decide(&mut w, Action::Kill, vec![reading("a", 25, &[(10, 36)])], &gpus()));
+        }
+        assert!(matches!(&d[..], [Decision::Kill { used: 36, victims, .. }] if victims == &[(10, 1)]), "{d:?}");
+    }
+
+    #[test]
+    fn new_terms_start_the_window_over() {
+        let mut w = Watch::default();
+        // Uncapped-looking use at 100% while the share was 90 (a high-priority allocation turned
+        // normal, say), then the share set to 30: the old readings never judge the new share.
+        for _ in 0..4 {
+            assert_eq!(decide(&mut w, Action::Kill, vec![reading("a", 90, &[(10, 95)])], &gpus()), []);
+        }
+        // The reading that finds the new share still holds the old use (its period straddles
+        // the change): dropped.
+        assert_eq!(decide(&mut w, Action::Kill, vec![reading("a", 30, &[(10, 95)])], &gpus()), []);
+        for _ in 0..4 {
+            assert_eq!(decide(&mut w, Action::Kill, vec![reading("a", 30, &[(10, 30)])], &gpus()), []);
+        }
+    }
+
+    #[test]
+    fn report_mode_reports_when_a_breach_starts_and_ends_and_kills_nothing() {
+        let mut w = Watch::default();
+        let mut d = Vec::new();
+        for _ in 0..7 {
+            d.extend(decide(&mut w, Action::Report, vec![reading("a", 25, &[(110, 90)])], &gpus()));
+        }
+        assert!(matches!(&d[..], [Decision::Report { phase: Phase::Started, used: 90, cap: 25, .. }]), "{d:?}");
+        d.clear();
+        for _ in 0..4 {
+            d.extend(decide(&mut w, Action::Report, vec![reading("a", 25, &[(110, 20)])], &gpus()));
+        }
+        assert!(matches!(&d[..], [Decision::Report { phase: Phase::Ended, .. }]), "{d:?}");
+    }
+
+    #[test]
+    fn a_group_whose_processes_are_gone_ends_its_report_unless_its_gpu_was_not_read() {
+        let mut w = Watch::default();
+        for _ in 0..5 {
+            decide(&mut w, Action::Report, vec![reading("a", 25, &[(110, 90)])], &gpus());
+        }
+        assert_eq!(decide(&mut w, Action::Report, Vec::new(), &HashSet::new()), [], "GPU 0 not read");
+        let d = decide(&mut w, Action::Report, Vec::new(), &gpus());
+        assert!(matches!(&d[..], [Decision::Report { phase: Phase::Ended, .. }]), "{d:?}");
+        assert!(w.windows.is_empty());
+    }
+
+    #[test]
+    fn victims_are_taken_until_the_rest_fits() {
+        let per = [((1, 1), true, 30), ((2, 1), true, 50), ((3, 1), false, 10), ((4, 1), true, 0)];
+        // 90 in all, ceiling 35: the one without the shim, then the heaviest, then the next.
+        assert_eq!(victims(&per, 35), [(3, 1), (2, 1)]);
+        assert_eq!(victims(&per, 90), []);
+        assert_eq!(victims(&per, 0), [(3, 1), (2, 1), (1, 1)], "never one that used nothing");
+    }
+}
