@@ -593,17 +593,26 @@ fn enforcement_cost() {
     }
 
     let stats = Arc::new(Stats::default());
-    let mut enforcer = Enforcer::new(Arc::clone(&controller), stats);
+    let mut enforcer = Enforcer::new(Arc::clone(&controller), Arc::clone(&stats));
+    // Every share here is strict at 7-8% SM: all 100 are judged for SM time too. The same poll
+    // with SM time off (a second enforcer, its own windows) is the baseline for that part.
     let settings = Settings { action: enforcement::Action::Report, ..Settings::default() };
+    let memory_only = Settings { sm_action: Some(enforcement::settings::SmAction::Off), ..settings.clone() };
+    let mut memory_enforcer = Enforcer::new(Arc::clone(&controller), stats);
     let first = enforcer.poll(&settings);
+    memory_enforcer.poll(&memory_only);
     let (mut poll_cpu, mut list_cpu, mut poll_wall) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    let mut memory_cpu = Duration::ZERO;
     let mut last = first.clone();
     for _ in 0..POLLS {
-        // Interleaved: the listing alone, then a whole poll.
+        // Interleaved: the listing alone, a poll without SM time, then a whole poll.
         let c = thread_cpu();
         let listed = enforcement::sample::sample(controller.session().nvml(), &controller.view().inventory);
         list_cpu += thread_cpu() - c;
         assert_eq!(listed.processes.len(), ALLOCS);
+        let c = thread_cpu();
+        memory_enforcer.poll(&memory_only);
+        memory_cpu += thread_cpu() - c;
         let (c, w) = (thread_cpu(), Instant::now());
         last = enforcer.poll(&settings);
         poll_cpu += thread_cpu() - c;
@@ -624,6 +633,13 @@ fn enforcement_cost() {
         core_at(per(poll_cpu), 500.0),
         per(list_cpu),
         per(poll_cpu) / per(list_cpu)
+    );
+    println!(
+        "  SM time's part: poll without it CPU {:.0} µs, with it {:.0} µs: +{:.0} µs (ratio {:.2})",
+        per(memory_cpu),
+        per(poll_cpu),
+        per(poll_cpu) - per(memory_cpu),
+        per(poll_cpu) / per(memory_cpu)
     );
     assert!(last.killed.is_empty() && last.events == 0, "a steady node: nothing to do ({last:?})");
     for (mut child, _) in workers {

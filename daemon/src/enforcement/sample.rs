@@ -85,7 +85,10 @@ pub fn utilization(nvml: &Nvml, index: u32, since_us: u64) -> Result<HashMap<u32
     Ok(average(samples.iter().map(|s| (s.pid, s.sm_util))))
 }
 
-/// (pid, percent) samples to one average per pid (a real driver gives one sample per period).
+/// (pid, percent) samples to one average per pid. A real driver gives one sample per sampling
+/// period in which the process ran, so a process idle for part of the time reads at its busy
+/// rate: that errs against a bursty process that bypasses the shim, never for it. A process under
+/// the limiter reads its share in every period it ran (its burst is 20 ms of wall time's tokens).
 fn average(samples: impl Iterator<Item = (u32, u32)>) -> HashMap<u32, u32> {
     let mut sums: HashMap<u32, (u64, u64)> = HashMap::new();
     for (pid, pct) in samples {
