@@ -10,8 +10,9 @@
 //! - `action = "report"`: the one over its limit is reported when the breach starts and ends,
 //!   and never killed;
 //! - SM time: a bypassing workload launching back to back in a 25% share is killed once a
-//!   window's average is over its share, one launching at a rate within its share runs to its
-//!   end; in report mode the breach is reported when it starts and when its process is gone.
+//!   window's average is over its share, and so is the one started in its place; one launching
+//!   at a rate within its share runs to its end; in report mode the breach is reported when it
+//!   starts and when its process is gone.
 //!
 //! Moving a process into a cgroup needs root: without it the tests print SKIP (and fail when
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI).
@@ -440,6 +441,18 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
         e.message
     );
 
+    // One started in its place is judged by its own time in what is left of the window.
+    let started = Instant::now();
+    let mut again = launching_workload(&s.node, &greedy_cg, 0, 30);
+    let status = again.wait().expect("wait");
+    println!(
+        "enforcement: the process started in its place was killed {} ms after it started",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(status.signal(), Some(libc_sigkill()), "SIGKILLed too: {status:?}");
+    let e = next_event(&mut events, "limit_breach (again)").await;
+    assert_eq!((breach(&e).killed_pids.as_slice(), breach(&e).limit), (&[again.id()][..], api::BreachLimit::Sm as i32));
+
     // Within its share, though it has no shim either: untouched, and nothing more reported.
     assert_eq!(modest.wait().expect("wait").code(), Some(0), "within its share: untouched");
     let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
@@ -450,7 +463,7 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
         .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&greedy_id))
         .unwrap_or_else(|| panic!("no breach series:\n{body}"));
     assert!(
-        series.contains("limit=\"sm\"") && series.contains("action=\"kill\"") && series.ends_with(" 1"),
+        series.contains("limit=\"sm\"") && series.contains("action=\"kill\"") && series.ends_with(" 2"),
         "{series}"
     );
     assert!(!body.lines().any(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&modest_id)));

@@ -12,9 +12,12 @@
 //! Judged: a device's strict shares under 100% at normal or low priority, the terms the shim
 //! caps. A high-priority allocation runs uncapped and a work-conserving one may borrow what its
 //! neighbours leave idle, so neither has a fixed ceiling to judge against. The window starts
-//! over when the terms change (a `limits set`), after a kill, and when the group's processes are
-//! gone, so old readings never judge new terms; the reading that finds new terms is dropped too,
-//! since part of its period may have run under the old ones.
+//! over when the terms change (a `limits set`) and when the group's processes are gone, so old
+//! readings never judge new terms; the reading that finds new terms is dropped too, since part
+//! of its period may have run under the old ones. A kill takes its victims' part out of the
+//! window and keeps the rest: the survivors are judged by what they did, and a process started
+//! to take a victim's place is over the ceiling as soon as its own time fills that much of a
+//! window, not a whole window later.
 //!
 //! Pure apart from the windows it keeps; [`super::Enforcer`] reads NVML and acts.
 
@@ -170,8 +173,10 @@ impl Watch {
                     let judged: Vec<(ProcKey, bool, u32)> =
                         per_process.iter().map(|&(k, p)| (k, p > 0 && under_shim(&key, k), p)).collect();
                     let victims = victims(&judged, cap.saturating_add(tolerance));
-                    // Whatever the kill leaves is judged afresh.
-                    w.clear();
+                    // What the victims did leaves the window with them; the rest stays.
+                    for (_, uses) in &mut w.readings {
+                        uses.retain(|u| !victims.contains(&u.process));
+                    }
                     out.push(Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims });
                 }
                 (true, Action::Report) if !w.reported => {
@@ -281,13 +286,15 @@ mod tests {
                 victims: vec![(110, 1)]
             }]
         );
-        // The window starts over after a kill: four readings to fill it again.
-        for _ in 0..3 {
-            let r = reading("a", 25, &[(10, 20), (110, 80)]);
-            assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()), []);
-        }
-        let r = reading("a", 25, &[(10, 20), (110, 80)]);
-        assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()).len(), 1);
+        // The victim's part leaves the window; the survivor at 20% stays within it.
+        let r = reading("a", 25, &[(10, 20)]);
+        assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()), []);
+        // A process started in the victim's place at 80% is over the ceiling as soon as its own
+        // time fills the room left in the window (35 - 20 points: 15% of 2 s): its first reading
+        // (20 + 80 / 4 = 40), not a whole window later.
+        let r = reading("a", 25, &[(10, 20), (111, 80)]);
+        let d = decide(&mut w, Action::Kill, vec![r], &gpus());
+        assert!(matches!(&d[..], [Decision::Kill { used: 40, victims, .. }] if victims == &[(111, 1)]), "{d:?}");
     }
 
     #[test]
