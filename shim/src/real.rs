@@ -165,6 +165,7 @@ table! {
             // Graph memory (CUDA 11.4 and later).
             cuGraphGetNodes(CUgraph, *mut CUgraphNode, *mut usize);
             cuGraphNodeGetType(CUgraphNode, *mut c_int);
+            cuGraphChildGraphNodeGetGraph(CUgraphNode, *mut CUgraph);
             cuGraphMemAllocNodeGetParams(CUgraphNode, *mut c_void);
             cuGraphMemFreeNodeGetParams(CUgraphNode, *mut CUdeviceptr);
             cuDeviceGetGraphMemAttribute(CUdevice, c_int, *mut c_void);

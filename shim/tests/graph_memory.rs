@@ -15,6 +15,7 @@ use tessera_region::Region;
 use tessera_sim_model::Node;
 
 const INVALID_VALUE: R = 1;
+const NOT_SUPPORTED: R = 801;
 
 /// Graph calls through whatever the dynamic linker hands the program (the shim's hooks).
 struct G<'a>(&'a Session);
@@ -43,6 +44,19 @@ impl G<'_> {
             (self.0.cu.cuGraphAddMemFreeNode)(&mut n, g, deps.as_ptr(), deps.len(), dptr)
         });
         n
+    }
+    /// A child graph node in `parent` that `child` is moved into (memory nodes and all).
+    fn embed_moved(&self, parent: H, child: H) -> R {
+        let mut n: H = std::ptr::null_mut();
+        let mut p = ChildGraphNodeParams::moved(child);
+        // SAFETY: valid out-pointer and parameters; no dependencies.
+        unsafe { (self.0.cu.cuGraphAddNode)(&mut n, parent, std::ptr::null(), 0, &mut p) }
+    }
+    /// A child graph node in `parent` cloning `child`.
+    fn embed_cloned(&self, parent: H, child: H) -> R {
+        let mut n: H = std::ptr::null_mut();
+        // SAFETY: as above.
+        unsafe { (self.0.cu.cuGraphAddChildGraphNode)(&mut n, parent, std::ptr::null(), 0, child) }
     }
     fn instantiate(&self, g: H) -> Result<H, R> {
         self.instantiate_with(g, 0)
@@ -78,6 +92,62 @@ impl G<'_> {
         ck("cuDeviceGetGraphMemAttribute", unsafe { (self.0.cu.cuDeviceGetGraphMemAttribute)(dev, 2, &mut v) });
         v
     }
+}
+
+#[test]
+fn allocation_nodes_inside_child_graphs_are_counted_before_a_launch() {
+    let test = "allocation_nodes_inside_child_graphs_are_counted_before_a_launch";
+    if !in_child() {
+        return run_in_container(test, &memory_limits(GIB));
+    }
+    let s = Session::start(0);
+    let g = G(&s);
+    let (region, dev) = region_and_dev(&s);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let used = || region.used(dev) - base;
+    let gpu = || gpu_used(0) - base;
+
+    // A child graph with memory nodes cannot be cloned into a node; it can be moved in.
+    let child = g.create();
+    g.alloc(child, &[], 0, 800 * MIB);
+    let parent = g.create();
+    assert_eq!(g.embed_cloned(parent, child), INVALID_VALUE, "a cloned child may hold no memory nodes");
+    ck("cuGraphAddNode (child graph, moved)", g.embed_moved(parent, child));
+    // Two levels down, another 300 MiB: 1.1 GiB in all, past the 1 GiB limit.
+    let inner = g.create();
+    g.alloc(inner, &[], 0, 300 * MIB);
+    let middle = g.create();
+    ck("cuGraphAddNode (inner)", g.embed_moved(middle, inner));
+    ck("cuGraphAddNode (middle)", g.embed_moved(parent, middle));
+    let e = g.instantiate(parent).expect("instantiate");
+    // Refused before the driver sees it: the GPU took nothing, nothing is charged.
+    assert_eq!(g.launch(e), OUT_OF_MEMORY);
+    assert_eq!((used(), gpu(), g.reserved(0)), (0, 0, 0));
+    g.exec_destroy(e);
+
+    // The same nesting within the limit runs, charged exactly what the pool holds.
+    let child = g.create();
+    g.alloc(child, &[], 0, 200 * MIB);
+    let middle = g.create();
+    ck("cuGraphAddNode (child)", g.embed_moved(middle, child));
+    let parent = g.create();
+    ck("cuGraphAddNode (middle)", g.embed_moved(parent, middle));
+    let e = g.instantiate(parent).expect("instantiate");
+    ck("launch", g.launch(e));
+    assert_eq!((used(), gpu(), g.reserved(0)), (200 * MIB, 200 * MIB, 200 * MIB));
+    assert_eq!(s.alloc(900 * MIB), Err(OUT_OF_MEMORY), "200 + 900 MiB do not fit in 1 GiB");
+    g.exec_destroy(e);
+
+    // Nested past what the shim follows (64): refused at instantiation, never run uncounted.
+    let mut top = g.create();
+    g.alloc(top, &[], 0, 900 * MIB);
+    for _ in 0..65 {
+        let up = g.create();
+        ck("cuGraphAddNode (nesting)", g.embed_moved(up, top));
+        top = up;
+    }
+    assert_eq!(g.instantiate(top), Err(NOT_SUPPORTED));
+    assert_eq!((used(), gpu()), (200 * MIB, 200 * MIB), "nothing more taken");
 }
 
 #[test]

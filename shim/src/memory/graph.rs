@@ -5,8 +5,9 @@
 //! says the pool holds (`CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT`), never the nodes' sizes again.
 //!
 //! - At instantiation the graph's memory nodes are read (each allocation's address, device and
-//!   size; each free's address) and kept per executable graph; executables without any cost
-//!   nothing later.
+//!   size; each free's address), those of the graphs its child graph nodes embed too (a child
+//!   moved in with `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE` may hold allocation nodes), and kept per
+//!   executable graph; executables without any cost nothing later.
 //! - Before a launch or upload of such an executable, each device it allocates on reserves the
 //!   sum of its allocation nodes there, less what the pool has free (reserved − used), and, for
 //!   an executable instantiated with `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`, less its
@@ -36,7 +37,8 @@ use tessera_region::TraceFunc;
 
 /// CUDA ordinals whose graph pools are followed.
 const ORDINALS: usize = 64;
-/// `CU_GRAPH_NODE_TYPE_MEM_ALLOC`, `CU_GRAPH_NODE_TYPE_MEM_FREE`.
+/// `CU_GRAPH_NODE_TYPE_GRAPH`, `CU_GRAPH_NODE_TYPE_MEM_ALLOC`, `CU_GRAPH_NODE_TYPE_MEM_FREE`.
+const NODE_GRAPH: c_int = 4;
 const NODE_MEM_ALLOC: c_int = 10;
 const NODE_MEM_FREE: c_int = 11;
 /// `CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`.
@@ -136,37 +138,77 @@ const _: () = assert!(
         == std::mem::offset_of!(cudarc::driver::sys::CUDA_MEM_ALLOC_NODE_PARAMS, bytesize)
 );
 
-/// The memory nodes of a graph (`None`: the driver cannot tell).
-fn memory_nodes(cu: &RealCuda, graph: CUgraph) -> Option<ExecMem> {
-    let (get_nodes, node_type, params, free_params) = (
-        cu.cuGraphGetNodes?,
-        cu.cuGraphNodeGetType?,
-        cu.cuGraphMemAllocNodeGetParams?,
-        cu.cuGraphMemFreeNodeGetParams?,
-    );
+/// Child graphs nested deeper than this are not followed: such a graph is refused at
+/// instantiation (`CUDA_ERROR_NOT_SUPPORTED`) rather than run with its memory uncounted.
+const MAX_CHILD_DEPTH: usize = 64;
+
+/// Why a graph's memory nodes could not be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unread {
+    /// The driver cannot tell (a function missing or failing): charged after the launch.
+    Unknown,
+    /// Child graphs nested deeper than [`MAX_CHILD_DEPTH`].
+    TooDeep,
+}
+
+/// The memory nodes of a graph and of the graphs it embeds.
+fn memory_nodes(cu: &RealCuda, graph: CUgraph) -> Result<ExecMem, Unread> {
+    let mut m = ExecMem::default();
+    let mut allocs = Vec::new();
+    collect_memory_nodes(cu, graph, 0, &mut m, &mut allocs)?;
+    m.kept = allocs.into_iter().filter(|(dptr, ..)| !m.frees.contains(dptr)).collect();
+    Ok(m)
+}
+
+/// Adds `graph`'s memory nodes (and its child graphs') to `m` and `allocs`.
+fn collect_memory_nodes(
+    cu: &RealCuda,
+    graph: CUgraph,
+    depth: usize,
+    m: &mut ExecMem,
+    allocs: &mut Vec<(u64, c_int, u64)>,
+) -> Result<(), Unread> {
+    use Unread::Unknown;
+    if depth > MAX_CHILD_DEPTH {
+        return Err(Unread::TooDeep);
+    }
+    let (Some(get_nodes), Some(node_type), Some(params), Some(free_params)) =
+        (cu.cuGraphGetNodes, cu.cuGraphNodeGetType, cu.cuGraphMemAllocNodeGetParams, cu.cuGraphMemFreeNodeGetParams)
+    else {
+        return Err(Unknown);
+    };
     let mut n = 0usize;
     // SAFETY: a null node array asks for the count only; n is a valid out-pointer.
     if unsafe { get_nodes(graph, std::ptr::null_mut(), &mut n) } != CUDA_SUCCESS {
-        return None;
+        return Err(Unknown);
     }
     let mut nodes: Vec<CUgraphNode> = vec![std::ptr::null_mut(); n];
     // SAFETY: nodes has room for n handles, as n says.
     if n > 0 && unsafe { get_nodes(graph, nodes.as_mut_ptr(), &mut n) } != CUDA_SUCCESS {
-        return None;
+        return Err(Unknown);
     }
-    let mut m = ExecMem::default();
-    let mut allocs = Vec::new();
     for &node in nodes.iter().take(n) {
         let mut ty: c_int = -1;
         // SAFETY: node is one of the graph's nodes; ty a valid out-pointer.
         if unsafe { node_type(node, &mut ty) } != CUDA_SUCCESS {
             continue;
         }
+        if ty == NODE_GRAPH {
+            // A driver that cannot name the embedded graph cannot say what it allocates.
+            let child_of = cu.cuGraphChildGraphNodeGetGraph.ok_or(Unknown)?;
+            let mut child: CUgraph = std::ptr::null_mut();
+            // SAFETY: node is a child graph node; child a valid out-pointer.
+            if unsafe { child_of(node, &mut child) } != CUDA_SUCCESS {
+                return Err(Unknown);
+            }
+            collect_memory_nodes(cu, child, depth + 1, m, allocs)?;
+            continue;
+        }
         if ty == NODE_MEM_FREE {
             let mut dptr: CUdeviceptr = 0;
             // SAFETY: node is a free node; dptr a valid out-pointer.
             if unsafe { free_params(node, &mut dptr) } != CUDA_SUCCESS {
-                return None;
+                return Err(Unknown);
             }
             m.frees.push(dptr);
             continue;
@@ -177,7 +219,7 @@ fn memory_nodes(cu: &RealCuda, graph: CUgraph) -> Option<ExecMem> {
         let mut p = std::mem::MaybeUninit::<MemAllocNodeParams>::zeroed();
         // SAFETY: node is an allocation node; p has the layout of CUDA_MEM_ALLOC_NODE_PARAMS.
         if unsafe { params(node, p.as_mut_ptr().cast()) } != CUDA_SUCCESS {
-            return None;
+            return Err(Unknown);
         }
         // SAFETY: zero-initialized, then written by the driver; every field is a plain integer
         // or pointer, valid for any bits.
@@ -186,8 +228,7 @@ fn memory_nodes(cu: &RealCuda, graph: CUgraph) -> Option<ExecMem> {
         add(&mut m.needs, dev, bytes);
         allocs.push((p.dptr, dev, bytes));
     }
-    m.kept = allocs.into_iter().filter(|(dptr, ..)| !m.frees.contains(dptr)).collect();
-    Some(m)
+    Ok(())
 }
 
 /// The (used, reserved) size of a device's graph pool, as the driver says.
@@ -343,7 +384,19 @@ fn instantiated(
     exec_out: *mut CUgraphExec,
     call: impl FnOnce() -> CUresult,
 ) -> CUresult {
-    let Some(mut m) = memory_nodes(cu, graph) else { return call() };
+    let mut m = match memory_nodes(cu, graph) {
+        Ok(m) => m,
+        Err(Unread::Unknown) => return call(),
+        Err(Unread::TooDeep) => {
+            use std::io::Write;
+            // writeln!, not eprintln!: a closed stderr must not panic inside a hook.
+            let _ = writeln!(
+                std::io::stderr(),
+                "tessera: a graph with child graphs nested over {MAX_CHILD_DEPTH} deep is refused: its memory could not be counted against the limit"
+            );
+            return CUDA_ERROR_NOT_SUPPORTED;
+        }
+    };
     if m.needs.is_empty() && m.frees.is_empty() {
         return call();
     }

@@ -85,6 +85,8 @@ api! {
     cuGraphCreate(*mut H, c_uint);
     cuGraphAddMemAllocNode(*mut H, H, *const H, usize, *mut MemAllocNodeParams);
     cuGraphAddMemFreeNode(*mut H, H, *const H, usize, u64);
+    cuGraphAddChildGraphNode(*mut H, H, *const H, usize, H);
+    cuGraphAddNode(*mut H, H, *const H, usize, *mut ChildGraphNodeParams);
     cuGraphExecDestroy(H);
     cuGraphUpload(H, H);
     cuDeviceGraphMemTrim(c_int);
@@ -116,6 +118,25 @@ impl MemAllocProp {
             win32: std::ptr::null_mut(),
             flags: [0; 8],
         }
+    }
+}
+
+/// `CUgraphNodeParams` for a child graph node (`CU_GRAPH_NODE_TYPE_GRAPH`): the type, the
+/// union's `CUDA_CHILD_GRAPH_NODE_PARAMS` (graph, ownership) at byte 16, 256 bytes in all.
+#[repr(C)]
+pub struct ChildGraphNodeParams {
+    pub type_: c_int,
+    pub reserved0: [c_int; 3],
+    pub graph: H,
+    /// `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE` (0) or `_MOVE` (1).
+    pub ownership: c_uint,
+    pub rest: [u32; 57],
+}
+const _: () = assert!(std::mem::size_of::<ChildGraphNodeParams>() == 256);
+
+impl ChildGraphNodeParams {
+    pub fn moved(graph: H) -> ChildGraphNodeParams {
+        ChildGraphNodeParams { type_: 4, reserved0: [0; 3], graph, ownership: 1, rest: [0; 57] }
     }
 }
 

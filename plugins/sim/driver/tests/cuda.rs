@@ -1726,6 +1726,115 @@ impl Graphs<'_> {
     }
 }
 
+/// `CUgraphNodeParams` for a child graph node: type 4, then the child graph and its ownership
+/// at byte 16 (256 bytes in all).
+#[repr(C)]
+struct ChildParams {
+    type_: c_int,
+    reserved0: [c_int; 3],
+    graph: Handle,
+    ownership: c_uint,
+    rest: [u32; 57],
+}
+
+#[test]
+fn child_graphs_are_cloned_without_memory_nodes_or_moved_with_them() {
+    with_context("child_graphs_are_cloned_without_memory_nodes_or_moved_with_them", |m, cu| {
+        let gr = Graphs { cu };
+        let s = cu.stream();
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let embed = |parent: Handle, child: Handle, ownership: c_uint| {
+            let mut n = std::ptr::null_mut();
+            let mut p = ChildParams { type_: 4, reserved0: [0; 3], graph: child, ownership, rest: [0; 57] };
+            let rc = call!(
+                cu,
+                cuGraphAddNode(&mut n, parent, std::ptr::null(), 0, &mut p)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut ChildParams)
+            );
+            (rc, n)
+        };
+        let child_of = |n: Handle| {
+            let mut g = std::ptr::null_mut();
+            let rc = call!(cu, cuGraphChildGraphNodeGetGraph(n, &mut g) as fn(Handle, *mut Handle));
+            (rc, g)
+        };
+        let node_type = |n: Handle| {
+            let mut t: c_int = -1;
+            assert_eq!(call!(cu, cuGraphNodeGetType(n, &mut t) as fn(Handle, *mut c_int)), SUCCESS);
+            t
+        };
+
+        // Cloned: a child without memory nodes, through either call; its graph is a copy.
+        let plain = gr.create();
+        let mut n = std::ptr::null_mut();
+        let rc = call!(
+            cu,
+            cuGraphAddEmptyNode(&mut n, plain, std::ptr::null(), 0) as fn(*mut Handle, Handle, *const Handle, usize)
+        );
+        assert_eq!(rc, SUCCESS);
+        let parent = gr.create();
+        let mut cloned = std::ptr::null_mut();
+        let rc = call!(
+            cu,
+            cuGraphAddChildGraphNode(&mut cloned, parent, std::ptr::null(), 0, plain)
+                as fn(*mut Handle, Handle, *const Handle, usize, Handle)
+        );
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(node_type(cloned), 4, "CU_GRAPH_NODE_TYPE_GRAPH");
+        let (rc, copy) = child_of(cloned);
+        assert_eq!(rc, SUCCESS);
+        assert_ne!(copy, plain, "a clone, not the graph given");
+        assert_eq!(embed(parent, plain, 0).0, SUCCESS, "cuGraphAddNode, CLONE");
+        assert_eq!(call!(cu, cuGraphDestroy(copy) as fn(Handle)), INVALID_VALUE, "an embedded graph is its node's");
+        assert_eq!(call!(cu, cuGraphDestroy(plain) as fn(Handle)), SUCCESS, "the original is the caller's still");
+
+        // With a memory node: never cloned; moved, it allocates when its parent launches.
+        let child = gr.create();
+        let mut p = graph_alloc_params(64 * MIB as usize);
+        gr.alloc(child, &[], &mut p).unwrap();
+        let holder = gr.create();
+        let rc = call!(
+            cu,
+            cuGraphAddChildGraphNode(&mut n, holder, std::ptr::null(), 0, child)
+                as fn(*mut Handle, Handle, *const Handle, usize, Handle)
+        );
+        assert_eq!(rc, INVALID_VALUE, "a cloned child may not hold memory nodes");
+        assert_eq!(embed(holder, child, 0).0, INVALID_VALUE, "nor through cuGraphAddNode");
+        assert_eq!(embed(child, child, 1).0, INVALID_VALUE, "not into itself");
+        let (rc, moved) = embed(holder, child, 1);
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(child_of(moved), (SUCCESS, child), "moved: the very graph");
+        assert_eq!(embed(parent, child, 1).0, INVALID_VALUE, "not into a second parent");
+        assert_eq!(embed(child, holder, 1).0, INVALID_VALUE, "not its parent into itself");
+        assert_eq!(gr.instantiate(child, 0), Err(INVALID_VALUE), "not instantiated by itself");
+        assert_eq!(
+            gr.alloc(child, &[], &mut graph_alloc_params(MIB as usize)),
+            Err(INVALID_VALUE),
+            "no new memory nodes"
+        );
+        let e = gr.instantiate(holder, 0).unwrap();
+        assert_eq!(used(), base);
+        assert_eq!(gr.launch(e, s), SUCCESS);
+        assert_eq!(used(), base + 64 * MIB, "the moved child's allocation");
+        gr.exec_destroy(e);
+        // Destroying the parent destroys what it embeds.
+        assert_eq!(call!(cu, cuGraphDestroy(holder) as fn(Handle)), SUCCESS);
+        assert_eq!(gr.instantiate(child, 0), Err(INVALID_VALUE), "gone with its parent");
+        assert_eq!(call!(cu, cuGraphDestroy(parent) as fn(Handle)), SUCCESS);
+        // Other node types through cuGraphAddNode say they are not modelled.
+        let mut kernel =
+            ChildParams { type_: 0, reserved0: [0; 3], graph: std::ptr::null_mut(), ownership: 0, rest: [0; 57] };
+        let g = gr.create();
+        let rc = call!(
+            cu,
+            cuGraphAddNode(&mut n, g, std::ptr::null(), 0, &mut kernel)
+                as fn(*mut Handle, Handle, *const Handle, usize, *mut ChildParams)
+        );
+        assert_eq!(rc, NOT_SUPPORTED);
+    });
+}
+
 #[test]
 fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
     with_context("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |m, cu| {

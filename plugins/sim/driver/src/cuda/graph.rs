@@ -2,6 +2,12 @@
 //! memsets, host functions) as nodes of a graph instead of running it; an instantiated graph
 //! replays its nodes on a stream, in the order they were added (an order that respects every
 //! dependency, since a node can only depend on nodes added before it).
+//!
+//! Child graph nodes embed a graph: `cuGraphAddChildGraphNode` (and `cuGraphAddNode` with
+//! `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE`) clone it, and refuse one with memory nodes;
+//! `cuGraphAddNode` with `CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE` moves it in, memory nodes and all,
+//! after which it cannot be instantiated, destroyed or embedded on its own. An embedded graph
+//! takes no new memory nodes. Instantiation replays an embedded graph's nodes in its node's place.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
@@ -50,6 +56,10 @@ pub(crate) enum Op {
     MemFree {
         base: u64,
     },
+    /// A child graph node: the embedded graph's handle (owned by the node's graph).
+    Child {
+        graph: usize,
+    },
 }
 
 impl Op {
@@ -61,6 +71,7 @@ impl Op {
             Op::Memset { .. } => 2,
             Op::Host { .. } => 3,
             Op::Empty => 5,
+            Op::Child { .. } => 4,
             Op::MemAlloc { .. } => 10,
             Op::MemFree { .. } => 11,
         }
@@ -81,6 +92,8 @@ pub(crate) fn run_op(node: &'static Node, t: &Target, op: &Op) -> R {
         Op::Empty => Ok(()),
         Op::MemAlloc { base, bytes, dev } => super::graph_mem::allocate(node, *dev, *base, *bytes),
         Op::MemFree { base } => super::graph_mem::free(*base),
+        // Instantiation replaces a child graph node with its graph's nodes.
+        Op::Child { .. } => Err(ILLEGAL_STATE),
     }
 }
 
@@ -101,13 +114,30 @@ pub(crate) struct GNode {
 pub(crate) struct Graph {
     pub handle: usize,
     pub nodes: Mutex<Vec<Arc<GNode>>>,
+    /// The graph whose child graph node embeds this one (0: none).
+    owner: AtomicUsize,
+    /// Moved in by its owner (`CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE`), not cloned.
+    moved: AtomicBool,
 }
+
+/// Child graphs nested deeper than this are refused (the driver's own limit is not documented;
+/// this one is well past what libtessera.so follows, so that its own refusal can be seen).
+const MAX_DEPTH: usize = 128;
 
 impl Graph {
     fn new() -> Arc<Graph> {
-        let g = Arc::new(Graph { handle: handles::new_handle(), nodes: Mutex::new(Vec::new()) });
+        let g = Arc::new(Graph {
+            handle: handles::new_handle(),
+            nodes: Mutex::new(Vec::new()),
+            owner: AtomicUsize::new(0),
+            moved: AtomicBool::new(false),
+        });
         handles::write().graphs.insert(g.handle, g.clone());
         g
+    }
+
+    fn embedded(&self) -> bool {
+        self.owner.load(Acquire) != 0
     }
 
     fn nodes(&self) -> std::sync::MutexGuard<'_, Vec<Arc<GNode>>> {
@@ -116,6 +146,10 @@ impl Graph {
 
     /// Adds a node depending on `deps` (which must be nodes of this graph).
     fn add(&self, op: Op, deps: Vec<usize>) -> R<usize> {
+        if matches!(op, Op::MemAlloc { .. } | Op::MemFree { .. }) && self.embedded() {
+            // An embedded graph takes no new memory nodes.
+            return Err(INVALID_VALUE);
+        }
         let mut reg = handles::write();
         if deps.iter().any(|d| reg.gnodes.get(d).is_none_or(|n| n.graph != self.handle)) {
             return Err(INVALID_VALUE);
@@ -466,19 +500,246 @@ pub unsafe extern "C" fn cuGraphCreate(phGraph: *mut sys::CUgraph, flags: c_uint
     })
 }
 
+/// Destroys a graph and the graphs its child graph nodes embed.
 fn destroy_graph(h: usize) {
     let mut reg = handles::write();
-    if reg.graphs.remove(&h).is_some() {
-        reg.gnodes.retain(|_, n| n.graph != h);
+    let mut doomed = vec![h];
+    while let Some(h) = doomed.pop() {
+        if let Some(g) = reg.graphs.remove(&h) {
+            doomed.extend(g.nodes().iter().filter_map(|n| match n.op {
+                Op::Child { graph } => Some(graph),
+                _ => None,
+            }));
+            reg.gnodes.retain(|_, n| n.graph != h);
+        }
     }
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphDestroy(hGraph: sys::CUgraph) -> CUresult {
     run(|| {
-        graph(hGraph)?;
+        // An embedded graph belongs to its node: it goes with the graph that holds it.
+        if graph(hGraph)?.embedded() {
+            return Err(INVALID_VALUE);
+        }
         destroy_graph(hGraph as usize);
         Ok(())
+    })
+}
+
+/// A graph a child graph node embeds.
+fn embedded_graph(h: usize) -> R<Arc<Graph>> {
+    handles::read().graphs.get(&h).cloned().ok_or(INVALID_VALUE)
+}
+
+/// Whether `g` or a graph it embeds has memory nodes.
+fn has_memory_nodes(g: &Graph, depth: usize) -> R<bool> {
+    if depth > MAX_DEPTH {
+        return Err(INVALID_VALUE);
+    }
+    // A snapshot, so that no graph's node lock is held while the registry is read.
+    let ops: Vec<Op> = g.nodes().iter().map(|n| n.op.clone()).collect();
+    for op in ops {
+        match op {
+            Op::MemAlloc { .. } | Op::MemFree { .. } => return Ok(true),
+            Op::Child { graph: c } if has_memory_nodes(&*embedded_graph(c)?, depth + 1)? => return Ok(true),
+            _ => {}
+        }
+    }
+    Ok(false)
+}
+
+/// A copy of `g` (and of the graphs it embeds) embedded in `owner`.
+fn clone_graph(g: &Graph, owner: usize, depth: usize) -> R<Arc<Graph>> {
+    if depth > MAX_DEPTH {
+        return Err(INVALID_VALUE);
+    }
+    let copy = Graph::new();
+    copy.owner.store(owner, Release);
+    let ops: Vec<Op> = g.nodes().iter().map(|n| n.op.clone()).collect();
+    for op in ops {
+        let op = match op {
+            Op::Child { graph: c } => {
+                Op::Child { graph: clone_graph(&*embedded_graph(c)?, copy.handle, depth + 1)?.handle }
+            }
+            op => op,
+        };
+        // Without edges: the copy keeps its nodes' order, which is what replay follows.
+        let mut reg = handles::write();
+        let n = Arc::new(GNode { handle: handles::new_handle(), graph: copy.handle, op });
+        reg.gnodes.insert(n.handle, n.clone());
+        drop(reg);
+        copy.nodes().push(n);
+    }
+    Ok(copy)
+}
+
+/// The work of `g`, child graph nodes replaced by their graphs' work.
+fn flatten(g: &Graph, depth: usize, out: &mut Vec<Op>) -> R {
+    if depth > MAX_DEPTH {
+        return Err(INVALID_VALUE);
+    }
+    let ops: Vec<Op> = g.nodes().iter().map(|n| n.op.clone()).collect();
+    for op in ops {
+        match op {
+            Op::Child { graph: c } => flatten(&*embedded_graph(c)?, depth + 1, out)?,
+            op => out.push(op),
+        }
+    }
+    Ok(())
+}
+
+/// Adds a child graph node embedding `child` into `parent`: cloned, or moved in.
+///
+/// # Safety
+/// As [`add_node`].
+unsafe fn add_child(
+    ph: *mut sys::CUgraphNode,
+    parent: sys::CUgraph,
+    deps: *const sys::CUgraphNode,
+    n: usize,
+    child: sys::CUgraph,
+    moved: bool,
+) -> R {
+    let (p, c) = (graph(parent)?, graph(child)?);
+    if c.embedded() {
+        return Err(INVALID_VALUE);
+    }
+    let embedded = if moved {
+        // Not into itself, nor into a graph it already embeds.
+        let mut up = p.handle;
+        while up != 0 {
+            if up == c.handle {
+                return Err(INVALID_VALUE);
+            }
+            up = handles::read().graphs.get(&up).map_or(0, |g| g.owner.load(Acquire));
+        }
+        c.owner.store(p.handle, Release);
+        c.moved.store(true, Release);
+        c
+    } else {
+        // A cloned child may not hold memory nodes.
+        if has_memory_nodes(&c, 1)? {
+            return Err(INVALID_VALUE);
+        }
+        clone_graph(&c, p.handle, 1)?
+    };
+    let h = embedded.handle;
+    // SAFETY: as this function's contract.
+    let r = unsafe { add_node(ph, parent, deps, n, Op::Child { graph: h }) };
+    if r.is_err() {
+        if moved {
+            embedded.owner.store(0, Release);
+            embedded.moved.store(false, Release);
+        } else {
+            destroy_graph(h);
+        }
+    }
+    r
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddChildGraphNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    childGraph: sys::CUgraph,
+) -> CUresult {
+    // SAFETY: the caller's out-pointer and dependency array.
+    run(|| unsafe { add_child(phGraphNode, hGraph, dependencies, numDependencies, childGraph, false) })
+}
+
+/// `CUgraphNodeParams`: the node type, then (at byte 16) the union of per-type parameters. Of
+/// the types only these are modelled here: an empty node, and a child graph node
+/// (`CUDA_CHILD_GRAPH_NODE_PARAMS`: the graph, then its ownership, the latter from CUDA 12.9's
+/// header; the 12.8 bindings stop at the graph).
+#[repr(C)]
+struct NodeParamsHead {
+    type_: c_int,
+    _reserved0: [c_int; 3],
+    child_graph: sys::CUgraph,
+    child_ownership: c_uint,
+}
+const _: () = assert!(std::mem::offset_of!(NodeParamsHead, child_graph) == 16);
+const _: () = assert!(std::mem::size_of::<NodeParamsHead>() <= std::mem::size_of::<sys::CUgraphNodeParams>());
+
+/// `cuGraphAddNode`: empty and child graph nodes; other types answer `CUDA_ERROR_NOT_SUPPORTED`
+/// (their own `cuGraphAdd*Node` functions are modelled).
+///
+/// # Safety
+/// As [`add_node`]; `params` null or a `CUgraphNodeParams`.
+unsafe fn add_generic(
+    ph: *mut sys::CUgraphNode,
+    g: sys::CUgraph,
+    deps: *const sys::CUgraphNode,
+    n: usize,
+    params: *const sys::CUgraphNodeParams,
+) -> R {
+    need(params)?;
+    driver()?;
+    // SAFETY: params points at a whole CUgraphNodeParams (checked non-null and aligned), whose
+    // first bytes NodeParamsHead lays out; every field is valid for any bits.
+    let head = unsafe { std::ptr::read(params.cast::<NodeParamsHead>()) };
+    match head.type_ {
+        // SAFETY: as this function's contract.
+        5 => unsafe { add_node(ph, g, deps, n, Op::Empty) },
+        4 => match head.child_ownership {
+            // SAFETY: as this function's contract.
+            0 => unsafe { add_child(ph, g, deps, n, head.child_graph, false) },
+            // SAFETY: as above.
+            1 => unsafe { add_child(ph, g, deps, n, head.child_graph, true) },
+            _ => Err(INVALID_VALUE),
+        },
+        t if (0..=13).contains(&t) => Err(CUresult::CUDA_ERROR_NOT_SUPPORTED),
+        _ => Err(INVALID_VALUE),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddNode(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    numDependencies: usize,
+    nodeParams: *mut sys::CUgraphNodeParams,
+) -> CUresult {
+    // SAFETY: the caller's pointers, per the API contract.
+    run(|| unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
+}
+
+/// `cuGraphAddNode_v2` (CUDA 12.3): edge data beside the dependencies; only the default edge
+/// (null) is modelled.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddNode_v2(
+    phGraphNode: *mut sys::CUgraphNode,
+    hGraph: sys::CUgraph,
+    dependencies: *const sys::CUgraphNode,
+    dependencyData: *const c_void,
+    numDependencies: usize,
+    nodeParams: *mut sys::CUgraphNodeParams,
+) -> CUresult {
+    run(|| {
+        if !dependencyData.is_null() {
+            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+        }
+        // SAFETY: the caller's pointers, per the API contract.
+        unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphChildGraphNodeGetGraph(
+    hNode: sys::CUgraphNode,
+    phGraph: *mut sys::CUgraph,
+) -> CUresult {
+    run(|| {
+        need(phGraph)?;
+        driver()?;
+        let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
+        let Op::Child { graph } = op else { return Err(INVALID_VALUE) };
+        // SAFETY: phGraph is the caller's out-pointer (checked above).
+        unsafe { put(phGraph, handles::as_ptr(graph)) }
     })
 }
 
@@ -663,7 +924,12 @@ fn instantiate(ph: *mut sys::CUgraphExec, g: sys::CUgraph, flags: u64) -> R {
         return Err(INVALID_VALUE);
     }
     let g = graph(g)?;
-    let ops = g.nodes().iter().map(|n| n.op.clone()).collect();
+    // A graph moved into another is instantiated with it, not by itself.
+    if g.moved.load(Acquire) {
+        return Err(INVALID_VALUE);
+    }
+    let mut ops = Vec::new();
+    flatten(&g, 0, &mut ops)?;
     let e = Arc::new(Exec { handle: handles::new_handle(), graph: g.handle, flags, ops });
     let h = e.handle;
     {
