@@ -334,7 +334,7 @@ impl Enforcer {
             return;
         };
         let tolerance = settings.sm_tolerance_percent;
-        let now_us = realtime_us();
+        let now_us = crate::state::record::unix_ns() / 1000;
         let mut per_gpu: HashMap<u32, Option<GpuUse>> = HashMap::new();
         let mut readings = Vec::new();
         for g in groups {
@@ -354,29 +354,12 @@ impl Enforcer {
             if cap.saturating_add(tolerance) >= 100 {
                 continue;
             }
-            let read = per_gpu.entry(g.gpu_index).or_insert_with(|| {
-                // A reading covers the time since the GPU's last; a stale mark (no capped group
-                // there for a while) would claim more time than the driver's history holds.
-                let since = self
-                    .utilization_read
-                    .get(&g.gpu_index)
-                    .copied()
-                    .filter(|&t| now_us.saturating_sub(t) <= 1_000_000 && t < now_us)
-                    .unwrap_or(now_us.saturating_sub(settings.interval_ms * 1000));
-                match sample::utilization(self.controller.session().nvml(), g.gpu_index, since) {
-                    Ok(u) => {
-                        self.utilization_failing.remove(&g.gpu_index);
-                        self.utilization_read.insert(g.gpu_index, now_us);
-                        Some(((now_us - since) * 1000, u))
-                    }
-                    Err(e) => {
-                        if self.utilization_failing.insert(g.gpu_index) {
-                            tracing::warn!(gpu = g.gpu_index, error = %e, "enforcement: NVML gives no per-process utilization for this GPU; SM time not enforced there");
-                        }
-                        None
-                    }
+            let read = match per_gpu.entry(g.gpu_index) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(self.read_utilization(g.gpu_index, now_us, settings.interval_ms))
                 }
-            });
+            };
             let Some((period_ns, used)) = read else { continue };
             let uses = g
                 .processes
@@ -405,6 +388,31 @@ impl Enforcer {
         for d in decisions {
             outcome.events += 1;
             self.act_sm(d, allocations, outcome);
+        }
+    }
+
+    /// GPU `gpu`'s per-process SM utilization since its last reading (at most a second back:
+    /// an older mark would claim more time than the driver's history holds; none: one interval
+    /// back), and the period it covers; `None` when NVML gives none (warned once).
+    fn read_utilization(&mut self, gpu: u32, now_us: u64, interval_ms: u64) -> Option<GpuUse> {
+        let since = self
+            .utilization_read
+            .get(&gpu)
+            .copied()
+            .filter(|&t| t < now_us && now_us - t <= 1_000_000)
+            .unwrap_or(now_us.saturating_sub(interval_ms * 1000));
+        match sample::utilization(self.controller.session().nvml(), gpu, since) {
+            Ok(u) => {
+                self.utilization_failing.remove(&gpu);
+                self.utilization_read.insert(gpu, now_us);
+                Some(((now_us - since) * 1000, u))
+            }
+            Err(e) => {
+                if self.utilization_failing.insert(gpu) {
+                    tracing::warn!(gpu, error = %e, "enforcement: NVML gives no per-process utilization for this GPU; SM time not enforced there");
+                }
+                None
+            }
         }
     }
 
@@ -624,10 +632,6 @@ fn who(members: &[&Allocation]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-fn realtime_us() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// The allocations' device ids on the device `uuid`, comma-joined (the UUID when none holds it).
