@@ -142,9 +142,15 @@ fn load(file: &std::path::Path) -> VecDeque<Event> {
             Err(e) => {
                 // A torn file cannot come from our writes (whole-file replace); keep what decoded
                 // and set the file aside for a person to look at.
-                let aside = file.with_extension("corrupt");
-                tracing::warn!(file = %file.display(), error = %e, aside = %aside.display(), "kept events are damaged; set aside");
-                let _ = std::fs::rename(file, &aside);
+                // Beside any earlier damaged copy, never over it.
+                match crate::state::durable::move_aside(file) {
+                    Ok(aside) => {
+                        tracing::warn!(file = %file.display(), error = %e, aside = %aside.display(), "kept events are damaged; set aside")
+                    }
+                    Err(why) => {
+                        tracing::warn!(file = %file.display(), error = %e, move_error = %why, "kept events are damaged and cannot be set aside")
+                    }
+                }
                 break;
             }
         }
@@ -196,11 +202,17 @@ mod tests {
         );
         assert_eq!(bus.publish(event("e")), 5);
         assert_eq!(bus.published(), 5);
-        // A damaged file is set aside, not fatal.
+        // A damaged file is set aside, not fatal; a second damage is set aside beside the first.
         std::fs::write(&file, b"\xff\xff\xff").unwrap();
         let bus = EventBus::new(3, Some(file.clone()));
         assert_eq!(bus.publish(event("f")), 1);
-        assert!(file.with_extension("corrupt").exists());
+        let aside = |n: &str| std::path::PathBuf::from(format!("{}.corrupt{n}", file.display()));
+        assert_eq!(std::fs::read(aside("")).unwrap(), b"\xff\xff\xff");
+        drop(bus);
+        std::fs::write(&file, b"\xfe\xfe").unwrap();
+        let _bus = EventBus::new(3, Some(file.clone()));
+        assert_eq!(std::fs::read(aside("")).unwrap(), b"\xff\xff\xff", "the first kept");
+        assert_eq!(std::fs::read(aside(".1")).unwrap(), b"\xfe\xfe");
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Crash-safe whole-file writes: a temporary file beside the target, fsynced, renamed over it,
-//! then the directory fsynced. After a crash the file is either the old one or the new one.
+//! then the directory fsynced. After a crash the file is either the old one or the new one. And
+//! where a damaged file goes for a person to look at: beside it, never over an earlier one.
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -22,6 +23,20 @@ pub fn write_file(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Moves a damaged `path` aside to `<path>.corrupt`, or `.corrupt.N` where that is taken (an
+/// earlier damage is kept, never overwritten); the new name.
+pub fn move_aside(path: &Path) -> std::io::Result<std::path::PathBuf> {
+    let base = format!("{}.corrupt", path.display());
+    let mut target = std::path::PathBuf::from(&base);
+    let mut n = 1;
+    while target.symlink_metadata().is_ok() {
+        target = std::path::PathBuf::from(format!("{base}.{n}"));
+        n += 1;
+    }
+    std::fs::rename(path, &target)?;
+    Ok(target)
 }
 
 #[cfg(test)]

@@ -788,15 +788,7 @@ fn sync_dir(dir: &Path) -> Result<(), StateError> {
 
 /// Renames `path` to `<path>.corrupt` (or `.corrupt.N` if that is taken).
 fn move_aside(path: &Path) -> Result<PathBuf, StateError> {
-    let base = format!("{}{CORRUPT_EXT}", path.display());
-    let mut target = PathBuf::from(&base);
-    let mut n = 1;
-    while target.symlink_metadata().is_ok() {
-        target = PathBuf::from(format!("{base}.{n}"));
-        n += 1;
-    }
-    std::fs::rename(path, &target).map_err(io_err(path, "move corrupt record aside"))?;
-    Ok(target)
+    super::durable::move_aside(path).map_err(io_err(path, "move corrupt record aside"))
 }
 
 /// A legacy record file's contents, checked against its file name.
