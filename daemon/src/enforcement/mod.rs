@@ -24,8 +24,8 @@
 //! plus a poll, and the kill itself (under 1 s at the default).
 //!
 //! SM time is judged the same way from NVML's per-process utilization ([`sm_time`]): a strict
-//! share whose processes' average over `sm_window_ms` is more than `sm_tolerance_percent` points
-//! over its SM percent is a breach (`sm_action`, by default as `action`): its processes that do
+//! share whose processes took more than its SM percent plus `sm_tolerance_percent` points of an
+//! `sm_window_ms` window is a breach (`sm_action`, by default as `action`): its processes that do
 //! not map its region are killed first, then the heaviest, until the rest fit.
 
 pub mod attribution;
@@ -446,7 +446,7 @@ impl Enforcer {
         let on = format!("GPU {gpu_index} device {}", key.device_uuid);
         let seconds = window_ms as f64 / 1000.0;
         let what = format!(
-            "allocation {who} used {used}% of the SM time on {on} over the last {seconds:.1} s, over its strict share of {cap}%"
+            "allocation {who} took {used}% of a {seconds:.1} s window's SM time on {on}, over its strict share of {cap}%"
         );
         let message = match (action, phase) {
             (api::BreachAction::Killed, _) if killed.is_empty() => format!("{what}; nothing left to kill"),

@@ -11,8 +11,9 @@ use crate::config::ConfigError;
 pub const MAX_INTERVAL_MS: u64 = 500;
 /// The shortest: below this the poll's own cost (NVML and /proc reads) starts to matter.
 pub const MIN_INTERVAL_MS: u64 = 10;
-/// SM time is judged over a window: shorter ones would judge the limiter's bursts, not its
-/// average; longer ones let a bypassing process run free for that long.
+/// SM time is judged over a window: an honest program may read up to one kernel over its share
+/// in any window (a launch is let through whole), so shorter ones misjudge long kernels; longer
+/// ones let a bypassing process run free longer (until it has had the ceiling's share of one).
 pub const SM_WINDOW_MS: std::ops::RangeInclusive<u64> = 1000..=60_000;
 /// Points over its share an allocation's SM time may read before it is a breach.
 pub const SM_TOLERANCE_PERCENT: std::ops::RangeInclusive<u32> = 1..=50;
@@ -41,7 +42,7 @@ impl Default for Settings {
             action: Action::Kill,
             interval_ms: MAX_INTERVAL_MS,
             sm_action: None,
-            sm_window_ms: 5000,
+            sm_window_ms: 10_000,
             sm_tolerance_percent: 10,
         }
     }
@@ -141,7 +142,7 @@ mod tests {
         let e = Config::parse("[enforcement]\naction = \"terminate\"\n").unwrap_err();
         assert!(e.key.starts_with("enforcement"), "{e}");
         assert!(e.to_string().contains("kill") && e.to_string().contains("report"), "{e}");
-        assert_eq!((d.sm(), d.sm_window_ms, d.sm_tolerance_percent), (Some(Action::Kill), 5000, 10));
+        assert_eq!((d.sm(), d.sm_window_ms, d.sm_tolerance_percent), (Some(Action::Kill), 10_000, 10));
         let c = Config::parse("[enforcement]\naction = \"report\"\n").unwrap();
         assert_eq!(c.enforcement.sm(), Some(Action::Report), "unset: as action");
         let c = Config::parse("[enforcement]\nsm_action = \"off\"\nsm_window_ms = 2000\nsm_tolerance_percent = 5\n")

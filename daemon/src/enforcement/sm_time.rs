@@ -4,10 +4,12 @@
 //! around the shim (a static binary, direct ioctls, its own copy of the driver's entry points) is
 //! held by nothing. NVML's per-process utilization says what each process really got, whatever
 //! it called, so every poll adds each group's reading (its processes' SM percent since the last
-//! poll) to a window of `sm_window_ms`, and a full window whose average is more than
-//! `sm_tolerance_percent` points over the share is a breach. An honest limiter keeps its average
-//! at the share (its bursts last a bucket, far less than a window); a bypassing process runs as
-//! fast as the GPU lets it.
+//! poll) to a window of `sm_window_ms`, and SM time in the window of more than
+//! `sm_tolerance_percent` points over the share of the whole window is a breach: as soon as a
+//! window holds that much, before it is full, since no later reading can take it back. An honest
+//! limiter keeps its average at the share, off by at most its burst (20 ms of tokens) and one
+//! kernel (a launch is let through whole); a bypassing process runs as fast as the GPU lets it
+//! and is caught once it has had the ceiling's share of a window.
 //!
 //! Judged: a device's strict shares under 100% at normal or low priority, the terms the shim
 //! caps. A high-priority allocation runs uncapped and a work-conserving one may borrow what its
@@ -85,16 +87,18 @@ impl Window {
         self.covered_ns = 0;
     }
 
-    /// Each process's average over the window (percent), by process.
-    fn per_process(&self) -> Vec<(ProcKey, u32)> {
+    /// Each process's SM time in the window as a percent of the window (of the time covered once
+    /// that is longer): a window not yet full reads what its time already holds, which only
+    /// more time can add to.
+    fn per_process(&self, window_ns: u64) -> Vec<(ProcKey, u32)> {
         let mut sums: BTreeMap<ProcKey, u128> = BTreeMap::new();
         for (period, uses) in &self.readings {
             for u in uses {
                 *sums.entry(u.process).or_default() += u128::from(u.percent) * u128::from(*period);
             }
         }
-        let covered = u128::from(self.covered_ns.max(1));
-        sums.into_iter().map(|(k, s)| (k, (s / covered) as u32)).collect()
+        let span = u128::from(self.covered_ns.max(window_ns).max(1));
+        sums.into_iter().map(|(k, s)| (k, (s / span) as u32)).collect()
     }
 }
 
@@ -160,10 +164,9 @@ impl Watch {
                 let (p, _) = w.readings.pop_front().expect("not empty");
                 w.covered_ns -= p;
             }
-            if w.covered_ns < window_ns {
-                continue;
-            }
-            let per_process = w.per_process();
+            // Judged from the first reading: SM time past the ceiling's share of a whole window is
+            // a breach over any window that holds it, however the rest of the window goes.
+            let per_process = w.per_process(window_ns);
             let used: u32 = per_process.iter().map(|(_, p)| p).sum::<u32>().min(100);
             let over = used > w.cap.saturating_add(tolerance);
             let pids: Vec<u32> = per_process.iter().filter(|(_, p)| *p > 0).map(|(k, _)| k.0).collect();
@@ -265,10 +268,11 @@ mod tests {
     }
 
     #[test]
-    fn a_full_window_over_the_share_kills_the_process_without_the_shim_first() {
+    fn a_window_holding_more_than_the_share_kills_the_process_without_the_shim_first() {
         let mut w = Watch::default();
-        // 2 s window, 500 ms polls: the first reading starts the window, four more fill it.
-        for _ in 0..4 {
+        // 2 s window, 500 ms polls at 100% of the GPU: the first reading only starts the window;
+        // the second holds 25% of a window's time, the third 50%, past 25 + 10.
+        for _ in 0..2 {
             let r = reading("a", 25, &[(10, 20), (110, 80)]);
             assert_eq!(decide(&mut w, Action::Kill, vec![r], &gpus()), []);
         }
@@ -279,7 +283,7 @@ mod tests {
             [Decision::Kill {
                 key: key("a"),
                 gpu_index: 0,
-                used: 100,
+                used: 50,
                 cap: 25,
                 window_ms: 2000,
                 pids: vec![10, 110],
@@ -315,6 +319,24 @@ mod tests {
     }
 
     #[test]
+    fn one_long_kernel_at_a_time_at_the_share_is_not_a_breach_over_the_default_window() {
+        // An honest program whose kernels run 1 s each, one every 4 s (its 25%): a 10 s window
+        // holds at most three of them (30%), under 25 + 10. A 2 s window would hold half a
+        // window's worth: kernels that long need a window that long.
+        let (mut long, mut short) = (Watch::default(), Watch::default());
+        let mut d = Vec::new();
+        let mut d_short = Vec::new();
+        for i in 0..60 {
+            let pct = if i % 8 < 2 { 100 } else { 0 };
+            let r = || vec![reading("a", 25, &[(10, pct)])];
+            d.extend(long.decide(Action::Kill, 10_000, 10, r(), &gpus(), &mut |_, _| true));
+            d_short.extend(short.decide(Action::Kill, 2000, 10, r(), &gpus(), &mut |_, _| true));
+        }
+        assert_eq!(d, []);
+        assert!(!d_short.is_empty(), "the short window misjudges it");
+    }
+
+    #[test]
     fn new_terms_start_the_window_over() {
         let mut w = Watch::default();
         // Uncapped-looking use at 100% while the share was 90 (a high-priority allocation turned
@@ -337,7 +359,9 @@ mod tests {
         for _ in 0..7 {
             d.extend(decide(&mut w, Action::Report, vec![reading("a", 25, &[(110, 90)])], &gpus()));
         }
-        assert!(matches!(&d[..], [Decision::Report { phase: Phase::Started, used: 90, cap: 25, .. }]), "{d:?}");
+        // Reported once, as soon as the window holds more than 35% of its time (45% at the third
+        // reading), and not again while it stays over.
+        assert!(matches!(&d[..], [Decision::Report { phase: Phase::Started, used: 45, cap: 25, .. }]), "{d:?}");
         d.clear();
         for _ in 0..4 {
             d.extend(decide(&mut w, Action::Report, vec![reading("a", 25, &[(110, 20)])], &gpus()));
