@@ -467,6 +467,18 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
         "{series}"
     );
     assert!(!body.lines().any(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&modest_id)));
+    // The driver's own count of each one's SM time: the paced one about 10% of its 4 s.
+    let sm_seconds = |id: &str| -> f64 {
+        let line = body
+            .lines()
+            .find(|l| l.starts_with("tessera_container_sm_seconds_total{") && l.contains(id))
+            .unwrap_or_else(|| panic!("no SM time series for {id}:\n{body}"));
+        line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+    };
+    let (paced, spun) = (sm_seconds(&modest_id), sm_seconds(&greedy_id));
+    println!("enforcement: SM time by NVML: paced {paced:.3} s over 4 s, the two spinners {spun:.3} s");
+    assert!((0.15..=0.8).contains(&paced), "paced at about 10% for 4 s: {paced} s");
+    assert!(spun >= 0.35, "each spinner had at least 35% of the 1 s window: {spun} s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -71,11 +71,29 @@ pub struct BreachCount {
     pub count: u64,
 }
 
+/// SM time an allocation's processes got on one device, by NVML's per-process utilization (the
+/// driver's figure, not the container's own counters).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SmTime {
+    pub allocation: String,
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    /// The GPU's UUID.
+    pub uuid: String,
+    /// The allocation's device ids there, comma-joined.
+    pub device_id: String,
+    /// Nanoseconds of SM time since the daemon started (or since the allocation was made).
+    pub ns: u64,
+}
+
 /// What enforcement shows in the metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Metrics {
     /// Breaches since the daemon started (a kill, or a reported breach that started).
     pub breaches: Vec<BreachCount>,
+    /// SM time by the driver, per live allocation and GPU (not inside MIG instances).
+    pub sm_time: Vec<SmTime>,
     /// Processes on a GPU that belong to no allocation, at the last poll.
     pub unattributed_gpu_processes: u64,
 }
@@ -108,6 +126,40 @@ impl Stats {
             }
             None => m.breaches.push(b),
         }
+    }
+}
+
+impl Stats {
+    /// Adds `ns` of SM time to `a` on `uuid`.
+    fn add_sm_time(&self, a: &Allocation, uuid: &str, ns: u64) {
+        let mut m = self.lock();
+        let s = |o: &Option<String>| o.clone().unwrap_or_default();
+        let device_id = device_ids(&[a], uuid);
+        match m.sm_time.iter_mut().find(|t| t.allocation == a.id && t.uuid == uuid) {
+            Some(t) => {
+                t.ns = t.ns.saturating_add(ns);
+                (t.namespace, t.pod, t.container, t.device_id) = (
+                    s(&a.container.pod_namespace),
+                    s(&a.container.pod_name),
+                    s(&a.container.container_name),
+                    device_id,
+                );
+            }
+            None => m.sm_time.push(SmTime {
+                allocation: a.id.clone(),
+                namespace: s(&a.container.pod_namespace),
+                pod: s(&a.container.pod_name),
+                container: s(&a.container.container_name),
+                uuid: uuid.to_string(),
+                device_id,
+                ns,
+            }),
+        }
+    }
+
+    /// Forgets the SM time of allocations no longer held.
+    fn keep_sm_time_of(&self, live: &HashSet<&str>) {
+        self.lock().sm_time.retain(|t| live.contains(t.allocation.as_str()));
     }
 }
 
@@ -317,9 +369,10 @@ impl Enforcer {
         out
     }
 
-    /// SM time: reads the utilization of the GPUs where a group is held to a strict share, adds
-    /// it to the windows, and acts on what they decide. `listed_gpus`: the GPUs whose processes
-    /// this poll listed (a group missing there is gone).
+    /// SM time: reads the utilization of the GPUs the groups are on, counts each allocation's SM
+    /// time by the driver, adds the strict shares' readings to their windows, and acts on what
+    /// they decide. `listed_gpus`: the GPUs whose processes this poll listed (a group missing
+    /// there is gone).
     fn judge_sm_time(
         &mut self,
         settings: &Settings,
@@ -328,18 +381,41 @@ impl Enforcer {
         listed_gpus: &HashSet<u32>,
         outcome: &mut PollOutcome,
     ) {
-        let Some(action) = settings.sm() else {
+        let action = settings.sm();
+        if action.is_none() {
             self.sm.clear();
-            self.utilization_read.clear();
-            return;
-        };
+        }
         let tolerance = settings.sm_tolerance_percent;
         let now_us = crate::state::record::unix_ns() / 1000;
         let mut per_gpu: HashMap<u32, Option<GpuUse>> = HashMap::new();
         let mut readings = Vec::new();
+        let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
+        self.stats.keep_sm_time_of(&live);
         for g in groups {
             // NVML gives no per-process utilization inside MIG instances (hardware-isolated anyway).
             if g.key.device_uuid.starts_with("MIG-") {
+                continue;
+            }
+            let read = match per_gpu.entry(g.gpu_index) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(self.read_utilization(g.gpu_index, now_us, settings.interval_ms))
+                }
+            };
+            let Some((period_ns, used)) = read else { continue };
+            let uses: Vec<sm_time::Use> = g
+                .processes
+                .iter()
+                .map(|p| sm_time::Use { process: (p.pid, p.start), percent: used.get(&p.pid).copied().unwrap_or(0) })
+                .collect();
+            // The group's SM time this period, shared evenly among its allocations.
+            let percent: u64 = uses.iter().map(|u| u64::from(u.percent)).sum::<u64>().min(100);
+            let members: Vec<&Allocation> = allocations.iter().filter(|a| g.key.allocations.contains(&a.id)).collect();
+            let ns = (u128::from(percent) * u128::from(*period_ns) / 100) as u64 / members.len().max(1) as u64;
+            for a in &members {
+                self.stats.add_sm_time(a, &g.key.device_uuid, ns);
+            }
+            if action.is_none() {
                 continue;
             }
             let caps: Option<Vec<u32>> = g
@@ -354,18 +430,6 @@ impl Enforcer {
             if cap.saturating_add(tolerance) >= 100 {
                 continue;
             }
-            let read = match per_gpu.entry(g.gpu_index) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(self.read_utilization(g.gpu_index, now_us, settings.interval_ms))
-                }
-            };
-            let Some((period_ns, used)) = read else { continue };
-            let uses = g
-                .processes
-                .iter()
-                .map(|p| sm_time::Use { process: (p.pid, p.start), percent: used.get(&p.pid).copied().unwrap_or(0) })
-                .collect();
             readings.push(sm_time::Reading {
                 key: g.key.clone(),
                 gpu_index: g.gpu_index,
@@ -374,6 +438,7 @@ impl Enforcer {
                 uses,
             });
         }
+        let Some(action) = action else { return };
         // A GPU listed whose utilization could not be read says nothing about its groups.
         let read: HashSet<u32> =
             listed_gpus.iter().copied().filter(|g| per_gpu.get(g).is_none_or(Option::is_some)).collect();

@@ -26,8 +26,9 @@
 //!   the daemon started);
 //! - enforcement: `tessera.container.limit.breaches` (counter per allocation and device: the
 //!   container attributes above, `gpu.uuid`, `tessera.device.id`, `tessera.enforcement.action`,
-//!   `tessera.breach.limit` (`memory`/`sm`); Prometheus names it `tessera_container_limit_breaches_total`) and
-//!   `tessera.unattributed.gpu.processes` (gauge).
+//!   `tessera.breach.limit` (`memory`/`sm`); Prometheus names it `tessera_container_limit_breaches_total`),
+//!   `tessera.container.sm.time` (counter, seconds of SM time by NVML's per-process utilization;
+//!   `tessera_container_sm_seconds_total`) and `tessera.unattributed.gpu.processes` (gauge).
 //!
 //! Logs: every event published on the [`EventBus`] after the exporter starts becomes one log
 //! record (event name `tessera.event`): severity from the event's (critical is ERROR), body the
@@ -327,6 +328,33 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
         .with_description("Allocations held on the node.")
         .with_unit("{allocation}")
         .with_callback(move |o| o.observe(s.refresh().allocations as u64, &[]))
+        .build();
+    let s = Arc::clone(&sample);
+    meter
+        .f64_observable_counter("tessera.container.sm.time")
+        .with_description(
+            "SM time the container's processes got on the GPU, by the driver's per-process utilization (NVML).",
+        )
+        .with_unit("s")
+        .with_callback(move |o| {
+            for t in &s.current().enforcement.sm_time {
+                let mut a = vec![
+                    KeyValue::new("tessera.allocation.id", t.allocation.clone()),
+                    KeyValue::new("gpu.uuid", t.uuid.clone()),
+                    KeyValue::new("tessera.device.id", t.device_id.clone()),
+                ];
+                for (k, v) in [
+                    ("k8s.namespace.name", &t.namespace),
+                    ("k8s.pod.name", &t.pod),
+                    ("k8s.container.name", &t.container),
+                ] {
+                    if !v.is_empty() {
+                        a.push(KeyValue::new(k, v.clone()));
+                    }
+                }
+                o.observe(t.ns as f64 / 1e9, &a);
+            }
+        })
         .build();
     let s = Arc::clone(&sample);
     meter
@@ -844,6 +872,15 @@ mod tests {
                     limit: "memory",
                     count: 3,
                 }],
+                sm_time: vec![crate::enforcement::SmTime {
+                    allocation: "alloc-1".into(),
+                    namespace: "ns".into(),
+                    pod: "pod".into(),
+                    container: "c".into(),
+                    uuid: "GPU-a".into(),
+                    device_id: "GPU-a::0".into(),
+                    ns: 1_250_000_000,
+                }],
                 unattributed_gpu_processes: 5,
             },
         };
@@ -867,6 +904,7 @@ mod tests {
             ("tessera.events", "{event}", 4.0),
             ("tessera.faults", "{fault}", 1.0),
             ("tessera.container.limit.breaches", "{breach}", 3.0),
+            ("tessera.container.sm.time", "s", 1.25),
             ("tessera.unattributed.gpu.processes", "{process}", 5.0),
         ] {
             assert_eq!((e[name].0.as_str(), value(e, name)), (unit, want), "{name}");

@@ -31,7 +31,9 @@
 //! - enforcement ([`crate::enforcement`]): `tessera_container_limit_breaches_total` (counter, per
 //!   allocation and device: `allocation`, `UUID`, `device_id`, `namespace`, `pod`, `container`,
 //!   `action` = `kill` or `report`, `limit` = `memory` or `sm`) and
-//!   `tessera_unattributed_gpu_processes` (gauge).
+//!   `tessera_unattributed_gpu_processes` (gauge); `tessera_container_sm_seconds_total` (counter,
+//!   the same labels as the breaches without `action` and `limit`: SM time by NVML's per-process
+//!   utilization, read at the enforcement polls).
 
 use std::fmt::Write as _;
 
@@ -431,6 +433,20 @@ pub fn render(m: &NodeMetrics) -> String {
             ];
             f.sample(name, &labels, Value::U(b.count));
         }
+        let name = "tessera_container_sm_seconds_total";
+        let help = "SM time the container's processes got on the GPU, by the driver's per-process utilization (NVML), not the container's own counters (whole GPUs and shares; not inside MIG instances).";
+        let mut f = Family::new(&mut out, name, Kind::Counter, help);
+        for t in &m.enforcement.sm_time {
+            let labels = [
+                ("allocation", t.allocation.as_str()),
+                ("UUID", t.uuid.as_str()),
+                ("device_id", t.device_id.as_str()),
+                ("namespace", t.namespace.as_str()),
+                ("pod", t.pod.as_str()),
+                ("container", t.container.as_str()),
+            ];
+            f.sample(name, &labels, Value::F(t.ns as f64 / 1e9));
+        }
         let name = "tessera_unattributed_gpu_processes";
         let help = "Processes holding GPU memory that belong to no allocation (at the last enforcement poll).";
         Family::new(&mut out, name, Kind::Gauge, help).sample(
@@ -659,6 +675,15 @@ mod tests {
                     limit: "sm",
                     count: 4,
                 }],
+                sm_time: vec![crate::enforcement::SmTime {
+                    allocation: "a1".into(),
+                    namespace: "team-a".into(),
+                    pod: "train-0".into(),
+                    container: "main".into(),
+                    uuid: "GPU-0".into(),
+                    device_id: "GPU-0::0,GPU-0::1".into(),
+                    ns: 2_500_000_000,
+                }],
                 unattributed_gpu_processes: 2,
             },
         }
@@ -742,6 +767,9 @@ mod tests {
             ("kill", "sm", "train-0", 4.0)
         );
         assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
+        let sm = find(&samples, "tessera_container_sm_seconds_total", ("allocation", "a1"));
+        assert_eq!((sm.len(), sm[0].1["pod"].as_str(), sm[0].2), (1, "train-0", 2.5));
+        assert!(text.contains("# TYPE tessera_container_sm_seconds_total counter\n"));
         assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
         assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
     }
