@@ -130,36 +130,42 @@ impl Stats {
 }
 
 impl Stats {
-    /// Adds `ns` of SM time to `a` on `uuid`.
-    fn add_sm_time(&self, a: &Allocation, uuid: &str, ns: u64) {
+    /// Adds a poll's SM time, (allocation, GPU UUID, ns) each, and forgets the allocations no
+    /// longer held (`live`). One lock a poll; labels are copied only when they change.
+    fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>) {
         let mut m = self.lock();
-        let s = |o: &Option<String>| o.clone().unwrap_or_default();
-        let device_id = device_ids(&[a], uuid);
-        match m.sm_time.iter_mut().find(|t| t.allocation == a.id && t.uuid == uuid) {
-            Some(t) => {
-                t.ns = t.ns.saturating_add(ns);
-                (t.namespace, t.pod, t.container, t.device_id) = (
-                    s(&a.container.pod_namespace),
-                    s(&a.container.pod_name),
-                    s(&a.container.container_name),
-                    device_id,
-                );
+        m.sm_time.retain(|t| live.contains(t.allocation.as_str()));
+        let mut at: HashMap<(String, String), usize> =
+            m.sm_time.iter().enumerate().map(|(i, t)| ((t.allocation.clone(), t.uuid.clone()), i)).collect();
+        for &(a, uuid, ns) in added {
+            let s = |o: &Option<String>| o.as_deref().unwrap_or("").to_string();
+            match at.get(&(a.id.clone(), uuid.to_string())) {
+                Some(&i) => {
+                    let t = &mut m.sm_time[i];
+                    t.ns = t.ns.saturating_add(ns);
+                    let c = &a.container;
+                    // The pod may have become known since.
+                    if t.pod != c.pod_name.as_deref().unwrap_or("")
+                        || t.namespace != c.pod_namespace.as_deref().unwrap_or("")
+                        || t.container != c.container_name.as_deref().unwrap_or("")
+                    {
+                        (t.namespace, t.pod, t.container) = (s(&c.pod_namespace), s(&c.pod_name), s(&c.container_name));
+                    }
+                }
+                None => {
+                    at.insert((a.id.clone(), uuid.to_string()), m.sm_time.len());
+                    m.sm_time.push(SmTime {
+                        allocation: a.id.clone(),
+                        namespace: s(&a.container.pod_namespace),
+                        pod: s(&a.container.pod_name),
+                        container: s(&a.container.container_name),
+                        uuid: uuid.to_string(),
+                        device_id: device_ids(&[a], uuid),
+                        ns,
+                    });
+                }
             }
-            None => m.sm_time.push(SmTime {
-                allocation: a.id.clone(),
-                namespace: s(&a.container.pod_namespace),
-                pod: s(&a.container.pod_name),
-                container: s(&a.container.container_name),
-                uuid: uuid.to_string(),
-                device_id,
-                ns,
-            }),
         }
-    }
-
-    /// Forgets the SM time of allocations no longer held.
-    fn keep_sm_time_of(&self, live: &HashSet<&str>) {
-        self.lock().sm_time.retain(|t| live.contains(t.allocation.as_str()));
     }
 }
 
@@ -390,7 +396,7 @@ impl Enforcer {
         let mut per_gpu: HashMap<u32, Option<GpuUse>> = HashMap::new();
         let mut readings = Vec::new();
         let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
-        self.stats.keep_sm_time_of(&live);
+        let mut sm_time: Vec<(&Allocation, &str, u64)> = Vec::new();
         for g in groups {
             // NVML gives no per-process utilization inside MIG instances (hardware-isolated anyway).
             if g.key.device_uuid.starts_with("MIG-") {
@@ -412,9 +418,7 @@ impl Enforcer {
             let percent: u64 = uses.iter().map(|u| u64::from(u.percent)).sum::<u64>().min(100);
             let members: Vec<&Allocation> = allocations.iter().filter(|a| g.key.allocations.contains(&a.id)).collect();
             let ns = (u128::from(percent) * u128::from(*period_ns) / 100) as u64 / members.len().max(1) as u64;
-            for a in &members {
-                self.stats.add_sm_time(a, &g.key.device_uuid, ns);
-            }
+            sm_time.extend(members.iter().map(|a| (*a, g.key.device_uuid.as_str(), ns)));
             if action.is_none() {
                 continue;
             }
@@ -438,6 +442,7 @@ impl Enforcer {
                 uses,
             });
         }
+        self.stats.add_sm_time(&sm_time, &live);
         let Some(action) = action else { return };
         // A GPU listed whose utilization could not be read says nothing about its groups.
         let read: HashSet<u32> =

@@ -77,6 +77,9 @@ struct Window {
     /// (period, the uses in it), oldest first.
     readings: VecDeque<(u64, Vec<Use>)>,
     covered_ns: u64,
+    /// Each process's percent × ns over `readings`, kept as they come and go (a poll costs its
+    /// own reading, not the window's).
+    sums: BTreeMap<ProcKey, u128>,
     /// A reported breach is open.
     reported: bool,
 }
@@ -85,20 +88,47 @@ impl Window {
     fn clear(&mut self) {
         self.readings.clear();
         self.covered_ns = 0;
+        self.sums.clear();
+    }
+
+    fn push(&mut self, period: u64, uses: Vec<Use>) {
+        for u in &uses {
+            *self.sums.entry(u.process).or_default() += u128::from(u.percent) * u128::from(period);
+        }
+        self.readings.push_back((period, uses));
+        self.covered_ns += period;
+    }
+
+    /// Drops the oldest readings while the rest still cover the window.
+    fn trim(&mut self, window_ns: u64) {
+        while self.readings.len() > 1 && self.covered_ns - self.readings[0].0 >= window_ns {
+            let (period, uses) = self.readings.pop_front().expect("not empty");
+            self.covered_ns -= period;
+            for u in uses {
+                if let Some(s) = self.sums.get_mut(&u.process) {
+                    *s -= u128::from(u.percent) * u128::from(period);
+                    if *s == 0 {
+                        self.sums.remove(&u.process);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes `gone`'s part out of the window.
+    fn forget(&mut self, gone: &[ProcKey]) {
+        for (_, uses) in &mut self.readings {
+            uses.retain(|u| !gone.contains(&u.process));
+        }
+        self.sums.retain(|k, _| !gone.contains(k));
     }
 
     /// Each process's SM time in the window as a percent of the window (of the time covered once
     /// that is longer): a window not yet full reads what its time already holds, which only
     /// more time can add to.
     fn per_process(&self, window_ns: u64) -> Vec<(ProcKey, u32)> {
-        let mut sums: BTreeMap<ProcKey, u128> = BTreeMap::new();
-        for (period, uses) in &self.readings {
-            for u in uses {
-                *sums.entry(u.process).or_default() += u128::from(u.percent) * u128::from(*period);
-            }
-        }
         let span = u128::from(self.covered_ns.max(window_ns).max(1));
-        sums.into_iter().map(|(k, s)| (k, (s / span) as u32)).collect()
+        self.sums.iter().map(|(&k, &s)| (k, (s / span) as u32)).collect()
     }
 }
 
@@ -158,12 +188,8 @@ impl Watch {
                 w.cap = r.cap;
                 continue;
             }
-            w.readings.push_back((r.period_ns, r.uses));
-            w.covered_ns += r.period_ns;
-            while w.readings.len() > 1 && w.covered_ns - w.readings[0].0 >= window_ns {
-                let (p, _) = w.readings.pop_front().expect("not empty");
-                w.covered_ns -= p;
-            }
+            w.push(r.period_ns, r.uses);
+            w.trim(window_ns);
             // Judged from the first reading: SM time past the ceiling's share of a whole window is
             // a breach over any window that holds it, however the rest of the window goes.
             let per_process = w.per_process(window_ns);
@@ -177,9 +203,7 @@ impl Watch {
                         per_process.iter().map(|&(k, p)| (k, p > 0 && under_shim(&key, k), p)).collect();
                     let victims = victims(&judged, cap.saturating_add(tolerance));
                     // What the victims did leaves the window with them; the rest stays.
-                    for (_, uses) in &mut w.readings {
-                        uses.retain(|u| !victims.contains(&u.process));
-                    }
+                    w.forget(&victims);
                     out.push(Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims });
                 }
                 (true, Action::Report) if !w.reported => {
