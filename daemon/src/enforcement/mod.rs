@@ -53,9 +53,9 @@ pub use self::settings::{Action, Settings};
 use crate::node::{self, NodeController};
 use crate::state::Allocation;
 
-/// One allocation's breaches on one device, for the metrics.
+/// An allocation on one device, as the metrics label it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BreachCount {
+pub struct OnDevice {
     pub allocation: String,
     pub namespace: String,
     pub pod: String,
@@ -64,6 +64,39 @@ pub struct BreachCount {
     pub uuid: String,
     /// The allocation's device ids there, comma-joined.
     pub device_id: String,
+}
+
+impl OnDevice {
+    fn of(a: &Allocation, uuid: &str, device_id: String) -> OnDevice {
+        let s = |o: &Option<String>| o.as_deref().unwrap_or("").to_string();
+        OnDevice {
+            allocation: a.id.clone(),
+            namespace: s(&a.container.pod_namespace),
+            pod: s(&a.container.pod_name),
+            container: s(&a.container.container_name),
+            uuid: uuid.to_string(),
+            device_id,
+        }
+    }
+
+    /// Takes the pod's names from `a`, which may have become known since (copied only when
+    /// they changed).
+    fn refresh(&mut self, a: &Allocation) {
+        let c = &a.container;
+        let s = |o: &Option<String>| o.as_deref().unwrap_or("").to_string();
+        if self.pod != c.pod_name.as_deref().unwrap_or("")
+            || self.namespace != c.pod_namespace.as_deref().unwrap_or("")
+            || self.container != c.container_name.as_deref().unwrap_or("")
+        {
+            (self.namespace, self.pod, self.container) = (s(&c.pod_namespace), s(&c.pod_name), s(&c.container_name));
+        }
+    }
+}
+
+/// One allocation's breaches on one device, for the metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BreachCount {
+    pub on: OnDevice,
     /// `kill` or `report`.
     pub action: &'static str,
     /// The limit breached: `memory` or `sm`.
@@ -75,14 +108,7 @@ pub struct BreachCount {
 /// driver's figure, not the container's own counters).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SmTime {
-    pub allocation: String,
-    pub namespace: String,
-    pub pod: String,
-    pub container: String,
-    /// The GPU's UUID.
-    pub uuid: String,
-    /// The allocation's device ids there, comma-joined.
-    pub device_id: String,
+    pub on: OnDevice,
     /// Nanoseconds of SM time since the daemon started (or since the allocation was made).
     pub ns: u64,
 }
@@ -113,18 +139,26 @@ impl Stats {
         self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn breach(&self, b: BreachCount) {
+    /// Counts a breach of `a` on `uuid`.
+    fn breach(&self, a: &Allocation, uuid: &str, device_id: &str, action: &'static str, limit: &'static str) {
         let mut m = self.lock();
         let same = |o: &BreachCount| {
-            (&o.allocation, &o.uuid, o.action, o.limit) == (&b.allocation, &b.uuid, b.action, b.limit)
+            (o.on.allocation.as_str(), o.on.uuid.as_str(), o.action, o.limit) == (&a.id, uuid, action, limit)
         };
         match m.breaches.iter_mut().find(|o| same(o)) {
             Some(o) => {
-                o.count += b.count;
-                // The pod may have become known since.
-                (o.namespace, o.pod, o.container, o.device_id) = (b.namespace, b.pod, b.container, b.device_id);
+                o.count += 1;
+                o.on.refresh(a);
+                if o.on.device_id != device_id {
+                    o.on.device_id = device_id.to_string();
+                }
             }
-            None => m.breaches.push(b),
+            None => m.breaches.push(BreachCount {
+                on: OnDevice::of(a, uuid, device_id.to_string()),
+                action,
+                limit,
+                count: 1,
+            }),
         }
     }
 }
@@ -134,35 +168,19 @@ impl Stats {
     /// longer held (`live`). One lock a poll; labels are copied only when they change.
     fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>) {
         let mut m = self.lock();
-        m.sm_time.retain(|t| live.contains(t.allocation.as_str()));
+        m.sm_time.retain(|t| live.contains(t.on.allocation.as_str()));
         let mut at: HashMap<(String, String), usize> =
-            m.sm_time.iter().enumerate().map(|(i, t)| ((t.allocation.clone(), t.uuid.clone()), i)).collect();
+            m.sm_time.iter().enumerate().map(|(i, t)| ((t.on.allocation.clone(), t.on.uuid.clone()), i)).collect();
         for &(a, uuid, ns) in added {
-            let s = |o: &Option<String>| o.as_deref().unwrap_or("").to_string();
             match at.get(&(a.id.clone(), uuid.to_string())) {
                 Some(&i) => {
                     let t = &mut m.sm_time[i];
                     t.ns = t.ns.saturating_add(ns);
-                    let c = &a.container;
-                    // The pod may have become known since.
-                    if t.pod != c.pod_name.as_deref().unwrap_or("")
-                        || t.namespace != c.pod_namespace.as_deref().unwrap_or("")
-                        || t.container != c.container_name.as_deref().unwrap_or("")
-                    {
-                        (t.namespace, t.pod, t.container) = (s(&c.pod_namespace), s(&c.pod_name), s(&c.container_name));
-                    }
+                    t.on.refresh(a);
                 }
                 None => {
                     at.insert((a.id.clone(), uuid.to_string()), m.sm_time.len());
-                    m.sm_time.push(SmTime {
-                        allocation: a.id.clone(),
-                        namespace: s(&a.container.pod_namespace),
-                        pod: s(&a.container.pod_name),
-                        container: s(&a.container.container_name),
-                        uuid: uuid.to_string(),
-                        device_id: device_ids(&[a], uuid),
-                        ns,
-                    });
+                    m.sm_time.push(SmTime { on: OnDevice::of(a, uuid, device_ids(&[a], uuid)), ns });
                 }
             }
         }
@@ -554,18 +572,7 @@ impl Enforcer {
     ) {
         let action_name = if action == api::BreachAction::Killed { "kill" } else { "report" };
         for a in members {
-            let s = |o: &Option<String>| o.clone().unwrap_or_default();
-            self.stats.breach(BreachCount {
-                allocation: a.id.clone(),
-                namespace: s(&a.container.pod_namespace),
-                pod: s(&a.container.pod_name),
-                container: s(&a.container.container_name),
-                uuid: uuid.to_string(),
-                device_id: device_id.to_string(),
-                action: action_name,
-                limit,
-                count: 1,
-            });
+            self.stats.breach(a, uuid, device_id, action_name, limit);
         }
     }
 

@@ -338,21 +338,7 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
         .with_unit("s")
         .with_callback(move |o| {
             for t in &s.current().enforcement.sm_time {
-                let mut a = vec![
-                    KeyValue::new("tessera.allocation.id", t.allocation.clone()),
-                    KeyValue::new("gpu.uuid", t.uuid.clone()),
-                    KeyValue::new("tessera.device.id", t.device_id.clone()),
-                ];
-                for (k, v) in [
-                    ("k8s.namespace.name", &t.namespace),
-                    ("k8s.pod.name", &t.pod),
-                    ("k8s.container.name", &t.container),
-                ] {
-                    if !v.is_empty() {
-                        a.push(KeyValue::new(k, v.clone()));
-                    }
-                }
-                o.observe(t.ns as f64 / 1e9, &a);
+                o.observe(t.ns as f64 / 1e9, &on_device_attributes(&t.on));
             }
         })
         .build();
@@ -474,22 +460,9 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
         .with_unit("{breach}")
         .with_callback(move |o| {
             for b in &s.current().enforcement.breaches {
-                let mut a = vec![
-                    KeyValue::new("tessera.allocation.id", b.allocation.clone()),
-                    KeyValue::new("gpu.uuid", b.uuid.clone()),
-                    KeyValue::new("tessera.device.id", b.device_id.clone()),
-                    KeyValue::new("tessera.enforcement.action", b.action),
-                    KeyValue::new("tessera.breach.limit", b.limit),
-                ];
-                for (k, v) in [
-                    ("k8s.namespace.name", &b.namespace),
-                    ("k8s.pod.name", &b.pod),
-                    ("k8s.container.name", &b.container),
-                ] {
-                    if !v.is_empty() {
-                        a.push(KeyValue::new(k, v.clone()));
-                    }
-                }
+                let mut a = on_device_attributes(&b.on);
+                a.push(KeyValue::new("tessera.enforcement.action", b.action));
+                a.push(KeyValue::new("tessera.breach.limit", b.limit));
                 o.observe(b.count, &a);
             }
         })
@@ -712,6 +685,22 @@ impl<E: LogExporter> LogExporter for Quiet<E> {
     }
 }
 
+/// An allocation on a device, as enforcement's metrics name it (the pod's names when known).
+fn on_device_attributes(o: &crate::enforcement::OnDevice) -> Vec<KeyValue> {
+    let mut a = vec![
+        KeyValue::new("tessera.allocation.id", o.allocation.clone()),
+        KeyValue::new("gpu.uuid", o.uuid.clone()),
+        KeyValue::new("tessera.device.id", o.device_id.clone()),
+    ];
+    for (k, v) in [("k8s.namespace.name", &o.namespace), ("k8s.pod.name", &o.pod), ("k8s.container.name", &o.container)]
+    {
+        if !v.is_empty() {
+            a.push(KeyValue::new(k, v.clone()));
+        }
+    }
+    a
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -829,6 +818,14 @@ mod tests {
             oom_denials: 2,
             window_ns: 1,
         };
+        let on = crate::enforcement::OnDevice {
+            allocation: "alloc-1".into(),
+            namespace: "ns".into(),
+            pod: "pod".into(),
+            container: "c".into(),
+            uuid: "GPU-a".into(),
+            device_id: "GPU-a::0".into(),
+        };
         let base = NodeMetrics {
             hostname: "h".into(),
             gpus: vec![super::super::GpuMetrics {
@@ -862,25 +859,12 @@ mod tests {
             faults_total: 1,
             enforcement: crate::enforcement::Metrics {
                 breaches: vec![crate::enforcement::BreachCount {
-                    allocation: "alloc-1".into(),
-                    namespace: "ns".into(),
-                    pod: "pod".into(),
-                    container: "c".into(),
-                    uuid: "GPU-a".into(),
-                    device_id: "GPU-a::0".into(),
+                    on: on.clone(),
                     action: "report",
                     limit: "memory",
                     count: 3,
                 }],
-                sm_time: vec![crate::enforcement::SmTime {
-                    allocation: "alloc-1".into(),
-                    namespace: "ns".into(),
-                    pod: "pod".into(),
-                    container: "c".into(),
-                    uuid: "GPU-a".into(),
-                    device_id: "GPU-a::0".into(),
-                    ns: 1_250_000_000,
-                }],
+                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 1_250_000_000 }],
                 unattributed_gpu_processes: 5,
             },
         };

@@ -421,31 +421,14 @@ pub fn render(m: &NodeMetrics) -> String {
         let help = "Times the container's processes held more device memory than its limit, or took more SM time than its strict share, by NVML (kills, or reported breaches that started).";
         let mut f = Family::new(&mut out, name, Kind::Counter, help);
         for b in &m.enforcement.breaches {
-            let labels = [
-                ("allocation", b.allocation.as_str()),
-                ("UUID", b.uuid.as_str()),
-                ("device_id", b.device_id.as_str()),
-                ("namespace", b.namespace.as_str()),
-                ("pod", b.pod.as_str()),
-                ("container", b.container.as_str()),
-                ("action", b.action),
-                ("limit", b.limit),
-            ];
-            f.sample(name, &labels, Value::U(b.count));
+            let [a, u, d, n, p, c] = on_device_labels(&b.on);
+            f.sample(name, &[a, u, d, n, p, c, ("action", b.action), ("limit", b.limit)], Value::U(b.count));
         }
         let name = "tessera_container_sm_seconds_total";
         let help = "SM time the container's processes got on the GPU, by the driver's per-process utilization (NVML), not the container's own counters (whole GPUs and shares; not inside MIG instances).";
         let mut f = Family::new(&mut out, name, Kind::Counter, help);
         for t in &m.enforcement.sm_time {
-            let labels = [
-                ("allocation", t.allocation.as_str()),
-                ("UUID", t.uuid.as_str()),
-                ("device_id", t.device_id.as_str()),
-                ("namespace", t.namespace.as_str()),
-                ("pod", t.pod.as_str()),
-                ("container", t.container.as_str()),
-            ];
-            f.sample(name, &labels, Value::F(t.ns as f64 / 1e9));
+            f.sample(name, &on_device_labels(&t.on), Value::F(t.ns as f64 / 1e9));
         }
         let name = "tessera_unattributed_gpu_processes";
         let help = "Processes holding GPU memory that belong to no allocation (at the last enforcement poll).";
@@ -560,6 +543,18 @@ pub(crate) mod check {
     }
 }
 
+/// An allocation on a device, as enforcement's series label it.
+fn on_device_labels(o: &crate::enforcement::OnDevice) -> [(&'static str, &str); 6] {
+    [
+        ("allocation", o.allocation.as_str()),
+        ("UUID", o.uuid.as_str()),
+        ("device_id", o.device_id.as_str()),
+        ("namespace", o.namespace.as_str()),
+        ("pod", o.pod.as_str()),
+        ("container", o.container.as_str()),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::check::{Sample, parse};
@@ -593,6 +588,14 @@ mod tests {
         let mut unlimited = device("MIG-1", "MIG-1");
         unlimited.memory_limit = None;
         unlimited.sm_limit_percent = None;
+        let on = crate::enforcement::OnDevice {
+            allocation: "a1".into(),
+            namespace: "team-a".into(),
+            pod: "train-0".into(),
+            container: "main".into(),
+            uuid: "GPU-0".into(),
+            device_id: "GPU-0::0,GPU-0::1".into(),
+        };
         NodeMetrics {
             hostname: "node-1".into(),
             gpus: vec![
@@ -665,25 +668,12 @@ mod tests {
             faults_total: 1,
             enforcement: crate::enforcement::Metrics {
                 breaches: vec![crate::enforcement::BreachCount {
-                    allocation: "a1".into(),
-                    namespace: "team-a".into(),
-                    pod: "train-0".into(),
-                    container: "main".into(),
-                    uuid: "GPU-0".into(),
-                    device_id: "GPU-0::0,GPU-0::1".into(),
+                    on: on.clone(),
                     action: "kill",
                     limit: "sm",
                     count: 4,
                 }],
-                sm_time: vec![crate::enforcement::SmTime {
-                    allocation: "a1".into(),
-                    namespace: "team-a".into(),
-                    pod: "train-0".into(),
-                    container: "main".into(),
-                    uuid: "GPU-0".into(),
-                    device_id: "GPU-0::0,GPU-0::1".into(),
-                    ns: 2_500_000_000,
-                }],
+                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 2_500_000_000 }],
                 unattributed_gpu_processes: 2,
             },
         }
