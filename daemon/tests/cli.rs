@@ -108,6 +108,10 @@ async fn streams_pipes_and_json() {
     assert_eq!(events[0]["kind"], "PARTITION_CHANGED");
     assert!(events[0]["sequence"].as_u64().is_some() && events[0]["time_unix_nano"].as_u64().is_some());
     assert!(events[0]["device_uuid"].as_str().is_some_and(|u| u.starts_with("GPU-")));
+    // The detail by kind: a layout change names its layouts and the device ids it made.
+    let d = &events[0]["detail"];
+    assert!(d["current"].as_str().is_some_and(|l| !l.is_empty()), "{}", events[0]);
+    assert!(d["created_device_ids"].as_array().is_some_and(|ids| !ids.is_empty()), "{}", events[0]);
 
     let (code, out, err) = tessera(&socket, &["layout", "show", "--json"]);
     assert_eq!(code, 0, "{err}");

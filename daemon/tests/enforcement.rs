@@ -453,6 +453,24 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
     let e = next_event(&mut events, "limit_breach (again)").await;
     assert_eq!((breach(&e).killed_pids.as_slice(), breach(&e).limit), (&[again.id()][..], api::BreachLimit::Sm as i32));
 
+    // `tessera events --json` carries the breach's figures for scripts.
+    let out = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(s.dir.path().join("run/tessera.sock"))
+        .args(["events", "--replay", "50", "--json"])
+        .output()
+        .expect("tessera events --json");
+    let line = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+        .find(|e| e["kind"] == "LIMIT_BREACH")
+        .expect("a limit_breach line");
+    let d = &line["detail"];
+    assert_eq!((d["limit"].as_str(), d["action"].as_str()), (Some("SM"), Some("KILLED")), "{line}");
+    assert_eq!((d["sm_percent_limit"].as_u64(), d["window_ms"].as_u64()), (Some(25), Some(1000)), "{line}");
+    assert_eq!(d["killed_pids"], serde_json::json!([greedy.id()]), "{line}");
+    assert!(d.get("used_bytes").is_none(), "no memory figures on an SM breach: {line}");
+
     // Within its share, though it has no shim either: untouched, and nothing more reported.
     assert_eq!(modest.wait().expect("wait").code(), Some(0), "within its share: untouched");
     let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;

@@ -721,6 +721,10 @@ proto_enum!(
     api::Lease => "LEASE_",
     api::ReloadOutcome => "RELOAD_OUTCOME_",
     api::MigMode => "MIG_MODE_",
+    api::BreachAction => "BREACH_ACTION_",
+    api::BreachPhase => "BREACH_PHASE_",
+    api::BreachLimit => "BREACH_LIMIT_",
+    api::FaultKind => "FAULT_KIND_",
 );
 
 /// A percentage with one decimal; never `-0.0%` (a negative rate is a clock artefact).

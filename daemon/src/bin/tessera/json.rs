@@ -20,7 +20,61 @@ pub fn event(e: &api::Event) -> Value {
         "device_kind": enum_name::<api::DeviceKind>(e.device_kind),
         "affected": e.affected.iter().map(|h| h.allocation_id.as_str()).collect::<Vec<_>>(),
         "message": e.message,
+        "detail": e.detail.as_ref().map(detail),
     })
+}
+
+/// An event's detail, by its kind (what a script needs without parsing the message).
+fn detail(d: &api::event::Detail) -> Value {
+    use api::event::Detail;
+    match d {
+        Detail::LimitBreach(b) => {
+            let mut v = json!({
+                "allocation_id": b.allocation_id,
+                "limit": enum_name::<api::BreachLimit>(b.limit),
+                "action": enum_name::<api::BreachAction>(b.action),
+                "phase": enum_name::<api::BreachPhase>(b.phase),
+                "pids": b.pids,
+                "killed_pids": b.killed_pids,
+                "gpu_index": b.gpu_index,
+            });
+            let extra = if b.limit == api::BreachLimit::Sm as i32 {
+                json!({"sm_percent_used": b.sm_percent_used, "sm_percent_limit": b.sm_percent_limit, "window_ms": b.window_ms})
+            } else {
+                json!({"used_bytes": b.used_bytes, "limit_bytes": b.limit_bytes})
+            };
+            if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
+                v.extend(extra);
+            }
+            v
+        }
+        Detail::UnattributedProcess(p) => {
+            json!({"pid": p.pid, "used_bytes": p.used_bytes, "gpu_index": p.gpu_index, "command": p.command})
+        }
+        Detail::Fault(f) => json!({
+            "kind": enum_name::<api::FaultKind>(f.kind),
+            "xid": f.xid,
+            "marks_unhealthy": f.marks_unhealthy,
+            "health": enum_name::<api::Health>(f.health),
+        }),
+        Detail::Recovery(r) => json!({
+            "from": enum_name::<api::FaultKind>(r.from),
+            "xid": r.xid,
+            "downtime_nanos": r.downtime_nanos,
+            "how": r.how,
+        }),
+        Detail::HealthChange(h) => json!({
+            "previous": enum_name::<api::Health>(h.previous),
+            "current": enum_name::<api::Health>(h.current),
+            "reason": h.reason,
+        }),
+        Detail::PartitionChange(p) => json!({
+            "previous": p.previous.as_ref().map(describe_layout),
+            "current": p.current.as_ref().map(describe_layout),
+            "created_device_ids": p.created_device_ids,
+            "removed_device_ids": p.removed_device_ids,
+        }),
+    }
 }
 
 /// `tessera layout show --json`.
