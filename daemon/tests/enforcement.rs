@@ -471,6 +471,24 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
     assert_eq!(d["killed_pids"], serde_json::json!([greedy.id()]), "{line}");
     assert!(d.get("used_bytes").is_none(), "no memory figures on an SM breach: {line}");
 
+    // `tessera top` shows the driver's figure beside the container's own: the paced one, still
+    // running, at about 10% of the GPU over the frame.
+    let out = std::process::Command::new(binary("tessera"))
+        .arg("--socket")
+        .arg(s.dir.path().join("run/tessera.sock"))
+        .args(["top", "--once", "--json", "--interval-ms", "600"])
+        .output()
+        .expect("tessera top");
+    let frame: serde_json::Value = serde_json::from_slice(&out.stdout).expect("top --json");
+    let paced = frame["containers"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["allocation_id"] == modest_id.as_str()))
+        .unwrap_or_else(|| panic!("no paced container in {frame}"));
+    let driver = paced["devices"][0]["sm_driver_percent"].as_f64().expect("sm_driver_percent");
+    println!("enforcement: tessera top, the paced container's SM by the driver: {driver:.1}%");
+    assert!((3.0..=30.0).contains(&driver), "about 10%: {driver} ({paced})");
+    assert!(paced["devices"][0]["sm_driver_nanos"].as_u64().is_some_and(|n| n > 0), "{paced}");
+
     // Within its share, though it has no shim either: untouched, and nothing more reported.
     assert_eq!(modest.wait().expect("wait").code(), Some(0), "within its share: untouched");
     let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;

@@ -248,6 +248,9 @@ pub fn usage_response(
                         oom_denials: d.oom_denials,
                         launches: d.launches,
                         gpu_time_nanos: d.gpu_time_ns,
+                        // The driver's figures come from the enforcement loop (the caller's).
+                        sm_driver_percent: 0.0,
+                        sm_driver_nanos: 0,
                     }
                 })
                 .collect();

@@ -27,14 +27,28 @@ pub use devices::{list_devices, list_partitions};
 #[derive(Debug)]
 pub struct NodeApi {
     controller: Arc<NodeController>,
-    usage: Mutex<UsageSampler>,
+    usage: Mutex<Usage>,
+    /// The enforcement loop's counters: SM time by the driver.
+    enforcement: Option<Arc<crate::enforcement::Stats>>,
     /// Ends open event streams when the daemon stops (a graceful stop waits for open calls).
     shutdown: watch::Receiver<bool>,
 }
 
+/// `GetUsage`'s state between calls: the regions' sampler, and each allocation and device's SM
+/// time by the driver at the last call (ns, as of), for its rate.
+#[derive(Debug, Default)]
+struct Usage {
+    sampler: UsageSampler,
+    driver_sm: std::collections::HashMap<(String, String), (u64, u64)>,
+}
+
 impl NodeApi {
-    pub fn new(controller: Arc<NodeController>, shutdown: watch::Receiver<bool>) -> NodeApi {
-        NodeApi { controller, usage: Mutex::new(UsageSampler::new()), shutdown }
+    pub fn new(
+        controller: Arc<NodeController>,
+        enforcement: Option<Arc<crate::enforcement::Stats>>,
+        shutdown: watch::Receiver<bool>,
+    ) -> NodeApi {
+        NodeApi { controller, usage: Mutex::new(Usage::default()), enforcement, shutdown }
     }
 }
 
@@ -46,7 +60,7 @@ pub async fn serve(
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let listener = bind(&socket)?;
-    serve_on(listener, socket, controller, shutdown).await
+    serve_on(listener, socket, controller, None, shutdown).await
 }
 
 /// Binds the node API's socket (owner-only), making its directory if needed: once this returns,
@@ -60,15 +74,17 @@ pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListene
     Ok(listener)
 }
 
-/// [`serve`] on a socket [`bind`] made; removes `socket` when it stops.
+/// [`serve`] on a socket [`bind`] made, with the enforcement loop's counters when it runs;
+/// removes `socket` when it stops.
 pub async fn serve_on(
     listener: tokio::net::UnixListener,
     socket: PathBuf,
     controller: Arc<NodeController>,
+    enforcement: Option<Arc<crate::enforcement::Stats>>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let result = tonic::transport::Server::builder()
-        .add_service(NodeServer::new(NodeApi::new(controller, shutdown.clone())))
+        .add_service(NodeServer::new(NodeApi::new(controller, enforcement, shutdown.clone())))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
             let _ = shutdown.wait_for(|s| *s).await;
         })
@@ -189,11 +205,33 @@ impl Node for NodeApi {
         if !req.allocation_id.is_empty() && !allocations.iter().any(|a| a.id == req.allocation_id) {
             return Err(Status::not_found(format!("allocation_id: no allocation {:?}", req.allocation_id)));
         }
-        let report = {
-            let mut sampler = self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            sampler.sample(&allocations, self.controller.allocator().dirs(), tessera_region::monotonic_ns())
-        };
-        Ok(Response::new(devices::usage_response(&report, &allocations, &req)))
+        let mut usage = self.usage.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let report =
+            usage.sampler.sample(&allocations, self.controller.allocator().dirs(), tessera_region::monotonic_ns());
+        let mut resp = devices::usage_response(&report, &allocations, &req);
+        if let Some(stats) = &self.enforcement {
+            let sm_time = stats.metrics().sm_time;
+            usage.driver_sm.retain(|(id, _), _| allocations.iter().any(|a| &a.id == id));
+            for c in &mut resp.containers {
+                for d in &mut c.devices {
+                    let Some(t) = sm_time
+                        .iter()
+                        .find(|t| t.on.allocation == c.allocation_id && t.on.uuid.eq_ignore_ascii_case(&d.uuid))
+                    else {
+                        continue;
+                    };
+                    d.sm_driver_nanos = t.ns;
+                    let key = (c.allocation_id.clone(), t.on.uuid.clone());
+                    if let Some(&(ns, as_of)) = usage.driver_sm.get(&key)
+                        && t.as_of_ns > as_of
+                    {
+                        d.sm_driver_percent = t.ns.saturating_sub(ns) as f64 / (t.as_of_ns - as_of) as f64 * 100.0;
+                    }
+                    usage.driver_sm.insert(key, (t.ns, t.as_of_ns));
+                }
+            }
+        }
+        Ok(Response::new(resp))
     }
 
     async fn reload(&self, req: Request<api::ReloadRequest>) -> Result<Response<api::ReloadResponse>, Status> {

@@ -481,6 +481,7 @@ fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
         "MEM USED / LIMIT",
         "PEAK",
         "SM NOW / LIMIT",
+        "SM DRIVER",
         "LAUNCH/S",
         "THROTTLED",
         "OOM",
@@ -502,6 +503,8 @@ fn top_frame(devices: &[api::Device], usage: &api::GetUsageResponse) -> String {
                 percent(d.sm_achieved_percent),
                 limit(u64::from(d.sm_limit_percent), |p| format!("{p}%"))
             ),
+            // The driver's figure: what the container's own counters cannot fake.
+            if d.uuid.starts_with("MIG-") { "-".to_owned() } else { percent(d.sm_driver_percent) },
             format!("{:.0}", non_negative(d.launches_per_second)),
             format!("{:.2} s", d.throttled_nanos as f64 / 1e9),
             d.oom_denials.to_string(),

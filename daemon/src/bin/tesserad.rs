@@ -225,8 +225,15 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                 return ExitCode::from(1);
             }
         };
-        let api_task =
-            tokio::spawn(api::serve_on(api_listener, api_socket, Arc::clone(&controller), shutdown_rx.clone()));
+        // The enforcement loop's counters, shared with the node API (GetUsage) and telemetry.
+        let enforcement = Arc::new(tessera_daemon::enforcement::Stats::default());
+        let api_task = tokio::spawn(api::serve_on(
+            api_listener,
+            api_socket,
+            Arc::clone(&controller),
+            Some(Arc::clone(&enforcement)),
+            shutdown_rx.clone(),
+        ));
         // Ready once the node API serves. Registration with the kubelet goes on in the background
         // (each plugin retries and logs why it waits): a stale kubelet.sock must not hold it up.
         if let Err(e) = sd_notify("READY=1") {
@@ -242,7 +249,6 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let reset_task =
             tokio::spawn(tessera_daemon::node::mig::watch_pending_resets(Arc::clone(&controller), shutdown_rx.clone()));
         // Memory limits from NVML's per-process figures: the second line behind the shim.
-        let enforcement = Arc::new(tessera_daemon::enforcement::Stats::default());
         let enforce_task = tessera_daemon::enforcement::Enforcer::spawn(
             Arc::clone(&controller),
             Arc::clone(&enforcement),

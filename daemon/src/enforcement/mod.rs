@@ -111,6 +111,9 @@ pub struct SmTime {
     pub on: OnDevice,
     /// Nanoseconds of SM time since the daemon started (or since the allocation was made).
     pub ns: u64,
+    /// When the last reading counted ended (unix ns): rates are over these, not over when
+    /// someone asked.
+    pub as_of_ns: u64,
 }
 
 /// What enforcement shows in the metrics.
@@ -166,7 +169,7 @@ impl Stats {
 impl Stats {
     /// Adds a poll's SM time, (allocation, GPU UUID, ns) each, and forgets the allocations no
     /// longer held (`live`). One lock a poll; labels are copied only when they change.
-    fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>) {
+    fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>, as_of_ns: u64) {
         let mut m = self.lock();
         m.sm_time.retain(|t| live.contains(t.on.allocation.as_str()));
         let mut at: HashMap<(String, String), usize> =
@@ -176,11 +179,12 @@ impl Stats {
                 Some(&i) => {
                     let t = &mut m.sm_time[i];
                     t.ns = t.ns.saturating_add(ns);
+                    t.as_of_ns = as_of_ns;
                     t.on.refresh(a);
                 }
                 None => {
                     at.insert((a.id.clone(), uuid.to_string()), m.sm_time.len());
-                    m.sm_time.push(SmTime { on: OnDevice::of(a, uuid, device_ids(&[a], uuid)), ns });
+                    m.sm_time.push(SmTime { on: OnDevice::of(a, uuid, device_ids(&[a], uuid)), ns, as_of_ns });
                 }
             }
         }
@@ -460,7 +464,7 @@ impl Enforcer {
                 uses,
             });
         }
-        self.stats.add_sm_time(&sm_time, &live);
+        self.stats.add_sm_time(&sm_time, &live, now_us * 1000);
         let Some(action) = action else { return };
         // A GPU listed whose utilization could not be read says nothing about its groups.
         let read: HashSet<u32> =

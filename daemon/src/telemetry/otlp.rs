@@ -864,7 +864,7 @@ mod tests {
                     limit: "memory",
                     count: 3,
                 }],
-                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 1_250_000_000 }],
+                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 1_250_000_000, as_of_ns: 1 }],
                 unattributed_gpu_processes: 5,
             },
         };

@@ -673,7 +673,7 @@ mod tests {
                     limit: "sm",
                     count: 4,
                 }],
-                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 2_500_000_000 }],
+                sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 2_500_000_000, as_of_ns: 1 }],
                 unattributed_gpu_processes: 2,
             },
         }

@@ -122,6 +122,8 @@ pub fn usage(u: &api::GetUsageResponse) -> Value {
                 "memory_peak_bytes": d.memory_peak_bytes,
                 "memory_limit_bytes": d.memory_limit_bytes,
                 "sm_achieved_percent": super::non_negative(d.sm_achieved_percent),
+                "sm_driver_percent": super::non_negative(d.sm_driver_percent),
+                "sm_driver_nanos": d.sm_driver_nanos,
                 "sm_limit_percent": d.sm_limit_percent,
                 "launches": d.launches,
                 "launches_per_second": super::non_negative(d.launches_per_second),
