@@ -546,6 +546,28 @@ async fn sm_report_mode_reports_the_breach_and_its_end_and_kills_nothing() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_shim_injected_sm_time_is_reported_not_killed_unless_asked() {
+    let Some(root) = cgroup_root() else { return };
+    // An operator who turned the shim off: no container has a limiter, so every busy process
+    // would be over its share. `action = "kill"` still holds memory; SM time is reported.
+    let mut s = setup("action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000\n[injection]\nshim_path = \"\"").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
+    let (_, cg) = container(&root, &dir, 14, "unshimmed");
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    let mut busy = launching_workload(&s.node, &cg, 0, 2);
+    let e = next_event(&mut events, "limit_breach").await;
+    let b = breach(&e);
+    assert_eq!((b.allocation_id.as_str(), b.limit), (id.as_str(), api::BreachLimit::Sm as i32));
+    assert_eq!((b.action, b.phase), (api::BreachAction::Reported as i32, api::BreachPhase::Started as i32));
+    assert_eq!(busy.wait().expect("wait").code(), Some(0), "reported, not killed");
+    let log = log_of(s.dir.path());
+    assert!(log.contains("injection.shim_path is empty") && log.contains("sm_action"), "{log}");
+}
+
 fn libc_sigkill() -> i32 {
     9
 }

@@ -255,6 +255,11 @@ impl Enforcer {
             let mut enforcer = Enforcer::new(controller, stats);
             let s = enforcer.settings();
             tracing::info!(action = s.action.as_str(), interval_ms = s.interval_ms, "enforcement: polling NVML");
+            if !enforcer.shim_injected() && s.sm_action.is_none() && s.action == Action::Kill {
+                tracing::warn!(
+                    "enforcement: injection.shim_path is empty, so containers get no limiter: SM time over a strict share is reported, not killed (set [enforcement] sm_action = \"kill\" to kill)"
+                );
+            }
             loop {
                 let began = Instant::now();
                 let settings = enforcer.settings();
@@ -277,6 +282,11 @@ impl Enforcer {
 
     fn settings(&self) -> Settings {
         self.controller.view().config.enforcement.clone()
+    }
+
+    /// Whether containers get `libtessera.so` (`injection.shim_path` set).
+    fn shim_injected(&self) -> bool {
+        !self.controller.view().config.injection.shim_path.as_os_str().is_empty()
     }
 
     /// One poll: sample, attribute, decide, act, report.
@@ -409,7 +419,7 @@ impl Enforcer {
         listed_gpus: &HashSet<u32>,
         outcome: &mut PollOutcome,
     ) {
-        let action = settings.sm();
+        let action = settings.sm(self.shim_injected());
         if action.is_none() {
             self.sm.clear();
         }

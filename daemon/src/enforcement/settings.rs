@@ -27,7 +27,8 @@ pub struct Settings {
     pub action: Action,
     /// Milliseconds between polls of NVML's per-process memory (10..=500).
     pub interval_ms: u64,
-    /// SM time over a strict share: `kill`, `report` or `off`; unset: as `action`.
+    /// SM time over a strict share: `kill`, `report` or `off`; unset: as `action`, except that
+    /// with no shim injected (`injection.shim_path = ""`) it is `report`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sm_action: Option<SmAction>,
     /// The window SM time is averaged over, in milliseconds (1000..=60000).
@@ -49,9 +50,12 @@ impl Default for Settings {
 }
 
 impl Settings {
-    /// What an SM-time breach gets: `None` when SM time is not enforced.
-    pub fn sm(&self) -> Option<Action> {
+    /// What an SM-time breach gets: `None` when SM time is not enforced. `shim_injected`: whether
+    /// containers get `libtessera.so`. Without it no process has a limiter, so every busy one
+    /// would be over its share: unless `sm_action` says otherwise, that is reported, not killed.
+    pub fn sm(&self, shim_injected: bool) -> Option<Action> {
         match self.sm_action {
+            None if !shim_injected => Some(Action::Report),
             None => Some(self.action),
             Some(SmAction::Kill) => Some(Action::Kill),
             Some(SmAction::Report) => Some(Action::Report),
@@ -142,12 +146,16 @@ mod tests {
         let e = Config::parse("[enforcement]\naction = \"terminate\"\n").unwrap_err();
         assert!(e.key.starts_with("enforcement"), "{e}");
         assert!(e.to_string().contains("kill") && e.to_string().contains("report"), "{e}");
-        assert_eq!((d.sm(), d.sm_window_ms, d.sm_tolerance_percent), (Some(Action::Kill), 10_000, 10));
+        assert_eq!((d.sm(true), d.sm_window_ms, d.sm_tolerance_percent), (Some(Action::Kill), 10_000, 10));
         let c = Config::parse("[enforcement]\naction = \"report\"\n").unwrap();
-        assert_eq!(c.enforcement.sm(), Some(Action::Report), "unset: as action");
+        assert_eq!(c.enforcement.sm(true), Some(Action::Report), "unset: as action");
         let c = Config::parse("[enforcement]\nsm_action = \"off\"\nsm_window_ms = 2000\nsm_tolerance_percent = 5\n")
             .unwrap();
-        assert_eq!((c.enforcement.sm(), c.enforcement.action), (None, Action::Kill));
+        assert_eq!((c.enforcement.sm(true), c.enforcement.action), (None, Action::Kill));
+        // No shim injected: unset reports; an explicit kill still kills.
+        assert_eq!(Config::default().enforcement.sm(false), Some(Action::Report));
+        let c = Config::parse("[enforcement]\nsm_action = \"kill\"\n").unwrap();
+        assert_eq!(c.enforcement.sm(false), Some(Action::Kill));
         assert_eq!((c.enforcement.sm_window_ms, c.enforcement.sm_tolerance_percent), (2000, 5));
         for (bad, key) in [
             ("sm_window_ms = 999", "enforcement.sm_window_ms"),
