@@ -152,11 +152,11 @@ mod tests {
         let c = Config::parse("[enforcement]\nsm_action = \"off\"\nsm_window_ms = 2000\nsm_tolerance_percent = 5\n")
             .unwrap();
         assert_eq!((c.enforcement.sm(true), c.enforcement.action), (None, Action::Kill));
+        assert_eq!((c.enforcement.sm_window_ms, c.enforcement.sm_tolerance_percent), (2000, 5));
         // No shim injected: unset reports; an explicit kill still kills.
         assert_eq!(Config::default().enforcement.sm(false), Some(Action::Report));
-        let c = Config::parse("[enforcement]\nsm_action = \"kill\"\n").unwrap();
-        assert_eq!(c.enforcement.sm(false), Some(Action::Kill));
-        assert_eq!((c.enforcement.sm_window_ms, c.enforcement.sm_tolerance_percent), (2000, 5));
+        let k = Config::parse("[enforcement]\nsm_action = \"kill\"\n").unwrap();
+        assert_eq!(k.enforcement.sm(false), Some(Action::Kill));
         for (bad, key) in [
             ("sm_window_ms = 999", "enforcement.sm_window_ms"),
             ("sm_window_ms = 60001", "enforcement.sm_window_ms"),
