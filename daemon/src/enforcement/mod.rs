@@ -164,9 +164,7 @@ impl Stats {
             }),
         }
     }
-}
 
-impl Stats {
     /// Adds a poll's SM time, (allocation, GPU UUID, ns) each, and forgets the allocations no
     /// longer held (`live`). One lock a poll; labels are copied only when they change.
     fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>, as_of_ns: u64) {
@@ -175,15 +173,15 @@ impl Stats {
         let mut at: HashMap<(String, String), usize> =
             m.sm_time.iter().enumerate().map(|(i, t)| ((t.on.allocation.clone(), t.on.uuid.clone()), i)).collect();
         for &(a, uuid, ns) in added {
-            match at.get(&(a.id.clone(), uuid.to_string())) {
-                Some(&i) => {
-                    let t = &mut m.sm_time[i];
+            match at.entry((a.id.clone(), uuid.to_string())) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    let t = &mut m.sm_time[*e.get()];
                     t.ns = t.ns.saturating_add(ns);
                     t.as_of_ns = as_of_ns;
                     t.on.refresh(a);
                 }
-                None => {
-                    at.insert((a.id.clone(), uuid.to_string()), m.sm_time.len());
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(m.sm_time.len());
                     m.sm_time.push(SmTime { on: OnDevice::of(a, uuid, device_ids(&[a], uuid)), ns, as_of_ns });
                 }
             }
@@ -454,15 +452,14 @@ impl Enforcer {
             if action.is_none() {
                 continue;
             }
-            let caps: Option<Vec<u32>> = g
-                .key
-                .allocations
-                .iter()
-                .map(|id| {
-                    allocations.iter().find(|a| &a.id == id).and_then(|a| sm_time::cap(&a.limits(), &g.key.device_uuid))
-                })
-                .collect();
-            let Some(cap) = caps.filter(|c| !c.is_empty()).map(|c| c.iter().sum::<u32>()) else { continue };
+            // Judged only when every holder is capped there (the members found are the key's).
+            let caps: Option<Vec<u32>> =
+                members.iter().map(|a| sm_time::cap(&a.limits(), &g.key.device_uuid)).collect();
+            let Some(cap) =
+                caps.filter(|c| !c.is_empty() && c.len() == g.key.allocations.len()).map(|c| c.iter().sum::<u32>())
+            else {
+                continue;
+            };
             if cap.saturating_add(tolerance) >= 100 {
                 continue;
             }
@@ -522,17 +519,7 @@ impl Enforcer {
     fn act_sm(&mut self, d: sm_time::Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
         let (key, gpu_index, used, cap, window_ms, pids, action, phase, killed) = match d {
             sm_time::Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims } => {
-                let mut killed = Vec::new();
-                for (pid, start) in victims {
-                    match kill::kill(&self.procfs, pid, start) {
-                        Ok(()) => killed.push(pid),
-                        Err(kill::KillError::Gone | kill::KillError::Reused(_)) => {}
-                        Err(e) => {
-                            tracing::error!(allocation = %key.allocations.join(","), pid, error = %e, "enforcement: cannot kill")
-                        }
-                    }
-                }
-                outcome.killed.extend(&killed);
+                let killed = self.kill_victims(&key, victims, outcome);
                 (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Killed, Phase::Started, killed)
             }
             sm_time::Decision::Report { key, gpu_index, used, cap, window_ms, pids, phase } => {
@@ -573,6 +560,35 @@ impl Enforcer {
             ..Default::default()
         };
         self.publish_breach(&members, &key.device_uuid, device_id, severity, message, detail);
+    }
+
+    /// SIGKILLs `victims` through a pidfd (each one's start time checked, so a reused pid is never
+    /// hit); the pids killed. One that cannot be killed is logged, and no longer counted as
+    /// killed, so a later poll tries again.
+    fn kill_victims(
+        &mut self,
+        key: &GroupKey,
+        victims: impl IntoIterator<Item = ProcKey>,
+        outcome: &mut PollOutcome,
+    ) -> Vec<u32> {
+        let mut killed = Vec::new();
+        let mut failed = Vec::new();
+        for (pid, start) in victims {
+            match kill::kill(&self.procfs, pid, start) {
+                Ok(()) => killed.push(pid),
+                // Gone already, or its pid reused: nothing of it is left to kill.
+                Err(kill::KillError::Gone | kill::KillError::Reused(_)) => {}
+                Err(e) => {
+                    self.tracker.kill_failed((pid, start));
+                    failed.push(format!("pid {pid}: {e}"));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            tracing::error!(allocation = %key.allocations.join(","), failed = %failed.join("; "), "enforcement: cannot kill");
+        }
+        outcome.killed.extend(&killed);
+        killed
     }
 
     /// Counts a breach for each of `members` in the metrics.
@@ -617,23 +633,7 @@ impl Enforcer {
     fn act(&mut self, d: Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
         let (key, gpu_index, used, limit, pids, action, phase, killed) = match d {
             Decision::Kill { key, gpu_index, used, limit, pids, victims } => {
-                let mut killed = Vec::new();
-                let mut failed = Vec::new();
-                for v in &victims {
-                    match kill::kill(&self.procfs, v.pid, v.start) {
-                        Ok(()) => killed.push(v.pid),
-                        // Gone already, or its pid reused: nothing of it is left to kill.
-                        Err(kill::KillError::Gone | kill::KillError::Reused(_)) => {}
-                        Err(e) => {
-                            self.tracker.kill_failed((v.pid, v.start));
-                            failed.push(format!("pid {}: {e}", v.pid));
-                        }
-                    }
-                }
-                if !failed.is_empty() {
-                    tracing::error!(allocation = %key.allocations.join(","), failed = %failed.join("; "), "enforcement: cannot kill");
-                }
-                outcome.killed.extend(&killed);
+                let killed = self.kill_victims(&key, victims.iter().map(|v| (v.pid, v.start)), outcome);
                 (key, gpu_index, used, limit, pids, api::BreachAction::Killed, Phase::Started, killed)
             }
             Decision::Report { key, gpu_index, used, limit, pids, phase } => {

@@ -557,19 +557,21 @@ fn clone_graph(g: &Graph, owner: usize, depth: usize) -> R<Arc<Graph>> {
     let copy = Graph::new();
     copy.owner.store(owner, Release);
     let ops: Vec<Op> = g.nodes().iter().map(|n| n.op.clone()).collect();
-    for op in ops {
+    let filled = ops.into_iter().try_for_each(|op| {
         let op = match op {
             Op::Child { graph: c } => {
                 Op::Child { graph: clone_graph(&*embedded_graph(c)?, copy.handle, depth + 1)?.handle }
             }
             op => op,
         };
-        // Without edges: the copy keeps its nodes' order, which is what replay follows.
-        let mut reg = handles::write();
-        let n = Arc::new(GNode { handle: handles::new_handle(), graph: copy.handle, op });
-        reg.gnodes.insert(n.handle, n.clone());
-        drop(reg);
-        copy.nodes().push(n);
+        // Without edges: the copy keeps its nodes' order, which is what replay follows. (A clone
+        // holds no memory nodes, which an embedded graph would refuse.)
+        copy.add(op, Vec::new()).map(|_| ())
+    });
+    if let Err(e) = filled {
+        // Nothing half-made stays behind: the copy and what it embeds so far go.
+        destroy_graph(copy.handle);
+        return Err(e);
     }
     Ok(copy)
 }
