@@ -261,21 +261,81 @@ pub struct Member<'a> {
 }
 
 /// What the publisher remembers of one allocation's device between publications.
-#[derive(Clone, Copy, Default)]
+#[derive(Default)]
 struct Seen {
+    /// The device's UUID as the record names it, and its key, worked out once.
+    uuid: String,
+    key: u64,
+    /// The region's entry for it, once the container has named it (entries are never freed; a
+    /// container that scribbles on its own entry changes only its own figures, as before).
+    dev: Option<usize>,
+    /// Whether the figures below were read at least once: the first look is a baseline.
+    known: bool,
     high_launches: u64,
     usage_updates: u64,
     /// When (the publisher's clock) the container last wrote a usage figure.
     usage_at: Option<u64>,
 }
 
+impl Seen {
+    fn new(uuid: &str) -> Seen {
+        Seen { uuid: uuid.to_string(), key: crate::region::uuid_key(uuid), ..Seen::default() }
+    }
+}
+
+/// One allocation as the publisher remembers it: the publication it was last listed in, and its
+/// devices in the record's order.
+#[derive(Default)]
+struct Tracked {
+    listed: u64,
+    devices: Vec<Seen>,
+}
+
+impl Tracked {
+    /// Keeps what was seen of each device the record still grants, in the record's order.
+    fn follow(&mut self, devices: &[(String, Priority)]) {
+        let same = self.devices.len() == devices.len()
+            && self.devices.iter().zip(devices).all(|(s, (uuid, _))| s.uuid == *uuid);
+        if !same {
+            let mut old = std::mem::take(&mut self.devices);
+            self.devices = devices
+                .iter()
+                .map(|(uuid, _)| match old.iter().position(|s| s.uuid == *uuid) {
+                    Some(i) => old.swap_remove(i),
+                    None => Seen::new(uuid),
+                })
+                .collect();
+        }
+    }
+}
+
+/// One device's figures in one publication, summed over its members.
+struct Total {
+    key: u64,
+    usage: u64,
+    highs: u64,
+    launched: u64,
+}
+
+/// One member's device in one publication: which member, which [`Total`], and its own part.
+struct Part {
+    member: usize,
+    total: usize,
+    high: bool,
+    launched: bool,
+    usage: u64,
+}
+
 /// Publishes every member's view of the others, each time it is called (tesserad: every 10 ms
 /// while a GPU has an allocation that reads its view).
 #[derive(Default)]
 pub struct Publisher {
-    /// Per member id: the publication it was last listed in, and per device key what was seen.
-    seen: HashMap<String, (u64, Vec<(u64, Seen)>)>,
+    /// Per member id, what was seen of it.
+    seen: HashMap<String, Tracked>,
     publications: u64,
+    /// Kept between publications so that one allocates nothing once the members are known.
+    totals: Vec<Total>,
+    parts: Vec<Part>,
 }
 
 impl Publisher {
@@ -288,55 +348,64 @@ impl Publisher {
     pub fn publish(&mut self, now_ns: u64, members: &[Member]) {
         self.publications += 1;
         let this = self.publications;
-        // Per device key: each member's (index, high priority by its record, launched since last
-        // time, fresh usage).
-        let mut on_device: HashMap<u64, Vec<(usize, bool, bool, u64)>> = HashMap::new();
+        self.totals.clear();
+        self.parts.clear();
+        let mut listed = 0;
         for (i, m) in members.iter().enumerate() {
-            if !self.seen.contains_key(m.id) {
-                self.seen.insert(m.id.to_string(), (this, Vec::new()));
+            let tracked = match self.seen.get_mut(m.id) {
+                Some(t) => t,
+                None => self.seen.entry(m.id.to_string()).or_default(),
+            };
+            if tracked.listed != this {
+                listed += 1;
             }
-            let Some((listed, devices)) = self.seen.get_mut(m.id) else { continue };
-            *listed = this;
-            for (uuid, priority) in m.devices {
-                let key = crate::region::uuid_key(uuid);
-                let (launches, usage, updates) = match m.region.find_device(uuid) {
+            tracked.listed = this;
+            tracked.follow(m.devices);
+            for (s, (uuid, priority)) in tracked.devices.iter_mut().zip(m.devices) {
+                if s.dev.is_none() {
+                    s.dev = m.region.find_device(uuid);
+                }
+                let (launches, usage, updates) = match s.dev {
                     Some(dev) => {
                         let b = m.region.bucket(dev);
                         (b.high_launches.load(Relaxed), b.usage_ppm.load(Relaxed), b.usage_updates.load(Relaxed))
                     }
                     None => (0, 0, 0),
                 };
-                let before = devices.iter().find(|(k, _)| *k == key).map(|(_, s)| *s);
                 // A device seen for the first time is a baseline: nothing it did is known yet.
-                let launched = before.is_some_and(|b| b.high_launches != launches);
-                let usage_at = match before {
-                    Some(b) if b.usage_updates != updates => Some(now_ns),
-                    Some(b) => b.usage_at,
-                    None => None,
-                };
-                let now = Seen { high_launches: launches, usage_updates: updates, usage_at };
-                match devices.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, s)) => *s = now,
-                    None => devices.push((key, now)),
+                let launched = s.known && s.high_launches != launches;
+                if s.known && s.usage_updates != updates {
+                    s.usage_at = Some(now_ns);
                 }
-                let fresh = usage_at.is_some_and(|t| now_ns.saturating_sub(t) < USAGE_FRESH_NS);
+                (s.known, s.high_launches, s.usage_updates) = (true, launches, updates);
+                let fresh = s.usage_at.is_some_and(|t| now_ns.saturating_sub(t) < USAGE_FRESH_NS);
                 // One tenant's figure is at most the whole GPU, whatever it wrote.
                 let usage = if fresh { usage.min(1_000_000) } else { 0 };
                 let high = *priority == Priority::High;
-                on_device.entry(key).or_default().push((i, high, launched && high, usage));
+                // The keys are the node's devices named by records: a short list.
+                let total = match self.totals.iter().position(|t| t.key == s.key) {
+                    Some(t) => t,
+                    None => {
+                        self.totals.push(Total { key: s.key, usage: 0, highs: 0, launched: 0 });
+                        self.totals.len() - 1
+                    }
+                };
+                let t = &mut self.totals[total];
+                t.usage += usage;
+                t.highs += u64::from(high);
+                t.launched += u64::from(launched && high);
+                self.parts.push(Part { member: i, total, high, launched: launched && high, usage });
             }
         }
-        self.seen.retain(|_, (listed, _)| *listed == this);
-        for (key, list) in &on_device {
-            // Totals once per device, each member's own part taken out: linear in the members.
-            let total_usage: u64 = list.iter().map(|&(.., u)| u).sum();
-            let highs = list.iter().filter(|&&(_, high, ..)| high).count() as u64;
-            let launched = list.iter().filter(|&&(_, _, l, _)| l).count() as u64;
-            for &(i, high, own_launched, own_usage) in list {
-                let high_neighbours = highs - u64::from(high);
-                let high_active = launched - u64::from(own_launched) > 0;
-                members[i].ledger.publish(*key, high_neighbours, high_active, total_usage - own_usage);
-            }
+        if listed < self.seen.len() {
+            self.seen.retain(|_, t| t.listed == this);
+        }
+        // Totals once per device, each member's own part taken out: linear in the members.
+        for p in &self.parts {
+            let t = &self.totals[p.total];
+            let high_neighbours = t.highs - u64::from(p.high);
+            let high_active = t.launched - u64::from(p.launched) > 0;
+            members[p.member].ledger.publish(t.key, high_neighbours, high_active, t.usage - p.usage);
         }
         for m in members {
             if m.ledger.writable {
@@ -446,6 +515,43 @@ mod tests {
         publish(&mut p, 3, &[&high, &low, &elsewhere]);
         assert_eq!(high_seen(&low, "GPU-a"), 1);
         assert_eq!(low.ledger.publications(), 3);
+    }
+
+    #[test]
+    fn a_device_named_late_and_a_record_that_changes_are_followed() {
+        // The high-priority container has not started yet: its region names no device.
+        let dir = tempfile::tempdir().unwrap();
+        let mut high = Alloc {
+            id: "h".into(),
+            region: Region::open_or_create(&dir.path().join("region")).unwrap(),
+            ledger: Ledger::create(&dir.path().join(LEDGER_FILE)).unwrap(),
+            devices: vec![("GPU-a".into(), Priority::High)],
+            _dir: dir,
+        };
+        let low = alloc("l", "GPU-a", Priority::Low);
+        let mut p = Publisher::new();
+        publish(&mut p, 1, &[&high, &low]);
+        // It starts and launches: named after the first look, counted from nothing.
+        high.region.device("GPU-a").unwrap();
+        launch(&high, "GPU-a");
+        publish(&mut p, 2, &[&high, &low]);
+        assert_eq!(high_seen(&low, "GPU-a"), 1);
+        // Its record gains a second device, listed first: what was seen of GPU-a is kept (its
+        // launch since the last look counts), GPU-b starts as a baseline.
+        high.devices.insert(0, ("GPU-b".into(), Priority::High));
+        high.region.device("GPU-b").unwrap();
+        launch(&high, "GPU-a");
+        publish(&mut p, 3, &[&high, &low]);
+        assert_eq!(high_seen(&low, "GPU-a"), 2, "GPU-a's count was kept across the change");
+        publish(&mut p, 4, &[&high, &low]);
+        assert_eq!(high_seen(&low, "GPU-a"), 2, "quiet: nothing seen");
+        let view = low.ledger.view(crate::region::uuid_key("GPU-a")).unwrap();
+        assert_eq!(view.high_neighbours(), 1);
+        // Leaving and coming back under the same id starts from a baseline again.
+        publish(&mut p, 5, &[&low]);
+        launch(&high, "GPU-a");
+        publish(&mut p, 6, &[&high, &low]);
+        assert_eq!(high_seen(&low, "GPU-a"), 2, "the first look after a return is a baseline");
     }
 
     #[test]
