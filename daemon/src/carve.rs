@@ -273,7 +273,19 @@ pub fn place_mig<'g>(
             format!("GPU {} ({}): {}", g.index, g.uuid, taken.join(", "))
         });
     }
-    Err(format!("no free MIG device of profile {profile}: {}", why.join("; ")))
+    let mut msg = format!("no free MIG device of profile {profile}: {}", why.join("; "));
+    let mut present: Vec<&str> = named.iter().flat_map(|g| g.mig.iter().map(|m| m.profile.as_str())).collect();
+    present.sort_unstable();
+    present.dedup();
+    if !named.iter().any(|g| g.mig_mode) {
+        msg.push_str(&format!(
+            ". No GPU named is in MIG mode: `tessera layout apply --gpu <GPU> --mig {profile}=<COUNT>` makes instances"
+        ));
+    } else if !present.iter().any(|p| p.eq_ignore_ascii_case(profile)) {
+        let listed = if present.is_empty() { "none".to_owned() } else { present.join(", ") };
+        msg.push_str(&format!(". The instances here are of the profiles: {listed}"));
+    }
+    Err(msg)
 }
 
 /// A size for people: whole GiB or MiB when exact, else MiB with one decimal.
@@ -517,6 +529,11 @@ mod tests {
             "no free MIG device of profile 3g.40gb: GPU 0 (GPU-0): MIG mode is off; \
              GPU 1 (GPU-1): MIG-1-0 held by m, MIG-1-1 held by s; GPU 2 (GPU-2): no 3g.40gb instance"
         );
+        // A profile no instance has: the ones there are named; no GPU in MIG mode: how to make some.
+        let err = place_mig(&gpus, &records, "", "2g.20gb").unwrap_err();
+        assert!(err.ends_with(". The instances here are of the profiles: 1g.10gb, 3g.40gb"), "{err}");
+        let err = place_mig(&gpus, &records, "0", "2g.20gb").unwrap_err();
+        assert!(err.ends_with("`tessera layout apply --gpu <GPU> --mig 2g.20gb=<COUNT>` makes instances"), "{err}");
         let err = place_mig(&gpus, &records, "2", "1g.10gb").unwrap_err();
         assert!(err.contains("MIG-2-0 unhealthy: XID 94"), "{err}");
         // Shares are never carved from a GPU in MIG mode.

@@ -176,6 +176,18 @@ async fn dry_runs_predict_every_kind_of_change() {
     assert!(out.contains("applied -> shares x2 (+2 -1 devices)"), "{out}");
     let out = same_as_dry_run(&socket, &["reload"], &log);
     assert!(out.contains(": unchanged\n"), "{out}");
+
+    // A clumsy edit that is not TOML at all: refused with the parser's words and line, exit 2,
+    // nothing changed; the good file back is no change either.
+    let good = std::fs::read_to_string(dir.join("config.toml")).expect("config");
+    std::fs::write(dir.join("config.toml"), format!("[sim\n{good}")).expect("config");
+    let (code, out) = tessera(&socket, &["reload"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains(": rejected\n  error: ") && out.contains("line "), "{out}");
+    assert!(!out.contains("error :"), "no empty key printed: {out}");
+    std::fs::write(dir.join("config.toml"), good).expect("config");
+    let out = same_as_dry_run(&socket, &["reload"], &log);
+    assert!(out.contains(": unchanged\n"), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

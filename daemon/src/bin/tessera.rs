@@ -600,7 +600,11 @@ async fn reload(client: &mut NodeClient<Channel>, dry_run: bool) -> Result<ExitC
         println!("  needs a restart {}: {}", c.key, c.reason);
     }
     for e in &r.errors {
-        println!("  error {}: {}", e.key, e.reason);
+        // A file that is not TOML at all has no key to name.
+        match e.key.as_str() {
+            "" => println!("  error: {}", e.reason),
+            key => println!("  error {key}: {}", e.reason),
+        }
     }
     for line in layout_report::results(&r.layouts, false).lines() {
         println!("  {line}");

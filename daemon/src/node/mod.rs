@@ -852,7 +852,6 @@ fn issue(kind: api::LayoutIssueKind, device: &str, message: String) -> api::Layo
     api::LayoutIssue { kind: kind as i32, device_id: device.to_owned(), message, holders: Vec::new() }
 }
 
-/// A configuration value by dotted key, as TOML text (empty when absent).
 /// A reload refused for `key`: nothing changed.
 fn rejected(config_path: String, dry_run: bool, key: String, reason: String) -> api::ReloadResponse {
     api::ReloadResponse {
@@ -864,6 +863,7 @@ fn rejected(config_path: String, dry_run: bool, key: String, reason: String) -> 
     }
 }
 
+/// A configuration value by dotted key, as TOML text (empty when absent).
 fn lookup(config: &Config, key: &str) -> String {
     let Ok(mut v) = toml::Value::try_from(config) else { return String::new() };
     for part in split_key(key) {
