@@ -238,19 +238,21 @@ impl DaemonAllocator {
         store.len()
     }
 
-    /// The store's change count and, when it differs from `since`, a copy of the records `keep`
-    /// selects: a loop that follows the records every few ms copies them only when they changed.
-    pub fn allocations_changed_since(
+    /// The store's change count and, when it differs from `since`, what `select` makes of the
+    /// records (under the store's lock: it should copy only what it needs). A loop that follows
+    /// the records every few ms looks at them only when they changed.
+    pub fn allocations_changed_since<T>(
         &self,
         since: Option<u64>,
-        keep: impl Fn(&Allocation) -> bool,
-    ) -> (u64, Option<Vec<Allocation>>) {
+        select: impl FnOnce(&[&Allocation]) -> T,
+    ) -> (u64, Option<T>) {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let changes = store.changes();
         if since == Some(changes) {
             return (changes, None);
         }
-        (changes, Some(store.list().filter(|a| keep(a)).cloned().collect()))
+        let records: Vec<&Allocation> = store.list().collect();
+        (changes, Some(select(&records)))
     }
 
     /// A copy of every record (for reports and tests).

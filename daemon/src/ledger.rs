@@ -43,6 +43,8 @@ pub struct Publishing {
     publisher: Publisher,
     /// Allocations whose files could not be opened, warned about once.
     warned: HashSet<String>,
+    /// Some member is not open yet: the records changed, or an open failed (tried every pass).
+    to_open: bool,
 }
 
 impl Publishing {
@@ -53,10 +55,10 @@ impl Publishing {
     /// One pass: follows the records if they changed, publishes every view that has a reader.
     /// Returns whether anything was published (the loop's pace).
     pub fn pass(&mut self, allocator: &DaemonAllocator, now_ns: u64) -> bool {
-        let (changes, records) = allocator.allocations_changed_since(self.changes, |_| true);
-        if let Some(records) = records {
+        let (changes, members) = allocator.allocations_changed_since(self.changes, with_readers);
+        if let Some(members) = members {
             self.changes = Some(changes);
-            self.members = with_readers(records);
+            self.members = members;
             let live: HashSet<&str> = self.members.iter().map(|a| a.id.as_str()).collect();
             self.open.retain(|id, _| live.contains(id.as_str()));
             self.warned.retain(|id| live.contains(id.as_str()));
@@ -65,19 +67,25 @@ impl Publishing {
                     o.devices = devices_of(a);
                 }
             }
+            self.to_open = true;
         }
         if self.members.is_empty() {
             return false;
         }
-        let dirs = allocator.dirs();
-        for a in &self.members {
-            if !self.open.contains_key(&a.id) {
+        if self.to_open {
+            self.to_open = false;
+            let dirs = allocator.dirs();
+            for a in &self.members {
+                if self.open.contains_key(&a.id) {
+                    continue;
+                }
                 match open(dirs, a) {
                     Ok(o) => {
                         self.warned.remove(&a.id);
                         self.open.insert(a.id.clone(), o);
                     }
                     Err(e) => {
+                        self.to_open = true;
                         if self.warned.insert(a.id.clone()) {
                             tracing::warn!(allocation = %a.id, "ledger: {e}; its containers see no neighbours");
                         }
@@ -96,17 +104,22 @@ impl Publishing {
 }
 
 /// The allocations on GPUs where someone reads the ledger: a low-priority or work-conserving
-/// allocation there, and everyone it shares the GPU with.
-fn with_readers(records: Vec<Allocation>) -> Vec<Allocation> {
+/// allocation there, and everyone it shares the GPU with. Copied only then: a node without a
+/// reader copies no record when they change (1,000 of them at every Allocate otherwise).
+fn with_readers(records: &[&Allocation]) -> Vec<Allocation> {
     let read_on: HashSet<String> = records
         .iter()
         .flat_map(|a| &a.devices)
         .filter(|d| d.priority == Priority::Low || d.compute_mode == ComputeMode::WorkConserving)
         .map(|d| d.physical_uuid.to_ascii_lowercase())
         .collect();
+    if read_on.is_empty() {
+        return Vec::new();
+    }
     records
-        .into_iter()
+        .iter()
         .filter(|a| a.devices.iter().any(|d| read_on.contains(&d.physical_uuid.to_ascii_lowercase())))
+        .map(|&a| a.clone())
         .collect()
 }
 
