@@ -794,6 +794,56 @@ impl DaemonAllocator {
     }
 }
 
+/// Whether the kubelet's new allocation of `devices` fits beside every record on each GPU or MIG
+/// device it names (a whole device counts as all of it): a MIG device the node API or a claim
+/// holds would otherwise be handed out twice, as no GPU's sums cover it.
+fn admit_beside(rooms: &[GpuRoom], store: &Store, devices: &[AllocatedDevice]) -> Result<(), Status> {
+    let mut uuids: Vec<&str> = devices.iter().map(|d| d.physical_uuid.as_str()).collect();
+    uuids.sort_unstable();
+    uuids.dedup();
+    for uuid in uuids {
+        // Where it is: a GPU, or a MIG device of one; and its memory.
+        let Some((gpu, mig, total)) = rooms.iter().find_map(|g| {
+            if g.uuid.eq_ignore_ascii_case(uuid) {
+                return Some((g, false, g.memory_total));
+            }
+            g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(uuid)).map(|m| (g, true, m.memory_total))
+        }) else {
+            continue;
+        };
+        let (others_memory, others_sm) = store.loads().device(uuid).held(total);
+        let (mut memory, mut sm) = (0u64, 0u32);
+        for d in devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(uuid)) {
+            memory = memory.saturating_add(d.memory_limit.unwrap_or(total));
+            if d.compute_mode == ComputeMode::Strict {
+                sm = sm.saturating_add(d.sm_percent.unwrap_or(100));
+            }
+        }
+        if others_memory.saturating_add(memory) > total || others_sm.saturating_add(sm) > 100 {
+            let held_by: Vec<&str> = store
+                .list()
+                .filter(|a| a.source != Source::Kubelet)
+                .filter(|a| a.devices.iter().any(|d| d.physical_uuid.eq_ignore_ascii_case(uuid)))
+                .map(|a| a.id.as_str())
+                .collect();
+            let on = if mig {
+                format!("MIG device {uuid} (GPU {})", gpu.index)
+            } else {
+                format!("GPU {} ({uuid})", gpu.index)
+            };
+            return Err(Status::resource_exhausted(format!(
+                "{on}: {} and {}% strict SM are held (node API allocations {}); {} and {}% more do not fit",
+                carve::size(others_memory),
+                others_sm,
+                if held_by.is_empty() { "none".to_string() } else { held_by.join(", ") },
+                carve::size(memory),
+                sm
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Resource `name` in `all`, or NotFound naming it.
 fn resource_of<'a>(all: &'a Resources, name: &str) -> Result<&'a Resource, Status> {
     all.get(name).ok_or_else(|| Status::not_found(format!("unknown resource {name}")))
@@ -874,42 +924,11 @@ impl Allocator for DaemonAllocator {
                 existing
             }
             None => {
-                // A GPU a carved share holds part of: the kubelet's allocation must fit beside it
-                // (one store, one admission rule), or it is refused saying what is held.
+                // A GPU or MIG device another allocation holds part of (a carved share, a MIG
+                // device or a whole GPU the node API gave out): the kubelet's allocation must fit
+                // beside it (one store, one admission rule), or it is refused saying what is held.
                 let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
-                let wanted = Allocation {
-                    id: String::new(),
-                    resource: resource.to_owned(),
-                    container: ContainerIdentity::default(),
-                    source: Source::Kubelet,
-                    created_unix_ns: 0,
-                    devices: devices.clone(),
-                    claim: None,
-                };
-                for gpu in rooms.iter().filter(|g| devices.iter().any(|d| d.physical_uuid == g.uuid)) {
-                    let others = carve::held_in(gpu, store.loads(), None);
-                    let mine = carve::held(gpu, [&wanted], None);
-                    if others.memory.saturating_add(mine.memory) > gpu.memory_total
-                        || others.strict_sm.saturating_add(mine.strict_sm) > 100
-                    {
-                        let carved: Vec<&str> = store
-                            .list()
-                            .filter(|a| a.source == Source::NodeApi)
-                            .filter(|a| a.devices.iter().any(|d| d.physical_uuid == gpu.uuid))
-                            .map(|a| a.id.as_str())
-                            .collect();
-                        return Err(Status::resource_exhausted(format!(
-                            "GPU {} ({}): {} and {}% strict SM are held (node API allocations {}); {} and {}% more do not fit",
-                            gpu.index,
-                            gpu.uuid,
-                            carve::size(others.memory),
-                            others.strict_sm,
-                            if carved.is_empty() { "none".to_string() } else { carved.join(", ") },
-                            carve::size(mine.memory),
-                            mine.strict_sm
-                        )));
-                    }
-                }
+                admit_beside(&rooms, &store, &devices)?;
                 let alloc = Allocation {
                     id: Allocation::new_id(),
                     resource: resource.to_owned(),
@@ -1325,6 +1344,85 @@ pub(crate) mod tests {
             "MIG-m0"
         );
         assert_eq!(a.allocate_share(&share(4, 100, "1"), &gpus).unwrap().devices[0].physical_uuid, "GPU-b");
+    }
+
+    /// A MIG device the node API holds is not handed to the kubelet too, nor a share of it, and
+    /// the other way round; released, it goes to whoever asks next.
+    #[test]
+    fn a_mig_device_goes_to_the_node_api_or_the_kubelet_never_both() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let mut gpus = rooms();
+        let slot = |uuid: &str| carve::MigSlot {
+            uuid: uuid.into(),
+            profile: "3g.20gb".into(),
+            memory_total: 20 << 30,
+            unavailable: None,
+        };
+        gpus.push(GpuRoom {
+            index: 2,
+            uuid: "GPU-m".into(),
+            model: "NVIDIA A100".into(),
+            memory_total: 40 << 30,
+            unavailable: None,
+            mig_mode: true,
+            mig: vec![slot("MIG-m0"), slot("MIG-m1")],
+            nodes: Vec::new(),
+        });
+        a.set_rooms(gpus.clone());
+        // The kubelet is offered MIG-m0 whole, and MIG-m1 as two shares.
+        let device = |id: &str, uuid: &str, memory: Option<u64>, sm: Option<u32>| ResourceDevice {
+            id: id.into(),
+            physical_uuid: uuid.into(),
+            gpu_index: 2,
+            numa_node: None,
+            healthy: true,
+            memory_limit: memory,
+            sm_percent: sm,
+            nodes: Vec::new(),
+        };
+        let (mig, mig_share) = ("tessera.io/mig-3g.20gb", "tessera.io/mig-3g.20gb-share");
+        let mut offer = (*resources()).clone();
+        offer.resources.insert(
+            mig.into(),
+            Resource { name: mig.into(), kind: Kind::Mig, devices: vec![device("MIG-m0", "MIG-m0", None, None)] },
+        );
+        let halves = ["MIG-m1::0", "MIG-m1::1"].map(|id| device(id, "MIG-m1", Some(10 << 30), Some(50)));
+        offer
+            .resources
+            .insert(mig_share.into(), Resource { name: mig_share.into(), kind: Kind::Share, devices: halves.to_vec() });
+        a.set_resources(Arc::new(offer));
+        let ask = ShareRequest {
+            device: DeviceAsk::Mig("3g.20gb".into()),
+            memory: 0,
+            sm_percent: 0,
+            compute_mode: None,
+            ..share(0, 0, "")
+        };
+
+        // The node API takes MIG-m0 first: the kubelet's Allocate of it is refused, naming it.
+        let carved = a.allocate_share(&ask, &gpus).unwrap();
+        assert_eq!(carved.devices[0].physical_uuid, "MIG-m0");
+        let err = a.allocate(mig, &ids(&["MIG-m0"])).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            err.message().starts_with("MIG device MIG-m0 (GPU 2): 20 GiB and 100% strict SM are held"),
+            "{}",
+            err.message()
+        );
+        assert!(err.message().contains(&carved.id), "{}", err.message());
+        // The kubelet holds a share of MIG-m1: the node API's next MIG device is not MIG-m1.
+        a.allocate(mig_share, &ids(&["MIG-m1::0"])).unwrap();
+        let err = a.allocate_share(&ask, &gpus).unwrap_err();
+        assert!(err.message().contains("MIG-m1 held by"), "{}", err.message());
+        // The other share of MIG-m1 fits beside the first.
+        a.allocate(mig_share, &ids(&["MIG-m1::1"])).unwrap();
+        // Released by the node API, MIG-m0 goes to the kubelet; then not back to the node API.
+        a.release(&carved.id).unwrap();
+        a.allocate(mig, &ids(&["MIG-m0"])).unwrap();
+        let err = a.allocate_share(&ask, &gpus).unwrap_err();
+        assert!(err.message().contains("MIG-m0 held by"), "{}", err.message());
+        assert_eq!(a.allocations().len(), 3);
     }
 
     /// Eight threads carve, change and release shares of two GPUs at once, until both are full:
