@@ -7,7 +7,7 @@
 //! not all devices with a new request is stale (the kubelet hands a device to one container at a
 //! time, so its container is gone): it is removed with its directory.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -705,6 +705,67 @@ impl DaemonAllocator {
             .collect()
     }
 
+    /// The kubelet's free devices that no longer fit beside what other allocations hold (a carved
+    /// share, a whole GPU or a MIG device the node API gave out, a claim): `(resource, device id)`.
+    /// Told to the kubelet as unhealthy, so the scheduler places no pod its `Allocate` would
+    /// refuse; they come back when the room does. Only devices no record holds are withdrawn (a
+    /// pod's own device never turns unhealthy under it), and as few as can be: each GPU's or MIG
+    /// device's free devices are kept in order while they fit together beside what is held.
+    pub fn withdrawn(&self) -> BTreeSet<(String, String)> {
+        let offer = self.offer();
+        let rooms = Arc::clone(&self.rooms.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+        // As `devices` makes the kubelet's records: a share in the default compute mode.
+        let share_mode = self.defaults().compute_mode;
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Only where something not the kubelet's is held: its own devices fit together by plan.
+        let foreign: HashSet<&str> = store
+            .list()
+            .filter(|a| a.source != Source::Kubelet)
+            .flat_map(|a| a.devices.iter().map(|d| d.physical_uuid.as_str()))
+            .collect();
+        let mut out = BTreeSet::new();
+        if foreign.is_empty() {
+            return out;
+        }
+        let total_of = |uuid: &str| {
+            rooms.iter().find_map(|g| {
+                if g.uuid.eq_ignore_ascii_case(uuid) {
+                    return Some(g.memory_total);
+                }
+                g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(uuid)).map(|m| m.memory_total)
+            })
+        };
+        // Per device: what is held, plus the free devices kept so far.
+        let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
+        for res in offer.resources.resources.values() {
+            // Both name a device as the inventory does: compared as they are, nothing made per device.
+            for d in res.devices.iter().filter(|d| d.healthy && foreign.contains(d.physical_uuid.as_str())) {
+                // A pod's (the node API's MIG records name the same id: those do not count).
+                if store.holding([d.id.as_str()]).any(|a| a.source == Source::Kubelet && a.resource == res.name) {
+                    continue;
+                }
+                let Some(total) = total_of(&d.physical_uuid) else { continue };
+                let (memory, sm) = kept
+                    .entry(d.physical_uuid.as_str())
+                    .or_insert_with(|| store.loads().device(&d.physical_uuid).held(total));
+                let strict = res.kind != Kind::Share || share_mode == ComputeMode::Strict;
+                let (m, p) = (d.memory_limit.unwrap_or(total), if strict { d.sm_percent.unwrap_or(100) } else { 0 });
+                if memory.saturating_add(m) <= total && sm.saturating_add(p) <= 100 {
+                    (*memory, *sm) = (*memory + m, *sm + p);
+                } else {
+                    out.insert((res.name.clone(), d.id.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Told of every change to a record the kubelet did not make (what [`Self::withdrawn`]
+    /// follows).
+    pub fn foreign_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).foreign_changes()
+    }
+
     /// Shares of each parent device held by stored allocations.
     fn share_load(&self, resource: &Resource) -> HashMap<String, usize> {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -1344,6 +1405,45 @@ pub(crate) mod tests {
             "MIG-m0"
         );
         assert_eq!(a.allocate_share(&share(4, 100, "1"), &gpus).unwrap().devices[0].physical_uuid, "GPU-b");
+    }
+
+    /// The kubelet's free devices that would be refused beside the node API's carved shares are
+    /// withdrawn, exactly those and as few as can be; a pod's own device never is; released, they
+    /// come back. Only the node API's changes are told.
+    #[test]
+    fn free_kubelet_devices_that_no_longer_fit_are_withdrawn_until_the_room_is_back() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        a.set_rooms(rooms());
+        let mut told = a.foreign_changes();
+        let pair = |id: &str| (SHARE.to_string(), id.to_string());
+        assert!(a.withdrawn().is_empty());
+        // The kubelet's own allocations fit together by plan: nothing withdrawn, nobody told.
+        a.allocate(SHARE, &ids(&["GPU-a::0"])).unwrap();
+        assert!(a.withdrawn().is_empty());
+        assert!(!told.has_changed().unwrap());
+
+        // 1 GiB and 10% carved from GPU-a: beside the pod's share (50%) the other (50%) no longer
+        // fits; the pod's own stays.
+        let carved = a.allocate_share(&share(1, 10, "0"), &rooms()).unwrap();
+        assert!(told.has_changed().unwrap());
+        told.mark_unchanged();
+        assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1")]));
+        // 3 GiB and 1% from GPU-b: one of its two 1 GiB shares still fits, the second does not.
+        let big = a.allocate_share(&share(3, 1, "1"), &rooms()).unwrap();
+        assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
+        // The kept ones can all be allocated; then the withdrawn one would be refused.
+        a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
+        assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
+        assert_eq!(a.allocate(SHARE, &ids(&["GPU-b::1"])).unwrap_err().code(), tonic::Code::ResourceExhausted);
+        assert_eq!(a.allocate(SHARE, &ids(&["GPU-a::1"])).unwrap_err().code(), tonic::Code::ResourceExhausted);
+
+        // Released, the room is back.
+        a.release(&carved.id).unwrap();
+        assert!(told.has_changed().unwrap());
+        assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-b::1")]));
+        a.release(&big.id).unwrap();
+        assert!(a.withdrawn().is_empty());
     }
 
     /// A MIG device the node API holds is not handed to the kubelet too, nor a share of it, and

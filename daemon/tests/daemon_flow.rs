@@ -263,3 +263,106 @@ async fn a_stale_kubelet_socket_does_not_stall_readiness() {
     assert!(req.resource_name.starts_with("tessera.io/"), "{req:?}");
     drop(child);
 }
+
+/// The ids of a list's unhealthy devices.
+fn unhealthy(list: &dp::ListAndWatchResponse) -> Vec<String> {
+    list.devices.iter().filter(|d| d.health == dp::UNHEALTHY).map(|d| d.id.clone()).collect()
+}
+
+/// Lists from `stream` until `done` holds for one (each change of the offer sends one).
+async fn list_until(
+    stream: &mut tonic::Streaming<dp::ListAndWatchResponse>,
+    done: impl Fn(&dp::ListAndWatchResponse) -> bool,
+) -> dp::ListAndWatchResponse {
+    loop {
+        let list = next_list(stream).await;
+        if done(&list) {
+            return list;
+        }
+    }
+}
+
+/// The node API carves from GPUs and takes MIG devices the kubelet is offered too: the kubelet's
+/// free devices left without room are told unhealthy (so the scheduler places no pod that
+/// Allocate would refuse), only those and never a pod's own, and healthy again once released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_until_released() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(
+        &node,
+        tmp.path(),
+        "[partitions.default]\nwhole = true\n[partitions.\"0\"]\nshares = { count = 4 }\n\
+         [partitions.\"1\"]\nmig = { \"3g.40gb\" = 2 }\n",
+    );
+    let mut kubelet = TestKubelet::start(&tmp.path().join("plugins"));
+    let notify_path = tmp.path().join("notify.sock");
+    let _notify = UnixDatagram::bind(&notify_path).expect("notify socket");
+    let log = tmp.path().join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (_child, started) = spawn(&node, &config, &notify_path, &log);
+    let (seen, _) = registrations(&mut kubelet, started).await;
+    let api = tmp.path().join("run/tessera.sock");
+    let mut streams = HashMap::new();
+    for name in [SHARE, MIG, GPU] {
+        let mut client = kubelet.connect(&seen[name]).await;
+        let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+        let first = next_list(&mut stream).await;
+        assert!(unhealthy(&first).is_empty(), "{name}: {first:?}");
+        streams.insert(name, (first, stream));
+    }
+    let status = sim_status(&node);
+    let uuid = |i: usize| status["gpus"][i]["uuid"].as_str().expect("uuid").to_string();
+
+    // A pod holds one of GPU 0's four shares (25% each).
+    let share0 = streams[SHARE].0.devices[0].id.clone();
+    allocate(&kubelet, &seen[SHARE], &[&share0]).await;
+    // The node API carves 2 GiB and 10% from GPU 0: one free share no longer fits.
+    let (code, out) = common::tessera(&api, &["alloc", "--gpu", "0", "--memory", "2GiB", "--sm", "10", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let carved: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let (_, stream) = streams.get_mut(SHARE).expect("share stream");
+    let list = list_until(stream, |l| !unhealthy(l).is_empty()).await;
+    let out_of_room = unhealthy(&list);
+    assert_eq!(out_of_room.len(), 1, "{list:?}");
+    assert_ne!(out_of_room[0], share0, "a pod's own device is never withdrawn");
+    assert!(show_log().contains("withdrawn from the kubelet"), "{}", show_log());
+    // The kubelet's other free shares are allocated; the withdrawn one would be refused.
+    let kept: Vec<String> =
+        list.devices.iter().map(|d| d.id.clone()).filter(|id| *id != share0 && *id != out_of_room[0]).collect();
+    for id in &kept {
+        allocate(&kubelet, &seen[SHARE], &[id]).await;
+    }
+    let mut client = kubelet.connect(&seen[SHARE]).await;
+    let refused = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![out_of_room[0].clone()] }],
+        })
+        .await;
+    assert!(refused.is_err(), "{refused:?}");
+
+    // A MIG device and a share of a whole GPU (GPU 2) taken by the node API: each withdrawn.
+    let (code, out) = common::tessera(&api, &["alloc", "--mig", "3g.40gb", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let mig: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let (_, stream) = streams.get_mut(MIG).expect("mig stream");
+    let list = list_until(stream, |l| !unhealthy(l).is_empty()).await;
+    assert_eq!(unhealthy(&list), [mig["devices"][0]["uuid"].as_str().expect("device").to_string()], "{list:?}");
+    let (code, out) = common::tessera(&api, &["alloc", "--gpu", "2", "--memory", "1GiB", "--sm", "5", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let on_gpu2: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let (_, stream) = streams.get_mut(GPU).expect("gpu stream");
+    let list = list_until(stream, |l| !unhealthy(l).is_empty()).await;
+    assert_eq!(unhealthy(&list), [uuid(2)], "{list:?}");
+
+    // Released: everything is offered again.
+    for a in [&carved, &mig, &on_gpu2] {
+        let (code, out) = common::tessera(&api, &["release", a["id"].as_str().expect("id")]);
+        assert_eq!(code, 0, "{out}");
+    }
+    for name in [SHARE, MIG, GPU] {
+        let (_, stream) = streams.get_mut(name).expect("stream");
+        list_until(stream, |l| unhealthy(l).is_empty()).await;
+    }
+    assert!(show_log().contains("offered to the kubelet again"), "{}", show_log());
+}

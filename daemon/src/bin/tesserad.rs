@@ -179,6 +179,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         let mut resources_rx = controller.watch_resources();
         let mut plugins = Plugins::default();
         resources_rx.borrow_and_update();
+        // The node API's allocations and claims change which of the kubelet's devices still fit.
+        let mut foreign_rx = controller.allocator().foreign_changes();
+        foreign_rx.borrow_and_update();
         // CDI specs for the runtimes, now and whenever what is offered changes.
         let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir, &cfg.state_dir) {
             Ok(w) => w,
@@ -333,6 +336,19 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                     plugins.update(&mut set, &now, controller.allocator());
                     write_cdi(&mut cdi, &controller);
                 }
+                changed = foreign_rx.changed() => {
+                    if changed.is_ok() {
+                        foreign_rx.borrow_and_update();
+                        let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
+                        plugins.update(&mut set, &now, controller.allocator());
+                    }
+                }
+                // While devices are withdrawn, the kubelet's own changes can move which ones fit
+                // (never how many): looked at again every second.
+                () = tokio::time::sleep(WITHDRAWN_RECHECK), if !plugins.withdrawn.is_empty() => {
+                    let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
+                    plugins.update(&mut set, &now, controller.allocator());
+                }
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP: reloading the configuration");
                     let c = Arc::clone(&controller);
@@ -425,16 +441,33 @@ fn write_cdi(cdi: &mut Option<CdiWriter>, controller: &NodeController) {
     }
 }
 
+/// How often the withdrawn devices are looked at again while there are any.
+const WITHDRAWN_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// One device list per served resource; a resource that appears after start (a layout change)
 /// gets a plugin of its own, one that disappears is served with no devices.
 #[derive(Default)]
 struct Plugins {
     senders: BTreeMap<String, tokio::sync::watch::Sender<Vec<PluginDevice>>>,
+    /// The kubelet's free devices told unhealthy because they no longer fit beside the node
+    /// API's allocations (`DaemonAllocator::withdrawn`).
+    withdrawn: BTreeSet<(String, String)>,
 }
 
 impl Plugins {
+    /// `res`'s devices as the kubelet is told them: the withdrawn ones unhealthy.
+    fn devices(&self, res: &Resource) -> Vec<PluginDevice> {
+        let mut devices = res.plugin_devices();
+        for d in &mut devices {
+            if self.withdrawn.contains(&(res.name.clone(), d.id.clone())) {
+                d.healthy = false;
+            }
+        }
+        devices
+    }
+
     fn plugin(&mut self, res: &Resource, allocator: &Arc<DaemonAllocator>) -> DevicePlugin {
-        let (tx, rx) = tokio::sync::watch::channel(res.plugin_devices());
+        let (tx, rx) = tokio::sync::watch::channel(self.devices(res));
         self.senders.insert(res.name.clone(), tx);
         tracing::info!(resource = %res.name, devices = res.devices.len(), "serving");
         DevicePlugin::new(&res.name, rx, Arc::clone(allocator) as Arc<dyn Allocator>)
@@ -446,15 +479,34 @@ impl Plugins {
         resources: &Resources,
         allocator: &Arc<DaemonAllocator>,
     ) -> Result<PluginSet, tessera_daemon::kubelet::KubeletError> {
+        self.follow_withdrawn(allocator);
         let plugins = resources.resources.values().map(|r| self.plugin(r, allocator)).collect();
         PluginSet::start(&cfg.device_plugin_dir, plugins)
     }
 
+    /// Takes the allocator's withdrawn devices, saying what changed.
+    fn follow_withdrawn(&mut self, allocator: &DaemonAllocator) {
+        let now = allocator.withdrawn();
+        let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
+            set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
+        };
+        let out = show(&mut now.difference(&self.withdrawn));
+        if !out.is_empty() {
+            tracing::info!(devices = %out, "withdrawn from the kubelet (told unhealthy): no room beside the node API's allocations");
+        }
+        let back = show(&mut self.withdrawn.difference(&now));
+        if !back.is_empty() {
+            tracing::info!(devices = %back, "offered to the kubelet again: the room is back");
+        }
+        self.withdrawn = now;
+    }
+
     fn update(&mut self, set: &mut PluginSet, resources: &Resources, allocator: &Arc<DaemonAllocator>) {
+        self.follow_withdrawn(allocator);
         for res in resources.resources.values() {
             match self.senders.get(&res.name) {
                 Some(tx) => {
-                    let devices = res.plugin_devices();
+                    let devices = self.devices(res);
                     tx.send_if_modified(|d| {
                         let changed = *d != devices;
                         *d = devices;

@@ -52,7 +52,7 @@ use super::alloc_dir::AllocDirs;
 use super::holders::Holders;
 use super::journal::{self, Op, OpRef};
 use super::load::Loads;
-use super::record::{Allocation, unix_ns, valid_id};
+use super::record::{Allocation, Source, unix_ns, valid_id};
 
 const RECORD_EXT: &str = ".json";
 const LEGACY_TMP_EXT: &str = ".json.tmp";
@@ -179,6 +179,10 @@ pub struct Store {
     /// Changes made since the store was opened: lets a loop that follows the records (the
     /// ledger's, every 10 ms) tell in one load that nothing changed.
     changes: u64,
+    /// Bumped by every change to a record the kubelet did not make (the node API's, a claim's):
+    /// what decides which of the kubelet's free devices still fit (`DaemonAllocator::withdrawn`).
+    /// The kubelet's own changes do not wake anyone.
+    foreign: tokio::sync::watch::Sender<u64>,
     /// Held for the store's life: the exclusive lock on `<dir>/lock`.
     _lock: File,
 }
@@ -408,6 +412,7 @@ impl Store {
             capacity,
             needs_compaction,
             changes: 0,
+            foreign: tokio::sync::watch::Sender::new(0),
             _lock: lock,
         })
     }
@@ -443,7 +448,7 @@ impl Store {
         self.loads.add(alloc);
         self.holders.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
-        self.changes += 1;
+        self.changed(alloc);
         Ok(())
     }
 
@@ -460,7 +465,7 @@ impl Store {
             self.holders.remove(&old);
         }
         self.holders.add(alloc);
-        self.changes += 1;
+        self.changed(alloc);
         Ok(())
     }
 
@@ -474,14 +479,26 @@ impl Store {
         if let Some(old) = &removed {
             self.loads.remove(old);
             self.holders.remove(old);
+            self.changed(old);
         }
-        self.changes += 1;
         Ok(removed)
+    }
+
+    fn changed(&mut self, alloc: &Allocation) {
+        self.changes += 1;
+        if alloc.source != Source::Kubelet {
+            self.foreign.send_modify(|n| *n += 1);
+        }
     }
 
     /// How many changes (inserts, updates, removals) were made since the store was opened.
     pub fn changes(&self) -> u64 {
         self.changes
+    }
+
+    /// Told of every change to a record the kubelet did not make.
+    pub fn foreign_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.foreign.subscribe()
     }
 
     pub fn get(&self, id: &str) -> Option<&Allocation> {
