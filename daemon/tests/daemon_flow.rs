@@ -300,7 +300,7 @@ async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_
     let _notify = UnixDatagram::bind(&notify_path).expect("notify socket");
     let log = tmp.path().join("tesserad.log");
     let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let (_child, started) = spawn(&node, &config, &notify_path, &log);
+    let (child, started) = spawn(&node, &config, &notify_path, &log);
     let (seen, _) = registrations(&mut kubelet, started).await;
     let api = tmp.path().join("run/tessera.sock");
     let mut streams = HashMap::new();
@@ -354,6 +354,33 @@ async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_
     let (_, stream) = streams.get_mut(GPU).expect("gpu stream");
     let list = list_until(stream, |l| !unhealthy(l).is_empty()).await;
     assert_eq!(unhealthy(&list), [uuid(2)], "{list:?}");
+
+    // kill -9 and a restart: the first lists already leave out what has no room.
+    drop(child);
+    let (_child, started) = spawn(&node, &config, &notify_path, &log);
+    // All three resources again: the carved share on GPU 0 does not cost it its shares layout.
+    let (seen, _) = registrations(&mut kubelet, started).await;
+    assert!(!show_log().contains("so the GPU keeps its layout"), "{}", show_log());
+    for (name, want) in [(SHARE, vec![out_of_room[0].clone()]), (GPU, vec![uuid(2)])] {
+        let mut client = kubelet.connect(&seen[name]).await;
+        let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+        let first = next_list(&mut stream).await;
+        assert_eq!(unhealthy(&first), want, "{name} after a restart: {first:?}\n{}", show_log());
+        streams.insert(name, (first, stream));
+    }
+    let mut client = kubelet.connect(&seen[MIG]).await;
+    let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
+    let first = next_list(&mut stream).await;
+    assert_eq!(unhealthy(&first).len(), 1, "{first:?}");
+    streams.insert(MIG, (first, stream));
+    // A carved share is no layout's: GPU 2 can go to shares and back to whole under it.
+    for layout in [&["--shares", "2"][..], &["--whole"][..]] {
+        let mut args = vec!["layout", "apply", "--gpu", "2"];
+        args.extend_from_slice(layout);
+        let (code, out) = common::tessera(&api, &args);
+        assert_eq!(code, 0, "{out}\n{}", show_log());
+        assert!(out.contains(": applied -> "), "{out}");
+    }
 
     // Released: everything is offered again.
     for a in [&carved, &mig, &on_gpu2] {

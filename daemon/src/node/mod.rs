@@ -781,6 +781,14 @@ fn taken_devices(gpu: &Gpu, l: &GpuLayout<'_>, allocations: &[Allocation]) -> Ve
             }
             let is_share = d.device_id != d.physical_uuid;
             let survives = match (l.kind, on_gpu, is_share) {
+                // The node API's and claims' devices are no layout's (a carved share, a GPU or a
+                // MIG device given whole): any layout that leaves MIG off keeps them, and their
+                // MIG devices are the planner's to keep. Counting a carved share as the whole GPU
+                // held refused every shares layout on its GPU, at start too, where the GPU then
+                // lost its shares.
+                _ if a.source == crate::state::Source::NodeApi => {
+                    !on_gpu || !matches!(l.kind, PartitionKind::Mig { .. })
+                }
                 // The whole GPU held: only a whole layout (MIG off) keeps it.
                 (PartitionKind::Whole, true, false) => !mig_on,
                 (_, true, false) => false,
