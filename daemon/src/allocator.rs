@@ -7,7 +7,7 @@
 //! not all devices with a new request is stale (the kubelet hands a device to one container at a
 //! time, so its container is gone): it is removed with its directory.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -717,16 +717,10 @@ impl DaemonAllocator {
         // As `devices` makes the kubelet's records: a share in the default compute mode.
         let share_mode = self.defaults().compute_mode;
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Only where something not the kubelet's is held: its own devices fit together by plan.
-        let foreign: HashSet<&str> = store
-            .list()
-            .filter(|a| a.source != Source::Kubelet)
-            .flat_map(|a| a.devices.iter().map(|d| d.physical_uuid.as_str()))
-            .collect();
+        // The same rule as the kubelet's Allocate (`admit_beside`), so what is withdrawn is what
+        // it would refuse. Its own devices fit together by plan: only others' records withdraw
+        // any. O(the offer), no scan of the records (a serverless node changes them often).
         let mut out = BTreeSet::new();
-        if foreign.is_empty() {
-            return out;
-        }
         let total_of = |uuid: &str| {
             rooms.iter().find_map(|g| {
                 if g.uuid.eq_ignore_ascii_case(uuid) {
@@ -738,8 +732,7 @@ impl DaemonAllocator {
         // Per device: what is held, plus the free devices kept so far.
         let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
         for res in offer.resources.resources.values() {
-            // Both name a device as the inventory does: compared as they are, nothing made per device.
-            for d in res.devices.iter().filter(|d| d.healthy && foreign.contains(d.physical_uuid.as_str())) {
+            for d in res.devices.iter().filter(|d| d.healthy) {
                 // A pod's (the node API's MIG records name the same id: those do not count).
                 if store.holding([d.id.as_str()]).any(|a| a.source == Source::Kubelet && a.resource == res.name) {
                     continue;
