@@ -276,6 +276,7 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
         gpu_uuid: "GPU-0".into(),
         product: "NVIDIA H100 80GB HBM3".into(),
         memory,
+        sm: 100,
         driver_version: "550.54.15".into(),
         cuda_driver_version: "12.4".into(),
         numa_node: Some(1),

@@ -148,6 +148,7 @@ fn gpu(index: u32, kind: DraKind) -> DraDevice {
         gpu_uuid: format!("GPU-{index}"),
         product: "NVIDIA H100 80GB HBM3".into(),
         memory: 80 << 30,
+        sm: 100,
         driver_version: "550.54.15".into(),
         cuda_driver_version: "12.4".into(),
         numa_node: Some(0),

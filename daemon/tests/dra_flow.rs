@@ -677,3 +677,68 @@ async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_des
     assert!(refused.error.contains("held by claim uid-z"), "{}", refused.error);
     drop(daemon3);
 }
+
+/// `(memory, sm)` capacity of `device` in node-a's slice, once it is published.
+fn shared_capacity(apiserver: &ApiServer, device: &str) -> Option<(String, String)> {
+    let slice = apiserver.slices().get("node-a-gpu.tessera.io")?.clone();
+    let d = slice["spec"]["devices"].as_array()?.iter().find(|d| d["name"] == device)?.clone();
+    let value = |c: &str| d["capacity"][c]["value"].as_str().map(str::to_owned);
+    Some((value("memory")?, value("sm")?))
+}
+
+/// The node API's own allocations (serverless shares, a GPU given whole) are taken out of the
+/// slice: the scheduler sees a GPU it carves from as a shared device with what is left, not as
+/// a whole GPU, and one given whole not at all; released, the slice is whole again. A claim on
+/// what is left is still prepared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_apis_allocations_are_taken_out_of_the_slice_until_released() {
+    let node = SimNode::with_description(&NODE.replace("count = 1", "count = 2"));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let apiserver = ApiServer::start().await;
+    let config = dra_config(&node, dir, &apiserver, "");
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let socket = dir.join("run/tessera.sock");
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let all = ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"];
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    let (memory0, sm0) = shared_capacity(&apiserver, "gpu-0-shared").expect("capacity");
+    assert_eq!(sm0, "100");
+    let total: u64 = memory0.strip_suffix("Mi").expect("MiB").parse().expect("number");
+    let _ = common::node_api(&socket).await;
+
+    // 30 GiB and 40% carved from GPU 0: gpu-0 leaves, gpu-0-shared offers the rest.
+    let (code, out) = common::tessera(&socket, &["alloc", "--gpu", "0", "--memory", "30GiB", "--sm", "40", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let carved: Value = serde_json::from_str(&out).expect("json");
+    slice_devices(&apiserver, |n| n == ["gpu-0-shared", "gpu-1", "gpu-1-shared"], &log).await;
+    assert_eq!(
+        shared_capacity(&apiserver, "gpu-0-shared"),
+        Some((format!("{}Mi", total - 30 * 1024), "60".to_string()))
+    );
+    // GPU 1 given whole: both of its devices leave.
+    let (code, out) = common::tessera(&socket, &["alloc", "--whole", "1", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let whole: Value = serde_json::from_str(&out).expect("json");
+    slice_devices(&apiserver, |n| n == ["gpu-0-shared"], &log).await;
+
+    // A claim on what is left is prepared beside the carved share.
+    let reg = register(&dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock")).await;
+    apiserver.put_claim(claim_object("uid-1", "left", "8Gi", "20"));
+    let answer = prepare(&reg.endpoint, "uid-1", "left").await;
+    assert_eq!(answer.error, "", "{answer:?}");
+    // Its capacity is the scheduler's to count: the slice does not move for it.
+    assert_eq!(
+        shared_capacity(&apiserver, "gpu-0-shared"),
+        Some((format!("{}Mi", total - 30 * 1024), "60".to_string()))
+    );
+
+    // Released: the slice is whole again.
+    for a in [&carved, &whole] {
+        let (code, out) = common::tessera(&socket, &["release", a["id"].as_str().expect("id")]);
+        assert_eq!(code, 0, "{out}");
+    }
+    slice_devices(&apiserver, |n| n == all, &log).await;
+    assert_eq!(shared_capacity(&apiserver, "gpu-0-shared"), Some((memory0, "100".to_string())));
+    drop(daemon);
+}

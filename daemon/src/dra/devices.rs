@@ -69,8 +69,12 @@ pub struct DraDevice {
     pub gpu_index: u32,
     pub gpu_uuid: String,
     pub product: String,
-    /// Device memory in bytes (the MIG device's for MIG).
+    /// Device memory in bytes (the MIG device's for MIG; for a shared device, what the node
+    /// API's own allocations leave of its GPU: [`without_node_api`]).
     pub memory: u64,
+    /// SM percent a shared device offers its claims (100 less the node API's strict shares);
+    /// 100 for the others.
+    pub sm: u32,
     pub driver_version: String,
     /// `12.4` from NVML's CUDA driver version.
     pub cuda_driver_version: String,
@@ -157,6 +161,52 @@ pub fn from_inventory(
     out
 }
 
+/// What the node API's own allocations (not claims: the scheduler counts those itself) hold of
+/// one GPU or MIG device: memory (a whole device counts as all of it), strict SM percent, and
+/// whether it holds the device whole.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeApiHeld {
+    pub memory: u64,
+    pub sm: u32,
+    pub whole: bool,
+}
+
+/// Takes what the node API holds (by device UUID) out of what is published, so the scheduler
+/// allocates no claim that prepare would refuse for want of room: a GPU or MIG device it holds
+/// any of is left out (a claim would get it whole), a shared device offers what is left of its
+/// GPU (left out when that is under one request's step, `min_memory`: no claim can hold a part
+/// of it then, so none prepared loses its device).
+pub fn without_node_api(
+    devices: Vec<DraDevice>,
+    held: &BTreeMap<String, NodeApiHeld>,
+    min_memory: u64,
+) -> Vec<DraDevice> {
+    devices
+        .into_iter()
+        .filter_map(|mut d| {
+            let on = |uuid: &str| held.iter().find(|(u, _)| u.eq_ignore_ascii_case(uuid)).map(|(_, h)| *h);
+            match d.kind {
+                DraKind::Gpu | DraKind::Mig { .. } => on(&d.uuid).is_none().then_some(d),
+                DraKind::Shared => match on(&d.gpu_uuid) {
+                    None => Some(d),
+                    Some(h) => {
+                        let memory = d.memory.saturating_sub(h.memory);
+                        // SM never takes it out: work-conserving claims are not summed, and one
+                        // prepared must stay published for the kubelet's retries (the slice
+                        // offers at least 1%; a strict claim over what is left is refused).
+                        let sm = 100u32.saturating_sub(h.sm).max(1);
+                        (!h.whole && memory >= min_memory).then(|| {
+                            (d.memory, d.sm) = (memory, sm);
+                            d
+                        })
+                    }
+                },
+                DraKind::MigPlacement(_) => Some(d),
+            }
+        })
+        .collect()
+}
+
 /// GPU `g` as a whole-GPU device (`gpu-<index>`, healthy): what every device of it starts from.
 pub fn gpu_device(inv: &Inventory, g: &Gpu) -> DraDevice {
     let cuda = format!("{}.{}", inv.cuda_driver_version / 1000, (inv.cuda_driver_version % 1000) / 10);
@@ -168,6 +218,7 @@ pub fn gpu_device(inv: &Inventory, g: &Gpu) -> DraDevice {
         gpu_uuid: g.uuid.clone(),
         product: g.name.clone(),
         memory: g.memory_total,
+        sm: 100,
         driver_version: inv.driver_version.clone(),
         cuda_driver_version: cuda,
         numa_node: g.numa_node,
@@ -237,6 +288,7 @@ impl DraDevice {
             gpu_uuid: format!("GPU-{name}"),
             product: "NVIDIA H100".into(),
             memory: 80 << 30,
+            sm: 100,
             driver_version: "550.54.15".into(),
             cuda_driver_version: "12.4".into(),
             numa_node: None,
@@ -249,6 +301,42 @@ impl DraDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_the_node_api_holds_is_taken_out_of_what_is_published() {
+        let gpu = |i: u32| DraDevice {
+            name: format!("gpu-{i}"),
+            uuid: format!("GPU-{i}"),
+            gpu_uuid: format!("GPU-{i}"),
+            gpu_index: i,
+            ..DraDevice::test_gpu("x", None)
+        };
+        let shared = |i: u32| DraDevice { name: format!("gpu-{i}-shared"), kind: DraKind::Shared, ..gpu(i) };
+        let mig = DraDevice {
+            name: "gpu-2-mig-1-0".into(),
+            kind: DraKind::Mig { profile: "3g.40gb".into(), gi: 1, ci: 0 },
+            uuid: "MIG-a".into(),
+            memory: 40 << 30,
+            ..gpu(2)
+        };
+        let all = vec![gpu(0), shared(0), gpu(1), shared(1), mig.clone(), gpu(3), shared(3)];
+        let held = BTreeMap::from([
+            // A carved share of GPU 0: gpu-0 goes, gpu-0-shared offers the rest.
+            ("GPU-0".into(), NodeApiHeld { memory: 30 << 30, sm: 40, whole: false }),
+            // GPU 1 given whole: both go.
+            ("GPU-1".into(), NodeApiHeld { memory: 80 << 30, sm: 100, whole: true }),
+            // The MIG device given whole.
+            ("mig-a".into(), NodeApiHeld { memory: 40 << 30, sm: 100, whole: true }),
+            // GPU 3 all but 100 MiB carved: less than one request's step is left.
+            ("GPU-3".into(), NodeApiHeld { memory: (80 << 30) - (100 << 20), sm: 10, whole: false }),
+        ]);
+        let out = without_node_api(all.clone(), &held, 256 << 20);
+        let names: Vec<&str> = out.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu-0-shared"]);
+        assert_eq!((out[0].memory, out[0].sm), (50 << 30, 60));
+        // Nothing held: published as it is.
+        assert_eq!(without_node_api(all.clone(), &BTreeMap::new(), 256 << 20), all);
+    }
 
     #[test]
     fn quantities() {

@@ -8,7 +8,7 @@
 //! that no `[partitions]` entry manages; the instances prepare makes are published again
 //! through the controller (it publishes after each one), with the journal read each time.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use tessera_region::{ComputeMode, Priority};
@@ -18,17 +18,18 @@ use tokio::task::JoinHandle;
 use super::DraPlugin;
 use super::claim_specs::{ClaimSpecs, NodesOf};
 use super::claims::KubeClaims;
-use super::devices::{DraDevice, from_inventory};
+use super::devices::{DraDevice, NodeApiHeld, from_inventory, without_node_api};
 use super::dynamic_mig::{DynamicMig, Journal, MigControl, with_placements};
 use super::health_service::HealthService;
 use super::prepare::{ClaimAllocations, DraDriver};
-use super::slices::Publisher;
+use super::slices::{MEMORY_STEP, Publisher};
 use super::status::{KubeClaimStatus, StatusWriter};
 use crate::config::Config;
 use crate::config::kubernetes::{Mode, is_node_name};
 use crate::node::mig::Placement;
 use crate::node::{NodeController, View};
 use crate::resources::Resources;
+use crate::state::{Allocation, Source};
 
 /// This node's name: the `kubernetes.node_name` key, else `NODE_NAME`.
 pub fn node_name(cfg: &Config) -> Result<String, String> {
@@ -47,23 +48,59 @@ pub fn node_name(cfg: &Config) -> Result<String, String> {
     }
 }
 
-/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal).
+/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal);
+/// `node_api`: what the node API's own allocations hold ([`node_api_held`]), taken out.
 /// Dynamic MIG placements are offered on GPUs no `[partitions]` entry manages.
-pub fn published(view: &View, mode: Mode, made: &BTreeSet<Placement>) -> Vec<DraDevice> {
+pub fn published(
+    view: &View,
+    mode: Mode,
+    made: &BTreeSet<Placement>,
+    node_api: &BTreeMap<String, NodeApiHeld>,
+) -> Vec<DraDevice> {
     let devices = from_inventory(
         &view.inventory,
         |g| mode != Mode::Both || !view.status.contains_key(&g.index),
         &view.unhealthy_gpus,
         &view.unhealthy_devices,
     );
-    with_placements(
+    let devices = with_placements(
         devices,
         &view.inventory,
         |g| !view.status.contains_key(&g.index),
         made,
         &view.unhealthy_gpus,
         &view.unhealthy_devices,
-    )
+    );
+    without_node_api(devices, node_api, MEMORY_STEP)
+}
+
+/// What the node API's own allocations hold per device UUID (serverless shares, GPUs and MIG
+/// devices given whole; not claims, which the scheduler counts itself).
+pub fn node_api_held<'a>(allocations: impl IntoIterator<Item = &'a Allocation>) -> BTreeMap<String, NodeApiHeld> {
+    let mut out: BTreeMap<String, NodeApiHeld> = BTreeMap::new();
+    let own = |a: &&Allocation| a.source == Source::NodeApi && a.resource != crate::allocator::DRA_RESOURCE;
+    for a in allocations.into_iter().filter(own) {
+        for d in &a.devices {
+            let h = out.entry(d.physical_uuid.clone()).or_default();
+            match d.memory_limit {
+                Some(m) => h.memory = h.memory.saturating_add(m),
+                None => (h.memory, h.whole) = (u64::MAX, true),
+            }
+            if d.compute_mode == ComputeMode::Strict {
+                h.sm = h.sm.saturating_add(d.sm_percent.unwrap_or(100));
+            }
+        }
+    }
+    out
+}
+
+/// [`node_api_held`] of the allocator's records, read in place (no copy of them).
+fn held_now(controller: &NodeController) -> BTreeMap<String, NodeApiHeld> {
+    controller
+        .allocator()
+        .allocations_changed_since(None, |records| node_api_held(records.iter().copied()))
+        .1
+        .unwrap_or_default()
 }
 
 /// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
@@ -128,19 +165,23 @@ pub async fn start(
         Ok(n) => tracing::info!(entries = n, "dynamic MIG: journal entries without an instance forgotten"),
         Err(e) => tracing::warn!(error = %e, "dynamic MIG: cannot prune the journal"),
     }
-    let (devices_tx, devices_rx) = watch::channel(published(&controller.view(), mode, &journal.placements()));
+    let (devices_tx, devices_rx) =
+        watch::channel(published(&controller.view(), mode, &journal.placements(), &held_now(&controller)));
     let follow = {
         let controller = Arc::clone(&controller);
         let journal = Arc::clone(&journal);
         let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
             let mut offered = controller.watch_resources();
+            // The node API's allocations change what is left to publish.
+            let mut foreign = controller.allocator().foreign_changes();
             loop {
                 tokio::select! {
                     changed = offered.changed() => if changed.is_err() { return },
+                    changed = foreign.changed() => if changed.is_err() { return },
                     changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
                 }
-                let now = published(&controller.view(), mode, &journal.placements());
+                let now = published(&controller.view(), mode, &journal.placements(), &held_now(&controller));
                 devices_tx.send_if_modified(|d| {
                     let changed = *d != now;
                     *d = now;

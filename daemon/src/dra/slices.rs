@@ -213,15 +213,17 @@ pub fn device(d: &DraDevice) -> Device {
                     }),
                 },
             );
+            // What the node API's own shares leave (100 where it holds none).
+            let sm = d.sm.clamp(1, 100).to_string();
             capacity.insert(
                 "sm".into(),
                 DeviceCapacity {
-                    value: q("100"),
+                    value: q(sm.clone()),
                     request_policy: Some(CapacityRequestPolicy {
-                        default: Some(q(DEFAULT_SM.to_string())),
+                        default: Some(q(DEFAULT_SM.min(u64::from(d.sm.clamp(1, 100))).to_string())),
                         valid_range: Some(CapacityRequestPolicyRange {
                             min: q("1"),
-                            max: Some(q("100")),
+                            max: Some(q(sm)),
                             step: Some(q("1")),
                         }),
                         valid_values: None,
