@@ -1337,27 +1337,33 @@ pub(crate) mod tests {
         assert!(a.allocations().iter().any(|r| r.id == second.id));
     }
 
-    /// Whole GPUs are exclusive both ways; a MIG device goes to one allocation at a time.
-    #[test]
-    fn whole_gpus_and_mig_devices_through_allocate() {
-        let tmp = crate::state::mount::TestDir::new();
-        let a = allocator(tmp.path(), Placement::Packed);
-        let mut gpus = rooms();
-        gpus.push(GpuRoom {
+    /// GPU 2, an A100 in MIG mode with a 3g.20gb device of each UUID in `slots`.
+    fn mig_room(slots: &[&str]) -> GpuRoom {
+        let slot = |uuid: &&str| carve::MigSlot {
+            uuid: (*uuid).into(),
+            profile: "3g.20gb".into(),
+            memory_total: 20 << 30,
+            unavailable: None,
+        };
+        GpuRoom {
             index: 2,
             uuid: "GPU-m".into(),
             model: "NVIDIA A100".into(),
             memory_total: 40 << 30,
             unavailable: None,
             mig_mode: true,
-            mig: vec![carve::MigSlot {
-                uuid: "MIG-m0".into(),
-                profile: "3g.20gb".into(),
-                memory_total: 20 << 30,
-                unavailable: None,
-            }],
+            mig: slots.iter().map(slot).collect(),
             nodes: Vec::new(),
-        });
+        }
+    }
+
+    /// Whole GPUs are exclusive both ways; a MIG device goes to one allocation at a time.
+    #[test]
+    fn whole_gpus_and_mig_devices_through_allocate() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let mut gpus = rooms();
+        gpus.push(mig_room(&["MIG-m0"]));
         let ask = |device: DeviceAsk| ShareRequest {
             device,
             memory: 0,
@@ -1446,22 +1452,7 @@ pub(crate) mod tests {
         let tmp = crate::state::mount::TestDir::new();
         let a = allocator(tmp.path(), Placement::Packed);
         let mut gpus = rooms();
-        let slot = |uuid: &str| carve::MigSlot {
-            uuid: uuid.into(),
-            profile: "3g.20gb".into(),
-            memory_total: 20 << 30,
-            unavailable: None,
-        };
-        gpus.push(GpuRoom {
-            index: 2,
-            uuid: "GPU-m".into(),
-            model: "NVIDIA A100".into(),
-            memory_total: 40 << 30,
-            unavailable: None,
-            mig_mode: true,
-            mig: vec![slot("MIG-m0"), slot("MIG-m1")],
-            nodes: Vec::new(),
-        });
+        gpus.push(mig_room(&["MIG-m0", "MIG-m1"]));
         a.set_rooms(gpus.clone());
         // The kubelet is offered MIG-m0 whole, and MIG-m1 as two shares.
         let device = |id: &str, uuid: &str, memory: Option<u64>, sm: Option<u32>| ResourceDevice {
