@@ -721,14 +721,6 @@ impl DaemonAllocator {
         // it would refuse. Its own devices fit together by plan: only others' records withdraw
         // any. O(the offer), no scan of the records (a serverless node changes them often).
         let mut out = BTreeSet::new();
-        let total_of = |uuid: &str| {
-            rooms.iter().find_map(|g| {
-                if g.uuid.eq_ignore_ascii_case(uuid) {
-                    return Some(g.memory_total);
-                }
-                g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(uuid)).map(|m| m.memory_total)
-            })
-        };
         // Per device: what is held, plus the free devices kept so far.
         let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
         for res in offer.resources.resources.values() {
@@ -737,7 +729,7 @@ impl DaemonAllocator {
                 if store.holding([d.id.as_str()]).any(|a| a.source == Source::Kubelet && a.resource == res.name) {
                     continue;
                 }
-                let Some(total) = total_of(&d.physical_uuid) else { continue };
+                let Some((_, _, total)) = room_of(&rooms, &d.physical_uuid) else { continue };
                 let (memory, sm) = kept
                     .entry(d.physical_uuid.as_str())
                     .or_insert_with(|| store.loads().device(&d.physical_uuid).held(total));
@@ -848,6 +840,16 @@ impl DaemonAllocator {
     }
 }
 
+/// Where device `uuid` is: its GPU, whether it is a MIG device of it, and its memory.
+fn room_of<'r>(rooms: &'r [GpuRoom], uuid: &str) -> Option<(&'r GpuRoom, bool, u64)> {
+    rooms.iter().find_map(|g| {
+        if g.uuid.eq_ignore_ascii_case(uuid) {
+            return Some((g, false, g.memory_total));
+        }
+        g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(uuid)).map(|m| (g, true, m.memory_total))
+    })
+}
+
 /// Whether the kubelet's new allocation of `devices` fits beside every record on each GPU or MIG
 /// device it names (a whole device counts as all of it): a MIG device the node API or a claim
 /// holds would otherwise be handed out twice, as no GPU's sums cover it.
@@ -856,15 +858,7 @@ fn admit_beside(rooms: &[GpuRoom], store: &Store, devices: &[AllocatedDevice]) -
     uuids.sort_unstable();
     uuids.dedup();
     for uuid in uuids {
-        // Where it is: a GPU, or a MIG device of one; and its memory.
-        let Some((gpu, mig, total)) = rooms.iter().find_map(|g| {
-            if g.uuid.eq_ignore_ascii_case(uuid) {
-                return Some((g, false, g.memory_total));
-            }
-            g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(uuid)).map(|m| (g, true, m.memory_total))
-        }) else {
-            continue;
-        };
+        let Some((gpu, mig, total)) = room_of(rooms, uuid) else { continue };
         let (others_memory, others_sm) = store.loads().device(uuid).held(total);
         let (mut memory, mut sm) = (0u64, 0u32);
         for d in devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(uuid)) {
