@@ -53,6 +53,7 @@ impl Node {
             events_total: 1234,
             faults_total: 2,
             enforcement: Default::default(),
+            kubelet_withdrawn: Default::default(),
         }
     }
 }

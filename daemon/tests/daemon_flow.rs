@@ -289,11 +289,14 @@ async fn list_until(
 async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_until_released() {
     let node = SimNode::with_description(NODE);
     let tmp = tempfile::tempdir().expect("tempdir");
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
     let config = common::write_config(
         &node,
         tmp.path(),
-        "[partitions.default]\nwhole = true\n[partitions.\"0\"]\nshares = { count = 4 }\n\
-         [partitions.\"1\"]\nmig = { \"3g.40gb\" = 2 }\n",
+        &format!(
+            "[telemetry]\nmetrics_listen = \"{metrics}\"\n[partitions.default]\nwhole = true\n\
+             [partitions.\"0\"]\nshares = {{ count = 4 }}\n[partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}\n"
+        ),
     );
     let mut kubelet = TestKubelet::start(&tmp.path().join("plugins"));
     let notify_path = tmp.path().join("notify.sock");
@@ -354,6 +357,20 @@ async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_
     let (_, stream) = streams.get_mut(GPU).expect("gpu stream");
     let list = list_until(stream, |l| !unhealthy(l).is_empty()).await;
     assert_eq!(unhealthy(&list), [uuid(2)], "{list:?}");
+    // The operator sees the same three: in `tessera status`, its JSON and the metrics.
+    let mig_uuid = mig["devices"][0]["uuid"].as_str().expect("device").to_string();
+    let mut want = vec![out_of_room[0].clone(), mig_uuid.clone(), uuid(2)];
+    want.sort();
+    assert_eq!(withdrawn_in_status(&api), want);
+    let (code, text) = common::tessera(&api, &["status"]);
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(text.matches("(withdrawn*)").count(), 3, "{text}");
+    assert!(text.contains("3 free device(s) told unhealthy to the kubelet"), "{text}");
+    let scraped = common::prometheus::get(metrics, "/metrics").expect("metrics").1;
+    for (resource, n) in [(SHARE, 1), (MIG, 1), (GPU, 1)] {
+        let line = format!("tessera_kubelet_devices_withdrawn{{resource=\"{resource}\"}} {n}\n");
+        assert!(scraped.contains(&line), "{line}{scraped}");
+    }
 
     // kill -9 and a restart: the first lists already leave out what has no room.
     drop(child);
@@ -392,4 +409,25 @@ async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_
         list_until(stream, |l| unhealthy(l).is_empty()).await;
     }
     assert!(show_log().contains("offered to the kubelet again"), "{}", show_log());
+    assert_eq!(withdrawn_in_status(&api), Vec::<String>::new());
+    let (_, text) = common::tessera(&api, &["status"]);
+    assert!(!text.contains("withdrawn"), "{text}");
+    let scraped = common::prometheus::get(metrics, "/metrics").expect("metrics").1;
+    assert!(scraped.contains(&format!("tessera_kubelet_devices_withdrawn{{resource=\"{SHARE}\"}} 0\n")), "{scraped}");
+}
+
+/// The devices `tessera status --json` marks withdrawn from the kubelet, sorted.
+fn withdrawn_in_status(api: &Path) -> Vec<String> {
+    let (code, out) = common::tessera(api, &["status", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let status: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let mut ids: Vec<String> = status["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .filter(|d| d["kubelet_withdrawn"] == true)
+        .map(|d| d["id"].as_str().expect("id").to_string())
+        .collect();
+    ids.sort();
+    ids
 }

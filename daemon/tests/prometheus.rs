@@ -48,6 +48,7 @@ impl MetricsSource for Source1 {
             events_total: 5,
             faults_total: 0,
             enforcement: Default::default(),
+            kubelet_withdrawn: Default::default(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Building the node API's reports from the controller's [`View`]: devices (GPUs, MIG devices,
 //! shares), partitions, allocations and usage.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use tessera_proto::tessera::v1 as api;
 use tonic::Status;
@@ -35,10 +35,12 @@ fn health(view: &View, gpu: u32, uuid: &str) -> (api::Health, String) {
     (api::Health::Healthy, String::new())
 }
 
-/// `ListDevices`.
+/// `ListDevices`; `withdrawn` are the kubelet's devices told unhealthy for want of room,
+/// `(resource, device id)` (`crate::node::KubeletOffer`).
 pub fn list_devices(
     view: &View,
     allocations: &[Allocation],
+    withdrawn: &BTreeSet<(String, String)>,
     req: &api::ListDevicesRequest,
 ) -> Result<Vec<api::Device>, Status> {
     for (i, k) in req.kinds.iter().enumerate() {
@@ -73,6 +75,7 @@ pub fn list_devices(
             api::Device {
                 id: id.to_owned(),
                 kind: kind as i32,
+                kubelet_withdrawn: withdrawn.contains(&(resource_name.clone(), id.to_owned())),
                 resource_name,
                 cdi_name,
                 holders: holders.get(id).cloned().unwrap_or_default(),

@@ -103,7 +103,8 @@ impl Node for NodeApi {
     ) -> Result<Response<api::ListDevicesResponse>, Status> {
         let req = req.into_inner();
         let view = self.controller.view();
-        let devices = list_devices(&view, &self.controller.allocations(), &req)?;
+        let offer = self.controller.kubelet_offer().unwrap_or_default();
+        let devices = list_devices(&view, &self.controller.allocations(), &offer.withdrawn, &req)?;
         Ok(Response::new(api::ListDevicesResponse { devices }))
     }
 

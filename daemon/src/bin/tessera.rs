@@ -286,7 +286,7 @@ async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode
                 d.resource_name.clone(),
                 mib(d.memory_bytes),
                 d.sm_percent.to_string(),
-                holders(d),
+                if d.kubelet_withdrawn { "- (withdrawn*)".into() } else { holders(d) },
                 u.map(|u| mib(u.memory_used_bytes)).unwrap_or_else(|| "-".into()),
                 u.map(|u| percent(u.sm_achieved_percent)).unwrap_or_else(|| "-".into()),
             ]));
@@ -298,6 +298,13 @@ async fn status(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode
     print_table(&gpu_rows);
     println!();
     print_table(&dev_rows);
+    let withdrawn = devices.iter().filter(|d| d.kubelet_withdrawn).count();
+    if withdrawn > 0 {
+        println!(
+            "\n* {withdrawn} free device(s) told unhealthy to the kubelet: the node API's allocations leave \
+             no room beside them (offered again once those are released; `tessera allocations` lists them)."
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -694,6 +701,7 @@ fn device_json(d: &api::Device) -> serde_json::Value {
         "memory_bytes": d.memory_bytes, "sm_percent": d.sm_percent, "health": enum_name::<api::Health>(d.health),
         "health_reason": d.health_reason, "numa_node": d.numa_node,
         "holders": d.holders.iter().map(|h| &h.allocation_id).collect::<Vec<_>>(),
+        "kubelet_withdrawn": d.kubelet_withdrawn,
     })
 }
 

@@ -19,7 +19,7 @@ use tessera_daemon::config::{self, Config};
 use tessera_daemon::discovery::{Inventory, Session};
 use tessera_daemon::events::EventBus;
 use tessera_daemon::kubelet::{Allocator, DevicePlugin, PluginDevice, PluginSet};
-use tessera_daemon::node::{ConfigSource, NodeController, StartError};
+use tessera_daemon::node::{ConfigSource, KubeletOffer, NodeController, StartError};
 use tessera_daemon::partition::{self, Share};
 use tessera_daemon::resources::{Resource, Resources};
 use tessera_daemon::state::{AllocDirs, Store};
@@ -194,7 +194,7 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin.
         let mode = cfg.kubernetes.mode;
         let served = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
-        let set = match plugins.start(&cfg, &served, controller.allocator()) {
+        let set = match plugins.start(&cfg, &served, &controller) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("tesserad: {e}");
@@ -333,21 +333,21 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
                     }
                     resources_rx.borrow_and_update();
                     let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
-                    plugins.update(&mut set, &now, controller.allocator());
+                    plugins.update(&mut set, &now, &controller);
                     write_cdi(&mut cdi, &controller);
                 }
                 changed = foreign_rx.changed() => {
                     if changed.is_ok() {
                         foreign_rx.borrow_and_update();
                         let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
-                        plugins.update(&mut set, &now, controller.allocator());
+                        plugins.update(&mut set, &now, &controller);
                     }
                 }
                 // While devices are withdrawn, the kubelet's own changes can move which ones fit
                 // (never how many): looked at again every second.
                 () = tokio::time::sleep(WITHDRAWN_RECHECK), if !plugins.withdrawn.is_empty() => {
                     let now = tessera_daemon::dra::node::device_plugin_view(mode, &controller.view());
-                    plugins.update(&mut set, &now, controller.allocator());
+                    plugins.update(&mut set, &now, &controller);
                 }
                 _ = hup.recv() => {
                     tracing::info!("SIGHUP: reloading the configuration");
@@ -477,16 +477,17 @@ impl Plugins {
         &mut self,
         cfg: &Config,
         resources: &Resources,
-        allocator: &Arc<DaemonAllocator>,
+        controller: &NodeController,
     ) -> Result<PluginSet, tessera_daemon::kubelet::KubeletError> {
-        self.follow_withdrawn(allocator);
-        let plugins = resources.resources.values().map(|r| self.plugin(r, allocator)).collect();
+        self.follow_withdrawn(controller, resources);
+        let plugins = resources.resources.values().map(|r| self.plugin(r, controller.allocator())).collect();
         PluginSet::start(&cfg.device_plugin_dir, plugins)
     }
 
-    /// Takes the allocator's withdrawn devices, saying what changed.
-    fn follow_withdrawn(&mut self, allocator: &DaemonAllocator) {
-        let now = allocator.withdrawn();
+    /// Takes the allocator's withdrawn devices, saying what changed, and tells the controller
+    /// what the kubelet is now offered (for `tessera status` and the metrics).
+    fn follow_withdrawn(&mut self, controller: &NodeController, resources: &Resources) {
+        let now = controller.allocator().withdrawn();
         let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
             set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
         };
@@ -499,10 +500,15 @@ impl Plugins {
             tracing::info!(devices = %back, "offered to the kubelet again: the room is back");
         }
         self.withdrawn = now;
+        controller.set_kubelet_offer(KubeletOffer {
+            resources: resources.resources.keys().cloned().collect(),
+            withdrawn: self.withdrawn.clone(),
+        });
     }
 
-    fn update(&mut self, set: &mut PluginSet, resources: &Resources, allocator: &Arc<DaemonAllocator>) {
-        self.follow_withdrawn(allocator);
+    fn update(&mut self, set: &mut PluginSet, resources: &Resources, controller: &NodeController) {
+        self.follow_withdrawn(controller, resources);
+        let allocator = controller.allocator();
         for res in resources.resources.values() {
             match self.senders.get(&res.name) {
                 Some(tx) => {

@@ -86,6 +86,19 @@ pub struct NodeController {
     events: Arc<EventBus>,
     live: Mutex<Live>,
     resources_tx: watch::Sender<Arc<Resources>>,
+    /// What the kubelet is told of the device plugin's offer; `None` while no device plugin runs.
+    kubelet_offer: Mutex<Option<Arc<KubeletOffer>>>,
+}
+
+/// The device plugin's offer as the kubelet was last told it (set by whoever serves the
+/// kubelet, read by the node API and the metrics).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KubeletOffer {
+    /// The resources served.
+    pub resources: BTreeSet<String>,
+    /// Free devices told unhealthy because they no longer fit beside the node API's allocations
+    /// (`DaemonAllocator::withdrawn`): `(resource, device id)`.
+    pub withdrawn: BTreeSet<(String, String)>,
 }
 
 impl std::fmt::Debug for NodeController {
@@ -146,6 +159,7 @@ impl NodeController {
             events,
             live: Mutex::new(Live { file_config: Arc::clone(&config), view, reset_refused: BTreeSet::new() }),
             resources_tx,
+            kubelet_offer: Mutex::new(None),
         };
         let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
         let results = controller.apply_config((*config).clone(), &all, false, Origin::Start)?;
@@ -175,6 +189,16 @@ impl NodeController {
     /// What is offered, as it changes.
     pub fn watch_resources(&self) -> watch::Receiver<Arc<Resources>> {
         self.resources_tx.subscribe()
+    }
+
+    /// What the kubelet was last told of the device plugin's offer; `None` while none is served.
+    pub fn kubelet_offer(&self) -> Option<Arc<KubeletOffer>> {
+        self.kubelet_offer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Records what the kubelet is now told (see [`Self::kubelet_offer`]).
+    pub fn set_kubelet_offer(&self, offer: KubeletOffer) {
+        *self.kubelet_offer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::new(offer));
     }
 
     /// A copy of the live picture.

@@ -24,6 +24,8 @@
 //! - per container: `tessera.container.processes`;
 //! - per node: `tessera.allocations` (gauge), `tessera.events`, `tessera.faults` (counters since
 //!   the daemon started);
+//! - per resource the device plugin serves (attribute `tessera.resource`), while it runs:
+//!   `tessera.kubelet.devices.withdrawn` (gauge; `tessera_kubelet_devices_withdrawn`);
 //! - enforcement: `tessera.container.limit.breaches` (counter per allocation and device: the
 //!   container attributes above, `gpu.uuid`, `tessera.device.id`, `tessera.enforcement.action`,
 //!   `tessera.breach.limit` (`memory`/`sm`); Prometheus names it `tessera_container_limit_breaches_total`),
@@ -474,6 +476,19 @@ fn register(meter: &Meter, sample: Arc<Sample>) {
         .with_unit("{process}")
         .with_callback(move |o| o.observe(s.current().enforcement.unattributed_gpu_processes, &[]))
         .build();
+    let s = Arc::clone(&sample);
+    meter
+        .u64_observable_gauge("tessera.kubelet.devices.withdrawn")
+        .with_description(
+            "Free devices of the resource told unhealthy to the kubelet: the node API's allocations leave them no room.",
+        )
+        .with_unit("{device}")
+        .with_callback(move |o| {
+            for (resource, n) in &s.current().kubelet_withdrawn {
+                o.observe(*n, &[KeyValue::new("tessera.resource", resource.clone())]);
+            }
+        })
+        .build();
 
     // Per container.
     let s = sample;
@@ -867,6 +882,7 @@ mod tests {
                 sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 1_250_000_000, as_of_ns: 1 }],
                 unattributed_gpu_processes: 5,
             },
+            kubelet_withdrawn: [("tessera.io/gpu-share".into(), 2)].into(),
         };
         let (calls, exports) = collect_twice(base);
         assert_eq!(calls, 2);
@@ -890,6 +906,7 @@ mod tests {
             ("tessera.container.limit.breaches", "{breach}", 3.0),
             ("tessera.container.sm.time", "s", 1.25),
             ("tessera.unattributed.gpu.processes", "{process}", 5.0),
+            ("tessera.kubelet.devices.withdrawn", "{device}", 2.0),
         ] {
             assert_eq!((e[name].0.as_str(), value(e, name)), (unit, want), "{name}");
         }
@@ -916,6 +933,8 @@ mod tests {
         let breach = &e["tessera.container.limit.breaches"].1[0].0;
         assert_eq!(breach.get("tessera.enforcement.action").map(String::as_str), Some("report"), "{breach:?}");
         assert_eq!(breach.get("k8s.pod.name").map(String::as_str), Some("pod"), "{breach:?}");
+        let withdrawn = &e["tessera.kubelet.devices.withdrawn"].1[0].0;
+        assert_eq!(withdrawn.get("tessera.resource").map(String::as_str), Some("tessera.io/gpu-share"));
     }
 
     #[test]

@@ -28,6 +28,9 @@
 //!   left out when there is none;
 //! - per container: `tessera_container_processes`;
 //! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`;
+//! - per resource the device plugin serves (label `resource`), while it runs:
+//!   `tessera_kubelet_devices_withdrawn` (gauge), its free devices told unhealthy to the kubelet
+//!   because the node API's allocations leave them no room;
 //! - enforcement ([`crate::enforcement`]): `tessera_container_limit_breaches_total` (counter, per
 //!   allocation and device: `allocation`, `UUID`, `device_id`, `namespace`, `pod`, `container`,
 //!   `action` = `kill` or `report`, `limit` = `memory` or `sm`) and
@@ -108,6 +111,9 @@ pub struct NodeMetrics {
     pub faults_total: u64,
     /// Enforcement's breaches and unattributed processes.
     pub enforcement: crate::enforcement::Metrics,
+    /// Per resource the device plugin serves: its free devices told unhealthy to the kubelet for
+    /// want of room beside the node API's allocations (empty while no device plugin runs).
+    pub kubelet_withdrawn: std::collections::BTreeMap<String, u64>,
 }
 
 #[derive(Clone, Copy)]
@@ -414,6 +420,14 @@ pub fn render(m: &NodeMetrics) -> String {
     for (name, kind, help, v) in node {
         Family::new(&mut out, name, kind, help).sample(name, &[], Value::U(v));
     }
+    if !m.kubelet_withdrawn.is_empty() {
+        let name = "tessera_kubelet_devices_withdrawn";
+        let help = "Free devices of the resource told unhealthy to the kubelet: the node API's allocations leave them no room.";
+        let mut f = Family::new(&mut out, name, Kind::Gauge, help);
+        for (resource, n) in &m.kubelet_withdrawn {
+            f.sample(name, &[("resource", resource)], Value::U(*n));
+        }
+    }
 
     // Enforcement.
     {
@@ -676,6 +690,7 @@ mod tests {
                 sm_time: vec![crate::enforcement::SmTime { on: on.clone(), ns: 2_500_000_000, as_of_ns: 1 }],
                 unattributed_gpu_processes: 2,
             },
+            kubelet_withdrawn: [("tessera.io/gpu".into(), 0), ("tessera.io/gpu-share".into(), 3)].into(),
         }
     }
 
@@ -750,6 +765,10 @@ mod tests {
         assert_eq!(node("tessera_events_total"), Some(17.0));
         assert_eq!(node("tessera_faults_total"), Some(1.0));
         assert_eq!(node("tessera_unattributed_gpu_processes"), Some(2.0));
+        // Every served resource, 0 included.
+        let withdrawn = |r: &str| find(&samples, "tessera_kubelet_devices_withdrawn", ("resource", r))[0].2;
+        assert_eq!((withdrawn("tessera.io/gpu"), withdrawn("tessera.io/gpu-share")), (0.0, 3.0));
+        assert!(text.contains("# TYPE tessera_kubelet_devices_withdrawn gauge\n"));
         let breach = find(&samples, "tessera_container_limit_breaches_total", ("allocation", "a1"));
         assert_eq!(breach.len(), 1);
         assert_eq!(

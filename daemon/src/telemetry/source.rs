@@ -101,8 +101,18 @@ impl MetricsSource for NodeSource {
             events_total,
             faults_total,
             enforcement: self.enforcement.as_ref().map(|s| s.metrics()).unwrap_or_default(),
+            kubelet_withdrawn: self.controller.kubelet_offer().map(|o| withdrawn_counts(&o)).unwrap_or_default(),
         }
     }
+}
+
+/// Each served resource's count of withdrawn devices, 0 included.
+fn withdrawn_counts(offer: &crate::node::KubeletOffer) -> std::collections::BTreeMap<String, u64> {
+    let mut out: std::collections::BTreeMap<String, u64> = offer.resources.iter().map(|r| (r.clone(), 0)).collect();
+    for (resource, _) in &offer.withdrawn {
+        *out.entry(resource.clone()).or_default() += 1;
+    }
+    out
 }
 
 /// What the GPU's sensors and counters say; a reading NVML refuses (not supported, or the GPU
