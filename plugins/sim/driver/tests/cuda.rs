@@ -1450,6 +1450,44 @@ fn contexts_primary_and_regular() {
     });
 }
 
+/// Raising a context's stack, printf FIFO or malloc heap limit takes device memory as the driver
+/// reserves it (the stack for every thread the device holds at once), refused with
+/// `CUDA_ERROR_OUT_OF_MEMORY` when it does not fit; lowered or destroyed, it comes back.
+#[test]
+fn raising_a_contexts_limits_takes_device_memory() {
+    with_context("raising_a_contexts_limits_takes_device_memory", |m, cu| {
+        let used = || m.memory_info(0, 0).unwrap().used;
+        let base = used();
+        let set = |limit: c_int, v: usize| call!(cu, cuCtxSetLimit(limit, v) as fn(c_int, usize));
+        let get = |limit: c_int| {
+            let mut v = 0usize;
+            assert_eq!(call!(cu, cuCtxGetLimit(&mut v, limit) as fn(*mut usize, c_int)), SUCCESS);
+            v as u64
+        };
+        // An H100: 132 SMs of 2048 threads each.
+        let resident = 132 * 2048;
+        assert_eq!(set(0, 8 << 10), SUCCESS);
+        assert_eq!(used() - base, 7 * 1024 * resident, "7 KiB more stack for every resident thread");
+        assert_eq!(set(2, 1 << 30), SUCCESS);
+        assert_eq!(set(1, 3 << 20), SUCCESS);
+        let limits = 7 * 1024 * resident + (1 << 30) - (8 << 20) + (2 << 20);
+        assert_eq!(used() - base, limits, "the heap and the FIFO past their defaults");
+        // What does not fit is refused, and changes nothing.
+        assert_eq!(set(2, 100 << 30), OUT_OF_MEMORY);
+        assert_eq!(set(0, 1 << 20), OUT_OF_MEMORY, "1 MiB of stack for 270,336 threads: 264 GiB");
+        assert_eq!((used() - base, get(2), get(0)), (limits, 1 << 30, 8 << 10));
+        // Lowered: given back; below its default it holds nothing more.
+        assert_eq!(set(0, 512), SUCCESS);
+        assert_eq!(set(2, 1 << 20), SUCCESS);
+        assert_eq!(used() - base, 2 << 20);
+        assert_eq!(set(2, 64 << 20), SUCCESS);
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuCtxGetCurrent(&mut ctx) as fn(*mut Handle)), SUCCESS);
+        assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
+        assert_eq!(used(), 0, "destroyed with its context");
+    });
+}
+
 #[test]
 fn default_streams_and_cross_stream_waits() {
     with_driver("default_streams_and_cross_stream_waits", |_, cu| {

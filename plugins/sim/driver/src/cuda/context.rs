@@ -2,8 +2,10 @@
 //! of current contexts, limits and flags, and what a device fault does to them.
 //!
 //! A context charges `Node::context_overhead_bytes()` to its device's memory domain when created
-//! and marks `Node::context_opened` for its execution unit; destroying it frees everything it
-//! holds (streams, events, modules, allocations) and refunds the charge.
+//! and marks `Node::context_opened` for its execution unit; raising its stack, printf FIFO or
+//! malloc heap limit charges what the driver would reserve for them ([`limits_memory`]);
+//! destroying it frees everything it holds (streams, events, modules, allocations) and refunds
+//! the charge.
 //!
 //! A primary context keeps one handle for the device's life in the process: released to zero or
 //! reset, it is torn down and comes back fresh on the next retain (a retained handle stays valid
@@ -80,6 +82,18 @@ pub(crate) struct Primary {
 /// sync depth 2, pending launches 2048, L2 fetch granularity 64, no persisting L2, no CIG.
 fn default_limits(_dev: &Device) -> [u64; LIMITS] {
     [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 0]
+}
+
+/// Device memory a context's limits hold beyond what its overhead covers (the defaults): the
+/// stack of every thread the device can hold at once (`CU_LIMIT_STACK_SIZE` times SMs times
+/// threads per SM: the driver reserves local memory for all of them, at once), the printf FIFO
+/// and the malloc heap, each past its default. The driver takes it when the limit is set and
+/// fails the call with `CUDA_ERROR_OUT_OF_MEMORY` when it cannot.
+fn limits_memory(dev: &Device, limits: &[u64; LIMITS]) -> u64 {
+    let d = default_limits(dev);
+    let resident = u64::from(dev.sm_count) * u64::from(dev.model.max_threads_per_sm);
+    let past = |i: usize| limits[i].saturating_sub(d[i]);
+    past(0).saturating_mul(resident).saturating_add(past(1)).saturating_add(past(2))
 }
 
 impl Ctx {
@@ -653,7 +667,25 @@ pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
             8 | 9 => return Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
             _ => v,
         };
-        ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i] = v;
+        // Held while the memory moves, so two threads setting limits at once charge each change once.
+        let mut limits = ctx.limits.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = *limits;
+        next[i] = v;
+        let (before, after) = (limits_memory(ctx.dev, &limits), limits_memory(ctx.dev, &next));
+        let (d, epoch) = (ctx.dev, ctx.epoch.load(Acquire));
+        if after > before {
+            let e = super::memory::charge(node, d.gpu, d.domain, after - before)?;
+            if e != epoch {
+                // A reset since the context was made: the context is gone with it.
+                super::memory::refund(node, d.gpu, d.domain, after - before, e);
+                return Err(CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED);
+            }
+            ctx.charged.fetch_add(after - before, AcqRel);
+        } else if before > after {
+            super::memory::refund(node, d.gpu, d.domain, before - after, epoch);
+            ctx.charged.fetch_sub(before - after, AcqRel);
+        }
+        *limits = next;
         Ok(())
     })
 }
