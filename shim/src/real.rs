@@ -93,6 +93,8 @@ table! {
             cuCtxPushCurrent_v2(CUcontext);
             cuCtxPopCurrent_v2(*mut CUcontext);
             cuCtxSynchronize();
+            cuCtxGetLimit(*mut usize, c_int);
+            cuCtxSetLimit(c_int, usize);
             cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
             cuDevicePrimaryCtxRelease(CUdevice);
             cuDevicePrimaryCtxRelease_v2(CUdevice);

@@ -165,6 +165,7 @@ fn lookups_hand_out_the_hook_of_the_version_asked_for() {
     assert_eq!(proc_address(cu, "cuGraphLaunch", 12080, 2), ours(c"cuGraphLaunch_ptsz"));
     assert_eq!(proc_address(cu, "cuGetProcAddress", 12080, 0), ours(c"cuGetProcAddress_v2"));
     assert_eq!(proc_address(cu, "cuMemGetInfo", 12080, 0), ours(c"cuMemGetInfo_v2"));
+    assert_eq!(proc_address(cu, "cuCtxSetLimit", 12080, 0), ours(c"cuCtxSetLimit"));
     let copy = proc_address(cu, "cuMemcpyHtoD", 12080, 0);
     assert!(drivers(copy), "what Tessera does not limit passes through");
     // A name the driver does not know is still not found.

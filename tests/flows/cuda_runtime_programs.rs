@@ -150,6 +150,58 @@ fn cupy_under_the_shim_sees_its_limit() {
     assert_eq!(v["too_big"], "OutOfMemoryError");
 }
 
+/// A device `malloc` heap set through the runtime (`cudaDeviceSetLimit`, as libraries that size
+/// their heap "as large as will fit" do): the driver sets the memory aside without an allocation
+/// call. `sys.argv[1]` is the first heap asked for; then 256 MiB. Prints what each answered, the
+/// heap the runtime reports, and the device memory the heap took from what was free.
+const HEAP_PROGRAM: &str = r#"
+import json, sys
+from cupy.cuda import runtime
+
+runtime.setDevice(0)
+runtime.free(runtime.malloc(1))
+free0 = runtime.memGetInfo()[0]
+def heap(v):
+    try:
+        runtime.deviceSetLimit(runtime.cudaLimitMallocHeapSize, v)
+        return "ok"
+    except runtime.CUDARuntimeError as e:
+        return str(e)
+out = {"first": heap(int(sys.argv[1]))}
+out["heap_after_first"] = runtime.deviceGetLimit(runtime.cudaLimitMallocHeapSize)
+out["second"] = heap(256 << 20)
+out["heap"] = runtime.deviceGetLimit(runtime.cudaLimitMallocHeapSize)
+out["taken"] = free0 - runtime.memGetInfo()[0]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn cupy_device_malloc_heap_counts_against_the_limit() {
+    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+    else {
+        return;
+    };
+    let run = |extra: &[(&str, &str)]| {
+        let args = ["-c", HEAP_PROGRAM, &(2 * GIB).to_string()];
+        run_python_json(&SimNode::new(), &python, "CuPy heap", &args, extra)
+    };
+    // On the sim alone a 2 GiB heap is set aside, then lowered to 256 MiB.
+    let v = run(&[]);
+    assert_eq!((v["first"].as_str(), u(&v, "heap_after_first")), (Some("ok"), 2 * GIB), "{v}");
+    assert_eq!((v["second"].as_str(), u(&v, "heap")), (Some("ok"), 256 * MIB), "{v}");
+    assert_eq!(u(&v, "taken"), 248 * MIB, "the heap past its 8 MiB default is the device's: {v}");
+    // Under a 1 GiB limit the 2 GiB heap is the runtime's memory allocation error, nothing moves,
+    // and the 256 MiB one fits and shows as used.
+    let shim = shim();
+    let shim = shim.to_str().expect("utf-8 path");
+    let v = run(&[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
+    let first = v["first"].as_str().unwrap_or_default();
+    assert!(first.contains("cudaErrorMemoryAllocation"), "{v}");
+    assert_eq!(u(&v, "heap_after_first"), 8 * MIB, "{v}");
+    assert_eq!((v["second"].as_str(), u(&v, "heap")), (Some("ok"), 256 * MIB), "{v}");
+    assert_eq!(u(&v, "taken"), 248 * MIB, "memGetInfo shows the heap used: {v}");
+}
+
 /// Two CuPy processes share one allocation through CUDA IPC (`cudaIpcGetMemHandle` /
 /// `cudaIpcOpenMemHandle`, as PyTorch's multiprocess tensors do): the importer reads what the
 /// exporter wrote and the exporter reads the importer's answer; the allocation is counted once.

@@ -157,6 +157,7 @@ trace_funcs! {
     cuGraphInstantiate, cuGraphInstantiate_v2, cuGraphInstantiateWithFlags, cuGraphInstantiateWithParams,
     cuGraphInstantiateWithParams_ptsz, cuGraphUpload, cuGraphUpload_ptsz, cuGraphExecDestroy, cuDeviceGraphMemTrim,
     cuMipmappedArrayCreate, cuMipmappedArrayDestroy,
+    cuCtxSetLimit,
 }
 
 impl TraceFunc {

@@ -40,6 +40,7 @@ macro_rules! hooks {
 
 use memory::alloc;
 use memory::context;
+use memory::ctx_limits;
 use memory::graph;
 use memory::info;
 use memory::vmm;
@@ -63,6 +64,7 @@ hooks! {
     current::cuCtxPushCurrent,
     current::cuCtxPushCurrent_v2,
     current::cuCtxSetCurrent,
+    ctx_limits::cuCtxSetLimit,
     graph::cuDeviceGraphMemTrim,
     context::cuDevicePrimaryCtxRelease,
     context::cuDevicePrimaryCtxRelease_v2,

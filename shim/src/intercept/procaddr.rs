@@ -39,6 +39,7 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuCtxPushCurrent", 2000, false, "cuCtxPushCurrent"),
     ("cuCtxPushCurrent", 4000, false, "cuCtxPushCurrent_v2"),
     ("cuCtxSetCurrent", 4000, false, "cuCtxSetCurrent"),
+    ("cuCtxSetLimit", 3010, false, "cuCtxSetLimit"),
     ("cuDeviceGraphMemTrim", 11040, false, "cuDeviceGraphMemTrim"),
     ("cuDevicePrimaryCtxRelease", 7000, false, "cuDevicePrimaryCtxRelease"),
     ("cuDevicePrimaryCtxRelease", 11000, false, "cuDevicePrimaryCtxRelease_v2"),

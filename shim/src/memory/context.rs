@@ -418,12 +418,13 @@ fn settle_all(s: &ShimState) {
 /// What this process's allocations that the driver has made hold on a device: charges recorded
 /// after the driver's call returned and removed before the free is called (physical
 /// allocations: under the lock of the driver's calls), so the driver holds at least this much
-/// for them at any instant. (Linear, managed, stream-ordered, arrays and physical; a graph pool's
+/// for them at any instant. (Linear, managed, stream-ordered, arrays, physical and contexts'
+/// raised limits ([`super::ctx_limits`]); a graph pool's
 /// charge makes [`true_up`] wait, never guess, which is why a graph launch that maps memory
 /// settles the waiting context first: `graph::mapping`.)
 fn landed(s: &ShimState, dev: usize) -> u64 {
     let on = |c: &Charge| c.dev == dev;
-    s.mem.ptrs.total_where(on) + s.mem.arrays.total_where(on) + s.mem.vmm.charged_on(dev)
+    s.mem.ptrs.total_where(on) + s.mem.arrays.total_where(on) + s.mem.vmm.charged_on(dev) + s.mem.limits.charged_on(dev)
 }
 
 /// Sets a waiting context's charge to what it measures now (see the design note above); false
@@ -498,6 +499,10 @@ fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
     let dead = |c: &Charge| c.ctx == ctx && c.kind.dies_with_context();
     for (_, c) in s.mem.ptrs.drain_where(dead).into_iter().chain(s.mem.arrays.drain_where(dead)) {
         s.refund(c.dev, c.bytes);
+    }
+    // Its limits are back at their defaults (a reset) or gone with it.
+    for (dev, bytes) in s.mem.limits.take_context(ctx) {
+        s.refund(dev, bytes);
     }
 }
 

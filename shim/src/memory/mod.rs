@@ -8,6 +8,7 @@
 //!   it measured: at once, or, for a process's first context on a device while NVML is not yet
 //!   loaded, on a helper thread or before an answer the over-reservation would change);
 //! - [`graph`]: graph memory nodes, charged as the driver's graph pool holds them;
+//! - [`ctx_limits`]: what raising a context's stack, printf FIFO or malloc heap limit sets aside;
 //! - [`info`]: `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU.
 //!
 //! The [`Tracker`] remembers each live charge (device pointer, array, physical allocation or
@@ -17,6 +18,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod context;
+pub(crate) mod ctx_limits;
 pub(crate) mod graph;
 pub(crate) mod info;
 pub(crate) mod vmm;
@@ -166,6 +168,8 @@ pub(crate) struct Tracker {
     pub graphs: graph::GraphMem,
     /// Contexts' own overhead, by context handle.
     pub contexts: Sharded,
+    /// What contexts' raised limits set aside.
+    pub limits: ctx_limits::CtxLimits,
     /// Contexts whose true-up waits for NVML.
     pub deferred: context::Deferred,
     /// The primary context handle of each CUDA ordinal (0: not seen).
@@ -183,6 +187,7 @@ impl Tracker {
             vmm: vmm::Vmm::new(),
             graphs: graph::GraphMem::new(),
             contexts: Sharded::new(),
+            limits: ctx_limits::CtxLimits::new(),
             deferred: context::Deferred::new(),
             primaries: [const { std::sync::atomic::AtomicU64::new(0) }; 64],
             lifecycle: Mutex::new(()),

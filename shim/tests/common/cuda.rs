@@ -47,6 +47,8 @@ api! {
     cuCtxPushCurrent_v2(H);
     cuCtxPopCurrent_v2(*mut H);
     cuCtxSynchronize();
+    cuCtxSetLimit(c_int, usize);
+    cuCtxGetLimit(*mut usize, c_int);
     cuCtxCreate_v2(*mut H, c_uint, c_int);
     cuCtxDestroy_v2(H);
     cuMemGetInfo_v2(*mut usize, *mut usize);

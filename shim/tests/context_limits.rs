@@ -1,0 +1,104 @@
+//! Raising a context's stack, printf FIFO or malloc heap limit makes the driver set device memory
+//! aside without a single allocation call (64 KiB of stack is 16.5 GiB on an H100). Under the shim
+//! it is charged like an allocation: refused past the limit before the driver sees it, charged
+//! exactly what the GPU sets aside, shown by `cuMemGetInfo`, and given back when lowered or with
+//! its context.
+
+mod common;
+
+use std::ffi::c_int;
+
+use common::cuda::*;
+use common::*;
+
+const STACK: c_int = 0;
+const PRINTF_FIFO: c_int = 1;
+const MALLOC_HEAP: c_int = 2;
+const L2_FETCH_GRANULARITY: c_int = 5;
+/// The test node's H100: 132 SMs of 2048 threads, each given the stack.
+const RESIDENT: u64 = 132 * 2048;
+
+fn set(s: &Session, limit: c_int, value: u64) -> R {
+    // SAFETY: plain values; a context is current.
+    unsafe { (s.cu.cuCtxSetLimit)(limit, value as usize) }
+}
+
+fn get(s: &Session, limit: c_int) -> u64 {
+    let mut v = 0usize;
+    // SAFETY: a valid out-pointer.
+    ck("cuCtxGetLimit", unsafe { (s.cu.cuCtxGetLimit)(&mut v, limit) });
+    v as u64
+}
+
+#[test]
+fn raised_context_limits_hold_the_memory_limit() {
+    let test = "raised_context_limits_hold_the_memory_limit";
+    if !in_child() {
+        return run_in_container(test, &memory_limits(8 * GIB));
+    }
+    let s = Session::start(0);
+    let (region, dev) = region_and_dev(&s);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let used = || region.used(dev) - base;
+    let gpu = || gpu_used(0) - base;
+
+    // Past the limit: refused before the driver sees it.
+    assert_eq!(set(&s, MALLOC_HEAP, 16 * GIB), OUT_OF_MEMORY, "a 16 GiB heap in an 8 GiB share");
+    assert_eq!(set(&s, STACK, 64 << 10), OUT_OF_MEMORY, "64 KiB of stack: 16.5 GiB");
+    assert_eq!((used(), gpu(), get(&s, MALLOC_HEAP), get(&s, STACK)), (0, 0, 8 * MIB, 1024));
+
+    // What fits is charged exactly what the GPU sets aside.
+    assert_eq!(set(&s, MALLOC_HEAP, 2 * GIB), SUCCESS);
+    let heap = 2 * GIB - 8 * MIB;
+    assert_eq!((used(), gpu()), (heap, heap));
+    assert_eq!(set(&s, STACK, 8 << 10), SUCCESS);
+    let stack = 7 * 1024 * RESIDENT;
+    assert_eq!((used(), gpu()), (heap + stack, heap + stack));
+    // The virtual GPU shows it used, and allocations get exactly what is left.
+    let (free, total) = s.mem_info();
+    assert_eq!((free, total), (8 * GIB - base - heap - stack, 8 * GIB));
+    let rest = s.alloc(free).expect("what is left");
+    assert_eq!(s.alloc(MIB), Err(OUT_OF_MEMORY));
+    assert_eq!(set(&s, PRINTF_FIFO, 2 * MIB), OUT_OF_MEMORY, "a bigger FIFO no longer fits either");
+    s.free(rest);
+
+    // Lowered: given back; raised again, charged from the context's first value, not the last.
+    assert_eq!(set(&s, STACK, 512), SUCCESS);
+    assert_eq!((used(), gpu()), (heap, heap));
+    assert_eq!(set(&s, STACK, 2048), SUCCESS);
+    assert_eq!((used(), gpu()), (heap + 1024 * RESIDENT, heap + 1024 * RESIDENT));
+    assert_eq!(set(&s, PRINTF_FIFO, 33 * MIB), SUCCESS);
+    let charged = heap + 1024 * RESIDENT + 32 * MIB;
+    assert_eq!((used(), gpu()), (charged, charged));
+    // A limit that holds no memory passes through untouched.
+    assert_eq!(set(&s, L2_FETCH_GRANULARITY, 32), SUCCESS);
+    assert_eq!((used(), get(&s, L2_FETCH_GRANULARITY)), (charged, 32));
+
+    // Found as the CUDA runtime finds it (cuGetProcAddress), the same hook.
+    let (mut p, mut status) = (std::ptr::null_mut(), -1);
+    // SAFETY: a C string and valid out-pointers.
+    ck("cuGetProcAddress", unsafe {
+        (s.cu.cuGetProcAddress_v2)(c"cuCtxSetLimit".as_ptr(), &mut p, 12080, 0, &mut status)
+    });
+    // SAFETY: cuCtxSetLimit's signature (cuda.h).
+    let by_lookup: unsafe extern "C" fn(c_int, usize) -> R = unsafe { std::mem::transmute(p) };
+    // SAFETY: plain values; a context is current.
+    assert_eq!(unsafe { by_lookup(MALLOC_HEAP, 16 << 30) }, OUT_OF_MEMORY);
+    assert_eq!(used(), charged);
+
+    // A context of its own: its limits go with it.
+    let mut ctx: H = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; the new context becomes current.
+    ck("cuCtxCreate", unsafe { (s.cu.cuCtxCreate_v2)(&mut ctx, 0, 0) });
+    let with_ctx = used();
+    assert_eq!(set(&s, MALLOC_HEAP, GIB), SUCCESS);
+    assert_eq!(used(), with_ctx + GIB - 8 * MIB);
+    // SAFETY: the context just made.
+    ck("cuCtxDestroy", unsafe { (s.cu.cuCtxDestroy_v2)(ctx) });
+    assert_eq!((used(), gpu()), (charged, charged));
+
+    // The primary context released for the last time: everything is back.
+    // SAFETY: the reference Session::start took.
+    ck("cuDevicePrimaryCtxRelease", unsafe { (s.cu.cuDevicePrimaryCtxRelease_v2)(0) });
+    assert_eq!((region.used(dev), gpu_used(0)), (0, 0));
+}
