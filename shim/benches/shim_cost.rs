@@ -24,6 +24,9 @@
 //!   launch measured and settled, as for kernels of 64 µs and more);
 //! - `alloc_free_1MiB`: `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB on device 0, whose 70 GiB
 //!   limit is enforced;
+//! - `alloc_free_async_1MiB`: `cuMemAllocAsync` + `cuMemFreeAsync` of 1 MiB on an explicit
+//!   stream of device 0, from its default pool (charged as the pool holds it: two attribute
+//!   reads of the pool around each call);
 //! - `dlsym_miss`: `dlsym(RTLD_DEFAULT, "pthread_create")`, glibc's against the shim's export
 //!   (a name it does not hook: what every process the shim is preloaded into pays per `dlsym`);
 //! - `spawn_true`: spawn `/bin/true` and wait, without and with `LD_PRELOAD=libtessera.so`
@@ -363,6 +366,8 @@ type CuGetFn = unsafe extern "C" fn(*mut H, H, *const c_char) -> R;
 type CuLaunch = unsafe extern "C" fn(H, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, H, *mut H, *mut H) -> R;
 type CuAlloc = unsafe extern "C" fn(*mut u64, usize) -> R;
 type CuFree = unsafe extern "C" fn(u64) -> R;
+type CuAllocAsync = unsafe extern "C" fn(*mut u64, usize, H) -> R;
+type CuFreeAsync = unsafe extern "C" fn(u64, H) -> R;
 type CuMemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> R;
 type Dlsym = unsafe extern "C" fn(H, *const c_char) -> H;
 
@@ -373,6 +378,8 @@ struct Side {
     launch_ptsz: CuLaunch,
     alloc: CuAlloc,
     free: CuFree,
+    alloc_async: CuAllocAsync,
+    free_async: CuFreeAsync,
 }
 
 /// `dlopen(path, RTLD_NOW | RTLD_LOCAL)`.
@@ -424,12 +431,16 @@ fn child() {
                 launch_ptsz: sym(&cuda, c"cuLaunchKernel_ptsz"),
                 alloc: sym(&cuda, c"cuMemAlloc_v2"),
                 free: sym(&cuda, c"cuMemFree_v2"),
+                alloc_async: sym(&cuda, c"cuMemAllocAsync"),
+                free_async: sym(&cuda, c"cuMemFreeAsync"),
             },
             Side {
                 launch: sym(&shim, c"cuLaunchKernel"),
                 launch_ptsz: sym(&shim, c"cuLaunchKernel_ptsz"),
                 alloc: sym(&shim, c"cuMemAlloc_v2"),
                 free: sym(&shim, c"cuMemFree_v2"),
+                alloc_async: sym(&shim, c"cuMemAllocAsync"),
+                free_async: sym(&shim, c"cuMemFreeAsync"),
             },
         )
     };
@@ -514,6 +525,17 @@ fn child() {
             check(unsafe { (s.alloc)(&mut p, MIB) }, "cuMemAlloc_v2");
             // SAFETY: p was just allocated by the same side.
             black_box(unsafe { (s.free)(p) })
+        }
+    };
+    // Stream-ordered, on the explicit stream, from the device's default pool (its memory kept
+    // by the pool: the shim reads the pool's size around each call).
+    let alloc_free_async = |s: Side| {
+        move || {
+            let mut p = 0u64;
+            // SAFETY: p is a valid out-pointer; stream lives for the bench.
+            check(unsafe { (s.alloc_async)(&mut p, MIB, stream) }, "cuMemAllocAsync");
+            // SAFETY: p was just allocated by the same side, on the same stream.
+            black_box(unsafe { (s.free_async)(p, stream) })
         }
     };
     let lookup = |d: Dlsym| {
@@ -697,6 +719,8 @@ fn child() {
     set(0);
     g.bench_function("alloc_free_1MiB/driver", |b| b.iter(alloc_free(driver)));
     g.bench_function("alloc_free_1MiB/shim", |b| b.iter(alloc_free(hooked)));
+    g.bench_function("alloc_free_async_1MiB/driver", |b| b.iter(alloc_free_async(driver)));
+    g.bench_function("alloc_free_async_1MiB/shim", |b| b.iter(alloc_free_async(hooked)));
     g.bench_function("dlsym_miss/libc", |b| b.iter(lookup(libc_dlsym)));
     g.bench_function("dlsym_miss/shim", |b| b.iter(lookup(shim_dlsym)));
     g.sample_size(20).measurement_time(Duration::from_secs(4));
@@ -733,6 +757,7 @@ fn child() {
         drain();
         set(0);
         interleaved(400, 200, alloc_free(driver), alloc_free(hooked)).print("alloc_free_1MiB");
+        interleaved(400, 200, alloc_free_async(driver), alloc_free_async(hooked)).print("alloc_free_async_1MiB");
         interleaved(1000, 2000, lookup(libc_dlsym), lookup(shim_dlsym)).print("dlsym_miss");
         interleaved(200, 1, spawn(None), spawn(Some(shim_path.clone()))).print("spawn_true");
         report_region();

@@ -148,6 +148,8 @@ table! {
             cuMemAllocFromPoolAsync(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
             cuMemAllocFromPoolAsync_ptsz(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
             cuMemFreeAsync(CUdeviceptr, CUstream);
+            cuDeviceGetMemPool(*mut CUmemoryPool, CUdevice);
+            cuMemPoolGetAttribute(CUmemoryPool, c_int, *mut c_void);
             cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
             cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
             cuMemUnmap(CUdeviceptr, usize);

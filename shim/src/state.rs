@@ -528,13 +528,16 @@ impl ShimState {
     /// limits: this process alone never passes it (its own tally), and the container's total in
     /// the region does not either (on a denial, dead processes' usage is reclaimed and the
     /// reservation tried once more). False: over the limit. On a denial, a context of ours whose
-    /// true-up was deferred is trued up first (`memory::context`): its excess reservation must
-    /// never be the reason for a refusal.
+    /// true-up was deferred is trued up first (`memory::context`), and the memory pools are read
+    /// again (`memory::pools`): neither a context's excess reservation nor what a pool released
+    /// since it was read must ever be the reason for a refusal.
     pub(crate) fn reserve(&self, dev: usize, bytes: u64) -> bool {
         if bytes == 0 {
             return true;
         }
-        self.reserve_once(dev, bytes) || (crate::memory::context::settle(self, dev) && self.reserve_once(dev, bytes))
+        self.reserve_once(dev, bytes)
+            || (crate::memory::context::settle(self, dev) && self.reserve_once(dev, bytes))
+            || (crate::memory::pools::settle_all(self) && self.reserve_once(dev, bytes))
     }
 
     fn reserve_once(&self, dev: usize, bytes: u64) -> bool {

@@ -148,6 +148,7 @@ fn cupy_under_the_shim_sees_its_limit() {
     assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
     assert_eq!(u(&v, "free_after"), free);
     assert_eq!(v["too_big"], "OutOfMemoryError");
+    assert_eq!(v["async_kept"], true, "what the async pool keeps stays used under the limit too");
 }
 
 /// A device `malloc` heap set through the runtime (`cudaDeviceSetLimit`, as libraries that size

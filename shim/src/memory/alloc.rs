@@ -83,11 +83,13 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
 }
 
 /// Frees a device pointer (`cuMemFree*`, `cuMemFreeAsync*`): refunds what it charged; a graph
-/// allocation it ends is no longer live (its memory stays in the graph pool, charged there).
+/// allocation it ends is no longer live (its memory stays in the graph pool, charged there); a
+/// pool's allocation has its pool read again (what the pool keeps stays charged).
 fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let rc = refunded(s, &s.mem.ptrs, dptr, call);
     if rc == CUDA_SUCCESS {
         super::graph::freed(s, dptr);
+        super::pools::freed(s, dptr);
     }
     rc
 }
@@ -274,19 +276,24 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 // ---- Stream-ordered allocation ---------------------------------------------------------------
 
 /// A stream-ordered allocation is charged to the stream's device (for a pool, the device the
-/// stream runs on, which is the pool's in every use CUDA allows without peer access) and is not
-/// freed with a context.
+/// stream runs on, which is the pool's in every use CUDA allows without peer access) as its pool
+/// grows ([`super::pools`]); where the pool's size cannot be read, by itself, until its free. It
+/// is not freed with a context.
 fn stream_ordered(
     s: &ShimState,
-    stream: CUstream,
+    cu: &RealCuda,
+    (stream, pool): (CUstream, Option<CUmemoryPool>),
     bytes: u64,
     call: impl FnOnce() -> CUresult,
-    made: impl FnOnce() -> Option<u64>,
+    made: impl FnOnce() -> Option<u64> + Copy,
 ) -> CUresult {
-    match s.device_of_stream(stream.cast()) {
-        Some(dev) => charged(Reserved { s, dev, ctx: 0 }, bytes, Kind::Async, &s.mem.ptrs, call, made),
-        None => call(),
+    let Some(dev) = s.device_of_stream(stream.cast()) else { return call() };
+    let mut call = Some(call);
+    let mut once = || call.take().map_or(CUDA_ERROR_UNKNOWN, |c| c());
+    if let Some(rc) = super::pools::allocate(s, cu, (dev, stream, pool), bytes, &mut once, made) {
+        return rc;
     }
+    charged(Reserved { s, dev, ctx: 0 }, bytes, Kind::Async, &s.mem.ptrs, once, made)
 }
 
 /// The driver predates the function.
@@ -299,7 +306,14 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize
     hook(TraceFunc::cuMemAllocAsync, |s, cu| {
         let Some(f) = cu.cuMemAllocAsync else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
-        stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
+        stream_ordered(
+            s,
+            cu,
+            (hStream, None),
+            bytesize as u64,
+            || unsafe { f(dptr, bytesize, hStream) },
+            || unsafe { get(dptr) },
+        )
     })
 }
 
@@ -310,7 +324,14 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: 
     hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
         let Some(f) = cu.cuMemAllocAsync_ptsz else { return NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
-        stream_ordered(s, hStream, bytesize as u64, || unsafe { f(dptr, bytesize, hStream) }, || unsafe { get(dptr) })
+        stream_ordered(
+            s,
+            cu,
+            (hStream, None),
+            bytesize as u64,
+            || unsafe { f(dptr, bytesize, hStream) },
+            || unsafe { get(dptr) },
+        )
     })
 }
 
@@ -327,7 +348,8 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
         let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
         stream_ordered(
             s,
-            hStream,
+            cu,
+            (hStream, Some(pool)),
             bytesize as u64,
             // SAFETY: the caller's arguments, passed on unchanged.
             || unsafe { f(dptr, bytesize, pool, hStream) },
@@ -350,7 +372,8 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
         let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
         stream_ordered(
             s,
-            hStream,
+            cu,
+            (hStream, Some(pool)),
             bytesize as u64,
             // SAFETY: the caller's arguments, passed on unchanged.
             || unsafe { f(dptr, bytesize, pool, hStream) },

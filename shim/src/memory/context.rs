@@ -418,13 +418,17 @@ fn settle_all(s: &ShimState) {
 /// What this process's allocations that the driver has made hold on a device: charges recorded
 /// after the driver's call returned and removed before the free is called (physical
 /// allocations: under the lock of the driver's calls), so the driver holds at least this much
-/// for them at any instant. (Linear, managed, stream-ordered, arrays, physical and contexts'
+/// for them at any instant. (Linear, managed, memory pools, arrays, physical and contexts'
 /// raised limits ([`super::ctx_limits`]); a graph pool's
 /// charge makes [`true_up`] wait, never guess, which is why a graph launch that maps memory
 /// settles the waiting context first: `graph::mapping`.)
 fn landed(s: &ShimState, dev: usize) -> u64 {
     let on = |c: &Charge| c.dev == dev;
-    s.mem.ptrs.total_where(on) + s.mem.arrays.total_where(on) + s.mem.vmm.charged_on(dev) + s.mem.limits.charged_on(dev)
+    s.mem.ptrs.total_where(on)
+        + s.mem.arrays.total_where(on)
+        + s.mem.vmm.charged_on(dev)
+        + s.mem.limits.charged_on(dev)
+        + s.mem.pools.charged_on(dev)
 }
 
 /// Sets a waiting context's charge to what it measures now (see the design note above); false
@@ -600,6 +604,7 @@ fn destroy(s: &ShimState, cu: &RealCuda, ctx: CUcontext, call: impl FnOnce() -> 
     if rc == CUDA_SUCCESS && !ctx.is_null() {
         context_gone(s, ctx as usize, true);
         super::graph::settle_pools(s, cu);
+        super::pools::settle_all(s);
     }
     rc
 }
@@ -663,6 +668,7 @@ fn release(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> C
     let rc = call();
     if rc == CUDA_SUCCESS {
         primary_after(s, cu, dev, false);
+        super::pools::settle_all(s);
     }
     rc
 }
@@ -693,6 +699,7 @@ fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUr
     if rc == CUDA_SUCCESS {
         primary_after(s, cu, dev, true);
         super::graph::settle_pools(s, cu);
+        super::pools::settle_all(s);
     }
     rc
 }

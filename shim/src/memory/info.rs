@@ -15,6 +15,8 @@ pub(crate) fn virtual_view(s: &ShimState, dev: usize, real_free: u64, real_total
     let Some(limit) = s.memory_limit(dev) else { return (real_free, real_total) };
     // A context's excess reservation, still waiting for its true-up, would count as used.
     super::context::settle(s, dev);
+    // So would what a pool released at a synchronization since it was last read.
+    super::pools::settle_all(s);
     // Dead processes' memory is reclaimed before it is reported.
     s.reap_for_query();
     let total = limit.min(real_total);

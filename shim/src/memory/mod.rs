@@ -8,6 +8,8 @@
 //!   it measured: at once, or, for a process's first context on a device while NVML is not yet
 //!   loaded, on a helper thread or before an answer the over-reservation would change);
 //! - [`graph`]: graph memory nodes, charged as the driver's graph pool holds them;
+//! - [`pools`]: stream-ordered allocations, charged as their memory pools hold them (freed memory
+//!   a pool keeps in reserve stays charged);
 //! - [`ctx_limits`]: what raising a context's stack, printf FIFO or malloc heap limit sets aside;
 //! - [`info`]: `cuMemGetInfo` and `cuDeviceTotalMem` describe the virtual GPU.
 //!
@@ -21,6 +23,7 @@ pub(crate) mod context;
 pub(crate) mod ctx_limits;
 pub(crate) mod graph;
 pub(crate) mod info;
+pub(crate) mod pools;
 pub(crate) mod vmm;
 
 use std::collections::HashMap;
@@ -166,6 +169,8 @@ pub(crate) struct Tracker {
     pub vmm: vmm::Vmm,
     /// Graph memory: executable graphs' allocation nodes and each device's graph pool.
     pub graphs: graph::GraphMem,
+    /// Memory pools of stream-ordered allocation.
+    pub pools: pools::Pools,
     /// Contexts' own overhead, by context handle.
     pub contexts: Sharded,
     /// What contexts' raised limits set aside.
@@ -186,6 +191,7 @@ impl Tracker {
             arrays: Sharded::new(),
             vmm: vmm::Vmm::new(),
             graphs: graph::GraphMem::new(),
+            pools: pools::Pools::new(),
             contexts: Sharded::new(),
             limits: ctx_limits::CtxLimits::new(),
             deferred: context::Deferred::new(),

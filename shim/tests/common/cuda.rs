@@ -69,6 +69,10 @@ api! {
     cuMemFreeAsync(u64, H);
     cuMemAllocFromPoolAsync(*mut u64, usize, H, H);
     cuDeviceGetDefaultMemPool(*mut H, c_int);
+    cuMemPoolCreate(*mut H, *const MemPoolProps);
+    cuMemPoolDestroy(H);
+    cuMemPoolSetAttribute(H, c_int, *mut c_void);
+    cuMemPoolTrimTo(H, usize);
     cuArrayCreate_v2(*mut H, *const ArrayDesc);
     cuArray3DCreate_v2(*mut H, *const Array3dDesc);
     cuArrayDestroy(H);
@@ -97,6 +101,34 @@ api! {
     cuMipmappedArrayDestroy(H);
     cuMipmappedArrayGetLevel(*mut H, H, c_uint);
     cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+}
+
+/// `CUmemPoolProps` (a pinned device pool), its enums as raw integers.
+#[repr(C)]
+pub struct MemPoolProps {
+    pub alloc_type: c_int,
+    pub handle_types: c_int,
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub win32_security_attributes: *mut c_void,
+    pub max_size: usize,
+    pub usage: u16,
+    pub reserved: [u8; 54],
+}
+
+impl MemPoolProps {
+    pub fn device(ordinal: c_int) -> MemPoolProps {
+        MemPoolProps {
+            alloc_type: 1,
+            handle_types: 0,
+            location_type: 1,
+            location_id: ordinal,
+            win32_security_attributes: std::ptr::null_mut(),
+            max_size: 0,
+            usage: 0,
+            reserved: [0; 54],
+        }
+    }
 }
 
 /// `CUmemAllocationProp` (pinned device memory).

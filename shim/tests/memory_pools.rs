@@ -1,0 +1,115 @@
+//! Stream-ordered allocations are charged as their memory pools hold them: freed memory a pool
+//! keeps in reserve (up to its release threshold, which CuPy and PyTorch's async backend set to
+//! the maximum) is still the GPU's memory for the process, so it stays charged, counts against
+//! the limit and shows in `cuMemGetInfo`, until the driver releases it (a trim, a threshold, the
+//! pool's destruction).
+
+mod common;
+
+use std::ffi::{c_int, c_void};
+
+use common::cuda::*;
+use common::*;
+
+/// `CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`.
+const RELEASE_THRESHOLD: c_int = 4;
+
+/// Keep everything freed, as CuPy's async pool and PyTorch's `cudaMallocAsync` backend do.
+///
+/// # Safety
+/// `pool` is a live pool handle.
+unsafe fn keep_all(cu: &Cuda, pool: H) {
+    let mut max = u64::MAX;
+    // SAFETY: the attribute is a cuuint64_t; pool is live (contract).
+    ck("cuMemPoolSetAttribute", unsafe {
+        (cu.cuMemPoolSetAttribute)(pool, RELEASE_THRESHOLD, (&raw mut max).cast::<c_void>())
+    });
+}
+
+#[test]
+fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
+    let test = "what_a_pool_keeps_stays_charged_until_the_driver_releases_it";
+    if !in_child() {
+        return run_in_container(test, &memory_limits(2 * GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let (region, dev) = region_and_dev(&s);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let used = || region.used(dev) - base;
+    let gpu = || gpu_used(0) - base;
+    let free = || s.mem_info().0;
+    // SAFETY: in all driver calls below, out-pointers are valid and handles are the driver's.
+    unsafe {
+        let mut stream: H = std::ptr::null_mut();
+        ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
+        let alloc = |bytes: u64| {
+            let mut p = 0u64;
+            match (cu.cuMemAllocAsync)(&mut p, bytes as usize, stream) {
+                SUCCESS => Ok(p),
+                rc => Err(rc),
+            }
+        };
+        let free_async = |p: u64| ck("cuMemFreeAsync", (cu.cuMemFreeAsync)(p, stream));
+        let sync = || ck("cuStreamSynchronize", (cu.cuStreamSynchronize)(stream));
+
+        // The default threshold (0): a free gives the memory back.
+        let a = alloc(GIB).unwrap();
+        assert_eq!((used(), gpu()), (GIB, GIB));
+        free_async(a);
+        sync();
+        assert_eq!((used(), gpu()), (0, 0));
+
+        let mut pool: H = std::ptr::null_mut();
+        ck("cuDeviceGetDefaultMemPool", (cu.cuDeviceGetDefaultMemPool)(&mut pool, 0));
+        keep_all(cu, pool);
+        let a = alloc(GIB).unwrap();
+        free_async(a);
+        sync();
+        assert_eq!((used(), gpu()), (GIB, GIB), "the pool keeps what was freed, and it stays charged");
+        assert_eq!(free(), 2 * GIB - base - GIB, "cuMemGetInfo shows it used");
+        assert_eq!(s.alloc(GIB), Err(OUT_OF_MEMORY), "a second GiB beside the pool's would pass the limit");
+        assert_eq!(gpu(), GIB, "and the driver never saw it");
+
+        // Taken from the reserve again: nothing more is charged; past it, only the growth.
+        let b = alloc(600 * MIB).unwrap();
+        assert_eq!((used(), gpu()), (GIB, GIB));
+        let c = alloc(600 * MIB).unwrap();
+        assert_eq!((used(), gpu()), (1200 * MIB, 1200 * MIB), "424 MiB came from the reserve, 176 MiB are new");
+        free_async(b);
+        free_async(c);
+        sync();
+        assert_eq!(used(), 1200 * MIB);
+
+        // Trimmed: the driver releases it, and the next refusal or query finds it gone.
+        ck("cuMemPoolTrimTo", (cu.cuMemPoolTrimTo)(pool, 0));
+        assert_eq!(gpu(), 0);
+        let d = s.alloc(GIB + 512 * MIB).expect("what the trim released is not held against the limit");
+        assert_eq!(used(), GIB + 512 * MIB);
+        s.free(d);
+        assert_eq!(free(), 2 * GIB - base);
+
+        // A pool of its own, destroyed: its memory goes with it, and so does its charge, also when
+        // an allocation outlived the pool's destruction.
+        let mut own: H = std::ptr::null_mut();
+        ck("cuMemPoolCreate", (cu.cuMemPoolCreate)(&mut own, &MemPoolProps::device(0)));
+        keep_all(cu, own);
+        let mut e = 0u64;
+        ck("cuMemAllocFromPoolAsync", (cu.cuMemAllocFromPoolAsync)(&mut e, (256 * MIB) as usize, own, stream));
+        let mut f = 0u64;
+        ck("cuMemAllocFromPoolAsync", (cu.cuMemAllocFromPoolAsync)(&mut f, (128 * MIB) as usize, own, stream));
+        free_async(e);
+        sync();
+        assert_eq!((used(), gpu()), (384 * MIB, 384 * MIB));
+        ck("cuMemPoolDestroy", (cu.cuMemPoolDestroy)(own));
+        // cuda.h: a pool destroyed with allocations out releases its resources once they are
+        // freed, so its charge stays as it was until then (the sim releases the reserve at once).
+        assert_eq!((used(), gpu()), (384 * MIB, 128 * MIB));
+        s.free(f);
+        assert_eq!((used(), gpu()), (0, 0), "its last allocation freed, the pool is forgotten");
+
+        ck("cuStreamDestroy", (cu.cuStreamDestroy_v2)(stream));
+        ck("cuDevicePrimaryCtxRelease", (cu.cuDevicePrimaryCtxRelease_v2)(0));
+    }
+    assert_eq!(region.used(dev), 0);
+}
