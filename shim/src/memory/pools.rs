@@ -130,6 +130,15 @@ fn size_of(cu: &RealCuda, pool: u64) -> Option<(u64, u64)> {
     ok.then_some((used, reserved))
 }
 
+/// The reserved size of a pool alone (what its charge follows), as the driver says.
+fn reserved_of(cu: &RealCuda, pool: u64) -> Option<u64> {
+    let attr = cu.cuMemPoolGetAttribute?;
+    let mut reserved = 0u64;
+    // SAFETY: as in `size_of`.
+    let ok = unsafe { attr(pool as CUmemoryPool, RESERVED_MEM_CURRENT, (&raw mut reserved).cast()) == CUDA_SUCCESS };
+    ok.then_some(reserved)
+}
+
 /// Sets a pool's charge to `now` (its reserved size just read; `None`: unreadable), given
 /// `pending` bytes reserved beside the charge for the call that just ran. True if anything was
 /// refunded.
@@ -213,7 +222,7 @@ pub(crate) fn allocate(
         return Some(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let rc = call();
-    settle(s, &mut b.0, pool, dev, size_of(cu, pool).map(|(_, r)| r), growth);
+    settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), growth);
     if rc == CUDA_SUCCESS
         && let Some(p) = made().filter(|&p| p != 0)
     {
@@ -237,7 +246,7 @@ pub(crate) fn freed(s: &ShimState, dptr: u64) {
     let Some(p) = b.0.pools.get_mut(&pool) else { return };
     p.live = p.live.saturating_sub(1);
     let dev = p.dev;
-    settle(s, &mut b.0, pool, dev, size_of(cu, pool).map(|(_, r)| r), 0);
+    settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
 }
 
 /// Reads every charged pool again; true if anything was refunded. Skipped (false) on a thread
@@ -252,7 +261,7 @@ pub(crate) fn settle_all(s: &ShimState) -> bool {
     let pools: Vec<(u64, usize)> = b.0.pools.iter().map(|(&k, p)| (k, p.dev)).collect();
     let mut refunded = false;
     for (pool, dev) in pools {
-        refunded |= settle(s, &mut b.0, pool, dev, size_of(cu, pool).map(|(_, r)| r), 0);
+        refunded |= settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
     }
     refunded
 }
