@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSIMNODE");
 /// Bumped on every layout change.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// GPUs on one node.
 pub const MAX_GPUS: usize = 16;
 /// GPU instances, and compute instances, on one GPU (7 is the most any MIG GPU allows).
@@ -18,8 +18,10 @@ pub const DOMAINS: usize = 1 + MAX_MIG;
 pub const UNITS: usize = 1 + MAX_MIG;
 /// Processes using the node at once.
 pub const MAX_PROCS: usize = 256;
-/// Streams per process.
-pub const MAX_STREAMS: usize = 128;
+/// Streams per process. A real driver has no cap near this; PyTorch alone opens 32 streams per
+/// priority level per device it uses (128 on one H100 before the context's own default stream,
+/// which is why 128 was too few: version 4).
+pub const MAX_STREAMS: usize = 1024;
 /// Events per process waiting for their stream to reach them.
 pub const MAX_PENDING_EVENTS: usize = 64;
 /// NVML events kept for readers.
