@@ -124,3 +124,56 @@ fn pytorch_under_the_shim_sees_its_limit() {
 fn pytorch_with_expandable_segments_under_the_shim_sees_its_limit() {
     sees_the_shims_limit("expandable_segments:True");
 }
+
+/// PyTorch's `cudaMallocAsync` backend: every tensor is a stream-ordered allocation from the
+/// device's default pool, whose release threshold PyTorch sets to the maximum, so what a freed
+/// tensor held stays in the pool (the GPU's memory for the process) until `empty_cache` trims
+/// it. Prints what it saw.
+const ASYNC_PROGRAM: &str = r#"
+import json, torch
+out = {"backend": torch.cuda.memory.get_allocator_backend()}
+out["free0"] = torch.cuda.mem_get_info()[0]
+x = torch.empty(600 << 20, dtype=torch.uint8, device="cuda")
+del x
+torch.cuda.synchronize()
+out["free_after_del"] = torch.cuda.mem_get_info()[0]
+y = torch.empty(600 << 20, dtype=torch.uint8, device="cuda")
+del y
+torch.cuda.synchronize()
+try:
+    held = [torch.empty(100 << 20, dtype=torch.uint8, device="cuda") for _ in range(20)]
+    out["oom"] = None
+except torch.OutOfMemoryError:
+    out["oom"] = "OutOfMemoryError"
+held = None
+torch.cuda.empty_cache()
+out["free_after_empty_cache"] = torch.cuda.mem_get_info()[0]
+print(json.dumps(out))
+"#;
+
+#[test]
+fn pytorch_cuda_malloc_async_pool_counts_against_the_limit() {
+    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
+    let run = |extra: &[(&str, &str)]| {
+        let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")];
+        env.extend_from_slice(extra);
+        run_python_json(&SimNode::new(), &python, "PyTorch cudaMallocAsync", &["-c", ASYNC_PROGRAM], &env)
+    };
+    // On the sim alone: the pool keeps the freed 600 MiB until empty_cache; 2 GiB more fit.
+    let v = run(&[]);
+    assert_eq!(v["backend"], "cudaMallocAsync", "{v}");
+    let free0 = u(&v, "free0");
+    assert_eq!(u(&v, "free_after_del"), free0 - 600 * MIB, "the pool keeps what the tensor held: {v}");
+    assert_eq!(v["oom"], serde_json::Value::Null, "{v}");
+    assert_eq!(u(&v, "free_after_empty_cache"), free0, "{v}");
+    // Under a 1 GiB limit: the same 600 MiB stays used (the shim charges the pool, not the
+    // tensors), a second 600 MiB tensor comes from the pool, and 2 GiB do not fit.
+    let shim = shim();
+    let shim = shim.to_str().expect("utf-8 path");
+    let v = run(&[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
+    let free0 = u(&v, "free0");
+    assert_eq!(free0, GIB - h100::CONTEXT_OVERHEAD, "{v}");
+    assert_eq!(u(&v, "free_after_del"), free0 - 600 * MIB, "what the pool keeps is used under the limit: {v}");
+    assert_eq!(v["oom"], "OutOfMemoryError", "{v}");
+    assert_eq!(u(&v, "free_after_empty_cache"), free0, "trimmed, it is free again: {v}");
+}
