@@ -94,6 +94,20 @@ fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
         let mut own: H = std::ptr::null_mut();
         ck("cuMemPoolCreate", (cu.cuMemPoolCreate)(&mut own, &MemPoolProps::device(0)));
         keep_all(cu, own);
+
+        // The default pool refilled and trimmed again: an allocation from another pool finds
+        // what the trim released too (the refusal reads the other pools).
+        free_async(alloc(GIB).unwrap());
+        sync();
+        assert_eq!(used(), GIB);
+        ck("cuMemPoolTrimTo", (cu.cuMemPoolTrimTo)(pool, 0));
+        let mut big = 0u64;
+        let size = (GIB + 512 * MIB) as usize;
+        ck("cuMemAllocFromPoolAsync", (cu.cuMemAllocFromPoolAsync)(&mut big, size, own, stream));
+        assert_eq!((used(), gpu()), (GIB + 512 * MIB, GIB + 512 * MIB));
+        free_async(big);
+        sync();
+        ck("cuMemPoolTrimTo", (cu.cuMemPoolTrimTo)(own, 0));
         let mut e = 0u64;
         ck("cuMemAllocFromPoolAsync", (cu.cuMemAllocFromPoolAsync)(&mut e, (256 * MIB) as usize, own, stream));
         let mut f = 0u64;

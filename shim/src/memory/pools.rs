@@ -218,7 +218,10 @@ pub(crate) fn allocate(
     settle(s, &mut b.0, pool, dev, Some(reserved), 0);
     let growth = bytes.saturating_sub(reserved.saturating_sub(used));
     crate::trace::note(dev, growth);
-    if !s.reserve(dev, growth) {
+    // Refused: the other pools may have released memory since they were read (this thread holds
+    // the books, so the refusal path of `reserve` cannot read them): read, then try once more.
+    let fits = s.reserve(dev, growth) || (settle_others(s, cu, &mut b.0, pool) && s.reserve(dev, growth));
+    if !fits {
         return Some(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let rc = call();
@@ -249,6 +252,17 @@ pub(crate) fn freed(s: &ShimState, dptr: u64) {
     settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
 }
 
+/// Reads every charged pool but `except` again, with the books held; true if anything was
+/// refunded.
+fn settle_others(s: &ShimState, cu: &RealCuda, b: &mut Books, except: u64) -> bool {
+    let pools: Vec<(u64, usize)> = b.pools.iter().filter(|(k, _)| **k != except).map(|(&k, p)| (k, p.dev)).collect();
+    let mut refunded = false;
+    for (pool, dev) in pools {
+        refunded |= settle(s, b, pool, dev, reserved_of(cu, pool), 0);
+    }
+    refunded
+}
+
 /// Reads every charged pool again; true if anything was refunded. Skipped (false) on a thread
 /// that holds the books: an allocation from a pool has just read its own.
 pub(crate) fn settle_all(s: &ShimState) -> bool {
@@ -258,12 +272,8 @@ pub(crate) fn settle_all(s: &ShimState) -> bool {
     }
     let Some(cu) = crate::real::cuda() else { return false };
     let mut b = m.lock();
-    let pools: Vec<(u64, usize)> = b.0.pools.iter().map(|(&k, p)| (k, p.dev)).collect();
-    let mut refunded = false;
-    for (pool, dev) in pools {
-        refunded |= settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
-    }
-    refunded
+    // No pool handle is 0.
+    settle_others(s, cu, &mut b.0, 0)
 }
 
 #[cfg(test)]
