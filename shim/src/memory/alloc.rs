@@ -299,22 +299,33 @@ fn stream_ordered(
 /// The driver predates the function.
 const NOT_SUPPORTED: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
+type AllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
+
+/// `cuMemAllocAsync` and its `_ptsz` twin (`f`, the driver's): from the current pool of the
+/// stream's device.
+fn from_current_pool(
+    s: &ShimState,
+    cu: &RealCuda,
+    f: Option<AllocAsync>,
+    (dptr, bytesize, stream): (*mut CUdeviceptr, usize, CUstream),
+) -> CUresult {
+    let Some(f) = f else { return NOT_SUPPORTED };
+    // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
+    stream_ordered(
+        s,
+        cu,
+        (stream, None),
+        bytesize as u64,
+        || unsafe { f(dptr, bytesize, stream) },
+        || unsafe { get(dptr) },
+    )
+}
+
 /// # Safety
 /// As cuda.h's `cuMemAllocAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemAllocAsync, |s, cu| {
-        let Some(f) = cu.cuMemAllocAsync else { return NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
-        stream_ordered(
-            s,
-            cu,
-            (hStream, None),
-            bytesize as u64,
-            || unsafe { f(dptr, bytesize, hStream) },
-            || unsafe { get(dptr) },
-        )
-    })
+    hook(TraceFunc::cuMemAllocAsync, |s, cu| from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream)))
 }
 
 /// # Safety
@@ -322,16 +333,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
     hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
-        let Some(f) = cu.cuMemAllocAsync_ptsz else { return NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
-        stream_ordered(
-            s,
-            cu,
-            (hStream, None),
-            bytesize as u64,
-            || unsafe { f(dptr, bytesize, hStream) },
-            || unsafe { get(dptr) },
-        )
+        from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream))
     })
 }
 
