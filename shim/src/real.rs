@@ -150,6 +150,7 @@ table! {
             cuMemFreeAsync(CUdeviceptr, CUstream);
             cuDeviceGetMemPool(*mut CUmemoryPool, CUdevice);
             cuMemPoolGetAttribute(CUmemoryPool, c_int, *mut c_void);
+            cuStreamIsCapturing(CUstream, *mut c_int);
             cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
             cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
             cuMemUnmap(CUdeviceptr, usize);

@@ -122,6 +122,21 @@ fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
         s.free(f);
         assert_eq!((used(), gpu()), (0, 0), "its last allocation freed, the pool is forgotten");
 
+        // Captured into a graph, an allocation takes nothing yet: one the pool could not grow
+        // for is recorded, not refused; the graph's launch is what is held to the limit.
+        let limit_left = 2 * GIB - base;
+        ck("cuStreamBeginCapture", (cu.cuStreamBeginCapture_v2)(stream, 2));
+        let captured = alloc(limit_left + 64 * MIB).expect("a captured allocation is recorded, not refused");
+        free_async(captured);
+        let mut graph: H = std::ptr::null_mut();
+        ck("cuStreamEndCapture", (cu.cuStreamEndCapture)(stream, &mut graph));
+        assert_eq!((used(), gpu()), (0, 0), "capturing took nothing");
+        let mut exec: H = std::ptr::null_mut();
+        ck("cuGraphInstantiate", (cu.cuGraphInstantiateWithFlags)(&mut exec, graph, 0));
+        assert_eq!((cu.cuGraphLaunch)(exec, stream), OUT_OF_MEMORY, "its launch would pass the limit");
+        assert_eq!((used(), gpu()), (0, 0));
+        ck("cuGraphExecDestroy", (cu.cuGraphExecDestroy)(exec));
+
         ck("cuStreamDestroy", (cu.cuStreamDestroy_v2)(stream));
         ck("cuDevicePrimaryCtxRelease", (cu.cuDevicePrimaryCtxRelease_v2)(0));
     }

@@ -275,7 +275,8 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 
 // ---- Stream-ordered allocation ---------------------------------------------------------------
 
-/// A stream-ordered allocation is charged to the stream's device (for a pool, the device the
+/// A stream-ordered allocation on `stream` (as the call means it: [`per_thread`]) is charged to
+/// the stream's device (for a pool, the device the
 /// stream runs on, which is the pool's in every use CUDA allows without peer access) as its pool
 /// grows ([`super::pools`]); where the pool's size cannot be read, by itself, until its free. It
 /// is not freed with a context.
@@ -301,20 +302,25 @@ const NOT_SUPPORTED: CUresult = CUDA_ERROR_NOT_SUPPORTED;
 
 type AllocAsync = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
 
-/// `cuMemAllocAsync` and its `_ptsz` twin (`f`, the driver's): from the current pool of the
-/// stream's device.
+/// The stream a `_ptsz` function's NULL stream means: this thread's per-thread default stream.
+fn per_thread(stream: CUstream) -> CUstream {
+    if stream.is_null() { CU_STREAM_PER_THREAD as CUstream } else { stream }
+}
+
+/// `cuMemAllocAsync` and its `_ptsz` twin (`f`, the driver's; `meant`, the stream as the call
+/// means it): from the current pool of the stream's device.
 fn from_current_pool(
     s: &ShimState,
     cu: &RealCuda,
     f: Option<AllocAsync>,
-    (dptr, bytesize, stream): (*mut CUdeviceptr, usize, CUstream),
+    (dptr, bytesize, stream, meant): (*mut CUdeviceptr, usize, CUstream, CUstream),
 ) -> CUresult {
     let Some(f) = f else { return NOT_SUPPORTED };
     // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
     stream_ordered(
         s,
         cu,
-        (stream, None),
+        (meant, None),
         bytesize as u64,
         || unsafe { f(dptr, bytesize, stream) },
         || unsafe { get(dptr) },
@@ -325,7 +331,9 @@ fn from_current_pool(
 /// As cuda.h's `cuMemAllocAsync`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemAllocAsync, |s, cu| from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream)))
+    hook(TraceFunc::cuMemAllocAsync, |s, cu| {
+        from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream, hStream))
+    })
 }
 
 /// # Safety
@@ -333,7 +341,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
     hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
-        from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream))
+        from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream, per_thread(hStream)))
     })
 }
 
@@ -375,7 +383,7 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
         stream_ordered(
             s,
             cu,
-            (hStream, Some(pool)),
+            (per_thread(hStream), Some(pool)),
             bytesize as u64,
             // SAFETY: the caller's arguments, passed on unchanged.
             || unsafe { f(dptr, bytesize, pool, hStream) },

@@ -23,7 +23,8 @@
 //! allocations left in it is forgotten and its charge refunded. Where the driver cannot say a
 //! pool's size (a driver without `cuMemPoolGetAttribute`), allocations are charged one by one as
 //! before. Allocations captured into a graph take nothing from the pool (graph memory is charged
-//! at launch, `graph.rs`): the read after the call finds the pool unchanged.
+//! at launch, `graph.rs`): the read after the call finds the pool unchanged, and one that would be
+//! refused is let through when the stream is capturing.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -172,6 +173,16 @@ fn settle(s: &ShimState, b: &mut Books, pool: u64, dev: usize, now: Option<u64>,
     now < held
 }
 
+/// Whether `stream` is being captured into a graph (`CU_STREAM_CAPTURE_STATUS_ACTIVE`). Asked
+/// only of an allocation that would be refused.
+fn capturing(cu: &RealCuda, stream: CUstream) -> bool {
+    let Some(is_capturing) = cu.cuStreamIsCapturing else { return false };
+    let mut status: c_int = 0;
+    // SAFETY: the caller's stream handle (CU_STREAM_PER_THREAD as the `_ptsz` calls mean their
+    // NULL stream); a valid out-pointer.
+    unsafe { is_capturing(stream, &mut status) == CUDA_SUCCESS && status == 1 }
+}
+
 /// The pool `cuMemAllocAsync` takes from on a stream: its device's current pool.
 fn current_pool(s: &ShimState, cu: &RealCuda, stream: CUstream) -> Option<u64> {
     let get_pool = cu.cuDeviceGetMemPool?;
@@ -222,6 +233,13 @@ pub(crate) fn allocate(
     // the books, so the refusal path of `reserve` cannot read them): read, then try once more.
     let fits = s.reserve(dev, growth) || (settle_others(s, cu, &mut b.0, pool) && s.reserve(dev, growth));
     if !fits {
+        // Captured into a graph, it takes nothing from the pool now (graph memory is charged when
+        // the graph is launched): let the capture record it.
+        if capturing(cu, stream) {
+            let rc = call();
+            settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
+            return Some(rc);
+        }
         return Some(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let rc = call();
