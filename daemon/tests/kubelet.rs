@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_daemon::kubelet::{
-    Allocator, ContainerAllocation, DevicePlugin, HostDevice, HostMount, PluginDevice, PluginSet, socket_name,
+    Allocator, ContainerAllocation, DevicePlugin, HostDevice, HostMount, PluginDevice, PluginSet, REFUSED_FAST_FOR,
+    socket_name,
 };
 use tessera_proto::deviceplugin::v1beta1::{
     self as dp, AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
@@ -20,7 +21,7 @@ use tonic::Status;
 
 mod common;
 
-use common::{TestKubelet, WAIT, next_list};
+use common::{BoundKubelet, TestKubelet, WAIT, next_list};
 
 const GPU: &str = "tessera.io/gpu";
 const SHARE: &str = "tessera.io/gpu-share";
@@ -180,6 +181,51 @@ async fn register_list_prefer_allocate_then_survive_a_kubelet_restart() {
 
     set.stop().await.expect("stop plugins");
     assert!(!socket.exists(), "plugin socket removed on stop");
+}
+
+/// CPU time this process has used (user and system).
+fn process_cpu() -> Duration {
+    // SAFETY: a zeroed rusage is a valid out-struct for getrusage.
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF and a valid out-pointer.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) }, 0);
+    let t = |v: libc::timeval| Duration::new(v.tv_sec as u64, v.tv_usec as u32 * 1000);
+    t(r.ru_utime) + t(r.ru_stime)
+}
+
+/// A kubelet binds its socket before it listens, and no file event marks the listen: the plugin,
+/// refused meanwhile, retries every millisecond while the socket is new, so it registers as soon
+/// as the kubelet listens (issue 15 item 4), not after a backed-off wait. `--nocapture` prints how
+/// long after the listen each registration came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_that_binds_before_it_listens_is_registered_with_once_it_listens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let bound = BoundKubelet::bind(dir.path());
+    let (_devices_tx, devices_rx) = watch::channel(gpus(2));
+    let set = PluginSet::start(dir.path(), vec![plugin(GPU, devices_rx)]).expect("start plugins");
+    let mut registrations = set.registrations(GPU).expect("resource served");
+    // Refused for a while (the plugin keeps trying), then the kubelet listens.
+    let cpu = process_cpu();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    println!("the retries took {:?} of CPU over 150 ms (this whole test process)", process_cpu() - cpu);
+    assert_eq!(*registrations.borrow_and_update(), 0, "nothing registers while the kubelet refuses");
+    let mut kubelet = bound.listen();
+    let (req, at) = kubelet.next_registration().await;
+    assert_eq!(req.resource_name, GPU);
+    println!("registered {:?} after the kubelet listened (bound 150 ms before)", at.duration_since(kubelet.started));
+    // And again for a kubelet that restarts the same way, this time long after the plugin began
+    // waiting on a socket that stayed unanswered past the fast retries.
+    kubelet.stop().await;
+    let bound = BoundKubelet::bind(dir.path());
+    tokio::time::sleep(REFUSED_FAST_FOR + Duration::from_millis(250)).await;
+    let mut kubelet = bound.listen();
+    let (_, at) = kubelet.next_registration().await;
+    println!(
+        "registered {:?} after the kubelet listened (bound {:?} before)",
+        at.duration_since(kubelet.started),
+        REFUSED_FAST_FOR + Duration::from_millis(250)
+    );
+    set.stop().await.expect("stop plugins");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

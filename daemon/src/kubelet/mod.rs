@@ -10,4 +10,4 @@ mod plugin;
 mod server;
 
 pub use plugin::{Allocator, ContainerAllocation, DevicePlugin, HostDevice, HostMount, PluginDevice};
-pub use server::{KubeletError, POLL_INTERVAL, PluginSet, serve_plugin, socket_name};
+pub use server::{KubeletError, POLL_INTERVAL, PluginSet, REFUSED_FAST_FOR, serve_plugin, socket_name};

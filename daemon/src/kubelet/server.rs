@@ -5,8 +5,10 @@
 //! it removes every plugin socket on start, as our own socket gone. Both are checked on every
 //! inotify event in the directory (`dir_watch`), and every [`POLL_INTERVAL`] where inotify is
 //! not available; either re-serves the plugin on a fresh socket and registers again. A kubelet
-//! socket that exists but does not answer yet (bound, not yet listening) is retried after 1 ms,
-//! doubling up to [`POLL_INTERVAL`].
+//! socket that exists but does not answer yet (bound, not yet listening: no file event marks the
+//! moment it listens) is retried every 1 ms for [`REFUSED_FAST_FOR`] after it appeared, so the
+//! registration follows the kubelet's listen by a millisecond at most, then every
+//! [`POLL_INTERVAL`] (a socket left by a kubelet that is gone).
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
@@ -24,8 +26,11 @@ use super::plugin::DevicePlugin;
 /// How often the sockets are checked without an inotify event, and the longest wait between two
 /// registration attempts.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(100);
-/// The first retry of a registration the kubelet refused (it binds before it listens).
+/// How soon a registration the kubelet refused is retried at first (it binds before it listens).
 const FIRST_RETRY: Duration = Duration::from_millis(1);
+/// How long after a kubelet socket appeared a refusal is retried every [`FIRST_RETRY`]; past it,
+/// every [`POLL_INTERVAL`].
+pub const REFUSED_FAST_FOR: Duration = Duration::from_secs(2);
 /// How long one registration attempt may take.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a stopped server may take to wind down before it is aborted.
@@ -95,11 +100,17 @@ pub async fn serve_plugin(
 
         // Register, retrying until the kubelet answers; why it waits is logged once per reason.
         let mut waiting: Option<String> = None;
-        let mut retry = FIRST_RETRY;
+        // The kubelet socket that refused, and since when (a new one starts the fast retries over).
+        let mut refusing: Option<(FileId, std::time::Instant)> = None;
         let kubelet_id = loop {
             let id = file_id(&kubelet_socket);
             let why = match id {
                 None => "no such file (no kubelet yet)".to_string(),
+                // Still refusing: a plain connect says so for a few microseconds, where a
+                // registration attempt costs a gRPC channel (the reason logged stays the first).
+                Some(_) if refusing.is_some() && still_refused(&kubelet_socket) => {
+                    waiting.clone().unwrap_or_else(|| "connection refused".into())
+                }
                 Some(_) => match register(&kubelet_socket, &name, plugin.resource()).await {
                     Ok(()) => {
                         registrations.send_modify(|n| *n += 1);
@@ -128,14 +139,20 @@ pub async fn serve_plugin(
                 // Our socket went while waiting: serve again before registering.
                 break None;
             }
-            // No socket: until the directory changes. A socket that refused: soon, then less often.
-            let delay = if id.is_none() {
-                retry = FIRST_RETRY;
-                POLL_INTERVAL
-            } else {
-                let now = retry;
-                retry = (retry * 2).min(POLL_INTERVAL);
-                now
+            // No socket: until the directory changes. A socket that refused: every millisecond
+            // while it is new (its kubelet is about to listen), then less often.
+            let delay = match id {
+                None => {
+                    refusing = None;
+                    POLL_INTERVAL
+                }
+                Some(id) => {
+                    let since = match refusing {
+                        Some((seen, since)) if seen == id => since,
+                        _ => refusing.insert((id, std::time::Instant::now())).1,
+                    };
+                    if since.elapsed() < REFUSED_FAST_FOR { FIRST_RETRY } else { POLL_INTERVAL }
+                }
             };
             if wait_or_shutdown(&mut shutdown, &mut dir_events, delay).await {
                 break None;
@@ -162,6 +179,11 @@ pub async fn serve_plugin(
     }
     remove_socket(&socket)?;
     Ok(())
+}
+
+/// Whether connecting to a Unix socket is refused (bound, nobody listening).
+fn still_refused(path: &Path) -> bool {
+    std::os::unix::net::UnixStream::connect(path).is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// Waits for a change in the directory, or `delay`; true when shutdown was asked for.

@@ -47,10 +47,41 @@ pub struct TestKubelet {
     pub started: Instant,
 }
 
+/// A kubelet that has bound `kubelet.sock` and does not listen yet (a kubelet starting up:
+/// connecting is refused until [`BoundKubelet::listen`]).
+pub struct BoundKubelet {
+    dir: PathBuf,
+    fd: std::os::fd::OwnedFd,
+}
+
+impl BoundKubelet {
+    pub fn bind(dir: &Path) -> BoundKubelet {
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, bind, socket};
+        use std::os::fd::AsRawFd;
+        let fd = socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).expect("socket");
+        let addr = UnixAddr::new(&dir.join(dp::KUBELET_SOCKET_NAME)).expect("socket path");
+        bind(fd.as_raw_fd(), &addr).expect("bind kubelet.sock");
+        BoundKubelet { dir: dir.to_owned(), fd }
+    }
+
+    /// Listens and serves from now on (`started` is this moment).
+    pub fn listen(self) -> TestKubelet {
+        use nix::sys::socket::{Backlog, listen};
+        listen(&self.fd, Backlog::new(128).expect("backlog")).expect("listen");
+        let listener = std::os::unix::net::UnixListener::from(self.fd);
+        listener.set_nonblocking(true).expect("nonblocking");
+        TestKubelet::serve(&self.dir, UnixListener::from_std(listener).expect("tokio listener"))
+    }
+}
+
 impl TestKubelet {
     pub fn start(dir: &Path) -> Self {
-        let (tx, seen) = mpsc::unbounded_channel();
         let listener = UnixListener::bind(dir.join(dp::KUBELET_SOCKET_NAME)).expect("bind kubelet.sock");
+        Self::serve(dir, listener)
+    }
+
+    fn serve(dir: &Path, listener: UnixListener) -> Self {
+        let (tx, seen) = mpsc::unbounded_channel();
         let started = Instant::now();
         let server = tokio::spawn(async move {
             Server::builder()
