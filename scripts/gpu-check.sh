@@ -87,6 +87,48 @@ else
   check "limits: the probe ran" 1 "driver: ${real:-none} shim: ${shimmed:-none}"
 fi
 
+echo "== the driver's own figure beside what was asked (tesserad enforces the driver's figure; the shim charges what was asked)"
+cat > /tmp/tessera-granularity-check.py <<'PY'
+import ctypes, json, os
+cu, ml = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL("libnvidia-ml.so.1")
+def ck(rc, what):
+    if rc:
+        raise SystemExit(f"{what}: {rc}")
+class Proc(ctypes.Structure):  # nvmlProcessInfo_v1_t
+    _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
+ck(cu.cuInit(0), "cuInit")
+ctx = ctypes.c_void_p()
+ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "retain")
+ck(cu.cuCtxSetCurrent(ctx), "set current")
+ck(ml.nvmlInit_v2(), "nvmlInit")
+uuid = ctypes.create_string_buffer(96)
+raw = (ctypes.c_ubyte * 16)()
+ck(cu.cuDeviceGetUuid(raw, 0), "uuid")
+h = bytes(raw).hex()
+text = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}".encode()
+dev = ctypes.c_void_p()
+if ml.nvmlDeviceGetHandleByUUID(text, ctypes.byref(dev)):
+    ck(ml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)), "nvml handle")
+def own():
+    n, procs = ctypes.c_uint(64), (Proc * 64)()
+    ck(ml.nvmlDeviceGetComputeRunningProcesses(dev, ctypes.byref(n), procs), "processes")
+    return sum(p.used for p in procs[: n.value] if p.pid == os.getpid())
+out, keep = {}, []
+for name, size, count in [("1KiB", 1 << 10, 256), ("2MiB+1", (2 << 20) + 1, 64), ("64MiB", 64 << 20, 8)]:
+    before = own()
+    for _ in range(count):
+        p = ctypes.c_uint64()
+        ck(cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(size)), "alloc")
+        keep.append(p.value)
+    out[name] = {"asked": size * count, "driver": own() - before}
+print(json.dumps(out))
+PY
+if g=$(env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-granularity-check.py | tail -1); then
+  echo "INFO granularity: $g"
+else
+  echo "INFO granularity: the probe did not run"
+fi
+
 echo "== PyTorch under the shim"
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   cat > /tmp/tessera-torch-check.py <<'PY'
