@@ -320,7 +320,7 @@ mod tests {
         let other = reopen(&t.state);
         other.alloc(2, 0, 5 * GIB).unwrap();
         assert_eq!(t.node.memory_info(2, 0).unwrap().used, 5 * GIB);
-        drop(other);
+        close(other);
         assert_eq!(t.node.memory_info(2, 0).unwrap().used, 0);
         assert!(t.node.processes(2, None).unwrap().is_empty());
     }

@@ -536,7 +536,7 @@ mod tests {
         assert_eq!(t.node.mig_mode(0).unwrap(), (false, false));
         other.alloc(0, 0, 1 << 20).unwrap();
         assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::PendingReset { in_use: true });
-        drop(other);
+        close(other);
         assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::PendingReset { in_use: false });
         assert_eq!(t.node.mig_mode(0).unwrap(), (false, true));
         assert!(matches!(t.node.gpu_instances(0), Err(SimError::NotSupported(_))), "not before the reset");
@@ -574,7 +574,7 @@ mod tests {
         other.alloc(0, 0, 1 << 20).unwrap();
         assert!(matches!(t.node.set_mig_mode(0, true), Err(SimError::InUse(_))));
         assert_eq!(t.node.mig_mode(0).unwrap(), (false, false), "nothing left pending");
-        drop(other);
+        close(other);
         assert_eq!(t.node.set_mig_mode(0, true).unwrap(), MigModeChange::Applied);
     }
 
@@ -642,7 +642,7 @@ mod tests {
         other.alloc(1, ci.domain(), 1 << 30).unwrap();
         assert_eq!(t.node.processes(1, Some(ci.unit())).unwrap().len(), 1);
         assert!(matches!(t.node.destroy_compute_instance(1, gi.id, ci.id), Err(SimError::InUse(_))));
-        drop(other);
+        close(other);
         t.node.destroy_compute_instance(1, gi.id, ci.id).unwrap();
         t.node.destroy_gpu_instance(1, gi.id).unwrap();
         assert!(t.node.gpu_instances(1).unwrap().is_empty());

@@ -29,11 +29,24 @@ pub fn reopen(state: &Path) -> Node {
     Node::open_state(state, None).unwrap()
 }
 
+/// Held while [`child`] spawns and while [`close`] drops a handle. A spawn forks this whole test
+/// process: until the child execs, it holds a copy of every open descriptor (close-on-exec ones
+/// too), and with it a handle's liveness lock, so a handle dropped meanwhile on another test's
+/// thread would still look alive to the reaper. `spawn` returns once the child has exec'd.
+static SPAWNING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Drops a handle as a process ending would: its slot is free for the next reap at once.
+pub fn close(node: Node) {
+    let _g = SPAWNING.lock().unwrap_or_else(|e| e.into_inner());
+    drop(node);
+}
+
 const ROLE: &str = "TESSERA_MODEL_TEST_CHILD";
 
 /// Starts this test binary again as another process that opens `state`, performs `role`, prints
 /// "ready" and then waits to be killed.
 pub fn child(role: &str, state: &Path) -> (Child, BufReader<std::process::ChildStdout>) {
+    let spawning = SPAWNING.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = Command::new(std::env::current_exe().unwrap())
         .args(["testutil::child_entry", "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE, role)
@@ -41,6 +54,7 @@ pub fn child(role: &str, state: &Path) -> (Child, BufReader<std::process::ChildS
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    drop(spawning);
     let mut out = BufReader::new(c.stdout.take().unwrap());
     let mut line = String::new();
     loop {
