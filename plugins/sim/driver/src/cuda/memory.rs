@@ -235,7 +235,7 @@ fn free_device(dptr: u64) -> R {
     }
     // A sticky process error does not stop freeing: the memory is returned either way.
     let _ = super::errors::poll_faults(node);
-    let (a, kept) = {
+    let (a, pool) = {
         let mut reg = handles::write();
         match reg.mem.get(&dptr) {
             Some(a) if matches!(a.kind, MemKind::Device | MemKind::Managed | MemKind::Pool(_) | MemKind::Graph) => {}
@@ -245,13 +245,16 @@ fn free_device(dptr: u64) -> R {
         if a.kind == MemKind::Graph {
             super::graph_mem::on_released(&a);
         }
-        let kept = match a.kind {
-            MemKind::Pool(p) => reg.pools.get(&p).map_or(0, |pool| pool.on_free(a.size, a.epoch)),
-            _ => 0,
+        let pool = match a.kind {
+            MemKind::Pool(p) => reg.pools.get(&p).cloned(),
+            _ => None,
         };
-        (a, kept)
+        (a, pool)
     };
-    release_keeping(node, &a, kept);
+    match pool {
+        Some(p) => p.free(node, &a),
+        None => release_keeping(node, &a, 0),
+    }
     Ok(())
 }
 

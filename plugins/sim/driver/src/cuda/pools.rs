@@ -97,10 +97,19 @@ impl Pool {
         s.kept += from_reserve;
     }
 
+    /// Frees one of the pool's allocations (taken out of the registry): the pool keeps up to its
+    /// release threshold in reserve and the rest goes back to the device, under the pool's lock,
+    /// so that its size as `cuMemPoolGetAttribute` tells it never shrinks before the device's
+    /// memory does (a reader would count memory as gone that the device still holds).
+    pub(crate) fn free(&self, node: &tessera_sim_model::Node, a: &Alloc) {
+        let mut s = self.state();
+        let kept = self.on_free(&mut s, a.size, a.epoch);
+        release_keeping(node, a, kept);
+    }
+
     /// Counts a free back to the pool: returns how many of the bytes (charged in `epoch`) the pool
     /// keeps in reserve, up to its release threshold; the caller refunds the rest.
-    pub(crate) fn on_free(&self, bytes: u64, epoch: u64) -> u64 {
-        let mut s = self.state();
+    fn on_free(&self, s: &mut PoolState, bytes: u64, epoch: u64) -> u64 {
         s.used = s.used.saturating_sub(bytes);
         let now = super::memory::current_epoch(self.dev.gpu);
         if epoch != now {
@@ -472,17 +481,20 @@ fn free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream, pt: bool) -> R {
     if super::graph_mem::is_live(dptr) {
         return super::graph_mem::free(dptr);
     }
-    let (a, kept) = {
+    let (a, pool) = {
         let mut reg = handles::write();
         let pool = match reg.mem.get(&dptr).map(|a| a.kind) {
             Some(MemKind::Pool(p)) => p,
             _ => return Err(INVALID_VALUE),
         };
         let a = reg.mem.remove(&dptr).expect("checked above");
-        let kept = reg.pools.get(&pool).map_or(0, |p| p.on_free(a.size, a.epoch));
-        (a, kept)
+        (a, reg.pools.get(&pool).cloned())
     };
-    release_keeping(node, &a, kept);
+    match pool {
+        Some(p) => p.free(node, &a),
+        // Its pool was destroyed: nothing is kept.
+        None => release_keeping(node, &a, 0),
+    }
     Ok(())
 }
 
