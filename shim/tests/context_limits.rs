@@ -102,3 +102,69 @@ fn raised_context_limits_hold_the_memory_limit() {
     ck("cuDevicePrimaryCtxRelease", unsafe { (s.cu.cuDevicePrimaryCtxRelease_v2)(0) });
     assert_eq!((region.used(dev), gpu_used(0)), (0, 0));
 }
+
+/// Threads of one process racing each other: half raise and lower the heap and the stack, half
+/// allocate and free (plainly and stream-ordered) near the limit. The GPU's own high-water mark
+/// never passes the limit, and once they are done the charge is exactly what the limits they left
+/// set aside: nothing leaked, nothing lost.
+#[test]
+fn threads_raising_limits_while_others_allocate_never_pass_the_limit_on_the_gpu() {
+    let test = "threads_raising_limits_while_others_allocate_never_pass_the_limit_on_the_gpu";
+    let limit = 4 * GIB;
+    if !in_child() {
+        return run_in_container(test, &memory_limits(limit));
+    }
+    let s = Session::start(0);
+    let (region, dev) = region_and_dev(&s);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let state = std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE");
+    let model = tessera_sim_model::Node::open_state(std::path::Path::new(&state), None).expect("the node");
+    model.reset_high_water(0, 0).expect("reset");
+    let (refused, granted) = (std::sync::atomic::AtomicU64::new(0), std::sync::atomic::AtomicU64::new(0));
+    std::thread::scope(|scope| {
+        for t in 0..6u64 {
+            let (s, refused, granted) = (&s, &refused, &granted);
+            scope.spawn(move || {
+                // SAFETY: the primary context Session::start retained.
+                ck("cuCtxSetCurrent", unsafe { (s.cu.cuCtxSetCurrent)(s.ctx) });
+                let count = |rc: R| {
+                    let n = if rc == SUCCESS { granted } else { refused };
+                    n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                };
+                for i in 0..150u64 {
+                    if t % 2 == 0 {
+                        // A heap of 8 MiB to 2 GiB, a stack of 1 to 5 KiB (up to 1.03 GiB more).
+                        count(set(s, MALLOC_HEAP, ((i * 7 + t) % 9).max(1) * 256 * MIB - 248 * MIB));
+                        count(set(s, STACK, 1024 * (1 + (i + t) % 5)));
+                    } else {
+                        let bytes = ((i + t) % 7 + 1) * 128 * MIB;
+                        match s.alloc(bytes) {
+                            Ok(p) => {
+                                count(SUCCESS);
+                                s.free(p);
+                            }
+                            Err(rc) => count(rc),
+                        }
+                        let mut p = 0u64;
+                        // SAFETY: a valid out-pointer; the legacy default stream.
+                        let rc = unsafe { (s.cu.cuMemAllocAsync)(&mut p, bytes as usize, std::ptr::null_mut()) };
+                        count(rc);
+                        if rc == SUCCESS {
+                            // SAFETY: the pointer just allocated, on the same stream.
+                            ck("cuMemFreeAsync", unsafe { (s.cu.cuMemFreeAsync)(p, std::ptr::null_mut()) });
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let peak = model.memory_high_water(0, 0).expect("high water");
+    let (refused, granted) = (refused.into_inner(), granted.into_inner());
+    assert!(peak <= limit, "the GPU held {peak} under a {limit} limit");
+    assert!(refused > 0 && granted > 0, "the race ran near the limit: {granted} granted, {refused} refused");
+    // SAFETY: the stream-ordered frees above, on the legacy stream.
+    ck("cuCtxSynchronize", unsafe { (s.cu.cuCtxSynchronize)() });
+    let left = (get(&s, MALLOC_HEAP) - 8 * MIB) + (get(&s, STACK) - 1024) * RESIDENT;
+    let used = settled(base + left, || region.used(dev));
+    assert_eq!((used, gpu_used(0)), (base + left, base + left), "what the limits left set aside, exactly");
+}
