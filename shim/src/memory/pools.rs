@@ -69,6 +69,19 @@ thread_local! {
 /// The books, held; marks the thread as holding them.
 struct Held<'a>(MutexGuard<'a, Books>);
 
+impl std::ops::Deref for Held<'_> {
+    type Target = Books;
+    fn deref(&self) -> &Books {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Held<'_> {
+    fn deref_mut(&mut self) -> &mut Books {
+        &mut self.0
+    }
+}
+
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         HOLDING.set(false);
@@ -117,27 +130,23 @@ impl Pools {
     }
 }
 
-/// (used, reserved) of a pool, as the driver says.
-fn size_of(cu: &RealCuda, pool: u64) -> Option<(u64, u64)> {
-    let attr = cu.cuMemPoolGetAttribute?;
-    let (mut used, mut reserved) = (0u64, 0u64);
-    let p = pool as CUmemoryPool;
-    // SAFETY: both attributes are cuuint64_t, written through valid out-pointers; p is a pool
-    // handle the driver gave (a stale one is refused, not dereferenced by us).
-    let ok = unsafe {
-        attr(p, USED_MEM_CURRENT, (&raw mut used).cast()) == CUDA_SUCCESS
-            && attr(p, RESERVED_MEM_CURRENT, (&raw mut reserved).cast()) == CUDA_SUCCESS
-    };
-    ok.then_some((used, reserved))
+/// One cuuint64_t attribute of a pool, as the driver says.
+fn attribute(cu: &RealCuda, pool: u64, attr: c_int) -> Option<u64> {
+    let get = cu.cuMemPoolGetAttribute?;
+    let mut v = 0u64;
+    // SAFETY: the attributes asked for are cuuint64_t, written through a valid out-pointer; the
+    // handle is one the driver gave (a stale one is refused, not dereferenced by us).
+    (unsafe { get(pool as CUmemoryPool, attr, (&raw mut v).cast()) } == CUDA_SUCCESS).then_some(v)
 }
 
-/// The reserved size of a pool alone (what its charge follows), as the driver says.
+/// (used, reserved) of a pool.
+fn size_of(cu: &RealCuda, pool: u64) -> Option<(u64, u64)> {
+    Some((attribute(cu, pool, USED_MEM_CURRENT)?, reserved_of(cu, pool)?))
+}
+
+/// The reserved size of a pool alone (what its charge follows).
 fn reserved_of(cu: &RealCuda, pool: u64) -> Option<u64> {
-    let attr = cu.cuMemPoolGetAttribute?;
-    let mut reserved = 0u64;
-    // SAFETY: as in `size_of`.
-    let ok = unsafe { attr(pool as CUmemoryPool, RESERVED_MEM_CURRENT, (&raw mut reserved).cast()) == CUDA_SUCCESS };
-    ok.then_some(reserved)
+    attribute(cu, pool, RESERVED_MEM_CURRENT)
 }
 
 /// Sets a pool's charge to `now` (its reserved size just read; `None`: unreadable), given
@@ -226,29 +235,29 @@ pub(crate) fn allocate(
     let (used, reserved) = size_of(cu, pool)?;
     m.any.store(true, Release);
     // The driver may have released memory since the last look.
-    settle(s, &mut b.0, pool, dev, Some(reserved), 0);
+    settle(s, &mut b, pool, dev, Some(reserved), 0);
     let growth = bytes.saturating_sub(reserved.saturating_sub(used));
     crate::trace::note(dev, growth);
     // Refused: the other pools may have released memory since they were read (this thread holds
     // the books, so the refusal path of `reserve` cannot read them): read, then try once more.
-    let fits = s.reserve(dev, growth) || (settle_others(s, cu, &mut b.0, pool) && s.reserve(dev, growth));
+    let fits = s.reserve(dev, growth) || (settle_others(s, cu, &mut b, pool) && s.reserve(dev, growth));
     if !fits {
         // Captured into a graph, it takes nothing from the pool now (graph memory is charged when
         // the graph is launched): let the capture record it.
         if capturing(cu, stream) {
             let rc = call();
-            settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
+            settle(s, &mut b, pool, dev, reserved_of(cu, pool), 0);
             return Some(rc);
         }
         return Some(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let rc = call();
-    settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), growth);
+    settle(s, &mut b, pool, dev, reserved_of(cu, pool), growth);
     if rc == CUDA_SUCCESS
         && let Some(p) = made().filter(|&p| p != 0)
     {
-        b.0.ptrs.insert(p, pool);
-        if let Some(e) = b.0.pools.get_mut(&pool) {
+        b.ptrs.insert(p, pool);
+        if let Some(e) = b.pools.get_mut(&pool) {
             e.live += 1;
         }
     }
@@ -263,11 +272,11 @@ pub(crate) fn freed(s: &ShimState, dptr: u64) {
     }
     let Some(cu) = crate::real::cuda() else { return };
     let mut b = m.lock();
-    let Some(pool) = b.0.ptrs.remove(&dptr) else { return };
-    let Some(p) = b.0.pools.get_mut(&pool) else { return };
+    let Some(pool) = b.ptrs.remove(&dptr) else { return };
+    let Some(p) = b.pools.get_mut(&pool) else { return };
     p.live = p.live.saturating_sub(1);
     let dev = p.dev;
-    settle(s, &mut b.0, pool, dev, reserved_of(cu, pool), 0);
+    settle(s, &mut b, pool, dev, reserved_of(cu, pool), 0);
 }
 
 /// Reads every charged pool but `except` again, with the books held; true if anything was
@@ -291,7 +300,7 @@ pub(crate) fn settle_all(s: &ShimState) -> bool {
     let Some(cu) = crate::real::cuda() else { return false };
     let mut b = m.lock();
     // No pool handle is 0.
-    settle_others(s, cu, &mut b.0, 0)
+    settle_others(s, cu, &mut b, 0)
 }
 
 #[cfg(test)]
