@@ -1273,6 +1273,7 @@ pub(crate) mod tests {
                 unavailable: None,
                 mig_mode: false,
                 mig: Vec::new(),
+                mig_profiles: Vec::new(),
                 nodes: Vec::new(),
             })
             .collect()
@@ -1347,6 +1348,7 @@ pub(crate) mod tests {
             unavailable: None,
             mig_mode: true,
             mig: slots.iter().map(slot).collect(),
+            mig_profiles: vec!["3g.20gb".into(), "7g.40gb".into()],
             nodes: Vec::new(),
         }
     }

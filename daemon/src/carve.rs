@@ -27,6 +27,9 @@ pub struct GpuRoom {
     pub mig_mode: bool,
     /// Its MIG devices, as Allocate hands them out whole.
     pub mig: Vec<MigSlot>,
+    /// The GPU-instance profiles the board offers (empty: no MIG), so that a request for a
+    /// profile no GPU has is told so, not told to make instances of it.
+    pub mig_profiles: Vec<String>,
     /// The host device nodes a container needs for it.
     pub nodes: Vec<std::path::PathBuf>,
 }
@@ -277,7 +280,16 @@ pub fn place_mig<'g>(
     let mut present: Vec<&str> = named.iter().flat_map(|g| g.mig.iter().map(|m| m.profile.as_str())).collect();
     present.sort_unstable();
     present.dedup();
-    if !named.iter().any(|g| g.mig_mode) {
+    let mut offered: Vec<&str> = named.iter().flat_map(|g| g.mig_profiles.iter().map(String::as_str)).collect();
+    offered.sort_unstable();
+    offered.dedup();
+    if !offered.iter().any(|p| p.eq_ignore_ascii_case(profile)) {
+        // A typo or another board's profile: making instances of it would fail too.
+        msg.push_str(&match offered.is_empty() {
+            true => ". No GPU named supports MIG".to_owned(),
+            false => format!(". No GPU named has a MIG profile {profile:?}; they have: {}", offered.join(", ")),
+        });
+    } else if !named.iter().any(|g| g.mig_mode) {
         msg.push_str(&format!(
             ". No GPU named is in MIG mode: `tessera layout apply --gpu <GPU> --mig {profile}=<COUNT>` makes instances"
         ));
@@ -318,6 +330,7 @@ mod tests {
             unavailable: None,
             mig_mode: false,
             mig: Vec::new(),
+            mig_profiles: ["1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"].map(String::from).to_vec(),
             nodes: Vec::new(),
         }
     }
@@ -534,6 +547,15 @@ mod tests {
         assert!(err.ends_with(". The instances here are of the profiles: 1g.10gb, 3g.40gb"), "{err}");
         let err = place_mig(&gpus, &records, "0", "2g.20gb").unwrap_err();
         assert!(err.ends_with("`tessera layout apply --gpu <GPU> --mig 2g.20gb=<COUNT>` makes instances"), "{err}");
+        // A profile no GPU has (a typo): said so, with the profiles there are; never "make some".
+        let err = place_mig(&gpus, &records, "", "3g.4gb").unwrap_err();
+        assert!(
+            err.ends_with(". No GPU named has a MIG profile \"3g.4gb\"; they have: 1g.10gb, 2g.20gb, 3g.40gb, 7g.80gb"),
+            "{err}"
+        );
+        gpus[0].mig_profiles.clear();
+        let err = place_mig(&gpus, &records, "0", "3g.40gb").unwrap_err();
+        assert!(err.ends_with(": GPU 0 (GPU-0): MIG mode is off. No GPU named supports MIG"), "{err}");
         let err = place_mig(&gpus, &records, "2", "1g.10gb").unwrap_err();
         assert!(err.contains("MIG-2-0 unhealthy: XID 94"), "{err}");
         // Shares are never carved from a GPU in MIG mode.

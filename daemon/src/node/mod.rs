@@ -244,6 +244,7 @@ impl NodeController {
                         unavailable: view.unhealthy_devices.get(&d.uuid).map(|why| format!("unhealthy: {why}")),
                     })
                     .collect(),
+                mig_profiles: g.mig.as_ref().map(|m| m.capability.names()).unwrap_or_default(),
                 nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
             })
             .collect()
