@@ -149,7 +149,21 @@ torch.cuda.synchronize(); t = time.perf_counter()
 for _ in range(300):
     opt.zero_grad(); model(data).square().mean().backward(); opt.step()
 torch.cuda.synchronize()
-print(json.dumps({"total": total, "oom": oom, "ms_per_step": (time.perf_counter() - t) / 300 * 1e3}))
+ms = (time.perf_counter() - t) / 300 * 1e3
+# What the driver holds for this process (tesserad enforces that) against what the shim charges
+# (total - free under it): the difference is memory the shim never saw (module code loaded
+# lazily, stack grown at a launch, rounding); beyond the limit it gets an honest program killed.
+import ctypes, os
+class Proc(ctypes.Structure):  # nvmlProcessInfo_v1_t
+    _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
+ml, dev, n, procs = ctypes.CDLL("libnvidia-ml.so.1"), ctypes.c_void_p(), ctypes.c_uint(64), (Proc * 64)()
+driver = None
+if not ml.nvmlInit_v2() and not ml.nvmlDeviceGetHandleByIndex_v2(torch.cuda.current_device(), ctypes.byref(dev)):
+    if not ml.nvmlDeviceGetComputeRunningProcesses(dev, ctypes.byref(n), procs):
+        driver = sum(p.used for p in procs[: n.value] if p.pid == os.getpid())
+free_after, _ = torch.cuda.mem_get_info()
+print(json.dumps({"total": total, "oom": oom, "ms_per_step": ms, "driver": driver,
+                  "charged": total - free_after, "reserved": torch.cuda.memory_reserved()}))
 PY
   base=$(env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-torch-check.py 0 | tail -1)
   shimmed=$(LD_PRELOAD=$shim python3 /tmp/tessera-torch-check.py $limit_mib | tail -1)
@@ -161,6 +175,10 @@ ok_total = s["total"] == lim << 20
 print(("PASS" if ok_total else "FAIL") + f" torch: mem_get_info total is the limit: {s['total']}")
 print(("PASS" if s["oom"] else "FAIL") + f" torch: a tensor twice the limit raises OutOfMemoryError")
 print(f"INFO torch: training step {b['ms_per_step']:.3f} ms without, {s['ms_per_step']:.3f} ms with the shim: ratio {s['ms_per_step'] / b['ms_per_step']:.3f}")
+if s["driver"] is not None:
+    mib = lambda v: v / 2**20
+    print(f"INFO torch: under the shim the driver holds {mib(s['driver']):.0f} MiB for the process, the shim charges "
+          f"{mib(s['charged']):.0f} MiB (the caching allocator {mib(s['reserved']):.0f} MiB): unseen {mib(s['driver'] - s['charged']):.0f} MiB")
 sys.exit(0 if ok_total and s["oom"] else 1)
 PY
   check "torch under the shim" $? "see above"
