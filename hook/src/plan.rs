@@ -19,7 +19,7 @@ pub const ANNOTATION_DEVICES: &str = "tessera.io/devices";
 pub const ANNOTATION_ALLOCATION: &str = "tessera.io/allocation";
 pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
 /// Where the allocation directory appears in a container.
-pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
+pub use tessera_region::CONTAINER_ALLOC_DIR;
 pub const PRELOAD_PATH: &str = "/etc/ld.so.preload";
 /// The container's loader configuration entry naming the directories of the driver's libraries.
 pub const LD_CONF_PATH: &str = "/etc/ld.so.conf.d/000-tessera.conf";

@@ -2,8 +2,10 @@
 //! slot in it, the device map, and the allocation tracker.
 //!
 //! Nothing happens at load time. The state is made on the first CUDA or NVML call that needs it
-//! (`cuInit` normally), once: the limits from `TESSERA_LIMITS` (a file) or the `TESSERA_*`
-//! variables (none: no limits), the region from `TESSERA_REGION` (none: an anonymous one). A
+//! (`cuInit` normally), once: in a container with an allocation, the limits file and region
+//! tessera-hook mounted at `/run/tessera/alloc` (whatever the environment says); standalone, the
+//! limits from `TESSERA_LIMITS` (a file) or the `TESSERA_*` variables (none: no limits), the
+//! region from `TESSERA_REGION` (none: an anonymous one). A
 //! config that cannot be read or is malformed prints exactly one line on stderr and disables
 //! CUDA for the process ([`ensure`] fails from then on: fail closed).
 //!
@@ -682,20 +684,43 @@ extern "C" fn forked_child() {
 }
 
 /// Makes the state from the environment; `Err` is the one line to print.
+/// The allocation directory tessera-hook mounted into this container (read-only, holding the
+/// limits file), if there is one. Its limits, region and ledger are the process's whatever the
+/// environment says: unsetting or repointing `TESSERA_LIMITS`, `TESSERA_REGION` or
+/// `TESSERA_LEDGER` must not lift a limit. Looked at once.
+pub(crate) fn mounted_alloc_dir() -> Option<&'static std::path::Path> {
+    static MOUNTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let dir = std::path::Path::new(tessera_region::CONTAINER_ALLOC_DIR);
+    MOUNTED.get_or_init(|| std::fs::metadata(dir.join("limits")).is_ok_and(|m| m.is_file())).then_some(dir)
+}
+
 fn make() -> Result<ShimState, String> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-    let source = match var(ENV_LIMITS) {
-        Some(p) => Source::File(PathBuf::from(p.trim())),
-        None => Source::Env,
+    let mounted = mounted_alloc_dir();
+    let (limits, source) = match mounted {
+        Some(dir) => {
+            let path = dir.join("limits");
+            (Limits::load(&path).map(Some), Source::File(path))
+        }
+        None => (
+            Limits::from_env(|k| std::env::var(k).ok()),
+            match var(ENV_LIMITS) {
+                Some(p) => Source::File(PathBuf::from(p.trim())),
+                None => Source::Env,
+            },
+        ),
     };
-    let limits = Limits::from_env(|k| std::env::var(k).ok()).map_err(|e| format!("tessera: {e}; CUDA disabled"))?;
+    let limits = limits.map_err(|e| format!("tessera: {e}; CUDA disabled"))?;
     let (limits, source, configured) = match (limits, source) {
         (Some(l), s) => (l, s, true),
         (None, _) => (Limits::default(), Source::None, false),
     };
-    let region = match var(ENV_REGION) {
-        Some(p) => Region::open_or_create(std::path::Path::new(p.trim()))
-            .map_err(|e| format!("tessera: {}: {e}; CUDA disabled", p.trim()))?,
+    let region_path = match mounted {
+        Some(dir) => Some(dir.join("region")),
+        None => var(ENV_REGION).map(|p| PathBuf::from(p.trim())),
+    };
+    let region = match region_path {
+        Some(p) => Region::open_or_create(&p).map_err(|e| format!("tessera: {}: {e}; CUDA disabled", p.display()))?,
         None => Region::anonymous().map_err(|e| format!("tessera: anonymous region: {e}; CUDA disabled"))?,
     };
     let slot = region.join().map_err(|e| format!("tessera: joining the region: {e}; CUDA disabled"))?;

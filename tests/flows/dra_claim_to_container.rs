@@ -424,6 +424,12 @@ echo "END-OOM $?"
 echo BEGIN-SHARE
 /usr/local/bin/tessera-workload --kernel-us 2000 --seconds 2 --depth 4
 echo "END-SHARE $?"
+echo BEGIN-NOENV
+env -u TESSERA_LIMITS -u TESSERA_REGION -u TESSERA_LEDGER /usr/local/bin/tessera-workload --alloc-mib 9216 --chunk-mib 512
+echo "END-NOENV $?"
+echo BEGIN-OWNENV
+TESSERA_LIMITS= TESSERA_REGION=/tmp/own-region TESSERA_MEMORY_LIMIT=1TiB /usr/local/bin/tessera-workload --alloc-mib 9216 --chunk-mib 512
+echo "END-OWNENV $?"
 "#;
 
 /// The same claim in a runc container that gets its devices, files and environment only from
@@ -495,6 +501,14 @@ async fn a_claim_reaches_a_runc_container_through_its_cdi_spec() {
     let got = oom["allocated_bytes"].as_u64().expect("allocated");
     let limit = 8u64 << 30;
     assert!(got + OVERHEAD_MIB * MIB <= limit && got + OVERHEAD_MIB * MIB + 512 * MIB > limit, "{got} of {limit}");
+    // A hostile tenant's own environment: the limits, region and ledger come from the mounted
+    // allocation directory whatever it says (unset, or a private region and a limit of its own).
+    for tag in ["NOENV", "OWNENV"] {
+        let (o, status) = section(&text, tag);
+        assert_eq!((status.as_str(), o["alloc_error"].as_str()), ("3", Some("CUDA_ERROR_OUT_OF_MEMORY")), "{tag}: {o}");
+        let got_here = o["allocated_bytes"].as_u64().expect("allocated");
+        assert!(got_here + OVERHEAD_MIB * MIB <= limit, "{tag}: {got_here} of {limit}");
+    }
     let (r, status) = section(&text, "SHARE");
     assert_eq!(status, "0", "{r}");
     let share = r["achieved_share"].as_f64().expect("achieved_share");

@@ -27,8 +27,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::region::MAX_UUID_LEN;
 
-/// Path of a limits file; when set it wins over the other variables.
+/// Path of a limits file; when set it wins over the other variables (but not over
+/// [`CONTAINER_ALLOC_DIR`]).
 pub const ENV_LIMITS: &str = "TESSERA_LIMITS";
+/// Where tessera-hook, the runtime wrapper and the CDI specs mount a container's allocation
+/// directory: read-only (`limits`, `ledger`), its `region` read-write. Where `limits` is there,
+/// the limiter takes the limits, the region and the ledger from this directory whatever its
+/// environment says: a tenant writes its own environment, never that mount.
+pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
 /// Standalone memory limit: `"8GiB"`, or per CUDA ordinal `"0=8GiB,1=4GiB"`.
 pub const ENV_MEMORY_LIMIT: &str = "TESSERA_MEMORY_LIMIT";
 /// Standalone SM share: `"30"`, or per CUDA ordinal `"0=30,1=50"`.

@@ -88,22 +88,27 @@ fn policy(st: &ShimState) -> Policy {
     Policy { priority, mode }
 }
 
-/// The daemon's view of the others on this container's GPUs, opened on first need:
-/// `TESSERA_LEDGER`, else `ledger` beside the limits file. None (standalone, or an older
-/// daemon): no yielding and no lending, said once.
+/// The daemon's view of the others on this container's GPUs, opened on first need: the one in
+/// the mounted allocation directory (a tenant's `TESSERA_LEDGER` must not hide a high-priority
+/// neighbour), else `TESSERA_LEDGER`, else `ledger` beside the limits file. None (standalone,
+/// or an older daemon): no yielding and no lending, said once.
 fn the_ledger() -> Option<&'static Ledger> {
     static L: OnceLock<Option<Ledger>> = OnceLock::new();
     L.get_or_init(|| {
-        let path = ledger::ledger_path(
-            std::env::var_os(ledger::ENV_LEDGER).as_deref(),
-            std::env::var_os(tessera_region::ENV_LIMITS).as_deref(),
-        )
-        .or_else(|| {
-            eprintln!(
-                "tessera: no ledger (TESSERA_LEDGER, or a limits file beside one); priorities and lending are off"
-            );
-            None
-        })?;
+        let mounted = state::mounted_alloc_dir().map(|dir| dir.join(ledger::LEDGER_FILE));
+        let path = mounted
+            .or_else(|| {
+                ledger::ledger_path(
+                    std::env::var_os(ledger::ENV_LEDGER).as_deref(),
+                    std::env::var_os(tessera_region::ENV_LIMITS).as_deref(),
+                )
+            })
+            .or_else(|| {
+                eprintln!(
+                    "tessera: no ledger (TESSERA_LEDGER, or a limits file beside one); priorities and lending are off"
+                );
+                None
+            })?;
         Ledger::open_ro(&path).map_err(|e| eprintln!("tessera: {e}; priorities and lending are off")).ok()
     })
     .as_ref()
