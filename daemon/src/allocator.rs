@@ -23,8 +23,8 @@ use crate::state::{
     AllocDirs, AllocatedDevice, Allocation, Claim, ContainerIdentity, Lease, Source, Store, record::unix_ns,
 };
 
-/// Where the allocation directory is mounted in the container.
-pub const CONTAINER_ALLOC_DIR: &str = "/run/tessera/alloc";
+/// Where the allocation directory is mounted in the container (the shim reads its limits there).
+pub use tessera_region::CONTAINER_ALLOC_DIR;
 
 /// The resource name of shares carved on demand through the node API (no kubelet resource
 /// is ever named so: the kubelet's reuse and stale-record rules never see them).
