@@ -149,6 +149,8 @@ table! {
             cuMemAllocFromPoolAsync_ptsz(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
             cuMemFreeAsync(CUdeviceptr, CUstream);
             cuDeviceGetMemPool(*mut CUmemoryPool, CUdevice);
+            cuDeviceGetDefaultMemPool(*mut CUmemoryPool, CUdevice);
+            cuMemPoolCreate(*mut CUmemoryPool, *const c_void);
             cuMemPoolGetAttribute(CUmemoryPool, c_int, *mut c_void);
             cuStreamIsCapturing(CUstream, *mut c_int);
             cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);

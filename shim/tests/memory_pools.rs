@@ -142,3 +142,58 @@ fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
     }
     assert_eq!(region.used(dev), 0);
 }
+
+/// A stream of one device may allocate from a pool of another: the memory is the pool's device's,
+/// and so is the charge. Charged to the stream's device, a pool on device 1 filled from device 0's
+/// streams took device 1 to 3 GiB under its 1 GiB limit (and over-charged device 0).
+#[test]
+fn a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it() {
+    let test = "a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it";
+    if !in_child() {
+        return run_in_container(test, &memory_limits(GIB));
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let path = std::path::PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
+    let region = tessera_region::Region::open_or_create(&path).expect("open region");
+    let (d0, d1) = (region.device(&s.uuid(0)).unwrap(), region.device(&s.uuid(1)).unwrap());
+    let b0 = settled(OVERHEAD_MIB * MIB, || region.used(d0));
+    // SAFETY: in all driver calls below, out-pointers are valid and handles are the driver's.
+    unsafe {
+        let mut one: H = std::ptr::null_mut();
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut one, 1));
+        let mut pool: H = std::ptr::null_mut();
+        ck("cuMemPoolCreate", (cu.cuMemPoolCreate)(&mut pool, &MemPoolProps::device(1)));
+        let b1 = region.used(d1);
+        let mut stream: H = std::ptr::null_mut();
+        ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
+        let from_pool = |bytes: u64| {
+            let mut p = 0u64;
+            match (cu.cuMemAllocFromPoolAsync)(&mut p, bytes as usize, pool, stream) {
+                SUCCESS => Ok(p),
+                rc => Err(rc),
+            }
+        };
+        let a = from_pool(600 * MIB).expect("600 MiB of device 1's pool from device 0's stream");
+        assert_eq!((region.used(d0) - b0, region.used(d1) - b1), (0, 600 * MIB), "charged where the pool is");
+        assert_eq!(gpu_used(1) - b1, 600 * MIB);
+        assert_eq!(from_pool(600 * MIB), Err(OUT_OF_MEMORY), "device 1's limit, whatever stream asks");
+        assert_eq!(gpu_used(1) - b1, 600 * MIB, "the driver never saw it");
+        // Device 0's own limit is untouched by device 1's pool.
+        let own = s.alloc(GIB - OVERHEAD_MIB * MIB).expect("device 0 still has its whole limit");
+        s.free(own);
+        // The default pool of device 1, named explicitly (never made through cuMemPoolCreate):
+        // found among the devices' own pools, charged there too.
+        let mut default1: H = std::ptr::null_mut();
+        ck("cuDeviceGetDefaultMemPool", (cu.cuDeviceGetDefaultMemPool)(&mut default1, 1));
+        let mut p = 0u64;
+        let rc = (cu.cuMemAllocFromPoolAsync)(&mut p, (600 * MIB) as usize, default1, stream);
+        assert_eq!(rc, OUT_OF_MEMORY, "device 1's default pool is device 1's: 600 + 600 MiB > 1 GiB");
+        ck("cuMemFreeAsync", (cu.cuMemFreeAsync)(a, stream));
+        ck("cuStreamSynchronize", (cu.cuStreamSynchronize)(stream));
+        ck("cuMemPoolTrimTo", (cu.cuMemPoolTrimTo)(pool, 0));
+        let b = (cu.cuMemAllocFromPoolAsync)(&mut p, (600 * MIB) as usize, default1, stream);
+        assert_eq!(b, SUCCESS, "the trim gave device 1's memory back");
+        assert_eq!((region.used(d0) - b0, region.used(d1) - b1), (0, 600 * MIB));
+    }
+}

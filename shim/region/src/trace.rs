@@ -158,6 +158,7 @@ trace_funcs! {
     cuGraphInstantiateWithParams_ptsz, cuGraphUpload, cuGraphUpload_ptsz, cuGraphExecDestroy, cuDeviceGraphMemTrim,
     cuMipmappedArrayCreate, cuMipmappedArrayDestroy,
     cuCtxSetLimit,
+    cuMemPoolCreate,
 }
 
 impl TraceFunc {

@@ -43,6 +43,7 @@ use memory::context;
 use memory::ctx_limits;
 use memory::graph;
 use memory::info;
+use memory::pools;
 use memory::vmm;
 
 hooks! {
@@ -112,6 +113,7 @@ hooks! {
     vmm::cuMemMap,
     vmm::cuMemMapArrayAsync,
     vmm::cuMemMapArrayAsync_ptsz,
+    pools::cuMemPoolCreate,
     vmm::cuMemRelease,
     vmm::cuMemRetainAllocationHandle,
     vmm::cuMemUnmap,

@@ -88,6 +88,7 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuMemMap", 10020, false, "cuMemMap"),
     ("cuMemMapArrayAsync", 11010, false, "cuMemMapArrayAsync"),
     ("cuMemMapArrayAsync", 11010, true, "cuMemMapArrayAsync_ptsz"),
+    ("cuMemPoolCreate", 11020, false, "cuMemPoolCreate"),
     ("cuMemRelease", 10020, false, "cuMemRelease"),
     ("cuMemRetainAllocationHandle", 11000, false, "cuMemRetainAllocationHandle"),
     ("cuMemUnmap", 10020, false, "cuMemUnmap"),

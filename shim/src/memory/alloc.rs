@@ -276,10 +276,10 @@ pub unsafe extern "C" fn cuMemAllocPitch(
 // ---- Stream-ordered allocation ---------------------------------------------------------------
 
 /// A stream-ordered allocation on `stream` (as the call means it: [`per_thread`]) is charged to
-/// the stream's device (for a pool, the device the
-/// stream runs on, which is the pool's in every use CUDA allows without peer access) as its pool
-/// grows ([`super::pools`]); where the pool's size cannot be read, by itself, until its free. It
-/// is not freed with a context.
+/// its pool's device (a stream of any device may allocate from a pool; the current pool of the
+/// stream's device is that device's) as the pool grows ([`super::pools`]); where the pool's size
+/// cannot be read, by itself, until its free. A pool of host memory is not charged. It is not
+/// freed with a context.
 fn stream_ordered(
     s: &ShimState,
     cu: &RealCuda,
@@ -288,7 +288,12 @@ fn stream_ordered(
     call: impl FnOnce() -> CUresult,
     made: impl FnOnce() -> Option<u64> + Copy,
 ) -> CUresult {
-    let Some(dev) = s.device_of_stream(stream.cast()) else { return call() };
+    let dev = match pool.and_then(|p| super::pools::home(cu, &s.mem.pools, p as u64)) {
+        Some(super::pools::Home::Host) => return call(),
+        Some(super::pools::Home::Device(ordinal)) => s.device_of_ordinal(ordinal),
+        None => s.device_of_stream(stream.cast()),
+    };
+    let Some(dev) = dev else { return call() };
     let mut call = Some(call);
     let mut once = || call.take().map_or(CUDA_ERROR_UNKNOWN, |c| c());
     if let Some(rc) = super::pools::allocate(s, cu, (dev, stream, pool), bytes, &mut once, made) {

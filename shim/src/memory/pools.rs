@@ -35,6 +35,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::ShimState;
+use tessera_region::TraceFunc;
 
 /// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_MEMPOOL_ATTR_USED_MEM_CURRENT` (cuuint64_t).
 const RESERVED_MEM_CURRENT: c_int = 5;
@@ -53,11 +54,23 @@ struct Pool {
     live: u64,
 }
 
+/// Where a pool's memory lives (`CUmemPoolProps.location`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Home {
+    /// A device, by CUDA ordinal.
+    Device(c_int),
+    /// Host memory (`CU_MEM_LOCATION_TYPE_HOST*`): not the GPU's, not charged.
+    Host,
+}
+
 #[derive(Default)]
 struct Books {
     pools: HashMap<u64, Pool>,
     /// Live allocations from a pool → the pool.
     ptrs: HashMap<u64, u64>,
+    /// Each pool's home, from its creation (`cuMemPoolCreate`) or found among the devices' own
+    /// pools. A handle the driver reuses is a new pool's, recorded again at its creation.
+    homes: HashMap<u64, Home>,
 }
 
 thread_local! {
@@ -180,6 +193,52 @@ fn settle(s: &ShimState, b: &mut Books, pool: u64, dev: usize, now: Option<u64>,
     m.add(p.dev, now);
     p.bytes = now;
     now < held
+}
+
+/// The home of `pool`: recorded at its creation, else one of the devices' default or current
+/// pools (looked for once). `None`: unknown (the caller charges the stream's device).
+pub(crate) fn home(cu: &RealCuda, m: &Pools, pool: u64) -> Option<Home> {
+    if let Some(&h) = m.lock().homes.get(&pool) {
+        return Some(h);
+    }
+    let mut count: c_int = 0;
+    // SAFETY: a valid out-pointer.
+    if unsafe { (cu.cuDeviceGetCount)(&mut count) } != CUDA_SUCCESS {
+        return None;
+    }
+    let of = |f: Option<unsafe extern "C" fn(*mut CUmemoryPool, CUdevice) -> CUresult>, d: c_int| {
+        let mut p: CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; d is an ordinal below the driver's count.
+        f.is_some_and(|f| unsafe { f(&mut p, d) } == CUDA_SUCCESS && p as u64 == pool)
+    };
+    let d = (0..count).find(|&d| of(cu.cuDeviceGetDefaultMemPool, d) || of(cu.cuDeviceGetMemPool, d))?;
+    m.lock().homes.insert(pool, Home::Device(d));
+    Some(Home::Device(d))
+}
+
+/// The home `cuMemPoolCreate`'s properties give (their head is `CUmemAllocationProp`'s).
+fn home_of(props: MemAllocPropHead) -> Home {
+    if props.location_type == CU_MEM_LOCATION_TYPE_DEVICE { Home::Device(props.location_id) } else { Home::Host }
+}
+
+/// # Safety
+/// As cuda.h's `cuMemPoolCreate`. The pool's home is recorded: its allocations are charged
+/// there whatever stream they are made on (a stream of another device may allocate from it).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const std::ffi::c_void) -> CUresult {
+    super::alloc::hook(TraceFunc::cuMemPoolCreate, |s, cu| {
+        let Some(create) = cu.cuMemPoolCreate else { return CUDA_ERROR_NOT_SUPPORTED };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { create(pool, props) };
+        // SAFETY: after a success the driver wrote the handle; props is the caller's
+        // CUmemPoolProps (it was read by the driver), whose head this reads.
+        if rc == CUDA_SUCCESS
+            && let (Some(p), Some(h)) = unsafe { (get(pool.cast_const()), get(props.cast::<MemAllocPropHead>())) }
+        {
+            s.mem.pools.lock().homes.insert(p as u64, home_of(h));
+        }
+        rc
+    })
 }
 
 /// Whether `stream` is being captured into a graph (`CU_STREAM_CAPTURE_STATUS_ACTIVE`). Asked
