@@ -230,11 +230,12 @@ pub unsafe extern "C" fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const 
         let Some(create) = cu.cuMemPoolCreate else { return CUDA_ERROR_NOT_SUPPORTED };
         // SAFETY: the caller's arguments, passed on unchanged.
         let rc = unsafe { create(pool, props) };
+        if rc != CUDA_SUCCESS {
+            return rc;
+        }
         // SAFETY: after a success the driver wrote the handle; props is the caller's
         // CUmemPoolProps (it was read by the driver), whose head this reads.
-        if rc == CUDA_SUCCESS
-            && let (Some(p), Some(h)) = unsafe { (get(pool.cast_const()), get(props.cast::<MemAllocPropHead>())) }
-        {
+        if let (Some(p), Some(h)) = unsafe { (get(pool.cast_const()), get(props.cast::<MemAllocPropHead>())) } {
             s.mem.pools.lock().homes.insert(p as u64, home_of(h));
         }
         rc
