@@ -178,23 +178,31 @@ fn charge_creation(
         return create_deferred(s, Pending { ctx: 0, dev, ordinal, reserved }, create, primary);
     }
     let probe = Probe::for_device(ours, ordinal);
-    let before = probe.read(cu);
-    let own_before = s.held(dev);
+    // Each reading counts only while the books are still (nothing of ours being made or freed,
+    // and, for a free-memory reading, the container's total unmoved) before and after it: an
+    // allocation landing, or a free returning memory, between the two readings would otherwise
+    // be taken for the context (a free made a context read as nothing: uncharged).
+    let still = || Still::now(s, dev, reserved);
+    let (quiet, before) = (still(), probe.read(cu));
+    let quiet = quiet.filter(|q| still().is_some_and(|n| n.same_books(q)));
     let (rc, ctx) = create();
     let Some(ctx) = ctx.filter(|_| rc == CUDA_SUCCESS) else {
         s.refund(dev, reserved);
         return rc;
     };
     made(s, ctx, ordinal, primary);
-    let after = probe.read(cu);
-    // What this process allocated meanwhile (other threads) is not the context's.
-    let meanwhile = s.held(dev).saturating_sub(own_before);
+    let (quiet_after, after) = (still(), probe.read(cu));
+    let same = |n: Option<Still>| n.zip(quiet).is_some_and(|(n, q)| n.same_books(&q));
+    let unmoved = same(quiet_after) && same(still());
     let measured = match (before, after) {
-        (Reading { own: Some(b), .. }, Reading { own: Some(a), .. }) if a > 0 => Some(a.saturating_sub(b)),
-        (Reading { free: Some(b), .. }, Reading { free: Some(a), .. }) => Some(b.saturating_sub(a)),
+        (Reading { own: Some(b), .. }, Reading { own: Some(a), .. }) if a > 0 && unmoved => Some(a.saturating_sub(b)),
+        (Reading { free: Some(b), .. }, Reading { free: Some(a), .. })
+            if unmoved && quiet.is_some_and(|q| q.container_unmoved(s, dev)) =>
+        {
+            Some(b.saturating_sub(a))
+        }
         _ => None,
-    }
-    .map(|m| m.saturating_sub(meanwhile));
+    };
     // Unmeasurable: the estimate stays charged.
     let overhead = measured.unwrap_or(reserved);
     if overhead > reserved && !s.reserve(dev, overhead - reserved) {
@@ -211,6 +219,37 @@ fn charge_creation(
     }
     s.mem.contexts.insert(ctx as u64, Charge { dev, bytes: overhead, ctx: ctx as usize, kind: Kind::Context });
     rc
+}
+
+/// This process's books on a device at a still moment: everything it holds there is made
+/// (landed allocations and contexts' charges, plus `pending`, the reservation of the context
+/// being made), so nothing of ours is reserved but not yet made or being freed; and the
+/// container's total there then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Still {
+    held: u64,
+    landed: u64,
+    container: u64,
+}
+
+impl Still {
+    fn now(s: &ShimState, dev: usize, pending: u64) -> Option<Still> {
+        let held = s.held(dev);
+        let landed = landed(s, dev);
+        let contexts = s.mem.contexts.total_where(|c| c.dev == dev);
+        (held == landed + contexts + pending).then(|| Still { held, landed, container: s.region.used(dev) })
+    }
+
+    /// Nothing of this process's moved between the two moments.
+    fn same_books(&self, other: &Still) -> bool {
+        (self.held, self.landed) == (other.held, other.landed)
+    }
+
+    /// The container's total is what it was (its other processes neither took nor gave back
+    /// memory on the device): a free-memory reading may count for the context.
+    fn container_unmoved(self, s: &ShimState, dev: usize) -> bool {
+        s.region.used(dev) == self.container
+    }
 }
 
 /// A context the driver just made: its device remembered, and a primary context's handle.
