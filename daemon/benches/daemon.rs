@@ -444,6 +444,7 @@ fn breakdown() {
                 sm_percent: Some(10),
                 priority: Default::default(),
                 compute_mode: Default::default(),
+                whole: false,
             }],
             claim: None,
         };

@@ -48,6 +48,7 @@ fn run(n: usize, rounds: usize) {
                 sm_percent: Some(10),
                 priority,
                 compute_mode: ComputeMode::Strict,
+                whole: false,
             }],
             claim: None,
         };

@@ -147,6 +147,7 @@ fn in_process(rounds: usize) {
             sm_percent: Some(10),
             priority: Priority::Normal,
             compute_mode: ComputeMode::Strict,
+            whole: false,
         };
         let a = Allocation {
             id: format!("alloc{c:04}"),

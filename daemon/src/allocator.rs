@@ -416,6 +416,7 @@ impl DaemonAllocator {
                 sm_percent: Some(req.sm_percent),
                 priority: req.priority.unwrap_or(defaults.priority),
                 compute_mode,
+                whole: false,
             }],
             claim: Some(Box::new(Claim { owner: req.owner.clone(), lease: req.lease })),
         };
@@ -455,6 +456,7 @@ impl DaemonAllocator {
             sm_percent: None,
             priority,
             compute_mode: ComputeMode::Strict,
+            whole: false,
         };
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let records: Vec<&Allocation> = store.list().collect();
@@ -611,6 +613,9 @@ impl DaemonAllocator {
         };
         let mut alloc = current.clone();
         for d in &mut alloc.devices {
+            // A device held whole stays held whole: lower limits bind its container, not what
+            // is carved or given beside it (nothing).
+            d.whole = d.is_whole();
             d.memory_limit = change.memory.or(d.memory_limit);
             d.sm_percent = change.sm_percent.or(d.sm_percent);
             d.priority = change.priority.unwrap_or(d.priority);
@@ -621,6 +626,23 @@ impl DaemonAllocator {
                 continue;
             }
             checked.push(&d.physical_uuid);
+            // No limit above the device's own memory (a MIG device is found among its GPU's).
+            let size = gpus.iter().find_map(|g| {
+                if g.uuid.eq_ignore_ascii_case(&d.physical_uuid) {
+                    return Some(g.memory_total);
+                }
+                g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(&d.physical_uuid)).map(|m| m.memory_total)
+            });
+            if let (Some(size), Some(memory)) = (size, change.memory)
+                && memory > size
+            {
+                return Err(Status::invalid_argument(format!(
+                    "memory_bytes: {} is more than device {}'s {}",
+                    carve::size(memory),
+                    d.physical_uuid,
+                    carve::size(size)
+                )));
+            }
             match gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) {
                 Some(gpu) => {
                     let mine = carve::held(gpu, [&alloc], None);
@@ -700,6 +722,7 @@ impl DaemonAllocator {
                     sm_percent: d.sm_percent,
                     priority: if share { defaults.priority } else { Priority::Normal },
                     compute_mode: if share { defaults.compute_mode } else { ComputeMode::Strict },
+                    whole: false,
                 })
             })
             .collect()
@@ -1379,6 +1402,15 @@ pub(crate) mod tests {
         // Nothing is carved from the GPU held whole.
         let err = a.allocate_share(&share(1, 1, "1"), &gpus).unwrap_err();
         assert!(err.message().contains("0 MiB of 4 GiB free, 0% SM free"), "{}", err.message());
+        // Its limits lowered, it is still held whole: they bind its container, and nothing is
+        // carved beside it (it was: the record read as a 1 GiB / 10% share). Never above the GPU.
+        let lower = LimitChange { memory: Some(1 << 30), sm_percent: Some(10), ..Default::default() };
+        let lowered = a.set_limits(&whole.id, lower, &gpus).unwrap();
+        assert!(lowered.devices[0].whole && lowered.devices[0].is_whole());
+        let err = a.allocate_share(&share(1, 1, "1"), &gpus).unwrap_err();
+        assert!(err.message().contains("0 MiB of 4 GiB free, 0% SM free"), "{}", err.message());
+        let err = a.set_limits(&whole.id, LimitChange { memory: Some(5 << 30), ..Default::default() }, &gpus);
+        assert_eq!(err.unwrap_err().code(), tonic::Code::InvalidArgument);
         // The MIG device, once; its limits file names it.
         let mig = a.allocate_share(&ask(DeviceAsk::Mig("3g.20gb".into())), &gpus).unwrap();
         assert_eq!((mig.resource.as_str(), mig.devices[0].device_id.as_str()), (MIG_RESOURCE, "MIG-m0"));
@@ -1386,6 +1418,13 @@ pub(crate) mod tests {
         assert_eq!(limits.devices[0].uuid, "MIG-m0");
         let err = a.allocate_share(&ask(DeviceAsk::Mig("3g.20gb".into())), &gpus).unwrap_err();
         assert!(err.message().contains(&format!("MIG-m0 held by {}", mig.id)), "{}", err.message());
+        // A MIG device's limit: lowered, never above the device (10 TiB on 20 GiB was taken).
+        let err = a.set_limits(&mig.id, LimitChange { memory: Some(10 << 40), ..Default::default() }, &gpus);
+        let err = err.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("more than device MIG-m0's 20 GiB"), "{}", err.message());
+        let lowered = a.set_limits(&mig.id, LimitChange { memory: Some(8 << 30), ..Default::default() }, &gpus);
+        assert!(lowered.unwrap().devices[0].whole);
         let err = a.allocate_share(&ask(DeviceAsk::Mig("7g.80gb".into())), &gpus).unwrap_err();
         assert!(err.message().contains("GPU 2 (GPU-m): no 7g.80gb instance"), "{}", err.message());
         // Bad requests name the field.
@@ -1644,6 +1683,7 @@ pub(crate) mod tests {
             sm_percent: sm,
             priority: Priority::Normal,
             compute_mode: ComputeMode::Strict,
+            whole: false,
         }
     }
 

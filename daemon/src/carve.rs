@@ -78,8 +78,12 @@ pub fn held<'a>(gpu: &GpuRoom, records: impl IntoIterator<Item = &'a Allocation>
     let mut h = Held::default();
     for a in records.into_iter().filter(|a| Some(a.id.as_str()) != except) {
         for d in a.devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(&gpu.uuid)) {
-            h.memory = h.memory.saturating_add(d.memory_limit.unwrap_or(gpu.memory_total));
-            if d.compute_mode == ComputeMode::Strict {
+            // Held whole (limits lowered since): all of it, whatever the limits say.
+            let memory = if d.is_whole() { None } else { d.memory_limit };
+            h.memory = h.memory.saturating_add(memory.unwrap_or(gpu.memory_total));
+            if d.whole {
+                h.strict_sm = h.strict_sm.saturating_add(100);
+            } else if d.compute_mode == ComputeMode::Strict {
                 h.strict_sm = h.strict_sm.saturating_add(d.sm_percent.unwrap_or(100));
             }
         }

@@ -326,6 +326,7 @@ mod tests {
                     sm_percent: None,
                     priority: Priority::Normal,
                     compute_mode: ComputeMode::Strict,
+                    whole: false,
                 })
                 .collect(),
             claim: None,

@@ -71,6 +71,7 @@ fn prometheus_scrapes_exact_container_usage() {
         sm_percent: Some(15),
         priority: Priority::Normal,
         compute_mode: ComputeMode::Strict,
+        whole: false,
     };
     let alloc = Allocation {
         id: "prom0001".into(),

@@ -40,6 +40,7 @@ fn record(id: &str) -> Allocation {
                 sm_percent: Some(10 + i as u32),
                 priority: Priority::High,
                 compute_mode: ComputeMode::WorkConserving,
+                whole: false,
             })
             .collect(),
         claim: None,

@@ -186,7 +186,7 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
                     // Carved on demand (or a DRA claim's part of a GPU): a share of the GPU named
                     // by its UUID. A DRA claim's whole GPU or MIG device has no limit and falls
                     // through to the UUID's kind below.
-                    _ if a.source == Source::NodeApi && d.memory_limit.is_some() => api::DeviceKind::Share,
+                    _ if a.source == Source::NodeApi && !d.is_whole() => api::DeviceKind::Share,
                     Some(Kind::Gpu) => api::DeviceKind::Gpu,
                     Some(Kind::Mig) => api::DeviceKind::Mig,
                     Some(Kind::Share) => api::DeviceKind::Share,

@@ -161,6 +161,7 @@ mod tests {
                 sm_percent: Some(30),
                 priority: Priority::Normal,
                 compute_mode: ComputeMode::Strict,
+                whole: false,
             }],
             claim: Some(Box::new(Claim { owner: Some(uid.into()), lease: Lease::None })),
         }

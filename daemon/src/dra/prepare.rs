@@ -79,6 +79,7 @@ pub fn allocated_device(
         sm_percent,
         priority: granted.priority.unwrap_or(default_priority),
         compute_mode,
+        whole: false,
     };
     Ok((allocated, d.clone()))
 }

@@ -164,6 +164,7 @@ mod tests {
                     sm_percent: None,
                     priority: Default::default(),
                     compute_mode: Default::default(),
+                    whole: false,
                 })
                 .collect(),
             claim: None,

@@ -492,6 +492,7 @@ mod tests {
                 sm_percent: None,
                 priority: Default::default(),
                 compute_mode: Default::default(),
+                whole: false,
             }],
         };
         assert!(!is_free(&g, &[held("MIG-1")]), "a share of one of its MIG devices");

@@ -477,6 +477,7 @@ mod tests {
                 sm_percent: Some(30),
                 priority: Priority::Low,
                 compute_mode: ComputeMode::WorkConserving,
+                whole: false,
             }],
             claim: None,
         }

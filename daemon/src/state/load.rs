@@ -33,24 +33,32 @@ impl DeviceLoad {
         (u64::try_from(memory).unwrap_or(u64::MAX), u32::try_from(self.strict_sm).unwrap_or(u32::MAX))
     }
 
+    /// What part `d` holds: (memory limit or `None` for the whole device's, strict SM percent).
+    /// A device held whole holds all of it whatever its limits say.
+    fn part(d: &AllocatedDevice) -> (Option<u64>, u64) {
+        if d.whole {
+            return (None, 100);
+        }
+        let sm = if d.compute_mode == ComputeMode::Strict { u64::from(d.sm_percent.unwrap_or(100)) } else { 0 };
+        (d.memory_limit, sm)
+    }
+
     fn add(&mut self, d: &AllocatedDevice) {
-        match d.memory_limit {
+        let (memory, sm) = Self::part(d);
+        match memory {
             Some(m) => self.limited_memory += u128::from(m),
             None => self.unlimited += 1,
         }
-        if d.compute_mode == ComputeMode::Strict {
-            self.strict_sm += u64::from(d.sm_percent.unwrap_or(100));
-        }
+        self.strict_sm += sm;
     }
 
     fn sub(&mut self, d: &AllocatedDevice) {
-        match d.memory_limit {
+        let (memory, sm) = Self::part(d);
+        match memory {
             Some(m) => self.limited_memory -= u128::from(m),
             None => self.unlimited -= 1,
         }
-        if d.compute_mode == ComputeMode::Strict {
-            self.strict_sm -= u64::from(d.sm_percent.unwrap_or(100));
-        }
+        self.strict_sm -= sm;
     }
 
     fn is_empty(&self) -> bool {
@@ -127,6 +135,7 @@ mod tests {
             sm_percent: sm,
             priority: Default::default(),
             compute_mode: mode,
+            whole: false,
         }
     }
 

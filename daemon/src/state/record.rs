@@ -83,6 +83,19 @@ pub struct AllocatedDevice {
     pub priority: Priority,
     #[serde(default)]
     pub compute_mode: ComputeMode,
+    /// Held whole (a GPU or MIG device given to this allocation alone) although its limits were
+    /// lowered since (`SetLimits`): nothing is carved from it or given beside it. A device with
+    /// no memory limit is held whole anyway ([`AllocatedDevice::is_whole`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub whole: bool,
+}
+
+impl AllocatedDevice {
+    /// Whether the allocation holds the whole device (all its memory, all its SM time, however
+    /// its limits bind the container), not a share of it.
+    pub fn is_whole(&self) -> bool {
+        self.whole || self.memory_limit.is_none()
+    }
 }
 
 /// How long a node API allocation lives.
@@ -233,6 +246,7 @@ pub(crate) mod tests {
             sm_percent: sm,
             priority: Priority::Normal,
             compute_mode: ComputeMode::Strict,
+            whole: false,
         }
     }
 

@@ -51,6 +51,7 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
                 sm_percent: d.sm_percent,
                 priority: limits.priority,
                 compute_mode: limits.compute_mode,
+                whole: false,
             })
             .collect(),
     })
