@@ -223,6 +223,17 @@ async fn node_api_layout_changes_touch_only_free_devices() {
     // The file's layout for GPU 1 (2 x 3g) replaces the API's 7 x 1g: it is free, so it changes back.
     let back = r.layouts.iter().find(|l| l.gpu_index == 1).expect("GPU 1 reloaded");
     assert_eq!(back.outcome, api::LayoutOutcome::Applied as i32, "{back:?}");
+    // Again, with the restart-only change still in the file: still only needed, never taken
+    // (measured against the file last read, it was taken by the next reload), and the file put
+    // back needs nothing.
+    let elsewhere = "node_api_socket = \"/tmp/elsewhere.sock\"\n[resources]\nshare_placement = \"packed\"";
+    std::fs::write(&config, config_text(&node, dir, elsewhere)).expect("config");
+    let r = api.reload(api::ReloadRequest { dry_run: false }).await.expect("reload").into_inner();
+    assert_eq!(r.applied.iter().map(|c| c.key.as_str()).collect::<Vec<_>>(), ["resources.share_placement"]);
+    assert_eq!(r.needs_restart.iter().map(|c| c.key.as_str()).collect::<Vec<_>>(), ["node_api_socket"], "{r:?}");
+    std::fs::write(&config, config_text(&node, dir, "[resources]\nshare_placement = \"packed\"")).expect("config");
+    let r = api.reload(api::ReloadRequest { dry_run: false }).await.expect("reload").into_inner();
+    assert!(r.needs_restart.is_empty(), "the running value is the file's again: {r:?}");
     std::fs::write(&config, "partitions = 3\n").expect("config");
     let r = api.reload(api::ReloadRequest { dry_run: false }).await.expect("reload").into_inner();
     assert_eq!(r.outcome, api::ReloadOutcome::Rejected as i32);

@@ -355,24 +355,28 @@ impl NodeController {
             let live = self.lock();
             (Arc::clone(&live.file_config), Arc::clone(&live.view.config))
         };
+        // Live keys against the file last read; keys read only at start against what runs, and
+        // what runs is kept for them: measured against the last file, a restart-only change
+        // reported once took effect at the next reload, and a file put back still "needed" one.
         let diff = config::reload(&old_file, &new);
+        let running = config::reload(&in_effect, &new);
         let value = |c: &Config, key: &str| lookup(c, key);
-        let change = |c: &config::Change, reason: &str| api::ConfigChange {
+        let change = |was: &Config, c: &config::Change, reason: &str| api::ConfigChange {
             key: c.key.clone(),
-            old_value: value(&old_file, &c.key),
+            old_value: value(was, &c.key),
             new_value: value(&new, &c.key),
             reason: reason.into(),
         };
         let applied: Vec<_> =
-            diff.changes.iter().filter(|c| c.when == config::When::Live).map(|c| change(c, "")).collect();
-        let needs_restart: Vec<_> = diff
+            diff.changes.iter().filter(|c| c.when == config::When::Live).map(|c| change(&old_file, c, "")).collect();
+        let needs_restart: Vec<_> = running
             .changes
             .iter()
             .filter(|c| c.when == config::When::Restart)
-            .map(|c| change(c, "read only at start; the running value is kept until a restart"))
+            .map(|c| change(&in_effect, c, "read only at start; the running value is kept until a restart"))
             .collect();
         // Layouts: the file's, over what is in effect (which may carry API changes).
-        let mut effective = diff.effective.clone();
+        let mut effective = running.effective.clone();
         effective.partitions = new.partitions.clone();
         let view = self.view();
         let touched: BTreeSet<u32> = view
