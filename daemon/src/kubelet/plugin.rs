@@ -171,6 +171,29 @@ impl DevicePlugin {
     }
 }
 
+/// Each container asks for at least one device, and no device is named twice in one call: the
+/// kubelet never does either, and taken as they came, a device named twice was a record holding
+/// it twice (its container's limits doubled), one named by two containers was given to both
+/// (the first one's record removed as stale by the second), and an empty ask made a record of
+/// nothing each time.
+fn check_distinct(requests: &[Vec<String>]) -> Result<(), Status> {
+    let mut seen = std::collections::HashMap::new();
+    for (c, ids) in requests.iter().enumerate() {
+        if ids.is_empty() {
+            return Err(Status::invalid_argument(format!("container_requests[{c}].devices_ids: empty")));
+        }
+        for id in ids {
+            if let Some(first) = seen.insert(id.as_str(), c) {
+                let at = if first == c { "twice".to_owned() } else { format!("also by container_requests[{first}]") };
+                return Err(Status::invalid_argument(format!(
+                    "container_requests[{c}].devices_ids: device {id:?} is named {at}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 async fn stopped(stop: Option<watch::Receiver<bool>>) {
     match stop {
         // `wait_for` fails only when the sender is gone: stopped too.
@@ -248,6 +271,7 @@ impl dp::device_plugin_server::DevicePlugin for DevicePlugin {
         for ids in &requests {
             self.check_ids(ids)?;
         }
+        check_distinct(&requests)?;
         // A journal flush and a directory made, on this handler's thread (no hop to a pool thread).
         let container_responses = crate::blocking::run(|| {
             requests
@@ -263,5 +287,29 @@ impl dp::device_plugin_server::DevicePlugin for DevicePlugin {
         _: Request<PreStartContainerRequest>,
     ) -> Result<Response<PreStartContainerResponse>, Status> {
         Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(ids: &[&[&str]]) -> Vec<Vec<String>> {
+        ids.iter().map(|c| c.iter().map(|s| (*s).to_owned()).collect()).collect()
+    }
+
+    #[test]
+    fn a_device_named_twice_or_an_empty_ask_is_refused_naming_where() {
+        assert!(check_distinct(&ask(&[&["a", "b"], &["c"]])).is_ok());
+        let err = check_distinct(&ask(&[&["a", "a"]])).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert_eq!(err.message(), "container_requests[0].devices_ids: device \"a\" is named twice");
+        let err = check_distinct(&ask(&[&["a", "b"], &["b"]])).unwrap_err();
+        assert_eq!(
+            err.message(),
+            "container_requests[1].devices_ids: device \"b\" is named also by container_requests[0]"
+        );
+        let err = check_distinct(&ask(&[&["a"], &[]])).unwrap_err();
+        assert_eq!(err.message(), "container_requests[1].devices_ids: empty");
     }
 }
