@@ -685,7 +685,14 @@ impl DaemonAllocator {
             return Ok(alloc);
         }
         store.update(&alloc).map_err(|e| internal("updating the allocation")(e.to_string()))?;
-        self.dirs.update_limits(&alloc).map_err(|e| internal("rewriting the limits")(e.to_string()))?;
+        if let Err(e) = self.dirs.update_limits(&alloc) {
+            // The record goes back to what the container's limits file still says: the daemon
+            // must not enforce terms the shim never got.
+            if let Err(undo) = store.update(&current) {
+                tracing::error!(%id, error = %undo, "cannot put the record back after the limits file failed");
+            }
+            return Err(internal("rewriting the limits")(e.to_string()));
+        }
         tracing::info!(%id, memory = ?change.memory, sm = ?change.sm_percent, priority = ?change.priority, "limits changed");
         Ok(alloc)
     }
@@ -1666,6 +1673,15 @@ pub(crate) mod tests {
         assert_eq!(a.set_limits("nope", change, &rooms()).unwrap_err().code(), tonic::Code::NotFound);
         // Lowering below what is in use is allowed (the shim refuses new allocations past it).
         a.set_limits(&x.id, LimitChange { memory: Some(1 << 20), ..Default::default() }, &rooms()).unwrap();
+        // The limits file cannot be written (a directory in its place): refused, and the record
+        // stays as the file says (it kept the new terms, which the daemon then enforced alone).
+        let before = a.allocations().into_iter().find(|r| r.id == x.id).unwrap();
+        let limits = a.dirs.limits_path(&x.id);
+        std::fs::remove_file(&limits).unwrap();
+        std::fs::create_dir_all(limits.join("x")).unwrap();
+        let err = a.set_limits(&x.id, LimitChange { memory: Some(2 << 20), ..Default::default() }, &rooms());
+        assert_eq!(err.unwrap_err().code(), tonic::Code::Internal);
+        assert_eq!(a.allocations().into_iter().find(|r| r.id == x.id).unwrap(), before);
     }
 
     fn claim(uid: &str, pods: &[(&str, &str)]) -> ClaimOwner {
