@@ -137,6 +137,11 @@ async fn streams_pipes_and_json() {
     let (code, _, err) = tessera(&socket, &["trace", "nobody/here", "--json"]);
     assert_ne!(code, 0);
     assert!(err.contains("no allocation or container"), "{err}");
+
+    // `tessera alloc ... | head -0`: its reader gone before it prints, it ends quietly (it
+    // panicked, printing with std's macros), and so does `allocations --json`.
+    ends_quietly_when_the_reader_goes(&socket, &["alloc", "--memory", "1GiB", "--sm", "10", "--gpu", "1"], 0, &|| {});
+    ends_quietly_when_the_reader_goes(&socket, &["allocations", "--json"], 0, &|| {});
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,9 +10,6 @@
 //! - `tessera trace CONTAINER --seconds N [-o FILE]`: a Perfetto / Chrome trace of a container's
 //!   CUDA calls and kernels.
 
-#[path = "tessera/alloc.rs"]
-mod alloc;
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -27,6 +24,10 @@ macro_rules! println {
     ($($arg:tt)*) => { $crate::output::write(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+// Every module after the macros above (a module before them printed with std's, which panics
+// on a closed pipe: `tessera alloc | head -0` lost the new allocation's id in a panic).
+#[path = "tessera/alloc.rs"]
+mod alloc;
 #[path = "tessera/connect.rs"]
 mod connect;
 #[path = "tessera/json.rs"]
