@@ -154,9 +154,8 @@ fn a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it() {
     }
     let s = Session::start(0);
     let cu = &s.cu;
-    let path = std::path::PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
-    let region = tessera_region::Region::open_or_create(&path).expect("open region");
-    let (d0, d1) = (region.device(&s.uuid(0)).unwrap(), region.device(&s.uuid(1)).unwrap());
+    let (region, d0) = region_and_dev(&s);
+    let d1 = region.device(&s.uuid(1)).expect("device 1's entry");
     let b0 = settled(OVERHEAD_MIB * MIB, || region.used(d0));
     // SAFETY: in all driver calls below, out-pointers are valid and handles are the driver's.
     unsafe {
