@@ -381,7 +381,13 @@ impl ShimState {
                 k.dev
             }
             None => {
-                let dev = self.region.device(&uuid).ok()?;
+                let dev = match self.region.device(&uuid) {
+                    Ok(dev) => dev,
+                    Err(e) => {
+                        self.say_unmapped(ordinal, &e);
+                        return None;
+                    }
+                };
                 let k = Known { ordinal: Some(ordinal), index: ordinal as u32, uuid, dev };
                 self.apply(&k);
                 known.push(k);
@@ -392,6 +398,32 @@ impl ShimState {
             slot.store(dev as u32 + 1, Release);
         }
         Some(dev)
+    }
+
+    /// Whether CUDA device `ordinal` exists but has no entry in the region (its table full, or an
+    /// entry garbled: the container can write the region). With limits to hold, no context is
+    /// made there (`memory::context`): unmapped, its allocations would pass uncounted.
+    #[cold]
+    pub(crate) fn unmappable(&self, ordinal: c_int) -> bool {
+        let Some(cu) = real::cuda() else { return false };
+        let mut u = uuid_zero();
+        // SAFETY: u is a valid out-pointer for a CUuuid.
+        if unsafe { (cu.cuDeviceGetUuid)(&mut u, ordinal) } != CUDA_SUCCESS {
+            return false;
+        }
+        let uuid = self.uuid_key(&uuid_bytes(&u), ordinal);
+        self.region.device(&uuid).is_err()
+    }
+
+    /// One line on stderr, once per process, for a device the region has no entry for.
+    #[cold]
+    fn say_unmapped(&self, ordinal: c_int, e: &tessera_region::RegionError) {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if self.configured && !SAID.swap(true, Relaxed) {
+            eprintln!(
+                "tessera: CUDA device {ordinal}: {e}; no context is made on it (its memory could not be counted)"
+            );
+        }
     }
 
     /// The region device index of a device NVML names by UUID (`index`: its NVML index, used

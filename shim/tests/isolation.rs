@@ -52,6 +52,34 @@ fn a_hostile_writer_of_the_region_lifts_no_limit() {
     wait_child(test, child);
 }
 
+/// A container whose region's device table was filled with names of no device before its
+/// process started: the device cannot be counted, so no context is made on it (fail closed).
+/// Unmapped, it was passed through: 10 GiB allocated under a 2 GiB limit.
+#[test]
+fn a_device_table_filled_by_the_container_makes_no_context_uncounted() {
+    let test = "a_device_table_filled_by_the_container_makes_no_context_uncounted";
+    if in_child() {
+        let cu = Cuda::load();
+        // SAFETY: valid out-pointers throughout.
+        unsafe {
+            ck("cuInit", (cu.cuInit)(0));
+            let mut ctx: H = std::ptr::null_mut();
+            assert_eq!((cu.cuDevicePrimaryCtxRetain)(&mut ctx, 0), NOT_PERMITTED, "no context to allocate in");
+            assert_eq!((cu.cuCtxCreate_v2)(&mut ctx, 0, 0), NOT_PERMITTED);
+        }
+        assert_eq!(gpu_used(0), 0, "nothing reached the GPU");
+        return;
+    }
+    let node = node();
+    let c = Container::new(&memory_limits(2 * GIB));
+    let region = c.region();
+    for i in 0..MAX_DEVICES {
+        region.device(&format!("GPU-00000000-0000-0000-0000-{i:012}")).expect("a junk entry");
+    }
+    let err = wait_child(test, spawn_child(test, container_env(&c, &node)));
+    assert!(err.contains("no context is made on it"), "said why on stderr: {err}");
+}
+
 fn hostile_victim() {
     let dir = test_dir();
     let s = Session::start(0);

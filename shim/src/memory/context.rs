@@ -165,7 +165,14 @@ fn charge_creation(
     undo: impl FnOnce(CUcontext),
     primary: bool,
 ) -> CUresult {
-    let Some(dev) = s.device_of_ordinal(ordinal) else { return create().0 };
+    let Some(dev) = s.device_of_ordinal(ordinal) else {
+        // A device the region has no entry for (filled or garbled by the container): with limits
+        // to hold, no context on it, so nothing is allocated there uncounted (fail closed).
+        if s.configured && s.unmappable(ordinal) {
+            return CUDA_ERROR_NOT_PERMITTED;
+        }
+        return create().0;
+    };
     // One still waiting for its true-up goes first: the readings below would count it too.
     settle(s, dev);
     let reserved = estimate(s.region.context_hint(dev));

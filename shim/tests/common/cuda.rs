@@ -9,6 +9,8 @@ pub type R = c_int;
 pub type H = *mut c_void;
 pub const SUCCESS: R = 0;
 pub const OUT_OF_MEMORY: R = 2;
+/// `CUDA_ERROR_NOT_PERMITTED`.
+pub const NOT_PERMITTED: R = 800;
 
 macro_rules! api {
     ($($name:ident($($t:ty),*);)*) => {
