@@ -125,7 +125,7 @@ pub struct Loss {
     pub recovered: Vec<String>,
     /// Allocation directories with no record that could not be read back: id, why.
     pub unreadable: Vec<(String, String)>,
-    /// The journal as found.
+    /// The journal as found (for a missing one, where it should have been).
     pub copy: PathBuf,
 }
 
@@ -307,6 +307,39 @@ impl Store {
                 l.copy.display()
             );
             loss = Some(l);
+        }
+        // No journal at all while allocation directories remain: it was deleted or moved away (a
+        // first start finds no directories). What it held is lost as a damaged journal's is, and
+        // rebuilt from the directories the same way; loaded as empty, their devices were handed
+        // out again.
+        if existing.is_none()
+            && let Some(dirs) = dirs
+            && dirs.ids().is_ok_and(|ids| !ids.is_empty())
+        {
+            let mut l = Loss { copy: journal_path.clone(), ..Loss::default() };
+            recover_into(&mut index, &removed, dirs, &mut l);
+            tracing::error!(
+                file = %journal_path.display(),
+                recovered = l.recovered.len(),
+                unreadable = l.unreadable.len(),
+                "the allocation journal {} is missing while allocation directories remain under {}: {} allocation(s) \
+                 recovered from them, {} unreadable",
+                journal_path.display(),
+                dirs.root().display(),
+                l.recovered.len(),
+                l.unreadable.len()
+            );
+            loss = Some(l);
+        }
+        // A release the journal holds whose directory is still there: the daemon stopped (kill -9)
+        // between the two. Its removal is finished now; left, its region mounts stayed for good.
+        if let Some(dirs) = dirs {
+            for id in removed.iter().filter(|id| !index.contains_key(*id) && dirs.dir(id).is_dir()) {
+                match dirs.remove(id) {
+                    Ok(_) => tracing::info!(%id, "removed the directory of an allocation released before a restart"),
+                    Err(e) => tracing::warn!(%id, error = %e, "cannot remove the directory of a released allocation"),
+                }
+            }
         }
 
         // Legacy record files: into the index (the journal's record wins), deleted once the
@@ -1029,6 +1062,41 @@ mod tests {
         // Cut inside c's frame, and cut to nothing but a's.
         reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[2] as u64 + 20).unwrap(), &["a", "b"], "truncated");
         reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[1] as u64).unwrap(), &["a"], "truncated");
+    }
+
+    #[test]
+    fn a_missing_journal_with_directories_left_is_a_loss_and_they_are_recovered() {
+        let (_tmp, dir, dirs) = store_and_dirs(&["a", "b"]);
+        std::fs::rename(dir.join(journal::FILE_NAME), dir.join("moved-away")).unwrap();
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        let loss = s.loss().expect("reported: loaded as empty, its devices were handed out again");
+        assert_eq!((loss.read, loss.recovered.clone()), (0, vec!["a".to_string(), "b".to_string()]));
+        assert_eq!(ids(s.list()), ["a", "b"]);
+        assert_eq!(s.get("a").unwrap().source, crate::state::Source::Recovered);
+        drop(s);
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        assert!(s.loss().is_none(), "written into a new journal");
+        assert_eq!(ids(s.list()), ["a", "b"]);
+        // A first start (no journal, no directories) is no loss.
+        let (_tmp2, dir2) = store_with(&[]);
+        std::fs::remove_file(dir2.join(journal::FILE_NAME)).ok();
+        let empty = AllocDirs::new(&_tmp2.path().join("run"));
+        assert!(Store::open_with_dirs(&dir2, &empty).unwrap().loss().is_none());
+    }
+
+    #[test]
+    fn a_release_cut_short_before_its_directory_went_is_finished_at_open() {
+        let (_tmp, dir, dirs) = store_and_dirs(&["a", "b"]);
+        let mut s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        // kill -9 between the removal's flush and the directory's removal.
+        s.remove("a").unwrap();
+        drop(s);
+        assert!(dirs.dir("a").is_dir());
+        let s = Store::open_with_dirs(&dir, &dirs).unwrap();
+        assert!(s.loss().is_none());
+        assert_eq!(ids(s.list()), ["b"]);
+        assert!(!dirs.dir("a").exists(), "the release finished");
+        assert!(dirs.dir("b").is_dir(), "a held allocation's directory is kept");
     }
 
     #[test]
