@@ -7,6 +7,7 @@
 mod alloc;
 mod devices;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -69,6 +70,18 @@ pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListene
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir)?;
     }
+    // A socket someone still answers on is another daemon's (the same runtime_dir): replaced, it
+    // lost its node API, and then its socket when this one stopped. Only a stale one is replaced.
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            format!(
+                "{}: a running process serves it (another tesserad with the same runtime_dir?); stop it, or give \
+                 this daemon another runtime_dir or node_api_socket",
+                socket.display()
+            ),
+        ));
+    }
     let listener = crate::socket::bind_owner_only_tokio(socket)?;
     tracing::info!(socket = %socket.display(), "node API listening");
     Ok(listener)
@@ -83,13 +96,17 @@ pub async fn serve_on(
     enforcement: Option<Arc<crate::enforcement::Stats>>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
+    // The socket's identity, so that only ours is removed at the end.
+    let ours = std::fs::metadata(&socket).ok().map(|m| (m.dev(), m.ino()));
     let result = tonic::transport::Server::builder()
         .add_service(NodeServer::new(NodeApi::new(controller, enforcement, shutdown.clone())))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
             let _ = shutdown.wait_for(|s| *s).await;
         })
         .await;
-    let _ = std::fs::remove_file(&socket);
+    if ours.is_some() && std::fs::metadata(&socket).ok().map(|m| (m.dev(), m.ino())) == ours {
+        let _ = std::fs::remove_file(&socket);
+    }
     result.map_err(std::io::Error::other)
 }
 
@@ -299,5 +316,25 @@ impl Node for NodeApi {
         req: Request<api::SetLimitsRequest>,
     ) -> Result<Response<api::SetLimitsResponse>, Status> {
         crate::blocking::run(|| alloc::set_limits(&self.controller, &req.into_inner())).map(Response::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Another daemon's live socket is never taken over (it lost its node API, and its socket when
+    /// the second one stopped); a stale one is replaced.
+    #[tokio::test]
+    async fn a_live_node_api_socket_is_refused_and_a_stale_one_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let socket = tmp.path().join("run/tessera.sock");
+        let first = bind(&socket).unwrap();
+        let err = bind(&socket).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(err.to_string().contains("another tesserad with the same runtime_dir"), "{err}");
+        assert!(tokio::net::UnixStream::connect(&socket).await.is_ok(), "the first one still serves");
+        drop(first);
+        let _second = bind(&socket).expect("a stale socket is replaced");
     }
 }
