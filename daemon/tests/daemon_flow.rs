@@ -431,3 +431,51 @@ fn withdrawn_in_status(api: &Path) -> Vec<String> {
     ids.sort();
     ids
 }
+
+/// A state or runtime directory another user owns (made ahead in a world-writable place) is
+/// refused, naming the key: that user could replace the journal, the regions, or the hook's
+/// configuration root reads. A path that is a file is named as such. Group- or world-writable
+/// directories of the daemon's own are made private.
+#[test]
+fn directories_another_user_could_change_are_refused() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIP directories_another_user_could_change_are_refused: needs root to chown");
+        assert!(
+            std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(),
+            "TESSERA_REQUIRE_RUNTIMES is set, but not root"
+        );
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = common::write_config(&node, dir, "");
+    let start = || {
+        let out = node.command(binary("tesserad")).arg("--config").arg(&config).output().expect("run");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    std::fs::set_permissions(dir.join("run"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::os::unix::fs::chown(dir.join("run"), Some(65534), Some(65534)).unwrap();
+    let (code, err) = start();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("runtime_dir") && err.contains("owned by uid 65534"), "{err}");
+    std::fs::remove_dir(dir.join("run")).unwrap();
+    std::fs::write(dir.join("state"), "").unwrap();
+    let (code, err) = start();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("state_dir") && err.contains("is not a directory"), "{err}");
+    // Its own, but writable by others: made private (then the daemon runs; stopped here).
+    std::fs::remove_file(dir.join("state")).unwrap();
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    std::fs::set_permissions(dir.join("run"), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !dir.join("run/tessera.sock").exists() {
+        assert!(Instant::now() < deadline, "tesserad did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(std::fs::metadata(dir.join("run")).unwrap().mode() & 0o777, 0o755);
+}

@@ -130,14 +130,48 @@ fn print_summary(session: &Session, after: &Inventory, outcomes: &[partition::Gp
     }
 }
 
+/// Makes `dir` if need be and checks that only this daemon's user can change what is in it: its
+/// owner, and not writable by group or others (such bits are taken off, said once). A directory
+/// another user owns is refused: that user could replace the journal, the regions or the hook's
+/// configuration that root reads.
+fn own_directory(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if let Ok(m) = std::fs::metadata(dir)
+        && !m.is_dir()
+    {
+        return Err("exists and is not a directory".into());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let m = std::fs::metadata(dir).map_err(|e| e.to_string())?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if m.uid() != me {
+        return Err(format!(
+            "owned by uid {}, not by this daemon's uid {me}: that user could change what tesserad keeps there; \
+             chown it to uid {me} or configure another directory",
+            m.uid()
+        ));
+    }
+    if m.mode() & 0o022 != 0 {
+        let mode = m.mode() & 0o7777 & !0o022;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(|e| e.to_string())?;
+        tracing::warn!(dir = %dir.display(), mode = format!("{mode:o}"), "the directory was writable by other users; no longer");
+    }
+    Ok(())
+}
+
 /// How many events are kept on disk for replay.
 const KEPT_EVENTS: usize = 1000;
 
 /// Runs the kubelet servers and the node API until SIGTERM or SIGINT; SIGHUP reloads.
 fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) -> ExitCode {
-    for dir in [&cfg.runtime_dir, &cfg.state_dir, &cfg.device_plugin_dir] {
-        if let Err(e) = std::fs::create_dir_all(dir) {
-            eprintln!("tesserad: {}: {e}", dir.display());
+    for (key, dir) in [
+        ("runtime_dir", &cfg.runtime_dir),
+        ("state_dir", &cfg.state_dir),
+        ("device_plugin_dir", &cfg.device_plugin_dir),
+    ] {
+        if let Err(e) = own_directory(dir) {
+            eprintln!("tesserad: {key}: {}: {e}", dir.display());
             return ExitCode::from(1);
         }
     }
