@@ -609,7 +609,7 @@ impl DaemonAllocator {
         }
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(current) = store.get(id).cloned() else {
-            return Err(Status::not_found(format!("allocation_id: no allocation {id:?}")));
+            return Err(Status::not_found(format!("allocation_id: no allocation {}", crate::echo::quoted(id))));
         };
         let mut alloc = current.clone();
         for d in &mut alloc.devices {
@@ -719,7 +719,11 @@ impl DaemonAllocator {
         ids.iter()
             .map(|id| {
                 let d = offer.device(resource, id).ok_or_else(|| {
-                    Status::invalid_argument(format!("unknown device id {id:?} for resource {}", resource.name))
+                    Status::invalid_argument(format!(
+                        "unknown device id {} for resource {}",
+                        crate::echo::quoted(id),
+                        resource.name
+                    ))
                 })?;
                 let share = resource.kind == Kind::Share;
                 Ok(AllocatedDevice {

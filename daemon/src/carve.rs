@@ -138,7 +138,7 @@ pub fn place<'g>(
         let what = if selector.trim().is_empty() {
             "this node has no GPU".to_string()
         } else {
-            format!("gpu: no GPU {selector:?} on this node (an index, a GPU UUID or a model name)")
+            format!("gpu: no GPU {} on this node (an index, a GPU UUID or a model name)", crate::echo::quoted(selector))
         };
         return Err(what);
     }
@@ -191,7 +191,7 @@ fn named<'g>(gpus: &'g [GpuRoom], selector: &str) -> Result<Vec<&'g GpuRoom>, St
         return Err(if selector.trim().is_empty() {
             "this node has no GPU".to_string()
         } else {
-            format!("gpu: no GPU {selector:?} on this node (an index, a GPU UUID or a model name)")
+            format!("gpu: no GPU {} on this node (an index, a GPU UUID or a model name)", crate::echo::quoted(selector))
         });
     }
     Ok(named)

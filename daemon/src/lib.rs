@@ -40,6 +40,7 @@ pub mod cdi;
 pub mod config;
 pub mod discovery;
 pub mod dra;
+pub mod echo;
 pub mod enforcement;
 pub mod events;
 pub mod health;

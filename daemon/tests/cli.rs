@@ -138,6 +138,16 @@ async fn streams_pipes_and_json() {
     assert_ne!(code, 0);
     assert!(err.contains("no allocation or container"), "{err}");
 
+    // Input repeated in an error is cut short: quoted whole, a 20,000-byte argument made the
+    // status too large for the client's trailers ("h2 protocol error").
+    let long = "A".repeat(20_000);
+    let (code, _, err) = tessera(&socket, &["alloc", "--memory", "1GiB", "--sm", "1", "--gpu", &long]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no GPU") && err.contains("(20000 bytes)"), "{}", &err[..err.len().min(300)]);
+    let (code, _, err) = tessera(&socket, &["limits", "set", &long, "--sm", "5"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("(20000 bytes)") && !err.contains("h2 protocol"), "{}", &err[..err.len().min(300)]);
+
     // `tessera alloc ... | head -0`: its reader gone before it prints, it ends quietly (it
     // panicked, printing with std's macros), and so does `allocations --json`.
     ends_quietly_when_the_reader_goes(&socket, &["alloc", "--memory", "1GiB", "--sm", "10", "--gpu", "1"], 0, &|| {});

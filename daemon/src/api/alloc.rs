@@ -49,12 +49,23 @@ pub fn api_lease(a: &Allocation) -> api::Lease {
     }
 }
 
+/// An owner is printed as it is by `tessera allocations` and in logs: at most 256 bytes, no
+/// control characters, nor those that reorder or break the line they are shown in (U+202A-E,
+/// U+2066-9, U+2028-9: a right-to-left override turned the rest of the row around).
+fn check_owner(owner: &str) -> Result<(), Status> {
+    let reorders = |c: char| matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{2028}' | '\u{2029}');
+    if owner.len() > 256 || owner.chars().any(|c| c.is_control() || reorders(c)) {
+        return Err(Status::invalid_argument(
+            "owner: at most 256 bytes of UTF-8, no control, line-separator or bidirectional-override characters",
+        ));
+    }
+    Ok(())
+}
+
 /// `Allocate`.
 pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Result<api::AllocateResponse, Status> {
     let owner = req.owner.trim();
-    if owner.len() > 256 || owner.chars().any(char::is_control) {
-        return Err(Status::invalid_argument("owner: at most 256 characters, no control characters"));
-    }
+    check_owner(owner)?;
     let device = match (req.mig_profile.trim(), req.whole_gpus) {
         ("", 0) => DeviceAsk::Share,
         (profile, 0) => DeviceAsk::Mig(profile.to_owned()),
@@ -126,4 +137,20 @@ pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> R
     Ok(api::SetLimitsResponse {
         allocation: Some(super::devices::allocation(&alloc, &controller.allocator().resources())),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owner_that_would_garble_the_listing_is_refused_saying_in_bytes() {
+        assert!(check_owner("team-a/fn-7").is_ok());
+        assert!(check_owner(&"é".repeat(128)).is_ok(), "256 bytes");
+        let err = check_owner(&"é".repeat(129)).unwrap_err();
+        assert!(err.message().contains("256 bytes"), "{}", err.message());
+        for bad in ["a\u{202e}b", "a\u{2028}b", "a\u{2066}b", "a\nb", "a\u{7}b"] {
+            assert_eq!(check_owner(bad).unwrap_err().code(), tonic::Code::InvalidArgument, "{bad:?}");
+        }
+    }
 }
