@@ -97,6 +97,8 @@ async fn node_api_layout_changes_touch_only_free_devices() {
     assert_eq!((kinds(api::DeviceKind::Gpu), kinds(api::DeviceKind::Share), kinds(api::DeviceKind::Mig)), (2, 2, 2));
     let gpu0 =
         devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32 && d.index == 0).expect("GPU 0").uuid.clone();
+    let gpu1 =
+        devices.iter().find(|d| d.kind == api::DeviceKind::Gpu as i32 && d.index == 1).expect("GPU 1").uuid.clone();
     let share = devices.iter().find(|d| d.kind == api::DeviceKind::Share as i32 && d.index == 0).expect("share 0");
     assert_eq!(share.id, format!("{gpu0}::0"));
     assert_eq!(share.resource_name, SHARE);
@@ -198,6 +200,24 @@ async fn node_api_layout_changes_touch_only_free_devices() {
         .await
         .unwrap_err();
     assert!(err.message().contains("already named by targets[0]"), "{}", err.message());
+    // A UUID in lower case is the GPU (as Allocate matches it); a GPU that is not there is not
+    // reported as GPU 0.
+    let by_uuid = |u: String| api::LayoutTarget {
+        gpus: Some(api::layout_target::Gpus::Uuid(u)),
+        layout: Some(mig_layout("1g.10gb", 7)),
+    };
+    let r = api
+        .apply_layout(api::ApplyLayoutRequest { targets: vec![by_uuid(gpu1.to_lowercase())], dry_run: true })
+        .await
+        .expect("layout")
+        .into_inner();
+    assert_eq!((r.results[0].gpu_index, r.results[0].gpu_uuid.as_str()), (1, gpu1.as_str()), "{r:?}");
+    let r = api
+        .apply_layout(api::ApplyLayoutRequest { targets: vec![target(9, mig_layout("1g.10gb", 1))], dry_run: true })
+        .await
+        .expect("layout")
+        .into_inner();
+    assert_eq!((r.results[0].gpu_index, r.results[0].gpu_uuid.as_str()), (u32::MAX, ""), "{r:?}");
 
     // The CLI: the table shows the holder; layout show; a dry run; events replay.
     let (code, text) = tessera(&socket, &["status"]);

@@ -25,8 +25,9 @@ impl Inventory {
     }
 
     /// A GPU by UUID.
+    /// A GPU by UUID, in any case (as Allocate and the configuration match them).
     pub fn gpu_by_uuid(&self, uuid: &str) -> Option<&Gpu> {
-        self.gpus.iter().find(|g| g.uuid == uuid)
+        self.gpus.iter().find(|g| g.uuid.eq_ignore_ascii_case(uuid))
     }
 
     /// The common PCIe ancestor of two GPUs.

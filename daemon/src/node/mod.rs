@@ -292,6 +292,8 @@ impl NodeController {
                 };
                 not_found.push(api::GpuLayoutResult {
                     gpu_id: what.clone(),
+                    // No GPU: never 0, which is one (gpu_uuid is empty too).
+                    gpu_index: u32::MAX,
                     outcome: api::LayoutOutcome::Refused as i32,
                     issues: vec![issue(
                         api::LayoutIssueKind::NotFound,
