@@ -183,7 +183,8 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             return ExitCode::from(1);
         }
     };
-    let events = Arc::new(EventBus::new(KEPT_EVENTS, Some(cfg.state_dir.join("events.pb"))));
+    let events =
+        Arc::new(EventBus::new(KEPT_EVENTS, Some(cfg.state_dir.join(tessera_daemon::state::store::EVENTS_FILE))));
     let (controller, results) = match NodeController::start(session, cfg.clone(), source, store, events) {
         Ok(c) => c,
         Err(e @ StartError::Config(_)) => {

@@ -56,6 +56,8 @@ use super::record::{Allocation, Source, unix_ns, valid_id};
 
 const RECORD_EXT: &str = ".json";
 const LEGACY_TMP_EXT: &str = ".json.tmp";
+/// The daemon's kept events (`crate::events`), beside the journal.
+pub const EVENTS_FILE: &str = "events.pb";
 const CORRUPT_EXT: &str = ".corrupt";
 const LOCK_FILE: &str = "lock";
 
@@ -693,8 +695,12 @@ fn file_names(dir: &Path) -> Result<Vec<String>, StateError> {
 /// Whether `name` (not a `.json` record) is one of the store's own files (or was: the temporary
 /// files are gone by the time this is asked).
 fn ours(name: &str) -> bool {
-    // The daemon's other state shares the directory: the driver directories (`crate::cdi`).
+    // The daemon's other state shares the directory: the driver directories (`crate::cdi`), the
+    // kept events (and their damaged or half-written copies), the DRA driver's dynamic MIG
+    // journal (and its damaged copies). Named "not an allocation record" at every start before.
     name == crate::cdi::DRIVER_DIRS
+        || name.starts_with(EVENTS_FILE)
+        || name.starts_with(crate::dra::dynamic_mig::JOURNAL_FILE)
         || name == LOCK_FILE
         || name == journal::FILE_NAME
         || name == journal::TMP_NAME
@@ -1062,6 +1068,15 @@ mod tests {
         // Cut inside c's frame, and cut to nothing but a's.
         reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[2] as u64 + 20).unwrap(), &["a", "b"], "truncated");
         reopen_after(&["a", "b", "c"], |f, o| f.set_len(o[1] as u64).unwrap(), &["a"], "truncated");
+    }
+
+    #[test]
+    fn the_daemons_other_state_files_are_known_and_strangers_are_not() {
+        for name in ["events.pb", "events.pb.corrupt", "events.pb.tmp-7", "dra-dynamic-mig.state", "lock", "driver"] {
+            assert!(ours(name), "{name}");
+        }
+        assert!(ours("dra-dynamic-mig.state.damaged-1796000000"));
+        assert!(!ours("notes.txt") && !ours("events"));
     }
 
     #[test]
