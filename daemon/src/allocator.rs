@@ -626,8 +626,9 @@ impl DaemonAllocator {
                 continue;
             }
             checked.push(&d.physical_uuid);
-            // No limit above the device's own memory (a MIG device is found among its GPU's).
-            let size = gpus.iter().find_map(|g| {
+            // A device held whole: no limit above its own memory (a MIG device is found among its
+            // GPU's). A share's room is checked beside the others below.
+            let size = gpus.iter().filter(|_| d.whole).find_map(|g| {
                 if g.uuid.eq_ignore_ascii_case(&d.physical_uuid) {
                     return Some(g.memory_total);
                 }
