@@ -56,14 +56,27 @@ impl CdiWriter {
         if self.last.as_ref() == Some(&devices) {
             return Ok(false);
         }
-        let node = NodeDevices { devices: devices.clone(), ..self.base.clone() };
+        // A device whose node is missing (a MIG instance whose capability node the host has not
+        // made yet) is left out, said per device: it failed every spec, all devices' with it.
+        let (present, missing) = split_missing(&devices);
+        for d in &missing {
+            let absent: Vec<String> = d.nodes.iter().filter(|n| !n.exists()).map(|n| n.display().to_string()).collect();
+            tracing::error!(device = %d.name, nodes = %absent.join(", "), "left out of the CDI specs: its device node is missing");
+        }
+        let node = NodeDevices { devices: present, ..self.base.clone() };
         let specs = cdi::build_specs(&node).map_err(|e| format!("CDI specs: {e}"))?;
         std::fs::create_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))?;
         cdi::write_specs(&self.dir, &specs).map_err(|e| format!("writing CDI specs: {e}"))?;
-        tracing::info!(dir = %self.dir.display(), devices = devices.len(), "CDI specs written");
-        self.last = Some(devices);
+        tracing::info!(dir = %self.dir.display(), devices = devices.len() - missing.len(), "CDI specs written");
+        // With a device left out, the next refresh tries again (its node may be there by then).
+        self.last = missing.is_empty().then_some(devices);
         Ok(true)
     }
+}
+
+/// The devices whose nodes are all there, and those with a node missing.
+fn split_missing(devices: &[NodeDevice]) -> (Vec<NodeDevice>, Vec<NodeDevice>) {
+    devices.iter().cloned().partition(|d| d.nodes.iter().all(|n| n.exists()))
 }
 
 /// What every spec shares, without devices: the control nodes and driver files found now under
@@ -247,6 +260,26 @@ fn node_devices(view: &View) -> Vec<NodeDevice> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A MIG instance whose capability node the host has not made yet is left out; the other
+    /// devices' specs are still written (the missing node failed them all).
+    #[test]
+    fn a_device_whose_node_is_missing_is_left_out_not_every_spec() {
+        let dev = |name: &str, node: &str| NodeDevice {
+            class: "mig".into(),
+            name: name.into(),
+            aliases: vec![],
+            uuid: name.into(),
+            nodes: vec![PathBuf::from("/dev/null"), PathBuf::from(node)],
+        };
+        let devices = [dev("MIG-a", "/dev/null"), dev("MIG-b", "/dev/nvidia-caps/nvidia-cap-none-here")];
+        let (present, missing) = split_missing(&devices);
+        assert_eq!((present.len(), missing[0].name.as_str()), (1, "MIG-b"));
+        let base = NodeDevices { devices: devices.to_vec(), ..NodeDevices::default() };
+        assert!(cdi::build_specs(&base).is_err(), "with it, no spec at all");
+        let specs = cdi::build_specs(&NodeDevices { devices: present, ..NodeDevices::default() }).unwrap();
+        assert_eq!(specs.iter().map(|s| s.devices.len()).sum::<usize>(), 1);
+    }
 
     #[test]
     fn specs_name_a_hook_config_with_the_daemons_paths_and_the_hosts_driver_root() {
