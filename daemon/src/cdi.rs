@@ -46,7 +46,9 @@ impl CdiWriter {
         let text = spec_hook_config(cfg, runtime_dir).render();
         crate::state::durable::write_file(&hook_config, text.as_bytes(), 0o644)
             .map_err(|e| format!("writing the specs' hook configuration {}: {e}", hook_config.display()))?;
-        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base: base(cfg, runtime_dir, state_dir), last: None }))
+        let base = base(cfg, runtime_dir, state_dir);
+        warn_unseen(cfg, &base);
+        Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None }))
     }
 
     /// Writes the specs for what `view` offers, unless that is what was written last. Returns
@@ -71,6 +73,30 @@ impl CdiWriter {
         // With a device left out, the next refresh tries again (its node may be there by then).
         self.last = missing.is_empty().then_some(devices);
         Ok(true)
+    }
+}
+
+/// Says at start, naming the key, what the specs will name that this daemon cannot see: every
+/// container start would fail on it (the hook refuses a missing shim) or get no driver. A daemon
+/// in a container may not see host paths it names, so these are warnings, not errors.
+fn warn_unseen(cfg: &Injection, base: &NodeDevices) {
+    let unseen = |key: &str, path: &Path| {
+        if !path.as_os_str().is_empty() && !path.exists() {
+            tracing::warn!(
+                key,
+                path = %path.display(),
+                "the CDI specs name a file this daemon does not see: container starts fail unless the host has it"
+            );
+        }
+    };
+    unseen("injection.shim_path", &cfg.shim_path);
+    unseen("injection.hook_path", &cfg.hook_path);
+    if base.driver.libraries.is_empty() {
+        tracing::warn!(
+            key = "injection.driver_root",
+            path = %cfg.driver_root.display(),
+            "no driver libraries found under the driver root: containers get no libcuda or libnvidia-ml"
+        );
     }
 }
 
@@ -463,6 +489,38 @@ mod tests {
         let empty = Injection { driver_root: tmp.path().join("no-driver"), ..Injection::default() };
         assert_eq!(base(&empty, tmp.path(), &state).driver_dir, None);
         assert!(!state.exists(), "nothing built without driver files");
+    }
+
+    /// A shim, hook or driver the specs would name but the daemon cannot see is said at start,
+    /// naming the key (every container start failed on it, and nothing said why until then).
+    #[test]
+    fn what_the_specs_name_and_this_daemon_cannot_see_is_said_naming_the_key() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = Injection {
+            cdi_spec_dir: tmp.path().join("cdi"),
+            driver_root: tmp.path().join("no-driver"),
+            shim_path: tmp.path().join("no/libtessera.so"),
+            hook_path: tmp.path().join("no/tessera-hook"),
+            ..Injection::default()
+        };
+        let (w, log) = logged(|| CdiWriter::new(&cfg, tmp.path(), &tmp.path().join("state")));
+        assert!(w.unwrap().is_some());
+        for key in ["injection.shim_path", "injection.hook_path", "injection.driver_root"] {
+            assert!(log.contains(key), "{key}: {log}");
+        }
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        std::fs::create_dir_all(tmp.path().join("bin")).unwrap();
+        std::fs::write(tmp.path().join("bin/libtessera.so"), "").unwrap();
+        std::fs::write(tmp.path().join("bin/tessera-hook"), "").unwrap();
+        let fine = Injection {
+            driver_root: seen,
+            shim_path: tmp.path().join("bin/libtessera.so"),
+            hook_path: tmp.path().join("bin/tessera-hook"),
+            ..cfg
+        };
+        let (_, log) = logged(|| CdiWriter::new(&fine, tmp.path(), &tmp.path().join("state")));
+        assert!(!log.contains("injection."), "{log}");
     }
 
     #[test]
