@@ -38,6 +38,60 @@ pub fn bind_owner_only_tokio(path: &Path) -> std::io::Result<tokio::net::UnixLis
     tokio::net::UnixListener::from_std(listener)
 }
 
+/// A listener's connections for a gRPC server, pausing after a failed accept. Out of file
+/// descriptors (EMFILE: a client holding thousands of idle connections), `accept` fails at once
+/// for as long as connections wait, and the server's accept loop, retrying at once, spun a core
+/// at 100% and starved the calls it was serving; now it waits [`ACCEPT_PAUSE`] and says why
+/// (once per run of failures).
+pub struct Incoming {
+    listener: tokio::net::UnixListener,
+    pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    failing: bool,
+    what: &'static str,
+}
+
+/// How long accepting pauses after it failed.
+pub const ACCEPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl Incoming {
+    /// `what` names the socket in the warning ("node API").
+    pub fn new(listener: tokio::net::UnixListener, what: &'static str) -> Incoming {
+        Incoming { listener, pause: None, failing: false, what }
+    }
+}
+
+impl tokio_stream::Stream for Incoming {
+    type Item = std::io::Result<tokio::net::UnixStream>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        loop {
+            if let Some(pause) = self.pause.as_mut() {
+                if pause.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                self.pause = None;
+            }
+            match self.listener.poll_accept(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok((stream, _))) => {
+                    self.failing = false;
+                    return Poll::Ready(Some(Ok(stream)));
+                }
+                Poll::Ready(Err(e)) => {
+                    if !std::mem::replace(&mut self.failing, true) {
+                        tracing::warn!(socket = self.what, error = %e, "cannot accept connections; retrying every 100 ms");
+                    }
+                    self.pause = Some(Box::pin(tokio::time::sleep(ACCEPT_PAUSE)));
+                }
+            }
+        }
+    }
+}
+
 fn staging_dir(parent: &Path, name: &std::ffi::OsStr) -> std::io::Result<PathBuf> {
     for attempt in 0..16u32 {
         let mut dir_name = std::ffi::OsString::from(".");

@@ -479,3 +479,59 @@ fn directories_another_user_could_change_are_refused() {
     }
     assert_eq!(std::fs::metadata(dir.join("run")).unwrap().mode() & 0o777, 0o755);
 }
+
+/// Out of file descriptors (a client holding idle connections past the daemon's limit), the node
+/// API pauses accepting and says why instead of spinning: the accept loop retried at once and
+/// took a whole core. Once the connections go, it serves again.
+#[test]
+fn out_of_file_descriptors_the_node_api_waits_instead_of_spinning() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = common::write_config(&node, dir, "");
+    common::unmount_at_exit(dir);
+    let log = dir.join("tesserad.log");
+    // A low descriptor limit, set before exec (as a service manager's LimitNOFILE would be).
+    // Killed when the test ends, failed or not.
+    let daemon = common::Daemon(
+        node.command("prlimit")
+            .args(["--nofile=256:256", "--"])
+            .arg(binary("tesserad"))
+            .arg("--config")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn tesserad under prlimit"),
+    );
+    let socket = dir.join("run/tessera.sock");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        assert!(Instant::now() < deadline, "tesserad did not start:\n{}", std::fs::read_to_string(&log).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let held: Vec<_> = (0..400).filter_map(|_| std::os::unix::net::UnixStream::connect(&socket).ok()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let cpu = || {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", daemon.0.id())).expect("stat");
+        let fields: Vec<&str> = stat.rsplit_once(')').expect("comm").1.split_whitespace().collect();
+        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+    };
+    let before = cpu();
+    std::thread::sleep(Duration::from_secs(1));
+    let ticks = cpu() - before;
+    // Spinning took a whole core (about 100 ticks a second); waiting, a few.
+    assert!(ticks < 50, "{ticks} clock ticks of CPU in a second with accepts failing");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("cannot accept connections"), "{text}");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, out) = common::tessera(&socket, &["status"]);
+        if code == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the node API did not come back: {out}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -16,7 +16,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_server::{Node, NodeServer};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio_stream::Stream;
-use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::node::NodeController;
@@ -100,7 +100,7 @@ pub async fn serve_on(
     let ours = std::fs::metadata(&socket).ok().map(|m| (m.dev(), m.ino()));
     let result = tonic::transport::Server::builder()
         .add_service(NodeServer::new(NodeApi::new(controller, enforcement, shutdown.clone())))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+        .serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "node API"), async move {
             let _ = shutdown.wait_for(|s| *s).await;
         })
         .await;

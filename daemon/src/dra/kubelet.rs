@@ -16,7 +16,6 @@ use tessera_proto::dra::{v1, v1beta1};
 use tessera_proto::dra_health;
 use tessera_proto::pluginregistration::v1 as reg;
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
@@ -171,9 +170,10 @@ impl DraPlugin {
             .add_optional_service(self.health.as_ref().map(HealthService::v1alpha1));
         Ok(tokio::spawn(async move {
             let mut stop = stop;
-            let serve = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                let _ = stop.wait_for(|s| *s).await;
-            });
+            let serve =
+                router.serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "DRA plugin"), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                });
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "the DRA service stopped");
             }
@@ -190,9 +190,10 @@ impl DraPlugin {
         let router = Server::builder().add_service(reg::registration_server::RegistrationServer::new(self.clone()));
         Ok(tokio::spawn(async move {
             let mut stop = stop;
-            let serve = router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
-                let _ = stop.wait_for(|s| *s).await;
-            });
+            let serve =
+                router.serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "DRA plugin"), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                });
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "the DRA registration service stopped");
             }

@@ -18,7 +18,6 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::{self as dp, RegisterRequest};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::{Endpoint, Server};
 
 use super::plugin::DevicePlugin;
@@ -233,7 +232,7 @@ fn start_server(socket: &Path, plugin: &DevicePlugin) -> Result<(watch::Sender<b
     let service = dp::device_plugin_server::DevicePluginServer::new(plugin.with_stop(stop_rx.clone()));
     let mut stop = stop_rx;
     let server = tokio::spawn(Server::builder().add_service(service).serve_with_incoming_shutdown(
-        UnixListenerStream::new(listener),
+        crate::socket::Incoming::new(listener, "device plugin"),
         async move {
             let _ = stop.wait_for(|s| *s).await;
         },
