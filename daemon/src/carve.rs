@@ -304,7 +304,7 @@ pub fn place_mig<'g>(
     Err(msg)
 }
 
-/// A size for people: whole GiB or MiB when exact, else MiB with one decimal.
+/// A size for people: whole GiB or MiB when exact, bytes under a MiB, else MiB with one decimal.
 pub fn size(bytes: u64) -> String {
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
@@ -312,6 +312,9 @@ pub fn size(bytes: u64) -> String {
         format!("{} GiB", bytes / GIB)
     } else if bytes.is_multiple_of(MIB) {
         format!("{} MiB", bytes / MIB)
+    } else if bytes < MIB {
+        // Not "0.0 MiB" for a share of a few bytes.
+        format!("{bytes} B")
     } else {
         format!("{:.1} MiB", bytes as f64 / MIB as f64)
     }
@@ -524,6 +527,14 @@ mod tests {
             place(&gpus, scan(&all), "1", ask(1, 1), Placement::Packed).unwrap_err().contains("0 MiB of 80 GiB free")
         );
         assert!(place_whole(&gpus, &all, "", 1).unwrap_err().starts_with("1 whole GPU asked, 0 free"));
+    }
+
+    #[test]
+    fn sizes_for_people() {
+        assert_eq!(
+            (size(80 * GIB), size(512 << 20), size(1), size((3 << 20) / 2)),
+            ("80 GiB".to_owned(), "512 MiB".to_owned(), "1 B".to_owned(), "1.5 MiB".to_owned())
+        );
     }
 
     #[test]

@@ -119,7 +119,7 @@ async fn a_carved_share_limits_a_host_process_live_and_is_released() {
 
     // Refusals say which GPU has how much free: all but 2 GiB, and 70% SM.
     let free = gpu.memory_bytes - 2 * GIB;
-    let too_big = format!("{}", free + (1 << 20));
+    let too_big = format!("{}B", free + (1 << 20));
     let out = tessera(dir, &["alloc", "--memory", &too_big, "--sm", "10"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
@@ -171,7 +171,7 @@ async fn a_carved_share_limits_a_host_process_live_and_is_released() {
     assert!(ok(&tessera(dir, &["release", &id])).contains("already released"));
     assert_eq!(ok(&tessera(dir, &["allocations", "--json"])).trim(), "[]");
     // The whole GPU's room is back.
-    let all = format!("{}", gpu.memory_bytes);
+    let all = format!("{}B", gpu.memory_bytes);
     ok(&tessera(dir, &["alloc", "--memory", &all, "--sm", "100"]));
     drop(daemon);
 }

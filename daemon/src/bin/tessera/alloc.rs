@@ -96,25 +96,15 @@ pub enum LeaseArg {
     Container,
 }
 
-/// A size: bytes, or a number with a binary unit.
+/// A size, as the configuration and `TESSERA_MEMORY_LIMIT` read one (`tessera_region::parse_size_with_unit`):
+/// the unit required, `Ki Mi Gi Ti` (`KiB` …) powers of 1024, `K M G T` (`KB` …) powers of
+/// 1000, `B` bytes. The CLI had a parser of its own, which took `8GB` as 8 GiB and a bare `4096`
+/// as bytes where the configuration refuses it, and called an overflow "not above 0".
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        other => return Err(format!("{text:?}: unknown unit {other:?} (use B, KiB, MiB, GiB or TiB)")),
-    };
-    let n: f64 = num.parse().map_err(|_| format!("{text:?}: expected a number with an optional unit, e.g. 8GiB"))?;
-    let bytes = n * (1u64 << shift) as f64;
-    if !(1.0..=u64::MAX as f64).contains(&bytes) || bytes.fract() != 0.0 {
-        return Err(format!("{text:?}: not a whole number of bytes above 0"));
+    match tessera_region::parse_size_with_unit(text)? {
+        0 => Err(format!("{text:?}: must be above 0")),
+        bytes => Ok(bytes),
     }
-    Ok(bytes as u64)
 }
 
 fn allocation_json(a: &api::Allocation) -> serde_json::Value {
@@ -266,14 +256,15 @@ mod tests {
     use super::parse_size;
 
     #[test]
-    fn sizes() {
+    fn sizes_read_as_the_configuration_reads_them() {
         assert_eq!(parse_size("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("0").is_err());
+        assert_eq!(parse_size("512Mi"), Ok(512 << 20));
+        assert_eq!(parse_size("8GB"), Ok(8_000_000_000), "decimal, as in the configuration and Kubernetes");
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert!(parse_size("4096").unwrap_err().contains("has no unit"));
+        assert!(parse_size("0B").unwrap_err().contains("above 0"));
         assert!(parse_size("-1G").is_err());
-        assert!(parse_size("8 potatoes").unwrap_err().contains("unknown unit"));
-        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("8 potatoes").unwrap_err().contains("is not a size"));
+        assert!(parse_size("99999999TiB").unwrap_err().contains("is more than"), "an overflow says so");
     }
 }
