@@ -138,6 +138,11 @@ async fn streams_pipes_and_json() {
     assert_ne!(code, 0);
     assert!(err.contains("no allocation or container"), "{err}");
 
+    // A device's UUID given to release is said to be one, not "already released".
+    let (code, _, err) = tessera(&socket, &["release", &gpus[0]["gpu_uuid"].as_str().expect("uuid").to_owned()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("is a device, not an allocation"), "{err}");
+
     // Input repeated in an error is cut short: quoted whole, a 20,000-byte argument made the
     // status too large for the client's trailers ("h2 protocol error").
     let long = "A".repeat(20_000);

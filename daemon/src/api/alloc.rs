@@ -122,6 +122,17 @@ pub fn answer(controller: &NodeController, alloc: &Allocation) -> api::AllocateR
 /// `Release`.
 pub fn release(controller: &NodeController, req: &api::ReleaseRequest) -> Result<api::ReleaseResponse, Status> {
     let released = controller.allocator().release(&req.allocation_id)?;
+    // Nothing by that id; a device's UUID given instead is said to be one ("already released"
+    // told a script it had given the device back).
+    let id = req.allocation_id.as_str();
+    let is_device = |rooms: &[crate::carve::GpuRoom]| {
+        rooms.iter().any(|g| g.uuid.eq_ignore_ascii_case(id) || g.mig.iter().any(|m| m.uuid.eq_ignore_ascii_case(id)))
+    };
+    if !released && is_device(&controller.gpu_rooms()) {
+        return Err(Status::invalid_argument(format!(
+            "allocation_id: {id} is a device, not an allocation; `tessera allocations` names the allocation holding it"
+        )));
+    }
     Ok(api::ReleaseResponse { released })
 }
 
