@@ -139,7 +139,7 @@ async fn streams_pipes_and_json() {
     assert!(err.contains("no allocation or container"), "{err}");
 
     // A device's UUID given to release is said to be one, not "already released".
-    let (code, _, err) = tessera(&socket, &["release", &gpus[0]["gpu_uuid"].as_str().expect("uuid").to_owned()]);
+    let (code, _, err) = tessera(&socket, &["release", gpus[0]["gpu_uuid"].as_str().expect("uuid")]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("is a device, not an allocation"), "{err}");
 
