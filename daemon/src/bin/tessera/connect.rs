@@ -63,6 +63,13 @@ pub fn status_err(s: tonic::Status) -> String {
             if s.message().is_empty() { String::new() } else { format!(" ({})", s.message()) }
         ),
         tonic::Code::Unavailable if s.message().is_empty() => "tesserad is not answering (unavailable)".into(),
+        // The connection broke mid-call (tesserad stopped or was killed): whether the change
+        // was made is for `tessera allocations` (or `status`) to say once it is back.
+        tonic::Code::Unknown | tonic::Code::Unavailable if s.message().contains("transport error") => format!(
+            "the connection to tesserad broke during the call ({}): did it stop? Once it is back, `tessera \
+             allocations` or `tessera status` shows whether the change was made",
+            s.message()
+        ),
         code if s.message().is_empty() => format!("{code}"),
         code => format!("{code}: {}", s.message()),
     }
@@ -81,4 +88,20 @@ pub async fn list_allocations(client: &mut NodeClient<Channel>) -> Result<Vec<ap
         .map_err(status_err)?
         .into_inner()
         .allocations)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::status_err;
+
+    #[test]
+    fn a_connection_broken_mid_call_is_said_to_be_one() {
+        let text = status_err(tonic::Status::unknown("transport error"));
+        assert!(text.starts_with("the connection to tesserad broke during the call"), "{text}");
+        assert!(text.contains("tessera allocations"), "{text}");
+        assert_eq!(
+            status_err(tonic::Status::not_found("no allocation \"x\"")),
+            "Some requested entity was not found: no allocation \"x\""
+        );
+    }
 }
