@@ -211,11 +211,25 @@ impl DaemonAllocator {
     /// Returns how many records there are.
     pub fn reconcile(&self) -> usize {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // After a journal loss, a record whose directory is gone while others' survived may be
+        // one released before the damage (its removal was in what was lost): it is kept (a
+        // held allocation must not be dropped on a guess) and said, so an operator can release it.
+        let runtime_survived = store.loss().is_some() && store.list().any(|a| self.dirs.limits_path(&a.id).exists());
         for alloc in store.list() {
-            if !self.dirs.limits_path(&alloc.id).exists()
-                && let Err(e) = self.dirs.create(alloc)
-            {
-                tracing::error!(id = %alloc.id, error = %e, "cannot recreate the allocation directory");
+            if !self.dirs.limits_path(&alloc.id).exists() {
+                if runtime_survived {
+                    tracing::error!(
+                        id = %alloc.id,
+                        "after the journal's damage, allocation {} is in its records but its directory was gone \
+                         while others' remain: it may have been released before; kept (`tessera release {}` if \
+                         nothing holds it)",
+                        alloc.id,
+                        alloc.id
+                    );
+                }
+                if let Err(e) = self.dirs.create(alloc) {
+                    tracing::error!(id = %alloc.id, error = %e, "cannot recreate the allocation directory");
+                }
             }
             // A directory an older tesserad made has no ledger view: made now, before more of its
             // container's processes start (a process looks for it once).
@@ -1145,6 +1159,31 @@ pub(crate) mod tests {
 
     fn ids(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// After a journal loss, a record whose directory is gone while others' remain is kept and
+    /// said (its release may have been in what was lost); its directory is made again.
+    #[test]
+    fn a_record_back_without_its_directory_after_a_loss_is_kept_and_said() {
+        let tmp = crate::state::mount::TestDir::new();
+        let a = allocator(tmp.path(), Placement::Packed);
+        let x = a.allocate_share(&share(1, 10, "0"), &rooms()).unwrap();
+        let y = a.allocate_share(&share(1, 10, "0"), &rooms()).unwrap();
+        drop(a);
+        let dirs = AllocDirs::new(&tmp.path().join("run"));
+        dirs.remove(&y.id).unwrap();
+        // The journal's end cut off: a loss (nothing of x or y is lost: both were put before).
+        let journal = tmp.path().join("state/allocations.journal");
+        let len = std::fs::metadata(&journal).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&journal).unwrap().set_len(len - 1).unwrap();
+        let store = Store::open_with_dirs(&tmp.path().join("state"), &dirs).unwrap();
+        assert!(store.loss().is_some());
+        let a = DaemonAllocator::new(&Config::default(), resources(), store, dirs.clone());
+        let (kept, log) = crate::testlog::logged(|| a.reconcile());
+        assert_eq!(kept, 2);
+        assert!(log.contains(&format!("allocation {} is in its records but its directory was gone", y.id)), "{log}");
+        assert!(!log.contains(&format!("allocation {} is", x.id)), "{log}");
+        assert!(dirs.limits_path(&y.id).exists(), "kept, its directory made again");
     }
 
     /// The offer's index finds each device as a scan of the resource does (the first of an id),

@@ -286,6 +286,7 @@ fn node_devices(view: &View) -> Vec<NodeDevice> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testlog::logged;
 
     /// A MIG instance whose capability node the host has not made yet is left out; the other
     /// devices' specs are still written (the missing node failed them all).
@@ -370,27 +371,6 @@ mod tests {
         std::fs::write(lib.join("libcuda.so.550.54.15"), "cuda").unwrap();
         std::os::unix::fs::symlink("libcuda.so.550.54.15", lib.join("libcuda.so.1")).unwrap();
         std::fs::write(root.join("usr/bin/nvidia-smi"), "smi").unwrap();
-    }
-
-    /// Runs `f` with the log lines it writes captured.
-    fn logged<T>(f: impl FnOnce() -> T) -> (T, String) {
-        #[derive(Clone, Default)]
-        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-        impl std::io::Write for Lines {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let lines = Lines::default();
-        let writer = lines.clone();
-        let subscriber = tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let out = tracing::subscriber::with_default(subscriber, f);
-        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
-        (out, text)
     }
 
     fn one_gpu_view(cfg: &Injection) -> View {

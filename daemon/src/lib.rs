@@ -56,5 +56,7 @@ pub mod resources;
 pub mod socket;
 pub mod state;
 pub mod telemetry;
+#[cfg(test)]
+pub(crate) mod testlog;
 pub mod trace;
 pub mod usage;
