@@ -39,8 +39,11 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
         },
         source: Source::Recovered,
         created_unix_ns,
-        // A node API allocation's owner and lease are in its record only: recovered without them.
-        claim: None,
+        // A node API allocation's owner is in its record only; its lease to its container is
+        // also in the directory (the marker the runtime's poststop entry looks for): kept, so
+        // the container's end still releases it.
+        claim: tessera_hook::owner::is_leased(&dirs.dir(id))
+            .then(|| Box::new(super::record::Claim { owner: None, lease: super::record::Lease::Container })),
         devices: limits
             .devices
             .iter()
@@ -91,5 +94,21 @@ mod tests {
         let err = from_dir(&dirs, "r2").unwrap_err();
         assert!(err.contains("limits") && err.contains("version"), "{err}");
         assert!(from_dir(&dirs, "none").unwrap_err().contains("none/limits"));
+        assert!(!r.leased_to_container());
+    }
+
+    /// A node API allocation leased to its container keeps its lease (the marker is in its
+    /// directory), so the container's end still releases it; recovered without it, it stayed.
+    #[test]
+    fn a_leased_directory_gives_back_its_lease() {
+        let tmp = crate::state::mount::TestDir::new();
+        let dirs = AllocDirs::new(tmp.path());
+        let mut a = sample("r3");
+        a.claim = Some(Box::new(crate::state::record::Claim {
+            owner: Some("fn".into()),
+            lease: crate::state::record::Lease::Container,
+        }));
+        dirs.create(&a).unwrap();
+        assert!(from_dir(&dirs, "r3").unwrap().leased_to_container());
     }
 }
