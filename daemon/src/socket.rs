@@ -48,15 +48,65 @@ pub struct Incoming {
     pause: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     failing: bool,
     what: &'static str,
+    rebind: Option<Rebind>,
+}
+
+/// The identity of the socket a kept path holds now, shared with whoever removes it at the end.
+pub type Ours = std::sync::Arc<std::sync::Mutex<Option<(u64, u64)>>>;
+
+/// A socket path kept bound: looked at every [`REBIND_CHECK`], bound again when it is gone.
+struct Rebind {
+    path: PathBuf,
+    ours: Ours,
+    check: tokio::time::Interval,
 }
 
 /// How long accepting pauses after it failed.
 pub const ACCEPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+/// How often a kept socket path is looked at.
+pub const REBIND_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A file's identity (device, inode); `None` when it is not there.
+pub fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
 
 impl Incoming {
     /// `what` names the socket in the warning ("node API").
     pub fn new(listener: tokio::net::UnixListener, what: &'static str) -> Incoming {
-        Incoming { listener, pause: None, failing: false, what }
+        Incoming { listener, pause: None, failing: false, what, rebind: None }
+    }
+
+    /// Keeps `path` (where `listener` is bound) bound: a socket file removed by hand or by a
+    /// cleanup left the daemon running unreachable, and clients told "tesserad is not running".
+    /// The returned identity is the socket's now (for removing only our own at the end).
+    pub fn keeping(mut self, path: &Path) -> (Incoming, Ours) {
+        let ours = std::sync::Arc::new(std::sync::Mutex::new(identity(path)));
+        let mut check = tokio::time::interval(REBIND_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        self.rebind = Some(Rebind { path: path.to_path_buf(), ours: std::sync::Arc::clone(&ours), check });
+        (self, ours)
+    }
+
+    /// Binds the kept path again if its socket is gone.
+    fn keep_bound(&mut self, cx: &mut std::task::Context<'_>) {
+        let Some(r) = self.rebind.as_mut() else { return };
+        while r.check.poll_tick(cx).is_ready() {
+            if identity(&r.path).is_some() {
+                continue;
+            }
+            match bind_owner_only_tokio(&r.path) {
+                Ok(listener) => {
+                    self.listener = listener;
+                    *r.ours.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = identity(&r.path);
+                    tracing::warn!(socket = %r.path.display(), "the socket was removed; bound again");
+                }
+                Err(e) => {
+                    tracing::warn!(socket = %r.path.display(), error = %e, "the socket was removed and cannot be bound again")
+                }
+            }
+        }
     }
 }
 
@@ -68,6 +118,7 @@ impl tokio_stream::Stream for Incoming {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
+        self.keep_bound(cx);
         loop {
             if let Some(pause) = self.pause.as_mut() {
                 if pause.as_mut().poll(cx).is_pending() {
@@ -117,6 +168,30 @@ fn invalid(path: &Path, why: &str) -> std::io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept socket removed by hand is bound again within a check, and serves.
+    #[tokio::test]
+    async fn a_kept_socket_removed_is_bound_again() {
+        use tokio_stream::StreamExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("api.sock");
+        let (mut incoming, ours) = Incoming::new(bind_owner_only_tokio(&path).unwrap(), "test").keeping(&path);
+        let first = *ours.lock().unwrap();
+        assert_eq!(first, identity(&path));
+        let server = tokio::spawn(async move {
+            while let Some(conn) = incoming.next().await {
+                drop(conn);
+            }
+        });
+        std::fs::remove_file(&path).unwrap();
+        tokio::time::sleep(REBIND_CHECK * 2 + std::time::Duration::from_millis(200)).await;
+        assert!(tokio::net::UnixStream::connect(&path).await.is_ok(), "bound again");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "owner-only, as at first");
+        let now = *ours.lock().unwrap();
+        assert!(now.is_some() && now != first && now == identity(&path), "the new socket is ours");
+        server.abort();
+    }
 
     #[test]
     fn socket_is_owner_only_and_replaces_only_sockets() {

@@ -7,7 +7,6 @@
 mod alloc;
 mod devices;
 
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -96,15 +95,16 @@ pub async fn serve_on(
     enforcement: Option<Arc<crate::enforcement::Stats>>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    // The socket's identity, so that only ours is removed at the end.
-    let ours = std::fs::metadata(&socket).ok().map(|m| (m.dev(), m.ino()));
+    // Kept bound if removed; its identity, so that only ours is removed at the end.
+    let (incoming, ours) = crate::socket::Incoming::new(listener, "node API").keeping(&socket);
     let result = tonic::transport::Server::builder()
         .add_service(NodeServer::new(NodeApi::new(controller, enforcement, shutdown.clone())))
-        .serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "node API"), async move {
+        .serve_with_incoming_shutdown(incoming, async move {
             let _ = shutdown.wait_for(|s| *s).await;
         })
         .await;
-    if ours.is_some() && std::fs::metadata(&socket).ok().map(|m| (m.dev(), m.ino())) == ours {
+    let ours = *ours.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if ours.is_some() && crate::socket::identity(&socket) == ours {
         let _ = std::fs::remove_file(&socket);
     }
     result.map_err(std::io::Error::other)
