@@ -1062,7 +1062,13 @@ impl Allocator for DaemonAllocator {
         let Some(res) = all.get(resource) else {
             return must_include.iter().chain(available).take(size.max(must_include.len())).cloned().collect();
         };
-        let mut chosen: Vec<String> = must_include.to_vec();
+        // Each id once (a client may repeat one; the kubelet never does).
+        let mut chosen: Vec<String> = Vec::with_capacity(must_include.len());
+        for id in must_include {
+            if !chosen.contains(id) {
+                chosen.push(id.clone());
+            }
+        }
         let mut rest: Vec<&String> = available.iter().filter(|id| !chosen.contains(id)).collect();
         rest.sort();
         match res.kind {
@@ -1256,6 +1262,8 @@ pub(crate) mod tests {
         let tmp = crate::state::mount::TestDir::new();
         let spread = allocator(tmp.path(), Placement::Spread);
         assert_eq!(spread.preferred(SHARE, &all, &ids(&["GPU-a::0"]), 2), ["GPU-a::0", "GPU-b::0"]);
+        // A must-include id repeated is named once.
+        assert_eq!(spread.preferred(SHARE, &all, &ids(&["GPU-a::0", "GPU-a::0"]), 2), ["GPU-a::0", "GPU-b::0"]);
     }
 
     #[test]
