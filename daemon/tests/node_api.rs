@@ -396,3 +396,37 @@ async fn acknowledged_allocations_survive_kill_9_mid_burst_and_never_over_admit(
     assert!(per_gpu.values().all(|&sm| sm == 90), "strict SM per GPU: {per_gpu:?}");
     assert_eq!(after.len(), 24);
 }
+
+/// Shares carved by the node API on a GPU whose file layout is shares, then the journal lost
+/// (emptied): the allocations come back from their directories and the GPU keeps its layout.
+/// Recovered, they read as the whole GPU held: the layout diverged with an IN_USE issue each,
+/// and the kubelet's shares of that GPU were gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn carved_shares_recovered_after_a_journal_loss_keep_their_gpus_layout() {
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(&node, tmp.path(), "[partitions.\"0\"]\nshares = { count = 4 }");
+    let socket = tmp.path().join("run/tessera.sock");
+    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let mut c = client(&socket).await;
+    let ask = api::AllocateRequest { memory_bytes: 1 << 30, sm_percent: 5, gpu: "0".into(), ..Default::default() };
+    for _ in 0..2 {
+        c.allocate(ask.clone()).await.expect("carve");
+    }
+    drop(daemon);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(tmp.path().join("state/allocations.journal"))
+        .expect("journal")
+        .set_len(0)
+        .expect("emptied");
+    let (_daemon, _) = spawn(&node, &config, &notify, &log);
+    let mut c = client(&socket).await;
+    let allocations = c.list_allocations(api::ListAllocationsRequest::default()).await.expect("list").into_inner();
+    assert_eq!(allocations.allocations.len(), 2, "recovered from their directories");
+    let parts = c.list_partitions(api::ListPartitionsRequest::default()).await.expect("parts").into_inner();
+    let p0 = parts.partitions.iter().find(|p| p.gpu_index == 0).expect("GPU 0");
+    assert_eq!(p0.state, api::PartitionState::Converged as i32, "{p0:?}\n{}", std::fs::read_to_string(&log).unwrap());
+    assert_eq!(p0.device_ids.len(), 4, "the kubelet's shares are there: {p0:?}");
+}

@@ -817,7 +817,12 @@ fn taken_devices(gpu: &Gpu, l: &GpuLayout<'_>, allocations: &[Allocation]) -> Ve
                 // MIG devices are the planner's to keep. Counting a carved share as the whole GPU
                 // held refused every shares layout on its GPU, at start too, where the GPU then
                 // lost its shares.
-                _ if a.source == crate::state::Source::NodeApi => {
+                // A part of the GPU recovered from its directory after a journal loss: its
+                // device id is lost, so it is kept as a carved share is (whole, it is held whole
+                // below). Taken as the whole GPU held, it refused the GPU's shares layout.
+                _ if a.source == crate::state::Source::NodeApi
+                    || (a.source == crate::state::Source::Recovered && !d.is_whole()) =>
+                {
                     !on_gpu || !matches!(l.kind, PartitionKind::Mig { .. })
                 }
                 // The whole GPU held: only a whole layout (MIG off) keeps it.
