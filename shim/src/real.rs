@@ -141,6 +141,7 @@ table! {
             cuCtxDetach(CUcontext);
             cuGetProcAddress(*const c_char, *mut *mut c_void, c_int, u64);
             cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
+            cuGetProcAddress_v2_ptsz(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
             cuCtxCreate_v3(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice);
             cuCtxCreate_v4(*mut CUcontext, *mut c_void, c_uint, CUdevice);
             cuMemAllocAsync(*mut CUdeviceptr, usize, CUstream);

@@ -164,6 +164,17 @@ fn lookups_hand_out_the_hook_of_the_version_asked_for() {
     assert_eq!(proc_address(cu, "cuMemAllocAsync", 12080, 2), ours(c"cuMemAllocAsync_ptsz"));
     assert_eq!(proc_address(cu, "cuGraphLaunch", 12080, 2), ours(c"cuGraphLaunch_ptsz"));
     assert_eq!(proc_address(cu, "cuGetProcAddress", 12080, 0), ours(c"cuGetProcAddress_v2"));
+    // The per-thread flavour cuda.h links a --default-stream per-thread build to: ours too, and
+    // what it hands out is ours (the driver's own handed out the driver's functions, every hook
+    // gone).
+    assert_eq!(proc_address(cu, "cuGetProcAddress", 12080, 2), ours(c"cuGetProcAddress_v2_ptsz"));
+    type GetProc = unsafe extern "C" fn(*const std::ffi::c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> R;
+    // SAFETY: the symbol has cuGetProcAddress_v2's signature (cuda.h).
+    let ptsz: GetProc = unsafe { std::mem::transmute(global(c"cuGetProcAddress_v2_ptsz")) };
+    let (mut p, mut status) = (std::ptr::null_mut(), -1);
+    // SAFETY: a C string and valid out-pointers.
+    ck("ptsz lookup", unsafe { ptsz(c"cuMemAlloc".as_ptr(), &mut p, 12080, 0, &mut status) });
+    assert_eq!(p, ours(c"cuMemAlloc_v2"), "through the per-thread cuGetProcAddress: the hook");
     assert_eq!(proc_address(cu, "cuMemGetInfo", 12080, 0), ours(c"cuMemGetInfo_v2"));
     assert_eq!(proc_address(cu, "cuCtxSetLimit", 12080, 0), ours(c"cuCtxSetLimit"));
     let copy = proc_address(cu, "cuMemcpyHtoD", 12080, 0);

@@ -76,6 +76,7 @@ hooks! {
     info::cuDeviceTotalMem_v2,
     procaddr::cuGetProcAddress,
     procaddr::cuGetProcAddress_v2,
+    procaddr::cuGetProcAddress_v2_ptsz,
     graph::cuGraphExecDestroy,
     graph::cuGraphInstantiate,
     graph::cuGraphInstantiateWithFlags,

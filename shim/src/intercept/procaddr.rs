@@ -50,6 +50,7 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuDeviceTotalMem", 3020, false, "cuDeviceTotalMem_v2"),
     ("cuGetProcAddress", 11030, false, "cuGetProcAddress"),
     ("cuGetProcAddress", 12000, false, "cuGetProcAddress_v2"),
+    ("cuGetProcAddress", 12000, true, "cuGetProcAddress_v2_ptsz"),
     ("cuGraphExecDestroy", 10000, false, "cuGraphExecDestroy"),
     ("cuGraphInstantiate", 10000, false, "cuGraphInstantiate"),
     ("cuGraphInstantiate", 11000, false, "cuGraphInstantiate_v2"),
@@ -209,6 +210,32 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     guard(CUDA_ERROR_UNKNOWN, || {
         let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress_v2) else { return CUDA_ERROR_NOT_FOUND };
         // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(symbol, pfn, cudaVersion, flags, symbolStatus) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the driver accepted the name and filled pfn.
+            unsafe { swap(symbol, pfn, cudaVersion, flags) };
+        }
+        rc
+    })
+}
+
+/// # Safety
+/// As cuda.h's `cuGetProcAddress_v2_ptsz` (the name `cuGetProcAddress` has in a build with
+/// `--default-stream per-thread`). Unhooked, a driver's answers from it were its own functions,
+/// every hook of the shim gone.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cudaVersion: c_int,
+    flags: u64,
+    symbolStatus: *mut c_int,
+) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress_v2_ptsz.or(c.cuGetProcAddress_v2)) else {
+            return CUDA_ERROR_NOT_FOUND;
+        };
+        // SAFETY: the caller's arguments, passed on unchanged (both have this signature).
         let rc = unsafe { f(symbol, pfn, cudaVersion, flags, symbolStatus) };
         if rc == CUDA_SUCCESS {
             // SAFETY: the driver accepted the name and filled pfn.
