@@ -197,6 +197,29 @@ pub unsafe extern "C" fn cuGetProcAddress(
     })
 }
 
+/// A driver's `cuGetProcAddress_v2` flavour.
+type GetProcV2 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+
+/// Asks the driver's lookup (`which` picks it), then hands out our hook for what it found.
+///
+/// # Safety
+/// As cuda.h's `cuGetProcAddress_v2`.
+unsafe fn lookup_v2(
+    which: fn(&crate::real::RealCuda) -> Option<GetProcV2>,
+    (symbol, pfn, version, flags, status): (*const c_char, *mut *mut c_void, c_int, u64, *mut c_int),
+) -> CUresult {
+    guard(CUDA_ERROR_UNKNOWN, || {
+        let Some(f) = real::cuda().and_then(which) else { return CUDA_ERROR_NOT_FOUND };
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(symbol, pfn, version, flags, status) };
+        if rc == CUDA_SUCCESS {
+            // SAFETY: the driver accepted the name and filled pfn.
+            unsafe { swap(symbol, pfn, version, flags) };
+        }
+        rc
+    })
+}
+
 /// # Safety
 /// As cuda.h's `cuGetProcAddress_v2` (CUDA 12.0).
 #[unsafe(no_mangle)]
@@ -207,16 +230,8 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: u64,
     symbolStatus: *mut c_int,
 ) -> CUresult {
-    guard(CUDA_ERROR_UNKNOWN, || {
-        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress_v2) else { return CUDA_ERROR_NOT_FOUND };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(symbol, pfn, cudaVersion, flags, symbolStatus) };
-        if rc == CUDA_SUCCESS {
-            // SAFETY: the driver accepted the name and filled pfn.
-            unsafe { swap(symbol, pfn, cudaVersion, flags) };
-        }
-        rc
-    })
+    // SAFETY: the caller's arguments, per the same contract.
+    unsafe { lookup_v2(|c| c.cuGetProcAddress_v2, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
 }
 
 /// # Safety
@@ -231,18 +246,9 @@ pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
     flags: u64,
     symbolStatus: *mut c_int,
 ) -> CUresult {
-    guard(CUDA_ERROR_UNKNOWN, || {
-        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress_v2_ptsz.or(c.cuGetProcAddress_v2)) else {
-            return CUDA_ERROR_NOT_FOUND;
-        };
-        // SAFETY: the caller's arguments, passed on unchanged (both have this signature).
-        let rc = unsafe { f(symbol, pfn, cudaVersion, flags, symbolStatus) };
-        if rc == CUDA_SUCCESS {
-            // SAFETY: the driver accepted the name and filled pfn.
-            unsafe { swap(symbol, pfn, cudaVersion, flags) };
-        }
-        rc
-    })
+    let which = |c: &crate::real::RealCuda| c.cuGetProcAddress_v2_ptsz.or(c.cuGetProcAddress_v2);
+    // SAFETY: the caller's arguments, per the same contract (both flavours have this signature).
+    unsafe { lookup_v2(which, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
 }
 
 #[cfg(test)]
