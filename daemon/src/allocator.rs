@@ -642,12 +642,15 @@ impl DaemonAllocator {
             checked.push(&d.physical_uuid);
             // A device held whole: no limit above its own memory (a MIG device is found among its
             // GPU's). A share's room is checked beside the others below.
-            let size = gpus.iter().filter(|_| d.whole).find_map(|g| {
-                if g.uuid.eq_ignore_ascii_case(&d.physical_uuid) {
-                    return Some(g.memory_total);
-                }
-                g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(&d.physical_uuid)).map(|m| m.memory_total)
-            });
+            let size = || {
+                gpus.iter().find_map(|g| {
+                    if g.uuid.eq_ignore_ascii_case(&d.physical_uuid) {
+                        return Some(g.memory_total);
+                    }
+                    g.mig.iter().find(|m| m.uuid.eq_ignore_ascii_case(&d.physical_uuid)).map(|m| m.memory_total)
+                })
+            };
+            let size = if d.whole { size() } else { None };
             if let (Some(size), Some(memory)) = (size, change.memory)
                 && memory > size
             {

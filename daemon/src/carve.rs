@@ -78,14 +78,9 @@ pub fn held<'a>(gpu: &GpuRoom, records: impl IntoIterator<Item = &'a Allocation>
     let mut h = Held::default();
     for a in records.into_iter().filter(|a| Some(a.id.as_str()) != except) {
         for d in a.devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(&gpu.uuid)) {
-            // Held whole (limits lowered since): all of it, whatever the limits say.
-            let memory = if d.is_whole() { None } else { d.memory_limit };
+            let (memory, strict_sm) = d.holds();
             h.memory = h.memory.saturating_add(memory.unwrap_or(gpu.memory_total));
-            if d.whole {
-                h.strict_sm = h.strict_sm.saturating_add(100);
-            } else if d.compute_mode == ComputeMode::Strict {
-                h.strict_sm = h.strict_sm.saturating_add(d.sm_percent.unwrap_or(100));
-            }
+            h.strict_sm = h.strict_sm.saturating_add(strict_sm);
         }
     }
     h

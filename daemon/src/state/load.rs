@@ -11,8 +11,6 @@
 
 use std::collections::HashMap;
 
-use tessera_region::ComputeMode;
-
 use super::record::{AllocatedDevice, Allocation};
 
 /// The sums over every stored device part on one physical device.
@@ -33,32 +31,22 @@ impl DeviceLoad {
         (u64::try_from(memory).unwrap_or(u64::MAX), u32::try_from(self.strict_sm).unwrap_or(u32::MAX))
     }
 
-    /// What part `d` holds: (memory limit or `None` for the whole device's, strict SM percent).
-    /// A device held whole holds all of it whatever its limits say.
-    fn part(d: &AllocatedDevice) -> (Option<u64>, u64) {
-        if d.whole {
-            return (None, 100);
-        }
-        let sm = if d.compute_mode == ComputeMode::Strict { u64::from(d.sm_percent.unwrap_or(100)) } else { 0 };
-        (d.memory_limit, sm)
-    }
-
     fn add(&mut self, d: &AllocatedDevice) {
-        let (memory, sm) = Self::part(d);
+        let (memory, sm) = d.holds();
         match memory {
             Some(m) => self.limited_memory += u128::from(m),
             None => self.unlimited += 1,
         }
-        self.strict_sm += sm;
+        self.strict_sm += u64::from(sm);
     }
 
     fn sub(&mut self, d: &AllocatedDevice) {
-        let (memory, sm) = Self::part(d);
+        let (memory, sm) = d.holds();
         match memory {
             Some(m) => self.limited_memory -= u128::from(m),
             None => self.unlimited -= 1,
         }
-        self.strict_sm -= sm;
+        self.strict_sm -= u64::from(sm);
     }
 
     fn is_empty(&self) -> bool {
@@ -126,6 +114,7 @@ impl Loads {
 mod tests {
     use super::*;
     use crate::state::record::tests::sample;
+    use tessera_region::ComputeMode;
 
     fn part(uuid: &str, memory: Option<u64>, sm: Option<u32>, mode: ComputeMode) -> AllocatedDevice {
         AllocatedDevice {

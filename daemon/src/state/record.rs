@@ -96,6 +96,17 @@ impl AllocatedDevice {
     pub fn is_whole(&self) -> bool {
         self.whole || self.memory_limit.is_none()
     }
+
+    /// What it holds of its device, as admission counts it: its memory limit (`None`: all the
+    /// device's memory) and its strict SM percent (0 for a work-conserving part). A device held
+    /// whole holds all of it, whatever its limits say.
+    pub fn holds(&self) -> (Option<u64>, u32) {
+        if self.whole {
+            return (None, 100);
+        }
+        let sm = if self.compute_mode == ComputeMode::Strict { self.sm_percent.unwrap_or(100) } else { 0 };
+        (self.memory_limit, sm)
+    }
 }
 
 /// How long a node API allocation lives.
