@@ -10,31 +10,60 @@
 //! it. A SIGBUS anywhere else goes to the handler that was there before, or kills the process as
 //! it would have without the guard.
 //!
-//! The handler is async-signal-safe: a scan of a fixed table of atomics and one `mmap`.
+//! There is no cap on how many mappings are guarded: the registry is a list of fixed-size
+//! segments of atomics, linked by atomic pointers. A segment is allocated by `register` (never by
+//! the handler), published with one compare-and-swap on the last segment's `next`, and never
+//! freed, so a pointer the handler loads stays valid for the life of the process; freed slots are
+//! reused. (A fixed table of 8192 slots left the daemon's mappings past that unguarded: with
+//! about 8,000 allocations, a container truncating its region killed tesserad with SIGBUS.)
+//!
+//! The handler is async-signal-safe: atomic loads along the segment list and one `mmap`.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize};
 
-/// Mappings guarded at once; a mapping beyond that works unguarded (and says so once).
-const SLOTS: usize = 8192;
+/// Slots per segment of the registry.
+const SEGMENT: usize = 1024;
 /// A slot being filled: skipped by the handler.
 const FILLING: usize = usize::MAX;
 
-#[allow(clippy::declare_interior_mutable_const)]
-const FREE: AtomicUsize = AtomicUsize::new(0);
-#[allow(clippy::declare_interior_mutable_const)]
-const CLEAR: AtomicBool = AtomicBool::new(false);
+/// One segment of the registry: `SEGMENT` slots (start 0: free) and the link to the next.
+struct Segment {
+    starts: [AtomicUsize; SEGMENT],
+    lens: [AtomicUsize; SEGMENT],
+    tripped: [AtomicBool; SEGMENT],
+    /// Slots taken; a full segment is skipped by `register` without a scan.
+    used: AtomicUsize,
+    /// The next segment, or null; set once, never cleared.
+    next: AtomicPtr<Segment>,
+}
 
-static STARTS: [AtomicUsize; SLOTS] = [FREE; SLOTS];
-static LENS: [AtomicUsize; SLOTS] = [FREE; SLOTS];
-static TRIPPED: [AtomicBool; SLOTS] = [CLEAR; SLOTS];
-/// One past the highest slot ever used: the handler scans no further.
-static HIGH: AtomicUsize = AtomicUsize::new(0);
+impl Segment {
+    const fn new() -> Segment {
+        Segment {
+            starts: [const { AtomicUsize::new(0) }; SEGMENT],
+            lens: [const { AtomicUsize::new(0) }; SEGMENT],
+            tripped: [const { AtomicBool::new(false) }; SEGMENT],
+            used: AtomicUsize::new(0),
+            next: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// The segment after this one, if any.
+    fn next(&self) -> Option<&'static Segment> {
+        let p = self.next.load(Acquire);
+        // SAFETY: a non-null `next` points to a segment leaked by `register` (Box::into_raw,
+        // never freed) and fully built before it was published with Release.
+        (!p.is_null()).then(|| unsafe { &*p })
+    }
+}
+
+/// The first segment; the others hang off it.
+static FIRST: Segment = Segment::new();
 /// The SIGBUS action in place before ours; set once, before ours is installed.
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
-static FULL_SAID: AtomicBool = AtomicBool::new(false);
 
 /// Installs the SIGBUS handler once per process (later calls do nothing). An error leaves the
 /// process as it was: regions then work unguarded.
@@ -66,58 +95,94 @@ pub fn install() -> std::io::Result<()> {
     }
 }
 
-/// A registered mapping; `None` inside when the table was full.
+/// A registered mapping: its slot in the registry.
 #[derive(Debug)]
-pub(crate) struct Guarded(Option<usize>);
+pub(crate) struct Guarded {
+    segment: &'static Segment,
+    slot: usize,
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Segment")
+    }
+}
 
 impl Guarded {
-    /// Registers `len` bytes mapped at `start`.
+    /// Registers `len` bytes mapped at `start`. Never fails: a new segment is added when every
+    /// slot is taken.
     pub(crate) fn register(start: usize, len: usize) -> Guarded {
-        for i in 0..SLOTS {
-            if STARTS[i].compare_exchange(0, FILLING, AcqRel, Relaxed).is_ok() {
-                LENS[i].store(len, Relaxed);
-                TRIPPED[i].store(false, Relaxed);
-                HIGH.fetch_max(i + 1, AcqRel);
-                STARTS[i].store(start, Release);
-                return Guarded(Some(i));
+        let mut segment: &'static Segment = &FIRST;
+        loop {
+            if segment.used.load(Relaxed) < SEGMENT {
+                for slot in 0..SEGMENT {
+                    if segment.starts[slot].compare_exchange(0, FILLING, AcqRel, Relaxed).is_ok() {
+                        segment.used.fetch_add(1, Relaxed);
+                        segment.lens[slot].store(len, Relaxed);
+                        segment.tripped[slot].store(false, Relaxed);
+                        segment.starts[slot].store(start, Release);
+                        return Guarded { segment, slot };
+                    }
+                }
             }
+            segment = match segment.next() {
+                Some(next) => next,
+                None => {
+                    let new = Box::into_raw(Box::new(Segment::new()));
+                    match segment.next.compare_exchange(std::ptr::null_mut(), new, AcqRel, Acquire) {
+                        // SAFETY: `new` was just leaked from a Box and is now published; it is
+                        // never freed.
+                        Ok(_) => unsafe { &*new },
+                        Err(other) => {
+                            // SAFETY: `new` lost the race and was never published: still ours.
+                            drop(unsafe { Box::from_raw(new) });
+                            // SAFETY: as in `Segment::next`.
+                            unsafe { &*other }
+                        }
+                    }
+                }
+            };
         }
-        if !FULL_SAID.swap(true, Relaxed) {
-            eprintln!("tessera: more than {SLOTS} regions mapped; the ones past that are not guarded against SIGBUS");
-        }
-        Guarded(None)
     }
 
     /// Whether a SIGBUS replaced this mapping with zero pages.
     pub(crate) fn tripped(&self) -> bool {
-        self.0.is_some_and(|i| TRIPPED[i].load(Acquire))
+        self.segment.tripped[self.slot].load(Acquire)
     }
 }
 
 impl Drop for Guarded {
     /// Unregisters; the owner unmaps after this.
     fn drop(&mut self) {
-        if let Some(i) = self.0 {
-            STARTS[i].store(0, Release);
-        }
+        self.segment.starts[self.slot].store(0, Release);
+        self.segment.used.fetch_sub(1, Relaxed);
     }
 }
 
-/// The slot whose mapping holds `addr`.
-fn slot_of(addr: usize) -> Option<usize> {
-    let high = HIGH.load(Acquire).min(SLOTS);
-    (0..high).find(|&i| {
-        let start = STARTS[i].load(Acquire);
-        start != 0 && start != FILLING && addr >= start && addr - start < LENS[i].load(Relaxed)
-    })
+/// The segment and slot whose mapping holds `addr`, with the mapping's start and length.
+fn slot_of(addr: usize) -> Option<(&'static Segment, usize, usize, usize)> {
+    let mut segment = Some(&FIRST);
+    while let Some(s) = segment {
+        for slot in 0..SEGMENT {
+            let start = s.starts[slot].load(Acquire);
+            if start == 0 || start == FILLING || addr < start {
+                continue;
+            }
+            let len = s.lens[slot].load(Relaxed);
+            if addr - start < len {
+                return Some((s, slot, start, len));
+            }
+        }
+        segment = s.next();
+    }
+    None
 }
 
 extern "C" fn on_sigbus(sig: c_int, info: *mut libc::siginfo_t, ctx: *mut c_void) {
     // SAFETY: the kernel passes a valid siginfo_t to an SA_SIGINFO handler; si_addr is the
     // faulting address for SIGBUS.
     let addr = if info.is_null() { 0 } else { (unsafe { (*info).si_addr() }) as usize };
-    if let Some(i) = slot_of(addr) {
-        let (start, len) = (STARTS[i].load(Acquire), LENS[i].load(Relaxed));
+    if let Some((segment, slot, start, len)) = slot_of(addr) {
         // SAFETY: [start, start + len) is a region mapping this process made and has not unmapped
         // (it is unregistered before munmap); replacing it with fresh private zero pages of the
         // same size keeps every reference into it valid. mmap is a plain system call.
@@ -132,7 +197,7 @@ extern "C" fn on_sigbus(sig: c_int, info: *mut libc::siginfo_t, ctx: *mut c_void
             )
         };
         if p != libc::MAP_FAILED {
-            TRIPPED[i].store(true, Release);
+            segment.tripped[slot].store(true, Release);
             return; // the faulting access runs again, on zero pages
         }
     }
@@ -197,6 +262,69 @@ mod tests {
         // A region of the wrong size is refused at open, naming the sizes.
         let err = Region::open_or_create(&path).err().unwrap().to_string();
         assert!(err.contains("bytes"), "{err}");
+    }
+
+    /// The daemon maps every container's region: 20,000 mappings are all guarded, the last one
+    /// as much as the first (a fixed table of 8192 left those past it unguarded, and a truncated
+    /// region killed the daemon with SIGBUS). In a child process: a failure there is a death.
+    #[test]
+    fn twenty_thousand_mappings_are_all_guarded() {
+        const MAPPINGS: usize = 20_000;
+        if std::env::var_os("TESSERA_GUARD_MANY_CHILD").is_some() {
+            use std::os::fd::AsRawFd;
+            crate::guard::install().unwrap();
+            let dir = tmpfs_dir();
+            let path = dir.path().join("small-region");
+            let f = std::fs::OpenOptions::new().create(true).truncate(true).read(true).write(true).open(&path).unwrap();
+            f.set_len(4096).unwrap();
+            let mut maps = Vec::with_capacity(MAPPINGS);
+            for _ in 0..MAPPINGS {
+                // SAFETY: a fresh shared mapping of the test's own 4096-byte file (each its own
+                // mapping of offset 0: the kernel cannot merge them).
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        4096,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED,
+                        f.as_raw_fd(),
+                        0,
+                    )
+                };
+                assert_ne!(p, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+                maps.push((p as usize, super::Guarded::register(p as usize, 4096)));
+            }
+            // SAFETY: inside the last mapping, which is ours and mapped.
+            unsafe { std::ptr::write_volatile((maps[MAPPINGS - 1].0) as *mut u8, 7) };
+            // The tenant's move: the file shrinks under every mapping.
+            f.set_len(0).unwrap();
+            for i in [MAPPINGS - 1, 8192, 0, MAPPINGS / 2] {
+                let (p, guard) = &maps[i];
+                // SAFETY: inside a live mapping; past the file's end now, so this faults.
+                let v = unsafe { std::ptr::read_volatile(*p as *const u8) };
+                assert_eq!(v, 0, "mapping {i} reads as zeros");
+                assert!(guard.tripped(), "mapping {i} is said to be damaged");
+            }
+            println!("survived {MAPPINGS}");
+            std::process::exit(0);
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "guard::tests::twenty_thousand_mappings_are_all_guarded",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("TESSERA_GUARD_MANY_CHILD", "1")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("survived 20000"),
+            "{:?}: {stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// A SIGBUS outside every region still kills the process, as without the guard.
