@@ -4,7 +4,9 @@
 //! Requests: env `TESSERA_VISIBLE_DEVICES` (else `NVIDIA_VISIBLE_DEVICES`), annotation
 //! `tessera.io/devices` (comma lists of UUIDs, share ids, aliases such as indexes, or one of
 //! `all`, `none`, `void`), annotations `cdi.k8s.io/<anything>` holding `tessera.io/<class>=<name>`
-//! names, and the marker variables of devices a CDI-aware runtime already injected.
+//! names, and the marker variables of devices a CDI-aware runtime already injected. Naming the
+//! allocation (env `TESSERA_ALLOCATION`, annotation `tessera.io/allocation`) and nothing else asks
+//! for all it holds.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -138,7 +140,11 @@ struct Ask {
 /// on the node cannot stop it from starting.
 pub fn may_ask(info: &ContainerInfo) -> bool {
     let listed = |v: &String| !matches!(v.trim(), "" | "void");
+    let named = |v: &String| !v.trim().is_empty();
     info.annotations.get(ANNOTATION_DEVICES).is_some_and(listed)
+        // Naming an allocation is a request of its own: its devices, unless a list says `void`.
+        || info.env.get(ENV_ALLOCATION).is_some_and(named)
+        || info.annotations.get(ANNOTATION_ALLOCATION).is_some_and(named)
         || info.env.get(ENV_VISIBLE).is_some_and(listed)
         || (!info.env.contains_key(ENV_VISIBLE) && info.env.get(ENV_NVIDIA_VISIBLE).is_some_and(listed))
         || info.annotations.iter().any(|(k, v)| k.starts_with(CDI_ANNOTATION_PREFIX) && v.contains(cdi::VENDOR))
@@ -175,13 +181,14 @@ fn requests(cfg: &HookConfig, info: &ContainerInfo) -> Result<Requests, InjectEr
         lists.push((ENV_NVIDIA_VISIBLE.into(), v.clone()));
     }
     let allocation = allocation_id(info)?;
+    let mut void = false;
     for (field, value) in &lists {
         match parse_list(field, value)? {
             // CUDA base images set NVIDIA_VISIBLE_DEVICES=all: without an allocation it asks nothing.
             List::All if field == ENV_NVIDIA_VISIBLE && allocation.is_none() && cfg.require_allocation => {}
             List::All => all_from = Some(field.clone()),
             List::None => driver_only = true,
-            List::Void => {}
+            List::Void => void = true,
             List::Ids(ids) => asks.extend(ids.into_iter().map(|id| Ask { field: field.clone(), class: None, id })),
         }
     }
@@ -206,7 +213,24 @@ fn requests(cfg: &HookConfig, info: &ContainerInfo) -> Result<Requests, InjectEr
             asks.push(Ask { field: key.clone(), class: None, id: value.clone() });
         }
     }
+    // Naming the allocation and nothing else asks for all it holds (issue 11): such a container
+    // ran without a GPU. An explicit `void` still means no devices.
+    if asks.is_empty() && all_from.is_none() && !driver_only && !void {
+        all_from = allocation_field(info);
+    }
     Ok(Requests { asks, all_from, driver_only, allocation })
+}
+
+/// The field that names the allocation, for messages; the annotation wins, as in [`allocation_id`].
+fn allocation_field(info: &ContainerInfo) -> Option<String> {
+    let named = |v: Option<&String>| v.is_some_and(|v| !v.trim().is_empty());
+    if named(info.annotations.get(ANNOTATION_ALLOCATION)) {
+        Some(format!("annotation {ANNOTATION_ALLOCATION}"))
+    } else if named(info.env.get(ENV_ALLOCATION)) {
+        Some(ENV_ALLOCATION.to_string())
+    } else {
+        None
+    }
 }
 
 /// The spec classes a request can need, told from the shape of what it names (no spec read);
@@ -815,6 +839,11 @@ pub(crate) mod tests {
         assert_eq!(plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "void")], &[])).unwrap(), None);
         // A CUDA image's default asks nothing without an allocation.
         assert_eq!(plan(&f.cfg, &f.specs, &info(&[(ENV_NVIDIA_VISIBLE, "all")], &[])).unwrap(), None);
+        // An allocation named with an explicit `void`: no devices, as `void` always means.
+        assert_eq!(plan(&f.cfg, &f.specs, &info(&[(ENV_VISIBLE, "void"), (ENV_ALLOCATION, "a1")], &[])).unwrap(), None);
+        // An allocation named but missing is an error, not a container without its GPU.
+        let e = plan(&f.cfg, &f.specs, &info(&[(ENV_ALLOCATION, "nope")], &[])).unwrap_err();
+        assert!(e.0.starts_with("allocation \"nope\": "), "{e}");
     }
 
     #[test]
@@ -827,7 +856,12 @@ pub(crate) mod tests {
             (vec![], vec![(ANNOTATION_DEVICES, "gpu-AAAA"), (ANNOTATION_ALLOCATION, "a1")]),
             (vec![(ENV_ALLOCATION, "a1")], vec![("cdi.k8s.io/x", "nvidia.com/gpu=0,tessera.io/gpu=GPU-aaaa")]),
             (vec![(ENV_ALLOCATION, "a1"), ("TESSERA_CDI_DEVICE_GPU_AAAA", "GPU-aaaa")], vec![]),
+            // Naming the allocation is the request (issue 31, item 6): it ran without a GPU.
+            (vec![(ENV_ALLOCATION, "a1")], vec![]),
+            (vec![], vec![(ANNOTATION_ALLOCATION, "a1")]),
+            (vec![(ENV_ALLOCATION, "a1")], vec![(ANNOTATION_ALLOCATION, "a1")]),
         ] {
+            assert!(may_ask(&info(&env, &ann)), "{env:?} {ann:?}");
             let p = plan(&f.cfg, &f.specs, &info(&env, &ann)).unwrap().unwrap();
             assert_eq!(
                 p.devices,

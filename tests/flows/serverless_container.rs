@@ -71,10 +71,12 @@ async fn a_leased_share_follows_its_runc_container() {
     let first = alloc(dir, "30");
     let id = first["id"].as_str().expect("id").to_owned();
     let uuid = first["devices"][0]["uuid"].as_str().expect("uuid").to_owned();
-    let script = "cat /run/tessera/alloc/limits; \
+    //    It names its allocation and asks for nothing else: naming it is the request (issue 31,
+    //    item 6; such a container ran without a GPU).
+    let script = "echo visible=$TESSERA_VISIBLE_DEVICES preload=$(cat /etc/ld.so.preload); cat /run/tessera/alloc/limits; \
                   for i in $(seq 1 600); do grep -q 'sm_percent = 45' /run/tessera/alloc/limits && break; sleep 0.05; done; \
                   echo changed; cat /run/tessera/alloc/limits; ls /dev";
-    let env = [format!("TESSERA_ALLOCATION={id}"), format!("TESSERA_VISIBLE_DEVICES={uuid}")];
+    let env = [format!("TESSERA_ALLOCATION={id}")];
     let b1 = bundle(dir, "b1", &rootfs, script, &env);
     let mut child = runc(&["run", "--bundle", b1.to_str().unwrap(), "fn-a"])
         .stdout(std::process::Stdio::piped())
@@ -107,6 +109,8 @@ async fn a_leased_share_follows_its_runc_container() {
     assert!(out.0.success(), "{}\n{}", out.1, std::fs::read_to_string(&log).unwrap_or_default());
     let (before, after) = out.1.split_once("changed").expect("the container saw the change");
     assert!(before.contains("sm_percent = 30") && before.contains(&uuid), "{before}");
+    assert!(before.contains(&format!("visible={uuid} ")), "exactly the allocation's GPU: {before}");
+    assert!(before.contains("libtessera.so"), "the shim preloaded: {before}");
     assert!(after.contains("sm_percent = 45"), "the running container sees the new limit: {after}");
     assert!(after.contains("nvidia0") && after.contains("nvidiactl"), "{after}");
     wait_released(dir, &id, &log).await;
