@@ -39,14 +39,27 @@ pub const HOOKS_D_FILE: &str = "tessera-hook.json";
 
 #[cfg(test)]
 mod tests {
+    /// Every file in hooks.d, the entry and its examples alike, names the installed hook and the
+    /// default configuration: the prestart example named `/usr/bin/tessera-hook`, where nothing
+    /// installs it (issue 13's one set of paths).
     #[test]
-    fn the_shipped_hooks_d_entry_names_these_paths() {
-        let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks.d").join(super::HOOKS_D_FILE);
-        let entry: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
-        assert_eq!(entry["hook"]["path"], super::HOOK);
-        assert_eq!(
-            entry["hook"]["args"],
-            serde_json::json!(["tessera-hook", "--config", super::HOOK_CONFIG, "createRuntime"])
-        );
+    fn the_shipped_hooks_d_entries_name_these_paths() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks.d");
+        let mut seen = Vec::new();
+        for file in std::fs::read_dir(&dir).unwrap() {
+            let file = file.unwrap().path();
+            let entry: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+            let stage = entry["stages"][0].as_str().unwrap().to_owned();
+            assert_eq!(entry["hook"]["path"], super::HOOK, "{}", file.display());
+            assert_eq!(
+                entry["hook"]["args"],
+                serde_json::json!(["tessera-hook", "--config", super::HOOK_CONFIG, stage]),
+                "{}",
+                file.display()
+            );
+            seen.push(file.file_name().unwrap().to_string_lossy().into_owned());
+        }
+        seen.sort();
+        assert_eq!(seen, ["tessera-hook-prestart.json.example", super::HOOKS_D_FILE]);
     }
 }

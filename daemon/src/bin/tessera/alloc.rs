@@ -12,8 +12,8 @@ use super::{container_name, enum_name, mib, print_table, row, status_err};
 
 #[derive(Args, Debug)]
 pub struct AllocArgs {
-    /// A share's device memory: bytes, or with a unit (KiB, MiB, GiB, TiB; K/M/G/T and KB/MB/GB
-    /// mean the same).
+    /// A share's device memory with its unit: KiB, MiB, GiB, TiB (Ki, Mi, Gi, Ti) are powers of
+    /// 1024; K, M, G, T (KB, MB, GB, TB) powers of 1000, as in Kubernetes; B bytes.
     #[arg(long, value_parser = parse_size, required_unless_present_any = ["mig", "whole"], requires = "sm")]
     memory: Option<u64>,
     /// A share's percent of the GPU's SM time, 1..=100.
@@ -59,6 +59,8 @@ pub enum LimitsCommand {
 pub struct SetArgs {
     /// The allocation id.
     id: String,
+    /// The new memory limit, with its unit as `alloc --memory` reads it (GiB powers of 1024, GB
+    /// powers of 1000).
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100))]
@@ -266,5 +268,24 @@ mod tests {
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("8 potatoes").unwrap_err().contains("is not a size"));
         assert!(parse_size("99999999TiB").unwrap_err().contains("is more than"), "an overflow says so");
+    }
+
+    /// `--help` says what the parser does: it told users KB/MB/GB meant KiB/MiB/GiB, while the
+    /// parser (and docs/cli.md) read them as powers of 1000.
+    #[test]
+    fn the_help_says_what_the_parser_reads() {
+        use clap::CommandFactory;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            alloc: super::AllocArgs,
+        }
+        let help = Cli::command().render_long_help().to_string();
+        let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(help.contains("KiB, MiB, GiB, TiB (Ki, Mi, Gi, Ti) are powers of 1024"), "{help}");
+        assert!(help.contains("K, M, G, T (KB, MB, GB, TB) powers of 1000"), "{help}");
+        assert!(!help.contains("mean the same"), "{help}");
+        assert_eq!(parse_size("1KB"), Ok(1000));
+        assert_eq!(parse_size("1KiB"), Ok(1024));
     }
 }
