@@ -167,3 +167,69 @@ fn prometheus_scrapes_exact_container_usage() {
     stop.send(true).unwrap();
     rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), server).await }).unwrap().unwrap().unwrap();
 }
+
+/// `metrics_listen = "unix:PATH"`: tesserad serves `/metrics` on an owner-only socket (0600,
+/// root's) that a plain HTTP client scrapes (`curl --unix-socket`), and an unprivileged user
+/// (`nobody`, through `setpriv`) is refused even with the directory open to it. A TCP port,
+/// loopback included, answers anyone on the host.
+#[test]
+fn the_metrics_socket_is_owner_only_and_scraped_over_http() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(),
+            "TESSERA_REQUIRE_RUNTIMES is set, but not root"
+        );
+        println!("SKIP: refusing another user needs root to be that user");
+        return;
+    }
+    let node = tessera_sim_testkit::SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // Every user may reach the directory: only the socket's own mode can refuse them.
+    let open = dir.join("open");
+    std::fs::create_dir(&open).unwrap();
+    for d in [dir, open.as_path()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let socket = open.join("metrics.sock");
+    let config =
+        common::write_config(&node, dir, &format!("[telemetry]\nmetrics_listen = \"unix:{}\"\n", socket.display()));
+    let (mut daemon, _) = common::spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+    let deadline = std::time::Instant::now() + common::WAIT;
+    while !socket.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no socket: {}",
+            std::fs::read_to_string(dir.join("tesserad.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let meta = std::fs::metadata(&socket).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "owner-only");
+    assert_eq!((meta.uid(), meta.gid()), (0, 0), "root's");
+
+    let curl = |prefix: &[&str]| {
+        let mut all: Vec<&str> = prefix.to_vec();
+        let s = socket.to_str().unwrap();
+        all.extend(["curl", "-sS", "--fail", "--max-time", "10", "--unix-socket", s, "http://tesserad/metrics"]);
+        std::process::Command::new(all[0]).args(&all[1..]).output().expect("curl (Debian's curl package)")
+    };
+    let out = curl(&[]);
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(body.lines().any(|l| l.starts_with("DCGM_FI_DEV_FB_FREE{")), "{body}");
+    assert!(body.lines().any(|l| l == "tessera_allocations 0"), "{body}");
+
+    let nobody = curl(&["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]);
+    let err = String::from_utf8_lossy(&nobody.stderr);
+    assert!(!nobody.status.success() && nobody.stdout.is_empty(), "nobody scraped the metrics: {nobody:?}");
+    assert!(err.contains("Permission denied") || err.contains("Couldn't connect"), "{err}");
+
+    // Stopped cleanly, the daemon takes its socket away.
+    let pid = daemon.0.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+    assert!(daemon.0.wait().expect("exit").success());
+    assert!(!socket.exists(), "the socket outlived the daemon");
+}

@@ -307,20 +307,14 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         // Prometheus /metrics only when an address is configured.
         let metrics_task = match &cfg.telemetry.metrics_listen {
             None => None,
-            // `bind` leaves the listener non-blocking, as tokio needs.
-            Some(addr) => match telemetry::bind(addr).and_then(|l| {
-                tokio::net::TcpListener::from_std(l).map_err(|e| telemetry::TelemetryError::Listen {
-                    key: "telemetry.metrics_listen",
-                    addr: addr.clone(),
-                    reason: e.to_string(),
-                })
-            }) {
+            // `listen` leaves the listener non-blocking, as tokio needs.
+            Some(addr) => match telemetry::listen(addr) {
                 Ok(listener) => {
                     tracing::info!(address = %addr, "metrics listening");
                     let source = Arc::new(
                         telemetry::NodeSource::new(Arc::clone(&controller)).with_enforcement(Arc::clone(&enforcement)),
                     );
-                    Some(tokio::spawn(telemetry::serve(listener, source, shutdown_rx.clone())))
+                    Some(tokio::spawn(telemetry::serve_on(listener, source, shutdown_rx.clone())))
                 }
                 Err(e) => {
                     eprintln!("tesserad: {e}");

@@ -135,7 +135,9 @@ pub enum Placement {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Telemetry {
-    /// Prometheus `/metrics` listen address (`host:port`). Unset: no metrics endpoint.
+    /// Prometheus `/metrics` listen address (`host:port`), or `unix:PATH`: an owner-only Unix
+    /// socket (0600), the private choice (a TCP port, loopback too, is open to every local
+    /// user). Unset: no metrics endpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
     /// OTLP/gRPC collector to export metrics and logs to (`http://…` or `https://…`). Unset: none.

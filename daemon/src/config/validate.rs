@@ -56,13 +56,20 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
     }
     resource_prefix(&c.resources.prefix)?;
     injection(&c.injection)?;
-    if let Some(addr) = &c.telemetry.metrics_listen
-        && addr.parse::<SocketAddr>().is_err()
-    {
-        return Err(ConfigError::new(
-            "telemetry.metrics_listen",
-            format!("{addr:?} is not a listen address such as \"127.0.0.1:9400\" or \"[::]:9400\""),
-        ));
+    if let Some(addr) = &c.telemetry.metrics_listen {
+        match crate::telemetry::unix_path(addr) {
+            Some(Err(why)) => return Err(ConfigError::new("telemetry.metrics_listen", format!("{addr:?}: {why}"))),
+            Some(Ok(_)) => {}
+            None if addr.parse::<SocketAddr>().is_err() => {
+                return Err(ConfigError::new(
+                    "telemetry.metrics_listen",
+                    format!(
+                        "{addr:?} is not a listen address such as \"127.0.0.1:9400\" or \"[::]:9400\", nor an owner-only socket such as \"unix:/run/tessera/metrics.sock\""
+                    ),
+                ));
+            }
+            None => {}
+        }
     }
     if let Some(ep) = &c.telemetry.otlp_endpoint {
         let rest = ep.strip_prefix("http://").or_else(|| ep.strip_prefix("https://"));

@@ -1,9 +1,10 @@
-//! Telemetry export: Prometheus `/metrics` (off unless `telemetry.metrics_listen` is set).
+//! Telemetry export: Prometheus `/metrics` (off unless `telemetry.metrics_listen` is set: a TCP
+//! address, or `unix:PATH` for an owner-only Unix socket only root can scrape).
 //!
 //! - [`prometheus`]: the node's metrics ([`NodeMetrics`]: GPUs, per-container usage from
 //!   [`crate::usage`], counts) in the Prometheus text format, with dcgm-exporter's names and
 //!   labels for the per-GPU series so existing dashboards keep working.
-//! - [`server`]: the HTTP endpoint ([`bind`] then [`serve`]) over a [`MetricsSource`].
+//! - [`server`]: the HTTP endpoint ([`listen`] then [`serve_on`]) over a [`MetricsSource`].
 //! - [`source`]: the daemon's source ([`NodeSource`]): NVML, the controller, the regions.
 
 pub mod otlp;
@@ -13,7 +14,7 @@ pub mod source;
 
 pub use otlp::{OtlpExporter, OtlpOptions};
 pub use prometheus::{GpuMetrics, GpuSensors, NodeMetrics, render};
-pub use server::{MetricsSource, bind, serve};
+pub use server::{MetricsListener, MetricsSource, bind, listen, serve, serve_on, unix_path};
 pub use source::NodeSource;
 
 /// What can go wrong setting up telemetry; names the configuration key.

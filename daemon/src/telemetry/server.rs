@@ -1,4 +1,7 @@
-//! The `/metrics` HTTP endpoint: hyper's HTTP/1 server on a TCP listener.
+//! The `/metrics` HTTP endpoint: hyper's HTTP/1 server on a TCP listener, or on an owner-only
+//! Unix socket (`metrics_listen = "unix:PATH"`: mode 0600, bound through [`crate::socket`], so
+//! only root, or whoever runs the daemon, can scrape; a TCP port, loopback included, is open to
+//! every local user, and the series name every container's pod, limits and usage).
 //!
 //! `GET /metrics` (any query string) answers 200 with the [text format](super::prometheus);
 //! `HEAD /metrics` the same headers without a body; another method on `/metrics` 405; any other
@@ -8,6 +11,7 @@
 
 use std::convert::Infallible;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +34,108 @@ const KEY: &str = "telemetry.metrics_listen";
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for requests in flight.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The prefix of a Unix socket path in `metrics_listen`.
+pub const UNIX_PREFIX: &str = "unix:";
+/// The longest Unix socket path (`sun_path` less its NUL).
+const UNIX_PATH_MAX: usize = 107;
+
+/// The socket path of a `metrics_listen` value `unix:PATH`: `None` when the value is not a
+/// `unix:` one; an error saying what is wrong with the path (relative, empty, a directory, too
+/// long for a socket).
+pub fn unix_path(addr: &str) -> Option<Result<PathBuf, String>> {
+    let path = addr.strip_prefix(UNIX_PREFIX)?;
+    let example = "as in \"unix:/run/tessera/metrics.sock\"";
+    Some(if path.is_empty() {
+        Err(format!("no socket path after \"unix:\"; give an absolute path, {example}"))
+    } else if !path.starts_with('/') {
+        Err(format!("the socket path {path:?} is not absolute; give an absolute path, {example}"))
+    } else if path.ends_with('/') || path.split('/').any(|c| c == "." || c == "..") {
+        Err(format!("the socket path {path:?} names a directory, not a socket file, {example}"))
+    } else if path.contains('\0') {
+        Err(format!("the socket path {path:?} holds a NUL byte"))
+    } else if path.len() > UNIX_PATH_MAX {
+        Err(format!("the socket path is {} bytes; a Unix socket path is at most {UNIX_PATH_MAX}", path.len()))
+    } else {
+        Ok(PathBuf::from(path))
+    })
+}
+
+/// Where `/metrics` is served.
+#[derive(Debug)]
+pub enum MetricsListener {
+    /// A TCP address (non-blocking, ready for tokio).
+    Tcp(std::net::TcpListener),
+    /// An owner-only Unix socket (mode 0600) at `path`, with its identity when bound (removed at
+    /// the end only while it is still this socket).
+    Unix { listener: std::os::unix::net::UnixListener, path: PathBuf, identity: Option<(u64, u64)> },
+}
+
+/// Listens where `metrics_listen` says: `unix:PATH` an owner-only Unix socket (a stale socket
+/// there replaced, anything else refused), else a TCP address as [`bind`] takes it. Errors name
+/// `telemetry.metrics_listen`, the value and the reason.
+pub fn listen(addr: &str) -> Result<MetricsListener, TelemetryError> {
+    let err = |reason: String| TelemetryError::Listen { key: KEY, addr: addr.to_string(), reason };
+    let Some(path) = unix_path(addr) else { return bind(addr).map(MetricsListener::Tcp) };
+    let path = path.map_err(err)?;
+    let listener =
+        crate::socket::bind_owner_only(&path).map_err(|e| err(format!("cannot listen on {}: {e}", path.display())))?;
+    listener.set_nonblocking(true).map_err(|e| err(format!("set non-blocking: {e}")))?;
+    let identity = crate::socket::identity(&path);
+    Ok(MetricsListener::Unix { listener, path, identity })
+}
+
+/// Serves `/metrics` on `listener` as [`serve`] does; a Unix socket is removed at the end if it
+/// is still ours.
+pub async fn serve_on(
+    listener: MetricsListener,
+    source: Arc<dyn MetricsSource>,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    match listener {
+        MetricsListener::Tcp(l) => serve(tokio::net::TcpListener::from_std(l)?, source, shutdown).await,
+        MetricsListener::Unix { listener, path, identity } => {
+            let served = serve(tokio::net::UnixListener::from_std(listener)?, source, shutdown).await;
+            remove_if_ours(&path, identity);
+            served
+        }
+    }
+}
+
+fn remove_if_ours(path: &Path, identity: Option<(u64, u64)>) {
+    if identity.is_some() && crate::socket::identity(path) == identity {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// A listener [`serve`] accepts HTTP connections on.
+pub trait Listen: Send + 'static {
+    type Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static;
+    fn accept_one(&self) -> impl std::future::Future<Output = std::io::Result<Self::Stream>> + Send;
+    /// Where it listens, for the log.
+    fn describe(&self) -> String;
+}
+
+impl Listen for tokio::net::TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept_one(&self) -> std::io::Result<Self::Stream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+    fn describe(&self) -> String {
+        self.local_addr().map(|a| format!("http://{a}/metrics")).unwrap_or_default()
+    }
+}
+
+impl Listen for tokio::net::UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept_one(&self) -> std::io::Result<Self::Stream> {
+        self.accept().await.map(|(s, _)| s)
+    }
+    fn describe(&self) -> String {
+        let path = self.local_addr().ok().and_then(|a| a.as_pathname().map(Path::to_path_buf));
+        path.map(|p| format!("/metrics on the owner-only socket {}", p.display())).unwrap_or_default()
+    }
+}
 
 /// What a scrape shows: called once per request, on a blocking thread.
 pub trait MetricsSource: Send + Sync {
@@ -67,24 +173,22 @@ pub fn bind(addr: &str) -> Result<std::net::TcpListener, TelemetryError> {
 /// Serves `/metrics` on `listener` until `shutdown` becomes true (or its sender is dropped): then
 /// stops accepting, lets requests in flight finish (up to 5 s) and returns. Accept errors (such
 /// as running out of file descriptors) are logged and retried; they do not end the server.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
+pub async fn serve<L: Listen>(
+    listener: L,
     source: Arc<dyn MetricsSource>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let mut conns = JoinSet::new();
-    if let Ok(a) = listener.local_addr() {
-        tracing::info!("metrics: serving http://{a}/metrics");
-    }
+    tracing::info!("metrics: serving {}", listener.describe());
     loop {
         let accepted = tokio::select! {
             _ = shutdown.wait_for(|&stop| stop) => break,
-            accepted = listener.accept() => accepted,
+            accepted = listener.accept_one() => accepted,
             // Reap finished connections as we go.
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
         let stream = match accepted {
-            Ok((stream, _peer)) => stream,
+            Ok(stream) => stream,
             Err(e) => {
                 tracing::warn!("metrics: accept: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -239,6 +343,65 @@ mod tests {
         rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), server).await }).unwrap().unwrap().unwrap();
         assert!(std::net::TcpStream::connect(addr).is_err(), "no longer listening");
         drop(idle);
+    }
+
+    /// `unix:PATH`: an owner-only socket (0600, this user's), served, and removed at the end.
+    #[test]
+    fn a_unix_socket_is_owner_only_and_serves() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("metrics.sock");
+        let listener = listen(&format!("unix:{}", path.display())).unwrap();
+        assert!(matches!(listener, MetricsListener::Unix { .. }));
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "owner-only");
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(meta.uid(), unsafe { libc::geteuid() }, "the daemon's own");
+        let (tx, rx) = watch::channel(false);
+        let server = {
+            let _g = rt.enter();
+            rt.spawn(serve_on(listener, Arc::new(Counting(AtomicUsize::new(0))), rx))
+        };
+        let mut s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n") && r.contains("\ntessera_allocations 1\n"), "{r}");
+        tx.send(true).unwrap();
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), server).await }).unwrap().unwrap().unwrap();
+        assert!(!path.exists(), "our socket is removed at the end");
+    }
+
+    #[test]
+    fn a_bad_unix_path_is_refused_naming_the_key() {
+        let tmp = tempfile::tempdir().unwrap();
+        for (bad, why) in [
+            ("unix:", "no socket path"),
+            ("unix:run/metrics.sock", "not absolute"),
+            ("unix:/run/tessera/", "directory"),
+            ("unix:/run/../metrics.sock", "directory"),
+            (&format!("unix:/{}", "m".repeat(120)), "at most 107"),
+        ] {
+            let e = listen(bad).unwrap_err().to_string();
+            assert!(e.contains("telemetry.metrics_listen") && e.contains(bad) && e.contains(why), "{e}");
+            let e = crate::config::Config::parse(&format!("[telemetry]\nmetrics_listen = {bad:?}\n")).unwrap_err();
+            let e = e.to_string();
+            assert!(e.starts_with("telemetry.metrics_listen") && e.contains(why), "{e}");
+        }
+        // Its directory missing, or a file that is not a socket there: refused at start, named.
+        let missing = format!("unix:{}/no/such/dir/m.sock", tmp.path().display());
+        let e = listen(&missing).unwrap_err().to_string();
+        assert!(e.contains("telemetry.metrics_listen") && e.contains("cannot listen"), "{e}");
+        let file = tmp.path().join("notes.txt");
+        std::fs::write(&file, "keep").unwrap();
+        let e = listen(&format!("unix:{}", file.display())).unwrap_err().to_string();
+        assert!(e.contains("telemetry.metrics_listen") && e.contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep");
+        assert!(
+            crate::config::Config::parse("[telemetry]\nmetrics_listen = \"unix:/run/tessera/metrics.sock\"\n").is_ok()
+        );
     }
 
     #[test]
