@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::ffi::OsString;
+use std::ffi::{OsString, c_int, c_uint, c_void};
 use std::path::Path;
 use std::process::Stdio;
 
@@ -273,4 +273,80 @@ fn contexts_made_while_other_threads_allocate_and_free_are_never_undercharged() 
     // kept where a reading could not count is more, never less).
     let (charged, gpu) = (region.used(dev), gpu_used(0));
     assert!(charged >= gpu, "charged {} MiB, the GPU holds {} MiB", charged / MIB, gpu / MIB);
+}
+
+// ---- Memory allocated around the shim is no context's size ------------------------------------
+
+/// Allocated by the offender through the driver's own `cuMemAlloc_v2`, unseen by the shim.
+const BYPASS_MIB: u64 = 900;
+
+/// A process allocates 900 MiB through the driver's own `cuMemAlloc_v2` (found behind the shim's
+/// back) right after its first context, and is killed. Its true-up reads NVML's figure for the
+/// process, context and bypass together: charged to it (the GPU held it), that figure must not
+/// become the container's context estimate. Before, it did, and every later process of the
+/// 1 GiB container, honest ones included, got `CUDA_ERROR_OUT_OF_MEMORY` at its context (the
+/// estimate, 1.2 GiB, never fit). A hint the container writes itself (2 GiB) locks it out no
+/// more: an estimate above the default that does not fit is tried at the default, and the
+/// true-up puts the true figure back.
+#[test]
+fn memory_allocated_around_the_shim_never_becomes_the_containers_context_estimate() {
+    let test = "memory_allocated_around_the_shim_never_becomes_the_containers_context_estimate";
+    if in_child() {
+        return bypass_child();
+    }
+    let node = node();
+    let c = Container::new(&memory_limits(LIMIT));
+    let region = c.region();
+    let (mut child, _dir) = spawn_ready(test, container_env(&c, &node));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    region.reap();
+    assert_eq!(region.used(0), 0, "the offender's charge is gone with it");
+    assert!(
+        region.context_hint(0) <= ESTIMATE_MIB * MIB,
+        "the bypass was taken for a context: hint {} MiB",
+        region.context_hint(0) / MIB
+    );
+    let honest = |what: &str| {
+        let (code, r, stderr) = workload(&c, &node, &["--alloc-mib", "700"]);
+        assert_eq!(code, 0, "{what}: an honest process gets its context and 700 MiB: {r} {stderr}");
+        assert_eq!(region.context_hint(0), OVERHEAD_MIB * MIB, "{what}: the estimate is the true figure");
+    };
+    honest("after the offender");
+    region.set_context_hint(0, 2 * GIB);
+    honest("after a 2 GiB hint written by the container");
+}
+
+fn bypass_child() {
+    type Init = unsafe extern "C" fn(c_uint) -> R;
+    type Retain = unsafe extern "C" fn(*mut H, c_int) -> R;
+    type SetCurrent = unsafe extern "C" fn(H) -> R;
+    type Alloc = unsafe extern "C" fn(*mut u64, usize) -> R;
+    // The driver's own functions, found behind the shim's back: device 0's primary context made
+    // current and 900 MiB allocated there before the shim sees a context.
+    let _loaded = Cuda::load();
+    // SAFETY: the driver's own functions, of these signatures (cuda.h).
+    let (init, retain, set, alloc): (Init, Retain, SetCurrent, Alloc) = unsafe {
+        (
+            std::mem::transmute::<*const c_void, Init>(behind_the_shim("cuInit")),
+            std::mem::transmute::<*const c_void, Retain>(behind_the_shim("cuDevicePrimaryCtxRetain")),
+            std::mem::transmute::<*const c_void, SetCurrent>(behind_the_shim("cuCtxSetCurrent")),
+            std::mem::transmute::<*const c_void, Alloc>(behind_the_shim("cuMemAlloc_v2")),
+        )
+    };
+    let (mut ctx, mut p): (H, u64) = (std::ptr::null_mut(), 0);
+    // SAFETY: valid out-pointers; the context is the one just retained.
+    unsafe {
+        ck("cuInit (behind the shim)", init(0));
+        ck("cuDevicePrimaryCtxRetain (behind the shim)", retain(&mut ctx, 0));
+        ck("cuCtxSetCurrent (behind the shim)", set(ctx));
+        ck("cuMemAlloc_v2 (behind the shim)", alloc(&mut p, (BYPASS_MIB * MIB) as usize));
+    }
+    // Then the program goes on through the shim: its first context there, trued up from NVML's
+    // figure for the process.
+    let s = Session::start(0);
+    s.mem_info();
+    let (region, dev) = region_and_dev(&s);
+    settled((OVERHEAD_MIB + BYPASS_MIB) * MIB, || region.used(dev));
+    ready_then_wait();
 }

@@ -425,29 +425,6 @@ fn default_stream_launches_follow_every_kind_of_context_switch() {
     assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
 }
 
-/// The simulated driver's own `name`, found behind the shim's back as a hostile tenant would:
-/// the driver file's dynamic symbol table read from disk, added to where the loader mapped it
-/// (located through a function the shim does not hook). No lookup the shim interposes is used.
-fn behind_the_shim(name: &str) -> *const c_void {
-    // SAFETY: the driver is loaded already; dlopen only takes another reference.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.expect("dlopen libcuda.so.1");
-    // SAFETY: the symbol exists; only its address is used.
-    let probe: *mut c_void = *unsafe { lib.get::<*mut c_void>(b"cuCtxGetCurrent\0") }.expect("cuCtxGetCurrent");
-    // SAFETY: an all-zero Dl_info is a valid value of this plain C struct.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: probe is an address inside a loaded object; info a valid out-pointer.
-    assert_ne!(unsafe { libc::dladdr(probe, &mut info) }, 0, "dladdr");
-    // SAFETY: dladdr filled dli_fname with the object's path, a C string it keeps alive.
-    let file = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_str().expect("utf-8 path").to_string();
-    let symbols = common::elf::Elf::read(std::path::Path::new(&file)).dynamic_symbols();
-    let at = |n: &str| {
-        let value = symbols.iter().find(|s| s.0 == n && s.1 != 0).unwrap_or_else(|| panic!("{n} in {file}")).1;
-        info.dli_fbase as usize + value as usize
-    };
-    assert_eq!(at("cuCtxGetCurrent"), probe as usize, "the table read from the file places the loader's symbol");
-    at(name) as *const c_void
-}
-
 type SetCurrent = unsafe extern "C" fn(H) -> R;
 
 /// Device 1's primary context retained and kernel `f1` loaded in it, 10 launches on device 0's

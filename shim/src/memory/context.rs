@@ -51,6 +51,22 @@ pub(crate) fn estimate(hint: u64) -> u64 {
     if hint == 0 { DEFAULT_ESTIMATE } else { hint.clamp(FLOOR, CEILING) }
 }
 
+/// Reserves the estimate for a new context on `dev` (see [`estimate`]); returns what was
+/// reserved, or `None` when not even that fits.
+///
+/// A hint above [`DEFAULT_ESTIMATE`] that does not fit is tried again at the default: the hint is
+/// the container's to write and a measurement can be wrong (memory a process allocated around
+/// the shim, read as its context's), so an inflated hint never makes every later context of the
+/// container unobtainable; the true-up that follows charges the context what it measures and
+/// publishes the true figure again.
+fn reserve_estimate(s: &ShimState, dev: usize) -> Option<u64> {
+    let first = estimate(s.region.context_hint(dev));
+    if s.reserve(dev, first) {
+        return Some(first);
+    }
+    (first > DEFAULT_ESTIMATE && s.reserve(dev, DEFAULT_ESTIMATE)).then_some(DEFAULT_ESTIMATE)
+}
+
 /// How a device's memory is read around a context's creation.
 #[derive(Clone, Copy)]
 struct Probe {
@@ -175,11 +191,8 @@ fn charge_creation(
     };
     // One still waiting for its true-up goes first: the readings below would count it too.
     settle(s, dev);
-    let reserved = estimate(s.region.context_hint(dev));
     let idle = s.held(dev) == 0;
-    if !s.reserve(dev, reserved) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
+    let Some(reserved) = reserve_estimate(s, dev) else { return CUDA_ERROR_OUT_OF_MEMORY };
     let ours = s.mem.contexts.find(|c| c.dev == dev).map(|(k, _)| k as CUcontext);
     if idle && ours.is_none() && real::nvml_ready().is_none() {
         return create_deferred(s, Pending { ctx: 0, dev, ordinal, reserved }, create, primary);
@@ -528,7 +541,14 @@ fn apply(s: &ShimState, p: Pending, charged: u64, overhead: u64) {
         None if overhead > charged => return s.refund(p.dev, overhead - charged),
         None => return,
     }
-    if overhead > 0 {
+    // Published only when not above what was reserved for it: this figure is NVML's for the
+    // whole process, so memory it allocated around the shim (a raw `cuMemAlloc` of the driver's)
+    // reads as its context's. Charged to the process (the GPU holds it), it must not become the
+    // estimate of every later context of the container (a killed offender's 1 GiB left every
+    // honest process of a 1 GiB share with `CUDA_ERROR_OUT_OF_MEMORY` at its context). A context
+    // that really takes more is published by an on-the-spot measurement, which brackets the
+    // creation alone.
+    if overhead > 0 && overhead <= p.reserved {
         s.region.set_context_hint(p.dev, overhead);
     }
 }
