@@ -112,6 +112,20 @@ install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes
 install_venv "${TESSERA_GRPC_PYTHON:-$root/target/grpc-python}" "import grpc, grpc_tools" \
   "grpcio==1.85.1" "grpcio-tools==1.85.1"
 
+# daemon/tests/deploy.rs renders the Helm chart (deploy/helm/tessera) with Helm v4, built from its
+# Go module into target/helm (nothing prebuilt can be fetched; about 3 minutes on 2 cores, once).
+helm_dir=$root/target/helm/v4.3.2
+if [[ ! -x $helm_dir/helm ]]; then
+  if command -v go >/dev/null 2>&1; then
+    echo "deps: building Helm v4.3.2 from helm.sh/helm/v4 into $helm_dir" >&2
+    GOBIN=$helm_dir GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false" CGO_ENABLED=0 \
+      go install -ldflags="-s -w" helm.sh/helm/v4/cmd/helm@v4.3.2 ||
+      echo "deps: Helm could not be built (go install helm.sh/helm/v4/cmd/helm@v4.3.2, above)" >&2
+  else
+    echo "deps: please install Go to build Helm (the Helm chart tests need it)" >&2
+  fi
+fi
+
 missing=()
 for entry in "${PACKAGES[@]}"; do
   pkg=${entry%%:*}

@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use serde_json::Value;
 
 use tessera_daemon::config::Config;
+use tessera_daemon::config::kubernetes::Mode;
 use tessera_hook::paths;
 
 mod common;
@@ -155,89 +156,246 @@ fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
 /// kind the schemas do not know counts as a failure, not a warning), and say what tesserad
 /// needs: its configuration's directories mounted from the same host paths, the runtime
 /// directory Bidirectional, the host's driver root where the configuration says, the installer
-/// as an init container with the host's root, probes, requests, the token only in DRA mode.
+/// as an init container with the host's root, probes, requests, the token only in DRA mode, and
+/// the mode itself in the configuration (the DRA overlay ran the device plugin: its
+/// configuration never said `mode = "dra"`).
 #[test]
 fn kustomize_overlays_render_validate_and_mount_what_the_config_names() {
     let (Some(kubectl), Some(validator)) = (kubectl(), validator()) else { return };
-    for (overlay, token) in [("overlays/device-plugin", false), ("overlays/dra", true)] {
-        let yaml = render(&kubectl, overlay);
-        let tmp = tempfile::tempdir().unwrap();
-        let file = tmp.path().join("rendered.yaml");
-        std::fs::write(&file, &yaml).unwrap();
-        for version in ["1.34.0", "1.37.0"] {
-            let out = Command::new(&validator)
-                .args(["--strict", "--quiet", "-k", version])
-                .arg(&file)
-                .output()
-                .expect("kubernetes-validate");
-            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            assert!(out.status.success() && said.trim().is_empty(), "{overlay} against {version}:\n{said}");
-        }
-        let docs = documents(&validator, &yaml);
-        let ds = find(&docs, "DaemonSet", "tesserad");
-        let pod = &ds["spec"]["template"]["spec"];
-        assert_eq!(pod["automountServiceAccountToken"], token, "{overlay}: the token only where DRA needs it");
-        assert_eq!(pod["hostPID"], true);
-        let cm = find(&docs, "ConfigMap", "tessera-config");
-        let cfg = Config::parse(cm["data"]["config.toml"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
-        let volumes = pod["volumes"].as_array().unwrap();
-        let host_path = |volume: &str| {
-            volumes.iter().find(|v| v["name"] == volume).and_then(|v| v["hostPath"]["path"].as_str()).map(String::from)
-        };
-        let daemon = &pod["containers"].as_array().unwrap().iter().find(|c| c["name"] == "tesserad").unwrap();
-        assert_eq!(daemon["command"][0], paths::DAEMON);
-        let mounts = daemon["volumeMounts"].as_array().unwrap();
-        let mount = |path: &Path| {
-            let path = path.to_str().unwrap().trim_end_matches('/');
-            mounts.iter().find(|m| m["mountPath"] == path).unwrap_or_else(|| panic!("{overlay}: {path} is not mounted"))
-        };
-        for dir in [
-            &cfg.device_plugin_dir,
-            &cfg.state_dir,
-            &cfg.runtime_dir,
-            &cfg.injection.cdi_spec_dir,
-            &cfg.injection.dev_root,
-        ] {
-            let m = mount(dir);
-            let host = host_path(m["name"].as_str().unwrap());
-            assert_eq!(
-                host.as_deref(),
-                Some(dir.to_str().unwrap().trim_end_matches('/')),
-                "{overlay}: {} is the host's",
-                dir.display()
-            );
-        }
-        for kubelet in
-            ["/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/pod-resources"]
-        {
-            mount(Path::new(kubelet));
-        }
-        assert_eq!(mount(&cfg.runtime_dir)["mountPropagation"], "Bidirectional", "regions' mounts must reach the host");
-        let driver = mount(&cfg.injection.driver_root);
-        assert_eq!(host_path(driver["name"].as_str().unwrap()).as_deref(), cfg.injection.host_driver_root().to_str());
-        assert_eq!(mount(Path::new(paths::DAEMON_CONFIG).parent().unwrap())["readOnly"], true);
-        // The installer first, with the host's root.
-        let init = &pod["initContainers"][0];
-        assert_eq!(init["command"][0], paths::CLI);
-        assert_eq!(init["command"][1], "install");
-        let root = init["command"][3].as_str().unwrap();
-        let root_mount = init["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == root).unwrap();
-        assert_eq!(host_path(root_mount["name"].as_str().unwrap()).as_deref(), Some("/"));
-        // Probes on what the daemon serves; the metrics port is the configured one.
-        let port = cfg.telemetry.metrics_listen.as_deref().and_then(|l| l.rsplit(':').next()).unwrap();
-        assert_eq!(daemon["ports"][0]["containerPort"].to_string(), port);
-        assert_eq!(daemon["livenessProbe"]["httpGet"]["path"], "/healthz");
-        assert_eq!(daemon["livenessProbe"]["httpGet"]["port"], daemon["ports"][0]["name"]);
-        assert_eq!(daemon["readinessProbe"]["exec"]["command"][0], paths::CLI);
-        for c in pod["containers"].as_array().unwrap().iter().chain(pod["initContainers"].as_array().unwrap()) {
-            assert!(c["resources"]["requests"]["cpu"].is_string() && c["resources"]["requests"]["memory"].is_string());
-            // The image's own user is nobody: root only where the manifest says so.
-            assert_eq!(c["securityContext"]["runAsUser"], 0, "{}", c["name"]);
-        }
-        let svc = find(&docs, "Service", "tesserad-metrics");
-        assert_eq!(svc["spec"]["ports"][0]["targetPort"], daemon["ports"][0]["name"]);
-        assert_eq!(svc["spec"]["selector"], ds["spec"]["template"]["metadata"]["labels"]);
+    for (overlay, token, mode) in
+        [("overlays/device-plugin", false, Mode::DevicePlugin), ("overlays/dra", true, Mode::Dra)]
+    {
+        let docs = check_daemon_manifests(overlay, &validator, &render(&kubectl, overlay), token, mode);
         assert_eq!(find(&docs, "RuntimeClass", "tessera")["handler"], tessera_daemon::install::HANDLER);
+    }
+}
+
+/// What every rendering of the DaemonSet must say (the kustomize overlays and the Helm chart
+/// alike): see `kustomize_overlays_render_validate_and_mount_what_the_config_names`. Returns the
+/// documents and the parsed configuration.
+fn check_daemon_manifests(overlay: &str, validator: &Path, yaml: &str, token: bool, mode: Mode) -> Vec<Value> {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("rendered.yaml");
+    std::fs::write(&file, &yaml).unwrap();
+    for version in ["1.34.0", "1.37.0"] {
+        let out = Command::new(&validator)
+            .args(["--strict", "--quiet", "-k", version])
+            .arg(&file)
+            .output()
+            .expect("kubernetes-validate");
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && said.trim().is_empty(), "{overlay} against {version}:\n{said}");
+    }
+    let docs = documents(&validator, &yaml);
+    let ds = find(&docs, "DaemonSet", "tesserad");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], token, "{overlay}: the token only where DRA needs it");
+    assert_eq!(pod["hostPID"], true);
+    let cm = find(&docs, "ConfigMap", "tessera-config");
+    let cfg = Config::parse(cm["data"]["config.toml"].as_str().unwrap()).unwrap_or_else(|e| panic!("{e}"));
+    let volumes = pod["volumes"].as_array().unwrap();
+    let host_path = |volume: &str| {
+        volumes.iter().find(|v| v["name"] == volume).and_then(|v| v["hostPath"]["path"].as_str()).map(String::from)
+    };
+    let daemon = &pod["containers"].as_array().unwrap().iter().find(|c| c["name"] == "tesserad").unwrap();
+    assert_eq!(daemon["command"][0], paths::DAEMON);
+    let mounts = daemon["volumeMounts"].as_array().unwrap();
+    let mount = |path: &Path| {
+        let path = path.to_str().unwrap().trim_end_matches('/');
+        mounts.iter().find(|m| m["mountPath"] == path).unwrap_or_else(|| panic!("{overlay}: {path} is not mounted"))
+    };
+    for dir in
+        [&cfg.device_plugin_dir, &cfg.state_dir, &cfg.runtime_dir, &cfg.injection.cdi_spec_dir, &cfg.injection.dev_root]
+    {
+        let m = mount(dir);
+        let host = host_path(m["name"].as_str().unwrap());
+        assert_eq!(
+            host.as_deref(),
+            Some(dir.to_str().unwrap().trim_end_matches('/')),
+            "{overlay}: {} is the host's",
+            dir.display()
+        );
+    }
+    for kubelet in [&cfg.kubernetes.plugins_dir, &cfg.kubernetes.plugins_registry_dir] {
+        let m = mount(kubelet);
+        assert_eq!(host_path(m["name"].as_str().unwrap()).as_deref(), kubelet.to_str(), "{overlay}: the kubelet's");
+    }
+    let pod_resources = cfg.pod_resources_socket.parent().unwrap();
+    let m = mount(pod_resources);
+    assert_eq!(host_path(m["name"].as_str().unwrap()).as_deref(), pod_resources.to_str(), "{overlay}: the kubelet's");
+    assert_eq!(mount(&cfg.runtime_dir)["mountPropagation"], "Bidirectional", "regions' mounts must reach the host");
+    let driver = mount(&cfg.injection.driver_root);
+    assert_eq!(host_path(driver["name"].as_str().unwrap()).as_deref(), cfg.injection.host_driver_root().to_str());
+    assert_eq!(mount(Path::new(paths::DAEMON_CONFIG).parent().unwrap())["readOnly"], true);
+    // The installer first, with the host's root.
+    let init = &pod["initContainers"][0];
+    assert_eq!(init["command"][0], paths::CLI);
+    assert_eq!(init["command"][1], "install");
+    let root = init["command"][3].as_str().unwrap();
+    let root_mount = init["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == root).unwrap();
+    assert_eq!(host_path(root_mount["name"].as_str().unwrap()).as_deref(), Some("/"));
+    // Probes on what the daemon serves; the metrics port is the configured one.
+    let port = cfg.telemetry.metrics_listen.as_deref().and_then(|l| l.rsplit(':').next()).unwrap();
+    assert_eq!(daemon["ports"][0]["containerPort"].to_string(), port);
+    assert_eq!(daemon["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(daemon["livenessProbe"]["httpGet"]["port"], daemon["ports"][0]["name"]);
+    assert_eq!(daemon["readinessProbe"]["exec"]["command"][0], paths::CLI);
+    for c in pod["containers"].as_array().unwrap().iter().chain(pod["initContainers"].as_array().unwrap()) {
+        assert!(c["resources"]["requests"]["cpu"].is_string() && c["resources"]["requests"]["memory"].is_string());
+        // The image's own user is nobody: root only where the manifest says so.
+        assert_eq!(c["securityContext"]["runAsUser"], 0, "{}", c["name"]);
+    }
+    let svc = find(&docs, "Service", "tesserad-metrics");
+    assert_eq!(svc["spec"]["ports"][0]["targetPort"], daemon["ports"][0]["name"]);
+    // The Service and the DaemonSet select the daemons' pods by labels those pods carry.
+    let labels = &ds["spec"]["template"]["metadata"]["labels"];
+    for selector in [&svc["spec"]["selector"], &ds["spec"]["selector"]["matchLabels"]] {
+        let selector = selector.as_object().unwrap();
+        assert!(
+            !selector.is_empty() && selector.iter().all(|(k, v)| &labels[k] == v),
+            "{overlay}: {selector:?} ⊄ {labels}"
+        );
+    }
+    assert_eq!(cfg.kubernetes.mode, mode, "{overlay}: the configuration's mode");
+    let node_name = daemon["env"].as_array().unwrap().iter().find(|e| e["name"] == "NODE_NAME");
+    assert_eq!(
+        node_name.map(|e| &e["valueFrom"]["fieldRef"]["fieldPath"]),
+        Some(&Value::from("spec.nodeName")),
+        "{overlay}: the DRA driver's node"
+    );
+    docs
+}
+
+/// Helm v4, built from helm.sh/helm/v4 by scripts/deps.sh into target/helm/, else on PATH, or SKIP.
+fn helm() -> Option<PathBuf> {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/helm/v4.3.2/helm");
+    let found = Some(built).filter(|p| p.is_file()).or_else(|| which("helm"));
+    if found.is_none() {
+        common::skip("helm is not built (scripts/deps.sh builds Helm v4 into target/helm)");
+    }
+    found
+}
+
+/// `helm template tessera deploy/helm/tessera --namespace tessera-system ARGS`: the YAML, or what
+/// Helm said.
+fn helm_template(helm: &Path, args: &[&str]) -> Result<String, String> {
+    let chart = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/helm/tessera");
+    let out = Command::new(helm)
+        .args(["template", "tessera"])
+        .arg(&chart)
+        .args(["--namespace", "tessera-system"])
+        .args(args)
+        .output()
+        .expect("helm template");
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).expect("utf-8"))
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn config_of(docs: &[Value]) -> Config {
+    Config::parse(find(docs, "ConfigMap", "tessera-config")["data"]["config.toml"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The Helm chart renders each mode as the overlays do: the same checks, the same volumes,
+/// mounts and configuration as the kustomize rendering of that mode, and in DRA modes the same
+/// DeviceClasses and RBAC rules.
+#[test]
+fn helm_chart_renders_each_mode_as_the_overlays_do() {
+    let (Some(helm), Some(kubectl), Some(validator)) = (helm(), kubectl(), validator()) else { return };
+    for (mode, token, want, overlay) in [
+        ("device-plugin", false, Mode::DevicePlugin, Some("overlays/device-plugin")),
+        ("dra", true, Mode::Dra, Some("overlays/dra")),
+        ("both", true, Mode::Both, None),
+    ] {
+        let what = format!("helm --set mode={mode}");
+        let yaml = helm_template(&helm, &["--set", &format!("mode={mode}")]).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let docs = check_daemon_manifests(&what, &validator, &yaml, token, want);
+        let classes: Vec<&Value> = docs.iter().filter(|d| d["kind"] == "DeviceClass").collect();
+        assert_eq!(classes.len(), if token { 4 } else { 0 }, "{what}: DeviceClasses");
+        assert_eq!(docs.iter().any(|d| d["kind"] == "ClusterRole"), token, "{what}: RBAC only for DRA");
+        let Some(overlay) = overlay else { continue };
+        let kustomized = documents(&validator, &render(&kubectl, overlay));
+        let pod = |docs: &[Value]| find(docs, "DaemonSet", "tesserad")["spec"]["template"]["spec"].clone();
+        let (ours, theirs) = (pod(&docs), pod(&kustomized));
+        assert_eq!(ours["volumes"], theirs["volumes"], "{what}: volumes as {overlay}'s");
+        let (a, b) = (&ours["containers"][0], &theirs["containers"][0]);
+        assert_eq!(a["volumeMounts"], b["volumeMounts"], "{what}: mounts as {overlay}'s");
+        assert_eq!((&a["command"], &a["env"]), (&b["command"], &b["env"]), "{what}: as {overlay}'s");
+        assert_eq!(ours["initContainers"][0]["command"], theirs["initContainers"][0]["command"]);
+        assert_eq!(config_of(&docs), config_of(&kustomized), "{what}: the configuration {overlay} gives");
+        for d in kustomized.iter().filter(|d| d["kind"] == "DeviceClass" || d["kind"] == "ClusterRole") {
+            let name = d["metadata"]["name"].as_str().unwrap();
+            let kind = d["kind"].as_str().unwrap();
+            let key = if kind == "ClusterRole" { "rules" } else { "spec" };
+            assert_eq!(find(&docs, kind, name)[key], d[key], "{what}: {kind} {name} as {overlay}'s");
+        }
+    }
+}
+
+/// Values a user sets reach the configuration and the mounts: another driver root and kubelet
+/// root, whole numbers (Helm reads YAML numbers as floats: written `500.0`, tesserad refuses
+/// them), MIG profiles (keys with dots), strings with quotes; metrics off. Bad values are refused
+/// by name before anything is rendered.
+#[test]
+fn helm_values_reach_the_configuration_and_bad_ones_are_refused_by_name() {
+    let (Some(helm), Some(validator)) = (helm(), validator()) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let values = tmp.path().join("values.yaml");
+    std::fs::write(
+        &values,
+        r#"
+mode: both
+hostDriverRoot: /run/nvidia/driver
+kubeletRoot: /var/lib/k0s/kubelet
+config:
+  log_format: json
+  enforcement:
+    interval_ms: 250
+  kubernetes:
+    labels: false
+    mode: dra
+  partitions:
+    default:
+      whole: true
+    "1":
+      mig:
+        "1g.10gb": 7
+  injection:
+    driver_root: /elsewhere
+"#,
+    )
+    .unwrap();
+    let yaml = helm_template(&helm, &["-f", values.to_str().unwrap()]).unwrap_or_else(|e| panic!("{e}"));
+    let docs = check_daemon_manifests("helm custom values", &validator, &yaml, true, Mode::Both);
+    let cfg = config_of(&docs);
+    assert_eq!(cfg.kubernetes.mode, Mode::Both, "the chart's mode wins over config.kubernetes.mode");
+    assert!(!cfg.kubernetes.labels);
+    assert_eq!(cfg.enforcement.interval_ms, 250);
+    assert_eq!(cfg.partitions["1"].mig.as_ref().unwrap()["1g.10gb"], 7);
+    assert_eq!(cfg.injection.driver_root, Path::new("/driver-root"), "the chart's mount wins");
+    assert_eq!(cfg.injection.host_driver_root(), Path::new("/run/nvidia/driver"));
+    assert_eq!(cfg.kubernetes.plugins_dir, Path::new("/var/lib/k0s/kubelet/plugins"));
+    assert_eq!(cfg.device_plugin_dir, Path::new("/var/lib/k0s/kubelet/device-plugins/"));
+
+    // Metrics off: no listener, no Service, a liveness probe on the node API.
+    let yaml = helm_template(&helm, &["--set", "metrics.port=0"]).unwrap_or_else(|e| panic!("{e}"));
+    let docs = documents(&validator, &yaml);
+    assert_eq!(config_of(&docs).telemetry.metrics_listen, None);
+    assert!(!docs.iter().any(|d| d["kind"] == "Service"));
+    let daemon = &find(&docs, "DaemonSet", "tesserad")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(daemon["livenessProbe"]["exec"]["command"][0], paths::CLI);
+
+    for (set, names) in [
+        ("mode=dra-and-more", "mode"),
+        ("kubeletRoot=var/lib/kubelet", "kubeletRoot"),
+        ("hostDriverRoot=relative", "hostDriverRoot"),
+        ("metrics.port=70000", "port"),
+    ] {
+        let e = helm_template(&helm, &["--set", set]).expect_err(set);
+        assert!(e.contains(names), "{set}: {e}");
     }
 }
 
