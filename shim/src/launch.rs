@@ -71,6 +71,12 @@ fn launch(
 ) -> CUresult {
     let Some(dev) = dev else { return call(cu) };
     let g = crate::compute::before_launch(dev, stream.cast(), trace);
+    // The limiter found the region damaged (a wait no launch could have run up, a header
+    // overwritten): fail closed rather than launch unlimited.
+    if crate::state::get().is_some_and(|s| s.is_failed_closed()) {
+        crate::compute::after_launch(g, false);
+        return CUDA_ERROR_NOT_PERMITTED;
+    }
     let rc = call(cu);
     crate::compute::after_launch(g, rc == CUDA_SUCCESS);
     rc

@@ -131,6 +131,8 @@ pub(crate) struct ShimState {
     pub(crate) mem: Tracker,
     /// When this process last reaped for a memory query (ns on the monotonic clock).
     last_reap_ns: AtomicU64,
+    /// The region was found damaged: every hooked call fails closed from then on.
+    damaged: AtomicBool,
 }
 
 impl ShimState {
@@ -264,8 +266,10 @@ impl ShimState {
     }
 
     /// Re-reads the limits file if it was replaced since it was read (at most once a second).
+    /// Also looks at the region's header (every [`FILE_CHECK_CALLS`] calls).
     #[cold]
     fn check_file(&self) {
+        self.region_intact();
         let Source::File(path) = &self.source else { return };
         let now = monotonic_ns();
         let last = self.file_checked_ns.load(Relaxed);
@@ -280,9 +284,47 @@ impl ShimState {
         }
     }
 
+    /// Whether the region is still what it was made as (magic, layout version and size, its
+    /// file not shrunk under the mapping). The first time it is not, the process fails closed:
+    /// one line on stderr, and every hooked call answers `CUDA_ERROR_NOT_PERMITTED` from then on
+    /// (its counters, the compute budget's among them, mean nothing any more: waiting on them
+    /// could be forever).
+    pub(crate) fn region_intact(&self) -> bool {
+        if self.damaged.load(Relaxed) {
+            return false;
+        }
+        if self.region.is_damaged() {
+            self.fail_closed("its header was overwritten or its file shrank");
+            return false;
+        }
+        true
+    }
+
+    /// The region can no longer be trusted (`why`): CUDA is disabled in this process, said once.
+    #[cold]
+    pub(crate) fn fail_closed(&self, why: &str) {
+        if !self.damaged.swap(true, AcqRel) {
+            // No launch takes the fast path any more: the slow one answers the error.
+            for p in &self.enforced.plain {
+                p.store(false, Release);
+            }
+            eprintln!("tessera: {}: the accounting region is damaged ({why}); CUDA disabled", self.region.name());
+        }
+    }
+
+    /// Whether this process failed closed on a damaged region.
+    #[inline(always)]
+    pub(crate) fn is_failed_closed(&self) -> bool {
+        self.damaged.load(Relaxed)
+    }
+
     /// Re-reads the limits file; `g`: the generation that prompted it.
     #[cold]
     fn reload(&self, g: Option<u64>) {
+        // A generation moved by garbage written over the region, not by the daemon.
+        if !self.region_intact() {
+            return;
+        }
         let Ok(_guard) = self.reload_lock.try_lock() else { return };
         if g.is_some_and(|g| self.seen_generation.load(Acquire) == g) {
             return;
@@ -783,6 +825,7 @@ fn make() -> Result<ShimState, String> {
         stream_cache: [const { AtomicU64::new(0) }; STREAM_CACHE],
         mem: Tracker::new(),
         last_reap_ns: AtomicU64::new(0),
+        damaged: AtomicBool::new(false),
         region,
         slot,
     })
@@ -804,5 +847,8 @@ pub(crate) fn enter_launch() -> Result<(&'static ShimState, &'static RealCuda), 
     let s = ensure().map_err(|_| CUDA_ERROR_NOT_PERMITTED)?;
     let cu = real::cuda().ok_or(CUDA_ERROR_NOT_INITIALIZED)?;
     s.refresh_generation();
+    if s.is_failed_closed() {
+        return Err(CUDA_ERROR_NOT_PERMITTED);
+    }
     Ok((s, cu))
 }

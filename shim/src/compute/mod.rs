@@ -34,6 +34,11 @@ use crate::trace::Launch;
 
 /// A throttled wait sleeps at most this long before looking again (limits may change meanwhile).
 const MAX_NAP_NS: u64 = 5_000_000;
+/// The most GPU time a container's compute budget may owe (10 minutes: kernels running that long
+/// at once under a share). More was written into the region, not run up by launches: the
+/// process fails closed instead of sleeping it off (at a 30% share, `i64::MIN / 2` ns of debt was
+/// a sleep of centuries).
+const MAX_DEBT_NS: u64 = 600_000_000_000;
 /// A high-priority container counts as busy for this long after its last launch.
 const HIGH_ACTIVE_NS: u64 = 50_000_000;
 /// Work-conserving containers leave this much of the GPU unclaimed when borrowing.
@@ -237,6 +242,15 @@ fn throttle(
             // Settled corrections may be refunds: look at them before waiting.
             Err(_) if !settled => settled = true,
             Err(wait) => {
+                // A debt no launch of this container could have run up was written into the
+                // region (or garbage was): sleeping on it could be forever. Fail closed.
+                if wait > MAX_DEBT_NS.saturating_mul(1_000_000) / ppm.max(1) as u64 {
+                    st.fail_closed("its compute budget owes more GPU time than any launch could have taken");
+                    break None;
+                }
+                if !st.region_intact() {
+                    break None;
+                }
                 std::thread::sleep(Duration::from_nanos(wait.clamp(20_000, MAX_NAP_NS)));
                 st.region.record_throttled(st.slot, dev, now_ns() - now);
                 // The share may have changed, or been lifted, while we slept.
