@@ -54,6 +54,7 @@ impl Node {
             faults_total: 2,
             enforcement: Default::default(),
             kubelet_withdrawn: Default::default(),
+            filesystems: Vec::new(),
         }
     }
 }

@@ -49,6 +49,7 @@ impl MetricsSource for Source1 {
             faults_total: 0,
             enforcement: Default::default(),
             kubelet_withdrawn: Default::default(),
+            filesystems: Vec::new(),
         }
     }
 }

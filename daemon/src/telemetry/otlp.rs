@@ -883,6 +883,7 @@ mod tests {
                 unattributed_gpu_processes: 5,
             },
             kubelet_withdrawn: [("tessera.io/gpu-share".into(), 2)].into(),
+            filesystems: Vec::new(),
         };
         let (calls, exports) = collect_twice(base);
         assert_eq!(calls, 2);

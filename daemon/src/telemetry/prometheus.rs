@@ -74,6 +74,23 @@ pub struct GpuMetrics {
     pub last_xid: Option<u32>,
     /// The one container holding the device, when exactly one does and its pod is known.
     pub holder: Option<PodLabels>,
+    /// Whole GPUs the configuration lays out: whether the layout in place is the one wanted
+    /// (`false` while it is diverged or waits for a reset); `None` for a GPU left as it is and
+    /// for a MIG device.
+    pub layout_converged: Option<bool>,
+}
+
+/// The free space of a filesystem holding one of the daemon's directories.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FilesystemMetrics {
+    /// Which directory: the configuration key (`state_dir`, which holds the allocation journal,
+    /// or `runtime_dir`).
+    pub dir: String,
+    pub path: String,
+    /// Bytes an unprivileged writer may still use.
+    pub avail_bytes: u64,
+    /// Bytes in all.
+    pub size_bytes: u64,
 }
 
 /// dcgm-exporter's pod attribution labels of a device held by one container.
@@ -114,6 +131,8 @@ pub struct NodeMetrics {
     /// Per resource the device plugin serves: its free devices told unhealthy to the kubelet for
     /// want of room beside the node API's allocations (empty while no device plugin runs).
     pub kubelet_withdrawn: std::collections::BTreeMap<String, u64>,
+    /// The filesystems of the state and runtime directories (empty when not known).
+    pub filesystems: Vec<FilesystemMetrics>,
 }
 
 #[derive(Clone, Copy)]
@@ -312,6 +331,13 @@ pub fn render(m: &NodeMetrics) -> String {
     per_gpu(&mut out, "tessera_gpu_healthy", Kind::Gauge, "Whether the device is healthy (1) or not (0).", &|g| {
         Some(Value::U(u64::from(g.healthy)))
     });
+    per_gpu(
+        &mut out,
+        "tessera_gpu_layout_converged",
+        Kind::Gauge,
+        "Whether the GPU's configured layout (MIG devices, shares) is in place (1) or not: diverged, or waiting for a reset (0).",
+        &|g| g.layout_converged.map(|c| Value::U(u64::from(c))),
+    );
 
     // Per container and device.
     type Get = fn(&crate::usage::DeviceUsage) -> Option<Value>;
@@ -426,6 +452,20 @@ pub fn render(m: &NodeMetrics) -> String {
         let mut f = Family::new(&mut out, name, Kind::Gauge, help);
         for (resource, n) in &m.kubelet_withdrawn {
             f.sample(name, &[("resource", resource)], Value::U(*n));
+        }
+    }
+
+    if !m.filesystems.is_empty() {
+        let name = "tessera_state_filesystem_avail_bytes";
+        let help = "Free bytes on the filesystem of the daemon's directory (state_dir: the allocation journal).";
+        let mut f = Family::new(&mut out, name, Kind::Gauge, help);
+        for fs in &m.filesystems {
+            f.sample(name, &[("dir", &fs.dir), ("path", &fs.path)], Value::U(fs.avail_bytes));
+        }
+        let name = "tessera_state_filesystem_size_bytes";
+        let mut f = Family::new(&mut out, name, Kind::Gauge, "Size of the filesystem of the daemon's directory.");
+        for fs in &m.filesystems {
+            f.sample(name, &[("dir", &fs.dir), ("path", &fs.path)], Value::U(fs.size_bytes));
         }
     }
 
@@ -627,6 +667,7 @@ mod tests {
                     gpu_instance_id: None,
                     last_xid: Some(0),
                     holder: None,
+                    layout_converged: Some(false),
                     sensors: GpuSensors {
                         temperature_c: Some(41),
                         power_mw: Some(123_456),
@@ -650,6 +691,7 @@ mod tests {
                     gpu_instance_id: Some(13),
                     last_xid: None,
                     holder: None,
+                    layout_converged: None,
                     sensors: GpuSensors::default(),
                 },
             ],
@@ -691,6 +733,20 @@ mod tests {
                 unattributed_gpu_processes: 2,
             },
             kubelet_withdrawn: [("tessera.io/gpu".into(), 0), ("tessera.io/gpu-share".into(), 3)].into(),
+            filesystems: vec![
+                FilesystemMetrics {
+                    dir: "state_dir".into(),
+                    path: "/var/lib/tessera".into(),
+                    avail_bytes: 123 << 20,
+                    size_bytes: 10 << 30,
+                },
+                FilesystemMetrics {
+                    dir: "runtime_dir".into(),
+                    path: "/run/tessera".into(),
+                    avail_bytes: 1 << 30,
+                    size_bytes: 2 << 30,
+                },
+            ],
         }
     }
 
@@ -817,6 +873,34 @@ mod tests {
         let x = find(&samples, "DCGM_FI_DEV_XID_ERRORS", ("UUID", "GPU-0"));
         assert_eq!((x.len(), x[0].2), (1, 79.0));
         assert_eq!((x[0].1["gpu"].as_str(), x[0].1["Hostname"].as_str()), ("0", "node-1"));
+    }
+
+    /// What the alert rules (deploy/monitoring) need beyond usage: a managed GPU's layout, and
+    /// the free space where the journal and the allocation directories live.
+    #[test]
+    fn layout_and_state_filesystem_series() {
+        let mut m = metrics();
+        let text = render(&m);
+        assert!(text.contains("# TYPE tessera_gpu_layout_converged gauge\n"));
+        assert!(text.contains("# TYPE tessera_state_filesystem_avail_bytes gauge\n"));
+        let samples = parse(&text);
+        let conv = find(&samples, "tessera_gpu_layout_converged", ("UUID", "GPU-0"));
+        assert_eq!((conv.len(), conv[0].2, conv[0].1["gpu"].as_str()), (1, 0.0, "0"), "diverged: 0");
+        assert!(find(&samples, "tessera_gpu_layout_converged", ("UUID", "MIG-1")).is_empty(), "not managed: none");
+        let fs = |name: &str, dir: &str| find(&samples, name, ("dir", dir)).iter().map(|s| s.2).collect::<Vec<_>>();
+        assert_eq!(fs("tessera_state_filesystem_avail_bytes", "state_dir"), [(123u64 << 20) as f64]);
+        assert_eq!(fs("tessera_state_filesystem_size_bytes", "state_dir"), [(10u64 << 30) as f64]);
+        assert_eq!(fs("tessera_state_filesystem_avail_bytes", "runtime_dir"), [(1u64 << 30) as f64]);
+        let l = &find(&samples, "tessera_state_filesystem_avail_bytes", ("dir", "state_dir"))[0].1;
+        assert_eq!(l["path"], "/var/lib/tessera");
+        assert_eq!(l.len(), 2, "dir and path only: {l:?}");
+
+        m.gpus[0].layout_converged = Some(true);
+        m.filesystems.clear();
+        let text = render(&m);
+        let samples = parse(&text);
+        assert_eq!(find(&samples, "tessera_gpu_layout_converged", ("UUID", "GPU-0"))[0].2, 1.0);
+        assert!(!text.contains("tessera_state_filesystem"), "not known: no family");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use nvml_wrapper::Device;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 
-use super::prometheus::PodLabels;
+use super::prometheus::{FilesystemMetrics, PodLabels};
 use super::{GpuMetrics, GpuSensors, MetricsSource, NodeMetrics};
 use crate::node::NodeController;
 use crate::state::Allocation;
@@ -63,6 +63,10 @@ impl MetricsSource for NodeSource {
                 sensors: device.as_ref().map(sensors).unwrap_or_default(),
                 last_xid: Some(last_xids.get(&g.uuid).copied().unwrap_or(0)),
                 holder: holders.get(&g.uuid.to_ascii_lowercase()).cloned(),
+                layout_converged: view
+                    .status
+                    .get(&g.index)
+                    .map(|s| s.state == tessera_proto::tessera::v1::PartitionState::Converged),
                 ..Default::default()
             });
             // Each MIG device, as dcgm-exporter shows a GPU instance.
@@ -102,8 +106,26 @@ impl MetricsSource for NodeSource {
             faults_total,
             enforcement: self.enforcement.as_ref().map(|s| s.metrics()).unwrap_or_default(),
             kubelet_withdrawn: self.controller.kubelet_offer().map(|o| withdrawn_counts(&o)).unwrap_or_default(),
+            filesystems: [("state_dir", &view.config.state_dir), ("runtime_dir", &view.config.runtime_dir)]
+                .into_iter()
+                .filter_map(|(dir, path)| filesystem(dir, path))
+                .collect(),
         }
     }
+}
+
+/// The free space of the filesystem holding `path`; `None` (left out) when it cannot be read.
+// The block counts are 32-bit on some targets.
+#[allow(clippy::useless_conversion)]
+fn filesystem(dir: &str, path: &std::path::Path) -> Option<FilesystemMetrics> {
+    let s = nix::sys::statvfs::statvfs(path).ok()?;
+    let frag = u64::from(s.fragment_size());
+    Some(FilesystemMetrics {
+        dir: dir.to_string(),
+        path: path.display().to_string(),
+        avail_bytes: u64::from(s.blocks_available()).saturating_mul(frag),
+        size_bytes: u64::from(s.blocks()).saturating_mul(frag),
+    })
 }
 
 /// Each served resource's count of withdrawn devices, 0 included.
@@ -192,6 +214,15 @@ mod tests {
                 .collect(),
             claim: None,
         }
+    }
+
+    #[test]
+    fn a_filesystem_is_measured_and_a_missing_one_left_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let fs = filesystem("state_dir", tmp.path()).unwrap();
+        assert_eq!((fs.dir.as_str(), fs.path.as_str()), ("state_dir", tmp.path().to_str().unwrap()));
+        assert!(fs.size_bytes > 0 && fs.avail_bytes <= fs.size_bytes, "{fs:?}");
+        assert!(filesystem("state_dir", &tmp.path().join("absent")).is_none());
     }
 
     #[test]
