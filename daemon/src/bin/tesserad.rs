@@ -433,6 +433,9 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             tracing::warn!("the Kubernetes Events and labels did not stop in time");
         }
         finish("node API", api_task).await;
+        // The spare allocation directories' region mounts go; the allocations' own stay, for
+        // their containers and the next start.
+        controller.allocator().dirs().stop_spares();
         drop(plugins);
         match result {
             Ok(()) => ExitCode::SUCCESS,

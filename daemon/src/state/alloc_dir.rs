@@ -97,15 +97,20 @@ pub struct AllocDirs {
 struct Spares {
     dir: PathBuf,
     state: Mutex<SpareState>,
-    /// Wakes the refill thread when a spare is taken.
+    /// Wakes the refill thread when a spare is taken (or the spares are stopped).
     taken: Condvar,
     seq: AtomicU64,
+    /// Held by the refill thread while it makes a spare, so that [`AllocDirs::stop_spares`]
+    /// finds none half made.
+    building: Mutex<()>,
 }
 
 #[derive(Debug, Default)]
 struct SpareState {
     ready: Vec<PathBuf>,
     keep: usize,
+    /// Set by [`AllocDirs::stop_spares`]: no spare is made or handed out any more.
+    stopped: bool,
 }
 
 impl AllocDirs {
@@ -118,6 +123,7 @@ impl AllocDirs {
                 state: Mutex::new(SpareState::default()),
                 taken: Condvar::new(),
                 seq: AtomicU64::new(0),
+                building: Mutex::new(()),
             }),
         }
     }
@@ -143,6 +149,28 @@ impl AllocDirs {
             .spawn(move || refill(spares))
             .map_err(io_err(&self.spares.dir, "start the spare directory thread"))?;
         Ok(())
+    }
+
+    /// Stops keeping spares and removes them, their region mounts with them (a clean stop:
+    /// nothing stays mounted that no allocation holds). Waits for a spare being made; later
+    /// allocation directories are made on the spot.
+    pub fn stop_spares(&self) {
+        {
+            let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.stopped = true;
+            state.keep = 0;
+            state.ready.clear();
+        }
+        self.spares.taken.notify_all();
+        let _building = self.spares.building.lock().unwrap_or_else(PoisonError::into_inner);
+        unmount_under(&self.spares.dir);
+        match std::fs::remove_dir_all(&self.spares.dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(dir = %self.spares.dir.display(), error = %e, "cannot remove the spare directories")
+            }
+        }
     }
 
     /// How many spare directories are ready now.
@@ -342,6 +370,9 @@ fn refill(spares: Weak<Spares>) {
         let Some(sp) = spares.upgrade() else { return };
         let missing = {
             let state = sp.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if state.stopped {
+                return;
+            }
             let state = if state.ready.len() >= state.keep {
                 // Woken by a take that half spent the pool, or after a while: to top up what
                 // other takes left, or to notice the `AllocDirs` is gone.
@@ -352,11 +383,16 @@ fn refill(spares: Weak<Spares>) {
             state.keep.saturating_sub(state.ready.len())
         };
         for _ in 0..missing {
+            let building = sp.building.lock().unwrap_or_else(PoisonError::into_inner);
+            if sp.state.lock().unwrap_or_else(PoisonError::into_inner).stopped {
+                return;
+            }
             match make_spare(&sp) {
                 Ok(path) => sp.state.lock().unwrap_or_else(PoisonError::into_inner).ready.push(path),
                 Err(e) => {
                     // The request path still works without spares; retry later, quietly.
                     tracing::warn!(error = %e, "cannot make a spare allocation directory");
+                    drop(building);
                     drop(sp);
                     std::thread::sleep(Duration::from_secs(5));
                     break;
