@@ -19,6 +19,11 @@ PACKAGES=(
   "systemd:systemd-analyze"
   # daemon/tests/deploy.rs: `kubectl kustomize` renders deploy/kubernetes (Debian: kubernetes-client).
   "kubernetes-client:kubectl"
+  # scripts/kube.sh (the real cluster of tests/flows/kube_cluster.rs): the pods' network (bridge,
+  # host-local, loopback), the cluster's certificates. Kubernetes, etcd and containerd are built
+  # from their Go modules by kube.sh itself.
+  "containernetworking-plugins:/usr/lib/cni/bridge"
+  "openssl:openssl"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest
@@ -105,6 +110,13 @@ fi
 # daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
 # schemas with kubernetes-validate.
 install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes-validate
+
+# daemon/tests/monitoring.rs regenerates the Grafana dashboard (grafanalib) and checks the alert
+# rules and their tests (PyYAML); deploy/monitoring/picture.py draws docs/images/dashboard.png
+# (matplotlib). TESSERA_MONITORING_PYTHON names another Python with them.
+install_venv "$root/target/monitoring" \
+  "import grafanalib, yaml, matplotlib, importlib.metadata as m; assert m.version('grafanalib') == '0.7.1'" \
+  "grafanalib==0.7.1" "attrs==26.1.0" "pyyaml==6.0.3" "matplotlib==3.11.2" "numpy==2.4.6"
 
 # tests/flows/stock_grpc_clients.rs runs the Python example client (examples/python) with stock
 # grpcio, its modules generated from proto/ by grpcio-tools (TESSERA_GRPC_PYTHON, else

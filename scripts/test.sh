@@ -10,4 +10,17 @@ cargo build --workspace --all-targets
 cargo zigbuild -p tessera-shim --release --target x86_64-unknown-linux-gnu.2.17 --target-dir target/glibc-2.17
 # The static hook and wrapper hosts get (a runc test runs them).
 scripts/build-static-hook.sh >/dev/null
+# A real single-node Kubernetes cluster for tests/flows/kube_cluster.rs (scripts/kube.sh: built
+# from the Go modules on first use and cached under target/kube/; docs/kubernetes.md). Without one
+# (no root, no Go) those tests print SKIP, or fail when TESSERA_REQUIRE_RUNTIMES is set.
+if [[ ${TESSERA_NO_KUBE:-0} != 1 ]]; then
+  if scripts/kube.sh up; then
+    trap 'scripts/kube.sh down' EXIT
+  elif [[ -n ${TESSERA_REQUIRE_RUNTIMES:-} ]]; then
+    echo "test: TESSERA_REQUIRE_RUNTIMES is set, but the Kubernetes cluster did not start (scripts/kube.sh up, above)" >&2
+    exit 1
+  else
+    echo "test: no Kubernetes cluster (scripts/kube.sh up failed, above): the kube_cluster tests will SKIP" >&2
+  fi
+fi
 cargo test --workspace "$@"

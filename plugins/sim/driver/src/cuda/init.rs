@@ -5,6 +5,7 @@
 //! MIG mode or a compute instance created later is not seen by a process already initialized.
 
 use std::ffi::{c_int, c_uint};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 
@@ -104,7 +105,7 @@ fn offered(node: &Node) -> Vec<(u32, Vec<Candidate>)> {
                     name: id.model.name.to_string(),
                     uuid_str: id.uuid.clone(),
                     sm_count: id.model.sm_count,
-                    total_mem: id.model.memory_bytes,
+                    total_mem: id.model.cuda_total_mem_bytes,
                     mig: None,
                 }],
             ));
@@ -131,6 +132,18 @@ fn offered(node: &Node) -> Vec<(u32, Vec<Candidate>)> {
         out.push((gpu, devs));
     }
     out
+}
+
+/// The GPUs this process can open, as the real driver enumerates them: where the driver's control
+/// node `<dev>/nvidiactl` exists (a GPU node, or a container given GPUs), a GPU whose
+/// `<dev>/nvidia<index>` is missing is not there (a container handed one GPU's node sees that GPU
+/// alone, as device 0). Without `nvidiactl` (a host with no driver files: the simulated node's
+/// own tests) every GPU.
+fn reachable(offered: Vec<(u32, Vec<Candidate>)>, dev: &Path) -> Vec<(u32, Vec<Candidate>)> {
+    if !dev.join("nvidiactl").exists() {
+        return offered;
+    }
+    offered.into_iter().filter(|(gpu, _)| dev.join(format!("nvidia{gpu}")).exists()).collect()
 }
 
 /// Applies `CUDA_VISIBLE_DEVICES` as the real driver does: a comma-separated list of GPU indices,
@@ -229,7 +242,7 @@ fn init() -> R {
     }
     let node = crate::process::node().map_err(|_| CUresult::CUDA_ERROR_NO_DEVICE)?;
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let chosen = select(node, offered(node), visible.as_deref());
+    let chosen = select(node, reachable(offered(node), Path::new("/dev")), visible.as_deref());
     if chosen.is_empty() {
         return Err(CUresult::CUDA_ERROR_NO_DEVICE);
     }
@@ -297,5 +310,34 @@ mod tests {
         assert_eq!(b[7], 0xef);
         assert_eq!(b[15], 0xef);
         assert_eq!(uuid_bytes("MIG-ffffffff-0000-0000-0000-000000000001")[15], 1);
+    }
+
+    fn candidate(gpu: u32) -> (u32, Vec<Candidate>) {
+        let c = Candidate {
+            gpu,
+            unit: 0,
+            domain: 0,
+            name: String::new(),
+            uuid_str: format!("GPU-{gpu}"),
+            sm_count: 1,
+            total_mem: 1,
+            mig: None,
+        };
+        (gpu, vec![c])
+    }
+
+    #[test]
+    fn a_container_given_one_gpus_node_sees_that_gpu_alone() {
+        let dev = tempfile::tempdir().expect("tempdir");
+        let gpus = |list: Vec<(u32, Vec<Candidate>)>| list.iter().map(|(g, _)| *g).collect::<Vec<_>>();
+        // No driver files: every GPU (the sim's own tests on a bare host).
+        assert_eq!(gpus(reachable(vec![candidate(0), candidate(1)], dev.path())), [0, 1]);
+        // The control node and GPU 1's: GPU 1 only.
+        std::fs::write(dev.path().join("nvidiactl"), "").expect("nvidiactl");
+        std::fs::write(dev.path().join("nvidia1"), "").expect("nvidia1");
+        assert_eq!(gpus(reachable(vec![candidate(0), candidate(1)], dev.path())), [1]);
+        // Neither GPU's node: none.
+        std::fs::remove_file(dev.path().join("nvidia1")).expect("rm");
+        assert!(reachable(vec![candidate(0), candidate(1)], dev.path()).is_empty());
     }
 }

@@ -1,0 +1,371 @@
+//! tesserad on a real Kubernetes node (scripts/kube.sh up: etcd, kube-apiserver, kube-scheduler,
+//! kube-controller-manager, the kubelet and containerd 2 with CDI, built from their Go modules).
+//! Each test starts tesserad over a simulated node of its own, creates objects through the real
+//! API server with kubectl, and checks what a user would check: the Node's allocatable and labels,
+//! a Pod's logs (a CUDA program inside its container), ResourceClaims' status.
+//!
+//! The cluster is found with `scripts/kube.sh env`; with none up the tests print a SKIP line, or
+//! fail when `TESSERA_REQUIRE_RUNTIMES` is set (scripts/test.sh starts one, CI sets the variable).
+//! A failure prints the last lines of the components' logs and of tesserad's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tessera_sim_testkit::{SimNode, binary, sim_library};
+use tessera_tests::kubelet::Daemon;
+
+const MIB: u64 = 1 << 20;
+/// The simulated driver's memory per context, which counts against a share as on a real GPU.
+const OVERHEAD_MIB: u64 = 300;
+/// How long the cluster gets for anything it does (pods start in seconds; a loaded CI machine
+/// may take much longer, and a deadline here is a bound, never a measurement).
+const WAIT: Duration = Duration::from_secs(240);
+
+/// One tesserad registers with the one kubelet at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The running cluster, as `scripts/kube.sh env` describes it.
+struct Kube {
+    env: HashMap<String, String>,
+}
+
+impl Kube {
+    /// The cluster, or `None` with a SKIP line (a failure under `TESSERA_REQUIRE_RUNTIMES`).
+    fn find() -> Option<Kube> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube.sh");
+        let out = Command::new(&script).arg("env").output().expect("run scripts/kube.sh env");
+        if !out.status.success() {
+            tessera_tests::kubelet::skip(&format!(
+                "no Kubernetes cluster is up (scripts/kube.sh up starts one): {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+            return None;
+        }
+        let env = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+            .collect();
+        Some(Kube { env })
+    }
+
+    fn var(&self, key: &str) -> &str {
+        self.env.get(key).unwrap_or_else(|| panic!("scripts/kube.sh env printed no {key}"))
+    }
+
+    fn node(&self) -> &str {
+        self.var("KUBE_NODE_NAME")
+    }
+
+    fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        let mut c = Command::new(self.var("KUBECTL"));
+        c.arg("--kubeconfig").arg(self.var("KUBECONFIG")).args(args);
+        c.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = c.spawn().expect("run kubectl");
+        if let Some(text) = stdin {
+            use std::io::Write;
+            child.stdin.take().expect("stdin").write_all(text.as_bytes()).expect("kubectl stdin");
+        }
+        child.wait_with_output().expect("kubectl")
+    }
+
+    /// kubectl's stdout; a failure names the command and shows the cluster's logs.
+    fn ok(&self, args: &[&str], stdin: Option<&str>) -> String {
+        let out = self.kubectl(args, stdin);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            self.logs()
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn apply(&self, object: &Value) {
+        self.ok(&["apply", "-f", "-"], Some(&object.to_string()));
+    }
+
+    /// `kubectl get ARGS -o json`, or `None` when it fails (not found).
+    fn get(&self, args: &[&str]) -> Option<Value> {
+        let mut all = vec!["get"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["-o", "json"]);
+        let out = self.kubectl(&all, None);
+        out.status.success().then(|| serde_json::from_slice(&out.stdout).expect("kubectl json"))
+    }
+
+    /// The last lines of the kubelet's, containerd's, the API server's and the scheduler's logs.
+    fn logs(&self) -> String {
+        let dir = PathBuf::from(self.var("KUBE_LOG_DIR"));
+        let mut text = String::new();
+        for name in ["kubelet", "containerd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"] {
+            let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            text.push_str(&format!("----- {name}.log (last 40 lines)\n"));
+            for l in &lines[lines.len().saturating_sub(40)..] {
+                text.push_str(l);
+                text.push('\n');
+            }
+        }
+        text
+    }
+
+    /// Polls `f` every half second until it gives a value; past [`WAIT`] fails naming `what`,
+    /// with the cluster's logs and `extra` (tesserad's).
+    fn wait<T>(&self, what: &str, extra: &dyn Fn() -> String, mut f: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{what}: not within {WAIT:?}\n{}\n{}", extra(), self.logs());
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    fn node_object(&self) -> Value {
+        self.get(&["node", self.node()]).expect("the node")
+    }
+
+    /// Deletes a pod and waits until it is gone.
+    fn delete_pod(&self, name: &str, extra: &dyn Fn() -> String) {
+        self.ok(&["delete", "pod", name, "--ignore-not-found", "--wait=false"], None);
+        self.wait(&format!("pod {name} deleted"), extra, || self.get(&["pod", name]).is_none().then_some(()));
+    }
+
+    /// Waits until pod `name` has finished (Succeeded or Failed); its phase and its logs.
+    fn finished(&self, name: &str, extra: &dyn Fn() -> String) -> (String, String) {
+        let phase = self.wait(&format!("pod {name} finished"), extra, || {
+            let pod = self.get(&["pod", name])?;
+            let phase = pod["status"]["phase"].as_str()?.to_owned();
+            (phase == "Succeeded" || phase == "Failed").then_some(phase)
+        });
+        let logs = self.ok(&["logs", name], None);
+        (phase, logs)
+    }
+}
+
+/// A simulated GPU host under `dir`, as tesserad's `[injection]` names it and as containerd's
+/// CDI gives it to containers: device nodes (mknod), a driver root whose libcuda.so.1 and
+/// libnvidia-ml.so.1 are the simulated driver, the built shim and hook; CDI specs go where
+/// containerd reads them.
+fn sim_host(kube: &Kube, dir: &Path) -> String {
+    let dev = dir.join("dev");
+    for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
+        tessera_tests::mknod(&dev.join(name), 195, minor);
+    }
+    let lib = dir.join("driver/usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).expect("driver root");
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        std::fs::copy(sim_library(), lib.join(name)).expect("the simulated driver");
+    }
+    format!(
+        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\nhook_path = {:?}\n",
+        kube.var("KUBE_CDI_SPEC_DIR"),
+        dir.join("driver"),
+        tessera_tests::shim(),
+        binary("tessera-hook"),
+    )
+}
+
+/// tesserad over its own simulated node, registered with the cluster's kubelet.
+struct Tesserad {
+    dir: tempfile::TempDir,
+    node: SimNode,
+    _daemon: Daemon,
+}
+
+impl Tesserad {
+    /// Starts tesserad with `body` after the common keys (the kubelet's directories, the
+    /// cluster's kubeconfig and node name, the simulated host's injection).
+    fn start(kube: &Kube, description: &str, body: &str) -> Tesserad {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = SimNode::with_description(description);
+        let injection = sim_host(kube, dir.path());
+        let config = dir.path().join("config.toml");
+        let text = format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\npod_resources_socket = {:?}\nstate_dir = {:?}\n\
+             runtime_dir = {:?}\n{body}\n{injection}",
+            node.nvml_path(),
+            kube.var("KUBELET_DEVICE_PLUGIN_DIR"),
+            kube.var("KUBELET_POD_RESOURCES_SOCKET"),
+            dir.path().join("state"),
+            dir.path().join("run"),
+        );
+        std::fs::write(&config, text).expect("config");
+        let log = dir.path().join("tesserad.log");
+        tessera_tests::kubelet::unmount_at_exit(dir.path());
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+        let child = node
+            .command(binary("tesserad"))
+            .arg("--config")
+            .arg(&config)
+            // A deleted pod's share is released 2 s after the kubelet stops listing it, not 60 s.
+            .env("TESSERA_POD_RESOURCES_GRACE_SECONDS", "2")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn tesserad");
+        Tesserad { dir, node, _daemon: Daemon(child) }
+    }
+
+    fn log(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("tesserad.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        format!("----- tesserad.log (last 60 lines)\n{}", lines[lines.len().saturating_sub(60)..].join("\n"))
+    }
+
+    /// `tessera allocations --json`.
+    fn allocations(&self) -> Vec<Value> {
+        let out = tessera_tests::tessera(self.dir.path(), &["allocations", "--json"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str::<Value>(text.trim()).ok().and_then(|v| v.as_array().cloned()).unwrap_or_default()
+    }
+
+    /// The pod spec's parts that let a container reach this simulated node, as the real driver's
+    /// device files would: the sim's state (the same file, at the same path, and where it is),
+    /// and the CUDA workload program.
+    fn sim_volumes(&self) -> (Value, Value, Value) {
+        let root = self.node.root.display().to_string();
+        let env: Vec<Value> = self
+            .node
+            .env()
+            .into_iter()
+            .filter(|(k, _)| k != "LD_LIBRARY_PATH")
+            .map(|(k, v)| json!({"name": k, "value": v.to_string_lossy()}))
+            .collect();
+        let mounts = json!([
+            {"name": "sim", "mountPath": root},
+            {"name": "workload", "mountPath": "/usr/local/bin/tessera-workload", "readOnly": true},
+        ]);
+        let volumes = json!([
+            {"name": "sim", "hostPath": {"path": root, "type": "Directory"}},
+            {"name": "workload", "hostPath": {"path": binary("tessera-workload").display().to_string(), "type": "File"}},
+        ]);
+        (json!(env), mounts, volumes)
+    }
+}
+
+/// A pod of the test image running `script`, with `resources` and the simulated node reachable.
+fn pod(kube: &Kube, t: &Tesserad, name: &str, script: &str, resources: Value, claims: Value) -> Value {
+    let (env, mounts, volumes) = t.sim_volumes();
+    let mut container = json!({"name": "main", "image": kube.var("TEST_IMAGE"), "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", script], "env": env, "volumeMounts": mounts, "resources": resources});
+    let mut spec = json!({"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "volumes": volumes});
+    if !claims.is_null() {
+        container["resources"]["claims"] =
+            json!(claims.as_array().expect("claims").iter().map(|c| json!({"name": c["name"]})).collect::<Vec<_>>());
+        spec["resourceClaims"] = claims;
+    }
+    spec["containers"] = json!([container]);
+    json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec})
+}
+
+/// The JSON report printed between `BEGIN-<tag>` and `END-<tag> <status>`, and that status.
+fn section(text: &str, tag: &str) -> (Value, String) {
+    let start = text.find(&format!("BEGIN-{tag}\n")).unwrap_or_else(|| panic!("no {tag} in:\n{text}"));
+    let rest = &text[start..];
+    let end = rest.find(&format!("END-{tag} ")).unwrap_or_else(|| panic!("no end of {tag} in:\n{text}"));
+    let status = rest[end..].lines().next().unwrap_or_default().split(' ').nth(1).unwrap_or_default().to_owned();
+    let line =
+        rest[..end].lines().rfind(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no report for {tag}:\n{text}"));
+    (serde_json::from_str(line).expect("a report"), status)
+}
+
+/// What a container sees of its GPU: its device nodes, the preload, the CUDA program's view of
+/// the memory, and what happens past it.
+const PROBE: &str = r#"
+for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
+echo "preload $(cat /etc/ld.so.preload)"
+echo "allocation $TESSERA_ALLOCATION"
+env | grep ^TESSERA_ | sort
+ls -l /run/tessera/alloc/ /usr/lib/tessera/ 2>&1
+cat /run/tessera/alloc/limits
+echo BEGIN-TOTAL
+tessera-workload
+echo "END-TOTAL $?"
+echo BEGIN-OOM
+tessera-workload --alloc-mib 90000 --chunk-mib 512
+echo "END-OOM $?"
+"#;
+
+const H100X2: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 2\n";
+
+/// Device-plugin mode against the real kubelet: registration, the Node's allocatable (a whole
+/// GPU and two shares of the other), the `tessera.io/` labels as `kubectl get node -L` shows
+/// them, a Pod asking for a share whose CUDA program sees the share's memory as the total and is
+/// refused past it, and the allocation released when the Pod is deleted.
+#[test]
+fn device_plugin_share_runs_a_pod_on_the_real_kubelet() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let body = format!(
+        "[kubernetes]\nmode = \"device-plugin\"\nkubeconfig = {:?}\nnode_name = {:?}\n\
+         [partitions.0]\nwhole = true\n[partitions.1]\nshares = {{ count = 2 }}\n",
+        kube.var("KUBECONFIG"),
+        kube.node()
+    );
+    let t = Tesserad::start(&kube, H100X2, &body);
+    let extra = || t.log();
+
+    // The kubelet took the registration: the Node offers one GPU and two shares.
+    kube.wait("allocatable tessera.io/gpu = 1 and tessera.io/gpu-share = 2", &extra, || {
+        let a = kube.node_object()["status"]["allocatable"].clone();
+        (a["tessera.io/gpu"] == "1" && a["tessera.io/gpu-share"] == "2").then_some(())
+    });
+
+    // Labels: what `kubectl get node -L` prints.
+    let columns = "tessera.io/gpu.product,tessera.io/gpu.count,tessera.io/gpu.memory,tessera.io/mig.strategy";
+    let table = kube.wait("the tessera.io/ labels on the node", &extra, || {
+        let out = kube.ok(&["get", "node", kube.node(), "-L", columns], None);
+        out.contains("NVIDIA-H100-80GB-HBM3").then_some(out)
+    });
+    let header: Vec<&str> = table.lines().next().expect("header").split_whitespace().collect();
+    let row: Vec<&str> = table.lines().nth(1).expect("the node's row").split_whitespace().collect();
+    let column = |name: &str| {
+        let i = header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}:\n{table}"));
+        row[i]
+    };
+    assert_eq!(column("GPU.PRODUCT"), "NVIDIA-H100-80GB-HBM3", "{table}");
+    assert_eq!(column("GPU.COUNT"), "2", "{table}");
+    assert_eq!(column("GPU.MEMORY"), "81559", "{table}");
+    assert_eq!(column("MIG.STRATEGY"), "none", "{table}");
+
+    // A Pod asking for one share.
+    kube.delete_pod("share-probe", &extra);
+    kube.apply(&pod(&kube, &t, "share-probe", PROBE, json!({"limits": {"tessera.io/gpu-share": "1"}}), Value::Null));
+    let (phase, logs) = kube.finished("share-probe", &extra);
+    assert_eq!(phase, "Succeeded", "{logs}\n{}", t.log());
+    let allocs = t.allocations();
+    assert_eq!(allocs.len(), 1, "one allocation while the pod exists: {allocs:?}");
+    let id = allocs[0]["id"].as_str().expect("id").to_owned();
+    assert!(logs.contains(&format!("allocation {id}")), "{logs}");
+    assert!(logs.contains("preload /usr/lib/tessera/libtessera.so"), "{logs}");
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes, ["node /dev/nvidia1", "node /dev/nvidiactl"], "the shared GPU's node only:\n{logs}");
+
+    // Half of the GPU's memory (whole MiB), as the CUDA program inside sees it.
+    let share_bytes = 81_559 / 2 * MIB;
+    let (total, status) = section(&logs, "TOTAL");
+    assert_eq!(status, "0", "{total}");
+    assert_eq!(total["mem_total"].as_u64(), Some(share_bytes), "cuMemGetInfo's total is the share:\n{logs}");
+    let (oom, status) = section(&logs, "OOM");
+    assert_eq!((status.as_str(), oom["alloc_error"].as_str()), ("3", Some("CUDA_ERROR_OUT_OF_MEMORY")), "{oom}");
+    let got = oom["allocated_bytes"].as_u64().expect("allocated_bytes");
+    assert!(
+        got + OVERHEAD_MIB * MIB <= share_bytes && got + OVERHEAD_MIB * MIB + 512 * MIB > share_bytes,
+        "allocated {got} of a {share_bytes}-byte share"
+    );
+
+    // Deleting the Pod releases the allocation.
+    kube.delete_pod("share-probe", &extra);
+    kube.wait("the share's allocation released", &extra, || t.allocations().is_empty().then_some(()));
+}
