@@ -113,7 +113,8 @@ install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes
 
 # daemon/tests/monitoring.rs regenerates the Grafana dashboard (grafanalib) and checks the alert
 # rules and their tests (PyYAML); deploy/monitoring/picture.py draws docs/images/dashboard.png
-# (matplotlib). TESSERA_MONITORING_PYTHON names another Python with them.
+# (matplotlib). TESSERA_MONITORING_PYTHON names another Python with them. (promtool, which the
+# same test runs, comes with the prometheus package above.)
 install_venv "$root/target/monitoring" \
   "import grafanalib, yaml, matplotlib, importlib.metadata as m; assert m.version('grafanalib') == '0.7.1'" \
   "grafanalib==0.7.1" "attrs==26.1.0" "pyyaml==6.0.3" "matplotlib==3.11.2" "numpy==2.4.6"
