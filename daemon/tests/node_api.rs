@@ -430,3 +430,58 @@ async fn carved_shares_recovered_after_a_journal_loss_keep_their_gpus_layout() {
     assert_eq!(p0.state, api::PartitionState::Converged as i32, "{p0:?}\n{}", std::fs::read_to_string(&log).unwrap());
     assert_eq!(p0.device_ids.len(), 4, "the kubelet's shares are there: {p0:?}");
 }
+
+/// `[limits] max_allocations` caps the node API's allocations: past it `Allocate` is refused with
+/// RESOURCE_EXHAUSTED naming the key (there was no cap: 10,000 allocations cost 20,000 mounts and
+/// two-thirds of a core), and a release makes room again. Calls at once never pass it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_past_max_allocations_is_refused_naming_the_key() {
+    let node = SimNode::new();
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(&node, tmp.path(), "[limits]\nmax_allocations = 3");
+    let socket = tmp.path().join("run/tessera.sock");
+    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (_daemon, _) = spawn(&node, &config, &notify, &log);
+    let mut c = client(&socket).await;
+    let ask = || api::AllocateRequest { memory_bytes: 1 << 30, sm_percent: 5, ..Default::default() };
+    // Eight clients at once, three each: exactly three allocations are made.
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let socket = socket.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = client(&socket).await;
+            let mut out = Vec::new();
+            for _ in 0..3 {
+                out.push(c.allocate(ask()).await.map(|r| r.into_inner().allocation.expect("allocation").id));
+            }
+            out
+        }));
+    }
+    let mut made = Vec::new();
+    for t in tasks {
+        for r in t.await.expect("client") {
+            match r {
+                Ok(id) => made.push(id),
+                Err(e) => {
+                    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}\n{}", show_log());
+                    assert!(e.message().contains("limits.max_allocations"), "{}", e.message());
+                }
+            }
+        }
+    }
+    assert_eq!(made.len(), 3, "{made:?}\n{}", show_log());
+    let err = c.allocate(ask()).await.expect_err("a fourth is refused");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert!(err.message().starts_with("limits.max_allocations:"), "{}", err.message());
+    // The CLI says the same.
+    let (code, out) = tessera(&socket, &["alloc", "--memory", "1GiB", "--sm", "5"]);
+    assert_ne!(code, 0);
+    assert!(out.contains("limits.max_allocations"), "{out}");
+    // A release makes room for one.
+    let released =
+        c.release(api::ReleaseRequest { allocation_id: made[0].clone() }).await.expect("release").into_inner().released;
+    assert!(released);
+    c.allocate(ask()).await.expect("room again after a release");
+    assert_eq!(c.allocate(ask()).await.expect_err("full again").code(), tonic::Code::ResourceExhausted);
+}

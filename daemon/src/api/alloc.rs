@@ -7,7 +7,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
-use crate::allocator::{DeviceAsk, LimitChange, ShareRequest};
+use crate::allocator::{DRA_RESOURCE, DeviceAsk, LimitChange, ShareRequest};
 use crate::node::NodeController;
 use crate::resources::CDI_VENDOR;
 use crate::state::{Allocation, Lease};
@@ -62,6 +62,26 @@ fn check_owner(owner: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// Whether `a` counts against `limits.max_allocations`: the node API's own (shares, MIG devices,
+/// whole GPUs), not the kubelet's nor DRA claims (the scheduler bounds those by devices).
+fn node_api_held(a: &Allocation) -> bool {
+    a.claim.is_some() && a.resource != DRA_RESOURCE
+}
+
+/// Refuses an `Allocate` once `max` node API allocations are held, naming the key.
+fn check_room(held: usize, max: u32) -> Result<(), Status> {
+    if held >= max as usize {
+        return Err(Status::resource_exhausted(format!(
+            "limits.max_allocations: this node holds {held} node API allocations, the most it allows ({max}); \
+             release some (`tessera allocations`, `tessera release`) or raise limits.max_allocations"
+        )));
+    }
+    Ok(())
+}
+
+/// One `Allocate` at a time counts and adds, so that calls at once cannot pass the cap together.
+static ALLOCATING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `Allocate`.
 pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Result<api::AllocateResponse, Status> {
     let owner = req.owner.trim();
@@ -83,6 +103,11 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
         lease: lease(req.lease)?,
     };
     let allocator = controller.allocator();
+    let max = controller.view().config.limits.max_allocations;
+    let _one_at_a_time = ALLOCATING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (_, held) =
+        allocator.allocations_changed_since(None, |records| records.iter().filter(|a| node_api_held(a)).count());
+    check_room(held.unwrap_or(0), max)?;
     // The rooms the controller published (health and layout changes republish them): no copy of
     // its whole picture on every call.
     let alloc = allocator.allocate_share(&share, &allocator.rooms())?;
@@ -153,6 +178,20 @@ pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn past_max_allocations_allocate_is_refused_naming_the_key() {
+        assert!(check_room(1023, 1024).is_ok());
+        let err = check_room(1024, 1024).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+        assert!(err.message().starts_with("limits.max_allocations:"), "{}", err.message());
+        let mut a = crate::state::record::tests::sample("x");
+        assert!(!node_api_held(&a), "the kubelet's");
+        a.claim = Some(Box::new(crate::state::Claim { owner: None, lease: Lease::None }));
+        assert!(node_api_held(&a));
+        a.resource = DRA_RESOURCE.into();
+        assert!(!node_api_held(&a), "a DRA claim");
+    }
 
     #[test]
     fn an_owner_that_would_garble_the_listing_is_refused_saying_in_bytes() {

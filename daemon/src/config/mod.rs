@@ -183,11 +183,22 @@ pub struct ShareLimits {
     pub compute_mode: String,
     /// Priority of share allocations: `low`, `normal` or `high`.
     pub priority: String,
+    /// The most allocations the node API's `Allocate` may hold at once (shares, MIG devices and
+    /// whole GPUs together); past it `Allocate` is refused (RESOURCE_EXHAUSTED). Each costs two
+    /// mounts, files and a little of every periodic pass.
+    pub max_allocations: u32,
 }
+
+/// `limits.max_allocations` when unset.
+pub const DEFAULT_MAX_ALLOCATIONS: u32 = 1024;
 
 impl Default for ShareLimits {
     fn default() -> Self {
-        ShareLimits { compute_mode: "strict".into(), priority: "normal".into() }
+        ShareLimits {
+            compute_mode: "strict".into(),
+            priority: "normal".into(),
+            max_allocations: DEFAULT_MAX_ALLOCATIONS,
+        }
     }
 }
 

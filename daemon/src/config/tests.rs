@@ -217,3 +217,10 @@ fn reset_policy_per_gpu_then_default_then_never() {
     assert_eq!(c.reset_policy(0, "GPU-a"), ResetPolicy::Never, "opt-in only");
     refused("[partitions.0]\nwhole = true\nreset = \"always\"\n", "partitions.0.reset", "unknown variant");
 }
+
+#[test]
+fn max_allocations_defaults_to_1024_and_0_is_refused() {
+    assert_eq!(Config::parse("").unwrap().limits.max_allocations, 1024);
+    assert_eq!(Config::parse("[limits]\nmax_allocations = 5\n").unwrap().limits.max_allocations, 5);
+    refused("[limits]\nmax_allocations = 0\n", "limits.max_allocations", "at least 1");
+}

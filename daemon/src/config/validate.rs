@@ -111,6 +111,12 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
             format!("{:?} is not one of \"low\", \"normal\", \"high\"", c.limits.priority),
         ));
     }
+    if c.limits.max_allocations == 0 {
+        return Err(ConfigError::new(
+            "limits.max_allocations",
+            "0 would refuse every node API Allocate; give at least 1 (default 1024)",
+        ));
+    }
     super::kubernetes::validate(&c.kubernetes)?;
     for (key, spec) in &c.partitions {
         let at = format!("partitions.{}", quote_key(key));
