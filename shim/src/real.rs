@@ -159,6 +159,8 @@ table! {
             cuMemUnmap(CUdeviceptr, usize);
             cuMemAddressFree(CUdeviceptr, usize);
             cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
+            cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, c_int);
+            cuMemGetAllocationPropertiesFromHandle(*mut c_void, CUmemGenericAllocationHandle);
             cuMemMapArrayAsync(*mut ArrayMapInfo, c_uint, CUstream);
             cuMemMapArrayAsync_ptsz(*mut ArrayMapInfo, c_uint, CUstream);
             cuLaunchKernelEx(*const CUlaunchConfigHead, CUfunction, PP, PP);

@@ -159,6 +159,7 @@ trace_funcs! {
     cuMipmappedArrayCreate, cuMipmappedArrayDestroy,
     cuCtxSetLimit,
     cuMemPoolCreate,
+    cuMemImportFromShareableHandle,
 }
 
 impl TraceFunc {

@@ -111,6 +111,7 @@ hooks! {
     alloc::cuMemFree_v2,
     info::cuMemGetInfo,
     info::cuMemGetInfo_v2,
+    vmm::cuMemImportFromShareableHandle,
     vmm::cuMemMap,
     vmm::cuMemMapArrayAsync,
     vmm::cuMemMapArrayAsync_ptsz,

@@ -86,6 +86,7 @@ pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
     ("cuMemFreeAsync", 11020, true, "cuMemFreeAsync_ptsz"),
     ("cuMemGetInfo", 2000, false, "cuMemGetInfo"),
     ("cuMemGetInfo", 3020, false, "cuMemGetInfo_v2"),
+    ("cuMemImportFromShareableHandle", 10020, false, "cuMemImportFromShareableHandle"),
     ("cuMemMap", 10020, false, "cuMemMap"),
     ("cuMemMapArrayAsync", 11010, false, "cuMemMapArrayAsync"),
     ("cuMemMapArrayAsync", 11010, true, "cuMemMapArrayAsync_ptsz"),

@@ -8,14 +8,24 @@
 //! (`cuMemMap`, less `cuMemUnmap` and `cuMemAddressFree` of the ranges they lie in); the charge is
 //! refunded when both reach zero. A handle mapped into a sparse array (`cuMemMapArrayAsync`) stays
 //! charged until the process ends: array tiles are not tracked one by one, so Tessera errs on the
-//! side of charging. Handles imported from another process (`cuMemImportFromShareableHandle`)
-//! are the exporter's charge: they are not charged again, and their mappings are not tracked.
+//! side of charging.
+//!
+//! Memory shared between processes (`cuMemExportToShareableHandle` in one,
+//! `cuMemImportFromShareableHandle` in another) lives while any process holds a handle to it or
+//! maps it (cuda.h, `cuMemRelease`): the exporter's release frees nothing while an importer maps
+//! it, and the exporter may exit. So every process is charged what it can touch: the exporter as
+//! above, an importer for a handle it imported from the moment it maps it, the furthest byte of
+//! the allocation it has mapped (the driver tells no allocation's size from its handle), reserved
+//! before the driver is called (over the limit: `CUDA_ERROR_OUT_OF_MEMORY`, the driver never maps
+//! it), until it has released and unmapped it as above. While both hold it, both are charged
+//! (twice in one container): never nobody. Before, an importer was charged nothing, and memory
+//! whose exporter had released it was charged to no one: 8 GiB held under a 2 GiB share.
 //!
 //! Bookkeeping and driver call happen under one lock, so a handle value the driver frees and
 //! hands out again can never be confused with the old one (virtual-memory calls are rare).
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::{Mutex, MutexGuard};
 
 use super::alloc::hook;
@@ -34,6 +44,9 @@ struct Physical {
     mappings: u32,
     /// Mapped into a sparse array: kept charged until the process ends.
     in_array: bool,
+    /// Imported from another process: charged what this process has mapped of it (`bytes`
+    /// grows with its mappings).
+    imported: bool,
 }
 
 impl Physical {
@@ -54,8 +67,40 @@ pub(crate) struct Books {
 
 impl Books {
     fn created(&mut self, handle: u64, dev: usize, bytes: u64) {
-        let p = Physical { dev, bytes, handles: 1, mappings: 0, in_array: false };
+        let p = Physical { dev, bytes, handles: 1, mappings: 0, in_array: false, imported: false };
         self.physical.insert(handle, p);
+    }
+
+    /// A handle imported from another process (`cuMemImportFromShareableHandle`): charged nothing
+    /// until it is mapped. One the process holds already (the driver may hand it back) is one
+    /// more reference.
+    fn imported(&mut self, handle: u64, dev: usize) {
+        match self.physical.get_mut(&handle) {
+            Some(p) => p.handles += 1,
+            None => {
+                let p = Physical { dev, bytes: 0, handles: 1, mappings: 0, in_array: false, imported: true };
+                self.physical.insert(handle, p);
+            }
+        }
+    }
+
+    /// What mapping an imported handle up to byte `end` of it adds to its charge: (device, bytes).
+    fn import_growth(&self, handle: u64, end: u64) -> Option<(usize, u64)> {
+        let p = self.physical.get(&handle).filter(|p| p.imported)?;
+        (end > p.bytes).then(|| (p.dev, end - p.bytes))
+    }
+
+    /// An imported handle is mapped up to byte `end`: its charge grows to that; returns by how
+    /// much (0: it covered it already, or the handle is gone).
+    fn grow_import(&mut self, handle: u64, end: u64) -> u64 {
+        match self.physical.get_mut(&handle) {
+            Some(p) if p.imported && end > p.bytes => {
+                let g = end - p.bytes;
+                p.bytes = end;
+                g
+            }
+            _ => 0,
+        }
     }
 
     /// One more handle reference (`cuMemRetainAllocationHandle`), if the handle is ours.
@@ -230,11 +275,70 @@ pub unsafe extern "C" fn cuMemMap(
 ) -> CUresult {
     hook(TraceFunc::cuMemMap, |s, cu| {
         let Some(f) = cu.cuMemMap else { return CUDA_ERROR_NOT_SUPPORTED };
+        let end = (offset as u64).saturating_add(size as u64);
+        // An imported handle: what the mapping adds is reserved first (outside the books' lock,
+        // which a refused reservation's true-up takes).
+        let growth = s.mem.vmm.books().import_growth(handle, end);
+        if let Some((dev, bytes)) = growth {
+            crate::trace::note(dev, bytes);
+            if !s.reserve(dev, bytes) {
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+        }
         let mut books = s.mem.vmm.books();
         // SAFETY: the caller's arguments, passed on unchanged.
         let rc = unsafe { f(ptr, size, offset, handle, flags) };
+        let mut excess = growth;
         if rc == CUDA_SUCCESS {
             books.mapped(ptr, size as u64, handle);
+            // Another thread may have mapped more of it meanwhile: only the growth is kept.
+            let grew = books.grow_import(handle, end);
+            excess = growth.map(|(dev, bytes)| (dev, bytes - grew.min(bytes)));
+        }
+        drop(books);
+        refund_all(s, excess.filter(|e| e.1 > 0));
+        rc
+    })
+}
+
+/// `CUmemAllocationProp`, as `cuMemGetAllocationPropertiesFromHandle` writes it (32 bytes).
+#[repr(C)]
+struct AllocationProp {
+    head: MemAllocPropHead,
+    win32_metadata: *mut c_void,
+    flags: [u8; 8],
+}
+
+const _: () = assert!(std::mem::size_of::<AllocationProp>() == 32);
+
+/// # Safety
+/// As cuda.h's `cuMemImportFromShareableHandle`. Charged nothing until mapped (see the module).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    kind: c_int,
+) -> CUresult {
+    hook(TraceFunc::cuMemImportFromShareableHandle, |s, cu| {
+        let Some(f) = cu.cuMemImportFromShareableHandle else { return CUDA_ERROR_NOT_SUPPORTED };
+        let mut books = s.mem.vmm.books();
+        // SAFETY: the caller's arguments, passed on unchanged.
+        let rc = unsafe { f(handle, os_handle, kind) };
+        // SAFETY: the driver wrote the handle (it succeeded).
+        if let (CUDA_SUCCESS, Some(h)) = (rc, unsafe { get(handle) }) {
+            let mut prop = AllocationProp {
+                head: MemAllocPropHead { alloc_type: 0, handle_types: 0, location_type: 0, location_id: 0 },
+                win32_metadata: std::ptr::null_mut(),
+                flags: [0; 8],
+            };
+            let props = cu.cuMemGetAllocationPropertiesFromHandle.map(|g| {
+                // SAFETY: prop is a CUmemAllocationProp-sized out-struct; h the handle just made.
+                unsafe { g((&raw mut prop).cast(), h) }
+            });
+            let on_device = props == Some(CUDA_SUCCESS) && prop.head.location_type == CU_MEM_LOCATION_TYPE_DEVICE;
+            if let Some(dev) = on_device.then(|| s.device_of_ordinal(prop.head.location_id)).flatten() {
+                books.imported(h, dev);
+            }
         }
         rc
     })
@@ -361,6 +465,22 @@ mod tests {
         r.sort();
         assert_eq!(r, vec![(0, 2 * MIB), (0, 2 * MIB)]);
         assert_eq!(b.charged(), 2 * MIB, "the third, outside the range, stays");
+    }
+
+    #[test]
+    fn an_imported_handle_is_charged_what_is_mapped_until_released_and_unmapped() {
+        let mut b = Books::default();
+        b.imported(9, 1);
+        assert_eq!(b.charged(), 0, "importing charges nothing yet");
+        assert_eq!(b.import_growth(9, 64 * MIB), Some((1, 64 * MIB)));
+        b.mapped(0x200_0000, 64 * MIB, 9);
+        assert_eq!(b.grow_import(9, 64 * MIB), 64 * MIB);
+        assert_eq!(b.import_growth(9, 32 * MIB), None, "a mapping of less adds nothing");
+        assert_eq!(b.import_growth(9, 96 * MIB), Some((1, 32 * MIB)), "of more, the difference");
+        assert_eq!(b.import_growth(5, 96 * MIB), None, "not imported: charged at cuMemCreate");
+        assert_eq!(b.released(9), None, "still mapped");
+        assert_eq!(b.unmapped(0x200_0000, 64 * MIB), vec![(1, 64 * MIB)]);
+        assert_eq!(b.charged(), 0);
     }
 
     #[test]

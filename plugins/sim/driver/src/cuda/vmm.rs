@@ -12,9 +12,14 @@
 //! memfd, which a program passes to another process of the node over a unix socket like any file
 //! descriptor. The memfd is named for the GPU and memory domain it lives on and sealed against
 //! resizing, so an importer can tell a handle of this driver, and map it without fearing a
-//! truncation. The allocation is charged once, to the exporter; an imported one charges nothing.
-//! Where the sim differs: a real driver keeps the memory counted until the last process lets go of
-//! it; here it stops being counted when the exporter frees it (the importer keeps its pages).
+//! truncation. As on a real driver (cuda.h, `cuMemRelease`: the allocation is freed once every
+//! mapping is unmapped and every reference, shareable ones included, is released), the memory
+//! lives while any process holds a handle to it or maps it, the exporter's release
+//! notwithstanding; and it is counted to every process that holds it: the exporter from
+//! `cuMemCreate` until it releases and unmaps it, an importer from `cuMemImportFromShareableHandle`
+//! until it does, so NVML's process list shows each holder with it. Where the sim differs: the
+//! device's used memory counts such an allocation once per process holding it (a real GPU holds
+//! it once), so an import can be refused `CUDA_ERROR_OUT_OF_MEMORY` on a nearly full device.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_ulonglong, c_void};
@@ -630,18 +635,18 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         if own < 0 {
             return Err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let h = NEXT_PHYS.fetch_add(1, Relaxed);
-        // The exporter was charged; importing charges nothing.
-        let phys = Phys {
-            fd: own,
-            size,
-            dev,
-            charge: 0,
-            epoch: super::memory::current_epoch(gpu),
-            handle_types: HANDLE_TYPE_POSIX_FD,
-            refs: 1,
-            mappings: 0,
+        // The importer holds the memory from now on (see the module's note), whoever else does.
+        let epoch = match charge(drv.node, gpu, domain, size) {
+            Ok(e) => e,
+            Err(e) => {
+                // SAFETY: own is the duplicate just made, not handed out.
+                unsafe { libc::close(own) };
+                return Err(e);
+            }
         };
+        let h = NEXT_PHYS.fetch_add(1, Relaxed);
+        let phys =
+            Phys { fd: own, size, dev, charge: size, epoch, handle_types: HANDLE_TYPE_POSIX_FD, refs: 1, mappings: 0 };
         handles::write().phys.insert(h, phys);
         // SAFETY: handle is the caller's out-pointer (checked above).
         unsafe { put(handle, h) }
