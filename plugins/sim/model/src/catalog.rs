@@ -64,10 +64,17 @@ pub struct GpuModel {
     pub name: &'static str,
     /// `nvmlMemory_t.total`: what nvidia-smi shows as "Total" FB memory.
     pub memory_bytes: u64,
-    /// `nvmlMemory_v2_t.reserved`: FB the driver and firmware keep ("Reserved" in `nvidia-smi -q`).
+    /// `nvmlMemory_v2_t.reserved`: FB the driver and firmware keep ("Reserved" in `nvidia-smi -q`),
+    /// what `nvmlMemory_t.used` shows on an idle board.
     pub reserved_bytes: u64,
+    /// `cuDeviceTotalMem`: the memory CUDA reports, less than NVML's total.
+    pub cuda_total_mem_bytes: u64,
     /// Streaming multiprocessors (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`).
     pub sm_count: u32,
+    /// CUDA cores per SM (`nvmlDeviceGetNumGpuCores` is `sm_count` times this).
+    pub cores_per_sm: u32,
+    /// `nvmlDeviceGetVbiosVersion`.
+    pub vbios_version: &'static str,
     /// CUDA compute capability, major.
     pub cc_major: u32,
     /// CUDA compute capability, minor.
@@ -90,6 +97,8 @@ pub struct GpuModel {
     pub min_power_limit_mw: u32,
     /// Power draw of an idle board in P0, in milliwatts (what a fresh simulated GPU reports).
     pub idle_power_mw: u32,
+    /// Die temperature of an idle board, degrees C.
+    pub idle_temp_c: u32,
     /// Maximum SM (and graphics) clock, MHz; also `CU_DEVICE_ATTRIBUTE_CLOCK_RATE` / 1000.
     pub max_sm_clock_mhz: u32,
     /// Maximum memory clock, MHz; also `CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE` / 1000.
@@ -102,8 +111,12 @@ pub struct GpuModel {
     pub memory_bus_width_bits: u32,
     /// L2 cache in bytes (`CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE`).
     pub l2_cache_bytes: u32,
+    /// L2 that may be set aside for persisting accesses (`CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE`).
+    pub max_persisting_l2_bytes: u32,
     /// BAR1 aperture in bytes (`nvmlBAR1Memory_t.bar1Total`).
     pub bar1_bytes: u64,
+    /// BAR1 the driver maps on an idle board (`nvmlBAR1Memory_t.bar1Used` with no process).
+    pub idle_bar1_used_bytes: u64,
     /// NVLink links on the board.
     pub nvlink_count: u32,
     /// `CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK`.
@@ -221,6 +234,11 @@ pub struct CiPlacement {
 }
 
 impl GpuModel {
+    /// `nvmlDeviceGetNumGpuCores`: CUDA cores of the whole board.
+    pub fn cuda_cores(&self) -> u32 {
+        self.sm_count * self.cores_per_sm
+    }
+
     /// The GPU-instance profile for an `NVML_GPU_INSTANCE_PROFILE_*` value.
     pub fn gi_profile(&self, nvml_profile: u32) -> Option<&GiProfile> {
         self.mig.as_ref()?.gi_profiles.iter().find(|p| p.nvml_profile == nvml_profile)
@@ -492,8 +510,17 @@ static MODELS: [GpuModel; 3] = [
         memory_bytes: 81_559 * MIB,
         // "Reserved : 454 MiB" (565.57.01; 328-551 MiB across drivers).
         reserved_bytes: 454 * MIB,
+        // Not corrected: deviceQuery prints "81090 MBytes (85029158912 bytes)", less than NVML's
+        // total as on the H200 (issue 35), but the driver it came from kept more than the 454 MiB
+        // reserved above, and CUDA's total must hold what NVML leaves free; until one driver's
+        // pair of figures is read, CUDA's total stays NVML's.
+        cuda_total_mem_bytes: 81_559 * MIB,
         // deviceQuery: "(132) Multiprocessors".
         sm_count: 132,
+        // nvmlDeviceGetNumGpuCores 16896 on the H200, the same GH100 configuration.
+        cores_per_sm: 128,
+        // "VBIOS Version : 96.00.74.00.0D" (HGX H100, part 692-2G520-0200-000).
+        vbios_version: "96.00.74.00.0D",
         cc_major: 9,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_HOPPER,
@@ -508,6 +535,8 @@ static MODELS: [GpuModel; 3] = [
         min_power_limit_mw: 200_000,
         // "Power Draw : 72.02 W" idle in P0 (545.23.08).
         idle_power_mw: 72_000,
+        // Derived: idle H100 and A100 SXM boards read 29-35 C in `nvidia-smi -q`.
+        idle_temp_c: 31,
         // "Max Clocks": SM 1980, Memory 2619, Video 1545; default applications clock 1980.
         max_sm_clock_mhz: 1980,
         max_mem_clock_mhz: 2619,
@@ -516,8 +545,13 @@ static MODELS: [GpuModel; 3] = [
         // deviceQuery: "Memory Bus Width: 5120-bit", "L2 Cache Size: 52428800 bytes".
         memory_bus_width_bits: 5120,
         l2_cache_bytes: 52_428_800,
+        // Derived: five eighths of L2, as the H200 answered (37.5 of 60 MiB); it was three
+        // quarters, the A100's ratio, which the H200 disproves for Hopper.
+        max_persisting_l2_bytes: 52_428_800 / 8 * 5,
         // "BAR1 Memory Usage Total : 131072 MiB".
         bar1_bytes: 131_072 * MIB,
+        // "BAR1 Memory Usage Used : 1 MiB" on an idle board.
+        idle_bar1_used_bytes: MIB,
         // `nvidia-smi nvlink --status`: Link 0..17 at 26.562 GB/s.
         nvlink_count: 18,
         // deviceQuery (CUDA 12.4-12.8) for the CUDA limits below.
@@ -557,8 +591,15 @@ static MODELS: [GpuModel; 3] = [
         memory_bytes: 40_960 * MIB,
         // "Reserved : 620 MiB".
         reserved_bytes: 620 * MIB,
+        // Not corrected: deviceQuery on an A100 40GB prints 42505273344 bytes (40537 MiB, the
+        // older drivers' NVML total), below NVML's total less the reserve; see the H100's note.
+        cuda_total_mem_bytes: 40_960 * MIB,
         // NVIDIA A100 whitepaper and A100 deviceQuery: 108 SMs.
         sm_count: 108,
+        // 6912 CUDA cores (A100 whitepaper): 64 FP32 cores per SM.
+        cores_per_sm: 64,
+        // "VBIOS Version : 92.00.36.00.04" (DGX A100, part 692-2G506-0200-002, 535.129.03).
+        vbios_version: "92.00.36.00.04",
         cc_major: 8,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_AMPERE,
@@ -573,6 +614,8 @@ static MODELS: [GpuModel; 3] = [
         min_power_limit_mw: 100_000,
         // "Power Draw : 52.12 W" idle in P0.
         idle_power_mw: 52_000,
+        // Derived: idle H100 and A100 SXM boards read 29-35 C in `nvidia-smi -q`.
+        idle_temp_c: 31,
         // "Max Clocks": SM 1410, Memory 1215, Video 1290; default applications clock 1095.
         max_sm_clock_mhz: 1410,
         max_mem_clock_mhz: 1215,
@@ -581,8 +624,12 @@ static MODELS: [GpuModel; 3] = [
         // GA100 deviceQuery (A100-SXM4-80GB, same die configuration): 5120-bit, 41943040 bytes L2.
         memory_bus_width_bits: 5120,
         l2_cache_bytes: 41_943_040,
+        // CUDA C++ Programming Guide: "up to 30 MB" of the A100's 40 MB L2 for persisting accesses.
+        max_persisting_l2_bytes: 30 * MIB as u32,
         // "BAR1 Memory Usage Total : 65536 MiB".
         bar1_bytes: 65_536 * MIB,
+        // "BAR1 Memory Usage Used : 1 MiB" on an idle board.
+        idle_bar1_used_bytes: MIB,
         // `nvidia-smi nvlink -s` on A100-SXM4-40GB: Link 0..11 at 25 GB/s.
         nvlink_count: 12,
         // GA100 deviceQuery for the CUDA limits below.
@@ -612,43 +659,58 @@ static MODELS: [GpuModel; 3] = [
         mem_max_operating_temp_c: 95,
         mig: Some(MigSpec { compute_slices: 7, memory_slices: 8, gi_profiles: A100_40GB_GI, ci_profiles: A100_CI }),
     },
-    // H200 (SXM, 141GB). Unless noted: `nvidia-smi -q`, driver 550.90.12 (Device Id 0x233510DE,
-    // Sub System Id 0x18BE10DE, part 695-2G520-0280-000).
+    // H200 (SXM, 141GB). Marked "read": what a real H200 SXM answered through CUDA and NVML,
+    // driver 580.159.04, CUDA 13.0 (plugins/sim/driver/tests/data/h200-facts.json, which a test
+    // compares with every answer). Otherwise: `nvidia-smi -q`, driver 550.90.12 (Device Id
+    // 0x233510DE, part 695-2G520-0280-000).
     GpuModel {
         key: "H200-141GB",
         name: "NVIDIA H200",
         // "Total : 143771 MiB" (550.90.12 and 580.173.02).
         memory_bytes: 143_771 * MIB,
-        // "Reserved : 700 MiB".
-        reserved_bytes: 700 * MIB,
+        // Read: NVML's used memory of the idle card, 618.3 MiB (550.90.12 printed "Reserved :
+        // 700 MiB").
+        reserved_bytes: 648_347_648,
+        // Read: cuDeviceTotalMem.
+        cuda_total_mem_bytes: 150_109_880_320,
         // torch.cuda.get_device_properties: multi_processor_count=132, L2_cache_size=60MB.
         sm_count: 132,
+        // Read: nvmlDeviceGetNumGpuCores 16896.
+        cores_per_sm: 128,
+        // Read.
+        vbios_version: "96.00.A5.00.1A",
         cc_major: 9,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_HOPPER,
         brand: NVML_BRAND_NVIDIA,
         pci_device_id: 0x2335_10DE,
-        pci_subsystem_id: 0x18BE_10DE,
+        // Read (CU_DEVICE_ATTRIBUTE_GPU_PCI_SUBSYSTEM_ID); 550.90.12's board said 0x18BE10DE.
+        pci_subsystem_id: 0x18BF_10DE,
         // "PCIe Generation Max : 5", "Link Width Max : 16x".
         pcie_max_gen: 5,
         pcie_max_width: 16,
         // "Default Power Limit : 700.00 W", "Min Power Limit : 200.00 W".
         power_limit_mw: 700_000,
         min_power_limit_mw: 200_000,
-        // "Power Draw : 74.58 W" idle in P0.
-        idle_power_mw: 74_000,
+        // Read: 83.946 W idle ("Power Draw : 74.58 W" on 550.90.12).
+        idle_power_mw: 83_946,
+        // Read.
+        idle_temp_c: 43,
         // "Max Clocks": SM 1980, Memory 3201, Video 1545; default applications clock 1980.
         max_sm_clock_mhz: 1980,
         max_mem_clock_mhz: 3201,
         max_video_clock_mhz: 1545,
         default_app_sm_clock_mhz: 1980,
-        // Derived: six HBM3e stacks x 1024 bits, as deviceQuery reports 6144-bit for the six-stack
-        // GH100 of the GH200; no H200 deviceQuery was found.
-        memory_bus_width_bits: 6144,
+        // Read: 6016 bits, from CUDA and NVML alike (it was derived as 6 x 1024 = 6144).
+        memory_bus_width_bits: 6016,
         // L2_cache_size=60MB (PyTorch prints bytes / 2^20), 60 x 2^20 bytes.
         l2_cache_bytes: 62_914_560,
+        // Read: 39321600, five eighths of L2 (it was derived as three quarters).
+        max_persisting_l2_bytes: 39_321_600,
         // "BAR1 Memory Usage Total : 262144 MiB".
         bar1_bytes: 262_144 * MIB,
+        // Read: 5177344 bytes used on the idle card.
+        idle_bar1_used_bytes: 5_177_344,
         // `nvidia-smi nvlink --status` on H200: Link 0..17.
         nvlink_count: 18,
         // Compute capability 9.0 limits, as on the H100.
@@ -753,6 +815,14 @@ mod tests {
             assert_eq!(m.pci_subsystem_id & 0xffff, 0x10de, "{}", m.key);
             assert_eq!(m.memory_bytes % MIB, 0, "{}", m.key);
             assert!(m.reserved_bytes < m.memory_bytes / 50, "{}", m.key);
+            // CUDA's total is at most NVML's, and holds all that NVML leaves free on an idle board
+            // (cuMemGetInfo's free never exceeds its total).
+            assert!(m.cuda_total_mem_bytes <= m.memory_bytes, "{}", m.key);
+            assert!(m.memory_bytes - m.reserved_bytes <= m.cuda_total_mem_bytes, "{}", m.key);
+            assert!(m.max_persisting_l2_bytes < m.l2_cache_bytes, "{}", m.key);
+            assert!(m.idle_bar1_used_bytes < m.bar1_bytes, "{}", m.key);
+            assert!(m.idle_temp_c < m.max_operating_temp_c, "{}", m.key);
+            assert_eq!(m.vbios_version.split('.').count(), 5, "{}", m.key);
             let arch = if m.cc_major == 8 { NVML_DEVICE_ARCH_AMPERE } else { NVML_DEVICE_ARCH_HOPPER };
             assert_eq!(m.architecture, arch, "{}", m.key);
             assert!(m.idle_power_mw < m.min_power_limit_mw && m.min_power_limit_mw <= m.power_limit_mw);

@@ -32,7 +32,7 @@ pub use events::{Event, EventCursor, EventKind};
 pub use layout::{MAX_GPUS, MAX_MIG, MAX_PROCS, MAX_STREAMS};
 pub use memory::{MemoryInfo, ProcessUsage};
 pub use mig::{ComputeInstance, GpuInstance, MigModeChange};
-pub use node::{GpuIdentity, NodeDescription, TopologyLevel};
+pub use node::{GpuIdentity, NodeDescription, TopologyLevel, VirtualizationMode};
 
 use region::Region;
 

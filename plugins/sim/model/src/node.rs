@@ -33,6 +33,10 @@ pub struct NodeDescription {
     /// GPUs sharing one PCIe switch.
     #[serde(default = "default_gpus_per_pcie_switch")]
     pub gpus_per_pcie_switch: u32,
+    /// How the node's GPUs are presented (`nvmlDeviceGetVirtualizationMode`): "none" (bare
+    /// metal), or "passthrough" (each GPU passed whole to the virtual machine the node is).
+    #[serde(default, skip_serializing_if = "VirtualizationMode::is_none")]
+    pub virtualization_mode: VirtualizationMode,
     /// The GPUs, in groups of one model.
     #[serde(rename = "gpu")]
     pub gpus: Vec<GpuGroup>,
@@ -52,6 +56,23 @@ pub struct GpuGroup {
     /// MIG mode at first boot of the simulated node.
     #[serde(default)]
     pub mig: bool,
+}
+
+/// The node's GPU virtualization, as NVML's `nvmlGpuVirtualizationMode_t` names it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum VirtualizationMode {
+    /// Bare metal: `NVML_GPU_VIRTUALIZATION_MODE_NONE`.
+    #[default]
+    None,
+    /// A GPU passed through to a virtual machine: `NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH`.
+    Passthrough,
+}
+
+impl VirtualizationMode {
+    fn is_none(&self) -> bool {
+        *self == VirtualizationMode::None
+    }
 }
 
 fn default_seed() -> String {
@@ -261,7 +282,9 @@ impl NodeDescription {
                     numa_node: (index / per_numa).min(self.numa_nodes - 1),
                     pcie_switch: index / self.gpus_per_pcie_switch,
                     nvlink_fabric: (g.nvlink && model.nvlink_count > 0).then_some(group as u32),
-                    board_id: 0x100 + index,
+                    // As the driver derives it from the PCI location: 0x1800 at 18:00.0 (HGX
+                    // captures), 6 at 00:06.0 (the H200 that was read).
+                    board_id: pci_bus << 8,
                     initial_mig: g.mig,
                 });
                 index += 1;
@@ -300,6 +323,8 @@ mod tests {
         assert!(ids.iter().all(|g| g.model.key == "H100-SXM5-80GB"));
         assert!(ids[0].nvlink_to(&ids[7]));
         assert_eq!(ids[0].bus_id, "00000000:18:00.0");
+        // The board id follows the PCI location, as nvidia-smi shows "Board ID : 0x1800" there.
+        assert_eq!((ids[0].board_id, ids[1].board_id), (0x1800, 0x2a00));
         assert_eq!(ids[0].numa_node, 0);
         assert_eq!(ids[7].numa_node, 1);
         assert_eq!(ids[0].common_ancestor(&ids[1]), TopologyLevel::Single);
@@ -336,6 +361,7 @@ mod tests {
             ("driver_version = \"abc\"\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\n", "driver_version"),
             ("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncolour = 1\n", "colour"),
             ("numa_nodes = 0\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\n", "numa_nodes"),
+            ("virtualization_mode = \"vgpu\"\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\n", "virtualization_mode"),
             ("", "gpu"),
         ];
         for (text, needle) in cases {
@@ -350,5 +376,17 @@ mod tests {
         let b = NodeDescription::default_node();
         assert_eq!(a.canonical_text(), b.canonical_text());
         assert_eq!(a.fingerprint(), b.fingerprint());
+    }
+
+    #[test]
+    fn virtualization_mode_is_none_unless_described() {
+        let bare = NodeDescription::default_node();
+        assert_eq!(bare.virtualization_mode, VirtualizationMode::None);
+        // Left out of the canonical text when "none", so older nodes keep their state file names.
+        assert!(!bare.canonical_text().contains("virtualization_mode"));
+        let vm = "virtualization_mode = \"passthrough\"\n[[gpu]]\nmodel = \"H200-141GB\"\n";
+        let vm = NodeDescription::parse(vm).unwrap();
+        assert_eq!(vm.virtualization_mode, VirtualizationMode::Passthrough);
+        assert!(vm.canonical_text().contains("virtualization_mode = \"passthrough\""));
     }
 }

@@ -220,13 +220,30 @@ pub unsafe extern "C" fn cuDeviceGetExecAffinitySupport(pi: *mut c_int, type_: c
     })
 }
 
-/// `CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE`: three quarters of L2 (the A100's 30 of
-/// 40 MiB; derived for other boards).
+/// `CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE`: the catalog's figure (the A100's 30 of
+/// 40 MiB; five eighths of L2 on Hopper, as the H200 answered).
 pub(crate) fn max_persisting_l2(d: &Device) -> u64 {
-    d.model.l2_cache_bytes as u64 / 4 * 3
+    u64::from(d.model.max_persisting_l2_bytes)
 }
 
-/// The value of a `CUdevice_attribute` for a device; `None` for a value cuda.h 12.8 does not have.
+/// The CUDA driver version (`cuDriverGetVersion`) from which a driver knows an attribute, for
+/// those added since 12.0 (cuda.h of each release); a driver older than that answers
+/// `CUDA_ERROR_INVALID_VALUE`, as one older than 13.0 does for 144..147 and 13.0 for 148 on.
+pub(crate) fn attribute_since(attrib: c_int) -> u32 {
+    match attrib {
+        ..=129 => 0,
+        130..=132 => 12010,
+        133 | 134 => 12020,
+        135 => 12050,
+        136 | 137 | 139 | 140 | 143 => 12080,
+        138 | 141 | 142 => 12090,
+        144..=147 => 13000,
+        _ => u32::MAX,
+    }
+}
+
+/// The value of a `CUdevice_attribute` for a device; `None` for a value cuda.h 13.0 does not have
+/// (see [`attribute_since`] for the driver versions that know each).
 pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
     let m = d.model;
     let hopper = m.cc_major >= 9;
@@ -268,7 +285,7 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         41 => 1, // UNIFIED_ADDRESSING
         42 => 32_768,
         43 => 2048,
-        44 => 0, // CAN_TEX2D_GATHER (deprecated)
+        44 => 1, // CAN_TEX2D_GATHER (deprecated; the H200 answered 1)
         45 | 46 => 32_768,
         47 | 48 => 8192,
         49 => 32_768,
@@ -307,7 +324,8 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         89 => 1, // CONCURRENT_MANAGED_ACCESS
         90 => 1, // COMPUTE_PREEMPTION_SUPPORTED
         91 => 1, // CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM
-        92..=94 => 1,
+        // The *_V1 stream memory operations, gone since CUDA 12 (the H200 answered 0).
+        92..=94 => 0,
         95 => 1, // COOPERATIVE_LAUNCH
         96 => 1, // COOPERATIVE_MULTI_DEVICE_LAUNCH
         97 => m.max_shared_mem_per_block_optin as i64,
@@ -321,17 +339,25 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         106 => m.max_blocks_per_sm as i64,
         107 => 1, // GENERIC_COMPRESSION_SUPPORTED
         108 => max_persisting_l2(d) as i64,
-        109 => 134_213_632, // MAX_ACCESS_POLICY_WINDOW_SIZE
+        // MAX_ACCESS_POLICY_WINDOW_SIZE: 128 MiB less 4 KiB on the A100; 128 MiB on Hopper (H200).
+        109 => {
+            if hopper {
+                134_217_728
+            } else {
+                134_213_632
+            }
+        }
         110 => 1,
-        111 => 1024,      // RESERVED_SHARED_MEMORY_PER_BLOCK
-        112 => 1,         // SPARSE_CUDA_ARRAY_SUPPORTED
-        113 => 1,         // READ_ONLY_HOST_REGISTER_SUPPORTED
-        114 => 1,         // TIMELINE_SEMAPHORE_INTEROP_SUPPORTED
-        115 => 1,         // MEMORY_POOLS_SUPPORTED
-        116 => 1,         // GPU_DIRECT_RDMA_SUPPORTED
-        117 => 1,         // GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: host
-        118 => 100,       // GPU_DIRECT_RDMA_WRITES_ORDERING: owner
-        119 => 1,         // MEMPOOL_SUPPORTED_HANDLE_TYPES: POSIX file descriptor
+        111 => 1024, // RESERVED_SHARED_MEMORY_PER_BLOCK
+        112 => 1,    // SPARSE_CUDA_ARRAY_SUPPORTED
+        113 => 1,    // READ_ONLY_HOST_REGISTER_SUPPORTED
+        114 => 1,    // TIMELINE_SEMAPHORE_INTEROP_SUPPORTED
+        115 => 1,    // MEMORY_POOLS_SUPPORTED
+        116 => 1,    // GPU_DIRECT_RDMA_SUPPORTED
+        117 => 1,    // GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS: host
+        118 => 100,  // GPU_DIRECT_RDMA_WRITES_ORDERING: owner
+        // MEMPOOL_SUPPORTED_HANDLE_TYPES: POSIX file descriptor, and fabric on Hopper (the H200: 9).
+        119 => 1 | if hopper { 8 } else { 0 },
         120 => b(hopper), // CLUSTER_LAUNCH
         121 => 1,         // DEFERRED_MAPPING_CUDA_ARRAY_SUPPORTED
         122 | 123 => 1,
@@ -345,18 +371,26 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
             }
         } // MEM_SYNC_DOMAIN_COUNT
         127 => b(hopper), // TENSOR_MAP_ACCESS_SUPPORTED
-        128 => 0, // HANDLE_TYPE_FABRIC_SUPPORTED
-        129 => 1, // UNIFIED_FUNCTION_POINTERS
-        130 => 0, // NUMA_CONFIG: none
-        131 => -1, // NUMA_ID
-        132 => 0, // MULTICAST_SUPPORTED
-        133 => 0, // MPS_ENABLED
+        // HANDLE_TYPE_FABRIC_SUPPORTED (the H200: 1).
+        128 => b(hopper),
+        129 => 1,                        // UNIFIED_FUNCTION_POINTERS
+        130 => 0,                        // NUMA_CONFIG: none
+        131 => -1,                       // NUMA_ID
+        132 => 0,                        // MULTICAST_SUPPORTED
+        133 => 0,                        // MPS_ENABLED
         134 => d.ident.numa_node as i64, // HOST_NUMA_ID
-        135 => 0, // D3D12_CIG_SUPPORTED
-        136 | 137 => 0, // memory decompression
+        135 => 0,                        // D3D12_CIG_SUPPORTED
+        136 | 137 => 0,                  // memory decompression
+        138 => 0,                        // VULKAN_CIG_SUPPORTED
         139 => m.pci_device_id as i64,
         140 => m.pci_subsystem_id as i64,
+        // HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, HOST_NUMA_MEMORY_POOLS_SUPPORTED.
+        141 | 142 => 1,
         143 => 0, // HOST_NUMA_MULTINODE_IPC_SUPPORTED
+        // HOST_MEMORY_POOLS_SUPPORTED, HOST_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED.
+        144 | 145 => 1,
+        146 => 0, // HOST_ALLOC_DMA_BUF_SUPPORTED
+        147 => 0, // ONLY_PARTIAL_HOST_NATIVE_ATOMIC_SUPPORTED
         _ => return None,
     })
 }
@@ -365,7 +399,11 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
 pub unsafe extern "C" fn cuDeviceGetAttribute(pi: *mut c_int, attrib: c_int, dev: c_int) -> CUresult {
     run(|| {
         need(pi)?;
-        let d = driver()?.device(dev)?;
+        let drv = driver()?;
+        let d = drv.device(dev)?;
+        if drv.node.description().cuda_driver_version < attribute_since(attrib) {
+            return Err(INVALID_VALUE);
+        }
         let v = attribute(d, attrib).ok_or(INVALID_VALUE)?;
         // The PCI ids are unsigned 32-bit values carried in an int.
         // SAFETY: pi is the caller's out-pointer (checked above).
@@ -383,5 +421,19 @@ mod tests {
         assert_eq!(parse_bus_id("00000000:DB:00.0"), Some((0, 0xdb, 0)));
         assert_eq!(parse_bus_id("18:00"), Some((0, 0x18, 0)));
         assert_eq!(parse_bus_id("zz"), None);
+    }
+
+    #[test]
+    fn newer_attributes_need_a_newer_driver() {
+        // cuda.h 12.8 ends at 143 without 138, 141, 142 (added by 12.9); 13.0 adds 144..147.
+        assert_eq!(attribute_since(1), 0);
+        assert_eq!(attribute_since(143), 12080);
+        for a in [138, 141, 142] {
+            assert_eq!(attribute_since(a), 12090, "{a}");
+        }
+        for a in 144..=147 {
+            assert_eq!(attribute_since(a), 13000, "{a}");
+        }
+        assert_eq!(attribute_since(148), u32::MAX);
     }
 }

@@ -5,7 +5,7 @@
 use std::ffi::{c_char, c_int, c_uint};
 
 use nvml_wrapper_sys::bindings::*;
-use tessera_sim_model::{GpuIdentity, Node};
+use tessera_sim_model::{GpuIdentity, Node, VirtualizationMode};
 
 use super::handles::{self, Dev, gpu_handle, mig_handle};
 use super::*;
@@ -519,6 +519,38 @@ pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, numa_node
     })
 }
 
+/// `nvmlDeviceGetNumGpuCores`: the board's CUDA cores (a MIG device: `NOT_SUPPORTED`).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(device: nvmlDevice_t, num_cores: *mut c_uint) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            // SAFETY: num_cores is null or valid for a write by the caller's contract.
+            unsafe { gpu_value(device, num_cores, false, |_, id| Ok(id.model.cuda_cores())) }
+        })
+    })
+}
+
+/// `nvmlDeviceGetVbiosVersion`: the board's VBIOS ("96.00.A5.00.1A"); a MIG device its parent's.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetVbiosVersion(
+    device: nvmlDevice_t,
+    version: *mut c_char,
+    length: c_uint,
+) -> nvmlReturn_t {
+    guard(NVML_ERROR_UNKNOWN, || {
+        status(|| {
+            let node = node()?;
+            let dev = handles::device(node, device)?;
+            if version.is_null() {
+                return Err(INVALID_ARGUMENT);
+            }
+            let v = node.gpu(dev.gpu()).nv()?.model.vbios_version;
+            // SAFETY: version holds `length` bytes by the caller's contract.
+            unsafe { put_str(version, length, v) }
+        })
+    })
+}
+
 /// `nvmlDeviceGetMemoryBusWidth`, in bits.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryBusWidth(device: nvmlDevice_t, bus_width: *mut c_uint) -> nvmlReturn_t {
@@ -611,9 +643,11 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeMode(device: nvmlDevice_t, mode: *m
     })
 }
 
-/// `nvmlDeviceGetVirtualizationMode`: `NVML_GPU_VIRTUALIZATION_MODE_NONE`, as on a bare-metal
-/// GPU with no vGPU manager (NVIDIA's DRA driver asks before it manages MIG devices). A MIG
-/// device is `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
+/// `nvmlDeviceGetVirtualizationMode`: the description's `virtualization_mode`:
+/// `NVML_GPU_VIRTUALIZATION_MODE_NONE` by default, as on a bare-metal GPU with no vGPU manager
+/// (NVIDIA's DRA driver asks before it manages MIG devices), or `PASSTHROUGH` for a GPU passed
+/// whole to a virtual machine (as the H200 that was read answered). A MIG device is
+/// `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
     device: nvmlDevice_t,
@@ -625,10 +659,12 @@ pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
             if matches!(handles::device(node, device)?, Dev::Mig(_)) {
                 return Err(INVALID_ARGUMENT);
             }
+            let v = match node.description().virtualization_mode {
+                VirtualizationMode::None => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE,
+                VirtualizationMode::Passthrough => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH,
+            };
             // SAFETY: mode is null or valid for a write by the caller's contract.
-            unsafe {
-                gpu_value(device, mode, false, |_, _| Ok(nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE))
-            }
+            unsafe { gpu_value(device, mode, false, |_, _| Ok(v)) }
         })
     })
 }

@@ -60,8 +60,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     })
 }
 
-/// `nvmlDeviceGetBAR1MemoryInfo`: the board's aperture; the driver maps 1 MiB, each process with
-/// a context 2 MiB more (what `nvidia-smi -q` shows on an idle or lightly used board).
+/// `nvmlDeviceGetBAR1MemoryInfo`: the board's aperture; the driver maps the board's idle figure
+/// (1 MiB on H100 and A100, 4.9 MiB on the H200), each process with a context 2 MiB more (what
+/// `nvidia-smi -q` shows on an idle or lightly used board).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetBAR1MemoryInfo(
     device: nvmlDevice_t,
@@ -72,9 +73,10 @@ pub unsafe extern "C" fn nvmlDeviceGetBAR1MemoryInfo(
             let node = node()?;
             let gpu = handles::whole_gpu(node, device)?;
             need(bar1_memory)?;
-            let total = node.gpu(gpu).nv()?.model.bar1_bytes;
+            let m = node.gpu(gpu).nv()?.model;
+            let total = m.bar1_bytes;
             let procs = node.processes(gpu, None).nv()?.len() as u64;
-            let used = ((1 + 2 * procs) * MIB).min(total);
+            let used = (m.idle_bar1_used_bytes + 2 * procs * MIB).min(total);
             let info = nvmlBAR1Memory_t { bar1Total: total, bar1Free: total - used, bar1Used: used };
             // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
             unsafe { put(bar1_memory, info) }

@@ -219,10 +219,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
             let node = node()?;
             let gpu = handles::physical_gpu(node, device)?;
             need(info)?;
+            // Listed with MIG off too, as a real H200 listed them (issue 35).
             let p = gi_profile_by_enum(node, gpu, profile)?;
-            if !mig_on(node, gpu)? {
-                return Err(NOT_SUPPORTED);
-            }
             // SAFETY: info is valid for the struct its version names (caller's contract).
             unsafe { put_gi_info_versioned(info, p) }
         })
@@ -241,10 +239,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(
             let node = node()?;
             let gpu = handles::physical_gpu(node, device)?;
             need(info)?;
+            // Listed with MIG off too, as the unversioned call and a real H200 do.
             let p = gi_profile_by_id(node, gpu, profile_id)?;
-            if !mig_on(node, gpu)? {
-                return Err(NOT_SUPPORTED);
-            }
             // SAFETY: info is valid for the struct its version names (caller's contract).
             unsafe { put_gi_info_versioned(info, p) }
         })

@@ -15,9 +15,6 @@ use super::handles;
 use super::*;
 use crate::ffi::guard;
 
-/// Idle die temperature. Derived: idle H100 and A100 SXM boards read 29-35 C in `nvidia-smi -q`.
-pub(crate) const IDLE_TEMP_C: u32 = 31;
-
 /// Clocks of a board with nothing running, MHz.
 struct IdleClocks {
     sm_mhz: u32,
@@ -40,10 +37,11 @@ fn load(node: &Node, gpu: u32) -> R<u32> {
     Ok(node.utilization(gpu, 0).nv()?.gpu_percent.min(100))
 }
 
-/// Die temperature: idle around 31 C, rising linearly to 20 C under the max operating point.
+/// Die temperature: the board's idle temperature, rising linearly to 20 C under the max
+/// operating point.
 pub(crate) fn temperature_c(m: &GpuModel, load: u32) -> u32 {
-    let hot = m.max_operating_temp_c.saturating_sub(20).max(IDLE_TEMP_C);
-    IDLE_TEMP_C + (hot - IDLE_TEMP_C) * load / 100
+    let hot = m.max_operating_temp_c.saturating_sub(20).max(m.idle_temp_c);
+    m.idle_temp_c + (hot - m.idle_temp_c) * load / 100
 }
 
 /// Power draw: idle draw, rising linearly to 90% of the limit at full load.
@@ -676,7 +674,7 @@ mod tests {
         assert_eq!(power_mw(m, 0), m.idle_power_mw);
         assert_eq!(power_mw(m, 100), 630_000);
         assert!(power_mw(m, 50) > power_mw(m, 10));
-        assert_eq!(temperature_c(m, 0), IDLE_TEMP_C);
+        assert_eq!(temperature_c(m, 0), m.idle_temp_c);
         assert!(temperature_c(m, 100) < m.slowdown_temp_c);
         assert!(temperature_c(m, 100) > temperature_c(m, 0));
     }
