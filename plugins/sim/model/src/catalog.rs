@@ -75,6 +75,8 @@ pub struct GpuModel {
     pub cores_per_sm: u32,
     /// `nvmlDeviceGetVbiosVersion`.
     pub vbios_version: &'static str,
+    /// `nvmlDeviceGetInforomImageVersion` (nvidia-smi's `inforom.img`).
+    pub inforom_image: &'static str,
     /// CUDA compute capability, major.
     pub cc_major: u32,
     /// CUDA compute capability, minor.
@@ -237,6 +239,35 @@ impl GpuModel {
     /// `nvmlDeviceGetNumGpuCores`: CUDA cores of the whole board.
     pub fn cuda_cores(&self) -> u32 {
         self.sm_count * self.cores_per_sm
+    }
+
+    /// Die temperature under `load` percent: the idle temperature, rising linearly to 20 C under
+    /// the max operating point (derived).
+    pub fn temperature_c(&self, load: u32) -> u32 {
+        let load = load.min(100);
+        let hot = self.max_operating_temp_c.saturating_sub(20).max(self.idle_temp_c);
+        self.idle_temp_c + (hot - self.idle_temp_c) * load / 100
+    }
+
+    /// Power draw under `load` percent, in milliwatts: the idle draw, rising linearly to 90% of
+    /// the limit at full load (derived).
+    pub fn power_draw_mw(&self, load: u32) -> u32 {
+        let load = load.min(100);
+        let full = self.power_limit_mw / 10 * 9;
+        let idle = self.idle_power_mw.min(full);
+        idle + (full - idle) * load / 100
+    }
+
+    /// (SM, video) clocks of a board with nothing running, MHz, from idle `nvidia-smi -q`
+    /// captures: Hopper (H100 SXM5, H200 on 580.173.02) "SM 345 MHz, Video 765 MHz"; A100 SXM4
+    /// "SM 210 MHz, Video 585 MHz" (derived for other architectures: a fifth of the maximum SM
+    /// clock, half the maximum video clock).
+    pub fn idle_clocks_mhz(&self) -> (u32, u32) {
+        match self.architecture {
+            NVML_DEVICE_ARCH_HOPPER => (345, 765),
+            NVML_DEVICE_ARCH_AMPERE => (210, 585),
+            _ => (self.max_sm_clock_mhz / 5, self.max_video_clock_mhz / 2),
+        }
     }
 
     /// The GPU-instance profile for an `NVML_GPU_INSTANCE_PROFILE_*` value.
@@ -521,6 +552,8 @@ static MODELS: [GpuModel; 3] = [
         cores_per_sm: 128,
         // "VBIOS Version : 96.00.74.00.0D" (HGX H100, part 692-2G520-0200-000).
         vbios_version: "96.00.74.00.0D",
+        // "Image Version : G520.0200.00.05" on the same board.
+        inforom_image: "G520.0200.00.05",
         cc_major: 9,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_HOPPER,
@@ -600,6 +633,8 @@ static MODELS: [GpuModel; 3] = [
         cores_per_sm: 64,
         // "VBIOS Version : 92.00.36.00.04" (DGX A100, part 692-2G506-0200-002, 535.129.03).
         vbios_version: "92.00.36.00.04",
+        // "Image Version : G506.0200.00.04" on the same board.
+        inforom_image: "G506.0200.00.04",
         cc_major: 8,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_AMPERE,
@@ -679,6 +714,8 @@ static MODELS: [GpuModel; 3] = [
         cores_per_sm: 128,
         // Read.
         vbios_version: "96.00.A5.00.1A",
+        // "Image Version : G520.0280.02.02" (an H200 on 580.173.02, part 695-2G520-0280-001).
+        inforom_image: "G520.0280.02.02",
         cc_major: 9,
         cc_minor: 0,
         architecture: NVML_DEVICE_ARCH_HOPPER,

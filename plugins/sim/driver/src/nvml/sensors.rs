@@ -15,21 +15,15 @@ use super::handles;
 use super::*;
 use crate::ffi::guard;
 
-/// Clocks of a board with nothing running, MHz.
+/// Clocks of a board with nothing running, MHz (the catalog's, which nvidia-smi shows too).
 struct IdleClocks {
     sm_mhz: u32,
     video_mhz: u32,
 }
 
-/// Idle clocks per architecture, from idle `nvidia-smi -q` captures: H100 SXM5 "Graphics 345 MHz,
-/// SM 345 MHz, Video 765 MHz"; A100 SXM4 "Graphics 210 MHz, SM 210 MHz, Video 585 MHz" (derived for
-/// other architectures: a fifth of the maximum SM clock, half the maximum video clock).
 fn idle_clocks(m: &GpuModel) -> IdleClocks {
-    match m.architecture {
-        NVML_DEVICE_ARCH_HOPPER => IdleClocks { sm_mhz: 345, video_mhz: 765 },
-        NVML_DEVICE_ARCH_AMPERE => IdleClocks { sm_mhz: 210, video_mhz: 585 },
-        _ => IdleClocks { sm_mhz: m.max_sm_clock_mhz / 5, video_mhz: m.max_video_clock_mhz / 2 },
-    }
+    let (sm_mhz, video_mhz) = m.idle_clocks_mhz();
+    IdleClocks { sm_mhz, video_mhz }
 }
 
 /// Load of a GPU, 0..=100 (whole-GPU kernel time over about the last second).
@@ -38,17 +32,14 @@ fn load(node: &Node, gpu: u32) -> R<u32> {
 }
 
 /// Die temperature: the board's idle temperature, rising linearly to 20 C under the max
-/// operating point.
+/// operating point (the catalog's model, which nvidia-smi shows too).
 pub(crate) fn temperature_c(m: &GpuModel, load: u32) -> u32 {
-    let hot = m.max_operating_temp_c.saturating_sub(20).max(m.idle_temp_c);
-    m.idle_temp_c + (hot - m.idle_temp_c) * load / 100
+    m.temperature_c(load)
 }
 
 /// Power draw: idle draw, rising linearly to 90% of the limit at full load.
 pub(crate) fn power_mw(m: &GpuModel, load: u32) -> u32 {
-    let full = m.power_limit_mw / 10 * 9;
-    let idle = m.idle_power_mw.min(full);
-    idle + (full - idle) * load / 100
+    m.power_draw_mw(load)
 }
 
 /// A value of a whole GPU written to `out` (MIG devices: `NOT_SUPPORTED`).
