@@ -12,16 +12,17 @@ use std::path::{Path, PathBuf};
 /// replace anything that is not a socket (a mistyped path must not delete a file).
 pub fn bind_owner_only(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().ok_or_else(|| invalid(path, "has no file name"))?;
+    path.file_name().ok_or_else(|| invalid(path, "has no file name"))?;
     match std::fs::symlink_metadata(path) {
         Ok(m) if std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => std::fs::remove_file(path)?,
         Ok(_) => return Err(invalid(path, "exists and is not a socket")),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let staging = staging_dir(parent, name)?;
+    let staging = staging_dir(parent)?;
     let result = (|| {
-        let staged = staging.join(name);
+        // One letter: the staged path must fit a socket address wherever the final one does.
+        let staged = staging.join("s");
         let listener = std::os::unix::net::UnixListener::bind(&staged)?;
         std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o600))?;
         std::fs::rename(&staged, path)?;
@@ -143,12 +144,16 @@ impl tokio_stream::Stream for Incoming {
     }
 }
 
-fn staging_dir(parent: &Path, name: &std::ffi::OsStr) -> std::io::Result<PathBuf> {
-    for attempt in 0..16u32 {
-        let mut dir_name = std::ffi::OsString::from(".");
-        dir_name.push(name);
-        dir_name.push(format!(".bind-{}-{attempt}", std::process::id()));
-        let dir = parent.join(dir_name);
+/// A fresh 0700 directory in `parent`, named short (`.b<pid>-<n>`, n unique in this process) so
+/// that a socket staged in it has a path no longer than one at its final place would (the socket's
+/// own name in it was doubled before: `<parent>/.<name>.bind-<pid>-0/<name>` passed the 107 bytes
+/// of a socket address where `<parent>/<name>` fitted, as the kubelet's DRA registration socket
+/// under a longer root directory did).
+fn staging_dir(parent: &Path) -> std::io::Result<PathBuf> {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    for _ in 0..16u32 {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = parent.join(format!(".b{}-{n}", std::process::id()));
         match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
             Ok(()) => return Ok(dir),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
@@ -191,6 +196,28 @@ mod tests {
         let now = *ours.lock().unwrap();
         assert!(now.is_some() && now != first && now == identity(&path), "the new socket is ours");
         server.abort();
+    }
+
+    /// A socket whose path fits a socket address is bound, however long its name: the staging
+    /// path is never longer than the final one (the kubelet's registration socket
+    /// `gpu.tessera.io-reg.sock` under `/var/lib/tessera-kube/kubelet/plugins_registry`, 70
+    /// bytes, failed with "path must be shorter than SUN_LEN" before).
+    #[test]
+    fn a_long_socket_name_that_fits_is_bound() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut dir = tmp.path().to_path_buf();
+        let name = "gpu.tessera.io-reg.sock";
+        // Pad the directory so that the final path is 100 bytes: it fits (at most 107).
+        let pad = 100 - dir.as_os_str().len() - 2 - name.len();
+        dir.push("d".repeat(pad));
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join(name);
+        assert_eq!(path.as_os_str().len(), 100);
+        let listener = bind_owner_only(&path).unwrap();
+        std::os::unix::net::UnixStream::connect(&path).unwrap();
+        drop(listener);
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [std::ffi::OsString::from(name)], "nothing left beside it");
     }
 
     #[test]

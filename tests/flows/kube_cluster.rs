@@ -141,6 +141,23 @@ impl Kube {
         self.wait(&format!("pod {name} deleted"), extra, || self.get(&["pod", name]).is_none().then_some(()));
     }
 
+    /// Waits until running pod `name` has printed `DONE` (its script then sleeps, so that its
+    /// claims stay reserved and prepared while the test looks); its logs.
+    fn done(&self, name: &str, extra: &dyn Fn() -> String) -> String {
+        self.wait(&format!("pod {name} printed DONE"), extra, || {
+            let pod = self.get(&["pod", name])?;
+            let phase = pod["status"]["phase"].as_str().unwrap_or_default().to_owned();
+            assert!(
+                phase != "Failed" && phase != "Succeeded",
+                "pod {name} ended ({phase}) before DONE: {pod:#}\n{}",
+                self.ok(&["logs", name], None)
+            );
+            let out = self.kubectl(&["logs", name], None);
+            let logs = String::from_utf8_lossy(&out.stdout).into_owned();
+            logs.contains("\nDONE\n").then_some(logs)
+        })
+    }
+
     /// Waits until pod `name` has finished (Succeeded or Failed); its phase and its logs.
     fn finished(&self, name: &str, extra: &dyn Fn() -> String) -> (String, String) {
         let phase = self.wait(&format!("pod {name} finished"), extra, || {
@@ -295,6 +312,7 @@ echo "END-TOTAL $?"
 echo BEGIN-OOM
 tessera-workload --alloc-mib 90000 --chunk-mib 512
 echo "END-OOM $?"
+echo DONE
 "#;
 
 const H100X2: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 2\n";
@@ -368,4 +386,173 @@ fn device_plugin_share_runs_a_pod_on_the_real_kubelet() {
     // Deleting the Pod releases the allocation.
     kube.delete_pod("share-probe", &extra);
     kube.wait("the share's allocation released", &extra, || t.allocations().is_empty().then_some(()));
+}
+
+/// A ResourceClaim `name` of one device of `class`, with `capacity` requests unless null and a
+/// CEL `selector` unless empty.
+fn claim(name: &str, class: &str, capacity: Value, selector: &str) -> Value {
+    let mut exactly = json!({"deviceClassName": class});
+    if !capacity.is_null() {
+        exactly["capacity"] = json!({"requests": capacity});
+    }
+    if !selector.is_empty() {
+        exactly["selectors"] = json!([{"cel": {"expression": selector}}]);
+    }
+    json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})
+}
+
+/// The pod's `resourceClaims` entry naming claim `name`.
+fn uses(name: &str) -> Value {
+    json!([{"name": "gpu", "resourceClaimName": name}])
+}
+
+const TOTAL_ONLY: &str = r#"
+for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
+echo "allocation $TESSERA_ALLOCATION"
+cat /run/tessera/alloc/limits
+echo BEGIN-TOTAL
+tessera-workload
+echo "END-TOTAL $?"
+echo DONE
+sleep 3600
+"#;
+
+/// DRA with the real kube-scheduler (1.37 or whatever the cluster runs): tesserad's slices are
+/// accepted; the scheduler allocates a whole GPU, and two claims of 8Gi and 30 SM on one GPU
+/// (consumable capacity); each container gets exactly its device and limits; the claims'
+/// `status.devices` carry the UUID, memory, SM and allocation id; a claim that cannot fit keeps
+/// its pod Pending with the scheduler's reason; deleting pods and claims unprepares them.
+#[test]
+fn dra_claims_are_allocated_by_the_real_scheduler() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let pods = ["dra-whole", "dra-share-a", "dra-share-b", "dra-too-big"];
+    let claims = ["whole-gpu", "share-a", "share-b", "too-big"];
+    let none = || String::new();
+    for p in pods {
+        kube.delete_pod(p, &none);
+    }
+    kube.ok(&["delete", "resourceclaim", "--ignore-not-found"].iter().copied().chain(claims).collect::<Vec<_>>(), None);
+    let body = format!(
+        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
+        kube.var("KUBECONFIG"),
+        kube.node(),
+        kube.var("KUBELET_PLUGINS_DIR"),
+        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+    );
+    let t = Tesserad::start(&kube, H100X2, &body);
+    let extra = || t.log();
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+
+    // The API server accepted the slice: every device of both GPUs.
+    let field = format!("spec.nodeName={}", kube.node());
+    let devices = kube.wait("tesserad's ResourceSlice", &extra, || {
+        let slices = kube.get(&["resourceslices", "--field-selector", &field])?;
+        let mut names: Vec<String> = slices["items"]
+            .as_array()?
+            .iter()
+            .filter(|s| s["spec"]["driver"] == "gpu.tessera.io")
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
+        names.sort();
+        (names.len() == 4).then_some(names)
+    });
+    assert_eq!(devices, ["gpu-0", "gpu-0-shared", "gpu-1", "gpu-1-shared"]);
+
+    // A whole GPU.
+    kube.apply(&claim("whole-gpu", "gpu.tessera.io", Value::Null, ""));
+    kube.apply(&pod(&kube, &t, "dra-whole", TOTAL_ONLY, json!({}), uses("whole-gpu")));
+    let logs = kube.done("dra-whole", &extra);
+    let whole = kube.get(&["resourceclaim", "whole-gpu"]).expect("the claim");
+    let result = &whole["status"]["allocation"]["devices"]["results"][0];
+    let device = result["device"].as_str().expect("allocated device").to_owned();
+    assert!(device == "gpu-0" || device == "gpu-1", "{whole:#}");
+    let index = &device[4..];
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes, [format!("node /dev/nvidia{index}"), "node /dev/nvidiactl".into()], "{logs}");
+    let (total, status) = section(&logs, "TOTAL");
+    assert_eq!((status.as_str(), total["mem_total"].as_u64()), ("0", Some(81_559 * MIB)), "the whole GPU: {logs}");
+    let status = kube.wait("the whole GPU claim's status.devices", &extra, || {
+        let c = kube.get(&["resourceclaim", "whole-gpu"])?;
+        let entry = c["status"]["devices"].as_array()?.first()?.clone();
+        (entry["data"]["uuid"].is_string()).then_some(entry)
+    });
+    assert_eq!((status["driver"].as_str(), status["device"].as_str()), (Some("gpu.tessera.io"), Some(device.as_str())));
+    assert!(status["data"]["uuid"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{status:#}");
+    let id = status["data"]["allocationID"].as_str().expect("allocationID");
+    assert!(logs.contains(&format!("allocation {id}")), "{status:#}\n{logs}");
+    kube.delete_pod("dra-whole", &extra);
+    kube.ok(&["delete", "resourceclaim", "whole-gpu", "--wait=true", "--timeout=240s"], None);
+    kube.wait("the whole GPU unprepared", &extra, || t.allocations().is_empty().then_some(()));
+
+    // Two claims of 8Gi and 30 SM, on GPU 0 both (consumable capacity).
+    let on_gpu0 = r#"device.attributes["gpu.tessera.io"].index == 0"#;
+    for name in ["share-a", "share-b"] {
+        kube.apply(&claim(name, "gpu-share.tessera.io", json!({"memory": "8Gi", "sm": "30"}), on_gpu0));
+        let script = format!("{PROBE}\nsleep 3600\n");
+        kube.apply(&pod(&kube, &t, &format!("dra-{name}"), &script, json!({}), uses(name)));
+    }
+    let limit = 8u64 << 30;
+    let mut ids = Vec::new();
+    let mut share_ids = Vec::new();
+    for name in ["share-a", "share-b"] {
+        let logs = kube.done(&format!("dra-{name}"), &extra);
+        let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+        assert_eq!(nodes, ["node /dev/nvidia0", "node /dev/nvidiactl"], "{logs}");
+        let (total, _) = section(&logs, "TOTAL");
+        assert_eq!(total["mem_total"].as_u64(), Some(limit), "the claim's 8Gi as the total: {logs}");
+        let (oom, status) = section(&logs, "OOM");
+        assert_eq!((status.as_str(), oom["alloc_error"].as_str()), ("3", Some("CUDA_ERROR_OUT_OF_MEMORY")), "{oom}");
+        let got = oom["allocated_bytes"].as_u64().expect("allocated_bytes");
+        assert!(got + OVERHEAD_MIB * MIB <= limit && got + OVERHEAD_MIB * MIB + 512 * MIB > limit, "{got} of {limit}");
+        assert!(logs.contains("sm_percent = 30"), "{logs}");
+        let c = kube.wait(&format!("claim {name}'s status.devices"), &extra, || {
+            let c = kube.get(&["resourceclaim", name])?;
+            c["status"]["devices"].as_array()?.first()?["data"]["allocationID"].is_string().then_some(c)
+        });
+        let result = &c["status"]["allocation"]["devices"]["results"][0];
+        assert_eq!(result["device"], "gpu-0-shared", "{c:#}");
+        assert_eq!(
+            (result["consumedCapacity"]["memory"].as_str(), result["consumedCapacity"]["sm"].as_str()),
+            (Some("8Gi"), Some("30")),
+            "{c:#}"
+        );
+        share_ids.push(result["shareID"].as_str().expect("shareID").to_owned());
+        let data = &c["status"]["devices"][0]["data"];
+        assert_eq!((data["memory"].as_str(), data["sm"].as_u64()), (Some("8Gi"), Some(30)), "{c:#}");
+        let id = data["allocationID"].as_str().expect("allocationID").to_owned();
+        assert!(logs.contains(&format!("allocation {id}")), "{c:#}\n{logs}");
+        ids.push(id);
+    }
+    assert_ne!(share_ids[0], share_ids[1], "two shares of one device");
+    assert_ne!(ids[0], ids[1]);
+    assert_eq!(t.allocations().len(), 2, "{:?}", t.allocations());
+
+    // More than any GPU has: Pending, with the scheduler's reason.
+    kube.apply(&claim("too-big", "gpu-share.tessera.io", json!({"memory": "100Gi", "sm": "30"}), ""));
+    kube.apply(&pod(&kube, &t, "dra-too-big", TOTAL_ONLY, json!({}), uses("too-big")));
+    let reason = kube.wait("the scheduler's reason for dra-too-big", &extra, || {
+        let p = kube.get(&["pod", "dra-too-big"])?;
+        let cond = p["status"]["conditions"].as_array()?.iter().find(|c| c["type"] == "PodScheduled")?.clone();
+        (cond["status"] == "False").then(|| format!("{} {}", cond["reason"], cond["message"]))
+    });
+    assert!(reason.contains("Unschedulable") && reason.contains("claim"), "{reason}");
+    assert_eq!(kube.get(&["pod", "dra-too-big"]).expect("pod")["status"]["phase"], "Pending");
+
+    for p in pods {
+        kube.delete_pod(p, &extra);
+    }
+    kube.ok(
+        &["delete", "resourceclaim", "--ignore-not-found", "--wait=true", "--timeout=240s"]
+            .iter()
+            .copied()
+            .chain(claims)
+            .collect::<Vec<_>>(),
+        None,
+    );
+    kube.wait("every claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
 }
