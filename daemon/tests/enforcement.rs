@@ -568,6 +568,81 @@ async fn with_no_shim_injected_sm_time_is_reported_not_killed_unless_asked() {
     assert!(log.contains("injection.shim_path is empty") && log.contains("sm_action"), "{log}");
 }
 
+/// VMM memory held through shareable handles alone: `N` allocations of `SIZE_MIB` made on device
+/// 0, each exported as a file descriptor and released at once (what was created is no longer
+/// held), then imported from its descriptor and mapped. The driver keeps such memory alive while
+/// a handle or a mapping refers to it (cuda.h, `cuMemRelease`). Prints "holding", then sleeps.
+const IMPORTER: &str = r#"
+import ctypes, os, sys, time
+from ctypes import byref, c_int, c_uint, c_size_t, c_void_p, c_ulonglong, c_ubyte
+cu = ctypes.CDLL("libcuda.so.1")
+class Prop(ctypes.Structure):
+    _fields_ = [("type", c_uint), ("handleTypes", c_uint), ("locType", c_uint), ("locId", c_int),
+                ("win32", c_void_p), ("flags", c_ubyte * 8)]
+def ok(rc, what):
+    if rc != 0:
+        sys.exit(f"{what}: CUresult {rc}")
+N, SIZE = int(sys.argv[1]), int(sys.argv[2]) << 20
+ok(cu.cuInit(0), "cuInit")
+dev, ctx = c_int(), c_void_p()
+ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+ok(cu.cuCtxCreate_v2(byref(ctx), 0, dev), "cuCtxCreate")
+for i in range(N):
+    h, fd = c_ulonglong(), c_int(-1)
+    ok(cu.cuMemCreate(byref(h), c_size_t(SIZE), byref(Prop(1, 1, 1, 0)), c_ulonglong(0)), "cuMemCreate")
+    ok(cu.cuMemExportToShareableHandle(byref(fd), h, 1, c_ulonglong(0)), "export")
+    ok(cu.cuMemRelease(h), "cuMemRelease")
+    imported, ptr = c_ulonglong(), c_ulonglong()
+    ok(cu.cuMemImportFromShareableHandle(byref(imported), c_void_p(fd.value), 1), "import")
+    os.close(fd.value)
+    ok(cu.cuMemAddressReserve(byref(ptr), c_size_t(SIZE), c_size_t(0), c_ulonglong(0), c_ulonglong(0)), "reserve")
+    ok(cu.cuMemMap(ptr, c_size_t(SIZE), c_size_t(0), imported, c_ulonglong(0)), "cuMemMap")
+print("holding", flush=True)
+time.sleep(20)
+"#;
+
+/// Memory a process holds only through imported shareable handles (what it created, exported
+/// and released at once) counts against its allocation's limit as any other: NVML's figure for
+/// it holds the imports, and over the limit it is killed. Before, the simulated driver charged an
+/// import to no one and stopped counting the memory at the exporter's release: the process held
+/// 20 GiB in a 19.8 GiB share, its figure was its context alone, and it slept on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_held_through_imported_handles_counts_against_the_limit() {
+    let Some(root) = cgroup_root() else { return };
+    let mut s = setup("action = \"kill\"\ninterval_ms = 200").await;
+    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
+    let (id, dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
+    let limit = limit_of(&mut api, &id).await;
+    let (_cid, cg) = container(&root, &dir, 7, "importer");
+    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    const PIECE_MIB: u64 = 2048;
+    let pieces = limit / (PIECE_MIB * MIB) + 1;
+    let script =
+        format!("echo $$ > {:?} && exec python3 -c '{IMPORTER}' {pieces} {PIECE_MIB}", cg.path.join("cgroup.procs"));
+    let mut child = s
+        .node
+        .command("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .env_remove("LD_PRELOAD")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read");
+    assert_eq!(line.trim(), "holding", "the importer got its memory: {line:?}");
+    let status = child.wait().expect("wait");
+    assert_eq!(status.signal(), Some(libc_sigkill()), "SIGKILLed over its limit: {status:?}\n{}", log_of(s.dir.path()));
+    let e = next_event(&mut events, "limit_breach").await;
+    let b = breach(&e);
+    assert_eq!((b.allocation_id.as_str(), b.pids.as_slice()), (id.as_str(), [child.id()].as_slice()));
+    assert_eq!(b.used_bytes, pieces * PIECE_MIB * MIB + OVERHEAD_MIB * MIB, "its imports and its context");
+    assert_eq!(b.limit_bytes, limit);
+}
+
 fn libc_sigkill() -> i32 {
     9
 }
