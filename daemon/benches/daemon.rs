@@ -9,6 +9,11 @@
 //!   process on the GPU per allocation (in a cgroup named after its container id when the bench
 //!   runs as root), daemon CPU per poll beside NVML's own listing of the same processes.
 //!
+//! - idle CPU against the number of node API allocations (`idle`): two daemons side by side, one
+//!   holding 10 allocations and one 1,000 (16 x H100, strict 1% shares), their CPU (utime +
+//!   stime from `/proc/<pid>/stat`) over the same windows, a few passes; the ratio is the figure
+//!   (issue 31: at most 1.5).
+//!
 //! With `TESSERA_BENCH_NVIDIA_PLUGIN=<nvidia-device-plugin binary>` (root; built from NVIDIA's
 //! k8s-device-plugin, which is not part of this repository), NVIDIA's plugin runs beside tesserad
 //! on the same simulated node (its NVML is the simulator's), 100 time-slicing replicas per GPU
@@ -500,6 +505,9 @@ fn main() {
             allocate_and_rss().await;
             breakdown();
         }
+        if filter.as_deref().is_none_or(|f| f.contains("idle")) {
+            idle_cpu().await;
+        }
     });
     // The state directories put under TESSERA_BENCH_STATE_DIR go with the run.
     if let Some(d) = std::env::var_os("TESSERA_BENCH_STATE_DIR") {
@@ -653,4 +661,69 @@ fn enforcement_cost() {
         }
         let _ = std::fs::remove_dir(&root);
     }
+}
+
+/// utime + stime of process `pid` (every thread, the exited ones too), from `/proc/<pid>/stat`.
+fn process_cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("proc stat");
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    // Fields after comm start with field 3 (state); utime and stime are fields 14 and 15.
+    let f: Vec<u64> = rest.split_whitespace().skip(11).take(2).map(|v| v.parse().expect("ticks")).collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis((f[0] + f[1]) * 1000 / hz)
+}
+
+/// Idle CPU against the number of node API allocations: one daemon with 10, one with 1,000, idle
+/// side by side, measured over the same windows (`TESSERA_BENCH_IDLE_SECONDS`, default 20; 3
+/// passes). Nothing is asked of either while measured.
+async fn idle_cpu() {
+    use tessera_proto::tessera::v1 as api;
+    const COUNTS: [usize; 2] = [10, 1000];
+    let window = Duration::from_secs(
+        std::env::var("TESSERA_BENCH_IDLE_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(20),
+    );
+    // 16 GPUs: 1,000 strict 1% shares fit (100 a GPU).
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 16\n");
+    let mut daemons = Vec::new();
+    for n in COUNTS {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        std::fs::create_dir(tmp.path().join("plugins")).expect("plugins");
+        let run = runtime_dir();
+        let cfg = config(&node, tmp.path(), run.path(), "");
+        let (daemon, _) = spawn(&node, &cfg, &tmp.path().join("no-notify"), &tmp.path().join("log"));
+        let mut api = common::node_api(&run.path().join("tessera.sock")).await;
+        let ask = api::AllocateRequest {
+            memory_bytes: 64 << 20,
+            sm_percent: 1,
+            compute_mode: api::ComputeMode::Strict as i32,
+            ..Default::default()
+        };
+        for _ in 0..n {
+            api.allocate(ask.clone()).await.expect("allocate");
+        }
+        daemons.push((n, daemon, tmp, run));
+    }
+    // Let the spare directories refill and the first passes open what they open.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let mut ratios = Vec::new();
+    for pass in 0..3 {
+        let before: Vec<Duration> = daemons.iter().map(|(_, d, _, _)| process_cpu(d.0.id())).collect();
+        tokio::time::sleep(window).await;
+        let used: Vec<Duration> =
+            daemons.iter().zip(&before).map(|((_, d, _, _), b)| process_cpu(d.0.id()).saturating_sub(*b)).collect();
+        let pct = |d: Duration| d.as_secs_f64() * 100.0 / window.as_secs_f64();
+        let ratio = used[1].as_secs_f64() / used[0].as_secs_f64().max(1e-3);
+        println!(
+            "idle pass {pass}: {} allocations {:.0} ms CPU ({:.2}% of a core), {} allocations {:.0} ms ({:.2}%): ratio {ratio:.2}",
+            COUNTS[0],
+            used[0].as_secs_f64() * 1e3,
+            pct(used[0]),
+            COUNTS[1],
+            used[1].as_secs_f64() * 1e3,
+            pct(used[1]),
+        );
+        ratios.push(ratio);
+    }
+    println!("idle CPU ratio, 1,000 : 10 allocations, per pass: {ratios:.2?} (goal: at most 1.5)");
 }

@@ -7,7 +7,7 @@
 //! not all devices with a new request is stale (the kubelet hands a device to one container at a
 //! time, so its container is gone): it is removed with its directory.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -99,6 +99,17 @@ pub struct DaemonAllocator {
     handed_out: Mutex<HashMap<String, Instant>>,
     /// Poked after every `Allocate`: the pod-resources task looks again soon.
     allocated: Arc<tokio::sync::Notify>,
+    /// The directories of the allocations that do not know their container yet, watched for
+    /// the owner record (`adopt_owner_records` reads only those written into).
+    owner_watch: Mutex<OwnerWatch>,
+}
+
+/// What `adopt_owner_records` follows: the unnamed allocations' directories, as of the store's
+/// change count `changes`.
+#[derive(Debug, Default)]
+struct OwnerWatch {
+    events: crate::state::dir_events::DirEvents,
+    changes: Option<u64>,
 }
 
 /// What is offered, and where each device is in it: `Allocate` looks its devices up by id, and a
@@ -202,6 +213,7 @@ impl DaemonAllocator {
             direct: DirectInjection::of(config),
             handed_out: Mutex::new(HashMap::new()),
             allocated: Arc::new(tokio::sync::Notify::new()),
+            owner_watch: Mutex::new(OwnerWatch::default()),
         }
     }
 
@@ -345,11 +357,31 @@ impl DaemonAllocator {
     /// runtime wrapper left in their directories (`owner`: the runtime's container id, and the
     /// pod from a CRI runtime's annotations); what is known already (from the kubelet's
     /// pod-resources API) is kept. Returns how many allocations changed.
+    ///
+    /// Only the directories written into since the last pass are read (inotify; each once when
+    /// first followed): the lease and pod-resources passes call this every second or two, and a
+    /// thousand unused allocations were a thousand failed opens each time.
     pub fn adopt_owner_records(&self) -> usize {
-        let mut changed = 0;
+        let mut watch = self.owner_watch.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let OwnerWatch { events, changes } = &mut *watch;
         // Known values are kept, and a record always names its container: an allocation that
-        // knows its container id has nothing to learn from it (no file read every pass).
-        for alloc in self.allocations_where(|a| a.container.container_id.is_none()) {
+        // knows its container id has nothing to learn from it (not followed).
+        let (now, unnamed) = self.allocations_changed_since(*changes, |records| {
+            records.iter().filter(|a| a.container.container_id.is_none()).map(|a| a.id.clone()).collect::<Vec<_>>()
+        });
+        let mut to_read: HashSet<String> = HashSet::new();
+        if let Some(ids) = unnamed {
+            *changes = Some(now);
+            to_read.extend(events.follow(&self.dirs, ids.iter().map(String::as_str)));
+        }
+        to_read.extend(events.changed());
+        let mut changed = 0;
+        for id in to_read {
+            let alloc = {
+                let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                store.get(&id).filter(|a| a.container.container_id.is_none()).cloned()
+            };
+            let Some(alloc) = alloc else { continue };
             let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
             let mut c = alloc.container.clone();
             let fill = |field: &mut Option<String>, value: Option<String>| {
@@ -778,7 +810,7 @@ impl DaemonAllocator {
         for res in offer.resources.resources.values() {
             for d in res.devices.iter().filter(|d| d.healthy) {
                 // A pod's (the node API's MIG records name the same id: those do not count).
-                if store.holding([d.id.as_str()]).any(|a| a.source == Source::Kubelet && a.resource == res.name) {
+                if store.kubelet_holds(&d.id, &res.name) {
                     continue;
                 }
                 let Some((_, _, total)) = room_of(&rooms, &d.physical_uuid) else { continue };

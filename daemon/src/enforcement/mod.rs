@@ -167,7 +167,7 @@ impl Stats {
 
     /// Adds a poll's SM time, (allocation, GPU UUID, ns) each, and forgets the allocations no
     /// longer held (`live`). One lock a poll; labels are copied only when they change.
-    fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<&str>, as_of_ns: u64) {
+    fn add_sm_time(&self, added: &[(&Allocation, &str, u64)], live: &HashSet<String>, as_of_ns: u64) {
         let mut m = self.lock();
         m.sm_time.retain(|t| live.contains(t.on.allocation.as_str()));
         let mut at: HashMap<(String, String), usize> =
@@ -218,6 +218,11 @@ pub struct Enforcer {
     utilization_read: HashMap<u32, u64>,
     /// GPUs whose utilization NVML would not give, warned about once until it does.
     utilization_failing: HashSet<u32>,
+    /// The records as of the store's change count `changes`: copied only when they changed.
+    allocations: Arc<Vec<Allocation>>,
+    changes: Option<u64>,
+    /// Their ids.
+    live: Arc<HashSet<String>>,
 }
 
 impl std::fmt::Debug for Enforcer {
@@ -239,6 +244,9 @@ impl Enforcer {
             sm: sm_time::Watch::default(),
             utilization_read: HashMap::new(),
             utilization_failing: HashSet::new(),
+            allocations: Arc::new(Vec::new()),
+            changes: None,
+            live: Arc::new(HashSet::new()),
         }
     }
 
@@ -299,9 +307,14 @@ impl Enforcer {
         self.failing.retain(|g| sample.failed.iter().any(|(f, _)| f == g));
         let mut outcome = PollOutcome { processes: sample.processes.len(), ..Default::default() };
 
-        let allocations = self.controller.allocations();
-        self.refresh_owners(&allocations);
-        let mut index = Index::new(&allocations, &self.owners, &[]);
+        let allocations = self.allocations();
+        // With no process listed there is nothing to attribute: no owner record is read and no
+        // index is built over every allocation (an idle poll's cost does not grow with them).
+        let idle = sample.processes.is_empty();
+        if !idle {
+            self.refresh_owners(&allocations);
+        }
+        let mut index = Index::new(if idle { &[] } else { &allocations[..] }, &self.owners, &[]);
         let mut claims_loaded = false;
 
         let mut groups: BTreeMap<GroupKey, Group> = BTreeMap::new();
@@ -356,6 +369,24 @@ impl Enforcer {
         }
         self.stats.lock().unattributed_gpu_processes = unattributed.len() as u64;
         outcome
+    }
+
+    /// The records, copied again only when the store changed; what was kept for allocations
+    /// that are gone (owners, open regions) goes then.
+    fn allocations(&mut self) -> Arc<Vec<Allocation>> {
+        let (changes, fresh) = self
+            .controller
+            .allocator()
+            .allocations_changed_since(self.changes, |records| records.iter().map(|&a| a.clone()).collect::<Vec<_>>());
+        if let Some(records) = fresh {
+            self.changes = Some(changes);
+            let live: HashSet<String> = records.iter().map(|a| a.id.clone()).collect();
+            self.owners.retain(|id, _| live.contains(id));
+            self.regions.retain(|id, _| live.contains(id));
+            self.allocations = Arc::new(records);
+            self.live = Arc::new(live);
+        }
+        Arc::clone(&self.allocations)
     }
 
     /// Container ids from the owner records the hook wrote, for allocations whose record has
@@ -425,7 +456,7 @@ impl Enforcer {
         let now_us = crate::state::record::unix_ns() / 1000;
         let mut per_gpu: HashMap<u32, Option<GpuUse>> = HashMap::new();
         let mut readings = Vec::new();
-        let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
+        let live = Arc::clone(&self.live);
         let mut sm_time: Vec<(&Allocation, &str, u64)> = Vec::new();
         for g in groups {
             // NVML gives no per-process utilization inside MIG instances (hardware-isolated anyway).

@@ -5,12 +5,16 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use super::record::Allocation;
+use super::record::{Allocation, Source};
 
 /// Record ids by the device ids (`AllocatedDevice::device_id`, exact) they hold.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Holders {
     by_device: HashMap<String, BTreeSet<String>>,
+    /// How many of the kubelet's records hold each (device id, resource): whether the kubelet
+    /// holds a device is one lookup, however many node API shares are carved on its GPU (the
+    /// withdrawn devices are looked at every second; their holders were walked each time).
+    kubelet: HashMap<(String, String), usize>,
 }
 
 impl Holders {
@@ -27,6 +31,9 @@ impl Holders {
     pub fn add(&mut self, a: &Allocation) {
         for d in &a.devices {
             self.by_device.entry(d.device_id.clone()).or_default().insert(a.id.clone());
+            if a.source == Source::Kubelet {
+                *self.kubelet.entry((d.device_id.clone(), a.resource.clone())).or_default() += 1;
+            }
         }
     }
 
@@ -39,7 +46,21 @@ impl Holders {
                     self.by_device.remove(&d.device_id);
                 }
             }
+            if a.source == Source::Kubelet {
+                let key = (d.device_id.clone(), a.resource.clone());
+                if let Some(n) = self.kubelet.get_mut(&key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.kubelet.remove(&key);
+                    }
+                }
+            }
         }
+    }
+
+    /// Whether a kubelet record of `resource` holds device `device_id`.
+    pub fn kubelet_holds(&self, device_id: &str, resource: &str) -> bool {
+        self.kubelet.contains_key(&(device_id.to_owned(), resource.to_owned()))
     }
 
     /// The ids of the records holding any of `device_ids`, each once, in id order.
@@ -86,7 +107,9 @@ mod tests {
             let picked: Vec<&str> = (0..1 + next(3)).map(|_| devices[next(12) as usize].as_str()).collect();
             match next(3) {
                 0 | 1 => {
-                    let r = holding(&id, &picked);
+                    let mut r = holding(&id, &picked);
+                    r.source = if next(2) == 0 { Source::Kubelet } else { Source::NodeApi };
+                    r.resource = ["tessera.io/gpu", "tessera.io/gpu-share"][next(2) as usize].to_owned();
                     if let Some(old) = records.insert(id.clone(), r.clone()) {
                         h.remove(&old);
                     }
@@ -105,6 +128,14 @@ mod tests {
                 .map(|r| r.id.as_str())
                 .collect();
             assert_eq!(h.holding(ask.iter().copied()), scanned, "step {step}");
+            for d in &devices {
+                for res in ["tessera.io/gpu", "tessera.io/gpu-share"] {
+                    let scanned = records.values().any(|r| {
+                        r.source == Source::Kubelet && r.resource == res && r.devices.iter().any(|x| x.device_id == *d)
+                    });
+                    assert_eq!(h.kubelet_holds(d, res), scanned, "step {step}: {d} {res}");
+                }
+            }
         }
         assert_eq!(h, Holders::of(records.values()), "nothing left over for removed records");
     }

@@ -8,10 +8,12 @@
 //! - [`journal`]: the journal's on-disk format (frames, replay scan, preallocation).
 //! - [`durable`]: crash-safe whole-file writes (the event log, layout overrides).
 //! - [`alloc_dir`]: `<runtime_dir>/alloc/<id>/`: the limits file and the accounting region.
+//! - [`dir_events`]: which of those directories had files written into them (inotify).
 //! - [`load`]: what the records hold per physical device, summed beside the index (admission).
 //! - [`recover`]: records rebuilt from those directories when the journal lost them.
 
 pub mod alloc_dir;
+pub mod dir_events;
 pub mod durable;
 pub mod holders;
 pub mod journal;

@@ -553,6 +553,11 @@ impl Store {
         self.holders.holding(device_ids).into_iter().filter_map(|id| self.index.get(id))
     }
 
+    /// Whether a kubelet record of `resource` holds device `device_id` (one lookup).
+    pub fn kubelet_holds(&self, device_id: &str, resource: &str) -> bool {
+        self.holders.kubelet_holds(device_id, resource)
+    }
+
     /// Every record, by id.
     pub fn list(&self) -> impl Iterator<Item = &Allocation> {
         self.index.values()
