@@ -139,6 +139,11 @@ impl Books {
         out
     }
 
+    /// Whether any of `handles` was imported from another process.
+    fn any_imported(&self, mut handles: impl Iterator<Item = u64>) -> bool {
+        handles.any(|h| self.physical.get(&h).is_some_and(|p| p.imported))
+    }
+
     fn mapped_into_array(&mut self, handle: u64) {
         if let Some(p) = self.physical.get_mut(&handle) {
             p.in_array = true;
@@ -387,14 +392,28 @@ unsafe fn array_mapping(
     call: impl FnOnce() -> CUresult,
 ) -> CUresult {
     let mut books = s.mem.vmm.books();
-    let rc = call();
-    if rc == CUDA_SUCCESS && !list.is_null() {
-        for i in 0..count as usize {
+    let handles = || {
+        (0..if list.is_null() { 0 } else { count as usize }).map_while(|i| {
             // SAFETY: the caller's array of `count` entries (contract); read, not kept.
-            let Some(e) = (unsafe { get(list.add(i).cast_const()) }) else { break };
-            if e.mem_operation_type == CU_MEM_OPERATION_TYPE_MAP && e.mem_handle_type == CU_MEM_HANDLE_TYPE_GENERIC {
-                books.mapped_into_array(e.mem_handle);
-            }
+            let e = unsafe { get(list.add(i).cast_const()) }?;
+            let map =
+                e.mem_operation_type == CU_MEM_OPERATION_TYPE_MAP && e.mem_handle_type == CU_MEM_HANDLE_TYPE_GENERIC;
+            Some(map.then_some(e.mem_handle))
+        })
+    };
+    // What an array tile of an imported handle holds is not known here (tiles are not tracked):
+    // refused, rather than memory the process touches charged to no one.
+    if books.any_imported(handles().flatten()) {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("tessera: a handle imported from another process mapped into a sparse array is not supported");
+        }
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    let rc = call();
+    if rc == CUDA_SUCCESS {
+        for h in handles().flatten() {
+            books.mapped_into_array(h);
         }
     }
     rc
@@ -478,9 +497,12 @@ mod tests {
         assert_eq!(b.import_growth(9, 32 * MIB), None, "a mapping of less adds nothing");
         assert_eq!(b.import_growth(9, 96 * MIB), Some((1, 32 * MIB)), "of more, the difference");
         assert_eq!(b.import_growth(5, 96 * MIB), None, "not imported: charged at cuMemCreate");
+        b.created(5, 1, 2 * MIB);
+        assert!(b.any_imported([5, 9].into_iter()), "an imported handle into a sparse array: refused");
+        assert!(!b.any_imported([5, 77].into_iter()), "created or unknown ones pass");
         assert_eq!(b.released(9), None, "still mapped");
         assert_eq!(b.unmapped(0x200_0000, 64 * MIB), vec![(1, 64 * MIB)]);
-        assert_eq!(b.charged(), 0);
+        assert_eq!(b.charged(), 2 * MIB, "the created one alone is left");
     }
 
     #[test]
