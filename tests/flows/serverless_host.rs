@@ -242,3 +242,126 @@ async fn mig_devices_and_whole_gpus_through_the_cli() {
     assert!(err.contains("cannot be used with"), "{err}");
     assert!(refused(&["--sm", "5"]).contains("--memory"));
 }
+
+/// `tessera-workload` on the allocation's host paths: with `shim` under libtessera.so (its
+/// region mapped), else bypassing it (no `LD_PRELOAD`); in `cgroup` (a `cgroup.procs` file)
+/// when given, moved there before it touches the GPU. Holds `mib` until killed; returns once it
+/// says so (its output kept open).
+fn holding(
+    node: &SimNode,
+    env: &serde_json::Map<String, serde_json::Value>,
+    shim_loaded: bool,
+    cgroup: Option<&Path>,
+    mib: u64,
+) -> Reaped {
+    let exe = tessera_sim_testkit::binary("tessera-workload");
+    let args = format!("--alloc-mib {mib} --hold 3600");
+    let script = match cgroup {
+        Some(procs) => format!("echo $$ > {procs:?} && exec {exe:?} {args}"),
+        None => format!("exec {exe:?} {args}"),
+    };
+    let mut cmd = node.command("/bin/sh");
+    cmd.arg("-c").arg(script).stdout(Stdio::piped()).env_remove("LD_PRELOAD");
+    if shim_loaded {
+        cmd.env("LD_PRELOAD", shim());
+    }
+    for (k, v) in env {
+        cmd.env(k, v.as_str().expect("env values are strings"));
+    }
+    let mut child = cmd.spawn().expect("tessera-workload");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read");
+    let reaped = Reaped(child, out);
+    assert!(line.contains("holding"), "the workload did not get its memory: {line:?}");
+    reaped
+}
+
+/// A child killed and waited for when dropped (a failing test leaves none behind).
+struct Reaped(Child, #[allow(dead_code)] BufReader<ChildStdout>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Unattributed-process events up to and including the one for `pid`: the pids they name.
+async fn unattributed_until(events: &mut tonic::Streaming<tessera_proto::tessera::v1::Event>, pid: u32) -> Vec<u32> {
+    let mut seen = Vec::new();
+    loop {
+        let e = tokio::time::timeout(std::time::Duration::from_secs(30), events.message())
+            .await
+            .unwrap_or_else(|_| panic!("no unattributed_process event for pid {pid} in time; before it: {seen:?}"))
+            .expect("event stream")
+            .expect("event stream open");
+        if let Some(tessera_proto::tessera::v1::event::Detail::UnattributedProcess(p)) = &e.detail {
+            seen.push(p.pid);
+            if p.pid == pid {
+                return seen;
+            }
+        }
+    }
+}
+
+/// Whether `/proc/<pid>/stat` says zombie.
+fn zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+}
+
+/// A process of an allocation that exits is listed by the driver for a moment after its
+/// mappings and its region slot are gone (seen twice on an H200): no `unattributed_process`
+/// for it, since it was attributed while it lived. The simulator holds exited processes in
+/// NVML's lists (`tessera-sim exits hold`) and the test keeps the exited process a zombie (its
+/// pid and start time still in `/proc`); a process of no allocation started after it is
+/// reported, so a poll saw the exited one listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_attributed_in_its_life_is_not_reported_when_it_exits() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config =
+        tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\naction = \"report\"\ninterval_ms = 100\n");
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let req = tessera_proto::tessera::v1::WatchEventsRequest {
+        kinds: vec![tessera_proto::tessera::v1::EventKind::UnattributedProcess as i32],
+        ..Default::default()
+    };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let answer: serde_json::Value =
+        serde_json::from_str(ok(&tessera(dir, &["alloc", "--memory", "4GiB", "--sm", "30", "--json"])).trim())
+            .expect("json");
+    let env = answer["env"].as_object().expect("env").clone();
+    let sim = |what: &str| {
+        let out = node.command(tessera_sim_testkit::binary("tessera-sim")).args(["exits", what]).output().unwrap();
+        assert!(out.status.success(), "tessera-sim exits {what}: {out:?}");
+    };
+    sim("hold");
+
+    // Alive under the shim (its region mapped): attributed at a poll, which also reports a
+    // process of no allocation started after it.
+    let mut member = holding(&node, &env, true, None, 512);
+    let none = serde_json::Map::new();
+    let stray = holding(&node, &none, false, None, 64);
+    let reported = unattributed_until(&mut events, stray.0.id()).await;
+    let pid = member.0.id();
+    assert!(!reported.contains(&pid), "reported while it lived: {reported:?}");
+
+    // It exits: its mappings go, its region slot is free to reap, and the driver lists it on.
+    member.0.kill().expect("kill");
+    while !zombie(pid) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let later = holding(&node, &none, false, None, 64);
+    let reported = unattributed_until(&mut events, later.0.id()).await;
+    let listed = node.command(tessera_sim_testkit::binary("tessera-sim")).args(["status", "--json"]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&listed.stdout).replace([' ', '\n'], "").contains(&format!("\"pid\":{pid},")),
+        "the exited process is still listed by the driver"
+    );
+    assert!(!reported.contains(&pid), "an exited process of an allocation was reported: {reported:?}");
+    sim("release");
+}

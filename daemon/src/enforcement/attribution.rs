@@ -11,13 +11,20 @@
 //!   device and inode in `/proc/<pid>/maps`). A tenant can put any pid in its slots; it cannot
 //!   make another process map its region.
 //!
+//! - Else as it was last seen ([`Seen`]): a process (pid and start time) attributed at an
+//!   earlier poll keeps that attribution for as long as NVML lists it and one of its allocations
+//!   lives. A process that exits is still listed by the driver for a moment while its contexts
+//!   are torn down, after its mappings are gone and its region slot reaped; and a process cannot
+//!   shed its allocation by unmapping its region.
+//!
 //! A process may belong to several allocations (one container asking for two resources); on a
 //! device, it counts against those of them that hold the device, whose limits add up. A process
 //! that belongs to allocations none of which holds its device counts against them with a limit
 //! of 0: it holds memory where its container was given none.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
+use super::decision::ProcKey;
 use crate::state::Allocation;
 
 /// An allocation's region file, as `stat` names it.
@@ -38,10 +45,53 @@ pub enum Via {
     Region,
 }
 
+/// The allocations each process was found to belong to, by (pid, start time), while NVML lists
+/// it: a pid reused by another process is another key.
+#[derive(Debug, Default)]
+pub struct Seen {
+    owners: HashMap<ProcKey, Vec<String>>,
+}
+
+/// What [`Seen`] recalls of a process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recall {
+    /// Never seen attributed.
+    Never,
+    /// Seen attributed to allocations all released since.
+    Released,
+    /// Seen attributed: its allocations still live (indices in the index, ascending).
+    Owners(Vec<usize>),
+}
+
+impl Seen {
+    /// Remembers that `process` belongs to `owners` (indices of `index`).
+    pub fn remember(&mut self, index: &Index, process: ProcKey, owners: &[usize]) {
+        let ids: Vec<String> = owners.iter().map(|&i| index.entry(i).id.clone()).collect();
+        if self.owners.get(&process) != Some(&ids) {
+            self.owners.insert(process, ids);
+        }
+    }
+
+    pub fn recall(&self, index: &Index, process: ProcKey) -> Recall {
+        let Some(ids) = self.owners.get(&process) else { return Recall::Never };
+        let mut owners: Vec<usize> = ids.iter().filter_map(|id| index.position(id)).collect();
+        owners.sort_unstable();
+        owners.dedup();
+        if owners.is_empty() { Recall::Released } else { Recall::Owners(owners) }
+    }
+
+    /// Forgets the processes NVML no longer lists.
+    pub fn retain_listed(&mut self, listed: &HashSet<ProcKey>) {
+        self.owners.retain(|k, _| listed.contains(k));
+    }
+}
+
 /// The allocations of the node, indexed for attribution.
 #[derive(Debug, Default)]
 pub struct Index {
     entries: Vec<Entry>,
+    /// Allocation id -> entry.
+    by_id: HashMap<String, usize>,
     /// Container id (lowercase) -> entries.
     by_container: HashMap<String, Vec<usize>>,
     /// Host pid a region slot names -> (entry, the region file).
@@ -62,6 +112,7 @@ impl Index {
             position.insert(a.id.as_str(), i);
             let limits =
                 a.limits().devices.into_iter().map(|d| (d.uuid.to_ascii_lowercase(), d.memory_limit)).collect();
+            index.by_id.insert(a.id.clone(), i);
             index.entries.push(Entry { id: a.id.clone(), limits });
             let ids = a.container.container_id.iter().chain(containers.get(&a.id));
             for c in ids.map(|c| c.trim().to_ascii_lowercase()).filter(|c| !c.is_empty()) {
@@ -83,6 +134,11 @@ impl Index {
 
     pub fn entry(&self, i: usize) -> &Entry {
         &self.entries[i]
+    }
+
+    /// The entry of allocation `id`, if it lives.
+    pub fn position(&self, id: &str) -> Option<usize> {
+        self.by_id.get(id).copied()
     }
 
     /// The allocations process `pid` belongs to (indices, ascending) and how that was found;
@@ -224,6 +280,34 @@ mod tests {
         assert_eq!(index.owners(42, &[path], |_| true), Some((vec![1], Via::Cgroup)));
         // A pid no slot names.
         assert_eq!(index.owners(44, &["/".into()], |_| true), None);
+    }
+
+    /// A process found attributed keeps it while listed: its exit (mappings gone, region slot
+    /// reaped, the driver still listing it) is no `unattributed_process`.
+    #[test]
+    fn a_process_seen_attributed_keeps_it_while_listed_and_its_allocation_lives() {
+        let a = alloc("a1", None, &[("GPU-x", Some(100))]);
+        let b = alloc("b1", None, &[("GPU-x", Some(100))]);
+        let claims = vec![("b1".to_string(), 42, (1, 10))];
+        let index = Index::new(&[a.clone(), b.clone()], &HashMap::new(), &claims);
+        let mut seen = Seen::default();
+        // Alive, mapping b1's region: b1's.
+        let (owners, via) = index.owners(42, &["/".into()], |f| f == (1, 10)).unwrap();
+        assert_eq!((owners.as_slice(), via), (&[1][..], Via::Region));
+        seen.remember(&index, (42, 7), &owners);
+        // Exiting: no mappings, its slot reaped (no claim), still listed.
+        let index = Index::new(&[a.clone(), b.clone()], &HashMap::new(), &[]);
+        assert_eq!(index.owners(42, &["/".into()], never), None);
+        assert_eq!(seen.recall(&index, (42, 7)), Recall::Owners(vec![1]));
+        // Another process on the same pid was never seen.
+        assert_eq!(seen.recall(&index, (42, 8)), Recall::Never);
+        // b1 released: the memory is known to have been b1's.
+        let index = Index::new(std::slice::from_ref(&a), &HashMap::new(), &[]);
+        assert_eq!(seen.recall(&index, (42, 7)), Recall::Released);
+        // No longer listed: forgotten.
+        seen.retain_listed(&HashSet::from([(43, 1)]));
+        let index = Index::new(&[a, b], &HashMap::new(), &[]);
+        assert_eq!(seen.recall(&index, (42, 7)), Recall::Never);
     }
 
     #[test]

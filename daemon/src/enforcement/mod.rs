@@ -46,7 +46,7 @@ use tessera_region::Region;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use self::attribution::{FileId, Index};
+use self::attribution::{FileId, Index, Recall, Seen};
 use self::decision::{Decision, Group, GroupKey, Holding, Phase, ProcKey, Tracker};
 use self::procfs::ProcFs;
 pub use self::settings::{Action, Settings};
@@ -206,6 +206,8 @@ pub struct Enforcer {
     stats: Arc<Stats>,
     procfs: ProcFs,
     tracker: Tracker,
+    /// The allocations each listed process was found to belong to.
+    seen: Seen,
     /// Container ids from the owner records, by allocation id.
     owners: HashMap<String, String>,
     /// Open regions and their files, by allocation id.
@@ -238,6 +240,7 @@ impl Enforcer {
             stats,
             procfs: ProcFs::default(),
             tracker: Tracker::default(),
+            seen: Seen::default(),
             owners: HashMap::new(),
             regions: HashMap::new(),
             failing: HashSet::new(),
@@ -335,9 +338,22 @@ impl Enforcer {
                 let procfs = &self.procfs;
                 owners = index.owners(p.pid, &cgroups, |f| procfs.maps_inode(p.pid, f.0, f.1));
             }
-            let Some((owners, _via)) = owners else {
-                unattributed.push(((p.pid, start), p));
-                continue;
+            let owners = match owners {
+                Some((owners, _via)) => {
+                    self.seen.remember(&index, (p.pid, start), &owners);
+                    owners
+                }
+                // Found before (an exiting process is listed after its mappings and region
+                // slot are gone), while one of its allocations lives.
+                None => match self.seen.recall(&index, (p.pid, start)) {
+                    Recall::Owners(owners) => owners,
+                    // Its allocations released as it exits: nothing to judge, nothing to say.
+                    Recall::Released if self.procfs.exiting(p.pid) => continue,
+                    Recall::Released | Recall::Never => {
+                        unattributed.push(((p.pid, start), p));
+                        continue;
+                    }
+                },
             };
             outcome.attributed += 1;
             let (holders, limit) = index.on_device(&owners, &p.device_uuid);
@@ -351,6 +367,7 @@ impl Enforcer {
                 .processes
                 .push(Holding { pid: p.pid, start, used: p.used });
         }
+        self.seen.retain_listed(&listed);
         let groups: Vec<Group> = groups.into_values().collect();
         for d in self.tracker.decide(settings.action, &groups, &listed) {
             outcome.events += 1;

@@ -30,6 +30,12 @@ impl ProcFs {
         parse_start_time(&std::fs::read_to_string(self.file(pid, "stat")).ok()?)
     }
 
+    /// Whether the process is on its way out: a zombie, or exiting (`PF_EXITING` in its flags:
+    /// its files, the driver's among them, are being closed). `false` when it is gone.
+    pub fn exiting(&self, pid: u32) -> bool {
+        std::fs::read_to_string(self.file(pid, "stat")).is_ok_and(|s| parse_exiting(&s))
+    }
+
     /// The paths of every hierarchy in `/proc/<pid>/cgroup` (v1 and v2 lines alike).
     pub fn cgroup_paths(&self, pid: u32) -> Option<Vec<String>> {
         Some(parse_cgroup(&std::fs::read_to_string(self.file(pid, "cgroup")).ok()?))
@@ -58,6 +64,18 @@ pub fn parse_start_time(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     // After ")": field 3 (state) is the first; start time is field 22.
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether a `stat` line is a zombie's or dead process's (state `Z`, `X`, `x`) or an exiting
+/// one's (`PF_EXITING`, 0x4, in field 9).
+pub fn parse_exiting(stat: &str) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Some(close) = stat.rfind(')') else { return false };
+    let mut f = stat[close + 1..].split_ascii_whitespace();
+    let state = f.next().unwrap_or("");
+    // After the state: ppid, pgrp, session, tty_nr, tpgid, then flags (field 9).
+    let flags = f.nth(5).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
 }
 
 /// The path of each `hierarchy:controllers:path` line.
@@ -103,6 +121,26 @@ mod tests {
         let me = ProcFs::default();
         assert!(me.start_time(std::process::id()).is_some());
         assert_eq!(me.start_time(u32::MAX), None, "no such process");
+    }
+
+    #[test]
+    fn a_zombie_or_exiting_process_is_on_its_way_out() {
+        let line = |state: &str, flags: u64| {
+            format!("7 (a b) {state} 1 7 7 0 -1 {flags} 100 0 0 0 1 2 0 0 20 0 1 0 99 1000 10")
+        };
+        assert!(!parse_exiting(&line("S", 0x40_0100)), "a sleeping process");
+        assert!(parse_exiting(&line("Z", 0x40_0100)), "a zombie");
+        assert!(parse_exiting(&line("D", 0x40_0104)), "PF_EXITING: closing its files");
+        assert!(!parse_exiting("garbage"));
+        assert!(!ProcFs::default().exiting(std::process::id()), "this test is not exiting");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        // Not waited for: a zombie once it ends.
+        while !ProcFs::default().exiting(pid) {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(!ProcFs::default().exiting(pid), "gone");
     }
 
     #[test]

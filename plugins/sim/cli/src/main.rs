@@ -69,11 +69,23 @@ enum Command {
         #[arg(long)]
         seconds: Option<u64>,
     },
+    /// Processes that exit: `hold` keeps them in NVML's process lists (memory and all) until
+    /// `release`, as a real driver lists an exiting process while it tears its contexts down.
+    Exits {
+        #[arg(value_enum)]
+        action: Exits,
+    },
     /// Run the workload program (tessera-workload) against this node; arguments follow `--`.
     Workload {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Exits {
+    Hold,
+    Release,
 }
 
 #[derive(Subcommand)]
@@ -172,6 +184,20 @@ fn run(cli: Cli) -> Result<(), String> {
             .map_err(|e| e.to_string()),
         Command::Mig(m) => mig::run(&open(&cli).map_err(|e| e.to_string())?, m),
         Command::Events { seconds } => status::follow_events(&open(&cli).map_err(|e| e.to_string())?, *seconds),
+        Command::Exits { action } => {
+            let node = open(&cli).map_err(|e| e.to_string())?;
+            match action {
+                Exits::Hold => {
+                    node.hold_exits(true);
+                    println!("processes that exit stay listed by NVML until `tessera-sim exits release`");
+                }
+                Exits::Release => {
+                    node.hold_exits(false);
+                    println!("processes that exit are reaped again (those held go at the next query)");
+                }
+            }
+            Ok(())
+        }
         Command::Workload { args } => {
             let node = open(&cli).map_err(|e| e.to_string())?;
             install::exec_workload(&node, cli.node.as_deref(), args)

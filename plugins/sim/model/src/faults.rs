@@ -62,6 +62,14 @@ impl Node {
         })
     }
 
+    /// Holds processes that exit in NVML's process lists, memory and all (`true`), or lets them
+    /// go (`false`: the next query reaps them), as a real driver lists an exiting process for a
+    /// moment while it tears its contexts down. Returns whether they were held before.
+    pub fn hold_exits(&self, hold: bool) -> bool {
+        let _g = self.region.lock();
+        self.region.shared().header.hold_exits.swap(u32::from(hold), AcqRel) != 0
+    }
+
     /// Raises an XID on a GPU (or on one MIG instance of it). With `pid`, that process's
     /// contexts die with it (its CUDA calls fail from then on), as an application fault does.
     pub fn inject_xid(&self, gpu: u32, xid: u32, mig: Option<(u32, u32)>, pid: Option<u32>) -> Result<()> {

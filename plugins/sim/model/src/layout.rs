@@ -6,8 +6,8 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSIMNODE");
-/// Bumped on every layout change.
-pub const VERSION: u32 = 4;
+/// Bumped on every layout change (5: the header's `hold_exits`).
+pub const VERSION: u32 = 5;
 /// GPUs on one node.
 pub const MAX_GPUS: usize = 16;
 /// GPU instances, and compute instances, on one GPU (7 is the most any MIG GPU allows).
@@ -48,6 +48,10 @@ pub struct Header {
     /// Bit per process slot in use.
     pub used_slots: [AtomicU64; MAX_PROCS / 64],
     pub lock: UnsafeCell<libc::pthread_mutex_t>,
+    /// Nonzero: processes that exit are not reaped; NVML lists them, with their memory, until it
+    /// is cleared (`tessera-sim exits hold|release`), as a real driver lists an exiting process
+    /// while it tears its contexts down.
+    pub hold_exits: AtomicU32,
 }
 
 /// A GPU instance (MIG): a memory domain and a set of compute slices.

@@ -341,6 +341,24 @@ mod tests {
     }
 
     #[test]
+    fn held_exits_stay_listed_with_their_memory_until_released() {
+        let t = default_node();
+        assert!(!t.node.hold_exits(true), "not held at first");
+        let (mut c, _out) = child(&format!("alloc 1 {}", 3 * GIB), &t.state);
+        let pid = c.id();
+        c.kill().unwrap();
+        c.wait().unwrap();
+        for _ in 0..3 {
+            let procs = t.node.processes(1, None).unwrap();
+            assert_eq!(procs.iter().map(|p| (p.pid, p.used_bytes)).collect::<Vec<_>>(), [(pid, 3 * GIB)]);
+            assert_eq!(t.node.memory_info(1, 0).unwrap().used, 3 * GIB);
+        }
+        assert!(t.node.hold_exits(false));
+        assert!(t.node.processes(1, None).unwrap().is_empty(), "reaped at the next query");
+        assert_eq!(t.node.memory_info(1, 0).unwrap().used, 0);
+    }
+
+    #[test]
     fn mig_mode_gpu_has_no_whole_gpu_memory_domain() {
         let t = node_from(Some("[[gpu]]\nmodel = \"A100-SXM4-40GB\"\nmig = true\n"));
         assert!(matches!(t.node.alloc(0, 0, 1), Err(SimError::NotSupported(_))));

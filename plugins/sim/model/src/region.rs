@@ -337,6 +337,9 @@ impl Guard<'_> {
     /// Releases the slots of processes that are gone (their liveness lock was dropped by the
     /// kernel). Returns how many were reclaimed.
     pub fn reap(&self) -> usize {
+        if self.shared().header.hold_exits.load(Acquire) != 0 {
+            return 0;
+        }
         let own = self.own_slot();
         let dead: Vec<usize> = self.used_slots().filter(|&s| Some(s) != own && !self.region.slot_alive(s)).collect();
         for &s in &dead {
