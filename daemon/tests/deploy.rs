@@ -170,22 +170,28 @@ fn kustomize_overlays_render_validate_and_mount_what_the_config_names() {
     }
 }
 
-/// What every rendering of the DaemonSet must say (the kustomize overlays and the Helm chart
-/// alike): see `kustomize_overlays_render_validate_and_mount_what_the_config_names`. Returns the
-/// documents and the parsed configuration.
-fn check_daemon_manifests(overlay: &str, validator: &Path, yaml: &str, token: bool, mode: Mode) -> Vec<Value> {
+/// Validates every document of `yaml` strictly against the Kubernetes 1.34 and 1.37 schemas (a
+/// kind the schemas do not know counts as a failure, not a warning).
+fn validate_strictly(validator: &Path, what: &str, yaml: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("rendered.yaml");
-    std::fs::write(&file, &yaml).unwrap();
+    std::fs::write(&file, yaml).unwrap();
     for version in ["1.34.0", "1.37.0"] {
-        let out = Command::new(&validator)
+        let out = Command::new(validator)
             .args(["--strict", "--quiet", "-k", version])
             .arg(&file)
             .output()
             .expect("kubernetes-validate");
         let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && said.trim().is_empty(), "{overlay} against {version}:\n{said}");
+        assert!(out.status.success() && said.trim().is_empty(), "{what} against {version}:\n{said}");
     }
+}
+
+/// What every rendering of the DaemonSet must say (the kustomize overlays and the Helm chart
+/// alike): see `kustomize_overlays_render_validate_and_mount_what_the_config_names`. Returns the
+/// documents and the parsed configuration.
+fn check_daemon_manifests(overlay: &str, validator: &Path, yaml: &str, token: bool, mode: Mode) -> Vec<Value> {
+    validate_strictly(validator, overlay, yaml);
     let docs = documents(&validator, &yaml);
     let ds = find(&docs, "DaemonSet", "tesserad");
     let pod = &ds["spec"]["template"]["spec"];
@@ -598,18 +604,7 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
     assert!(!allows("nodes", "update") && !allows("nodes", "delete"), "labels need patch, nothing more");
 
     let yaml = render(&kubectl, "../kubernetes/examples/dra");
-    let tmp = tempfile::tempdir().unwrap();
-    let file = tmp.path().join("examples.yaml");
-    std::fs::write(&file, &yaml).unwrap();
-    for version in ["1.34.0", "1.37.0"] {
-        let out = Command::new(&validator)
-            .args(["--strict", "--quiet", "-k", version])
-            .arg(&file)
-            .output()
-            .expect("kubernetes-validate");
-        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && said.trim().is_empty(), "examples against {version}:\n{said}");
-    }
+    validate_strictly(&validator, "examples", &yaml);
     let docs = documents(&validator, &yaml);
     let mut named = std::collections::BTreeSet::new();
     for d in docs.iter().filter(|d| d["kind"] == "ResourceClaimTemplate" || d["kind"] == "ResourceClaim") {
