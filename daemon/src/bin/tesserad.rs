@@ -202,6 +202,10 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
         }
     }
     let controller = Arc::new(controller);
+    // However this ends (a clean stop, or a server that could not start), the spare allocation
+    // directories' mounts go with it; the allocations' own stay, for their containers and the
+    // next start.
+    let _spares = StopSpares(Arc::clone(&controller));
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -433,9 +437,6 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             tracing::warn!("the Kubernetes Events and labels did not stop in time");
         }
         finish("node API", api_task).await;
-        // The spare allocation directories' region mounts go; the allocations' own stay, for
-        // their containers and the next start.
-        controller.allocator().dirs().stop_spares();
         drop(plugins);
         match result {
             Ok(()) => ExitCode::SUCCESS,
@@ -445,6 +446,15 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             }
         }
     })
+}
+
+/// Unmounts and removes the spare allocation directories when dropped (`AllocDirs::stop_spares`).
+struct StopSpares(Arc<NodeController>);
+
+impl Drop for StopSpares {
+    fn drop(&mut self) {
+        self.0.allocator().dirs().stop_spares();
+    }
 }
 
 /// How long a stopping server may take before it is cut off.
