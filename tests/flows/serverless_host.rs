@@ -365,3 +365,121 @@ async fn a_process_attributed_in_its_life_is_not_reported_when_it_exits() {
     assert!(!reported.contains(&pid), "an exited process of an allocation was reported: {reported:?}");
     sim("release");
 }
+
+/// Where the test makes cgroups: cgroup v1's pids hierarchy, or the v2 root (the path a
+/// process's `/proc/<pid>/cgroup` line shows is from there). `None`, with SKIP printed (an error
+/// under `TESSERA_REQUIRE_RUNTIMES`), where none can be made (not root).
+fn cgroup_root() -> Option<std::path::PathBuf> {
+    let root =
+        ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"].into_iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
+    let why = match root {
+        Some(r) => {
+            let probe = r.join(format!("tessera-probe-host-{}", std::process::id()));
+            match std::fs::create_dir(&probe) {
+                Ok(()) => {
+                    let _ = std::fs::remove_dir(&probe);
+                    return Some(r.to_path_buf());
+                }
+                Err(e) => format!("cannot make a cgroup under {} ({e}); this test needs root", r.display()),
+            }
+        }
+        None => "no cgroup hierarchy with cgroup.procs under /sys/fs/cgroup".to_string(),
+    };
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    None
+}
+
+/// A cgroup directory, removed (with its parent) when dropped.
+struct CgroupDir(std::path::PathBuf, std::path::PathBuf);
+
+impl Drop for CgroupDir {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.1).is_ok() || !self.1.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A host process of a node API allocation that bypasses the shim (`tessera-workload` without
+/// `LD_PRELOAD`) is enforced as a container's is, found by the cgroup its caller named
+/// (`tessera alloc --cgroup`): past the share's memory the newest of its processes is killed,
+/// with a `limit_breach` for the allocation (it was an `unattributed_process`, never enforced);
+/// one within it and a process beside the cgroup are left alone. Naming the root cgroup, or
+/// the cgroup's file system path, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_process_bypassing_the_shim_is_held_to_its_share_by_its_cgroup() {
+    use std::os::unix::process::ExitStatusExt;
+    use tessera_proto::tessera::v1 as api;
+    let Some(root) = cgroup_root() else { return };
+    let node = SimNode::with_description(&format!(
+        "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
+    ));
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config =
+        tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\naction = \"kill\"\ninterval_ms = 200\n");
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+
+    // The platform's cgroup for the function, and the name /proc/<pid>/cgroup gives it.
+    let name = format!("/tessera-fn-{}/fn-1", std::process::id());
+    let parent = root.join(format!("tessera-fn-{}", std::process::id()));
+    let cgroup = CgroupDir(parent, root.join(&name[1..]));
+    std::fs::create_dir_all(&cgroup.1).expect("make the cgroup");
+    let procs = cgroup.1.join("cgroup.procs");
+
+    // What would take every process of the node, or is not what /proc shows: refused.
+    for (bad, why) in [("/", "root cgroup"), ("/sys/fs/cgroup/pids/fn", "file system path")] {
+        let out = tessera(dir, &["alloc", "--memory", "1GiB", "--sm", "10", "--cgroup", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("cgroup: ") && err.contains(why), "{bad}: {err}");
+    }
+    assert_eq!(ok(&tessera(dir, &["allocations", "--json"])).trim(), "[]", "nothing allocated by a refusal");
+
+    let answer: serde_json::Value = serde_json::from_str(
+        ok(&tessera(dir, &["alloc", "--memory", "2GiB", "--sm", "30", "--cgroup", &name, "--json"])).trim(),
+    )
+    .expect("json");
+    let id = answer["id"].as_str().expect("id").to_owned();
+    let env = answer["env"].as_object().expect("env").clone();
+    let req = api::WatchEventsRequest {
+        kinds: vec![api::EventKind::LimitBreach as i32, api::EventKind::UnattributedProcess as i32],
+        ..Default::default()
+    };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    // Within the share (1 GiB + its context), then beside the cgroup (no allocation's).
+    let mut modest = holding(&node, &env, false, Some(&procs), 1024);
+    let mut beside = holding(&node, &serde_json::Map::new(), false, None, 3072);
+    // Past the share with the first: 1 + 1.5 GiB and two contexts in 2 GiB. The newest goes.
+    let mut greedy = holding(&node, &env, false, Some(&procs), 1536);
+    let status = greedy.0.wait().expect("wait");
+    assert_eq!(status.signal(), Some(9), "SIGKILLed: {status:?}");
+
+    let mut unattributed = Vec::new();
+    let breach = loop {
+        let e = tokio::time::timeout(std::time::Duration::from_secs(30), events.message())
+            .await
+            .expect("a limit_breach in time")
+            .expect("event stream")
+            .expect("event stream open");
+        match e.detail {
+            Some(api::event::Detail::UnattributedProcess(p)) => unattributed.push(p.pid),
+            Some(api::event::Detail::LimitBreach(b)) => break b,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(breach.allocation_id, id);
+    assert_eq!(breach.action, api::BreachAction::Killed as i32);
+    assert_eq!(breach.killed_pids, [greedy.0.id()]);
+    assert_eq!(breach.used_bytes, (1024 + 1536 + 2 * OVERHEAD_MIB) << 20);
+    assert_eq!(breach.limit_bytes, 2 * GIB);
+    assert!(!unattributed.contains(&greedy.0.id()) && !unattributed.contains(&modest.0.id()), "{unattributed:?}");
+    assert!(modest.0.try_wait().expect("try_wait").is_none(), "within its share: left alone");
+    assert!(beside.0.try_wait().expect("try_wait").is_none(), "beside the cgroup: never this allocation's");
+}

@@ -86,6 +86,7 @@ static ALLOCATING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Result<api::AllocateResponse, Status> {
     let owner = req.owner.trim();
     check_owner(owner)?;
+    let cgroup = crate::enforcement::attribution::cgroup_arg(&req.cgroup).map_err(Status::invalid_argument)?;
     let device = match (req.mig_profile.trim(), req.whole_gpus) {
         ("", 0) => DeviceAsk::Share,
         (profile, 0) => DeviceAsk::Mig(profile.to_owned()),
@@ -111,6 +112,13 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
     // The rooms the controller published (health and layout changes republish them): no copy of
     // its whole picture on every call.
     let alloc = allocator.allocate_share(&share, &allocator.rooms())?;
+    // Where enforcement finds the allocation's host processes (docs/serverless.md).
+    if let Some(c) = &cgroup
+        && let Err(e) = crate::enforcement::attribution::write_cgroup(&allocator.dirs().dir(&alloc.id), c)
+    {
+        let _ = allocator.release(&alloc.id);
+        return Err(Status::internal(format!("cgroup: cannot record it for {}: {e}; nothing was allocated", alloc.id)));
+    }
     Ok(answer(controller, &alloc))
 }
 

@@ -6,6 +6,13 @@
 //!   the id in the cgroup path as a whole component (`/kubepods/…/<id>`, `/docker/<id>`) or as
 //!   the tail of one (`cri-containerd-<id>.scope`, `crio-<id>.scope`, `docker-<id>.scope`,
 //!   `libpod-<id>.scope`, `cri-containerd:<id>`); only those forms match, never a substring.
+//! - Else by the cgroup the node API's caller named for the allocation (`tessera alloc --cgroup
+//!   PATH`, kept in the allocation's directory as `cgroup`, which only root writes): a process
+//!   whose cgroup is PATH or below it belongs to it, the deepest such PATH deciding when several
+//!   match (several allocations naming one PATH share it, as a container's allocations do). A
+//!   host process that bypasses the shim is found this way; it cannot leave its cgroup without
+//!   write access to another's `cgroup.procs`. A container with an allocation of its own is
+//!   found by its id first, whatever cgroup it sits under.
 //! - Else by the region's process slots, as a hint only: a tenant writes its region, so a slot
 //!   naming a pid counts only when that process really maps the allocation's region file (same
 //!   device and inode in `/proc/<pid>/maps`). A tenant can put any pid in its slots; it cannot
@@ -96,6 +103,59 @@ pub struct Index {
     by_container: HashMap<String, Vec<usize>>,
     /// Host pid a region slot names -> (entry, the region file).
     claims: HashMap<u32, Vec<(usize, FileId)>>,
+    /// Cgroup paths named by node API callers -> entries.
+    cgroups: HashMap<String, Vec<usize>>,
+}
+
+/// The name of the file, in an allocation's directory, holding the cgroup its processes run in.
+pub const CGROUP_FILE: &str = "cgroup";
+
+/// A cgroup path as `tessera alloc --cgroup` takes it (`AllocateRequest.cgroup`): `None` for
+/// none; an error saying what is wrong. The path is the one `/proc/<pid>/cgroup` shows (from the
+/// hierarchy's root, as in `/system.slice/fn-42.scope`): absolute, normalized, not the root
+/// itself (every process of the node would be the allocation's).
+pub fn cgroup_arg(text: &str) -> Result<Option<String>, String> {
+    let path = text.trim();
+    let example = "as /proc/PID/cgroup shows it, such as /system.slice/fn-42.scope";
+    if path.is_empty() {
+        return Ok(None);
+    }
+    if path.len() > 4096 || path.chars().any(char::is_control) {
+        return Err("cgroup: at most 4096 bytes, no control characters".into());
+    }
+    if !path.starts_with('/') {
+        return Err(format!("cgroup: {path:?} is not absolute; give the cgroup's path {example}"));
+    }
+    if path.starts_with("/sys/fs/cgroup") {
+        return Err(format!(
+            "cgroup: {path:?} is a file system path; give the cgroup's path {example} (without the mount point)"
+        ));
+    }
+    if path == "/" {
+        return Err("cgroup: \"/\" is the root cgroup: every process of the node would be this allocation's; name the cgroup its processes alone run in".into());
+    }
+    if path.ends_with('/') || path[1..].split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+        return Err(format!(
+            "cgroup: {path:?} is not a normalized path (no empty, \".\" or \"..\" parts, no trailing \"/\")"
+        ));
+    }
+    Ok(Some(path.to_owned()))
+}
+
+/// The cgroup recorded in allocation directory `dir`, if any (checked as [`cgroup_arg`]).
+pub fn read_cgroup(dir: &std::path::Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(CGROUP_FILE)).ok()?;
+    cgroup_arg(&text).ok().flatten()
+}
+
+/// Records `cgroup` in allocation directory `dir` (a whole file, replaced atomically).
+pub fn write_cgroup(dir: &std::path::Path, cgroup: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = dir.join(".cgroup.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(format!("{cgroup}\n").as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(CGROUP_FILE))
 }
 
 impl Index {
@@ -106,6 +166,16 @@ impl Index {
         containers: &HashMap<String, String>,
         claims: &[(String, u32, FileId)],
     ) -> Index {
+        Index::with_cgroups(allocations, containers, claims, &HashMap::new())
+    }
+
+    /// [`Index::new`], and `cgroups`: the cgroup named for an allocation, by allocation id.
+    pub fn with_cgroups(
+        allocations: &[Allocation],
+        containers: &HashMap<String, String>,
+        claims: &[(String, u32, FileId)],
+        cgroups: &HashMap<String, String>,
+    ) -> Index {
         let mut index = Index::default();
         let mut position = HashMap::new();
         for (i, a) in allocations.iter().enumerate() {
@@ -114,6 +184,9 @@ impl Index {
                 a.limits().devices.into_iter().map(|d| (d.uuid.to_ascii_lowercase(), d.memory_limit)).collect();
             index.by_id.insert(a.id.clone(), i);
             index.entries.push(Entry { id: a.id.clone(), limits });
+            if let Some(c) = cgroups.get(&a.id) {
+                index.cgroups.entry(c.clone()).or_default().push(i);
+            }
             let ids = a.container.container_id.iter().chain(containers.get(&a.id));
             for c in ids.map(|c| c.trim().to_ascii_lowercase()).filter(|c| !c.is_empty()) {
                 let list = index.by_container.entry(c).or_default();
@@ -153,6 +226,25 @@ impl Index {
                         found.extend(list);
                     }
                 }
+            }
+        }
+        if found.is_empty() && !self.cgroups.is_empty() {
+            // The deepest named cgroup at or above any of the process's.
+            let mut deepest: Option<&str> = None;
+            for path in cgroups {
+                let mut at = path.trim_end_matches('/');
+                while !at.is_empty() {
+                    if self.cgroups.contains_key(at) {
+                        if deepest.is_none_or(|d| at.len() > d.len()) {
+                            deepest = Some(at);
+                        }
+                        break;
+                    }
+                    at = at.rsplit_once('/').map_or("", |(parent, _)| parent);
+                }
+            }
+            if let Some(list) = deepest.and_then(|d| self.cgroups.get(d)) {
+                found.extend(list);
             }
         }
         if !found.is_empty() {
@@ -308,6 +400,64 @@ mod tests {
         seen.retain_listed(&HashSet::from([(43, 1)]));
         let index = Index::new(&[a, b], &HashMap::new(), &[]);
         assert_eq!(seen.recall(&index, (42, 7)), Recall::Never);
+    }
+
+    /// A host process of a node API allocation that bypasses the shim is found by the cgroup its
+    /// caller named: at or below it, component by component, the deepest named one deciding; a
+    /// container with an allocation of its own stays its own; nothing above or beside matches.
+    #[test]
+    fn a_named_cgroup_takes_its_processes_and_nothing_beside_it() {
+        let fns = alloc("fns", None, &[("GPU-x", Some(100))]);
+        let one = alloc("one", None, &[("GPU-x", Some(50))]);
+        let two = alloc("two", None, &[("GPU-x", Some(70))]);
+        let pod = alloc("pod", Some(CID), &[("GPU-x", Some(30))]);
+        let cgroups = HashMap::from([
+            ("fns".to_string(), "/fns".to_string()),
+            ("one".to_string(), "/fns/fn-1".to_string()),
+            ("two".to_string(), "/fns/fn-1".to_string()),
+        ]);
+        let index = Index::with_cgroups(&[fns, one, two, pod], &HashMap::new(), &[], &cgroups);
+        let of = |paths: &[&str]| {
+            let paths: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
+            index.owners(9, &paths, never)
+        };
+        assert_eq!(of(&["/fns/fn-1"]), Some((vec![1, 2], Via::Cgroup)), "one cgroup named twice: both, limits add up");
+        assert_eq!(of(&["/fns/fn-1/worker/7"]), Some((vec![1, 2], Via::Cgroup)), "below it");
+        assert_eq!(
+            of(&["/fns/fn-10"]),
+            Some((vec![0], Via::Cgroup)),
+            "a sibling whose name starts the same: the parent's"
+        );
+        assert_eq!(of(&["/fns"]), Some((vec![0], Via::Cgroup)));
+        assert_eq!(of(&["/", "/other/fns/fn-1", "/fnsx"]), None, "above, beside, or a prefix of a name: nobody's");
+        // cgroup v1: one line per hierarchy; the deepest match on any decides.
+        assert_eq!(of(&["/fns", "/fns/fn-1"]), Some((vec![1, 2], Via::Cgroup)));
+        // A container with an allocation of its own, under a named cgroup: its own.
+        assert_eq!(of(&[&format!("/fns/fn-1/docker-{CID}.scope")]), Some((vec![3], Via::Cgroup)));
+    }
+
+    #[test]
+    fn a_cgroup_argument_is_checked() {
+        assert_eq!(cgroup_arg(""), Ok(None));
+        assert_eq!(cgroup_arg(" /system.slice/fn-42.scope\n"), Ok(Some("/system.slice/fn-42.scope".into())));
+        for (bad, why) in [
+            ("/", "root cgroup"),
+            ("system.slice/fn.scope", "not absolute"),
+            ("/sys/fs/cgroup/pids/fn", "file system path"),
+            ("/a//b", "normalized"),
+            ("/a/../b", "normalized"),
+            ("/a/", "normalized"),
+            ("/a\u{7}b", "control"),
+        ] {
+            let e = cgroup_arg(bad).unwrap_err();
+            assert!(e.starts_with("cgroup: ") && e.contains(why), "{bad:?}: {e}");
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        assert_eq!(read_cgroup(tmp.path()), None);
+        write_cgroup(tmp.path(), "/fns/fn-1").unwrap();
+        assert_eq!(read_cgroup(tmp.path()).as_deref(), Some("/fns/fn-1"));
+        std::fs::write(tmp.path().join(CGROUP_FILE), "/\n").unwrap();
+        assert_eq!(read_cgroup(tmp.path()), None, "what the argument check refuses is never read");
     }
 
     #[test]

@@ -15,9 +15,12 @@
 //! - `action = "report"`: a `limit_breach` event when the breach starts, when it changes
 //!   materially (its processes, or a tenth of the limit), and when it ends.
 //!
-//! Only a process attributed to the breaching allocation is ever killed. A process on a GPU that
-//! belongs to no allocation is reported (an `unattributed_process` event and a warning, once per
-//! process) and counted (`tessera_unattributed_gpu_processes`), never killed. Breaches are
+//! Only a process attributed to the breaching allocation is ever killed. A GPU process in no
+//! container with an allocation, in no cgroup named with `tessera alloc --cgroup`, that maps no
+//! allocation's region and was never seen attributed (a host process of an allocation made
+//! without `--cgroup` that bypasses the shim, or a process of no allocation at all) cannot be
+//! attributed: it is reported (an `unattributed_process` event and a warning, once per process)
+//! and counted (`tessera_unattributed_gpu_processes`), never killed. Breaches are
 //! counted per allocation and device in `tessera_container_limit_breaches_total`.
 //!
 //! A process that bypasses the shim thus holds more than its limit for at most one interval
@@ -210,6 +213,9 @@ pub struct Enforcer {
     seen: Seen,
     /// Container ids from the owner records, by allocation id.
     owners: HashMap<String, String>,
+    /// The cgroups node API callers named (`cgroup` in the allocation's directory), by
+    /// allocation id.
+    cgroups: HashMap<String, String>,
     /// Open regions and their files, by allocation id.
     regions: HashMap<String, (Region, FileId)>,
     /// GPUs NVML would not list, warned about once until they answer.
@@ -242,6 +248,7 @@ impl Enforcer {
             tracker: Tracker::default(),
             seen: Seen::default(),
             owners: HashMap::new(),
+            cgroups: HashMap::new(),
             regions: HashMap::new(),
             failing: HashSet::new(),
             sm: sm_time::Watch::default(),
@@ -331,10 +338,11 @@ impl Enforcer {
             let procfs = &self.procfs;
             let mut owners = index.owners(p.pid, &cgroups, |f| procfs.maps_inode(p.pid, f.0, f.1));
             if owners.is_none() && !claims_loaded {
-                // Only now are the regions' slots worth reading.
+                // Only now are the named cgroups and the regions' slots worth reading.
                 claims_loaded = true;
                 let claims = self.claims(&allocations);
-                index = Index::new(&allocations, &self.owners, &claims);
+                self.refresh_cgroups(&allocations);
+                index = Index::with_cgroups(&allocations, &self.owners, &claims, &self.cgroups);
                 let procfs = &self.procfs;
                 owners = index.owners(p.pid, &cgroups, |f| procfs.maps_inode(p.pid, f.0, f.1));
             }
@@ -411,6 +419,7 @@ impl Enforcer {
     fn refresh_owners(&mut self, allocations: &[Allocation]) {
         let live: HashSet<&str> = allocations.iter().map(|a| a.id.as_str()).collect();
         self.owners.retain(|id, _| live.contains(id.as_str()));
+        self.cgroups.retain(|id, _| live.contains(id.as_str()));
         self.regions.retain(|id, _| live.contains(id.as_str()));
         let dirs = self.controller.allocator().dirs();
         for a in allocations {
@@ -419,6 +428,22 @@ impl Enforcer {
             }
             if let Some(c) = tessera_hook::owner::Owner::read(&dirs.dir(&a.id)).and_then(|o| o.container_id) {
                 self.owners.insert(a.id.clone(), c);
+            }
+        }
+    }
+
+    /// The cgroups named for node API allocations (read until found: the directory is made
+    /// before the file is written, and a recorded cgroup does not change).
+    fn refresh_cgroups(&mut self, allocations: &[Allocation]) {
+        let dirs = self.controller.allocator().dirs();
+        for a in allocations {
+            if !matches!(a.source, crate::state::Source::NodeApi | crate::state::Source::Recovered)
+                || self.cgroups.contains_key(&a.id)
+            {
+                continue;
+            }
+            if let Some(c) = attribution::read_cgroup(&dirs.dir(&a.id)) {
+                self.cgroups.insert(a.id.clone(), c);
             }
         }
     }

@@ -41,6 +41,11 @@ pub struct AllocArgs {
     /// `container`: released when the first container that uses it is deleted.
     #[arg(long, value_enum, default_value_t = LeaseArg::None)]
     lease: LeaseArg,
+    /// The cgroup its host processes run in, as /proc/PID/cgroup shows it (e.g.
+    /// /system.slice/fn-42.scope): every GPU process at or below it is enforced against this
+    /// allocation, shim or no shim.
+    #[arg(long, value_name = "PATH")]
+    cgroup: Option<String>,
     /// Print one JSON object: id, devices, cdi_devices, env, owner, lease.
     #[arg(long, conflicts_with = "env")]
     json: bool,
@@ -147,6 +152,7 @@ pub async fn alloc(client: &mut NodeClient<Channel>, a: AllocArgs) -> Result<Exi
             LeaseArg::None => api::Lease::None,
             LeaseArg::Container => api::Lease::Container,
         } as i32,
+        cgroup: a.cgroup.unwrap_or_default(),
     };
     let resp = client.allocate(req).await.map_err(status_err)?.into_inner();
     let alloc = resp.allocation.unwrap_or_default();
