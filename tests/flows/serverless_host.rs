@@ -458,7 +458,12 @@ async fn a_host_process_bypassing_the_shim_is_held_to_its_share_by_its_cgroup() 
     let mut beside = holding(&node, &serde_json::Map::new(), false, None, 3072);
     // Past the share with the first: 1 + 1.5 GiB and two contexts in 2 GiB. The newest goes.
     let mut greedy = holding(&node, &env, false, Some(&procs), 1536);
+    let held = std::time::Instant::now();
     let status = greedy.0.wait().expect("wait");
+    println!(
+        "serverless host: a bypassing process over its share, found by its cgroup, was killed {} ms after it held the memory",
+        held.elapsed().as_millis()
+    );
     assert_eq!(status.signal(), Some(9), "SIGKILLed: {status:?}");
 
     let mut unattributed = Vec::new();
@@ -482,4 +487,72 @@ async fn a_host_process_bypassing_the_shim_is_held_to_its_share_by_its_cgroup() 
     assert!(!unattributed.contains(&greedy.0.id()) && !unattributed.contains(&modest.0.id()), "{unattributed:?}");
     assert!(modest.0.try_wait().expect("try_wait").is_none(), "within its share: left alone");
     assert!(beside.0.try_wait().expect("try_wait").is_none(), "beside the cgroup: never this allocation's");
+}
+
+/// The same cgroup holds the allocation's processes to its strict SM share: a bypassing
+/// `tessera-workload` launching back to back in a 25% share is SIGKILLed once a 1 s window holds
+/// more than its share plus the tolerance, with a `limit_breach` (`limit` SM) for the allocation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_process_bypassing_the_shim_is_held_to_its_sm_share_by_its_cgroup() {
+    use std::os::unix::process::ExitStatusExt;
+    use tessera_proto::tessera::v1 as api;
+    let Some(root) = cgroup_root() else { return };
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = tessera_tests::kubelet::write_config(
+        &node,
+        dir,
+        "[enforcement]\naction = \"kill\"\nsm_action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000\n",
+    );
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let name = format!("/tessera-fn-sm-{}/fn-1", std::process::id());
+    let cgroup = CgroupDir(root.join(format!("tessera-fn-sm-{}", std::process::id())), root.join(&name[1..]));
+    std::fs::create_dir_all(&cgroup.1).expect("make the cgroup");
+    let answer: serde_json::Value = serde_json::from_str(
+        ok(&tessera(
+            dir,
+            &["alloc", "--memory", "2GiB", "--sm", "25", "--compute-mode", "strict", "--cgroup", &name, "--json"],
+        ))
+        .trim(),
+    )
+    .expect("json");
+    let id = answer["id"].as_str().expect("id").to_owned();
+    let req = api::WatchEventsRequest {
+        kinds: vec![api::EventKind::LimitBreach as i32, api::EventKind::UnattributedProcess as i32],
+        ..Default::default()
+    };
+    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+
+    // Back to back, 16 kernels of 1 ms in flight, no shim: all of the GPU.
+    let exe = tessera_sim_testkit::binary("tessera-workload");
+    let script = format!(
+        "echo $$ > {:?} && exec {exe:?} --kernel-us 1000 --depth 16 --rate 0 --seconds 30",
+        cgroup.1.join("cgroup.procs")
+    );
+    let started = std::time::Instant::now();
+    let mut spinner = node
+        .command("/bin/sh")
+        .arg("-c")
+        .arg(script)
+        .env_remove("LD_PRELOAD")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("tessera-workload");
+    let status = spinner.wait().expect("wait");
+    println!(
+        "serverless host: a bypassing process over its SM share, found by its cgroup, was killed {} ms after it started",
+        started.elapsed().as_millis()
+    );
+    assert_eq!(status.signal(), Some(9), "SIGKILLed: {status:?}");
+    let e = tokio::time::timeout(std::time::Duration::from_secs(30), events.message())
+        .await
+        .expect("an event in time")
+        .expect("event stream")
+        .expect("event stream open");
+    let Some(api::event::Detail::LimitBreach(b)) = &e.detail else { panic!("not a limit_breach: {}", e.message) };
+    assert_eq!((b.allocation_id.as_str(), b.limit), (id.as_str(), api::BreachLimit::Sm as i32), "{}", e.message);
+    assert_eq!(b.killed_pids, [spinner.id()]);
+    assert_eq!((b.sm_percent_limit, b.window_ms), (25, 1000));
 }
