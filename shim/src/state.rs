@@ -606,8 +606,19 @@ impl ShimState {
     /// reservation tried once more). False: over the limit. On a denial, a context of ours whose
     /// true-up was deferred is trued up first (`memory::context`), and the memory pools are read
     /// again (`memory::pools`): neither a context's excess reservation nor what a pool released
-    /// since it was read must ever be the reason for a refusal.
+    /// since it was read must ever be the reason for a refusal. A refusal is counted once in the
+    /// region (`tessera_container_oom_denials_total`), whichever limit refused it: the process's
+    /// own tally (a lone process) or the container's total.
     pub(crate) fn reserve(&self, dev: usize, bytes: u64) -> bool {
+        let ok = self.reserve_uncounted(dev, bytes);
+        if !ok {
+            self.region.count_oom_denial(self.slot, dev);
+        }
+        ok
+    }
+
+    /// [`Self::reserve`] without counting a refusal: for a first try that another follows.
+    pub(crate) fn reserve_uncounted(&self, dev: usize, bytes: u64) -> bool {
         if bytes == 0 {
             return true;
         }
@@ -624,11 +635,11 @@ impl ShimState {
         if own.is_err() {
             return false;
         }
-        if self.region.try_reserve(self.slot, dev, bytes, limit).is_ok() {
+        if self.region.try_reserve_uncounted(self.slot, dev, bytes, limit).is_ok() {
             return true;
         }
         self.region.reap();
-        if self.region.try_reserve(self.slot, dev, bytes, limit).is_ok() {
+        if self.region.try_reserve_uncounted(self.slot, dev, bytes, limit).is_ok() {
             return true;
         }
         held.fetch_sub(bytes, AcqRel);

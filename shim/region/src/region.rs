@@ -671,6 +671,14 @@ impl Region {
         }
     }
 
+    /// Counts one allocation refused by the memory limit on device `dev` for `slot`'s process
+    /// (`tessera_container_oom_denials_total`); an out-of-range slot or device is ignored.
+    pub fn count_oom_denial(&self, slot: Slot, dev: usize) {
+        if let Some(mine) = self.shared().slots.get(slot.index).and_then(|p| p.devices.get(dev)) {
+            mine.oom_denials.fetch_add(1, Relaxed);
+        }
+    }
+
     /// Reserves `bytes` on device `dev` for `slot`'s process, within `limit` (`None`: no limit):
     /// the caller's, never a value from the region, which the container can write. Lock-free: a
     /// CAS raises the device total unless that would pass the limit, THEN the slot (and its peak)
@@ -679,6 +687,18 @@ impl Region {
     /// returns the total and the limit. An out-of-range slot or device is refused.
     #[inline]
     pub fn try_reserve(&self, slot: Slot, dev: usize, bytes: u64, limit: Option<u64>) -> Result<(), Denied> {
+        let r = self.try_reserve_uncounted(slot, dev, bytes, limit);
+        if r.is_err() {
+            self.count_oom_denial(slot, dev);
+        }
+        r
+    }
+
+    /// [`Region::try_reserve`] without counting a refusal: for a caller that tries more than once
+    /// (or checks a limit of its own first) and counts the one refusal its program sees with
+    /// [`Region::count_oom_denial`].
+    #[inline]
+    pub fn try_reserve_uncounted(&self, slot: Slot, dev: usize, bytes: u64, limit: Option<u64>) -> Result<(), Denied> {
         let s = self.shared();
         let (Some(d), Some(p)) = (s.devices.get(dev), s.slots.get(slot.index)) else {
             return Err(Denied { used: 0, limit: 0 });
@@ -696,7 +716,6 @@ impl Region {
                         Some(n) if n <= limit => n,
                         _ => {
                             p.inflight.fetch_sub(1, SeqCst);
-                            mine.oom_denials.fetch_add(1, Relaxed);
                             return Err(Denied { used: cur, limit });
                         }
                     };

@@ -61,10 +61,14 @@ pub(crate) fn estimate(hint: u64) -> u64 {
 /// publishes the true figure again.
 fn reserve_estimate(s: &ShimState, dev: usize) -> Option<u64> {
     let first = estimate(s.region.context_hint(dev));
-    if s.reserve(dev, first) {
+    if first <= DEFAULT_ESTIMATE {
+        return s.reserve(dev, first).then_some(first);
+    }
+    // The first try's refusal is not counted as an OOM denial: the second may fit.
+    if s.reserve_uncounted(dev, first) {
         return Some(first);
     }
-    (first > DEFAULT_ESTIMATE && s.reserve(dev, DEFAULT_ESTIMATE)).then_some(DEFAULT_ESTIMATE)
+    s.reserve(dev, DEFAULT_ESTIMATE).then_some(DEFAULT_ESTIMATE)
 }
 
 /// How a device's memory is read around a context's creation.

@@ -300,7 +300,8 @@ pub(crate) fn allocate(
     crate::trace::note(dev, growth);
     // Refused: the other pools may have released memory since they were read (this thread holds
     // the books, so the refusal path of `reserve` cannot read them): read, then try once more.
-    let fits = s.reserve(dev, growth) || (settle_others(s, cu, &mut b, pool) && s.reserve(dev, growth));
+    let fits =
+        s.reserve_uncounted(dev, growth) || (settle_others(s, cu, &mut b, pool) && s.reserve_uncounted(dev, growth));
     if !fits {
         // Captured into a graph, it takes nothing from the pool now (graph memory is charged when
         // the graph is launched): let the capture record it.
@@ -309,6 +310,7 @@ pub(crate) fn allocate(
             settle(s, &mut b, pool, dev, reserved_of(cu, pool), 0);
             return Some(rc);
         }
+        s.region.count_oom_denial(s.slot, dev);
         return Some(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let rc = call();
