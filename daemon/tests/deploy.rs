@@ -192,7 +192,7 @@ fn validate_strictly(validator: &Path, what: &str, yaml: &str) {
 /// documents and the parsed configuration.
 fn check_daemon_manifests(overlay: &str, validator: &Path, yaml: &str, token: bool, mode: Mode) -> Vec<Value> {
     validate_strictly(validator, overlay, yaml);
-    let docs = documents(&validator, &yaml);
+    let docs = documents(validator, yaml);
     let ds = find(&docs, "DaemonSet", "tesserad");
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["automountServiceAccountToken"], token, "{overlay}: the token only where DRA needs it");
