@@ -148,6 +148,16 @@ impl Kube {
         self.wait(&format!("pod {name} deleted"), extra, || self.get(&["pod", name]).is_none().then_some(()));
     }
 
+    /// Deletes `pods` and `claims` (each may be missing) and waits until they are gone.
+    fn clean(&self, pods: &[&str], claims: &[&str], extra: &dyn Fn() -> String) {
+        for p in pods {
+            self.delete_pod(p, extra);
+        }
+        let mut args = vec!["delete", "resourceclaim", "--ignore-not-found", "--wait=true", "--timeout=240s"];
+        args.extend_from_slice(claims);
+        self.ok(&args, None);
+    }
+
     /// Waits until running pod `name` has printed `DONE` (its script then sleeps, so that its
     /// claims stay reserved and prepared while the test looks); its logs.
     fn done(&self, name: &str, extra: &dyn Fn() -> String) -> String {
@@ -161,7 +171,7 @@ impl Kube {
             );
             let out = self.kubectl(&["logs", name], None);
             let logs = String::from_utf8_lossy(&out.stdout).into_owned();
-            logs.contains("\nDONE\n").then_some(logs)
+            logs.lines().any(|l| l == "DONE").then_some(logs)
         })
     }
 
@@ -437,11 +447,6 @@ fn dra_claims_are_allocated_by_the_real_scheduler() {
     let _serial = serial();
     let pods = ["dra-whole", "dra-share-a", "dra-share-b", "dra-too-big"];
     let claims = ["whole-gpu", "share-a", "share-b", "too-big"];
-    let none = || String::new();
-    for p in pods {
-        kube.delete_pod(p, &none);
-    }
-    kube.ok(&["delete", "resourceclaim", "--ignore-not-found"].iter().copied().chain(claims).collect::<Vec<_>>(), None);
     let body = format!(
         "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
         kube.var("KUBECONFIG"),
@@ -451,6 +456,9 @@ fn dra_claims_are_allocated_by_the_real_scheduler() {
     );
     let t = Tesserad::start(&kube, H100X2, &body);
     let extra = || t.log();
+    // What an earlier failed run left (its pods wait for a DRA driver to unprepare their claims:
+    // this tesserad answers for claims it never prepared).
+    kube.clean(&pods, &claims, &extra);
     let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
     kube.ok(&["apply", "-f", &classes.display().to_string()], None);
 
@@ -550,16 +558,121 @@ fn dra_claims_are_allocated_by_the_real_scheduler() {
     assert!(reason.contains("Unschedulable") && reason.contains("claim"), "{reason}");
     assert_eq!(kube.get(&["pod", "dra-too-big"]).expect("pod")["status"]["phase"], "Pending");
 
-    for p in pods {
-        kube.delete_pod(p, &extra);
-    }
-    kube.ok(
-        &["delete", "resourceclaim", "--ignore-not-found", "--wait=true", "--timeout=240s"]
-            .iter()
-            .copied()
-            .chain(claims)
-            .collect::<Vec<_>>(),
-        None,
-    );
+    kube.clean(&pods, &claims, &extra);
     kube.wait("every claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+}
+
+/// Every `health` of the pod's containers' `allocatedResourcesStatus` entries.
+fn resource_health(pod: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for c in pod["status"]["containerStatuses"].as_array().into_iter().flatten() {
+        for entry in c["allocatedResourcesStatus"].as_array().into_iter().flatten() {
+            for r in entry["resources"].as_array().into_iter().flatten() {
+                out.push(format!(
+                    "{}={}",
+                    r["resourceID"].as_str().unwrap_or("?"),
+                    r["health"].as_str().unwrap_or("?")
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The taints' effects on device `name` of tesserad's slices for this node.
+fn device_taints(kube: &Kube, name: &str) -> Option<Vec<String>> {
+    let field = format!("spec.nodeName={}", kube.node());
+    let slices = kube.get(&["resourceslices", "--field-selector", &field])?;
+    let device = slices["items"]
+        .as_array()?
+        .iter()
+        .filter(|s| s["spec"]["driver"] == "gpu.tessera.io")
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .find(|d| d["name"] == name)?;
+    Some(
+        device["taints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|t| format!("{}:{}", t["key"].as_str().unwrap_or("?"), t["effect"].as_str().unwrap_or("?")))
+            .collect(),
+    )
+}
+
+/// Health through the real components: XID 79 on the GPU a running pod's claim holds shows as
+/// Unhealthy in the pod's `allocatedResourcesStatus`, as a NoExecute taint on the slice's device
+/// (1.36+; the claim tolerates it, so the pod is not evicted while the test looks), and as
+/// GPUFault Events on the Node and the Pod; after the GPU's reset and the recovery check, the
+/// status is Healthy and the taint gone.
+#[test]
+fn a_gpu_fault_reaches_the_pod_status_the_slice_and_events() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let body = format!(
+        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n\
+         [health]\ninterval_seconds = 1\nrecovery_check_ms = 1500\n",
+        kube.var("KUBECONFIG"),
+        kube.node(),
+        kube.var("KUBELET_PLUGINS_DIR"),
+        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+    );
+    let t = Tesserad::start(&kube, H100X2, &body);
+    let extra = || t.log();
+    kube.clean(&["dra-health"], &["health-gpu"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.wait("gpu-1 published, untainted", &extra, || device_taints(&kube, "gpu-1").filter(|t| t.is_empty()));
+
+    let mut c = claim("health-gpu", "gpu.tessera.io", Value::Null, r#"device.attributes["gpu.tessera.io"].index == 1"#);
+    c["spec"]["devices"]["requests"][0]["exactly"]["tolerations"] =
+        json!([{"key": "gpu.tessera.io/unhealthy", "operator": "Exists", "effect": "NoExecute"}]);
+    kube.apply(&c);
+    kube.apply(&pod(&kube, &t, "dra-health", "echo DONE; sleep 3600", json!({}), uses("health-gpu")));
+    kube.done("dra-health", &extra);
+    kube.wait("the pod's device Healthy", &extra, || {
+        let h = resource_health(&kube.get(&["pod", "dra-health"])?);
+        (!h.is_empty() && h.iter().all(|e| e.ends_with("=Healthy"))).then_some(())
+    });
+
+    let uuid = kube.wait("the claim's status.devices", &extra, || {
+        let c = kube.get(&["resourceclaim", "health-gpu"])?;
+        assert_eq!(c["status"]["allocation"]["devices"]["results"][0]["device"], "gpu-1", "{c:#}");
+        c["status"]["devices"].as_array()?.first()?["data"]["uuid"].as_str().map(str::to_owned)
+    });
+    let sim = tessera_sim_model::Node::open(t.node.description.as_deref(), Some(&t.node.state)).expect("sim node");
+    sim.inject_xid(1, 79, None, None).expect("GPU 1 falls off the bus");
+    let health = kube.wait("the pod's device Unhealthy", &extra, || {
+        let h = resource_health(&kube.get(&["pod", "dra-health"])?);
+        h.iter().any(|e| e.ends_with("=Unhealthy")).then_some(h)
+    });
+    // The kubelet names the device by the CDI name tesserad answered: the claim's, with GPU 1's UUID.
+    assert!(health.iter().any(|e| e.contains(&uuid) && e.ends_with("=Unhealthy")), "{uuid}: {health:?}");
+    let taints = kube.wait("gpu-1 tainted", &extra, || device_taints(&kube, "gpu-1").filter(|t| !t.is_empty()));
+    assert_eq!(taints, ["gpu.tessera.io/unhealthy:NoExecute"]);
+    assert_eq!(device_taints(&kube, "gpu-0"), Some(vec![]), "GPU 0 is untouched");
+    let kinds = kube.wait("GPUFault events on the Node and the Pod", &extra, || {
+        let events = kube.get(&["events", "-n", "default", "--field-selector", "reason=GPUFault"])?;
+        let mut kinds: Vec<String> = events["items"]
+            .as_array()?
+            .iter()
+            .filter_map(|e| e["involvedObject"]["kind"].as_str().map(str::to_owned))
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        (kinds.len() == 2).then_some(kinds)
+    });
+    assert_eq!(kinds, ["Node", "Pod"]);
+    let table = kube.ok(&["get", "events", "-n", "default", "--field-selector", "reason=GPUFault"], None);
+    assert!(table.contains("GPUFault") && table.contains("dra-health"), "{table}");
+
+    sim.reset(1).expect("reset GPU 1");
+    kube.wait("the pod's device Healthy again", &extra, || {
+        let h = resource_health(&kube.get(&["pod", "dra-health"])?);
+        (!h.is_empty() && h.iter().all(|e| e.ends_with("=Healthy"))).then_some(())
+    });
+    kube.wait("gpu-1's taint gone", &extra, || device_taints(&kube, "gpu-1").filter(|t| t.is_empty()));
+
+    kube.delete_pod("dra-health", &extra);
+    kube.ok(&["delete", "resourceclaim", "--ignore-not-found", "--wait=true", "--timeout=240s", "health-gpu"], None);
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
 }
