@@ -599,7 +599,8 @@ impl Enforcer {
                 (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Reported, phase, Vec::new())
             }
         };
-        let members: Vec<&Allocation> = allocations.iter().filter(|a| key.allocations.contains(&a.id)).collect();
+        let named = self.members_named(allocations, &key.allocations);
+        let members: Vec<&Allocation> = named.iter().collect();
         let device_id = device_ids(&members, &key.device_uuid);
         if action == api::BreachAction::Killed || phase == Phase::Started {
             self.count_breach(&members, &key.device_uuid, &device_id, action, "sm");
@@ -664,6 +665,23 @@ impl Enforcer {
         killed
     }
 
+    /// The records of `ids`, each named by its container: one that has not learnt its container
+    /// from the owner record yet (the lease pass adopts them once a second) adopts it now, so a
+    /// breach soon after a container started says whose it was (its event named no container, and
+    /// its metrics no pod, when the kill came first).
+    fn members_named(&mut self, allocations: &[Allocation], ids: &[String]) -> Vec<Allocation> {
+        let pick = |records: &[Allocation]| -> Vec<Allocation> {
+            records.iter().filter(|a| ids.contains(&a.id)).cloned().collect()
+        };
+        let members = pick(allocations);
+        if members.iter().any(|a| a.container.container_id.is_none())
+            && self.controller.allocator().adopt_owner_records() > 0
+        {
+            return pick(&self.allocations());
+        }
+        members
+    }
+
     /// Counts a breach for each of `members` in the metrics.
     fn count_breach(
         &self,
@@ -713,7 +731,8 @@ impl Enforcer {
                 (key, gpu_index, used, limit, pids, api::BreachAction::Reported, phase, Vec::new())
             }
         };
-        let members: Vec<&Allocation> = allocations.iter().filter(|a| key.allocations.contains(&a.id)).collect();
+        let named = self.members_named(allocations, &key.allocations);
+        let members: Vec<&Allocation> = named.iter().collect();
         let device_id = device_ids(&members, &key.device_uuid);
         if action == api::BreachAction::Killed || phase == Phase::Started {
             self.count_breach(&members, &key.device_uuid, &device_id, action, "memory");
