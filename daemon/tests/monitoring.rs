@@ -304,3 +304,83 @@ fn every_query_names_a_series_tesserad_exports() {
     assert!(!ok, "{out}");
     assert!(out.contains("label pod is on no series tesserad exports"), "{out}");
 }
+
+/// What `kubectl kustomize deploy/kubernetes/monitoring` and the Helm chart with
+/// `monitoring.*.create=true` install: the rules of the plain file in a PrometheusRule, the
+/// dashboard's JSON in a ConfigMap Grafana's sidecar loads, and a ServiceMonitor that names the
+/// job as the rules expect; with the chart's defaults, none of them.
+#[test]
+fn kustomize_and_helm_install_the_rules_and_the_dashboard() {
+    let Some(python) = python() else { return };
+    let kubectl = which("kubectl");
+    let helm = Some(root().join("target/helm/v4.3.2/helm")).filter(|p| p.is_file()).or_else(|| which("helm"));
+    let (Some(kubectl), Some(helm)) = (kubectl, helm) else {
+        common::skip("kubectl or helm is missing (scripts/deps.sh installs kubectl and builds Helm into target/helm)");
+        return;
+    };
+    const CHECK: &str = r#"
+import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(sys.stdin) if d]
+rules = yaml.safe_load(open(sys.argv[1]))
+dash = open(sys.argv[2]).read()
+kinds = sorted(d["kind"] for d in docs if d["kind"] in ("PrometheusRule", "ServiceMonitor") or d["metadata"]["name"] == "tessera-dashboard")
+if sys.argv[3] == "none":
+    assert kinds == [], kinds
+    sys.exit(0)
+assert kinds == ["ConfigMap", "PrometheusRule", "ServiceMonitor"], kinds
+pr = next(d for d in docs if d["kind"] == "PrometheusRule")
+assert pr["spec"] == rules, "the PrometheusRule's rules differ from tessera-rules.yaml"
+cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "tessera-dashboard")
+assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", cm["metadata"]
+assert json.loads(cm["data"]["tessera-dashboard.json"]) == json.loads(dash), "the dashboard differs"
+sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+assert sm["spec"]["jobLabel"] == "app.kubernetes.io/name", sm["spec"]
+print("ok")
+"#;
+    let check = |yaml: &[u8], want: &str| {
+        let mut child = Command::new(&python)
+            .arg("-c")
+            .arg(CHECK)
+            .arg(monitoring().join("tessera-rules.yaml"))
+            .arg(monitoring().join("tessera-dashboard.json"))
+            .arg(want)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write as _;
+        child.stdin.take().unwrap().write_all(yaml).unwrap();
+        let out = child.wait_with_output().unwrap();
+        (out.status.success(), text(&out))
+    };
+    let kustomized =
+        Command::new(&kubectl).arg("kustomize").arg(root().join("deploy/kubernetes/monitoring")).output().unwrap();
+    assert!(kustomized.status.success(), "{}", text(&kustomized));
+    let (ok, out) = check(&kustomized.stdout, "all");
+    assert!(ok, "kustomize: {out}");
+
+    let chart = root().join("deploy/helm/tessera");
+    let helm_template = |sets: &[&str]| {
+        let mut cmd = Command::new(&helm);
+        cmd.args(["template", "tessera"]).arg(&chart).args(["--namespace", "tessera-system"]);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "helm template {sets:?}: {}", text(&out));
+        out.stdout
+    };
+    let all = helm_template(&[
+        "monitoring.serviceMonitor.create=true",
+        "monitoring.rules.create=true",
+        "monitoring.dashboard.create=true",
+    ]);
+    let (ok, out) = check(&all, "all");
+    assert!(ok, "helm: {out}");
+    let (ok, out) = check(&helm_template(&[]), "none");
+    assert!(ok, "helm defaults: {out}");
+    // The check can fail: the chart's copy of the rules edited.
+    let (ok, _) = check(&String::from_utf8(all).unwrap().replacen("for: 5m", "for: 6m", 1).into_bytes(), "all");
+    assert!(!ok, "an edited PrometheusRule passed");
+}

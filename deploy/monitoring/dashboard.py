@@ -116,10 +116,11 @@ def node_row(y):
             "Managed GPUs whose configured layout (MIG devices, shares) is not in place.",
         ),
         stat(
-            "Limit breaches (range)",
-            f"sum(increase(tessera_container_limit_breaches_total{{{NODE}}}[$__range])) or vector(0)",
+            "Limit breaches",
+            f"sum(tessera_container_limit_breaches_total{{{NODE}}}) or vector(0)",
             (4, 4, 20, y + 1),
-            "Breaches of memory or strict SM limits by the driver's figures, over the dashboard's range.",
+            "Breaches of memory or strict SM limits by the driver's figures since tesserad started "
+            "(an allocation's first breach makes its series: increase() would miss it).",
         ),
         StateTimeline(
             title="GPU and MIG device health",
@@ -192,7 +193,7 @@ def node_row(y):
 
 
 def allocation_row(y):
-    legend = "{{namespace}}/{{pod}}"
+    legend = "{{namespace}}/{{pod}} {{allocation}}"
     by = f"sum by ({OWNER})"
     return [
         RowPanel(title="Allocations", gridPos=GridPos(1, 24, 0, y)),
@@ -244,11 +245,11 @@ def events_row(y):
     return [
         RowPanel(title="Events", gridPos=GridPos(1, 24, 0, y)),
         series(
-            "Limit breaches",
+            "Limit breaches (since tesserad started)",
             [
                 (
-                    f"sum by ({OWNER}, limit, action) (increase(tessera_container_limit_breaches_total{{{POD}}}[$__rate_interval]))",
-                    "{{namespace}}/{{pod}} {{limit}} ({{action}})",
+                    f"sum by ({OWNER}, limit, action) (tessera_container_limit_breaches_total{{{POD}}})",
+                    "{{namespace}}/{{pod}} {{allocation}} {{limit}} ({{action}})",
                 )
             ],
             (7, 12, 0, y + 1),
@@ -285,28 +286,30 @@ def annotation(name, expr, color, title, text):
 ANNOTATIONS = [
     annotation(
         "Limit breaches",
-        f"sum by ({OWNER}, limit, action) (changes(tessera_container_limit_breaches_total{{{NODE}}}[2m])) > 0",
+        # A new series (an allocation's first breach) or a counter that moved in the last minute.
+        f"sum by ({OWNER}, limit, action) ((changes(tessera_container_limit_breaches_total{{{NODE}}}[1m]) > 0)"
+        f" or (tessera_container_limit_breaches_total{{{NODE}}} unless tessera_container_limit_breaches_total{{{NODE}}} offset 1m))",
         "orange",
         "{{limit}} limit breach ({{action}})",
         "{{namespace}}/{{pod}} allocation {{allocation}}",
     ),
     annotation(
         "GPU faults",
-        f"tessera_gpu_healthy{{{NODE}}} < tessera_gpu_healthy{{{NODE}}} offset 2m",
+        f"(tessera_gpu_healthy{{{NODE}}} == 0) and (changes(tessera_gpu_healthy{{{NODE}}}[1m]) > 0)",
         "red",
         "GPU {{gpu}} {{GPU_I_PROFILE}} unhealthy",
         "{{Hostname}} {{UUID}}",
     ),
     annotation(
         "XIDs",
-        f"(DCGM_FI_DEV_XID_ERRORS{{{NODE}}} != 0) and (changes(DCGM_FI_DEV_XID_ERRORS{{{NODE}}}[2m]) > 0)",
+        f"(DCGM_FI_DEV_XID_ERRORS{{{NODE}}} != 0) and (changes(DCGM_FI_DEV_XID_ERRORS{{{NODE}}}[1m]) > 0)",
         "purple",
         "XID on GPU {{gpu}}",
         "{{Hostname}} {{UUID}}",
     ),
     annotation(
         "GPU recoveries",
-        f"tessera_gpu_healthy{{{NODE}}} > tessera_gpu_healthy{{{NODE}}} offset 2m",
+        f"(tessera_gpu_healthy{{{NODE}}} == 1) and (changes(tessera_gpu_healthy{{{NODE}}}[1m]) > 0)",
         "green",
         "GPU {{gpu}} {{GPU_I_PROFILE}} back in service",
         "{{Hostname}} {{UUID}}",
