@@ -296,3 +296,35 @@ fn tiny_and_long_kernels_of_one_function_keep_the_share() {
 fn a_live_share_change_applies_to_sampled_kernels() {
     live_change(5, 15, 16, 64);
 }
+
+// ---- Long kernels (issue 34): 100 ms to 1 s under a strict share ---------------------------
+
+/// A strict 30% share alone with kernels of `kernel_us`, two in flight, for `seconds`: the rate
+/// its kernels were let through at (`launch_share`: the GPU time of all but the last over the
+/// time from the first launch to the last; with kernels this long, a run's edges weigh a kernel
+/// each in `achieved_share`).
+fn long_kernels(kernel_us: u64, seconds: f64) -> f64 {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let node = SimNode::new();
+    let c = container(&node, "long", Some(30), "normal", "strict");
+    let (kernel, seconds) = (kernel_us.to_string(), seconds.to_string());
+    let r = report(start(&node, &c, &["--kernel-us", &kernel, "--seconds", &seconds, "--depth", "2"]));
+    share(&r);
+    let got = r["launch_share"].as_f64().unwrap();
+    eprintln!(
+        "30% with {} ms kernels: let through at {got:.3} (achieved {:.3} over the run)",
+        kernel_us / 1000,
+        share(&r)
+    );
+    got
+}
+
+/// Before: 0.42 with 100 ms kernels, 0.50-0.75 with 500 ms ones (spans harvested in one
+/// window judged against NVML's reading of another read as time-sliced, and the charges shrank).
+#[test]
+fn long_kernels_keep_the_share() {
+    for (kernel_us, seconds) in [(100_000, 4.0), (500_000, 9.0), (1_000_000, 12.0)] {
+        let got = long_kernels(kernel_us, seconds);
+        assert!((got - 0.30).abs() <= 0.02, "{} ms kernels: let through at {got}", kernel_us / 1000);
+    }
+}

@@ -77,6 +77,11 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 /// Per device: what this process's measured kernels took lately, for charging and sampling.
 static SAMPLERS: [Sampler; MAX_DEVICES] = [const { Sampler::new() }; MAX_DEVICES];
 
+/// Measured launches of this process not yet harvested.
+pub fn in_flight() -> usize {
+    IN_FLIGHT.load(Relaxed)
+}
+
 /// Device `dev`'s sampler (region device indices are below `MAX_DEVICES`).
 pub fn sampler(dev: usize) -> &'static Sampler {
     &SAMPLERS[dev.min(MAX_DEVICES - 1)]

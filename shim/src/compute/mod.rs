@@ -39,6 +39,9 @@ const MAX_NAP_NS: u64 = 5_000_000;
 /// process fails closed instead of sleeping it off (at a 30% share, `i64::MIN / 2` ns of debt was
 /// a sleep of centuries).
 const MAX_DEBT_NS: u64 = 600_000_000_000;
+/// Before the device's first measurement, a throttled launch waits at most this long for the
+/// measured ones in flight (a kernel may wait on work the same thread queues later).
+const FIRST_MEASURE_WAIT_NS: u64 = 2_000_000_000;
 /// A high-priority container counts as busy for this long after its last launch.
 const HIGH_ACTIVE_NS: u64 = 50_000_000;
 /// Work-conserving containers leave this much of the GPU unclaimed when borrowing.
@@ -210,6 +213,27 @@ fn effective_ppm(st: &ShimState, dev: usize, pct: u32, p: Policy) -> i64 {
     own.max(idle)
 }
 
+/// Until a kernel has been measured on the device, every launch there is charged a guess (100
+/// µs): a program queueing kernels of 500 ms ran one of them per launch it queued before the
+/// first was measured, a whole queue past its share. So the second launch waits for the first
+/// measurement (at most [`FIRST_MEASURE_WAIT_NS`]): one kernel's overshoot at most, the one
+/// the share's accounting allows any launch (a launch is let through whole).
+fn first_measurement(st: &ShimState, dev: usize) {
+    let sampler = measure::sampler(dev);
+    if sampler.measured() || measure::in_flight() == 0 {
+        return;
+    }
+    let begin = now_ns();
+    loop {
+        measure::harvest(st);
+        if sampler.measured() || measure::in_flight() == 0 || now_ns() - begin >= FIRST_MEASURE_WAIT_NS {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    st.region.record_throttled(st.slot, dev, now_ns() - begin);
+}
+
 fn throttle(
     st: &'static ShimState,
     dev: usize,
@@ -219,6 +243,7 @@ fn throttle(
     trace: Option<Launch>,
 ) -> Gate {
     let b = st.region.bucket(dev);
+    first_measurement(st, dev);
     // Decided first, before anything about this launch is known (a traced launch is measured
     // for the trace anyway, so at weight 1).
     let plan = measure::sampler(dev).plan(&RNG, trace.is_some());
@@ -231,7 +256,9 @@ fn throttle(
         if plan.measure || settled {
             measure::harvest(st);
         }
-        if let Some(used_ppm) = service::maybe_update(st, dev, now) {
+        if let Some(used_ppm) =
+            service::maybe_update(st, dev, now, measure::in_flight() as u64, measure::sampler(dev).expected() as u64)
+        {
             // For the daemon, which tells the others on the GPU (their lending).
             b.usage_ppm.store(used_ppm, Relaxed);
             b.usage_updates.fetch_add(1, Release);

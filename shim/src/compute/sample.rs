@@ -81,6 +81,11 @@ impl Sampler {
         Sampler { mean_ns: AtomicI64::new(0), mean_sq: AtomicU64::new(0) }
     }
 
+    /// Whether a kernel has been measured on the device yet.
+    pub fn measured(&self) -> bool {
+        self.mean_ns.load(Relaxed) > 0
+    }
+
     /// What a launch is charged as it starts: the mean of the kernels measured so far.
     pub fn expected(&self) -> i64 {
         match self.mean_ns.load(Relaxed) {

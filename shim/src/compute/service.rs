@@ -15,6 +15,15 @@ use crate::state::ShimState;
 
 /// How often the factor is brought up to date.
 const WINDOW_NS: u64 = 100_000_000;
+/// A window closes while at most this much GPU time of measured launches is in flight (it may
+/// have run in the window, and counts in the next): 5% of a window.
+const MAX_UNALIGNED_NS: u64 = WINDOW_NS / 20;
+/// Kernels this short are many to a window: those in flight at its start and at its end are
+/// alike in steady state, and cancel out (4 containers queueing 64 kernels of 100 µs each,
+/// time-sliced, hold 25 ms in flight at any time).
+const SHORT_KERNEL_NS: u64 = WINDOW_NS / 50;
+/// A window with more in flight closes after this long all the same.
+const MAX_WINDOW_NS: u64 = 2_000_000_000;
 /// Spans below this much in a window say too little to judge by.
 const MIN_EVIDENCE_NS: u64 = 2_000_000;
 /// The factor, in ppm, lives in the bucket's first spare word (0: none yet, spans count whole).
@@ -36,10 +45,13 @@ pub fn own_time(st: &ShimState, dev: usize, span: i64, weight: i64) -> i64 {
 
 /// Once per window per container and device: factor = NVML GPU time / measured spans. Returns
 /// the container's use of the GPU over the window (ppm) to whoever closed the window.
-pub fn maybe_update(st: &ShimState, dev: usize, now: u64) -> Option<u64> {
+/// `in_flight`: this process's measured launches not yet harvested; `mean_ns`: the device's mean
+/// kernel (what a launch is charged).
+pub fn maybe_update(st: &ShimState, dev: usize, now: u64, in_flight: u64, mean_ns: u64) -> Option<u64> {
     let b = st.region.bucket(dev);
     let start = b.window_start_ns.load(Acquire);
-    if start != 0 && now < start + WINDOW_NS {
+    let aligned = mean_ns <= SHORT_KERNEL_NS || in_flight.saturating_mul(mean_ns) <= MAX_UNALIGNED_NS;
+    if start != 0 && (now < start + WINDOW_NS || (!aligned && now < start.saturating_add(MAX_WINDOW_NS))) {
         return None;
     }
     if b.window_start_ns.compare_exchange(start, now, AcqRel, Relaxed).is_err() || start == 0 {
@@ -91,11 +103,11 @@ fn container_gpu_time(st: &ShimState, dev: usize, window: u64) -> Option<u64> {
     if rc != nvmlReturn_enum_NVML_SUCCESS {
         return None;
     }
-    let ours = st.region.pids();
+    let samples = &samples[..(count as usize).min(samples.len())];
+    let ours: Vec<u32> = st.region.pids().into_iter().map(|(pid, host)| if host != 0 { host } else { pid }).collect();
     let mut total_pct = 0u64;
-    for (pid, host) in ours {
-        let want = if host != 0 { host } else { pid };
-        let mine: Vec<_> = samples[..count as usize].iter().filter(|s| s.pid == want).collect();
+    for &want in &ours {
+        let mine: Vec<_> = samples.iter().filter(|s| s.pid == want).collect();
         if !mine.is_empty() {
             total_pct += mine.iter().map(|s| u64::from(s.smUtil)).sum::<u64>() / mine.len() as u64;
         }
