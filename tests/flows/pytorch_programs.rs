@@ -3,7 +3,10 @@
 //! computed), synchronises, allocates through its caching allocator (also with
 //! `expandable_segments:True`, which maps memory with the driver's VMM calls) until its own
 //! `torch.OutOfMemoryError`, and, under libtessera.so with a memory limit, sees the limit in
-//! `torch.cuda.mem_get_info()` and fails at it.
+//! `torch.cuda.mem_get_info()` and fails at it. Mixed precision runs too, with and without
+//! libtessera.so: fp16 and bf16 GEMMs (cuBLASLt's Hopper kernels, which place thread-block
+//! clusters from the driver's GPC layout), `torch.autocast`, a bf16 training step and an fp16
+//! `GradScaler` step.
 //!
 //! PyTorch lives in a virtual environment `scripts/deps.sh` makes (`target/torch-runtime`, or
 //! `TESSERA_TORCH_RUNTIME`). Without it the tests print a SKIP line, and fail when
@@ -176,4 +179,152 @@ fn pytorch_cuda_malloc_async_pool_counts_against_the_limit() {
     assert_eq!(u(&v, "free_after_del"), free0 - 600 * MIB, "what the pool keeps is used under the limit: {v}");
     assert_eq!(v["oom"], "OutOfMemoryError", "{v}");
     assert_eq!(u(&v, "free_after_empty_cache"), free0, "trimmed, it is free again: {v}");
+}
+
+/// Mixed precision, one case per run (`sys.argv[1]`): half-precision GEMMs, `torch.autocast`, a
+/// bf16 training step, an fp16 autocast step with a `GradScaler`. Prints what it saw: shapes and
+/// dtypes (the sim computes no values), and the device's memory as PyTorch sees it.
+const MIXED_PROGRAM: &str = r#"
+import json, sys
+import torch
+
+case = sys.argv[1]
+dev = "cuda"
+out = {"total": torch.cuda.mem_get_info()[1]}
+seen = lambda *ts: [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in ts]
+if case == "gemm":
+    # cuBLAS and cuBLASLt: a matmul, a batched one, a linear layer with its bias (an epilogue).
+    for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        a = torch.randn(256, 512, dtype=dt, device=dev)
+        c = a @ torch.randn(512, 128, dtype=dt, device=dev)
+        bm = torch.bmm(torch.randn(4, 64, 32, dtype=dt, device=dev), torch.randn(4, 32, 16, dtype=dt, device=dev))
+        lin = torch.nn.functional.linear(a, torch.randn(64, 512, dtype=dt, device=dev), torch.randn(64, dtype=dt, device=dev))
+        big = torch.randn(4096, 4096, dtype=dt, device=dev) @ torch.randn(4096, 1024, dtype=dt, device=dev)
+        out[name] = seen(c, bm, lin, big)
+elif case == "autocast":
+    # fp32 tensors and layers; the products inside run in half precision.
+    x = torch.randn(128, 256, device=dev)
+    layer = torch.nn.Linear(256, 64).to(dev)
+    for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        with torch.autocast("cuda", dtype=dt):
+            y = layer(x)
+            z = x @ x.t()
+            s = y.float().sum()
+        out[name] = seen(y, z, s)
+elif case == "train_bf16":
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 10))
+    model = model.to(dev, torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)
+    target = torch.randint(0, 10, (64,), device=dev)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        opt.step()
+    out["loss"] = seen(loss)
+    out["grads"] = seen(*[p.grad for p in model.parameters()])
+    out["state"] = sorted(opt.state[model[0].weight].keys())
+elif case == "amp_fp16":
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(64, 256, device=dev)
+    with torch.autocast("cuda", dtype=torch.float16):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, torch.randint(0, 10, (64,), device=dev))
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    out["seen"] = seen(logits, loss, model[0].weight.grad)
+torch.cuda.synchronize()
+print(json.dumps(out))
+"#;
+
+/// Runs one mixed-precision case on a node of its own, under libtessera.so with a 4 GiB limit
+/// when `shim`; what it saw, after checking that the shim (or the whole board) was there.
+fn mixed_precision(case: &str, shim_on: bool) -> Option<Value> {
+    let python = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch")?;
+    let shim = shim_on.then(shim);
+    let env = match &shim {
+        Some(p) => vec![("LD_PRELOAD", p.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "4GiB")],
+        None => vec![],
+    };
+    let what = format!("PyTorch mixed precision ({case}, shim: {shim_on})");
+    let v = run_python_json(&SimNode::new(), &python, &what, &["-c", MIXED_PROGRAM, case], &env);
+    assert_eq!(u(&v, "total"), if shim_on { 4 * GIB } else { h100::MEMORY }, "{what}: {v}");
+    Some(v)
+}
+
+fn half_precision_gemms(shim_on: bool) {
+    let Some(v) = mixed_precision("gemm", shim_on) else { return };
+    for dt in ["fp16", "bf16"] {
+        let name = if dt == "fp16" { "float16" } else { "bfloat16" };
+        let expected =
+            serde_json::json!([[[256, 128], name], [[4, 64, 16], name], [[256, 64], name], [[4096, 1024], name]]);
+        assert_eq!(v[dt], expected, "{dt} GEMMs: {v}");
+    }
+}
+
+#[test]
+fn pytorch_fp16_and_bf16_gemms_run_on_the_sim() {
+    half_precision_gemms(false);
+}
+
+#[test]
+fn pytorch_fp16_and_bf16_gemms_run_under_the_shim() {
+    half_precision_gemms(true);
+}
+
+fn autocast(shim_on: bool) {
+    let Some(v) = mixed_precision("autocast", shim_on) else { return };
+    for (dt, name) in [("fp16", "float16"), ("bf16", "bfloat16")] {
+        let expected = serde_json::json!([[[128, 64], name], [[128, 128], name], [[], "float32"]]);
+        assert_eq!(v[dt], expected, "autocast to {dt}: products in {name}, the fp32 sum in float32: {v}");
+    }
+}
+
+#[test]
+fn pytorch_autocast_runs_on_the_sim() {
+    autocast(false);
+}
+
+#[test]
+fn pytorch_autocast_runs_under_the_shim() {
+    autocast(true);
+}
+
+fn bf16_training_step(shim_on: bool) {
+    let Some(v) = mixed_precision("train_bf16", shim_on) else { return };
+    assert_eq!(v["loss"], serde_json::json!([[[], "bfloat16"]]), "{v}");
+    let grads =
+        serde_json::json!([[[512, 256], "bfloat16"], [[512], "bfloat16"], [[10, 512], "bfloat16"], [[10], "bfloat16"]]);
+    assert_eq!(v["grads"], grads, "every parameter has its bf16 gradient: {v}");
+    assert_eq!(v["state"], serde_json::json!(["exp_avg", "exp_avg_sq", "step"]), "AdamW stepped: {v}");
+}
+
+#[test]
+fn pytorch_bf16_training_step_runs_on_the_sim() {
+    bf16_training_step(false);
+}
+
+#[test]
+fn pytorch_bf16_training_step_runs_under_the_shim() {
+    bf16_training_step(true);
+}
+
+fn fp16_grad_scaler_step(shim_on: bool) {
+    let Some(v) = mixed_precision("amp_fp16", shim_on) else { return };
+    let expected = serde_json::json!([[[64, 10], "float16"], [[], "float32"], [[512, 256], "float32"]]);
+    assert_eq!(v["seen"], expected, "fp16 logits, an fp32 loss and fp32 master gradients: {v}");
+}
+
+#[test]
+fn pytorch_fp16_autocast_training_with_a_grad_scaler_runs_on_the_sim() {
+    fp16_grad_scaler_step(false);
+}
+
+#[test]
+fn pytorch_fp16_autocast_training_with_a_grad_scaler_runs_under_the_shim() {
+    fp16_grad_scaler_step(true);
 }

@@ -17,7 +17,7 @@ use std::ptr;
 
 use super::context::{self, StorageDtor};
 use super::init::driver;
-use super::{CUresult, INVALID_VALUE, NOT_FOUND, NOT_SUPPORTED, R, handles, put, run, sys, trace};
+use super::{CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND, NOT_SUPPORTED, R, handles, put, run, sys, trace};
 
 /// A table as the runtime reads it: words (sizes and function pointers).
 #[repr(transparent)]
@@ -317,6 +317,50 @@ static TOOLS_CONTEXT: Table<95> = Table({
     t
 });
 
+// ---- The GPU's layout (1734dc26-800d-4745-8726-c0f1e7dd8bca) ----------------------------------
+
+/// Each device's TPC-to-GPC map ([`super::occupancy::tpc_gpcs`]), by ordinal, made once: the
+/// driver's memory, which callers read and never free.
+static GPC_MAPS: std::sync::OnceLock<Vec<Box<[u8]>>> = std::sync::OnceLock::new();
+
+/// Entry 4: the current context's device's layout: one byte per TPC (two SMs), the GPC it is
+/// in, and a second word handed back to entry 13 (the sim writes the map's length). cuBLASLt
+/// asks before it picks a kernel with thread-block clusters (Hopper's half-precision GEMMs) to
+/// place clusters GPC by GPC; it looks the table up once and calls this entry without checking
+/// the lookup, so a driver without the table crashes it.
+unsafe extern "C" fn gpc_map(map: *mut *const u8, handle: *mut usize) -> CUresult {
+    run(|| {
+        super::need(map)?;
+        super::need(handle)?;
+        let devices = &driver()?.devices;
+        let dev = context::current()?.dev;
+        let maps = GPC_MAPS.get_or_init(|| {
+            devices.iter().map(|d| super::occupancy::tpc_gpcs(d.sm_count, d.model.cc_major).into()).collect()
+        });
+        let m = maps.get(usize::try_from(dev.ordinal).map_err(|_| INVALID_CONTEXT)?).ok_or(INVALID_CONTEXT)?;
+        // SAFETY: both are the caller's out-pointers (checked above); the map lives as long as
+        // the process.
+        unsafe {
+            put(map, m.as_ptr())?;
+            put(handle, m.len())
+        }
+    })
+}
+
+/// Entry 13: hand back what entry 4 gave; the map is the driver's, kept for later calls.
+extern "C" fn gpc_map_release(_map: *const u8, _handle: usize) -> CUresult {
+    CUresult::CUDA_SUCCESS
+}
+
+/// A size word and 15 entries. The real table's length is not known: cuBLASLt calls entries 4
+/// and 13 (CUPTI and its profiler libraries ask for the table too, for entries not known here).
+static GPU_LAYOUT: Table<16> = Table({
+    let mut t = unknown_entries!(10, 16; 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+    t[4] = gpc_map as *const ();
+    t[13] = gpc_map_release as *const ();
+    t
+});
+
 // ---- The lookup ------------------------------------------------------------------------------
 
 /// A table served: its name, UUID and where it starts.
@@ -324,7 +368,7 @@ type Known = (&'static str, [u8; 16], fn() -> *const c_void);
 
 /// Every table served: its name (for traces), UUID (bytes as the runtime passes them) and start.
 /// `unknown!(T, _)` refers to a table by its index here.
-static KNOWN: [Known; 10] = [
+static KNOWN: [Known; 11] = [
     ("CUDART_INTERFACE", uuid(0x6bd5fb6c_5bf4_e74a_8987_d93912fd9df9), || CUDART_INTERFACE.start()),
     ("TOOLS_TLS", uuid(0x42d85a81_23f6_cb47_8298_f6e78a3aecdc), || TOOLS_TLS.start()),
     ("TOOLS_RUNTIME_CALLBACK_HOOKS", uuid(0xa094798c_2e74_2e74_93f2_0800200c0a66), || {
@@ -337,6 +381,7 @@ static KNOWN: [Known; 10] = [
     ("INTEGRITY_CHECK", uuid(0xd4082055_bde6_704b_8d34_ba123c66e1f2), || INTEGRITY_CHECK.start()),
     ("CONTEXT_CHECKS", uuid(0x263e8860_7cd2_6143_92f6_bbd5006dfa7e), || CONTEXT_CHECKS.start()),
     ("TOOLS_CONTEXT", uuid(0x21318c60_9714_3248_8ca6_41ff7324c8f2), || TOOLS_CONTEXT.start()),
+    ("GPU_LAYOUT", uuid(0x1734dc26_800d_4745_8726_c0f1e7dd8bca), || GPU_LAYOUT.start()),
 ];
 
 /// A UUID's bytes in the order it is written.
@@ -402,6 +447,21 @@ mod tests {
         }
         // SAFETY: the CUDART table has 13 words.
         assert_eq!(unsafe { *table(0x6bd5fb6c_5bf4_e74a_8987_d93912fd9df9).unwrap() }, 13 * 8);
+    }
+
+    #[test]
+    fn the_gpu_layout_table_serves_its_map_and_release_entries() {
+        let t = table(0x1734dc26_800d_4745_8726_c0f1e7dd8bca).expect("cuBLASLt calls it without checking the lookup");
+        // SAFETY: the table has 16 words.
+        let words = unsafe { std::slice::from_raw_parts(t, 16) };
+        assert_eq!(words[0], 16 * 8);
+        assert_eq!(words[4], gpc_map as *const () as usize);
+        assert_eq!(words[13], gpc_map_release as *const () as usize);
+        assert!(words.iter().all(|&w| w != 0), "no null word to jump to");
+        let mut handle = 0usize;
+        // SAFETY: a null map out-pointer is refused before anything is written.
+        assert_eq!(unsafe { gpc_map(ptr::null_mut(), &mut handle) }, INVALID_VALUE);
+        assert_eq!(gpc_map_release(ptr::null(), 0), CUresult::CUDA_SUCCESS);
     }
 
     #[test]

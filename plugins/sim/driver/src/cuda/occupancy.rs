@@ -24,6 +24,7 @@ struct Limits {
     smem_per_block_max: u64,
     reserved_per_block: u64,
     sm_count: u64,
+    cc_major: u32,
 }
 
 fn limits(d: &Device) -> Limits {
@@ -36,6 +37,7 @@ fn limits(d: &Device) -> Limits {
         smem_per_block_max: a(97),
         reserved_per_block: if d.model.cc_major >= 8 { RESERVED_SMEM_PER_BLOCK } else { 0 },
         sm_count: d.sm_count as u64,
+        cc_major: d.model.cc_major,
     }
 }
 
@@ -216,9 +218,32 @@ const LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: u32 = 4;
 /// portable limit), and the largest a Hopper GPC runs with a non-portable size allowed.
 const PORTABLE_CLUSTER: u64 = 8;
 const NON_PORTABLE_CLUSTER: u64 = 16;
-/// Graphics processing clusters of the sim's Hopper boards (GH100: 8, their SMs spread over
-/// them); a thread-block cluster runs inside one GPC.
-const HOPPER_GPCS: u64 = 8;
+/// TPCs (texture processing clusters, two SMs each) one GPC holds at most: 9 on Hopper
+/// (GH100), 8 on Ampere (GA100).
+fn tpcs_per_gpc(cc_major: u32) -> u32 {
+    if cc_major >= 9 { 9 } else { 8 }
+}
+
+/// The GPC (graphics processing cluster) of each TPC of a device with `sm_count` SMs: as many
+/// GPCs as its TPCs fill (8 on an H100 or H200, 7 on an A100, fewer in a small MIG compute
+/// instance), the TPCs numbered across them in turn, so GPCs differ by one TPC at most. A
+/// thread-block cluster runs inside one GPC; the driver hands this map out in a private table
+/// ([`super::export_tables`]) and answers the cluster occupancy queries from it.
+pub(crate) fn tpc_gpcs(sm_count: u32, cc_major: u32) -> Vec<u8> {
+    let tpcs = sm_count.div_ceil(2);
+    let gpcs = tpcs.div_ceil(tpcs_per_gpc(cc_major)).clamp(1, u32::from(u8::MAX));
+    (0..tpcs).map(|t| (t % gpcs) as u8).collect()
+}
+
+/// The SMs of each GPC (a device with an odd SM count has one TPC of one SM, its last).
+fn gpc_sms(l: &Limits) -> Vec<u64> {
+    let map = tpc_gpcs(l.sm_count.min(u64::from(u32::MAX)) as u32, l.cc_major);
+    let mut sms = vec![0; map.iter().map(|&g| usize::from(g) + 1).max().unwrap_or(0)];
+    for (t, &g) in map.iter().enumerate() {
+        sms[usize::from(g)] += (l.sm_count - 2 * t as u64).min(2);
+    }
+    sms
+}
 
 /// What a cluster query is about: the cluster's blocks, and the blocks one SM holds.
 struct ClusterQuery {
@@ -268,15 +293,12 @@ unsafe fn cluster_query(f: sys::CUfunction, config: *const sys::CUlaunchConfig) 
 
 /// The SMs of the smallest GPC.
 fn smallest_gpc(l: &Limits) -> u64 {
-    l.sm_count / HOPPER_GPCS
+    gpc_sms(l).into_iter().min().unwrap_or(0)
 }
 
 /// Clusters of `size` blocks resident at once on the device: each GPC holds whole clusters.
 fn active_clusters(l: &Limits, blocks_per_sm: u64, size: u64) -> u64 {
-    let (each, extra) = (l.sm_count / HOPPER_GPCS, l.sm_count % HOPPER_GPCS);
-    // `extra` GPCs have one SM more than the others.
-    let per_gpc = |sms: u64| blocks_per_sm * sms / size.max(1);
-    per_gpc(each + 1) * extra + per_gpc(each) * (HOPPER_GPCS - extra)
+    gpc_sms(l).into_iter().map(|sms| blocks_per_sm * sms / size.max(1)).sum()
 }
 
 /// `cuOccupancyMaxActiveClusters`: how many clusters of the configured (or the function's
@@ -335,6 +357,7 @@ mod tests {
             smem_per_block_max: 232_448,
             reserved_per_block: 1024,
             sm_count: 132,
+            cc_major: 9,
         }
     }
 
@@ -354,12 +377,29 @@ mod tests {
     #[test]
     fn clusters_fill_whole_gpcs() {
         let l = h100();
-        // 132 SMs over 8 GPCs: four of 17 SMs and four of 16.
+        // 66 TPCs (132 SMs) over 8 GPCs: two of 9 TPCs (18 SMs) and six of 8 (16 SMs).
+        assert_eq!(gpc_sms(&l), [18, 18, 16, 16, 16, 16, 16, 16]);
         assert_eq!(active_clusters(&l, 1, 1), 132, "one block per SM, clusters of one");
-        assert_eq!(active_clusters(&l, 1, 2), 4 * 8 + 4 * 8, "17 SMs hold 8 pairs, as 16 do");
-        assert_eq!(active_clusters(&l, 2, 8), 4 * 4 + 4 * 4);
+        assert_eq!(active_clusters(&l, 1, 2), 66, "a pair per TPC");
+        assert_eq!(active_clusters(&l, 1, 4), 2 * 4 + 6 * 4, "18 SMs hold 4 clusters of 4, as 16 do");
+        assert_eq!(active_clusters(&l, 2, 8), 8 * 4);
         assert_eq!(active_clusters(&l, 1, 16), 8, "one cluster of 16 per GPC");
         assert_eq!(active_clusters(&l, 0, 8), 0, "blocks that do not fit anywhere");
         assert_eq!(smallest_gpc(&l), 16);
+    }
+
+    #[test]
+    fn tpcs_spread_over_the_gpcs_a_board_has() {
+        let gh100 = tpc_gpcs(132, 9);
+        assert_eq!(gh100.len(), 66, "a TPC is two SMs");
+        assert_eq!(gh100[..10], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1], "numbered across the GPCs in turn");
+        assert_eq!(*gh100.iter().max().unwrap(), 7, "GH100: 8 GPCs");
+        let a100 = tpc_gpcs(108, 8);
+        assert_eq!((a100.len(), *a100.iter().max().unwrap()), (54, 6), "GA100: 7 GPCs of at most 8 TPCs");
+        assert_eq!(tpc_gpcs(16, 9), [0; 8], "a 1g MIG instance's 16 SMs fill one GPC");
+        assert_eq!(tpc_gpcs(1, 9), [0], "one SM is one (partial) TPC");
+        assert!(tpc_gpcs(0, 9).is_empty());
+        let odd = Limits { sm_count: 15, cc_major: 8, ..h100() };
+        assert_eq!(gpc_sms(&odd), [15], "an odd SM count: the last TPC has one SM");
     }
 }
