@@ -304,16 +304,22 @@ fn a_live_share_change_applies_to_sampled_kernels() {
 /// time from the first launch to the last; with kernels this long, a run's edges weigh a kernel
 /// each in `achieved_share`).
 fn long_kernels(kernel_us: u64, seconds: f64) -> f64 {
+    paced(kernel_us, seconds, &[])
+}
+
+/// [`long_kernels`] with more of the workload's arguments (`--launch`, `--graph-kernels`).
+fn paced(kernel_us: u64, seconds: f64, more: &[&str]) -> f64 {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let node = SimNode::new();
-    let c = container(&node, "long", Some(30), "normal", "strict");
+    let c = container(&node, "paced", Some(30), "normal", "strict");
     let (kernel, seconds) = (kernel_us.to_string(), seconds.to_string());
-    let r = report(start(&node, &c, &["--kernel-us", &kernel, "--seconds", &seconds, "--depth", "2"]));
+    let mut args = vec!["--kernel-us", &kernel, "--seconds", &seconds, "--depth", "2"];
+    args.extend(more);
+    let r = report(start(&node, &c, &args));
     share(&r);
     let got = r["launch_share"].as_f64().unwrap();
     eprintln!(
-        "30% with {} ms kernels: let through at {got:.3} (achieved {:.3} over the run)",
-        kernel_us / 1000,
+        "30% with {kernel_us} µs kernels {more:?}: let through at {got:.3} (achieved {:.3} over the run)",
         share(&r)
     );
     got
@@ -326,5 +332,20 @@ fn long_kernels_keep_the_share() {
     for (kernel_us, seconds) in [(100_000, 4.0), (500_000, 9.0), (1_000_000, 12.0)] {
         let got = long_kernels(kernel_us, seconds);
         assert!((got - 0.30).abs() <= 0.02, "{} ms kernels: let through at {got}", kernel_us / 1000);
+    }
+}
+
+/// Every launch form is held to the share: cooperative launches and `cuLaunchKernelEx` of 1 ms
+/// kernels, and a CUDA graph of 100 kernels of 1 ms (one `cuGraphLaunch`, charged by its kernels:
+/// 100 ms of GPU time; before, 0.38-0.48 on review).
+#[test]
+fn every_launch_form_keeps_the_share() {
+    for (kernel_us, seconds, more) in [
+        (1000, 3.0, &["--launch", "cooperative"][..]),
+        (1000, 3.0, &["--launch", "ex"][..]),
+        (1000, 5.0, &["--launch", "graph", "--graph-kernels", "100"][..]),
+    ] {
+        let got = paced(kernel_us, seconds, more);
+        assert!((got - 0.30).abs() <= 0.02, "{more:?}: let through at {got}");
     }
 }

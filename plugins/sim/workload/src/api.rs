@@ -11,6 +11,30 @@ pub type Handle = *mut c_void;
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 
+/// `CUlaunchConfig` (cuda.h, CUDA 12), with no attributes.
+#[repr(C)]
+pub struct LaunchConfig {
+    pub grid: [std::ffi::c_uint; 3],
+    pub block: [std::ffi::c_uint; 3],
+    pub shared_mem_bytes: std::ffi::c_uint,
+    pub stream: Handle,
+    pub attrs: *mut c_void,
+    pub num_attrs: std::ffi::c_uint,
+}
+
+/// `CUDA_KERNEL_NODE_PARAMS_v2` (cuda.h, CUDA 12): a function, or a `CUkernel` in `kern`.
+#[repr(C)]
+pub struct KernelNodeParams {
+    pub func: Handle,
+    pub grid: [std::ffi::c_uint; 3],
+    pub block: [std::ffi::c_uint; 3],
+    pub shared_mem_bytes: std::ffi::c_uint,
+    pub kernel_params: *mut *mut c_void,
+    pub extra: *mut *mut c_void,
+    pub kern: Handle,
+    pub ctx: Handle,
+}
+
 /// Calls `$m!` with every function: field, name to ask cuGetProcAddress for, exported symbol,
 /// parameter types. One list serves the dlsym table, the cuGetProcAddress table and the direct
 /// link in `tessera-workload-linked`.
@@ -41,6 +65,22 @@ macro_rules! for_each_driver_fn {
                 *mut ::std::ffi::c_void, ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint,
                 ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint,
                 *mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void);
+            launch_cooperative_kernel: "cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel(
+                *mut ::std::ffi::c_void, ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint,
+                ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint, ::std::ffi::c_uint,
+                *mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void);
+            launch_kernel_ex: "cuLaunchKernelEx" => cuLaunchKernelEx(
+                *const $crate::api::LaunchConfig, *mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void,
+                *mut *mut ::std::ffi::c_void);
+            graph_create: "cuGraphCreate" => cuGraphCreate(*mut *mut ::std::ffi::c_void, ::std::ffi::c_uint);
+            graph_add_kernel_node: "cuGraphAddKernelNode" => cuGraphAddKernelNode_v2(
+                *mut *mut ::std::ffi::c_void, *mut ::std::ffi::c_void, *const *mut ::std::ffi::c_void, usize,
+                *const $crate::api::KernelNodeParams);
+            graph_instantiate: "cuGraphInstantiateWithFlags" => cuGraphInstantiateWithFlags(
+                *mut *mut ::std::ffi::c_void, *mut ::std::ffi::c_void, u64);
+            graph_launch: "cuGraphLaunch" => cuGraphLaunch(*mut ::std::ffi::c_void, *mut ::std::ffi::c_void);
+            graph_exec_destroy: "cuGraphExecDestroy" => cuGraphExecDestroy(*mut ::std::ffi::c_void);
+            graph_destroy: "cuGraphDestroy" => cuGraphDestroy(*mut ::std::ffi::c_void);
             stream_create: "cuStreamCreate" => cuStreamCreate(*mut *mut ::std::ffi::c_void, ::std::ffi::c_uint);
             stream_destroy: "cuStreamDestroy" => cuStreamDestroy_v2(*mut ::std::ffi::c_void);
             stream_synchronize: "cuStreamSynchronize" => cuStreamSynchronize(*mut ::std::ffi::c_void);

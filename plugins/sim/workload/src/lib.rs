@@ -51,9 +51,26 @@ pub struct Plan {
     /// Kernels in flight at most before the workload waits for the oldest.
     #[arg(long, default_value_t = 2)]
     pub depth: usize,
+    /// How each launch is made: `kernel` (cuLaunchKernel), `cooperative`
+    /// (cuLaunchCooperativeKernel), `ex` (cuLaunchKernelEx) or `graph` (cuGraphLaunch of a graph
+    /// of `--graph-kernels` kernels in a chain).
+    #[arg(long, value_enum, default_value = "kernel")]
+    pub launch: LaunchForm,
+    /// Kernels in each graph of `--launch graph`.
+    #[arg(long, default_value_t = 100)]
+    pub graph_kernels: u64,
     /// After the work, hold the memory this many seconds (for tests that look or kill).
     #[arg(long, default_value_t = 0.0)]
     pub hold: f64,
+}
+
+/// How kernels are launched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LaunchForm {
+    Kernel,
+    Cooperative,
+    Ex,
+    Graph,
 }
 
 /// What happened, printed as JSON.
@@ -220,6 +237,33 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         cu.check("cuEventRecord", (cu.event_record)(first, stream))?;
         let mut ns: u64 = 0;
         let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
+        // A graph of `graph_kernels` kernels in a chain, each of `kernel_us` (the function's
+        // name tells the simulator; the parameter tells a real GPU).
+        let mut graph_ns: u64 = plan.kernel_us * 1000;
+        let mut graph_params = [(&mut graph_ns as *mut u64).cast::<c_void>()];
+        let (mut graph, mut exec): (Handle, Handle) = (std::ptr::null_mut(), std::ptr::null_mut());
+        if plan.launch == LaunchForm::Graph {
+            cu.check("cuGraphCreate", (cu.graph_create)(&mut graph, 0))?;
+            let mut prev: Handle = std::ptr::null_mut();
+            for _ in 0..plan.graph_kernels.max(1) {
+                let p = api::KernelNodeParams {
+                    func,
+                    grid: [1, 1, 1],
+                    block: [32, 1, 1],
+                    shared_mem_bytes: 0,
+                    kernel_params: graph_params.as_mut_ptr(),
+                    extra: std::ptr::null_mut(),
+                    kern: std::ptr::null_mut(),
+                    ctx: std::ptr::null_mut(),
+                };
+                let mut node: Handle = std::ptr::null_mut();
+                let deps = usize::from(!prev.is_null());
+                cu.check("cuGraphAddKernelNode", (cu.graph_add_kernel_node)(&mut node, graph, &prev, deps, &p))?;
+                prev = node;
+            }
+            cu.check("cuGraphInstantiateWithFlags", (cu.graph_instantiate)(&mut exec, graph, 0))?;
+        }
+        let per_launch = if plan.launch == LaunchForm::Graph { plan.graph_kernels.max(1) } else { 1 };
         let begin = Instant::now();
         let deadline = (plan.seconds > 0.0).then(|| begin + Duration::from_secs_f64(plan.seconds));
         let mut launched = 0u64;
@@ -240,7 +284,7 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
                 }
             }
             let long = plan.long_every > 0 && launched % plan.long_every == plan.long_every - 1;
-            let this_ns = if long { plan.long_us } else { plan.kernel_us } * 1000;
+            let this_ns = if long { plan.long_us } else { plan.kernel_us } * 1000 * per_launch;
             // The parameter, through the pointer the launch reads it by (the driver copies it).
             params[0].cast::<u64>().write(this_ns);
             let before = kernel_ns;
@@ -249,10 +293,29 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
             if launched >= depth as u64 {
                 cu.check("cuEventSynchronize", (cu.event_synchronize)(events[slot]))?;
             }
-            cu.check(
-                "cuLaunchKernel",
-                (cu.launch_kernel)(func, 1, 1, 1, 32, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut()),
-            )?;
+            let p = params.as_mut_ptr();
+            match plan.launch {
+                LaunchForm::Kernel => cu.check(
+                    "cuLaunchKernel",
+                    (cu.launch_kernel)(func, 1, 1, 1, 32, 1, 1, 0, stream, p, std::ptr::null_mut()),
+                )?,
+                LaunchForm::Cooperative => cu.check(
+                    "cuLaunchCooperativeKernel",
+                    (cu.launch_cooperative_kernel)(func, 1, 1, 1, 32, 1, 1, 0, stream, p),
+                )?,
+                LaunchForm::Ex => {
+                    let config = api::LaunchConfig {
+                        grid: [1, 1, 1],
+                        block: [32, 1, 1],
+                        shared_mem_bytes: 0,
+                        stream,
+                        attrs: std::ptr::null_mut(),
+                        num_attrs: 0,
+                    };
+                    cu.check("cuLaunchKernelEx", (cu.launch_kernel_ex)(&config, func, p, std::ptr::null_mut()))?
+                }
+                LaunchForm::Graph => cu.check("cuGraphLaunch", (cu.graph_launch)(exec, stream))?,
+            }
             let now = Instant::now();
             paced = Some(paced.map_or((now, now, 0), |(first, _, _)| (first, now, before)));
             cu.check("cuEventRecord", (cu.event_record)(events[slot], stream))?;
@@ -272,6 +335,10 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         if let Some((first, last, before_last)) = paced {
             let span = last.duration_since(first).as_secs_f64();
             r.launch_share = if span > 0.0 { before_last as f64 / 1e9 / span } else { 0.0 };
+        }
+        if !exec.is_null() {
+            cu.check("cuGraphExecDestroy", (cu.graph_exec_destroy)(exec))?;
+            cu.check("cuGraphDestroy", (cu.graph_destroy)(graph))?;
         }
         for e in events.into_iter().chain([first]) {
             cu.check("cuEventDestroy", (cu.event_destroy)(e))?;
