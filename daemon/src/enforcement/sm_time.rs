@@ -360,6 +360,54 @@ mod tests {
         assert!(!d_short.is_empty(), "the short window misjudges it");
     }
 
+    /// What the shim lets through for an honest program with kernels of `kernel_ms` at `share`%:
+    /// one kernel per `kernel / share` of wall time (a launch is let through whole, and waits
+    /// off its debt before the next), read by 200 ms polls. (issue 34: with 500 ms kernels at
+    /// 30%, the shim let through 0.5-0.75 and this judgement killed the program; held to its
+    /// share, kernels of 100 ms to 1 s never read as a breach over the default 10 s window, nor
+    /// does a graph of 100 kernels of 1 ms, which is 100 ms of SM time to NVML.)
+    fn paced(kernel_ms: u64, share: u64, polls: u64) -> Vec<u32> {
+        let period = kernel_ms * 100 / share;
+        (0..polls)
+            .map(|i| {
+                let (from, to) = (i * 200, (i + 1) * 200);
+                let busy: u64 = (0..=to / period)
+                    .map(|k| {
+                        let (a, b) = (k * period, k * period + kernel_ms);
+                        b.min(to).saturating_sub(a.max(from))
+                    })
+                    .sum();
+                (busy * 100 / 200) as u32
+            })
+            .collect()
+    }
+
+    #[test]
+    fn long_kernels_let_through_at_the_share_are_never_a_breach() {
+        for (kernel_ms, share) in [(100, 30), (500, 30), (500, 25), (1000, 30), (1000, 25)] {
+            let mut w = Watch::default();
+            let mut d = Vec::new();
+            let mut worst = 0;
+            for pct in paced(kernel_ms, share, 300) {
+                let r = Reading { period_ns: 200 * MS, ..reading("a", share as u32, &[(10, pct)]) };
+                d.extend(w.decide(Action::Kill, 10_000, 10, vec![r], &gpus(), &mut |_, _| true));
+                let held = w.windows.values().map(|w| w.per_process(10_000 * MS).iter().map(|p| p.1).sum::<u32>());
+                worst = worst.max(held.max().unwrap_or(0));
+            }
+            assert_eq!(d, [], "{kernel_ms} ms kernels at {share}%");
+            // At most one kernel over the share in any window (10 points: 1 s of 10 s).
+            assert!(worst <= share as u32 + (kernel_ms / 100) as u32, "{kernel_ms} ms at {share}%: {worst}");
+        }
+        // The same program let through at 0.5 of the GPU, as the shim did before: killed.
+        let mut w = Watch::default();
+        let mut d = Vec::new();
+        for pct in paced(500, 50, 100) {
+            let r = Reading { period_ns: 200 * MS, ..reading("a", 30, &[(10, pct)]) };
+            d.extend(w.decide(Action::Kill, 10_000, 10, vec![r], &gpus(), &mut |_, _| true));
+        }
+        assert!(matches!(&d[..], [Decision::Kill { .. }, ..]), "{d:?}");
+    }
+
     #[test]
     fn new_terms_start_the_window_over() {
         let mut w = Watch::default();
