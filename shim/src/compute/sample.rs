@@ -33,6 +33,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering::Relaxed};
 pub const FULL_NS: i64 = 64_000;
 /// The tiniest kernels: one launch in this many is measured.
 pub const MAX_WEIGHT: i64 = 16;
+/// Steady kernels are sampled while `weight` of them take at most this long (ns).
+pub const STEADY_BUDGET_NS: i64 = 16_000_000;
 /// Until a device has a measurement, a launch is charged this much.
 pub const FIRST_GUESS_NS: i64 = 100_000;
 
@@ -74,11 +76,14 @@ pub struct Sampler {
     mean_ns: AtomicI64,
     /// Running mean of its square (ns²).
     mean_sq: AtomicU64,
+    /// Running mean of the time at the mean square's pace (ns): with `mean_sq`, the variance of
+    /// the kernels of the last few thousand launches.
+    slow_mean: AtomicU64,
 }
 
 impl Sampler {
     pub const fn new() -> Sampler {
-        Sampler { mean_ns: AtomicI64::new(0), mean_sq: AtomicU64::new(0) }
+        Sampler { mean_ns: AtomicI64::new(0), mean_sq: AtomicU64::new(0), slow_mean: AtomicU64::new(0) }
     }
 
     /// Whether a kernel has been measured on the device yet.
@@ -95,15 +100,25 @@ impl Sampler {
     }
 
     /// One over the chance of measuring the next launch: the largest power of two up to
-    /// [`MAX_WEIGHT`] whose square times the mean square is at most `FULL_NS²`.
+    /// [`MAX_WEIGHT`] whose square times the mean square is at most `FULL_NS²` (tiny kernels);
+    /// or, where larger, whose square times the kernels' variance is at most `FULL_NS²`
+    /// and which times the mean is at most [`STEADY_BUDGET_NS`] (steady kernels up to a
+    /// millisecond, GEMMs of one shape: a measured one corrects its `w` launches by almost
+    /// nothing, and a change of length is charged at the old mean for at most `w` launches).
     pub fn weight(&self) -> i64 {
-        if self.mean_ns.load(Relaxed) <= 0 {
+        let mean = self.mean_ns.load(Relaxed);
+        if mean <= 0 {
             return 1;
         }
-        // The largest 2^k with 4^k <= FULL_NS² / mean square: k = ⌊log2(ratio) / 2⌋.
-        let ratio = (FULL_NS * FULL_NS) as u64 / self.mean_sq.load(Relaxed).max(1);
-        let k = ratio.checked_ilog2().map_or(0, |l| l / 2).min(MAX_WEIGHT.ilog2());
-        1 << k
+        let max_k = MAX_WEIGHT.ilog2();
+        // The largest 2^k with 4^k <= FULL_NS² / x: k = ⌊log2(FULL_NS² / x) / 2⌋.
+        let k_of = |x: u64| ((FULL_NS * FULL_NS) as u64 / x.max(1)).checked_ilog2().map_or(0, |l| l / 2).min(max_k);
+        let by_size = k_of(self.mean_sq.load(Relaxed));
+        let slow = self.slow_mean.load(Relaxed);
+        let variance = self.mean_sq.load(Relaxed).saturating_sub(slow.saturating_mul(slow));
+        let by_budget = (STEADY_BUDGET_NS / mean).max(1).ilog2().min(max_k);
+        let steady = k_of(variance).min(by_budget);
+        1 << by_size.max(steady)
     }
 
     /// Plans a launch: its charge, its weight and whether it is measured (`forced`: a trace
@@ -133,11 +148,15 @@ impl Sampler {
         if old <= 0 {
             self.mean_ns.store(own, Relaxed);
             self.mean_sq.store(sq, Relaxed);
+            self.slow_mean.store(own as u64, Relaxed);
             return;
         }
         self.mean_ns.store((old - old / 8 + own / 8).max(1), Relaxed);
+
         let w = weight.clamp(1, MAX_WEIGHT) as u64;
         self.mean_sq.store((old_sq - old_sq / 256 * w).saturating_add(sq / 256 * w), Relaxed);
+        let slow = self.slow_mean.load(Relaxed);
+        self.slow_mean.store((slow - slow / 256 * w).saturating_add(own as u64 / 256 * w), Relaxed);
     }
 }
 
@@ -207,9 +226,25 @@ mod tests {
             s.weight()
         };
         assert_eq!(weight_after(&[2_000]), MAX_WEIGHT, "2 µs kernels");
-        assert_eq!(weight_after(&[8_000]), 8);
-        assert_eq!(weight_after(&[20_000]), 2, "20 µs: 64/20 = 3.2, a power of two at or below");
-        assert_eq!(weight_after(&[FULL_NS]), 1);
+        // Kernels of varied lengths, by size: 8 µs to 64 µs.
+        let varied = |lo: i64, hi: i64| {
+            let work = Rng::new(5);
+            (0..2_000).map(|_| jitter(&work, lo, hi)).collect::<Vec<_>>()
+        };
+        assert_eq!(weight_after(&varied(1_000, 15_000)), 8, "rms about 8.7 µs");
+        // rms about 23 µs (by size, 2: 64/23 = 2.8), sd about 11 µs: 4 measured launches' lumps
+        // of 4 × 11 µs are within what one 64 µs kernel's would be.
+        assert_eq!(weight_after(&varied(1_000, 40_000)), 4);
+        assert_eq!(weight_after(&varied(1_000, 200_000)), 1, "rms about 116 µs, sd about 57 µs");
+        // Steady kernels (GEMMs of one shape), sampled whatever their length while 16 of them
+        // take at most 16 ms (issue 34, item 3: no event pair on every launch).
+        assert_eq!(weight_after(&[FULL_NS; 10]), MAX_WEIGHT);
+        assert_eq!(weight_after(&[200_000; 10]), MAX_WEIGHT);
+        assert_eq!(weight_after(&varied(198_000, 202_000)), MAX_WEIGHT, "200 µs ± 1%: sd about 1.2 µs");
+        assert_eq!(weight_after(&varied(190_000, 210_000)), 8, "200 µs ± 5%: sd about 6 µs, lumps of 8 × 6 µs");
+        assert_eq!(weight_after(&[1_000_000; 10]), MAX_WEIGHT);
+        assert_eq!(weight_after(&[2_000_000; 10]), 8);
+        assert_eq!(weight_after(&[10_000_000; 10]), 1);
         // A 1 ms kernel among 2 µs ones, one in 64: the square makes it count.
         let mix: Vec<i64> = (0..640).map(|i| if i % 64 == 63 { 1_000_000 } else { 2_000 }).collect();
         assert_eq!(weight_after(&mix), 1);
