@@ -129,6 +129,53 @@ else
   echo "INFO granularity: the probe did not run"
 fi
 
+echo "== SM shares (issue 34): a strict 30% share alone, spin kernels, launch forms, a CUDA graph"
+# launch_share: the GPU time of every launch but the last over the time from the first launch to
+# the last (no edge of the run weighs); achieved: kernel time over the whole run's wall time.
+share_row() { # label, workload args...
+  local label=$1; shift
+  local out
+  out=$(env -u TESSERA_MEMORY_LIMIT TESSERA_SM_PERCENT=30 LD_PRELOAD=$shim "$workload" "$@" | tail -1)
+  python3 - "$label" "$out" <<'PY'
+import json, sys
+label, r = sys.argv[1], json.loads(sys.argv[2])
+if r.get("error"):
+    print(f"FAIL share {label}: {r['error']}"); sys.exit(1)
+ok = abs(r["launch_share"] - 0.30) <= 0.02
+print(("PASS" if ok else "FAIL") + f" share {label}: let through at {r['launch_share']:.3f}, "
+      f"achieved {r['achieved_share']:.3f} ({r['kernels']} launches, want 0.30 within 2 points)")
+sys.exit(0 if ok else 1)
+PY
+  [[ $? == 0 ]] || fails=$((fails + 1))
+}
+share_row "1 ms kernels" --kernel-us 1000 --seconds 3 --depth 4
+share_row "100 ms kernels" --kernel-us 100000 --seconds 5 --depth 2
+share_row "1 ms kernels, cuLaunchCooperativeKernel" --kernel-us 1000 --seconds 3 --depth 4 --launch cooperative
+share_row "1 ms kernels, cuLaunchKernelEx" --kernel-us 1000 --seconds 3 --depth 4 --launch ex
+share_row "graph of 100 x 1 ms (cuGraphLaunch)" --kernel-us 1000 --seconds 5 --depth 2 --launch graph --graph-kernels 100
+
+echo "== launch cost (issue 34, item 3): 1 µs kernels, 64 in flight, interleaved passes"
+# Per launch: the run's wall time over its launches, host-bound with kernels this short. Plain: no
+# shim; unthrottled: the shim with no SM share; throttled: a 99% share (the limiter's whole path,
+# its bucket never dry).
+cost_runs=()
+for ((i = 0; i < ${TESSERA_GPU_CHECK_PASSES:-3}; i++)); do
+  cost_runs+=("$(env -u TESSERA_MEMORY_LIMIT "$workload" --kernel-us 1 --kernels 50000 --depth 64 | tail -1)")
+  cost_runs+=("$(env -u TESSERA_MEMORY_LIMIT LD_PRELOAD=$shim "$workload" --kernel-us 1 --kernels 50000 --depth 64 | tail -1)")
+  cost_runs+=("$(env -u TESSERA_MEMORY_LIMIT TESSERA_SM_PERCENT=99 LD_PRELOAD=$shim "$workload" --kernel-us 1 --kernels 50000 --depth 64 | tail -1)")
+done
+python3 - "${cost_runs[@]}" <<'PY'
+import json, statistics, sys
+runs = [json.loads(r) for r in sys.argv[1:]]
+per = lambda r: r["wall_ms"] * 1e6 / max(r["kernels"], 1)
+rows = [tuple(per(r) for r in runs[i:i + 3]) for i in range(0, len(runs), 3)]
+for n, (p, u, t) in enumerate(rows, 1):
+    print(f"INFO launch cost pass {n}: plain {p:.0f} ns, unthrottled {u:.0f} ns (+{u - p:.0f}), throttled {t:.0f} ns (+{t - p:.0f})")
+med = lambda k: statistics.median(r[k] for r in rows)
+print(f"INFO launch cost, median of {len(rows)} passes: plain {med(0):.0f} ns, unthrottled +{med(1) - med(0):.0f} ns, "
+      f"throttled +{med(2) - med(0):.0f} ns (goal: under 300 ns)")
+PY
+
 echo "== PyTorch under the shim"
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   cat > /tmp/tessera-torch-check.py <<'PY'
