@@ -246,5 +246,50 @@ PY
 else
   echo "SKIP torch: not installed or no GPU visible to it"
 fi
+echo "== SM shares with bf16 GEMMs (issue 34): a strict 30% share alone, three sizes"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  cat > /tmp/tessera-gemm-share.py <<'PY'
+import json, sys, time, torch
+# argv: n, seconds, ms per GEMM (0: measure it, unthrottled, and print it)
+n, seconds, per = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+b = torch.randn_like(a)
+for _ in range(20):
+    a @ b
+torch.cuda.synchronize()
+if per == 0:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(200):
+        a @ b
+    e.record()
+    e.synchronize()
+    print(json.dumps({"ms_per_gemm": s.elapsed_time(e) / 200}))
+    sys.exit(0)
+count, t0 = 0, time.perf_counter()
+while time.perf_counter() - t0 < seconds:
+    a @ b
+    count += 1
+torch.cuda.synchronize()
+wall = (time.perf_counter() - t0) * 1e3
+print(json.dumps({"gemms": count, "wall_ms": wall, "share": count * per / wall}))
+PY
+  for n in 2048 4096 8192; do
+    per=$(env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-gemm-share.py $n 0 0 | tail -1)
+    ms=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_gemm"])' "$per")
+    out=$(env -u TESSERA_MEMORY_LIMIT TESSERA_SM_PERCENT=30 LD_PRELOAD=$shim python3 /tmp/tessera-gemm-share.py $n 5 "$ms" | tail -1)
+    python3 - $n "$ms" "$out" <<'PY'
+import json, sys
+n, ms, r = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
+ok = abs(r["share"] - 0.30) <= 0.02
+print(("PASS" if ok else "FAIL") + f" share bf16 GEMM {n}x{n} ({ms:.3f} ms each): achieved {r['share']:.3f} "
+      f"({r['gemms']} in {r['wall_ms']:.0f} ms, want 0.30 within 2 points)")
+sys.exit(0 if ok else 1)
+PY
+    [[ $? == 0 ]] || fails=$((fails + 1))
+  done
+else
+  echo "SKIP GEMM shares: PyTorch not installed or no GPU visible to it"
+fi
 echo "== $fails failed"
 exit $((fails > 0))
