@@ -29,6 +29,8 @@ const LINKED: &[&str] = &[
     "cuLaunchCooperativeKernel",
     "cuLaunchKernelEx",
     "cuGraphCreate",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
     "cuGraphAddKernelNode_v2",
     "cuGraphInstantiateWithFlags",
     "cuGraphLaunch",

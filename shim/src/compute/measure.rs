@@ -77,6 +77,17 @@ static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 /// Per device: what this process's measured kernels took lately, for charging and sampling.
 static SAMPLERS: [Sampler; MAX_DEVICES] = [const { Sampler::new() }; MAX_DEVICES];
 
+/// Whether `stream` is being captured into a graph (`CU_STREAM_CAPTURE_STATUS_ACTIVE`): a launch
+/// there runs nothing now, and events recorded there become nodes of the graph, recorded again
+/// at every replay (a pooled event reused by a later measurement would then be stamped by the
+/// graph's replays too).
+pub fn capturing(stream: *mut c_void) -> bool {
+    let Some(is_capturing) = real::cuda().and_then(|cu| cu.cuStreamIsCapturing) else { return false };
+    let mut status: std::ffi::c_int = 0;
+    // SAFETY: the caller's stream handle, about to be launched on; a valid out-pointer.
+    unsafe { is_capturing(stream as CUstream, &mut status) == CUresult::CUDA_SUCCESS && status == 1 }
+}
+
 /// Measured launches of this process not yet harvested.
 pub fn in_flight() -> usize {
     IN_FLIGHT.load(Relaxed)

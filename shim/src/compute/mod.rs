@@ -243,10 +243,16 @@ fn throttle(
     trace: Option<Launch>,
 ) -> Gate {
     let b = st.region.bucket(dev);
-    first_measurement(st, dev);
     // Decided first, before anything about this launch is known (a traced launch is measured
     // for the trace anyway, so at weight 1).
     let plan = measure::sampler(dev).plan(&RNG, trace.is_some());
+    // A launch captured into a graph (`cuStreamBeginCapture`) runs nothing: the graph's
+    // launches are charged, by their kernels. Asked of measured launches only (one driver call
+    // more there): an unmeasured one captured is charged the mean, as before.
+    if plan.measure && measure::capturing(stream) {
+        return Gate::PASS;
+    }
+    first_measurement(st, dev);
     // Completed measurements are settled on measured launches and before any wait, not on every
     // launch: an unmeasured launch of a tiny kernel takes no lock and makes no driver call here.
     let mut settled = false;

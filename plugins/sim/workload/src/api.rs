@@ -72,6 +72,8 @@ macro_rules! for_each_driver_fn {
             launch_kernel_ex: "cuLaunchKernelEx" => cuLaunchKernelEx(
                 *const $crate::api::LaunchConfig, *mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void,
                 *mut *mut ::std::ffi::c_void);
+            stream_begin_capture: "cuStreamBeginCapture" => cuStreamBeginCapture_v2(*mut ::std::ffi::c_void, ::std::ffi::c_uint);
+            stream_end_capture: "cuStreamEndCapture" => cuStreamEndCapture(*mut ::std::ffi::c_void, *mut *mut ::std::ffi::c_void);
             graph_create: "cuGraphCreate" => cuGraphCreate(*mut *mut ::std::ffi::c_void, ::std::ffi::c_uint);
             graph_add_kernel_node: "cuGraphAddKernelNode" => cuGraphAddKernelNode_v2(
                 *mut *mut ::std::ffi::c_void, *mut ::std::ffi::c_void, *const *mut ::std::ffi::c_void, usize,

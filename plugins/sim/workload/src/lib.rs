@@ -52,8 +52,9 @@ pub struct Plan {
     #[arg(long, default_value_t = 2)]
     pub depth: usize,
     /// How each launch is made: `kernel` (cuLaunchKernel), `cooperative`
-    /// (cuLaunchCooperativeKernel), `ex` (cuLaunchKernelEx) or `graph` (cuGraphLaunch of a graph
-    /// of `--graph-kernels` kernels in a chain).
+    /// (cuLaunchCooperativeKernel), `ex` (cuLaunchKernelEx), `graph` (cuGraphLaunch of a graph
+    /// of `--graph-kernels` kernels in a chain) or `capture` (the same graph made by capturing
+    /// that many cuLaunchKernel on the stream, as PyTorch's CUDA graphs are).
     #[arg(long, value_enum, default_value = "kernel")]
     pub launch: LaunchForm,
     /// Kernels in each graph of `--launch graph`.
@@ -71,6 +72,7 @@ pub enum LaunchForm {
     Cooperative,
     Ex,
     Graph,
+    Capture,
 }
 
 /// What happened, printed as JSON.
@@ -263,7 +265,21 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
             }
             cu.check("cuGraphInstantiateWithFlags", (cu.graph_instantiate)(&mut exec, graph, 0))?;
         }
-        let per_launch = if plan.launch == LaunchForm::Graph { plan.graph_kernels.max(1) } else { 1 };
+        if plan.launch == LaunchForm::Capture {
+            // Mode 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, as PyTorch captures.
+            cu.check("cuStreamBeginCapture", (cu.stream_begin_capture)(stream, 1))?;
+            for _ in 0..plan.graph_kernels.max(1) {
+                let p = graph_params.as_mut_ptr();
+                cu.check(
+                    "cuLaunchKernel (captured)",
+                    (cu.launch_kernel)(func, 1, 1, 1, 32, 1, 1, 0, stream, p, std::ptr::null_mut()),
+                )?;
+            }
+            cu.check("cuStreamEndCapture", (cu.stream_end_capture)(stream, &mut graph))?;
+            cu.check("cuGraphInstantiateWithFlags", (cu.graph_instantiate)(&mut exec, graph, 0))?;
+        }
+        let graphed = matches!(plan.launch, LaunchForm::Graph | LaunchForm::Capture);
+        let per_launch = if graphed { plan.graph_kernels.max(1) } else { 1 };
         let begin = Instant::now();
         let deadline = (plan.seconds > 0.0).then(|| begin + Duration::from_secs_f64(plan.seconds));
         let mut launched = 0u64;
@@ -314,7 +330,9 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
                     };
                     cu.check("cuLaunchKernelEx", (cu.launch_kernel_ex)(&config, func, p, std::ptr::null_mut()))?
                 }
-                LaunchForm::Graph => cu.check("cuGraphLaunch", (cu.graph_launch)(exec, stream))?,
+                LaunchForm::Graph | LaunchForm::Capture => {
+                    cu.check("cuGraphLaunch", (cu.graph_launch)(exec, stream))?
+                }
             }
             let now = Instant::now();
             paced = Some(paced.map_or((now, now, 0), |(first, _, _)| (first, now, before)));
