@@ -352,3 +352,13 @@ fn every_launch_form_keeps_the_share() {
         assert!((got - 0.30).abs() <= 0.02, "{more:?}: let through at {got}");
     }
 }
+
+/// On every kind of stream: the NULL stream, `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`
+/// (a created one is every other test's), 1 ms kernels at a strict 30%.
+#[test]
+fn every_kind_of_stream_keeps_the_share() {
+    for kind in ["null", "legacy", "per-thread"] {
+        let got = paced(1000, 3.0, &["--stream", kind]);
+        assert!((got - 0.30).abs() <= 0.02, "{kind} stream: let through at {got}");
+    }
+}

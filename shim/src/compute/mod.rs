@@ -243,6 +243,8 @@ fn throttle(
     trace: Option<Launch>,
 ) -> Gate {
     let b = st.region.bucket(dev);
+    // Before the plan: the launch after the device's first is charged what that one took.
+    first_measurement(st, dev);
     // Decided first, before anything about this launch is known (a traced launch is measured
     // for the trace anyway, so at weight 1).
     let plan = measure::sampler(dev).plan(&RNG, trace.is_some());
@@ -252,7 +254,6 @@ fn throttle(
     if plan.measure && measure::capturing(stream) {
         return Gate::PASS;
     }
-    first_measurement(st, dev);
     // Completed measurements are settled on measured launches and before any wait, not on every
     // launch: an unmeasured launch of a tiny kernel takes no lock and makes no driver call here.
     let mut settled = false;

@@ -26,6 +26,8 @@ const SHORT_KERNEL_NS: u64 = WINDOW_NS / 50;
 const MAX_WINDOW_NS: u64 = 2_000_000_000;
 /// Spans below this much in a window say too little to judge by.
 const MIN_EVIDENCE_NS: u64 = 2_000_000;
+/// The least factor applied (ppm): a span counts for at least this much of itself.
+const FLOOR_PPM: u64 = 50_000;
 /// The factor, in ppm, lives in the bucket's first spare word (0: none yet, spans count whole).
 const FACTOR: usize = 0;
 
@@ -39,7 +41,9 @@ pub fn own_time(st: &ShimState, dev: usize, span: i64, weight: i64) -> i64 {
     b.window_used_ns.fetch_add(span.max(0).saturating_mul(weight.max(1)) as u64, Relaxed);
     match b.spare[FACTOR].load(Relaxed) {
         0 => span,
-        f => (span as i128 * f as i128 / 1_000_000) as i64,
+        // Never over 1 when applied (nor under the floor: the word is in the region, which the
+        // container can write).
+        f => (span as i128 * f.clamp(FLOOR_PPM, 1_000_000) as i128 / 1_000_000) as i64,
     }
 }
 
@@ -63,9 +67,10 @@ pub fn maybe_update(st: &ShimState, dev: usize, now: u64, in_flight: u64, mean_n
     if spans >= MIN_EVIDENCE_NS
         && let Some(got) = got
     {
-        let f = (got as u128 * 1_000_000 / spans as u128).clamp(50_000, 1_000_000) as u64;
+        let f = (got as u128 * 1_000_000 / spans as u128).clamp(u128::from(FLOOR_PPM), 1_000_000) as u64;
         let old = b.spare[FACTOR].load(Relaxed);
-        b.spare[FACTOR].store(if old == 0 { f } else { (old + f) / 2 }, Relaxed);
+        let next = if old == 0 { f } else { (old.clamp(FLOOR_PPM, 1_000_000) + f) / 2 };
+        b.spare[FACTOR].store(next, Relaxed);
     }
     let used = got.unwrap_or(spans).min(window);
     Some((used as u128 * 1_000_000 / window.max(1) as u128) as u64)

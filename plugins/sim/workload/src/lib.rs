@@ -57,12 +57,25 @@ pub struct Plan {
     /// that many cuLaunchKernel on the stream, as PyTorch's CUDA graphs are).
     #[arg(long, value_enum, default_value = "kernel")]
     pub launch: LaunchForm,
+    /// The stream launched on: `created` (cuStreamCreate), `null`, `legacy` (CU_STREAM_LEGACY)
+    /// or `per-thread` (CU_STREAM_PER_THREAD).
+    #[arg(long, value_enum, default_value = "created")]
+    pub stream: StreamKind,
     /// Kernels in each graph of `--launch graph`.
     #[arg(long, default_value_t = 100)]
     pub graph_kernels: u64,
     /// After the work, hold the memory this many seconds (for tests that look or kill).
     #[arg(long, default_value_t = 0.0)]
     pub hold: f64,
+}
+
+/// Which stream kernels are launched on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StreamKind {
+    Created,
+    Null,
+    Legacy,
+    PerThread,
 }
 
 /// How kernels are launched.
@@ -227,7 +240,13 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         let mut func: Handle = std::ptr::null_mut();
         cu.check("cuModuleGetFunction", (cu.module_get_function)(&mut func, module, cname.as_ptr()))?;
         let mut stream: Handle = std::ptr::null_mut();
-        cu.check("cuStreamCreate", (cu.stream_create)(&mut stream, 0))?;
+        match plan.stream {
+            StreamKind::Created => cu.check("cuStreamCreate", (cu.stream_create)(&mut stream, 0))?,
+            // The default streams by their handles: NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD.
+            StreamKind::Null => {}
+            StreamKind::Legacy => stream = 1 as Handle,
+            StreamKind::PerThread => stream = 2 as Handle,
+        }
         // One event per slot of the in-flight window, plus the first-launch marker.
         let depth = plan.depth.max(1);
         let mut events: Vec<Handle> = vec![std::ptr::null_mut(); depth];
@@ -361,7 +380,9 @@ fn launch_loop(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError
         for e in events.into_iter().chain([first]) {
             cu.check("cuEventDestroy", (cu.event_destroy)(e))?;
         }
-        cu.check("cuStreamDestroy", (cu.stream_destroy)(stream))?;
+        if plan.stream == StreamKind::Created {
+            cu.check("cuStreamDestroy", (cu.stream_destroy)(stream))?;
+        }
         cu.check("cuModuleUnload", (cu.module_unload)(module))?;
     }
     Ok(())
