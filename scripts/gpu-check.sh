@@ -153,6 +153,9 @@ share_row "100 ms kernels" --kernel-us 100000 --seconds 5 --depth 2
 share_row "1 ms kernels, cuLaunchCooperativeKernel" --kernel-us 1000 --seconds 3 --depth 4 --launch cooperative
 share_row "1 ms kernels, cuLaunchKernelEx" --kernel-us 1000 --seconds 3 --depth 4 --launch ex
 share_row "graph of 100 x 1 ms (cuGraphLaunch)" --kernel-us 1000 --seconds 5 --depth 2 --launch graph --graph-kernels 100
+share_row "graph of 100 x 1 ms made by stream capture" --kernel-us 1000 --seconds 5 --depth 2 --launch capture --graph-kernels 100
+share_row "1 ms kernels, the NULL stream" --kernel-us 1000 --seconds 3 --depth 4 --stream null
+share_row "1 ms kernels, CU_STREAM_PER_THREAD" --kernel-us 1000 --seconds 3 --depth 4 --stream per-thread
 
 echo "== launch cost (issue 34, item 3): 1 µs kernels, 64 in flight, interleaved passes"
 # Per launch: the run's wall time over its launches, host-bound with kernels this short. Plain: no
