@@ -24,6 +24,8 @@ PACKAGES=(
   # from their Go modules by kube.sh itself.
   "containernetworking-plugins:/usr/lib/cni/bridge"
   "openssl:openssl"
+  # scripts/kube.sh asks the scheduler and the controller-manager for their /healthz.
+  "curl:curl"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest

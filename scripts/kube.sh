@@ -448,6 +448,9 @@ up() {
     --feature-gates "$gates"
   start kube-scheduler "$k8s_bin/kube-scheduler" --kubeconfig "$cluster/scheduler.kubeconfig" \
     --bind-address 127.0.0.1 --leader-elect=false --feature-gates "$gates"
+  # Each running and answering (a port another process holds makes one exit at once).
+  wait_for kube-controller-manager 120 healthy kube-controller-manager 10257
+  wait_for kube-scheduler 120 healthy kube-scheduler 10259
   start_containerd
   wait_for containerd 60 "$containerd_bin/ctr" --address "$run_dir/containerd.sock" version
   import_images
@@ -482,6 +485,11 @@ start_kubelet() {
   ip -4 -o addr show dev lo | grep -q " $node_ip/" || ip addr add "$node_ip/32" dev lo
   start kubelet "$k8s_bin/kubelet" --config "$cluster/kubelet.yaml" --kubeconfig "$cluster/kubelet.kubeconfig" \
     --hostname-override "$node_name" --node-ip "$node_ip" --root-dir "$kubelet_root" --v 2
+}
+
+# Component $1 runs (its pid alive) and answers /healthz on 127.0.0.1:$2.
+healthy() {
+  pid_alive "$1" && curl -ksf "https://127.0.0.1:$2/healthz" >/dev/null
 }
 
 node_ready() {
