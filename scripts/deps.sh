@@ -24,8 +24,10 @@ PACKAGES=(
   # from their Go modules by kube.sh itself.
   "containernetworking-plugins:/usr/lib/cni/bridge"
   "openssl:openssl"
-  # scripts/kube.sh asks the scheduler and the controller-manager for their /healthz.
+  # scripts/kube.sh asks the scheduler and the controller-manager for their /healthz, and gives
+  # the node an address on the loopback interface.
   "curl:curl"
+  "iproute2:ip"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest
