@@ -9,6 +9,7 @@
 #   scripts/kube.sh down                          stop it and remove its state (the node is left clean)
 #   scripts/kube.sh env                           KEY=VALUE lines for the running cluster
 #   scripts/kube.sh logs                          the last lines of every component's log
+#   scripts/kube.sh restart COMPONENT             stop and start one (kubelet, kube-apiserver, ...)
 #
 # Needs root, cgroups, Go (with the module proxy), openssl, gcc (the pause image), Debian's runc,
 # busybox-static and containernetworking-plugins (scripts/deps.sh installs them).
@@ -44,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --version) version=${2:?--version needs 1.37 or 1.34}; shift 2 ;;
     --version=*) version=${1#--version=}; shift ;;
     up | down | env | build | logs) cmd=$1; shift ;;
+    restart) cmd=restart; component=${2:?restart needs a component}; shift 2 ;;
     *) echo "kube.sh: unknown argument $1 (usage: scripts/kube.sh [--version 1.37|1.34] up|down|env|build|logs)" >&2; exit 2 ;;
   esac
 done
@@ -572,5 +574,14 @@ case $cmd in
   down) down ;;
   env) env_lines ;;
   logs) show_logs ;;
+  restart)
+    k8s_version=$(cat "$cluster/version")
+    k8s_bin=$kube/bin/kubernetes-$k8s_version
+    stop "$component"
+    case $component in
+      kubelet) start_kubelet ;;
+      kube-apiserver) start_apiserver; wait_for kube-apiserver 180 kubectl_ get --raw /readyz ;;
+      *) die "restart: $component is not one kube.sh restarts (kubelet, kube-apiserver)" ;;
+    esac ;;
   *) echo "usage: scripts/kube.sh [--version 1.37|1.34] up|down|env|build|logs" >&2; exit 2 ;;
 esac

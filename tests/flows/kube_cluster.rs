@@ -676,3 +676,50 @@ fn a_gpu_fault_reaches_the_pod_status_the_slice_and_events() {
     kube.ok(&["delete", "resourceclaim", "--ignore-not-found", "--wait=true", "--timeout=240s", "health-gpu"], None);
     kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
 }
+
+/// Faults: the kubelet and kube-apiserver restarted (`scripts/kube.sh restart`) while a pod holds
+/// a share claim: the pod keeps running, the kubelet registers the DRA driver again, and deleting
+/// the pod and its claim afterwards releases the allocation (nothing leaks).
+#[test]
+fn a_kubelet_and_apiserver_restart_keep_the_claim_and_leak_nothing() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let body = format!(
+        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
+        kube.var("KUBECONFIG"),
+        kube.node(),
+        kube.var("KUBELET_PLUGINS_DIR"),
+        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+    );
+    let t = Tesserad::start(&kube, H100X2, &body);
+    let extra = || t.log();
+    kube.clean(&["dra-restart"], &["restart-share"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply(&claim("restart-share", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
+    kube.apply(&pod(&kube, &t, "dra-restart", "echo DONE; sleep 3600", json!({}), uses("restart-share")));
+    kube.done("dra-restart", &extra);
+    let before = t.allocations();
+    assert_eq!(before.len(), 1, "{before:?}");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube.sh");
+    for component in ["kubelet", "kube-apiserver"] {
+        let out = Command::new(&script).args(["restart", component]).output().expect("kube.sh restart");
+        assert!(out.status.success(), "restart {component}: {}", String::from_utf8_lossy(&out.stderr));
+        kube.wait(&format!("the node Ready after the {component} restart"), &extra, || {
+            let node = kube.get(&["node", kube.node()])?;
+            let ready =
+                node["status"]["conditions"].as_array()?.iter().any(|c| c["type"] == "Ready" && c["status"] == "True");
+            ready.then_some(())
+        });
+        kube.wait(&format!("the pod running after the {component} restart"), &extra, || {
+            let p = kube.get(&["pod", "dra-restart"])?;
+            let running = p["status"]["containerStatuses"][0]["state"]["running"].is_object();
+            (p["status"]["phase"] == "Running" && running).then_some(())
+        });
+        let now = t.allocations();
+        assert_eq!(now.len(), 1, "one allocation still, the same: {now:?}");
+        assert_eq!(now[0]["id"], before[0]["id"]);
+    }
+    kube.clean(&["dra-restart"], &["restart-share"], &extra);
+    kube.wait("the claim unprepared after the restarts", &extra, || t.allocations().is_empty().then_some(()));
+}
