@@ -422,7 +422,10 @@ fn default_stream_launches_follow_every_kind_of_context_switch() {
     launch_n(cu, f1_long, null, 1); // harvests the completed spans
     let (launches, gpu) = my_launches(&s.uuid(1));
     assert_eq!(launches, on1 + 21);
-    assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
+    // The share's limiter took them: their GPU time is in the region. Steady kernels are sampled
+    // (issue 34: one measured launch stands for `w`, its time times `w`), so the figure is an
+    // unbiased estimate, not the sum of 21 spans; the first launch on a device is always measured.
+    assert!(gpu > gpu_before, "the share's launches are measured: {} ns", gpu - gpu_before);
 }
 
 type SetCurrent = unsafe extern "C" fn(H) -> R;
@@ -479,7 +482,10 @@ fn a_switch_behind_the_shims_back_never_skips_a_share() {
     launch_n(cu, f1, null, 1); // harvests the completed spans
     let (launches, gpu) = my_launches(&s.uuid(1));
     assert_eq!(launches - before, 21, "every launch counted on the device it ran on");
-    assert!(gpu - gpu_before >= 20 * 50_000, "the share's launches are measured: {} ns", gpu - gpu_before);
+    // The share's limiter took them: their GPU time is in the region. Steady kernels are sampled
+    // (issue 34: one measured launch stands for `w`, its time times `w`), so the figure is an
+    // unbiased estimate, not the sum of 21 spans; the first launch on a device is always measured.
+    assert!(gpu > gpu_before, "the share's launches are measured: {} ns", gpu - gpu_before);
     assert_eq!(my_launches(&s.uuid(0)).0, 10, "nothing counted on the device left behind");
 }
 
