@@ -89,7 +89,7 @@ def main():
         '[partitions.1]\nmig = { "3g.40gb" = 2 }\n[partitions.2]\nwhole = true\n'
     )
     log = open(tmp / "tesserad.log", "wb")
-    procs = []
+    procs, allocated = [], []
     daemon = subprocess.Popen([BIN / "tesserad", "--config", config], env=env, stdout=log, stderr=log)
     procs.append(daemon)
     url = f"http://127.0.0.1:{port}/metrics"
@@ -110,7 +110,9 @@ def main():
             return out.stdout
 
         def alloc(*a):
-            return json.loads(tessera("alloc", "--json", *a))["env"]
+            answer = json.loads(tessera("alloc", "--json", *a))
+            allocated.append(answer["id"])
+            return answer["env"]
 
         def workload(alloc_env, *a, shim=True, own_device=True):
             e = dict(env)
@@ -158,13 +160,24 @@ def main():
                 next_scrape += args.interval
             time.sleep(0.05)
     finally:
+        # The workloads first, then their allocations released while tesserad still runs (a clean
+        # stop keeps the allocations' regions mounted), then tesserad.
         for p in reversed(procs):
-            p.terminate()
+            if p is not daemon:
+                p.terminate()
         for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            if p is not daemon:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        for id in allocated:
+            subprocess.run([BIN / "tessera", "--config", config, "release", id], env=env, capture_output=True)
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
 
     out = []
     for name in sorted({n for n, _ in series}):
