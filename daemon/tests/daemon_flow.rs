@@ -591,3 +591,51 @@ fn a_clean_stop_leaves_only_the_allocations_own_mounts() {
     assert_eq!(mounts_under(dir), own, "{}", show_log());
     assert!(!dir.join("run/spare").exists(), "the spare directories are gone");
 }
+
+/// A second tesserad started on the same `runtime_dir` (another `state_dir`) exits saying a
+/// running process serves the node API, before it touches anything there: it removed the first
+/// one's spare allocation directories (their region mounts with them) on its way to that refusal.
+#[test]
+fn a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        common::skip(
+            "a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first: spares are mounts only as root",
+        );
+        return;
+    }
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = common::write_config(&node, dir, "");
+    let log = dir.join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (mut first, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let socket = dir.join("run/tessera.sock");
+    // Every spare made (8, a region and its tmpfs each) and the node API answering.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let spares = |m: &Vec<String>| m.iter().filter(|m| m.starts_with("run/spare/")).count();
+    while spares(&mounts_under(dir)) < 16 || common::tessera(&socket, &["status"]).0 != 0 {
+        assert!(Instant::now() < deadline, "spares: {:?}\n{}", mounts_under(dir), show_log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = mounts_under(dir);
+
+    // The second: the same configuration but its own state_dir.
+    let text = std::fs::read_to_string(&config).expect("config");
+    let state = dir.join("state").display().to_string();
+    assert!(text.contains(&state), "{text}");
+    let second_config = dir.join("second.toml");
+    std::fs::write(&second_config, text.replace(&state, &dir.join("state-2").display().to_string())).unwrap();
+    let second_log = dir.join("second.log");
+    let (mut second, _) = spawn(&node, &second_config, &dir.join("no-notify-2"), &second_log);
+    let status = second.0.wait().expect("wait");
+    let said = std::fs::read_to_string(&second_log).unwrap_or_default();
+    assert!(!status.success() && said.contains("a running process serves it"), "{status:?}\n{said}");
+    assert_eq!(mounts_under(dir), before, "the first daemon's spares are untouched\n{said}");
+    assert_eq!(common::tessera(&socket, &["status"]).0, 0, "the first still serves\n{}", show_log());
+
+    // SAFETY: kill has no memory preconditions; the pid is our child's.
+    assert_eq!(unsafe { libc::kill(first.0.id() as i32, libc::SIGTERM) }, 0);
+    assert!(first.0.wait().expect("wait").success(), "{}", show_log());
+}

@@ -63,14 +63,11 @@ pub async fn serve(
     serve_on(listener, socket, controller, None, shutdown).await
 }
 
-/// Binds the node API's socket (owner-only), making its directory if needed: once this returns,
-/// clients can connect.
-pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    // A socket someone still answers on is another daemon's (the same runtime_dir): replaced, it
-    // lost its node API, and then its socket when this one stopped. Only a stale one is replaced.
+/// An error when a running process answers on `socket`: another daemon's (the same
+/// runtime_dir). Replaced, it lost its node API, and then its socket when this one stopped; only
+/// a stale socket is replaced. tesserad asks before it touches anything under its runtime_dir
+/// (a second daemon removed the first one's spare allocation directories, then exited here).
+pub fn refuse_if_served(socket: &std::path::Path) -> std::io::Result<()> {
     if std::os::unix::net::UnixStream::connect(socket).is_ok() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::AddrInUse,
@@ -81,6 +78,16 @@ pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListene
             ),
         ));
     }
+    Ok(())
+}
+
+/// Binds the node API's socket (owner-only), making its directory if needed: once this returns,
+/// clients can connect.
+pub fn bind(socket: &std::path::Path) -> std::io::Result<tokio::net::UnixListener> {
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    refuse_if_served(socket)?;
     let listener = crate::socket::bind_owner_only_tokio(socket)?;
     tracing::info!(socket = %socket.display(), "node API listening");
     Ok(listener)

@@ -175,6 +175,11 @@ fn serve(session: Session, cfg: Config, source: ConfigSource, started: Instant) 
             return ExitCode::from(1);
         }
     }
+    // Another daemon on this runtime_dir: nothing of its is touched (its spares, its regions).
+    if let Err(e) = api::refuse_if_served(&cfg.node_api_socket()) {
+        eprintln!("tesserad: node API: {e}");
+        return ExitCode::from(1);
+    }
     // Allocations a damaged journal lost are read back from their directories.
     let store = match Store::open_with_dirs(&cfg.state_dir, &AllocDirs::new(&cfg.runtime_dir)) {
         Ok(s) => s,
