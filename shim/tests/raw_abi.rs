@@ -551,7 +551,9 @@ fn a_one_device_process_keeps_its_share_on_the_default_streams() {
     launch_n(cu, f, null, 1); // harvests the completed spans
     let (launches, gpu) = my_launches(&uuid);
     assert_eq!(launches, 21);
-    assert!(gpu >= 20 * 50_000, "the share's launches are measured: {gpu} ns of GPU time");
+    // Measured, as an unbiased estimate: steady kernels are sampled (issue 34), one measured
+    // launch standing for `w`; the first launch on a device is always measured.
+    assert!(gpu > 0, "the share's launches are measured: {gpu} ns of GPU time");
     // The share lifted live, as the daemon does: the next launches are counted, not measured.
     let lifted = memory_limits(8 * GIB);
     lifted.write_atomic(&PathBuf::from(std::env::var_os("TESSERA_LIMITS").unwrap())).unwrap();
