@@ -606,7 +606,8 @@ fn enforcement_cost() {
     // Every share here is strict at 7-8% SM: all 100 are judged for SM time too. The same poll
     // with SM time off (a second enforcer, its own windows) is the baseline for that part.
     let settings = Settings { action: enforcement::Action::Report, ..Settings::default() };
-    let memory_only = Settings { sm_action: Some(enforcement::settings::SmAction::Off), ..settings.clone() };
+    let memory_only =
+        Settings { sm_action: Some(tessera_daemon::config::enforcement::SmAction::Off), ..settings.clone() };
     let mut memory_enforcer = Enforcer::new(Arc::clone(&controller), stats);
     let first = enforcer.poll(&settings);
     memory_enforcer.poll(&memory_only);

@@ -8,6 +8,32 @@
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+/// The prefix of a Unix socket path in a listen address (`telemetry.metrics_listen`).
+pub const UNIX_PREFIX: &str = "unix:";
+/// The longest Unix socket path (`sun_path` less its NUL).
+const UNIX_PATH_MAX: usize = 107;
+
+/// The socket path of a listen address `unix:PATH` (`telemetry.metrics_listen`): `None` when
+/// the value is not a `unix:` one; an error saying what is wrong with the path (relative, empty,
+/// a directory, too long for a socket).
+pub fn unix_path(addr: &str) -> Option<Result<PathBuf, String>> {
+    let path = addr.strip_prefix(UNIX_PREFIX)?;
+    let example = "as in \"unix:/run/tessera/metrics.sock\"";
+    Some(if path.is_empty() {
+        Err(format!("no socket path after \"unix:\"; give an absolute path, {example}"))
+    } else if !path.starts_with('/') {
+        Err(format!("the socket path {path:?} is not absolute; give an absolute path, {example}"))
+    } else if path.ends_with('/') || path.split('/').any(|c| c == "." || c == "..") {
+        Err(format!("the socket path {path:?} names a directory, not a socket file, {example}"))
+    } else if path.contains('\0') {
+        Err(format!("the socket path {path:?} holds a NUL byte"))
+    } else if path.len() > UNIX_PATH_MAX {
+        Err(format!("the socket path is {} bytes; a Unix socket path is at most {UNIX_PATH_MAX}", path.len()))
+    } else {
+        Ok(PathBuf::from(path))
+    })
+}
+
 /// Binds a listening Unix socket at `path`, mode 0600, replacing a stale socket there. Refuses to
 /// replace anything that is not a socket (a mistyped path must not delete a file).
 pub fn bind_owner_only(path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {

@@ -4,6 +4,7 @@
 //! whether shares fit a GPU's memory) is checked later against the discovered model
 //! (`partition::layout`). Every option is documented in `docs/configuration.md`.
 
+pub mod enforcement;
 pub mod kubernetes;
 mod reload;
 mod shares;
@@ -58,7 +59,7 @@ pub struct Config {
     /// GPU health checking.
     pub health: Health,
     /// Memory limits enforced from the driver's per-process figures (kill or report).
-    pub enforcement: crate::enforcement::Settings,
+    pub enforcement: enforcement::Settings,
     /// Defaults for the limits of shares (what `libtessera.so` enforces).
     pub limits: ShareLimits,
     /// How containers get their devices: the CDI specs written for container runtimes.
@@ -84,7 +85,7 @@ impl Default for Config {
             resources: Resources::default(),
             telemetry: Telemetry::default(),
             health: Health::default(),
-            enforcement: crate::enforcement::Settings::default(),
+            enforcement: enforcement::Settings::default(),
             limits: ShareLimits::default(),
             injection: Injection::default(),
             partitions: BTreeMap::new(),

@@ -57,7 +57,7 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
     resource_prefix(&c.resources.prefix)?;
     injection(&c.injection)?;
     if let Some(addr) = &c.telemetry.metrics_listen {
-        match crate::telemetry::unix_path(addr) {
+        match crate::socket::unix_path(addr) {
             Some(Err(why)) => return Err(ConfigError::new("telemetry.metrics_listen", format!("{addr:?}: {why}"))),
             Some(Ok(_)) => {}
             None if addr.parse::<SocketAddr>().is_err() => {
@@ -98,7 +98,7 @@ pub(super) fn validate(c: &Config) -> Result<(), ConfigError> {
             format!("XID {x} is also in health.ignored_xids; an XID is either ignored or fatal"),
         ));
     }
-    crate::enforcement::settings::validate(&c.enforcement)?;
+    super::enforcement::validate(&c.enforcement)?;
     if tessera_region::ComputeMode::from_name(&c.limits.compute_mode).is_none() {
         return Err(ConfigError::new(
             "limits.compute_mode",

@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use super::settings::Action;
+use crate::config::enforcement::Action;
 
 /// A process, as long as it lives: (host pid, start time). A reused pid is another process.
 pub type ProcKey = (u32, u64);

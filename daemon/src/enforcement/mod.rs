@@ -36,7 +36,6 @@ pub mod decision;
 pub mod kill;
 pub mod procfs;
 pub mod sample;
-pub mod settings;
 pub mod sm_time;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -52,7 +51,7 @@ use tokio::task::JoinHandle;
 use self::attribution::{FileId, Index, Recall, Seen};
 use self::decision::{Decision, Group, GroupKey, Holding, Phase, ProcKey, Tracker};
 use self::procfs::ProcFs;
-pub use self::settings::{Action, Settings};
+pub use crate::config::enforcement::{Action, Settings};
 use crate::node::{self, NodeController};
 use crate::state::Allocation;
 

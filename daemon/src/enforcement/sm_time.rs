@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use tessera_region::{ComputeMode, Limits, Priority};
 
 use super::decision::{GroupKey, Phase, ProcKey};
-use super::settings::Action;
+use crate::config::enforcement::Action;
 
 /// What the shim holds an allocation to on device `uuid`: its strict SM percent, when that caps
 /// it (under 100, normal or low priority).

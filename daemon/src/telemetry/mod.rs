@@ -14,7 +14,7 @@ pub mod source;
 
 pub use otlp::{OtlpExporter, OtlpOptions};
 pub use prometheus::{GpuMetrics, GpuSensors, NodeMetrics, render};
-pub use server::{MetricsListener, MetricsSource, bind, listen, serve, serve_on, unix_path};
+pub use server::{MetricsListener, MetricsSource, bind, listen, serve, serve_on};
 pub use source::NodeSource;
 
 /// What can go wrong setting up telemetry; names the configuration key.

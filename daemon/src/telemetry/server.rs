@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 
 use super::TelemetryError;
 use super::prometheus::{self, NodeMetrics};
+use crate::socket::unix_path;
 
 /// The configuration key [`bind`]'s errors name.
 const KEY: &str = "telemetry.metrics_listen";
@@ -34,32 +35,6 @@ const KEY: &str = "telemetry.metrics_listen";
 const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long shutdown waits for requests in flight.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The prefix of a Unix socket path in `metrics_listen`.
-pub const UNIX_PREFIX: &str = "unix:";
-/// The longest Unix socket path (`sun_path` less its NUL).
-const UNIX_PATH_MAX: usize = 107;
-
-/// The socket path of a `metrics_listen` value `unix:PATH`: `None` when the value is not a
-/// `unix:` one; an error saying what is wrong with the path (relative, empty, a directory, too
-/// long for a socket).
-pub fn unix_path(addr: &str) -> Option<Result<PathBuf, String>> {
-    let path = addr.strip_prefix(UNIX_PREFIX)?;
-    let example = "as in \"unix:/run/tessera/metrics.sock\"";
-    Some(if path.is_empty() {
-        Err(format!("no socket path after \"unix:\"; give an absolute path, {example}"))
-    } else if !path.starts_with('/') {
-        Err(format!("the socket path {path:?} is not absolute; give an absolute path, {example}"))
-    } else if path.ends_with('/') || path.split('/').any(|c| c == "." || c == "..") {
-        Err(format!("the socket path {path:?} names a directory, not a socket file, {example}"))
-    } else if path.contains('\0') {
-        Err(format!("the socket path {path:?} holds a NUL byte"))
-    } else if path.len() > UNIX_PATH_MAX {
-        Err(format!("the socket path is {} bytes; a Unix socket path is at most {UNIX_PATH_MAX}", path.len()))
-    } else {
-        Ok(PathBuf::from(path))
-    })
-}
 
 /// Where `/metrics` is served.
 #[derive(Debug)]

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfigError;
+use super::ConfigError;
 
 /// The longest poll interval accepted: a breach must end within a second, and a kill takes one
 /// poll to decide and the next to confirm.
