@@ -40,15 +40,6 @@ fn lease(value: i32) -> Result<Lease, Status> {
     }
 }
 
-/// The API's lease of a record.
-pub fn api_lease(a: &Allocation) -> api::Lease {
-    match a.claim.as_ref().map(|c| c.lease) {
-        Some(Lease::Container) => api::Lease::Container,
-        Some(Lease::None) => api::Lease::None,
-        None => api::Lease::Unspecified,
-    }
-}
-
 /// An owner is printed as it is by `tessera allocations` and in logs: at most 256 bytes, no
 /// control characters, nor those that reorder or break the line they are shown in (U+202A-E,
 /// U+2066-9, U+2028-9: a right-to-left override turned the rest of the row around).

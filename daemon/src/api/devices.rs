@@ -8,7 +8,7 @@ use tonic::Status;
 
 use crate::node::{View, holder, identity, layout};
 use crate::resources::{CDI_VENDOR, Kind, Resources};
-use crate::state::{Allocation, Source};
+use crate::state::{Allocation, Lease, Source};
 use crate::usage::UsageReport;
 
 /// Which GPUs a `gpu` filter (UUID or index; empty: all) selects; an unknown one is an error.
@@ -204,7 +204,7 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
             })
             .collect(),
         owner: a.claim.as_ref().and_then(|c| c.owner.clone()).unwrap_or_default(),
-        lease: super::alloc::api_lease(a) as i32,
+        lease: api_lease(a) as i32,
         source: match a.source {
             Source::Kubelet => api::AllocationSource::Kubelet,
             Source::NodeApi => api::AllocationSource::NodeApi,
@@ -213,6 +213,15 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
             Source::Recovered => api::AllocationSource::Unspecified,
         } as i32,
         created_unix_nano: a.created_unix_ns,
+    }
+}
+
+/// The API's lease of a record.
+fn api_lease(a: &Allocation) -> api::Lease {
+    match a.claim.as_ref().map(|c| c.lease) {
+        Some(Lease::Container) => api::Lease::Container,
+        Some(Lease::None) => api::Lease::None,
+        None => api::Lease::Unspecified,
     }
 }
 

@@ -112,6 +112,23 @@ pub(super) fn validate(k: &Kubernetes) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// This node's name: the `kubernetes.node_name` key, else `NODE_NAME`.
+pub fn node_name(cfg: &super::Config) -> Result<String, String> {
+    if let Some(name) = &cfg.kubernetes.node_name {
+        return Ok(name.clone());
+    }
+    match std::env::var("NODE_NAME") {
+        Ok(name) if is_node_name(&name) => Ok(name),
+        Ok(name) => Err(format!(
+            "NODE_NAME {name:?} is not a node name (lowercase letters, digits, '-' and '.'); \
+             set it to the Node's name or set kubernetes.node_name"
+        )),
+        Err(_) => Err("kubernetes.mode needs this node's name: set NODE_NAME (the downward API's spec.nodeName) \
+             or kubernetes.node_name"
+            .into()),
+    }
+}
+
 /// Whether `name` is a Kubernetes node name (an RFC 1123 DNS subdomain).
 pub fn is_node_name(name: &str) -> bool {
     let label = |l: &str| {

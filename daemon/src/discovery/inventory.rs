@@ -214,9 +214,42 @@ pub fn profile_name(slice_count: u32, memory_mib: u64, board_bytes: u64, media: 
     format!("{slice_count}g.{gb}gb{}", if media { "+me" } else { "" })
 }
 
+/// (architecture, compute capability) of NVIDIA's data-centre products by name.
+pub fn architecture(product: &str) -> Option<(&'static str, &'static str)> {
+    let p = product.to_ascii_uppercase();
+    let has = |m: &str| p.split(|c: char| !c.is_ascii_alphanumeric()).any(|w| w.starts_with(m));
+    [
+        ("B200", "Blackwell", "10.0"),
+        ("GB200", "Blackwell", "10.0"),
+        ("H100", "Hopper", "9.0"),
+        ("H200", "Hopper", "9.0"),
+        ("H800", "Hopper", "9.0"),
+        ("GH200", "Hopper", "9.0"),
+        ("L40", "Ada Lovelace", "8.9"),
+        ("L4", "Ada Lovelace", "8.9"),
+        ("A100", "Ampere", "8.0"),
+        ("A30", "Ampere", "8.0"),
+        ("A10", "Ampere", "8.6"),
+        ("V100", "Volta", "7.0"),
+        ("T4", "Turing", "7.5"),
+    ]
+    .iter()
+    .find(|(m, _, _)| has(m))
+    .map(|(_, a, cc)| (*a, *cc))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn architectures_by_product() {
+        assert_eq!(architecture("NVIDIA H100 80GB HBM3"), Some(("Hopper", "9.0")));
+        assert_eq!(architecture("NVIDIA A100-SXM4-40GB"), Some(("Ampere", "8.0")));
+        assert_eq!(architecture("NVIDIA H200"), Some(("Hopper", "9.0")));
+        assert_eq!(architecture("NVIDIA L4"), Some(("Ada Lovelace", "8.9")));
+        assert_eq!(architecture("Quadro P5000"), None);
+    }
 
     #[test]
     fn profile_names_as_nvidia_derives_them() {

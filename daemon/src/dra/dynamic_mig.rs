@@ -26,11 +26,7 @@ use super::devices::{DraDevice, DraKind, GpuCounters, MigPlacement, gpu_device};
 use crate::discovery::{Gpu, Inventory, MigDevice};
 use crate::node::NodeController;
 use crate::node::mig::Placement;
-
-/// The journal's file name in the state directory.
-/// Not `.json`: the allocation store reads every `<id>.json` in the state directory as one of its
-/// records.
-pub const JOURNAL_FILE: &str = "dra-dynamic-mig.state";
+use crate::state::store::DYNAMIC_MIG_FILE;
 
 /// One instance dynamic MIG made (or is about to make) for a claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,7 +73,7 @@ impl Journal {
     /// (`dra-dynamic-mig.state.damaged-<unix seconds>`) with an error logged, and the journal starts
     /// empty: the instances it named are then published as existing MIG devices.
     pub fn open(state_dir: &Path) -> Journal {
-        let path = state_dir.join(JOURNAL_FILE);
+        let path = state_dir.join(DYNAMIC_MIG_FILE);
         let entries = match std::fs::read(&path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => {
@@ -89,7 +85,7 @@ impl Journal {
                 Err(why) => {
                     let secs =
                         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-                    let aside = path.with_file_name(format!("{JOURNAL_FILE}.damaged-{secs}"));
+                    let aside = path.with_file_name(format!("{DYNAMIC_MIG_FILE}.damaged-{secs}"));
                     let copied = std::fs::copy(&path, &aside).map(|_| aside.display().to_string());
                     tracing::error!(
                         file = %path.display(),
@@ -773,7 +769,7 @@ pub(crate) mod tests {
     #[test]
     fn a_damaged_journal_is_set_aside_and_reported() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(JOURNAL_FILE), b"{\"version\": 1, \"instances\": [{\"claimUid\": ").unwrap();
+        std::fs::write(dir.path().join(DYNAMIC_MIG_FILE), b"{\"version\": 1, \"instances\": [{\"claimUid\": ").unwrap();
         let j = Journal::open(dir.path());
         assert!(j.entries().is_empty());
         let aside: Vec<String> = std::fs::read_dir(dir.path())

@@ -25,28 +25,11 @@ use super::prepare::{ClaimAllocations, DraDriver};
 use super::slices::{MEMORY_STEP, Publisher};
 use super::status::{KubeClaimStatus, StatusWriter};
 use crate::config::Config;
-use crate::config::kubernetes::{Mode, is_node_name};
+use crate::config::kubernetes::{Mode, node_name};
 use crate::node::mig::Placement;
 use crate::node::{NodeController, View};
 use crate::resources::Resources;
 use crate::state::{Allocation, Source};
-
-/// This node's name: the `kubernetes.node_name` key, else `NODE_NAME`.
-pub fn node_name(cfg: &Config) -> Result<String, String> {
-    if let Some(name) = &cfg.kubernetes.node_name {
-        return Ok(name.clone());
-    }
-    match std::env::var("NODE_NAME") {
-        Ok(name) if is_node_name(&name) => Ok(name),
-        Ok(name) => Err(format!(
-            "NODE_NAME {name:?} is not a node name (lowercase letters, digits, '-' and '.'); \
-             set it to the Node's name or set kubernetes.node_name"
-        )),
-        Err(_) => Err("kubernetes.mode needs this node's name: set NODE_NAME (the downward API's spec.nodeName) \
-             or kubernetes.node_name"
-            .into()),
-    }
-}
 
 /// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal);
 /// `node_api`: what the node API's own allocations hold ([`node_api_held`]), taken out.

@@ -73,7 +73,7 @@ pub fn labels(inv: &Inventory) -> BTreeMap<String, String> {
     put("tessera.io/gpu.count", inv.gpus.len().to_string());
     put("tessera.io/gpu.product", label_value(&first.name));
     put("tessera.io/gpu.memory", (first.memory_total >> 20).to_string());
-    if let Some((arch, cc)) = crate::dra::devices::architecture(&first.name) {
+    if let Some((arch, cc)) = crate::discovery::architecture(&first.name) {
         put("tessera.io/gpu.family", label_value(&arch.to_ascii_lowercase()));
         let (major, minor) = cc.split_once('.').unwrap_or((cc, "0"));
         put("tessera.io/gpu.compute.major", major.into());

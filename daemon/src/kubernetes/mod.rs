@@ -37,7 +37,7 @@ pub async fn start(
         tracing::info!("no API server configured: no Kubernetes Events or Node labels");
         return Ok(None);
     }
-    let node = crate::dra::node::node_name(cfg)?;
+    let node = crate::config::kubernetes::node_name(cfg)?;
     let client = crate::dra::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let (_, bus) = controller.events().subscribe(0);
     let recorder = tokio::spawn(events::Recorder::new(client.clone(), node.clone()).run(bus, shutdown.clone()));

@@ -58,6 +58,9 @@ const RECORD_EXT: &str = ".json";
 const LEGACY_TMP_EXT: &str = ".json.tmp";
 /// The daemon's kept events (`crate::events`), beside the journal.
 pub const EVENTS_FILE: &str = "events.pb";
+/// The DRA driver's dynamic MIG journal (`crate::dra::dynamic_mig`), beside the journal. Not
+/// `.json`: every `<id>.json` here is read as an allocation record.
+pub const DYNAMIC_MIG_FILE: &str = "dra-dynamic-mig.state";
 const CORRUPT_EXT: &str = ".corrupt";
 const LOCK_FILE: &str = "lock";
 
@@ -705,7 +708,7 @@ fn ours(name: &str) -> bool {
     // journal (and its damaged copies). Named "not an allocation record" at every start before.
     name == crate::cdi::DRIVER_DIRS
         || name.starts_with(EVENTS_FILE)
-        || name.starts_with(crate::dra::dynamic_mig::JOURNAL_FILE)
+        || name.starts_with(DYNAMIC_MIG_FILE)
         || name == LOCK_FILE
         || name == journal::FILE_NAME
         || name == journal::TMP_NAME
