@@ -8,8 +8,9 @@
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
-//! - [`allocator`]: the kubelet's `Allocate` and preferences over the state store; the node
-//!   API's on-demand shares (`Allocate`, `Release`, `SetLimits`).
+//! - [`allocator`]: the allocation core: record, release and set limits over the state store,
+//!   and its three ways in: the kubelet's `Allocate`, the node API's on-demand shares
+//!   (`Allocate`, `Release`, `SetLimits`) and DRA claims.
 //! - [`carve`]: admission and placement of shares carved on demand from a GPU's free room.
 //! - [`lease`]: node API allocations leased to a container, released when it is deleted.
 //! - [`dra`]: the Kubernetes DRA driver `gpu.tessera.io`: kubelet registration and DRA service,

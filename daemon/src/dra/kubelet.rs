@@ -25,13 +25,8 @@ use super::{DRIVER, REGISTRATION_SOCKET, SERVICE_SOCKET};
 /// How often the sockets are checked for removal.
 pub const RECHECK: Duration = Duration::from_millis(200);
 
-/// A claim as the kubelet names it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ClaimRef {
-    pub namespace: String,
-    pub uid: String,
-    pub name: String,
-}
+/// A claim as the kubelet names it (the allocation core's: a claim's record is owned by its UID).
+pub use crate::allocator::ClaimRef;
 
 /// One prepared device of a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -23,26 +23,10 @@ use super::dynamic_mig::DynamicMig;
 use super::slices::{DEFAULT_MEMORY, DEFAULT_SM};
 use super::status::{DeviceStatus, StatusWriter};
 use super::{ClaimDriver, ClaimRef, PreparedDevice};
-use crate::state::{AllocatedDevice, Allocation};
+use crate::state::AllocatedDevice;
 
-/// Who an allocation made for a claim belongs to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClaimOwner {
-    pub claim: ClaimRef,
-    /// The pods the claim is reserved for (name, UID), for reports and metrics.
-    pub pods: Vec<(String, String)>,
-}
-
-/// The allocation store as DRA uses it.
-pub trait ClaimAllocations: Send + Sync + 'static {
-    /// The allocation owned by `owner.claim.uid`; made from `devices` (admitted against every
-    /// other allocation on their GPUs) when there is none.
-    fn allocate_claim(&self, owner: &ClaimOwner, devices: Vec<AllocatedDevice>) -> Result<Allocation, String>;
-    /// Releases what claim `uid` owns; `Ok(false)` when it owned nothing.
-    fn release_claim(&self, uid: &str) -> Result<bool, String>;
-    /// Every allocation made for a claim (after a start: whose specs must exist).
-    fn claim_allocations(&self) -> Vec<Allocation>;
-}
+/// Who a claim's allocation belongs to, and the allocation core as DRA calls it.
+pub use crate::allocator::{ClaimAllocations, ClaimOwner};
 
 /// The limits one granted device gives, with the published device it names.
 pub fn allocated_device(
@@ -223,7 +207,7 @@ mod tests {
 
     use super::*;
     use crate::dra::status::{ClaimStatusApi, WriteError};
-    use crate::state::{Claim, ContainerIdentity, Lease, Source};
+    use crate::state::{Allocation, Claim, ContainerIdentity, Lease, Source};
 
     struct Claims(ResourceClaim);
 
