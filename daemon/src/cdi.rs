@@ -397,8 +397,7 @@ mod tests {
             shares: Vec::new(),
             resources: Default::default(),
             status: Default::default(),
-            unhealthy_gpus: Default::default(),
-            unhealthy_devices: Default::default(),
+            health: Default::default(),
         }
     }
 

@@ -8,6 +8,8 @@
 //! - [`kubelet`]: the device-plugin servers (one socket per resource), registration and
 //!   re-registration when the kubelet restarts.
 //! - [`resources`]: what is advertised (whole GPUs, MIG devices, shares) from the inventory.
+//! - [`device_health`]: health as one value with its reason, and the one rule that says what the
+//!   health monitor's findings mean for each device.
 //! - [`allocator`]: the allocation core: record, release and set limits over the state store,
 //!   and its three ways in: the kubelet's `Allocate`, the node API's on-demand shares
 //!   (`Allocate`, `Release`, `SetLimits`) and DRA claims.
@@ -39,6 +41,7 @@ pub mod blocking;
 pub mod carve;
 pub mod cdi;
 pub mod config;
+pub mod device_health;
 pub mod discovery;
 pub mod dra;
 pub mod echo;

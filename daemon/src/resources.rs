@@ -13,6 +13,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::{Config, PartitionKind};
+use crate::device_health::NodeHealth;
 use crate::discovery::{Ancestor, Inventory};
 use crate::kubelet::PluginDevice;
 use crate::partition::{GpuLayout, Share};
@@ -201,15 +202,11 @@ impl Resources {
         self.resources.values().find_map(|r| r.device(id).map(|d| (r, d)))
     }
 
-    /// Marks unhealthy every device on a GPU in `gpus` or carved from a device in `uuids`.
-    pub fn mark_unhealthy(
-        &mut self,
-        gpus: &std::collections::BTreeSet<u32>,
-        uuids: &std::collections::BTreeSet<String>,
-    ) {
+    /// Marks every device as `health` says of it (its GPU's, or the device it is carved from).
+    pub fn mark_unhealthy(&mut self, health: &NodeHealth) {
         for r in self.resources.values_mut() {
             for d in &mut r.devices {
-                d.healthy = !(gpus.contains(&d.gpu_index) || uuids.contains(&d.physical_uuid) || uuids.contains(&d.id));
+                d.healthy = health.of(d.gpu_index, &d.physical_uuid).is_healthy();
             }
         }
     }

@@ -267,15 +267,9 @@ fn evaluate(node: &SimNode, python: &Path) {
     use tessera_daemon::dra::slices::{SliceLayout, build_pool};
     let session = tessera_daemon::discovery::Session::open(Some(node.nvml_path().as_path()), false).expect("session");
     let inv = session.inventory().expect("inventory");
-    let none = BTreeMap::new();
-    let published = with_placements(
-        from_inventory(&inv, |_| true, &none, &BTreeMap::new()),
-        &inv,
-        |_| true,
-        &BTreeSet::new(),
-        &none,
-        &BTreeMap::new(),
-    );
+    let healthy = tessera_daemon::device_health::NodeHealth::default();
+    let published =
+        with_placements(from_inventory(&inv, |_| true, &healthy), &inv, |_| true, &BTreeSet::new(), &healthy);
     let mut devices = Vec::new();
     for slice in build_pool("node-a", &published, 0, SliceLayout::Separate) {
         let slice = serde_json::to_value(&slice).unwrap();

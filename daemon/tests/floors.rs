@@ -51,6 +51,7 @@ const FLOORS: &[(&str, Floor)] = &[
     ("socket", Base),
     ("config", Core),
     ("discovery", Core),
+    ("device_health", Core),
     ("partition", Core),
     ("resources", Core),
     ("state", State),

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use tessera_proto::tessera::v1 as api;
 use tonic::Status;
 
+use crate::device_health::Health;
 use crate::node::{View, holder, identity, layout};
 use crate::resources::{CDI_VENDOR, Kind, Resources};
 use crate::state::{Allocation, Lease, Source};
@@ -26,13 +27,10 @@ fn gpu_filter(view: &View, gpu: &str) -> Result<Option<u32>, Status> {
 }
 
 fn health(view: &View, gpu: u32, uuid: &str) -> (api::Health, String) {
-    if let Some(r) = view.unhealthy_gpus.get(&gpu) {
-        return (api::Health::Unhealthy, r.clone());
+    match view.health.of(gpu, uuid) {
+        Health::Healthy => (api::Health::Healthy, String::new()),
+        Health::Unhealthy(why) => (api::Health::Unhealthy, why),
     }
-    if let Some(r) = view.unhealthy_devices.get(uuid) {
-        return (api::Health::Unhealthy, r.clone());
-    }
-    (api::Health::Healthy, String::new())
 }
 
 /// `ListDevices`; `withdrawn` are the kubelet's devices told unhealthy for want of room,

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::device_health::NodeHealth;
 use crate::discovery::{Gpu, Inventory, architecture};
 
 /// What kind of device a published one is.
@@ -97,21 +98,12 @@ impl DraDevice {
 }
 
 /// The devices of `inv`'s GPUs that `include` accepts (mode `both` keeps the device plugin's
-/// GPUs out), marked with the health monitor's reasons (`unhealthy_gpus` by index,
-/// `unhealthy_devices` by UUID).
-pub fn from_inventory(
-    inv: &Inventory,
-    include: impl Fn(&Gpu) -> bool,
-    unhealthy_gpus: &BTreeMap<u32, String>,
-    unhealthy_devices: &BTreeMap<String, String>,
-) -> Vec<DraDevice> {
+/// GPUs out), each marked as `health` says of it.
+pub fn from_inventory(inv: &Inventory, include: impl Fn(&Gpu) -> bool, health: &NodeHealth) -> Vec<DraDevice> {
     let mut out = Vec::new();
     for g in inv.gpus.iter().filter(|g| include(g)) {
-        let gpu_reason = unhealthy_gpus.get(&g.index).cloned();
-        let base = DraDevice {
-            unhealthy: gpu_reason.clone().or_else(|| unhealthy_devices.get(&g.uuid).cloned()),
-            ..gpu_device(inv, g)
-        };
+        let base =
+            DraDevice { unhealthy: health.of(g.index, &g.uuid).reason().map(str::to_owned), ..gpu_device(inv, g) };
         match &g.mig {
             Some(mig) if mig.current => {
                 for inst in &mig.instances {
@@ -121,7 +113,7 @@ pub fn from_inventory(
                             kind: DraKind::Mig { profile: inst.profile.clone(), gi: d.gi_id, ci: d.ci_id },
                             uuid: d.uuid.clone(),
                             memory: d.memory_total,
-                            unhealthy: gpu_reason.clone().or_else(|| unhealthy_devices.get(&d.uuid).cloned()),
+                            unhealthy: health.of(g.index, &d.uuid).reason().map(str::to_owned),
                             ..base.clone()
                         });
                     }

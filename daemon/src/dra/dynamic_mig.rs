@@ -16,13 +16,14 @@
 //!   and the placements it overlaps are not; its memory, multiprocessors and memory slices leave
 //!   the counter set.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
 use super::devices::{DraDevice, DraKind, GpuCounters, MigPlacement, gpu_device};
+use crate::device_health::NodeHealth;
 use crate::discovery::{Gpu, Inventory, MigDevice};
 use crate::node::NodeController;
 use crate::node::mig::Placement;
@@ -314,8 +315,7 @@ pub fn with_placements(
     inv: &Inventory,
     eligible: impl Fn(&Gpu) -> bool,
     made: &BTreeSet<Placement>,
-    unhealthy_gpus: &BTreeMap<u32, String>,
-    unhealthy_devices: &BTreeMap<String, String>,
+    health: &NodeHealth,
 ) -> Vec<DraDevice> {
     for g in inv.gpus.iter().filter(|g| eligible(g) && allows_dynamic(g)) {
         let mig = g.mig.as_ref().expect("allows_dynamic");
@@ -342,7 +342,6 @@ pub fn with_placements(
             ),
             memory_slices: (0..all_slices.unwrap_or(0)).filter(|s| !taken.contains(s)).collect(),
         };
-        let gpu_reason = unhealthy_gpus.get(&g.index).or_else(|| unhealthy_devices.get(&g.uuid)).cloned();
         let mut names = BTreeSet::new();
         for p in profiles {
             for &start in &p.placements {
@@ -354,11 +353,10 @@ pub fn with_placements(
                     tracing::warn!(gpu = g.index, profile = %p.name, "two MIG profiles share a device name; the second is not published");
                     continue;
                 }
-                let instance_reason = ours
-                    .iter()
-                    .find(|gi| gi.profile_id == p.id && gi.start == start)
-                    .and_then(|gi| gi.devices.iter().find_map(|d| unhealthy_devices.get(&d.uuid)))
-                    .cloned();
+                // Its GPU's health, or that of the instance dynamic MIG made there.
+                let instance = ours.iter().find(|gi| gi.profile_id == p.id && gi.start == start);
+                let uuids = instance.into_iter().flat_map(|gi| &gi.devices).map(|d| d.uuid.as_str());
+                let health = health.of_any(g.index, std::iter::once(g.uuid.as_str()).chain(uuids));
                 devices.push(DraDevice {
                     name,
                     kind: DraKind::MigPlacement(MigPlacement {
@@ -370,7 +368,7 @@ pub fn with_placements(
                         counters: counters.clone(),
                     }),
                     memory: p.memory_mib << 20,
-                    unhealthy: gpu_reason.clone().or(instance_reason),
+                    unhealthy: health.reason().map(str::to_owned),
                     ..gpu_device(inv, g)
                 });
             }
@@ -382,6 +380,8 @@ pub fn with_placements(
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::discovery::{GiProfile, MigCapability, MigInfo, MigInstance};
 
@@ -454,8 +454,8 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn publish(inv: &Inventory, made: &BTreeSet<Placement>) -> Vec<DraDevice> {
-        let base = super::super::devices::from_inventory(inv, |_| true, &BTreeMap::new(), &BTreeMap::new());
-        with_placements(base, inv, |_| true, made, &BTreeMap::new(), &BTreeMap::new())
+        let base = super::super::devices::from_inventory(inv, |_| true, &NodeHealth::default());
+        with_placements(base, inv, |_| true, made, &NodeHealth::default())
     }
 
     #[test]
@@ -525,13 +525,13 @@ pub(crate) mod tests {
         inv.gpus[0].mig.as_mut().unwrap().current = false;
         assert!(placements(&publish(&inv, &BTreeSet::new())).is_empty(), "MIG on only after a reset");
         let inv = h100(Vec::new());
-        let base = super::super::devices::from_inventory(&inv, |_| true, &BTreeMap::new(), &BTreeMap::new());
-        let d = with_placements(base, &inv, |_| false, &BTreeSet::new(), &BTreeMap::new(), &BTreeMap::new());
+        let base = super::super::devices::from_inventory(&inv, |_| true, &NodeHealth::default());
+        let d = with_placements(base, &inv, |_| false, &BTreeSet::new(), &NodeHealth::default());
         assert!(placements(&d).is_empty(), "a GPU a [partitions] entry manages");
         // An unhealthy GPU's placements are marked (and so leave the slice).
-        let sick = BTreeMap::from([(0, "XID 79".to_string())]);
-        let base = super::super::devices::from_inventory(&inv, |_| true, &sick, &BTreeMap::new());
-        let d = with_placements(base, &inv, |_| true, &BTreeSet::new(), &sick, &BTreeMap::new());
+        let sick = NodeHealth::new(BTreeMap::from([(0, "XID 79".to_string())]), BTreeMap::new());
+        let base = super::super::devices::from_inventory(&inv, |_| true, &sick);
+        let d = with_placements(base, &inv, |_| true, &BTreeSet::new(), &sick);
         assert!(d.iter().all(|d| d.unhealthy.as_deref() == Some("XID 79")));
     }
 
@@ -715,7 +715,7 @@ pub(crate) mod tests {
         let nodes: crate::dra::claim_specs::NodesOf = Arc::new(|_: &str| Some(Vec::new()));
         let specs = Arc::new(crate::dra::claim_specs::ClaimSpecs::new(
             dir.path().join("cdi"),
-            tessera_hook::cdi::NodeDevices::default(),
+            tessera_region::cdi::NodeDevices::default(),
             dir.path().join("run"),
             nodes,
         ));

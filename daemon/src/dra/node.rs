@@ -40,20 +40,10 @@ pub fn published(
     made: &BTreeSet<Placement>,
     node_api: &BTreeMap<String, NodeApiHeld>,
 ) -> Vec<DraDevice> {
-    let devices = from_inventory(
-        &view.inventory,
-        |g| mode != Mode::Both || !view.status.contains_key(&g.index),
-        &view.unhealthy_gpus,
-        &view.unhealthy_devices,
-    );
-    let devices = with_placements(
-        devices,
-        &view.inventory,
-        |g| !view.status.contains_key(&g.index),
-        made,
-        &view.unhealthy_gpus,
-        &view.unhealthy_devices,
-    );
+    let devices =
+        from_inventory(&view.inventory, |g| mode != Mode::Both || !view.status.contains_key(&g.index), &view.health);
+    let devices =
+        with_placements(devices, &view.inventory, |g| !view.status.contains_key(&g.index), made, &view.health);
     without_node_api(devices, node_api, MEMORY_STEP)
 }
 

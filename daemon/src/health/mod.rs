@@ -678,7 +678,7 @@ impl Monitor {
     fn push_health(&self) {
         let gpus = self.gpus.iter().filter_map(|(i, w)| w.outage.as_ref().map(|o| (*i, o.describe()))).collect();
         let devices = self.migs.iter().map(|(u, (_, o))| (u.clone(), o.describe())).collect();
-        self.controller.set_health(gpus, devices);
+        self.controller.set_health(crate::device_health::NodeHealth::new(gpus, devices));
     }
 
     fn mig_uuid(&self, gpu: u32, gi: u32, ci: u32) -> Option<String> {

@@ -310,10 +310,7 @@ impl NodeController {
         let layouts = partition::resolve(&config, &inv).map_err(|e| e.to_string())?;
         let shares = partition::plan_all_shares(&inv, &layouts).map_err(|e| e.to_string())?;
         let mut resources = Resources::build(&config, &inv, &layouts, &shares);
-        resources.mark_unhealthy(
-            &live.view.unhealthy_gpus.keys().copied().collect(),
-            &live.view.unhealthy_devices.keys().cloned().collect(),
-        );
+        resources.mark_unhealthy(&live.view.health);
         let resources = Arc::new(resources);
         live.view.inventory = inv.clone();
         live.view.shares = shares;

@@ -22,6 +22,7 @@ use tokio::sync::watch;
 
 use crate::allocator::DaemonAllocator;
 use crate::config::{self, Config, ConfigError};
+use crate::device_health::NodeHealth;
 use crate::discovery::{Gpu, Inventory, Session};
 use crate::events::EventBus;
 use crate::partition::{self, GpuLayout, PlanError, Share};
@@ -64,9 +65,8 @@ pub struct View {
     pub resources: Arc<Resources>,
     /// Managed GPUs only (by index).
     pub status: BTreeMap<u32, GpuStatus>,
-    /// Unhealthy GPUs (by index) and devices (by UUID), with the reason.
-    pub unhealthy_gpus: BTreeMap<u32, String>,
-    pub unhealthy_devices: BTreeMap<String, String>,
+    /// What is out of service, with the reasons (the health monitor's findings).
+    pub health: NodeHealth,
 }
 
 /// Why the daemon cannot start.
@@ -148,8 +148,7 @@ impl NodeController {
             shares: Vec::new(),
             resources: Arc::new(Resources::default()),
             status: BTreeMap::new(),
-            unhealthy_gpus: BTreeMap::new(),
-            unhealthy_devices: BTreeMap::new(),
+            health: NodeHealth::default(),
         };
         let (resources_tx, _) = watch::channel(Arc::new(Resources::default()));
         let controller = NodeController {
@@ -224,11 +223,7 @@ impl NodeController {
                 uuid: g.uuid.clone(),
                 model: g.name.clone(),
                 memory_total: g.memory_total,
-                unavailable: view
-                    .unhealthy_gpus
-                    .get(&g.index)
-                    .or_else(|| view.unhealthy_devices.get(&g.uuid))
-                    .map(|why| format!("unhealthy: {why}")),
+                unavailable: view.health.of(g.index, &g.uuid).reason().map(|why| format!("unhealthy: {why}")),
                 mig_mode: g.mig.as_ref().is_some_and(|m| m.current || m.pending),
                 // Only instances in effect (MIG mode on now), each with its one compute instance.
                 mig: g
@@ -241,7 +236,7 @@ impl NodeController {
                         uuid: d.uuid.clone(),
                         profile: gi.profile.clone(),
                         memory_total: d.memory_total,
-                        unavailable: view.unhealthy_devices.get(&d.uuid).map(|why| format!("unhealthy: {why}")),
+                        unavailable: view.health.of(g.index, &d.uuid).reason().map(|why| format!("unhealthy: {why}")),
                     })
                     .collect(),
                 mig_profiles: g.mig.as_ref().map(|m| m.capability.names()).unwrap_or_default(),
@@ -430,18 +425,14 @@ impl NodeController {
 
     /// Marks GPUs and devices healthy or not (the health monitor's input) and republishes what
     /// is offered when that changes anything.
-    pub fn set_health(&self, gpus: BTreeMap<u32, String>, devices: BTreeMap<String, String>) {
+    pub fn set_health(&self, health: NodeHealth) {
         let mut live = self.lock();
-        if live.view.unhealthy_gpus == gpus && live.view.unhealthy_devices == devices {
+        if live.view.health == health {
             return;
         }
-        live.view.unhealthy_gpus = gpus;
-        live.view.unhealthy_devices = devices;
+        live.view.health = health;
         let mut res = (*live.view.resources).clone();
-        res.mark_unhealthy(
-            &live.view.unhealthy_gpus.keys().copied().collect(),
-            &live.view.unhealthy_devices.keys().cloned().collect(),
-        );
+        res.mark_unhealthy(&live.view.health);
         let res = Arc::new(res);
         live.view.resources = Arc::clone(&res);
         drop(live);
@@ -479,7 +470,7 @@ impl NodeController {
         let mut refused = BTreeSet::new();
         for l in &layouts {
             let gpu = inv.gpu(l.index).expect("layouts come from this inventory");
-            if let Some(reason) = live.view.unhealthy_gpus.get(&l.index)
+            if let Some(reason) = live.view.health.gpu(l.index)
                 && !starting
                 && before_config.partition_for(gpu.index, &gpu.uuid).map(|(_, s)| s)
                     != config.partition_for(gpu.index, &gpu.uuid).map(|(_, s)| s)
@@ -618,10 +609,7 @@ impl NodeController {
         let shares = partition::plan_all_shares(&after_inv, &after_layouts)
             .map_err(|e| ConfigError::new("partitions", e.to_string()))?;
         let mut resources = Resources::build(&config, &after_inv, &after_layouts, &shares);
-        resources.mark_unhealthy(
-            &live.view.unhealthy_gpus.keys().copied().collect(),
-            &live.view.unhealthy_devices.keys().cloned().collect(),
-        );
+        resources.mark_unhealthy(&live.view.health);
 
         // 4. Per-GPU results and events.
         let mut results = Vec::new();

@@ -50,7 +50,7 @@ impl MetricsSource for NodeSource {
             let device = nvml.device_by_index(g.index).ok();
             let memory = device.as_ref().and_then(|d| d.memory_info().ok());
             let utilization = device.as_ref().and_then(|d| d.utilization_rates().ok()).map(|u| u.gpu);
-            let gpu_healthy = !view.unhealthy_gpus.contains_key(&g.index);
+            let gpu_healthy = view.health.gpu(g.index).is_none();
             gpus.push(GpuMetrics {
                 index: g.index,
                 uuid: g.uuid.clone(),
@@ -81,7 +81,7 @@ impl MetricsSource for NodeSource {
                         pci_bus_id: g.pci_bus_id.clone(),
                         memory_used: memory.as_ref().map_or(0, |m| m.used),
                         memory_total: memory.as_ref().map_or(d.memory_total, |m| m.total),
-                        healthy: gpu_healthy && !view.unhealthy_devices.contains_key(&d.uuid),
+                        healthy: view.health.of(g.index, &d.uuid).is_healthy(),
                         mig_profile: Some(gi.profile.clone()),
                         parent_uuid: Some(g.uuid.clone()),
                         gpu_instance_id: Some(d.gi_id),
