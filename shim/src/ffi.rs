@@ -134,26 +134,6 @@ pub(crate) const NVML_ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
 pub(crate) const NVML_ERROR_LIBRARY_NOT_FOUND: NvmlReturn = 12;
 pub(crate) const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
 
-/// `nvmlMemory_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct NvmlMemory {
-    pub total: u64,
-    pub free: u64,
-    pub used: u64,
-}
-
-/// `nvmlMemory_v2_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct NvmlMemoryV2 {
-    pub version: c_uint,
-    pub total: u64,
-    pub reserved: u64,
-    pub free: u64,
-    pub used: u64,
-}
-
 /// `nvmlProcessInfo_v1_t`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -245,7 +225,6 @@ mod tests {
         assert_eq!(offset_of!(CUlaunchConfigHead, h_stream), 32);
         assert_eq!(size_of::<ArrayDesc>(), 24);
         assert_eq!(size_of::<Array3dDesc>(), 40);
-        assert_eq!(size_of::<NvmlMemoryV2>(), 40);
         assert_eq!(size_of::<NvmlProcessInfoV2>(), 24);
         assert_eq!(size_of::<NvmlProcessInfoV1>(), 16);
         type Info = cudarc::driver::sys::CUarrayMapInfo;

@@ -7,6 +7,9 @@
 
 use std::ffi::{CStr, c_char, c_uint};
 
+use tessera_abi::nvml::{nvmlMemory_t, nvmlMemory_v2_t};
+use tessera_abi::nvml_exports;
+
 use crate::ffi::*;
 use crate::real::{self, RealNvml};
 use crate::state::{self, ShimState};
@@ -54,48 +57,48 @@ fn view(s: &ShimState, dev: usize, limit: u64, real_total: u64, real_free: u64) 
     (total, used, free)
 }
 
-/// # Safety
-/// As nvml.h's `nvmlDeviceGetMemoryInfo`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: NvmlDevice, memory: *mut NvmlMemory) -> NvmlReturn {
-    nvml_hook(|s, n| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { (n.nvmlDeviceGetMemoryInfo)(device, memory) };
-        if rc != NVML_SUCCESS {
-            return rc;
-        }
-        // SAFETY: NVML filled the caller's struct (it succeeded).
-        let Some(m) = (unsafe { get(memory) }) else { return rc };
-        if let Some((dev, limit)) = limited(s, n, device) {
-            let (total, used, free) = view(s, dev, limit, m.total, m.free);
-            // SAFETY: the caller's struct, just written by NVML.
-            unsafe { put(memory, NvmlMemory { total, free, used }) };
-        }
-        rc
-    })
-}
+nvml_exports! {
+    /// # Safety
+    /// As nvml.h's `nvmlDeviceGetMemoryInfo`.
+    fn nvmlDeviceGetMemoryInfo(device, memory_out) {
+        nvml_hook(|s, n| {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { (n.nvmlDeviceGetMemoryInfo)(device, memory_out) };
+            if rc != NVML_SUCCESS {
+                return rc;
+            }
+            // SAFETY: NVML filled the caller's struct (it succeeded).
+            let Some(m) = (unsafe { get(memory_out) }) else { return rc };
+            if let Some((dev, limit)) = limited(s, n, device) {
+                let (total, used, free) = view(s, dev, limit, m.total, m.free);
+                // SAFETY: the caller's struct, just written by NVML.
+                unsafe { put(memory_out, nvmlMemory_t { total, free, used }) };
+            }
+            rc
+        })
+    }
 
-/// # Safety
-/// As nvml.h's `nvmlDeviceGetMemoryInfo_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: NvmlDevice, memory: *mut NvmlMemoryV2) -> NvmlReturn {
-    nvml_hook(|s, n| {
-        let Some(f) = n.nvmlDeviceGetMemoryInfo_v2 else { return 13 }; // FUNCTION_NOT_FOUND
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(device, memory) };
-        if rc != NVML_SUCCESS {
-            return rc;
-        }
-        // SAFETY: NVML filled the caller's struct (it succeeded).
-        let Some(m) = (unsafe { get(memory) }) else { return rc };
-        if let Some((dev, limit)) = limited(s, n, device) {
-            let (total, used, free) = view(s, dev, limit, m.total, m.free);
-            let v = NvmlMemoryV2 { version: m.version, total, reserved: 0, free, used };
-            // SAFETY: the caller's struct, just written by NVML.
-            unsafe { put(memory, v) };
-        }
-        rc
-    })
+    /// # Safety
+    /// As nvml.h's `nvmlDeviceGetMemoryInfo_v2`.
+    fn nvmlDeviceGetMemoryInfo_v2(device, memory_out) {
+        nvml_hook(|s, n| {
+            let Some(f) = n.nvmlDeviceGetMemoryInfo_v2 else { return 13 }; // FUNCTION_NOT_FOUND
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { f(device, memory_out) };
+            if rc != NVML_SUCCESS {
+                return rc;
+            }
+            // SAFETY: NVML filled the caller's struct (it succeeded).
+            let Some(m) = (unsafe { get(memory_out) }) else { return rc };
+            if let Some((dev, limit)) = limited(s, n, device) {
+                let (total, used, free) = view(s, dev, limit, m.total, m.free);
+                let v = nvmlMemory_v2_t { version: m.version, total, reserved: 0, free, used };
+                // SAFETY: the caller's struct, just written by NVML.
+                unsafe { put(memory_out, v) };
+            }
+            rc
+        })
+    }
 }
 
 /// The running-process list, filtered to the container's processes, with NVML's protocol: on
@@ -147,48 +150,35 @@ unsafe fn filtered<T: Copy + Default>(
     NVML_SUCCESS
 }
 
-/// # Safety
-/// As nvml.h's `nvmlDeviceGetComputeRunningProcesses` (v1 entries).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
-    device: NvmlDevice,
-    infoCount: *mut c_uint,
-    infos: *mut NvmlProcessInfoV1,
-) -> NvmlReturn {
-    nvml_hook(|s, n| {
-        // SAFETY: the caller's pointers (nvml.h's contract); the real call fills our buffer.
-        unsafe {
-            filtered(s, infoCount, infos, |p| p.pid, |c, i| (n.nvmlDeviceGetComputeRunningProcesses)(device, c, i))
-        }
-    })
-}
+nvml_exports! {
+    /// # Safety
+    /// As nvml.h's `nvmlDeviceGetComputeRunningProcesses` (v1 entries).
+    fn nvmlDeviceGetComputeRunningProcesses(device, info_count, infos) {
+        nvml_hook(|s, n| {
+            let real = n.nvmlDeviceGetComputeRunningProcesses;
+            // SAFETY: the caller's pointers (nvml.h's contract); the real call fills our buffer
+            // (our mirror of the header's entry, the same layout).
+            unsafe { filtered(s, info_count, infos.cast::<NvmlProcessInfoV1>(), |p| p.pid, |c, i| real(device, c, i.cast())) }
+        })
+    }
 
-/// # Safety
-/// As nvml.h's `nvmlDeviceGetComputeRunningProcesses_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
-    device: NvmlDevice,
-    infoCount: *mut c_uint,
-    infos: *mut NvmlProcessInfoV2,
-) -> NvmlReturn {
-    nvml_hook(|s, n| {
-        let Some(f) = n.nvmlDeviceGetComputeRunningProcesses_v2 else { return 13 };
-        // SAFETY: the caller's pointers (nvml.h's contract); the real call fills our buffer.
-        unsafe { filtered(s, infoCount, infos, |p| p.pid, |c, i| f(device, c, i)) }
-    })
-}
+    /// # Safety
+    /// As nvml.h's `nvmlDeviceGetComputeRunningProcesses_v2`.
+    fn nvmlDeviceGetComputeRunningProcesses_v2(device, info_count, infos) {
+        nvml_hook(|s, n| {
+            let Some(f) = n.nvmlDeviceGetComputeRunningProcesses_v2 else { return 13 };
+            // SAFETY: as in the v1 function.
+            unsafe { filtered(s, info_count, infos.cast::<NvmlProcessInfoV2>(), |p| p.pid, |c, i| f(device, c, i.cast())) }
+        })
+    }
 
-/// # Safety
-/// As nvml.h's `nvmlDeviceGetComputeRunningProcesses_v3`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
-    device: NvmlDevice,
-    infoCount: *mut c_uint,
-    infos: *mut NvmlProcessInfoV2,
-) -> NvmlReturn {
-    nvml_hook(|s, n| {
-        let Some(f) = n.nvmlDeviceGetComputeRunningProcesses_v3 else { return 13 };
-        // SAFETY: the caller's pointers (nvml.h's contract); the real call fills our buffer.
-        unsafe { filtered(s, infoCount, infos, |p| p.pid, |c, i| f(device, c, i)) }
-    })
+    /// # Safety
+    /// As nvml.h's `nvmlDeviceGetComputeRunningProcesses_v3`.
+    fn nvmlDeviceGetComputeRunningProcesses_v3(device, info_count, infos) {
+        nvml_hook(|s, n| {
+            let Some(f) = n.nvmlDeviceGetComputeRunningProcesses_v3 else { return 13 };
+            // SAFETY: as in the v1 function.
+            unsafe { filtered(s, info_count, infos.cast::<NvmlProcessInfoV2>(), |p| p.pid, |c, i| f(device, c, i.cast())) }
+        })
+    }
 }

@@ -13,14 +13,61 @@ use std::sync::OnceLock;
 use std::sync::atomic::AtomicU8;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
 
-use nvml_wrapper_sys::bindings::nvmlProcessUtilizationSample_t;
-
 use crate::ffi::*;
 use crate::intercept::dl;
 
 type PP = *mut *mut c_void;
 
 macro_rules! table {
+    // Functions named only: their types are the family's table's (`tessera_abi::<family>::pfn`).
+    (
+        $(#[$meta:meta])* $vis:vis struct $name:ident: $family:ident {
+            required { $($req:ident),* $(,)? }
+            optional { $($opt:ident),* $(,)? }
+        }
+    ) => {
+        $(#[$meta])*
+        #[allow(non_snake_case, dead_code)] // the whole driver API the hooks and the limiter may use
+        $vis struct $name {
+            /// The library's handle (from `dlopen`, never closed).
+            pub handle: usize,
+            $(pub $req: tessera_abi::$family::pfn::$req,)*
+            $(pub $opt: Option<tessera_abi::$family::pfn::$opt>,)*
+        }
+
+        impl $name {
+            /// Resolves every function from the library's handle; `Err` names the first required
+            /// function missing.
+            ///
+            /// # Safety
+            /// `handle` must be a live handle of the real library, whose functions have the
+            /// signatures of the family's table (cuda.h / nvml.h).
+            unsafe fn resolve(handle: *mut c_void) -> Result<$name, &'static str> {
+                Ok($name {
+                    handle: handle as usize,
+                    $($req: {
+                        let name = concat!(stringify!($req), "\0");
+                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        if p.is_null() {
+                            return Err(stringify!($req));
+                        }
+                        // SAFETY: the library's function of this name, with the table's
+                        // signature (this function's contract); fn and data pointers have one
+                        // size on our targets.
+                        unsafe { std::mem::transmute::<*mut c_void, tessera_abi::$family::pfn::$req>(p) }
+                    },)*
+                    $($opt: {
+                        let name = concat!(stringify!($opt), "\0");
+                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        // SAFETY: as above; null stays None.
+                        (!p.is_null()).then(|| unsafe {
+                            std::mem::transmute::<*mut c_void, tessera_abi::$family::pfn::$opt>(p)
+                        })
+                    },)*
+                })
+            }
+        }
+    };
     (
         $(#[$meta:meta])* $vis:vis struct $name:ident -> $ret:ty {
             required { $($req:ident($($rarg:ty),* $(,)?);)* }
@@ -194,20 +241,20 @@ table! {
 
 table! {
     /// The real NVML.
-    pub(crate) struct RealNvml -> NvmlReturn {
+    pub(crate) struct RealNvml: nvml {
         required {
-            nvmlInit_v2();
-            nvmlDeviceGetHandleByUUID(*const c_char, *mut NvmlDevice);
-            nvmlDeviceGetUUID(NvmlDevice, *mut c_char, c_uint);
-            nvmlDeviceGetIndex(NvmlDevice, *mut c_uint);
-            nvmlDeviceGetMemoryInfo(NvmlDevice, *mut NvmlMemory);
-            nvmlDeviceGetComputeRunningProcesses(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV1);
-            nvmlDeviceGetProcessUtilization(NvmlDevice, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64);
+            nvmlInit_v2,
+            nvmlDeviceGetHandleByUUID,
+            nvmlDeviceGetUUID,
+            nvmlDeviceGetIndex,
+            nvmlDeviceGetMemoryInfo,
+            nvmlDeviceGetComputeRunningProcesses,
+            nvmlDeviceGetProcessUtilization,
         }
         optional {
-            nvmlDeviceGetMemoryInfo_v2(NvmlDevice, *mut NvmlMemoryV2);
-            nvmlDeviceGetComputeRunningProcesses_v2(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV2);
-            nvmlDeviceGetComputeRunningProcesses_v3(NvmlDevice, *mut c_uint, *mut NvmlProcessInfoV2);
+            nvmlDeviceGetMemoryInfo_v2,
+            nvmlDeviceGetComputeRunningProcesses_v2,
+            nvmlDeviceGetComputeRunningProcesses_v3,
         }
     }
 }

@@ -43,7 +43,8 @@ fn generate_cuda(root: &Path, out: &Path) {
     std::fs::write(out.join("cuda_not_modelled.rs"), body).expect("write cuda_not_modelled.rs");
 }
 
-/// NVML: names no `extern "C" fn` under `src/nvml/` defines.
+/// NVML: names no function under `src/nvml/` defines (its exports are `fn nvmlX(...)` items of
+/// `nvml_exports!`).
 fn generate_nvml(root: &Path, out: &Path) {
     let mut modelled = BTreeSet::new();
     let dir = root.join("src/nvml");
@@ -52,9 +53,9 @@ fn generate_nvml(root: &Path, out: &Path) {
         let path = entry.expect("dir entry").path();
         if path.extension().is_some_and(|e| e == "rs") {
             let text = read(&path);
-            for rest in text.split("extern \"C\" fn ").skip(1) {
+            for rest in text.split("fn nvml").skip(1) {
                 let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-                modelled.insert(name);
+                modelled.insert(format!("nvml{name}"));
             }
         }
     }

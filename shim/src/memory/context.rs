@@ -143,7 +143,7 @@ fn ctx_free(cu: &RealCuda, ctx: CUcontext) -> Option<u64> {
 /// Free bytes by NVML.
 fn nvml_free(h: NvmlDevice) -> Option<u64> {
     let nvml = real::nvml()?;
-    let mut m = NvmlMemory::default();
+    let mut m = tessera_abi::nvml::nvmlMemory_t { total: 0, free: 0, used: 0 };
     // SAFETY: h is a device handle from NVML; m a valid out-pointer.
     (unsafe { (nvml.nvmlDeviceGetMemoryInfo)(h, &mut m) } == NVML_SUCCESS).then_some(m.free)
 }
@@ -157,8 +157,9 @@ fn own_usage(h: NvmlDevice) -> Option<u64> {
     for _ in 0..6 {
         let mut list = vec![NvmlProcessInfoV1::default(); cap as usize];
         let mut n = cap;
-        // SAFETY: list has room for n entries; n a valid in/out count.
-        match unsafe { (nvml.nvmlDeviceGetComputeRunningProcesses)(h, &mut n, list.as_mut_ptr()) } {
+        // SAFETY: list has room for n entries (our mirror of the header's v1 entry); n a valid in/out
+        // count.
+        match unsafe { (nvml.nvmlDeviceGetComputeRunningProcesses)(h, &mut n, list.as_mut_ptr().cast()) } {
             NVML_SUCCESS => {
                 let mine = list[..n as usize].iter().filter(|p| p.pid == pid);
                 return Some(mine.map(|p| p.used_gpu_memory).sum());

@@ -86,28 +86,28 @@ fn count() -> R<u32> {
     Ok(node()?.gpus().len() as u32)
 }
 
-/// `nvmlDeviceGetCount_v2`: every GPU of the node.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCount_v2(device_count: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let n = count()?;
-            // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.
-            unsafe { put(device_count, n) }
+nvml_exports! {
+    /// `nvmlDeviceGetCount_v2`: every GPU of the node.
+    fn nvmlDeviceGetCount_v2(device_count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let n = count()?;
+                // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.
+                unsafe { put(device_count, n) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetCount` (v1): the same (every simulated GPU is accessible).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCount(device_count: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let n = count()?;
-            // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.
-            unsafe { put(device_count, n) }
+    /// `nvmlDeviceGetCount` (v1): the same (every simulated GPU is accessible).
+    fn nvmlDeviceGetCount(device_count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let n = count()?;
+                // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.
+                unsafe { put(device_count, n) }
+            })
         })
-    })
+    }
 }
 
 fn by_index(index: u32) -> R<nvmlDevice_t> {
@@ -119,32 +119,32 @@ fn by_index(index: u32) -> R<nvmlDevice_t> {
     Ok(gpu_handle(index))
 }
 
-/// `nvmlDeviceGetHandleByIndex_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(device)?;
-            let h = by_index(index)?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, h) }
+nvml_exports! {
+    /// `nvmlDeviceGetHandleByIndex_v2`.
+    fn nvmlDeviceGetHandleByIndex_v2(index, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(device)?;
+                let h = by_index(index)?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetHandleByIndex` (v1).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(index: c_uint, device: *mut nvmlDevice_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(device)?;
-            let h = by_index(index)?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, h) }
+    /// `nvmlDeviceGetHandleByIndex` (v1).
+    fn nvmlDeviceGetHandleByIndex(index, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(device)?;
+                let h = by_index(index)?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, h) }
+            })
         })
-    })
+    }
 }
 
 /// The handle of a GPU or MIG device by UUID ("GPU-…" or "MIG-…").
@@ -172,37 +172,37 @@ fn by_uuid(node: &Node, uuid: &str) -> R<nvmlDevice_t> {
     Err(if lost { GPU_IS_LOST } else { NOT_FOUND })
 }
 
-/// `nvmlDeviceGetHandleByUUID`: a GPU's UUID, or a MIG device's (which gives its MIG device handle).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            need(device)?;
-            // SAFETY: uuid is null or a NUL-terminated string by the caller's contract.
-            let uuid = unsafe { crate::ffi::read_cstr(uuid) }.ok_or(INVALID_ARGUMENT)?;
-            let h = by_uuid(node, uuid)?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, h) }
+nvml_exports! {
+    /// `nvmlDeviceGetHandleByUUID`: a GPU's UUID, or a MIG device's (which gives its MIG device handle).
+    fn nvmlDeviceGetHandleByUUID(uuid, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                need(device)?;
+                // SAFETY: uuid is null or a NUL-terminated string by the caller's contract.
+                let uuid = unsafe { crate::ffi::read_cstr(uuid) }.ok_or(INVALID_ARGUMENT)?;
+                let h = by_uuid(node, uuid)?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetHandleBySerial` (deprecated in the header, still exported by the library).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleBySerial(serial: *const c_char, device: *mut nvmlDevice_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            need(device)?;
-            // SAFETY: serial is null or a NUL-terminated string by the caller's contract.
-            let serial = unsafe { crate::ffi::read_cstr(serial) }.ok_or(INVALID_ARGUMENT)?;
-            let id = node.gpus().iter().find(|g| g.serial == serial).ok_or(NOT_FOUND)?;
-            node.check_gpu(id.index).nv()?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, gpu_handle(id.index)) }
+    /// `nvmlDeviceGetHandleBySerial` (deprecated in the header, still exported by the library).
+    fn nvmlDeviceGetHandleBySerial(serial, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                need(device)?;
+                // SAFETY: serial is null or a NUL-terminated string by the caller's contract.
+                let serial = unsafe { crate::ffi::read_cstr(serial) }.ok_or(INVALID_ARGUMENT)?;
+                let id = node.gpus().iter().find(|g| g.serial == serial).ok_or(NOT_FOUND)?;
+                node.check_gpu(id.index).nv()?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, gpu_handle(id.index)) }
+            })
         })
-    })
+    }
 }
 
 /// Parses a PCI bus id in the forms NVML accepts (hex): `domain:bus:device.function`,
@@ -237,38 +237,32 @@ fn by_pci_bus_id(p: *const c_char) -> R<nvmlDevice_t> {
     Ok(gpu_handle(id.index))
 }
 
-/// `nvmlDeviceGetHandleByPciBusId_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
-    pci_bus_id: *const c_char,
-    device: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(device)?;
-            let h = by_pci_bus_id(pci_bus_id)?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, h) }
+nvml_exports! {
+    /// `nvmlDeviceGetHandleByPciBusId_v2`.
+    fn nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(device)?;
+                let h = by_pci_bus_id(pci_bus_id)?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetHandleByPciBusId` (v1).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId(
-    pci_bus_id: *const c_char,
-    device: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(device)?;
-            let h = by_pci_bus_id(pci_bus_id)?;
-            // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, h) }
+    /// `nvmlDeviceGetHandleByPciBusId` (v1).
+    fn nvmlDeviceGetHandleByPciBusId(pci_bus_id, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(device)?;
+                let h = by_pci_bus_id(pci_bus_id)?;
+                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, h) }
+            })
         })
-    })
+    }
 }
 
 /// A device's name: the product name, and for a MIG device "<product> MIG <profile>".
@@ -280,63 +274,58 @@ fn name_of(node: &Node, dev: &Dev) -> R<String> {
     })
 }
 
-/// `nvmlDeviceGetName`: e.g. "NVIDIA H100 80GB HBM3", or "NVIDIA H100 80GB HBM3 MIG 1g.10gb".
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetName(device: nvmlDevice_t, name: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            if name.is_null() {
-                return Err(INVALID_ARGUMENT);
-            }
-            let s = name_of(node, &dev)?;
-            // SAFETY: name holds `length` bytes by the caller's contract.
-            unsafe { put_str(name, length, &s) }
+nvml_exports! {
+    /// `nvmlDeviceGetName`: e.g. "NVIDIA H100 80GB HBM3", or "NVIDIA H100 80GB HBM3 MIG 1g.10gb".
+    fn nvmlDeviceGetName(device, name, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                if name.is_null() {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let s = name_of(node, &dev)?;
+                // SAFETY: name holds `length` bytes by the caller's contract.
+                unsafe { put_str(name, length, &s) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetUUID`: "GPU-…" for a GPU, "MIG-…" for a MIG device.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUUID(device: nvmlDevice_t, uuid: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            if uuid.is_null() {
-                return Err(INVALID_ARGUMENT);
-            }
-            let id = node.gpu(dev.gpu()).nv()?;
-            let s = match &dev {
-                Dev::Gpu(_) => id.uuid.clone(),
-                Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id, m.ci.serial),
-            };
-            // SAFETY: uuid holds `length` bytes by the caller's contract.
-            unsafe { put_str(uuid, length, &s) }
+    /// `nvmlDeviceGetUUID`: "GPU-…" for a GPU, "MIG-…" for a MIG device.
+    fn nvmlDeviceGetUUID(device, uuid, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                if uuid.is_null() {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let id = node.gpu(dev.gpu()).nv()?;
+                let s = match &dev {
+                    Dev::Gpu(_) => id.uuid.clone(),
+                    Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id, m.ci.serial),
+                };
+                // SAFETY: uuid holds `length` bytes by the caller's contract.
+                unsafe { put_str(uuid, length, &s) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetSerial`: the board serial (a MIG device reports its board's).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetSerial(
-    device: nvmlDevice_t,
-    serial: *mut c_char,
-    length: c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            if serial.is_null() {
-                return Err(INVALID_ARGUMENT);
-            }
-            let s = node.gpu(dev.gpu()).nv()?.serial.clone();
-            // SAFETY: serial holds `length` bytes by the caller's contract.
-            unsafe { put_str(serial, length, &s) }
+    /// `nvmlDeviceGetSerial`: the board serial (a MIG device reports its board's).
+    fn nvmlDeviceGetSerial(device, serial, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                if serial.is_null() {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let s = node.gpu(dev.gpu()).nv()?.serial.clone();
+                // SAFETY: serial holds `length` bytes by the caller's contract.
+                unsafe { put_str(serial, length, &s) }
+            })
         })
-    })
+    }
 }
 
 /// A value of the physical GPU behind a handle, written to `out`. MIG devices answer with
@@ -361,312 +350,264 @@ unsafe fn gpu_value<T>(
     unsafe { put(out, v) }
 }
 
-/// `nvmlDeviceGetIndex`: the NVML index (MIG devices have none: `NOT_SUPPORTED`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetIndex(device: nvmlDevice_t, index: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: index is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, index, false, |_, id| Ok(id.index)) }
+nvml_exports! {
+    /// `nvmlDeviceGetIndex`: the NVML index (MIG devices have none: `NOT_SUPPORTED`).
+    fn nvmlDeviceGetIndex(device, index) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: index is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, index, false, |_, id| Ok(id.index)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMinorNumber`: N of /dev/nvidiaN.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(device: nvmlDevice_t, minor_number: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: minor_number is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, minor_number, false, |_, id| Ok(id.minor)) }
+    /// `nvmlDeviceGetMinorNumber`: N of /dev/nvidiaN.
+    fn nvmlDeviceGetMinorNumber(device, minor_number) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: minor_number is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, minor_number, false, |_, id| Ok(id.minor)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPciInfo_v3`: busId "00000000:18:00.0", busIdLegacy "0000:18:00.0".
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: pci is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, pci, true, |_, id| Ok(gpu_pci(id))) }
+    /// `nvmlDeviceGetPciInfo_v3`: busId "00000000:18:00.0", busIdLegacy "0000:18:00.0".
+    fn nvmlDeviceGetPciInfo_v3(device, pci) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: pci is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, pci, true, |_, id| Ok(gpu_pci(id))) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPciInfo_v2`: the legacy layout (16-byte bus id in the legacy form).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v2(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
-    let pci = pci.cast::<PciInfoLegacy>();
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: pci is null or valid for a write of the legacy struct (a prefix of nvmlPciInfo_t).
-            unsafe { gpu_value(device, pci, true, |_, id| Ok(pci_info_legacy(&gpu_pci(id)))) }
+    /// `nvmlDeviceGetPciInfo_v2`: the legacy layout (16-byte bus id in the legacy form).
+    fn nvmlDeviceGetPciInfo_v2(device, pci) {
+        let pci = pci.cast::<PciInfoLegacy>();
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: pci is null or valid for a write of the legacy struct (a prefix of nvmlPciInfo_t).
+                unsafe { gpu_value(device, pci, true, |_, id| Ok(pci_info_legacy(&gpu_pci(id)))) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPciInfo` (v1): the legacy layout.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo(device: nvmlDevice_t, pci: *mut nvmlPciInfo_t) -> nvmlReturn_t {
-    let pci = pci.cast::<PciInfoLegacy>();
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: pci is null or valid for a write of the legacy struct (a prefix of nvmlPciInfo_t).
-            unsafe { gpu_value(device, pci, true, |_, id| Ok(pci_info_legacy(&gpu_pci(id)))) }
+    /// `nvmlDeviceGetPciInfo` (v1): the legacy layout.
+    fn nvmlDeviceGetPciInfo(device, pci) {
+        let pci = pci.cast::<PciInfoLegacy>();
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: pci is null or valid for a write of the legacy struct (a prefix of nvmlPciInfo_t).
+                unsafe { gpu_value(device, pci, true, |_, id| Ok(pci_info_legacy(&gpu_pci(id)))) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPciInfoExt` (versioned `nvmlPciInfoExt_v1_t`, with the PCI class).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfoExt(device: nvmlDevice_t, pci: *mut nvmlPciInfoExt_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            // SAFETY: pci is null or valid for reads of the struct by the caller's contract.
-            let version = unsafe { get(pci.cast_const().cast::<c_uint>()) }?;
-            if version != struct_version::<nvmlPciInfoExt_v1_t>(1) {
-                return Err(VERSION_MISMATCH);
-            }
-            let f = |_: &Node, id: &GpuIdentity| {
-                let p = gpu_pci(id);
-                Ok(nvmlPciInfoExt_v1_t {
-                    version,
-                    domain: p.domain,
-                    bus: p.bus,
-                    device: p.device,
-                    pciDeviceId: p.pciDeviceId,
-                    pciSubSystemId: p.pciSubSystemId,
-                    baseClass: PCI_BASE_CLASS_DISPLAY,
-                    subClass: PCI_SUB_CLASS_3D,
-                    busId: p.busId,
-                })
-            };
-            // SAFETY: pci is valid for a write by the caller's contract (checked non-null above).
-            unsafe { gpu_value(device, pci, true, f) }
+    /// `nvmlDeviceGetPciInfoExt` (versioned `nvmlPciInfoExt_v1_t`, with the PCI class).
+    fn nvmlDeviceGetPciInfoExt(device, pci) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                // SAFETY: pci is null or valid for reads of the struct by the caller's contract.
+                let version = unsafe { get(pci.cast_const().cast::<c_uint>()) }?;
+                if version != struct_version::<nvmlPciInfoExt_v1_t>(1) {
+                    return Err(VERSION_MISMATCH);
+                }
+                let f = |_: &Node, id: &GpuIdentity| {
+                    let p = gpu_pci(id);
+                    Ok(nvmlPciInfoExt_v1_t {
+                        version,
+                        domain: p.domain,
+                        bus: p.bus,
+                        device: p.device,
+                        pciDeviceId: p.pciDeviceId,
+                        pciSubSystemId: p.pciSubSystemId,
+                        baseClass: PCI_BASE_CLASS_DISPLAY,
+                        subClass: PCI_SUB_CLASS_3D,
+                        busId: p.busId,
+                    })
+                };
+                // SAFETY: pci is valid for a write by the caller's contract (checked non-null above).
+                unsafe { gpu_value(device, pci, true, f) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetCudaComputeCapability`: 9.0 for Hopper, 8.0 for A100.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
-    device: nvmlDevice_t,
-    major: *mut c_int,
-    minor: *mut c_int,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            need(major)?;
-            need(minor)?;
-            let m = node.gpu(dev.gpu()).nv()?.model;
-            // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
-            unsafe {
-                put(major, m.cc_major as c_int)?;
-                put(minor, m.cc_minor as c_int)
-            }
+    /// `nvmlDeviceGetCudaComputeCapability`: 9.0 for Hopper, 8.0 for A100.
+    fn nvmlDeviceGetCudaComputeCapability(device, major, minor) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                need(major)?;
+                need(minor)?;
+                let m = node.gpu(dev.gpu()).nv()?.model;
+                // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
+                unsafe {
+                    put(major, m.cc_major as c_int)?;
+                    put(minor, m.cc_minor as c_int)
+                }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetArchitecture`: `NVML_DEVICE_ARCH_*`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetArchitecture(
-    device: nvmlDevice_t,
-    arch: *mut nvmlDeviceArchitecture_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: arch is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, arch, true, |_, id| Ok(id.model.architecture)) }
+    /// `nvmlDeviceGetArchitecture`: `NVML_DEVICE_ARCH_*`.
+    fn nvmlDeviceGetArchitecture(device, arch) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: arch is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, arch, true, |_, id| Ok(id.model.architecture)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetBrand`: `NVML_BRAND_NVIDIA` for today's data-center boards.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetBrand(device: nvmlDevice_t, brand: *mut nvmlBrandType_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: brand is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, brand, true, |_, id| Ok(id.model.brand)) }
+    /// `nvmlDeviceGetBrand`: `NVML_BRAND_NVIDIA` for today's data-center boards.
+    fn nvmlDeviceGetBrand(device, brand) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: brand is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, brand, true, |_, id| Ok(id.model.brand)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetBoardId`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetBoardId(device: nvmlDevice_t, board_id: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: board_id is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, board_id, true, |_, id| Ok(id.board_id)) }
+    /// `nvmlDeviceGetBoardId`.
+    fn nvmlDeviceGetBoardId(device, board_id) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: board_id is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, board_id, true, |_, id| Ok(id.board_id)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetNumaNodeId`: the NUMA node the GPU is attached to.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNumaNodeId(device: nvmlDevice_t, numa_node: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: numa_node is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, numa_node, true, |_, id| Ok(id.numa_node)) }
+    /// `nvmlDeviceGetNumaNodeId`: the NUMA node the GPU is attached to.
+    fn nvmlDeviceGetNumaNodeId(device, numa_node) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: numa_node is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, numa_node, true, |_, id| Ok(id.numa_node)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetNumGpuCores`: the board's CUDA cores (a MIG device: `NOT_SUPPORTED`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNumGpuCores(device: nvmlDevice_t, num_cores: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: num_cores is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, num_cores, false, |_, id| Ok(id.model.cuda_cores())) }
+    /// `nvmlDeviceGetNumGpuCores`: the board's CUDA cores (a MIG device: `NOT_SUPPORTED`).
+    fn nvmlDeviceGetNumGpuCores(device, num_cores) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: num_cores is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, num_cores, false, |_, id| Ok(id.model.cuda_cores())) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetVbiosVersion`: the board's VBIOS ("96.00.A5.00.1A"); a MIG device its parent's.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetVbiosVersion(
-    device: nvmlDevice_t,
-    version: *mut c_char,
-    length: c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            if version.is_null() {
-                return Err(INVALID_ARGUMENT);
-            }
-            let v = node.gpu(dev.gpu()).nv()?.model.vbios_version;
-            // SAFETY: version holds `length` bytes by the caller's contract.
-            unsafe { put_str(version, length, v) }
+    /// `nvmlDeviceGetVbiosVersion`: the board's VBIOS ("96.00.A5.00.1A"); a MIG device its parent's.
+    fn nvmlDeviceGetVbiosVersion(device, version, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                if version.is_null() {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let v = node.gpu(dev.gpu()).nv()?.model.vbios_version;
+                // SAFETY: version holds `length` bytes by the caller's contract.
+                unsafe { put_str(version, length, v) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMemoryBusWidth`, in bits.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryBusWidth(device: nvmlDevice_t, bus_width: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: bus_width is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, bus_width, true, |_, id| Ok(id.model.memory_bus_width_bits)) }
+    /// `nvmlDeviceGetMemoryBusWidth`, in bits.
+    fn nvmlDeviceGetMemoryBusWidth(device, bus_width) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: bus_width is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, bus_width, true, |_, id| Ok(id.model.memory_bus_width_bits)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMaxPcieLinkGeneration`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxPcieLinkGeneration(
-    device: nvmlDevice_t,
-    max_link_gen: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: max_link_gen is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, max_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
+    /// `nvmlDeviceGetMaxPcieLinkGeneration`.
+    fn nvmlDeviceGetMaxPcieLinkGeneration(device, max_link_gen) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: max_link_gen is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, max_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMaxPcieLinkWidth`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxPcieLinkWidth(
-    device: nvmlDevice_t,
-    max_link_width: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: max_link_width is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, max_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
+    /// `nvmlDeviceGetMaxPcieLinkWidth`.
+    fn nvmlDeviceGetMaxPcieLinkWidth(device, max_link_width) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: max_link_width is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, max_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetCurrPcieLinkGeneration`: the simulated links train at their maximum.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCurrPcieLinkGeneration(
-    device: nvmlDevice_t,
-    curr_link_gen: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: curr_link_gen is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, curr_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
+    /// `nvmlDeviceGetCurrPcieLinkGeneration`: the simulated links train at their maximum.
+    fn nvmlDeviceGetCurrPcieLinkGeneration(device, curr_link_gen) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: curr_link_gen is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, curr_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetCurrPcieLinkWidth`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCurrPcieLinkWidth(
-    device: nvmlDevice_t,
-    curr_link_width: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: curr_link_width is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, curr_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
+    /// `nvmlDeviceGetCurrPcieLinkWidth`.
+    fn nvmlDeviceGetCurrPcieLinkWidth(device, curr_link_width) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: curr_link_width is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, curr_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPersistenceMode`: enabled, as on a data-center node running the persistence daemon.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPersistenceMode(
-    device: nvmlDevice_t,
-    mode: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: mode is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, mode, false, |_, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+    /// `nvmlDeviceGetPersistenceMode`: enabled, as on a data-center node running the persistence daemon.
+    fn nvmlDeviceGetPersistenceMode(device, mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: mode is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, mode, false, |_, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetComputeMode`: `NVML_COMPUTEMODE_DEFAULT` (shared).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeMode(device: nvmlDevice_t, mode: *mut nvmlComputeMode_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: mode is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, mode, true, |_, _| Ok(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT)) }
+    /// `nvmlDeviceGetComputeMode`: `NVML_COMPUTEMODE_DEFAULT` (shared).
+    fn nvmlDeviceGetComputeMode(device, mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: mode is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, mode, true, |_, _| Ok(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetVirtualizationMode`: the description's `virtualization_mode`:
-/// `NVML_GPU_VIRTUALIZATION_MODE_NONE` by default, as on a bare-metal GPU with no vGPU manager
-/// (NVIDIA's DRA driver asks before it manages MIG devices), or `PASSTHROUGH` for a GPU passed
-/// whole to a virtual machine (as the H200 that was read answered). A MIG device is
-/// `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetVirtualizationMode(
-    device: nvmlDevice_t,
-    mode: *mut nvmlGpuVirtualizationMode_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            if matches!(handles::device(node, device)?, Dev::Mig(_)) {
-                return Err(INVALID_ARGUMENT);
-            }
-            let v = match node.description().virtualization_mode {
-                VirtualizationMode::None => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE,
-                VirtualizationMode::Passthrough => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH,
-            };
-            // SAFETY: mode is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, mode, false, |_, _| Ok(v)) }
+    /// `nvmlDeviceGetVirtualizationMode`: the description's `virtualization_mode`:
+    /// `NVML_GPU_VIRTUALIZATION_MODE_NONE` by default, as on a bare-metal GPU with no vGPU manager
+    /// (NVIDIA's DRA driver asks before it manages MIG devices), or `PASSTHROUGH` for a GPU passed
+    /// whole to a virtual machine (as the H200 that was read answered). A MIG device is
+    /// `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
+    fn nvmlDeviceGetVirtualizationMode(device, mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                if matches!(handles::device(node, device)?, Dev::Mig(_)) {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let v = match node.description().virtualization_mode {
+                    VirtualizationMode::None => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE,
+                    VirtualizationMode::Passthrough => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH,
+                };
+                // SAFETY: mode is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, mode, false, |_, _| Ok(v)) }
+            })
         })
-    })
+    }
 }
 
 /// A device's attributes: a MIG device's from its instance profiles, a GPU's from the board.
@@ -705,49 +646,43 @@ fn attributes(node: &Node, dev: &Dev) -> R<nvmlDeviceAttributes_t> {
     })
 }
 
-/// `nvmlDeviceGetAttributes_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
-    device: nvmlDevice_t,
-    attributes_out: *mut nvmlDeviceAttributes_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            need(attributes_out)?;
-            let a = attributes(node, &dev)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(attributes_out, a) }
+nvml_exports! {
+    /// `nvmlDeviceGetAttributes_v2`.
+    fn nvmlDeviceGetAttributes_v2(device, attributes_out) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                need(attributes_out)?;
+                let a = attributes(node, &dev)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(attributes_out, a) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetAttributes` (v1): the engine counts only.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetAttributes(
-    device: nvmlDevice_t,
-    attributes_out: *mut nvmlDeviceAttributes_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            let out = attributes_out.cast::<DeviceAttributesV1>();
-            need(out)?;
-            let a = attributes(node, &dev)?;
-            let v1 = DeviceAttributesV1 {
-                multiprocessor_count: a.multiprocessorCount,
-                shared_copy_engine_count: a.sharedCopyEngineCount,
-                shared_decoder_count: a.sharedDecoderCount,
-                shared_encoder_count: a.sharedEncoderCount,
-                shared_jpeg_count: a.sharedJpegCount,
-                shared_ofa_count: a.sharedOfaCount,
-            };
-            // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
-            unsafe { put(out, v1) }
+    /// `nvmlDeviceGetAttributes` (v1): the engine counts only.
+    fn nvmlDeviceGetAttributes(device, attributes_out) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                let out = attributes_out.cast::<DeviceAttributesV1>();
+                need(out)?;
+                let a = attributes(node, &dev)?;
+                let v1 = DeviceAttributesV1 {
+                    multiprocessor_count: a.multiprocessorCount,
+                    shared_copy_engine_count: a.sharedCopyEngineCount,
+                    shared_decoder_count: a.sharedDecoderCount,
+                    shared_encoder_count: a.sharedEncoderCount,
+                    shared_jpeg_count: a.sharedJpegCount,
+                    shared_ofa_count: a.sharedOfaCount,
+                };
+                // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
+                unsafe { put(out, v1) }
+            })
         })
-    })
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! Return codes: the one mapping from model errors to NVML codes, and `nvmlErrorString`.
 
-use std::ffi::{CStr, c_char};
+use std::ffi::CStr;
 
 use nvml_wrapper_sys::bindings::*;
 use tessera_sim_model::SimError;
@@ -61,10 +61,11 @@ fn text(result: nvmlReturn_t) -> &'static CStr {
     }
 }
 
-/// `nvmlErrorString`: a static, NUL-terminated description of a return code (any code, no init needed).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlErrorString(result: nvmlReturn_t) -> *const c_char {
-    crate::ffi::guard(c"Unknown Error".as_ptr(), || text(result).as_ptr())
+nvml_exports! {
+    /// `nvmlErrorString`: a static, NUL-terminated description of a return code (any code, no init needed).
+    fn nvmlErrorString(result) {
+        crate::ffi::guard(c"Unknown Error".as_ptr(), || text(result).as_ptr())
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,8 @@
 //! Initialization (reference-counted, as NVML's) and the system-level queries.
 
-use std::ffi::{c_char, c_int, c_uint};
+use std::ffi::c_int;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use nvml_wrapper_sys::bindings::*;
 use tessera_sim_model::Node;
 
 use super::*;
@@ -31,51 +30,48 @@ fn init() -> R {
     Ok(())
 }
 
-/// `nvmlInit_v2`: opens the node on first use; each call must be matched by `nvmlShutdown`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || status(init))
-}
+nvml_exports! {
+    /// `nvmlInit_v2`: opens the node on first use; each call must be matched by `nvmlShutdown`.
+    fn nvmlInit_v2() {
+        guard(NVML_ERROR_UNKNOWN, || status(init))
+    }
 
-/// `nvmlInit` (v1, NVML 4.304 and older): the same as v2 here.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlInit() -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || status(init))
-}
+    /// `nvmlInit` (v1, NVML 4.304 and older): the same as v2 here.
+    fn nvmlInit() {
+        guard(NVML_ERROR_UNKNOWN, || status(init))
+    }
 
-/// `nvmlInitWithFlags`: as `nvmlInit_v2`; the flags (no GPUs / no attach) change nothing, the
-/// simulated node always has its GPUs attached.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlInitWithFlags(_flags: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || status(init))
-}
+    /// `nvmlInitWithFlags`: as `nvmlInit_v2`; the flags (no GPUs / no attach) change nothing, the
+    /// simulated node always has its GPUs attached.
+    fn nvmlInitWithFlags(_flags) {
+        guard(NVML_ERROR_UNKNOWN, || status(init))
+    }
 
-/// `nvmlShutdown`: drops one reference; the last one closes every event set.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlShutdown() -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let prev = REFS
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                .map_err(|_| UNINITIALIZED)?;
-            if prev == 1 {
-                super::events::free_all();
-            }
-            Ok(())
+    /// `nvmlShutdown`: drops one reference; the last one closes every event set.
+    fn nvmlShutdown() {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let prev = REFS
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                    .map_err(|_| UNINITIALIZED)?;
+                if prev == 1 {
+                    super::events::free_all();
+                }
+                Ok(())
+            })
         })
-    })
-}
+    }
 
-/// `nvmlSystemGetDriverVersion`: the node description's driver version, e.g. "570.133.20".
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            // SAFETY: version holds `length` bytes by the caller's contract.
-            unsafe { put_str(version, length, &node.description().driver_version) }
+    /// `nvmlSystemGetDriverVersion`: the node description's driver version, e.g. "570.133.20".
+    fn nvmlSystemGetDriverVersion(version, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                // SAFETY: version holds `length` bytes by the caller's contract.
+                unsafe { put_str(version, length, &node.description().driver_version) }
+            })
         })
-    })
+    }
 }
 
 /// The NVML library version: the CUDA major version, then the driver version ("12.570.133.20").
@@ -84,49 +80,50 @@ fn nvml_version(node: &Node) -> String {
     format!("{}.{}", d.cuda_driver_version / 1000, d.driver_version)
 }
 
-/// `nvmlSystemGetNVMLVersion` (answered without init, as NVML does).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(version: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            if version.is_null() {
-                return Err(INVALID_ARGUMENT);
-            }
-            let v = nvml_version(node_any()?);
-            // SAFETY: version holds `length` bytes by the caller's contract.
-            unsafe { put_str(version, length, &v) }
+nvml_exports! {
+    /// `nvmlSystemGetNVMLVersion` (answered without init, as NVML does).
+    fn nvmlSystemGetNVMLVersion(version, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                if version.is_null() {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let v = nvml_version(node_any()?);
+                // SAFETY: version holds `length` bytes by the caller's contract.
+                unsafe { put_str(version, length, &v) }
+            })
         })
-    })
+    }
 }
 
 fn cuda_version() -> R<c_int> {
     Ok(node_any()?.description().cuda_driver_version as c_int)
 }
 
-/// `nvmlSystemGetCudaDriverVersion`: e.g. 12080 for CUDA 12.8.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(cuda_driver_version: *mut c_int) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            need(cuda_driver_version)?;
-            let v = cuda_version()?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(cuda_driver_version, v) }
+nvml_exports! {
+    /// `nvmlSystemGetCudaDriverVersion`: e.g. 12080 for CUDA 12.8.
+    fn nvmlSystemGetCudaDriverVersion(cuda_driver_version) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                need(cuda_driver_version)?;
+                let v = cuda_version()?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(cuda_driver_version, v) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlSystemGetCudaDriverVersion_v2`: what `cuDriverGetVersion` of this same library returns.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(cuda_driver_version: *mut c_int) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            need(cuda_driver_version)?;
-            let v = cuda_version()?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(cuda_driver_version, v) }
+    /// `nvmlSystemGetCudaDriverVersion_v2`: what `cuDriverGetVersion` of this same library returns.
+    fn nvmlSystemGetCudaDriverVersion_v2(cuda_driver_version) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                need(cuda_driver_version)?;
+                let v = cuda_version()?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(cuda_driver_version, v) }
+            })
         })
-    })
+    }
 }
 
 /// A process's name as NVML reports it: its argv[0] (the comm name for processes without one).
@@ -140,22 +137,23 @@ fn process_name(pid: u32) -> Option<String> {
     Some(comm.trim_end_matches('\n').to_string())
 }
 
-/// `nvmlSystemGetProcessName`: cropped to `length` (with its NUL); `NOT_FOUND` for no such process.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetProcessName(pid: c_uint, name: *mut c_char, length: c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            if name.is_null() || length == 0 {
-                return Err(INVALID_ARGUMENT);
-            }
-            let full = process_name(pid).ok_or(NOT_FOUND)?;
-            let mut end = full.len().min(length as usize - 1);
-            while !full.is_char_boundary(end) {
-                end -= 1;
-            }
-            // SAFETY: name holds `length` bytes by the caller's contract, and end + 1 <= length.
-            unsafe { put_str(name, length, &full[..end]) }
+nvml_exports! {
+    /// `nvmlSystemGetProcessName`: cropped to `length` (with its NUL); `NOT_FOUND` for no such process.
+    fn nvmlSystemGetProcessName(pid, name, length) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                if name.is_null() || length == 0 {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let full = process_name(pid).ok_or(NOT_FOUND)?;
+                let mut end = full.len().min(length as usize - 1);
+                while !full.is_char_boundary(end) {
+                    end -= 1;
+                }
+                // SAFETY: name holds `length` bytes by the caller's contract, and end + 1 <= length.
+                unsafe { put_str(name, length, &full[..end]) }
+            })
         })
-    })
+    }
 }

@@ -74,88 +74,75 @@ fn gi_info_v1(p: &GiProfile) -> nvmlGpuInstanceProfileInfo_t {
     }
 }
 
-/// `nvmlDeviceGetMigMode`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigMode(
-    device: nvmlDevice_t,
-    current_mode: *mut c_uint,
-    pending_mode: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(current_mode)?;
-            need(pending_mode)?;
-            let (current, pending) = node.mig_mode(gpu).nv()?;
-            // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
-            unsafe {
-                put(current_mode, u32::from(current))?;
-                put(pending_mode, u32::from(pending))
-            }
-        })
-    })
-}
-
-/// `nvmlDeviceSetMigMode`, per architecture (docs/sim.md, "MIG mode changes"):
-/// - Ampere: the mode becomes pending until the next GPU reset; `NVML_SUCCESS` with
-///   `activationStatus` `NVML_ERROR_RESET_REQUIRED`, or `NVML_ERROR_IN_USE` while processes use
-///   the GPU (the driver could not reset it);
-/// - Hopper and later: the mode takes effect at once (`activationStatus` `NVML_SUCCESS`);
-///   refused with `IN_USE` (return code and `activationStatus`) while processes use the GPU.
-///
-/// Already in that mode: `NVML_SUCCESS` twice. Disabling while GPU instances exist: `IN_USE`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceSetMigMode(
-    device: nvmlDevice_t,
-    mode: c_uint,
-    activation_status: *mut nvmlReturn_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(activation_status)?;
-            let enable = match mode {
-                NVML_DEVICE_MIG_DISABLE => false,
-                NVML_DEVICE_MIG_ENABLE => true,
-                _ => return Err(INVALID_ARGUMENT),
-            };
-            mig_model(node, gpu)?;
-            let activation = match node.set_mig_mode(gpu, enable) {
-                Ok(MigModeChange::PendingReset { in_use: true }) => IN_USE,
-                Ok(MigModeChange::PendingReset { in_use: false }) => RESET_REQUIRED,
-                Ok(MigModeChange::Applied | MigModeChange::Unchanged) => SUCCESS,
-                Err(SimError::InUse(_)) => {
-                    // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                    unsafe { put(activation_status, IN_USE) }?;
-                    return Err(IN_USE);
+nvml_exports! {
+    /// `nvmlDeviceGetMigMode`.
+    fn nvmlDeviceGetMigMode(device, current_mode, pending_mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(current_mode)?;
+                need(pending_mode)?;
+                let (current, pending) = node.mig_mode(gpu).nv()?;
+                // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
+                unsafe {
+                    put(current_mode, u32::from(current))?;
+                    put(pending_mode, u32::from(pending))
                 }
-                Err(e) => return Err(code(&e)),
-            };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(activation_status, activation) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGpuInstanceProfileInfo`: a profile by `NVML_GPU_INSTANCE_PROFILE_*`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfo(
-    device: nvmlDevice_t,
-    profile: c_uint,
-    info: *mut nvmlGpuInstanceProfileInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(info)?;
-            let p = gi_profile_by_enum(node, gpu, profile)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(info, gi_info_v1(p)) }
+    /// `nvmlDeviceSetMigMode`, per architecture (docs/sim.md, "MIG mode changes"):
+    /// - Ampere: the mode becomes pending until the next GPU reset; `NVML_SUCCESS` with
+    ///   `activationStatus` `NVML_ERROR_RESET_REQUIRED`, or `NVML_ERROR_IN_USE` while processes use
+    ///   the GPU (the driver could not reset it);
+    /// - Hopper and later: the mode takes effect at once (`activationStatus` `NVML_SUCCESS`);
+    ///   refused with `IN_USE` (return code and `activationStatus`) while processes use the GPU.
+    ///
+    /// Already in that mode: `NVML_SUCCESS` twice. Disabling while GPU instances exist: `IN_USE`.
+    fn nvmlDeviceSetMigMode(device, mode, activation_status) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(activation_status)?;
+                let enable = match mode {
+                    NVML_DEVICE_MIG_DISABLE => false,
+                    NVML_DEVICE_MIG_ENABLE => true,
+                    _ => return Err(INVALID_ARGUMENT),
+                };
+                mig_model(node, gpu)?;
+                let activation = match node.set_mig_mode(gpu, enable) {
+                    Ok(MigModeChange::PendingReset { in_use: true }) => IN_USE,
+                    Ok(MigModeChange::PendingReset { in_use: false }) => RESET_REQUIRED,
+                    Ok(MigModeChange::Applied | MigModeChange::Unchanged) => SUCCESS,
+                    Err(SimError::InUse(_)) => {
+                        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                        unsafe { put(activation_status, IN_USE) }?;
+                        return Err(IN_USE);
+                    }
+                    Err(e) => return Err(code(&e)),
+                };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(activation_status, activation) }
+            })
         })
-    })
+    }
+
+    /// `nvmlDeviceGetGpuInstanceProfileInfo`: a profile by `NVML_GPU_INSTANCE_PROFILE_*`.
+    fn nvmlDeviceGetGpuInstanceProfileInfo(device, profile, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(info)?;
+                let p = gi_profile_by_enum(node, gpu, profile)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(info, gi_info_v1(p)) }
+            })
+        })
+    }
 }
 
 /// Writes a versioned GPU-instance profile info (v2 or v3, by the caller's `version`).
@@ -207,44 +194,36 @@ unsafe fn put_gi_info_versioned(info: *mut nvmlGpuInstanceProfileInfo_v2_t, p: &
     Err(INVALID_ARGUMENT)
 }
 
-/// `nvmlDeviceGetGpuInstanceProfileInfoV`: versioned (v2 or v3) info, MIG mode on.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoV(
-    device: nvmlDevice_t,
-    profile: c_uint,
-    info: *mut nvmlGpuInstanceProfileInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(info)?;
-            // Listed with MIG off too, as a real H200 listed them (issue 35).
-            let p = gi_profile_by_enum(node, gpu, profile)?;
-            // SAFETY: info is valid for the struct its version names (caller's contract).
-            unsafe { put_gi_info_versioned(info, p) }
+nvml_exports! {
+    /// `nvmlDeviceGetGpuInstanceProfileInfoV`: versioned (v2 or v3) info, MIG mode on.
+    fn nvmlDeviceGetGpuInstanceProfileInfoV(device, profile, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(info)?;
+                // Listed with MIG off too, as a real H200 listed them (issue 35).
+                let p = gi_profile_by_enum(node, gpu, profile)?;
+                // SAFETY: info is valid for the struct its version names (caller's contract).
+                unsafe { put_gi_info_versioned(info, p) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGpuInstanceProfileInfoByIdV`: the same by profile id.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    info: *mut nvmlGpuInstanceProfileInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(info)?;
-            // Listed with MIG off too, as the unversioned call and a real H200 do.
-            let p = gi_profile_by_id(node, gpu, profile_id)?;
-            // SAFETY: info is valid for the struct its version names (caller's contract).
-            unsafe { put_gi_info_versioned(info, p) }
+    /// `nvmlDeviceGetGpuInstanceProfileInfoByIdV`: the same by profile id.
+    fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(device, profile_id, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(info)?;
+                // Listed with MIG off too, as the unversioned call and a real H200 do.
+                let p = gi_profile_by_id(node, gpu, profile_id)?;
+                // SAFETY: info is valid for the struct its version names (caller's contract).
+                unsafe { put_gi_info_versioned(info, p) }
+            })
         })
-    })
+    }
 }
 
 fn gi_placements(node: &Node, device: nvmlDevice_t, profile_id: u32) -> R<Vec<nvmlGpuInstancePlacement_t>> {
@@ -253,78 +232,63 @@ fn gi_placements(node: &Node, device: nvmlDevice_t, profile_id: u32) -> R<Vec<nv
     Ok(p.placements.iter().map(|&start| nvmlGpuInstancePlacement_t { start, size: p.placement_size }).collect())
 }
 
-/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`: every placement the profile allows (whatever
-/// exists already, MIG mode on or off). Null `placements` asks for the count; otherwise `*count`
-/// is the buffer's capacity (`INSUFFICIENT_SIZE` with the needed count when short).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    placements: *mut nvmlGpuInstancePlacement_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(count)?;
-            let list = gi_placements(node, device, profile_id)?;
-            if placements.is_null() {
-                // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
-                return unsafe { put(count, list.len() as u32) };
-            }
-            // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
-            unsafe { fill_list(count, placements, list) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetGpuInstancePossiblePlacements` (v1): `count` is output only and a non-null
-/// buffer must hold every placement of the profile (the v1 contract).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstancePossiblePlacements(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    placements: *mut nvmlGpuInstancePlacement_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(count)?;
-            let list = gi_placements(node, device, profile_id)?;
-            if !placements.is_null() {
-                need(placements)?;
-                for (i, p) in list.iter().enumerate() {
-                    // SAFETY: the v1 contract: a non-null buffer holds all of the profile's placements.
-                    unsafe { placements.add(i).write(*p) };
+nvml_exports! {
+    /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`: every placement the profile allows (whatever
+    /// exists already, MIG mode on or off). Null `placements` asks for the count; otherwise `*count`
+    /// is the buffer's capacity (`INSUFFICIENT_SIZE` with the needed count when short).
+    fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(device, profile_id, placements, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(count)?;
+                let list = gi_placements(node, device, profile_id)?;
+                if placements.is_null() {
+                    // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
+                    return unsafe { put(count, list.len() as u32) };
                 }
-            }
-            // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, list.len() as u32) }
+                // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
+                unsafe { fill_list(count, placements, list) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGpuInstanceRemainingCapacity`: how many more instances of a profile fit now.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceRemainingCapacity(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(count)?;
-            let p = gi_profile_by_id(node, gpu, profile_id)?;
-            let n = node.gi_remaining_capacity(gpu, p.nvml_profile).nv()?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, n) }
+    /// `nvmlDeviceGetGpuInstancePossiblePlacements` (v1): `count` is output only and a non-null
+    /// buffer must hold every placement of the profile (the v1 contract).
+    fn nvmlDeviceGetGpuInstancePossiblePlacements(device, profile_id, placements, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(count)?;
+                let list = gi_placements(node, device, profile_id)?;
+                if !placements.is_null() {
+                    need(placements)?;
+                    for (i, p) in list.iter().enumerate() {
+                        // SAFETY: the v1 contract: a non-null buffer holds all of the profile's placements.
+                        unsafe { placements.add(i).write(*p) };
+                    }
+                }
+                // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, list.len() as u32) }
+            })
         })
-    })
+    }
+
+    /// `nvmlDeviceGetGpuInstanceRemainingCapacity`: how many more instances of a profile fit now.
+    fn nvmlDeviceGetGpuInstanceRemainingCapacity(device, profile_id, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(count)?;
+                let p = gi_profile_by_id(node, gpu, profile_id)?;
+                let n = node.gi_remaining_capacity(gpu, p.nvml_profile).nv()?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, n) }
+            })
+        })
+    }
 }
 
 fn create_gi(
@@ -344,129 +308,104 @@ fn create_gi(
     gi_handle(gpu, gi.id)
 }
 
-/// `nvmlDeviceCreateGpuInstance`: at the first placement that fits (`INSUFFICIENT_RESOURCES` if none).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceCreateGpuInstance(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    gpu_instance: *mut nvmlGpuInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(gpu_instance)?;
-            let h = create_gi(device, profile_id, None)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(gpu_instance, h) }
+nvml_exports! {
+    /// `nvmlDeviceCreateGpuInstance`: at the first placement that fits (`INSUFFICIENT_RESOURCES` if none).
+    fn nvmlDeviceCreateGpuInstance(device, profile_id, gpu_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(gpu_instance)?;
+                let h = create_gi(device, profile_id, None)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(gpu_instance, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceCreateGpuInstanceWithPlacement`: a placement the profile does not allow is
-/// `INVALID_ARGUMENT`, one overlapping an existing instance `INSUFFICIENT_RESOURCES`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    placement: *const nvmlGpuInstancePlacement_t,
-    gpu_instance: *mut nvmlGpuInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(gpu_instance)?;
-            // SAFETY: placement is null or valid for a read by the caller's contract.
-            let pl = unsafe { get(placement) }?;
-            let h = create_gi(device, profile_id, Some(pl))?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(gpu_instance, h) }
+    /// `nvmlDeviceCreateGpuInstanceWithPlacement`: a placement the profile does not allow is
+    /// `INVALID_ARGUMENT`, one overlapping an existing instance `INSUFFICIENT_RESOURCES`.
+    fn nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, placement, gpu_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(gpu_instance)?;
+                // SAFETY: placement is null or valid for a read by the caller's contract.
+                let pl = unsafe { get(placement) }?;
+                let h = create_gi(device, profile_id, Some(pl))?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(gpu_instance, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlGpuInstanceDestroy`: `IN_USE` while it has compute instances or processes hold its memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceDestroy(gpu_instance: nvmlGpuInstance_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            node.destroy_gpu_instance(gpu, gi.id).nv()
+    /// `nvmlGpuInstanceDestroy`: `IN_USE` while it has compute instances or processes hold its memory.
+    fn nvmlGpuInstanceDestroy(gpu_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                node.destroy_gpu_instance(gpu, gi.id).nv()
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGpuInstances`: the instances of a profile; the buffer must hold the profile's
-/// instance count (the header's contract).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstances(
-    device: nvmlDevice_t,
-    profile_id: c_uint,
-    gpu_instances: *mut nvmlGpuInstance_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(count)?;
-            need(gpu_instances)?;
-            let p = gi_profile_by_id(node, gpu, profile_id)?;
-            let gis: Vec<GpuInstance> =
-                node.gpu_instances(gpu).nv()?.into_iter().filter(|g| g.profile.id == p.id).collect();
-            let n = gis.len().min(p.instance_count as usize);
-            for (i, gi) in gis[..n].iter().enumerate() {
+    /// `nvmlDeviceGetGpuInstances`: the instances of a profile; the buffer must hold the profile's
+    /// instance count (the header's contract).
+    fn nvmlDeviceGetGpuInstances(device, profile_id, gpu_instances, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(count)?;
+                need(gpu_instances)?;
+                let p = gi_profile_by_id(node, gpu, profile_id)?;
+                let gis: Vec<GpuInstance> =
+                    node.gpu_instances(gpu).nv()?.into_iter().filter(|g| g.profile.id == p.id).collect();
+                let n = gis.len().min(p.instance_count as usize);
+                for (i, gi) in gis[..n].iter().enumerate() {
+                    let h = gi_handle(gpu, gi.id)?;
+                    // SAFETY: gpu_instances is non-null, aligned and holds the profile's instance count (>= n).
+                    unsafe { gpu_instances.add(i).write(h) };
+                }
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, n as u32) }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetGpuInstanceById`: `NOT_FOUND` for no such instance.
+    fn nvmlDeviceGetGpuInstanceById(device, id, gpu_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(gpu_instance)?;
+                let gi = node.gpu_instances(gpu).nv()?.into_iter().find(|g| g.id == id).ok_or(NOT_FOUND)?;
                 let h = gi_handle(gpu, gi.id)?;
-                // SAFETY: gpu_instances is non-null, aligned and holds the profile's instance count (>= n).
-                unsafe { gpu_instances.add(i).write(h) };
-            }
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, n as u32) }
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(gpu_instance, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGpuInstanceById`: `NOT_FOUND` for no such instance.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceById(
-    device: nvmlDevice_t,
-    id: c_uint,
-    gpu_instance: *mut nvmlGpuInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(gpu_instance)?;
-            let gi = node.gpu_instances(gpu).nv()?.into_iter().find(|g| g.id == id).ok_or(NOT_FOUND)?;
-            let h = gi_handle(gpu, gi.id)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(gpu_instance, h) }
+    /// `nvmlGpuInstanceGetInfo`: parent device, id, profile id, placement.
+    fn nvmlGpuInstanceGetInfo(gpu_instance, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(info)?;
+                let v = nvmlGpuInstanceInfo_t {
+                    device: gpu_handle(gpu),
+                    id: gi.id,
+                    profileId: gi.profile.id,
+                    placement: nvmlGpuInstancePlacement_t { start: gi.start, size: gi.profile.placement_size },
+                };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(info, v) }
+            })
         })
-    })
-}
-
-/// `nvmlGpuInstanceGetInfo`: parent device, id, profile id, placement.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetInfo(
-    gpu_instance: nvmlGpuInstance_t,
-    info: *mut nvmlGpuInstanceInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(info)?;
-            let v = nvmlGpuInstanceInfo_t {
-                device: gpu_handle(gpu),
-                id: gi.id,
-                profileId: gi.profile.id,
-                placement: nvmlGpuInstancePlacement_t { start: gi.start, size: gi.profile.placement_size },
-            };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(info, v) }
-        })
-    })
+    }
 }
 
 /// The compute-instance profiles a GPU instance offers: (profile, instance count, placements).
@@ -497,135 +436,114 @@ fn ci_info_v1(gi: &GiProfile, p: &CiProfile, count: u32) -> nvmlComputeInstanceP
     }
 }
 
-/// `nvmlGpuInstanceGetComputeInstanceProfileInfo`: a profile by `NVML_COMPUTE_INSTANCE_PROFILE_*`
-/// (the engines are the GPU instance's, shared by its compute instances).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfo(
-    gpu_instance: nvmlGpuInstance_t,
-    profile: c_uint,
-    eng_profile: c_uint,
-    info: *mut nvmlComputeInstanceProfileInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(info)?;
-            if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
-                return Err(INVALID_ARGUMENT);
-            }
-            let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(info, ci_info_v1(gi.profile, p, count)) }
-        })
-    })
-}
-
-/// `nvmlGpuInstanceGetComputeInstanceProfileInfoV`: versioned (v2 or v3, by the caller's `version`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(
-    gpu_instance: nvmlGpuInstance_t,
-    profile: c_uint,
-    eng_profile: c_uint,
-    info: *mut nvmlComputeInstanceProfileInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            // SAFETY: info is null or valid for a read of its leading version (caller's contract).
-            let version = unsafe { get(info.cast_const().cast::<u32>()) }?;
-            if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
-                return Err(INVALID_ARGUMENT);
-            }
-            let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
-            let v1 = ci_info_v1(gi.profile, p, count);
-            let name = format!("MIG {}", p.name_in(gi.profile));
-            if version == struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
-                // SAFETY: zeroes are a valid value of this plain C struct.
-                let mut v2: nvmlComputeInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-                v2.version = version;
-                v2.id = v1.id;
-                v2.sliceCount = v1.sliceCount;
-                v2.instanceCount = v1.instanceCount;
-                v2.multiprocessorCount = v1.multiprocessorCount;
-                v2.sharedCopyEngineCount = v1.sharedCopyEngineCount;
-                v2.sharedDecoderCount = v1.sharedDecoderCount;
-                v2.sharedEncoderCount = v1.sharedEncoderCount;
-                v2.sharedJpegCount = v1.sharedJpegCount;
-                v2.sharedOfaCount = v1.sharedOfaCount;
-                fill_chars(&mut v2.name, &name);
-                // SAFETY: the caller declared a v2 struct; info was checked non-null and aligned.
-                return unsafe { put(info, v2) };
-            }
-            if version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3) {
-                // SAFETY: zeroes are a valid value of this plain C struct.
-                let mut v3: nvmlComputeInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
-                v3.version = version;
-                v3.id = v1.id;
-                v3.sliceCount = v1.sliceCount;
-                v3.instanceCount = v1.instanceCount;
-                v3.multiprocessorCount = v1.multiprocessorCount;
-                v3.sharedCopyEngineCount = v1.sharedCopyEngineCount;
-                v3.sharedDecoderCount = v1.sharedDecoderCount;
-                v3.sharedEncoderCount = v1.sharedEncoderCount;
-                v3.sharedJpegCount = v1.sharedJpegCount;
-                v3.sharedOfaCount = v1.sharedOfaCount;
-                fill_chars(&mut v3.name, &name);
-                v3.capabilities = 0;
-                // SAFETY: the caller declared a v3 struct; info was checked non-null and aligned.
-                return unsafe { put(info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(), v3) };
-            }
-            Err(INVALID_ARGUMENT)
-        })
-    })
-}
-
-/// `nvmlGpuInstanceGetComputeInstanceRemainingCapacity`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
-    gpu_instance: nvmlGpuInstance_t,
-    profile_id: c_uint,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(count)?;
-            ci_offer(node, gpu, &gi, profile_id)?;
-            let n = node.ci_remaining_capacity(gpu, gi.id, profile_id).nv()?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, n) }
-        })
-    })
-}
-
-/// `nvmlGpuInstanceGetComputeInstancePossiblePlacements`: every placement of the profile inside
-/// the GPU instance, in its compute slices. Null `placements` asks for the count.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstancePossiblePlacements(
-    gpu_instance: nvmlGpuInstance_t,
-    profile_id: c_uint,
-    placements: *mut nvmlComputeInstancePlacement_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(count)?;
-            let (p, _, starts) = ci_offer(node, gpu, &gi, profile_id)?;
-            let list: Vec<_> =
-                starts.iter().map(|&start| nvmlComputeInstancePlacement_t { start, size: p.slice_count }).collect();
-            if placements.is_null() {
+nvml_exports! {
+    /// `nvmlGpuInstanceGetComputeInstanceProfileInfo`: a profile by `NVML_COMPUTE_INSTANCE_PROFILE_*`
+    /// (the engines are the GPU instance's, shared by its compute instances).
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfo(gpu_instance, profile, eng_profile, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(info)?;
+                if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
                 // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                return unsafe { put(count, list.len() as u32) };
-            }
-            // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
-            unsafe { fill_list(count, placements, list) }
+                unsafe { put(info, ci_info_v1(gi.profile, p, count)) }
+            })
         })
-    })
+    }
+
+    /// `nvmlGpuInstanceGetComputeInstanceProfileInfoV`: versioned (v2 or v3, by the caller's `version`).
+    fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(gpu_instance, profile, eng_profile, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                // SAFETY: info is null or valid for a read of its leading version (caller's contract).
+                let version = unsafe { get(info.cast_const().cast::<u32>()) }?;
+                if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
+                let v1 = ci_info_v1(gi.profile, p, count);
+                let name = format!("MIG {}", p.name_in(gi.profile));
+                if version == struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
+                    // SAFETY: zeroes are a valid value of this plain C struct.
+                    let mut v2: nvmlComputeInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+                    v2.version = version;
+                    v2.id = v1.id;
+                    v2.sliceCount = v1.sliceCount;
+                    v2.instanceCount = v1.instanceCount;
+                    v2.multiprocessorCount = v1.multiprocessorCount;
+                    v2.sharedCopyEngineCount = v1.sharedCopyEngineCount;
+                    v2.sharedDecoderCount = v1.sharedDecoderCount;
+                    v2.sharedEncoderCount = v1.sharedEncoderCount;
+                    v2.sharedJpegCount = v1.sharedJpegCount;
+                    v2.sharedOfaCount = v1.sharedOfaCount;
+                    fill_chars(&mut v2.name, &name);
+                    // SAFETY: the caller declared a v2 struct; info was checked non-null and aligned.
+                    return unsafe { put(info, v2) };
+                }
+                if version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3) {
+                    // SAFETY: zeroes are a valid value of this plain C struct.
+                    let mut v3: nvmlComputeInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
+                    v3.version = version;
+                    v3.id = v1.id;
+                    v3.sliceCount = v1.sliceCount;
+                    v3.instanceCount = v1.instanceCount;
+                    v3.multiprocessorCount = v1.multiprocessorCount;
+                    v3.sharedCopyEngineCount = v1.sharedCopyEngineCount;
+                    v3.sharedDecoderCount = v1.sharedDecoderCount;
+                    v3.sharedEncoderCount = v1.sharedEncoderCount;
+                    v3.sharedJpegCount = v1.sharedJpegCount;
+                    v3.sharedOfaCount = v1.sharedOfaCount;
+                    fill_chars(&mut v3.name, &name);
+                    v3.capabilities = 0;
+                    // SAFETY: the caller declared a v3 struct; info was checked non-null and aligned.
+                    return unsafe { put(info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(), v3) };
+                }
+                Err(INVALID_ARGUMENT)
+            })
+        })
+    }
+
+    /// `nvmlGpuInstanceGetComputeInstanceRemainingCapacity`.
+    fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gpu_instance, profile_id, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(count)?;
+                ci_offer(node, gpu, &gi, profile_id)?;
+                let n = node.ci_remaining_capacity(gpu, gi.id, profile_id).nv()?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, n) }
+            })
+        })
+    }
+
+    /// `nvmlGpuInstanceGetComputeInstancePossiblePlacements`: every placement of the profile inside
+    /// the GPU instance, in its compute slices. Null `placements` asks for the count.
+    fn nvmlGpuInstanceGetComputeInstancePossiblePlacements(gpu_instance, profile_id, placements, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(count)?;
+                let (p, _, starts) = ci_offer(node, gpu, &gi, profile_id)?;
+                let list: Vec<_> =
+                    starts.iter().map(|&start| nvmlComputeInstancePlacement_t { start, size: p.slice_count }).collect();
+                if placements.is_null() {
+                    // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                    return unsafe { put(count, list.len() as u32) };
+                }
+                // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
+                unsafe { fill_list(count, placements, list) }
+            })
+        })
+    }
 }
 
 fn create_ci(
@@ -645,111 +563,90 @@ fn create_ci(
     ci_handle(gpu, gi.id, ci.id)
 }
 
-/// `nvmlGpuInstanceCreateComputeInstance`: at the first placement that fits.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
-    gpu_instance: nvmlGpuInstance_t,
-    profile_id: c_uint,
-    compute_instance: *mut nvmlComputeInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(compute_instance)?;
-            let h = create_ci(gpu_instance, profile_id, None)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(compute_instance, h) }
+nvml_exports! {
+    /// `nvmlGpuInstanceCreateComputeInstance`: at the first placement that fits.
+    fn nvmlGpuInstanceCreateComputeInstance(gpu_instance, profile_id, compute_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(compute_instance)?;
+                let h = create_ci(gpu_instance, profile_id, None)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(compute_instance, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlGpuInstanceCreateComputeInstanceWithPlacement`: `INSUFFICIENT_RESOURCES` when the
-/// placement is taken.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(
-    gpu_instance: nvmlGpuInstance_t,
-    profile_id: c_uint,
-    placement: *const nvmlComputeInstancePlacement_t,
-    compute_instance: *mut nvmlComputeInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            need(compute_instance)?;
-            // SAFETY: placement is null or valid for a read by the caller's contract.
-            let pl = unsafe { get(placement) }?;
-            let h = create_ci(gpu_instance, profile_id, Some(pl))?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(compute_instance, h) }
+    /// `nvmlGpuInstanceCreateComputeInstanceWithPlacement`: `INSUFFICIENT_RESOURCES` when the
+    /// placement is taken.
+    fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(gpu_instance, profile_id, placement, compute_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                need(compute_instance)?;
+                // SAFETY: placement is null or valid for a read by the caller's contract.
+                let pl = unsafe { get(placement) }?;
+                let h = create_ci(gpu_instance, profile_id, Some(pl))?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(compute_instance, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlComputeInstanceDestroy`: `IN_USE` while a process has a context on it.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlComputeInstanceDestroy(compute_instance: nvmlComputeInstance_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let m = handles::compute_instance(node, compute_instance)?;
-            node.destroy_compute_instance(m.gpu, m.gi.id, m.ci.id).nv()
+    /// `nvmlComputeInstanceDestroy`: `IN_USE` while a process has a context on it.
+    fn nvmlComputeInstanceDestroy(compute_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let m = handles::compute_instance(node, compute_instance)?;
+                node.destroy_compute_instance(m.gpu, m.gi.id, m.ci.id).nv()
+            })
         })
-    })
-}
+    }
 
-/// `nvmlGpuInstanceGetComputeInstances`: the compute instances of a profile; the buffer must hold
-/// the profile's instance count (the header's contract).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstances(
-    gpu_instance: nvmlGpuInstance_t,
-    profile_id: c_uint,
-    compute_instances: *mut nvmlComputeInstance_t,
-    count: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(count)?;
-            need(compute_instances)?;
-            let (_, max, _) = ci_offer(node, gpu, &gi, profile_id)?;
-            let cis: Vec<ComputeInstance> = node
-                .compute_instances(gpu, Some(gi.id))
-                .nv()?
-                .into_iter()
-                .filter(|c| c.profile.nvml_profile == profile_id)
-                .collect();
-            let n = cis.len().min(max as usize);
-            for (i, ci) in cis[..n].iter().enumerate() {
+    /// `nvmlGpuInstanceGetComputeInstances`: the compute instances of a profile; the buffer must hold
+    /// the profile's instance count (the header's contract).
+    fn nvmlGpuInstanceGetComputeInstances(gpu_instance, profile_id, compute_instances, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(count)?;
+                need(compute_instances)?;
+                let (_, max, _) = ci_offer(node, gpu, &gi, profile_id)?;
+                let cis: Vec<ComputeInstance> = node
+                    .compute_instances(gpu, Some(gi.id))
+                    .nv()?
+                    .into_iter()
+                    .filter(|c| c.profile.nvml_profile == profile_id)
+                    .collect();
+                let n = cis.len().min(max as usize);
+                for (i, ci) in cis[..n].iter().enumerate() {
+                    let h = ci_handle(gpu, gi.id, ci.id)?;
+                    // SAFETY: compute_instances is non-null, aligned and holds the profile's instance count (>= n).
+                    unsafe { compute_instances.add(i).write(h) };
+                }
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, n as u32) }
+            })
+        })
+    }
+
+    /// `nvmlGpuInstanceGetComputeInstanceById`: `NOT_FOUND` for no such instance.
+    fn nvmlGpuInstanceGetComputeInstanceById(gpu_instance, id, compute_instance) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+                need(compute_instance)?;
+                let ci =
+                    node.compute_instances(gpu, Some(gi.id)).nv()?.into_iter().find(|c| c.id == id).ok_or(NOT_FOUND)?;
                 let h = ci_handle(gpu, gi.id, ci.id)?;
-                // SAFETY: compute_instances is non-null, aligned and holds the profile's instance count (>= n).
-                unsafe { compute_instances.add(i).write(h) };
-            }
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, n as u32) }
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(compute_instance, h) }
+            })
         })
-    })
-}
-
-/// `nvmlGpuInstanceGetComputeInstanceById`: `NOT_FOUND` for no such instance.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlGpuInstanceGetComputeInstanceById(
-    gpu_instance: nvmlGpuInstance_t,
-    id: c_uint,
-    compute_instance: *mut nvmlComputeInstance_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-            need(compute_instance)?;
-            let ci =
-                node.compute_instances(gpu, Some(gi.id)).nv()?.into_iter().find(|c| c.id == id).ok_or(NOT_FOUND)?;
-            let h = ci_handle(gpu, gi.id, ci.id)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(compute_instance, h) }
-        })
-    })
+    }
 }
 
 fn ci_info(m: &handles::MigDevice) -> R<nvmlComputeInstanceInfo_t> {
@@ -762,61 +659,54 @@ fn ci_info(m: &handles::MigDevice) -> R<nvmlComputeInstanceInfo_t> {
     })
 }
 
-/// `nvmlComputeInstanceGetInfo_v2`: parent device and GPU instance, id, profile id, placement.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlComputeInstanceGetInfo_v2(
-    compute_instance: nvmlComputeInstance_t,
-    info: *mut nvmlComputeInstanceInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let m = handles::compute_instance(node, compute_instance)?;
-            need(info)?;
-            let v = ci_info(&m)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(info, v) }
+nvml_exports! {
+    /// `nvmlComputeInstanceGetInfo_v2`: parent device and GPU instance, id, profile id, placement.
+    fn nvmlComputeInstanceGetInfo_v2(compute_instance, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let m = handles::compute_instance(node, compute_instance)?;
+                need(info)?;
+                let v = ci_info(&m)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(info, v) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlComputeInstanceGetInfo` (v1): without the placement.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlComputeInstanceGetInfo(
-    compute_instance: nvmlComputeInstance_t,
-    info: *mut nvmlComputeInstanceInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let m = handles::compute_instance(node, compute_instance)?;
-            let out = info.cast::<ComputeInstanceInfoV1>();
-            need(out)?;
-            let v = ci_info(&m)?;
-            let v1 = ComputeInstanceInfoV1 {
-                device: v.device,
-                gpu_instance: v.gpuInstance,
-                id: v.id,
-                profile_id: v.profileId,
-            };
-            // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
-            unsafe { put(out, v1) }
+    /// `nvmlComputeInstanceGetInfo` (v1): without the placement.
+    fn nvmlComputeInstanceGetInfo(compute_instance, info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let m = handles::compute_instance(node, compute_instance)?;
+                let out = info.cast::<ComputeInstanceInfoV1>();
+                need(out)?;
+                let v = ci_info(&m)?;
+                let v1 = ComputeInstanceInfoV1 {
+                    device: v.device,
+                    gpu_instance: v.gpuInstance,
+                    id: v.id,
+                    profile_id: v.profileId,
+                };
+                // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
+                unsafe { put(out, v1) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceIsMigDeviceHandle`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(device: nvmlDevice_t, is_mig_device: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let dev = handles::device(node, device)?;
-            need(is_mig_device)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(is_mig_device, u32::from(matches!(dev, Dev::Mig(_)))) }
+    /// `nvmlDeviceIsMigDeviceHandle`.
+    fn nvmlDeviceIsMigDeviceHandle(device, is_mig_device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let dev = handles::device(node, device)?;
+                need(is_mig_device)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(is_mig_device, u32::from(matches!(dev, Dev::Mig(_)))) }
+            })
         })
-    })
+    }
 }
 
 /// A MIG device handle (`INVALID_ARGUMENT` for a GPU handle).
@@ -827,98 +717,88 @@ fn mig_device(node: &Node, device: nvmlDevice_t) -> R<handles::MigDevice> {
     }
 }
 
-/// `nvmlDeviceGetGpuInstanceId`: of a MIG device.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(device: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(id)?;
-            let m = mig_device(node, device)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(id, m.gi.id) }
+nvml_exports! {
+    /// `nvmlDeviceGetGpuInstanceId`: of a MIG device.
+    fn nvmlDeviceGetGpuInstanceId(device, id) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(id)?;
+                let m = mig_device(node, device)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(id, m.gi.id) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetComputeInstanceId`: of a MIG device.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(device: nvmlDevice_t, id: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(id)?;
-            let m = mig_device(node, device)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(id, m.ci.id) }
+    /// `nvmlDeviceGetComputeInstanceId`: of a MIG device.
+    fn nvmlDeviceGetComputeInstanceId(device, id) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(id)?;
+                let m = mig_device(node, device)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(id, m.ci.id) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMaxMigDeviceCount`: the board's compute slices with MIG on, else 0.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(device: nvmlDevice_t, count: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(count)?;
-            let m = node.gpu(gpu).nv()?.model;
-            let n = match &m.mig {
-                Some(spec) if mig_on(node, gpu)? => spec.compute_slices,
-                _ => 0,
-            };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(count, n) }
+    /// `nvmlDeviceGetMaxMigDeviceCount`: the board's compute slices with MIG on, else 0.
+    fn nvmlDeviceGetMaxMigDeviceCount(device, count) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(count)?;
+                let m = node.gpu(gpu).nv()?.model;
+                let n = match &m.mig {
+                    Some(spec) if mig_on(node, gpu)? => spec.compute_slices,
+                    _ => 0,
+                };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(count, n) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMigDeviceHandleByIndex`: MIG devices in (GPU instance id, compute instance id)
-/// order; an index past the maximum is `INVALID_ARGUMENT`, one with no device `NOT_FOUND`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
-    device: nvmlDevice_t,
-    index: c_uint,
-    mig_device_out: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            need(mig_device_out)?;
-            let spec = mig_model(node, gpu)?.mig.as_ref().ok_or(NOT_SUPPORTED)?;
-            if !mig_on(node, gpu)? || index >= spec.compute_slices {
-                return Err(INVALID_ARGUMENT);
-            }
-            let cis = node.compute_instances(gpu, None).nv()?;
-            let ci = cis.get(index as usize).ok_or(NOT_FOUND)?;
-            let h = mig_handle(gpu, ci.gi_id, ci.id)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(mig_device_out, h) }
+    /// `nvmlDeviceGetMigDeviceHandleByIndex`: MIG devices in (GPU instance id, compute instance id)
+    /// order; an index past the maximum is `INVALID_ARGUMENT`, one with no device `NOT_FOUND`.
+    fn nvmlDeviceGetMigDeviceHandleByIndex(device, index, mig_device_out) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                need(mig_device_out)?;
+                let spec = mig_model(node, gpu)?.mig.as_ref().ok_or(NOT_SUPPORTED)?;
+                if !mig_on(node, gpu)? || index >= spec.compute_slices {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let cis = node.compute_instances(gpu, None).nv()?;
+                let ci = cis.get(index as usize).ok_or(NOT_FOUND)?;
+                let h = mig_handle(gpu, ci.gi_id, ci.id)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(mig_device_out, h) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`: the parent GPU of a MIG device.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
-    mig_device_in: nvmlDevice_t,
-    device: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let r = handles::decode_device(node, mig_device_in)?;
-            need(device)?;
-            let DevRef::Mig(..) = r else {
-                return Err(INVALID_ARGUMENT);
-            };
-            let m = mig_device(node, mig_device_in)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(device, gpu_handle(m.gpu)) }
+    /// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`: the parent GPU of a MIG device.
+    fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_device_in, device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let r = handles::decode_device(node, mig_device_in)?;
+                need(device)?;
+                let DevRef::Mig(..) = r else {
+                    return Err(INVALID_ARGUMENT);
+                };
+                let m = mig_device(node, mig_device_in)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(device, gpu_handle(m.gpu)) }
+            })
         })
-    })
+    }
 }

@@ -33,6 +33,7 @@ mod units;
 use std::ffi::c_char;
 
 use nvml_wrapper_sys::bindings::*;
+use tessera_abi::nvml_exports;
 use tessera_sim_model::{Node, SimError};
 
 pub(crate) use errors::code;

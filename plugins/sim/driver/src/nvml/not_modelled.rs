@@ -7,8 +7,9 @@
 //! sim models: the vGPU host and guest calls, units (S-class systems only), FBC/encoder sessions,
 //! GPU-direct and display queries. The list is generated at build time (`build.rs`): every name
 //! of `exports/nvml.names` (the names `nvml.h` declares; `exports/derive-names.py` derives it)
-//! that no `extern "C" fn` under `src/nvml/` defines. Modelling a function means defining it in
-//! its family's module; its stub then disappears.
+//! that no `nvml_exports!` item under `src/nvml/` defines. Modelling a function means adding its
+//! row to `tessera_abi::nvml`'s table and defining it in its family's module with
+//! `nvml_exports!`; its stub then disappears.
 //!
 //! The exports take no parameters: under the C calling convention a caller may pass any arguments
 //! to such a function, and the answer does not depend on them.

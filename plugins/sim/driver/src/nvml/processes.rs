@@ -62,139 +62,96 @@ unsafe fn list<T>(device: nvmlDevice_t, count: *mut c_uint, infos: *mut T, compu
     unsafe { fill_list(count, infos, procs.iter().map(conv).collect()) }
 }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v3`: processes with a context or memory on the device.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, true, v2) }
+nvml_exports! {
+    /// `nvmlDeviceGetComputeRunningProcesses_v3`: processes with a context or memory on the device.
+    fn nvmlDeviceGetComputeRunningProcesses_v3(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, true, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v2`: the same layout as v3.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, true, v2) }
+    /// `nvmlDeviceGetComputeRunningProcesses_v2`: the same layout as v3.
+    fn nvmlDeviceGetComputeRunningProcesses_v2(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, true, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetComputeRunningProcesses` (v1): pid and memory only.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v1_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, true, v1) }
+    /// `nvmlDeviceGetComputeRunningProcesses` (v1): pid and memory only.
+    fn nvmlDeviceGetComputeRunningProcesses(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, true, v1) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none (no graphics contexts on a compute node).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v2) }
+    /// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none (no graphics contexts on a compute node).
+    fn nvmlDeviceGetGraphicsRunningProcesses_v3(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGraphicsRunningProcesses_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v2(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v2) }
+    /// `nvmlDeviceGetGraphicsRunningProcesses_v2`.
+    fn nvmlDeviceGetGraphicsRunningProcesses_v2(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetGraphicsRunningProcesses` (v1).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v1_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v1) }
+    /// `nvmlDeviceGetGraphicsRunningProcesses` (v1).
+    fn nvmlDeviceGetGraphicsRunningProcesses(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v1) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: none (no MPS server on the simulated node).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v3(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v2) }
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: none (no MPS server on the simulated node).
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v3(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMPSComputeRunningProcesses_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses_v2(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v2_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v2) }
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v2`.
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v2(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v2) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMPSComputeRunningProcesses` (v1).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMPSComputeRunningProcesses(
-    device: nvmlDevice_t,
-    info_count: *mut c_uint,
-    infos: *mut nvmlProcessInfo_v1_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { list(device, info_count, infos, false, v1) }
+    /// `nvmlDeviceGetMPSComputeRunningProcesses` (v1).
+    fn nvmlDeviceGetMPSComputeRunningProcesses(device, info_count, infos) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { list(device, info_count, infos, false, v1) }
+            })
         })
-    })
+    }
 }
 
 /// Memory-controller utilization, derived: half the SM busy time (the model has no bandwidth).
@@ -211,74 +168,66 @@ pub(crate) fn gpu_utilization(node: &Node, gpu: u32) -> R<u32> {
     Ok(node.utilization(gpu, 0).nv()?.gpu_percent)
 }
 
-/// `nvmlDeviceGetUtilizationRates`: GPU busy percent over about the last second.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
-    device: nvmlDevice_t,
-    utilization: *mut nvmlUtilization_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::whole_gpu(node, device)?;
-            need(utilization)?;
-            let busy = gpu_utilization(node, gpu)?;
-            let u = nvmlUtilization_t { gpu: busy, memory: memory_util(busy) };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(utilization, u) }
+nvml_exports! {
+    /// `nvmlDeviceGetUtilizationRates`: GPU busy percent over about the last second.
+    fn nvmlDeviceGetUtilizationRates(device, utilization) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::whole_gpu(node, device)?;
+                need(utilization)?;
+                let busy = gpu_utilization(node, gpu)?;
+                let u = nvmlUtilization_t { gpu: busy, memory: memory_util(busy) };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(utilization, u) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetProcessUtilization`: one sample per process whose kernels ran since
-/// `lastSeenTimeStamp` (µs since the epoch; 0: the driver's whole history, about a second).
-/// `NOT_FOUND` when there is none; a null or short buffer gets `INSUFFICIENT_SIZE` and the count.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
-    device: nvmlDevice_t,
-    utilization: *mut nvmlProcessUtilizationSample_t,
-    process_samples_count: *mut c_uint,
-    last_seen_time_stamp: u64,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::whole_gpu(node, device)?;
-            need(process_samples_count)?;
-            if node.mig_mode(gpu).is_ok_and(|(current, _)| current) {
-                return Err(NOT_SUPPORTED);
-            }
-            let now_mono = monotonic_ns();
-            let now_us = realtime_us_from_monotonic(now_mono);
-            if last_seen_time_stamp >= now_us {
-                return Err(NOT_FOUND);
-            }
-            let since = if last_seen_time_stamp == 0 {
-                0
-            } else {
-                let ago = Duration::from_micros(now_us - last_seen_time_stamp).as_nanos() as u64;
-                now_mono.saturating_sub(ago).max(1)
-            };
-            let window = node.utilization(gpu, since).nv()?;
-            let ts = realtime_us_from_monotonic(window.to_ns);
-            let samples: Vec<nvmlProcessUtilizationSample_t> = window
-                .processes
-                .iter()
-                .filter(|(_, pct)| *pct > 0)
-                .map(|&(pid, pct)| nvmlProcessUtilizationSample_t {
-                    pid,
-                    timeStamp: ts,
-                    smUtil: pct,
-                    memUtil: memory_util(pct),
-                    encUtil: 0,
-                    decUtil: 0,
-                })
-                .collect();
-            if samples.is_empty() {
-                return Err(NOT_FOUND);
-            }
-            // SAFETY: count is checked; utilization is null or holds `*count` samples (caller's contract).
-            unsafe { fill_list(process_samples_count, utilization, samples) }
+    /// `nvmlDeviceGetProcessUtilization`: one sample per process whose kernels ran since
+    /// `lastSeenTimeStamp` (µs since the epoch; 0: the driver's whole history, about a second).
+    /// `NOT_FOUND` when there is none; a null or short buffer gets `INSUFFICIENT_SIZE` and the count.
+    fn nvmlDeviceGetProcessUtilization(device, utilization, process_samples_count, last_seen_time_stamp) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::whole_gpu(node, device)?;
+                need(process_samples_count)?;
+                if node.mig_mode(gpu).is_ok_and(|(current, _)| current) {
+                    return Err(NOT_SUPPORTED);
+                }
+                let now_mono = monotonic_ns();
+                let now_us = realtime_us_from_monotonic(now_mono);
+                if last_seen_time_stamp >= now_us {
+                    return Err(NOT_FOUND);
+                }
+                let since = if last_seen_time_stamp == 0 {
+                    0
+                } else {
+                    let ago = Duration::from_micros(now_us - last_seen_time_stamp).as_nanos() as u64;
+                    now_mono.saturating_sub(ago).max(1)
+                };
+                let window = node.utilization(gpu, since).nv()?;
+                let ts = realtime_us_from_monotonic(window.to_ns);
+                let samples: Vec<nvmlProcessUtilizationSample_t> = window
+                    .processes
+                    .iter()
+                    .filter(|(_, pct)| *pct > 0)
+                    .map(|&(pid, pct)| nvmlProcessUtilizationSample_t {
+                        pid,
+                        timeStamp: ts,
+                        smUtil: pct,
+                        memUtil: memory_util(pct),
+                        encUtil: 0,
+                        decUtil: 0,
+                    })
+                    .collect();
+                if samples.is_empty() {
+                    return Err(NOT_FOUND);
+                }
+                // SAFETY: count is checked; utilization is null or holds `*count` samples (caller's contract).
+                unsafe { fill_list(process_samples_count, utilization, samples) }
+            })
         })
-    })
+    }
 }

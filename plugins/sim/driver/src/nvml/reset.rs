@@ -2,19 +2,18 @@
 //! reset (the same as `tessera-sim reset`): back on the bus, volatile ECC counts cleared, a
 //! pending MIG mode applied, every context on the GPU destroyed.
 
-use nvml_wrapper_sys::bindings::*;
-
 use super::*;
 use crate::ffi::guard;
 
-/// `nvmlDeviceResetGpu`: resets a physical GPU (a MIG device handle is `INVALID_ARGUMENT`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceResetGpu(device: nvmlDevice_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::physical_gpu(node, device)?;
-            node.reset(gpu).map_err(|e| code(&e))
+nvml_exports! {
+    /// `nvmlDeviceResetGpu`: resets a physical GPU (a MIG device handle is `INVALID_ARGUMENT`).
+    fn nvmlDeviceResetGpu(device) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::physical_gpu(node, device)?;
+                node.reset(gpu).map_err(|e| code(&e))
+            })
         })
-    })
+    }
 }

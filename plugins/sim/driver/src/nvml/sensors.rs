@@ -55,156 +55,128 @@ unsafe fn gpu_value<T>(device: nvmlDevice_t, out: *mut T, f: impl FnOnce(&Node, 
     unsafe { put(out, v) }
 }
 
-/// `nvmlDeviceGetTemperature` (deprecated in the header, still exported): the GPU die sensor.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTemperature(
-    device: nvmlDevice_t,
-    sensor_type: nvmlTemperatureSensors_t,
-    temp: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
-                return Err(INVALID_ARGUMENT);
-            }
-            // SAFETY: temp is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, temp, |n, g, m| Ok(temperature_c(m, load(n, g)?))) }
+nvml_exports! {
+    /// `nvmlDeviceGetTemperature` (deprecated in the header, still exported): the GPU die sensor.
+    fn nvmlDeviceGetTemperature(device, sensor_type, temp) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+                    return Err(INVALID_ARGUMENT);
+                }
+                // SAFETY: temp is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, temp, |n, g, m| Ok(temperature_c(m, load(n, g)?))) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetTemperatureV` (`nvmlTemperature_v1_t`, versioned).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTemperatureV(
-    device: nvmlDevice_t,
-    temperature: *mut nvmlTemperature_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            // SAFETY: temperature is null or valid for reads of the struct by the caller's contract.
-            let t = unsafe { get(temperature.cast_const()) }?;
-            if t.version != struct_version::<nvmlTemperature_v1_t>(1) {
-                return Err(VERSION_MISMATCH);
-            }
-            if t.sensorType != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
-                return Err(INVALID_ARGUMENT);
-            }
-            let f = |n: &Node, g: u32, m: &'static GpuModel| {
-                Ok(nvmlTemperature_v1_t { temperature: temperature_c(m, load(n, g)?) as c_int, ..t })
-            };
-            // SAFETY: temperature is valid for a write by the caller's contract (checked above).
-            unsafe { gpu_value(device, temperature, f) }
+    /// `nvmlDeviceGetTemperatureV` (`nvmlTemperature_v1_t`, versioned).
+    fn nvmlDeviceGetTemperatureV(device, temperature) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                // SAFETY: temperature is null or valid for reads of the struct by the caller's contract.
+                let t = unsafe { get(temperature.cast_const()) }?;
+                if t.version != struct_version::<nvmlTemperature_v1_t>(1) {
+                    return Err(VERSION_MISMATCH);
+                }
+                if t.sensorType != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let f = |n: &Node, g: u32, m: &'static GpuModel| {
+                    Ok(nvmlTemperature_v1_t { temperature: temperature_c(m, load(n, g)?) as c_int, ..t })
+                };
+                // SAFETY: temperature is valid for a write by the caller's contract (checked above).
+                unsafe { gpu_value(device, temperature, f) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetTemperatureThreshold`: the board's shutdown, slowdown and max operating points.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(
-    device: nvmlDevice_t,
-    threshold_type: nvmlTemperatureThresholds_t,
-    temp: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            node()?;
-            if threshold_type >= nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_COUNT {
-                return Err(INVALID_ARGUMENT);
-            }
-            let f = |_: &Node, _: u32, m: &'static GpuModel| match threshold_type {
-                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => Ok(m.shutdown_temp_c),
-                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => Ok(m.slowdown_temp_c),
-                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_MEM_MAX => Ok(m.mem_max_operating_temp_c),
-                nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_GPU_MAX => Ok(m.max_operating_temp_c),
-                // Acoustic and GPS thresholds are for boards with fans.
-                _ => Err(NOT_SUPPORTED),
-            };
-            // SAFETY: temp is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, temp, f) }
+    /// `nvmlDeviceGetTemperatureThreshold`: the board's shutdown, slowdown and max operating points.
+    fn nvmlDeviceGetTemperatureThreshold(device, threshold_type, temp) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                node()?;
+                if threshold_type >= nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_COUNT {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let f = |_: &Node, _: u32, m: &'static GpuModel| match threshold_type {
+                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => Ok(m.shutdown_temp_c),
+                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => Ok(m.slowdown_temp_c),
+                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_MEM_MAX => Ok(m.mem_max_operating_temp_c),
+                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_GPU_MAX => Ok(m.max_operating_temp_c),
+                    // Acoustic and GPS thresholds are for boards with fans.
+                    _ => Err(NOT_SUPPORTED),
+                };
+                // SAFETY: temp is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, temp, f) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPowerUsage`, milliwatts.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: power is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, power, |n, g, m| Ok(power_mw(m, load(n, g)?))) }
+    /// `nvmlDeviceGetPowerUsage`, milliwatts.
+    fn nvmlDeviceGetPowerUsage(device, power) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: power is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, power, |n, g, m| Ok(power_mw(m, load(n, g)?))) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPowerManagementLimit`, milliwatts (the default limit: nothing changes it here).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimit(device: nvmlDevice_t, limit: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: limit is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+    /// `nvmlDeviceGetPowerManagementLimit`, milliwatts (the default limit: nothing changes it here).
+    fn nvmlDeviceGetPowerManagementLimit(device, limit) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: limit is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPowerManagementDefaultLimit`, milliwatts.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerManagementDefaultLimit(
-    device: nvmlDevice_t,
-    default_limit: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: default_limit is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
+    /// `nvmlDeviceGetPowerManagementDefaultLimit`, milliwatts.
+    fn nvmlDeviceGetPowerManagementDefaultLimit(device, default_limit) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: default_limit is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(device: nvmlDevice_t, limit: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: limit is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+    /// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
+    fn nvmlDeviceGetEnforcedPowerLimit(device, limit) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: limit is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPowerManagementLimitConstraints`: the range `nvidia-smi -pl` accepts, milliwatts.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerManagementLimitConstraints(
-    device: nvmlDevice_t,
-    min_limit: *mut c_uint,
-    max_limit: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            need(min_limit)?;
-            // SAFETY: both pointers are null or valid for writes by the caller's contract.
-            unsafe {
-                gpu_value(device, max_limit, |_, _, m| Ok(m.power_limit_mw))?;
-                gpu_value(device, min_limit, |_, _, m| Ok(m.min_power_limit_mw))
-            }
+    /// `nvmlDeviceGetPowerManagementLimitConstraints`: the range `nvidia-smi -pl` accepts, milliwatts.
+    fn nvmlDeviceGetPowerManagementLimitConstraints(device, min_limit, max_limit) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                need(min_limit)?;
+                // SAFETY: both pointers are null or valid for writes by the caller's contract.
+                unsafe {
+                    gpu_value(device, max_limit, |_, _, m| Ok(m.power_limit_mw))?;
+                    gpu_value(device, min_limit, |_, _, m| Ok(m.min_power_limit_mw))
+                }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetPowerManagementMode` (deprecated, exported): power management is always on.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerManagementMode(
-    device: nvmlDevice_t,
-    mode: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: mode is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+    /// `nvmlDeviceGetPowerManagementMode` (deprecated, exported): power management is always on.
+    fn nvmlDeviceGetPowerManagementMode(device, mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: mode is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+            })
         })
-    })
+    }
 }
 
 /// Current clock of a domain: maximum while kernels run, the idle clock otherwise.
@@ -246,198 +218,148 @@ fn app_clock(m: &GpuModel, clock: nvmlClockType_t) -> R<u32> {
     })
 }
 
-/// `nvmlDeviceGetClockInfo`: current clock, MHz.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock, |n, g, m| current_clock(m, clock_type, load(n, g)? > 0)) }
+nvml_exports! {
+    /// `nvmlDeviceGetClockInfo`: current clock, MHz.
+    fn nvmlDeviceGetClockInfo(device, clock_type, clock) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock, |n, g, m| current_clock(m, clock_type, load(n, g)? > 0)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMaxClockInfo`, MHz.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxClockInfo(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock, |_, _, m| max_clock(m, clock_type)) }
+    /// `nvmlDeviceGetMaxClockInfo`, MHz.
+    fn nvmlDeviceGetMaxClockInfo(device, clock_type, clock) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock, |_, _, m| max_clock(m, clock_type)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMaxCustomerBoostClock`, MHz.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxCustomerBoostClock(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock_mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock_mhz, |_, _, m| max_clock(m, clock_type)) }
+    /// `nvmlDeviceGetMaxCustomerBoostClock`, MHz.
+    fn nvmlDeviceGetMaxCustomerBoostClock(device, clock_type, clock_mhz) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock_mhz, |_, _, m| max_clock(m, clock_type)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetApplicationsClock` (deprecated, exported), MHz.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetApplicationsClock(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock_mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+    /// `nvmlDeviceGetApplicationsClock` (deprecated, exported), MHz.
+    fn nvmlDeviceGetApplicationsClock(device, clock_type, clock_mhz) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetDefaultApplicationsClock` (deprecated, exported), MHz.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetDefaultApplicationsClock(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock_mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+    /// `nvmlDeviceGetDefaultApplicationsClock` (deprecated, exported), MHz.
+    fn nvmlDeviceGetDefaultApplicationsClock(device, clock_type, clock_mhz) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetClock`: a clock domain by id (current, application target/default, boost max).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetClock(
-    device: nvmlDevice_t,
-    clock_type: nvmlClockType_t,
-    clock_id: nvmlClockId_t,
-    clock_mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    let f = |n: &Node, g: u32, m: &'static GpuModel| match clock_id {
-        nvmlClockId_enum_NVML_CLOCK_ID_CURRENT => current_clock(m, clock_type, load(n, g)? > 0),
-        nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_TARGET | nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_DEFAULT => {
-            app_clock(m, clock_type)
-        }
-        nvmlClockId_enum_NVML_CLOCK_ID_CUSTOMER_BOOST_MAX => max_clock(m, clock_type),
-        _ => Err(INVALID_ARGUMENT),
-    };
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, clock_mhz, f) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetFanSpeed`: the simulated boards are passively cooled (SXM): `NOT_SUPPORTED`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetFanSpeed(device: nvmlDevice_t, speed: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: speed is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetFanSpeed_v2`: no fans (`NOT_SUPPORTED`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetFanSpeed_v2(
-    device: nvmlDevice_t,
-    _fan: c_uint,
-    speed: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: speed is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetNumFans`: 0.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNumFans(device: nvmlDevice_t, num_fans: *mut c_uint) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: num_fans is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, num_fans, |_, _, _| Ok(0)) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetPerformanceState`: P0 (data-center boards stay in P0 with persistence mode on).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPerformanceState(
-    device: nvmlDevice_t,
-    p_state: *mut nvmlPstates_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: p_state is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetPowerState` (deprecated alias of the performance state, exported).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPowerState(device: nvmlDevice_t, p_state: *mut nvmlPstates_t) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: p_state is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
-        })
-    })
-}
-
-/// `nvmlDeviceGetEccMode`: enabled, and enabled after the next reboot.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetEccMode(
-    device: nvmlDevice_t,
-    current: *mut nvmlEnableState_t,
-    pending: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            need(pending)?;
-            // SAFETY: both pointers are null or valid for writes by the caller's contract.
-            unsafe {
-                gpu_value(device, current, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED))?;
-                put(pending, nvmlEnableState_enum_NVML_FEATURE_ENABLED)
+    /// `nvmlDeviceGetClock`: a clock domain by id (current, application target/default, boost max).
+    fn nvmlDeviceGetClock(device, clock_type, clock_id, clock_mhz) {
+        let f = |n: &Node, g: u32, m: &'static GpuModel| match clock_id {
+            nvmlClockId_enum_NVML_CLOCK_ID_CURRENT => current_clock(m, clock_type, load(n, g)? > 0),
+            nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_TARGET | nvmlClockId_enum_NVML_CLOCK_ID_APP_CLOCK_DEFAULT => {
+                app_clock(m, clock_type)
             }
+            nvmlClockId_enum_NVML_CLOCK_ID_CUSTOMER_BOOST_MAX => max_clock(m, clock_type),
+            _ => Err(INVALID_ARGUMENT),
+        };
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, clock_mhz, f) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetDefaultEccMode`: enabled.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetDefaultEccMode(
-    device: nvmlDevice_t,
-    default_mode: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: default_mode is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, default_mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+    /// `nvmlDeviceGetFanSpeed`: the simulated boards are passively cooled (SXM): `NOT_SUPPORTED`.
+    fn nvmlDeviceGetFanSpeed(device, speed) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: speed is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
+            })
         })
-    })
+    }
+
+    /// `nvmlDeviceGetFanSpeed_v2`: no fans (`NOT_SUPPORTED`).
+    fn nvmlDeviceGetFanSpeed_v2(device, _fan, speed) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: speed is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetNumFans`: 0.
+    fn nvmlDeviceGetNumFans(device, num_fans) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: num_fans is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, num_fans, |_, _, _| Ok(0)) }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetPerformanceState`: P0 (data-center boards stay in P0 with persistence mode on).
+    fn nvmlDeviceGetPerformanceState(device, p_state) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: p_state is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetPowerState` (deprecated alias of the performance state, exported).
+    fn nvmlDeviceGetPowerState(device, p_state) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: p_state is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetEccMode`: enabled, and enabled after the next reboot.
+    fn nvmlDeviceGetEccMode(device, current, pending) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                need(pending)?;
+                // SAFETY: both pointers are null or valid for writes by the caller's contract.
+                unsafe {
+                    gpu_value(device, current, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED))?;
+                    put(pending, nvmlEnableState_enum_NVML_FEATURE_ENABLED)
+                }
+            })
+        })
+    }
+
+    /// `nvmlDeviceGetDefaultEccMode`: enabled.
+    fn nvmlDeviceGetDefaultEccMode(device, default_mode) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: default_mode is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, default_mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
+            })
+        })
+    }
 }
 
 /// The model's ECC counter for an error type and counter type.
@@ -460,47 +382,36 @@ fn ecc_count(node: &Node, gpu: u32, error_type: nvmlMemoryErrorType_t, counter_t
     })
 }
 
-/// `nvmlDeviceGetTotalEccErrors`: device-memory ECC errors (the only ones the model counts).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
-    device: nvmlDevice_t,
-    error_type: nvmlMemoryErrorType_t,
-    counter_type: nvmlEccCounterType_t,
-    ecc_counts: *mut u64,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: ecc_counts is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, ecc_counts, |n, g, _| ecc_count(n, g, error_type, counter_type)) }
+nvml_exports! {
+    /// `nvmlDeviceGetTotalEccErrors`: device-memory ECC errors (the only ones the model counts).
+    fn nvmlDeviceGetTotalEccErrors(device, error_type, counter_type, ecc_counts) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: ecc_counts is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, ecc_counts, |n, g, _| ecc_count(n, g, error_type, counter_type)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetMemoryErrorCounter`: DRAM carries the model's counts, SRAM none; Ampere and
-/// later report no L1/L2/register-file/texture locations of their own (`NOT_SUPPORTED`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryErrorCounter(
-    device: nvmlDevice_t,
-    error_type: nvmlMemoryErrorType_t,
-    counter_type: nvmlEccCounterType_t,
-    location_type: nvmlMemoryLocation_t,
-    count: *mut u64,
-) -> nvmlReturn_t {
-    let f = |n: &Node, g: u32, _: &'static GpuModel| {
-        let total = ecc_count(n, g, error_type, counter_type)?;
-        match location_type {
-            nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_DRAM => Ok(total),
-            nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_SRAM => Ok(0),
-            l if l < nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_COUNT => Err(NOT_SUPPORTED),
-            _ => Err(INVALID_ARGUMENT),
-        }
-    };
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: count is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, count, f) }
+    /// `nvmlDeviceGetMemoryErrorCounter`: DRAM carries the model's counts, SRAM none; Ampere and
+    /// later report no L1/L2/register-file/texture locations of their own (`NOT_SUPPORTED`).
+    fn nvmlDeviceGetMemoryErrorCounter(device, error_type, counter_type, location_type, count) {
+        let f = |n: &Node, g: u32, _: &'static GpuModel| {
+            let total = ecc_count(n, g, error_type, counter_type)?;
+            match location_type {
+                nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_DRAM => Ok(total),
+                nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_SRAM => Ok(0),
+                l if l < nvmlMemoryLocation_enum_NVML_MEMORY_LOCATION_COUNT => Err(NOT_SUPPORTED),
+                _ => Err(INVALID_ARGUMENT),
+            }
+        };
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: count is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, count, f) }
+            })
         })
-    })
+    }
 }
 
 /// Ampere and later boards remap rows instead of retiring pages.
@@ -508,37 +419,26 @@ fn retires_pages(m: &GpuModel) -> bool {
     m.architecture < NVML_DEVICE_ARCH_AMPERE
 }
 
-/// `nvmlDeviceGetRetiredPages`: `NOT_SUPPORTED` on Ampere and later (row remapping instead).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetRetiredPages(
-    device: nvmlDevice_t,
-    cause: nvmlPageRetirementCause_t,
-    page_count: *mut c_uint,
-    addresses: *mut u64,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract.
-            unsafe { retired_pages(device, cause, page_count, addresses) }
+nvml_exports! {
+    /// `nvmlDeviceGetRetiredPages`: `NOT_SUPPORTED` on Ampere and later (row remapping instead).
+    fn nvmlDeviceGetRetiredPages(device, cause, page_count, addresses) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract.
+                unsafe { retired_pages(device, cause, page_count, addresses) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetRetiredPages_v2`: as v1, with timestamps.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetRetiredPages_v2(
-    device: nvmlDevice_t,
-    cause: nvmlPageRetirementCause_t,
-    page_count: *mut c_uint,
-    addresses: *mut u64,
-    _timestamps: *mut u64,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: the pointers follow the caller's contract; no page is ever retired, so no timestamp is written.
-            unsafe { retired_pages(device, cause, page_count, addresses) }
+    /// `nvmlDeviceGetRetiredPages_v2`: as v1, with timestamps.
+    fn nvmlDeviceGetRetiredPages_v2(device, cause, page_count, addresses, _timestamps) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: the pointers follow the caller's contract; no page is ever retired, so no timestamp is written.
+                unsafe { retired_pages(device, cause, page_count, addresses) }
+            })
         })
-    })
+    }
 }
 
 /// # Safety
@@ -562,97 +462,83 @@ unsafe fn retired_pages(
     unsafe { fill_list(page_count, addresses, Vec::new()) }
 }
 
-/// `nvmlDeviceGetRetiredPagesPendingStatus`: `NOT_SUPPORTED` on Ampere and later.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
-    device: nvmlDevice_t,
-    is_pending: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    let f = |_: &Node, _: u32, m: &'static GpuModel| {
-        if retires_pages(m) { Ok(nvmlEnableState_enum_NVML_FEATURE_DISABLED) } else { Err(NOT_SUPPORTED) }
-    };
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            // SAFETY: is_pending is null or valid for a write by the caller's contract.
-            unsafe { gpu_value(device, is_pending, f) }
+nvml_exports! {
+    /// `nvmlDeviceGetRetiredPagesPendingStatus`: `NOT_SUPPORTED` on Ampere and later.
+    fn nvmlDeviceGetRetiredPagesPendingStatus(device, is_pending) {
+        let f = |_: &Node, _: u32, m: &'static GpuModel| {
+            if retires_pages(m) { Ok(nvmlEnableState_enum_NVML_FEATURE_DISABLED) } else { Err(NOT_SUPPORTED) }
+        };
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                // SAFETY: is_pending is null or valid for a write by the caller's contract.
+                unsafe { gpu_value(device, is_pending, f) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetRemappedRows`: rows remapped for correctable / uncorrectable errors, whether a
-/// remap waits for a reset, whether one ever failed. Not answered while MIG instances exist.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetRemappedRows(
-    device: nvmlDevice_t,
-    corr_rows: *mut c_uint,
-    unc_rows: *mut c_uint,
-    is_pending: *mut c_uint,
-    failure_occurred: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::whole_gpu(node, device)?;
-            need(corr_rows)?;
-            need(unc_rows)?;
-            need(is_pending)?;
-            need(failure_occurred)?;
-            if node.mig_mode(gpu).is_ok_and(|(current, _)| current)
-                && node.gpu_instances(gpu).is_ok_and(|g| !g.is_empty())
-            {
-                return Err(NOT_SUPPORTED);
-            }
-            let h = node.health(gpu).nv()?;
-            let clamp = |v: u64| v.min(u64::from(u32::MAX)) as u32;
-            // SAFETY: all four pointers are checked non-null and aligned; valid for writes by the caller's contract.
-            unsafe {
-                put(corr_rows, clamp(h.remapped_correctable))?;
-                put(unc_rows, clamp(h.remapped_uncorrectable))?;
-                put(is_pending, u32::from(h.remap_pending))?;
-                put(failure_occurred, u32::from(h.remap_failure))
-            }
-        })
-    })
-}
-
-/// `nvmlDeviceGetFieldValues`: each value is answered on its own (its `nvmlReturn`); the call
-/// fails only for a bad handle or array. Of the many field ids, the simulated board knows
-/// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (what the driver says the GPU needs after a fault, cleared
-/// by a reset); every other field is `NOT_SUPPORTED`.
-///
-/// # Safety
-/// `values` must point to `values_count` writable `nvmlFieldValue_t` with `fieldId` set.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
-    device: nvmlDevice_t,
-    values_count: c_int,
-    values: *mut nvmlFieldValue_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::whole_gpu(node, device)?;
-            let count = usize::try_from(values_count).map_err(|_| INVALID_ARGUMENT)?;
-            need(values)?;
-            let h = node.health(gpu).nv()?;
-            let now = tessera_sim_model::realtime_us_from_monotonic(tessera_sim_model::monotonic_ns());
-            for i in 0..count {
-                // SAFETY: `values` is non-null and the caller's contract makes `values_count`
-                // entries writable; `i < count`.
-                let v = unsafe { &mut *values.add(i) };
-                v.timestamp = now as i64;
-                v.latencyUsec = 0;
-                if v.fieldId == field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION {
-                    v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
-                    v.value = nvmlValue_t { uiVal: h.recovery_action };
-                    v.nvmlReturn = nvmlReturn_enum_NVML_SUCCESS;
-                } else {
-                    v.nvmlReturn = NOT_SUPPORTED;
+    /// `nvmlDeviceGetRemappedRows`: rows remapped for correctable / uncorrectable errors, whether a
+    /// remap waits for a reset, whether one ever failed. Not answered while MIG instances exist.
+    fn nvmlDeviceGetRemappedRows(device, corr_rows, unc_rows, is_pending, failure_occurred) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::whole_gpu(node, device)?;
+                need(corr_rows)?;
+                need(unc_rows)?;
+                need(is_pending)?;
+                need(failure_occurred)?;
+                if node.mig_mode(gpu).is_ok_and(|(current, _)| current)
+                    && node.gpu_instances(gpu).is_ok_and(|g| !g.is_empty())
+                {
+                    return Err(NOT_SUPPORTED);
                 }
-            }
-            Ok(())
+                let h = node.health(gpu).nv()?;
+                let clamp = |v: u64| v.min(u64::from(u32::MAX)) as u32;
+                // SAFETY: all four pointers are checked non-null and aligned; valid for writes by the caller's contract.
+                unsafe {
+                    put(corr_rows, clamp(h.remapped_correctable))?;
+                    put(unc_rows, clamp(h.remapped_uncorrectable))?;
+                    put(is_pending, u32::from(h.remap_pending))?;
+                    put(failure_occurred, u32::from(h.remap_failure))
+                }
+            })
         })
-    })
+    }
+
+    /// `nvmlDeviceGetFieldValues`: each value is answered on its own (its `nvmlReturn`); the call
+    /// fails only for a bad handle or array. Of the many field ids, the simulated board knows
+    /// `NVML_FI_DEV_GET_GPU_RECOVERY_ACTION` (what the driver says the GPU needs after a fault, cleared
+    /// by a reset); every other field is `NOT_SUPPORTED`.
+    ///
+    /// # Safety
+    /// `values` must point to `values_count` writable `nvmlFieldValue_t` with `fieldId` set.
+    fn nvmlDeviceGetFieldValues(device, values_count, values) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::whole_gpu(node, device)?;
+                let count = usize::try_from(values_count).map_err(|_| INVALID_ARGUMENT)?;
+                need(values)?;
+                let h = node.health(gpu).nv()?;
+                let now = tessera_sim_model::realtime_us_from_monotonic(tessera_sim_model::monotonic_ns());
+                for i in 0..count {
+                    // SAFETY: `values` is non-null and the caller's contract makes `values_count`
+                    // entries writable; `i < count`.
+                    let v = unsafe { &mut *values.add(i) };
+                    v.timestamp = now as i64;
+                    v.latencyUsec = 0;
+                    if v.fieldId == field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION {
+                        v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
+                        v.value = nvmlValue_t { uiVal: h.recovery_action };
+                        v.nvmlReturn = nvmlReturn_enum_NVML_SUCCESS;
+                    } else {
+                        v.nvmlReturn = NOT_SUPPORTED;
+                    }
+                }
+                Ok(())
+            })
+        })
+    }
 }
 
 #[cfg(test)]

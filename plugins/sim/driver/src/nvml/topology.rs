@@ -29,53 +29,44 @@ fn valid_level(l: nvmlGpuTopologyLevel_t) -> bool {
     matches!(l, 0 | 10 | 20 | 30 | 40 | 50)
 }
 
-/// `nvmlDeviceGetTopologyCommonAncestor`: where the PCIe paths of two GPUs meet.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTopologyCommonAncestor(
-    device1: nvmlDevice_t,
-    device2: nvmlDevice_t,
-    path_info: *mut nvmlGpuTopologyLevel_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let a = handles::whole_gpu(node, device1)?;
-            let b = handles::whole_gpu(node, device2)?;
-            need(path_info)?;
-            let l = node.gpu(a).nv()?.common_ancestor(node.gpu(b).nv()?);
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(path_info, level(l)) }
+nvml_exports! {
+    /// `nvmlDeviceGetTopologyCommonAncestor`: where the PCIe paths of two GPUs meet.
+    fn nvmlDeviceGetTopologyCommonAncestor(device1, device2, path_info) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let a = handles::whole_gpu(node, device1)?;
+                let b = handles::whole_gpu(node, device2)?;
+                need(path_info)?;
+                let l = node.gpu(a).nv()?.common_ancestor(node.gpu(b).nv()?);
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(path_info, level(l)) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetTopologyNearestGpus`: the other GPUs at `level` or closer. `*count == 0` asks
-/// for the count; otherwise up to `*count` handles are written and `*count` set to how many.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetTopologyNearestGpus(
-    device: nvmlDevice_t,
-    level_in: nvmlGpuTopologyLevel_t,
-    count: *mut c_uint,
-    device_array: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let gpu = handles::whole_gpu(node, device)?;
-            if !valid_level(level_in) {
-                return Err(INVALID_ARGUMENT);
-            }
-            let me = node.gpu(gpu).nv()?;
-            let near: Vec<u32> = node
-                .gpus()
-                .iter()
-                .filter(|g| g.index != gpu && level(me.common_ancestor(g)) <= level_in)
-                .map(|g| g.index)
-                .collect();
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { fill_upto(count, device_array, &near) }
+    /// `nvmlDeviceGetTopologyNearestGpus`: the other GPUs at `level` or closer. `*count == 0` asks
+    /// for the count; otherwise up to `*count` handles are written and `*count` set to how many.
+    fn nvmlDeviceGetTopologyNearestGpus(device, level_in, count, device_array) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let gpu = handles::whole_gpu(node, device)?;
+                if !valid_level(level_in) {
+                    return Err(INVALID_ARGUMENT);
+                }
+                let me = node.gpu(gpu).nv()?;
+                let near: Vec<u32> = node
+                    .gpus()
+                    .iter()
+                    .filter(|g| g.index != gpu && level(me.common_ancestor(g)) <= level_in)
+                    .map(|g| g.index)
+                    .collect();
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { fill_upto(count, device_array, &near) }
+            })
         })
-    })
+    }
 }
 
 /// NVML's "zero asks for the count, non-zero fills that many" protocol.
@@ -110,23 +101,20 @@ fn numa_of_cpu(node: &Node, cpu: u32) -> R<u32> {
     Ok((u64::from(cpu) * u64::from(numa) / u64::from(cpus)) as u32)
 }
 
-/// `nvmlSystemGetTopologyGpuSet`: the GPUs on the NUMA node of a CPU.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlSystemGetTopologyGpuSet(
-    cpu_number: c_uint,
-    count: *mut c_uint,
-    device_array: *mut nvmlDevice_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            need(count)?;
-            let numa = numa_of_cpu(node, cpu_number)?;
-            let set: Vec<u32> = node.gpus().iter().filter(|g| g.numa_node == numa).map(|g| g.index).collect();
-            // SAFETY: the pointers follow the caller's contract for this function.
-            unsafe { fill_upto(count, device_array, &set) }
+nvml_exports! {
+    /// `nvmlSystemGetTopologyGpuSet`: the GPUs on the NUMA node of a CPU.
+    fn nvmlSystemGetTopologyGpuSet(cpu_number, count, device_array) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                need(count)?;
+                let numa = numa_of_cpu(node, cpu_number)?;
+                let set: Vec<u32> = node.gpus().iter().filter(|g| g.numa_node == numa).map(|g| g.index).collect();
+                // SAFETY: the pointers follow the caller's contract for this function.
+                unsafe { fill_upto(count, device_array, &set) }
+            })
         })
-    })
+    }
 }
 
 /// Peer-to-peer status between two GPUs for one capability.
@@ -172,25 +160,21 @@ fn p2p(a: &GpuIdentity, b: &GpuIdentity, index: nvmlGpuP2PCapsIndex_t) -> R<nvml
     })
 }
 
-/// `nvmlDeviceGetP2PStatus`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetP2PStatus(
-    device1: nvmlDevice_t,
-    device2: nvmlDevice_t,
-    p2p_index: nvmlGpuP2PCapsIndex_t,
-    p2p_status: *mut nvmlGpuP2PStatus_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            let a = handles::whole_gpu(node, device1)?;
-            let b = handles::whole_gpu(node, device2)?;
-            need(p2p_status)?;
-            let s = p2p(node.gpu(a).nv()?, node.gpu(b).nv()?, p2p_index)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(p2p_status, s) }
+nvml_exports! {
+    /// `nvmlDeviceGetP2PStatus`.
+    fn nvmlDeviceGetP2PStatus(device1, device2, p2p_index, p2p_status) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                let a = handles::whole_gpu(node, device1)?;
+                let b = handles::whole_gpu(node, device2)?;
+                need(p2p_status)?;
+                let s = p2p(node.gpu(a).nv()?, node.gpu(b).nv()?, p2p_index)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(p2p_status, s) }
+            })
         })
-    })
+    }
 }
 
 /// A GPU with NVLink and a valid link number: (identity, whether the link is up).
@@ -215,79 +199,65 @@ fn nvswitch_of(id: &GpuIdentity, link: u32) -> (u32, u32) {
     (fabric, sw.min(switches - 1))
 }
 
-/// `nvmlDeviceGetNvLinkState`: links of a GPU in an NVLink group are up, others down.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
-    device: nvmlDevice_t,
-    link_in: c_uint,
-    is_active: *mut nvmlEnableState_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(is_active)?;
-            let (_, up) = link(node, device, link_in)?;
-            let s =
-                if up { nvmlEnableState_enum_NVML_FEATURE_ENABLED } else { nvmlEnableState_enum_NVML_FEATURE_DISABLED };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(is_active, s) }
+nvml_exports! {
+    /// `nvmlDeviceGetNvLinkState`: links of a GPU in an NVLink group are up, others down.
+    fn nvmlDeviceGetNvLinkState(device, link_in, is_active) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(is_active)?;
+                let (_, up) = link(node, device, link_in)?;
+                let s =
+                    if up { nvmlEnableState_enum_NVML_FEATURE_ENABLED } else { nvmlEnableState_enum_NVML_FEATURE_DISABLED };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(is_active, s) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetNvLinkVersion`: an `nvmlNvlinkVersion_t` (4.0 on Hopper, 3.0 on Ampere).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkVersion(
-    device: nvmlDevice_t,
-    link_in: c_uint,
-    version: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(version)?;
-            let (id, _) = link(node, device, link_in)?;
-            let v = match id.model.architecture {
-                a if a >= NVML_DEVICE_ARCH_HOPPER => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_4_0,
-                NVML_DEVICE_ARCH_AMPERE => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_3_0,
-                _ => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_2_0,
-            };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(version, v) }
+    /// `nvmlDeviceGetNvLinkVersion`: an `nvmlNvlinkVersion_t` (4.0 on Hopper, 3.0 on Ampere).
+    fn nvmlDeviceGetNvLinkVersion(device, link_in, version) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(version)?;
+                let (id, _) = link(node, device, link_in)?;
+                let v = match id.model.architecture {
+                    a if a >= NVML_DEVICE_ARCH_HOPPER => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_4_0,
+                    NVML_DEVICE_ARCH_AMPERE => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_3_0,
+                    _ => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_2_0,
+                };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(version, v) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetNvLinkCapability`: peer traffic and peer atomics over an NVSwitch fabric; no
-/// system-memory access (that needs an NVLink-attached CPU) and no SLI.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkCapability(
-    device: nvmlDevice_t,
-    link_in: c_uint,
-    capability: nvmlNvLinkCapability_t,
-    cap_result: *mut c_uint,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(cap_result)?;
-            let (_, up) = link(node, device, link_in)?;
-            let v = match capability {
-                nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_SUPPORTED
-                | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_ATOMICS => up,
-                nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ACCESS
-                | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ATOMICS
-                | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SLI_BRIDGE => false,
-                nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_VALID => true,
-                _ => return Err(INVALID_ARGUMENT),
-            };
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(cap_result, u32::from(v)) }
+    /// `nvmlDeviceGetNvLinkCapability`: peer traffic and peer atomics over an NVSwitch fabric; no
+    /// system-memory access (that needs an NVLink-attached CPU) and no SLI.
+    fn nvmlDeviceGetNvLinkCapability(device, link_in, capability, cap_result) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(cap_result)?;
+                let (_, up) = link(node, device, link_in)?;
+                let v = match capability {
+                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_SUPPORTED
+                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_ATOMICS => up,
+                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ACCESS
+                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ATOMICS
+                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SLI_BRIDGE => false,
+                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_VALID => true,
+                    _ => return Err(INVALID_ARGUMENT),
+                };
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(cap_result, u32::from(v)) }
+            })
         })
-    })
+    }
 }
 
 /// PCI info of the NVSwitch at the far end of a link (`pciSubSystemId` left 0, as the header says).
@@ -305,43 +275,35 @@ fn remote_pci(node: &Node, device: nvmlDevice_t, link_in: c_uint) -> R<nvmlPciIn
     Ok(pci_info(0, NVSWITCH_FIRST_BUS + fabric * 6 + sw, 0, device_id, 0))
 }
 
-/// `nvmlDeviceGetNvLinkRemotePciInfo_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
-    device: nvmlDevice_t,
-    link_in: c_uint,
-    pci: *mut nvmlPciInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            need(pci)?;
-            let p = remote_pci(node, device, link_in)?;
-            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-            unsafe { put(pci, p) }
+nvml_exports! {
+    /// `nvmlDeviceGetNvLinkRemotePciInfo_v2`.
+    fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link_in, pci) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                need(pci)?;
+                let p = remote_pci(node, device, link_in)?;
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                unsafe { put(pci, p) }
+            })
         })
-    })
-}
+    }
 
-/// `nvmlDeviceGetNvLinkRemotePciInfo` (v1): the legacy `nvmlPciInfo_t` layout.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo(
-    device: nvmlDevice_t,
-    link_in: c_uint,
-    pci: *mut nvmlPciInfo_t,
-) -> nvmlReturn_t {
-    guard(NVML_ERROR_UNKNOWN, || {
-        status(|| {
-            let node = node()?;
-            handles::decode_device(node, device)?;
-            let out = pci.cast::<PciInfoLegacy>();
-            need(out)?;
-            let p = remote_pci(node, device, link_in)?;
-            // SAFETY: checked non-null and aligned; the legacy struct is a prefix of the caller's.
-            unsafe { put(out, pci_info_legacy(&p)) }
+    /// `nvmlDeviceGetNvLinkRemotePciInfo` (v1): the legacy `nvmlPciInfo_t` layout.
+    fn nvmlDeviceGetNvLinkRemotePciInfo(device, link_in, pci) {
+        guard(NVML_ERROR_UNKNOWN, || {
+            status(|| {
+                let node = node()?;
+                handles::decode_device(node, device)?;
+                let out = pci.cast::<PciInfoLegacy>();
+                need(out)?;
+                let p = remote_pci(node, device, link_in)?;
+                // SAFETY: checked non-null and aligned; the legacy struct is a prefix of the caller's.
+                unsafe { put(out, pci_info_legacy(&p)) }
+            })
         })
-    })
+    }
 }
 
 #[cfg(test)]
