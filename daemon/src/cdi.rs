@@ -1,28 +1,23 @@
 //! The CDI specs the daemon writes for container runtimes (containerd 1.7+, CRI-O, podman) and
 //! for `tessera-hook` / `tessera-runtime`: one device per offered GPU, MIG device and share,
 //! named as the kubelet allocates them (`tessera.io/share=GPU-…::3`), rewritten atomically
-//! whenever what is offered changes. The spec format and the container edits are
-//! `tessera_hook::cdi`'s; this module only says which devices exist and which host nodes each
-//! needs: `/dev/nvidia<minor>` from NVML's minor number, and for a MIG device its parent's node
-//! plus its `nvidia-caps` access nodes from the driver's `mig-minors` table.
+//! whenever what is offered changes. The spec format and the container edits are the contract
+//! crate's (`tessera_region::cdi`); this module only says which devices exist and which host nodes
+//! each needs: `/dev/nvidia<minor>` from NVML's minor number, and for a MIG device its parent's
+//! node plus its `nvidia-caps` access nodes from the driver's `mig-minors` table
+//! (`tessera_region::driver::MigMinors`, read when the offer is built).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use tessera_hook::bundle;
-use tessera_hook::cdi::{self, NodeDevice, NodeDevices};
-use tessera_hook::config::HookConfig;
-use tessera_hook::driver::{self, DriverConfig, DriverFiles};
-use tessera_hook::paths;
+use tessera_region::cdi::{self, NodeDevice, NodeDevices};
+use tessera_region::driver::{self, DriverConfig, DriverFiles};
+use tessera_region::driver_dir;
+use tessera_region::hook_config::HookConfig;
+use tessera_region::paths;
 
 use crate::config::Injection;
 use crate::node::View;
 use crate::resources::Kind;
-
-/// Where the driver lists the MIG capability minors, under the driver root.
-const MIG_MINORS: &str = "proc/driver/nvidia-caps/mig-minors";
-/// The driver directories' parent, under the state directory.
-pub const DRIVER_DIRS: &str = "driver";
 
 /// Writes the specs; remembers what it wrote last so an unchanged node costs nothing.
 #[derive(Debug)]
@@ -158,7 +153,7 @@ pub fn driver_dir(cfg: &Injection, state_dir: &Path, found: &DriverFiles) -> Opt
     if !cfg.driver_dir || (found.libraries.is_empty() && found.binaries.is_empty()) {
         return None;
     }
-    match bundle::prepare(found, &state_dir.join(DRIVER_DIRS)) {
+    match driver_dir::prepare(found, &state_dir.join(paths::DRIVER_DIRS)) {
         Ok(p) => {
             if let Some(m) = &p.moved_aside {
                 tracing::warn!(
@@ -192,54 +187,6 @@ fn as_host_sees(found: DriverFiles, host_root: &Path) -> DriverFiles {
         root: host_root.to_path_buf(),
         libraries: found.libraries.iter().cloned().map(rebase).collect(),
         binaries: found.binaries.iter().cloned().map(rebase).collect(),
-    }
-}
-
-/// The driver's MIG capability minors: (GPU minor, GI id, CI id or `None` for the GI's own
-/// entry) → the `nvidia-cap<N>` minor.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct MigMinors(BTreeMap<(u32, u32, Option<u32>), u32>);
-
-impl MigMinors {
-    /// `<driver_root>/proc/driver/nvidia-caps/mig-minors`; empty when there is none (no MIG,
-    /// or a platform without capability device files).
-    pub fn read(driver_root: &Path) -> MigMinors {
-        std::fs::read_to_string(driver_root.join(MIG_MINORS)).map(|t| MigMinors::parse(&t)).unwrap_or_default()
-    }
-
-    /// The table's lines: `gpu0/gi1/access 12`, `gpu0/gi1/ci0/access 13` (others, like
-    /// `config 1`, are not per instance).
-    pub fn parse(text: &str) -> MigMinors {
-        let mut out = BTreeMap::new();
-        for line in text.lines() {
-            let Some((path, minor)) = line.split_once(' ') else { continue };
-            let Ok(minor) = minor.trim().parse() else { continue };
-            let parts: Vec<&str> = path.split('/').collect();
-            let num = |p: &str, prefix: &str| p.strip_prefix(prefix).and_then(|n| n.parse::<u32>().ok());
-            match parts.as_slice() {
-                [gpu, gi, "access"] => {
-                    if let (Some(g), Some(i)) = (num(gpu, "gpu"), num(gi, "gi")) {
-                        out.insert((g, i, None), minor);
-                    }
-                }
-                [gpu, gi, ci, "access"] => {
-                    if let (Some(g), Some(i), Some(c)) = (num(gpu, "gpu"), num(gi, "gi"), num(ci, "ci")) {
-                        out.insert((g, i, Some(c)), minor);
-                    }
-                }
-                _ => {}
-            }
-        }
-        MigMinors(out)
-    }
-
-    /// The capability nodes of one MIG device: its GPU instance's, then its compute instance's.
-    pub fn nodes(&self, dev_root: &Path, gpu_minor: u32, gi: u32, ci: u32) -> Vec<PathBuf> {
-        [(gpu_minor, gi, None), (gpu_minor, gi, Some(ci))]
-            .iter()
-            .filter_map(|k| self.0.get(k))
-            .map(|cap| dev_root.join(format!("nvidia-caps/nvidia-cap{cap}")))
-            .collect()
     }
 }
 
@@ -330,7 +277,7 @@ mod tests {
             w.base.driver.libraries,
             [PathBuf::from("/run/nvidia/driver/usr/lib/x86_64-linux-gnu/libcuda.so.1")]
         );
-        let hook = tessera_hook::config::HookConfig::load(&run.join("hook.toml")).unwrap();
+        let hook = HookConfig::load(&run.join("hook.toml")).unwrap();
         assert_eq!(hook.runtime_dir, run);
         assert_eq!(hook.cdi_spec_dirs, [tmp.path().join("cdi")]);
         assert_eq!(hook.driver_root, Path::new("/run/nvidia/driver"));
@@ -527,20 +474,5 @@ mod tests {
         let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), ..Injection::default() };
         let e = CdiWriter::new(&cfg, &tmp.path().join("missing"), tmp.path()).unwrap_err();
         assert!(e.contains("missing/hook.toml"), "{e}");
-    }
-
-    #[test]
-    fn mig_minors_table() {
-        let t = MigMinors::parse(
-            "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\ngpu1/gi2/access 30\nbad line\n",
-        );
-        assert_eq!(t.0.len(), 3);
-        let dev = Path::new("/dev");
-        assert_eq!(
-            t.nodes(dev, 0, 1, 0),
-            [PathBuf::from("/dev/nvidia-caps/nvidia-cap12"), PathBuf::from("/dev/nvidia-caps/nvidia-cap13")]
-        );
-        assert_eq!(t.nodes(dev, 1, 2, 0), [PathBuf::from("/dev/nvidia-caps/nvidia-cap30")]);
-        assert!(t.nodes(dev, 3, 1, 0).is_empty());
     }
 }

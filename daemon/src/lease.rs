@@ -35,11 +35,11 @@ pub fn ended(alloc: &Allocation, dirs: &AllocDirs, now: SystemTime) -> Option<St
     }
     let bound = alloc.container.container_id.as_deref()?;
     let dir = dirs.dir(&alloc.id);
-    if tessera_hook::owner::read_deleted(&dir).as_deref() == Some(bound) {
+    if tessera_region::owner::read_deleted(&dir).as_deref() == Some(bound) {
         return Some(format!("container {bound} was deleted"));
     }
-    let owner_file = dir.join(tessera_hook::owner::OWNER_FILE);
-    let owner = tessera_hook::owner::Owner::read(&dir)?;
+    let owner_file = dir.join(tessera_region::owner::OWNER_FILE);
+    let owner = tessera_region::owner::Owner::read(&dir)?;
     if owner.container_id.as_deref() != Some(bound) {
         return None;
     }
@@ -95,7 +95,7 @@ mod tests {
     use super::*;
     use crate::state::record::tests::sample;
     use crate::state::{Claim, ContainerIdentity, Lease};
-    use tessera_hook::owner::{Owner, record_deleted};
+    use tessera_region::owner::{Owner, record_deleted};
 
     fn leased(id: &str, bound: Option<&str>) -> Allocation {
         let mut a = sample(id);

@@ -106,7 +106,7 @@ impl Resources {
     pub fn build(config: &Config, inv: &Inventory, layouts: &[GpuLayout<'_>], shares: &[Share]) -> Resources {
         let prefix = config.resources.prefix.as_str();
         let dev_root = &config.injection.dev_root;
-        let mig_minors = crate::cdi::MigMinors::read(&config.injection.driver_root);
+        let mig_minors = tessera_region::driver::MigMinors::read(&config.injection.driver_root);
         let mut out = Resources::default();
         for gpu in &inv.gpus {
             let parent_node = gpu.minor.map(|m| dev_root.join(format!("nvidia{m}")));

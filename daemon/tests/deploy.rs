@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use tessera_daemon::config::Config;
 use tessera_daemon::config::kubernetes::Mode;
-use tessera_hook::paths;
+use tessera_region::paths;
 
 mod common;
 
@@ -445,7 +445,7 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
         cuda_driver_version: "12.4".into(),
         numa_node: Some(1),
         pci_bus_id: "00000000:18:00.0".into(),
-        unhealthy: None,
+        health: Default::default(),
     };
     let counters = GpuCounters {
         name: "gpu-2-counter-set".into(),
@@ -516,10 +516,11 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     }
     // The 1.36+ layout: unhealthy devices stay, tainted NoExecute (failed) or NoSchedule
     // (recovering), with the time the taint was added.
+    use tessera_daemon::device_health::Health;
     use tessera_daemon::dra::slices::{Unhealthy, build_with};
     let mut sick = devices.clone();
-    sick[0].unhealthy = Some("unhealthy: XID 79 (GPU has fallen off the bus)".into());
-    sick[2].unhealthy = Some("recovering: reset (volatile ECC counters cleared)".into());
+    sick[0].health = Health::Unhealthy("unhealthy: XID 79 (GPU has fallen off the bus)".into());
+    sick[2].health = Health::Unhealthy("recovering: reset (volatile ECC counters cleared)".into());
     let mut tainted = serde_json::to_value(build_with("node-a", &sick[..3], 4, Unhealthy::Taint, None)).unwrap();
     tainted["apiVersion"] = "resource.k8s.io/v1".into();
     tainted["kind"] = "ResourceSlice".into();

@@ -254,7 +254,7 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
 
     // What the hook records for each container; the cgroups runtimes would make.
     let (over_cid, under_cid) = (container_id(1), container_id(2));
-    let owner = |cid: &str, pod: &str| tessera_hook::owner::Owner {
+    let owner = |cid: &str, pod: &str| tessera_region::owner::Owner {
         container_id: Some(cid.into()),
         pod_namespace: Some("team-a".into()),
         pod_name: Some(pod.into()),
@@ -357,7 +357,7 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
     let limit = limit_of(&mut api, &id).await;
     let cid = container_id(3);
-    tessera_hook::owner::Owner { container_id: Some(cid.clone()), ..Default::default() }.write(&dir).expect("owner");
+    tessera_region::owner::Owner { container_id: Some(cid.clone()), ..Default::default() }.write(&dir).expect("owner");
     let cg = Cgroup::new(&root, "report", &cid);
     let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
     let mut events = api.watch_events(req).await.expect("watch").into_inner();
@@ -389,7 +389,7 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
 /// Writes the owner record a hook would for a container in pod `pod`, and makes its cgroup.
 fn container(root: &Path, dir: &Path, seed: u64, pod: &str) -> (String, Cgroup) {
     let cid = container_id(seed);
-    tessera_hook::owner::Owner {
+    tessera_region::owner::Owner {
         container_id: Some(cid.clone()),
         pod_namespace: Some("team-a".into()),
         pod_name: Some(pod.into()),

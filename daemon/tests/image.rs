@@ -109,7 +109,7 @@ fn the_image_builds_offline_and_runs_the_daemon_and_the_installer() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("restart needed: containerd"), "{}", text(&out));
     let staged = repo().join("target/image/context/rootfs");
-    for file in [tessera_hook::paths::HOOK, tessera_hook::paths::RUNTIME_WRAPPER, tessera_hook::paths::SHIM] {
+    for file in [tessera_region::paths::HOOK, tessera_region::paths::RUNTIME_WRAPPER, tessera_region::paths::SHIM] {
         let on_host = std::fs::read(host.path().join(&file[1..])).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(on_host, std::fs::read(staged.join(&file[1..])).unwrap(), "{file} is the image's");
     }

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
-use tessera_hook::paths;
+use tessera_region::paths;
 
 const TESSERA: &str = env!("CARGO_BIN_EXE_tessera");
 const GPU0: &str = "GPU-11111111-2222-3333-4444-555555555555";
@@ -292,7 +292,7 @@ fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
     )
     .unwrap();
     std::fs::write(alloc.join("region"), "").unwrap();
-    let hook_config = tessera_hook::config::HookConfig {
+    let hook_config = tessera_region::hook_config::HookConfig {
         cdi_spec_dirs: vec![r.join("run/cdi")],
         runtime_dir: run.clone(),
         driver_root: driver.clone(),
@@ -303,18 +303,18 @@ fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
     };
     let hook_config_path = node.join("hook.toml");
     std::fs::write(&hook_config_path, hook_config.render()).unwrap();
-    let drv = tessera_hook::driver::DriverConfig { root: driver, dev_root: dev.clone(), ..Default::default() };
-    let gpu = |uuid: &str, alias: &str, node: &str| tessera_hook::cdi::NodeDevice {
+    let drv = tessera_region::driver::DriverConfig { root: driver, dev_root: dev.clone(), ..Default::default() };
+    let gpu = |uuid: &str, alias: &str, node: &str| tessera_region::cdi::NodeDevice {
         class: "gpu".into(),
         name: uuid.into(),
         aliases: vec![alias.into()],
         uuid: uuid.into(),
         nodes: vec![dev.join(node)],
     };
-    let specs = tessera_hook::cdi::build_specs(&tessera_hook::cdi::NodeDevices {
+    let specs = tessera_region::cdi::build_specs(&tessera_region::cdi::NodeDevices {
         devices: vec![gpu(GPU0, "0", "nvidia0"), gpu("GPU-66666666-7777-8888-9999-000000000000", "1", "nvidia1")],
-        control_nodes: tessera_hook::driver::control_nodes(&drv),
-        driver: tessera_hook::driver::discover(&drv),
+        control_nodes: tessera_region::driver::control_nodes(&drv),
+        driver: tessera_region::driver::discover(&drv),
         driver_dir: None,
         shim: hook_config.shim_path.clone(),
         hook_binary: r.join(&paths::HOOK[1..]),
@@ -323,7 +323,7 @@ fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
         cdi_version: None,
     })
     .unwrap();
-    tessera_hook::cdi::write_specs(&r.join("run/cdi"), &specs).unwrap();
+    tessera_region::cdi::write_specs(&r.join("run/cdi"), &specs).unwrap();
 
     // containerd with the written configuration (its own root, state and socket).
     let base = node.join("containerd");

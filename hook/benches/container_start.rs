@@ -21,8 +21,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tessera_hook::cdi::{self, NodeDevice};
-use tessera_hook::config::HookConfig;
+use tessera_region::cdi::{self, NodeDevice};
+use tessera_region::hook_config::HookConfig;
 
 /// The hook and the wrapper measured: this build's, or those in `TESSERA_BENCH_BIN_DIR`.
 fn bins() -> (PathBuf, PathBuf) {
@@ -194,7 +194,7 @@ fn us(d: Duration) -> String {
 fn realistic(node: &Node, driver_dir: bool) {
     // What a 550 driver installs: each library with its version and its soname link; the tools.
     let lib = node.driver_root.join("usr/lib/x86_64-linux-gnu");
-    for prefix in tessera_hook::driver::LIBRARY_PREFIXES {
+    for prefix in tessera_region::driver::LIBRARY_PREFIXES {
         let real = lib.join(format!("{prefix}.550.54.15"));
         let link = lib.join(format!("{prefix}.1"));
         if !real.exists() {
@@ -204,7 +204,7 @@ fn realistic(node: &Node, driver_dir: bool) {
             std::os::unix::fs::symlink(real.file_name().unwrap(), link).unwrap();
         }
     }
-    for tool in tessera_hook::driver::BINARIES {
+    for tool in tessera_region::driver::BINARIES {
         std::fs::write(node.driver_root.join("usr/bin").join(tool), "x").unwrap();
     }
     let mut nd = node.node_devices(None);
@@ -240,18 +240,18 @@ fn realistic(node: &Node, driver_dir: bool) {
             });
         }
     }
-    nd.control_nodes = tessera_hook::driver::control_nodes(&tessera_hook::driver::DriverConfig {
+    nd.control_nodes = tessera_region::driver::control_nodes(&tessera_region::driver::DriverConfig {
         root: node.driver_root.clone(),
         dev_root: node.dev.clone(),
         ..Default::default()
     });
-    nd.driver = tessera_hook::driver::discover(&tessera_hook::driver::DriverConfig {
+    nd.driver = tessera_region::driver::discover(&tessera_region::driver::DriverConfig {
         root: node.driver_root.clone(),
         dev_root: node.dev.clone(),
         ..Default::default()
     });
     if driver_dir {
-        let made = tessera_hook::bundle::prepare(&nd.driver, &node.path().join("state/driver")).unwrap();
+        let made = tessera_region::driver_dir::prepare(&nd.driver, &node.path().join("state/driver")).unwrap();
         nd.driver_dir = Some(made.dir);
     }
     let specs = cdi::build_specs(&nd).unwrap();
@@ -346,7 +346,7 @@ fn main() {
     // pays: the record is new, and /run is tmpfs).
     let restore = |n: &Node, b: &Path, v: &serde_json::Value| {
         tessera_hook::oci::write_config(b, v).unwrap();
-        let _ = std::fs::remove_file(n.run.join("alloc/a1").join(tessera_hook::owner::OWNER_FILE));
+        let _ = std::fs::remove_file(n.run.join("alloc/a1").join(tessera_region::owner::OWNER_FILE));
     };
     let edit = time(runs * 10, || {
         restore(&node, &b, &pristine);
@@ -514,7 +514,7 @@ fn main() {
     // the poststop entry the wrapper adds for a leased allocation. Each start's new root lacks the
     // wrapper's links (made by the wrapper, not runc); runc makes the mount targets itself.
     let pre_edited = fresh_bundle(&node_dir.path().join("pre-edited"), &rootfs_dir, None);
-    let lease_marker = node_dir.run.join("alloc/a1").join(tessera_hook::owner::LEASE_FILE);
+    let lease_marker = node_dir.run.join("alloc/a1").join(tessera_region::owner::LEASE_FILE);
     std::fs::write(&lease_marker, "container\n").unwrap();
     let st = Command::new(bins().1)
         .env("TESSERA_HOOK_CONFIG", node_dir.path().join("hook-true.toml"))
@@ -606,7 +606,7 @@ fn main() {
             // A new container's allocation has no owner record or deleted file yet: replacing one
             // on this ext4 (a real host's /run is tmpfs) costs a flush a real start never pays.
             for n in [&node, &node_dir] {
-                for f in [tessera_hook::owner::OWNER_FILE, tessera_hook::owner::DELETED_FILE] {
+                for f in [tessera_region::owner::OWNER_FILE, tessera_region::owner::DELETED_FILE] {
                     let _ = std::fs::remove_file(n.run.join("alloc/a1").join(f));
                 }
             }

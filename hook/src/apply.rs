@@ -11,11 +11,11 @@ use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use crate::config::HookConfig;
 use crate::oci;
 use crate::plan::{self, InjectError, Plan};
 use crate::safe::{LinkOutcome, NodeOutcome, Root};
 use crate::sys;
+use tessera_region::hook_config::HookConfig;
 
 /// What the hook did, for its log line.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -70,7 +70,7 @@ pub(crate) fn record_owner(
 ) {
     if let Some(id) = &plan.allocation {
         let dir = cfg.runtime_dir.join("alloc").join(id);
-        let mut owner = crate::owner::Owner::from_annotations(container_id, annotations);
+        let mut owner = tessera_region::owner::Owner::from_annotations(container_id, annotations);
         owner.runtime_state = gone_when.runtime_state.map(|p| p.display().to_string());
         owner.cgroup = gone_when.cgroup.map(|p| p.display().to_string());
         let _ = owner.write(&dir);

@@ -1,11 +1,10 @@
 //! Puts Tessera's GPUs into containers.
 //!
-//! - [`cdi`]: the CDI specs the daemon writes (`tessera.io/gpu`, `/mig`, `/share`) and the hook reads.
-//! - [`driver`]: the host driver's user-space files, found by name under a driver root.
-//! - [`bundle`]: the driver directory: those files gathered once, for one mount per container.
-//! - [`config`]: the hook's and the wrapper's own configuration (`/etc/tessera/hook.toml`).
-//! - [`paths`]: the default host paths every part and deploy/ use.
-//! - [`owner`]: the record of which container holds an allocation, for the daemon's reports.
+//! What the hook shares with the daemon lives in the contract crate, `tessera_region`: the CDI
+//! specs (`cdi`), the driver's files and directory (`driver`, `driver_dir`), this crate's
+//! configuration file (`hook_config`), the owner record (`owner`) and the default paths (`paths`).
+//! Here:
+//!
 //! - [`plan`]: what a container asked for, checked against its allocation, as one [`plan::Plan`].
 //! - [`oci`]: config.json, the hook's state, and the wrapper's edits.
 //! - [`apply`]: the OCI hook's way of applying a plan inside the container's mount namespace.
@@ -15,13 +14,7 @@
 //! docs/hook.md describes the whole.
 
 pub mod apply;
-pub mod bundle;
-pub mod cdi;
-pub mod config;
-pub mod driver;
 pub mod oci;
-pub mod owner;
-pub mod paths;
 pub mod plan;
 pub mod safe;
 mod sys;
@@ -41,8 +34,31 @@ pub fn sanitize_env() {
     unsafe { std::env::set_var("PATH", "/usr/sbin:/usr/bin:/sbin:/bin") };
 }
 
-/// FNV-1a, 64 bits: names of generated files that change when their content does (not a
-/// security boundary: the files are root's).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+#[cfg(test)]
+mod tests {
+    use tessera_region::paths;
+
+    /// Every file in hooks.d, the entry and its examples alike, names the installed hook and the
+    /// default configuration: the prestart example named `/usr/bin/tessera-hook`, where nothing
+    /// installs it (issue 13's one set of paths).
+    #[test]
+    fn the_shipped_hooks_d_entries_name_these_paths() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks.d");
+        let mut seen = Vec::new();
+        for file in std::fs::read_dir(&dir).unwrap() {
+            let file = file.unwrap().path();
+            let entry: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+            let stage = entry["stages"][0].as_str().unwrap().to_owned();
+            assert_eq!(entry["hook"]["path"], paths::HOOK, "{}", file.display());
+            assert_eq!(
+                entry["hook"]["args"],
+                serde_json::json!(["tessera-hook", "--config", paths::HOOK_CONFIG, stage]),
+                "{}",
+                file.display()
+            );
+            seen.push(file.file_name().unwrap().to_string_lossy().into_owned());
+        }
+        seen.sort();
+        assert_eq!(seen, ["tessera-hook-prestart.json.example", paths::HOOKS_D_FILE]);
+    }
 }

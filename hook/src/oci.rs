@@ -164,7 +164,7 @@ pub fn add_poststop(config: &mut Value, hook: &Path, alloc_dir: &Path) -> Result
     poststop.push(json!({
         "path": path,
         "args": ["tessera-hook", "poststop", "--alloc-dir", alloc_dir.display().to_string()],
-        "env": [crate::cdi::HOOK_ENV],
+        "env": [tessera_region::cdi::HOOK_ENV],
     }));
     Ok(())
 }

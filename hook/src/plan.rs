@@ -11,18 +11,15 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::cdi::{self, Spec};
-use crate::config::HookConfig;
+use tessera_region::cdi::{self, Spec};
+use tessera_region::hook_config::HookConfig;
+use tessera_region::paths::{self, CONTAINER_ALLOC_DIR, ENV_ALLOCATION, PRELOAD_PATH};
 
 pub const ENV_VISIBLE: &str = "TESSERA_VISIBLE_DEVICES";
 pub const ENV_NVIDIA_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
-pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION";
 pub const ANNOTATION_DEVICES: &str = "tessera.io/devices";
 pub const ANNOTATION_ALLOCATION: &str = "tessera.io/allocation";
 pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
-/// Where the allocation directory appears in a container.
-pub use tessera_region::CONTAINER_ALLOC_DIR;
-pub const PRELOAD_PATH: &str = "/etc/ld.so.preload";
 /// The container's loader configuration entry naming the directories of the driver's libraries.
 pub const LD_CONF_PATH: &str = "/etc/ld.so.conf.d/000-tessera.conf";
 
@@ -75,7 +72,7 @@ pub struct MountEdit {
 pub struct LinkEdit {
     /// In the container: where the loader looks (`/usr/lib/x86_64-linux-gnu/libcuda.so.1`).
     pub path: PathBuf,
-    /// In the container: the same relative path under [`cdi::DRIVER_CONTAINER_DIR`].
+    /// In the container: the same relative path under [`paths::DRIVER_CONTAINER_DIR`].
     pub target: PathBuf,
     /// On the host: the file in the driver directory, bind-mounted at `path` instead where the
     /// image has a regular file there (a link would mean deleting the image's file).
@@ -393,10 +390,10 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
     // The shim, its preload, the allocation directory, the environment.
     if let Some(shim) = &cfg.shim_path {
         if shim.is_file() {
-            push_mount(&mut plan, shim.clone(), cdi::SHIM_CONTAINER_PATH.into(), true)?;
+            push_mount(&mut plan, shim.clone(), paths::SHIM_CONTAINER_PATH.into(), true)?;
             let preload = cfg.runtime_dir.join("hook").join("ld.so.preload");
             push_mount(&mut plan, preload.clone(), PRELOAD_PATH.into(), true)?;
-            plan.files.push((preload, preload_content()));
+            plan.files.push((preload, paths::preload_content()));
         } else if allocation.is_some() {
             return Err(InjectError(format!("shim_path: {} does not exist", shim.display())));
         }
@@ -408,7 +405,7 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
         let is_lib =
             path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("lib") && n.contains(".so"));
         if let Some(dir) = path.parent().filter(|_| is_lib).map(|d| d.display().to_string())
-            && path != Path::new(cdi::SHIM_CONTAINER_PATH)
+            && path != Path::new(paths::SHIM_CONTAINER_PATH)
             && !lib_dirs.contains(&dir)
         {
             lib_dirs.push(dir);
@@ -416,7 +413,8 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
     }
     if !lib_dirs.is_empty() {
         let content: String = lib_dirs.iter().map(|d| format!("{d}\n")).collect();
-        let host = cfg.runtime_dir.join("hook").join(format!("ld.so.conf-{:016x}", crate::fnv1a(content.as_bytes())));
+        let host =
+            cfg.runtime_dir.join("hook").join(format!("ld.so.conf-{:016x}", tessera_region::fnv1a(content.as_bytes())));
         push_mount(&mut plan, host.clone(), LD_CONF_PATH.into(), true)?;
         plan.files.push((host, content));
     }
@@ -570,7 +568,7 @@ fn add_edits(plan: &mut Plan, edits: &cdi::ContainerEdits, what: &str) -> Result
 
 /// Makes `path` a link to its copy in the driver directory, which the plan must mount already.
 pub fn add_link(plan: &mut Plan, path: PathBuf) -> Result<(), InjectError> {
-    let dir = Path::new(cdi::DRIVER_CONTAINER_DIR);
+    let dir = Path::new(paths::DRIVER_CONTAINER_DIR);
     let Some(mount) = plan.mounts.iter().find(|m| m.container_path == dir) else {
         return Err(InjectError(format!("{}: no driver directory is mounted at {}", path.display(), dir.display())));
     };
@@ -616,11 +614,6 @@ fn push_mount(plan: &mut Plan, host: PathBuf, container: PathBuf, read_only: boo
     }
 }
 
-/// The content of the preload file: the shim's container path.
-pub fn preload_content() -> String {
-    format!("{}\n", cdi::SHIM_CONTAINER_PATH)
-}
-
 /// Makes the plan's host files (atomically) where they are missing or differ.
 pub fn ensure_files(plan: &Plan) -> Result<(), InjectError> {
     for (path, want) in &plan.files {
@@ -640,7 +633,7 @@ pub fn ensure_files(plan: &Plan) -> Result<(), InjectError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::cdi::tests::fake_node;
+    use tessera_region::testing::fake_node;
 
     pub(crate) struct Fixture {
         pub dir: tempfile::TempDir,
@@ -742,7 +735,7 @@ pub(crate) mod tests {
         let f = fixture();
         let lib = Path::new("/usr/lib/x86_64-linux-gnu");
         let mut node = fake_node(f.dir.path());
-        node.driver = crate::driver::DriverFiles {
+        node.driver = tessera_region::driver::DriverFiles {
             root: "/".into(),
             libraries: vec![lib.join("libcuda.so.1"), lib.join("libcuda.so.550.54.15")],
             binaries: vec!["/usr/bin/nvidia-smi".into()],
@@ -750,7 +743,7 @@ pub(crate) mod tests {
         node.driver_dir = Some("/var/lib/tessera/driver/k1".into());
         let specs = cdi::build_specs(&node).unwrap();
         let p = plan(&f.cfg, &specs, &info(&[(ENV_VISIBLE, "0"), (ENV_ALLOCATION, "a1")], &[])).unwrap().unwrap();
-        let dir = Path::new(cdi::DRIVER_CONTAINER_DIR);
+        let dir = Path::new(paths::DRIVER_CONTAINER_DIR);
         let driver: Vec<_> = p
             .mounts
             .iter()
@@ -803,7 +796,7 @@ pub(crate) mod tests {
         let mut p = Plan::default();
         let e = add_link(&mut p, "/usr/lib/libcuda.so.1".into()).unwrap_err();
         assert!(e.0.contains("no driver directory is mounted at /usr/lib/tessera/driver"), "{e}");
-        push_mount(&mut p, "/d".into(), cdi::DRIVER_CONTAINER_DIR.into(), true).unwrap();
+        push_mount(&mut p, "/d".into(), paths::DRIVER_CONTAINER_DIR.into(), true).unwrap();
         for bad in ["/", "/usr/lib/tessera/driver/x", "/run/tessera/alloc/limits"] {
             assert!(add_link(&mut p, bad.into()).unwrap_err().0.contains("not a path a driver file"), "{bad}");
         }
@@ -874,7 +867,7 @@ pub(crate) mod tests {
             assert_eq!(
                 mounts,
                 [
-                    (cdi::SHIM_CONTAINER_PATH, true),
+                    (paths::SHIM_CONTAINER_PATH, true),
                     (PRELOAD_PATH, true),
                     (CONTAINER_ALLOC_DIR, true),
                     ("/run/tessera/alloc/region", false)
@@ -900,7 +893,7 @@ pub(crate) mod tests {
     fn a_claim_device_brings_its_allocation() {
         let f = fixture();
         let shim = f.cfg.shim_path.clone().unwrap();
-        let claim = cdi::tests::claim_spec(&cdi::tests::fake_node(f.dir.path()), &f.cfg.runtime_dir, &shim);
+        let claim = tessera_region::testing::claim_spec(&fake_node(f.dir.path()), &f.cfg.runtime_dir, &shim);
         let mut specs = f.specs.clone();
         specs.push(claim.clone());
         let name = claim.devices[0].name.clone();
@@ -928,7 +921,7 @@ pub(crate) mod tests {
                 (CONTAINER_ALLOC_DIR, true),
                 ("/run/tessera/alloc/region", false),
                 (PRELOAD_PATH, true),
-                (cdi::SHIM_CONTAINER_PATH, true),
+                (paths::SHIM_CONTAINER_PATH, true),
             ] {
                 assert!(mounts.contains(&want), "{want:?} in {mounts:?}");
             }
@@ -938,7 +931,7 @@ pub(crate) mod tests {
         // The same through the spec files, reading only what a claim device needs.
         let dir = &f.cfg.cdi_spec_dirs[0];
         cdi::write_specs(dir, &f.specs).unwrap();
-        cdi::write_claim_spec(dir, cdi::tests::CLAIM_UID, &claim).unwrap();
+        cdi::write_claim_spec(dir, tessera_region::testing::CLAIM_UID, &claim).unwrap();
         std::fs::write(dir.join("tessera.io-mig.json"), "{ not json").unwrap();
         let p = plan_from_spec_dirs(&f.cfg, &info(&env, &[])).unwrap().unwrap();
         assert_eq!(p.devices[0].name, name);

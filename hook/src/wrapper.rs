@@ -7,9 +7,9 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use crate::config::HookConfig;
 use crate::oci;
 use crate::plan::{self, InjectError};
+use tessera_region::hook_config::HookConfig;
 
 /// runc's global options that take a value.
 const VALUE_OPTIONS: &[&str] = &["--root", "--log", "--log-format", "--criu", "--rootless"];
@@ -81,7 +81,7 @@ pub fn edit_bundle(cfg: &HookConfig, bundle: &Path, container_id: Option<&str>) 
 
 /// [`edit_bundle`], knowing where the runtime keeps the container's state (`runtime_state`,
 /// recorded in the owner record). A container whose allocation is leased to it (`--lease
-/// container`: [`crate::owner::LEASE_FILE`]) also gets a `poststop` hook (`tessera-hook
+/// container`: [`tessera_region::owner::LEASE_FILE`]) also gets a `poststop` hook (`tessera-hook
 /// poststop`, beside this program) telling the daemon when it is deleted.
 pub fn edit_bundle_for(
     cfg: &HookConfig,
@@ -100,7 +100,7 @@ pub fn edit_bundle_for(
     make_links(&rootfs, &mut plan)?;
     oci::apply_to_config(&mut config, &plan)?;
     if let Some(dir) = plan.allocation.as_ref().map(|id| cfg.runtime_dir.join("alloc").join(id))
-        && crate::owner::is_leased(&dir)
+        && tessera_region::owner::is_leased(&dir)
         && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
         && hook.is_file()
     {

@@ -54,7 +54,7 @@ struct Specs;
 impl Specs {
     fn install(node: &Node) -> Specs {
         // podman 4.3's CDI library stops at 0.5.0.
-        node.write_specs(Path::new(CDI_DIR), Some(tessera_hook::cdi::CDI_VERSION_COMPAT));
+        node.write_specs(Path::new(CDI_DIR), Some(tessera_region::cdi::CDI_VERSION_COMPAT));
         // The hook reads the same directory.
         let cfg = std::fs::read_to_string(&node.config).unwrap();
         let cfg = cfg.replace(&format!("{:?}", node.cdi.display().to_string()), &format!("{CDI_DIR:?}"));
@@ -65,8 +65,8 @@ impl Specs {
 
 impl Drop for Specs {
     fn drop(&mut self) {
-        for c in tessera_hook::cdi::CLASSES {
-            let _ = std::fs::remove_file(Path::new(CDI_DIR).join(tessera_hook::cdi::spec_file_name(c)));
+        for c in tessera_region::cdi::CLASSES {
+            let _ = std::fs::remove_file(Path::new(CDI_DIR).join(tessera_region::cdi::spec_file_name(c)));
         }
     }
 }

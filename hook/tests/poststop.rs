@@ -110,7 +110,7 @@ fn the_wrapper_adds_its_poststop_entry_only_for_a_leased_allocation() {
     assert!(c["mounts"].as_array().is_some_and(|m| !m.is_empty()), "injected: {c}");
     assert!(c["hooks"]["poststop"].as_array().is_none_or(Vec::is_empty), "no poststop entry: {c}");
 
-    std::fs::write(node.run.join("alloc/a1").join(tessera_hook::owner::LEASE_FILE), "container\n").unwrap();
+    std::fs::write(node.run.join("alloc/a1").join(tessera_region::owner::LEASE_FILE), "container\n").unwrap();
     let c = wrapped("leased");
     let post = c["hooks"]["poststop"].as_array().expect("a poststop entry");
     assert_eq!(post.len(), 1, "{c}");
@@ -119,5 +119,5 @@ fn the_wrapper_adds_its_poststop_entry_only_for_a_leased_allocation() {
     assert_eq!(post[0]["args"], serde_json::json!(["tessera-hook", "poststop", "--alloc-dir", dir]));
     // Its own environment: runc would otherwise hand it the runtime's, and the hook refuses an
     // inherited LD_LIBRARY_PATH.
-    assert_eq!(post[0]["env"], serde_json::json!([tessera_hook::cdi::HOOK_ENV]));
+    assert_eq!(post[0]["env"], serde_json::json!([tessera_region::cdi::HOOK_ENV]));
 }

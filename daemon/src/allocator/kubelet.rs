@@ -83,11 +83,11 @@ impl DirectInjection {
             return None;
         }
         let control_nodes =
-            tessera_hook::driver::CONTROL_NODES.iter().map(|n| inj.dev_root.join(n)).filter(|p| p.exists()).collect();
+            tessera_region::driver::CONTROL_NODES.iter().map(|n| inj.dev_root.join(n)).filter(|p| p.exists()).collect();
         let shim = (!inj.shim_path.as_os_str().is_empty()).then(|| inj.shim_path.clone());
         let preload = config.runtime_dir.join("ld.so.preload");
         if shim.is_some() {
-            let text = format!("{}\n", tessera_hook::cdi::SHIM_CONTAINER_PATH);
+            let text = tessera_region::paths::preload_content();
             if let Err(e) = crate::state::durable::write_file(&preload, text.as_bytes(), 0o644) {
                 tracing::error!(file = %preload.display(), error = %e, "cannot write the preload file");
             }
@@ -197,7 +197,7 @@ impl DaemonAllocator {
             if let Some(shim) = &direct.shim {
                 answer.mounts.push(HostMount {
                     host_path: shim.display().to_string(),
-                    container_path: tessera_hook::cdi::SHIM_CONTAINER_PATH.into(),
+                    container_path: tessera_region::paths::SHIM_CONTAINER_PATH.into(),
                     read_only: true,
                 });
                 answer.mounts.push(HostMount {

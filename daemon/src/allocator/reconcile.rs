@@ -92,7 +92,7 @@ impl DaemonAllocator {
                 store.get(&id).filter(|a| a.container.container_id.is_none()).cloned()
             };
             let Some(alloc) = alloc else { continue };
-            let Some(owner) = tessera_hook::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
+            let Some(owner) = tessera_region::owner::Owner::read(&self.dirs.dir(&alloc.id)) else { continue };
             let mut c = alloc.container.clone();
             let fill = |field: &mut Option<String>, value: Option<String>| {
                 if field.is_none() {

@@ -15,7 +15,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tessera_hook::paths;
+use tessera_region::paths;
 
 pub use reload::{Change, Reload, When, reload};
 pub use shares::{ByteSize, ShareSize, SharesSpec};
@@ -23,7 +23,7 @@ pub(crate) use validate::quote_key;
 pub use validate::{MAX_SHARES, is_profile_name};
 
 /// Where the daemon looks for its configuration when `--config` is not given.
-pub const DEFAULT_PATH: &str = tessera_hook::paths::DAEMON_CONFIG;
+pub const DEFAULT_PATH: &str = tessera_region::paths::DAEMON_CONFIG;
 /// The NVML library of the real driver (what `nvml_library` means when unset).
 pub const DRIVER_NVML: &str = "libnvidia-ml.so.1";
 

@@ -70,7 +70,7 @@ pub fn driver_library(driver_root: &Path) -> PathBuf {
     if driver_root == Path::new("/") {
         return PathBuf::from(DRIVER_NVML);
     }
-    let dirs = tessera_hook::driver::DriverConfig::default().library_dirs;
+    let dirs = tessera_region::driver::DriverConfig::default().library_dirs;
     let candidates: Vec<PathBuf> = dirs.iter().map(|d| driver_root.join(d).join(DRIVER_NVML)).collect();
     candidates.iter().find(|p| p.exists()).unwrap_or(&candidates[0]).clone()
 }

@@ -1,7 +1,7 @@
 //! The per-claim CDI specs: what NodePrepareResources hands the kubelet must give the container
 //! the claim's allocation, and the kubelet can only pass CDI device names. So each prepared claim
 //! gets a spec of its own, kind `tessera.io/claim`, in `<cdi_spec_dir>/tessera.io-claim_<uid>.json`
-//! (built by `tessera_hook::cdi::build_claim_spec`): per device of the claim its nodes, the
+//! (built by `tessera_region::cdi::build_claim_spec`): per device of the claim its nodes, the
 //! allocation's directory (read-only) with its region (read-write), `/etc/ld.so.preload` naming
 //! the shim, and `TESSERA_ALLOCATION` / `TESSERA_LIMITS` / `TESSERA_REGION`; the spec's own edits
 //! are the class specs' (control nodes, driver files, the shim, the hook entries).
@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tessera_hook::cdi::{self, ClaimDevices, NodeDevice, NodeDevices};
+use tessera_region::cdi::{self, ClaimDevices, NodeDevice, NodeDevices};
 
 use crate::state::Allocation;
 
@@ -89,7 +89,7 @@ impl ClaimSpecs {
         };
         if self.base.shim.is_some() {
             // The file the hook makes and mounts too; the same bytes, so both agree.
-            let text = tessera_hook::plan::preload_content();
+            let text = tessera_region::paths::preload_content();
             if std::fs::read_to_string(&claim.preload).ok().as_deref() != Some(text.as_str()) {
                 std::fs::create_dir_all(&hook_dir).map_err(|e| format!("{}: {e}", hook_dir.display()))?;
                 crate::state::durable::write_file(&claim.preload, text.as_bytes(), 0o644)

@@ -335,7 +335,7 @@ mod tests {
         let nodes: super::super::claim_specs::NodesOf = Arc::new(|_: &str| Some(Vec::new()));
         let specs = Arc::new(ClaimSpecs::new(
             tmp.path().join("cdi"),
-            tessera_hook::cdi::NodeDevices::default(),
+            tessera_region::cdi::NodeDevices::default(),
             tmp.path().join("run"),
             nodes,
         ));

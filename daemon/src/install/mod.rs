@@ -18,7 +18,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tessera_hook::paths;
+use tessera_region::paths;
 
 pub use containerd::HANDLER;
 
@@ -264,7 +264,7 @@ pub fn hooks_d_entry(runtime_dir: &Path) -> String {
         "hook": {
             "path": paths::HOOK,
             "args": ["tessera-hook", "--config", config, "createRuntime"],
-            "env": [tessera_hook::cdi::HOOK_ENV],
+            "env": [tessera_region::cdi::HOOK_ENV],
         },
         "when": { "always": true },
         "stages": ["createRuntime"],

@@ -232,7 +232,7 @@ impl AllocDirs {
 
     /// Creates (or, after a restart, brings up to date) the directory of `alloc`: writes its
     /// limits (and, for an allocation leased to its container, the lease marker the runtime
-    /// wrapper looks for: [`tessera_hook::owner::LEASE_FILE`]) and creates its region. Returns
+    /// wrapper looks for: [`tessera_region::owner::LEASE_FILE`]) and creates its region. Returns
     /// the directory. If a limits file was already there it is replaced and the region's config
     /// generation bumped, as [`AllocDirs::update_limits`].
     pub fn create(&self, alloc: &Allocation) -> Result<PathBuf, AllocDirError> {
@@ -259,8 +259,8 @@ impl AllocDirs {
             .limits()
             .write_atomic(&limits_path)
             .map_err(|source| AllocDirError::Limits { path: limits_path, source })?;
-        if leased && !tessera_hook::owner::is_leased(&dir) {
-            write_lease(&dir).map_err(io_err(&dir.join(tessera_hook::owner::LEASE_FILE), "write"))?;
+        if leased && !tessera_region::owner::is_leased(&dir) {
+            write_lease(&dir).map_err(io_err(&dir.join(tessera_region::owner::LEASE_FILE), "write"))?;
         }
         if self.region_path(&alloc.id).symlink_metadata().is_err() {
             make_region(&dir)?;
@@ -349,7 +349,7 @@ fn write_new_limits(spare: &Path, limits: &[u8]) -> std::io::Result<()> {
 /// Leaves the lease marker in allocation directory `dir`. Not flushed: /run is tmpfs, and after a
 /// restart [`AllocDirs::create`] writes it again from the record.
 fn write_lease(dir: &Path) -> std::io::Result<()> {
-    write_new_file(&dir.join(tessera_hook::owner::LEASE_FILE), b"container\n", false)
+    write_new_file(&dir.join(tessera_region::owner::LEASE_FILE), b"container\n", false)
 }
 
 /// Creates `path` (it must not exist) with `bytes`, mode 0644: container processes of any uid read
@@ -684,16 +684,16 @@ mod tests {
             a.claim = Some(Box::new(Claim { owner: Some("fn-1".into()), lease: Lease::Container }));
             a
         };
-        let marker = |id: &str| tmp.path().join("alloc").join(id).join(tessera_hook::owner::LEASE_FILE);
+        let marker = |id: &str| tmp.path().join("alloc").join(id).join(tessera_region::owner::LEASE_FILE);
         let on_the_spot = leased("leased1");
         let dir = dirs.create(&on_the_spot).unwrap();
-        assert!(tessera_hook::owner::is_leased(&dir));
+        assert!(tessera_region::owner::is_leased(&dir));
         assert_eq!(std::fs::read_to_string(marker("leased1")).unwrap(), "container\n");
         assert_eq!(mode(&marker("leased1")), 0o644);
         let mut until_released = alloc("kept1");
         until_released.claim = Some(Box::new(Claim { owner: None, lease: Lease::None }));
-        assert!(!tessera_hook::owner::is_leased(&dirs.create(&until_released).unwrap()));
-        assert!(!tessera_hook::owner::is_leased(&dirs.create(&alloc("kubelet1")).unwrap()));
+        assert!(!tessera_region::owner::is_leased(&dirs.create(&until_released).unwrap()));
+        assert!(!tessera_region::owner::is_leased(&dirs.create(&alloc("kubelet1")).unwrap()));
         // Lost (a crash between the rename and the marker): made again by the restart's create.
         std::fs::remove_file(marker("leased1")).unwrap();
         dirs.create(&on_the_spot).unwrap();
@@ -701,10 +701,10 @@ mod tests {
 
         dirs.keep_spares(2).unwrap();
         wait_for("two spares", || dirs.spares_ready() == 2);
-        assert!(tessera_hook::owner::is_leased(&dirs.create(&leased("leased2")).unwrap()));
+        assert!(tessera_region::owner::is_leased(&dirs.create(&leased("leased2")).unwrap()));
         wait_for("the pool refilled", || dirs.spares_ready() == 2);
         let from_spare = dirs.create(&alloc("kubelet2")).unwrap();
-        assert!(!tessera_hook::owner::is_leased(&from_spare), "a spare carries no marker of its own");
+        assert!(!tessera_region::owner::is_leased(&from_spare), "a spare carries no marker of its own");
     }
 
     #[test]

@@ -10,8 +10,8 @@
 
 use std::time::UNIX_EPOCH;
 
-use tessera_hook::owner::Owner;
 use tessera_region::Limits;
+use tessera_region::owner::Owner;
 
 use super::alloc_dir::AllocDirs;
 use super::record::{AllocatedDevice, Allocation, ContainerIdentity, Source, unix_ns};
@@ -42,7 +42,7 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
         // A node API allocation's owner is in its record only; its lease to its container is
         // also in the directory (the marker the runtime's poststop entry looks for): kept, so
         // the container's end still releases it.
-        claim: tessera_hook::owner::is_leased(&dirs.dir(id))
+        claim: tessera_region::owner::is_leased(&dirs.dir(id))
             .then(|| Box::new(super::record::Claim { owner: None, lease: super::record::Lease::Container })),
         devices: limits
             .devices

@@ -706,7 +706,7 @@ fn ours(name: &str) -> bool {
     // The daemon's other state shares the directory: the driver directories (`crate::cdi`), the
     // kept events (and their damaged or half-written copies), the DRA driver's dynamic MIG
     // journal (and its damaged copies). Named "not an allocation record" at every start before.
-    name == crate::cdi::DRIVER_DIRS
+    name == tessera_region::paths::DRIVER_DIRS
         || name.starts_with(EVENTS_FILE)
         || name.starts_with(DYNAMIC_MIG_FILE)
         || name == LOCK_FILE
@@ -1299,7 +1299,7 @@ mod tests {
         std::fs::write(dir.join("good.json.tmp"), b"{\"half\":").unwrap();
         std::fs::write(dir.join("bad.json.corrupt"), b"an older one").unwrap();
         std::fs::write(dir.join("events.pb"), b"not ours").unwrap();
-        std::fs::create_dir(dir.join(crate::cdi::DRIVER_DIRS)).unwrap();
+        std::fs::create_dir(dir.join(tessera_region::paths::DRIVER_DIRS)).unwrap();
         std::fs::write(dir.join("driver/k.json"), b"a driver file").unwrap();
         let before = files(dir);
         // A reader sees what the owner will, and changes nothing.

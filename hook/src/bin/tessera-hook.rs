@@ -9,7 +9,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use tessera_hook::config::{DEFAULT_PATH, HookConfig};
+use tessera_region::hook_config::{DEFAULT_PATH, HookConfig};
 
 fn main() {
     // Before anything else: the hook never runs with an environment someone else chose.
@@ -59,7 +59,7 @@ fn main() {
             },
         };
         if dir.is_dir()
-            && let Err(e) = tessera_hook::owner::record_deleted(&dir, &id)
+            && let Err(e) = tessera_region::owner::record_deleted(&dir, &id)
         {
             fail(&format!("{}: {e}", dir.display()));
         }

@@ -6,9 +6,9 @@
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 
-use tessera_hook::config::{DEFAULT_PATH, ENV_CONFIG, HookConfig, wrapper_config_path};
-use tessera_hook::paths;
 use tessera_hook::wrapper;
+use tessera_region::hook_config::{DEFAULT_PATH, ENV_CONFIG, HookConfig, wrapper_config_path};
+use tessera_region::paths;
 
 fn main() {
     let args: Vec<_> = std::env::args_os().collect();

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::{Value, json};
-use tessera_hook::cdi::{self, NodeDevice, NodeDevices};
+use tessera_region::cdi::{self, NodeDevice, NodeDevices};
 
 pub const HOOK: &str = env!("CARGO_BIN_EXE_tessera-hook");
 pub const WRAPPER: &str = env!("CARGO_BIN_EXE_tessera-runtime");
@@ -74,7 +74,7 @@ pub struct Node {
     pub run: PathBuf,
     pub shim: PathBuf,
     pub config: PathBuf,
-    /// The driver directory the specs mount (`tessera_hook::bundle`); `None`: a mount per file.
+    /// The driver directory the specs mount (`tessera_region::driver_dir`); `None`: a mount per file.
     pub driver_dir: Option<PathBuf>,
 }
 
@@ -120,7 +120,7 @@ impl Node {
     pub fn with_driver_dir() -> Node {
         let mut node = Node::new();
         let files = node.node_devices(None).driver;
-        let made = tessera_hook::bundle::prepare(&files, &node.path().join("state/driver")).unwrap();
+        let made = tessera_region::driver_dir::prepare(&files, &node.path().join("state/driver")).unwrap();
         node.driver_dir = Some(made.dir);
         node.write_specs(&node.cdi, None);
         node
@@ -144,7 +144,7 @@ impl Node {
 
     pub fn node_devices(&self, cdi_version: Option<&str>) -> NodeDevices {
         let d = |n: &str| self.dev.join(n);
-        let cfg = tessera_hook::driver::DriverConfig {
+        let cfg = tessera_region::driver::DriverConfig {
             root: self.driver_root.clone(),
             dev_root: self.dev.clone(),
             ..Default::default()
@@ -180,8 +180,8 @@ impl Node {
                     nodes: vec![d("nvidia1"), d("nvidia-caps/nvidia-cap21")],
                 },
             ],
-            control_nodes: tessera_hook::driver::control_nodes(&cfg),
-            driver: tessera_hook::driver::discover(&cfg),
+            control_nodes: tessera_region::driver::control_nodes(&cfg),
+            driver: tessera_region::driver::discover(&cfg),
             driver_dir: self.driver_dir.clone(),
             shim: Some(self.shim.clone()),
             hook_binary: PathBuf::from(HOOK),

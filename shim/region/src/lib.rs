@@ -1,9 +1,14 @@
-//! The contract between `libtessera.so` (the in-container limiter) and `tesserad`: the limits file
-//! format and the per-container accounting region.
+//! The contracts between Tessera's parts: `tesserad` (the daemon), `tessera-hook` /
+//! `tessera-runtime` (container injection) and `libtessera.so` (the in-container limiter). Every
+//! file one part writes and another reads is defined here, once: the limits file, the accounting
+//! region, the ledger, the owner record, the CDI specs and their container edits, the driver
+//! directory, the hook's configuration, and the default paths. The daemon, the hook and the shim
+//! depend on this crate; none of them on another.
 //!
-//! Both sides depend on this crate and read the region through its one `#[repr(C)]` definition
-//! (see [`region`]); nothing else defines the layout.
+//! Every side reads the region through its one `#[repr(C)]` definition (see [`region`]); nothing
+//! else defines the layout.
 //!
+//! What the shim uses (no feature):
 //! - [`limits`]: what a container may use (memory per device, SM share, priority, compute mode),
 //!   read from a TOML file the daemon rewrites atomically, or from `TESSERA_*` environment variables
 //!   when the shim runs standalone. Every error names the key (or variable) and the reason.
@@ -22,10 +27,34 @@
 //! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans (and
 //!   kernel names) in the region, written only while the daemon sets the header's
 //!   `trace_requested`.
+//! - [`paths`]: the default host paths every part and deploy/ use, and the paths inside a
+//!   container (the allocation directory, the shim, the preload file, the driver directory).
+//!
+//! The host side's (feature `host`, JSON; the shim does not enable it):
+//! - [`owner`]: the owner record the hook writes into the allocation directory (which container
+//!   holds it), and the lease and deletion markers beside it.
+//! - [`cdi`]: the CDI specs the daemon writes (`tessera.io/gpu`, `/mig`, `/share`, one per
+//!   prepared DRA claim) and the hook reads: device names and the container edits.
+//! - [`driver`]: the host driver's user-space files, found by name under a driver root; its
+//!   control nodes; the MIG capability minors.
+//! - [`driver_dir`]: the driver directory: those files gathered once, for one mount per container.
+//! - [`hook_config`]: the hook's and the wrapper's configuration (`/etc/tessera/hook.toml`, and
+//!   the one tesserad writes for its specs).
 
+#[cfg(feature = "host")]
+pub mod cdi;
+#[cfg(feature = "host")]
+pub mod driver;
+#[cfg(feature = "host")]
+pub mod driver_dir;
 pub mod guard;
+#[cfg(feature = "host")]
+pub mod hook_config;
 pub mod ledger;
 pub mod limits;
+#[cfg(feature = "host")]
+pub mod owner;
+pub mod paths;
 pub mod region;
 mod sys;
 #[cfg(any(test, feature = "testing"))]
@@ -37,3 +66,9 @@ pub use region::*;
 /// The clock of heartbeats and joins (CLOCK_MONOTONIC, ns): the same in every process and container.
 pub use sys::monotonic_ns;
 pub use trace::*;
+
+/// FNV-1a, 64 bits: names of generated files that change when their content does (not a
+/// security boundary: the files are root's).
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}

@@ -1,6 +1,6 @@
 //! The driver directory: the host driver's user-space files ([`DriverFiles`]) gathered once into
 //! one host directory, so that a container gets one read-only bind mount of it (at
-//! [`crate::cdi::DRIVER_CONTAINER_DIR`]) instead of one mount per file.
+//! [`crate::paths::DRIVER_CONTAINER_DIR`]) instead of one mount per file.
 //!
 //! Layout: `<parent>/<key>/<path relative to the driver root>` for every library and tool. A
 //! soname link whose target is another listed file in the same directory is the same relative

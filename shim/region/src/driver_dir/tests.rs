@@ -374,7 +374,7 @@ fn a_kill_at_any_point_leaves_no_directory_or_a_complete_one() {
     let (mut complete, mut absent, mut half) = (0, 0, 0);
     for delay_ms in (0..24).map(|i| i * 3) {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "bundle::tests::a_kill_at_any_point_leaves_no_directory_or_a_complete_one"])
+            .args(["--exact", "driver_dir::tests::a_kill_at_any_point_leaves_no_directory_or_a_complete_one"])
             .env(CRASH_CHILD, format!("{}:{}", root.display(), parent.display()))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

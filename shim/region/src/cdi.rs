@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::driver::DriverFiles;
+use crate::paths::{CONTAINER_ALLOC_DIR, DRIVER_CONTAINER_DIR, ENV_ALLOCATION, PRELOAD_PATH, SHIM_CONTAINER_PATH};
 
 pub const VENDOR: &str = "tessera.io";
 /// The CDI version written by default (device annotations need 0.6.0).
@@ -36,11 +37,6 @@ pub const ALL_CLASSES: &[&str] = &["gpu", "mig", "share", CLAIM_CLASS];
 pub const DEVICE_MARKER_PREFIX: &str = "TESSERA_CDI_DEVICE_";
 /// Device annotation carrying the UUID the container's CUDA sees (0.6.0 specs only).
 pub const ANNOTATION_UUID: &str = "tessera.io/uuid";
-/// Where the shim goes in a container.
-pub const SHIM_CONTAINER_PATH: &str = "/usr/lib/tessera/libtessera.so";
-/// Where the driver directory appears in a container; each driver file's usual path is a link
-/// into it (`/usr/lib/x86_64-linux-gnu/libcuda.so.1` -> `<this>/usr/lib/x86_64-linux-gnu/libcuda.so.1`).
-pub const DRIVER_CONTAINER_DIR: &str = "/usr/lib/tessera/driver";
 /// The only environment any hook entry we write gets.
 pub const HOOK_ENV: &str = "PATH=/usr/sbin:/usr/bin:/sbin:/bin";
 
@@ -123,7 +119,7 @@ pub struct NodeDevices {
     pub control_nodes: Vec<PathBuf>,
     /// From [`crate::driver::discover`].
     pub driver: DriverFiles,
-    /// Host path of the driver directory (`crate::bundle`): `driver`'s files gathered under one
+    /// Host path of the driver directory ([`crate::driver_dir`]): `driver`'s files gathered under one
     /// directory at their paths relative to the driver root. Set: a spec gets one mount of it at
     /// [`DRIVER_CONTAINER_DIR`] and a link per file; `None`: a mount per file.
     pub driver_dir: Option<PathBuf>,
@@ -448,7 +444,7 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
         return Err(invalid("devices", format!("claim {} has no device", claim.claim_uid)));
     }
     let alloc_dir = claim.alloc_dir.display().to_string();
-    let container_dir = crate::plan::CONTAINER_ALLOC_DIR;
+    let container_dir = CONTAINER_ALLOC_DIR;
     let bind = |mode: &str, extra: &[&str]| {
         [mode, "nosuid", "nodev"].iter().chain(extra).chain(&["bind"]).map(|s| (*s).to_owned()).collect::<Vec<_>>()
     };
@@ -463,7 +459,7 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
     if node.shim.is_some() {
         mounts.push(Mount {
             host_path: claim.preload.display().to_string(),
-            container_path: crate::plan::PRELOAD_PATH.into(),
+            container_path: PRELOAD_PATH.into(),
             options: bind("ro", &[]),
         });
     }
@@ -479,7 +475,7 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
         let mut edits = ContainerEdits {
             env: vec![
                 format!("{}={name}", marker_key(&name)),
-                format!("{}={}", crate::plan::ENV_ALLOCATION, claim.allocation),
+                format!("{ENV_ALLOCATION}={}", claim.allocation),
                 format!("TESSERA_LIMITS={container_dir}/limits"),
                 format!("TESSERA_REGION={container_dir}/region"),
             ],
@@ -650,61 +646,9 @@ impl Device {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-
-    /// A fake node: device nodes made with mknod under `root/dev`, one GPU with a share, one MIG.
-    pub(crate) fn fake_node(root: &Path) -> NodeDevices {
-        let dev = root.join("dev");
-        std::fs::create_dir_all(dev.join("nvidia-caps")).unwrap();
-        let mk = |p: &Path, major: u32, minor: u32| {
-            if p.exists() {
-                return;
-            }
-            let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
-            // SAFETY: `c` is a valid NUL-terminated path for the duration of the call.
-            let rc = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(major, minor)) };
-            assert_eq!(rc, 0, "mknod {}: {}", p.display(), std::io::Error::last_os_error());
-        };
-        mk(&dev.join("nvidia0"), 195, 0);
-        mk(&dev.join("nvidia1"), 195, 1);
-        mk(&dev.join("nvidiactl"), 195, 255);
-        mk(&dev.join("nvidia-uvm"), 510, 0);
-        mk(&dev.join("nvidia-caps/nvidia-cap21"), 511, 21);
-        NodeDevices {
-            devices: vec![
-                NodeDevice {
-                    class: "gpu".into(),
-                    name: "GPU-aaaa".into(),
-                    aliases: vec!["0".into()],
-                    uuid: "GPU-aaaa".into(),
-                    nodes: vec![dev.join("nvidia0")],
-                },
-                NodeDevice {
-                    class: "share".into(),
-                    name: "GPU-aaaa::3".into(),
-                    aliases: vec![],
-                    uuid: "GPU-aaaa".into(),
-                    nodes: vec![dev.join("nvidia0")],
-                },
-                NodeDevice {
-                    class: "mig".into(),
-                    name: "MIG-bbbb".into(),
-                    aliases: vec!["1:0".into()],
-                    uuid: "MIG-bbbb".into(),
-                    nodes: vec![dev.join("nvidia1"), dev.join("nvidia-caps/nvidia-cap21")],
-                },
-            ],
-            control_nodes: vec![dev.join("nvidiactl"), dev.join("nvidia-uvm"), dev.join("nvidia-modeset")],
-            driver: DriverFiles::default(),
-            driver_dir: None,
-            shim: None,
-            hook_binary: PathBuf::from(crate::paths::HOOK),
-            hook_config: PathBuf::from("/run/tessera/hook.toml"),
-            dev_root: dev,
-            cdi_version: None,
-        }
-    }
+    use crate::testing::{CLAIM_UID, claim_spec, fake_node};
 
     #[test]
     fn names() {
@@ -764,21 +708,6 @@ pub(crate) mod tests {
         names.sort();
         assert_eq!(names, ["nvidia.com-gpu.json", "tessera.io-gpu.json"]);
         assert_eq!(load_spec_dirs(&[dir.path().join("none"), cdi.clone()]).unwrap(), specs[..1]);
-    }
-
-    pub(crate) const CLAIM_UID: &str = "7c1b3c8e-5d2a-4b7e-9f00-0123456789ab";
-
-    /// The spec of a claim prepared into allocation `a1` holding GPU-aaaa of [`fake_node`].
-    pub(crate) fn claim_spec(node: &NodeDevices, run: &Path, shim: &Path) -> Spec {
-        let claim = ClaimDevices {
-            claim_uid: CLAIM_UID.into(),
-            allocation: "a1".into(),
-            alloc_dir: run.join("alloc/a1"),
-            preload: run.join("hook/ld.so.preload"),
-            devices: vec![node.devices[0].clone(), node.devices[1].clone()],
-        };
-        let node = NodeDevices { shim: Some(shim.to_path_buf()), ..node.clone() };
-        build_claim_spec(&node, &claim).unwrap()
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! Tessera's default host paths, in one place: the daemon's defaults, the hook's and the wrapper's,
 //! the CDI specs, hooks.d, the installer (`tessera install`), the systemd unit and the Kubernetes
-//! manifests all name these (tests check the files in deploy/ against them).
+//! manifests all name these (tests check the files in deploy/ and hook/hooks.d against them);
+//! and the paths inside a container that the daemon, the hook and the shim agree on.
 //!
 //! Programs and the shim live under `/usr/local`: they are installed by `tessera install` (or by
 //! hand), not by the distribution's package manager, which owns `/usr/bin` and `/usr/lib`; and on
 //! hosts whose `/usr` is read-only (Fedora CoreOS, Bottlerocket-like images) `/usr/local` is the
 //! writable place for them.
 
-/// `libtessera.so` on the host (mounted into containers at [`crate::cdi::SHIM_CONTAINER_PATH`]).
+/// `libtessera.so` on the host (mounted into containers at [`SHIM_CONTAINER_PATH`]).
 pub const SHIM: &str = "/usr/local/lib/tessera/libtessera.so";
 /// The OCI hook (CDI `createRuntime` entry, hooks.d).
 pub const HOOK: &str = "/usr/local/bin/tessera-hook";
@@ -36,30 +37,27 @@ pub const GENERATED_HOOK_CONFIG: &str = "hook.toml";
 pub const HOOKS_D: &str = "/etc/containers/oci/hooks.d";
 /// The hooks.d entry's file name.
 pub const HOOKS_D_FILE: &str = "tessera-hook.json";
+/// The driver directories' parent, under the daemon's state directory (`<state_dir>/driver/<key>`, the
+/// `driver_dir` module).
+pub const DRIVER_DIRS: &str = "driver";
 
-#[cfg(test)]
-mod tests {
-    /// Every file in hooks.d, the entry and its examples alike, names the installed hook and the
-    /// default configuration: the prestart example named `/usr/bin/tessera-hook`, where nothing
-    /// installs it (issue 13's one set of paths).
-    #[test]
-    fn the_shipped_hooks_d_entries_name_these_paths() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("hooks.d");
-        let mut seen = Vec::new();
-        for file in std::fs::read_dir(&dir).unwrap() {
-            let file = file.unwrap().path();
-            let entry: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
-            let stage = entry["stages"][0].as_str().unwrap().to_owned();
-            assert_eq!(entry["hook"]["path"], super::HOOK, "{}", file.display());
-            assert_eq!(
-                entry["hook"]["args"],
-                serde_json::json!(["tessera-hook", "--config", super::HOOK_CONFIG, stage]),
-                "{}",
-                file.display()
-            );
-            seen.push(file.file_name().unwrap().to_string_lossy().into_owned());
-        }
-        seen.sort();
-        assert_eq!(seen, ["tessera-hook-prestart.json.example", super::HOOKS_D_FILE]);
-    }
+// Inside a container.
+
+pub use crate::limits::CONTAINER_ALLOC_DIR;
+/// Where the shim goes in a container.
+pub const SHIM_CONTAINER_PATH: &str = "/usr/lib/tessera/libtessera.so";
+/// The preload file naming the shim, mounted over the container's own.
+pub const PRELOAD_PATH: &str = "/etc/ld.so.preload";
+
+/// The content of the preload file ([`PRELOAD_PATH`]): the shim's container path. The hook, the
+/// daemon's kubelet answer and the claims' specs mount a host file of exactly these bytes.
+pub fn preload_content() -> String {
+    format!("{SHIM_CONTAINER_PATH}\n")
 }
+
+/// Where the driver directory appears in a container; each driver file's usual path is a link
+/// into it (`/usr/lib/x86_64-linux-gnu/libcuda.so.1` -> `<this>/usr/lib/x86_64-linux-gnu/libcuda.so.1`).
+pub const DRIVER_CONTAINER_DIR: &str = "/usr/lib/tessera/driver";
+/// The environment variable naming a container's allocation (the hook reads it; the daemon's
+/// container edits set it).
+pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION";

@@ -1,10 +1,13 @@
-//! The host driver's user-space files, found by name under a driver root: no NVML, no dlopen.
+//! The host driver's user-space files, found by name under a driver root: no NVML, no dlopen;
+//! the control nodes every GPU container needs; and the driver's MIG capability minors
+//! ([`MigMinors`]), which give a MIG device its `nvidia-caps` nodes.
 //!
 //! Libraries (`libcuda.so*`, `libnvidia-*.so*`, …) are looked for in the usual library
 //! directories, tools (`nvidia-smi`, …) in the usual binary directories. Each file is mounted into
 //! a container at its path relative to the driver root, which on glibc systems is a default search
 //! directory of the dynamic loader (see docs/hook.md, "ld cache").
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Where to look. `root` and `dev_root` are host paths; the directory lists are relative to `root`.
@@ -105,6 +108,57 @@ pub fn control_nodes(cfg: &DriverConfig) -> Vec<PathBuf> {
     CONTROL_NODES.iter().map(|n| cfg.dev_root.join(n)).filter(|p| p.exists()).collect()
 }
 
+/// Where the driver lists the MIG capability minors, under the driver root.
+const MIG_MINORS: &str = "proc/driver/nvidia-caps/mig-minors";
+
+/// The driver's MIG capability minors: (GPU minor, GI id, CI id or `None` for the GI's own
+/// entry) → the `nvidia-cap<N>` minor.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigMinors(BTreeMap<(u32, u32, Option<u32>), u32>);
+
+impl MigMinors {
+    /// `<driver_root>/proc/driver/nvidia-caps/mig-minors`; empty when there is none (no MIG,
+    /// or a platform without capability device files).
+    pub fn read(driver_root: &Path) -> MigMinors {
+        std::fs::read_to_string(driver_root.join(MIG_MINORS)).map(|t| MigMinors::parse(&t)).unwrap_or_default()
+    }
+
+    /// The table's lines: `gpu0/gi1/access 12`, `gpu0/gi1/ci0/access 13` (others, like
+    /// `config 1`, are not per instance).
+    pub fn parse(text: &str) -> MigMinors {
+        let mut out = BTreeMap::new();
+        for line in text.lines() {
+            let Some((path, minor)) = line.split_once(' ') else { continue };
+            let Ok(minor) = minor.trim().parse() else { continue };
+            let parts: Vec<&str> = path.split('/').collect();
+            let num = |p: &str, prefix: &str| p.strip_prefix(prefix).and_then(|n| n.parse::<u32>().ok());
+            match parts.as_slice() {
+                [gpu, gi, "access"] => {
+                    if let (Some(g), Some(i)) = (num(gpu, "gpu"), num(gi, "gi")) {
+                        out.insert((g, i, None), minor);
+                    }
+                }
+                [gpu, gi, ci, "access"] => {
+                    if let (Some(g), Some(i), Some(c)) = (num(gpu, "gpu"), num(gi, "gi"), num(ci, "ci")) {
+                        out.insert((g, i, Some(c)), minor);
+                    }
+                }
+                _ => {}
+            }
+        }
+        MigMinors(out)
+    }
+
+    /// The capability nodes of one MIG device: its GPU instance's, then its compute instance's.
+    pub fn nodes(&self, dev_root: &Path, gpu_minor: u32, gi: u32, ci: u32) -> Vec<PathBuf> {
+        [(gpu_minor, gi, None), (gpu_minor, gi, Some(ci))]
+            .iter()
+            .filter_map(|k| self.0.get(k))
+            .map(|cap| dev_root.join(format!("nvidia-caps/nvidia-cap{cap}")))
+            .collect()
+    }
+}
+
 /// A regular file, or a link to one (a versioned library's soname link).
 fn is_file(p: &Path) -> bool {
     std::fs::metadata(p).map(|m| m.is_file()).unwrap_or(false)
@@ -150,5 +204,20 @@ mod tests {
         assert_eq!(f.binaries, vec![root.join("usr/bin/nvidia-smi")]);
         assert_eq!(f.container_path(&f.binaries[0]), Path::new("/usr/bin/nvidia-smi"));
         assert!(discover(&DriverConfig { root: root.join("nope"), ..cfg }).libraries.is_empty());
+    }
+
+    #[test]
+    fn mig_minors_table() {
+        let t = MigMinors::parse(
+            "config 1\nmonitor 2\ngpu0/gi1/access 12\ngpu0/gi1/ci0/access 13\ngpu1/gi2/access 30\nbad line\n",
+        );
+        assert_eq!(t.0.len(), 3);
+        let dev = Path::new("/dev");
+        assert_eq!(
+            t.nodes(dev, 0, 1, 0),
+            [PathBuf::from("/dev/nvidia-caps/nvidia-cap12"), PathBuf::from("/dev/nvidia-caps/nvidia-cap13")]
+        );
+        assert_eq!(t.nodes(dev, 1, 2, 0), [PathBuf::from("/dev/nvidia-caps/nvidia-cap30")]);
+        assert!(t.nodes(dev, 3, 1, 0).is_empty());
     }
 }
