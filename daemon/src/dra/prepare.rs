@@ -38,7 +38,7 @@ pub fn allocated_device(
     let d = published.iter().find(|d| d.name == granted.device).ok_or_else(|| {
         format!("device {} is not published by this node (any more); the claim must be allocated again", granted.device)
     })?;
-    if let Some(why) = &d.unhealthy {
+    if let Some(why) = d.health.reason() {
         return Err(format!("device {} is unhealthy: {why}", d.name));
     }
     let (memory_limit, sm_percent, compute_mode) = match d.kind {
@@ -315,7 +315,7 @@ mod tests {
         assert!(e(granted("gpu-0-shared", &[("memory", 81 << 30)])).contains("outside"));
         assert!(e(granted("gpu-9", &[])).contains("not published by this node"));
         let mut sick = p.clone();
-        sick[1].unhealthy = Some("XID 79".into());
+        sick[1].health = crate::device_health::Health::Unhealthy("XID 79".into());
         let err = allocated_device(&granted("gpu-0-shared", &[]), &sick, Priority::Normal, ComputeMode::Strict);
         assert!(err.unwrap_err().contains("unhealthy: XID 79"));
     }

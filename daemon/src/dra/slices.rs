@@ -319,7 +319,7 @@ pub fn build_pool_with(
     };
     let listed: Vec<(&DraDevice, Device)> = devices
         .iter()
-        .filter_map(|d| match (&d.unhealthy, unhealthy) {
+        .filter_map(|d| match (d.health.reason(), unhealthy) {
             (None, _) => Some((d, device(d))),
             (Some(_), Unhealthy::Remove) => None,
             (Some(why), Unhealthy::Taint) => {
@@ -863,7 +863,7 @@ mod tests {
         let again = build_with("n", &devices, 0, Unhealthy::Taint, Some(&previous));
         assert_eq!(again.spec, previous);
         let mut changed = devices.clone();
-        changed[3].unhealthy = Some("unhealthy: XID 48".into());
+        changed[3].health = crate::device_health::Health::Unhealthy("unhealthy: XID 48".into());
         let next = build_with("n", &changed, 0, Unhealthy::Taint, Some(&previous));
         let t = &next.spec.devices.as_ref().unwrap()[3].taints.as_ref().unwrap()[0];
         assert_eq!(t.effect, "NoExecute");
