@@ -153,7 +153,7 @@ fn gpu(index: u32, kind: DraKind) -> DraDevice {
         cuda_driver_version: "12.4".into(),
         numa_node: Some(0),
         pci_bus_id: format!("00000000:{:02X}:00.0", index + 0x18),
-        unhealthy: None,
+        health: Default::default(),
     }
 }
 
@@ -227,7 +227,7 @@ async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conf
     api.fail_next(Method::GET, 500);
     let mut sick = devices.clone();
     for d in sick.iter_mut().filter(|d| d.gpu_index == 1) {
-        d.unhealthy = Some("XID 79".into());
+        d.health = tessera_daemon::device_health::Health::Unhealthy("XID 79".into());
     }
     dev_tx.send(sick.clone()).unwrap();
     let devices_now = |api: &ApiServer| -> Vec<String> {

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::device_health::NodeHealth;
+use crate::device_health::{Health, NodeHealth};
 use crate::discovery::{Gpu, Inventory, architecture};
 
 /// What kind of device a published one is.
@@ -81,8 +81,8 @@ pub struct DraDevice {
     pub cuda_driver_version: String,
     pub numa_node: Option<u32>,
     pub pci_bus_id: String,
-    /// Why it is out (unhealthy); `None`: usable.
-    pub unhealthy: Option<String>,
+    /// In service, or out with the health monitor's reason.
+    pub health: Health,
 }
 
 impl DraDevice {
@@ -102,8 +102,7 @@ impl DraDevice {
 pub fn from_inventory(inv: &Inventory, include: impl Fn(&Gpu) -> bool, health: &NodeHealth) -> Vec<DraDevice> {
     let mut out = Vec::new();
     for g in inv.gpus.iter().filter(|g| include(g)) {
-        let base =
-            DraDevice { unhealthy: health.of(g.index, &g.uuid).reason().map(str::to_owned), ..gpu_device(inv, g) };
+        let base = DraDevice { health: health.of(g.index, &g.uuid), ..gpu_device(inv, g) };
         match &g.mig {
             Some(mig) if mig.current => {
                 for inst in &mig.instances {
@@ -113,7 +112,7 @@ pub fn from_inventory(inv: &Inventory, include: impl Fn(&Gpu) -> bool, health: &
                             kind: DraKind::Mig { profile: inst.profile.clone(), gi: d.gi_id, ci: d.ci_id },
                             uuid: d.uuid.clone(),
                             memory: d.memory_total,
-                            unhealthy: health.of(g.index, &d.uuid).reason().map(str::to_owned),
+                            health: health.of(g.index, &d.uuid),
                             ..base.clone()
                         });
                     }
@@ -191,7 +190,7 @@ pub fn gpu_device(inv: &Inventory, g: &Gpu) -> DraDevice {
         cuda_driver_version: cuda,
         numa_node: g.numa_node,
         pci_bus_id: g.pci_bus_id.clone(),
-        unhealthy: None,
+        health: Health::Healthy,
     }
 }
 
@@ -261,7 +260,7 @@ impl DraDevice {
             cuda_driver_version: "12.4".into(),
             numa_node: None,
             pci_bus_id: String::new(),
-            unhealthy: unhealthy.map(str::to_owned),
+            health: unhealthy.map_or(Health::Healthy, |why| Health::Unhealthy(why.to_owned())),
         }
     }
 }

@@ -356,7 +356,7 @@ pub fn with_placements(
                 // Its GPU's health, or that of the instance dynamic MIG made there.
                 let instance = ours.iter().find(|gi| gi.profile_id == p.id && gi.start == start);
                 let uuids = instance.into_iter().flat_map(|gi| &gi.devices).map(|d| d.uuid.as_str());
-                let health = health.of_any(g.index, std::iter::once(g.uuid.as_str()).chain(uuids));
+                let placement_health = health.of_any(g.index, std::iter::once(g.uuid.as_str()).chain(uuids));
                 devices.push(DraDevice {
                     name,
                     kind: DraKind::MigPlacement(MigPlacement {
@@ -368,7 +368,7 @@ pub fn with_placements(
                         counters: counters.clone(),
                     }),
                     memory: p.memory_mib << 20,
-                    unhealthy: health.reason().map(str::to_owned),
+                    health: placement_health,
                     ..gpu_device(inv, g)
                 });
             }
@@ -532,7 +532,7 @@ pub(crate) mod tests {
         let sick = NodeHealth::new(BTreeMap::from([(0, "XID 79".to_string())]), BTreeMap::new());
         let base = super::super::devices::from_inventory(&inv, |_| true, &sick);
         let d = with_placements(base, &inv, |_| true, &BTreeSet::new(), &sick);
-        assert!(d.iter().all(|d| d.unhealthy.as_deref() == Some("XID 79")));
+        assert!(d.iter().all(|d| d.health.reason() == Some("XID 79")));
     }
 
     /// A node whose instances are a table: what NVML would do, and what it was asked.

@@ -50,9 +50,9 @@ pub fn report(pool: &str, devices: &[DraDevice], monitored: bool, now: i64) -> V
     devices
         .iter()
         .map(|d| {
-            let (health, message) = match (&d.unhealthy, monitored) {
+            let (health, message) = match (d.health.reason(), monitored) {
                 (_, false) => (Health::Unknown, "health checking is off ([health] enabled = false)".to_owned()),
-                (Some(why), true) => (Health::Unhealthy, why.clone()),
+                (Some(why), true) => (Health::Unhealthy, why.to_owned()),
                 (None, true) => (Health::Healthy, String::new()),
             };
             let message = truncate(message);
