@@ -20,6 +20,8 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
 
+use tessera_abi::cuda_exports;
+
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::enter;
@@ -131,63 +133,59 @@ fn switched(call: impl FnOnce(&'static RealCuda) -> CUresult) -> CUresult {
     })
 }
 
-/// # Safety
-/// As cuda.h's `cuCtxSetCurrent`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    switched(|cu| unsafe { (cu.cuCtxSetCurrent)(ctx) })
-}
-
-/// # Safety
-/// As cuda.h's `cuCtxPushCurrent_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    switched(|cu| unsafe { (cu.cuCtxPushCurrent_v2)(ctx) })
-}
-
-/// # Safety
-/// As cuda.h's `cuCtxPopCurrent_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    switched(|cu| unsafe { (cu.cuCtxPopCurrent_v2)(pctx) })
-}
-
-/// # Safety
-/// As cuda.h's legacy `cuCtxPushCurrent`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPushCurrent(ctx: CUcontext) -> CUresult {
-    switched(|cu| match cu.cuCtxPushCurrent {
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuCtxSetCurrent`.
+    fn cuCtxSetCurrent(ctx) {
         // SAFETY: the caller's argument, passed on unchanged.
-        Some(real) => unsafe { real(ctx) },
-        None => CUDA_ERROR_NOT_SUPPORTED,
-    })
-}
+        switched(|cu| unsafe { (cu.cuCtxSetCurrent)(ctx) })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuCtxPopCurrent`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPopCurrent(pctx: *mut CUcontext) -> CUresult {
-    switched(|cu| match cu.cuCtxPopCurrent {
+    /// # Safety
+    /// As cuda.h's `cuCtxPushCurrent_v2`.
+    fn cuCtxPushCurrent_v2(ctx) {
         // SAFETY: the caller's argument, passed on unchanged.
-        Some(real) => unsafe { real(pctx) },
-        None => CUDA_ERROR_NOT_SUPPORTED,
-    })
-}
+        switched(|cu| unsafe { (cu.cuCtxPushCurrent_v2)(ctx) })
+    }
 
-/// # Safety
-/// As cuda.h's deprecated `cuCtxDetach`: it destroys the context when its count reaches zero.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDetach(ctx: CUcontext) -> CUresult {
-    let rc = switched(|cu| match cu.cuCtxDetach {
+    /// # Safety
+    /// As cuda.h's `cuCtxPopCurrent_v2`.
+    fn cuCtxPopCurrent_v2(pctx) {
         // SAFETY: the caller's argument, passed on unchanged.
-        Some(real) => unsafe { real(ctx) },
-        None => CUDA_ERROR_NOT_SUPPORTED,
-    });
-    forget_every_thread();
-    rc
+        switched(|cu| unsafe { (cu.cuCtxPopCurrent_v2)(pctx) })
+    }
+
+    /// # Safety
+    /// As cuda.h's legacy `cuCtxPushCurrent`.
+    fn cuCtxPushCurrent(ctx) {
+        switched(|cu| match cu.cuCtxPushCurrent {
+            // SAFETY: the caller's argument, passed on unchanged.
+            Some(real) => unsafe { real(ctx) },
+            None => CUDA_ERROR_NOT_SUPPORTED,
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's legacy `cuCtxPopCurrent`.
+    fn cuCtxPopCurrent(pctx) {
+        switched(|cu| match cu.cuCtxPopCurrent {
+            // SAFETY: the caller's argument, passed on unchanged.
+            Some(real) => unsafe { real(pctx) },
+            None => CUDA_ERROR_NOT_SUPPORTED,
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's deprecated `cuCtxDetach`: it destroys the context when its count reaches zero.
+    fn cuCtxDetach(ctx) {
+        let rc = switched(|cu| match cu.cuCtxDetach {
+            // SAFETY: the caller's argument, passed on unchanged.
+            Some(real) => unsafe { real(ctx) },
+            None => CUDA_ERROR_NOT_SUPPORTED,
+        });
+        forget_every_thread();
+        rc
+    }
 }
 
 #[cfg(test)]

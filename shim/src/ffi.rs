@@ -10,8 +10,8 @@ use std::ffi::{c_int, c_uint};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 pub(crate) use cudarc::driver::sys::{
-    CUarray, CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode,
-    CUmemGenericAllocationHandle, CUmemoryPool, CUmipmappedArray, CUresult, CUstream, CUuuid,
+    CUarray, CUcontext, CUdevice, CUdeviceptr, CUfunction, CUgraph, CUgraphExec, CUgraphNode, CUmemoryPool,
+    CUmipmappedArray, CUresult, CUstream, CUuuid,
 };
 
 pub(crate) const CUDA_SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
@@ -52,16 +52,6 @@ pub(crate) struct ArrayDesc {
     pub channels: c_uint,
 }
 
-/// `CUDA_ARRAY_DESCRIPTOR_v1` (legacy 32-bit sizes).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct ArrayDescV1 {
-    pub width: c_uint,
-    pub height: c_uint,
-    pub format: c_uint,
-    pub channels: c_uint,
-}
-
 /// `CUDA_ARRAY3D_DESCRIPTOR` (v2).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -69,18 +59,6 @@ pub(crate) struct Array3dDesc {
     pub width: usize,
     pub height: usize,
     pub depth: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-    pub flags: c_uint,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR_v1`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct Array3dDescV1 {
-    pub width: c_uint,
-    pub height: c_uint,
-    pub depth: c_uint,
     pub format: c_uint,
     pub channels: c_uint,
     pub flags: c_uint,

@@ -3,16 +3,13 @@
 //! `before_launch` (which may hold the thread to keep the container's SM share) and
 //! `after_launch` with whether the driver accepted the launch.
 
-use std::ffi::{c_uint, c_void};
-
 use crate::ffi::*;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 use crate::real::RealCuda;
 use crate::state::{enter, enter_launch};
 use crate::trace::Launch;
-
-type PP = *mut *mut c_void;
 
 /// Runs a launch of `function` (null: a graph) through the limiter. A stream whose device cannot
 /// be told (a stale handle: the driver will refuse it) launches without it. While a trace is asked for, the call is an API
@@ -90,16 +87,16 @@ macro_rules! launch_hook {
     (@stream stream $s:ident) => { $s };
     (@stream config $c:ident) => {{
         // SAFETY: the caller's configuration (cuda.h's contract).
-        unsafe { config_stream($c) }
+        unsafe { config_stream($c.cast()) }
     }};
     (
         $name:ident, $slow:ident, $how:ident $s:ident, function $function:ident,
-        $(if $eligible:expr,)? ($($arg:ident: $ty:ty),* $(,)?), |$cu:ident| $call:expr
+        $(if $eligible:expr,)? ($($arg:ident),* $(,)?), |$cu:ident| $call:expr
     ) => {
         #[doc = concat!("# Safety\nAs cuda.h's `", stringify!($name), "`.")]
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+        pub unsafe extern "C" fn $name($($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
             let stream = launch_hook!(@stream $how $s);
             if $($eligible &&)? let Some($cu) = fast(stream) {
                 // SAFETY: the caller's arguments, passed on unchanged.
@@ -112,24 +109,27 @@ macro_rules! launch_hook {
         #[doc = concat!("`", stringify!($name), "` past the fast path: the whole limiter.\n\n# Safety\nAs cuda.h's `", stringify!($name), "`.")]
         #[inline(never)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $slow($($arg: $ty),*) -> CUresult {
+        unsafe fn $slow($($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
             let stream = launch_hook!(@stream $how $s);
             gated(TraceFunc::$name, $function, stream, |$cu| {
                 // SAFETY: the caller's arguments, passed on unchanged.
                 unsafe { $call }
             })
         }
+
+        // The export has the table's signature.
+        const _: tessera_abi::cuda::pfn::$name = $name;
     };
 }
 
 launch_hook!(cuLaunchKernel, slow_cuLaunchKernel, stream hStream, function f,
-    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP, extra: PP), |cu| (cu.cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra), |cu| (cu.cuLaunchKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
 launch_hook!(cuLaunchKernel_ptsz, slow_cuLaunchKernel_ptsz, stream hStream, function f,
-    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP, extra: PP), |cu| (cu.cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra), |cu| (cu.cuLaunchKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra));
 launch_hook!(cuLaunchCooperativeKernel, slow_cuLaunchCooperativeKernel, stream hStream, function f,
-    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP), |cu| (cu.cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams), |cu| (cu.cuLaunchCooperativeKernel)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
 launch_hook!(cuLaunchCooperativeKernel_ptsz, slow_cuLaunchCooperativeKernel_ptsz, stream hStream, function f,
-    (f: CUfunction, gridDimX: c_uint, gridDimY: c_uint, gridDimZ: c_uint, blockDimX: c_uint, blockDimY: c_uint, blockDimZ: c_uint, sharedMemBytes: c_uint, hStream: CUstream, kernelParams: PP), |cu| (cu.cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
+    (f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams), |cu| (cu.cuLaunchCooperativeKernel_ptsz)(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams));
 
 /// The stream of a `CUlaunchConfig` (null config: the null stream; the driver refuses it).
 ///
@@ -144,32 +144,33 @@ unsafe fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
 // taken and the limiter's path answers `CUDA_ERROR_NOT_SUPPORTED`, as before the fast path.
 launch_hook!(cuLaunchKernelEx, slow_cuLaunchKernelEx, config config, function f,
 if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx.is_some()),
-(config: *const CUlaunchConfigHead, f: CUfunction, kernelParams: PP, extra: PP),
+(config, f, kernelParams, extra),
 |cu| match cu.cuLaunchKernelEx {
     Some(real) => real(config, f, kernelParams, extra),
     None => CUDA_ERROR_NOT_SUPPORTED,
 });
 launch_hook!(cuLaunchKernelEx_ptsz, slow_cuLaunchKernelEx_ptsz, config config, function f,
 if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx_ptsz.is_some()),
-(config: *const CUlaunchConfigHead, f: CUfunction, kernelParams: PP, extra: PP),
+(config, f, kernelParams, extra),
 |cu| match cu.cuLaunchKernelEx_ptsz {
     Some(real) => real(config, f, kernelParams, extra),
     None => CUDA_ERROR_NOT_SUPPORTED,
 });
 
-/// # Safety
-/// As cuda.h's `cuGraphLaunch`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    // A graph with memory nodes takes the full path: its memory is reserved there.
-    if !crate::memory::graph::any_memory_nodes()
-        && let Some(cu) = fast(hStream)
-    {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) };
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuGraphLaunch`.
+    fn cuGraphLaunch(hGraphExec, hStream) {
+        // A graph with memory nodes takes the full path: its memory is reserved there.
+        if !crate::memory::graph::any_memory_nodes()
+            && let Some(cu) = fast(hStream)
+        {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            return unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) };
+        }
+        // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+        unsafe { slow_cuGraphLaunch(hGraphExec, hStream) }
     }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe { slow_cuGraphLaunch(hGraphExec, hStream) }
 }
 
 /// `cuGraphLaunch` past the fast path: the whole limiter.
@@ -185,19 +186,20 @@ unsafe fn slow_cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUre
     })
 }
 
-/// # Safety
-/// As cuda.h's `cuGraphLaunch_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    // A graph with memory nodes takes the full path: its memory is reserved there.
-    if !crate::memory::graph::any_memory_nodes()
-        && let Some(cu) = fast(hStream)
-    {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        return unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) };
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuGraphLaunch_ptsz`.
+    fn cuGraphLaunch_ptsz(hGraphExec, hStream) {
+        // A graph with memory nodes takes the full path: its memory is reserved there.
+        if !crate::memory::graph::any_memory_nodes()
+            && let Some(cu) = fast(hStream)
+        {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            return unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) };
+        }
+        // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+        unsafe { slow_cuGraphLaunch_ptsz(hGraphExec, hStream) }
     }
-    // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-    unsafe { slow_cuGraphLaunch_ptsz(hGraphExec, hStream) }
 }
 
 /// `cuGraphLaunch_ptsz` past the fast path: the whole limiter.
@@ -224,18 +226,18 @@ fn stream_destroyed(stream: CUstream, call: impl FnOnce(&'static RealCuda) -> CU
     })
 }
 
-/// # Safety
-/// As cuda.h's legacy `cuStreamDestroy`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamDestroy(hStream: CUstream) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy)(hStream) })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's legacy `cuStreamDestroy`.
+    fn cuStreamDestroy(hStream) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy)(hStream) })
+    }
 
-/// # Safety
-/// As cuda.h's `cuStreamDestroy_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamDestroy_v2(hStream: CUstream) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy_v2)(hStream) })
+    /// # Safety
+    /// As cuda.h's `cuStreamDestroy_v2`.
+    fn cuStreamDestroy_v2(hStream) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        stream_destroyed(hStream, |cu| unsafe { (cu.cuStreamDestroy_v2)(hStream) })
+    }
 }

@@ -8,15 +8,13 @@
 //! Fields are named exactly as the exported symbols. Functions every supported driver (CUDA 11.0
 //! and later) exports are plain function pointers; newer ones are `Option`s.
 
-use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ffi::{CStr, c_void};
 use std::sync::OnceLock;
 use std::sync::atomic::AtomicU8;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
 
 use crate::ffi::*;
 use crate::intercept::dl;
-
-type PP = *mut *mut c_void;
 
 macro_rules! table {
     // Functions named only: their types are the family's table's (`tessera_abi::<family>::pfn`).
@@ -68,173 +66,125 @@ macro_rules! table {
             }
         }
     };
-    (
-        $(#[$meta:meta])* $vis:vis struct $name:ident -> $ret:ty {
-            required { $($req:ident($($rarg:ty),* $(,)?);)* }
-            optional { $($opt:ident($($oarg:ty),* $(,)?);)* }
-        }
-    ) => {
-        $(#[$meta])*
-        #[allow(non_snake_case, dead_code)] // the whole driver API the hooks and the limiter may use
-        $vis struct $name {
-            /// The library's handle (from `dlopen`, never closed).
-            pub handle: usize,
-            $(pub $req: unsafe extern "C" fn($($rarg),*) -> $ret,)*
-            $(pub $opt: Option<unsafe extern "C" fn($($oarg),*) -> $ret>,)*
-        }
-
-        impl $name {
-            /// Resolves every function from the library's handle; `Err` names the first required
-            /// function missing.
-            ///
-            /// # Safety
-            /// `handle` must be a live handle of the real library, whose functions have the
-            /// signatures listed here (cuda.h / nvml.h).
-            unsafe fn resolve(handle: *mut c_void) -> Result<$name, &'static str> {
-                Ok($name {
-                    handle: handle as usize,
-                    $($req: {
-                        let name = concat!(stringify!($req), "\0");
-                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
-                        if p.is_null() {
-                            return Err(stringify!($req));
-                        }
-                        // SAFETY: the library's function of this name, with the listed
-                        // signature (this function's contract); fn and data pointers have one
-                        // size on our targets.
-                        unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($rarg),*) -> $ret>(p) }
-                    },)*
-                    $($opt: {
-                        let name = concat!(stringify!($opt), "\0");
-                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
-                        // SAFETY: as above; null stays None.
-                        (!p.is_null()).then(|| unsafe {
-                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($oarg),*) -> $ret>(p)
-                        })
-                    },)*
-                })
-            }
-        }
-    };
 }
 
 table! {
     /// The real CUDA driver.
-    pub(crate) struct RealCuda -> CUresult {
+    pub(crate) struct RealCuda: cuda {
         required {
-            cuInit(c_uint);
-            cuDriverGetVersion(*mut c_int);
-            cuDeviceGet(*mut CUdevice, c_int);
-            cuDeviceGetCount(*mut c_int);
-            cuDeviceGetUuid(*mut CUuuid, CUdevice);
-            cuDeviceGetAttribute(*mut c_int, c_int, CUdevice);
-            cuDeviceTotalMem(*mut c_uint, CUdevice);
-            cuDeviceTotalMem_v2(*mut usize, CUdevice);
-            cuCtxCreate(*mut CUcontext, c_uint, CUdevice);
-            cuCtxCreate_v2(*mut CUcontext, c_uint, CUdevice);
-            cuCtxDestroy(CUcontext);
-            cuCtxDestroy_v2(CUcontext);
-            cuCtxGetCurrent(*mut CUcontext);
-            cuCtxSetCurrent(CUcontext);
-            cuCtxGetDevice(*mut CUdevice);
-            cuCtxPushCurrent_v2(CUcontext);
-            cuCtxPopCurrent_v2(*mut CUcontext);
-            cuCtxSynchronize();
-            cuCtxGetLimit(*mut usize, c_int);
-            cuCtxSetLimit(c_int, usize);
-            cuDevicePrimaryCtxRetain(*mut CUcontext, CUdevice);
-            cuDevicePrimaryCtxRelease(CUdevice);
-            cuDevicePrimaryCtxRelease_v2(CUdevice);
-            cuDevicePrimaryCtxReset(CUdevice);
-            cuDevicePrimaryCtxReset_v2(CUdevice);
-            cuDevicePrimaryCtxGetState(CUdevice, *mut c_uint, *mut c_int);
-            cuMemGetInfo(*mut c_uint, *mut c_uint);
-            cuMemGetInfo_v2(*mut usize, *mut usize);
-            cuMemAlloc(*mut c_uint, c_uint);
-            cuMemAlloc_v2(*mut CUdeviceptr, usize);
-            cuMemAllocPitch(*mut c_uint, *mut c_uint, c_uint, c_uint, c_uint);
-            cuMemAllocPitch_v2(*mut CUdeviceptr, *mut usize, usize, usize, c_uint);
-            cuMemAllocManaged(*mut CUdeviceptr, usize, c_uint);
-            cuMemFree(c_uint);
-            cuMemFree_v2(CUdeviceptr);
-            cuMemCreate(*mut CUmemGenericAllocationHandle, usize, *const MemAllocPropHead, u64);
-            cuMemRelease(CUmemGenericAllocationHandle);
-            cuArrayCreate(*mut CUarray, *const ArrayDescV1);
-            cuArrayCreate_v2(*mut CUarray, *const ArrayDesc);
-            cuArray3DCreate(*mut CUarray, *const Array3dDescV1);
-            cuArray3DCreate_v2(*mut CUarray, *const Array3dDesc);
-            cuArrayDestroy(CUarray);
-            cuStreamGetCtx(CUstream, *mut CUcontext);
-            cuStreamDestroy(CUstream);
-            cuStreamDestroy_v2(CUstream);
-            cuStreamQuery(CUstream);
-            cuStreamSynchronize(CUstream);
-            cuEventCreate(*mut CUevent, c_uint);
-            cuEventRecord(CUevent, CUstream);
-            cuEventQuery(CUevent);
-            cuEventSynchronize(CUevent);
-            cuEventElapsedTime(*mut f32, CUevent, CUevent);
-            cuEventDestroy_v2(CUevent);
-            cuLaunchKernel(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP, PP);
-            cuLaunchKernel_ptsz(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP, PP);
-            cuLaunchCooperativeKernel(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP);
-            cuLaunchCooperativeKernel_ptsz(CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream, PP);
-            cuGraphLaunch(CUgraphExec, CUstream);
-            cuGraphLaunch_ptsz(CUgraphExec, CUstream);
+            cuInit,
+            cuDriverGetVersion,
+            cuDeviceGet,
+            cuDeviceGetCount,
+            cuDeviceGetUuid,
+            cuDeviceGetAttribute,
+            cuDeviceTotalMem,
+            cuDeviceTotalMem_v2,
+            cuCtxCreate,
+            cuCtxCreate_v2,
+            cuCtxDestroy,
+            cuCtxDestroy_v2,
+            cuCtxGetCurrent,
+            cuCtxSetCurrent,
+            cuCtxGetDevice,
+            cuCtxPushCurrent_v2,
+            cuCtxPopCurrent_v2,
+            cuCtxSynchronize,
+            cuCtxGetLimit,
+            cuCtxSetLimit,
+            cuDevicePrimaryCtxRetain,
+            cuDevicePrimaryCtxRelease,
+            cuDevicePrimaryCtxRelease_v2,
+            cuDevicePrimaryCtxReset,
+            cuDevicePrimaryCtxReset_v2,
+            cuDevicePrimaryCtxGetState,
+            cuMemGetInfo,
+            cuMemGetInfo_v2,
+            cuMemAlloc,
+            cuMemAlloc_v2,
+            cuMemAllocPitch,
+            cuMemAllocPitch_v2,
+            cuMemAllocManaged,
+            cuMemFree,
+            cuMemFree_v2,
+            cuMemCreate,
+            cuMemRelease,
+            cuArrayCreate,
+            cuArrayCreate_v2,
+            cuArray3DCreate,
+            cuArray3DCreate_v2,
+            cuArrayDestroy,
+            cuStreamGetCtx,
+            cuStreamDestroy,
+            cuStreamDestroy_v2,
+            cuStreamQuery,
+            cuStreamSynchronize,
+            cuEventCreate,
+            cuEventRecord,
+            cuEventQuery,
+            cuEventSynchronize,
+            cuEventElapsedTime,
+            cuEventDestroy_v2,
+            cuLaunchKernel,
+            cuLaunchKernel_ptsz,
+            cuLaunchCooperativeKernel,
+            cuLaunchCooperativeKernel_ptsz,
+            cuGraphLaunch,
+            cuGraphLaunch_ptsz,
         }
         optional {
-            cuCtxPushCurrent(CUcontext);
-            cuCtxPopCurrent(*mut CUcontext);
-            cuCtxDetach(CUcontext);
-            cuGetProcAddress(*const c_char, *mut *mut c_void, c_int, u64);
-            cuGetProcAddress_v2(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
-            cuGetProcAddress_v2_ptsz(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int);
-            cuCtxCreate_v3(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice);
-            cuCtxCreate_v4(*mut CUcontext, *mut c_void, c_uint, CUdevice);
-            cuMemAllocAsync(*mut CUdeviceptr, usize, CUstream);
-            cuMemAllocAsync_ptsz(*mut CUdeviceptr, usize, CUstream);
-            cuMemAllocFromPoolAsync(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
-            cuMemAllocFromPoolAsync_ptsz(*mut CUdeviceptr, usize, CUmemoryPool, CUstream);
-            cuMemFreeAsync(CUdeviceptr, CUstream);
-            cuDeviceGetMemPool(*mut CUmemoryPool, CUdevice);
-            cuDeviceGetDefaultMemPool(*mut CUmemoryPool, CUdevice);
-            cuMemPoolCreate(*mut CUmemoryPool, *const c_void);
-            cuMemPoolGetAttribute(CUmemoryPool, c_int, *mut c_void);
-            cuStreamIsCapturing(CUstream, *mut c_int);
-            cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
-            cuMemMap(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64);
-            cuMemUnmap(CUdeviceptr, usize);
-            cuMemAddressFree(CUdeviceptr, usize);
-            cuMemRetainAllocationHandle(*mut CUmemGenericAllocationHandle, *mut c_void);
-            cuMemImportFromShareableHandle(*mut CUmemGenericAllocationHandle, *mut c_void, c_int);
-            cuMemGetAllocationPropertiesFromHandle(*mut c_void, CUmemGenericAllocationHandle);
-            cuMemMapArrayAsync(*mut ArrayMapInfo, c_uint, CUstream);
-            cuMemMapArrayAsync_ptsz(*mut ArrayMapInfo, c_uint, CUstream);
-            cuLaunchKernelEx(*const CUlaunchConfigHead, CUfunction, PP, PP);
-            cuLaunchKernelEx_ptsz(*const CUlaunchConfigHead, CUfunction, PP, PP);
-            cuStreamGetCtx_ptsz(CUstream, *mut CUcontext);
-            cuFuncGetName(*mut *const c_char, CUfunction);
-            // Takes a CUkernel: launches accept one cast to CUfunction, and so is it passed here.
-            cuKernelGetName(*mut *const c_char, CUfunction);
-            cuMipmappedArrayCreate(*mut CUmipmappedArray, *const Array3dDesc, c_uint);
-            cuMipmappedArrayDestroy(CUmipmappedArray);
-            cuMipmappedArrayGetMemoryRequirements(*mut ArrayMemoryRequirements, CUmipmappedArray, CUdevice);
+            cuCtxPushCurrent,
+            cuCtxPopCurrent,
+            cuCtxDetach,
+            cuGetProcAddress,
+            cuGetProcAddress_v2,
+            cuGetProcAddress_v2_ptsz,
+            cuCtxCreate_v3,
+            cuCtxCreate_v4,
+            cuMemAllocAsync,
+            cuMemAllocAsync_ptsz,
+            cuMemAllocFromPoolAsync,
+            cuMemAllocFromPoolAsync_ptsz,
+            cuMemFreeAsync,
+            cuDeviceGetMemPool,
+            cuDeviceGetDefaultMemPool,
+            cuMemPoolCreate,
+            cuMemPoolGetAttribute,
+            cuStreamIsCapturing,
+            cuMemFreeAsync_ptsz,
+            cuMemMap,
+            cuMemUnmap,
+            cuMemAddressFree,
+            cuMemRetainAllocationHandle,
+            cuMemImportFromShareableHandle,
+            cuMemGetAllocationPropertiesFromHandle,
+            cuMemMapArrayAsync,
+            cuMemMapArrayAsync_ptsz,
+            cuLaunchKernelEx,
+            cuLaunchKernelEx_ptsz,
+            cuStreamGetCtx_ptsz,
+            cuFuncGetName,
+            // Launches accept a CUkernel cast to CUfunction; the name of either is asked of this.
+            cuKernelGetName,
+            cuMipmappedArrayCreate,
+            cuMipmappedArrayDestroy,
+            cuMipmappedArrayGetMemoryRequirements,
             // Graph memory (CUDA 11.4 and later).
-            cuGraphGetNodes(CUgraph, *mut CUgraphNode, *mut usize);
-            cuGraphNodeGetType(CUgraphNode, *mut c_int);
-            cuGraphChildGraphNodeGetGraph(CUgraphNode, *mut CUgraph);
-            cuGraphMemAllocNodeGetParams(CUgraphNode, *mut c_void);
-            cuGraphMemFreeNodeGetParams(CUgraphNode, *mut CUdeviceptr);
-            cuDeviceGetGraphMemAttribute(CUdevice, c_int, *mut c_void);
-            cuDeviceGraphMemTrim(CUdevice);
-            cuGraphInstantiate(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
-            cuGraphInstantiate_v2(*mut CUgraphExec, CUgraph, *mut CUgraphNode, *mut c_char, usize);
-            cuGraphInstantiateWithFlags(*mut CUgraphExec, CUgraph, u64);
-            cuGraphInstantiateWithParams(*mut CUgraphExec, CUgraph, *mut c_void);
-            cuGraphInstantiateWithParams_ptsz(*mut CUgraphExec, CUgraph, *mut c_void);
-            cuGraphExecDestroy(CUgraphExec);
-            cuGraphUpload(CUgraphExec, CUstream);
-            cuGraphUpload_ptsz(CUgraphExec, CUstream);
+            cuGraphGetNodes,
+            cuGraphNodeGetType,
+            cuGraphChildGraphNodeGetGraph,
+            cuGraphMemAllocNodeGetParams,
+            cuGraphMemFreeNodeGetParams,
+            cuDeviceGetGraphMemAttribute,
+            cuDeviceGraphMemTrim,
+            cuGraphInstantiate,
+            cuGraphInstantiate_v2,
+            cuGraphInstantiateWithFlags,
+            cuGraphInstantiateWithParams,
+            cuGraphInstantiateWithParams_ptsz,
+            cuGraphExecDestroy,
+            cuGraphUpload,
+            cuGraphUpload_ptsz,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The macros that define exported functions from the tables.
 
 /// Defines CUDA driver functions, exported under their names (`#[unsafe(no_mangle)]`), with the
-/// signatures of `crate::cuda`'s table. Each item is
+/// signatures of [`crate::cuda`]'s table. Each item is
 ///
 /// ```text
 /// /// docs

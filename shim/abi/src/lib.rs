@@ -1,5 +1,5 @@
 //! The function signatures of NVIDIA's two driver libraries, written once: one table per family,
-//! `cuda` (`libcuda.so.1`, `cuda.h`) and [`nvml`] (`libnvidia-ml.so.1`, `nvml.h`). Each row is
+//! [`cuda`] (`libcuda.so.1`, `cuda.h`) and [`nvml`] (`libnvidia-ml.so.1`, `nvml.h`). Each row is
 //! one exported function with its parameters (names and types); a row may name the function's
 //! per-thread-default-stream twin (`_ptsz`/`_ptds`), which has the same signature.
 //!
@@ -7,11 +7,11 @@
 //! - the simulated driver (`plugins/sim/driver`) defines its exports with [`cuda_exports!`] and
 //!   [`nvml_exports!`], writing only the parameter names and a body;
 //! - the shim (`libtessera.so`) defines its hooks the same way, and types its tables of the real
-//!   driver's functions by name (`cuda::pfn`, [`nvml::pfn`]).
+//!   driver's functions by name ([`cuda::pfn`], [`nvml::pfn`]).
 //!
 //! A definition whose parameters are not the row's (a name, the count) does not compile. Enum
 //! parameters are raw integers, and caller structs whose enum fields are read have raw-integer
-//! mirrors here (`cuda::raw`), so a value C passes is never an invalid Rust enum.
+//! mirrors here ([`cuda::raw`]), so a value C passes is never an invalid Rust enum.
 //!
 //! Which names a real driver exports (and under which CUDA version `cuGetProcAddress` hands each
 //! out) is a separate fact, derived from NVIDIA's headers into `plugins/sim/driver/exports/*.names`;
@@ -22,4 +22,5 @@
 mod table;
 mod exports;
 
+pub mod cuda;
 pub mod nvml;

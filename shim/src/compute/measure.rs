@@ -21,7 +21,7 @@ use std::ffi::{CStr, c_char, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUresult, CUstream};
+use cudarc::driver::sys::{CUcontext, CUevent, CUfunction, CUkernel, CUresult, CUstream};
 use tessera_region::{
     MAX_DEVICES, TRACE_FLAG_START_ESTIMATED, TRACE_NAME_MAX, TRACE_NO_DEVICE, TraceEntry, TraceKind, monotonic_ns,
 };
@@ -83,7 +83,7 @@ static SAMPLERS: [Sampler; MAX_DEVICES] = [const { Sampler::new() }; MAX_DEVICES
 /// graph's replays too).
 pub fn capturing(stream: *mut c_void) -> bool {
     let Some(is_capturing) = real::cuda().and_then(|cu| cu.cuStreamIsCapturing) else { return false };
-    let mut status: std::ffi::c_int = 0;
+    let mut status: std::ffi::c_uint = 0;
     // SAFETY: the caller's stream handle, about to be launched on; a valid out-pointer.
     unsafe { is_capturing(stream as CUstream, &mut status) == CUresult::CUDA_SUCCESS && status == 1 }
 }
@@ -306,15 +306,19 @@ fn announce(st: &ShimState, l: &mut Local, function: usize, pid: u32, tid: u32) 
 /// driver cannot tell (before CUDA 12.3, or an unknown handle).
 fn function_name(function: usize) -> Option<Vec<u8>> {
     let cu = real::cuda()?;
-    let ask = |get: Option<unsafe extern "C" fn(*mut *const c_char, CUfunction) -> CUresult>| {
-        let get = get?;
+    let ask = |get: &dyn Fn(*mut *const c_char) -> CUresult| {
         let mut p: *const c_char = std::ptr::null();
-        // SAFETY: a valid out-pointer; the handle is one the driver has just accepted for a
-        // launch (a CUfunction, or a CUkernel cast to one; asked of the other getter, an error).
-        let rc = unsafe { get(&mut p, function as CUfunction) };
+        let rc = get(&mut p);
         (ok(rc) && !p.is_null()).then_some(p)
     };
-    let p = ask(cu.cuFuncGetName).or_else(|| ask(cu.cuKernelGetName))?;
+    // The handle is one the driver has just accepted for a launch: a CUfunction, or a CUkernel
+    // cast to one; asked of the other getter, it is an error.
+    let p = cu
+        .cuFuncGetName
+        // SAFETY: a valid out-pointer and a handle the driver accepted.
+        .and_then(|get| ask(&|p| unsafe { get(p, function as CUfunction) }))
+        // SAFETY: as above.
+        .or_else(|| cu.cuKernelGetName.and_then(|get| ask(&|p| unsafe { get(p, function as CUkernel) })))?;
     // SAFETY: the driver returned a NUL-terminated string that lives as long as the function.
     let name = unsafe { CStr::from_ptr(p) }.to_bytes();
     (!name.is_empty()).then(|| name[..name.len().min(TRACE_NAME_MAX + 1)].to_vec())

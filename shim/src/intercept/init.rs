@@ -2,28 +2,29 @@
 //! the state is made first; if the config cannot be read, the driver is never initialized and
 //! the answer is `CUDA_ERROR_NOT_PERMITTED` (every later hooked call answers the same).
 
-use std::ffi::c_uint;
+use tessera_abi::cuda_exports;
 
 use crate::ffi::*;
 use crate::{real, state};
 
-/// # Safety
-/// As cuda.h's `cuInit`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
-    guard(CUDA_ERROR_UNKNOWN, || {
-        let Ok(s) = state::ensure() else { return CUDA_ERROR_NOT_PERMITTED };
-        let Some(cu) = real::cuda() else { return CUDA_ERROR_NO_DEVICE };
-        if s.configured {
-            // NVML loads on a helper thread while the driver initializes (`memory::context`).
-            crate::memory::context::warm_up(s);
-        }
-        // SAFETY: the caller's argument, passed on unchanged.
-        let rc = unsafe { (cu.cuInit)(Flags) };
-        if rc == CUDA_SUCCESS {
-            // A process that sees one device launches on it from its default streams.
-            s.learn_device_count(cu);
-        }
-        rc
-    })
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuInit`.
+    fn cuInit(Flags) {
+        guard(CUDA_ERROR_UNKNOWN, || {
+            let Ok(s) = state::ensure() else { return CUDA_ERROR_NOT_PERMITTED };
+            let Some(cu) = real::cuda() else { return CUDA_ERROR_NO_DEVICE };
+            if s.configured {
+                // NVML loads on a helper thread while the driver initializes (`memory::context`).
+                crate::memory::context::warm_up(s);
+            }
+            // SAFETY: the caller's argument, passed on unchanged.
+            let rc = unsafe { (cu.cuInit)(Flags) };
+            if rc == CUDA_SUCCESS {
+                // A process that sees one device launches on it from its default streams.
+                s.learn_device_count(cu);
+            }
+            rc
+        })
+    }
 }

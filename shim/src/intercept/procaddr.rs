@@ -14,6 +14,8 @@
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
+use tessera_abi::cuda_exports;
+
 use super::{dl, hook_by_name};
 use crate::ffi::*;
 use crate::real;
@@ -177,25 +179,21 @@ unsafe fn swap(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, fla
     }
 }
 
-/// # Safety
-/// As cuda.h's `cuGetProcAddress` (CUDA 11.3).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-) -> CUresult {
-    guard(CUDA_ERROR_UNKNOWN, || {
-        let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress) else { return CUDA_ERROR_NOT_FOUND };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(symbol, pfn, cudaVersion, flags) };
-        if rc == CUDA_SUCCESS {
-            // SAFETY: the driver accepted the name and filled pfn.
-            unsafe { swap(symbol, pfn, cudaVersion, flags) };
-        }
-        rc
-    })
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuGetProcAddress` (CUDA 11.3).
+    fn cuGetProcAddress(symbol, pfn, cudaVersion, flags) {
+        guard(CUDA_ERROR_UNKNOWN, || {
+            let Some(f) = real::cuda().and_then(|c| c.cuGetProcAddress) else { return CUDA_ERROR_NOT_FOUND };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { f(symbol, pfn, cudaVersion, flags) };
+            if rc == CUDA_SUCCESS {
+                // SAFETY: the driver accepted the name and filled pfn.
+                unsafe { swap(symbol, pfn, cudaVersion, flags) };
+            }
+            rc
+        })
+    }
 }
 
 /// A driver's `cuGetProcAddress_v2` flavour.
@@ -221,35 +219,23 @@ unsafe fn lookup_v2(
     })
 }
 
-/// # Safety
-/// As cuda.h's `cuGetProcAddress_v2` (CUDA 12.0).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-    symbolStatus: *mut c_int,
-) -> CUresult {
-    // SAFETY: the caller's arguments, per the same contract.
-    unsafe { lookup_v2(|c| c.cuGetProcAddress_v2, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuGetProcAddress_v2` (CUDA 12.0).
+    fn cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus) {
+        // SAFETY: the caller's arguments, per the same contract.
+        unsafe { lookup_v2(|c| c.cuGetProcAddress_v2, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
+    }
 
-/// # Safety
-/// As cuda.h's `cuGetProcAddress_v2_ptsz` (the name `cuGetProcAddress` has in a build with
-/// `--default-stream per-thread`). Unhooked, a driver's answers from it were its own functions,
-/// every hook of the shim gone.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-    symbolStatus: *mut c_int,
-) -> CUresult {
-    let which = |c: &crate::real::RealCuda| c.cuGetProcAddress_v2_ptsz.or(c.cuGetProcAddress_v2);
-    // SAFETY: the caller's arguments, per the same contract (both flavours have this signature).
-    unsafe { lookup_v2(which, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
+    /// # Safety
+    /// As cuda.h's `cuGetProcAddress_v2_ptsz` (the name `cuGetProcAddress` has in a build with
+    /// `--default-stream per-thread`). Unhooked, a driver's answers from it were its own functions,
+    /// every hook of the shim gone.
+    fn cuGetProcAddress_v2_ptsz(symbol, pfn, cudaVersion, flags, symbolStatus) {
+        let which = |c: &crate::real::RealCuda| c.cuGetProcAddress_v2_ptsz.or(c.cuGetProcAddress_v2);
+        // SAFETY: the caller's arguments, per the same contract (both flavours have this signature).
+        unsafe { lookup_v2(which, (symbol, pfn, cudaVersion, flags, symbolStatus)) }
+    }
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use super::{Charge, Kind};
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::{ShimState, enter};
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 /// Runs a CUDA hook's body with the state and the real driver (or returns the prologue's error).
@@ -109,71 +110,68 @@ fn linear(
     }
 }
 
-/// # Safety
-/// As cuda.h's `cuMemAlloc_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    hook(TraceFunc::cuMemAlloc_v2, |s, cu| {
-        linear(
-            s,
-            bytesize as u64,
-            Kind::Device,
-            // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { (cu.cuMemAlloc_v2)(dptr, bytesize) },
-            // SAFETY: the driver wrote the pointer through dptr (it succeeded).
-            || unsafe { get(dptr) },
-        )
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemAlloc_v2`.
+    fn cuMemAlloc_v2(dptr, bytesize) {
+        hook(TraceFunc::cuMemAlloc_v2, |s, cu| {
+            linear(
+                s,
+                bytesize as u64,
+                Kind::Device,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { (cu.cuMemAlloc_v2)(dptr, bytesize) },
+                // SAFETY: the driver wrote the pointer through dptr (it succeeded).
+                || unsafe { get(dptr) },
+            )
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuMemAlloc` (32-bit pointer and size).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUresult {
-    hook(TraceFunc::cuMemAlloc, |s, cu| {
-        linear(
-            s,
-            u64::from(bytesize),
-            Kind::Device,
-            // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { (cu.cuMemAlloc)(dptr, bytesize) },
-            // SAFETY: the driver wrote the pointer through dptr.
-            || unsafe { get(dptr) }.map(u64::from),
-        )
-    })
-}
+    /// # Safety
+    /// As cuda.h's legacy `cuMemAlloc` (32-bit pointer and size).
+    fn cuMemAlloc(dptr, bytesize) {
+        hook(TraceFunc::cuMemAlloc, |s, cu| {
+            linear(
+                s,
+                u64::from(bytesize),
+                Kind::Device,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { (cu.cuMemAlloc)(dptr, bytesize) },
+                // SAFETY: the driver wrote the pointer through dptr.
+                || unsafe { get(dptr) }.map(u64::from),
+            )
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocManaged`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    hook(TraceFunc::cuMemAllocManaged, |s, cu| {
-        linear(
-            s,
-            bytesize as u64,
-            Kind::Managed,
-            // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { (cu.cuMemAllocManaged)(dptr, bytesize, flags) },
-            // SAFETY: the driver wrote the pointer through dptr.
-            || unsafe { get(dptr) },
-        )
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuMemAllocManaged`.
+    fn cuMemAllocManaged(dptr, bytesize, flags) {
+        hook(TraceFunc::cuMemAllocManaged, |s, cu| {
+            linear(
+                s,
+                bytesize as u64,
+                Kind::Managed,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { (cu.cuMemAllocManaged)(dptr, bytesize, flags) },
+                // SAFETY: the driver wrote the pointer through dptr.
+                || unsafe { get(dptr) },
+            )
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemFree_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree_v2, |s, cu| pointer_freed(s, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
-}
+    /// # Safety
+    /// As cuda.h's `cuMemFree_v2`.
+    fn cuMemFree_v2(dptr) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        hook(TraceFunc::cuMemFree_v2, |s, cu| pointer_freed(s, dptr, || unsafe { (cu.cuMemFree_v2)(dptr) }))
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuMemFree`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuMemFree, |s, cu| pointer_freed(s, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+    /// # Safety
+    /// As cuda.h's legacy `cuMemFree`.
+    fn cuMemFree(dptr) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        hook(TraceFunc::cuMemFree, |s, cu| pointer_freed(s, u64::from(dptr), || unsafe { (cu.cuMemFree)(dptr) }))
+    }
 }
 
 // ---- Pitched memory --------------------------------------------------------------------------
@@ -223,54 +221,42 @@ fn pitched(
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocPitch_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch_v2(
-    dptr: *mut CUdeviceptr,
-    pPitch: *mut usize,
-    WidthInBytes: usize,
-    Height: usize,
-    ElementSizeBytes: c_uint,
-) -> CUresult {
-    hook(TraceFunc::cuMemAllocPitch_v2, |s, cu| {
-        pitched(
-            s,
-            WidthInBytes as u64,
-            Height as u64,
-            // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { (cu.cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
-            // SAFETY: the driver wrote both through the caller's out-pointers.
-            || unsafe { Some((get(dptr)?, get(pPitch)? as u64)) },
-            // SAFETY: freeing the allocation just made.
-            |p| unsafe { (cu.cuMemFree_v2)(p) },
-        )
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemAllocPitch_v2`.
+    fn cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) {
+        hook(TraceFunc::cuMemAllocPitch_v2, |s, cu| {
+            pitched(
+                s,
+                WidthInBytes as u64,
+                Height as u64,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { (cu.cuMemAllocPitch_v2)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
+                // SAFETY: the driver wrote both through the caller's out-pointers.
+                || unsafe { Some((get(dptr)?, get(pPitch)? as u64)) },
+                // SAFETY: freeing the allocation just made.
+                |p| unsafe { (cu.cuMemFree_v2)(p) },
+            )
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuMemAllocPitch`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch(
-    dptr: *mut c_uint,
-    pPitch: *mut c_uint,
-    WidthInBytes: c_uint,
-    Height: c_uint,
-    ElementSizeBytes: c_uint,
-) -> CUresult {
-    hook(TraceFunc::cuMemAllocPitch, |s, cu| {
-        pitched(
-            s,
-            u64::from(WidthInBytes),
-            u64::from(Height),
-            // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { (cu.cuMemAllocPitch)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
-            // SAFETY: the driver wrote both through the caller's out-pointers.
-            || unsafe { Some((u64::from(get(dptr)?), u64::from(get(pPitch)?))) },
-            // SAFETY: freeing the allocation just made (a 32-bit pointer).
-            |p| unsafe { (cu.cuMemFree)(p as c_uint) },
-        )
-    })
+    /// # Safety
+    /// As cuda.h's legacy `cuMemAllocPitch`.
+    fn cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) {
+        hook(TraceFunc::cuMemAllocPitch, |s, cu| {
+            pitched(
+                s,
+                u64::from(WidthInBytes),
+                u64::from(Height),
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { (cu.cuMemAllocPitch)(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) },
+                // SAFETY: the driver wrote both through the caller's out-pointers.
+                || unsafe { Some((u64::from(get(dptr)?), u64::from(get(pPitch)?))) },
+                // SAFETY: freeing the allocation just made (a 32-bit pointer).
+                |p| unsafe { (cu.cuMemFree)(p as c_uint) },
+            )
+        })
+    }
 }
 
 // ---- Stream-ordered allocation ---------------------------------------------------------------
@@ -332,92 +318,78 @@ fn from_current_pool(
     )
 }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocAsync`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemAllocAsync, |s, cu| {
-        from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream, hStream))
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemAllocAsync`.
+    fn cuMemAllocAsync(dptr, bytesize, hStream) {
+        hook(TraceFunc::cuMemAllocAsync, |s, cu| {
+            from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream, hStream))
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocAsync_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, bytesize: usize, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
-        from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream, per_thread(hStream)))
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuMemAllocAsync_ptsz`.
+    fn cuMemAllocAsync_ptsz(dptr, bytesize, hStream) {
+        hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
+            from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream, per_thread(hStream)))
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocFromPoolAsync`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
-    pool: CUmemoryPool,
-    hStream: CUstream,
-) -> CUresult {
-    hook(TraceFunc::cuMemAllocFromPoolAsync, |s, cu| {
-        let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
-        stream_ordered(
-            s,
-            cu,
-            (hStream, Some(pool)),
-            bytesize as u64,
+    /// # Safety
+    /// As cuda.h's `cuMemAllocFromPoolAsync`.
+    fn cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream) {
+        hook(TraceFunc::cuMemAllocFromPoolAsync, |s, cu| {
+            let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
+            stream_ordered(
+                s,
+                cu,
+                (hStream, Some(pool)),
+                bytesize as u64,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { f(dptr, bytesize, pool, hStream) },
+                // SAFETY: the driver wrote the pointer through dptr.
+                || unsafe { get(dptr) },
+            )
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuMemAllocFromPoolAsync_ptsz`.
+    fn cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream) {
+        hook(TraceFunc::cuMemAllocFromPoolAsync_ptsz, |s, cu| {
+            let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
+            stream_ordered(
+                s,
+                cu,
+                (per_thread(hStream), Some(pool)),
+                bytesize as u64,
+                // SAFETY: the caller's arguments, passed on unchanged.
+                || unsafe { f(dptr, bytesize, pool, hStream) },
+                // SAFETY: the driver wrote the pointer through dptr.
+                || unsafe { get(dptr) },
+            )
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuMemFreeAsync`.
+    fn cuMemFreeAsync(dptr, hStream) {
+        hook(TraceFunc::cuMemFreeAsync, |s, cu| {
+            let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
             // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { f(dptr, bytesize, pool, hStream) },
-            // SAFETY: the driver wrote the pointer through dptr.
-            || unsafe { get(dptr) },
-        )
-    })
-}
+            pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemAllocFromPoolAsync_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
-    pool: CUmemoryPool,
-    hStream: CUstream,
-) -> CUresult {
-    hook(TraceFunc::cuMemAllocFromPoolAsync_ptsz, |s, cu| {
-        let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
-        stream_ordered(
-            s,
-            cu,
-            (per_thread(hStream), Some(pool)),
-            bytesize as u64,
+    /// # Safety
+    /// As cuda.h's `cuMemFreeAsync_ptsz`.
+    fn cuMemFreeAsync_ptsz(dptr, hStream) {
+        hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
+            let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
             // SAFETY: the caller's arguments, passed on unchanged.
-            || unsafe { f(dptr, bytesize, pool, hStream) },
-            // SAFETY: the driver wrote the pointer through dptr.
-            || unsafe { get(dptr) },
-        )
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemFreeAsync`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemFreeAsync, |s, cu| {
-        let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemFreeAsync_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
-        let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
-    })
+            pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
+        })
+    }
 }
 
 // ---- Arrays ----------------------------------------------------------------------------------
@@ -450,66 +422,64 @@ fn array(s: &ShimState, bytes: Option<u64>, handle: *mut CUarray, call: impl FnO
     charged(r, bytes, Kind::Array, &s.mem.arrays, call, made)
 }
 
-/// # Safety
-/// As cuda.h's `cuArrayCreate_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const ArrayDesc) -> CUresult {
-    hook(TraceFunc::cuArrayCreate_v2, |s, cu| {
-        // SAFETY: null or the caller's descriptor.
-        let bytes = unsafe { get(pAllocateArray) }
-            .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
-        // SAFETY: the caller's arguments, passed on unchanged.
-        array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate_v2)(pHandle, pAllocateArray) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuArrayCreate_v2`.
+    fn cuArrayCreate_v2(pHandle, pAllocateArray) {
+        hook(TraceFunc::cuArrayCreate_v2, |s, cu| {
+            // SAFETY: null or the caller's descriptor, read through our mirror of its layout
+            // (its format a raw integer).
+            let bytes = unsafe { get(pAllocateArray.cast::<ArrayDesc>()) }
+                .and_then(|d| array_bytes(d.width as u64, d.height as u64, 0, d.format, d.channels));
+            // SAFETY: the caller's arguments, passed on unchanged.
+            array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate_v2)(pHandle, pAllocateArray) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuArrayCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut CUarray, pAllocateArray: *const ArrayDescV1) -> CUresult {
-    hook(TraceFunc::cuArrayCreate, |s, cu| {
-        // SAFETY: null or the caller's descriptor.
-        let bytes = unsafe { get(pAllocateArray) }
-            .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
-        // SAFETY: the caller's arguments, passed on unchanged.
-        array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate)(pHandle, pAllocateArray) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's legacy `cuArrayCreate`.
+    fn cuArrayCreate(pHandle, pAllocateArray) {
+        hook(TraceFunc::cuArrayCreate, |s, cu| {
+            // SAFETY: null or the caller's descriptor.
+            let bytes = unsafe { get(pAllocateArray) }
+                .and_then(|d| array_bytes(d.width.into(), d.height.into(), 0, d.format, d.channels));
+            // SAFETY: the caller's arguments, passed on unchanged.
+            array(s, bytes, pHandle, || unsafe { (cu.cuArrayCreate)(pHandle, pAllocateArray) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuArray3DCreate_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate_v2(pHandle: *mut CUarray, pAllocateArray: *const Array3dDesc) -> CUresult {
-    hook(TraceFunc::cuArray3DCreate_v2, |s, cu| {
-        // SAFETY: null or the caller's descriptor.
-        let bytes = unsafe { get(pAllocateArray) }
-            .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
-        // SAFETY: the caller's arguments, passed on unchanged.
-        array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate_v2)(pHandle, pAllocateArray) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuArray3DCreate_v2`.
+    fn cuArray3DCreate_v2(pHandle, pAllocateArray) {
+        hook(TraceFunc::cuArray3DCreate_v2, |s, cu| {
+            // SAFETY: null or the caller's descriptor, read through our mirror of its layout.
+            let bytes = unsafe { get(pAllocateArray.cast::<Array3dDesc>()) }
+                .and_then(|d| array_bytes(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels));
+            // SAFETY: the caller's arguments, passed on unchanged.
+            array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate_v2)(pHandle, pAllocateArray) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuArray3DCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut CUarray, pAllocateArray: *const Array3dDescV1) -> CUresult {
-    hook(TraceFunc::cuArray3DCreate, |s, cu| {
-        // SAFETY: null or the caller's descriptor.
-        let bytes = unsafe { get(pAllocateArray) }
-            .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
-        // SAFETY: the caller's arguments, passed on unchanged.
-        array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate)(pHandle, pAllocateArray) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's legacy `cuArray3DCreate`.
+    fn cuArray3DCreate(pHandle, pAllocateArray) {
+        hook(TraceFunc::cuArray3DCreate, |s, cu| {
+            // SAFETY: null or the caller's descriptor.
+            let bytes = unsafe { get(pAllocateArray) }
+                .and_then(|d| array_bytes(d.width.into(), d.height.into(), d.depth.into(), d.format, d.channels));
+            // SAFETY: the caller's arguments, passed on unchanged.
+            array(s, bytes, pHandle, || unsafe { (cu.cuArray3DCreate)(pHandle, pAllocateArray) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuArrayDestroy`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayDestroy(hArray: CUarray) -> CUresult {
-    hook(TraceFunc::cuArrayDestroy, |s, cu| {
-        // SAFETY: the caller's argument, passed on unchanged.
-        refunded(s, &s.mem.arrays, hArray as u64, || unsafe { (cu.cuArrayDestroy)(hArray) })
-    })
+    /// # Safety
+    /// As cuda.h's `cuArrayDestroy`.
+    fn cuArrayDestroy(hArray) {
+        hook(TraceFunc::cuArrayDestroy, |s, cu| {
+            // SAFETY: the caller's argument, passed on unchanged.
+            refunded(s, &s.mem.arrays, hArray as u64, || unsafe { (cu.cuArrayDestroy)(hArray) })
+        })
+    }
 }
 
 // ---- Mipmapped arrays ------------------------------------------------------------------------
@@ -577,7 +547,8 @@ fn mipmapped(
     let mut req = ArrayMemoryRequirements::default();
     let actual = match cu.cuMipmappedArrayGetMemoryRequirements {
         // SAFETY: a valid out-struct; h is the array just made, ordinal its device.
-        Some(f) if unsafe { f(&mut req, h, ordinal) } == CUDA_SUCCESS && req.size > 0 => req.size as u64,
+        // (our mirror of `CUDA_ARRAY_MEMORY_REQUIREMENTS`, the same layout).
+        Some(f) if unsafe { f((&raw mut req).cast(), h, ordinal) } == CUDA_SUCCESS && req.size > 0 => req.size as u64,
         _ => fallback,
     };
     if actual > estimate && !s.reserve(dev, actual - estimate) {
@@ -595,36 +566,32 @@ fn mipmapped(
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuMipmappedArrayCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayCreate(
-    pHandle: *mut CUmipmappedArray,
-    pMipmappedArrayDesc: *const Array3dDesc,
-    numMipmapLevels: c_uint,
-) -> CUresult {
-    hook(TraceFunc::cuMipmappedArrayCreate, |s, cu| {
-        let Some(f) = cu.cuMipmappedArrayCreate else { return NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let call = || unsafe { f(pHandle, pMipmappedArrayDesc, numMipmapLevels) };
-        // SAFETY: null or the caller's descriptor.
-        let Some(d) = (unsafe { get(pMipmappedArrayDesc) }) else { return call() };
-        // Levels past what the shape has: the driver refuses (reserve nothing before).
-        let Some(bytes) = mipmap_bytes(&d, numMipmapLevels) else { return call() };
-        let estimate = if numMipmapLevels <= most_levels(&d) { bytes } else { 0 };
-        mipmapped(s, cu, (estimate, bytes), pHandle, call)
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMipmappedArrayCreate`.
+    fn cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels) {
+        hook(TraceFunc::cuMipmappedArrayCreate, |s, cu| {
+            let Some(f) = cu.cuMipmappedArrayCreate else { return NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let call = || unsafe { f(pHandle, pMipmappedArrayDesc, numMipmapLevels) };
+            // SAFETY: null or the caller's descriptor, read through our mirror of its layout.
+            let Some(d) = (unsafe { get(pMipmappedArrayDesc.cast::<Array3dDesc>()) }) else { return call() };
+            // Levels past what the shape has: the driver refuses (reserve nothing before).
+            let Some(bytes) = mipmap_bytes(&d, numMipmapLevels) else { return call() };
+            let estimate = if numMipmapLevels <= most_levels(&d) { bytes } else { 0 };
+            mipmapped(s, cu, (estimate, bytes), pHandle, call)
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMipmappedArrayDestroy`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayDestroy(hMipmappedArray: CUmipmappedArray) -> CUresult {
-    hook(TraceFunc::cuMipmappedArrayDestroy, |s, cu| {
-        let Some(f) = cu.cuMipmappedArrayDestroy else { return NOT_SUPPORTED };
-        // SAFETY: the caller's argument, passed on unchanged.
-        refunded(s, &s.mem.arrays, hMipmappedArray as u64, || unsafe { f(hMipmappedArray) })
-    })
+    /// # Safety
+    /// As cuda.h's `cuMipmappedArrayDestroy`.
+    fn cuMipmappedArrayDestroy(hMipmappedArray) {
+        hook(TraceFunc::cuMipmappedArrayDestroy, |s, cu| {
+            let Some(f) = cu.cuMipmappedArrayDestroy else { return NOT_SUPPORTED };
+            // SAFETY: the caller's argument, passed on unchanged.
+            refunded(s, &s.mem.arrays, hMipmappedArray as u64, || unsafe { f(hMipmappedArray) })
+        })
+    }
 }
 
 #[cfg(test)]

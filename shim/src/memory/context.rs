@@ -24,7 +24,7 @@
 //! initializing it is most of a process's start-up cost through the shim), is trued up later
 //! instead: see [`Deferred`].
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint};
 use std::sync::Mutex;
 use std::sync::atomic::Ordering::*;
 use std::sync::atomic::{AtomicBool, AtomicU64};
@@ -34,6 +34,7 @@ use super::{Charge, Kind};
 use crate::ffi::*;
 use crate::real::{self, RealCuda};
 use crate::state::ShimState;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 const MIB: u64 = 1 << 20;
@@ -616,57 +617,44 @@ fn create_regular(
     )
 }
 
-/// # Safety
-/// As cuda.h's `cuCtxCreate_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuCtxCreate_v2, |s, cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate_v2)(pctx, flags, dev) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuCtxCreate_v2`.
+    fn cuCtxCreate_v2(pctx, flags, dev) {
+        hook(TraceFunc::cuCtxCreate_v2, |s, cu| {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate_v2)(pctx, flags, dev) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuCtxCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuCtxCreate, |s, cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate)(pctx, flags, dev) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's legacy `cuCtxCreate`.
+    fn cuCtxCreate(pctx, flags, dev) {
+        hook(TraceFunc::cuCtxCreate, |s, cu| {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            create_regular(s, cu, pctx, dev, || unsafe { (cu.cuCtxCreate)(pctx, flags, dev) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuCtxCreate_v3` (execution-affinity parameters).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v3(
-    pctx: *mut CUcontext,
-    paramsArray: *mut c_void,
-    numParams: c_int,
-    flags: c_uint,
-    dev: CUdevice,
-) -> CUresult {
-    hook(TraceFunc::cuCtxCreate_v3, |s, cu| {
-        let Some(f) = cu.cuCtxCreate_v3 else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        create_regular(s, cu, pctx, dev, || unsafe { f(pctx, paramsArray, numParams, flags, dev) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuCtxCreate_v3` (execution-affinity parameters).
+    fn cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev) {
+        hook(TraceFunc::cuCtxCreate_v3, |s, cu| {
+            let Some(f) = cu.cuCtxCreate_v3 else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            create_regular(s, cu, pctx, dev, || unsafe { f(pctx, paramsArray, numParams, flags, dev) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuCtxCreate_v4` (creation parameters).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v4(
-    pctx: *mut CUcontext,
-    ctxCreateParams: *mut c_void,
-    flags: c_uint,
-    dev: CUdevice,
-) -> CUresult {
-    hook(TraceFunc::cuCtxCreate_v4, |s, cu| {
-        let Some(f) = cu.cuCtxCreate_v4 else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        create_regular(s, cu, pctx, dev, || unsafe { f(pctx, ctxCreateParams, flags, dev) })
-    })
+    /// # Safety
+    /// As cuda.h's `cuCtxCreate_v4` (creation parameters).
+    fn cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev) {
+        hook(TraceFunc::cuCtxCreate_v4, |s, cu| {
+            let Some(f) = cu.cuCtxCreate_v4 else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            create_regular(s, cu, pctx, dev, || unsafe { f(pctx, ctxCreateParams, flags, dev) })
+        })
+    }
 }
 
 fn destroy(s: &ShimState, cu: &RealCuda, ctx: CUcontext, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -680,46 +668,45 @@ fn destroy(s: &ShimState, cu: &RealCuda, ctx: CUcontext, call: impl FnOnce() -> 
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuCtxDestroy_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuCtxDestroy_v2, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuCtxDestroy_v2`.
+    fn cuCtxDestroy_v2(ctx) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        hook(TraceFunc::cuCtxDestroy_v2, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy_v2)(ctx) }))
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuCtxDestroy`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDestroy(ctx: CUcontext) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuCtxDestroy, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
-}
+    /// # Safety
+    /// As cuda.h's legacy `cuCtxDestroy`.
+    fn cuCtxDestroy(ctx) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        hook(TraceFunc::cuCtxDestroy, |s, cu| destroy(s, cu, ctx, || unsafe { (cu.cuCtxDestroy)(ctx) }))
+    }
 
-// ---- Primary contexts ------------------------------------------------------------------------
+    // ---- Primary contexts ------------------------------------------------------------------------
 
-/// # Safety
-/// As cuda.h's `cuDevicePrimaryCtxRetain`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuDevicePrimaryCtxRetain, |s, cu| {
-        let _g = s.mem.lifecycle();
-        // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
-        let call = || unsafe {
-            let rc = (cu.cuDevicePrimaryCtxRetain)(pctx, dev);
-            (rc, get(pctx))
-        };
-        let known = s.mem.primaries.get(dev as usize).map_or(0, |p| p.load(Acquire));
-        if primary_active(cu, dev) && known != 0 && s.mem.contexts.get(known).is_some() {
-            // Already alive and charged: one more reference costs nothing.
-            return call().0;
-        }
-        let undo = |_ctx: CUcontext| {
-            // SAFETY: drops the reference just taken, as the caller never saw it.
-            unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) };
-        };
-        charge_creation(s, cu, dev, call, undo, true)
-    })
+    /// # Safety
+    /// As cuda.h's `cuDevicePrimaryCtxRetain`.
+    fn cuDevicePrimaryCtxRetain(pctx, dev) {
+        hook(TraceFunc::cuDevicePrimaryCtxRetain, |s, cu| {
+            let _g = s.mem.lifecycle();
+            // SAFETY: the caller's arguments, passed on unchanged; then the driver's result.
+            let call = || unsafe {
+                let rc = (cu.cuDevicePrimaryCtxRetain)(pctx, dev);
+                (rc, get(pctx))
+            };
+            let known = s.mem.primaries.get(dev as usize).map_or(0, |p| p.load(Acquire));
+            if primary_active(cu, dev) && known != 0 && s.mem.contexts.get(known).is_some() {
+                // Already alive and charged: one more reference costs nothing.
+                return call().0;
+            }
+            let undo = |_ctx: CUcontext| {
+                // SAFETY: drops the reference just taken, as the caller never saw it.
+                unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) };
+            };
+            charge_creation(s, cu, dev, call, undo, true)
+        })
+    }
 }
 
 /// After a release or reset of a device's primary context: refund what went with it.
@@ -744,24 +731,24 @@ fn release(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> C
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuDevicePrimaryCtxRelease_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuDevicePrimaryCtxRelease_v2, |s, cu| {
-        // SAFETY: the caller's argument, passed on unchanged.
-        release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuDevicePrimaryCtxRelease_v2`.
+    fn cuDevicePrimaryCtxRelease_v2(dev) {
+        hook(TraceFunc::cuDevicePrimaryCtxRelease_v2, |s, cu| {
+            // SAFETY: the caller's argument, passed on unchanged.
+            release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease_v2)(dev) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuDevicePrimaryCtxRelease`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuDevicePrimaryCtxRelease, |s, cu| {
-        // SAFETY: the caller's argument, passed on unchanged.
-        release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease)(dev) })
-    })
+    /// # Safety
+    /// As cuda.h's legacy `cuDevicePrimaryCtxRelease`.
+    fn cuDevicePrimaryCtxRelease(dev) {
+        hook(TraceFunc::cuDevicePrimaryCtxRelease, |s, cu| {
+            // SAFETY: the caller's argument, passed on unchanged.
+            release(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxRelease)(dev) })
+        })
+    }
 }
 
 fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
@@ -775,20 +762,20 @@ fn reset(s: &ShimState, cu: &RealCuda, dev: CUdevice, call: impl FnOnce() -> CUr
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuDevicePrimaryCtxReset_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
-    hook(TraceFunc::cuDevicePrimaryCtxReset_v2, |s, cu| {
-        // SAFETY: the caller's argument, passed on unchanged.
-        reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset_v2)(dev) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuDevicePrimaryCtxReset_v2`.
+    fn cuDevicePrimaryCtxReset_v2(dev) {
+        hook(TraceFunc::cuDevicePrimaryCtxReset_v2, |s, cu| {
+            // SAFETY: the caller's argument, passed on unchanged.
+            reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset_v2)(dev) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's legacy `cuDevicePrimaryCtxReset`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset(dev: CUdevice) -> CUresult {
-    // SAFETY: the caller's argument, passed on unchanged.
-    hook(TraceFunc::cuDevicePrimaryCtxReset, |s, cu| reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset)(dev) }))
+    /// # Safety
+    /// As cuda.h's legacy `cuDevicePrimaryCtxReset`.
+    fn cuDevicePrimaryCtxReset(dev) {
+        // SAFETY: the caller's argument, passed on unchanged.
+        hook(TraceFunc::cuDevicePrimaryCtxReset, |s, cu| reset(s, cu, dev, || unsafe { (cu.cuDevicePrimaryCtxReset)(dev) }))
+    }
 }

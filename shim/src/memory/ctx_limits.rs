@@ -23,6 +23,7 @@ use std::sync::{Mutex, MutexGuard};
 use super::alloc::hook;
 use crate::ffi::*;
 use crate::real::RealCuda;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 /// `CUlimit` values whose memory is charged.
@@ -121,52 +122,53 @@ fn cost(value: u64, baseline: u64, per_unit: u64) -> u64 {
     value.saturating_sub(baseline).saturating_mul(per_unit)
 }
 
-/// # Safety
-/// As cuda.h's `cuCtxSetLimit`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
-    hook(TraceFunc::cuCtxSetLimit, |s, cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let call = |v: usize| unsafe { (cu.cuCtxSetLimit)(limit, v) };
-        if !matches!(limit, STACK_SIZE | PRINTF_FIFO_SIZE | MALLOC_HEAP_SIZE) {
-            return call(value);
-        }
-        let Some((ctx, ordinal)) = s.current_context() else { return call(value) };
-        let Some(dev) = s.device_of_ordinal(ordinal) else { return call(value) };
-        // Serialized with contexts' creation and destruction: a measurement under way must not
-        // see this memory move, and a context destroyed meanwhile must not keep a charge.
-        let _g = s.mem.lifecycle();
-        // A context still waiting for its true-up is measured first: what is set aside here is
-        // not its own overhead.
-        super::context::settle(s, dev);
-        let (Some(before), Some(per_unit)) = (get_limit(cu, limit), bytes_per_unit(cu, limit, ordinal)) else {
-            return call(value);
-        };
-        let ctx = ctx as usize;
-        let (baseline, held) = s.mem.limits.get(ctx, limit).map_or((before, 0), |h| (h.baseline, h.bytes));
-        let extra = cost(value as u64, baseline, per_unit).saturating_sub(held);
-        crate::trace::note(dev, extra);
-        if !s.reserve(dev, extra) {
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        let rc = call(value);
-        if rc != CUDA_SUCCESS {
-            s.refund(dev, extra);
-            return rc;
-        }
-        // The value the driver settled on (rounded or clamped) is what holds memory.
-        let settled = cost(get_limit(cu, limit).unwrap_or(value as u64), baseline, per_unit);
-        let charged = held + extra;
-        if settled > charged && !s.reserve(dev, settled - charged) {
-            // The driver rounded past what fits: back to where it was.
-            call(before as usize);
-            s.refund(dev, extra);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        s.refund(dev, charged.saturating_sub(settled));
-        s.mem.limits.set(Held { ctx, limit, dev, baseline, bytes: settled });
-        rc
-    })
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuCtxSetLimit`.
+    fn cuCtxSetLimit(limit, value) {
+        hook(TraceFunc::cuCtxSetLimit, |s, cu| {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let call = |v: usize| unsafe { (cu.cuCtxSetLimit)(limit, v) };
+            if !matches!(limit, STACK_SIZE | PRINTF_FIFO_SIZE | MALLOC_HEAP_SIZE) {
+                return call(value);
+            }
+            let Some((ctx, ordinal)) = s.current_context() else { return call(value) };
+            let Some(dev) = s.device_of_ordinal(ordinal) else { return call(value) };
+            // Serialized with contexts' creation and destruction: a measurement under way must not
+            // see this memory move, and a context destroyed meanwhile must not keep a charge.
+            let _g = s.mem.lifecycle();
+            // A context still waiting for its true-up is measured first: what is set aside here is
+            // not its own overhead.
+            super::context::settle(s, dev);
+            let (Some(before), Some(per_unit)) = (get_limit(cu, limit), bytes_per_unit(cu, limit, ordinal)) else {
+                return call(value);
+            };
+            let ctx = ctx as usize;
+            let (baseline, held) = s.mem.limits.get(ctx, limit).map_or((before, 0), |h| (h.baseline, h.bytes));
+            let extra = cost(value as u64, baseline, per_unit).saturating_sub(held);
+            crate::trace::note(dev, extra);
+            if !s.reserve(dev, extra) {
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            let rc = call(value);
+            if rc != CUDA_SUCCESS {
+                s.refund(dev, extra);
+                return rc;
+            }
+            // The value the driver settled on (rounded or clamped) is what holds memory.
+            let settled = cost(get_limit(cu, limit).unwrap_or(value as u64), baseline, per_unit);
+            let charged = held + extra;
+            if settled > charged && !s.reserve(dev, settled - charged) {
+                // The driver rounded past what fits: back to where it was.
+                call(before as usize);
+                s.refund(dev, extra);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            s.refund(dev, charged.saturating_sub(settled));
+            s.mem.limits.set(Held { ctx, limit, dev, baseline, bytes: settled });
+            rc
+        })
+    }
 }
 
 #[cfg(test)]

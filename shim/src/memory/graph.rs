@@ -25,7 +25,7 @@
 //! one relaxed load more.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -33,6 +33,7 @@ use super::alloc::hook;
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::ShimState;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 /// CUDA ordinals whose graph pools are followed.
@@ -413,155 +414,126 @@ fn instantiated(
     rc
 }
 
-/// # Safety
-/// As cuda.h's legacy `cuGraphInstantiate` (CUDA 10 parameters).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiate(
-    phGraphExec: *mut CUgraphExec,
-    hGraph: CUgraph,
-    phErrorNode: *mut CUgraphNode,
-    logBuffer: *mut c_char,
-    bufferSize: usize,
-) -> CUresult {
-    hook(TraceFunc::cuGraphInstantiate, |s, cu| {
-        let Some(f) = cu.cuGraphInstantiate else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        instantiated(s, cu, hGraph, 0, phGraphExec, || unsafe {
-            f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's legacy `cuGraphInstantiate` (CUDA 10 parameters).
+    fn cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
+        hook(TraceFunc::cuGraphInstantiate, |s, cu| {
+            let Some(f) = cu.cuGraphInstantiate else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            instantiated(s, cu, hGraph, 0, phGraphExec, || unsafe {
+                f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+            })
         })
-    })
-}
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphInstantiate_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiate_v2(
-    phGraphExec: *mut CUgraphExec,
-    hGraph: CUgraph,
-    phErrorNode: *mut CUgraphNode,
-    logBuffer: *mut c_char,
-    bufferSize: usize,
-) -> CUresult {
-    hook(TraceFunc::cuGraphInstantiate_v2, |s, cu| {
-        let Some(f) = cu.cuGraphInstantiate_v2 else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        instantiated(s, cu, hGraph, 0, phGraphExec, || unsafe {
-            f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+    /// # Safety
+    /// As cuda.h's `cuGraphInstantiate_v2`.
+    fn cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
+        hook(TraceFunc::cuGraphInstantiate_v2, |s, cu| {
+            let Some(f) = cu.cuGraphInstantiate_v2 else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            instantiated(s, cu, hGraph, 0, phGraphExec, || unsafe {
+                f(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize)
+            })
         })
-    })
-}
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphInstantiateWithFlags` (also `cuGraphInstantiate` from CUDA 12.0).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
-    phGraphExec: *mut CUgraphExec,
-    hGraph: CUgraph,
-    flags: u64,
-) -> CUresult {
-    hook(TraceFunc::cuGraphInstantiateWithFlags, |s, cu| {
-        let Some(f) = cu.cuGraphInstantiateWithFlags else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, flags) })
-    })
+    /// # Safety
+    /// As cuda.h's `cuGraphInstantiateWithFlags` (also `cuGraphInstantiate` from CUDA 12.0).
+    fn cuGraphInstantiateWithFlags(phGraphExec, hGraph, flags) {
+        hook(TraceFunc::cuGraphInstantiateWithFlags, |s, cu| {
+            let Some(f) = cu.cuGraphInstantiateWithFlags else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, flags) })
+        })
+    }
 }
 
 /// The flags of a `CUDA_GRAPH_INSTANTIATE_PARAMS` (its first field).
 ///
 /// # Safety
 /// `params` must be null or point to a `CUDA_GRAPH_INSTANTIATE_PARAMS`.
-unsafe fn instantiate_flags(params: *mut c_void) -> u64 {
+unsafe fn instantiate_flags(params: *mut cudarc::driver::sys::CUDA_GRAPH_INSTANTIATE_PARAMS) -> u64 {
     // SAFETY: as this function's contract; `flags` is the struct's first field, a cuuint64_t.
     unsafe { get(params.cast::<u64>().cast_const()) }.unwrap_or(0)
 }
 
-/// # Safety
-/// As cuda.h's `cuGraphInstantiateWithParams`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithParams(
-    phGraphExec: *mut CUgraphExec,
-    hGraph: CUgraph,
-    instantiateParams: *mut c_void,
-) -> CUresult {
-    hook(TraceFunc::cuGraphInstantiateWithParams, |s, cu| {
-        let Some(f) = cu.cuGraphInstantiateWithParams else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's parameters (cuda.h's contract).
-        let flags = unsafe { instantiate_flags(instantiateParams) };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuGraphInstantiateWithParams`.
+    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) {
+        hook(TraceFunc::cuGraphInstantiateWithParams, |s, cu| {
+            let Some(f) = cu.cuGraphInstantiateWithParams else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's parameters (cuda.h's contract).
+            let flags = unsafe { instantiate_flags(instantiateParams) };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphInstantiateWithParams_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
-    phGraphExec: *mut CUgraphExec,
-    hGraph: CUgraph,
-    instantiateParams: *mut c_void,
-) -> CUresult {
-    hook(TraceFunc::cuGraphInstantiateWithParams_ptsz, |s, cu| {
-        let Some(f) = cu.cuGraphInstantiateWithParams_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's parameters (cuda.h's contract).
-        let flags = unsafe { instantiate_flags(instantiateParams) };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuGraphInstantiateWithParams_ptsz`.
+    fn cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams) {
+        hook(TraceFunc::cuGraphInstantiateWithParams_ptsz, |s, cu| {
+            let Some(f) = cu.cuGraphInstantiateWithParams_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's parameters (cuda.h's contract).
+            let flags = unsafe { instantiate_flags(instantiateParams) };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphUpload`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphUpload(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuGraphUpload, |_, cu| {
-        let Some(f) = cu.cuGraphUpload else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuGraphUpload`.
+    fn cuGraphUpload(hGraphExec, hStream) {
+        hook(TraceFunc::cuGraphUpload, |_, cu| {
+            let Some(f) = cu.cuGraphUpload else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphUpload_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphUpload_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    hook(TraceFunc::cuGraphUpload_ptsz, |_, cu| {
-        let Some(f) = cu.cuGraphUpload_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
-    })
-}
+    /// # Safety
+    /// As cuda.h's `cuGraphUpload_ptsz`.
+    fn cuGraphUpload_ptsz(hGraphExec, hStream) {
+        hook(TraceFunc::cuGraphUpload_ptsz, |_, cu| {
+            let Some(f) = cu.cuGraphUpload_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuGraphExecDestroy`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: CUgraphExec) -> CUresult {
-    hook(TraceFunc::cuGraphExecDestroy, |s, cu| {
-        let Some(f) = cu.cuGraphExecDestroy else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's argument, passed on unchanged.
-        let rc = unsafe { f(hGraphExec) };
-        if rc == CUDA_SUCCESS
-            && s.mem.graphs.any.load(Relaxed)
-            && s.mem.graphs.execs().remove(&(hGraphExec as u64)).is_some()
-        {
+    /// # Safety
+    /// As cuda.h's `cuGraphExecDestroy`.
+    fn cuGraphExecDestroy(hGraphExec) {
+        hook(TraceFunc::cuGraphExecDestroy, |s, cu| {
+            let Some(f) = cu.cuGraphExecDestroy else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's argument, passed on unchanged.
+            let rc = unsafe { f(hGraphExec) };
+            if rc == CUDA_SUCCESS
+                && s.mem.graphs.any.load(Relaxed)
+                && s.mem.graphs.execs().remove(&(hGraphExec as u64)).is_some()
+            {
+                let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
+                settle_all(s, cu);
+            }
+            rc
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuDeviceGraphMemTrim`.
+    fn cuDeviceGraphMemTrim(device) {
+        hook(TraceFunc::cuDeviceGraphMemTrim, |s, cu| {
+            let Some(f) = cu.cuDeviceGraphMemTrim else { return CUDA_ERROR_NOT_SUPPORTED };
             let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
-            settle_all(s, cu);
-        }
-        rc
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuDeviceGraphMemTrim`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
-    hook(TraceFunc::cuDeviceGraphMemTrim, |s, cu| {
-        let Some(f) = cu.cuDeviceGraphMemTrim else { return CUDA_ERROR_NOT_SUPPORTED };
-        let _moving = s.mem.graphs.moving.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the caller's argument, passed on unchanged.
-        let rc = unsafe { f(device) };
-        if rc == CUDA_SUCCESS {
-            settle_all(s, cu);
-        }
-        rc
-    })
+            // SAFETY: the caller's argument, passed on unchanged.
+            let rc = unsafe { f(device) };
+            if rc == CUDA_SUCCESS {
+                settle_all(s, cu);
+            }
+            rc
+        })
+    }
 }

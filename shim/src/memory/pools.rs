@@ -35,6 +35,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::ShimState;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 /// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`, `CU_MEMPOOL_ATTR_USED_MEM_CURRENT` (cuuint64_t).
@@ -221,32 +222,33 @@ fn home_of(props: MemAllocPropHead) -> Home {
     if props.location_type == CU_MEM_LOCATION_TYPE_DEVICE { Home::Device(props.location_id) } else { Home::Host }
 }
 
-/// # Safety
-/// As cuda.h's `cuMemPoolCreate`. The pool's home is recorded: its allocations are charged
-/// there whatever stream they are made on (a stream of another device may allocate from it).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolCreate(pool: *mut CUmemoryPool, props: *const std::ffi::c_void) -> CUresult {
-    super::alloc::hook(TraceFunc::cuMemPoolCreate, |s, cu| {
-        let Some(create) = cu.cuMemPoolCreate else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { create(pool, props) };
-        if rc != CUDA_SUCCESS {
-            return rc;
-        }
-        // SAFETY: after a success the driver wrote the handle; props is the caller's
-        // CUmemPoolProps (it was read by the driver), whose head this reads.
-        if let (Some(p), Some(h)) = unsafe { (get(pool.cast_const()), get(props.cast::<MemAllocPropHead>())) } {
-            s.mem.pools.lock().homes.insert(p as u64, home_of(h));
-        }
-        rc
-    })
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemPoolCreate`. The pool's home is recorded: its allocations are charged
+    /// there whatever stream they are made on (a stream of another device may allocate from it).
+    fn cuMemPoolCreate(pool, poolProps) {
+        super::alloc::hook(TraceFunc::cuMemPoolCreate, |s, cu| {
+            let Some(create) = cu.cuMemPoolCreate else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { create(pool, poolProps) };
+            if rc != CUDA_SUCCESS {
+                return rc;
+            }
+            // SAFETY: after a success the driver wrote the handle; poolProps is the caller's
+            // CUmemPoolProps (it was read by the driver), whose head this reads.
+            if let (Some(p), Some(h)) = unsafe { (get(pool.cast_const()), get(poolProps.cast::<MemAllocPropHead>())) } {
+                s.mem.pools.lock().homes.insert(p as u64, home_of(h));
+            }
+            rc
+        })
+    }
 }
 
 /// Whether `stream` is being captured into a graph (`CU_STREAM_CAPTURE_STATUS_ACTIVE`). Asked
 /// only of an allocation that would be refused.
 fn capturing(cu: &RealCuda, stream: CUstream) -> bool {
     let Some(is_capturing) = cu.cuStreamIsCapturing else { return false };
-    let mut status: c_int = 0;
+    let mut status: std::ffi::c_uint = 0;
     // SAFETY: the caller's stream handle (CU_STREAM_PER_THREAD as the `_ptsz` calls mean their
     // NULL stream); a valid out-pointer.
     unsafe { is_capturing(stream, &mut status) == CUDA_SUCCESS && status == 1 }

@@ -25,12 +25,13 @@
 //! hands out again can never be confused with the old one (virtual-memory calls are rare).
 
 use std::collections::{BTreeMap, HashMap};
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 use std::sync::{Mutex, MutexGuard};
 
 use super::alloc::hook;
 use crate::ffi::*;
 use crate::state::ShimState;
+use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
 /// One physical allocation this process created and was charged for.
@@ -195,115 +196,99 @@ fn refund_all(s: &ShimState, refunds: impl IntoIterator<Item = Refund>) {
     }
 }
 
-/// # Safety
-/// As cuda.h's `cuMemCreate`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemCreate(
-    handle: *mut CUmemGenericAllocationHandle,
-    size: usize,
-    prop: *const std::ffi::c_void,
-    flags: u64,
-) -> CUresult {
-    hook(TraceFunc::cuMemCreate, |s, cu| {
-        let prop = prop.cast::<MemAllocPropHead>();
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
-        // SAFETY: prop is null or the caller's CUmemAllocationProp, whose head this reads.
-        let Some(p) = (unsafe { get(prop) }) else { return call() };
-        // Only device memory counts (host-located physical memory is not the GPU's).
-        if p.location_type != CU_MEM_LOCATION_TYPE_DEVICE || size == 0 {
-            return call();
-        }
-        let Some(dev) = s.device_of_ordinal(p.location_id) else { return call() };
-        let bytes = size as u64;
-        crate::trace::note(dev, bytes);
-        if !s.reserve(dev, bytes) {
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        let mut books = s.mem.vmm.books();
-        let rc = call();
-        // SAFETY: the driver wrote the handle (it succeeded).
-        match (rc, unsafe { get(handle) }) {
-            (CUDA_SUCCESS, Some(h)) => books.created(h, dev, bytes),
-            _ => s.refund(dev, bytes),
-        }
-        rc
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemRelease`. The charge goes back once the allocation is also unmapped.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    hook(TraceFunc::cuMemRelease, |s, cu| {
-        let mut books = s.mem.vmm.books();
-        // SAFETY: the caller's argument, passed on unchanged.
-        let rc = unsafe { (cu.cuMemRelease)(handle) };
-        let refund = if rc == CUDA_SUCCESS { books.released(handle) } else { None };
-        drop(books);
-        refund_all(s, refund);
-        rc
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemRetainAllocationHandle`: one more reference to release.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemRetainAllocationHandle(
-    handle: *mut CUmemGenericAllocationHandle,
-    addr: *mut c_void,
-) -> CUresult {
-    hook(TraceFunc::cuMemRetainAllocationHandle, |s, cu| {
-        let Some(f) = cu.cuMemRetainAllocationHandle else { return CUDA_ERROR_NOT_SUPPORTED };
-        let mut books = s.mem.vmm.books();
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(handle, addr) };
-        if rc == CUDA_SUCCESS {
-            // SAFETY: the driver wrote the handle (it succeeded).
-            if let Some(h) = unsafe { get(handle) } {
-                books.retained(h);
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemCreate`.
+    fn cuMemCreate(handle, size, prop, flags) {
+        hook(TraceFunc::cuMemCreate, |s, cu| {
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let call = || unsafe { (cu.cuMemCreate)(handle, size, prop, flags) };
+            // SAFETY: prop is null or the caller's CUmemAllocationProp, whose head this reads
+            // (its enums as raw integers).
+            let Some(p) = (unsafe { get(prop.cast::<MemAllocPropHead>()) }) else { return call() };
+            // Only device memory counts (host-located physical memory is not the GPU's).
+            if p.location_type != CU_MEM_LOCATION_TYPE_DEVICE || size == 0 {
+                return call();
             }
-        }
-        rc
-    })
-}
-
-/// # Safety
-/// As cuda.h's `cuMemMap`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemMap(
-    ptr: CUdeviceptr,
-    size: usize,
-    offset: usize,
-    handle: CUmemGenericAllocationHandle,
-    flags: u64,
-) -> CUresult {
-    hook(TraceFunc::cuMemMap, |s, cu| {
-        let Some(f) = cu.cuMemMap else { return CUDA_ERROR_NOT_SUPPORTED };
-        let end = (offset as u64).saturating_add(size as u64);
-        // An imported handle: what the mapping adds is reserved first (outside the books' lock,
-        // which a refused reservation's true-up takes).
-        let growth = s.mem.vmm.books().import_growth(handle, end);
-        if let Some((dev, bytes)) = growth {
+            let Some(dev) = s.device_of_ordinal(p.location_id) else { return call() };
+            let bytes = size as u64;
             crate::trace::note(dev, bytes);
             if !s.reserve(dev, bytes) {
                 return CUDA_ERROR_OUT_OF_MEMORY;
             }
-        }
-        let mut books = s.mem.vmm.books();
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(ptr, size, offset, handle, flags) };
-        let mut excess = growth;
-        if rc == CUDA_SUCCESS {
-            books.mapped(ptr, size as u64, handle);
-            // Another thread may have mapped more of it meanwhile: only the growth is kept.
-            let grew = books.grow_import(handle, end);
-            excess = growth.map(|(dev, bytes)| (dev, bytes - grew.min(bytes)));
-        }
-        drop(books);
-        refund_all(s, excess.filter(|e| e.1 > 0));
-        rc
-    })
+            let mut books = s.mem.vmm.books();
+            let rc = call();
+            // SAFETY: the driver wrote the handle (it succeeded).
+            match (rc, unsafe { get(handle) }) {
+                (CUDA_SUCCESS, Some(h)) => books.created(h, dev, bytes),
+                _ => s.refund(dev, bytes),
+            }
+            rc
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuMemRelease`. The charge goes back once the allocation is also unmapped.
+    fn cuMemRelease(handle) {
+        hook(TraceFunc::cuMemRelease, |s, cu| {
+            let mut books = s.mem.vmm.books();
+            // SAFETY: the caller's argument, passed on unchanged.
+            let rc = unsafe { (cu.cuMemRelease)(handle) };
+            let refund = if rc == CUDA_SUCCESS { books.released(handle) } else { None };
+            drop(books);
+            refund_all(s, refund);
+            rc
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuMemRetainAllocationHandle`: one more reference to release.
+    fn cuMemRetainAllocationHandle(handle, addr) {
+        hook(TraceFunc::cuMemRetainAllocationHandle, |s, cu| {
+            let Some(f) = cu.cuMemRetainAllocationHandle else { return CUDA_ERROR_NOT_SUPPORTED };
+            let mut books = s.mem.vmm.books();
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { f(handle, addr) };
+            if rc == CUDA_SUCCESS {
+                // SAFETY: the driver wrote the handle (it succeeded).
+                if let Some(h) = unsafe { get(handle) } {
+                    books.retained(h);
+                }
+            }
+            rc
+        })
+    }
+
+    /// # Safety
+    /// As cuda.h's `cuMemMap`.
+    fn cuMemMap(ptr, size, offset, handle, flags) {
+        hook(TraceFunc::cuMemMap, |s, cu| {
+            let Some(f) = cu.cuMemMap else { return CUDA_ERROR_NOT_SUPPORTED };
+            let end = (offset as u64).saturating_add(size as u64);
+            // An imported handle: what the mapping adds is reserved first (outside the books' lock,
+            // which a refused reservation's true-up takes).
+            let growth = s.mem.vmm.books().import_growth(handle, end);
+            if let Some((dev, bytes)) = growth {
+                crate::trace::note(dev, bytes);
+                if !s.reserve(dev, bytes) {
+                    return CUDA_ERROR_OUT_OF_MEMORY;
+                }
+            }
+            let mut books = s.mem.vmm.books();
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { f(ptr, size, offset, handle, flags) };
+            let mut excess = growth;
+            if rc == CUDA_SUCCESS {
+                books.mapped(ptr, size as u64, handle);
+                // Another thread may have mapped more of it meanwhile: only the growth is kept.
+                let grew = books.grow_import(handle, end);
+                excess = growth.map(|(dev, bytes)| (dev, bytes - grew.min(bytes)));
+            }
+            drop(books);
+            refund_all(s, excess.filter(|e| e.1 > 0));
+            rc
+        })
+    }
 }
 
 /// `CUmemAllocationProp`, as `cuMemGetAllocationPropertiesFromHandle` writes it (32 bytes).
@@ -316,37 +301,34 @@ struct AllocationProp {
 
 const _: () = assert!(std::mem::size_of::<AllocationProp>() == 32);
 
-/// # Safety
-/// As cuda.h's `cuMemImportFromShareableHandle`. Charged nothing until mapped (see the module).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemImportFromShareableHandle(
-    handle: *mut CUmemGenericAllocationHandle,
-    os_handle: *mut c_void,
-    kind: c_int,
-) -> CUresult {
-    hook(TraceFunc::cuMemImportFromShareableHandle, |s, cu| {
-        let Some(f) = cu.cuMemImportFromShareableHandle else { return CUDA_ERROR_NOT_SUPPORTED };
-        let mut books = s.mem.vmm.books();
-        // SAFETY: the caller's arguments, passed on unchanged.
-        let rc = unsafe { f(handle, os_handle, kind) };
-        // SAFETY: the driver wrote the handle (it succeeded).
-        if let (CUDA_SUCCESS, Some(h)) = (rc, unsafe { get(handle) }) {
-            let mut prop = AllocationProp {
-                head: MemAllocPropHead { alloc_type: 0, handle_types: 0, location_type: 0, location_id: 0 },
-                win32_metadata: std::ptr::null_mut(),
-                flags: [0; 8],
-            };
-            let props = cu.cuMemGetAllocationPropertiesFromHandle.map(|g| {
-                // SAFETY: prop is a CUmemAllocationProp-sized out-struct; h the handle just made.
-                unsafe { g((&raw mut prop).cast(), h) }
-            });
-            let on_device = props == Some(CUDA_SUCCESS) && prop.head.location_type == CU_MEM_LOCATION_TYPE_DEVICE;
-            if let Some(dev) = on_device.then(|| s.device_of_ordinal(prop.head.location_id)).flatten() {
-                books.imported(h, dev);
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemImportFromShareableHandle`. Charged nothing until mapped (see the module).
+    fn cuMemImportFromShareableHandle(handle, osHandle, shHandleType) {
+        hook(TraceFunc::cuMemImportFromShareableHandle, |s, cu| {
+            let Some(f) = cu.cuMemImportFromShareableHandle else { return CUDA_ERROR_NOT_SUPPORTED };
+            let mut books = s.mem.vmm.books();
+            // SAFETY: the caller's arguments, passed on unchanged.
+            let rc = unsafe { f(handle, osHandle, shHandleType) };
+            // SAFETY: the driver wrote the handle (it succeeded).
+            if let (CUDA_SUCCESS, Some(h)) = (rc, unsafe { get(handle) }) {
+                let mut prop = AllocationProp {
+                    head: MemAllocPropHead { alloc_type: 0, handle_types: 0, location_type: 0, location_id: 0 },
+                    win32_metadata: std::ptr::null_mut(),
+                    flags: [0; 8],
+                };
+                let props = cu.cuMemGetAllocationPropertiesFromHandle.map(|g| {
+                    // SAFETY: prop is a CUmemAllocationProp-sized out-struct; h the handle just made.
+                    unsafe { g((&raw mut prop).cast(), h) }
+                });
+                let on_device = props == Some(CUDA_SUCCESS) && prop.head.location_type == CU_MEM_LOCATION_TYPE_DEVICE;
+                if let Some(dev) = on_device.then(|| s.device_of_ordinal(prop.head.location_id)).flatten() {
+                    books.imported(h, dev);
+                }
             }
-        }
-        rc
-    })
+            rc
+        })
+    }
 }
 
 /// Unmaps (or frees) a virtual range: its mappings are gone, and with them maybe allocations.
@@ -359,26 +341,26 @@ fn unmapping(s: &ShimState, ptr: CUdeviceptr, size: usize, call: impl FnOnce() -
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuMemUnmap`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    hook(TraceFunc::cuMemUnmap, |s, cu| {
-        let Some(f) = cu.cuMemUnmap else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unmapping(s, ptr, size, || unsafe { f(ptr, size) })
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemUnmap`.
+    fn cuMemUnmap(ptr, size) {
+        hook(TraceFunc::cuMemUnmap, |s, cu| {
+            let Some(f) = cu.cuMemUnmap else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            unmapping(s, ptr, size, || unsafe { f(ptr, size) })
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemAddressFree` (a driver may drop the range's mappings with it).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
-    hook(TraceFunc::cuMemAddressFree, |s, cu| {
-        let Some(f) = cu.cuMemAddressFree else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged.
-        unmapping(s, ptr, size, || unsafe { f(ptr, size) })
-    })
+    /// # Safety
+    /// As cuda.h's `cuMemAddressFree` (a driver may drop the range's mappings with it).
+    fn cuMemAddressFree(ptr, size) {
+        hook(TraceFunc::cuMemAddressFree, |s, cu| {
+            let Some(f) = cu.cuMemAddressFree else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged.
+            unmapping(s, ptr, size, || unsafe { f(ptr, size) })
+        })
+    }
 }
 
 /// Marks every charged handle `list` maps into a sparse array, then calls the driver.
@@ -419,26 +401,26 @@ unsafe fn array_mapping(
     rc
 }
 
-/// # Safety
-/// As cuda.h's `cuMemMapArrayAsync`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemMapArrayAsync(list: *mut ArrayMapInfo, count: c_uint, stream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemMapArrayAsync, |s, cu| {
-        let Some(f) = cu.cuMemMapArrayAsync else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
-        unsafe { array_mapping(s, list, count, || f(list, count, stream)) }
-    })
-}
+cuda_exports! {
+    /// # Safety
+    /// As cuda.h's `cuMemMapArrayAsync`.
+    fn cuMemMapArrayAsync(mapInfoList, count, hStream) {
+        hook(TraceFunc::cuMemMapArrayAsync, |s, cu| {
+            let Some(f) = cu.cuMemMapArrayAsync else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
+            unsafe { array_mapping(s, mapInfoList.cast(), count, || f(mapInfoList, count, hStream)) }
+        })
+    }
 
-/// # Safety
-/// As cuda.h's `cuMemMapArrayAsync_ptsz`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemMapArrayAsync_ptsz(list: *mut ArrayMapInfo, count: c_uint, stream: CUstream) -> CUresult {
-    hook(TraceFunc::cuMemMapArrayAsync_ptsz, |s, cu| {
-        let Some(f) = cu.cuMemMapArrayAsync_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
-        // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
-        unsafe { array_mapping(s, list, count, || f(list, count, stream)) }
-    })
+    /// # Safety
+    /// As cuda.h's `cuMemMapArrayAsync_ptsz`.
+    fn cuMemMapArrayAsync_ptsz(mapInfoList, count, hStream) {
+        hook(TraceFunc::cuMemMapArrayAsync_ptsz, |s, cu| {
+            let Some(f) = cu.cuMemMapArrayAsync_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+            // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
+            unsafe { array_mapping(s, mapInfoList.cast(), count, || f(mapInfoList, count, hStream)) }
+        })
+    }
 }
 
 #[cfg(test)]

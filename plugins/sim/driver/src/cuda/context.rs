@@ -13,10 +13,11 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::{MAX_GPUS, Node, StreamId};
 
 use super::errors::{Cu, poll_faults};
@@ -412,72 +413,59 @@ fn check_flags(flags: c_uint) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut sys::CUcontext, flags: c_uint, dev: c_int) -> CUresult {
-    run(|| {
-        need(pctx)?;
-        let h = create(flags, dev)?;
-        // SAFETY: pctx is the caller's out-pointer (checked above).
-        unsafe { put(pctx, handles::as_ptr(h)) }
-    })
-}
+cuda_exports! {
+    fn cuCtxCreate_v2(pctx, flags, dev) {
+        run(|| {
+            need(pctx)?;
+            let h = create(flags, dev)?;
+            // SAFETY: pctx is the caller's out-pointer (checked above).
+            unsafe { put(pctx, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate(pctx: *mut sys::CUcontext, flags: c_uint, dev: c_int) -> CUresult {
-    // SAFETY: same contract as cuCtxCreate_v2, which has the same signature.
-    unsafe { cuCtxCreate_v2(pctx, flags, dev) }
-}
+    fn cuCtxCreate(pctx, flags, dev) {
+        // SAFETY: same contract as cuCtxCreate_v2, which has the same signature.
+        unsafe { cuCtxCreate_v2(pctx, flags, dev) }
+    }
 
-/// `cuCtxCreate_v3`: with execution-affinity parameters, which need MPS (not simulated).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v3(
-    pctx: *mut sys::CUcontext,
-    paramsArray: *mut sys::CUexecAffinityParam,
-    numParams: c_int,
-    flags: c_uint,
-    dev: c_int,
-) -> CUresult {
-    run(|| {
-        need(pctx)?;
-        if numParams < 0 || (numParams > 0 && paramsArray.is_null()) {
-            return Err(INVALID_VALUE);
-        }
-        if numParams > 0 {
-            driver()?.device(dev)?;
-            return Err(CUresult::CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY);
-        }
-        let h = create(flags, dev)?;
-        // SAFETY: pctx is the caller's out-pointer (checked above).
-        unsafe { put(pctx, handles::as_ptr(h)) }
-    })
-}
-
-/// `cuCtxCreate_v4`: with optional creation parameters (execution affinity and CIG, neither
-/// simulated).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxCreate_v4(
-    pctx: *mut sys::CUcontext,
-    ctxCreateParams: *mut sys::CUctxCreateParams,
-    flags: c_uint,
-    dev: c_int,
-) -> CUresult {
-    run(|| {
-        need(pctx)?;
-        if !ctxCreateParams.is_null() {
-            // SAFETY: non-null; the struct is the caller's (its fields are pointers and an int).
-            let p = unsafe { super::get(ctxCreateParams.cast_const()) }?;
-            if p.numExecAffinityParams > 0 || !p.execAffinityParams.is_null() {
+    /// `cuCtxCreate_v3`: with execution-affinity parameters, which need MPS (not simulated).
+    fn cuCtxCreate_v3(pctx, paramsArray, numParams, flags, dev) {
+        run(|| {
+            need(pctx)?;
+            if numParams < 0 || (numParams > 0 && paramsArray.is_null()) {
+                return Err(INVALID_VALUE);
+            }
+            if numParams > 0 {
                 driver()?.device(dev)?;
                 return Err(CUresult::CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY);
             }
-            if !p.cigParams.is_null() {
-                return Err(super::NOT_SUPPORTED);
+            let h = create(flags, dev)?;
+            // SAFETY: pctx is the caller's out-pointer (checked above).
+            unsafe { put(pctx, handles::as_ptr(h)) }
+        })
+    }
+
+    /// `cuCtxCreate_v4`: with optional creation parameters (execution affinity and CIG, neither
+    /// simulated).
+    fn cuCtxCreate_v4(pctx, ctxCreateParams, flags, dev) {
+        run(|| {
+            need(pctx)?;
+            if !ctxCreateParams.is_null() {
+                // SAFETY: non-null; the struct is the caller's (its fields are pointers and an int).
+                let p = unsafe { super::get(ctxCreateParams.cast_const()) }?;
+                if p.numExecAffinityParams > 0 || !p.execAffinityParams.is_null() {
+                    driver()?.device(dev)?;
+                    return Err(CUresult::CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY);
+                }
+                if !p.cigParams.is_null() {
+                    return Err(super::NOT_SUPPORTED);
+                }
             }
-        }
-        let h = create(flags, dev)?;
-        // SAFETY: pctx is the caller's out-pointer (checked above).
-        unsafe { put(pctx, handles::as_ptr(h)) }
-    })
+            let h = create(flags, dev)?;
+            // SAFETY: pctx is the caller's out-pointer (checked above).
+            unsafe { put(pctx, handles::as_ptr(h)) }
+        })
+    }
 }
 
 fn destroy(h: sys::CUcontext) -> R {
@@ -491,14 +479,14 @@ fn destroy(h: sys::CUcontext) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: sys::CUcontext) -> CUresult {
-    run(|| destroy(ctx))
-}
+cuda_exports! {
+    fn cuCtxDestroy_v2(ctx) {
+        run(|| destroy(ctx))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDestroy(ctx: sys::CUcontext) -> CUresult {
-    run(|| destroy(ctx))
+    fn cuCtxDestroy(ctx) {
+        run(|| destroy(ctx))
+    }
 }
 
 fn push(h: sys::CUcontext) -> R {
@@ -510,14 +498,14 @@ fn push(h: sys::CUcontext) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: sys::CUcontext) -> CUresult {
-    run(|| push(ctx))
-}
+cuda_exports! {
+    fn cuCtxPushCurrent_v2(ctx) {
+        run(|| push(ctx))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPushCurrent(ctx: sys::CUcontext) -> CUresult {
-    run(|| push(ctx))
+    fn cuCtxPushCurrent(ctx) {
+        run(|| push(ctx))
+    }
 }
 
 fn pop(pctx: *mut sys::CUcontext) -> R {
@@ -527,59 +515,56 @@ fn pop(pctx: *mut sys::CUcontext) -> R {
     unsafe { put_opt(pctx, handles::as_ptr(h)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut sys::CUcontext) -> CUresult {
-    run(|| pop(pctx))
-}
+cuda_exports! {
+    fn cuCtxPopCurrent_v2(pctx) {
+        run(|| pop(pctx))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxPopCurrent(pctx: *mut sys::CUcontext) -> CUresult {
-    run(|| pop(pctx))
-}
+    fn cuCtxPopCurrent(pctx) {
+        run(|| pop(pctx))
+    }
 
-/// `cuCtxSetCurrent`: replaces the top of the stack (a null context unbinds it).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetCurrent(ctx: sys::CUcontext) -> CUresult {
-    run(|| {
-        driver()?;
-        if ctx.is_null() {
-            with_stack(|s| s.pop());
-            return Ok(());
-        }
-        if !handles::read().ctxs.contains_key(&(ctx as usize)) {
-            return Err(INVALID_CONTEXT);
-        }
-        with_stack(|s| {
-            s.pop();
-            s.push(ctx as usize);
-        });
-        Ok(())
-    })
-}
+    /// `cuCtxSetCurrent`: replaces the top of the stack (a null context unbinds it).
+    fn cuCtxSetCurrent(ctx) {
+        run(|| {
+            driver()?;
+            if ctx.is_null() {
+                with_stack(|s| s.pop());
+                return Ok(());
+            }
+            if !handles::read().ctxs.contains_key(&(ctx as usize)) {
+                return Err(INVALID_CONTEXT);
+            }
+            with_stack(|s| {
+                s.pop();
+                s.push(ctx as usize);
+            });
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut sys::CUcontext) -> CUresult {
-    run(|| {
-        need(pctx)?;
-        driver()?;
-        // As the real driver: the thread's current context as it stands, even one another thread
-        // destroyed meanwhile (using it then fails with CONTEXT_IS_DESTROYED). A TLS read, no lock.
-        let h = current_handle().unwrap_or(0);
-        // SAFETY: pctx is the caller's out-pointer (checked above).
-        unsafe { put(pctx, handles::as_ptr(h)) }
-    })
-}
+    fn cuCtxGetCurrent(pctx) {
+        run(|| {
+            need(pctx)?;
+            driver()?;
+            // As the real driver: the thread's current context as it stands, even one another thread
+            // destroyed meanwhile (using it then fails with CONTEXT_IS_DESTROYED). A TLS read, no lock.
+            let h = current_handle().unwrap_or(0);
+            // SAFETY: pctx is the caller's out-pointer (checked above).
+            unsafe { put(pctx, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetDevice(device: *mut c_int) -> CUresult {
-    run(|| {
-        need(device)?;
-        driver()?;
-        let ctx = current()?;
-        ctx.check_state()?;
-        // SAFETY: device is the caller's out-pointer (checked above).
-        unsafe { put(device, ctx.dev.ordinal) }
-    })
+    fn cuCtxGetDevice(device) {
+        run(|| {
+            need(device)?;
+            driver()?;
+            let ctx = current()?;
+            ctx.check_state()?;
+            // SAFETY: device is the caller's out-pointer (checked above).
+            unsafe { put(device, ctx.dev.ordinal) }
+        })
+    }
 }
 
 /// Waits for everything queued in a context: its default streams, its streams, and host
@@ -594,37 +579,36 @@ pub(crate) fn synchronize(node: &'static Node, ctx: &Ctx) -> R {
     ctx.check_sync(node)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        poll_faults(node)?;
-        let ctx = current()?;
-        synchronize(node, &ctx)
-    })
-}
+cuda_exports! {
+    fn cuCtxSynchronize() {
+        run(|| {
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let ctx = current()?;
+            synchronize(node, &ctx)
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: sys::CUcontext, version: *mut c_uint) -> CUresult {
-    run(|| {
-        need(version)?;
-        driver()?;
-        by_handle(ctx)?;
-        // Contexts made through the `_v2` API report 3020, as the real driver's do.
-        // SAFETY: version is the caller's out-pointer (checked above).
-        unsafe { put(version, 3020) }
-    })
-}
+    fn cuCtxGetApiVersion(ctx, version) {
+        run(|| {
+            need(version)?;
+            driver()?;
+            by_handle(ctx)?;
+            // Contexts made through the `_v2` API report 3020, as the real driver's do.
+            // SAFETY: version is the caller's out-pointer (checked above).
+            unsafe { put(version, 3020) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetId(ctx: sys::CUcontext, ctxId: *mut c_ulonglong) -> CUresult {
-    run(|| {
-        need(ctxId)?;
-        driver()?;
-        let c = by_handle(ctx)?;
-        // SAFETY: ctxId is the caller's out-pointer (checked above).
-        unsafe { put(ctxId, handles::ordinal_of(c.handle)) }
-    })
+    fn cuCtxGetId(ctx, ctxId) {
+        run(|| {
+            need(ctxId)?;
+            driver()?;
+            let c = by_handle(ctx)?;
+            // SAFETY: ctxId is the caller's out-pointer (checked above).
+            unsafe { put(ctxId, handles::ordinal_of(c.handle)) }
+        })
+    }
 }
 
 fn limit_index(limit: c_int, dev: &Device) -> R<usize> {
@@ -638,162 +622,151 @@ fn limit_index(limit: c_int, dev: &Device) -> R<usize> {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetLimit(pvalue: *mut usize, limit: c_int) -> CUresult {
-    run(|| {
-        need(pvalue)?;
-        driver()?;
-        let ctx = current()?;
-        let i = limit_index(limit, ctx.dev)?;
-        let v = ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i];
-        // SAFETY: pvalue is the caller's out-pointer (checked above).
-        unsafe { put(pvalue, v as usize) }
-    })
-}
+cuda_exports! {
+    fn cuCtxGetLimit(pvalue, limit) {
+        run(|| {
+            need(pvalue)?;
+            driver()?;
+            let ctx = current()?;
+            let i = limit_index(limit, ctx.dev)?;
+            let v = ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i];
+            // SAFETY: pvalue is the caller's out-pointer (checked above).
+            unsafe { put(pvalue, v as usize) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        poll_faults(node)?;
-        let ctx = current()?;
-        ctx.check(node)?;
-        let i = limit_index(limit, ctx.dev)?;
-        let v = value as u64;
-        let v = match i {
-            5 if v > 128 => return Err(INVALID_VALUE),
-            // Persisting L2 lines: clamped to the device's maximum, as the driver does.
-            6 => v.min(super::device::max_persisting_l2(ctx.dev)),
-            8 | 9 => return Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
-            _ => v,
-        };
-        // Held while the memory moves, so two threads setting limits at once charge each change once.
-        let mut limits = ctx.limits.lock().unwrap_or_else(|e| e.into_inner());
-        let mut next = *limits;
-        next[i] = v;
-        let (before, after) = (limits_memory(ctx.dev, &limits), limits_memory(ctx.dev, &next));
-        let (d, epoch) = (ctx.dev, ctx.epoch.load(Acquire));
-        if after > before {
-            let e = super::memory::charge(node, d.gpu, d.domain, after - before)?;
-            if e != epoch {
-                // A reset since the context was made: the context is gone with it.
-                super::memory::refund(node, d.gpu, d.domain, after - before, e);
-                return Err(CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED);
+    fn cuCtxSetLimit(limit, value) {
+        run(|| {
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let ctx = current()?;
+            ctx.check(node)?;
+            let i = limit_index(limit, ctx.dev)?;
+            let v = value as u64;
+            let v = match i {
+                5 if v > 128 => return Err(INVALID_VALUE),
+                // Persisting L2 lines: clamped to the device's maximum, as the driver does.
+                6 => v.min(super::device::max_persisting_l2(ctx.dev)),
+                8 | 9 => return Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
+                _ => v,
+            };
+            // Held while the memory moves, so two threads setting limits at once charge each change once.
+            let mut limits = ctx.limits.lock().unwrap_or_else(|e| e.into_inner());
+            let mut next = *limits;
+            next[i] = v;
+            let (before, after) = (limits_memory(ctx.dev, &limits), limits_memory(ctx.dev, &next));
+            let (d, epoch) = (ctx.dev, ctx.epoch.load(Acquire));
+            if after > before {
+                let e = super::memory::charge(node, d.gpu, d.domain, after - before)?;
+                if e != epoch {
+                    // A reset since the context was made: the context is gone with it.
+                    super::memory::refund(node, d.gpu, d.domain, after - before, e);
+                    return Err(CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED);
+                }
+                ctx.charged.fetch_add(after - before, AcqRel);
+            } else if before > after {
+                super::memory::refund(node, d.gpu, d.domain, before - after, epoch);
+                ctx.charged.fetch_sub(before - after, AcqRel);
             }
-            ctx.charged.fetch_add(after - before, AcqRel);
-        } else if before > after {
-            super::memory::refund(node, d.gpu, d.domain, before - after, epoch);
-            ctx.charged.fetch_sub(before - after, AcqRel);
-        }
-        *limits = next;
-        Ok(())
-    })
-}
+            *limits = next;
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetFlags(flags: *mut c_uint) -> CUresult {
-    run(|| {
-        need(flags)?;
-        driver()?;
-        let ctx = current()?;
-        // SAFETY: flags is the caller's out-pointer (checked above).
-        unsafe { put(flags, ctx.flags.load(Relaxed) | CTX_MAP_HOST) }
-    })
-}
+    fn cuCtxGetFlags(flags) {
+        run(|| {
+            need(flags)?;
+            driver()?;
+            let ctx = current()?;
+            // SAFETY: flags is the caller's out-pointer (checked above).
+            unsafe { put(flags, ctx.flags.load(Relaxed) | CTX_MAP_HOST) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetFlags(flags: c_uint) -> CUresult {
-    run(|| {
-        driver()?;
-        check_flags(flags)?;
-        current()?.flags.store(flags, Relaxed);
-        Ok(())
-    })
-}
+    fn cuCtxSetFlags(flags) {
+        run(|| {
+            driver()?;
+            check_flags(flags)?;
+            current()?.flags.store(flags, Relaxed);
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
-    leastPriority: *mut c_int,
-    greatestPriority: *mut c_int,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        // SAFETY: both are the caller's out-pointers; either may be null.
-        unsafe {
-            put_opt(leastPriority, super::stream::LEAST_PRIORITY)?;
-            put_opt(greatestPriority, super::stream::GREATEST_PRIORITY)
-        }
-    })
-}
+    fn cuCtxGetStreamPriorityRange(leastPriority, greatestPriority) {
+        run(|| {
+            driver()?;
+            // SAFETY: both are the caller's out-pointers; either may be null.
+            unsafe {
+                put_opt(leastPriority, super::stream::LEAST_PRIORITY)?;
+                put_opt(greatestPriority, super::stream::GREATEST_PRIORITY)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetCacheConfig(pconfig: *mut c_int) -> CUresult {
-    run(|| {
-        need(pconfig)?;
-        driver()?;
-        let ctx = current()?;
-        // SAFETY: pconfig is the caller's out-pointer (checked above).
-        unsafe { put(pconfig, ctx.cache_config.load(Relaxed)) }
-    })
-}
+    fn cuCtxGetCacheConfig(pconfig) {
+        run(|| {
+            need(pconfig)?;
+            driver()?;
+            let ctx = current()?;
+            // SAFETY: pconfig is the caller's out-pointer (checked above).
+            unsafe { put(pconfig, ctx.cache_config.load(Relaxed)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxSetCacheConfig(config: c_int) -> CUresult {
-    run(|| {
-        driver()?;
-        if !(0..=3).contains(&config) {
-            return Err(INVALID_VALUE);
-        }
-        current()?.cache_config.store(config, Relaxed);
-        Ok(())
-    })
-}
+    fn cuCtxSetCacheConfig(config) {
+        run(|| {
+            driver()?;
+            if !(0..=3).contains(&config) {
+                return Err(INVALID_VALUE);
+            }
+            current()?.cache_config.store(config, Relaxed);
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxResetPersistingL2Cache() -> CUresult {
-    run(|| {
-        driver()?;
-        current().map(|_| ())
-    })
-}
+    fn cuCtxResetPersistingL2Cache() {
+        run(|| {
+            driver()?;
+            current().map(|_| ())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxEnablePeerAccess(peerContext: sys::CUcontext, Flags: c_uint) -> CUresult {
-    run(|| {
-        driver()?;
-        if Flags != 0 {
-            return Err(INVALID_VALUE);
-        }
-        let ctx = current()?;
-        let peer = handles::read().ctxs.get(&(peerContext as usize)).cloned().ok_or(INVALID_CONTEXT)?;
-        if peer.dev.ordinal == ctx.dev.ordinal {
-            return Err(super::INVALID_DEVICE);
-        }
-        if !super::device::can_access_peer(ctx.dev, peer.dev) {
-            return Err(CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED);
-        }
-        let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if peers.contains(&peer.handle) {
-            return Err(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
-        }
-        peers.push(peer.handle);
-        Ok(())
-    })
-}
+    fn cuCtxEnablePeerAccess(peerContext, Flags) {
+        run(|| {
+            driver()?;
+            if Flags != 0 {
+                return Err(INVALID_VALUE);
+            }
+            let ctx = current()?;
+            let peer = handles::read().ctxs.get(&(peerContext as usize)).cloned().ok_or(INVALID_CONTEXT)?;
+            if peer.dev.ordinal == ctx.dev.ordinal {
+                return Err(super::INVALID_DEVICE);
+            }
+            if !super::device::can_access_peer(ctx.dev, peer.dev) {
+                return Err(CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED);
+            }
+            let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+            if peers.contains(&peer.handle) {
+                return Err(CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
+            }
+            peers.push(peer.handle);
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxDisablePeerAccess(peerContext: sys::CUcontext) -> CUresult {
-    run(|| {
-        driver()?;
-        let ctx = current()?;
-        let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
-        let i = peers
-            .iter()
-            .position(|&p| p == peerContext as usize)
-            .ok_or(CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)?;
-        peers.remove(i);
-        Ok(())
-    })
+    fn cuCtxDisablePeerAccess(peerContext) {
+        run(|| {
+            driver()?;
+            let ctx = current()?;
+            let mut peers = ctx.peers.lock().unwrap_or_else(|e| e.into_inner());
+            let i = peers
+                .iter()
+                .position(|&p| p == peerContext as usize)
+                .ok_or(CUresult::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)?;
+            peers.remove(i);
+            Ok(())
+        })
+    }
 }
 
 // ---- Context-local storage -------------------------------------------------------------------
@@ -870,30 +843,31 @@ pub(crate) fn primary_handle(dev: c_int) -> R<usize> {
     Ok(c.handle)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut sys::CUcontext, dev: c_int) -> CUresult {
-    run(|| {
-        need(pctx)?;
-        let (node, device) = primary_of(dev)?;
-        poll_faults(node)?;
-        let mut p = lock_primary(device);
-        let ctx = match &p.ctx {
-            Some(c) => c.clone(),
-            None => {
-                let c = Arc::new(Ctx::new(device, true, p.flags));
-                handles::write().ctxs.insert(c.handle, c.clone());
-                p.ctx = Some(c.clone());
-                c
+cuda_exports! {
+    fn cuDevicePrimaryCtxRetain(pctx, dev) {
+        run(|| {
+            need(pctx)?;
+            let (node, device) = primary_of(dev)?;
+            poll_faults(node)?;
+            let mut p = lock_primary(device);
+            let ctx = match &p.ctx {
+                Some(c) => c.clone(),
+                None => {
+                    let c = Arc::new(Ctx::new(device, true, p.flags));
+                    handles::write().ctxs.insert(c.handle, c.clone());
+                    p.ctx = Some(c.clone());
+                    c
+                }
+            };
+            if !ctx.active.load(Acquire) {
+                ctx.flags.store(p.flags, Relaxed);
+                activate(node, &ctx)?;
             }
-        };
-        if !ctx.active.load(Acquire) {
-            ctx.flags.store(p.flags, Relaxed);
-            activate(node, &ctx)?;
-        }
-        p.refs += 1;
-        // SAFETY: pctx is the caller's out-pointer (checked above).
-        unsafe { put(pctx, handles::as_ptr(ctx.handle)) }
-    })
+            p.refs += 1;
+            // SAFETY: pctx is the caller's out-pointer (checked above).
+            unsafe { put(pctx, handles::as_ptr(ctx.handle)) }
+        })
+    }
 }
 
 fn primary_release(dev: c_int) -> R {
@@ -912,14 +886,14 @@ fn primary_release(dev: c_int) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
-    run(|| primary_release(dev))
-}
+cuda_exports! {
+    fn cuDevicePrimaryCtxRelease_v2(dev) {
+        run(|| primary_release(dev))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxRelease(dev: c_int) -> CUresult {
-    run(|| primary_release(dev))
+    fn cuDevicePrimaryCtxRelease(dev) {
+        run(|| primary_release(dev))
+    }
 }
 
 /// Destroys everything the primary context holds; a context still retained comes back fresh
@@ -937,30 +911,29 @@ fn primary_reset(dev: c_int) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: c_int) -> CUresult {
-    run(|| primary_reset(dev))
-}
+cuda_exports! {
+    fn cuDevicePrimaryCtxReset_v2(dev) {
+        run(|| primary_reset(dev))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxReset(dev: c_int) -> CUresult {
-    run(|| primary_reset(dev))
-}
+    fn cuDevicePrimaryCtxReset(dev) {
+        run(|| primary_reset(dev))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: c_int, flags: *mut c_uint, active: *mut c_int) -> CUresult {
-    run(|| {
-        need(flags)?;
-        need(active)?;
-        let (_, device) = primary_of(dev)?;
-        let p = lock_primary(device);
-        let on = p.ctx.as_ref().is_some_and(|c| c.active.load(Acquire));
-        // SAFETY: flags and active are the caller's out-pointers (checked above).
-        unsafe {
-            put(flags, p.flags)?;
-            put(active, c_int::from(on))
-        }
-    })
+    fn cuDevicePrimaryCtxGetState(dev, flags, active) {
+        run(|| {
+            need(flags)?;
+            need(active)?;
+            let (_, device) = primary_of(dev)?;
+            let p = lock_primary(device);
+            let on = p.ctx.as_ref().is_some_and(|c| c.active.load(Acquire));
+            // SAFETY: flags and active are the caller's out-pointers (checked above).
+            unsafe {
+                put(flags, p.flags)?;
+                put(active, c_int::from(on))
+            }
+        })
+    }
 }
 
 fn primary_set_flags(dev: c_int, flags: c_uint) -> R {
@@ -974,19 +947,19 @@ fn primary_set_flags(dev: c_int, flags: c_uint) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: c_int, flags: c_uint) -> CUresult {
-    run(|| primary_set_flags(dev, flags))
-}
+cuda_exports! {
+    fn cuDevicePrimaryCtxSetFlags_v2(dev, flags) {
+        run(|| primary_set_flags(dev, flags))
+    }
 
-/// Legacy `cuDevicePrimaryCtxSetFlags`: refused while the primary context is active.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxSetFlags(dev: c_int, flags: c_uint) -> CUresult {
-    run(|| {
-        let (_, device) = primary_of(dev)?;
-        if lock_primary(device).ctx.as_ref().is_some_and(|c| c.active.load(Acquire)) {
-            return Err(CUresult::CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE);
-        }
-        primary_set_flags(dev, flags)
-    })
+    /// Legacy `cuDevicePrimaryCtxSetFlags`: refused while the primary context is active.
+    fn cuDevicePrimaryCtxSetFlags(dev, flags) {
+        run(|| {
+            let (_, device) = primary_of(dev)?;
+            if lock_primary(device).ctx.as_ref().is_some_and(|c| c.active.load(Acquire)) {
+                return Err(CUresult::CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE);
+            }
+            primary_set_flags(dev, flags)
+        })
+    }
 }

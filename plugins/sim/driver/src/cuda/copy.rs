@@ -8,7 +8,7 @@
 //! Asynchronous variants move the bytes at once (kernels change no memory here, so the result
 //! is what stream order would give), or are recorded when their stream is capturing.
 
-use std::ffi::{c_uchar, c_uint, c_ushort, c_void};
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use tessera_sim_model::Node;
@@ -189,100 +189,135 @@ fn array_range(h: sys::CUarray, offset: u64, n: u64) -> R<u64> {
     Ok(a.base + offset)
 }
 
-/// Defines an export: `unsafe fn` for a body that works on the caller's host pointers.
-macro_rules! export {
-    (unsafe fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:expr) => {
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
-            // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
-            run(|| unsafe { $body })
-        }
-    };
-    (fn $name:ident($($a:ident: $t:ty),* $(,)?) => $body:expr) => {
-        #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $name($($a: $t),*) -> CUresult {
-            run(|| $body)
-        }
-    };
-}
-
 use Side::{Any, Device as Dev, Host};
+use tessera_abi::cuda::Memcpy2dV1;
+use tessera_abi::cuda_exports;
 
 // cuMemcpy: unified addressing.
-export!(unsafe fn cuMemcpy(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dst, src, ByteCount as u64, Any, Any, false));
-export!(unsafe fn cuMemcpy_ptds(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dst, src, ByteCount as u64, Any, Any, true));
-export!(unsafe fn cuMemcpyAsync(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dst, src, ByteCount as u64, Any, Any, hStream, false));
-export!(unsafe fn cuMemcpyAsync_ptsz(dst: sys::CUdeviceptr, src: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dst, src, ByteCount as u64, Any, Any, hStream, true));
+cuda_exports! {
+    fn cuMemcpy(dst, src, ByteCount) twin cuMemcpy_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dst, src, ByteCount as u64, Any, Any, per_thread) })
+    }
+    fn cuMemcpyAsync(dst, src, ByteCount, hStream) twin cuMemcpyAsync_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dst, src, ByteCount as u64, Any, Any, hStream, per_thread) })
+    }
 
-// Host to device.
-export!(unsafe fn cuMemcpyHtoD_v2(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize) => copy_sync(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, false));
-export!(unsafe fn cuMemcpyHtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize) => copy_sync(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, true));
-export!(unsafe fn cuMemcpyHtoD(dstDevice: c_uint, srcHost: *const c_void, ByteCount: c_uint) => copy_sync(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, false));
-export!(unsafe fn cuMemcpyHtoDAsync_v2(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
-export!(unsafe fn cuMemcpyHtoDAsync_v2_ptsz(dstDevice: sys::CUdeviceptr, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, hStream, true));
-export!(unsafe fn cuMemcpyHtoDAsync(dstDevice: c_uint, srcHost: *const c_void, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
+    // Host to device.
+    fn cuMemcpyHtoD_v2(dstDevice, srcHost, ByteCount) twin cuMemcpyHtoD_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, per_thread) })
+    }
+    fn cuMemcpyHtoD(dstDevice, srcHost, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, false) })
+    }
+    fn cuMemcpyHtoDAsync_v2(dstDevice, srcHost, ByteCount, hStream) twin cuMemcpyHtoDAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstDevice, srcHost as u64, ByteCount as u64, Dev, Host, hStream, per_thread) })
+    }
+    fn cuMemcpyHtoDAsync(dstDevice, srcHost, ByteCount, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstDevice as u64, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false) })
+    }
 
-// Device to host.
-export!(unsafe fn cuMemcpyDtoH_v2(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, false));
-export!(unsafe fn cuMemcpyDtoH_v2_ptds(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, true));
-export!(unsafe fn cuMemcpyDtoH(dstHost: *mut c_void, srcDevice: c_uint, ByteCount: c_uint) => copy_sync(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, false));
-export!(unsafe fn cuMemcpyDtoHAsync_v2(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, hStream, false));
-export!(unsafe fn cuMemcpyDtoHAsync_v2_ptsz(dstHost: *mut c_void, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, hStream, true));
-export!(unsafe fn cuMemcpyDtoHAsync(dstHost: *mut c_void, srcDevice: c_uint, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, hStream, false));
+    // Device to host.
+    fn cuMemcpyDtoH_v2(dstHost, srcDevice, ByteCount) twin cuMemcpyDtoH_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, per_thread) })
+    }
+    fn cuMemcpyDtoH(dstHost, srcDevice, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, false) })
+    }
+    fn cuMemcpyDtoHAsync_v2(dstHost, srcDevice, ByteCount, hStream) twin cuMemcpyDtoHAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstHost as u64, srcDevice, ByteCount as u64, Host, Dev, hStream, per_thread) })
+    }
+    fn cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstHost as u64, srcDevice as u64, ByteCount as u64, Host, Dev, hStream, false) })
+    }
 
-// Device to device.
-export!(unsafe fn cuMemcpyDtoD_v2(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyDtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize) => copy_sync(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, true));
-export!(unsafe fn cuMemcpyDtoD(dstDevice: c_uint, srcDevice: c_uint, ByteCount: c_uint) => copy_sync(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyDtoDAsync_v2(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, hStream, false));
-export!(unsafe fn cuMemcpyDtoDAsync_v2_ptsz(dstDevice: sys::CUdeviceptr, srcDevice: sys::CUdeviceptr, ByteCount: usize, hStream: sys::CUstream) => copy_async(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, hStream, true));
-export!(unsafe fn cuMemcpyDtoDAsync(dstDevice: c_uint, srcDevice: c_uint, ByteCount: c_uint, hStream: sys::CUstream) => copy_async(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, hStream, false));
+    // Device to device.
+    fn cuMemcpyDtoD_v2(dstDevice, srcDevice, ByteCount) twin cuMemcpyDtoD_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, per_thread) })
+    }
+    fn cuMemcpyDtoD(dstDevice, srcDevice, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, false) })
+    }
+    fn cuMemcpyDtoDAsync_v2(dstDevice, srcDevice, ByteCount, hStream) twin cuMemcpyDtoDAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstDevice, srcDevice, ByteCount as u64, Dev, Dev, hStream, per_thread) })
+    }
+    fn cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstDevice as u64, srcDevice as u64, ByteCount as u64, Dev, Dev, hStream, false) })
+    }
 
-// Arrays (their storage is linear: offsets are bytes into it).
-export!(unsafe fn cuMemcpyHtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, false));
-export!(unsafe fn cuMemcpyHtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, true));
-export!(unsafe fn cuMemcpyAtoH_v2(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, false));
-export!(unsafe fn cuMemcpyAtoH_v2_ptds(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, true));
-export!(unsafe fn cuMemcpyDtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcDevice: sys::CUdeviceptr, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyDtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcDevice: sys::CUdeviceptr, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice, ByteCount as u64, Dev, Dev, true));
-export!(unsafe fn cuMemcpyAtoD_v2(dstDevice: sys::CUdeviceptr, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(dstDevice, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyAtoD_v2_ptds(dstDevice: sys::CUdeviceptr, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(dstDevice, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, true));
-export!(unsafe fn cuMemcpyAtoA_v2(dstArray: sys::CUarray, dstOffset: usize, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyAtoA_v2_ptds(dstArray: sys::CUarray, dstOffset: usize, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, true));
-export!(unsafe fn cuMemcpyHtoAAsync_v2(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) =>
-    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
-export!(unsafe fn cuMemcpyHtoAAsync_v2_ptsz(dstArray: sys::CUarray, dstOffset: usize, srcHost: *const c_void, ByteCount: usize, hStream: sys::CUstream) =>
-    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, true));
-export!(unsafe fn cuMemcpyAtoHAsync_v2(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize, hStream: sys::CUstream) =>
-    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, false));
-export!(unsafe fn cuMemcpyAtoHAsync_v2_ptsz(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: usize, ByteCount: usize, hStream: sys::CUstream) =>
-    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, true));
+    // Arrays (their storage is linear: offsets are bytes into it).
+    fn cuMemcpyHtoA_v2(dstArray, dstOffset, srcHost, ByteCount) twin cuMemcpyHtoA_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, per_thread) })
+    }
+    fn cuMemcpyAtoH_v2(dstHost, srcArray, srcOffset, ByteCount) twin cuMemcpyAtoH_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, per_thread) })
+    }
+    fn cuMemcpyDtoA_v2(dstArray, dstOffset, srcDevice, ByteCount) twin cuMemcpyDtoA_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice, ByteCount as u64, Dev, Dev, per_thread) })
+    }
+    fn cuMemcpyAtoD_v2(dstDevice, srcArray, srcOffset, ByteCount) twin cuMemcpyAtoD_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, per_thread) })
+    }
+    fn cuMemcpyAtoA_v2(dstArray, dstOffset, srcArray, srcOffset, ByteCount) twin cuMemcpyAtoA_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, per_thread) })
+    }
+    fn cuMemcpyHtoAAsync_v2(dstArray, dstOffset, srcHost, ByteCount, hStream) twin cuMemcpyHtoAAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, per_thread) })
+    }
+    fn cuMemcpyAtoHAsync_v2(dstHost, srcArray, srcOffset, ByteCount, hStream) twin cuMemcpyAtoHAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, per_thread) })
+    }
 
-// Legacy array copies (32-bit offsets and sizes).
-export!(unsafe fn cuMemcpyHtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcHost: *const c_void, ByteCount: c_uint) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, false));
-export!(unsafe fn cuMemcpyAtoH(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
-    copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, false));
-export!(unsafe fn cuMemcpyDtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcDevice: c_uint, ByteCount: c_uint) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice as u64, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyAtoD(dstDevice: c_uint, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
-    copy_sync(dstDevice as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyAtoA(dstArray: sys::CUarray, dstOffset: c_uint, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint) =>
-    copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false));
-export!(unsafe fn cuMemcpyHtoAAsync(dstArray: sys::CUarray, dstOffset: c_uint, srcHost: *const c_void, ByteCount: c_uint, hStream: sys::CUstream) =>
-    copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false));
-export!(unsafe fn cuMemcpyAtoHAsync(dstHost: *mut c_void, srcArray: sys::CUarray, srcOffset: c_uint, ByteCount: c_uint, hStream: sys::CUstream) =>
-    copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, false));
+    // Legacy array copies (32-bit offsets and sizes).
+    fn cuMemcpyHtoA(dstArray, dstOffset, srcHost, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, false) })
+    }
+    fn cuMemcpyAtoH(dstHost, srcArray, srcOffset, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, false) })
+    }
+    fn cuMemcpyDtoA(dstArray, dstOffset, srcDevice, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcDevice as u64, ByteCount as u64, Dev, Dev, false) })
+    }
+    fn cuMemcpyAtoD(dstDevice, srcArray, srcOffset, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(dstDevice as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false) })
+    }
+    fn cuMemcpyAtoA(dstArray, dstOffset, srcArray, srcOffset, ByteCount) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_sync(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Dev, Dev, false) })
+    }
+    fn cuMemcpyHtoAAsync(dstArray, dstOffset, srcHost, ByteCount, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(array_range(dstArray, dstOffset as u64, ByteCount as u64)?, srcHost as u64, ByteCount as u64, Dev, Host, hStream, false) })
+    }
+    fn cuMemcpyAtoHAsync(dstHost, srcArray, srcOffset, ByteCount, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { copy_async(dstHost as u64, array_range(srcArray, srcOffset as u64, ByteCount as u64)?, ByteCount as u64, Host, Dev, hStream, false) })
+    }
+}
 
 /// A copy between two contexts' memory (unified addressing makes it a plain copy).
 ///
@@ -312,14 +347,16 @@ unsafe fn peer(
         }
     }
 }
-export!(unsafe fn cuMemcpyPeer(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize) =>
-    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, None, false));
-export!(unsafe fn cuMemcpyPeer_ptds(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize) =>
-    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, None, true));
-export!(unsafe fn cuMemcpyPeerAsync(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize, hStream: sys::CUstream) =>
-    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, Some(hStream), false));
-export!(unsafe fn cuMemcpyPeerAsync_ptsz(dstDevice: sys::CUdeviceptr, dstContext: sys::CUcontext, srcDevice: sys::CUdeviceptr, srcContext: sys::CUcontext, ByteCount: usize, hStream: sys::CUstream) =>
-    peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, Some(hStream), true));
+cuda_exports! {
+    fn cuMemcpyPeer(dstDevice, dstContext, srcDevice, srcContext, ByteCount) twin cuMemcpyPeer_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, None, per_thread) })
+    }
+    fn cuMemcpyPeerAsync(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream) twin cuMemcpyPeerAsync_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { peer(dstDevice, dstContext, srcDevice, srcContext, ByteCount as u64, Some(hStream), per_thread) })
+    }
+}
 
 // ---- 2D copies -------------------------------------------------------------------------------
 
@@ -348,28 +385,6 @@ const _: () = assert!(std::mem::size_of::<Memcpy2d>() == std::mem::size_of::<sys
 const _: () =
     assert!(std::mem::offset_of!(Memcpy2d, dst_type) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, dstMemoryType));
 const _: () = assert!(std::mem::offset_of!(Memcpy2d, height) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, Height));
-
-/// `CUDA_MEMCPY2D_v1` (legacy 32-bit fields).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct Memcpy2dV1 {
-    src_x: c_uint,
-    src_y: c_uint,
-    src_type: u32,
-    src_host: *const c_void,
-    src_device: c_uint,
-    src_array: sys::CUarray,
-    src_pitch: c_uint,
-    dst_x: c_uint,
-    dst_y: c_uint,
-    dst_type: u32,
-    dst_host: *mut c_void,
-    dst_device: c_uint,
-    dst_array: sys::CUarray,
-    dst_pitch: c_uint,
-    width: c_uint,
-    height: c_uint,
-}
 
 impl From<Memcpy2dV1> for Memcpy2d {
     fn from(v: Memcpy2dV1) -> Memcpy2d {
@@ -464,12 +479,20 @@ unsafe fn memcpy_2d(p: *const sys::CUDA_MEMCPY2D, stream: Option<sys::CUstream>,
     }
 }
 
-export!(unsafe fn cuMemcpy2D_v2(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, false));
-export!(unsafe fn cuMemcpy2D_v2_ptds(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, true));
-export!(unsafe fn cuMemcpy2DUnaligned_v2(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, false));
-export!(unsafe fn cuMemcpy2DUnaligned_v2_ptds(pCopy: *const sys::CUDA_MEMCPY2D) => memcpy_2d(pCopy, None, true));
-export!(unsafe fn cuMemcpy2DAsync_v2(pCopy: *const sys::CUDA_MEMCPY2D, hStream: sys::CUstream) => memcpy_2d(pCopy, Some(hStream), false));
-export!(unsafe fn cuMemcpy2DAsync_v2_ptsz(pCopy: *const sys::CUDA_MEMCPY2D, hStream: sys::CUstream) => memcpy_2d(pCopy, Some(hStream), true));
+cuda_exports! {
+    fn cuMemcpy2D_v2(pCopy) twin cuMemcpy2D_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d(pCopy, None, per_thread) })
+    }
+    fn cuMemcpy2DUnaligned_v2(pCopy) twin cuMemcpy2DUnaligned_v2_ptds(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d(pCopy, None, per_thread) })
+    }
+    fn cuMemcpy2DAsync_v2(pCopy, hStream) twin cuMemcpy2DAsync_v2_ptsz(per_thread) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d(pCopy, Some(hStream), per_thread) })
+    }
+}
 
 /// # Safety
 /// `p` must be null or point to a `CUDA_MEMCPY2D_v1` whose host rows are valid.
@@ -480,60 +503,74 @@ unsafe fn memcpy_2d_v1(p: *const Memcpy2dV1, stream: Option<sys::CUstream>) -> R
     // SAFETY: the converted struct lives on our stack; its host rows are the caller's.
     unsafe { memcpy_2d((&p2 as *const Memcpy2d).cast(), stream, false) }
 }
-export!(unsafe fn cuMemcpy2D(pCopy: *const Memcpy2dV1) => memcpy_2d_v1(pCopy, None));
-export!(unsafe fn cuMemcpy2DUnaligned(pCopy: *const Memcpy2dV1) => memcpy_2d_v1(pCopy, None));
-export!(unsafe fn cuMemcpy2DAsync(pCopy: *const Memcpy2dV1, hStream: sys::CUstream) => memcpy_2d_v1(pCopy, Some(hStream)));
+cuda_exports! {
+    fn cuMemcpy2D(pCopy) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d_v1(pCopy, None) })
+    }
+    fn cuMemcpy2DUnaligned(pCopy) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d_v1(pCopy, None) })
+    }
+    fn cuMemcpy2DAsync(pCopy, hStream) {
+        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
+        run(|| unsafe { memcpy_2d_v1(pCopy, Some(hStream)) })
+    }
 
-// ---- Memsets ---------------------------------------------------------------------------------
+    // ---- Memsets ---------------------------------------------------------------------------------
 
-export!(fn cuMemsetD8_v2(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize) => memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, false));
-export!(fn cuMemsetD8_v2_ptds(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize) => memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, true));
-export!(fn cuMemsetD8(dstDevice: c_uint, uc: c_uchar, N: c_uint) => memset_sync(dstDevice as u64, 0, uc as u32, 1, N as u64, 1, false));
-export!(fn cuMemsetD16_v2(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize) => memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, false));
-export!(fn cuMemsetD16_v2_ptds(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize) => memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, true));
-export!(fn cuMemsetD16(dstDevice: c_uint, us: c_ushort, N: c_uint) => memset_sync(dstDevice as u64, 0, us as u32, 2, N as u64, 1, false));
-export!(fn cuMemsetD32_v2(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize) => memset_sync(dstDevice, 0, ui, 4, N as u64, 1, false));
-export!(fn cuMemsetD32_v2_ptds(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize) => memset_sync(dstDevice, 0, ui, 4, N as u64, 1, true));
-export!(fn cuMemsetD32(dstDevice: c_uint, ui: c_uint, N: c_uint) => memset_sync(dstDevice as u64, 0, ui, 4, N as u64, 1, false));
-export!(fn cuMemsetD2D8_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false));
-export!(fn cuMemsetD2D8_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, true));
-export!(fn cuMemsetD2D16_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false));
-export!(fn cuMemsetD2D16_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, true));
-export!(fn cuMemsetD2D32_v2(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, false));
-export!(fn cuMemsetD2D32_v2_ptds(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize) =>
-    memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, true));
-export!(fn cuMemsetD2D8(dstDevice: c_uint, dstPitch: c_uint, uc: c_uchar, Width: c_uint, Height: c_uint) =>
-    memset_sync(dstDevice as u64, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false));
-export!(fn cuMemsetD2D16(dstDevice: c_uint, dstPitch: c_uint, us: c_ushort, Width: c_uint, Height: c_uint) =>
-    memset_sync(dstDevice as u64, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false));
-export!(fn cuMemsetD2D32(dstDevice: c_uint, dstPitch: c_uint, ui: c_uint, Width: c_uint, Height: c_uint) =>
-    memset_sync(dstDevice as u64, dstPitch as u64, ui, 4, Width as u64, Height as u64, false));
-export!(fn cuMemsetD8Async(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, false));
-export!(fn cuMemsetD8Async_ptsz(dstDevice: sys::CUdeviceptr, uc: c_uchar, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, true));
-export!(fn cuMemsetD16Async(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, false));
-export!(fn cuMemsetD16Async_ptsz(dstDevice: sys::CUdeviceptr, us: c_ushort, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, true));
-export!(fn cuMemsetD32Async(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, false));
-export!(fn cuMemsetD32Async_ptsz(dstDevice: sys::CUdeviceptr, ui: c_uint, N: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, true));
-export!(fn cuMemsetD2D8Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, false));
-export!(fn cuMemsetD2D8Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, uc: c_uchar, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, true));
-export!(fn cuMemsetD2D16Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, false));
-export!(fn cuMemsetD2D16Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, us: c_ushort, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, true));
-export!(fn cuMemsetD2D32Async(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, false));
-export!(fn cuMemsetD2D32Async_ptsz(dstDevice: sys::CUdeviceptr, dstPitch: usize, ui: c_uint, Width: usize, Height: usize, hStream: sys::CUstream) =>
-    memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, true));
+    fn cuMemsetD8_v2(dstDevice, uc, N) twin cuMemsetD8_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, per_thread))
+    }
+    fn cuMemsetD8(dstDevice, uc, N) {
+        run(|| memset_sync(dstDevice as u64, 0, uc as u32, 1, N as u64, 1, false))
+    }
+    fn cuMemsetD16_v2(dstDevice, us, N) twin cuMemsetD16_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, per_thread))
+    }
+    fn cuMemsetD16(dstDevice, us, N) {
+        run(|| memset_sync(dstDevice as u64, 0, us as u32, 2, N as u64, 1, false))
+    }
+    fn cuMemsetD32_v2(dstDevice, ui, N) twin cuMemsetD32_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, 0, ui, 4, N as u64, 1, per_thread))
+    }
+    fn cuMemsetD32(dstDevice, ui, N) {
+        run(|| memset_sync(dstDevice as u64, 0, ui, 4, N as u64, 1, false))
+    }
+    fn cuMemsetD2D8_v2(dstDevice, dstPitch, uc, Width, Height) twin cuMemsetD2D8_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, per_thread))
+    }
+    fn cuMemsetD2D16_v2(dstDevice, dstPitch, us, Width, Height) twin cuMemsetD2D16_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, per_thread))
+    }
+    fn cuMemsetD2D32_v2(dstDevice, dstPitch, ui, Width, Height) twin cuMemsetD2D32_v2_ptds(per_thread) {
+        run(|| memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, per_thread))
+    }
+    fn cuMemsetD2D8(dstDevice, dstPitch, uc, Width, Height) {
+        run(|| memset_sync(dstDevice as u64, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false))
+    }
+    fn cuMemsetD2D16(dstDevice, dstPitch, us, Width, Height) {
+        run(|| memset_sync(dstDevice as u64, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false))
+    }
+    fn cuMemsetD2D32(dstDevice, dstPitch, ui, Width, Height) {
+        run(|| memset_sync(dstDevice as u64, dstPitch as u64, ui, 4, Width as u64, Height as u64, false))
+    }
+    fn cuMemsetD8Async(dstDevice, uc, N, hStream) twin cuMemsetD8Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, per_thread))
+    }
+    fn cuMemsetD16Async(dstDevice, us, N, hStream) twin cuMemsetD16Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, per_thread))
+    }
+    fn cuMemsetD32Async(dstDevice, ui, N, hStream) twin cuMemsetD32Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, per_thread))
+    }
+    fn cuMemsetD2D8Async(dstDevice, dstPitch, uc, Width, Height, hStream) twin cuMemsetD2D8Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, per_thread))
+    }
+    fn cuMemsetD2D16Async(dstDevice, dstPitch, us, Width, Height, hStream) twin cuMemsetD2D16Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, per_thread))
+    }
+    fn cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream) twin cuMemsetD2D32Async_ptsz(per_thread) {
+        run(|| memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, per_thread))
+    }
+}

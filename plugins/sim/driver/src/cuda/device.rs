@@ -3,38 +3,38 @@
 
 use std::ffi::{c_char, c_int, c_uint};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::TopologyLevel;
 
 use super::init::{Device, driver};
-use super::{CUresult, INVALID_DEVICE, INVALID_VALUE, R, cstr, need, put, put_str_truncated, run, sys};
+use super::{INVALID_DEVICE, INVALID_VALUE, R, cstr, need, put, put_str_truncated, run, sys};
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGet(device: *mut c_int, ordinal: c_int) -> CUresult {
-    run(|| {
-        need(device)?;
-        let d = driver()?.device(ordinal)?;
-        // SAFETY: device is the caller's out-pointer (checked above).
-        unsafe { put(device, d.ordinal) }
-    })
-}
+cuda_exports! {
+    fn cuDeviceGet(device, ordinal) {
+        run(|| {
+            need(device)?;
+            let d = driver()?.device(ordinal)?;
+            // SAFETY: device is the caller's out-pointer (checked above).
+            unsafe { put(device, d.ordinal) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
-    run(|| {
-        need(count)?;
-        let n = driver()?.devices.len() as c_int;
-        // SAFETY: count is the caller's out-pointer (checked above).
-        unsafe { put(count, n) }
-    })
-}
+    fn cuDeviceGetCount(count) {
+        run(|| {
+            need(count)?;
+            let n = driver()?.devices.len() as c_int;
+            // SAFETY: count is the caller's out-pointer (checked above).
+            unsafe { put(count, n) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_int) -> CUresult {
-    run(|| {
-        let d = driver()?.device(dev)?;
-        // SAFETY: name holds len bytes by the caller's contract.
-        unsafe { put_str_truncated(name, len, &d.name) }
-    })
+    fn cuDeviceGetName(name, len, dev) {
+        run(|| {
+            let d = driver()?.device(dev)?;
+            // SAFETY: name holds len bytes by the caller's contract.
+            unsafe { put_str_truncated(name, len, &d.name) }
+        })
+    }
 }
 
 fn uuid_of(uuid: *mut sys::CUuuid, dev: c_int) -> R {
@@ -45,73 +45,69 @@ fn uuid_of(uuid: *mut sys::CUuuid, dev: c_int) -> R {
     unsafe { put(uuid, u) }
 }
 
-/// `cuDeviceGetUuid`: for a MIG device, the MIG UUID (both versions agree since CUDA 11.4).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut sys::CUuuid, dev: c_int) -> CUresult {
-    run(|| uuid_of(uuid, dev))
-}
+cuda_exports! {
+    /// `cuDeviceGetUuid`: for a MIG device, the MIG UUID (both versions agree since CUDA 11.4).
+    fn cuDeviceGetUuid(uuid, dev) {
+        run(|| uuid_of(uuid, dev))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut sys::CUuuid, dev: c_int) -> CUresult {
-    run(|| uuid_of(uuid, dev))
-}
+    fn cuDeviceGetUuid_v2(uuid, dev) {
+        run(|| uuid_of(uuid, dev))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CUresult {
-    run(|| {
-        need(bytes)?;
-        let d = driver()?.device(dev)?;
-        // SAFETY: bytes is the caller's out-pointer (checked above).
-        unsafe { put(bytes, d.total_mem as usize) }
-    })
-}
+    fn cuDeviceTotalMem_v2(bytes, dev) {
+        run(|| {
+            need(bytes)?;
+            let d = driver()?.device(dev)?;
+            // SAFETY: bytes is the caller's out-pointer (checked above).
+            unsafe { put(bytes, d.total_mem as usize) }
+        })
+    }
 
-/// Legacy `cuDeviceTotalMem` (a 32-bit size, saturated).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceTotalMem(bytes: *mut c_uint, dev: c_int) -> CUresult {
-    run(|| {
-        need(bytes)?;
-        let d = driver()?.device(dev)?;
-        // SAFETY: bytes is the caller's out-pointer (checked above).
-        unsafe { put(bytes, d.total_mem.min(u32::MAX as u64) as c_uint) }
-    })
-}
+    /// Legacy `cuDeviceTotalMem` (a 32-bit size, saturated).
+    fn cuDeviceTotalMem(bytes, dev) {
+        run(|| {
+            need(bytes)?;
+            let d = driver()?.device(dev)?;
+            // SAFETY: bytes is the caller's out-pointer (checked above).
+            unsafe { put(bytes, d.total_mem.min(u32::MAX as u64) as c_uint) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: c_int) -> CUresult {
-    run(|| {
-        need(major)?;
-        need(minor)?;
-        let d = driver()?.device(dev)?;
-        // SAFETY: major and minor are the caller's out-pointers (checked above).
-        unsafe {
-            put(major, d.model.cc_major as c_int)?;
-            put(minor, d.model.cc_minor as c_int)
-        }
-    })
-}
+    fn cuDeviceComputeCapability(major, minor, dev) {
+        run(|| {
+            need(major)?;
+            need(minor)?;
+            let d = driver()?.device(dev)?;
+            // SAFETY: major and minor are the caller's out-pointers (checked above).
+            unsafe {
+                put(major, d.model.cc_major as c_int)?;
+                put(minor, d.model.cc_minor as c_int)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetProperties(prop: *mut sys::CUdevprop, dev: c_int) -> CUresult {
-    run(|| {
-        need(prop)?;
-        let d = driver()?.device(dev)?;
-        let m = d.model;
-        let p = sys::CUdevprop {
-            maxThreadsPerBlock: m.max_threads_per_block as c_int,
-            maxThreadsDim: m.max_block_dim.map(|v| v as c_int),
-            maxGridSize: m.max_grid_dim.map(|v| v.min(i32::MAX as u32) as c_int),
-            sharedMemPerBlock: m.max_shared_mem_per_block as c_int,
-            totalConstantMemory: m.total_const_mem as c_int,
-            SIMDWidth: m.warp_size as c_int,
-            memPitch: i32::MAX,
-            regsPerBlock: m.regs_per_block as c_int,
-            clockRate: (m.max_sm_clock_mhz * 1000) as c_int,
-            textureAlign: 512,
-        };
-        // SAFETY: prop is the caller's out-pointer (checked above).
-        unsafe { put(prop, p) }
-    })
+    fn cuDeviceGetProperties(prop, dev) {
+        run(|| {
+            need(prop)?;
+            let d = driver()?.device(dev)?;
+            let m = d.model;
+            let p = sys::CUdevprop {
+                maxThreadsPerBlock: m.max_threads_per_block as c_int,
+                maxThreadsDim: m.max_block_dim.map(|v| v as c_int),
+                maxGridSize: m.max_grid_dim.map(|v| v.min(i32::MAX as u32) as c_int),
+                sharedMemPerBlock: m.max_shared_mem_per_block as c_int,
+                totalConstantMemory: m.total_const_mem as c_int,
+                SIMDWidth: m.warp_size as c_int,
+                memPitch: i32::MAX,
+                regsPerBlock: m.regs_per_block as c_int,
+                clockRate: (m.max_sm_clock_mhz * 1000) as c_int,
+                textureAlign: 512,
+            };
+            // SAFETY: prop is the caller's out-pointer (checked above).
+            unsafe { put(prop, p) }
+        })
+    }
 }
 
 /// The PCI bus id as CUDA writes it: "0000:18:00.0".
@@ -119,13 +115,14 @@ fn pci_bus_id(d: &Device) -> String {
     format!("{:04x}:{:02x}:{:02x}.0", d.ident.pci_domain, d.ident.pci_bus, d.ident.pci_device)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetPCIBusId(pciBusId: *mut c_char, len: c_int, dev: c_int) -> CUresult {
-    run(|| {
-        let d = driver()?.device(dev)?;
-        // SAFETY: pciBusId holds len bytes by the caller's contract.
-        unsafe { put_str_truncated(pciBusId, len, &pci_bus_id(d)) }
-    })
+cuda_exports! {
+    fn cuDeviceGetPCIBusId(pciBusId, len, dev) {
+        run(|| {
+            let d = driver()?.device(dev)?;
+            // SAFETY: pciBusId holds len bytes by the caller's contract.
+            unsafe { put_str_truncated(pciBusId, len, &pci_bus_id(d)) }
+        })
+    }
 }
 
 /// Parses "[domain:]bus:device[.function]" (hex), as `cuDeviceGetByPCIBusId` accepts.
@@ -140,22 +137,23 @@ fn parse_bus_id(s: &str) -> Option<(u32, u32, u32)> {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetByPCIBusId(dev: *mut c_int, pciBusId: *const c_char) -> CUresult {
-    run(|| {
-        need(dev)?;
-        // SAFETY: pciBusId is the caller's NUL-terminated string.
-        let s = unsafe { cstr(pciBusId) }?;
-        let drv = driver()?;
-        let (dom, bus, device) = parse_bus_id(s).ok_or(INVALID_VALUE)?;
-        let d = drv
-            .devices
-            .iter()
-            .find(|d| d.ident.pci_domain == dom && d.ident.pci_bus == bus && d.ident.pci_device == device)
-            .ok_or(INVALID_DEVICE)?;
-        // SAFETY: dev is the caller's out-pointer (checked above).
-        unsafe { put(dev, d.ordinal) }
-    })
+cuda_exports! {
+    fn cuDeviceGetByPCIBusId(dev, pciBusId) {
+        run(|| {
+            need(dev)?;
+            // SAFETY: pciBusId is the caller's NUL-terminated string.
+            let s = unsafe { cstr(pciBusId) }?;
+            let drv = driver()?;
+            let (dom, bus, device) = parse_bus_id(s).ok_or(INVALID_VALUE)?;
+            let d = drv
+                .devices
+                .iter()
+                .find(|d| d.ident.pci_domain == dom && d.ident.pci_bus == bus && d.ident.pci_device == device)
+                .ok_or(INVALID_DEVICE)?;
+            // SAFETY: dev is the caller's out-pointer (checked above).
+            unsafe { put(dev, d.ordinal) }
+        })
+    }
 }
 
 /// Whether one device can map another's memory: two whole GPUs joined by NVLink, or under one
@@ -167,57 +165,51 @@ pub(crate) fn can_access_peer(a: &Device, b: &Device) -> bool {
     a.ident.nvlink_to(b.ident) || a.ident.common_ancestor(b.ident) != TopologyLevel::System
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceCanAccessPeer(canAccessPeer: *mut c_int, dev: c_int, peerDev: c_int) -> CUresult {
-    run(|| {
-        need(canAccessPeer)?;
-        let drv = driver()?;
-        let (a, b) = (drv.device(dev)?, drv.device(peerDev)?);
-        // SAFETY: canAccessPeer is the caller's out-pointer (checked above).
-        unsafe { put(canAccessPeer, c_int::from(can_access_peer(a, b))) }
-    })
-}
+cuda_exports! {
+    fn cuDeviceCanAccessPeer(canAccessPeer, dev, peerDev) {
+        run(|| {
+            need(canAccessPeer)?;
+            let drv = driver()?;
+            let (a, b) = (drv.device(dev)?, drv.device(peerDev)?);
+            // SAFETY: canAccessPeer is the caller's out-pointer (checked above).
+            unsafe { put(canAccessPeer, c_int::from(can_access_peer(a, b))) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetP2PAttribute(
-    value: *mut c_int,
-    attrib: c_int,
-    srcDevice: c_int,
-    dstDevice: c_int,
-) -> CUresult {
-    run(|| {
-        need(value)?;
-        let drv = driver()?;
-        let (a, b) = (drv.device(srcDevice)?, drv.device(dstDevice)?);
-        if a.ordinal == b.ordinal {
-            return Err(INVALID_DEVICE);
-        }
-        let access = can_access_peer(a, b);
-        let nvlink = access && a.ident.nvlink_to(b.ident);
-        let v = match attrib {
-            1 => c_int::from(access && !nvlink), // PERFORMANCE_RANK: 0 is the best link
-            2 => c_int::from(access),            // ACCESS_SUPPORTED
-            3 => c_int::from(nvlink),            // NATIVE_ATOMIC_SUPPORTED
-            4 => c_int::from(access),            // CUDA_ARRAY_ACCESS_SUPPORTED
-            _ => return Err(INVALID_VALUE),
-        };
-        // SAFETY: value is the caller's out-pointer (checked above).
-        unsafe { put(value, v) }
-    })
-}
+    fn cuDeviceGetP2PAttribute(value, attrib, srcDevice, dstDevice) {
+        run(|| {
+            need(value)?;
+            let drv = driver()?;
+            let (a, b) = (drv.device(srcDevice)?, drv.device(dstDevice)?);
+            if a.ordinal == b.ordinal {
+                return Err(INVALID_DEVICE);
+            }
+            let access = can_access_peer(a, b);
+            let nvlink = access && a.ident.nvlink_to(b.ident);
+            let v = match attrib {
+                1 => c_int::from(access && !nvlink), // PERFORMANCE_RANK: 0 is the best link
+                2 => c_int::from(access),            // ACCESS_SUPPORTED
+                3 => c_int::from(nvlink),            // NATIVE_ATOMIC_SUPPORTED
+                4 => c_int::from(access),            // CUDA_ARRAY_ACCESS_SUPPORTED
+                _ => return Err(INVALID_VALUE),
+            };
+            // SAFETY: value is the caller's out-pointer (checked above).
+            unsafe { put(value, v) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetExecAffinitySupport(pi: *mut c_int, type_: c_int, dev: c_int) -> CUresult {
-    run(|| {
-        need(pi)?;
-        driver()?.device(dev)?;
-        if type_ != 0 {
-            return Err(INVALID_VALUE);
-        }
-        // Execution affinity (SM count) needs MPS, which is not simulated.
-        // SAFETY: pi is the caller's out-pointer (checked above).
-        unsafe { put(pi, 0) }
-    })
+    fn cuDeviceGetExecAffinitySupport(pi, type_, dev) {
+        run(|| {
+            need(pi)?;
+            driver()?.device(dev)?;
+            if type_ != 0 {
+                return Err(INVALID_VALUE);
+            }
+            // Execution affinity (SM count) needs MPS, which is not simulated.
+            // SAFETY: pi is the caller's out-pointer (checked above).
+            unsafe { put(pi, 0) }
+        })
+    }
 }
 
 /// `CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE`: the catalog's figure (the A100's 30 of
@@ -395,20 +387,21 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetAttribute(pi: *mut c_int, attrib: c_int, dev: c_int) -> CUresult {
-    run(|| {
-        need(pi)?;
-        let drv = driver()?;
-        let d = drv.device(dev)?;
-        if drv.node.description().cuda_driver_version < attribute_since(attrib) {
-            return Err(INVALID_VALUE);
-        }
-        let v = attribute(d, attrib).ok_or(INVALID_VALUE)?;
-        // The PCI ids are unsigned 32-bit values carried in an int.
-        // SAFETY: pi is the caller's out-pointer (checked above).
-        unsafe { put(pi, v as u32 as c_int) }
-    })
+cuda_exports! {
+    fn cuDeviceGetAttribute(pi, attrib, dev) {
+        run(|| {
+            need(pi)?;
+            let drv = driver()?;
+            let d = drv.device(dev)?;
+            if drv.node.description().cuda_driver_version < attribute_since(attrib) {
+                return Err(INVALID_VALUE);
+            }
+            let v = attribute(d, attrib).ok_or(INVALID_VALUE)?;
+            // The PCI ids are unsigned 32-bit values carried in an int.
+            // SAFETY: pi is the caller's out-pointer (checked above).
+            unsafe { put(pi, v as u32 as c_int) }
+        })
+    }
 }
 
 #[cfg(test)]

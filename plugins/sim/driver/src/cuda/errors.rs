@@ -2,7 +2,7 @@
 //! errors a real driver reports, and `cuGetErrorName` / `cuGetErrorString` for every `CUresult`
 //! of CUDA 12.8.
 
-use std::ffi::{CStr, c_char, c_uint};
+use std::ffi::CStr;
 use std::sync::atomic::{AtomicU32, Ordering::*};
 
 use tessera_sim_model::faults::{STICKY_RESET, XID_FALLEN_OFF_BUS};
@@ -11,6 +11,7 @@ use tessera_sim_model::{Node, SimError};
 use super::{CUresult, R, run};
 
 use CUresult::*;
+use tessera_abi::cuda_exports;
 
 /// What a call was doing when the model refused it: a lost GPU refuses new work as unavailable,
 /// and fails waits on work already queued as a launch failure (what a real driver reports when
@@ -203,26 +204,26 @@ pub(crate) fn from_code(code: u32) -> Option<CUresult> {
     ERRORS.iter().find(|e| e.0 as u32 == code).map(|e| e.0)
 }
 
-/// `cuGetErrorName`: the enumerant's name; an unknown value is `INVALID_VALUE` with `*pStr = NULL`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetErrorName(error: c_uint, pStr: *mut *const c_char) -> CUresult {
-    run(|| {
-        let entry = ERRORS.iter().find(|e| e.0 as u32 == error);
-        // SAFETY: pStr is the caller's out-pointer.
-        unsafe { super::put(pStr, entry.map_or(std::ptr::null(), |e| e.1.as_ptr())) }?;
-        entry.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
-    })
-}
+cuda_exports! {
+    /// `cuGetErrorName`: the enumerant's name; an unknown value is `INVALID_VALUE` with `*pStr = NULL`.
+    fn cuGetErrorName(error, pStr) {
+        run(|| {
+            let entry = ERRORS.iter().find(|e| e.0 as u32 == error);
+            // SAFETY: pStr is the caller's out-pointer.
+            unsafe { super::put(pStr, entry.map_or(std::ptr::null(), |e| e.1.as_ptr())) }?;
+            entry.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+        })
+    }
 
-/// `cuGetErrorString`: the description; an unknown value is `INVALID_VALUE` with `*pStr = NULL`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetErrorString(error: c_uint, pStr: *mut *const c_char) -> CUresult {
-    run(|| {
-        let entry = ERRORS.iter().find(|e| e.0 as u32 == error);
-        // SAFETY: pStr is the caller's out-pointer.
-        unsafe { super::put(pStr, entry.map_or(std::ptr::null(), |e| e.2.as_ptr())) }?;
-        entry.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
-    })
+    /// `cuGetErrorString`: the description; an unknown value is `INVALID_VALUE` with `*pStr = NULL`.
+    fn cuGetErrorString(error, pStr) {
+        run(|| {
+            let entry = ERRORS.iter().find(|e| e.0 as u32 == error);
+            // SAFETY: pStr is the caller's out-pointer.
+            unsafe { super::put(pStr, entry.map_or(std::ptr::null(), |e| e.2.as_ptr())) }?;
+            entry.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+        })
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use std::ffi::c_uint;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::{EventMark, Node, SimError, monotonic_ns};
 
 use super::context::{self, Ctx};
@@ -103,23 +104,24 @@ fn event(h: sys::CUevent) -> R<Arc<Event>> {
     handles::read().events.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventCreate(phEvent: *mut sys::CUevent, Flags: c_uint) -> CUresult {
-    run(|| {
-        need(phEvent)?;
-        if Flags & !EVENT_FLAGS != 0 || (Flags & EVENT_INTERPROCESS != 0 && Flags & EVENT_DISABLE_TIMING == 0) {
-            return Err(INVALID_VALUE);
-        }
-        let node = driver()?.node;
-        poll_faults(node)?;
-        let ctx = context::current()?;
-        ctx.check(node)?;
-        let handle = handles::new_handle();
-        let ev = Event { ctx, flags: Flags, state: Mutex::new(EvState::Never) };
-        handles::write().events.insert(handle, Arc::new(ev));
-        // SAFETY: phEvent is the caller's out-pointer (checked above).
-        unsafe { put(phEvent, handles::as_ptr(handle)) }
-    })
+cuda_exports! {
+    fn cuEventCreate(phEvent, Flags) {
+        run(|| {
+            need(phEvent)?;
+            if Flags & !EVENT_FLAGS != 0 || (Flags & EVENT_INTERPROCESS != 0 && Flags & EVENT_DISABLE_TIMING == 0) {
+                return Err(INVALID_VALUE);
+            }
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let ctx = context::current()?;
+            ctx.check(node)?;
+            let handle = handles::new_handle();
+            let ev = Event { ctx, flags: Flags, state: Mutex::new(EvState::Never) };
+            handles::write().events.insert(handle, Arc::new(ev));
+            // SAFETY: phEvent is the caller's out-pointer (checked above).
+            unsafe { put(phEvent, handles::as_ptr(handle)) }
+        })
+    }
 }
 
 fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R {
@@ -154,55 +156,35 @@ fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R 
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventRecord(hEvent: sys::CUevent, hStream: sys::CUstream) -> CUresult {
-    run(|| record(hEvent, hStream, 0, false))
-}
+cuda_exports! {
+    fn cuEventRecord(hEvent, hStream) twin cuEventRecord_ptsz(per_thread) {
+        run(|| record(hEvent, hStream, 0, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventRecord_ptsz(hEvent: sys::CUevent, hStream: sys::CUstream) -> CUresult {
-    run(|| record(hEvent, hStream, 0, true))
-}
+    fn cuEventRecordWithFlags(hEvent, hStream, flags) twin cuEventRecordWithFlags_ptsz(per_thread) {
+        run(|| record(hEvent, hStream, flags, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventRecordWithFlags(
-    hEvent: sys::CUevent,
-    hStream: sys::CUstream,
-    flags: c_uint,
-) -> CUresult {
-    run(|| record(hEvent, hStream, flags, false))
-}
+    fn cuEventQuery(hEvent) {
+        run(|| {
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let ev = event(hEvent)?;
+            ev.ctx.check_sync(node)?;
+            if ev.poll(node)? { Ok(()) } else { Err(NOT_READY) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventRecordWithFlags_ptsz(
-    hEvent: sys::CUevent,
-    hStream: sys::CUstream,
-    flags: c_uint,
-) -> CUresult {
-    run(|| record(hEvent, hStream, flags, true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventQuery(hEvent: sys::CUevent) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        poll_faults(node)?;
-        let ev = event(hEvent)?;
-        ev.ctx.check_sync(node)?;
-        if ev.poll(node)? { Ok(()) } else { Err(NOT_READY) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventSynchronize(hEvent: sys::CUevent) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        poll_faults(node)?;
-        let ev = event(hEvent)?;
-        ev.ctx.check_sync(node)?;
-        ev.wait(node)?;
-        ev.ctx.check_sync(node)
-    })
+    fn cuEventSynchronize(hEvent) {
+        run(|| {
+            let node = driver()?.node;
+            poll_faults(node)?;
+            let ev = event(hEvent)?;
+            ev.ctx.check_sync(node)?;
+            ev.wait(node)?;
+            ev.ctx.check_sync(node)
+        })
+    }
 }
 
 fn elapsed(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> R {
@@ -233,22 +215,14 @@ fn elapsed(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> R {
     unsafe { put(ms, v as f32) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventElapsedTime(
-    pMilliseconds: *mut f32,
-    hStart: sys::CUevent,
-    hEnd: sys::CUevent,
-) -> CUresult {
-    run(|| elapsed(pMilliseconds, hStart, hEnd))
-}
+cuda_exports! {
+    fn cuEventElapsedTime(pMilliseconds, hStart, hEnd) {
+        run(|| elapsed(pMilliseconds, hStart, hEnd))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventElapsedTime_v2(
-    pMilliseconds: *mut f32,
-    hStart: sys::CUevent,
-    hEnd: sys::CUevent,
-) -> CUresult {
-    run(|| elapsed(pMilliseconds, hStart, hEnd))
+    fn cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd) {
+        run(|| elapsed(pMilliseconds, hStart, hEnd))
+    }
 }
 
 fn destroy(h: sys::CUevent) -> R {
@@ -258,14 +232,14 @@ fn destroy(h: sys::CUevent) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventDestroy_v2(hEvent: sys::CUevent) -> CUresult {
-    run(|| destroy(hEvent))
-}
+cuda_exports! {
+    fn cuEventDestroy_v2(hEvent) {
+        run(|| destroy(hEvent))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventDestroy(hEvent: sys::CUevent) -> CUresult {
-    run(|| destroy(hEvent))
+    fn cuEventDestroy(hEvent) {
+        run(|| destroy(hEvent))
+    }
 }
 
 fn wait_event(stream: sys::CUstream, h: sys::CUevent, flags: c_uint, pt: bool) -> R {
@@ -308,16 +282,8 @@ fn wait_event(stream: sys::CUstream, h: sys::CUevent, flags: c_uint, pt: bool) -
     ev.wait(node)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamWaitEvent(hStream: sys::CUstream, hEvent: sys::CUevent, Flags: c_uint) -> CUresult {
-    run(|| wait_event(hStream, hEvent, Flags, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamWaitEvent_ptsz(
-    hStream: sys::CUstream,
-    hEvent: sys::CUevent,
-    Flags: c_uint,
-) -> CUresult {
-    run(|| wait_event(hStream, hEvent, Flags, true))
+cuda_exports! {
+    fn cuStreamWaitEvent(hStream, hEvent, Flags) twin cuStreamWaitEvent_ptsz(per_thread) {
+        run(|| wait_event(hStream, hEvent, Flags, per_thread))
+    }
 }

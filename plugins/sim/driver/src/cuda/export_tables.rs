@@ -15,6 +15,8 @@
 use std::ffi::{c_int, c_uchar, c_uint, c_void};
 use std::ptr;
 
+use tessera_abi::cuda_exports;
+
 use super::context::{self, StorageDtor};
 use super::init::driver;
 use super::{CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND, NOT_SUPPORTED, R, handles, put, run, sys, trace};
@@ -405,22 +407,20 @@ fn find(id: &[u8; 16]) -> R<*const c_void> {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetExportTable(
-    ppExportTable: *mut *const c_void,
-    pExportTableId: *const sys::CUuuid,
-) -> CUresult {
-    run(|| {
-        if ppExportTable.is_null() || pExportTableId.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: non-null; the caller passes a CUuuid (16 bytes, any value valid).
-        let id = unsafe { super::get(pExportTableId) }?;
-        let id: [u8; 16] = id.bytes.map(|b| b as u8);
-        let table = find(&id)?;
-        // SAFETY: ppExportTable is the caller's out-pointer (checked non-null above).
-        unsafe { put(ppExportTable, table) }
-    })
+cuda_exports! {
+    fn cuGetExportTable(ppExportTable, pExportTableId) {
+        run(|| {
+            if ppExportTable.is_null() || pExportTableId.is_null() {
+                return Err(INVALID_VALUE);
+            }
+            // SAFETY: non-null; the caller passes a CUuuid (16 bytes, any value valid).
+            let id = unsafe { super::get(pExportTableId) }?;
+            let id: [u8; 16] = id.bytes.map(|b| b as u8);
+            let table = find(&id)?;
+            // SAFETY: ppExportTable is the caller's out-pointer (checked non-null above).
+            unsafe { put(ppExportTable, table) }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
 use std::sync::{Arc, Mutex};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::Node;
 
 use super::errors::{Cu, poll_faults};
@@ -252,24 +253,14 @@ fn begin_capture(h: sys::CUstream, mode: c_uint, pt: bool) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture(hStream: sys::CUstream) -> CUresult {
-    run(|| begin_capture(hStream, 0, false))
-}
+cuda_exports! {
+    fn cuStreamBeginCapture(hStream) twin cuStreamBeginCapture_ptsz(per_thread) {
+        run(|| begin_capture(hStream, 0, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_ptsz(hStream: sys::CUstream) -> CUresult {
-    run(|| begin_capture(hStream, 0, true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2(hStream: sys::CUstream, mode: c_uint) -> CUresult {
-    run(|| begin_capture(hStream, mode, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(hStream: sys::CUstream, mode: c_uint) -> CUresult {
-    run(|| begin_capture(hStream, mode, true))
+    fn cuStreamBeginCapture_v2(hStream, mode) twin cuStreamBeginCapture_v2_ptsz(per_thread) {
+        run(|| begin_capture(hStream, mode, per_thread))
+    }
 }
 
 fn end_capture(h: sys::CUstream, ph: *mut sys::CUgraph, pt: bool) -> R {
@@ -303,14 +294,10 @@ fn end_capture(h: sys::CUstream, ph: *mut sys::CUgraph, pt: bool) -> R {
     unsafe { put(ph, handles::as_ptr(c.graph.handle)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamEndCapture(hStream: sys::CUstream, phGraph: *mut sys::CUgraph) -> CUresult {
-    run(|| end_capture(hStream, phGraph, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamEndCapture_ptsz(hStream: sys::CUstream, phGraph: *mut sys::CUgraph) -> CUresult {
-    run(|| end_capture(hStream, phGraph, true))
+cuda_exports! {
+    fn cuStreamEndCapture(hStream, phGraph) twin cuStreamEndCapture_ptsz(per_thread) {
+        run(|| end_capture(hStream, phGraph, per_thread))
+    }
 }
 
 /// `CUstreamCaptureStatus` of a stream, and its capture.
@@ -331,14 +318,10 @@ fn is_capturing(h: sys::CUstream, status: *mut c_uint, pt: bool) -> R {
     unsafe { put(status, st) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamIsCapturing(hStream: sys::CUstream, captureStatus: *mut c_uint) -> CUresult {
-    run(|| is_capturing(hStream, captureStatus, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(hStream: sys::CUstream, captureStatus: *mut c_uint) -> CUresult {
-    run(|| is_capturing(hStream, captureStatus, true))
+cuda_exports! {
+    fn cuStreamIsCapturing(hStream, captureStatus) twin cuStreamIsCapturing_ptsz(per_thread) {
+        run(|| is_capturing(hStream, captureStatus, per_thread))
+    }
 }
 
 /// The capture info queries: status, and (while capturing) id, graph and dependencies.
@@ -370,113 +353,45 @@ fn capture_info(
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-) -> CUresult {
-    let n = std::ptr::null_mut();
-    run(|| capture_info(hStream, captureStatus_out, id_out, n, n.cast(), n.cast(), n.cast(), false))
-}
+cuda_exports! {
+    fn cuStreamGetCaptureInfo(hStream, captureStatus_out, id_out) twin cuStreamGetCaptureInfo_ptsz(per_thread) {
+        let n = std::ptr::null_mut();
+        run(|| capture_info(hStream, captureStatus_out, id_out, n, n.cast(), n.cast(), n.cast(), per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo_ptsz(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-) -> CUresult {
-    let n = std::ptr::null_mut();
-    run(|| capture_info(hStream, captureStatus_out, id_out, n, n.cast(), n.cast(), n.cast(), true))
-}
+    fn cuStreamGetCaptureInfo_v2(hStream, captureStatus_out, id_out, graph_out, dependencies_out, numDependencies_out) twin cuStreamGetCaptureInfo_v2_ptsz(per_thread) {
+        let n = std::ptr::null_mut();
+        run(|| capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, n, numDependencies_out, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-    graph_out: *mut sys::CUgraph,
-    dependencies_out: *mut *const sys::CUgraphNode,
-    numDependencies_out: *mut usize,
-) -> CUresult {
-    let n = std::ptr::null_mut();
-    run(|| capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, n, numDependencies_out, false))
-}
+    fn cuStreamGetCaptureInfo_v3(hStream, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out, numDependencies_out) twin cuStreamGetCaptureInfo_v3_ptsz(per_thread) {
+        run(|| {
+            capture_info(
+                hStream,
+                captureStatus_out,
+                id_out,
+                graph_out,
+                dependencies_out,
+                edgeData_out.cast(),
+                numDependencies_out,
+                per_thread,
+            )
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-    graph_out: *mut sys::CUgraph,
-    dependencies_out: *mut *const sys::CUgraphNode,
-    numDependencies_out: *mut usize,
-) -> CUresult {
-    let n = std::ptr::null_mut();
-    run(|| capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, n, numDependencies_out, true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-    graph_out: *mut sys::CUgraph,
-    dependencies_out: *mut *const sys::CUgraphNode,
-    edgeData_out: *mut *const sys::CUgraphEdgeData,
-    numDependencies_out: *mut usize,
-) -> CUresult {
-    run(|| {
-        capture_info(
-            hStream,
-            captureStatus_out,
-            id_out,
-            graph_out,
-            dependencies_out,
-            edgeData_out.cast(),
-            numDependencies_out,
-            false,
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(
-    hStream: sys::CUstream,
-    captureStatus_out: *mut c_uint,
-    id_out: *mut c_ulonglong,
-    graph_out: *mut sys::CUgraph,
-    dependencies_out: *mut *const sys::CUgraphNode,
-    edgeData_out: *mut *const sys::CUgraphEdgeData,
-    numDependencies_out: *mut usize,
-) -> CUresult {
-    run(|| {
-        capture_info(
-            hStream,
-            captureStatus_out,
-            id_out,
-            graph_out,
-            dependencies_out,
-            edgeData_out.cast(),
-            numDependencies_out,
-            true,
-        )
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) -> CUresult {
-    run(|| {
-        driver()?;
-        // SAFETY: mode is the caller's in/out pointer.
-        let m = unsafe { get(mode.cast_const()) }?;
-        if m > 2 {
-            return Err(INVALID_VALUE);
-        }
-        let old = CAPTURE_MODE.with(|c| c.replace(m));
-        // SAFETY: as above.
-        unsafe { put(mode, old) }
-    })
+    fn cuThreadExchangeStreamCaptureMode(mode) {
+        run(|| {
+            driver()?;
+            // SAFETY: mode is the caller's in/out pointer.
+            let m = unsafe { get(mode.cast_const()) }?;
+            if m > 2 {
+                return Err(INVALID_VALUE);
+            }
+            let old = CAPTURE_MODE.with(|c| c.replace(m));
+            // SAFETY: as above.
+            unsafe { put(mode, old) }
+        })
+    }
 }
 
 // ---- Graph exports --------------------------------------------------------------------------
@@ -486,18 +401,19 @@ fn graph(h: sys::CUgraph) -> R<Arc<Graph>> {
     handles::read().graphs.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphCreate(phGraph: *mut sys::CUgraph, flags: c_uint) -> CUresult {
-    run(|| {
-        need(phGraph)?;
-        driver()?;
-        if flags != 0 {
-            return Err(INVALID_VALUE);
-        }
-        let g = Graph::new();
-        // SAFETY: phGraph is the caller's out-pointer (checked above).
-        unsafe { put(phGraph, handles::as_ptr(g.handle)) }
-    })
+cuda_exports! {
+    fn cuGraphCreate(phGraph, flags) {
+        run(|| {
+            need(phGraph)?;
+            driver()?;
+            if flags != 0 {
+                return Err(INVALID_VALUE);
+            }
+            let g = Graph::new();
+            // SAFETY: phGraph is the caller's out-pointer (checked above).
+            unsafe { put(phGraph, handles::as_ptr(g.handle)) }
+        })
+    }
 }
 
 /// Destroys a graph and the graphs its child graph nodes embed.
@@ -515,16 +431,17 @@ fn destroy_graph(h: usize) {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphDestroy(hGraph: sys::CUgraph) -> CUresult {
-    run(|| {
-        // An embedded graph belongs to its node: it goes with the graph that holds it.
-        if graph(hGraph)?.embedded() {
-            return Err(INVALID_VALUE);
-        }
-        destroy_graph(hGraph as usize);
-        Ok(())
-    })
+cuda_exports! {
+    fn cuGraphDestroy(hGraph) {
+        run(|| {
+            // An embedded graph belongs to its node: it goes with the graph that holds it.
+            if graph(hGraph)?.embedded() {
+                return Err(INVALID_VALUE);
+            }
+            destroy_graph(hGraph as usize);
+            Ok(())
+        })
+    }
 }
 
 /// A graph a child graph node embeds.
@@ -640,16 +557,11 @@ unsafe fn add_child(
     r
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddChildGraphNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    childGraph: sys::CUgraph,
-) -> CUresult {
-    // SAFETY: the caller's out-pointer and dependency array.
-    run(|| unsafe { add_child(phGraphNode, hGraph, dependencies, numDependencies, childGraph, false) })
+cuda_exports! {
+    fn cuGraphAddChildGraphNode(phGraphNode, hGraph, dependencies, numDependencies, childGraph) {
+        // SAFETY: the caller's out-pointer and dependency array.
+        run(|| unsafe { add_child(phGraphNode, hGraph, dependencies, numDependencies, childGraph, false) })
+    }
 }
 
 /// `CUgraphNodeParams`: the node type, then (at byte 16) the union of per-type parameters. Of
@@ -698,51 +610,34 @@ unsafe fn add_generic(
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *mut sys::CUgraphNodeParams,
-) -> CUresult {
-    // SAFETY: the caller's pointers, per the API contract.
-    run(|| unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
-}
-
-/// `cuGraphAddNode_v2` (CUDA 12.3): edge data beside the dependencies; only the default edge
-/// (null) is modelled.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddNode_v2(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    dependencyData: *const c_void,
-    numDependencies: usize,
-    nodeParams: *mut sys::CUgraphNodeParams,
-) -> CUresult {
-    run(|| {
-        if !dependencyData.is_null() {
-            return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-        }
+cuda_exports! {
+    fn cuGraphAddNode(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
         // SAFETY: the caller's pointers, per the API contract.
-        unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
-    })
-}
+        run(|| unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphChildGraphNodeGetGraph(
-    hNode: sys::CUgraphNode,
-    phGraph: *mut sys::CUgraph,
-) -> CUresult {
-    run(|| {
-        need(phGraph)?;
-        driver()?;
-        let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
-        let Op::Child { graph } = op else { return Err(INVALID_VALUE) };
-        // SAFETY: phGraph is the caller's out-pointer (checked above).
-        unsafe { put(phGraph, handles::as_ptr(graph)) }
-    })
+    /// `cuGraphAddNode_v2` (CUDA 12.3): edge data beside the dependencies; only the default edge
+    /// (null) is modelled.
+    fn cuGraphAddNode_v2(phGraphNode, hGraph, dependencies, dependencyData, numDependencies, nodeParams) {
+        run(|| {
+            if !dependencyData.is_null() {
+                return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
+            }
+            // SAFETY: the caller's pointers, per the API contract.
+            unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
+        })
+    }
+
+    fn cuGraphChildGraphNodeGetGraph(hNode, phGraph) {
+        run(|| {
+            need(phGraph)?;
+            driver()?;
+            let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
+            let Op::Child { graph } = op else { return Err(INVALID_VALUE) };
+            // SAFETY: phGraph is the caller's out-pointer (checked above).
+            unsafe { put(phGraph, handles::as_ptr(graph)) }
+        })
+    }
 }
 
 /// Reads a node's dependency list.
@@ -783,134 +678,95 @@ fn kernel_op(func: usize) -> R<Op> {
     Ok(Op::Kernel { func: f })
 }
 
-/// `cuGraphAddKernelNode` (CUDA 10.0 parameters, without `kern` and `ctx`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddKernelNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *const sys::CUDA_KERNEL_NODE_PARAMS_v1,
-) -> CUresult {
-    run(|| {
-        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
-        let p = unsafe { get(nodeParams) }?;
-        let op = kernel_op(p.func as usize)?;
+cuda_exports! {
+    /// `cuGraphAddKernelNode` (CUDA 10.0 parameters, without `kern` and `ctx`).
+    fn cuGraphAddKernelNode(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
+        run(|| {
+            // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+            let p = unsafe { get(nodeParams) }?;
+            let op = kernel_op(p.func as usize)?;
+            // SAFETY: the caller's out-pointer and dependency array.
+            unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+        })
+    }
+
+    fn cuGraphAddKernelNode_v2(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
+        run(|| {
+            // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+            let p = unsafe { get(nodeParams) }?;
+            let f = if p.func.is_null() { p.kern as usize } else { p.func as usize };
+            let op = kernel_op(f)?;
+            // SAFETY: the caller's out-pointer and dependency array.
+            unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+        })
+    }
+
+    fn cuGraphAddEmptyNode(phGraphNode, hGraph, dependencies, numDependencies) {
         // SAFETY: the caller's out-pointer and dependency array.
-        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
-    })
-}
+        run(|| unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, Op::Empty) })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *const sys::CUDA_KERNEL_NODE_PARAMS_v2,
-) -> CUresult {
-    run(|| {
-        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
-        let p = unsafe { get(nodeParams) }?;
-        let f = if p.func.is_null() { p.kern as usize } else { p.func as usize };
-        let op = kernel_op(f)?;
-        // SAFETY: the caller's out-pointer and dependency array.
-        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
-    })
-}
+    fn cuGraphAddHostNode(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
+        run(|| {
+            // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
+            let p = unsafe { get(nodeParams) }?;
+            let f = p.fn_.ok_or(INVALID_VALUE)?;
+            let op = Op::Host { f, data: p.userData as usize };
+            // SAFETY: the caller's out-pointer and dependency array.
+            unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddEmptyNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-) -> CUresult {
-    // SAFETY: the caller's out-pointer and dependency array.
-    run(|| unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, Op::Empty) })
-}
+    fn cuGraphAddMemsetNode(phGraphNode, hGraph, dependencies, numDependencies, memsetParams, _ctx) {
+        run(|| {
+            // SAFETY: memsetParams is the caller's struct (null/misaligned checked by get).
+            let p = unsafe { get(memsetParams) }?;
+            if !matches!(p.elementSize, 1 | 2 | 4) || p.width == 0 || p.height == 0 {
+                return Err(INVALID_VALUE);
+            }
+            let op = Op::Memset {
+                dst: p.dst,
+                pitch: p.pitch as u64,
+                value: p.value,
+                elem: p.elementSize,
+                width: p.width as u64,
+                height: p.height as u64,
+            };
+            // SAFETY: the caller's out-pointer and dependency array.
+            unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddHostNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *const sys::CUDA_HOST_NODE_PARAMS,
-) -> CUresult {
-    run(|| {
-        // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
-        let p = unsafe { get(nodeParams) }?;
-        let f = p.fn_.ok_or(INVALID_VALUE)?;
-        let op = Op::Host { f, data: p.userData as usize };
-        // SAFETY: the caller's out-pointer and dependency array.
-        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
-    })
-}
+    fn cuGraphGetNodes(hGraph, nodes, numNodes) {
+        run(|| {
+            need(numNodes)?;
+            let g = graph(hGraph)?;
+            let list: Vec<usize> = g.nodes().iter().map(|n| n.handle).collect();
+            if nodes.is_null() {
+                // SAFETY: numNodes is the caller's out-pointer (checked above).
+                return unsafe { put(numNodes, list.len()) };
+            }
+            // SAFETY: numNodes is the caller's in/out pointer (checked above).
+            let cap = unsafe { get(numNodes.cast_const()) }?;
+            for i in 0..cap {
+                let v = list.get(i).copied().unwrap_or(0);
+                // SAFETY: nodes holds *numNodes entries by the caller's contract.
+                unsafe { put(nodes.add(i), handles::as_ptr(v)) }?;
+            }
+            // SAFETY: as above.
+            unsafe { put(numNodes, list.len().min(cap)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddMemsetNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    memsetParams: *const sys::CUDA_MEMSET_NODE_PARAMS,
-    _ctx: sys::CUcontext,
-) -> CUresult {
-    run(|| {
-        // SAFETY: memsetParams is the caller's struct (null/misaligned checked by get).
-        let p = unsafe { get(memsetParams) }?;
-        if !matches!(p.elementSize, 1 | 2 | 4) || p.width == 0 || p.height == 0 {
-            return Err(INVALID_VALUE);
-        }
-        let op = Op::Memset {
-            dst: p.dst,
-            pitch: p.pitch as u64,
-            value: p.value,
-            elem: p.elementSize,
-            width: p.width as u64,
-            height: p.height as u64,
-        };
-        // SAFETY: the caller's out-pointer and dependency array.
-        unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphGetNodes(
-    hGraph: sys::CUgraph,
-    nodes: *mut sys::CUgraphNode,
-    numNodes: *mut usize,
-) -> CUresult {
-    run(|| {
-        need(numNodes)?;
-        let g = graph(hGraph)?;
-        let list: Vec<usize> = g.nodes().iter().map(|n| n.handle).collect();
-        if nodes.is_null() {
-            // SAFETY: numNodes is the caller's out-pointer (checked above).
-            return unsafe { put(numNodes, list.len()) };
-        }
-        // SAFETY: numNodes is the caller's in/out pointer (checked above).
-        let cap = unsafe { get(numNodes.cast_const()) }?;
-        for i in 0..cap {
-            let v = list.get(i).copied().unwrap_or(0);
-            // SAFETY: nodes holds *numNodes entries by the caller's contract.
-            unsafe { put(nodes.add(i), handles::as_ptr(v)) }?;
-        }
-        // SAFETY: as above.
-        unsafe { put(numNodes, list.len().min(cap)) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphNodeGetType(hNode: sys::CUgraphNode, type_: *mut c_int) -> CUresult {
-    run(|| {
-        need(type_)?;
-        driver()?;
-        let t = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.node_type()).ok_or(INVALID_VALUE)?;
-        // SAFETY: type_ is the caller's out-pointer (checked above).
-        unsafe { put(type_, t) }
-    })
+    fn cuGraphNodeGetType(hNode, type_) {
+        run(|| {
+            need(type_)?;
+            driver()?;
+            let t = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.node_type()).ok_or(INVALID_VALUE)?;
+            // SAFETY: type_ is the caller's out-pointer (checked above).
+            unsafe { put(type_, t) }
+        })
+    }
 }
 
 /// `CUDA_GRAPH_INSTANTIATE_FLAG_*`: AUTO_FREE_ON_LAUNCH, UPLOAD, DEVICE_LAUNCH, USE_NODE_PRIORITY.
@@ -946,13 +802,10 @@ fn instantiate(ph: *mut sys::CUgraphExec, g: sys::CUgraph, flags: u64) -> R {
     unsafe { put(ph, handles::as_ptr(h)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
-    phGraphExec: *mut sys::CUgraphExec,
-    hGraph: sys::CUgraph,
-    flags: c_ulonglong,
-) -> CUresult {
-    run(|| instantiate(phGraphExec, hGraph, flags))
+cuda_exports! {
+    fn cuGraphInstantiateWithFlags(phGraphExec, hGraph, flags) {
+        run(|| instantiate(phGraphExec, hGraph, flags))
+    }
 }
 
 /// `cuGraphInstantiate` of CUDA 10/11: an error node and a log buffer, both left empty.
@@ -972,26 +825,14 @@ fn instantiate_with_log(
     instantiate(ph, g, 0)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiate(
-    phGraphExec: *mut sys::CUgraphExec,
-    hGraph: sys::CUgraph,
-    phErrorNode: *mut sys::CUgraphNode,
-    logBuffer: *mut c_char,
-    bufferSize: usize,
-) -> CUresult {
-    run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
-}
+cuda_exports! {
+    fn cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
+        run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiate_v2(
-    phGraphExec: *mut sys::CUgraphExec,
-    hGraph: sys::CUgraph,
-    phErrorNode: *mut sys::CUgraphNode,
-    logBuffer: *mut c_char,
-    bufferSize: usize,
-) -> CUresult {
-    run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+    fn cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
+        run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+    }
 }
 
 fn instantiate_with_params(
@@ -1011,30 +852,21 @@ fn instantiate_with_params(
     r
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithParams(
-    phGraphExec: *mut sys::CUgraphExec,
-    hGraph: sys::CUgraph,
-    instantiateParams: *mut sys::CUDA_GRAPH_INSTANTIATE_PARAMS,
-) -> CUresult {
-    run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
-}
+cuda_exports! {
+    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) {
+        run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
-    phGraphExec: *mut sys::CUgraphExec,
-    hGraph: sys::CUgraph,
-    instantiateParams: *mut sys::CUDA_GRAPH_INSTANTIATE_PARAMS,
-) -> CUresult {
-    run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
-}
+    fn cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams) {
+        run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: sys::CUgraphExec) -> CUresult {
-    run(|| {
-        driver()?;
-        handles::write().execs.remove(&(hGraphExec as usize)).map(|_| ()).ok_or(INVALID_VALUE)
-    })
+    fn cuGraphExecDestroy(hGraphExec) {
+        run(|| {
+            driver()?;
+            handles::write().execs.remove(&(hGraphExec as usize)).map(|_| ()).ok_or(INVALID_VALUE)
+        })
+    }
 }
 
 /// `cuGraphLaunch`: every node's work is queued on the stream, in order (recorded, if the stream
@@ -1078,14 +910,10 @@ fn launch(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
-    run(|| launch(hGraphExec, hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
-    run(|| launch(hGraphExec, hStream, true))
+cuda_exports! {
+    fn cuGraphLaunch(hGraphExec, hStream) twin cuGraphLaunch_ptsz(per_thread) {
+        run(|| launch(hGraphExec, hStream, per_thread))
+    }
 }
 
 fn upload(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
@@ -1095,12 +923,8 @@ fn upload(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
     resolve(&reg, node, h, pt).map(|_| ())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphUpload(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
-    run(|| upload(hGraphExec, hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphUpload_ptsz(hGraphExec: sys::CUgraphExec, hStream: sys::CUstream) -> CUresult {
-    run(|| upload(hGraphExec, hStream, true))
+cuda_exports! {
+    fn cuGraphUpload(hGraphExec, hStream) twin cuGraphUpload_ptsz(per_thread) {
+        run(|| upload(hGraphExec, hStream, per_thread))
+    }
 }

@@ -20,16 +20,17 @@
 //! the node and `cuGraphUpload` takes nothing. The reserved addresses stay reserved for the life
 //! of the process.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::Node;
 
 use super::graph::Op;
 use super::handles;
 use super::init::{Device, driver};
 use super::memory::{Alloc, MemKind, charge, current_epoch, map_anon, refund};
-use super::{CUresult, INVALID_DEVICE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, raw_u32, run, sys};
+use super::{INVALID_DEVICE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, raw_u32, run, sys};
 
 /// Devices with a graph pool (ordinals).
 const DEVICES: usize = 64;
@@ -175,126 +176,95 @@ unsafe fn add_alloc_node(
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddMemAllocNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    nodeParams: *mut sys::CUDA_MEM_ALLOC_NODE_PARAMS,
-) -> CUresult {
-    // SAFETY: the caller's pointers, per the API contract.
-    run(|| unsafe { add_alloc_node(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphAddMemFreeNode(
-    phGraphNode: *mut sys::CUgraphNode,
-    hGraph: sys::CUgraph,
-    dependencies: *const sys::CUgraphNode,
-    numDependencies: usize,
-    dptr: sys::CUdeviceptr,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        alloc_node_of(dptr).ok_or(INVALID_VALUE)?;
+cuda_exports! {
+    fn cuGraphAddMemAllocNode(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
         // SAFETY: the caller's pointers, per the API contract.
-        unsafe {
-            super::graph::add_node(phGraphNode, hGraph, dependencies, numDependencies, Op::MemFree { base: dptr })
-        }
-    })
-}
+        run(|| unsafe { add_alloc_node(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphMemAllocNodeGetParams(
-    hNode: sys::CUgraphNode,
-    params_out: *mut sys::CUDA_MEM_ALLOC_NODE_PARAMS,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        need(params_out)?;
-        let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
-        let Op::MemAlloc { base, bytes, dev } = op else { return Err(INVALID_VALUE) };
-        // SAFETY: params_out is the caller's struct (checked); an all-zero value is valid for it
-        // (null pointers, zero integers and enums whose zero is a listed value), then the plain
-        // and enum fields are written as the node was made.
-        unsafe {
-            std::ptr::write_bytes(params_out, 0, 1);
-            std::ptr::addr_of_mut!((*params_out).bytesize).write(bytes as usize);
-            std::ptr::addr_of_mut!((*params_out).dptr).write(base);
-            std::ptr::addr_of_mut!((*params_out).poolProps.allocType).cast::<u32>().write(1);
-            std::ptr::addr_of_mut!((*params_out).poolProps.location.type_).cast::<u32>().write(1);
-            std::ptr::addr_of_mut!((*params_out).poolProps.location.id).write(dev);
-        }
-        Ok(())
-    })
-}
+    fn cuGraphAddMemFreeNode(phGraphNode, hGraph, dependencies, numDependencies, dptr) {
+        run(|| {
+            driver()?;
+            alloc_node_of(dptr).ok_or(INVALID_VALUE)?;
+            // SAFETY: the caller's pointers, per the API contract.
+            unsafe {
+                super::graph::add_node(phGraphNode, hGraph, dependencies, numDependencies, Op::MemFree { base: dptr })
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphMemFreeNodeGetParams(
-    hNode: sys::CUgraphNode,
-    dptr_out: *mut sys::CUdeviceptr,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
-        let Op::MemFree { base } = op else { return Err(INVALID_VALUE) };
-        // SAFETY: dptr_out is the caller's out-pointer (checked by put).
-        unsafe { put(dptr_out, base) }
-    })
-}
+    fn cuGraphMemAllocNodeGetParams(hNode, params_out) {
+        run(|| {
+            driver()?;
+            need(params_out)?;
+            let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
+            let Op::MemAlloc { base, bytes, dev } = op else { return Err(INVALID_VALUE) };
+            // SAFETY: params_out is the caller's struct (checked); an all-zero value is valid for it
+            // (null pointers, zero integers and enums whose zero is a listed value), then the plain
+            // and enum fields are written as the node was made.
+            unsafe {
+                std::ptr::write_bytes(params_out, 0, 1);
+                std::ptr::addr_of_mut!((*params_out).bytesize).write(bytes as usize);
+                std::ptr::addr_of_mut!((*params_out).dptr).write(base);
+                std::ptr::addr_of_mut!((*params_out).poolProps.allocType).cast::<u32>().write(1);
+                std::ptr::addr_of_mut!((*params_out).poolProps.location.type_).cast::<u32>().write(1);
+                std::ptr::addr_of_mut!((*params_out).poolProps.location.id).write(dev);
+            }
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
-    device: sys::CUdevice,
-    attr: c_int,
-    value: *mut c_void,
-) -> CUresult {
-    run(|| {
-        let p = device_pool(device)?;
-        let v = match attr {
-            USED_MEM_CURRENT => p.used,
-            USED_MEM_HIGH => p.used_high,
-            RESERVED_MEM_CURRENT => p.reserved,
-            RESERVED_MEM_HIGH => p.reserved_high,
-            _ => return Err(INVALID_VALUE),
-        };
-        // SAFETY: value is the caller's cuuint64_t out-pointer (checked by put).
-        unsafe { put(value.cast::<u64>(), v) }
-    })
-}
+    fn cuGraphMemFreeNodeGetParams(hNode, dptr_out) {
+        run(|| {
+            driver()?;
+            let op = handles::read().gnodes.get(&(hNode as usize)).map(|n| n.op.clone()).ok_or(INVALID_VALUE)?;
+            let Op::MemFree { base } = op else { return Err(INVALID_VALUE) };
+            // SAFETY: dptr_out is the caller's out-pointer (checked by put).
+            unsafe { put(dptr_out, base) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceSetGraphMemAttribute(
-    device: sys::CUdevice,
-    attr: c_int,
-    value: *mut c_void,
-) -> CUresult {
-    run(|| {
-        let mut p = device_pool(device)?;
-        // SAFETY: value is the caller's cuuint64_t (checked by get).
-        let v = unsafe { super::get(value.cast::<u64>().cast_const()) }?;
-        // Only the high watermarks can be set, and only to zero (which resets them to current).
-        match attr {
-            USED_MEM_HIGH if v == 0 => p.used_high = p.used,
-            RESERVED_MEM_HIGH if v == 0 => p.reserved_high = p.reserved,
-            _ => return Err(INVALID_VALUE),
-        }
-        Ok(())
-    })
-}
+    fn cuDeviceGetGraphMemAttribute(device, attr, value) {
+        run(|| {
+            let p = device_pool(device)?;
+            let v = match attr {
+                USED_MEM_CURRENT => p.used,
+                USED_MEM_HIGH => p.used_high,
+                RESERVED_MEM_CURRENT => p.reserved,
+                RESERVED_MEM_HIGH => p.reserved_high,
+                _ => return Err(INVALID_VALUE),
+            };
+            // SAFETY: value is the caller's cuuint64_t out-pointer (checked by put).
+            unsafe { put(value.cast::<u64>(), v) }
+        })
+    }
 
-/// `cuDeviceGraphMemTrim`: the pool's memory that no live allocation uses goes back to the
-/// device (nothing is executing or scheduled here: a launch runs its nodes before it returns).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: sys::CUdevice) -> CUresult {
-    run(|| {
-        let drv = driver()?;
-        let d = drv.device(device)?;
-        let mut p = pool(d)?;
-        let unused = p.reserved - p.used;
-        refund(drv.node, d.gpu, d.domain, unused, p.epoch);
-        p.reserved = p.used;
-        Ok(())
-    })
+    fn cuDeviceSetGraphMemAttribute(device, attr, value) {
+        run(|| {
+            let mut p = device_pool(device)?;
+            // SAFETY: value is the caller's cuuint64_t (checked by get).
+            let v = unsafe { super::get(value.cast::<u64>().cast_const()) }?;
+            // Only the high watermarks can be set, and only to zero (which resets them to current).
+            match attr {
+                USED_MEM_HIGH if v == 0 => p.used_high = p.used,
+                RESERVED_MEM_HIGH if v == 0 => p.reserved_high = p.reserved,
+                _ => return Err(INVALID_VALUE),
+            }
+            Ok(())
+        })
+    }
+
+    /// `cuDeviceGraphMemTrim`: the pool's memory that no live allocation uses goes back to the
+    /// device (nothing is executing or scheduled here: a launch runs its nodes before it returns).
+    fn cuDeviceGraphMemTrim(device) {
+        run(|| {
+            let drv = driver()?;
+            let d = drv.device(device)?;
+            let mut p = pool(d)?;
+            let unused = p.reserved - p.used;
+            refund(drv.node, d.gpu, d.domain, unused, p.epoch);
+            p.reserved = p.used;
+            Ok(())
+        })
+    }
 }

@@ -4,11 +4,12 @@
 //! The list is fixed by the first successful `cuInit`, as a real driver fixes it: a GPU switched to
 //! MIG mode or a compute instance created later is not seen by a process already initialized.
 
-use std::ffi::{c_int, c_uint};
+use std::ffi::c_int;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::*};
 use std::sync::{Mutex, OnceLock};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::{GpuIdentity, GpuModel, Node};
 
 use super::context::Primary;
@@ -275,28 +276,28 @@ fn init() -> R {
     Ok(())
 }
 
-/// `cuInit`: opens the node and fixes the device list (flags must be 0).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuInit(Flags: c_uint) -> CUresult {
-    run(|| {
-        if FORKED.load(Relaxed) {
-            return Err(CUresult::CUDA_ERROR_NOT_INITIALIZED);
-        }
-        if Flags != 0 {
-            return Err(super::INVALID_VALUE);
-        }
-        init()
-    })
-}
+cuda_exports! {
+    /// `cuInit`: opens the node and fixes the device list (flags must be 0).
+    fn cuInit(Flags) {
+        run(|| {
+            if FORKED.load(Relaxed) {
+                return Err(CUresult::CUDA_ERROR_NOT_INITIALIZED);
+            }
+            if Flags != 0 {
+                return Err(super::INVALID_VALUE);
+            }
+            init()
+        })
+    }
 
-/// `cuDriverGetVersion`: the node's CUDA driver version (works before `cuInit`, as the real one does).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDriverGetVersion(driverVersion: *mut c_int) -> CUresult {
-    run(|| {
-        let v = crate::process::node().map_or(12080, |n| n.description().cuda_driver_version);
-        // SAFETY: driverVersion is the caller's out-pointer.
-        unsafe { super::put(driverVersion, v as c_int) }
-    })
+    /// `cuDriverGetVersion`: the node's CUDA driver version (works before `cuInit`, as the real one does).
+    fn cuDriverGetVersion(driverVersion) {
+        run(|| {
+            let v = crate::process::node().map_or(12080, |n| n.description().cuda_driver_version);
+            // SAFETY: driverVersion is the caller's out-pointer.
+            unsafe { super::put(driverVersion, v as c_int) }
+        })
+    }
 }
 
 #[cfg(test)]

@@ -18,10 +18,12 @@ use std::ffi::{c_uint, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
+use tessera_abi::cuda_exports;
+
 use super::handles;
 use super::memory::{Alloc, MemKind};
-use super::{CUresult, context, init::driver};
-use super::{INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, run, sys};
+use super::{INVALID_CONTEXT, INVALID_HANDLE, INVALID_VALUE, OUT_OF_MEMORY, R, need, put, run};
+use super::{context, init::driver};
 
 const MAGIC: &[u8; 8] = b"TSIMIPC1";
 /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the one flag of `cuIpcOpenMemHandle`.
@@ -181,45 +183,35 @@ fn close_mem_handle(dptr: u64) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuIpcGetMemHandle(pHandle: *mut sys::CUipcMemHandle, dptr: sys::CUdeviceptr) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        let bytes = get_mem_handle(dptr)?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above); the struct is 64 chars.
-        unsafe { put(pHandle.cast::<[u8; 64]>(), bytes) }
-    })
-}
+cuda_exports! {
+    fn cuIpcGetMemHandle(pHandle, dptr) {
+        run(|| {
+            need(pHandle)?;
+            let bytes = get_mem_handle(dptr)?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above); the struct is 64 chars.
+            unsafe { put(pHandle.cast::<[u8; 64]>(), bytes) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuIpcOpenMemHandle_v2(
-    pdptr: *mut sys::CUdeviceptr,
-    handle: sys::CUipcMemHandle,
-    Flags: c_uint,
-) -> CUresult {
-    run(|| {
-        need(pdptr)?;
-        let bytes: [u8; 64] = handle.reserved.map(|c| c as u8);
-        let p = open_mem_handle(&bytes, Flags)?;
-        // SAFETY: pdptr is the caller's out-pointer (checked above).
-        unsafe { put(pdptr, p) }
-    })
-}
+    fn cuIpcOpenMemHandle_v2(pdptr, handle, Flags) {
+        run(|| {
+            need(pdptr)?;
+            let bytes: [u8; 64] = handle.reserved.map(|c| c as u8);
+            let p = open_mem_handle(&bytes, Flags)?;
+            // SAFETY: pdptr is the caller's out-pointer (checked above).
+            unsafe { put(pdptr, p) }
+        })
+    }
 
-/// The CUDA 4.1 entry point, by value as well.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuIpcOpenMemHandle(
-    pdptr: *mut sys::CUdeviceptr,
-    handle: sys::CUipcMemHandle,
-    Flags: c_uint,
-) -> CUresult {
-    // SAFETY: same contract.
-    unsafe { cuIpcOpenMemHandle_v2(pdptr, handle, Flags) }
-}
+    /// The CUDA 4.1 entry point, by value as well.
+    fn cuIpcOpenMemHandle(pdptr, handle, Flags) {
+        // SAFETY: same contract.
+        unsafe { cuIpcOpenMemHandle_v2(pdptr, handle, Flags) }
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuIpcCloseMemHandle(dptr: sys::CUdeviceptr) -> CUresult {
-    run(|| close_mem_handle(dptr))
+    fn cuIpcCloseMemHandle(dptr) {
+        run(|| close_mem_handle(dptr))
+    }
 }
 
 #[cfg(test)]

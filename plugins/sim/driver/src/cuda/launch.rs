@@ -5,6 +5,7 @@
 
 use std::ffi::{c_uint, c_void};
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::GpuModel;
 
 use super::errors::{Cu, poll_faults};
@@ -97,98 +98,28 @@ unsafe fn first_u64(params: *mut *mut c_void) -> Option<u64> {
     (!first.is_null()).then(|| unsafe { first.cast::<u64>().read_unaligned() })
 }
 
-#[allow(clippy::too_many_arguments)]
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernel(
-    f: sys::CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: sys::CUstream,
-    kernelParams: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    let l = Launch {
-        grid: [gridDimX, gridDimY, gridDimZ],
-        block: [blockDimX, blockDimY, blockDimZ],
-        smem: sharedMemBytes,
-        cooperative: false,
-    };
-    run(|| launch(f, l, hStream, kernelParams, extra, false))
-}
+cuda_exports! {
+    #[allow(clippy::too_many_arguments)]
+    fn cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams, extra) twin cuLaunchKernel_ptsz(per_thread) {
+        let l = Launch {
+            grid: [gridDimX, gridDimY, gridDimZ],
+            block: [blockDimX, blockDimY, blockDimZ],
+            smem: sharedMemBytes,
+            cooperative: false,
+        };
+        run(|| launch(f, l, hStream, kernelParams, extra, per_thread))
+    }
 
-#[allow(clippy::too_many_arguments)]
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernel_ptsz(
-    f: sys::CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: sys::CUstream,
-    kernelParams: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    let l = Launch {
-        grid: [gridDimX, gridDimY, gridDimZ],
-        block: [blockDimX, blockDimY, blockDimZ],
-        smem: sharedMemBytes,
-        cooperative: false,
-    };
-    run(|| launch(f, l, hStream, kernelParams, extra, true))
-}
-
-#[allow(clippy::too_many_arguments)]
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel(
-    f: sys::CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: sys::CUstream,
-    kernelParams: *mut *mut c_void,
-) -> CUresult {
-    let l = Launch {
-        grid: [gridDimX, gridDimY, gridDimZ],
-        block: [blockDimX, blockDimY, blockDimZ],
-        smem: sharedMemBytes,
-        cooperative: true,
-    };
-    run(|| launch(f, l, hStream, kernelParams, std::ptr::null_mut(), false))
-}
-
-#[allow(clippy::too_many_arguments)]
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchCooperativeKernel_ptsz(
-    f: sys::CUfunction,
-    gridDimX: c_uint,
-    gridDimY: c_uint,
-    gridDimZ: c_uint,
-    blockDimX: c_uint,
-    blockDimY: c_uint,
-    blockDimZ: c_uint,
-    sharedMemBytes: c_uint,
-    hStream: sys::CUstream,
-    kernelParams: *mut *mut c_void,
-) -> CUresult {
-    let l = Launch {
-        grid: [gridDimX, gridDimY, gridDimZ],
-        block: [blockDimX, blockDimY, blockDimZ],
-        smem: sharedMemBytes,
-        cooperative: true,
-    };
-    run(|| launch(f, l, hStream, kernelParams, std::ptr::null_mut(), true))
+    #[allow(clippy::too_many_arguments)]
+    fn cuLaunchCooperativeKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams) twin cuLaunchCooperativeKernel_ptsz(per_thread) {
+        let l = Launch {
+            grid: [gridDimX, gridDimY, gridDimZ],
+            block: [blockDimX, blockDimY, blockDimZ],
+            smem: sharedMemBytes,
+            cooperative: true,
+        };
+        run(|| launch(f, l, hStream, kernelParams, std::ptr::null_mut(), per_thread))
+    }
 }
 
 /// `cuLaunchKernelEx`: the configuration struct, with its attributes (only cooperative launch
@@ -247,26 +178,11 @@ pub(super) unsafe fn for_each_attribute(c: &sys::CUlaunchConfig, mut f: impl FnM
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx(
-    config: *const sys::CUlaunchConfig,
-    f: sys::CUfunction,
-    kernelParams: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the caller's configuration, per the API contract.
-    run(|| unsafe { launch_ex(config, f, kernelParams, extra, false) })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
-    config: *const sys::CUlaunchConfig,
-    f: sys::CUfunction,
-    kernelParams: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the caller's configuration, per the API contract.
-    run(|| unsafe { launch_ex(config, f, kernelParams, extra, true) })
+cuda_exports! {
+    fn cuLaunchKernelEx(config, f, kernelParams, extra) twin cuLaunchKernelEx_ptsz(per_thread) {
+        // SAFETY: the caller's configuration, per the API contract.
+        run(|| unsafe { launch_ex(config, f, kernelParams, extra, per_thread) })
+    }
 }
 
 fn host_func(stream: sys::CUstream, f: sys::CUhostFn, data: *mut c_void, pt: bool) -> R {
@@ -276,20 +192,8 @@ fn host_func(stream: sys::CUstream, f: sys::CUhostFn, data: *mut c_void, pt: boo
     super::graph::submit(node, &t, Op::Host { f, data: data as usize })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchHostFunc(
-    hStream: sys::CUstream,
-    fn_: sys::CUhostFn,
-    userData: *mut c_void,
-) -> CUresult {
-    run(|| host_func(hStream, fn_, userData, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchHostFunc_ptsz(
-    hStream: sys::CUstream,
-    fn_: sys::CUhostFn,
-    userData: *mut c_void,
-) -> CUresult {
-    run(|| host_func(hStream, fn_, userData, true))
+cuda_exports! {
+    fn cuLaunchHostFunc(hStream, fn_, userData) twin cuLaunchHostFunc_ptsz(per_thread) {
+        run(|| host_func(hStream, fn_, userData, per_thread))
+    }
 }

@@ -5,8 +5,10 @@
 //! valid until `cuLinkDestroy`, as the real driver's does.
 
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard};
+
+use tessera_abi::cuda_exports;
 
 use super::init::driver;
 use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, R, cstr, handles, need, put, run, sys};
@@ -49,25 +51,15 @@ fn create(state: *mut sys::CUlinkState) -> R {
     unsafe { put(state, handles::as_ptr(h)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkCreate_v2(
-    _numOptions: c_uint,
-    _options: *mut c_int,
-    _optionValues: *mut *mut c_void,
-    stateOut: *mut sys::CUlinkState,
-) -> CUresult {
-    run(|| create(stateOut))
-}
+cuda_exports! {
+    fn cuLinkCreate_v2(_numOptions, _options, _optionValues, stateOut) {
+        run(|| create(stateOut))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkCreate(
-    numOptions: c_uint,
-    options: *mut c_int,
-    optionValues: *mut *mut c_void,
-    stateOut: *mut sys::CUlinkState,
-) -> CUresult {
-    // SAFETY: the same contract as cuLinkCreate_v2.
-    unsafe { cuLinkCreate_v2(numOptions, options, optionValues, stateOut) }
+    fn cuLinkCreate(numOptions, options, optionValues, stateOut) {
+        // SAFETY: the same contract as cuLinkCreate_v2.
+        unsafe { cuLinkCreate_v2(numOptions, options, optionValues, stateOut) }
+    }
 }
 
 fn add(state: sys::CUlinkState, kind: c_int, data: &[u8]) -> R {
@@ -91,112 +83,72 @@ fn add(state: sys::CUlinkState, kind: c_int, data: &[u8]) -> R {
     })
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkAddData_v2(
-    state: sys::CUlinkState,
-    type_: c_int,
-    data: *mut c_void,
-    size: usize,
-    _name: *const c_char,
-    _numOptions: c_uint,
-    _options: *mut c_int,
-    _optionValues: *mut *mut c_void,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        if data.is_null() || size == 0 {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: the caller passes `size` readable bytes at `data`.
-        let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) };
-        add(state, type_, bytes)
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkAddData(
-    state: sys::CUlinkState,
-    type_: c_int,
-    data: *mut c_void,
-    size: usize,
-    name: *const c_char,
-    numOptions: c_uint,
-    options: *mut c_int,
-    optionValues: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the same contract as cuLinkAddData_v2.
-    unsafe { cuLinkAddData_v2(state, type_, data, size, name, numOptions, options, optionValues) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkAddFile_v2(
-    state: sys::CUlinkState,
-    type_: c_int,
-    path: *const c_char,
-    _numOptions: c_uint,
-    _options: *mut c_int,
-    _optionValues: *mut *mut c_void,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        // SAFETY: the caller's NUL-terminated path.
-        let path = unsafe { cstr(path) }?;
-        let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
-        add(state, type_, &bytes)
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkAddFile(
-    state: sys::CUlinkState,
-    type_: c_int,
-    path: *const c_char,
-    numOptions: c_uint,
-    options: *mut c_int,
-    optionValues: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the same contract as cuLinkAddFile_v2.
-    unsafe { cuLinkAddFile_v2(state, type_, path, numOptions, options, optionValues) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkComplete(
-    state: sys::CUlinkState,
-    cubinOut: *mut *mut c_void,
-    sizeOut: *mut usize,
-) -> CUresult {
-    run(|| {
-        need(cubinOut)?;
-        need(sizeOut)?;
-        driver()?;
-        let (p, n) = with_link(state, |l| {
-            if l.inputs == 0 {
+cuda_exports! {
+    fn cuLinkAddData_v2(state, type_, data, size, _name, _numOptions, _options, _optionValues) {
+        run(|| {
+            driver()?;
+            if data.is_null() || size == 0 {
                 return Err(INVALID_VALUE);
             }
-            let out = l.output.get_or_insert_with(|| {
-                if l.binary {
-                    OPAQUE_IMAGE.to_vec()
-                } else {
-                    let mut text = std::mem::take(&mut l.ptx);
-                    text.push(0);
-                    text
-                }
-            });
-            Ok((out.as_mut_ptr(), out.len()))
-        })?;
-        // SAFETY: both are the caller's out-pointers (checked above); the image lives in the link
-        // state until cuLinkDestroy (its Vec is not touched again before).
-        unsafe {
-            put(cubinOut, p.cast())?;
-            put(sizeOut, n)
-        }
-    })
-}
+            // SAFETY: the caller passes `size` readable bytes at `data`.
+            let bytes = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size) };
+            add(state, type_, bytes)
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLinkDestroy(state: sys::CUlinkState) -> CUresult {
-    run(|| {
-        driver()?;
-        links().as_mut().and_then(|m| m.remove(&(state as usize))).map(drop).ok_or(INVALID_HANDLE)
-    })
+    fn cuLinkAddData(state, type_, data, size, name, numOptions, options, optionValues) {
+        // SAFETY: the same contract as cuLinkAddData_v2.
+        unsafe { cuLinkAddData_v2(state, type_, data, size, name, numOptions, options, optionValues) }
+    }
+
+    fn cuLinkAddFile_v2(state, type_, path, _numOptions, _options, _optionValues) {
+        run(|| {
+            driver()?;
+            // SAFETY: the caller's NUL-terminated path.
+            let path = unsafe { cstr(path) }?;
+            let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
+            add(state, type_, &bytes)
+        })
+    }
+
+    fn cuLinkAddFile(state, type_, path, numOptions, options, optionValues) {
+        // SAFETY: the same contract as cuLinkAddFile_v2.
+        unsafe { cuLinkAddFile_v2(state, type_, path, numOptions, options, optionValues) }
+    }
+
+    fn cuLinkComplete(state, cubinOut, sizeOut) {
+        run(|| {
+            need(cubinOut)?;
+            need(sizeOut)?;
+            driver()?;
+            let (p, n) = with_link(state, |l| {
+                if l.inputs == 0 {
+                    return Err(INVALID_VALUE);
+                }
+                let out = l.output.get_or_insert_with(|| {
+                    if l.binary {
+                        OPAQUE_IMAGE.to_vec()
+                    } else {
+                        let mut text = std::mem::take(&mut l.ptx);
+                        text.push(0);
+                        text
+                    }
+                });
+                Ok((out.as_mut_ptr(), out.len()))
+            })?;
+            // SAFETY: both are the caller's out-pointers (checked above); the image lives in the link
+            // state until cuLinkDestroy (its Vec is not touched again before).
+            unsafe {
+                put(cubinOut, p.cast())?;
+                put(sizeOut, n)
+            }
+        })
+    }
+
+    fn cuLinkDestroy(state) {
+        run(|| {
+            driver()?;
+            links().as_mut().and_then(|m| m.remove(&(state as usize))).map(drop).ok_or(INVALID_HANDLE)
+        })
+    }
 }

@@ -15,6 +15,8 @@ use std::ffi::{c_int, c_uint, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 
+use tessera_abi::cuda::MemLocation;
+use tessera_abi::cuda_exports;
 use tessera_sim_model::{MAX_GPUS, MAX_MIG, Node};
 
 use super::context::{self, Ctx};
@@ -266,56 +268,54 @@ fn mem_info() -> R<(u64, u64)> {
     Ok((mi.free, ctx.dev.total_mem))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    run(|| {
-        need(free)?;
-        need(total)?;
-        let (f, t) = mem_info()?;
-        // SAFETY: free and total are the caller's out-pointers (checked above).
-        unsafe {
-            put(free, f as usize)?;
-            put(total, t as usize)
-        }
-    })
-}
+cuda_exports! {
+    fn cuMemGetInfo_v2(free, total) {
+        run(|| {
+            need(free)?;
+            need(total)?;
+            let (f, t) = mem_info()?;
+            // SAFETY: free and total are the caller's out-pointers (checked above).
+            unsafe {
+                put(free, f as usize)?;
+                put(total, t as usize)
+            }
+        })
+    }
 
-/// Legacy `cuMemGetInfo` (32-bit sizes, saturated).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> CUresult {
-    run(|| {
-        need(free)?;
-        need(total)?;
-        let (f, t) = mem_info()?;
-        // SAFETY: free and total are the caller's out-pointers (checked above).
-        unsafe {
-            put(free, f.min(u32::MAX as u64) as c_uint)?;
-            put(total, t.min(u32::MAX as u64) as c_uint)
-        }
-    })
-}
+    /// Legacy `cuMemGetInfo` (32-bit sizes, saturated).
+    fn cuMemGetInfo(free, total) {
+        run(|| {
+            need(free)?;
+            need(total)?;
+            let (f, t) = mem_info()?;
+            // SAFETY: free and total are the caller's out-pointers (checked above).
+            unsafe {
+                put(free, f.min(u32::MAX as u64) as c_uint)?;
+                put(total, t.min(u32::MAX as u64) as c_uint)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut sys::CUdeviceptr, bytesize: usize) -> CUresult {
-    run(|| {
-        need(dptr)?;
-        let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, false)?;
-        // SAFETY: dptr is the caller's out-pointer (checked above).
-        unsafe { put(dptr, p) }
-    })
-}
+    fn cuMemAlloc_v2(dptr, bytesize) {
+        run(|| {
+            need(dptr)?;
+            let (node, ctx) = ctx_for_work()?;
+            let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, false)?;
+            // SAFETY: dptr is the caller's out-pointer (checked above).
+            unsafe { put(dptr, p) }
+        })
+    }
 
-/// Legacy `cuMemAlloc`: a 32-bit device pointer, so the memory is mapped below 4 GiB.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, bytesize: c_uint) -> CUresult {
-    run(|| {
-        need(dptr)?;
-        let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, true)?;
-        // SAFETY: dptr is the caller's out-pointer (checked above).
-        unsafe { put(dptr, p as c_uint) }
-    })
+    /// Legacy `cuMemAlloc`: a 32-bit device pointer, so the memory is mapped below 4 GiB.
+    fn cuMemAlloc(dptr, bytesize) {
+        run(|| {
+            need(dptr)?;
+            let (node, ctx) = ctx_for_work()?;
+            let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, true)?;
+            // SAFETY: dptr is the caller's out-pointer (checked above).
+            unsafe { put(dptr, p as c_uint) }
+        })
+    }
 }
 
 /// The pitch `cuMemAllocPitch` picks: rows aligned to 512 bytes (the texture alignment).
@@ -326,83 +326,70 @@ fn pitch_for(width: u64, elem: u32) -> R<u64> {
     Ok(width.div_ceil(512) * 512)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch_v2(
-    dptr: *mut sys::CUdeviceptr,
-    pPitch: *mut usize,
-    WidthInBytes: usize,
-    Height: usize,
-    ElementSizeBytes: c_uint,
-) -> CUresult {
-    run(|| {
-        need(dptr)?;
-        need(pPitch)?;
-        let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
-        let bytes = pitch.checked_mul(Height as u64).ok_or(INVALID_VALUE)?;
-        let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytes, MemKind::Device, false)?;
-        // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
-        unsafe {
-            put(dptr, p)?;
-            put(pPitch, pitch as usize)
-        }
-    })
-}
+cuda_exports! {
+    fn cuMemAllocPitch_v2(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) {
+        run(|| {
+            need(dptr)?;
+            need(pPitch)?;
+            let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
+            let bytes = pitch.checked_mul(Height as u64).ok_or(INVALID_VALUE)?;
+            let (node, ctx) = ctx_for_work()?;
+            let p = alloc_in(node, &ctx, bytes, MemKind::Device, false)?;
+            // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
+            unsafe {
+                put(dptr, p)?;
+                put(pPitch, pitch as usize)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocPitch(
-    dptr: *mut c_uint,
-    pPitch: *mut c_uint,
-    WidthInBytes: c_uint,
-    Height: c_uint,
-    ElementSizeBytes: c_uint,
-) -> CUresult {
-    run(|| {
-        need(dptr)?;
-        need(pPitch)?;
-        let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
-        let bytes = pitch * Height as u64;
-        let (node, ctx) = ctx_for_work()?;
-        let p = alloc_in(node, &ctx, bytes, MemKind::Device, true)?;
-        // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
-        unsafe {
-            put(dptr, p as c_uint)?;
-            put(pPitch, pitch as c_uint)
-        }
-    })
+    fn cuMemAllocPitch(dptr, pPitch, WidthInBytes, Height, ElementSizeBytes) {
+        run(|| {
+            need(dptr)?;
+            need(pPitch)?;
+            let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
+            let bytes = pitch * Height as u64;
+            let (node, ctx) = ctx_for_work()?;
+            let p = alloc_in(node, &ctx, bytes, MemKind::Device, true)?;
+            // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
+            unsafe {
+                put(dptr, p as c_uint)?;
+                put(pPitch, pitch as c_uint)
+            }
+        })
+    }
 }
 
 /// `CU_MEM_ATTACH_GLOBAL` / `CU_MEM_ATTACH_HOST`.
 const MEM_ATTACH_GLOBAL: c_uint = 0x1;
 const MEM_ATTACH_HOST: c_uint = 0x2;
 
-/// `cuMemAllocManaged`: as on a real driver, managed memory may exceed the device's (it pages
-/// between host and device). The sim charges the device what is free at allocation (the pages a
-/// program that touches its memory on the GPU keeps resident) and keeps the rest on the host; it
-/// does not evict managed pages for later allocations.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut sys::CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    run(|| {
-        need(dptr)?;
-        if flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST {
-            return Err(INVALID_VALUE);
-        }
-        let (node, ctx) = ctx_for_work()?;
-        let bytes = bytesize as u64;
-        let p = alloc_charging(node, &ctx, bytes, |free| Ok(bytes.min(free)), MemKind::Managed, false)?;
-        // SAFETY: dptr is the caller's out-pointer (checked above).
-        unsafe { put(dptr, p) }
-    })
-}
+cuda_exports! {
+    /// `cuMemAllocManaged`: as on a real driver, managed memory may exceed the device's (it pages
+    /// between host and device). The sim charges the device what is free at allocation (the pages a
+    /// program that touches its memory on the GPU keeps resident) and keeps the rest on the host; it
+    /// does not evict managed pages for later allocations.
+    fn cuMemAllocManaged(dptr, bytesize, flags) {
+        run(|| {
+            need(dptr)?;
+            if flags != MEM_ATTACH_GLOBAL && flags != MEM_ATTACH_HOST {
+                return Err(INVALID_VALUE);
+            }
+            let (node, ctx) = ctx_for_work()?;
+            let bytes = bytesize as u64;
+            let p = alloc_charging(node, &ctx, bytes, |free| Ok(bytes.min(free)), MemKind::Managed, false)?;
+            // SAFETY: dptr is the caller's out-pointer (checked above).
+            unsafe { put(dptr, p) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree_v2(dptr: sys::CUdeviceptr) -> CUresult {
-    run(|| free_device(dptr))
-}
+    fn cuMemFree_v2(dptr) {
+        run(|| free_device(dptr))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
-    run(|| free_device(dptr as u64))
+    fn cuMemFree(dptr) {
+        run(|| free_device(dptr as u64))
+    }
 }
 
 /// The allocation (device memory) containing an address.
@@ -418,32 +405,28 @@ fn range_of(dptr: u64) -> R<(u64, u64)> {
     Err(super::NOT_FOUND)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetAddressRange_v2(
-    pbase: *mut sys::CUdeviceptr,
-    psize: *mut usize,
-    dptr: sys::CUdeviceptr,
-) -> CUresult {
-    run(|| {
-        let (b, s) = range_of(dptr)?;
-        // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
-        unsafe {
-            put_opt(pbase, b)?;
-            put_opt(psize, s as usize)
-        }
-    })
-}
+cuda_exports! {
+    fn cuMemGetAddressRange_v2(pbase, psize, dptr) {
+        run(|| {
+            let (b, s) = range_of(dptr)?;
+            // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
+            unsafe {
+                put_opt(pbase, b)?;
+                put_opt(psize, s as usize)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemGetAddressRange(pbase: *mut c_uint, psize: *mut c_uint, dptr: c_uint) -> CUresult {
-    run(|| {
-        let (b, s) = range_of(dptr as u64)?;
-        // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
-        unsafe {
-            put_opt(pbase, b as c_uint)?;
-            put_opt(psize, s as c_uint)
-        }
-    })
+    fn cuMemGetAddressRange(pbase, psize, dptr) {
+        run(|| {
+            let (b, s) = range_of(dptr as u64)?;
+            // SAFETY: pbase and psize are the caller's out-pointers; either may be null.
+            unsafe {
+                put_opt(pbase, b as c_uint)?;
+                put_opt(psize, s as c_uint)
+            }
+        })
+    }
 }
 
 // ---- Host memory -----------------------------------------------------------------------------
@@ -462,53 +445,51 @@ fn host_alloc(bytes: u64, flags: c_uint) -> R<u64> {
     Ok(base)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) -> CUresult {
-    run(|| {
-        need(pp)?;
-        let p = host_alloc(bytesize as u64, 0)?;
-        // SAFETY: pp is the caller's out-pointer (checked above).
-        unsafe { put(pp, p as *mut c_void) }
-    })
-}
+cuda_exports! {
+    fn cuMemAllocHost_v2(pp, bytesize) {
+        run(|| {
+            need(pp)?;
+            let p = host_alloc(bytesize as u64, 0)?;
+            // SAFETY: pp is the caller's out-pointer (checked above).
+            unsafe { put(pp, p as *mut c_void) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocHost(pp: *mut *mut c_void, bytesize: c_uint) -> CUresult {
-    run(|| {
-        need(pp)?;
-        let p = host_alloc(bytesize as u64, 0)?;
-        // SAFETY: pp is the caller's out-pointer (checked above).
-        unsafe { put(pp, p as *mut c_void) }
-    })
-}
+    fn cuMemAllocHost(pp, bytesize) {
+        run(|| {
+            need(pp)?;
+            let p = host_alloc(bytesize as u64, 0)?;
+            // SAFETY: pp is the caller's out-pointer (checked above).
+            unsafe { put(pp, p as *mut c_void) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
-    run(|| {
-        need(pp)?;
-        let p = host_alloc(bytesize as u64, Flags)?;
-        // SAFETY: pp is the caller's out-pointer (checked above).
-        unsafe { put(pp, p as *mut c_void) }
-    })
-}
+    fn cuMemHostAlloc(pp, bytesize, Flags) {
+        run(|| {
+            need(pp)?;
+            let p = host_alloc(bytesize as u64, Flags)?;
+            // SAFETY: pp is the caller's out-pointer (checked above).
+            unsafe { put(pp, p as *mut c_void) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        if p.is_null() {
-            return Ok(()); // `free(NULL)` semantics, as the real driver
-        }
-        let a = {
-            let mut reg = handles::write();
-            match reg.mem.get(&(p as u64)) {
-                Some(a) if matches!(a.kind, MemKind::Host(_)) => reg.mem.remove(&(p as u64)).expect("checked above"),
-                _ => return Err(INVALID_VALUE),
+    fn cuMemFreeHost(p) {
+        run(|| {
+            let node = driver()?.node;
+            if p.is_null() {
+                return Ok(()); // `free(NULL)` semantics, as the real driver
             }
-        };
-        release(node, &a);
-        Ok(())
-    })
+            let a = {
+                let mut reg = handles::write();
+                match reg.mem.get(&(p as u64)) {
+                    Some(a) if matches!(a.kind, MemKind::Host(_)) => reg.mem.remove(&(p as u64)).expect("checked above"),
+                    _ => return Err(INVALID_VALUE),
+                }
+            };
+            release(node, &a);
+            Ok(())
+        })
+    }
 }
 
 /// The host allocation or registration containing `p`.
@@ -526,43 +507,38 @@ fn host_device_pointer(p: u64, flags: c_uint) -> R<u64> {
     host_range(&reg, p).map(|_| p).ok_or(INVALID_VALUE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
-    pdptr: *mut sys::CUdeviceptr,
-    p: *mut c_void,
-    Flags: c_uint,
-) -> CUresult {
-    run(|| {
-        need(pdptr)?;
-        let d = host_device_pointer(p as u64, Flags)?;
-        // SAFETY: pdptr is the caller's out-pointer (checked above).
-        unsafe { put(pdptr, d) }
-    })
-}
+cuda_exports! {
+    fn cuMemHostGetDevicePointer_v2(pdptr, p, Flags) {
+        run(|| {
+            need(pdptr)?;
+            let d = host_device_pointer(p as u64, Flags)?;
+            // SAFETY: pdptr is the caller's out-pointer (checked above).
+            unsafe { put(pdptr, d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostGetDevicePointer(pdptr: *mut c_uint, p: *mut c_void, Flags: c_uint) -> CUresult {
-    run(|| {
-        need(pdptr)?;
-        let d = host_device_pointer(p as u64, Flags)?;
-        let d = c_uint::try_from(d).map_err(|_| INVALID_VALUE)?;
-        // SAFETY: pdptr is the caller's out-pointer (checked above).
-        unsafe { put(pdptr, d) }
-    })
-}
+    fn cuMemHostGetDevicePointer(pdptr, p, Flags) {
+        run(|| {
+            need(pdptr)?;
+            let d = host_device_pointer(p as u64, Flags)?;
+            let d = c_uint::try_from(d).map_err(|_| INVALID_VALUE)?;
+            // SAFETY: pdptr is the caller's out-pointer (checked above).
+            unsafe { put(pdptr, d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostGetFlags(pFlags: *mut c_uint, p: *mut c_void) -> CUresult {
-    run(|| {
-        need(pFlags)?;
-        ctx_for_work()?;
-        let flags = match handles::read().alloc_at(p as u64).map(|a| a.kind) {
-            Some(MemKind::Host(f) | MemKind::Registered(f)) => f,
-            _ => return Err(INVALID_VALUE),
-        };
-        // SAFETY: pFlags is the caller's out-pointer (checked above).
-        unsafe { put(pFlags, flags) }
-    })
+    fn cuMemHostGetFlags(pFlags, p) {
+        run(|| {
+            need(pFlags)?;
+            ctx_for_work()?;
+            let flags = match handles::read().alloc_at(p as u64).map(|a| a.kind) {
+                Some(MemKind::Host(f) | MemKind::Registered(f)) => f,
+                _ => return Err(INVALID_VALUE),
+            };
+            // SAFETY: pFlags is the caller's out-pointer (checked above).
+            unsafe { put(pFlags, flags) }
+        })
+    }
 }
 
 fn host_register(p: u64, bytes: u64, flags: c_uint) -> R {
@@ -581,29 +557,28 @@ fn host_register(p: u64, bytes: u64, flags: c_uint) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
-    run(|| host_register(p as u64, bytesize as u64, Flags))
-}
+cuda_exports! {
+    fn cuMemHostRegister_v2(p, bytesize, Flags) {
+        run(|| host_register(p as u64, bytesize as u64, Flags))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostRegister(p: *mut c_void, bytesize: usize, Flags: c_uint) -> CUresult {
-    run(|| host_register(p as u64, bytesize as u64, Flags))
-}
+    fn cuMemHostRegister(p, bytesize, Flags) {
+        run(|| host_register(p as u64, bytesize as u64, Flags))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
-    run(|| {
-        driver()?;
-        let mut reg = handles::write();
-        match reg.mem.get(&(p as u64)) {
-            Some(a) if matches!(a.kind, MemKind::Registered(_)) => {
-                reg.mem.remove(&(p as u64));
-                Ok(())
+    fn cuMemHostUnregister(p) {
+        run(|| {
+            driver()?;
+            let mut reg = handles::write();
+            match reg.mem.get(&(p as u64)) {
+                Some(a) if matches!(a.kind, MemKind::Registered(_)) => {
+                    reg.mem.remove(&(p as u64));
+                    Ok(())
+                }
+                _ => Err(CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
             }
-            _ => Err(CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
-        }
-    })
+        })
+    }
 }
 
 // ---- Pointer attributes -----------------------------------------------------------------------
@@ -712,72 +687,62 @@ unsafe fn write_attr(data: *mut c_void, attribute: c_int, p: u64, info: Option<&
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: sys::CUdeviceptr) -> CUresult {
-    run(|| {
-        if data.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        driver()?;
-        let reg = handles::read();
-        let info = ptr_info(&reg, ptr).ok_or(INVALID_VALUE)?;
-        // SAFETY: data has room for the attribute's type by the caller's contract.
-        unsafe { write_attr(data, attribute, ptr, Some(&info)) }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuPointerGetAttributes(
-    numAttributes: c_uint,
-    attributes: *mut c_int,
-    data: *mut *mut c_void,
-    ptr: sys::CUdeviceptr,
-) -> CUresult {
-    run(|| {
-        if numAttributes == 0 || attributes.is_null() || data.is_null() {
-            return Err(INVALID_VALUE);
-        }
-        driver()?;
-        let reg = handles::read();
-        let info = ptr_info(&reg, ptr);
-        for i in 0..numAttributes as usize {
-            // SAFETY: attributes and data hold numAttributes entries by the caller's contract.
-            let (attr, slot) = unsafe { (get(attributes.add(i))?, get(data.add(i))?) };
-            if slot.is_null() {
-                continue;
+cuda_exports! {
+    fn cuPointerGetAttribute(data, attribute, ptr) {
+        run(|| {
+            if data.is_null() {
+                return Err(INVALID_VALUE);
             }
-            // SAFETY: each data entry has room for its attribute's type by the caller's contract.
-            match unsafe { write_attr(slot, attr, ptr, info.as_ref()) } {
-                // Unlike the single query, no error for what a pointer does not have.
-                Ok(()) | Err(CUresult::CUDA_ERROR_INVALID_VALUE) if attr > 0 && attr <= ATTR_MEMORY_BLOCK_ID => {}
-                Ok(()) => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
-    })
-}
+            driver()?;
+            let reg = handles::read();
+            let info = ptr_info(&reg, ptr).ok_or(INVALID_VALUE)?;
+            // SAFETY: data has room for the attribute's type by the caller's contract.
+            unsafe { write_attr(data, attribute, ptr, Some(&info)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuPointerSetAttribute(
-    value: *const c_void,
-    attribute: c_int,
-    ptr: sys::CUdeviceptr,
-) -> CUresult {
-    run(|| {
-        if attribute != ATTR_SYNC_MEMOPS {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: for SYNC_MEMOPS, value points to an unsigned int by the API contract.
-        let v = unsafe { get(value.cast::<c_uint>()) }?;
-        driver()?;
-        let mut reg = handles::write();
-        let base = reg.alloc_at(ptr).filter(|a| a.on_device()).map(|a| a.base).ok_or(INVALID_VALUE)?;
-        if let Some(a) = reg.mem.get_mut(&base) {
-            a.sync_memops = v != 0;
-        }
-        Ok(())
-    })
+    fn cuPointerGetAttributes(numAttributes, attributes, data, ptr) {
+        run(|| {
+            if numAttributes == 0 || attributes.is_null() || data.is_null() {
+                return Err(INVALID_VALUE);
+            }
+            driver()?;
+            let reg = handles::read();
+            let info = ptr_info(&reg, ptr);
+            for i in 0..numAttributes as usize {
+                // SAFETY: attributes and data hold numAttributes entries by the caller's contract.
+                let (attr, slot) = unsafe { (get(attributes.add(i))?, get(data.add(i))?) };
+                if slot.is_null() {
+                    continue;
+                }
+                // SAFETY: each data entry has room for its attribute's type by the caller's contract.
+                match unsafe { write_attr(slot, attr, ptr, info.as_ref()) } {
+                    // Unlike the single query, no error for what a pointer does not have.
+                    Ok(()) | Err(CUresult::CUDA_ERROR_INVALID_VALUE) if attr > 0 && attr <= ATTR_MEMORY_BLOCK_ID => {}
+                    Ok(()) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn cuPointerSetAttribute(value, attribute, ptr) {
+        run(|| {
+            if attribute != ATTR_SYNC_MEMOPS {
+                return Err(INVALID_VALUE);
+            }
+            // SAFETY: for SYNC_MEMOPS, value points to an unsigned int by the API contract.
+            let v = unsafe { get(value.cast::<c_uint>()) }?;
+            driver()?;
+            let mut reg = handles::write();
+            let base = reg.alloc_at(ptr).filter(|a| a.on_device()).map(|a| a.base).ok_or(INVALID_VALUE)?;
+            if let Some(a) = reg.mem.get_mut(&base) {
+                a.sync_memops = v != 0;
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Validates a managed-memory hint's range; the simulated GPU keeps no page placement.
@@ -798,48 +763,24 @@ fn prefetch(dev_ptr: u64, count: usize, dst: c_int, stream: sys::CUstream, pt: b
     super::stream::resolve_and_check(stream, pt).map(|_| ())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPrefetchAsync(
-    devPtr: sys::CUdeviceptr,
-    count: usize,
-    dstDevice: c_int,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| prefetch(devPtr, count, dstDevice, hStream, false))
-}
+cuda_exports! {
+    fn cuMemPrefetchAsync(devPtr, count, dstDevice, hStream) twin cuMemPrefetchAsync_ptsz(per_thread) {
+        run(|| prefetch(devPtr, count, dstDevice, hStream, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPrefetchAsync_ptsz(
-    devPtr: sys::CUdeviceptr,
-    count: usize,
-    dstDevice: c_int,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| prefetch(devPtr, count, dstDevice, hStream, true))
+    fn cuMemAdvise(devPtr, count, advice, device) {
+        run(|| {
+            let d = driver()?;
+            if !(1..=6).contains(&advice) {
+                return Err(INVALID_VALUE);
+            }
+            if device != -1 {
+                d.device(device)?;
+            }
+            managed_range(devPtr, count)
+        })
+    }
 }
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAdvise(devPtr: sys::CUdeviceptr, count: usize, advice: c_int, device: c_int) -> CUresult {
-    run(|| {
-        let d = driver()?;
-        if !(1..=6).contains(&advice) {
-            return Err(INVALID_VALUE);
-        }
-        if device != -1 {
-            d.device(device)?;
-        }
-        managed_range(devPtr, count)
-    })
-}
-
-/// `CUmemLocation` passed by value, its type read as the raw integer C passed.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct MemLocation {
-    type_: u32,
-    id: c_int,
-}
-const _: () = assert!(std::mem::size_of::<MemLocation>() == std::mem::size_of::<sys::CUmemLocation>());
 
 /// A location a managed-memory hint may name: a device, or the host (types 2-4).
 fn check_location(loc: MemLocation) -> R {
@@ -860,43 +801,21 @@ fn prefetch_v2(dev_ptr: u64, count: usize, loc: MemLocation, flags: c_uint, stre
     super::stream::resolve_and_check(stream, pt).map(|_| ())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPrefetchAsync_v2(
-    devPtr: sys::CUdeviceptr,
-    count: usize,
-    location: MemLocation,
-    flags: c_uint,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| prefetch_v2(devPtr, count, location, flags, hStream, false))
-}
+cuda_exports! {
+    fn cuMemPrefetchAsync_v2(devPtr, count, location, flags, hStream) twin cuMemPrefetchAsync_v2_ptsz(per_thread) {
+        run(|| prefetch_v2(devPtr, count, location, flags, hStream, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPrefetchAsync_v2_ptsz(
-    devPtr: sys::CUdeviceptr,
-    count: usize,
-    location: MemLocation,
-    flags: c_uint,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| prefetch_v2(devPtr, count, location, flags, hStream, true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAdvise_v2(
-    devPtr: sys::CUdeviceptr,
-    count: usize,
-    advice: c_int,
-    location: MemLocation,
-) -> CUresult {
-    run(|| {
-        driver()?;
-        if !(1..=6).contains(&advice) {
-            return Err(INVALID_VALUE);
-        }
-        check_location(location)?;
-        managed_range(devPtr, count)
-    })
+    fn cuMemAdvise_v2(devPtr, count, advice, location) {
+        run(|| {
+            driver()?;
+            if !(1..=6).contains(&advice) {
+                return Err(INVALID_VALUE);
+            }
+            check_location(location)?;
+            managed_range(devPtr, count)
+        })
+    }
 }
 
 // ---- Arrays ----------------------------------------------------------------------------------
@@ -954,24 +873,6 @@ pub(crate) struct Array3dDesc {
     pub channels: c_uint,
     pub flags: c_uint,
 }
-/// `CUDA_ARRAY_DESCRIPTOR_v1` (legacy 32-bit sizes).
-#[repr(C)]
-pub(crate) struct ArrayDescV1 {
-    width: c_uint,
-    height: c_uint,
-    format: u32,
-    channels: c_uint,
-}
-/// `CUDA_ARRAY3D_DESCRIPTOR_v1`.
-#[repr(C)]
-pub(crate) struct Array3dDescV1 {
-    width: c_uint,
-    height: c_uint,
-    depth: c_uint,
-    format: u32,
-    channels: c_uint,
-    flags: c_uint,
-}
 const _: () = assert!(std::mem::size_of::<ArrayDesc>() == std::mem::size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
 const _: () = assert!(std::mem::size_of::<Array3dDesc>() == std::mem::size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
 const _: () =
@@ -996,62 +897,54 @@ fn array_create(width: u64, height: u64, depth: u64, format: u32, channels: u32,
     Ok(handle)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate_v2(
-    pHandle: *mut sys::CUarray,
-    pAllocateArray: *const sys::CUDA_ARRAY_DESCRIPTOR,
-) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        need(pAllocateArray)?;
-        // SAFETY: checked non-null and aligned; the descriptor is the caller's; ArrayDesc has its
-        // layout with the enum read as a raw integer.
-        let d = unsafe { pAllocateArray.cast::<ArrayDesc>().read() };
-        let h = array_create(d.width as u64, d.height as u64, 0, d.format, d.channels, 0)?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above).
-        unsafe { put(pHandle, handles::as_ptr(h)) }
-    })
-}
+cuda_exports! {
+    fn cuArrayCreate_v2(pHandle, pAllocateArray) {
+        run(|| {
+            need(pHandle)?;
+            need(pAllocateArray)?;
+            // SAFETY: checked non-null and aligned; the descriptor is the caller's; ArrayDesc has its
+            // layout with the enum read as a raw integer.
+            let d = unsafe { pAllocateArray.cast::<ArrayDesc>().read() };
+            let h = array_create(d.width as u64, d.height as u64, 0, d.format, d.channels, 0)?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above).
+            unsafe { put(pHandle, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate(pHandle: *mut sys::CUarray, pAllocateArray: *const ArrayDescV1) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
-        let d = unsafe { get(pAllocateArray.cast::<[u32; 4]>()) }?;
-        let h = array_create(d[0] as u64, d[1] as u64, 0, d[2], d[3], 0)?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above).
-        unsafe { put(pHandle, handles::as_ptr(h)) }
-    })
-}
+    fn cuArrayCreate(pHandle, pAllocateArray) {
+        run(|| {
+            need(pHandle)?;
+            // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
+            let d = unsafe { get(pAllocateArray.cast::<[u32; 4]>()) }?;
+            let h = array_create(d[0] as u64, d[1] as u64, 0, d[2], d[3], 0)?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above).
+            unsafe { put(pHandle, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate_v2(
-    pHandle: *mut sys::CUarray,
-    pAllocateArray: *const sys::CUDA_ARRAY3D_DESCRIPTOR,
-) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        need(pAllocateArray)?;
-        // SAFETY: checked non-null and aligned; Array3dDesc has the descriptor's layout with the
-        // enum read as a raw integer.
-        let d = unsafe { pAllocateArray.cast::<Array3dDesc>().read() };
-        let h = array_create(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, d.flags)?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above).
-        unsafe { put(pHandle, handles::as_ptr(h)) }
-    })
-}
+    fn cuArray3DCreate_v2(pHandle, pAllocateArray) {
+        run(|| {
+            need(pHandle)?;
+            need(pAllocateArray)?;
+            // SAFETY: checked non-null and aligned; Array3dDesc has the descriptor's layout with the
+            // enum read as a raw integer.
+            let d = unsafe { pAllocateArray.cast::<Array3dDesc>().read() };
+            let h = array_create(d.width as u64, d.height as u64, d.depth as u64, d.format, d.channels, d.flags)?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above).
+            unsafe { put(pHandle, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate(pHandle: *mut sys::CUarray, pAllocateArray: *const Array3dDescV1) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
-        let d = unsafe { get(pAllocateArray.cast::<[u32; 6]>()) }?;
-        let h = array_create(d[0] as u64, d[1] as u64, d[2] as u64, d[3], d[4], d[5])?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above).
-        unsafe { put(pHandle, handles::as_ptr(h)) }
-    })
+    fn cuArray3DCreate(pHandle, pAllocateArray) {
+        run(|| {
+            need(pHandle)?;
+            // SAFETY: the descriptor is the caller's (null/misaligned checked by get).
+            let d = unsafe { get(pAllocateArray.cast::<[u32; 6]>()) }?;
+            let h = array_create(d[0] as u64, d[1] as u64, d[2] as u64, d[3], d[4], d[5])?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above).
+            unsafe { put(pHandle, handles::as_ptr(h)) }
+        })
+    }
 }
 
 fn array(h: sys::CUarray) -> R<Arc<Array>> {
@@ -1074,89 +967,77 @@ fn format_enum(f: u32) -> sys::CUarray_format {
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayGetDescriptor_v2(
-    pArrayDescriptor: *mut sys::CUDA_ARRAY_DESCRIPTOR,
-    hArray: sys::CUarray,
-) -> CUresult {
-    run(|| {
-        need(pArrayDescriptor)?;
-        let a = array(hArray)?;
-        let d = sys::CUDA_ARRAY_DESCRIPTOR {
-            Width: a.width as usize,
-            Height: a.height as usize,
-            Format: format_enum(a.format),
-            NumChannels: a.channels,
-        };
-        // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
-        unsafe { put(pArrayDescriptor, d) }
-    })
-}
+cuda_exports! {
+    fn cuArrayGetDescriptor_v2(pArrayDescriptor, hArray) {
+        run(|| {
+            need(pArrayDescriptor)?;
+            let a = array(hArray)?;
+            let d = sys::CUDA_ARRAY_DESCRIPTOR {
+                Width: a.width as usize,
+                Height: a.height as usize,
+                Format: format_enum(a.format),
+                NumChannels: a.channels,
+            };
+            // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
+            unsafe { put(pArrayDescriptor, d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayGetDescriptor(pArrayDescriptor: *mut ArrayDescV1, hArray: sys::CUarray) -> CUresult {
-    run(|| {
-        let a = array(hArray)?;
-        let d = [a.width as u32, a.height as u32, a.format, a.channels];
-        // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (four 32-bit fields).
-        unsafe { put(pArrayDescriptor.cast::<[u32; 4]>(), d) }
-    })
-}
+    fn cuArrayGetDescriptor(pArrayDescriptor, hArray) {
+        run(|| {
+            let a = array(hArray)?;
+            let d = [a.width as u32, a.height as u32, a.format, a.channels];
+            // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (four 32-bit fields).
+            unsafe { put(pArrayDescriptor.cast::<[u32; 4]>(), d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DGetDescriptor_v2(
-    pArrayDescriptor: *mut sys::CUDA_ARRAY3D_DESCRIPTOR,
-    hArray: sys::CUarray,
-) -> CUresult {
-    run(|| {
-        need(pArrayDescriptor)?;
-        let a = array(hArray)?;
-        let d = sys::CUDA_ARRAY3D_DESCRIPTOR {
-            Width: a.width as usize,
-            Height: a.height as usize,
-            Depth: a.depth as usize,
-            Format: format_enum(a.format),
-            NumChannels: a.channels,
-            Flags: a.flags,
-        };
-        // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
-        unsafe { put(pArrayDescriptor, d) }
-    })
-}
+    fn cuArray3DGetDescriptor_v2(pArrayDescriptor, hArray) {
+        run(|| {
+            need(pArrayDescriptor)?;
+            let a = array(hArray)?;
+            let d = sys::CUDA_ARRAY3D_DESCRIPTOR {
+                Width: a.width as usize,
+                Height: a.height as usize,
+                Depth: a.depth as usize,
+                Format: format_enum(a.format),
+                NumChannels: a.channels,
+                Flags: a.flags,
+            };
+            // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
+            unsafe { put(pArrayDescriptor, d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DGetDescriptor(
-    pArrayDescriptor: *mut Array3dDescV1,
-    hArray: sys::CUarray,
-) -> CUresult {
-    run(|| {
-        let a = array(hArray)?;
-        let d = [a.width as u32, a.height as u32, a.depth as u32, a.format, a.channels, a.flags];
-        // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (six 32-bit fields).
-        unsafe { put(pArrayDescriptor.cast::<[u32; 6]>(), d) }
-    })
-}
+    fn cuArray3DGetDescriptor(pArrayDescriptor, hArray) {
+        run(|| {
+            let a = array(hArray)?;
+            let d = [a.width as u32, a.height as u32, a.depth as u32, a.format, a.channels, a.flags];
+            // SAFETY: pArrayDescriptor is the caller's out-pointer, of the v1 layout (six 32-bit fields).
+            unsafe { put(pArrayDescriptor.cast::<[u32; 6]>(), d) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayDestroy(hArray: sys::CUarray) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        let (arr, alloc) = {
-            let mut reg = handles::write();
-            match reg.arrays.get(&(hArray as usize)) {
-                None => return Err(super::INVALID_HANDLE),
-                // A level goes with its mipmapped array (cuMipmappedArrayDestroy).
-                Some(a) if a.mipmap != 0 => return Err(INVALID_VALUE),
-                Some(_) => {}
+    fn cuArrayDestroy(hArray) {
+        run(|| {
+            let node = driver()?.node;
+            let (arr, alloc) = {
+                let mut reg = handles::write();
+                match reg.arrays.get(&(hArray as usize)) {
+                    None => return Err(super::INVALID_HANDLE),
+                    // A level goes with its mipmapped array (cuMipmappedArrayDestroy).
+                    Some(a) if a.mipmap != 0 => return Err(INVALID_VALUE),
+                    Some(_) => {}
+                }
+                let arr = reg.arrays.remove(&(hArray as usize)).expect("checked above");
+                let alloc = reg.mem.remove(&arr.base);
+                (arr, alloc)
+            };
+            if let Some(a) = alloc {
+                release(node, &a);
             }
-            let arr = reg.arrays.remove(&(hArray as usize)).expect("checked above");
-            let alloc = reg.mem.remove(&arr.base);
-            (arr, alloc)
-        };
-        if let Some(a) = alloc {
-            release(node, &a);
-        }
-        drop(arr);
-        Ok(())
-    })
+            drop(arr);
+            Ok(())
+        })
+    }
 }

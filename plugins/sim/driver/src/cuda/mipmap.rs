@@ -17,10 +17,12 @@
 use std::ffi::c_uint;
 use std::sync::Arc;
 
+use tessera_abi::cuda_exports;
+
 use super::handles;
 use super::init::driver;
 use super::memory::{Array, Array3dDesc, MemKind, alloc_in, ctx_for_work, format_bytes, release};
-use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_SUPPORTED, R, need, put, run, sys};
+use super::{INVALID_HANDLE, INVALID_VALUE, NOT_SUPPORTED, R, need, put, run, sys};
 
 /// The start of every level is aligned to this (the texture alignment).
 const LEVEL_ALIGN: u64 = 512;
@@ -130,56 +132,47 @@ fn mipmap(h: sys::CUmipmappedArray) -> R<Arc<Mipmap>> {
     handles::read().mipmaps.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayCreate(
-    pHandle: *mut sys::CUmipmappedArray,
-    pMipmappedArrayDesc: *const sys::CUDA_ARRAY3D_DESCRIPTOR,
-    numMipmapLevels: c_uint,
-) -> CUresult {
-    run(|| {
-        need(pHandle)?;
-        need(pMipmappedArrayDesc)?;
-        // SAFETY: checked non-null and aligned; Array3dDesc has the descriptor's layout with the
-        // enum read as a raw integer.
-        let d = unsafe { pMipmappedArrayDesc.cast::<Array3dDesc>().read() };
-        let h = create(&d, numMipmapLevels)?;
-        // SAFETY: pHandle is the caller's out-pointer (checked above).
-        unsafe { put(pHandle, handles::as_ptr(h)) }
-    })
-}
+cuda_exports! {
+    fn cuMipmappedArrayCreate(pHandle, pMipmappedArrayDesc, numMipmapLevels) {
+        run(|| {
+            need(pHandle)?;
+            need(pMipmappedArrayDesc)?;
+            // SAFETY: checked non-null and aligned; Array3dDesc has the descriptor's layout with the
+            // enum read as a raw integer.
+            let d = unsafe { pMipmappedArrayDesc.cast::<Array3dDesc>().read() };
+            let h = create(&d, numMipmapLevels)?;
+            // SAFETY: pHandle is the caller's out-pointer (checked above).
+            unsafe { put(pHandle, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayDestroy(hMipmappedArray: sys::CUmipmappedArray) -> CUresult {
-    run(|| {
-        let node = driver()?.node;
-        let alloc = {
-            let mut reg = handles::write();
-            let m = reg.mipmaps.remove(&(hMipmappedArray as usize)).ok_or(INVALID_HANDLE)?;
-            for l in &m.levels {
-                reg.arrays.remove(l);
+    fn cuMipmappedArrayDestroy(hMipmappedArray) {
+        run(|| {
+            let node = driver()?.node;
+            let alloc = {
+                let mut reg = handles::write();
+                let m = reg.mipmaps.remove(&(hMipmappedArray as usize)).ok_or(INVALID_HANDLE)?;
+                for l in &m.levels {
+                    reg.arrays.remove(l);
+                }
+                reg.mem.remove(&m.base)
+            };
+            if let Some(a) = alloc {
+                release(node, &a);
             }
-            reg.mem.remove(&m.base)
-        };
-        if let Some(a) = alloc {
-            release(node, &a);
-        }
-        Ok(())
-    })
-}
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayGetLevel(
-    pLevelArray: *mut sys::CUarray,
-    hMipmappedArray: sys::CUmipmappedArray,
-    level: c_uint,
-) -> CUresult {
-    run(|| {
-        need(pLevelArray)?;
-        let m = mipmap(hMipmappedArray)?;
-        let l = *m.levels.get(level as usize).ok_or(INVALID_VALUE)?;
-        // SAFETY: pLevelArray is the caller's out-pointer (checked above).
-        unsafe { put(pLevelArray, handles::as_ptr(l)) }
-    })
+    fn cuMipmappedArrayGetLevel(pLevelArray, hMipmappedArray, level) {
+        run(|| {
+            need(pLevelArray)?;
+            let m = mipmap(hMipmappedArray)?;
+            let l = *m.levels.get(level as usize).ok_or(INVALID_VALUE)?;
+            // SAFETY: pLevelArray is the caller's out-pointer (checked above).
+            unsafe { put(pLevelArray, handles::as_ptr(l)) }
+        })
+    }
 }
 
 /// `CUDA_ARRAY_MEMORY_REQUIREMENTS`.
@@ -193,24 +186,21 @@ struct MemoryRequirements {
 const _: () =
     assert!(std::mem::size_of::<MemoryRequirements>() == std::mem::size_of::<sys::CUDA_ARRAY_MEMORY_REQUIREMENTS>());
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMipmappedArrayGetMemoryRequirements(
-    memoryRequirements: *mut sys::CUDA_ARRAY_MEMORY_REQUIREMENTS,
-    mipmap: sys::CUmipmappedArray,
-    device: sys::CUdevice,
-) -> CUresult {
-    run(|| {
-        need(memoryRequirements)?;
-        driver()?.device(device)?;
-        let m = self::mipmap(mipmap)?;
-        let r = MemoryRequirements {
-            size: m.bytes as usize,
-            alignment: super::vmm::GRANULARITY as usize,
-            reserved: [0; 4],
-        };
-        // SAFETY: the caller's out-pointer (checked above), of this layout (asserted above).
-        unsafe { put(memoryRequirements.cast::<MemoryRequirements>(), r) }
-    })
+cuda_exports! {
+    fn cuMipmappedArrayGetMemoryRequirements(memoryRequirements, mipmap, device) {
+        run(|| {
+            need(memoryRequirements)?;
+            driver()?.device(device)?;
+            let m = self::mipmap(mipmap)?;
+            let r = MemoryRequirements {
+                size: m.bytes as usize,
+                alignment: super::vmm::GRANULARITY as usize,
+                reserved: [0; 4],
+            };
+            // SAFETY: the caller's out-pointer (checked above), of this layout (asserted above).
+            unsafe { put(memoryRequirements.cast::<MemoryRequirements>(), r) }
+        })
+    }
 }
 
 #[cfg(test)]

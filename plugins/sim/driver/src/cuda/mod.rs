@@ -3,9 +3,12 @@
 //! Every export has the exact name and signature of CUDA 12.8's `cuda.h`, including the legacy
 //! (pre-`_v2`) entry points and the per-thread-default-stream variants (`_ptds` for synchronous
 //! calls, `_ptsz` for stream-taking ones) that runtimes built with `--default-stream per-thread`
-//! link against. Structs and enums come from `cudarc::driver::sys` (the 12.8 bindings); enum-typed
-//! *parameters* are taken as raw integers, and enum fields of caller structs are read as raw
-//! integers too, so that an unknown value from C is an error code, never undefined behaviour.
+//! link against. The signatures are written once, in `tessera_abi::cuda`'s table (which the shim
+//! uses too): an export is a `cuda_exports!` item naming its parameters, and a per-thread variant
+//! whose body differs only by the default stream it means is its function's `twin`. Structs and
+//! enums come from `cudarc::driver::sys` (the 12.8 bindings); enum-typed *parameters* are taken as
+//! raw integers, and enum fields of caller structs are read as raw integers too, so that an
+//! unknown value from C is an error code, never undefined behaviour.
 //!
 //! Conventions shared by all exports:
 //! - the body runs inside [`crate::ffi::guard`] (through [`run`]), so a panic is `CUDA_ERROR_UNKNOWN`;

@@ -13,6 +13,8 @@ use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicI32, Ordering::*};
 use std::sync::{Arc, Mutex};
 
+use tessera_abi::cuda_exports;
+
 use super::context;
 use super::handles::{self, Registry};
 use super::init::driver;
@@ -285,18 +287,19 @@ fn load(image: Image, library: usize) -> R<usize> {
     Ok(h)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoad(module: *mut sys::CUmodule, fname: *const c_char) -> CUresult {
-    run(|| {
-        need(module)?;
-        // SAFETY: fname is the caller's NUL-terminated path.
-        let path = unsafe { cstr(fname) }?;
-        driver()?;
-        let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
-        let h = load(image_from_bytes(&bytes), 0)?;
-        // SAFETY: module is the caller's out-pointer (checked above).
-        unsafe { put(module, handles::as_ptr(h)) }
-    })
+cuda_exports! {
+    fn cuModuleLoad(module, fname) {
+        run(|| {
+            need(module)?;
+            // SAFETY: fname is the caller's NUL-terminated path.
+            let path = unsafe { cstr(fname) }?;
+            driver()?;
+            let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
+            let h = load(image_from_bytes(&bytes), 0)?;
+            // SAFETY: module is the caller's out-pointer (checked above).
+            unsafe { put(module, handles::as_ptr(h)) }
+        })
+    }
 }
 
 /// Loads an image given by pointer.
@@ -313,29 +316,22 @@ pub(crate) unsafe fn load_data(module: *mut sys::CUmodule, image: *const c_void)
     unsafe { put(module, handles::as_ptr(h)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadData(module: *mut sys::CUmodule, image: *const c_void) -> CUresult {
-    // SAFETY: the caller's out-pointer and image.
-    run(|| unsafe { load_data(module, image) })
-}
+cuda_exports! {
+    fn cuModuleLoadData(module, image) {
+        // SAFETY: the caller's out-pointer and image.
+        run(|| unsafe { load_data(module, image) })
+    }
 
-/// `cuModuleLoadDataEx`: JIT options are accepted and ignored (nothing is compiled).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadDataEx(
-    module: *mut sys::CUmodule,
-    image: *const c_void,
-    _numOptions: c_uint,
-    _options: *mut c_int,
-    _optionValues: *mut *mut c_void,
-) -> CUresult {
-    // SAFETY: the caller's out-pointer and image.
-    run(|| unsafe { load_data(module, image) })
-}
+    /// `cuModuleLoadDataEx`: JIT options are accepted and ignored (nothing is compiled).
+    fn cuModuleLoadDataEx(module, image, _numOptions, _options, _optionValues) {
+        // SAFETY: the caller's out-pointer and image.
+        run(|| unsafe { load_data(module, image) })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut sys::CUmodule, fatCubin: *const c_void) -> CUresult {
-    // SAFETY: the caller's out-pointer and image.
-    run(|| unsafe { load_data(module, fatCubin) })
+    fn cuModuleLoadFatBinary(module, fatCubin) {
+        // SAFETY: the caller's out-pointer and image.
+        run(|| unsafe { load_data(module, fatCubin) })
+    }
 }
 
 /// Removes a module, its functions and its globals.
@@ -349,22 +345,23 @@ fn unload(reg: &mut Registry, h: usize) -> Vec<Alloc> {
     globals.iter().filter_map(|b| reg.mem.remove(b)).collect()
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleUnload(hmod: sys::CUmodule) -> CUresult {
-    run(|| {
-        driver()?;
-        let freed = {
-            let mut reg = handles::write();
-            if !reg.modules.contains_key(&(hmod as usize)) {
-                return Err(INVALID_HANDLE);
+cuda_exports! {
+    fn cuModuleUnload(hmod) {
+        run(|| {
+            driver()?;
+            let freed = {
+                let mut reg = handles::write();
+                if !reg.modules.contains_key(&(hmod as usize)) {
+                    return Err(INVALID_HANDLE);
+                }
+                unload(&mut reg, hmod as usize)
+            };
+            for a in freed {
+                unmap(a.base, a.map_len);
             }
-            unload(&mut reg, hmod as usize)
-        };
-        for a in freed {
-            unmap(a.base, a.map_len);
-        }
-        Ok(())
-    })
+            Ok(())
+        })
+    }
 }
 
 fn module(h: sys::CUmodule) -> R<Arc<Module>> {
@@ -390,21 +387,18 @@ fn function_in(m: &Module, name: &str) -> R<usize> {
     Ok(h)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetFunction(
-    hfunc: *mut sys::CUfunction,
-    hmod: sys::CUmodule,
-    name: *const c_char,
-) -> CUresult {
-    run(|| {
-        need(hfunc)?;
-        // SAFETY: name is the caller's NUL-terminated string.
-        let name = unsafe { cstr(name) }?;
-        let m = module(hmod)?;
-        let h = function_in(&m, name)?;
-        // SAFETY: hfunc is the caller's out-pointer (checked above).
-        unsafe { put(hfunc, handles::as_ptr(h)) }
-    })
+cuda_exports! {
+    fn cuModuleGetFunction(hfunc, hmod, name) {
+        run(|| {
+            need(hfunc)?;
+            // SAFETY: name is the caller's NUL-terminated string.
+            let name = unsafe { cstr(name) }?;
+            let m = module(hmod)?;
+            let h = function_in(&m, name)?;
+            // SAFETY: hfunc is the caller's out-pointer (checked above).
+            unsafe { put(hfunc, handles::as_ptr(h)) }
+        })
+    }
 }
 
 /// A module global: device memory of its declared size, made on first use (module memory is part
@@ -440,56 +434,45 @@ fn global_in(m: &Module, name: &str, low: bool) -> R<(u64, u64)> {
     Ok((base, size))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetGlobal_v2(
-    dptr: *mut sys::CUdeviceptr,
-    bytes: *mut usize,
-    hmod: sys::CUmodule,
-    name: *const c_char,
-) -> CUresult {
-    run(|| {
-        // SAFETY: name is the caller's NUL-terminated string.
-        let name = unsafe { cstr(name) }?;
-        let m = module(hmod)?;
-        let (b, s) = global_in(&m, name, false)?;
-        // SAFETY: both are the caller's optional out-pointers.
-        unsafe {
-            put_opt(dptr, b)?;
-            put_opt(bytes, s as usize)
-        }
-    })
-}
+cuda_exports! {
+    fn cuModuleGetGlobal_v2(dptr, bytes, hmod, name) {
+        run(|| {
+            // SAFETY: name is the caller's NUL-terminated string.
+            let name = unsafe { cstr(name) }?;
+            let m = module(hmod)?;
+            let (b, s) = global_in(&m, name, false)?;
+            // SAFETY: both are the caller's optional out-pointers.
+            unsafe {
+                put_opt(dptr, b)?;
+                put_opt(bytes, s as usize)
+            }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetGlobal(
-    dptr: *mut c_uint,
-    bytes: *mut c_uint,
-    hmod: sys::CUmodule,
-    name: *const c_char,
-) -> CUresult {
-    run(|| {
-        // SAFETY: name is the caller's NUL-terminated string.
-        let name = unsafe { cstr(name) }?;
-        let m = module(hmod)?;
-        let (b, s) = global_in(&m, name, true)?;
-        let b = c_uint::try_from(b).map_err(|_| super::OUT_OF_MEMORY)?;
-        // SAFETY: both are the caller's optional out-pointers.
-        unsafe {
-            put_opt(dptr, b)?;
-            put_opt(bytes, s as c_uint)
-        }
-    })
-}
+    fn cuModuleGetGlobal(dptr, bytes, hmod, name) {
+        run(|| {
+            // SAFETY: name is the caller's NUL-terminated string.
+            let name = unsafe { cstr(name) }?;
+            let m = module(hmod)?;
+            let (b, s) = global_in(&m, name, true)?;
+            let b = c_uint::try_from(b).map_err(|_| super::OUT_OF_MEMORY)?;
+            // SAFETY: both are the caller's optional out-pointers.
+            unsafe {
+                put_opt(dptr, b)?;
+                put_opt(bytes, s as c_uint)
+            }
+        })
+    }
 
-/// `cuModuleGetLoadingMode`: eager loading (`CU_MODULE_EAGER_LOADING`).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetLoadingMode(mode: *mut c_int) -> CUresult {
-    run(|| {
-        need(mode)?;
-        driver()?;
-        // SAFETY: mode is the caller's out-pointer (checked above).
-        unsafe { put(mode, 1) }
-    })
+    /// `cuModuleGetLoadingMode`: eager loading (`CU_MODULE_EAGER_LOADING`).
+    fn cuModuleGetLoadingMode(mode) {
+        run(|| {
+            need(mode)?;
+            driver()?;
+            // SAFETY: mode is the caller's out-pointer (checked above).
+            unsafe { put(mode, 1) }
+        })
+    }
 }
 
 // ---- Libraries and kernels -------------------------------------------------------------------
@@ -507,69 +490,50 @@ fn new_library(image: Image) -> R<usize> {
     Ok(h)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryLoadData(
-    library: *mut sys::CUlibrary,
-    code: *const c_void,
-    _jitOptions: *mut c_int,
-    _jitOptionsValues: *mut *mut c_void,
-    _numJitOptions: c_uint,
-    _libraryOptions: *mut c_int,
-    _libraryOptionValues: *mut *mut c_void,
-    _numLibraryOptions: c_uint,
-) -> CUresult {
-    run(|| {
-        need(library)?;
-        driver()?;
-        // SAFETY: code is the caller's image.
-        let img = unsafe { image_from_ptr(code) }?;
-        let h = new_library(img)?;
-        // SAFETY: library is the caller's out-pointer (checked above).
-        unsafe { put(library, handles::as_ptr(h)) }
-    })
-}
+cuda_exports! {
+    fn cuLibraryLoadData(library, code, _jitOptions, _jitOptionsValues, _numJitOptions, _libraryOptions, _libraryOptionValues, _numLibraryOptions) {
+        run(|| {
+            need(library)?;
+            driver()?;
+            // SAFETY: code is the caller's image.
+            let img = unsafe { image_from_ptr(code) }?;
+            let h = new_library(img)?;
+            // SAFETY: library is the caller's out-pointer (checked above).
+            unsafe { put(library, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryLoadFromFile(
-    library: *mut sys::CUlibrary,
-    fileName: *const c_char,
-    _jitOptions: *mut c_int,
-    _jitOptionsValues: *mut *mut c_void,
-    _numJitOptions: c_uint,
-    _libraryOptions: *mut c_int,
-    _libraryOptionValues: *mut *mut c_void,
-    _numLibraryOptions: c_uint,
-) -> CUresult {
-    run(|| {
-        need(library)?;
-        // SAFETY: fileName is the caller's NUL-terminated path.
-        let path = unsafe { cstr(fileName) }?;
-        driver()?;
-        let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
-        let h = new_library(image_from_bytes(&bytes))?;
-        // SAFETY: library is the caller's out-pointer (checked above).
-        unsafe { put(library, handles::as_ptr(h)) }
-    })
-}
+    fn cuLibraryLoadFromFile(library, fileName, _jitOptions, _jitOptionsValues, _numJitOptions, _libraryOptions, _libraryOptionValues, _numLibraryOptions) {
+        run(|| {
+            need(library)?;
+            // SAFETY: fileName is the caller's NUL-terminated path.
+            let path = unsafe { cstr(fileName) }?;
+            driver()?;
+            let bytes = std::fs::read(path).map_err(|_| CUresult::CUDA_ERROR_FILE_NOT_FOUND)?;
+            let h = new_library(image_from_bytes(&bytes))?;
+            // SAFETY: library is the caller's out-pointer (checked above).
+            unsafe { put(library, handles::as_ptr(h)) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryUnload(library: sys::CUlibrary) -> CUresult {
-    run(|| {
-        driver()?;
-        let lib = handles::write().libraries.remove(&(library as usize)).ok_or(INVALID_HANDLE)?;
-        let mods: Vec<usize> = lib.modules.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect();
-        let freed = {
-            let mut reg = handles::write();
-            for k in lib.kernels.lock().unwrap_or_else(|e| e.into_inner()).values() {
-                reg.funcs.remove(k);
+    fn cuLibraryUnload(library) {
+        run(|| {
+            driver()?;
+            let lib = handles::write().libraries.remove(&(library as usize)).ok_or(INVALID_HANDLE)?;
+            let mods: Vec<usize> = lib.modules.lock().unwrap_or_else(|e| e.into_inner()).values().copied().collect();
+            let freed = {
+                let mut reg = handles::write();
+                for k in lib.kernels.lock().unwrap_or_else(|e| e.into_inner()).values() {
+                    reg.funcs.remove(k);
+                }
+                mods.into_iter().flat_map(|m| unload(&mut reg, m)).collect::<Vec<_>>()
+            };
+            for a in freed {
+                unmap(a.base, a.map_len);
             }
-            mods.into_iter().flat_map(|m| unload(&mut reg, m)).collect::<Vec<_>>()
-        };
-        for a in freed {
-            unmap(a.base, a.map_len);
-        }
-        Ok(())
-    })
+            Ok(())
+        })
+    }
 }
 
 fn library(h: sys::CUlibrary) -> R<Arc<Library>> {
@@ -577,37 +541,34 @@ fn library(h: sys::CUlibrary) -> R<Arc<Library>> {
     handles::read().libraries.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryGetKernel(
-    pKernel: *mut sys::CUkernel,
-    library: sys::CUlibrary,
-    name: *const c_char,
-) -> CUresult {
-    run(|| {
-        need(pKernel)?;
-        // SAFETY: name is the caller's NUL-terminated string.
-        let name = unsafe { cstr(name) }?;
-        let lib = self::library(library)?;
-        if !lib.image.has_function(name) {
-            return Err(NOT_FOUND);
-        }
-        let mut reg = handles::write();
-        let mut kernels = lib.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        let h = match kernels.get(name) {
-            Some(&h) => h,
-            None => {
-                let f = Func::new(name, 0, lib.handle, 0);
-                let h = f.handle;
-                reg.funcs.insert(h, Arc::new(f));
-                kernels.insert(name.to_string(), h);
-                h
+cuda_exports! {
+    fn cuLibraryGetKernel(pKernel, library, name) {
+        run(|| {
+            need(pKernel)?;
+            // SAFETY: name is the caller's NUL-terminated string.
+            let name = unsafe { cstr(name) }?;
+            let lib = self::library(library)?;
+            if !lib.image.has_function(name) {
+                return Err(NOT_FOUND);
             }
-        };
-        drop(kernels);
-        drop(reg);
-        // SAFETY: pKernel is the caller's out-pointer (checked above).
-        unsafe { put(pKernel, handles::as_ptr(h)) }
-    })
+            let mut reg = handles::write();
+            let mut kernels = lib.kernels.lock().unwrap_or_else(|e| e.into_inner());
+            let h = match kernels.get(name) {
+                Some(&h) => h,
+                None => {
+                    let f = Func::new(name, 0, lib.handle, 0);
+                    let h = f.handle;
+                    reg.funcs.insert(h, Arc::new(f));
+                    kernels.insert(name.to_string(), h);
+                    h
+                }
+            };
+            drop(kernels);
+            drop(reg);
+            // SAFETY: pKernel is the caller's out-pointer (checked above).
+            unsafe { put(pKernel, handles::as_ptr(h)) }
+        })
+    }
 }
 
 /// The library's module in the current context, made on first use.
@@ -622,15 +583,16 @@ fn library_module(lib: &Library) -> R<usize> {
     Ok(m)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLibraryGetModule(pMod: *mut sys::CUmodule, library: sys::CUlibrary) -> CUresult {
-    run(|| {
-        need(pMod)?;
-        let lib = self::library(library)?;
-        let m = library_module(&lib)?;
-        // SAFETY: pMod is the caller's out-pointer (checked above).
-        unsafe { put(pMod, handles::as_ptr(m)) }
-    })
+cuda_exports! {
+    fn cuLibraryGetModule(pMod, library) {
+        run(|| {
+            need(pMod)?;
+            let lib = self::library(library)?;
+            let m = library_module(&lib)?;
+            // SAFETY: pMod is the caller's out-pointer (checked above).
+            unsafe { put(pMod, handles::as_ptr(m)) }
+        })
+    }
 }
 
 fn func(h: usize) -> R<Arc<Func>> {
@@ -651,21 +613,22 @@ pub(crate) fn cluster_attributes(h: usize) -> R<([u32; 3], bool)> {
     Ok(([dim(0), dim(1), dim(2)], f.non_portable_cluster.load(Relaxed) != 0))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuKernelGetFunction(pFunc: *mut sys::CUfunction, kernel: sys::CUkernel) -> CUresult {
-    run(|| {
-        need(pFunc)?;
-        let k = func(kernel as usize)?;
-        if k.module != 0 {
-            return Err(INVALID_HANDLE);
-        }
-        let lib = self::library(handles::as_ptr(k.library))?;
-        let m = library_module(&lib)?;
-        let m = handles::read().modules.get(&m).cloned().ok_or(INVALID_HANDLE)?;
-        let h = function_in(&m, k.name.to_str().unwrap_or_default())?;
-        // SAFETY: pFunc is the caller's out-pointer (checked above).
-        unsafe { put(pFunc, handles::as_ptr(h)) }
-    })
+cuda_exports! {
+    fn cuKernelGetFunction(pFunc, kernel) {
+        run(|| {
+            need(pFunc)?;
+            let k = func(kernel as usize)?;
+            if k.module != 0 {
+                return Err(INVALID_HANDLE);
+            }
+            let lib = self::library(handles::as_ptr(k.library))?;
+            let m = library_module(&lib)?;
+            let m = handles::read().modules.get(&m).cloned().ok_or(INVALID_HANDLE)?;
+            let h = function_in(&m, k.name.to_str().unwrap_or_default())?;
+            // SAFETY: pFunc is the caller's out-pointer (checked above).
+            unsafe { put(pFunc, handles::as_ptr(h)) }
+        })
+    }
 }
 
 fn get_name(name: *mut *const c_char, h: usize) -> R {
@@ -677,27 +640,26 @@ fn get_name(name: *mut *const c_char, h: usize) -> R {
     unsafe { put(name, p) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuFuncGetName(name: *mut *const c_char, hfunc: sys::CUfunction) -> CUresult {
-    run(|| get_name(name, hfunc as usize))
-}
+cuda_exports! {
+    fn cuFuncGetName(name, hfunc) {
+        run(|| get_name(name, hfunc as usize))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuKernelGetName(name: *mut *const c_char, hfunc: sys::CUkernel) -> CUresult {
-    run(|| get_name(name, hfunc as usize))
-}
+    fn cuKernelGetName(name, hfunc) {
+        run(|| get_name(name, hfunc as usize))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuFuncGetModule(hmod: *mut sys::CUmodule, hfunc: sys::CUfunction) -> CUresult {
-    run(|| {
-        need(hmod)?;
-        let f = func(hfunc as usize)?;
-        if f.module == 0 {
-            return Err(INVALID_VALUE);
-        }
-        // SAFETY: hmod is the caller's out-pointer (checked above).
-        unsafe { put(hmod, handles::as_ptr(f.module)) }
-    })
+    fn cuFuncGetModule(hmod, hfunc) {
+        run(|| {
+            need(hmod)?;
+            let f = func(hfunc as usize)?;
+            if f.module == 0 {
+                return Err(INVALID_VALUE);
+            }
+            // SAFETY: hmod is the caller's out-pointer (checked above).
+            unsafe { put(hmod, handles::as_ptr(f.module)) }
+        })
+    }
 }
 
 /// The compute capability (as 90 for 9.0) of the device a function's attributes are asked for.
@@ -746,58 +708,45 @@ fn set_func_attribute(f: &Func, attrib: c_int, value: c_int, dev: Option<c_int>)
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuFuncGetAttribute(pi: *mut c_int, attrib: c_int, hfunc: sys::CUfunction) -> CUresult {
-    run(|| {
-        need(pi)?;
-        let f = func(hfunc as usize)?;
-        let v = func_attribute(&f, attrib, None)?;
-        // SAFETY: pi is the caller's out-pointer (checked above).
-        unsafe { put(pi, v) }
-    })
-}
+cuda_exports! {
+    fn cuFuncGetAttribute(pi, attrib, hfunc) {
+        run(|| {
+            need(pi)?;
+            let f = func(hfunc as usize)?;
+            let v = func_attribute(&f, attrib, None)?;
+            // SAFETY: pi is the caller's out-pointer (checked above).
+            unsafe { put(pi, v) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuFuncSetAttribute(hfunc: sys::CUfunction, attrib: c_int, value: c_int) -> CUresult {
-    run(|| set_func_attribute(&*func(hfunc as usize)?, attrib, value, None))
-}
+    fn cuFuncSetAttribute(hfunc, attrib, value) {
+        run(|| set_func_attribute(&*func(hfunc as usize)?, attrib, value, None))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuKernelGetAttribute(
-    pi: *mut c_int,
-    attrib: c_int,
-    kernel: sys::CUkernel,
-    dev: c_int,
-) -> CUresult {
-    run(|| {
-        need(pi)?;
-        let f = func(kernel as usize)?;
-        let v = func_attribute(&f, attrib, Some(dev))?;
-        // SAFETY: pi is the caller's out-pointer (checked above).
-        unsafe { put(pi, v) }
-    })
-}
+    fn cuKernelGetAttribute(pi, attrib, kernel, dev) {
+        run(|| {
+            need(pi)?;
+            let f = func(kernel as usize)?;
+            let v = func_attribute(&f, attrib, Some(dev))?;
+            // SAFETY: pi is the caller's out-pointer (checked above).
+            unsafe { put(pi, v) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuKernelSetAttribute(
-    attrib: c_int,
-    val: c_int,
-    kernel: sys::CUkernel,
-    dev: c_int,
-) -> CUresult {
-    run(|| set_func_attribute(&*func(kernel as usize)?, attrib, val, Some(dev)))
-}
+    fn cuKernelSetAttribute(attrib, val, kernel, dev) {
+        run(|| set_func_attribute(&*func(kernel as usize)?, attrib, val, Some(dev)))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuFuncSetCacheConfig(hfunc: sys::CUfunction, config: c_int) -> CUresult {
-    run(|| {
-        let f = func(hfunc as usize)?;
-        if !(0..=3).contains(&config) {
-            return Err(INVALID_VALUE);
-        }
-        f.cache_config.store(config, Relaxed);
-        Ok(())
-    })
+    fn cuFuncSetCacheConfig(hfunc, config) {
+        run(|| {
+            let f = func(hfunc as usize)?;
+            if !(0..=3).contains(&config) {
+                return Err(INVALID_VALUE);
+            }
+            f.cache_config.store(config, Relaxed);
+            Ok(())
+        })
+    }
 }
 
 #[cfg(test)]

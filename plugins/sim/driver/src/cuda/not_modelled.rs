@@ -6,8 +6,9 @@
 //! The list is generated at build time (`build.rs`): every line of `exports/cuda.names` (the
 //! names NVIDIA's headers declare, with the base name, version and flavour `cuGetProcAddress`
 //! hands each out under; `exports/derive-names.py` derives it) whose symbol
-//! [`super::proc_table`] does not list. Modelling a function means implementing it in its
-//! family's module and adding its line to [`super::proc_table`]; its stub then disappears.
+//! [`super::proc_table`] does not list. Modelling a function means adding its row to
+//! `tessera_abi::cuda`'s table (if it has none), defining it in its family's module with
+//! `cuda_exports!` and adding its line to [`super::proc_table`]; its stub then disappears.
 //!
 //! The exports take no parameters: under the C calling convention a caller may pass any arguments
 //! to such a function, and the answer does not depend on them.

@@ -6,6 +6,8 @@
 
 use std::ffi::{c_int, c_uint};
 
+use tessera_abi::cuda_exports;
+
 use super::init::{Device, driver};
 use super::module::check_function;
 use super::{CUresult, INVALID_VALUE, NOT_SUPPORTED, R, get, need, put, run, sys};
@@ -72,26 +74,15 @@ fn max_active_blocks(num: *mut c_int, f: sys::CUfunction, block: c_int, smem: us
     unsafe { put(num, n as c_int) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessor(
-    numBlocks: *mut c_int,
-    func: sys::CUfunction,
-    blockSize: c_int,
-    dynamicSMemSize: usize,
-) -> CUresult {
-    // SAFETY: the same contract, with no flags.
-    unsafe { cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0) }
-}
+cuda_exports! {
+    fn cuOccupancyMaxActiveBlocksPerMultiprocessor(numBlocks, func, blockSize, dynamicSMemSize) {
+        // SAFETY: the same contract, with no flags.
+        unsafe { cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, 0) }
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(
-    numBlocks: *mut c_int,
-    func: sys::CUfunction,
-    blockSize: c_int,
-    dynamicSMemSize: usize,
-    flags: c_uint,
-) -> CUresult {
-    run(|| max_active_blocks(numBlocks, func, blockSize, dynamicSMemSize, flags))
+    fn cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(numBlocks, func, blockSize, dynamicSMemSize, flags) {
+        run(|| max_active_blocks(numBlocks, func, blockSize, dynamicSMemSize, flags))
+    }
 }
 
 /// The caller's dynamic-shared-memory function of the block size (`CUoccupancyB2DSize`).
@@ -139,77 +130,56 @@ fn potential_block_size(
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSize(
-    minGridSize: *mut c_int,
-    blockSize: *mut c_int,
-    func: sys::CUfunction,
-    blockSizeToDynamicSMemSize: B2DSize,
-    dynamicSMemSize: usize,
-    blockSizeLimit: c_int,
-) -> CUresult {
-    // SAFETY: the same contract, with no flags.
-    unsafe {
-        cuOccupancyMaxPotentialBlockSizeWithFlags(
-            minGridSize,
-            blockSize,
-            func,
-            blockSizeToDynamicSMemSize,
-            dynamicSMemSize,
-            blockSizeLimit,
-            0,
-        )
-    }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxPotentialBlockSizeWithFlags(
-    minGridSize: *mut c_int,
-    blockSize: *mut c_int,
-    func: sys::CUfunction,
-    blockSizeToDynamicSMemSize: B2DSize,
-    dynamicSMemSize: usize,
-    blockSizeLimit: c_int,
-    flags: c_uint,
-) -> CUresult {
-    run(|| {
-        potential_block_size(
-            minGridSize,
-            blockSize,
-            func,
-            blockSizeToDynamicSMemSize,
-            dynamicSMemSize,
-            blockSizeLimit,
-            flags,
-        )
-    })
-}
-
-/// `cuOccupancyAvailableDynamicSMemPerBlock`: the dynamic shared memory each of `numBlocks`
-/// blocks can have with all of them resident on one SM.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyAvailableDynamicSMemPerBlock(
-    dynamicSmemSize: *mut usize,
-    func: sys::CUfunction,
-    numBlocks: c_int,
-    blockSize: c_int,
-) -> CUresult {
-    run(|| {
-        need(dynamicSmemSize)?;
-        driver()?;
-        let l = limits(device_of(func)?);
-        if numBlocks <= 0 || blockSize <= 0 {
-            return Err(INVALID_VALUE);
+cuda_exports! {
+    fn cuOccupancyMaxPotentialBlockSize(minGridSize, blockSize, func, blockSizeToDynamicSMemSize, dynamicSMemSize, blockSizeLimit) {
+        // SAFETY: the same contract, with no flags.
+        unsafe {
+            cuOccupancyMaxPotentialBlockSizeWithFlags(
+                minGridSize,
+                blockSize,
+                func,
+                blockSizeToDynamicSMemSize,
+                dynamicSMemSize,
+                blockSizeLimit,
+                0,
+            )
         }
-        let fits = blocks_per_sm(&l, blockSize as u64, 0) >= numBlocks as u64;
-        let each = if fits {
-            (l.smem_per_sm / numBlocks as u64).saturating_sub(l.reserved_per_block).min(l.smem_per_block_max)
-        } else {
-            0
-        };
-        // SAFETY: the caller's out-pointer (checked above).
-        unsafe { put(dynamicSmemSize, each as usize) }
-    })
+    }
+
+    fn cuOccupancyMaxPotentialBlockSizeWithFlags(minGridSize, blockSize, func, blockSizeToDynamicSMemSize, dynamicSMemSize, blockSizeLimit, flags) {
+        run(|| {
+            potential_block_size(
+                minGridSize,
+                blockSize,
+                func,
+                blockSizeToDynamicSMemSize,
+                dynamicSMemSize,
+                blockSizeLimit,
+                flags,
+            )
+        })
+    }
+
+    /// `cuOccupancyAvailableDynamicSMemPerBlock`: the dynamic shared memory each of `numBlocks`
+    /// blocks can have with all of them resident on one SM.
+    fn cuOccupancyAvailableDynamicSMemPerBlock(dynamicSmemSize, func, numBlocks, blockSize) {
+        run(|| {
+            need(dynamicSmemSize)?;
+            driver()?;
+            let l = limits(device_of(func)?);
+            if numBlocks <= 0 || blockSize <= 0 {
+                return Err(INVALID_VALUE);
+            }
+            let fits = blocks_per_sm(&l, blockSize as u64, 0) >= numBlocks as u64;
+            let each = if fits {
+                (l.smem_per_sm / numBlocks as u64).saturating_sub(l.reserved_per_block).min(l.smem_per_block_max)
+            } else {
+                0
+            };
+            // SAFETY: the caller's out-pointer (checked above).
+            unsafe { put(dynamicSmemSize, each as usize) }
+        })
+    }
 }
 
 /// `CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION`.
@@ -301,46 +271,38 @@ fn active_clusters(l: &Limits, blocks_per_sm: u64, size: u64) -> u64 {
     gpc_sms(l).into_iter().map(|sms| blocks_per_sm * sms / size.max(1)).sum()
 }
 
-/// `cuOccupancyMaxActiveClusters`: how many clusters of the configured (or the function's
-/// required) size can be resident at once; 0 when a cluster does not fit in a GPC.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxActiveClusters(
-    numClusters: *mut c_int,
-    func: sys::CUfunction,
-    config: *const sys::CUlaunchConfig,
-) -> CUresult {
-    run(|| {
-        need(numClusters)?;
-        // SAFETY: the caller's configuration, per the API contract.
-        let q = unsafe { cluster_query(func, config) }?;
-        let size = q.size.ok_or(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE)?;
-        let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
-        if size > max {
-            return Err(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE);
-        }
-        let n = active_clusters(&q.limits, q.blocks_per_sm, size);
-        // SAFETY: the caller's out-pointer (checked above).
-        unsafe { put(numClusters, n.min(c_int::MAX as u64) as c_int) }
-    })
-}
+cuda_exports! {
+    /// `cuOccupancyMaxActiveClusters`: how many clusters of the configured (or the function's
+    /// required) size can be resident at once; 0 when a cluster does not fit in a GPC.
+    fn cuOccupancyMaxActiveClusters(numClusters, func, config) {
+        run(|| {
+            need(numClusters)?;
+            // SAFETY: the caller's configuration, per the API contract.
+            let q = unsafe { cluster_query(func, config) }?;
+            let size = q.size.ok_or(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE)?;
+            let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
+            if size > max {
+                return Err(CUresult::CUDA_ERROR_INVALID_CLUSTER_SIZE);
+            }
+            let n = active_clusters(&q.limits, q.blocks_per_sm, size);
+            // SAFETY: the caller's out-pointer (checked above).
+            unsafe { put(numClusters, n.min(c_int::MAX as u64) as c_int) }
+        })
+    }
 
-/// `cuOccupancyMaxPotentialClusterSize`: the largest cluster that fits in a GPC with the
-/// configuration's blocks (8 portable, 16 with a non-portable size allowed).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuOccupancyMaxPotentialClusterSize(
-    clusterSize: *mut c_int,
-    func: sys::CUfunction,
-    config: *const sys::CUlaunchConfig,
-) -> CUresult {
-    run(|| {
-        need(clusterSize)?;
-        // SAFETY: the caller's configuration, per the API contract.
-        let q = unsafe { cluster_query(func, config) }?;
-        let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
-        let n = (q.blocks_per_sm * smallest_gpc(&q.limits)).min(max);
-        // SAFETY: the caller's out-pointer (checked above).
-        unsafe { put(clusterSize, n as c_int) }
-    })
+    /// `cuOccupancyMaxPotentialClusterSize`: the largest cluster that fits in a GPC with the
+    /// configuration's blocks (8 portable, 16 with a non-portable size allowed).
+    fn cuOccupancyMaxPotentialClusterSize(clusterSize, func, config) {
+        run(|| {
+            need(clusterSize)?;
+            // SAFETY: the caller's configuration, per the API contract.
+            let q = unsafe { cluster_query(func, config) }?;
+            let max = if q.non_portable { NON_PORTABLE_CLUSTER } else { PORTABLE_CLUSTER };
+            let n = (q.blocks_per_sm * smallest_gpc(&q.limits)).min(max);
+            // SAFETY: the caller's out-pointer (checked above).
+            unsafe { put(clusterSize, n as c_int) }
+        })
+    }
 }
 
 #[cfg(test)]

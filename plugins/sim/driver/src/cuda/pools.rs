@@ -6,8 +6,10 @@
 //! charge, until `cuMemPoolTrimTo` releases it or the pool is destroyed. What a free leaves above
 //! the threshold is released at once (a real driver releases it at the next synchronization).
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use tessera_abi::cuda_exports;
 
 use super::errors::poll_faults;
 use super::graph::Op;
@@ -15,7 +17,7 @@ use super::handles;
 use super::init::{Device, driver};
 use super::memory::{Alloc, MemKind, charge, map_anon, refund, release_keeping};
 use super::stream::resolve_and_check;
-use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
+use super::{INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, run, sys};
 
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`, `CU_MEM_LOCATION_TYPE_DEVICE`.
 pub(crate) const ALLOCATION_TYPE_PINNED: u32 = 1;
@@ -160,37 +162,36 @@ fn pool(h: sys::CUmemoryPool) -> R<Arc<Pool>> {
     handles::read().pools.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(pool_out: *mut sys::CUmemoryPool, dev: c_int) -> CUresult {
-    run(|| {
-        need(pool_out)?;
-        let d = driver()?.device(dev)?;
-        // SAFETY: pool_out is the caller's out-pointer (checked above).
-        unsafe { put(pool_out, handles::as_ptr(default_pool(d))) }
-    })
-}
+cuda_exports! {
+    fn cuDeviceGetDefaultMemPool(pool_out, dev) {
+        run(|| {
+            need(pool_out)?;
+            let d = driver()?.device(dev)?;
+            // SAFETY: pool_out is the caller's out-pointer (checked above).
+            unsafe { put(pool_out, handles::as_ptr(default_pool(d))) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut sys::CUmemoryPool, dev: c_int) -> CUresult {
-    run(|| {
-        need(pool)?;
-        let d = driver()?.device(dev)?;
-        // SAFETY: pool is the caller's out-pointer (checked above).
-        unsafe { put(pool, handles::as_ptr(current_pool(d))) }
-    })
-}
+    fn cuDeviceGetMemPool(pool, dev) {
+        run(|| {
+            need(pool)?;
+            let d = driver()?.device(dev)?;
+            // SAFETY: pool is the caller's out-pointer (checked above).
+            unsafe { put(pool, handles::as_ptr(current_pool(d))) }
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceSetMemPool(dev: c_int, pool: sys::CUmemoryPool) -> CUresult {
-    run(|| {
-        let d = driver()?.device(dev)?;
-        let p = self::pool(pool)?;
-        if p.dev.ordinal != d.ordinal {
-            return Err(INVALID_VALUE);
-        }
-        d.mem_pool.store(if p.default { 0 } else { p.handle }, std::sync::atomic::Ordering::Release);
-        Ok(())
-    })
+    fn cuDeviceSetMemPool(dev, pool) {
+        run(|| {
+            let d = driver()?.device(dev)?;
+            let p = self::pool(pool)?;
+            if p.dev.ordinal != d.ordinal {
+                return Err(INVALID_VALUE);
+            }
+            d.mem_pool.store(if p.default { 0 } else { p.handle }, std::sync::atomic::Ordering::Release);
+            Ok(())
+        })
+    }
 }
 
 /// `CUmemPoolProps` with its enums read as raw integers.
@@ -209,51 +210,48 @@ struct PoolProps {
 const _: () = assert!(std::mem::size_of::<PoolProps>() == std::mem::size_of::<sys::CUmemPoolProps>());
 const _: () = assert!(std::mem::offset_of!(PoolProps, max_size) == std::mem::offset_of!(sys::CUmemPoolProps, maxSize));
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolCreate(
-    pool: *mut sys::CUmemoryPool,
-    poolProps: *const sys::CUmemPoolProps,
-) -> CUresult {
-    run(|| {
-        need(pool)?;
-        // SAFETY: PoolProps has the layout of CUmemPoolProps (asserted above) with the enums read
-        // as raw integers; null/misaligned is checked by get.
-        let p = unsafe { get(poolProps.cast::<PoolProps>()) }?;
-        let drv = driver()?;
-        if p.alloc_type != ALLOCATION_TYPE_PINNED
-            || p.location_type != LOCATION_TYPE_DEVICE
-            || p.handle_types & !0xF != 0
-        {
-            return Err(INVALID_VALUE);
-        }
-        let d = drv.device(p.location_id).map_err(|_| INVALID_VALUE)?;
-        let created = Pool::new(d, false, p.max_size as u64);
-        let h = created.handle;
-        handles::write().pools.insert(h, Arc::new(created));
-        // SAFETY: pool is the caller's out-pointer (checked above).
-        unsafe { put(pool, handles::as_ptr(h)) }
-    })
-}
+cuda_exports! {
+    fn cuMemPoolCreate(pool, poolProps) {
+        run(|| {
+            need(pool)?;
+            // SAFETY: PoolProps has the layout of CUmemPoolProps (asserted above) with the enums read
+            // as raw integers; null/misaligned is checked by get.
+            let p = unsafe { get(poolProps.cast::<PoolProps>()) }?;
+            let drv = driver()?;
+            if p.alloc_type != ALLOCATION_TYPE_PINNED
+                || p.location_type != LOCATION_TYPE_DEVICE
+                || p.handle_types & !0xF != 0
+            {
+                return Err(INVALID_VALUE);
+            }
+            let d = drv.device(p.location_id).map_err(|_| INVALID_VALUE)?;
+            let created = Pool::new(d, false, p.max_size as u64);
+            let h = created.handle;
+            handles::write().pools.insert(h, Arc::new(created));
+            // SAFETY: pool is the caller's out-pointer (checked above).
+            unsafe { put(pool, handles::as_ptr(h)) }
+        })
+    }
 
-/// `cuMemPoolDestroy`: the default pool cannot be destroyed; allocations still out stay valid
-/// until freed (as the real driver releases the pool's resources once they are).
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolDestroy(pool: sys::CUmemoryPool) -> CUresult {
-    run(|| {
-        let p = self::pool(pool)?;
-        if p.default {
-            return Err(INVALID_VALUE);
-        }
-        trim(&p, 0)?;
-        let _ = p.dev.mem_pool.compare_exchange(
-            p.handle,
-            0,
-            std::sync::atomic::Ordering::AcqRel,
-            std::sync::atomic::Ordering::Acquire,
-        );
-        handles::write().pools.remove(&p.handle);
-        Ok(())
-    })
+    /// `cuMemPoolDestroy`: the default pool cannot be destroyed; allocations still out stay valid
+    /// until freed (as the real driver releases the pool's resources once they are).
+    fn cuMemPoolDestroy(pool) {
+        run(|| {
+            let p = self::pool(pool)?;
+            if p.default {
+                return Err(INVALID_VALUE);
+            }
+            trim(&p, 0)?;
+            let _ = p.dev.mem_pool.compare_exchange(
+                p.handle,
+                0,
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+            );
+            handles::write().pools.remove(&p.handle);
+            Ok(())
+        })
+    }
 }
 
 /// Returns the pool's reserve above `keep` bytes to the device.
@@ -264,55 +262,54 @@ fn trim(p: &Pool, keep: u64) -> R {
     Ok(())
 }
 
-/// `cuMemPoolTrimTo`: releases the reserve down to `minBytesToKeep`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolTrimTo(pool: sys::CUmemoryPool, minBytesToKeep: usize) -> CUresult {
-    run(|| trim(&*self::pool(pool)?, minBytesToKeep as u64))
-}
+cuda_exports! {
+    /// `cuMemPoolTrimTo`: releases the reserve down to `minBytesToKeep`.
+    fn cuMemPoolTrimTo(pool, minBytesToKeep) {
+        run(|| trim(&*self::pool(pool)?, minBytesToKeep as u64))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolSetAttribute(pool: sys::CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
-    run(|| {
-        let p = self::pool(pool)?;
-        need(value.cast::<u32>())?;
-        let mut s = p.state();
-        // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
-        unsafe {
-            match attr {
-                1 => s.reuse_follow_event_dependencies = get(value.cast::<i32>())?,
-                2 => s.reuse_allow_opportunistic = get(value.cast::<i32>())?,
-                3 => s.reuse_allow_internal_dependencies = get(value.cast::<i32>())?,
-                4 => s.release_threshold = get(value.cast::<u64>())?,
-                // The high-water marks can only be reset (to the current value), with 0.
-                6 if get(value.cast::<u64>())? == 0 => s.reserved_high = s.used + s.kept,
-                8 if get(value.cast::<u64>())? == 0 => s.used_high = s.used,
-                _ => return Err(INVALID_VALUE),
+    fn cuMemPoolSetAttribute(pool, attr, value) {
+        run(|| {
+            let p = self::pool(pool)?;
+            need(value.cast::<u32>())?;
+            let mut s = p.state();
+            // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
+            unsafe {
+                match attr {
+                    1 => s.reuse_follow_event_dependencies = get(value.cast::<i32>())?,
+                    2 => s.reuse_allow_opportunistic = get(value.cast::<i32>())?,
+                    3 => s.reuse_allow_internal_dependencies = get(value.cast::<i32>())?,
+                    4 => s.release_threshold = get(value.cast::<u64>())?,
+                    // The high-water marks can only be reset (to the current value), with 0.
+                    6 if get(value.cast::<u64>())? == 0 => s.reserved_high = s.used + s.kept,
+                    8 if get(value.cast::<u64>())? == 0 => s.used_high = s.used,
+                    _ => return Err(INVALID_VALUE),
+                }
             }
-        }
-        Ok(())
-    })
-}
+            Ok(())
+        })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolGetAttribute(pool: sys::CUmemoryPool, attr: c_int, value: *mut c_void) -> CUresult {
-    run(|| {
-        let p = self::pool(pool)?;
-        let s = p.state();
-        // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
-        unsafe {
-            match attr {
-                1 => put(value.cast::<i32>(), s.reuse_follow_event_dependencies),
-                2 => put(value.cast::<i32>(), s.reuse_allow_opportunistic),
-                3 => put(value.cast::<i32>(), s.reuse_allow_internal_dependencies),
-                4 => put(value.cast::<u64>(), s.release_threshold),
-                5 => put(value.cast::<u64>(), s.used + s.kept),
-                7 => put(value.cast::<u64>(), s.used),
-                6 => put(value.cast::<u64>(), s.reserved_high),
-                8 => put(value.cast::<u64>(), s.used_high),
-                _ => Err(INVALID_VALUE),
+    fn cuMemPoolGetAttribute(pool, attr, value) {
+        run(|| {
+            let p = self::pool(pool)?;
+            let s = p.state();
+            // SAFETY: value points to an int (attributes 1-3) or a cuuint64_t (4-8), per the API.
+            unsafe {
+                match attr {
+                    1 => put(value.cast::<i32>(), s.reuse_follow_event_dependencies),
+                    2 => put(value.cast::<i32>(), s.reuse_allow_opportunistic),
+                    3 => put(value.cast::<i32>(), s.reuse_allow_internal_dependencies),
+                    4 => put(value.cast::<u64>(), s.release_threshold),
+                    5 => put(value.cast::<u64>(), s.used + s.kept),
+                    7 => put(value.cast::<u64>(), s.used),
+                    6 => put(value.cast::<u64>(), s.reserved_high),
+                    8 => put(value.cast::<u64>(), s.used_high),
+                    _ => Err(INVALID_VALUE),
+                }
             }
-        }
-    })
+        })
+    }
 }
 
 /// `CUmemAccessDesc` with its enums read as raw integers.
@@ -325,57 +322,49 @@ pub(crate) struct AccessDesc {
 }
 const _: () = assert!(std::mem::size_of::<AccessDesc>() == std::mem::size_of::<sys::CUmemAccessDesc>());
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolSetAccess(
-    pool: sys::CUmemoryPool,
-    map: *const sys::CUmemAccessDesc,
-    count: usize,
-) -> CUresult {
-    run(|| {
-        let p = self::pool(pool)?;
-        let drv = driver()?;
-        let mut s = p.state();
-        for i in 0..count {
-            // SAFETY: map holds `count` descriptors by the caller's contract; AccessDesc has their
-            // layout with the enums read as raw integers.
-            let a = unsafe { get(map.cast::<AccessDesc>().add(i)) }?;
-            if a.location_type != LOCATION_TYPE_DEVICE || !matches!(a.flags, 0 | 1 | 3) {
+cuda_exports! {
+    fn cuMemPoolSetAccess(pool, map, count) {
+        run(|| {
+            let p = self::pool(pool)?;
+            let drv = driver()?;
+            let mut s = p.state();
+            for i in 0..count {
+                // SAFETY: map holds `count` descriptors by the caller's contract; AccessDesc has their
+                // layout with the enums read as raw integers.
+                let a = unsafe { get(map.cast::<AccessDesc>().add(i)) }?;
+                if a.location_type != LOCATION_TYPE_DEVICE || !matches!(a.flags, 0 | 1 | 3) {
+                    return Err(INVALID_VALUE);
+                }
+                drv.device(a.location_id).map_err(|_| INVALID_VALUE)?;
+                if a.location_id == p.dev.ordinal {
+                    continue; // the owning device always has read-write access
+                }
+                s.access.retain(|e| e.0 != a.location_id);
+                s.access.push((a.location_id, a.flags));
+            }
+            Ok(())
+        })
+    }
+
+    fn cuMemPoolGetAccess(flags, memPool, location) {
+        run(|| {
+            need(flags)?;
+            let p = pool(memPool)?;
+            // SAFETY: location is the caller's struct (null/misaligned checked by get); read as the
+            // raw (type, id) pair of CUmemLocation.
+            let loc = unsafe { get(location.cast_const().cast::<[i32; 2]>()) }?;
+            if loc[0] as u32 != LOCATION_TYPE_DEVICE {
                 return Err(INVALID_VALUE);
             }
-            drv.device(a.location_id).map_err(|_| INVALID_VALUE)?;
-            if a.location_id == p.dev.ordinal {
-                continue; // the owning device always has read-write access
-            }
-            s.access.retain(|e| e.0 != a.location_id);
-            s.access.push((a.location_id, a.flags));
-        }
-        Ok(())
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemPoolGetAccess(
-    flags: *mut c_uint,
-    memPool: sys::CUmemoryPool,
-    location: *mut sys::CUmemLocation,
-) -> CUresult {
-    run(|| {
-        need(flags)?;
-        let p = pool(memPool)?;
-        // SAFETY: location is the caller's struct (null/misaligned checked by get); read as the
-        // raw (type, id) pair of CUmemLocation.
-        let loc = unsafe { get(location.cast_const().cast::<[i32; 2]>()) }?;
-        if loc[0] as u32 != LOCATION_TYPE_DEVICE {
-            return Err(INVALID_VALUE);
-        }
-        let f = if loc[1] == p.dev.ordinal {
-            3
-        } else {
-            p.state().access.iter().find(|e| e.0 == loc[1]).map_or(0, |e| e.1)
-        };
-        // SAFETY: flags is the caller's out-pointer (checked above).
-        unsafe { put(flags, f) }
-    })
+            let f = if loc[1] == p.dev.ordinal {
+                3
+            } else {
+                p.state().access.iter().find(|e| e.0 == loc[1]).map_or(0, |e| e.1)
+            };
+            // SAFETY: flags is the caller's out-pointer (checked above).
+            unsafe { put(flags, f) }
+        })
+    }
 }
 
 /// A stream-ordered allocation from a pool, charged to the pool's device at once.
@@ -427,42 +416,14 @@ fn alloc_async(
     unsafe { put(dptr, base) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync(
-    dptr: *mut sys::CUdeviceptr,
-    bytesize: usize,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| alloc_async(dptr, bytesize, None, hStream, false))
-}
+cuda_exports! {
+    fn cuMemAllocAsync(dptr, bytesize, hStream) twin cuMemAllocAsync_ptsz(per_thread) {
+        run(|| alloc_async(dptr, bytesize, None, hStream, per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
-    dptr: *mut sys::CUdeviceptr,
-    bytesize: usize,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| alloc_async(dptr, bytesize, None, hStream, true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
-    dptr: *mut sys::CUdeviceptr,
-    bytesize: usize,
-    pool: sys::CUmemoryPool,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| alloc_async(dptr, bytesize, Some(pool), hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut sys::CUdeviceptr,
-    bytesize: usize,
-    pool: sys::CUmemoryPool,
-    hStream: sys::CUstream,
-) -> CUresult {
-    run(|| alloc_async(dptr, bytesize, Some(pool), hStream, true))
+    fn cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream) twin cuMemAllocFromPoolAsync_ptsz(per_thread) {
+        run(|| alloc_async(dptr, bytesize, Some(pool), hStream, per_thread))
+    }
 }
 
 /// `cuMemFreeAsync`: the memory goes back at once (nothing reads it after the free in stream
@@ -498,12 +459,8 @@ fn free_async(dptr: sys::CUdeviceptr, stream: sys::CUstream, pt: bool) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync(dptr: sys::CUdeviceptr, hStream: sys::CUstream) -> CUresult {
-    run(|| free_async(dptr, hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: sys::CUdeviceptr, hStream: sys::CUstream) -> CUresult {
-    run(|| free_async(dptr, hStream, true))
+cuda_exports! {
+    fn cuMemFreeAsync(dptr, hStream) twin cuMemFreeAsync_ptsz(per_thread) {
+        run(|| free_async(dptr, hStream, per_thread))
+    }
 }

@@ -13,9 +13,11 @@
 
 use std::ffi::{c_char, c_int, c_void};
 
+use tessera_abi::cuda_exports;
+
 use super::not_modelled::ENTRIES as NOT_MODELLED;
 use super::proc_table::{Entry, Pt, TABLE};
-use super::{CUresult, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run};
+use super::{INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run};
 
 /// `CU_GET_PROC_ADDRESS_DEFAULT`, `_LEGACY_STREAM`, `_PER_THREAD_DEFAULT_STREAM`.
 const PROC_DEFAULT: u64 = 0;
@@ -78,40 +80,22 @@ unsafe fn get_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int,
     found.map(|_| ()).map_err(|_| NOT_FOUND)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-) -> CUresult {
-    // SAFETY: the caller's string and out-pointer, per the API contract.
-    run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, std::ptr::null_mut()) })
-}
+cuda_exports! {
+    fn cuGetProcAddress(symbol, pfn, cudaVersion, flags) {
+        // SAFETY: the caller's string and out-pointer, per the API contract.
+        run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, std::ptr::null_mut()) })
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-    symbolStatus: *mut c_int,
-) -> CUresult {
-    // SAFETY: the caller's string and out-pointers, per the API contract.
-    run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
-}
+    fn cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus) {
+        // SAFETY: the caller's string and out-pointers, per the API contract.
+        run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
+    }
 
-/// The per-thread flavour `cuda.h` declares for `cuGetProcAddress_v2`: the same lookup.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2_ptsz(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    cudaVersion: c_int,
-    flags: u64,
-    symbolStatus: *mut c_int,
-) -> CUresult {
-    // SAFETY: the caller's string and out-pointers, per the API contract.
-    run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
+    /// The per-thread flavour `cuda.h` declares for `cuGetProcAddress_v2`: the same lookup.
+    fn cuGetProcAddress_v2_ptsz(symbol, pfn, cudaVersion, flags, symbolStatus) {
+        // SAFETY: the caller's string and out-pointers, per the API contract.
+        run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
+    }
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::*};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
+use tessera_abi::cuda_exports;
 use tessera_sim_model::{MAX_STREAMS, Node, StreamId};
 
 use super::context::{self, Ctx};
@@ -248,18 +249,14 @@ fn create(ph: *mut sys::CUstream, flags: c_uint, priority: c_int) -> R {
     unsafe { put(ph, handles::as_ptr(handle)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamCreate(phStream: *mut sys::CUstream, Flags: c_uint) -> CUresult {
-    run(|| create(phStream, Flags, 0))
-}
+cuda_exports! {
+    fn cuStreamCreate(phStream, Flags) {
+        run(|| create(phStream, Flags, 0))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamCreateWithPriority(
-    phStream: *mut sys::CUstream,
-    flags: c_uint,
-    priority: c_int,
-) -> CUresult {
-    run(|| create(phStream, flags, priority))
+    fn cuStreamCreateWithPriority(phStream, flags, priority) {
+        run(|| create(phStream, flags, priority))
+    }
 }
 
 /// `cuStreamDestroy`: returns at once; the stream's queued work still runs, and its model stream
@@ -273,14 +270,14 @@ fn destroy(h: sys::CUstream) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamDestroy_v2(hStream: sys::CUstream) -> CUresult {
-    run(|| destroy(hStream))
-}
+cuda_exports! {
+    fn cuStreamDestroy_v2(hStream) {
+        run(|| destroy(hStream))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamDestroy(hStream: sys::CUstream) -> CUresult {
-    run(|| destroy(hStream))
+    fn cuStreamDestroy(hStream) {
+        run(|| destroy(hStream))
+    }
 }
 
 /// Resolves a stream for a query or a wait.
@@ -310,14 +307,10 @@ fn synchronize(h: sys::CUstream, pt: bool) -> R {
     t.ctx.check_sync(node)
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize(hStream: sys::CUstream) -> CUresult {
-    run(|| synchronize(hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamSynchronize_ptsz(hStream: sys::CUstream) -> CUresult {
-    run(|| synchronize(hStream, true))
+cuda_exports! {
+    fn cuStreamSynchronize(hStream) twin cuStreamSynchronize_ptsz(per_thread) {
+        run(|| synchronize(hStream, per_thread))
+    }
 }
 
 fn query(h: sys::CUstream, pt: bool) -> R {
@@ -330,14 +323,10 @@ fn query(h: sys::CUstream, pt: bool) -> R {
     Ok(())
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamQuery(hStream: sys::CUstream) -> CUresult {
-    run(|| query(hStream, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamQuery_ptsz(hStream: sys::CUstream) -> CUresult {
-    run(|| query(hStream, true))
+cuda_exports! {
+    fn cuStreamQuery(hStream) twin cuStreamQuery_ptsz(per_thread) {
+        run(|| query(hStream, per_thread))
+    }
 }
 
 /// Resolves a stream for a property query (no fault checks: the properties outlive faults).
@@ -353,14 +342,10 @@ fn get_priority(h: sys::CUstream, priority: *mut c_int, pt: bool) -> R {
     unsafe { put(priority, t.stream.as_ref().map_or(0, |s| s.priority)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetPriority(hStream: sys::CUstream, priority: *mut c_int) -> CUresult {
-    run(|| get_priority(hStream, priority, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetPriority_ptsz(hStream: sys::CUstream, priority: *mut c_int) -> CUresult {
-    run(|| get_priority(hStream, priority, true))
+cuda_exports! {
+    fn cuStreamGetPriority(hStream, priority) twin cuStreamGetPriority_ptsz(per_thread) {
+        run(|| get_priority(hStream, priority, per_thread))
+    }
 }
 
 fn get_flags(h: sys::CUstream, flags: *mut c_uint, pt: bool) -> R {
@@ -370,14 +355,10 @@ fn get_flags(h: sys::CUstream, flags: *mut c_uint, pt: bool) -> R {
     unsafe { put(flags, t.stream.as_ref().map_or(0, |s| s.flags)) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetFlags(hStream: sys::CUstream, flags: *mut c_uint) -> CUresult {
-    run(|| get_flags(hStream, flags, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetFlags_ptsz(hStream: sys::CUstream, flags: *mut c_uint) -> CUresult {
-    run(|| get_flags(hStream, flags, true))
+cuda_exports! {
+    fn cuStreamGetFlags(hStream, flags) twin cuStreamGetFlags_ptsz(per_thread) {
+        run(|| get_flags(hStream, flags, per_thread))
+    }
 }
 
 fn get_ctx(h: sys::CUstream, pctx: *mut sys::CUcontext, green: *mut sys::CUgreenCtx, pt: bool) -> R {
@@ -390,32 +371,14 @@ fn get_ctx(h: sys::CUstream, pctx: *mut sys::CUcontext, green: *mut sys::CUgreen
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCtx(hStream: sys::CUstream, pctx: *mut sys::CUcontext) -> CUresult {
-    run(|| get_ctx(hStream, pctx, std::ptr::null_mut(), false))
-}
+cuda_exports! {
+    fn cuStreamGetCtx(hStream, pctx) twin cuStreamGetCtx_ptsz(per_thread) {
+        run(|| get_ctx(hStream, pctx, std::ptr::null_mut(), per_thread))
+    }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCtx_ptsz(hStream: sys::CUstream, pctx: *mut sys::CUcontext) -> CUresult {
-    run(|| get_ctx(hStream, pctx, std::ptr::null_mut(), true))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCtx_v2(
-    hStream: sys::CUstream,
-    pCtx: *mut sys::CUcontext,
-    pGreenCtx: *mut sys::CUgreenCtx,
-) -> CUresult {
-    run(|| get_ctx(hStream, pCtx, pGreenCtx, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetCtx_v2_ptsz(
-    hStream: sys::CUstream,
-    pCtx: *mut sys::CUcontext,
-    pGreenCtx: *mut sys::CUgreenCtx,
-) -> CUresult {
-    run(|| get_ctx(hStream, pCtx, pGreenCtx, true))
+    fn cuStreamGetCtx_v2(hStream, pCtx, pGreenCtx) twin cuStreamGetCtx_v2_ptsz(per_thread) {
+        run(|| get_ctx(hStream, pCtx, pGreenCtx, per_thread))
+    }
 }
 
 fn get_id(h: sys::CUstream, id: *mut c_ulonglong, pt: bool) -> R {
@@ -431,14 +394,10 @@ fn get_id(h: sys::CUstream, id: *mut c_ulonglong, pt: bool) -> R {
     unsafe { put(id, v) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetId(hStream: sys::CUstream, streamId: *mut c_ulonglong) -> CUresult {
-    run(|| get_id(hStream, streamId, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetId_ptsz(hStream: sys::CUstream, streamId: *mut c_ulonglong) -> CUresult {
-    run(|| get_id(hStream, streamId, true))
+cuda_exports! {
+    fn cuStreamGetId(hStream, streamId) twin cuStreamGetId_ptsz(per_thread) {
+        run(|| get_id(hStream, streamId, per_thread))
+    }
 }
 
 fn get_device(h: sys::CUstream, device: *mut c_int, pt: bool) -> R {
@@ -448,14 +407,10 @@ fn get_device(h: sys::CUstream, device: *mut c_int, pt: bool) -> R {
     unsafe { put(device, t.ctx.dev.ordinal) }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetDevice(hStream: sys::CUstream, device: *mut c_int) -> CUresult {
-    run(|| get_device(hStream, device, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamGetDevice_ptsz(hStream: sys::CUstream, device: *mut c_int) -> CUresult {
-    run(|| get_device(hStream, device, true))
+cuda_exports! {
+    fn cuStreamGetDevice(hStream, device) twin cuStreamGetDevice_ptsz(per_thread) {
+        run(|| get_device(hStream, device, per_thread))
+    }
 }
 
 fn add_callback(h: sys::CUstream, cb: sys::CUstreamCallback, data: *mut c_void, flags: c_uint, pt: bool) -> R {
@@ -471,24 +426,10 @@ fn add_callback(h: sys::CUstream, cb: sys::CUstreamCallback, data: *mut c_void, 
     enqueue_host(node, t.sid, HostCall::Callback(f, h as usize, data as usize))
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamAddCallback(
-    hStream: sys::CUstream,
-    callback: sys::CUstreamCallback,
-    userData: *mut c_void,
-    flags: c_uint,
-) -> CUresult {
-    run(|| add_callback(hStream, callback, userData, flags, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamAddCallback_ptsz(
-    hStream: sys::CUstream,
-    callback: sys::CUstreamCallback,
-    userData: *mut c_void,
-    flags: c_uint,
-) -> CUresult {
-    run(|| add_callback(hStream, callback, userData, flags, true))
+cuda_exports! {
+    fn cuStreamAddCallback(hStream, callback, userData, flags) twin cuStreamAddCallback_ptsz(per_thread) {
+        run(|| add_callback(hStream, callback, userData, flags, per_thread))
+    }
 }
 
 fn attach_mem(h: sys::CUstream, dptr: u64, length: usize, flags: c_uint, pt: bool) -> R {
@@ -509,22 +450,8 @@ fn attach_mem(h: sys::CUstream, dptr: u64, length: usize, flags: c_uint, pt: boo
     }
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamAttachMemAsync(
-    hStream: sys::CUstream,
-    dptr: sys::CUdeviceptr,
-    length: usize,
-    flags: c_uint,
-) -> CUresult {
-    run(|| attach_mem(hStream, dptr, length, flags, false))
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamAttachMemAsync_ptsz(
-    hStream: sys::CUstream,
-    dptr: sys::CUdeviceptr,
-    length: usize,
-    flags: c_uint,
-) -> CUresult {
-    run(|| attach_mem(hStream, dptr, length, flags, true))
+cuda_exports! {
+    fn cuStreamAttachMemAsync(hStream, dptr, length, flags) twin cuStreamAttachMemAsync_ptsz(per_thread) {
+        run(|| attach_mem(hStream, dptr, length, flags, per_thread))
+    }
 }
