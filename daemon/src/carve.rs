@@ -133,7 +133,10 @@ pub fn place<'g>(
         let what = if selector.trim().is_empty() {
             "this node has no GPU".to_string()
         } else {
-            format!("gpu: no GPU {} on this node (an index, a GPU UUID or a model name)", crate::echo::quoted(selector))
+            format!(
+                "gpu: no GPU {} on this node (an index, a GPU UUID or a model name)",
+                crate::client_input::quoted(selector)
+            )
         };
         return Err(what);
     }
@@ -186,7 +189,10 @@ fn named<'g>(gpus: &'g [GpuRoom], selector: &str) -> Result<Vec<&'g GpuRoom>, St
         return Err(if selector.trim().is_empty() {
             "this node has no GPU".to_string()
         } else {
-            format!("gpu: no GPU {} on this node (an index, a GPU UUID or a model name)", crate::echo::quoted(selector))
+            format!(
+                "gpu: no GPU {} on this node (an index, a GPU UUID or a model name)",
+                crate::client_input::quoted(selector)
+            )
         });
     }
     Ok(named)

@@ -648,7 +648,7 @@ fn validate_both(validator: &Path, obj: &Value) -> [(bool, String); 2] {
 /// strictly against the 1.34 and 1.37 events.k8s.io/v1 schemas; a field they lack is refused.
 #[test]
 fn kubernetes_events_validate_against_the_1_34_and_1_37_schemas() {
-    use tessera_daemon::kubernetes::events::{Coalescer, Write, occurrences};
+    use tessera_daemon::kubernetes::event_recorder::{Coalescer, Write, occurrences};
     use tessera_proto::tessera::v1 as api;
     let Some(validator) = validator() else { return };
     let fault = api::Event {

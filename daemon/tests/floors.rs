@@ -47,7 +47,7 @@ use Floor::*;
 /// them all).
 const FLOORS: &[(&str, Floor)] = &[
     ("blocking", Base),
-    ("echo", Base),
+    ("client_input", Base),
     ("socket", Base),
     ("config", Core),
     ("discovery", Core),

@@ -104,7 +104,7 @@ impl DaemonAllocator {
                 let d = offer.device(resource, id).ok_or_else(|| {
                     Status::invalid_argument(format!(
                         "unknown device id {} for resource {}",
-                        crate::echo::quoted(id),
+                        crate::client_input::quoted(id),
                         resource.name
                     ))
                 })?;

@@ -278,7 +278,7 @@ impl DaemonAllocator {
         }
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(current) = store.get(id).cloned() else {
-            return Err(Status::not_found(format!("allocation_id: no allocation {}", crate::echo::quoted(id))));
+            return Err(Status::not_found(format!("allocation_id: no allocation {}", crate::client_input::quoted(id))));
         };
         let mut alloc = current.clone();
         for d in &mut alloc.devices {

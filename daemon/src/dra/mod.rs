@@ -1,6 +1,6 @@
 //! The Kubernetes DRA driver `gpu.tessera.io` (resource.k8s.io/v1), beside the device plugin:
 //!
-//! - [`kubelet`]: the kubelet side: plugin registration (a `Registration` service on a socket in
+//! - [`service`]: what the kubelet calls: plugin registration (a `Registration` service on a socket in
 //!   the kubelet's `plugins_registry` directory) and the `DRAPlugin` service, v1 and v1beta1, on
 //!   `<plugins_dir>/gpu.tessera.io/dra.sock`; each claim goes to a [`ClaimDriver`].
 //! - [`claims`]: a ResourceClaim's allocation result (devices, consumed capacity, opaque config
@@ -25,13 +25,13 @@ pub mod claims;
 pub mod devices;
 pub mod dynamic_mig;
 pub mod health_service;
-pub mod kubelet;
 pub mod node;
 pub mod prepare;
+pub mod service;
 pub mod slices;
 pub mod status;
 
-pub use kubelet::{ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};
+pub use service::{ClaimDriver, ClaimRef, DraPlugin, PreparedDevice};
 
 /// The DRA driver name (`ResourceSlice.spec.driver`, DeviceClass selectors, opaque config).
 pub const DRIVER: &str = "gpu.tessera.io";

@@ -1,7 +1,7 @@
 //! What tesserad tells the Kubernetes API server about its node besides the DRA driver's
 //! ResourceSlices (`dra/`):
 //!
-//! - [`events`]: every fault and recovery as an Event (events.k8s.io/v1) on the Node and on the
+//! - [`event_recorder`]: every fault and recovery as an Event (events.k8s.io/v1) on the Node and on the
 //!   Pod holding the device, repeats coalesced into a series count;
 //! - [`labels`]: GPU Feature Discovery-style labels under `tessera.io/` on the Node, kept current.
 //!
@@ -9,7 +9,7 @@
 //! one), or with `kubernetes.kubeconfig` set in mode `device-plugin`. Labels can be turned off
 //! with `kubernetes.labels = false`.
 
-pub mod events;
+pub mod event_recorder;
 pub mod labels;
 
 use std::sync::Arc;
@@ -40,7 +40,7 @@ pub async fn start(
     let node = crate::config::kubernetes::node_name(cfg)?;
     let client = crate::dra::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let (_, bus) = controller.events().subscribe(0);
-    let recorder = tokio::spawn(events::Recorder::new(client.clone(), node.clone()).run(bus, shutdown.clone()));
+    let recorder = tokio::spawn(event_recorder::Recorder::new(client.clone(), node.clone()).run(bus, shutdown.clone()));
     let labeller = cfg
         .kubernetes
         .labels

@@ -236,10 +236,13 @@ pub fn valid_id(id: &str) -> Result<(), String> {
         return Err("the id is empty".to_string());
     }
     if id.len() > MAX_ID_LEN {
-        return Err(format!("the id {} is longer than {MAX_ID_LEN} bytes", crate::echo::quoted(id)));
+        return Err(format!("the id {} is longer than {MAX_ID_LEN} bytes", crate::client_input::quoted(id)));
     }
     if !id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-        return Err(format!("the id {} holds a character other than A-Z, a-z, 0-9, '-', '_'", crate::echo::quoted(id)));
+        return Err(format!(
+            "the id {} holds a character other than A-Z, a-z, 0-9, '-', '_'",
+            crate::client_input::quoted(id)
+        ));
     }
     Ok(())
 }
