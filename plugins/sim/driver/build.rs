@@ -44,7 +44,7 @@ fn generate_cuda(root: &Path, out: &Path) {
 }
 
 /// NVML: names no function under `src/nvml/` defines (its exports are `fn nvmlX(...)` items of
-/// `nvml_exports!`).
+/// `nvml_exports!`, with any names after their `also`).
 fn generate_nvml(root: &Path, out: &Path) {
     let mut modelled = BTreeSet::new();
     let dir = root.join("src/nvml");
@@ -56,6 +56,10 @@ fn generate_nvml(root: &Path, out: &Path) {
             for rest in text.split("fn nvml").skip(1) {
                 let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
                 modelled.insert(format!("nvml{name}"));
+                let header = rest.split('{').next().unwrap_or_default();
+                if let Some((_, also)) = header.split_once(") also ") {
+                    modelled.extend(also.split(',').map(|n| n.trim().to_string()));
+                }
             }
         }
     }

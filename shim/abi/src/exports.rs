@@ -7,12 +7,15 @@
 /// /// docs
 /// fn cuName(param, ...) { body }
 /// fn cuName(param, ...) twin cuName_ptsz(per_thread) { body }
+/// fn cuName_v2(param, ...) also cuName { body }
 /// ```
 ///
 /// The parameters are named as in the table's row, in its order (another name or count does not
 /// compile); the body is the function's, returning the row's type. The second form defines both
 /// the function and its per-thread-default-stream twin from one body, with `per_thread` (any name)
-/// `false` in the first and `true` in the twin.
+/// `false` in the first and `true` in the twin. The third defines functions that do the same
+/// (versions of one call, `also` followed by one or more names) from one body, each with its own
+/// row's signature and these parameter names.
 ///
 /// The definitions are `pub unsafe extern "C" fn`: their callers are C programs, under the
 /// header's contract for each function. A body must not unwind: run it in the crate's panic guard.
@@ -38,6 +41,21 @@ macro_rules! __exports {
     ) => {
         $crate::__exports!(@one $family; $(#[$m])* $name($($a),*) { let $pt = false; $body });
         $crate::__exports!(@one $family; $(#[$m])* $twin($($a),*) { let $pt = true; $body });
+        $crate::__exports!($family; $($rest)*);
+    };
+    ($family:ident;
+        $(#[$m:meta])* fn $name:ident($($a:ident),* $(,)?) also $also:ident, $($more:ident),+ $body:block
+        $($rest:tt)*
+    ) => {
+        $crate::__exports!(@one $family; $(#[$m])* $name($($a),*) $body);
+        $crate::__exports!($family; $(#[$m])* fn $also($($a),*) also $($more),+ $body $($rest)*);
+    };
+    ($family:ident;
+        $(#[$m:meta])* fn $name:ident($($a:ident),* $(,)?) also $also:ident $body:block
+        $($rest:tt)*
+    ) => {
+        $crate::__exports!(@one $family; $(#[$m])* $name($($a),*) $body);
+        $crate::__exports!(@one $family; $(#[$m])* $also($($a),*) $body);
         $crate::__exports!($family; $($rest)*);
     };
     ($family:ident; $(#[$m:meta])* fn $name:ident($($a:ident),* $(,)?) $body:block $($rest:tt)*) => {

@@ -480,11 +480,7 @@ fn destroy(h: sys::CUcontext) -> R {
 }
 
 cuda_exports! {
-    fn cuCtxDestroy_v2(ctx) {
-        run(|| destroy(ctx))
-    }
-
-    fn cuCtxDestroy(ctx) {
+    fn cuCtxDestroy_v2(ctx) also cuCtxDestroy {
         run(|| destroy(ctx))
     }
 }
@@ -499,11 +495,7 @@ fn push(h: sys::CUcontext) -> R {
 }
 
 cuda_exports! {
-    fn cuCtxPushCurrent_v2(ctx) {
-        run(|| push(ctx))
-    }
-
-    fn cuCtxPushCurrent(ctx) {
+    fn cuCtxPushCurrent_v2(ctx) also cuCtxPushCurrent {
         run(|| push(ctx))
     }
 }
@@ -516,11 +508,7 @@ fn pop(pctx: *mut sys::CUcontext) -> R {
 }
 
 cuda_exports! {
-    fn cuCtxPopCurrent_v2(pctx) {
-        run(|| pop(pctx))
-    }
-
-    fn cuCtxPopCurrent(pctx) {
+    fn cuCtxPopCurrent_v2(pctx) also cuCtxPopCurrent {
         run(|| pop(pctx))
     }
 
@@ -887,11 +875,7 @@ fn primary_release(dev: c_int) -> R {
 }
 
 cuda_exports! {
-    fn cuDevicePrimaryCtxRelease_v2(dev) {
-        run(|| primary_release(dev))
-    }
-
-    fn cuDevicePrimaryCtxRelease(dev) {
+    fn cuDevicePrimaryCtxRelease_v2(dev) also cuDevicePrimaryCtxRelease {
         run(|| primary_release(dev))
     }
 }
@@ -912,11 +896,7 @@ fn primary_reset(dev: c_int) -> R {
 }
 
 cuda_exports! {
-    fn cuDevicePrimaryCtxReset_v2(dev) {
-        run(|| primary_reset(dev))
-    }
-
-    fn cuDevicePrimaryCtxReset(dev) {
+    fn cuDevicePrimaryCtxReset_v2(dev) also cuDevicePrimaryCtxReset {
         run(|| primary_reset(dev))
     }
 

@@ -504,11 +504,7 @@ unsafe fn memcpy_2d_v1(p: *const Memcpy2dV1, stream: Option<sys::CUstream>) -> R
     unsafe { memcpy_2d((&p2 as *const Memcpy2d).cast(), stream, false) }
 }
 cuda_exports! {
-    fn cuMemcpy2D(pCopy) {
-        // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
-        run(|| unsafe { memcpy_2d_v1(pCopy, None) })
-    }
-    fn cuMemcpy2DUnaligned(pCopy) {
+    fn cuMemcpy2D(pCopy) also cuMemcpy2DUnaligned {
         // SAFETY: every pointer comes from the C caller and is valid per the CUDA API contract.
         run(|| unsafe { memcpy_2d_v1(pCopy, None) })
     }

@@ -47,11 +47,7 @@ fn uuid_of(uuid: *mut sys::CUuuid, dev: c_int) -> R {
 
 cuda_exports! {
     /// `cuDeviceGetUuid`: for a MIG device, the MIG UUID (both versions agree since CUDA 11.4).
-    fn cuDeviceGetUuid(uuid, dev) {
-        run(|| uuid_of(uuid, dev))
-    }
-
-    fn cuDeviceGetUuid_v2(uuid, dev) {
+    fn cuDeviceGetUuid(uuid, dev) also cuDeviceGetUuid_v2 {
         run(|| uuid_of(uuid, dev))
     }
 

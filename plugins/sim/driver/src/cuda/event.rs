@@ -216,11 +216,7 @@ fn elapsed(ms: *mut f32, start: sys::CUevent, end: sys::CUevent) -> R {
 }
 
 cuda_exports! {
-    fn cuEventElapsedTime(pMilliseconds, hStart, hEnd) {
-        run(|| elapsed(pMilliseconds, hStart, hEnd))
-    }
-
-    fn cuEventElapsedTime_v2(pMilliseconds, hStart, hEnd) {
+    fn cuEventElapsedTime(pMilliseconds, hStart, hEnd) also cuEventElapsedTime_v2 {
         run(|| elapsed(pMilliseconds, hStart, hEnd))
     }
 }
@@ -233,11 +229,7 @@ fn destroy(h: sys::CUevent) -> R {
 }
 
 cuda_exports! {
-    fn cuEventDestroy_v2(hEvent) {
-        run(|| destroy(hEvent))
-    }
-
-    fn cuEventDestroy(hEvent) {
+    fn cuEventDestroy_v2(hEvent) also cuEventDestroy {
         run(|| destroy(hEvent))
     }
 }

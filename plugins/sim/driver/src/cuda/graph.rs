@@ -826,11 +826,7 @@ fn instantiate_with_log(
 }
 
 cuda_exports! {
-    fn cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
-        run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
-    }
-
-    fn cuGraphInstantiate_v2(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) {
+    fn cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize) also cuGraphInstantiate_v2 {
         run(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
     }
 }
@@ -853,11 +849,7 @@ fn instantiate_with_params(
 }
 
 cuda_exports! {
-    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) {
-        run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
-    }
-
-    fn cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams) {
+    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) also cuGraphInstantiateWithParams_ptsz {
         run(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
     }
 

@@ -446,16 +446,7 @@ fn host_alloc(bytes: u64, flags: c_uint) -> R<u64> {
 }
 
 cuda_exports! {
-    fn cuMemAllocHost_v2(pp, bytesize) {
-        run(|| {
-            need(pp)?;
-            let p = host_alloc(bytesize as u64, 0)?;
-            // SAFETY: pp is the caller's out-pointer (checked above).
-            unsafe { put(pp, p as *mut c_void) }
-        })
-    }
-
-    fn cuMemAllocHost(pp, bytesize) {
+    fn cuMemAllocHost_v2(pp, bytesize) also cuMemAllocHost {
         run(|| {
             need(pp)?;
             let p = host_alloc(bytesize as u64, 0)?;
@@ -558,11 +549,7 @@ fn host_register(p: u64, bytes: u64, flags: c_uint) -> R {
 }
 
 cuda_exports! {
-    fn cuMemHostRegister_v2(p, bytesize, Flags) {
-        run(|| host_register(p as u64, bytesize as u64, Flags))
-    }
-
-    fn cuMemHostRegister(p, bytesize, Flags) {
+    fn cuMemHostRegister_v2(p, bytesize, Flags) also cuMemHostRegister {
         run(|| host_register(p as u64, bytesize as u64, Flags))
     }
 

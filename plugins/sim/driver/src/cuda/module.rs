@@ -641,11 +641,7 @@ fn get_name(name: *mut *const c_char, h: usize) -> R {
 }
 
 cuda_exports! {
-    fn cuFuncGetName(name, hfunc) {
-        run(|| get_name(name, hfunc as usize))
-    }
-
-    fn cuKernelGetName(name, hfunc) {
+    fn cuFuncGetName(name, hfunc) also cuKernelGetName {
         run(|| get_name(name, hfunc as usize))
     }
 

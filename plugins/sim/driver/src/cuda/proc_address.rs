@@ -86,13 +86,8 @@ cuda_exports! {
         run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, std::ptr::null_mut()) })
     }
 
-    fn cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus) {
-        // SAFETY: the caller's string and out-pointers, per the API contract.
-        run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
-    }
-
     /// The per-thread flavour `cuda.h` declares for `cuGetProcAddress_v2`: the same lookup.
-    fn cuGetProcAddress_v2_ptsz(symbol, pfn, cudaVersion, flags, symbolStatus) {
+    fn cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus) also cuGetProcAddress_v2_ptsz {
         // SAFETY: the caller's string and out-pointers, per the API contract.
         run(|| unsafe { get_proc(symbol, pfn, cudaVersion, flags, symbolStatus) })
     }

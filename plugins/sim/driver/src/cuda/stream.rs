@@ -271,11 +271,7 @@ fn destroy(h: sys::CUstream) -> R {
 }
 
 cuda_exports! {
-    fn cuStreamDestroy_v2(hStream) {
-        run(|| destroy(hStream))
-    }
-
-    fn cuStreamDestroy(hStream) {
+    fn cuStreamDestroy_v2(hStream) also cuStreamDestroy {
         run(|| destroy(hStream))
     }
 }

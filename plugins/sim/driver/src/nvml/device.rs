@@ -88,18 +88,9 @@ fn count() -> R<u32> {
 
 nvml_exports! {
     /// `nvmlDeviceGetCount_v2`: every GPU of the node.
-    fn nvmlDeviceGetCount_v2(device_count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let n = count()?;
-                // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.
-                unsafe { put(device_count, n) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetCount` (v1): the same (every simulated GPU is accessible).
-    fn nvmlDeviceGetCount(device_count) {
+    fn nvmlDeviceGetCount_v2(device_count) also nvmlDeviceGetCount {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 let n = count()?;
@@ -121,20 +112,9 @@ fn by_index(index: u32) -> R<nvmlDevice_t> {
 
 nvml_exports! {
     /// `nvmlDeviceGetHandleByIndex_v2`.
-    fn nvmlDeviceGetHandleByIndex_v2(index, device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(device)?;
-                let h = by_index(index)?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, h) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetHandleByIndex` (v1).
-    fn nvmlDeviceGetHandleByIndex(index, device) {
+    fn nvmlDeviceGetHandleByIndex_v2(index, device) also nvmlDeviceGetHandleByIndex {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 node()?;
@@ -239,20 +219,9 @@ fn by_pci_bus_id(p: *const c_char) -> R<nvmlDevice_t> {
 
 nvml_exports! {
     /// `nvmlDeviceGetHandleByPciBusId_v2`.
-    fn nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(device)?;
-                let h = by_pci_bus_id(pci_bus_id)?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, h) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetHandleByPciBusId` (v1).
-    fn nvmlDeviceGetHandleByPciBusId(pci_bus_id, device) {
+    fn nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, device) also nvmlDeviceGetHandleByPciBusId {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 node()?;
@@ -382,18 +351,9 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetPciInfo_v2`: the legacy layout (16-byte bus id in the legacy form).
-    fn nvmlDeviceGetPciInfo_v2(device, pci) {
-        let pci = pci.cast::<PciInfoLegacy>();
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: pci is null or valid for a write of the legacy struct (a prefix of nvmlPciInfo_t).
-                unsafe { gpu_value(device, pci, true, |_, id| Ok(pci_info_legacy(&gpu_pci(id)))) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetPciInfo` (v1): the legacy layout.
-    fn nvmlDeviceGetPciInfo(device, pci) {
+    fn nvmlDeviceGetPciInfo_v2(device, pci) also nvmlDeviceGetPciInfo {
         let pci = pci.cast::<PciInfoLegacy>();
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {

@@ -32,12 +32,9 @@ fn init() -> R {
 
 nvml_exports! {
     /// `nvmlInit_v2`: opens the node on first use; each call must be matched by `nvmlShutdown`.
-    fn nvmlInit_v2() {
-        guard(NVML_ERROR_UNKNOWN, || status(init))
-    }
-
+    ///
     /// `nvmlInit` (v1, NVML 4.304 and older): the same as v2 here.
-    fn nvmlInit() {
+    fn nvmlInit_v2() also nvmlInit {
         guard(NVML_ERROR_UNKNOWN, || status(init))
     }
 
@@ -102,19 +99,9 @@ fn cuda_version() -> R<c_int> {
 
 nvml_exports! {
     /// `nvmlSystemGetCudaDriverVersion`: e.g. 12080 for CUDA 12.8.
-    fn nvmlSystemGetCudaDriverVersion(cuda_driver_version) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                need(cuda_driver_version)?;
-                let v = cuda_version()?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(cuda_driver_version, v) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlSystemGetCudaDriverVersion_v2`: what `cuDriverGetVersion` of this same library returns.
-    fn nvmlSystemGetCudaDriverVersion_v2(cuda_driver_version) {
+    fn nvmlSystemGetCudaDriverVersion(cuda_driver_version) also nvmlSystemGetCudaDriverVersion_v2 {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 need(cuda_driver_version)?;

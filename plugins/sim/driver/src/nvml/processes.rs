@@ -64,17 +64,9 @@ unsafe fn list<T>(device: nvmlDevice_t, count: *mut c_uint, infos: *mut T, compu
 
 nvml_exports! {
     /// `nvmlDeviceGetComputeRunningProcesses_v3`: processes with a context or memory on the device.
-    fn nvmlDeviceGetComputeRunningProcesses_v3(device, info_count, infos) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, true, v2) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetComputeRunningProcesses_v2`: the same layout as v3.
-    fn nvmlDeviceGetComputeRunningProcesses_v2(device, info_count, infos) {
+    fn nvmlDeviceGetComputeRunningProcesses_v3(device, info_count, infos) also nvmlDeviceGetComputeRunningProcesses_v2 {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: the pointers follow the caller's contract for this function.
@@ -94,17 +86,11 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none (no graphics contexts on a compute node).
-    fn nvmlDeviceGetGraphicsRunningProcesses_v3(device, info_count, infos) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v2) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetGraphicsRunningProcesses_v2`.
-    fn nvmlDeviceGetGraphicsRunningProcesses_v2(device, info_count, infos) {
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: none (no MPS server on the simulated node).
+    /// `nvmlDeviceGetMPSComputeRunningProcesses_v2`.
+    fn nvmlDeviceGetGraphicsRunningProcesses_v3(device, info_count, infos) also nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlDeviceGetMPSComputeRunningProcesses_v2 {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: the pointers follow the caller's contract for this function.
@@ -114,37 +100,9 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetGraphicsRunningProcesses` (v1).
-    fn nvmlDeviceGetGraphicsRunningProcesses(device, info_count, infos) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v1) }
-            })
-        })
-    }
-
-    /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: none (no MPS server on the simulated node).
-    fn nvmlDeviceGetMPSComputeRunningProcesses_v3(device, info_count, infos) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v2) }
-            })
-        })
-    }
-
-    /// `nvmlDeviceGetMPSComputeRunningProcesses_v2`.
-    fn nvmlDeviceGetMPSComputeRunningProcesses_v2(device, info_count, infos) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v2) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetMPSComputeRunningProcesses` (v1).
-    fn nvmlDeviceGetMPSComputeRunningProcesses(device, info_count, infos) {
+    fn nvmlDeviceGetGraphicsRunningProcesses(device, info_count, infos) also nvmlDeviceGetMPSComputeRunningProcesses {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: the pointers follow the caller's contract for this function.

@@ -125,7 +125,9 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetPowerManagementLimit`, milliwatts (the default limit: nothing changes it here).
-    fn nvmlDeviceGetPowerManagementLimit(device, limit) {
+    ///
+    /// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
+    fn nvmlDeviceGetPowerManagementLimit(device, limit) also nvmlDeviceGetEnforcedPowerLimit {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: limit is null or valid for a write by the caller's contract.
@@ -140,16 +142,6 @@ nvml_exports! {
             status(|| {
                 // SAFETY: default_limit is null or valid for a write by the caller's contract.
                 unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
-            })
-        })
-    }
-
-    /// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
-    fn nvmlDeviceGetEnforcedPowerLimit(device, limit) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: limit is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
             })
         })
     }
@@ -250,17 +242,9 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetApplicationsClock` (deprecated, exported), MHz.
-    fn nvmlDeviceGetApplicationsClock(device, clock_type, clock_mhz) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetDefaultApplicationsClock` (deprecated, exported), MHz.
-    fn nvmlDeviceGetDefaultApplicationsClock(device, clock_type, clock_mhz) {
+    fn nvmlDeviceGetApplicationsClock(device, clock_type, clock_mhz) also nvmlDeviceGetDefaultApplicationsClock {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
@@ -318,17 +302,9 @@ nvml_exports! {
     }
 
     /// `nvmlDeviceGetPerformanceState`: P0 (data-center boards stay in P0 with persistence mode on).
-    fn nvmlDeviceGetPerformanceState(device, p_state) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: p_state is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
-            })
-        })
-    }
-
+    ///
     /// `nvmlDeviceGetPowerState` (deprecated alias of the performance state, exported).
-    fn nvmlDeviceGetPowerState(device, p_state) {
+    fn nvmlDeviceGetPerformanceState(device, p_state) also nvmlDeviceGetPowerState {
         guard(NVML_ERROR_UNKNOWN, || {
             status(|| {
                 // SAFETY: p_state is null or valid for a write by the caller's contract.
