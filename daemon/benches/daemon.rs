@@ -575,7 +575,9 @@ fn enforcement_cost() {
         let answer = controller.allocator().allocate(resource, std::slice::from_ref(&share.id)).expect("allocate");
         let id = answer.envs["TESSERA_ALLOCATION"].clone();
         let cid = format!("{:064x}", (std::process::id() as u128) << 64 | i as u128);
-        let owner = tessera_region::owner::Owner { container_id: Some(cid.clone()), ..Default::default() };
+        let container =
+            tessera_region::owner::ContainerIdentity { container_id: Some(cid.clone()), ..Default::default() };
+        let owner = tessera_region::owner::Owner { container, ..Default::default() };
         owner.write(&controller.allocator().dirs().dir(&id)).expect("owner record");
         let gpu = view.inventory.gpu_by_uuid(&share.parent_uuid).expect("the share's GPU").index;
         let exe = tessera_sim_testkit::binary("tessera-workload");

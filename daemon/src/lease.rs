@@ -40,7 +40,7 @@ pub fn ended(alloc: &Allocation, dirs: &AllocDirs, now: SystemTime) -> Option<St
     }
     let owner_file = dir.join(tessera_region::owner::OWNER_FILE);
     let owner = tessera_region::owner::Owner::read(&dir)?;
-    if owner.container_id.as_deref() != Some(bound) {
+    if owner.container.container_id.as_deref() != Some(bound) {
         return None;
     }
     let (what, path) = match (owner.runtime_state, owner.cgroup) {
@@ -133,7 +133,7 @@ mod tests {
         let state = tmp.path().join("runc/c1");
         std::fs::create_dir_all(&state).unwrap();
         let owner = Owner {
-            container_id: Some("c1".into()),
+            container: ContainerIdentity { container_id: Some("c1".into()), ..Default::default() },
             runtime_state: Some(state.display().to_string()),
             ..Default::default()
         };
@@ -161,10 +161,9 @@ mod tests {
         // Past the grace of every owner record this test writes (it rewrites the record below).
         let later = SystemTime::now() + 2 * STATE_GRACE;
         let mut owner = Owner {
-            container_id: Some("c1".into()),
+            container: ContainerIdentity { container_id: Some("c1".into()), ..Default::default() },
             cgroup: Some(cgroup.display().to_string()),
             runtime_state: Some(state.display().to_string()),
-            ..Default::default()
         };
         owner.write(&dir).unwrap();
         std::fs::remove_dir(&cgroup).unwrap();
@@ -176,7 +175,7 @@ mod tests {
         std::fs::create_dir_all(&cgroup).unwrap();
         assert_eq!(ended(&a, &dirs, later), None);
         // A record naming another container never ends this one's lease.
-        owner.container_id = Some("c2".into());
+        owner.container.container_id = Some("c2".into());
         std::fs::remove_dir(&cgroup).unwrap();
         owner.write(&dir).unwrap();
         assert_eq!(ended(&a, &dirs, later), None);

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
 use tessera_proto::tessera::v1 as api;
+use tessera_region::owner::ContainerIdentity;
 use tessera_sim_testkit::{SimNode, binary};
 
 mod common;
@@ -255,10 +256,13 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
     // What the hook records for each container; the cgroups runtimes would make.
     let (over_cid, under_cid) = (container_id(1), container_id(2));
     let owner = |cid: &str, pod: &str| tessera_region::owner::Owner {
-        container_id: Some(cid.into()),
-        pod_namespace: Some("team-a".into()),
-        pod_name: Some(pod.into()),
-        container_name: Some("main".into()),
+        container: ContainerIdentity {
+            container_id: Some(cid.into()),
+            pod_namespace: Some("team-a".into()),
+            pod_name: Some(pod.into()),
+            container_name: Some("main".into()),
+            ..Default::default()
+        },
         ..Default::default()
     };
     owner(&over_cid, "greedy").write(&over_dir).expect("owner record");
@@ -357,7 +361,8 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
     let limit = limit_of(&mut api, &id).await;
     let cid = container_id(3);
-    tessera_region::owner::Owner { container_id: Some(cid.clone()), ..Default::default() }.write(&dir).expect("owner");
+    let container = ContainerIdentity { container_id: Some(cid.clone()), ..Default::default() };
+    tessera_region::owner::Owner { container, ..Default::default() }.write(&dir).expect("owner");
     let cg = Cgroup::new(&root, "report", &cid);
     let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
     let mut events = api.watch_events(req).await.expect("watch").into_inner();
@@ -390,10 +395,13 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
 fn container(root: &Path, dir: &Path, seed: u64, pod: &str) -> (String, Cgroup) {
     let cid = container_id(seed);
     tessera_region::owner::Owner {
-        container_id: Some(cid.clone()),
-        pod_namespace: Some("team-a".into()),
-        pod_name: Some(pod.into()),
-        container_name: Some("main".into()),
+        container: ContainerIdentity {
+            container_id: Some(cid.clone()),
+            pod_namespace: Some("team-a".into()),
+            pod_name: Some(pod.into()),
+            container_name: Some("main".into()),
+            ..Default::default()
+        },
         ..Default::default()
     }
     .write(dir)

@@ -70,9 +70,11 @@ pub(crate) fn record_owner(
 ) {
     if let Some(id) = &plan.allocation {
         let dir = cfg.runtime_dir.join("alloc").join(id);
-        let mut owner = tessera_region::owner::Owner::from_annotations(container_id, annotations);
-        owner.runtime_state = gone_when.runtime_state.map(|p| p.display().to_string());
-        owner.cgroup = gone_when.cgroup.map(|p| p.display().to_string());
+        let owner = tessera_region::owner::Owner {
+            container: tessera_region::owner::ContainerIdentity::from_annotations(container_id, annotations),
+            runtime_state: gone_when.runtime_state.map(|p| p.display().to_string()),
+            cgroup: gone_when.cgroup.map(|p| p.display().to_string()),
+        };
         let _ = owner.write(&dir);
     }
 }

@@ -99,11 +99,11 @@ impl DaemonAllocator {
                     *field = value;
                 }
             };
-            fill(&mut c.container_id, owner.container_id);
-            fill(&mut c.pod_namespace, owner.pod_namespace);
-            fill(&mut c.pod_name, owner.pod_name);
-            fill(&mut c.pod_uid, owner.pod_uid);
-            fill(&mut c.container_name, owner.container_name);
+            fill(&mut c.container_id, owner.container.container_id);
+            fill(&mut c.pod_namespace, owner.container.pod_namespace);
+            fill(&mut c.pod_name, owner.container.pod_name);
+            fill(&mut c.pod_uid, owner.container.pod_uid);
+            fill(&mut c.container_name, owner.container.container_name);
             match self.set_container(&alloc.id, c) {
                 Ok(true) => changed += 1,
                 Ok(false) => {}

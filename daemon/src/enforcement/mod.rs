@@ -425,7 +425,8 @@ impl Enforcer {
             if a.container.container_id.is_some() || self.owners.contains_key(&a.id) {
                 continue;
             }
-            if let Some(c) = tessera_region::owner::Owner::read(&dirs.dir(&a.id)).and_then(|o| o.container_id) {
+            if let Some(c) = tessera_region::owner::Owner::read(&dirs.dir(&a.id)).and_then(|o| o.container.container_id)
+            {
                 self.owners.insert(a.id.clone(), c);
             }
         }

@@ -27,41 +27,9 @@ pub enum Source {
     Recovered,
 }
 
-/// The container an allocation is for, as far as it is known (the kubelet's `Allocate` does not
-/// say which pod it is for; the pod-resources API or the hook fill it in later).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ContainerIdentity {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_namespace: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub container_name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
-}
-
-impl ContainerIdentity {
-    /// A short name for reports: `namespace/pod/container` when the pod is known, else the
-    /// container id; `None` when nothing is known.
-    pub fn display_name(&self) -> Option<String> {
-        let nonempty = |s: &Option<String>| s.as_deref().map(str::trim).filter(|s| !s.is_empty()).map(str::to_string);
-        if let Some(pod) = nonempty(&self.pod_name) {
-            let mut name = match nonempty(&self.pod_namespace) {
-                Some(ns) => format!("{ns}/{pod}"),
-                None => pod,
-            };
-            if let Some(c) = nonempty(&self.container_name) {
-                name = format!("{name}/{c}");
-            }
-            return Some(name);
-        }
-        nonempty(&self.container_id)
-    }
-}
+/// The container an allocation is for: the contract crate's, the same type the hook's owner
+/// record carries.
+pub use tessera_region::owner::ContainerIdentity;
 
 /// One device of an allocation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -14,7 +14,7 @@ use tessera_region::Limits;
 use tessera_region::owner::Owner;
 
 use super::alloc_dir::AllocDirs;
-use super::record::{AllocatedDevice, Allocation, ContainerIdentity, Source, unix_ns};
+use super::record::{AllocatedDevice, Allocation, Source, unix_ns};
 
 /// The record of allocation `id` as its directory tells it; `Err` says why it cannot.
 pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
@@ -30,13 +30,7 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
     Ok(Allocation {
         id: id.to_string(),
         resource: String::new(),
-        container: ContainerIdentity {
-            pod_namespace: owner.pod_namespace,
-            pod_name: owner.pod_name,
-            pod_uid: owner.pod_uid,
-            container_name: owner.container_name,
-            container_id: owner.container_id,
-        },
+        container: owner.container,
         source: Source::Recovered,
         created_unix_ns,
         // A node API allocation's owner is in its record only; its lease to its container is
@@ -63,6 +57,7 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::ContainerIdentity;
     use crate::state::record::tests::sample;
 
     #[test]
@@ -71,7 +66,9 @@ mod tests {
         let dirs = AllocDirs::new(tmp.path());
         let a = sample("r1");
         dirs.create(&a).unwrap();
-        let owner = Owner { container_id: Some("c0ffee".into()), pod_name: Some("p".into()), ..Owner::default() };
+        let container =
+            ContainerIdentity { container_id: Some("c0ffee".into()), pod_name: Some("p".into()), ..Default::default() };
+        let owner = Owner { container, ..Owner::default() };
         owner.write(&dirs.dir("r1")).unwrap();
         let r = from_dir(&dirs, "r1").unwrap();
         assert_eq!(r.id, "r1");

@@ -29,10 +29,11 @@
 //!   `trace_requested`.
 //! - [`paths`]: the default host paths every part and deploy/ use, and the paths inside a
 //!   container (the allocation directory, the shim, the preload file, the driver directory).
+//! - [`owner`]: who a container is ([`owner::ContainerIdentity`], one type for the allocation
+//!   record and the owner record); with `host`, the owner record the hook writes into the
+//!   allocation directory, and the lease and deletion markers beside it.
 //!
 //! The host side's (feature `host`, JSON; the shim does not enable it):
-//! - [`owner`]: the owner record the hook writes into the allocation directory (which container
-//!   holds it), and the lease and deletion markers beside it.
 //! - [`cdi`]: the CDI specs the daemon writes (`tessera.io/gpu`, `/mig`, `/share`, one per
 //!   prepared DRA claim) and the hook reads: device names and the container edits.
 //! - [`driver`]: the host driver's user-space files, found by name under a driver root; its
@@ -52,7 +53,6 @@ pub mod guard;
 pub mod hook_config;
 pub mod ledger;
 pub mod limits;
-#[cfg(feature = "host")]
 pub mod owner;
 pub mod paths;
 pub mod region;
