@@ -14,6 +14,9 @@ pub(crate) use cudarc::driver::sys::{
     CUmipmappedArray, CUresult, CUstream, CUuuid,
 };
 
+/// The array descriptors (v2) with their format read as a raw integer.
+pub(crate) use tessera_abi::cuda::raw::{Array3dDesc, ArrayDesc};
+
 pub(crate) const CUDA_SUCCESS: CUresult = CUresult::CUDA_SUCCESS;
 pub(crate) const CUDA_ERROR_INVALID_VALUE: CUresult = CUresult::CUDA_ERROR_INVALID_VALUE;
 pub(crate) const CUDA_ERROR_OUT_OF_MEMORY: CUresult = CUresult::CUDA_ERROR_OUT_OF_MEMORY;
@@ -40,28 +43,6 @@ pub(crate) struct CUlaunchConfigHead {
     pub block: [c_uint; 3],
     pub shared_mem_bytes: c_uint,
     pub h_stream: CUstream,
-}
-
-/// `CUDA_ARRAY_DESCRIPTOR` (v2: `size_t` sizes), enums read as raw integers.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct ArrayDesc {
-    pub width: usize,
-    pub height: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR` (v2).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub(crate) struct Array3dDesc {
-    pub width: usize,
-    pub height: usize,
-    pub depth: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-    pub flags: c_uint,
 }
 
 /// The leading fields of `CUmemAllocationProp`: allocation type, handle types, and the location

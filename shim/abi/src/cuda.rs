@@ -19,6 +19,28 @@ pub use raw::{Array3dDescV1, ArrayDescV1, MemLocation, Memcpy2dV1};
 pub mod raw {
     use super::{c_int, c_uint, c_void, sys};
 
+    /// `CUDA_ARRAY_DESCRIPTOR` (v2: `size_t` sizes).
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct ArrayDesc {
+        pub width: usize,
+        pub height: usize,
+        pub format: c_uint,
+        pub channels: c_uint,
+    }
+
+    /// `CUDA_ARRAY3D_DESCRIPTOR` (v2).
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct Array3dDesc {
+        pub width: usize,
+        pub height: usize,
+        pub depth: usize,
+        pub format: c_uint,
+        pub channels: c_uint,
+        pub flags: c_uint,
+    }
+
     /// `CUDA_ARRAY_DESCRIPTOR_v1` (legacy 32-bit sizes).
     #[repr(C)]
     #[derive(Clone, Copy)]
@@ -76,6 +98,10 @@ pub mod raw {
     const _: () = assert!(size_of::<ArrayDescV1>() == 16 && size_of::<Array3dDescV1>() == 24);
     const _: () = assert!(size_of::<Memcpy2dV1>() == 96);
     const _: () = assert!(size_of::<MemLocation>() == size_of::<sys::CUmemLocation>());
+    const _: () = assert!(size_of::<ArrayDesc>() == size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
+    const _: () = assert!(size_of::<Array3dDesc>() == size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
+    const _: () =
+        assert!(std::mem::offset_of!(Array3dDesc, flags) == std::mem::offset_of!(sys::CUDA_ARRAY3D_DESCRIPTOR, Flags));
 }
 
 table! {

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::*};
 
 use tessera_abi::cuda::MemLocation;
+use tessera_abi::cuda::raw::{Array3dDesc, ArrayDesc};
 use tessera_abi::cuda_exports;
 use tessera_sim_model::{MAX_GPUS, MAX_MIG, Node};
 
@@ -843,27 +844,6 @@ pub(crate) fn format_bytes(format: u32) -> R<u64> {
         _ => return Err(INVALID_VALUE),
     })
 }
-
-#[repr(C)]
-struct ArrayDesc {
-    width: usize,
-    height: usize,
-    format: u32,
-    channels: c_uint,
-}
-#[repr(C)]
-pub(crate) struct Array3dDesc {
-    pub width: usize,
-    pub height: usize,
-    pub depth: usize,
-    pub format: u32,
-    pub channels: c_uint,
-    pub flags: c_uint,
-}
-const _: () = assert!(std::mem::size_of::<ArrayDesc>() == std::mem::size_of::<sys::CUDA_ARRAY_DESCRIPTOR>());
-const _: () = assert!(std::mem::size_of::<Array3dDesc>() == std::mem::size_of::<sys::CUDA_ARRAY3D_DESCRIPTOR>());
-const _: () =
-    assert!(std::mem::offset_of!(Array3dDesc, flags) == std::mem::offset_of!(sys::CUDA_ARRAY3D_DESCRIPTOR, Flags));
 
 fn array_create(width: u64, height: u64, depth: u64, format: u32, channels: u32, flags: u32) -> R<usize> {
     let fb = format_bytes(format)?;

@@ -17,11 +17,12 @@
 use std::ffi::c_uint;
 use std::sync::Arc;
 
+use tessera_abi::cuda::raw::Array3dDesc;
 use tessera_abi::cuda_exports;
 
 use super::handles;
 use super::init::driver;
-use super::memory::{Array, Array3dDesc, MemKind, alloc_in, ctx_for_work, format_bytes, release};
+use super::memory::{Array, MemKind, alloc_in, ctx_for_work, format_bytes, release};
 use super::{INVALID_HANDLE, INVALID_VALUE, NOT_SUPPORTED, R, need, put, run, sys};
 
 /// The start of every level is aligned to this (the texture alignment).
