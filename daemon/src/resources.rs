@@ -15,7 +15,6 @@ use std::collections::BTreeMap;
 use crate::config::{Config, PartitionKind};
 use crate::device_health::NodeHealth;
 use crate::discovery::{Ancestor, Inventory};
-use crate::kubelet::PluginDevice;
 use crate::partition::{GpuLayout, Share};
 
 /// The CDI vendor of every device name (`tessera.io/<class>=<id>`).
@@ -63,13 +62,6 @@ pub struct ResourceDevice {
     pub nodes: Vec<std::path::PathBuf>,
 }
 
-impl ResourceDevice {
-    /// As the kubelet sees it.
-    pub fn plugin_device(&self) -> PluginDevice {
-        PluginDevice { id: self.id.clone(), healthy: self.healthy, numa_node: self.numa_node.map(i64::from) }
-    }
-}
-
 /// One advertised resource.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resource {
@@ -82,11 +74,6 @@ pub struct Resource {
 impl Resource {
     pub fn device(&self, id: &str) -> Option<&ResourceDevice> {
         self.devices.iter().find(|d| d.id == id)
-    }
-
-    /// The devices as the kubelet sees them.
-    pub fn plugin_devices(&self) -> Vec<PluginDevice> {
-        self.devices.iter().map(ResourceDevice::plugin_device).collect()
     }
 }
 

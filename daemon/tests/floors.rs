@@ -78,23 +78,11 @@ const FLOORS: &[(&str, Floor)] = &[
 /// Edges that break the rules today and are being removed (issue 32), as (from module, to
 /// module, why it is still there). The test fails once one is gone: then strike its line.
 const NOT_YET: &[(&str, &str, &str)] = &[
-    (
-        "allocator",
-        "kubelet",
-        "the device plugin's Allocate trait and answer types live in the face; the allocation core's one way in \
-         (item 2) brings them down",
-    ),
     ("cdi", "node", "`cdi::device_nodes` reads `node::View`; the contract crate (item 5) takes the CDI edits"),
     (
         "kubernetes",
         "dra",
         "`dra::client`, the API server connection, leaves the DRA face once its preflight (dra/node.rs) lands",
-    ),
-    (
-        "resources",
-        "kubelet",
-        "`Resource::plugin_devices` builds the kubelet's `PluginDevice`; it moves into the device-plugin face with \
-         its callers (items 3 and 4)",
     ),
 ];
 

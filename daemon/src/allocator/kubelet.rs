@@ -1,7 +1,8 @@
 //! The kubelet's way in: the device plugin's `Allocate` (a stored record of the same resource
 //! with the same device set is reused, never duplicated; one that shares some but not all
 //! devices is stale and goes with its directory) and `GetPreferredAllocation`, and the answer
-//! the kubelet hands the runtime (CDI names, or without CDI the device nodes and the shim).
+//! the kubelet hands the runtime (CDI names, or without CDI the device nodes and the shim). The
+//! device-plugin face calls it through [`Allocator`], defined here with its answer types.
 //!
 //! The kubelet's `Allocate` does not say which pod it is for, and the kubelet may ask again for
 //! the same devices (after a daemon restart, or a retried call): a record that shares some but
@@ -18,9 +19,48 @@ use tonic::Status;
 use super::admission::admit_beside;
 use super::{CONTAINER_ALLOC_DIR, DaemonAllocator, internal};
 use crate::config::{Config, Placement};
-use crate::kubelet::{Allocator, ContainerAllocation, HostDevice, HostMount};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
 use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source, record::unix_ns};
+
+/// A host path mounted into the container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostMount {
+    pub host_path: String,
+    pub container_path: String,
+    pub read_only: bool,
+}
+
+/// A device node made available to the container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostDevice {
+    pub host_path: String,
+    pub container_path: String,
+    /// cgroup permissions: some of `r`, `w`, `m`.
+    pub permissions: String,
+}
+
+/// What one container gets for the devices it was allocated.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerAllocation {
+    /// Fully qualified CDI device names (`vendor/class=name`).
+    pub cdi_devices: Vec<String>,
+    pub envs: HashMap<String, String>,
+    pub mounts: Vec<HostMount>,
+    pub device_specs: Vec<HostDevice>,
+    pub annotations: HashMap<String, String>,
+}
+
+/// The daemon's decisions behind the plugin. Calls may block briefly (state on disk): `allocate`
+/// runs on the handler's thread (`crate::blocking`), the plugin set's own.
+pub trait Allocator: Send + Sync {
+    /// Allocate `device_ids` (known and healthy, checked by the plugin) of `resource` to one
+    /// container.
+    fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status>;
+
+    /// The devices to prefer for one container: `size` ids out of `available`, including every
+    /// id in `must_include`.
+    fn preferred(&self, resource: &str, available: &[String], must_include: &[String], size: usize) -> Vec<String>;
+}
 
 /// How long [`DaemonAllocator::handed_out`] remembers a hand-out.
 const HANDED_OUT_KEPT: std::time::Duration = std::time::Duration::from_secs(3600);

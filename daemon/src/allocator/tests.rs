@@ -1,6 +1,6 @@
+use super::kubelet::{Allocator, ContainerAllocation};
 use super::*;
 use crate::carve;
-use crate::kubelet::{Allocator, ContainerAllocation};
 use crate::resources::{Kind, Resource, ResourceDevice};
 use crate::state::{AllocatedDevice, Lease, Source};
 

@@ -28,7 +28,6 @@ use crate::config::Config;
 use crate::config::kubernetes::{Mode, node_name};
 use crate::node::mig::Placement;
 use crate::node::{NodeController, View};
-use crate::resources::Resources;
 use crate::state::{Allocation, Source};
 
 /// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal);
@@ -74,33 +73,6 @@ fn held_now(controller: &NodeController) -> BTreeMap<String, NodeApiHeld> {
         .allocations_changed_since(None, |records| node_api_held(records.iter().copied()))
         .1
         .unwrap_or_default()
-}
-
-/// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
-/// `both` only the devices on the GPUs a `[partitions]` entry manages (`managed`, by index), so
-/// that no GPU is offered twice; a resource left without devices is dropped.
-pub fn device_plugin_resources(mode: Mode, all: &Resources, managed: &BTreeSet<u32>) -> Resources {
-    match mode {
-        Mode::DevicePlugin => all.clone(),
-        Mode::Dra => Resources::default(),
-        Mode::Both => {
-            let mut out = all.clone();
-            for r in out.resources.values_mut() {
-                r.devices.retain(|d| managed.contains(&d.gpu_index));
-            }
-            out.resources.retain(|_, r| !r.devices.is_empty());
-            out
-        }
-    }
-}
-
-/// [`device_plugin_resources`] of what `view` offers.
-pub fn device_plugin_view(mode: Mode, view: &View) -> Arc<Resources> {
-    if mode == Mode::DevicePlugin {
-        return Arc::clone(&view.resources);
-    }
-    let managed: BTreeSet<u32> = view.status.keys().copied().collect();
-    Arc::new(device_plugin_resources(mode, &view.resources, &managed))
 }
 
 /// The per-claim CDI specs over the daemon's injection settings, device nodes from the
@@ -197,42 +169,4 @@ pub async fn start(
         let _ = publishing.await;
         follow.abort();
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::resources::{Kind, Resource, ResourceDevice};
-
-    fn device(id: &str, gpu: u32) -> ResourceDevice {
-        ResourceDevice {
-            id: id.into(),
-            physical_uuid: format!("GPU-{gpu}"),
-            gpu_index: gpu,
-            numa_node: None,
-            healthy: true,
-            memory_limit: None,
-            sm_percent: None,
-            nodes: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn in_both_modes_the_device_plugin_keeps_only_the_partitioned_gpus() {
-        let mut all = Resources::default();
-        for (name, kind, devices) in [
-            ("tessera.io/gpu", Kind::Gpu, vec![device("GPU-0", 0), device("GPU-1", 1)]),
-            ("tessera.io/gpu-share", Kind::Share, vec![device("GPU-1::0", 1), device("GPU-1::1", 1)]),
-        ] {
-            all.resources.insert(name.into(), Resource { name: name.into(), kind, devices });
-        }
-        let managed = BTreeSet::from([1]);
-        assert_eq!(device_plugin_resources(Mode::DevicePlugin, &all, &managed), all);
-        assert!(device_plugin_resources(Mode::Dra, &all, &managed).resources.is_empty());
-        let both = device_plugin_resources(Mode::Both, &all, &managed);
-        let ids: Vec<&str> = both.resources.values().flat_map(|r| &r.devices).map(|d| d.id.as_str()).collect();
-        assert_eq!(ids, ["GPU-1", "GPU-1::0", "GPU-1::1"], "GPU 0 is DRA's");
-        // No GPU partitioned: the device plugin serves nothing, not empty resources.
-        assert!(device_plugin_resources(Mode::Both, &all, &BTreeSet::new()).resources.is_empty());
-    }
 }

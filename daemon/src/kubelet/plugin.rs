@@ -1,7 +1,6 @@
 //! The `DevicePlugin` gRPC service for one resource: devices come from a `watch` channel, the
 //! decisions (which devices to prefer, what a container gets) from an [`Allocator`].
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -15,6 +14,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+
+use crate::allocator::kubelet::{Allocator, ContainerAllocation};
 
 /// One device as the kubelet sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,34 +43,6 @@ impl PluginDevice {
     }
 }
 
-/// A host path mounted into the container.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostMount {
-    pub host_path: String,
-    pub container_path: String,
-    pub read_only: bool,
-}
-
-/// A device node made available to the container.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostDevice {
-    pub host_path: String,
-    pub container_path: String,
-    /// cgroup permissions: some of `r`, `w`, `m`.
-    pub permissions: String,
-}
-
-/// What one container gets for the devices it was allocated.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ContainerAllocation {
-    /// Fully qualified CDI device names (`vendor/class=name`).
-    pub cdi_devices: Vec<String>,
-    pub envs: HashMap<String, String>,
-    pub mounts: Vec<HostMount>,
-    pub device_specs: Vec<HostDevice>,
-    pub annotations: HashMap<String, String>,
-}
-
 impl ContainerAllocation {
     fn into_proto(self) -> ContainerAllocateResponse {
         ContainerAllocateResponse {
@@ -92,18 +65,6 @@ impl ContainerAllocation {
             cdi_devices: self.cdi_devices.into_iter().map(|name| CdiDevice { name }).collect(),
         }
     }
-}
-
-/// The daemon's decisions behind the plugin. Calls may block briefly (state on disk): `allocate`
-/// runs on the handler's thread (`crate::blocking`), the plugin set's own.
-pub trait Allocator: Send + Sync {
-    /// Allocate `device_ids` (known and healthy, checked by the plugin) of `resource` to one
-    /// container.
-    fn allocate(&self, resource: &str, device_ids: &[String]) -> Result<ContainerAllocation, Status>;
-
-    /// The devices to prefer for one container: `size` ids out of `available`, including every
-    /// id in `must_include`.
-    fn preferred(&self, resource: &str, available: &[String], must_include: &[String], size: usize) -> Vec<String>;
 }
 
 /// The `DevicePlugin` service of one resource. Cheap to clone; the server clones it per serve.

@@ -1,0 +1,247 @@
+//! What the node serves the kubelet: what the device plugins serve of the controller's offer (all
+//! of it in `kubernetes.mode = "device-plugin"`, nothing in `dra`, in `both` only the GPUs a
+//! `[partitions]` entry manages, so that no GPU is offered twice), one plugin per resource
+//! ([`PluginSet`]), `Allocate` answered by the allocation core. The core's withdrawn devices (free
+//! devices that no longer fit beside the node API's allocations and claims) are told unhealthy,
+//! and the controller is told what the kubelet is offered ([`KubeletOffer`], for `ListDevices`
+//! and the metrics). [`start`] serves and follows the controller in a task of its own.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use super::{Allocator, DevicePlugin, KubeletError, PluginDevice, PluginSet};
+use crate::allocator::DaemonAllocator;
+use crate::config::Config;
+use crate::config::kubernetes::Mode;
+use crate::node::{KubeletOffer, NodeController, View};
+use crate::resources::{Resource, Resources};
+
+/// How often the withdrawn devices are looked at again while there are any.
+const WITHDRAWN_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
+/// `both` only the devices on the GPUs a `[partitions]` entry manages (`managed`, by index), so
+/// that no GPU is offered twice; a resource left without devices is dropped.
+pub fn for_mode(mode: Mode, all: &Resources, managed: &BTreeSet<u32>) -> Resources {
+    match mode {
+        Mode::DevicePlugin => all.clone(),
+        Mode::Dra => Resources::default(),
+        Mode::Both => {
+            let mut out = all.clone();
+            for r in out.resources.values_mut() {
+                r.devices.retain(|d| managed.contains(&d.gpu_index));
+            }
+            out.resources.retain(|_, r| !r.devices.is_empty());
+            out
+        }
+    }
+}
+
+/// [`for_mode`] of what `view` offers.
+pub fn of_view(mode: Mode, view: &View) -> Arc<Resources> {
+    if mode == Mode::DevicePlugin {
+        return Arc::clone(&view.resources);
+    }
+    let managed: BTreeSet<u32> = view.status.keys().copied().collect();
+    Arc::new(for_mode(mode, &view.resources, &managed))
+}
+
+/// Serves what `mode` gives the device plugin (in `cfg.device_plugin_dir`), registering with the
+/// kubelet in the background, and follows the controller's publishes and the node API's changes
+/// until `shutdown` turns true; the task then stops the plugins and says how that went. `Err`: a
+/// plugin could not start. `started`: when tesserad started (the registration is logged with the
+/// time since).
+pub fn start(
+    controller: Arc<NodeController>,
+    cfg: &Config,
+    mode: Mode,
+    started: Instant,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<JoinHandle<Result<(), KubeletError>>, KubeletError> {
+    let mut resources_rx = controller.watch_resources();
+    resources_rx.borrow_and_update();
+    // The node API's allocations and claims change which of the kubelet's devices still fit.
+    let mut foreign_rx = controller.allocator().foreign_changes();
+    foreign_rx.borrow_and_update();
+    let mut plugins = Plugins::default();
+    let mut set = plugins.start(cfg, &of_view(mode, &controller.view()), &controller)?;
+    Ok(tokio::spawn(async move {
+        let mut registered = false;
+        loop {
+            tokio::select! {
+                () = set.wait_registered(), if !registered => {
+                    registered = true;
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(resources = set.resources().count(), ms_since_start = ms, "registered");
+                }
+                changed = resources_rx.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                    resources_rx.borrow_and_update();
+                    plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                }
+                changed = foreign_rx.changed() => {
+                    if changed.is_ok() {
+                        foreign_rx.borrow_and_update();
+                        plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                    }
+                }
+                // While devices are withdrawn, the kubelet's own changes can move which ones fit
+                // (never how many): looked at again every second.
+                () = tokio::time::sleep(WITHDRAWN_RECHECK), if !plugins.withdrawn.is_empty() => {
+                    plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                }
+                _ = shutdown.wait_for(|stop| *stop) => break,
+            }
+        }
+        let result = set.stop().await;
+        drop(plugins);
+        result
+    }))
+}
+
+/// `res`'s devices as the kubelet sees them.
+fn plugin_devices(res: &Resource) -> Vec<PluginDevice> {
+    res.devices
+        .iter()
+        .map(|d| PluginDevice { id: d.id.clone(), healthy: d.healthy, numa_node: d.numa_node.map(i64::from) })
+        .collect()
+}
+
+/// One device list per served resource; a resource that appears after start (a layout change)
+/// gets a plugin of its own, one that disappears is served with no devices.
+#[derive(Default)]
+struct Plugins {
+    senders: BTreeMap<String, watch::Sender<Vec<PluginDevice>>>,
+    /// The kubelet's free devices told unhealthy because they no longer fit beside the node
+    /// API's allocations (`DaemonAllocator::withdrawn`).
+    withdrawn: BTreeSet<(String, String)>,
+}
+
+impl Plugins {
+    /// `res`'s devices as the kubelet is told them: the withdrawn ones unhealthy.
+    fn devices(&self, res: &Resource) -> Vec<PluginDevice> {
+        let mut devices = plugin_devices(res);
+        for d in &mut devices {
+            if self.withdrawn.contains(&(res.name.clone(), d.id.clone())) {
+                d.healthy = false;
+            }
+        }
+        devices
+    }
+
+    fn plugin(&mut self, res: &Resource, allocator: &Arc<DaemonAllocator>) -> DevicePlugin {
+        let (tx, rx) = watch::channel(self.devices(res));
+        self.senders.insert(res.name.clone(), tx);
+        tracing::info!(resource = %res.name, devices = res.devices.len(), "serving");
+        DevicePlugin::new(&res.name, rx, Arc::clone(allocator) as Arc<dyn Allocator>)
+    }
+
+    fn start(
+        &mut self,
+        cfg: &Config,
+        resources: &Resources,
+        controller: &NodeController,
+    ) -> Result<PluginSet, KubeletError> {
+        self.follow_withdrawn(controller, resources);
+        let plugins = resources.resources.values().map(|r| self.plugin(r, controller.allocator())).collect();
+        PluginSet::start(&cfg.device_plugin_dir, plugins)
+    }
+
+    /// Takes the allocator's withdrawn devices, saying what changed, and tells the controller
+    /// what the kubelet is now offered (for `tessera status` and the metrics).
+    fn follow_withdrawn(&mut self, controller: &NodeController, resources: &Resources) {
+        let now = controller.allocator().withdrawn();
+        let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
+            set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
+        };
+        let out = show(&mut now.difference(&self.withdrawn));
+        if !out.is_empty() {
+            tracing::info!(devices = %out, "withdrawn from the kubelet (told unhealthy): no room beside the node API's allocations");
+        }
+        let back = show(&mut self.withdrawn.difference(&now));
+        if !back.is_empty() {
+            tracing::info!(devices = %back, "offered to the kubelet again: the room is back");
+        }
+        self.withdrawn = now;
+        controller.set_kubelet_offer(KubeletOffer {
+            resources: resources.resources.keys().cloned().collect(),
+            withdrawn: self.withdrawn.clone(),
+        });
+    }
+
+    fn update(&mut self, set: &mut PluginSet, resources: &Resources, controller: &NodeController) {
+        self.follow_withdrawn(controller, resources);
+        let allocator = controller.allocator();
+        for res in resources.resources.values() {
+            match self.senders.get(&res.name) {
+                Some(tx) => {
+                    let devices = self.devices(res);
+                    tx.send_if_modified(|d| {
+                        let changed = *d != devices;
+                        *d = devices;
+                        changed
+                    });
+                }
+                None => {
+                    let plugin = self.plugin(res, allocator);
+                    if let Err(e) = set.add(plugin) {
+                        tracing::error!(resource = %res.name, error = %e, "cannot serve a new resource");
+                    }
+                }
+            }
+        }
+        for (name, tx) in &self.senders {
+            if !resources.resources.contains_key(name) {
+                tx.send_if_modified(|d| {
+                    let changed = !d.is_empty();
+                    d.clear();
+                    changed
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resources::{Kind, ResourceDevice};
+
+    fn device(id: &str, gpu: u32) -> ResourceDevice {
+        ResourceDevice {
+            id: id.into(),
+            physical_uuid: format!("GPU-{gpu}"),
+            gpu_index: gpu,
+            numa_node: None,
+            healthy: true,
+            memory_limit: None,
+            sm_percent: None,
+            nodes: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn in_both_modes_the_device_plugin_keeps_only_the_partitioned_gpus() {
+        let mut all = Resources::default();
+        for (name, kind, devices) in [
+            ("tessera.io/gpu", Kind::Gpu, vec![device("GPU-0", 0), device("GPU-1", 1)]),
+            ("tessera.io/gpu-share", Kind::Share, vec![device("GPU-1::0", 1), device("GPU-1::1", 1)]),
+        ] {
+            all.resources.insert(name.into(), Resource { name: name.into(), kind, devices });
+        }
+        let managed = BTreeSet::from([1]);
+        assert_eq!(for_mode(Mode::DevicePlugin, &all, &managed), all);
+        assert!(for_mode(Mode::Dra, &all, &managed).resources.is_empty());
+        let both = for_mode(Mode::Both, &all, &managed);
+        let ids: Vec<&str> = both.resources.values().flat_map(|r| &r.devices).map(|d| d.id.as_str()).collect();
+        assert_eq!(ids, ["GPU-1", "GPU-1::0", "GPU-1::1"], "GPU 0 is DRA's");
+        // No GPU partitioned: the device plugin serves nothing, not empty resources.
+        assert!(for_mode(Mode::Both, &all, &BTreeSet::new()).resources.is_empty());
+    }
+}
