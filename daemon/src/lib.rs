@@ -49,6 +49,7 @@ pub mod enforcement;
 pub mod events;
 pub mod health;
 pub mod install;
+pub mod kube_client;
 pub mod kubelet;
 pub mod kubernetes;
 pub mod lease;

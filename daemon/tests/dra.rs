@@ -161,7 +161,7 @@ fn gpu(index: u32, kind: DraKind) -> DraDevice {
 async fn claims_are_read_through_kube_rs_from_the_api_server() {
     let dir = tempfile::tempdir().unwrap();
     let api = ApiServer::start().await;
-    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     api.put_claim(json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "train", "namespace": "ml", "uid": "uid-1"},
@@ -184,7 +184,7 @@ async fn claims_are_read_through_kube_rs_from_the_api_server() {
 async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conflicts_and_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let mut api = ApiServer::start().await;
-    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     let node = "node-a";
     // A slice left by an earlier layout of this node, and another node's: only ours goes.
     for (name, n) in [("node-a-old", node), ("node-b-gpu.tessera.io", "node-b")] {
@@ -266,7 +266,7 @@ async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conf
 async fn the_publisher_puts_back_a_slice_someone_deletes_or_edits_without_polling() {
     let dir = tempfile::tempdir().unwrap();
     let api = ApiServer::start().await;
-    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     let node = "node-a";
     let devices = vec![gpu(0, DraKind::Gpu), gpu(0, DraKind::Shared)];
     let (_dev_tx, dev_rx) = watch::channel(devices.clone());
@@ -357,7 +357,7 @@ async fn placements_are_laid_out_by_the_api_servers_version_and_follow_an_upgrad
     let dir = tempfile::tempdir().unwrap();
     let mut api = ApiServer::start().await;
     api.set_version(1, 34, 2);
-    let client = dra::client(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     let devices = vec![
         gpu(0, DraKind::Gpu),
         gpu(0, DraKind::Shared),

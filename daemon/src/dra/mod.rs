@@ -39,21 +39,3 @@ pub const DRIVER: &str = "gpu.tessera.io";
 pub const REGISTRATION_SOCKET: &str = "gpu.tessera.io-reg.sock";
 /// The DRA service's socket file name in `<plugins_dir>/gpu.tessera.io/`.
 pub const SERVICE_SOCKET: &str = "dra.sock";
-
-/// A client for the API server: `kubeconfig` when given, else kube-rs's inference (`KUBECONFIG`,
-/// the in-cluster service account, `~/.kube/config`).
-pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<kube::Client, String> {
-    let config = match kubeconfig {
-        Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| format!("kubernetes.kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| format!("kubernetes.kubeconfig {}: {e}", path.display()))?
-        }
-        None => kube::Config::infer().await.map_err(|e| {
-            format!("no API server configured (KUBECONFIG, in-cluster service account, kubernetes.kubeconfig): {e}")
-        })?,
-    };
-    kube::Client::try_from(config).map_err(|e| format!("API server client: {e}"))
-}

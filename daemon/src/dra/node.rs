@@ -102,7 +102,7 @@ pub async fn start(
     shutdown: watch::Receiver<bool>,
 ) -> Result<JoinHandle<()>, String> {
     let node = node_name(cfg)?;
-    let client = super::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
+    let client = crate::kube_client::connect(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let mode = cfg.kubernetes.mode;
     let journal = Arc::new(Journal::open(&cfg.state_dir));
     match journal.forget_missing(&controller.view().inventory) {

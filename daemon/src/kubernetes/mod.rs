@@ -38,7 +38,7 @@ pub async fn start(
         return Ok(None);
     }
     let node = crate::config::kubernetes::node_name(cfg)?;
-    let client = crate::dra::client(cfg.kubernetes.kubeconfig.as_deref()).await?;
+    let client = crate::kube_client::connect(cfg.kubernetes.kubeconfig.as_deref()).await?;
     let (_, bus) = controller.events().subscribe(0);
     let recorder = tokio::spawn(event_recorder::Recorder::new(client.clone(), node.clone()).run(bus, shutdown.clone()));
     let labeller = cfg
