@@ -11,6 +11,7 @@
 //! A failure prints the last lines of the components' logs and of tesserad's.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -210,11 +211,18 @@ fn sim_host(kube: &Kube, dir: &Path) -> String {
     )
 }
 
+/// The last lines of tesserad's log at `path`.
+fn log_tail(path: &Path) -> String {
+    let log = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = log.lines().collect();
+    format!("----- tesserad.log (last 60 lines)\n{}", lines[lines.len().saturating_sub(60)..].join("\n"))
+}
+
 /// tesserad over its own simulated node, registered with the cluster's kubelet.
 struct Tesserad {
     dir: tempfile::TempDir,
     node: SimNode,
-    _daemon: Daemon,
+    daemon: Daemon,
 }
 
 impl Tesserad {
@@ -235,26 +243,67 @@ impl Tesserad {
             dir.path().join("run"),
         );
         std::fs::write(&config, text).expect("config");
-        let log = dir.path().join("tesserad.log");
         tessera_tests::kubelet::unmount_at_exit(dir.path());
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("log file");
+        let daemon = Tesserad::spawn(dir.path(), &node);
+        Tesserad { dir, node, daemon }
+    }
+
+    /// tesserad on the configuration and state in `dir`, its log appended to `dir/tesserad.log`.
+    fn spawn(dir: &Path, node: &SimNode) -> Daemon {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("tesserad.log")).expect("log");
         let child = node
             .command(binary("tesserad"))
             .arg("--config")
-            .arg(&config)
+            .arg(dir.join("config.toml"))
             // A deleted pod's share is released 2 s after the kubelet stops listing it, not 60 s.
             .env("TESSERA_POD_RESOURCES_GRACE_SECONDS", "2")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("spawn tesserad");
-        Tesserad { dir, node, _daemon: Daemon(child) }
+        Daemon(child)
+    }
+
+    fn pid(&self) -> u32 {
+        self.daemon.0.id()
+    }
+
+    /// kill -9, as the OOM killer or a node's crash would.
+    fn kill_9(&mut self) {
+        self.daemon.0.kill().expect("kill -9 tesserad");
+        self.daemon.0.wait().expect("reap tesserad");
+    }
+
+    /// A new tesserad on the same configuration and state (after [`Tesserad::kill_9`]).
+    fn respawn(&mut self) {
+        self.daemon = Tesserad::spawn(self.dir.path(), &self.node);
+    }
+
+    /// The allocation directories under tesserad's runtime directory (their names are the ids).
+    fn alloc_dirs(&self) -> Vec<String> {
+        let mut ids: Vec<String> = std::fs::read_dir(self.dir.path().join("run/alloc"))
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        ids.retain(|n| !n.starts_with('.'));
+        ids.sort();
+        ids
+    }
+
+    /// The mounts under tesserad's allocation directories (the allocations' regions; not the
+    /// spare directories' kept ready under `run/spare`).
+    fn alloc_mounts(&self) -> Vec<String> {
+        let dir = self.dir.path().join("run/alloc").display().to_string();
+        std::fs::read_to_string("/proc/self/mounts")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(1))
+            .filter(|m| m.starts_with(&dir))
+            .map(str::to_owned)
+            .collect()
     }
 
     fn log(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("tesserad.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        format!("----- tesserad.log (last 60 lines)\n{}", lines[lines.len().saturating_sub(60)..].join("\n"))
+        log_tail(&self.dir.path().join("tesserad.log"))
     }
 
     /// `tessera allocations --json`.
@@ -722,4 +771,287 @@ fn a_kubelet_and_apiserver_restart_keep_the_claim_and_leak_nothing() {
     }
     kube.clean(&["dra-restart"], &["restart-share"], &extra);
     kube.wait("the claim unprepared after the restarts", &extra, || t.allocations().is_empty().then_some(()));
+}
+
+/// The configuration of a tesserad in DRA mode on this cluster.
+fn dra_config(kube: &Kube) -> String {
+    format!(
+        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
+        kube.var("KUBECONFIG"),
+        kube.node(),
+        kube.var("KUBELET_PLUGINS_DIR"),
+        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+    )
+}
+
+/// Holds the first open of a file in one directory whose name contains a given text, at the
+/// moment the opener asks for it (fanotify's permission events: the opening thread waits in the
+/// kernel for our answer), and lets every other open through at once. So a test stops tesserad at
+/// an exact point of its work (the first write of a claim's CDI spec: after the allocation record,
+/// before the kubelet's answer) with nothing added to tesserad. Needs root (CAP_SYS_ADMIN).
+struct OpenGate {
+    dir: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    held: std::sync::mpsc::Receiver<HeldOpen>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// An open the gate holds: the opener's pid and the file's path. Dropping it lets the open go on
+/// (a killed opener has nothing left to go on).
+struct HeldOpen {
+    fan: std::sync::Arc<OwnedFd>,
+    /// The event's descriptor of the file being opened (ours to close).
+    file: OwnedFd,
+    pid: i32,
+    path: PathBuf,
+}
+
+impl Drop for HeldOpen {
+    fn drop(&mut self) {
+        allow(&self.fan, &self.file);
+    }
+}
+
+/// Answers a permission event: the open goes on.
+fn allow(fan: &OwnedFd, file: &OwnedFd) {
+    let response = libc::fanotify_response { fd: file.as_raw_fd(), response: libc::FAN_ALLOW };
+    // SAFETY: writes the plain struct's bytes to the fanotify group's descriptor, which we own;
+    // the struct lives on this stack frame for the call. An error (the opener already gone) is
+    // nothing to answer.
+    let _ = unsafe {
+        libc::write(fan.as_raw_fd(), (&raw const response).cast(), std::mem::size_of::<libc::fanotify_response>())
+    };
+}
+
+impl OpenGate {
+    fn new(dir: &Path, needle: &str) -> OpenGate {
+        use std::os::fd::FromRawFd;
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        // SAFETY: plain system calls on integers; the result is checked before it is owned.
+        let raw =
+            unsafe { libc::fanotify_init(libc::FAN_CLASS_CONTENT | libc::FAN_CLOEXEC, libc::O_RDONLY as libc::c_uint) };
+        assert!(raw >= 0, "fanotify_init (root, CAP_SYS_ADMIN): {}", std::io::Error::last_os_error());
+        // SAFETY: a new descriptor, owned by nothing else.
+        let fan = unsafe { OwnedFd::from_raw_fd(raw) };
+        let path = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).expect("a path");
+        // SAFETY: the group's descriptor and a NUL-terminated path that outlives the call.
+        let marked = unsafe {
+            libc::fanotify_mark(
+                fan.as_raw_fd(),
+                libc::FAN_MARK_ADD,
+                libc::FAN_OPEN_PERM | libc::FAN_EVENT_ON_CHILD,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+            )
+        };
+        assert_eq!(marked, 0, "fanotify_mark {}: {}", dir.display(), std::io::Error::last_os_error());
+        let (fan, stop) = (Arc::new(fan), Arc::new(AtomicBool::new(false)));
+        let (tx, held) = std::sync::mpsc::channel();
+        let thread = {
+            let (fan, stop, needle) = (Arc::clone(&fan), Arc::clone(&stop), needle.to_owned());
+            std::thread::spawn(move || {
+                let mut caught = false;
+                let size = std::mem::size_of::<libc::fanotify_event_metadata>();
+                let mut buf = vec![0u8; 64 * size];
+                while !stop.load(Ordering::SeqCst) {
+                    // SAFETY: reads into a buffer we own, at most its length.
+                    let n = unsafe { libc::read(fan.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                    if n < 0 {
+                        let e = std::io::Error::last_os_error();
+                        assert_eq!(e.kind(), std::io::ErrorKind::Interrupted, "reading fanotify events: {e}");
+                        continue;
+                    }
+                    let mut at = 0;
+                    while at + size <= n as usize {
+                        // SAFETY: the kernel wrote whole event records; this one starts at `at`
+                        // and has `size` bytes (read unaligned: the buffer is bytes).
+                        let event: libc::fanotify_event_metadata =
+                            unsafe { std::ptr::read_unaligned(buf[at..].as_ptr().cast()) };
+                        at += (event.event_len as usize).max(size);
+                        if event.fd < 0 {
+                            continue;
+                        }
+                        // SAFETY: the kernel opened this descriptor for us; we own and close it.
+                        let file = unsafe { OwnedFd::from_raw_fd(event.fd) };
+                        let path =
+                            std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap_or_default();
+                        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+                        if !caught && name.contains(&needle) {
+                            caught = true;
+                            let _ = tx.send(HeldOpen { fan: Arc::clone(&fan), file, pid: event.pid, path });
+                            continue;
+                        }
+                        allow(&fan, &file);
+                    }
+                }
+            })
+        };
+        OpenGate { dir: dir.to_owned(), stop, held, thread: Some(thread) }
+    }
+
+    /// The held open, once there is one.
+    fn held(&self, kube: &Kube, what: &str, extra: &dyn Fn() -> String) -> HeldOpen {
+        self.held
+            .recv_timeout(WAIT)
+            .unwrap_or_else(|_| panic!("{what}: not within {WAIT:?}\n{}\n{}", extra(), kube.logs()))
+    }
+}
+
+impl Drop for OpenGate {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        // An open of our own wakes the reader, which lets it through and stops.
+        let wake = self.dir.join(format!(".open-gate-wake-{}", std::process::id()));
+        let _ = std::fs::File::create(&wake);
+        let _ = std::fs::remove_file(&wake);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        // The group closes with the last held open: any open still waiting then goes on.
+    }
+}
+
+/// The claim's uid (it must exist).
+fn claim_uid(kube: &Kube, name: &str) -> String {
+    let c = kube.get(&["resourceclaim", name]).unwrap_or_else(|| panic!("claim {name}"));
+    c["metadata"]["uid"].as_str().expect("the claim's uid").to_owned()
+}
+
+/// The per-claim CDI spec tesserad writes for claim `uid`.
+fn claim_spec(kube: &Kube, uid: &str) -> PathBuf {
+    Path::new(kube.var("KUBE_CDI_SPEC_DIR")).join(format!("tessera.io-claim_{uid}.json"))
+}
+
+/// What a pod's container prints of its claim before it waits.
+const ALLOCATION_THEN_WAIT: &str = r#"
+for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
+echo "allocation $TESSERA_ALLOCATION"
+cat /run/tessera/alloc/limits
+echo DONE
+sleep 3600
+"#;
+
+/// Asserts that nothing of a prepared claim is left: no allocation record, directory, region
+/// mount, or CDI spec.
+fn assert_nothing_left(t: &Tesserad, spec: &Path) {
+    assert_eq!(t.allocations(), Vec::<Value>::new(), "no allocation record\n{}", t.log());
+    assert_eq!(t.alloc_dirs(), Vec::<String>::new(), "no allocation directory");
+    assert_eq!(t.alloc_mounts(), Vec::<String>::new(), "no region mount");
+    assert!(!spec.exists(), "no CDI spec: {}", spec.display());
+}
+
+/// Faults: tesserad is killed (kill -9) inside the kubelet's NodePrepareResources, after the
+/// claim's allocation is recorded (its directory and region made) and before the kubelet is
+/// answered: held at the first open of the claim's CDI spec (fanotify), then killed. The state it
+/// leaves is a record without a spec. A new tesserad on the same state writes the spec again; the
+/// kubelet's retry gets the same allocation (never a second), the pod runs with its device, the
+/// claim's `status.devices` names that allocation, and deleting pod and claim leaves nothing.
+#[test]
+fn tesserad_killed_between_the_record_and_the_kubelets_answer_prepares_the_claim_once() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let mut t = Tesserad::start(&kube, H100X2, &dra_config(&kube));
+    let log = t.dir.path().join("tesserad.log");
+    let extra = move || log_tail(&log);
+    kube.clean(&["dra-kill"], &["kill-share"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply(&claim("kill-share", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
+    let uid = claim_uid(&kube, "kill-share");
+    let spec = claim_spec(&kube, &uid);
+    let gate = OpenGate::new(Path::new(kube.var("KUBE_CDI_SPEC_DIR")), &format!("claim_{uid}.json."));
+    kube.apply(&pod(&kube, &t, "dra-kill", ALLOCATION_THEN_WAIT, json!({}), uses("kill-share")));
+
+    let held = gate.held(&kube, "tesserad writing the claim's CDI spec", &extra);
+    assert_eq!(held.pid, t.pid() as i32, "tesserad opens {}", held.path.display());
+    // Inside the prepare: the record and its directory are made, the spec is not, no container runs.
+    let recorded = t.alloc_dirs();
+    assert_eq!(recorded.len(), 1, "one allocation recorded: {recorded:?}");
+    assert!(!spec.exists(), "the spec is not written yet");
+    let p = kube.get(&["pod", "dra-kill"]).expect("the pod");
+    assert!(p["status"]["containerStatuses"][0]["state"]["running"].is_null(), "{p:#}");
+    t.kill_9();
+    drop(held);
+    drop(gate);
+    assert_eq!(t.alloc_dirs(), recorded, "the killed tesserad's allocation stays");
+    assert!(!spec.exists(), "killed before the spec");
+
+    t.respawn();
+    let logs = kube.done("dra-kill", &extra);
+    let id = &recorded[0];
+    assert!(logs.contains(&format!("allocation {id}")), "the recorded allocation, not a new one:\n{logs}");
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes.len(), 2, "one GPU and the control node: {logs}");
+    assert!(logs.contains("sm_percent = 20"), "{logs}");
+    let allocs = t.allocations();
+    assert_eq!(allocs.len(), 1, "allocated once: {allocs:?}");
+    assert_eq!(allocs[0]["id"].as_str(), Some(id.as_str()));
+    assert_eq!(t.alloc_dirs(), recorded);
+    assert!(spec.exists(), "the spec written again");
+    kube.wait("the claim's status.devices naming the allocation", &extra, || {
+        let c = kube.get(&["resourceclaim", "kill-share"])?;
+        (c["status"]["devices"].as_array()?.first()?["data"]["allocationID"].as_str()? == id).then_some(())
+    });
+
+    kube.clean(&["dra-kill"], &["kill-share"], &extra);
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    assert_nothing_left(&t, &spec);
+}
+
+/// Faults: a claim deleted while its pod starts (tesserad held inside NodePrepareResources, at
+/// the first open of the claim's CDI spec). The claim only gets a deletion timestamp (it is
+/// reserved for the pod), the prepare completes, the pod runs with one allocation, and once the
+/// pod is deleted the claim goes and tesserad releases everything. Then the same with the pod
+/// deleted too: the kubelet unprepares what it was preparing, and nothing is left.
+#[test]
+fn a_claim_deleted_while_its_pod_starts_leaks_nothing() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let t = Tesserad::start(&kube, H100X2, &dra_config(&kube));
+    let extra = || t.log();
+    kube.clean(&["dra-gone", "dra-gone-both"], &["gone-share", "gone-both"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    let cdi = Path::new(kube.var("KUBE_CDI_SPEC_DIR"));
+
+    // The claim alone.
+    kube.apply(&claim("gone-share", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
+    let uid = claim_uid(&kube, "gone-share");
+    let spec = claim_spec(&kube, &uid);
+    let gate = OpenGate::new(cdi, &format!("claim_{uid}.json."));
+    kube.apply(&pod(&kube, &t, "dra-gone", ALLOCATION_THEN_WAIT, json!({}), uses("gone-share")));
+    let held = gate.held(&kube, "tesserad preparing claim gone-share", &extra);
+    kube.ok(&["delete", "resourceclaim", "gone-share", "--wait=false"], None);
+    let c = kube.get(&["resourceclaim", "gone-share"]).expect("the claim stays while its pod holds it");
+    assert!(c["metadata"]["deletionTimestamp"].is_string(), "{c:#}");
+    drop(held);
+    drop(gate);
+    let logs = kube.done("dra-gone", &extra);
+    let allocs = t.allocations();
+    assert_eq!(allocs.len(), 1, "allocated once: {allocs:?}");
+    let id = allocs[0]["id"].as_str().expect("id");
+    assert!(logs.contains(&format!("allocation {id}")), "{logs}");
+    kube.delete_pod("dra-gone", &extra);
+    kube.wait("the deleted claim gone with its pod", &extra, || {
+        kube.get(&["resourceclaim", "gone-share"]).is_none().then_some(())
+    });
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    assert_nothing_left(&t, &spec);
+
+    // The claim and the pod.
+    kube.apply(&claim("gone-both", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
+    let uid = claim_uid(&kube, "gone-both");
+    let spec = claim_spec(&kube, &uid);
+    let gate = OpenGate::new(cdi, &format!("claim_{uid}.json."));
+    kube.apply(&pod(&kube, &t, "dra-gone-both", ALLOCATION_THEN_WAIT, json!({}), uses("gone-both")));
+    let held = gate.held(&kube, "tesserad preparing claim gone-both", &extra);
+    kube.ok(&["delete", "pod", "dra-gone-both", "--wait=false"], None);
+    kube.ok(&["delete", "resourceclaim", "gone-both", "--wait=false"], None);
+    drop(held);
+    drop(gate);
+    kube.wait("pod dra-gone-both gone", &extra, || kube.get(&["pod", "dra-gone-both"]).is_none().then_some(()));
+    kube.wait("claim gone-both gone", &extra, || kube.get(&["resourceclaim", "gone-both"]).is_none().then_some(()));
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    assert_nothing_left(&t, &spec);
 }
