@@ -13,6 +13,9 @@
 #
 # Needs root, cgroups, Go (with the module proxy), openssl, gcc (the pause image), Debian's runc,
 # busybox-static and containernetworking-plugins (scripts/deps.sh installs them).
+#
+# KUBE_FEATURE_GATES=Gate=false,... changes the feature gates `up` and `restart` give (each named
+# gate replaces the default's entry): a cluster with a DRA feature off.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -265,8 +268,23 @@ extendedKeyUsage=serverAuth"
   echo done >"$pki/done"
 }
 
-# The feature gates each DRA feature needs, named as a user sets them (docs/kubernetes.md).
+# The feature gates each DRA feature needs, named as a user sets them (docs/kubernetes.md), with
+# KUBE_FEATURE_GATES's entries in place of the same gates'.
 feature_gates() {
+  local gates over=${KUBE_FEATURE_GATES:-} kv out="" g
+  gates=$(default_feature_gates)
+  for kv in ${over//,/ }; do
+    [[ $kv == *=* ]] || die "KUBE_FEATURE_GATES: $kv is not Gate=true|false"
+  done
+  for kv in ${gates//,/ }; do
+    g=${kv%%=*}
+    [[ ,$over, == *,$g=* ]] || out+="$kv,"
+  done
+  out+=$over
+  echo "${out%,}"
+}
+
+default_feature_gates() {
   case $k8s_version in
     # 1.34: consumable capacity, partitionable devices, device taints and the health in pod
     # status are alpha (off by default); the claim's device status is beta (on).

@@ -742,3 +742,62 @@ async fn the_node_apis_allocations_are_taken_out_of_the_slice_until_released() {
     assert_eq!(shared_capacity(&apiserver, "gpu-0-shared"), Some((memory0, "100".to_string())));
     drop(daemon);
 }
+
+/// Bad input: a cluster that cannot run DRA. Against an API server older than 1.34, one at 1.37
+/// that does not serve resource.k8s.io/v1 (`--runtime-config` turned it off), and one whose Node
+/// says its kubelet is 1.31 (no DRA plugin API this driver speaks), tesserad in mode `dra` says
+/// which in one log line, publishes no slice and serves no DRA socket, registers the device plugin
+/// with the kubelet for every GPU instead (`tessera.io/gpu`), and keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_without_dra_gets_the_device_plugin_and_one_line_saying_why() {
+    // (the case, how the cluster is set up, what tesserad's line says)
+    type Case = (&'static str, fn(&ApiServer), &'static str);
+    let cases: [Case; 3] = [
+        ("1.33", |a| a.set_version(1, 33, 2), "the API server is v1.33.2, older than Kubernetes 1.34"),
+        (
+            "v1 off",
+            |a| {
+                a.set_version(1, 37, 2);
+                a.without_resource_v1();
+            },
+            "the API server (v1.37.2) does not serve resource.k8s.io/v1",
+        ),
+        (
+            "kubelet 1.31",
+            |a| {
+                a.set_version(1, 37, 2);
+                a.put_node(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+                    "status": {"nodeInfo": {"kubeletVersion": "v1.31.4", "architecture": "amd64", "bootID": "",
+                        "containerRuntimeVersion": "containerd://1.7.0", "kernelVersion": "6.1.0",
+                        "kubeProxyVersion": "", "machineID": "", "operatingSystem": "linux",
+                        "osImage": "Debian", "systemUUID": ""}}}));
+            },
+            "the kubelet on node node-a is v1.31.4",
+        ),
+    ];
+    for (case, setup, says) in cases {
+        let node = SimNode::with_description(NODE);
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path();
+        let apiserver = ApiServer::start().await;
+        setup(&apiserver);
+        let config = dra_config(&node, dir, &apiserver, "");
+        let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+        let mut kubelet = TestKubelet::start(&dir.join("plugins"));
+        let (mut daemon, _) = spawn(&node, &config, &notify, &log);
+        let (registered, _) = kubelet.next_registration().await;
+        assert_eq!(registered.resource_name, "tessera.io/gpu", "{case}: the device plugin serves the GPU");
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("DRA driver gpu.tessera.io off")).collect();
+        assert_eq!(lines.len(), 1, "{case}: one line saying why:\n{text}");
+        assert!(
+            lines[0].contains(says) && lines[0].contains("the device plugin serves every GPU"),
+            "{case}: {}",
+            lines[0]
+        );
+        assert!(daemon.0.try_wait().expect("tesserad").is_none(), "{case}: tesserad keeps running:\n{text}");
+        assert!(apiserver.slices().is_empty(), "{case}: no slice published");
+        assert!(!dir.join("kubelet/plugins_registry/gpu.tessera.io-reg.sock").exists(), "{case}: no DRA registration");
+        drop(daemon);
+    }
+}

@@ -1055,3 +1055,79 @@ fn a_claim_deleted_while_its_pod_starts_leaks_nothing() {
     kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
     assert_nothing_left(&t, &spec);
 }
+
+/// `scripts/kube.sh restart COMPONENT` with `env` (KUBE_FEATURE_GATES).
+fn restart(component: &str, env: &[(&str, &str)]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube.sh");
+    let out = Command::new(&script).args(["restart", component]).envs(env.iter().copied()).output().expect("kube.sh");
+    assert!(out.status.success(), "restart {component} with {env:?}: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// Restarts kube-apiserver as `up` configured it when dropped (also when the test fails), so the
+/// next test meets the usual cluster.
+struct UsualApiServer;
+
+impl Drop for UsualApiServer {
+    fn drop(&mut self) {
+        restart("kube-apiserver", &[]);
+    }
+}
+
+/// The lines of tesserad's log at `log` that contain `text`.
+fn log_lines(log: &Path, text: &str) -> Vec<String> {
+    let all = std::fs::read_to_string(log).unwrap_or_default();
+    all.lines().filter(|l| l.contains(text)).map(str::to_owned).collect()
+}
+
+/// Bad input on the real cluster: kube-apiserver with the DRAConsumableCapacity gate off drops
+/// `allowMultipleAllocations` from the shared devices tesserad writes. tesserad says so in one
+/// line naming the gate, takes the shared devices out of the slice and keeps the whole GPUs (a
+/// whole-GPU claim still runs), and keeps running. (An API server without resource.k8s.io/v1 and
+/// a kubelet too old for DRA are met against the test API server, `daemon/tests/dra_flow.rs`:
+/// kube-apiserver 1.37 started with `--runtime-config resource.k8s.io/v1=false` never becomes
+/// ready, its own informers needing the group.)
+#[test]
+fn a_dra_feature_gate_off_gets_one_line_and_the_whole_gpus() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let field = format!("spec.nodeName={},spec.driver=gpu.tessera.io", kube.node());
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    let _usual = UsualApiServer;
+
+    // DRAConsumableCapacity off (kube-apiserver only: the server is what drops the fields).
+    restart("kube-apiserver", &[("KUBE_FEATURE_GATES", "DRAConsumableCapacity=false")]);
+    // An earlier tesserad's slices go: a server keeps a gated field a stored object already uses.
+    kube.ok(&["delete", "resourceslices", "--field-selector", &field], None);
+    let mut t = Tesserad::start(&kube, H100X2, &dra_config(&kube));
+    let log = t.dir.path().join("tesserad.log");
+    let extra = || log_tail(&log);
+    kube.clean(&["gate-whole"], &["gate-whole"], &extra);
+    let devices = kube.wait("the slice without the shared devices", &extra, || {
+        let slices = kube.get(&["resourceslices", "--field-selector", &field])?;
+        let mut names: Vec<String> = slices["items"]
+            .as_array()?
+            .iter()
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
+        names.sort();
+        (!names.is_empty() && names.iter().all(|n| !n.ends_with("-shared"))).then_some(names)
+    });
+    assert_eq!(devices, ["gpu-0", "gpu-1"]);
+    let said = kube.wait("tesserad naming the gate", &extra, || {
+        let l = log_lines(&log, "feature gate is off");
+        (!l.is_empty()).then_some(l)
+    });
+    assert_eq!(said.len(), 1, "one line: {said:?}");
+    assert!(said[0].contains("DRAConsumableCapacity") && said[0].contains("allowMultipleAllocations"), "{}", said[0]);
+    kube.apply(&claim("gate-whole", "gpu.tessera.io", Value::Null, ""));
+    kube.apply(&pod(&kube, &t, "gate-whole", ALLOCATION_THEN_WAIT, json!({}), uses("gate-whole")));
+    kube.done("gate-whole", &extra);
+    kube.clean(&["gate-whole"], &["gate-whole"], &extra);
+    kube.wait("the whole GPU unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    assert!(t.daemon.0.try_wait().expect("tesserad").is_none(), "tesserad runs\n{}", t.log());
+    assert_eq!(log_lines(&log, "feature gate is off").len(), 1, "still one line");
+
+    drop(t);
+}

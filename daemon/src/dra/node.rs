@@ -94,6 +94,33 @@ pub fn claim_specs(controller: Arc<NodeController>, cfg: &Config) -> Result<Clai
     ))
 }
 
+/// The mode tesserad runs in: `kubernetes.mode`, unless it asks for DRA (`dra`, `both`) on a
+/// cluster that cannot run it ([`super::preflight`]): then, saying why in one line, the device
+/// plugin serves every GPU (`device-plugin`). A missing node name or API server configuration is
+/// left to [`start`], which names it.
+pub async fn effective_mode(cfg: &Config) -> Mode {
+    let mode = cfg.kubernetes.mode;
+    if !mode.dra() {
+        return mode;
+    }
+    let (Ok(node), Ok(client)) =
+        (node_name(cfg), crate::kube_client::connect(cfg.kubernetes.kubeconfig.as_deref()).await)
+    else {
+        return mode;
+    };
+    match super::preflight::unavailable(&client, &node).await {
+        None => mode,
+        Some(why) => {
+            tracing::error!(
+                configured = ?mode,
+                "DRA driver {} off: {why}; the device plugin serves every GPU instead (as kubernetes.mode = \"device-plugin\")",
+                super::DRIVER
+            );
+            Mode::DevicePlugin
+        }
+    }
+}
+
 /// Starts the publisher and the kubelet plugin; they run until `shutdown` turns true. `Err`
 /// says what is missing (no node name, no API server).
 pub async fn start(

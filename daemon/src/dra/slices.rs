@@ -19,6 +19,12 @@
 //! pods stay). The choice follows the server's `/version`, and falls back to removal when a
 //! written slice comes back without its taints (the gate off).
 //!
+//! A feature gate off on the API server drops its fields from a written slice silently: a
+//! shared device without `allowMultipleAllocations` (DRAConsumableCapacity off) would be given to
+//! one claim whole, and placements without `consumesCounters` (DRAPartitionableDevices off) could
+//! be given to two claims that overlap. So a written slice that comes back without them takes
+//! those devices out of the pool from then on ([`Publisher`], one log line naming the gate).
+//!
 //! Devices that consume shared
 //! counters (dynamic MIG placements) are laid out by the API server's version ([`SliceLayout`],
 //! as NVIDIA's DRA driver does): up to 1.34 a device may consume only counters of its own slice,
@@ -407,6 +413,47 @@ fn taints_kept(sent: &ResourceSlice, got: &ResourceSlice) -> bool {
     tainted(sent) == tainted(got)
 }
 
+/// The names of the devices of `s` that `has` says carry a field.
+fn devices_with(s: &ResourceSlice, has: impl Fn(&Device) -> bool) -> Vec<String> {
+    s.spec.devices.iter().flatten().filter(|d| has(d)).map(|d| d.name.clone()).collect()
+}
+
+/// A DRA feature whose fields an API server with its gate off drops from written slices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatedFeature {
+    /// `allowMultipleAllocations` (and the capacities' request policies): the shared devices.
+    ConsumableCapacity,
+    /// `consumesCounters` / `sharedCounters`: the dynamic MIG placements.
+    PartitionableDevices,
+}
+
+impl GatedFeature {
+    /// The feature gate, as a user sets it.
+    pub fn gate(self) -> &'static str {
+        match self {
+            GatedFeature::ConsumableCapacity => "DRAConsumableCapacity",
+            GatedFeature::PartitionableDevices => "DRAPartitionableDevices",
+        }
+    }
+
+    /// Whether device `d` needs the feature.
+    fn needed_by(self, d: &DraDevice) -> bool {
+        match self {
+            GatedFeature::ConsumableCapacity => d.kind == DraKind::Shared,
+            GatedFeature::PartitionableDevices => matches!(d.kind, DraKind::MigPlacement(_)),
+        }
+    }
+
+    /// Whether `got` (the server's answer) kept this feature's fields of `sent`.
+    fn kept(self, sent: &ResourceSlice, got: &ResourceSlice) -> bool {
+        let has = |d: &Device| match self {
+            GatedFeature::ConsumableCapacity => d.allow_multiple_allocations == Some(true),
+            GatedFeature::PartitionableDevices => d.consumes_counters.as_ref().is_some_and(|c| !c.is_empty()),
+        };
+        devices_with(sent, has) == devices_with(got, has)
+    }
+}
+
 /// Keeps the node's slices in the API server equal to the devices it is given.
 pub struct Publisher {
     api: kube::Api<ResourceSlice>,
@@ -417,6 +464,8 @@ pub struct Publisher {
     /// What becomes of unhealthy devices whatever the server's version: set by
     /// [`Publisher::with_layout`], or to removal once the server dropped the taints written.
     unhealthy: std::sync::Mutex<Option<Unhealthy>>,
+    /// Features whose fields the server dropped: the devices needing them are not published.
+    dropped: std::sync::Mutex<Vec<GatedFeature>>,
 }
 
 /// What one sync did.
@@ -427,6 +476,8 @@ pub struct Synced {
     pub deleted: usize,
     /// The server dropped the taints written: sync again (removing unhealthy devices).
     pub taints_dropped: bool,
+    /// The server dropped a feature's fields: sync again (without the devices needing it).
+    pub feature_dropped: bool,
 }
 
 fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -441,7 +492,37 @@ impl Publisher {
             node: node.into(),
             layout: Default::default(),
             unhealthy: Default::default(),
+            dropped: Default::default(),
         }
+    }
+
+    /// The features whose fields the API server dropped (their gates off), so far.
+    pub fn dropped_features(&self) -> Vec<GatedFeature> {
+        locked(&self.dropped).clone()
+    }
+
+    /// A written slice came back without a feature's fields: the devices needing it leave the pool.
+    fn check_features(&self, sent: &ResourceSlice, got: &ResourceSlice) -> bool {
+        let mut all_kept = true;
+        for f in [GatedFeature::ConsumableCapacity, GatedFeature::PartitionableDevices] {
+            if f.kept(sent, got) || locked(&self.dropped).contains(&f) {
+                continue;
+            }
+            all_kept = false;
+            locked(&self.dropped).push(f);
+            let (what, devices) = match f {
+                GatedFeature::ConsumableCapacity => ("allowMultipleAllocations", "the shared devices (gpu-N-shared)"),
+                GatedFeature::PartitionableDevices => ("consumesCounters", "the dynamic MIG placements"),
+            };
+            tracing::error!(
+                node = %self.node,
+                "the API server dropped {what} from the ResourceSlice: its {gate} feature gate is off; {devices} \
+                 leave the slice (set {gate}=true on kube-apiserver, kube-scheduler, kube-controller-manager and \
+                 the kubelet, then restart tesserad)",
+                gate = f.gate()
+            );
+        }
+        all_kept
     }
 
     /// Unhealthy devices are handled as `layout` says, whatever the server's version.
@@ -495,6 +576,14 @@ impl Publisher {
     /// later change, its own writes included.
     async fn sync_at(&self, devices: &[DraDevice]) -> Result<(Synced, String), kube::Error> {
         let (layout, unhealthy) = self.layout().await?;
+        let dropped = self.dropped_features();
+        let kept: Vec<DraDevice>;
+        let devices = if dropped.is_empty() {
+            devices
+        } else {
+            kept = devices.iter().filter(|d| !dropped.iter().any(|f| f.needed_by(d))).cloned().collect();
+            &kept
+        };
         let list = self.api.list(&ListParams::default().fields(&self.fields())).await?;
         let version = list.metadata.resource_version.clone().unwrap_or_default();
         let mut out = Synced::default();
@@ -530,6 +619,9 @@ impl Publisher {
                 };
                 if !self.check_taints(&want, &got) {
                     out.taints_dropped = true;
+                }
+                if !self.check_features(&want, &got) {
+                    out.feature_dropped = true;
                 }
             }
         }
@@ -585,7 +677,7 @@ impl Publisher {
                         tracing::info!(node = %self.node, created = s.created, updated = s.updated, deleted = s.deleted, devices = wanted.len(), "ResourceSlice published");
                     }
                     synced.send_modify(|n| *n += 1);
-                    again_now = s.taints_dropped;
+                    again_now = s.taints_dropped || s.feature_dropped;
                     Some(version)
                 }
                 Err(e) => {

@@ -16,7 +16,9 @@
 //! - `nodes`: get and JSON merge patch (`put_node` adds one);
 //! - events.k8s.io/v1 `events`: create (409 AlreadyExists) and JSON merge patch (404 when gone);
 //! - `GET /version`: 1.34.0 unless [`ApiServer::set_version`] says otherwise (clients pick the
-//!   slice layout and what becomes of unhealthy devices by it).
+//!   slice layout and what becomes of unhealthy devices by it);
+//! - `GET /apis/resource.k8s.io/v1` (discovery: its resources), 404 for a version before 1.34 or
+//!   after [`ApiServer::without_resource_v1`] (a server whose `--runtime-config` turned it off).
 //!
 //! Objects carry a global, increasing resourceVersion. Failures can be injected (`fail_next`),
 //! and the server stopped and started again on the same port (an API server restart).
@@ -62,6 +64,8 @@ struct Store {
     events: BTreeMap<(String, String), Value>,
     /// What `/version` says: (major, minor, patch); `None`: 1.34.0.
     kube_version: Option<(u32, u32, u32)>,
+    /// resource.k8s.io/v1 is not served (discovery answers 404).
+    no_resource_v1: bool,
 }
 
 /// The test API server.
@@ -253,6 +257,12 @@ impl ApiServer {
         true
     }
 
+    /// resource.k8s.io/v1 is no longer served (discovery answers 404), as with kube-apiserver's
+    /// `--runtime-config resource.k8s.io/v1=false`.
+    pub fn without_resource_v1(&self) {
+        self.store.lock().unwrap().no_resource_v1 = true;
+    }
+
     /// The Kubernetes version `/version` reports from now on.
     pub fn set_version(&self, major: u32, minor: u32, patch: u32) {
         self.store.lock().unwrap().kube_version = Some((major, minor, patch));
@@ -338,6 +348,22 @@ async fn handle(
             &json!({"major": major.to_string(), "minor": minor.to_string(),
                 "gitVersion": format!("v{major}.{minor}.{patch}"), "gitCommit": "", "gitTreeState": "clean",
                 "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25", "compiler": "gc", "platform": "linux/amd64"}),
+        );
+    }
+    if path == "/apis/resource.k8s.io/v1" && method == Method::GET {
+        if s.no_resource_v1 || s.kube_version.is_some_and(|(_, minor, _)| minor < 34) {
+            return status(404, "NotFound", "the server could not find the requested resource");
+        }
+        let resource = |name: &str, kind: &str, namespaced: bool| {
+            json!({"name": name, "singularName": "", "namespaced": namespaced, "kind": kind,
+                "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]})
+        };
+        return respond(
+            200,
+            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "resource.k8s.io/v1",
+                "resources": [resource("resourceslices", "ResourceSlice", false),
+                    resource("resourceclaims", "ResourceClaim", true),
+                    resource("deviceclasses", "DeviceClass", false)]}),
         );
     }
     let parsed = || serde_json::from_slice::<Value>(&body);

@@ -57,8 +57,9 @@ impl Faces {
             eprintln!("tesserad: {what}");
             std::process::ExitCode::from(code)
         };
-        // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin.
-        let mode = cfg.kubernetes.mode;
+        // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin;
+        // on a cluster without DRA (an API server before 1.34, ...) the device plugin serves all.
+        let mode = dra::node::effective_mode(cfg).await;
         let device_plugins = served::start(Arc::clone(controller), cfg, mode, started, shutdown.clone())
             .map_err(|e| fail(e.to_string(), 1))?;
         let mut tasks = Vec::new();
