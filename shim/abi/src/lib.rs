@@ -13,9 +13,11 @@
 //! parameters are raw integers, and caller structs whose enum fields are read have raw-integer
 //! mirrors here ([`cuda::raw`]), so a value C passes is never an invalid Rust enum.
 //!
-//! Which names a real driver exports (and under which CUDA version `cuGetProcAddress` hands each
-//! out) is a separate fact, derived from NVIDIA's headers into `plugins/sim/driver/exports/*.names`;
-//! the tables hold the functions Tessera defines or calls. Adding a function: add its row to the
+//! Which names a real driver exports (and under which base name, CUDA version and flavour
+//! `cuGetProcAddress` hands each out) is a separate fact, derived from NVIDIA's headers into the
+//! lists the simulated driver keeps, `plugins/sim/driver/exports/*.names`; `build.rs` makes the
+//! CUDA list [`cuda::EXPORTS`], from which the shim takes the versions of the functions it hooks.
+//! The tables hold the functions Tessera defines or calls. Adding a function: add its row to the
 //! family's table (keeping its section), then define it with the family's exports macro.
 
 #[macro_use]

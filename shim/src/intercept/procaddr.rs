@@ -7,12 +7,15 @@
 //! Which symbol the driver chose is found by address: the driver's function for each hooked
 //! symbol of that base name is looked up on the driver's handle and compared. A driver that
 //! hands out an address we cannot place (not one of its exports) is answered from
-//! [`VERSIONS`], the `cudaTypedefs.h` table of CUDA 12.8 for the hooked names, for requests
-//! up to 12.8; beyond that the driver's function passes through (a newer, unknown variant may
+//! [`versions`], the hooked names' entries of the header list the simulated driver keeps
+//! (`tessera_abi::cuda::EXPORTS`, from `cudaTypedefs.h`), for requests up to 12.8; beyond that the driver's function passes through (a newer, unknown variant may
 //! have another signature) with one warning on stderr.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+use tessera_abi::cuda::{EXPORTS, Flavour};
 
 use tessera_abi::cuda_exports;
 
@@ -21,93 +24,27 @@ use crate::ffi::*;
 use crate::real;
 
 /// (base name, CUDA version it appeared in, per-thread flavour, exported symbol) of every hooked
-/// CUDA function, from CUDA 12.8's `cudaTypedefs.h`.
-#[rustfmt::skip]
-pub(crate) const VERSIONS: &[(&str, u32, bool, &str)] = &[
-    ("cuArray3DCreate", 2000, false, "cuArray3DCreate"),
-    ("cuArray3DCreate", 3020, false, "cuArray3DCreate_v2"),
-    ("cuArrayCreate", 2000, false, "cuArrayCreate"),
-    ("cuArrayCreate", 3020, false, "cuArrayCreate_v2"),
-    ("cuArrayDestroy", 2000, false, "cuArrayDestroy"),
-    ("cuCtxCreate", 2000, false, "cuCtxCreate"),
-    ("cuCtxCreate", 3020, false, "cuCtxCreate_v2"),
-    ("cuCtxCreate", 11040, false, "cuCtxCreate_v3"),
-    ("cuCtxCreate", 12050, false, "cuCtxCreate_v4"),
-    ("cuCtxDestroy", 2000, false, "cuCtxDestroy"),
-    ("cuCtxDestroy", 4000, false, "cuCtxDestroy_v2"),
-    ("cuCtxDetach", 2000, false, "cuCtxDetach"),
-    ("cuCtxPopCurrent", 2000, false, "cuCtxPopCurrent"),
-    ("cuCtxPopCurrent", 4000, false, "cuCtxPopCurrent_v2"),
-    ("cuCtxPushCurrent", 2000, false, "cuCtxPushCurrent"),
-    ("cuCtxPushCurrent", 4000, false, "cuCtxPushCurrent_v2"),
-    ("cuCtxSetCurrent", 4000, false, "cuCtxSetCurrent"),
-    ("cuCtxSetLimit", 3010, false, "cuCtxSetLimit"),
-    ("cuDeviceGraphMemTrim", 11040, false, "cuDeviceGraphMemTrim"),
-    ("cuDevicePrimaryCtxRelease", 7000, false, "cuDevicePrimaryCtxRelease"),
-    ("cuDevicePrimaryCtxRelease", 11000, false, "cuDevicePrimaryCtxRelease_v2"),
-    ("cuDevicePrimaryCtxReset", 7000, false, "cuDevicePrimaryCtxReset"),
-    ("cuDevicePrimaryCtxReset", 11000, false, "cuDevicePrimaryCtxReset_v2"),
-    ("cuDevicePrimaryCtxRetain", 7000, false, "cuDevicePrimaryCtxRetain"),
-    ("cuDeviceTotalMem", 2000, false, "cuDeviceTotalMem"),
-    ("cuDeviceTotalMem", 3020, false, "cuDeviceTotalMem_v2"),
-    ("cuGetProcAddress", 11030, false, "cuGetProcAddress"),
-    ("cuGetProcAddress", 12000, false, "cuGetProcAddress_v2"),
-    ("cuGetProcAddress", 12000, true, "cuGetProcAddress_v2_ptsz"),
-    ("cuGraphExecDestroy", 10000, false, "cuGraphExecDestroy"),
-    ("cuGraphInstantiate", 10000, false, "cuGraphInstantiate"),
-    ("cuGraphInstantiate", 11000, false, "cuGraphInstantiate_v2"),
-    ("cuGraphInstantiate", 12000, false, "cuGraphInstantiateWithFlags"),
-    ("cuGraphInstantiateWithFlags", 11040, false, "cuGraphInstantiateWithFlags"),
-    ("cuGraphInstantiateWithParams", 12000, false, "cuGraphInstantiateWithParams"),
-    ("cuGraphInstantiateWithParams", 12000, true, "cuGraphInstantiateWithParams_ptsz"),
-    ("cuGraphLaunch", 10000, false, "cuGraphLaunch"),
-    ("cuGraphLaunch", 10000, true, "cuGraphLaunch_ptsz"),
-    ("cuGraphUpload", 11010, false, "cuGraphUpload"),
-    ("cuGraphUpload", 11010, true, "cuGraphUpload_ptsz"),
-    ("cuInit", 2000, false, "cuInit"),
-    ("cuLaunchCooperativeKernel", 9000, false, "cuLaunchCooperativeKernel"),
-    ("cuLaunchCooperativeKernel", 9000, true, "cuLaunchCooperativeKernel_ptsz"),
-    ("cuLaunchKernel", 4000, false, "cuLaunchKernel"),
-    ("cuLaunchKernel", 7000, true, "cuLaunchKernel_ptsz"),
-    ("cuLaunchKernelEx", 11060, false, "cuLaunchKernelEx"),
-    ("cuLaunchKernelEx", 11060, true, "cuLaunchKernelEx_ptsz"),
-    ("cuMemAddressFree", 10020, false, "cuMemAddressFree"),
-    ("cuMemAlloc", 2000, false, "cuMemAlloc"),
-    ("cuMemAlloc", 3020, false, "cuMemAlloc_v2"),
-    ("cuMemAllocAsync", 11020, false, "cuMemAllocAsync"),
-    ("cuMemAllocAsync", 11020, true, "cuMemAllocAsync_ptsz"),
-    ("cuMemAllocFromPoolAsync", 11020, false, "cuMemAllocFromPoolAsync"),
-    ("cuMemAllocFromPoolAsync", 11020, true, "cuMemAllocFromPoolAsync_ptsz"),
-    ("cuMemAllocManaged", 6000, false, "cuMemAllocManaged"),
-    ("cuMemAllocPitch", 2000, false, "cuMemAllocPitch"),
-    ("cuMemAllocPitch", 3020, false, "cuMemAllocPitch_v2"),
-    ("cuMemCreate", 10020, false, "cuMemCreate"),
-    ("cuMemFree", 2000, false, "cuMemFree"),
-    ("cuMemFree", 3020, false, "cuMemFree_v2"),
-    ("cuMemFreeAsync", 11020, false, "cuMemFreeAsync"),
-    ("cuMemFreeAsync", 11020, true, "cuMemFreeAsync_ptsz"),
-    ("cuMemGetInfo", 2000, false, "cuMemGetInfo"),
-    ("cuMemGetInfo", 3020, false, "cuMemGetInfo_v2"),
-    ("cuMemImportFromShareableHandle", 10020, false, "cuMemImportFromShareableHandle"),
-    ("cuMemMap", 10020, false, "cuMemMap"),
-    ("cuMemMapArrayAsync", 11010, false, "cuMemMapArrayAsync"),
-    ("cuMemMapArrayAsync", 11010, true, "cuMemMapArrayAsync_ptsz"),
-    ("cuMemPoolCreate", 11020, false, "cuMemPoolCreate"),
-    ("cuMemRelease", 10020, false, "cuMemRelease"),
-    ("cuMemRetainAllocationHandle", 11000, false, "cuMemRetainAllocationHandle"),
-    ("cuMemUnmap", 10020, false, "cuMemUnmap"),
-    ("cuMipmappedArrayCreate", 5000, false, "cuMipmappedArrayCreate"),
-    ("cuMipmappedArrayDestroy", 5000, false, "cuMipmappedArrayDestroy"),
-    ("cuStreamDestroy", 2000, false, "cuStreamDestroy"),
-    ("cuStreamDestroy", 4000, false, "cuStreamDestroy_v2"),
-];
+/// CUDA function: the header list's entries ([`tessera_abi::cuda::EXPORTS`]) whose symbol is
+/// hooked, and [`RENAMES`]. Made on first use.
+pub(crate) fn versions() -> &'static [(&'static str, u32, bool, &'static str)] {
+    static VERSIONS: OnceLock<Vec<(&'static str, u32, bool, &'static str)>> = OnceLock::new();
+    VERSIONS.get_or_init(|| {
+        let hooked = EXPORTS.iter().filter(|e| hook_by_name(e.symbol.as_bytes()).is_some());
+        hooked.map(|e| (e.base, e.version, e.flavour != Flavour::No, e.symbol)).chain(RENAMES.iter().copied()).collect()
+    })
+}
 
-/// The CUDA version [`VERSIONS`] is complete for.
+/// Base names `cuda.h` hands out as another hooked function from some version on, which the
+/// header list (one line a symbol) does not carry: `#define cuGraphInstantiate
+/// cuGraphInstantiateWithFlags` (`PFN_cuGraphInstantiate_v12000` of `cudaTypedefs.h`).
+const RENAMES: &[(&str, u32, bool, &str)] = &[("cuGraphInstantiate", 12000, false, "cuGraphInstantiateWithFlags")];
+
+/// The CUDA version [`versions`] is complete for.
 const VERSIONS_COMPLETE_TO: u32 = 12080;
 
 /// The hooked symbol the driver's answer `p` is, for a base name: by address, else by version.
 fn chosen_symbol(base: &str, p: *mut c_void, version: u32, per_thread: bool) -> Option<&'static str> {
-    VERSIONS.iter().find(|e| e.0 == base)?;
+    versions().iter().find(|e| e.0 == base)?;
     if let Some(sym) = by_address(base, p) {
         return Some(sym);
     }
@@ -130,7 +67,7 @@ fn chosen_symbol(base: &str, p: *mut c_void, version: u32, per_thread: bool) -> 
 /// The hooked symbol of `base` whose driver function is at `p`.
 fn by_address(base: &str, p: *mut c_void) -> Option<&'static str> {
     let h = real::cuda_handle_if_loaded()?;
-    VERSIONS.iter().filter(|e| e.0 == base).find_map(|e| {
+    versions().iter().filter(|e| e.0 == base).find_map(|e| {
         let sym = std::ffi::CString::new(e.3).ok()?;
         (dl::real_dlsym(h, sym.as_ptr()) == p).then_some(e.3)
     })
@@ -139,7 +76,7 @@ fn by_address(base: &str, p: *mut c_void) -> Option<&'static str> {
 /// The symbol `cudaTypedefs.h` names for `base` at CUDA version `v`: the newest not newer than
 /// `v`, in its per-thread flavour if asked and one exists.
 fn by_version(base: &str, v: u32, per_thread: bool) -> Option<&'static str> {
-    let newest = |pt: bool| VERSIONS.iter().filter(|e| e.0 == base && e.1 <= v && e.2 == pt).max_by_key(|e| e.1);
+    let newest = |pt: bool| versions().iter().filter(|e| e.0 == base && e.1 <= v && e.2 == pt).max_by_key(|e| e.1);
     let plain = newest(false)?;
     Some(match newest(true) {
         Some(pt) if per_thread => pt.3,
@@ -256,14 +193,14 @@ mod tests {
 
     #[test]
     fn every_versioned_symbol_is_hooked_and_every_hook_has_a_version() {
-        for e in VERSIONS {
+        for e in versions() {
             assert!(hook_by_name(e.3.as_bytes()).is_some(), "{} is not hooked", e.3);
             assert!(e.3.starts_with(e.0), "{} -> {}", e.0, e.3);
             assert_eq!(e.2, e.3.ends_with("_ptsz"), "{}", e.3);
         }
         for h in super::super::HOOKS.iter().filter(|h| h.name.starts_with(b"cu")) {
             let name = std::str::from_utf8(h.name).unwrap();
-            assert!(VERSIONS.iter().any(|e| e.3 == name), "{name} has no cuGetProcAddress entry");
+            assert!(versions().iter().any(|e| e.3 == name), "{name} has no cuGetProcAddress entry");
         }
     }
 }
