@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 
 use crate::config::{Config, PartitionKind};
-use crate::device_health::NodeHealth;
+use crate::device_health::{Health, NodeHealth};
 use crate::discovery::{Ancestor, Inventory};
 use crate::partition::{GpuLayout, Share};
 
@@ -52,7 +52,8 @@ pub struct ResourceDevice {
     /// The index of the GPU it lives on (for topology).
     pub gpu_index: u32,
     pub numa_node: Option<u32>,
-    pub healthy: bool,
+    /// In service, or out with the health monitor's reason ([`Resources::mark_unhealthy`]).
+    pub health: Health,
     /// Shares only: bytes of device memory.
     pub memory_limit: Option<u64>,
     /// Shares only: percent of SM time.
@@ -114,7 +115,7 @@ impl Resources {
                 physical_uuid: physical.to_string(),
                 gpu_index: gpu.index,
                 numa_node: gpu.numa_node,
-                healthy: true,
+                health: Health::Healthy,
                 memory_limit: share.map(|s| s.memory_limit),
                 sm_percent: share.map(|s| s.sm_percent),
                 nodes: nodes_of(physical),
@@ -193,7 +194,7 @@ impl Resources {
     pub fn mark_unhealthy(&mut self, health: &NodeHealth) {
         for r in self.resources.values_mut() {
             for d in &mut r.devices {
-                d.healthy = health.of(d.gpu_index, &d.physical_uuid).is_healthy();
+                d.health = health.of(d.gpu_index, &d.physical_uuid);
             }
         }
     }

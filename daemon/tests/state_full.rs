@@ -87,7 +87,7 @@ fn resources() -> Arc<Resources> {
             physical_uuid: "GPU-a".to_string(),
             gpu_index: 0,
             numa_node: Some(0),
-            healthy: true,
+            health: tessera_daemon::device_health::Health::Healthy,
             memory_limit: Some(1 << 30),
             sm_percent: Some(25),
             nodes: vec![PathBuf::from("/dev/nvidia0")],

@@ -30,7 +30,7 @@ impl DaemonAllocator {
         // Per device: what is held, plus the free devices kept so far.
         let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
         for res in offer.resources.resources.values() {
-            for d in res.devices.iter().filter(|d| d.healthy) {
+            for d in res.devices.iter().filter(|d| d.health.is_healthy()) {
                 // A pod's (the node API's MIG records name the same id: those do not count).
                 if store.kubelet_holds(&d.id, &res.name) {
                     continue;

@@ -109,7 +109,11 @@ pub fn start(
 fn plugin_devices(res: &Resource) -> Vec<PluginDevice> {
     res.devices
         .iter()
-        .map(|d| PluginDevice { id: d.id.clone(), healthy: d.healthy, numa_node: d.numa_node.map(i64::from) })
+        .map(|d| PluginDevice {
+            id: d.id.clone(),
+            healthy: d.health.is_healthy(),
+            numa_node: d.numa_node.map(i64::from),
+        })
         .collect()
 }
 
@@ -219,7 +223,7 @@ mod tests {
             physical_uuid: format!("GPU-{gpu}"),
             gpu_index: gpu,
             numa_node: None,
-            healthy: true,
+            health: crate::device_health::Health::Healthy,
             memory_limit: None,
             sm_percent: None,
             nodes: Vec::new(),
