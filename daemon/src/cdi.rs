@@ -16,8 +16,18 @@ use tessera_region::hook_config::HookConfig;
 use tessera_region::paths;
 
 use crate::config::Injection;
-use crate::node::View;
-use crate::resources::Kind;
+use crate::discovery::Inventory;
+use crate::resources::{Kind, Resources};
+
+/// What the specs are written from, as plain data: the GPUs found, what is offered, and the
+/// device root their nodes are under. The controller's published view gives one
+/// (`impl From<&node::View>`), so this module needs nothing above it.
+#[derive(Debug, Clone, Copy)]
+pub struct Offer<'a> {
+    pub inventory: &'a Inventory,
+    pub resources: &'a Resources,
+    pub dev_root: &'a Path,
+}
 
 /// Writes the specs; remembers what it wrote last so an unchanged node costs nothing.
 #[derive(Debug)]
@@ -46,10 +56,10 @@ impl CdiWriter {
         Ok(Some(CdiWriter { dir: cfg.cdi_spec_dir.clone(), base, last: None }))
     }
 
-    /// Writes the specs for what `view` offers, unless that is what was written last. Returns
+    /// Writes the specs for `offer`, unless that is what was written last. Returns
     /// whether anything was written.
-    pub fn write(&mut self, view: &View) -> Result<bool, String> {
-        let devices = node_devices(view);
+    pub fn write<'a>(&mut self, offer: impl Into<Offer<'a>>) -> Result<bool, String> {
+        let devices = node_devices(offer.into());
         if self.last.as_ref() == Some(&devices) {
             return Ok(false);
         }
@@ -121,10 +131,10 @@ pub fn base(cfg: &Injection, runtime_dir: &Path, state_dir: &Path) -> NodeDevice
     }
 }
 
-/// The host device nodes of the GPU or MIG device `uuid` in `view` (as its class spec lists
-/// them); `None` when `view` has no such device.
-pub fn device_nodes(view: &View, uuid: &str) -> Option<Vec<PathBuf>> {
-    node_devices(view)
+/// The host device nodes of the GPU or MIG device `uuid` in `offer` (as its class spec lists
+/// them); `None` when `offer` has no such device.
+pub fn device_nodes<'a>(offer: impl Into<Offer<'a>>, uuid: &str) -> Option<Vec<PathBuf>> {
+    node_devices(offer.into())
         .into_iter()
         .find(|d| (d.class == "gpu" || d.class == "mig") && d.uuid.eq_ignore_ascii_case(uuid))
         .map(|d| d.nodes)
@@ -191,10 +201,10 @@ fn as_host_sees(found: DriverFiles, host_root: &Path) -> DriverFiles {
 }
 
 /// Every offered device with the host nodes it needs.
-fn node_devices(view: &View) -> Vec<NodeDevice> {
-    let index_of = |uuid: &str| view.inventory.gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index);
+fn node_devices(offer: Offer<'_>) -> Vec<NodeDevice> {
+    let index_of = |uuid: &str| offer.inventory.gpus.iter().find(|g| g.uuid == uuid).map(|g| g.index);
     let mut out = Vec::new();
-    for res in view.resources.resources.values() {
+    for res in offer.resources.resources.values() {
         for d in &res.devices {
             let aliases = match (res.kind, index_of(&d.physical_uuid)) {
                 (Kind::Gpu, Some(i)) => vec![i.to_string()],
@@ -212,8 +222,8 @@ fn node_devices(view: &View) -> Vec<NodeDevice> {
     // Every GPU with MIG off is named in the `gpu` class even when it is offered as shares:
     // a share carved on demand (the node API's Allocate) is asked for as `tessera.io/gpu=<uuid>`,
     // and the hook admits it only with an allocation holding that GPU.
-    let dev_root = &view.config.injection.dev_root;
-    for g in view.inventory.gpus.iter().filter(|g| !g.mig.as_ref().is_some_and(|m| m.current)) {
+    let dev_root = offer.dev_root;
+    for g in offer.inventory.gpus.iter().filter(|g| !g.mig.as_ref().is_some_and(|m| m.current)) {
         let name = cdi::cdi_device_name(&g.uuid);
         if out.iter().any(|d| d.class == "gpu" && d.name == name) {
             continue;
@@ -320,31 +330,24 @@ mod tests {
         std::fs::write(root.join("usr/bin/nvidia-smi"), "smi").unwrap();
     }
 
-    fn one_gpu_view(cfg: &Injection) -> View {
-        View {
-            config: std::sync::Arc::new(crate::config::Config { injection: cfg.clone(), ..Default::default() }),
-            inventory: crate::discovery::Inventory {
-                library: PathBuf::new(),
-                driver_version: String::new(),
-                cuda_driver_version: 0,
-                gpus: vec![crate::discovery::Gpu {
-                    index: 0,
-                    uuid: "GPU-0".into(),
-                    name: "NVIDIA H100 80GB HBM3".into(),
-                    memory_total: 80 << 30,
-                    pci_bus_id: "00000000:18:00.0".into(),
-                    numa_node: None,
-                    minor: None,
-                    mig: None,
-                    nvlink_peers: Vec::new(),
-                    processes: Vec::new(),
-                }],
-                topology: Vec::new(),
-            },
-            shares: Vec::new(),
-            resources: Default::default(),
-            status: Default::default(),
-            health: Default::default(),
+    fn one_gpu() -> Inventory {
+        Inventory {
+            library: PathBuf::new(),
+            driver_version: String::new(),
+            cuda_driver_version: 0,
+            gpus: vec![crate::discovery::Gpu {
+                index: 0,
+                uuid: "GPU-0".into(),
+                name: "NVIDIA H100 80GB HBM3".into(),
+                memory_total: 80 << 30,
+                pci_bus_id: "00000000:18:00.0".into(),
+                numa_node: None,
+                minor: None,
+                mig: None,
+                nvlink_peers: Vec::new(),
+                processes: Vec::new(),
+            }],
+            topology: Vec::new(),
         }
     }
 
@@ -463,7 +466,8 @@ mod tests {
         assert_eq!(w.base.driver_dir, None);
         assert!(log.contains("WARN") && log.contains(&state.join("driver").display().to_string()), "{log}");
         assert_eq!(w.base.driver.libraries.len(), 2);
-        assert!(w.write(&one_gpu_view(&cfg)).unwrap());
+        let (inventory, resources) = (one_gpu(), Resources::default());
+        assert!(w.write(Offer { inventory: &inventory, resources: &resources, dev_root: &cfg.dev_root }).unwrap());
         assert!(tmp.path().join("cdi/tessera.io-gpu.json").is_file());
         assert_eq!(std::fs::read_to_string(state.join("driver")).unwrap(), "a file where the directory goes");
     }

@@ -69,6 +69,17 @@ pub struct View {
     pub health: NodeHealth,
 }
 
+/// The CDI specs are written from the view's offer (`cdi` stands below the controller).
+impl<'a> From<&'a View> for crate::cdi::Offer<'a> {
+    fn from(view: &'a View) -> crate::cdi::Offer<'a> {
+        crate::cdi::Offer {
+            inventory: &view.inventory,
+            resources: &view.resources,
+            dev_root: &view.config.injection.dev_root,
+        }
+    }
+}
+
 /// Why the daemon cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
