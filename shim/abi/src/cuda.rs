@@ -298,6 +298,14 @@ table! {
     fn cuDeviceSetGraphMemAttribute(device: sys::CUdevice, attr: c_int, value: *mut c_void);
     fn cuDeviceGraphMemTrim(device: sys::CUdevice);
 
+    // Checkpoints of one process by another (lock, device memory to host and back, unlock).
+    fn cuCheckpointProcessGetRestoreThreadId(pid: c_int, tid: *mut c_int);
+    fn cuCheckpointProcessGetState(pid: c_int, state: *mut sys::CUprocessState);
+    fn cuCheckpointProcessLock(pid: c_int, args: *mut sys::CUcheckpointLockArgs);
+    fn cuCheckpointProcessCheckpoint(pid: c_int, args: *mut sys::CUcheckpointCheckpointArgs);
+    fn cuCheckpointProcessRestore(pid: c_int, args: *mut sys::CUcheckpointRestoreArgs);
+    fn cuCheckpointProcessUnlock(pid: c_int, args: *mut sys::CUcheckpointUnlockArgs);
+
     // Initialization and the driver version.
     fn cuInit(Flags: c_uint);
     fn cuDriverGetVersion(driverVersion: *mut c_int);

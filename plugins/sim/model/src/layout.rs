@@ -6,8 +6,9 @@ use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64};
 
 pub const MAGIC: u64 = u64::from_le_bytes(*b"TSIMNODE");
-/// Bumped on every layout change (5: the header's `hold_exits`).
-pub const VERSION: u32 = 5;
+/// Bumped on every layout change (5: the header's `hold_exits`; 6: each process slot's
+/// checkpoint state, [`CheckpointState`]).
+pub const VERSION: u32 = 6;
 /// GPUs on one node.
 pub const MAX_GPUS: usize = 16;
 /// GPU instances, and compute instances, on one GPU (7 is the most any MIG GPU allows).
@@ -164,6 +165,37 @@ pub struct ProcSlot {
     pub streams: [StreamState; MAX_STREAMS],
     pub pending_mask: AtomicU64,
     pub events: [PendingEvent; MAX_PENDING_EVENTS],
+    pub checkpoint: CheckpointState,
+}
+
+/// Replies kept per process: a caller reads its own however many others were answered since,
+/// up to this many.
+pub const CHECKPOINT_REPLIES: usize = 8;
+
+/// One process's part in the driver's checkpoint API (`cuCheckpointProcess*`, `checkpoint.rs`):
+/// another process posts a request, the process's own checkpoint thread serves it.
+#[repr(C)]
+pub struct CheckpointState {
+    /// `CUprocessState` (0 running, 1 locked, 2 checkpointed, 3 failed); also the futex word
+    /// the process's CUDA calls wait on while it is not running.
+    pub state: AtomicU32,
+    /// Thread id of the process's checkpoint thread (0: none, the process never ran `cuInit`).
+    pub restore_tid: AtomicU32,
+    /// The request being served: ticket << 32 | lock timeout ms << 4 | op (0: none).
+    pub request: AtomicU64,
+    /// Futex word bumped with every request posted (the checkpoint thread sleeps on it).
+    pub request_futex: AtomicU32,
+    /// Futex word bumped with every reply (callers sleep on it).
+    pub reply_futex: AtomicU32,
+    /// The last replies, each at its ticket modulo their count: ticket << 32 | `CUresult`.
+    pub replies: [AtomicU64; CHECKPOINT_REPLIES],
+    /// Tickets handed to callers.
+    pub next_ticket: AtomicU32,
+    /// Per GPU: the execution units the process held contexts on when checkpointed.
+    pub parked_units: [AtomicU32; MAX_GPUS],
+    /// Device memory moved to host memory by a checkpoint, per GPU and memory domain; not
+    /// counted as used until a restore takes it back.
+    pub parked_mem: [[AtomicU64; DOMAINS]; MAX_GPUS],
 }
 
 /// An NVML-visible event.

@@ -11,6 +11,7 @@
 //! anyone can tell a dead process's slot and reclaim its memory.
 
 pub mod catalog;
+mod checkpoint;
 mod clock;
 mod compute;
 pub mod driver_root;
@@ -26,6 +27,7 @@ mod region;
 use std::path::{Path, PathBuf};
 
 pub use catalog::{CiProfile, GiProfile, GpuModel, MigSpec};
+pub use checkpoint::{CheckpointOp, CheckpointRequest, ProcessState};
 pub use clock::{monotonic_ns, realtime_us_from_monotonic};
 pub use compute::{EventMark, StreamId, Ticket, UtilWindow};
 pub use events::{Event, EventCursor, EventKind};

@@ -58,6 +58,7 @@ pub(crate) fn clear_slot(p: &ProcSlot) {
         s.served.store(0, Relaxed);
     }
     p.pending_mask.store(0, Relaxed);
+    crate::checkpoint::clear(&p.checkpoint);
 }
 
 /// Frees everything a (dead) process held and makes its slot free.
@@ -93,7 +94,7 @@ pub(crate) fn repair(g: &Guard) {
 impl Node {
     /// Allocatable bytes of a memory domain: the whole GPU less what the driver reserves, or a
     /// GPU instance's memory.
-    fn domain_capacity(&self, g: &Guard, gpu: u32, domain: usize) -> Result<u64> {
+    pub(crate) fn domain_capacity(&self, g: &Guard, gpu: u32, domain: usize) -> Result<u64> {
         let id = self.gpu(gpu)?;
         let gs = &g.shared().gpus[gpu as usize];
         if domain == 0 {
@@ -112,7 +113,7 @@ impl Node {
         profile.map(|p| p.memory_mib * MIB).ok_or_else(|| SimError::State("GPU instance with unknown profile".into()))
     }
 
-    fn domain_used(g: &Guard, gpu: u32, domain: usize) -> u64 {
+    pub(crate) fn domain_used(g: &Guard, gpu: u32, domain: usize) -> u64 {
         g.used_slots().map(|s| g.shared().procs[s].mem[gpu as usize][domain].load(Relaxed)).sum()
     }
 

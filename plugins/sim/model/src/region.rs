@@ -251,7 +251,7 @@ impl Region {
     }
 
     /// Whether a process holds slot `slot` (its liveness lock is held by someone).
-    fn slot_alive(&self, slot: usize) -> bool {
+    pub(crate) fn slot_alive(&self, slot: usize) -> bool {
         let mut fl = liveness_flock(slot, libc::F_WRLCK);
         // SAFETY: fd is open and fl is a valid flock.
         let rc = unsafe { libc::fcntl(self.fd.load(Relaxed), libc::F_OFD_GETLK, &mut fl) };
@@ -386,7 +386,7 @@ impl Drop for Guard<'_> {
     }
 }
 
-fn pid_namespace() -> u64 {
+pub(crate) fn pid_namespace() -> u64 {
     std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap_or(0)
 }
 

@@ -81,6 +81,8 @@ fn child_entry() {
             let s = node.stream_create(gpu.parse().unwrap(), 0, 0).unwrap();
             node.launch(s, ns.parse().unwrap()).unwrap();
         }
+        // A CUDA process whose checkpoint thread never answers.
+        ["serve-silently"] => node.checkpoint_serve(1).unwrap(),
         other => panic!("unknown role {other:?}"),
     }
     println!("ready");

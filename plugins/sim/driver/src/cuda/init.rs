@@ -272,6 +272,7 @@ fn init() -> R {
         .collect();
     // SAFETY: registering a fork handler with a plain extern "C" fn is always sound.
     unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    super::checkpoint::start(node)?;
     let _ = DRIVER.set(Driver { node, devices });
     Ok(())
 }

@@ -29,6 +29,11 @@ const MAGIC: &[u8; 8] = b"TSIMIPC1";
 /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the one flag of `cuIpcOpenMemHandle`.
 const LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
+/// Whether any allocation of this process was exported (it cannot cross a checkpoint).
+pub(crate) fn any_exported() -> bool {
+    !exported().is_empty()
+}
+
 /// The memfds of this process's exported allocations, by base address.
 fn exported() -> MutexGuard<'static, HashMap<u64, OwnedFd>> {
     static EXPORTED: LazyLock<Mutex<HashMap<u64, OwnedFd>>> = LazyLock::new(Default::default);

@@ -40,6 +40,7 @@
 
 #![allow(non_snake_case)] // parameter names are cuda.h's
 
+mod checkpoint;
 mod context;
 mod copy;
 mod device;
@@ -86,9 +87,13 @@ pub(crate) const ILLEGAL_STATE: CUresult = CUresult::CUDA_ERROR_ILLEGAL_STATE;
 
 /// Runs an export's body: a panic is `CUDA_ERROR_UNKNOWN`, `Ok` is `CUDA_SUCCESS`.
 pub(crate) fn run(body: impl FnOnce() -> R) -> CUresult {
-    crate::ffi::guard(CUresult::CUDA_ERROR_UNKNOWN, || match body() {
-        Ok(()) => CUresult::CUDA_SUCCESS,
-        Err(e) => e,
+    crate::ffi::guard(CUresult::CUDA_ERROR_UNKNOWN, || {
+        // Waits while another process holds this one locked (checkpoint.rs).
+        let _pass = checkpoint::enter();
+        match body() {
+            Ok(()) => CUresult::CUDA_SUCCESS,
+            Err(e) => e,
+        }
     })
 }
 

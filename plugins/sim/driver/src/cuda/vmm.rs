@@ -60,6 +60,18 @@ pub(crate) struct Phys {
     mappings: u32,
 }
 
+impl Phys {
+    /// The memfd holding the allocation's bytes (for a checkpoint to move them).
+    pub(crate) fn memfd(&self) -> c_int {
+        self.fd
+    }
+
+    /// Whether another process may hold the allocation too (exportable or imported).
+    pub(crate) fn shareable(&self) -> bool {
+        self.handle_types != 0
+    }
+}
+
 /// A mapping inside a reservation.
 #[derive(Clone, Copy)]
 pub(crate) struct Mapping {
