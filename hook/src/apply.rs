@@ -69,7 +69,7 @@ pub(crate) fn record_owner(
     gone_when: Vanish,
 ) {
     if let Some(id) = &plan.allocation {
-        let dir = cfg.runtime_dir.join("alloc").join(id);
+        let dir = cfg.runtime_dir.join(tessera_region::paths::ALLOC_SUBDIR).join(id);
         let owner = tessera_region::owner::Owner {
             container: tessera_region::owner::ContainerIdentity::from_annotations(container_id, annotations),
             runtime_state: gone_when.runtime_state.map(|p| p.display().to_string()),

@@ -419,12 +419,11 @@ fn plan_requests(cfg: &HookConfig, specs: &[Spec], r: Requests) -> Result<Option
         plan.files.push((host, content));
     }
     if let Some(id) = &allocation {
-        let dir = cfg.runtime_dir.join("alloc").join(id);
-        push_mount(&mut plan, dir.clone(), CONTAINER_ALLOC_DIR.into(), true)?;
-        push_mount(&mut plan, dir.join("region"), Path::new(CONTAINER_ALLOC_DIR).join("region"), false)?;
-        plan.env.push(("TESSERA_LIMITS".into(), format!("{CONTAINER_ALLOC_DIR}/limits")));
-        plan.env.push(("TESSERA_REGION".into(), format!("{CONTAINER_ALLOC_DIR}/region")));
-        plan.env.push((ENV_ALLOCATION.into(), id.clone()));
+        let dir = cfg.runtime_dir.join(paths::ALLOC_SUBDIR).join(id);
+        for m in cdi::allocation_mounts(&dir) {
+            push_mount(&mut plan, m.host_path, m.container_path, !m.writable)?;
+        }
+        plan.env.extend(cdi::allocation_env(id).map(|(k, v)| (k.to_owned(), v)));
     }
     let mut uuids: Vec<&str> = Vec::new();
     for d in &plan.devices {
@@ -471,7 +470,7 @@ fn allocation_id(info: &ContainerInfo) -> Result<Option<String>, InjectError> {
 
 /// The UUIDs an allocation holds (its limits file's UUID entries).
 fn load_allocation(cfg: &HookConfig, id: &str) -> Result<Vec<String>, InjectError> {
-    let dir = cfg.runtime_dir.join("alloc").join(id);
+    let dir = cfg.runtime_dir.join(paths::ALLOC_SUBDIR).join(id);
     let limits = tessera_region::Limits::load(&dir.join("limits"))
         .map_err(|e| InjectError(format!("allocation {id:?}: {e}")))?;
     let region = dir.join("region");

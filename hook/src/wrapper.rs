@@ -99,7 +99,8 @@ pub fn edit_bundle_for(
     check_targets(&rootfs, &plan)?;
     make_links(&rootfs, &mut plan)?;
     oci::apply_to_config(&mut config, &plan)?;
-    if let Some(dir) = plan.allocation.as_ref().map(|id| cfg.runtime_dir.join("alloc").join(id))
+    if let Some(dir) =
+        plan.allocation.as_ref().map(|id| cfg.runtime_dir.join(tessera_region::paths::ALLOC_SUBDIR).join(id))
         && tessera_region::owner::is_leased(&dir)
         && let Some(hook) = std::env::current_exe().ok().and_then(|p| Some(p.parent()?.join("tessera-hook")))
         && hook.is_file()

@@ -36,15 +36,13 @@ use tessera_region::{Region, RegionError};
 use super::mount;
 use super::record::{Allocation, valid_id};
 
-/// The directory under the runtime dir that holds one directory per allocation.
-pub const ALLOC_SUBDIR: &str = "alloc";
+/// The directory under the runtime dir that holds one directory per allocation, and the names of
+/// the limits file and the region in one: the contract crate's (the hook and the shim find them
+/// by the same names).
+pub use tessera_region::paths::{ALLOC_SUBDIR, LIMITS_FILE, REGION_FILE};
 /// The directory under the runtime dir that holds the ready-made spare directories. On the same
 /// file system as [`ALLOC_SUBDIR`], so taking one is a rename.
 pub const SPARE_SUBDIR: &str = "spare";
-/// The limits file's name inside an allocation directory.
-pub const LIMITS_FILE: &str = "limits";
-/// The region file's name inside an allocation directory.
-pub const REGION_FILE: &str = "region";
 /// The region's own size-capped tmpfs inside an allocation directory.
 pub const REGION_STORE: &str = ".region";
 

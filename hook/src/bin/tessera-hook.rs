@@ -82,7 +82,7 @@ fn poststop_alloc_dir(config: &std::path::Path, state: &[u8]) -> Result<Option<P
     let Ok(oci) = tessera_hook::oci::read_config(std::path::Path::new(bundle)) else { return Ok(None) };
     let info = tessera_hook::oci::container_info(&oci, &Default::default()).map_err(|e| e.0)?;
     let id = tessera_hook::plan::named_allocation(&info).map_err(|e| e.0)?;
-    Ok(id.map(|id| cfg.runtime_dir.join("alloc").join(id)))
+    Ok(id.map(|id| cfg.runtime_dir.join(tessera_region::paths::ALLOC_SUBDIR).join(id)))
 }
 
 fn fail(msg: &str) -> ! {

@@ -20,7 +20,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::driver::DriverFiles;
-use crate::paths::{CONTAINER_ALLOC_DIR, DRIVER_CONTAINER_DIR, ENV_ALLOCATION, PRELOAD_PATH, SHIM_CONTAINER_PATH};
+use crate::paths::{
+    CONTAINER_ALLOC_DIR, DRIVER_CONTAINER_DIR, ENV_ALLOCATION, LIMITS_FILE, PRELOAD_PATH, REGION_FILE,
+    SHIM_CONTAINER_PATH,
+};
 
 pub const VENDOR: &str = "tessera.io";
 /// The CDI version written by default (device annotations need 0.6.0).
@@ -405,6 +408,45 @@ pub fn write_specs(dir: &Path, specs: &[Spec]) -> Result<(), CdiError> {
     sync_dir(dir)
 }
 
+/// One mount of what an allocation gives a container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocationMount {
+    pub host_path: PathBuf,
+    pub container_path: PathBuf,
+    /// Read-write (the region); else read-only.
+    pub writable: bool,
+}
+
+/// What allocation directory `alloc_dir` (`<runtime_dir>/alloc/<id>` on the host) gives a
+/// container, whatever puts it there (a claim's CDI spec, the hook and the wrapper): the
+/// directory read-only at [`CONTAINER_ALLOC_DIR`] (the container can neither replace its limits
+/// nor add files), then its region read-write on top, in this order.
+pub fn allocation_mounts(alloc_dir: &Path) -> [AllocationMount; 2] {
+    [
+        AllocationMount {
+            host_path: alloc_dir.to_path_buf(),
+            container_path: CONTAINER_ALLOC_DIR.into(),
+            writable: false,
+        },
+        AllocationMount {
+            host_path: alloc_dir.join(REGION_FILE),
+            container_path: Path::new(CONTAINER_ALLOC_DIR).join(REGION_FILE),
+            writable: true,
+        },
+    ]
+}
+
+/// The environment that names allocation `allocation` and its files to the shim, in this order:
+/// `TESSERA_ALLOCATION`, `TESSERA_LIMITS`, `TESSERA_REGION` (the shim prefers the mounted
+/// directory to the last two: a tenant writes its own environment).
+pub fn allocation_env(allocation: &str) -> [(&'static str, String); 3] {
+    [
+        (ENV_ALLOCATION, allocation.to_owned()),
+        (crate::ENV_LIMITS, format!("{CONTAINER_ALLOC_DIR}/{LIMITS_FILE}")),
+        (crate::ENV_REGION, format!("{CONTAINER_ALLOC_DIR}/{REGION_FILE}")),
+    ]
+}
+
 /// What a prepared DRA claim gives a container, for [`build_claim_spec`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimDevices {
@@ -443,19 +485,17 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
     if claim.devices.is_empty() {
         return Err(invalid("devices", format!("claim {} has no device", claim.claim_uid)));
     }
-    let alloc_dir = claim.alloc_dir.display().to_string();
-    let container_dir = CONTAINER_ALLOC_DIR;
     let bind = |mode: &str, extra: &[&str]| {
         [mode, "nosuid", "nodev"].iter().chain(extra).chain(&["bind"]).map(|s| (*s).to_owned()).collect::<Vec<_>>()
     };
-    let mut mounts = vec![
-        Mount { host_path: alloc_dir.clone(), container_path: container_dir.into(), options: bind("ro", &["noexec"]) },
-        Mount {
-            host_path: claim.alloc_dir.join("region").display().to_string(),
-            container_path: format!("{container_dir}/region"),
-            options: bind("rw", &["noexec"]),
-        },
-    ];
+    let mut mounts: Vec<Mount> = allocation_mounts(&claim.alloc_dir)
+        .into_iter()
+        .map(|m| Mount {
+            host_path: m.host_path.display().to_string(),
+            container_path: m.container_path.display().to_string(),
+            options: bind(if m.writable { "rw" } else { "ro" }, &["noexec"]),
+        })
+        .collect();
     if node.shim.is_some() {
         mounts.push(Mount {
             host_path: claim.preload.display().to_string(),
@@ -472,13 +512,9 @@ pub fn build_claim_spec(node: &NodeDevices, claim: &ClaimDevices) -> Result<Spec
         if devices.iter().any(|x| x.name == name) {
             continue;
         }
+        let env = allocation_env(&claim.allocation).into_iter().map(|(k, v)| format!("{k}={v}"));
         let mut edits = ContainerEdits {
-            env: vec![
-                format!("{}={name}", marker_key(&name)),
-                format!("{ENV_ALLOCATION}={}", claim.allocation),
-                format!("TESSERA_LIMITS={container_dir}/limits"),
-                format!("TESSERA_REGION={container_dir}/region"),
-            ],
+            env: std::iter::once(format!("{}={name}", marker_key(&name))).chain(env).collect(),
             mounts: mounts.clone(),
             ..Default::default()
         };

@@ -41,6 +41,13 @@ pub const HOOKS_D_FILE: &str = "tessera-hook.json";
 /// `driver_dir` module).
 pub const DRIVER_DIRS: &str = "driver";
 
+/// An allocation's directory under the daemon's runtime directory: `<runtime_dir>/alloc/<id>/`.
+pub const ALLOC_SUBDIR: &str = "alloc";
+/// The limits file's name in an allocation directory (`crate::limits`).
+pub const LIMITS_FILE: &str = "limits";
+/// The region's name in an allocation directory (`crate::region`).
+pub const REGION_FILE: &str = "region";
+
 // Inside a container.
 
 pub use crate::limits::CONTAINER_ALLOC_DIR;
