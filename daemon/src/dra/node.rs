@@ -137,14 +137,15 @@ pub async fn start(
         Ok(n) => tracing::info!(entries = n, "dynamic MIG: journal entries without an instance forgotten"),
         Err(e) => tracing::warn!(error = %e, "dynamic MIG: cannot prune the journal"),
     }
+    let mut offered = controller.watch_offer();
+    let offer = offered.borrow_and_update().clone();
     let (devices_tx, devices_rx) =
-        watch::channel(published(&controller.view(), mode, &journal.placements(), &held_now(&controller)));
+        watch::channel(published(&offer, mode, &journal.placements(), &held_now(&controller)));
     let follow = {
         let controller = Arc::clone(&controller);
         let journal = Arc::clone(&journal);
         let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
-            let mut offered = controller.watch_resources();
             // The node API's allocations change what is left to publish.
             let mut foreign = controller.allocator().foreign_changes();
             loop {
@@ -153,7 +154,8 @@ pub async fn start(
                     changed = foreign.changed() => if changed.is_err() { return },
                     changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
                 }
-                let now = published(&controller.view(), mode, &journal.placements(), &held_now(&controller));
+                let offer = offered.borrow_and_update().clone();
+                let now = published(&offer, mode, &journal.placements(), &held_now(&controller));
                 devices_tx.send_if_modified(|d| {
                     let changed = *d != now;
                     *d = now;

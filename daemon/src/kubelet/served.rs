@@ -62,13 +62,13 @@ pub fn start(
     started: Instant,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<JoinHandle<Result<(), KubeletError>>, KubeletError> {
-    let mut resources_rx = controller.watch_resources();
-    resources_rx.borrow_and_update();
+    let mut offer_rx = controller.watch_offer();
+    let offer = offer_rx.borrow_and_update().clone();
     // The node API's allocations and claims change which of the kubelet's devices still fit.
     let mut foreign_rx = controller.allocator().foreign_changes();
     foreign_rx.borrow_and_update();
     let mut plugins = Plugins::default();
-    let mut set = plugins.start(cfg, &of_view(mode, &controller.view()), &controller)?;
+    let mut set = plugins.start(cfg, &of_view(mode, &offer), &controller)?;
     Ok(tokio::spawn(async move {
         let mut registered = false;
         loop {
@@ -78,23 +78,25 @@ pub fn start(
                     let ms = started.elapsed().as_secs_f64() * 1e3;
                     tracing::info!(resources = set.resources().count(), ms_since_start = ms, "registered");
                 }
-                changed = resources_rx.changed() => {
+                changed = offer_rx.changed() => {
                     if changed.is_err() {
                         break;
                     }
-                    resources_rx.borrow_and_update();
-                    plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                    let offer = offer_rx.borrow_and_update().clone();
+                    plugins.update(&mut set, &of_view(mode, &offer), &controller);
                 }
                 changed = foreign_rx.changed() => {
                     if changed.is_ok() {
                         foreign_rx.borrow_and_update();
-                        plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                        let offer = offer_rx.borrow().clone();
+                        plugins.update(&mut set, &of_view(mode, &offer), &controller);
                     }
                 }
                 // While devices are withdrawn, the kubelet's own changes can move which ones fit
                 // (never how many): looked at again every second.
                 () = tokio::time::sleep(WITHDRAWN_RECHECK), if !plugins.withdrawn.is_empty() => {
-                    plugins.update(&mut set, &of_view(mode, &controller.view()), &controller);
+                    let offer = offer_rx.borrow().clone();
+                    plugins.update(&mut set, &of_view(mode, &offer), &controller);
                 }
                 _ = shutdown.wait_for(|stop| *stop) => break,
             }

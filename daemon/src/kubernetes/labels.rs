@@ -151,11 +151,10 @@ impl Labeller {
     /// Syncs on every change of what the controller offers (a layout change), every
     /// [`RESYNC`], and retries failures with backoff, until `shutdown` turns true.
     pub async fn run(self, controller: Arc<NodeController>, mut shutdown: watch::Receiver<bool>) {
-        let mut offered = controller.watch_resources();
+        let mut offered = controller.watch_offer();
         let mut retry = FIRST_RETRY;
         loop {
-            offered.borrow_and_update();
-            let wanted = labels(&controller.view().inventory);
+            let wanted = labels(&offered.borrow_and_update().inventory);
             let wait = match self.sync(&wanted).await {
                 Ok(patched) => {
                     if patched {

@@ -315,10 +315,11 @@ impl NodeController {
         live.view.inventory = inv.clone();
         live.view.shares = shares;
         live.view.resources = Arc::clone(&resources);
+        let offer = Arc::new(live.view.clone());
         drop(live);
-        self.allocator.set_resources(Arc::clone(&resources));
+        self.allocator.set_resources(resources);
         self.allocator.set_rooms(self.gpu_rooms());
-        self.resources_tx.send_replace(resources);
+        self.offer_tx.send_replace(offer);
         Ok(inv)
     }
 }

@@ -96,7 +96,8 @@ pub struct NodeController {
     allocator: Arc<DaemonAllocator>,
     events: Arc<EventBus>,
     live: Mutex<Live>,
-    resources_tx: watch::Sender<Arc<Resources>>,
+    /// The offer as last published ([`Self::watch_offer`]).
+    offer_tx: watch::Sender<Arc<View>>,
     /// What the kubelet is told of the device plugin's offer; `None` while no device plugin runs.
     kubelet_offer: Mutex<Option<Arc<KubeletOffer>>>,
 }
@@ -161,14 +162,14 @@ impl NodeController {
             status: BTreeMap::new(),
             health: NodeHealth::default(),
         };
-        let (resources_tx, _) = watch::channel(Arc::new(Resources::default()));
+        let (offer_tx, _) = watch::channel(Arc::new(view.clone()));
         let controller = NodeController {
             session,
             source,
             allocator,
             events,
             live: Mutex::new(Live { file_config: Arc::clone(&config), view, reset_refused: BTreeSet::new() }),
-            resources_tx,
+            offer_tx,
             kubelet_offer: Mutex::new(None),
         };
         let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
@@ -196,9 +197,12 @@ impl NodeController {
         &self.source
     }
 
-    /// What is offered, as it changes.
-    pub fn watch_resources(&self) -> watch::Receiver<Arc<Resources>> {
-        self.resources_tx.subscribe()
+    /// The offer, as published after every change of what the node offers (layouts, devices,
+    /// health with its reason): the one value every face follows. The device plugin serves its
+    /// resources, the DRA driver publishes its devices, the Node's labels and the CDI specs follow
+    /// its inventory; each reads this snapshot, not the controller's lock.
+    pub fn watch_offer(&self) -> watch::Receiver<Arc<View>> {
+        self.offer_tx.subscribe()
     }
 
     /// What the kubelet was last told of the device plugin's offer; `None` while none is served.
@@ -446,10 +450,11 @@ impl NodeController {
         res.mark_unhealthy(&live.view.health);
         let res = Arc::new(res);
         live.view.resources = Arc::clone(&res);
+        let offer = Arc::new(live.view.clone());
         drop(live);
-        self.allocator.set_resources(Arc::clone(&res));
+        self.allocator.set_resources(res);
         self.allocator.set_rooms(self.gpu_rooms());
-        self.resources_tx.send_replace(res);
+        self.offer_tx.send_replace(offer);
     }
 
     /// Makes `config` the configuration in effect: layouts resolved, GPUs in `touched` reported
@@ -701,10 +706,11 @@ impl NodeController {
         live.view.shares = shares;
         live.view.resources = Arc::clone(&resources);
         live.view.status = status;
+        let offer = Arc::new(live.view.clone());
         drop(live);
-        self.allocator.set_resources(Arc::clone(&resources));
+        self.allocator.set_resources(resources);
         self.allocator.set_rooms(self.gpu_rooms());
-        self.resources_tx.send_replace(resources);
+        self.offer_tx.send_replace(offer);
         Ok(results)
     }
 }

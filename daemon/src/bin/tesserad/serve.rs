@@ -16,7 +16,7 @@ use tessera_daemon::cdi::CdiWriter;
 use tessera_daemon::config::Config;
 use tessera_daemon::discovery::Session;
 use tessera_daemon::events::EventBus;
-use tessera_daemon::node::{ConfigSource, NodeController, StartError};
+use tessera_daemon::node::{ConfigSource, NodeController, StartError, View};
 use tessera_daemon::state::{AllocDirs, Store};
 
 /// How many events are kept on disk for replay.
@@ -94,8 +94,8 @@ fn start_controller(session: Session, cfg: &Config, source: ConfigSource) -> Res
 /// Starts the faces, then waits for a signal: SIGHUP reloads, SIGTERM or SIGINT stops.
 async fn run(controller: Arc<NodeController>, cfg: Config, started: Instant) -> ExitCode {
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-    let mut resources_rx = controller.watch_resources();
-    resources_rx.borrow_and_update();
+    let mut offer_rx = controller.watch_offer();
+    let offer = offer_rx.borrow_and_update().clone();
     // CDI specs for the runtimes, now and whenever what is offered changes.
     let mut cdi = match CdiWriter::new(&cfg.injection, &cfg.runtime_dir, &cfg.state_dir) {
         Ok(w) => w,
@@ -104,7 +104,7 @@ async fn run(controller: Arc<NodeController>, cfg: Config, started: Instant) -> 
             return ExitCode::from(1);
         }
     };
-    write_cdi(&mut cdi, &controller);
+    write_cdi(&mut cdi, &offer);
     let faces = match faces::Faces::start(&controller, &cfg, started, &shutdown_rx).await {
         Ok(f) => f,
         Err(code) => return code,
@@ -119,12 +119,12 @@ async fn run(controller: Arc<NodeController>, cfg: Config, started: Instant) -> 
         };
     loop {
         tokio::select! {
-            changed = resources_rx.changed() => {
+            changed = offer_rx.changed() => {
                 if changed.is_err() {
                     break;
                 }
-                resources_rx.borrow_and_update();
-                write_cdi(&mut cdi, &controller);
+                let offer = offer_rx.borrow_and_update().clone();
+                write_cdi(&mut cdi, &offer);
             }
             _ = hup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
@@ -158,9 +158,9 @@ impl Drop for StopSpares {
 
 /// Refreshes the CDI specs; a failure is logged (containers asking by CDI name fail to start
 /// until the next refresh succeeds, which is what a runtime reports to the user).
-fn write_cdi(cdi: &mut Option<CdiWriter>, controller: &NodeController) {
+fn write_cdi(cdi: &mut Option<CdiWriter>, offer: &View) {
     if let Some(writer) = cdi
-        && let Err(e) = writer.write(&controller.view())
+        && let Err(e) = writer.write(offer)
     {
         tracing::error!(error = %e, "cannot write the CDI specs");
     }
