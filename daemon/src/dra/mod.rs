@@ -18,7 +18,7 @@
 //! - [`status`]: the claim's `status.devices` (what was granted), by server-side apply.
 //! - [`health_service`]: the kubelet's resource-health service (`DRAResourceHealth`, v1 and
 //!   v1alpha1) on the DRA socket: every published device's health, streamed on each change.
-//! - [`node`]: all of it started in tesserad, following the controller's publishes.
+//! - [`driver`]: all of it started in tesserad, following the controller's published offer.
 //! - [`preflight`]: whether the cluster can run DRA at all (API server 1.34+ serving
 //!   resource.k8s.io/v1, a kubelet with DRA); where not, tesserad says which and serves the
 //!   device plugin instead.
@@ -26,9 +26,9 @@
 pub mod claim_specs;
 pub mod claims;
 pub mod devices;
+pub mod driver;
 pub mod dynamic_mig;
 pub mod health_service;
-pub mod node;
 pub mod preflight;
 pub mod prepare;
 pub mod service;

@@ -59,12 +59,12 @@ impl Faces {
         };
         // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin;
         // on a cluster without DRA (an API server before 1.34, ...) the device plugin serves all.
-        let mode = dra::node::effective_mode(cfg).await;
+        let mode = dra::driver::effective_mode(cfg).await;
         let device_plugins = served::start(Arc::clone(controller), cfg, mode, started, shutdown.clone())
             .map_err(|e| fail(e.to_string(), 1))?;
         let mut tasks = Vec::new();
         let dra_task = if mode.dra() {
-            let task = dra::node::start(Arc::clone(controller), cfg, shutdown.clone())
+            let task = dra::driver::start(Arc::clone(controller), cfg, shutdown.clone())
                 .await
                 .map_err(|e| fail(format!("DRA driver: {e}"), 2))?;
             Some(named("the DRA driver", task))
