@@ -51,8 +51,10 @@ fn limited(s: &ShimState, n: &RealNvml, device: NvmlDevice) -> Option<(usize, u6
 fn view(s: &ShimState, dev: usize, limit: u64, real_total: u64, real_free: u64) -> (u64, u64, u64) {
     s.reap_for_query();
     let total = limit.min(real_total);
-    // The region's total, never below what this process itself holds (the region is writable).
-    let used = s.region.used(dev).max(s.held(dev));
+    // The region's total, never below what this process itself holds (the region is writable);
+    // none while tesserad has the container's memory parked in host memory, as the driver shows.
+    let parked = s.region.park_state() == tessera_region::region::ParkState::Parked;
+    let used = if parked { 0 } else { s.region.used(dev).max(s.held(dev)) };
     let free = total.saturating_sub(used).min(real_free);
     (total, used, free)
 }

@@ -83,7 +83,34 @@ pub struct Header {
     pub trace_requested: AtomicU32,
     /// Bumped by the daemon after rewriting the limits file.
     pub config_generation: AtomicU64,
-    pub _reserved: [AtomicU64; 3],
+    /// [`ParkState`], written by tesserad while it parks or resumes the container's memory (the
+    /// driver's checkpoint API). A reserved word before (zero in every region: running), so naming
+    /// it changes no layout. The container can write it too: it is what the container's own
+    /// views show, never what the daemon decides by.
+    pub park_state: AtomicU64,
+    pub _reserved: [AtomicU64; 2],
+}
+
+/// Where a container's device memory is: on its GPUs, or moved to host memory by a park.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParkState {
+    Running = 0,
+    Parking = 1,
+    /// Checkpointed: the memory the devices' totals count is in host memory, not on the GPU.
+    Parked = 2,
+    Resuming = 3,
+}
+
+impl ParkState {
+    /// A word read from the region (anything unknown reads as running: the memory is counted).
+    pub fn from_raw(v: u64) -> ParkState {
+        match v {
+            1 => ParkState::Parking,
+            2 => ParkState::Parked,
+            3 => ParkState::Resuming,
+            _ => ParkState::Running,
+        }
+    }
 }
 
 /// Where joins start looking for a free slot; on its own cache line.
@@ -947,6 +974,16 @@ impl Region {
         self.shared().header.config_generation.load(Acquire)
     }
 
+    /// Where the container's memory is ([`ParkState`]).
+    pub fn park_state(&self) -> ParkState {
+        ParkState::from_raw(self.shared().header.park_state.load(Acquire))
+    }
+
+    /// For tesserad: the container's memory is being parked, parked, being resumed, or running.
+    pub fn set_park_state(&self, state: ParkState) {
+        self.shared().header.park_state.store(state as u64, Release);
+    }
+
     pub fn bump_config_generation(&self) {
         self.shared().header.config_generation.fetch_add(1, AcqRel);
     }
@@ -977,6 +1014,7 @@ impl Region {
         Snapshot {
             config_generation: self.config_generation(),
             trace_requested: self.trace_requested(),
+            park_state: self.park_state(),
             devices,
             processes,
         }
@@ -1034,21 +1072,25 @@ impl Region {
         Snapshot {
             config_generation: self.config_generation(),
             trace_requested: self.trace_requested(),
+            park_state: self.park_state(),
             devices,
             processes,
         }
     }
 
-    /// The claimed device entries, in order.
+    /// The claimed device entries, in order: while parked, the totals show as parked, not used.
     fn device_snapshots(&self) -> Vec<DeviceSnapshot> {
         let s = self.shared();
+        let parked = self.park_state() == ParkState::Parked;
         (0..MAX_DEVICES)
             .map_while(|i| {
                 let e = &s.devices[i];
+                let total = e.used.load(Relaxed);
                 (e.key.load(Acquire) != 0).then(|| DeviceSnapshot {
                     index: i,
                     uuid: self.device_uuid(i).unwrap_or_default(),
-                    used: e.used.load(Relaxed),
+                    used: if parked { 0 } else { total },
+                    parked: if parked { total } else { 0 },
                     peak: e.peak.load(Relaxed),
                     exited_launches: e.exited[0].load(Relaxed),
                     exited_gpu_time_ns: e.exited[1].load(Relaxed),
@@ -1108,6 +1150,7 @@ impl Drop for Region {
 pub struct Snapshot {
     pub config_generation: u64,
     pub trace_requested: bool,
+    pub park_state: ParkState,
     pub devices: Vec<DeviceSnapshot>,
     pub processes: Vec<ProcessSnapshot>,
 }
@@ -1116,8 +1159,10 @@ pub struct Snapshot {
 pub struct DeviceSnapshot {
     pub index: usize,
     pub uuid: String,
-    /// The container's total.
+    /// The container's total on the GPU (0 while parked).
     pub used: u64,
+    /// The container's total moved to host memory by a park (0 unless parked).
+    pub parked: u64,
     pub peak: u64,
     /// The counters of the container's processes that are gone (reaped).
     pub exited_launches: u64,
@@ -1566,6 +1611,35 @@ mod tests {
     }
 
     #[test]
+    fn a_parked_container_shows_its_memory_parked_not_used() {
+        let (_dir, path, daemon) = file_region();
+        let r = Region::open_or_create(&path).unwrap();
+        let d = r.device("GPU-0").unwrap();
+        let me = r.join().unwrap();
+        r.try_reserve(me, d, 3 << 30, None).unwrap();
+        assert_eq!(daemon.park_state(), ParkState::Running, "a fresh region runs");
+        let row = |s: &Snapshot| (s.park_state, s.devices[d].used, s.devices[d].parked);
+        assert_eq!(row(&daemon.reap_and_snapshot()), (ParkState::Running, 3 << 30, 0));
+        for (state, used, parked) in [
+            (ParkState::Parking, 3 << 30, 0),
+            (ParkState::Parked, 0, 3 << 30),
+            (ParkState::Resuming, 3 << 30, 0),
+            (ParkState::Running, 3 << 30, 0),
+        ] {
+            daemon.set_park_state(state);
+            assert_eq!(r.park_state(), state, "the container's processes see it");
+            assert_eq!(row(&daemon.reap_and_snapshot()), (state, used, parked));
+            assert_eq!(row(&daemon.snapshot()), (state, used, parked));
+        }
+        // The books themselves never moved: what the process holds is what it holds after.
+        assert_eq!(r.slot_used(me, d), 3 << 30);
+        assert_eq!(r.used(d), 3 << 30);
+        // A word the container scribbled reads as running: its memory stays counted.
+        daemon.shared().header.park_state.store(77, Relaxed);
+        assert_eq!(row(&daemon.snapshot()), (ParkState::Running, 3 << 30, 0));
+    }
+
+    #[test]
     fn snapshot_and_counters() {
         let (_dir, path, daemon) = file_region();
         let r = Region::open_or_create(&path).unwrap();
@@ -1591,6 +1665,7 @@ mod tests {
                 index: d1,
                 uuid: "GPU-1".into(),
                 used: 60,
+                parked: 0,
                 peak: 60,
                 exited_launches: 0,
                 exited_gpu_time_ns: 0,

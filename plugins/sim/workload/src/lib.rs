@@ -105,6 +105,9 @@ pub struct Report {
     pub allocations: u64,
     pub alloc_error: Option<String>,
     pub verified_bytes: u64,
+    /// With `--verify` and `--hold`: bytes read back again after the hold, equal to the pattern
+    /// (a program parked and resumed while it held them keeps its data).
+    pub verified_after_hold_bytes: u64,
     pub kernels: u64,
     pub kernel_us: u64,
     /// Kernel time the GPU spent for us: kernels x duration.
@@ -215,6 +218,22 @@ fn work(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
         if plan.hold > 0.0 {
             println!("{}", serde_json::json!({ "holding": r.allocated_bytes, "pid": r.pid }));
             std::thread::sleep(Duration::from_secs_f64(plan.hold));
+            if plan.verify {
+                for &(p, n) in &ptrs {
+                    let len = n.min(1 << 20) as usize;
+                    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+                    let mut back = vec![0u8; len];
+                    cu.check("cuMemcpyDtoH", (cu.memcpy_dtoh)(back.as_mut_ptr().cast(), p, len))?;
+                    if back != pattern {
+                        return Err(CudaError {
+                            call: "verify".into(),
+                            code: -1,
+                            name: "read back differs after the hold".into(),
+                        });
+                    }
+                    r.verified_after_hold_bytes += len as u64;
+                }
+            }
         }
         for (p, _) in ptrs {
             cu.check("cuMemFree", (cu.mem_free)(p))?;
