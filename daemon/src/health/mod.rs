@@ -24,6 +24,7 @@
 //! back.
 
 pub mod nvml;
+mod report;
 pub mod xid;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -37,7 +38,7 @@ use tokio::task::JoinHandle;
 
 pub use self::nvml::{Counters, EventSet, Probe, RawEvent, probe};
 use crate::config::Health;
-use crate::node::{self, NodeController};
+use crate::node::NodeController;
 
 /// Longest event wait while every device is healthy (bounds the shutdown delay).
 pub const WAIT_MS: u32 = 100;
@@ -691,102 +692,6 @@ impl Monitor {
             .find(|d| d.gi_id == gi && d.ci_id == ci)
             .map(|d| d.uuid.clone())
     }
-
-    /// The allocations holding `target` (for a GPU: the GPU, its shares, its MIG devices).
-    fn holders(&self, target: &Target) -> Vec<api::Holder> {
-        let mut uuids = BTreeSet::new();
-        match target {
-            Target::Gpu(i) => {
-                let view = self.controller.view();
-                if let Some(g) = view.inventory.gpu(*i) {
-                    uuids.insert(g.uuid.clone());
-                    uuids.extend(
-                        g.mig
-                            .iter()
-                            .flat_map(|m| &m.instances)
-                            .flat_map(|gi| gi.devices.iter().map(|d| d.uuid.clone())),
-                    );
-                }
-                if let Some(w) = self.gpus.get(i) {
-                    uuids.insert(w.uuid.clone());
-                }
-            }
-            Target::Mig { uuid, .. } => {
-                uuids.insert(uuid.clone());
-            }
-        }
-        self.controller
-            .allocations()
-            .iter()
-            .filter(|a| a.devices.iter().any(|d| uuids.contains(&d.physical_uuid)))
-            .map(node::holder)
-            .collect()
-    }
-
-    fn name(&self, target: &Target) -> String {
-        match target {
-            Target::Gpu(i) => format!("GPU {i} ({})", self.gpus.get(i).map_or("?", |w| w.uuid.as_str())),
-            Target::Mig { gpu, uuid } => format!("MIG device {uuid} of GPU {gpu}"),
-        }
-    }
-
-    fn health_changed(&self, target: &Target, previous: api::Health, current: api::Health, reason: String) {
-        let severity = match current {
-            api::Health::Healthy => api::Severity::Info,
-            api::Health::Recovering => api::Severity::Info,
-            _ => api::Severity::Critical,
-        };
-        let message =
-            format!("{}: {} -> {} ({reason})", self.name(target), health_name(previous), health_name(current));
-        let affected = self.holders(target);
-        let detail = api::HealthChange { previous: previous as i32, current: current as i32, reason };
-        self.publish(
-            api::EventKind::HealthChanged,
-            severity,
-            target,
-            affected,
-            message,
-            api::event::Detail::HealthChange(detail),
-        );
-    }
-
-    fn publish(
-        &self,
-        kind: api::EventKind,
-        severity: api::Severity,
-        target: &Target,
-        affected: Vec<api::Holder>,
-        message: String,
-        detail: api::event::Detail,
-    ) {
-        let (id, kind_of) = match target {
-            Target::Gpu(i) => (self.gpus.get(i).map(|w| w.uuid.clone()).unwrap_or_default(), api::DeviceKind::Gpu),
-            Target::Mig { uuid, .. } => (uuid.clone(), api::DeviceKind::Mig),
-        };
-        let event = api::Event {
-            kind: kind as i32,
-            severity: severity as i32,
-            // Stamped when seen, not when the event thread gets to it.
-            time_unix_nano: crate::state::record::unix_ns(),
-            device_id: id.clone(),
-            device_uuid: id,
-            device_kind: kind_of as i32,
-            affected,
-            message,
-            detail: Some(detail),
-            ..Default::default()
-        };
-        match &self.publisher {
-            Some(tx) => {
-                if let Err(e) = tx.send(event) {
-                    self.controller.events().publish(e.0);
-                }
-            }
-            None => {
-                self.controller.events().publish(event);
-            }
-        }
-    }
 }
 
 /// XIDs the monitor treats specially.
@@ -815,71 +720,4 @@ fn attributed(holders: &[api::Holder]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reset_evidence() {
-        let c = |u, k, p| Counters { ecc_uncorrected: u, ecc_corrected: k, remap_pending: p, recovery_action: None };
-        let action = |a| Counters { recovery_action: a, ..Counters::default() };
-        assert!(reset_seen(&action(Some(1)), &action(Some(0))).is_some(), "GPU_RESET cleared");
-        assert!(reset_seen(&action(Some(4)), &action(Some(0))).is_some(), "DRAIN_AND_RESET cleared");
-        assert_eq!(reset_seen(&action(Some(1)), &action(Some(1))), None, "still asks for a reset");
-        assert_eq!(reset_seen(&action(Some(2)), &action(Some(0))), None, "a reboot is not seen from here");
-        assert_eq!(reset_seen(&action(Some(1)), &action(None)), None, "unknown is not evidence");
-        assert_eq!(reset_seen(&c(Some(2), Some(0), None), &c(Some(2), Some(0), None)), None);
-        assert!(reset_seen(&c(Some(2), Some(0), None), &c(Some(0), Some(0), None)).is_some());
-        assert!(reset_seen(&c(Some(0), Some(5), None), &c(Some(0), Some(0), None)).is_some());
-        assert!(reset_seen(&c(None, None, Some(true)), &c(None, None, Some(false))).is_some());
-        assert_eq!(reset_seen(&c(Some(0), Some(0), Some(false)), &c(Some(0), Some(0), Some(false))), None);
-        assert_eq!(reset_seen(&c(Some(1), None, None), &c(None, None, None)), None, "unknown is not evidence");
-    }
-
-    #[test]
-    fn outage_health() {
-        let mut o = Outage {
-            fault: api::FaultKind::Xid,
-            xid: Some(48),
-            reason: "XID 48".into(),
-            since: Instant::now(),
-            lost: false,
-            baseline: Counters::default(),
-            check: None,
-            reported: Instant::now(),
-            repeats: 0,
-        };
-        assert_eq!((o.health(), o.describe().as_str()), (api::Health::Unhealthy, "unhealthy: XID 48"));
-        o.lost = true;
-        assert_eq!(o.health(), api::Health::Lost);
-        o.check = Some(Check { since: Instant::now(), probes: 1, how: "reset" });
-        assert_eq!(o.health(), api::Health::Recovering);
-    }
-
-    #[test]
-    fn health_keys_are_validated() {
-        use crate::config::Config;
-        let c = Config::parse("[health]\nfatal_xids = [13]\nignored_xids = [31]\nrecovery_check_ms = 0\n").unwrap();
-        assert_eq!((c.health.fatal_xids, c.health.recovery_check_ms), (vec![13], 0));
-        assert_eq!(Config::default().health.recovery_check_ms, 10_000);
-        let e = Config::parse("[health]\nfatal_xids = [13]\n").unwrap_err();
-        assert_eq!(e.key, "health.fatal_xids", "13 is in the default ignored_xids");
-        let e = Config::parse("[health]\nrecovery_check_ms = 3600001\n").unwrap_err();
-        assert_eq!(e.key, "health.recovery_check_ms");
-    }
-
-    #[test]
-    fn attribution_text() {
-        assert_eq!(attributed(&[]), "");
-        let h = api::Holder {
-            allocation_id: "a1".into(),
-            container: Some(api::ContainerIdentity {
-                pod_namespace: "ns".into(),
-                pod_name: "p".into(),
-                container_name: "c".into(),
-                ..Default::default()
-            }),
-        };
-        let bare = api::Holder { allocation_id: "a2".into(), container: None };
-        assert_eq!(attributed(&[h, bare]), ": attributed to a1 (ns/p/c), a2");
-    }
-}
+mod tests;
