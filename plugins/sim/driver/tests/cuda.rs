@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tessera_sim_model::Node;
-use tessera_sim_testkit::SimNode;
+use tessera_sim_testkit::{SimNode, mig_and_whole};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,18 +41,6 @@ const H100_MEMORY: u64 = 81_559 * MIB;
 const H100_RESERVED: u64 = 454 * MIB;
 /// What a context takes (the description's default `context_overhead_mib`).
 const CONTEXT_OVERHEAD: u64 = 256 * MIB;
-
-/// One H100 in MIG mode (GPU 0) and one not (GPU 1).
-const MIG_NODE: &str = r#"
-[[gpu]]
-model = "H100-SXM5-80GB"
-count = 1
-mig = true
-
-[[gpu]]
-model = "H100-SXM5-80GB"
-count = 1
-"#;
 
 type CUdeviceptr = u64;
 type Handle = *mut c_void;
@@ -1311,7 +1299,7 @@ fn an_xid_aimed_at_the_process_is_sticky() {
     });
 }
 
-/// Makes a 1g.10gb GPU instance with one compute instance on GPU 0 of [`MIG_NODE`].
+/// Makes a 1g.10gb GPU instance with one compute instance on GPU 0 of a [`mig_and_whole`] node.
 fn make_mig_device(m: &Node) -> (tessera_sim_model::GpuInstance, tessera_sim_model::ComputeInstance) {
     let gi = m.create_gpu_instance(0, 0, None).unwrap(); // NVML_GPU_INSTANCE_PROFILE_1_SLICE
     let ci = m.create_compute_instance(0, gi.id, 0, None).unwrap(); // NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE
@@ -1320,7 +1308,7 @@ fn make_mig_device(m: &Node) -> (tessera_sim_model::GpuInstance, tessera_sim_mod
 
 #[test]
 fn mig_compute_instances_are_cuda_devices() {
-    let node = SimNode::with_description(MIG_NODE);
+    let node = SimNode::with_description(&mig_and_whole("H100-SXM5-80GB"));
     node.run_isolated("mig_compute_instances_are_cuda_devices", || {
         visible(None);
         let m = model(&node);
@@ -1355,7 +1343,7 @@ fn mig_compute_instances_are_cuda_devices() {
 
 #[test]
 fn mig_device_selected_by_uuid() {
-    let node = SimNode::with_description(MIG_NODE);
+    let node = SimNode::with_description(&mig_and_whole("H100-SXM5-80GB"));
     node.run_isolated("mig_device_selected_by_uuid", || {
         let m = model(&node);
         let _first = make_mig_device(&m);

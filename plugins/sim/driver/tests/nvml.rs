@@ -24,7 +24,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper_sys::bindings::*;
 use tessera_sim_model::{Node, NodeDescription};
-use tessera_sim_testkit::SimNode;
+use tessera_sim_testkit::{SimNode, mig_and_whole};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,18 +41,6 @@ const RESET_REQUIRED: u32 = nvmlReturn_enum_NVML_ERROR_RESET_REQUIRED;
 const IN_USE: u32 = nvmlReturn_enum_NVML_ERROR_IN_USE;
 const INSUFFICIENT_RESOURCES: u32 = nvmlReturn_enum_NVML_ERROR_INSUFFICIENT_RESOURCES;
 const VERSION_MISMATCH: u32 = nvmlReturn_enum_NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-
-/// One H100 in MIG mode (GPU 0) and one not (GPU 1).
-const MIG_NODE: &str = r#"
-[[gpu]]
-model = "H100-SXM5-80GB"
-count = 1
-mig = true
-
-[[gpu]]
-model = "H100-SXM5-80GB"
-count = 1
-"#;
 
 /// NVML through nvml-wrapper, as the daemon opens it.
 fn open(node: &SimNode) -> Nvml {
@@ -457,7 +445,7 @@ fn utilization_power_and_clocks_follow_launched_work() {
 
 #[test]
 fn mig_instances_under_the_real_rules() {
-    let node = SimNode::with_description(MIG_NODE);
+    let node = SimNode::with_description(&mig_and_whole("H100-SXM5-80GB"));
     node.run_isolated("mig_instances_under_the_real_rules", || {
         let nvml = open(&node);
         let raw = nvml.lib();

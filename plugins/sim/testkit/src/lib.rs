@@ -35,6 +35,14 @@ pub fn binary(name: &str) -> PathBuf {
     p
 }
 
+/// The description of a node of two `model` GPUs on one NUMA node: GPU 0 in MIG mode, GPU 1
+/// not. The MIG tests of the sim and of the daemon share it.
+pub fn mig_and_whole(model: &str) -> String {
+    format!(
+        "numa_nodes = 1\n[[gpu]]\nmodel = \"{model}\"\ncount = 1\nmig = true\n[[gpu]]\nmodel = \"{model}\"\ncount = 1\n"
+    )
+}
+
 /// A simulated node of a test's own: a state file, a description, and the driver laid out.
 pub struct SimNode {
     /// Owns the files in the parent; `None` in an isolated child, which reuses the parent's.
