@@ -216,6 +216,38 @@ pub fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
+/// The head of the driver-API Python programs (ctypes over libcuda.so.1): `cu`; the VMM
+/// structures `Prop` and `Access` with their constants; `ok(rc, what)`, which exits naming the
+/// call that failed; `start()` (cuInit, device 0, a context of its own); `free()` (free and total
+/// bytes). A program is this head followed by its own code.
+pub const CUDA_PY: &str = r#"
+import ctypes, sys
+from ctypes import byref, c_int, c_uint, c_size_t, c_void_p, c_ulonglong, c_ubyte
+
+cu = ctypes.CDLL("libcuda.so.1")
+class Prop(ctypes.Structure):
+    _fields_ = [("type", c_uint), ("handleTypes", c_uint), ("locType", c_uint), ("locId", c_int),
+                ("win32", c_void_p), ("flags", c_ubyte * 8)]
+class Access(ctypes.Structure):
+    _fields_ = [("locType", c_uint), ("locId", c_int), ("flags", c_uint)]
+POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+
+def ok(rc, what):
+    if rc != 0:
+        sys.exit(f"{what}: CUresult {rc}")
+
+def start():
+    ok(cu.cuInit(0), "cuInit")
+    dev, ctx = c_int(), c_void_p()
+    ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuCtxCreate_v2(byref(ctx), 0, dev), "cuCtxCreate")
+
+def free():
+    f, t = c_size_t(), c_size_t()
+    ok(cu.cuMemGetInfo_v2(byref(f), byref(t)), "cuMemGetInfo")
+    return f.value, t.value
+"#;
+
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 

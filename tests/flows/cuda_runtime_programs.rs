@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::{GIB, MIB, h100, json_u64 as u, run_python_json, shim, venv_python};
+use tessera_tests::{CUDA_PY, GIB, MIB, h100, json_u64 as u, run_python_json, shim, venv_python};
 
 /// What the CuPy program does; it prints one JSON line of what it saw.
 const PROGRAM: &str = r#"
@@ -277,25 +277,15 @@ fn cupy_processes_share_memory_through_ipc_counted_once() {
 /// A driver-API program (Python's ctypes over libcuda.so.1) whose CUDA graph allocates memory
 /// with an allocation node (`cuGraphAddMemAllocNode`), as PyTorch's CUDA graphs and captured
 /// `cudaMallocAsync` do; it prints the launch's result and the free memory around it.
+/// Follows [`CUDA_PY`].
 const GRAPH_MEMORY_PROGRAM: &str = r#"
-import ctypes, json, sys
-from ctypes import byref, c_int, c_uint, c_size_t, c_void_p, c_ushort, c_ubyte, c_ulonglong
-cu = ctypes.CDLL("libcuda.so.1")
+import json
+from ctypes import c_ushort
 class Params(ctypes.Structure):
     _fields_ = [("allocType", c_uint), ("handleTypes", c_uint), ("locType", c_uint), ("locId", c_int),
                 ("win32", c_void_p), ("maxSize", c_size_t), ("usage", c_ushort), ("reserved", c_ubyte * 54),
                 ("accessDescs", c_void_p), ("accessDescCount", c_size_t), ("bytesize", c_size_t), ("dptr", c_ulonglong)]
-def ok(rc, what):
-    if rc != 0:
-        sys.exit(f"{what}: CUresult {rc}")
-ok(cu.cuInit(0), "cuInit")
-dev, ctx = c_int(), c_void_p()
-ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
-ok(cu.cuCtxCreate_v2(byref(ctx), 0, dev), "cuCtxCreate")
-def free():
-    f, t = c_size_t(), c_size_t()
-    ok(cu.cuMemGetInfo_v2(byref(f), byref(t)), "cuMemGetInfo")
-    return f.value, t.value
+start()
 graph, node, exe = c_void_p(), c_void_p(), c_void_p()
 ok(cu.cuGraphCreate(byref(graph), 0), "cuGraphCreate")
 p = Params(allocType=1, locType=1, locId=0, bytesize=int(sys.argv[1]))
@@ -309,7 +299,13 @@ print(json.dumps({"launch": rc, "free_before": before, "free_after": after, "tot
 "#;
 
 fn run_graph_memory(node: &SimNode, bytes: u64, extra: &[(&str, &str)]) -> Value {
-    run_python_json(node, "python3", "graph program", &["-c", GRAPH_MEMORY_PROGRAM, &bytes.to_string()], extra)
+    run_python_json(
+        node,
+        "python3",
+        "graph program",
+        &["-c", &format!("{CUDA_PY}{GRAPH_MEMORY_PROGRAM}"), &bytes.to_string()],
+        extra,
+    )
 }
 
 #[test]

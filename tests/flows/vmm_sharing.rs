@@ -17,37 +17,14 @@ use std::process::Stdio;
 
 use serde_json::Value;
 use tessera_sim_testkit::SimNode;
-use tessera_tests::{GIB, MIB, h100, json_u64 as u, run_python_json, shim};
+use tessera_tests::{CUDA_PY, GIB, MIB, h100, json_u64 as u, run_python_json, shim};
 
 const SHARED: u64 = 64 * MIB;
 
+/// Follows [`CUDA_PY`].
 const PROGRAM: &str = r#"
-import ctypes, json, socket, subprocess, sys
-from ctypes import byref, c_int, c_uint, c_size_t, c_void_p, c_ulonglong, c_ubyte
-
-cu = ctypes.CDLL("libcuda.so.1")
-class Prop(ctypes.Structure):
-    _fields_ = [("type", c_uint), ("handleTypes", c_uint), ("locType", c_uint), ("locId", c_int),
-                ("win32", c_void_p), ("flags", c_ubyte * 8)]
-class Access(ctypes.Structure):
-    _fields_ = [("locType", c_uint), ("locId", c_int), ("flags", c_uint)]
-POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+import json, socket, subprocess
 SIZE = 64 << 20
-
-def ok(rc, what):
-    if rc != 0:
-        sys.exit(f"{what}: CUresult {rc}")
-
-def start():
-    ok(cu.cuInit(0), "cuInit")
-    dev, ctx = c_int(), c_void_p()
-    ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuCtxCreate_v2(byref(ctx), 0, dev), "cuCtxCreate")
-
-def free():
-    f, t = c_size_t(), c_size_t()
-    ok(cu.cuMemGetInfo_v2(byref(f), byref(t)), "cuMemGetInfo")
-    return f.value, t.value
 
 def map_handle(h):
     ptr = c_ulonglong()
@@ -126,7 +103,8 @@ print(json.dumps(out))
 "#;
 
 fn run(node: &SimNode, extra: &[(&str, &str)]) -> Value {
-    run_python_json(node, "python3", "the program", &["-c", PROGRAM, "export", PROGRAM], extra)
+    let program = format!("{CUDA_PY}{PROGRAM}");
+    run_python_json(node, "python3", "the program", &["-c", &program, "export", &program], extra)
 }
 
 /// What both runs show: the bytes cross, foreign and private handles are refused.
@@ -174,33 +152,10 @@ fn under_the_shim_the_importer_is_charged_what_it_maps() {
 /// unix socket at `argv[2]` and stays until the importer hangs up. The importer imports and maps
 /// each (a map refused: its handle released), prints what it got, waits for a line on stdin
 /// (while the test reads the driver's figures), then lets go of everything.
+/// Follows [`CUDA_PY`].
 const ESCAPE: &str = r#"
-import ctypes, json, os, socket, sys, time
-from ctypes import byref, c_int, c_uint, c_size_t, c_void_p, c_ulonglong, c_ubyte
-
-cu = ctypes.CDLL("libcuda.so.1")
-class Prop(ctypes.Structure):
-    _fields_ = [("type", c_uint), ("handleTypes", c_uint), ("locType", c_uint), ("locId", c_int),
-                ("win32", c_void_p), ("flags", c_ubyte * 8)]
-class Access(ctypes.Structure):
-    _fields_ = [("locType", c_uint), ("locId", c_int), ("flags", c_uint)]
-POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+import json, os, socket, time
 N, SIZE = int(os.environ["N"]), int(os.environ["SIZE_MIB"]) << 20
-
-def ok(rc, what):
-    if rc != 0:
-        sys.exit(f"{what}: CUresult {rc}")
-
-def start():
-    ok(cu.cuInit(0), "cuInit")
-    dev, ctx = c_int(), c_void_p()
-    ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
-    ok(cu.cuCtxCreate_v2(byref(ctx), 0, dev), "cuCtxCreate")
-
-def free():
-    f, t = c_size_t(), c_size_t()
-    ok(cu.cuMemGetInfo_v2(byref(f), byref(t)), "cuMemGetInfo")
-    return f.value
 
 def reserve():
     ptr = c_ulonglong()
@@ -214,7 +169,7 @@ def access(ptr):
 out = {"pid": os.getpid()}
 if sys.argv[1] == "export":
     start()
-    out["free_start"] = free()
+    out["free_start"] = free()[0]
     fds = []
     for i in range(N):
         h = c_ulonglong()
@@ -230,7 +185,7 @@ if sys.argv[1] == "export":
         ok(cu.cuMemUnmap(c_ulonglong(ptr), c_size_t(SIZE)), "cuMemUnmap")
         ok(cu.cuMemRelease(h), "cuMemRelease")
         ok(cu.cuMemAddressFree(c_ulonglong(ptr), c_size_t(SIZE)), "cuMemAddressFree")
-    out["free_after_letting_go"] = free()
+    out["free_after_letting_go"] = free()[0]
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(sys.argv[2])
     srv.listen(1)
@@ -268,7 +223,7 @@ else:
         else:
             ok(cu.cuMemRelease(h), "cuMemRelease (refused)")
             ok(cu.cuMemAddressFree(c_ulonglong(ptr), c_size_t(SIZE)), "cuMemAddressFree (refused)")
-    out.update({"maps": maps, "seen": seen, "free": free()})
+    out.update({"maps": maps, "seen": seen, "free": free()[0]})
     print(json.dumps(out), flush=True)
     sock.close()
     sys.stdin.readline()
@@ -278,7 +233,7 @@ else:
         ok(cu.cuMemAddressFree(c_ulonglong(ptr), c_size_t(SIZE)), "cuMemAddressFree")
     # A memory query reaps exited processes of the container at most every 100 ms.
     time.sleep(0.2)
-    print(json.dumps({"free_end": free()}))
+    print(json.dumps({"free_end": free()[0]}))
 "#;
 
 const PIECES: u64 = 4;
@@ -305,7 +260,7 @@ fn escape(node: &SimNode, exporter_region: &Path, importer_region: &Path) -> Hel
     let sock = sock.to_str().unwrap();
     let spawn = |role: &str, region: &Path| {
         node.command("python3")
-            .args(["-c", ESCAPE, role, sock])
+            .args(["-c", &format!("{CUDA_PY}{ESCAPE}"), role, sock])
             .env("LD_PRELOAD", &shim)
             .env("TESSERA_MEMORY_LIMIT", "1GiB")
             .env("TESSERA_REGION", region)
