@@ -109,6 +109,21 @@ struct SpareState {
     keep: usize,
     /// Set by [`AllocDirs::stop_spares`]: no spare is made or handed out any more.
     stopped: bool,
+    /// Set by [`AllocDirs::keep_spares`]: the spare directory is this process's to remove.
+    kept: bool,
+}
+
+/// The last clone of an `AllocDirs` that kept spares is gone without [`AllocDirs::stop_spares`]
+/// (a test's, or a start that failed after `keep_spares`): its spares go with it, so no region
+/// stays mounted that nothing holds. Nothing else holds the pool now: the refill thread holds it
+/// only while making a spare, and then this runs on that thread when it lets go.
+impl Drop for Spares {
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if state.kept && !state.stopped {
+            remove_spare_dir(&self.dir);
+        }
+    }
 }
 
 impl AllocDirs {
@@ -140,7 +155,11 @@ impl AllocDirs {
             std::fs::create_dir_all(runtime_dir).map_err(io_err(runtime_dir, "create directory"))?;
         }
         make_dir(&self.spares.dir, PRIVATE_MODE)?;
-        self.spares.state.lock().unwrap_or_else(PoisonError::into_inner).keep = count;
+        {
+            let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
+            state.keep = count;
+            state.kept = true;
+        }
         let spares = Arc::downgrade(&self.spares);
         std::thread::Builder::new()
             .name("tessera-spare-dirs".into())
@@ -161,14 +180,7 @@ impl AllocDirs {
         }
         self.spares.taken.notify_all();
         let _building = self.spares.building.lock().unwrap_or_else(PoisonError::into_inner);
-        unmount_under(&self.spares.dir);
-        match std::fs::remove_dir_all(&self.spares.dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(dir = %self.spares.dir.display(), error = %e, "cannot remove the spare directories")
-            }
-        }
+        remove_spare_dir(&self.spares.dir);
     }
 
     /// How many spare directories are ready now.
@@ -462,6 +474,16 @@ fn warn_uncapped(e: &std::io::Error) {
 }
 
 /// Detaches every mount at or below `dir` (deepest first), so the tree can be removed.
+/// Removes the spare directory `dir` and the region mounts inside it.
+fn remove_spare_dir(dir: &Path) {
+    unmount_under(dir);
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the spare directories"),
+    }
+}
+
 fn unmount_under(dir: &Path) {
     for point in mount::points_under(dir) {
         if let Err(e) = mount::detach(&point) {

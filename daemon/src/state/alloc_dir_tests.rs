@@ -304,3 +304,28 @@ fn a_full_runtime_dir_is_a_clear_error() {
     assert_eq!(Limits::load(&dirs.limits_path(&first.id)).unwrap(), first.limits());
     unmount_under(fs.path().join("alloc").as_path());
 }
+
+/// An `AllocDirs` dropped without `stop_spares` takes its spares and their region mounts with
+/// it (tests and a failed start left `spare/N` regions mounted under temporary runtime dirs);
+/// one that never kept spares leaves another's alone.
+#[test]
+fn dropped_spares_leave_nothing_mounted_and_only_the_keepers_go() {
+    let tmp = crate::state::mount::TestDir::new();
+    let spare = tmp.path().join(SPARE_SUBDIR);
+    let keeper = AllocDirs::new(tmp.path());
+    keeper.keep_spares(2).unwrap();
+    wait_for("two spares", || keeper.spares_ready() == 2);
+    let regions = crate::state::mount::points_under(&spare).len();
+
+    // A second `AllocDirs` over the same runtime dir (another process's view) that kept none.
+    drop(AllocDirs::new(tmp.path()));
+    assert_eq!(keeper.spares_ready(), 2);
+    assert_eq!(crate::state::mount::points_under(&spare).len(), regions);
+
+    let clone = keeper.clone();
+    drop(keeper);
+    assert!(spare.exists(), "a clone still holds the pool");
+    drop(clone);
+    wait_for("the spares removed", || !spare.exists());
+    assert!(crate::state::mount::points_under(tmp.path()).is_empty());
+}
