@@ -55,6 +55,7 @@ pub mod kubernetes;
 pub mod lease;
 pub mod ledger;
 pub mod node;
+pub mod park;
 pub mod partition;
 pub mod podresources;
 pub mod resources;

@@ -59,6 +59,7 @@ const FLOORS: &[(&str, Floor)] = &[
     ("events", State),
     ("usage", State),
     ("trace", State),
+    ("park", State),
     ("cdi", State),
     ("node", Control),
     ("allocator", Control),
