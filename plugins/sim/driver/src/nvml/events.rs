@@ -12,7 +12,6 @@ use tessera_sim_model::{Event, EventCursor, EventKind, MAX_GPUS, Node};
 
 use super::handles::{self, MAX_EVENT_SETS, event_set_handle, event_set_slot, gpu_handle};
 use super::*;
-use crate::ffi::guard;
 
 /// Bits of `nvmlEventTypeAll` (every type the header defines).
 const ALL_TYPES: u64 = nvmlEventTypeAll as u64;
@@ -76,67 +75,55 @@ fn open_set(set: nvmlEventSet_t) -> R<usize> {
     Ok(k)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlEventSetCreate`: an empty set; events published from now on can be delivered to it.
     fn nvmlEventSetCreate(set) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                need(set)?;
-                for k in 0..MAX_EVENT_SETS {
-                    let mut s = slot(k);
-                    if s.is_none() {
-                        *s = Some(EventSet { cursor: node.event_cursor(), since: [[u64::MAX; TYPE_BITS]; MAX_GPUS] });
-                        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                        return unsafe { put(set, event_set_handle(k)) };
-                    }
-                }
-                Err(MEMORY)
-            })
-        })
+        let node = node()?;
+        need(set)?;
+        for k in 0..MAX_EVENT_SETS {
+            let mut s = slot(k);
+            if s.is_none() {
+                *s = Some(EventSet { cursor: node.event_cursor(), since: [[u64::MAX; TYPE_BITS]; MAX_GPUS] });
+                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+                return unsafe { put(set, event_set_handle(k)) };
+            }
+        }
+        Err(MEMORY)
     }
 
     /// `nvmlDeviceGetSupportedEventTypes`.
     fn nvmlDeviceGetSupportedEventTypes(device, event_types) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                need(event_types)?;
-                let t = supported(node, gpu)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(event_types, t) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        need(event_types)?;
+        let t = supported(node, gpu)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(event_types, t) }
     }
 
     /// `nvmlDeviceRegisterEvents`: records `eventTypes` of a GPU from now on. Unknown bits are
     /// `INVALID_ARGUMENT`; a type the GPU does not support makes the call `NOT_SUPPORTED` and
     /// registers nothing; MIG device handles are not supported (events come through the parent).
     fn nvmlDeviceRegisterEvents(device, event_types, set) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let k = open_set(set)?;
-                if event_types & !ALL_TYPES != 0 {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let gpu = handles::whole_gpu(node, device)?;
-                if event_types & !supported(node, gpu)? != 0 {
-                    return Err(NOT_SUPPORTED);
-                }
-                let now = node.event_cursor().0;
-                let mut s = slot(k);
-                let s = s.as_mut().ok_or(INVALID_ARGUMENT)?;
-                for bit in 0..TYPE_BITS {
-                    let since = &mut s.since[gpu as usize][bit];
-                    if event_types & (1 << bit) != 0 && *since == u64::MAX {
-                        *since = now;
-                    }
-                }
-                Ok(())
-            })
-        })
+        let node = node()?;
+        let k = open_set(set)?;
+        if event_types & !ALL_TYPES != 0 {
+            return Err(INVALID_ARGUMENT);
+        }
+        let gpu = handles::whole_gpu(node, device)?;
+        if event_types & !supported(node, gpu)? != 0 {
+            return Err(NOT_SUPPORTED);
+        }
+        let now = node.event_cursor().0;
+        let mut s = slot(k);
+        let s = s.as_mut().ok_or(INVALID_ARGUMENT)?;
+        for bit in 0..TYPE_BITS {
+            let since = &mut s.since[gpu as usize][bit];
+            if event_types & (1 << bit) != 0 && *since == u64::MAX {
+                *since = now;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -167,20 +154,16 @@ fn event_data(ev: &Event) -> nvmlEventData_t {
     }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlEventSetWait_v2`: the next registered event, waiting up to `timeoutms` milliseconds
     /// (`NVML_ERROR_TIMEOUT` when none comes).
     fn nvmlEventSetWait_v2(set, data, timeoutms) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let k = open_set(set)?;
-                need(data)?;
-                let ev = wait(node, k, timeoutms)?.ok_or(TIMEOUT)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(data, event_data(&ev)) }
-            })
-        })
+        let node = node()?;
+        let k = open_set(set)?;
+        need(data)?;
+        let ev = wait(node, k, timeoutms)?.ok_or(TIMEOUT)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(data, event_data(&ev)) }
     }
 }
 
@@ -193,32 +176,24 @@ struct EventDataV1 {
     event_data: u64,
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlEventSetWait` (v1).
     fn nvmlEventSetWait(set, data, timeoutms) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let k = open_set(set)?;
-                let out = data.cast::<EventDataV1>();
-                need(out)?;
-                let ev = wait(node, k, timeoutms)?.ok_or(TIMEOUT)?;
-                let d = event_data(&ev);
-                // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
-                unsafe { put(out, EventDataV1 { device: d.device, event_type: d.eventType, event_data: d.eventData }) }
-            })
-        })
+        let node = node()?;
+        let k = open_set(set)?;
+        let out = data.cast::<EventDataV1>();
+        need(out)?;
+        let ev = wait(node, k, timeoutms)?.ok_or(TIMEOUT)?;
+        let d = event_data(&ev);
+        // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
+        unsafe { put(out, EventDataV1 { device: d.device, event_type: d.eventType, event_data: d.eventData }) }
     }
 
     /// `nvmlEventSetFree`.
     fn nvmlEventSetFree(set) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                let k = open_set(set)?;
-                *slot(k) = None;
-                Ok(())
-            })
-        })
+        node()?;
+        let k = open_set(set)?;
+        *slot(k) = None;
+        Ok(())
     }
 }

@@ -12,7 +12,6 @@ use tessera_sim_model::{CiProfile, ComputeInstance, GiProfile, GpuInstance, GpuM
 
 use super::handles::{self, Dev, DevRef, ci_handle, gi_handle, gpu_handle, mig_handle};
 use super::*;
-use crate::ffi::guard;
 
 /// `NVML_GPU_INSTANCE_PROFILE_COUNT` of the current header (nvml-wrapper-sys predates two profiles).
 const GI_PROFILE_COUNT: u32 = 0x12;
@@ -74,23 +73,19 @@ fn gi_info_v1(p: &GiProfile) -> nvmlGpuInstanceProfileInfo_t {
     }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetMigMode`.
     fn nvmlDeviceGetMigMode(device, current_mode, pending_mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(current_mode)?;
-                need(pending_mode)?;
-                let (current, pending) = node.mig_mode(gpu).nv()?;
-                // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
-                unsafe {
-                    put(current_mode, u32::from(current))?;
-                    put(pending_mode, u32::from(pending))
-                }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(current_mode)?;
+        need(pending_mode)?;
+        let (current, pending) = node.mig_mode(gpu).nv()?;
+        // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
+        unsafe {
+            put(current_mode, u32::from(current))?;
+            put(pending_mode, u32::from(pending))
+        }
     }
 
     /// `nvmlDeviceSetMigMode`, per architecture (docs/sim.md, "MIG mode changes"):
@@ -102,46 +97,38 @@ nvml_exports! {
     ///
     /// Already in that mode: `NVML_SUCCESS` twice. Disabling while GPU instances exist: `IN_USE`.
     fn nvmlDeviceSetMigMode(device, mode, activation_status) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(activation_status)?;
-                let enable = match mode {
-                    NVML_DEVICE_MIG_DISABLE => false,
-                    NVML_DEVICE_MIG_ENABLE => true,
-                    _ => return Err(INVALID_ARGUMENT),
-                };
-                mig_model(node, gpu)?;
-                let activation = match node.set_mig_mode(gpu, enable) {
-                    Ok(MigModeChange::PendingReset { in_use: true }) => IN_USE,
-                    Ok(MigModeChange::PendingReset { in_use: false }) => RESET_REQUIRED,
-                    Ok(MigModeChange::Applied | MigModeChange::Unchanged) => SUCCESS,
-                    Err(SimError::InUse(_)) => {
-                        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                        unsafe { put(activation_status, IN_USE) }?;
-                        return Err(IN_USE);
-                    }
-                    Err(e) => return Err(code(&e)),
-                };
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(activation_status)?;
+        let enable = match mode {
+            NVML_DEVICE_MIG_DISABLE => false,
+            NVML_DEVICE_MIG_ENABLE => true,
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        mig_model(node, gpu)?;
+        let activation = match node.set_mig_mode(gpu, enable) {
+            Ok(MigModeChange::PendingReset { in_use: true }) => IN_USE,
+            Ok(MigModeChange::PendingReset { in_use: false }) => RESET_REQUIRED,
+            Ok(MigModeChange::Applied | MigModeChange::Unchanged) => SUCCESS,
+            Err(SimError::InUse(_)) => {
                 // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(activation_status, activation) }
-            })
-        })
+                unsafe { put(activation_status, IN_USE) }?;
+                return Err(IN_USE);
+            }
+            Err(e) => return Err(code(&e)),
+        };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(activation_status, activation) }
     }
 
     /// `nvmlDeviceGetGpuInstanceProfileInfo`: a profile by `NVML_GPU_INSTANCE_PROFILE_*`.
     fn nvmlDeviceGetGpuInstanceProfileInfo(device, profile, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(info)?;
-                let p = gi_profile_by_enum(node, gpu, profile)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(info, gi_info_v1(p)) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(info)?;
+        let p = gi_profile_by_enum(node, gpu, profile)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(info, gi_info_v1(p)) }
     }
 }
 
@@ -194,35 +181,27 @@ unsafe fn put_gi_info_versioned(info: *mut nvmlGpuInstanceProfileInfo_v2_t, p: &
     Err(INVALID_ARGUMENT)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetGpuInstanceProfileInfoV`: versioned (v2 or v3) info, MIG mode on.
     fn nvmlDeviceGetGpuInstanceProfileInfoV(device, profile, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(info)?;
-                // Listed with MIG off too, as a real H200 listed them (issue 35).
-                let p = gi_profile_by_enum(node, gpu, profile)?;
-                // SAFETY: info is valid for the struct its version names (caller's contract).
-                unsafe { put_gi_info_versioned(info, p) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(info)?;
+        // Listed with MIG off too, as a real H200 listed them (issue 35).
+        let p = gi_profile_by_enum(node, gpu, profile)?;
+        // SAFETY: info is valid for the struct its version names (caller's contract).
+        unsafe { put_gi_info_versioned(info, p) }
     }
 
     /// `nvmlDeviceGetGpuInstanceProfileInfoByIdV`: the same by profile id.
     fn nvmlDeviceGetGpuInstanceProfileInfoByIdV(device, profile_id, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(info)?;
-                // Listed with MIG off too, as the unversioned call and a real H200 do.
-                let p = gi_profile_by_id(node, gpu, profile_id)?;
-                // SAFETY: info is valid for the struct its version names (caller's contract).
-                unsafe { put_gi_info_versioned(info, p) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(info)?;
+        // Listed with MIG off too, as the unversioned call and a real H200 do.
+        let p = gi_profile_by_id(node, gpu, profile_id)?;
+        // SAFETY: info is valid for the struct its version names (caller's contract).
+        unsafe { put_gi_info_versioned(info, p) }
     }
 }
 
@@ -232,62 +211,50 @@ fn gi_placements(node: &Node, device: nvmlDevice_t, profile_id: u32) -> R<Vec<nv
     Ok(p.placements.iter().map(|&start| nvmlGpuInstancePlacement_t { start, size: p.placement_size }).collect())
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`: every placement the profile allows (whatever
     /// exists already, MIG mode on or off). Null `placements` asks for the count; otherwise `*count`
     /// is the buffer's capacity (`INSUFFICIENT_SIZE` with the needed count when short).
     fn nvmlDeviceGetGpuInstancePossiblePlacements_v2(device, profile_id, placements, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(count)?;
-                let list = gi_placements(node, device, profile_id)?;
-                if placements.is_null() {
-                    // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
-                    return unsafe { put(count, list.len() as u32) };
-                }
-                // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
-                unsafe { fill_list(count, placements, list) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(count)?;
+        let list = gi_placements(node, device, profile_id)?;
+        if placements.is_null() {
+            // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
+            return unsafe { put(count, list.len() as u32) };
+        }
+        // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
+        unsafe { fill_list(count, placements, list) }
     }
 
     /// `nvmlDeviceGetGpuInstancePossiblePlacements` (v1): `count` is output only and a non-null
     /// buffer must hold every placement of the profile (the v1 contract).
     fn nvmlDeviceGetGpuInstancePossiblePlacements(device, profile_id, placements, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(count)?;
-                let list = gi_placements(node, device, profile_id)?;
-                if !placements.is_null() {
-                    need(placements)?;
-                    for (i, p) in list.iter().enumerate() {
-                        // SAFETY: the v1 contract: a non-null buffer holds all of the profile's placements.
-                        unsafe { placements.add(i).write(*p) };
-                    }
-                }
-                // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, list.len() as u32) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(count)?;
+        let list = gi_placements(node, device, profile_id)?;
+        if !placements.is_null() {
+            need(placements)?;
+            for (i, p) in list.iter().enumerate() {
+                // SAFETY: the v1 contract: a non-null buffer holds all of the profile's placements.
+                unsafe { placements.add(i).write(*p) };
+            }
+        }
+        // SAFETY: count is checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, list.len() as u32) }
     }
 
     /// `nvmlDeviceGetGpuInstanceRemainingCapacity`: how many more instances of a profile fit now.
     fn nvmlDeviceGetGpuInstanceRemainingCapacity(device, profile_id, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(count)?;
-                let p = gi_profile_by_id(node, gpu, profile_id)?;
-                let n = node.gi_remaining_capacity(gpu, p.nvml_profile).nv()?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, n) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(count)?;
+        let p = gi_profile_by_id(node, gpu, profile_id)?;
+        let n = node.gi_remaining_capacity(gpu, p.nvml_profile).nv()?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, n) }
     }
 }
 
@@ -308,103 +275,79 @@ fn create_gi(
     gi_handle(gpu, gi.id)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceCreateGpuInstance`: at the first placement that fits (`INSUFFICIENT_RESOURCES` if none).
     fn nvmlDeviceCreateGpuInstance(device, profile_id, gpu_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(gpu_instance)?;
-                let h = create_gi(device, profile_id, None)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(gpu_instance, h) }
-            })
-        })
+        node()?;
+        need(gpu_instance)?;
+        let h = create_gi(device, profile_id, None)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(gpu_instance, h) }
     }
 
     /// `nvmlDeviceCreateGpuInstanceWithPlacement`: a placement the profile does not allow is
     /// `INVALID_ARGUMENT`, one overlapping an existing instance `INSUFFICIENT_RESOURCES`.
     fn nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, placement, gpu_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(gpu_instance)?;
-                // SAFETY: placement is null or valid for a read by the caller's contract.
-                let pl = unsafe { get(placement) }?;
-                let h = create_gi(device, profile_id, Some(pl))?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(gpu_instance, h) }
-            })
-        })
+        node()?;
+        need(gpu_instance)?;
+        // SAFETY: placement is null or valid for a read by the caller's contract.
+        let pl = unsafe { get(placement) }?;
+        let h = create_gi(device, profile_id, Some(pl))?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(gpu_instance, h) }
     }
 
     /// `nvmlGpuInstanceDestroy`: `IN_USE` while it has compute instances or processes hold its memory.
     fn nvmlGpuInstanceDestroy(gpu_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                node.destroy_gpu_instance(gpu, gi.id).nv()
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        node.destroy_gpu_instance(gpu, gi.id).nv()
     }
 
     /// `nvmlDeviceGetGpuInstances`: the instances of a profile; the buffer must hold the profile's
     /// instance count (the header's contract).
     fn nvmlDeviceGetGpuInstances(device, profile_id, gpu_instances, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(count)?;
-                need(gpu_instances)?;
-                let p = gi_profile_by_id(node, gpu, profile_id)?;
-                let gis: Vec<GpuInstance> =
-                    node.gpu_instances(gpu).nv()?.into_iter().filter(|g| g.profile.id == p.id).collect();
-                let n = gis.len().min(p.instance_count as usize);
-                for (i, gi) in gis[..n].iter().enumerate() {
-                    let h = gi_handle(gpu, gi.id)?;
-                    // SAFETY: gpu_instances is non-null, aligned and holds the profile's instance count (>= n).
-                    unsafe { gpu_instances.add(i).write(h) };
-                }
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, n as u32) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(count)?;
+        need(gpu_instances)?;
+        let p = gi_profile_by_id(node, gpu, profile_id)?;
+        let gis: Vec<GpuInstance> =
+            node.gpu_instances(gpu).nv()?.into_iter().filter(|g| g.profile.id == p.id).collect();
+        let n = gis.len().min(p.instance_count as usize);
+        for (i, gi) in gis[..n].iter().enumerate() {
+            let h = gi_handle(gpu, gi.id)?;
+            // SAFETY: gpu_instances is non-null, aligned and holds the profile's instance count (>= n).
+            unsafe { gpu_instances.add(i).write(h) };
+        }
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, n as u32) }
     }
 
     /// `nvmlDeviceGetGpuInstanceById`: `NOT_FOUND` for no such instance.
     fn nvmlDeviceGetGpuInstanceById(device, id, gpu_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(gpu_instance)?;
-                let gi = node.gpu_instances(gpu).nv()?.into_iter().find(|g| g.id == id).ok_or(NOT_FOUND)?;
-                let h = gi_handle(gpu, gi.id)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(gpu_instance, h) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(gpu_instance)?;
+        let gi = node.gpu_instances(gpu).nv()?.into_iter().find(|g| g.id == id).ok_or(NOT_FOUND)?;
+        let h = gi_handle(gpu, gi.id)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(gpu_instance, h) }
     }
 
     /// `nvmlGpuInstanceGetInfo`: parent device, id, profile id, placement.
     fn nvmlGpuInstanceGetInfo(gpu_instance, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(info)?;
-                let v = nvmlGpuInstanceInfo_t {
-                    device: gpu_handle(gpu),
-                    id: gi.id,
-                    profileId: gi.profile.id,
-                    placement: nvmlGpuInstancePlacement_t { start: gi.start, size: gi.profile.placement_size },
-                };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(info, v) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(info)?;
+        let v = nvmlGpuInstanceInfo_t {
+            device: gpu_handle(gpu),
+            id: gi.id,
+            profileId: gi.profile.id,
+            placement: nvmlGpuInstancePlacement_t { start: gi.start, size: gi.profile.placement_size },
+        };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(info, v) }
     }
 }
 
@@ -436,113 +379,97 @@ fn ci_info_v1(gi: &GiProfile, p: &CiProfile, count: u32) -> nvmlComputeInstanceP
     }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlGpuInstanceGetComputeInstanceProfileInfo`: a profile by `NVML_COMPUTE_INSTANCE_PROFILE_*`
     /// (the engines are the GPU instance's, shared by its compute instances).
     fn nvmlGpuInstanceGetComputeInstanceProfileInfo(gpu_instance, profile, eng_profile, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(info)?;
-                if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(info, ci_info_v1(gi.profile, p, count)) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(info)?;
+        if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
+            return Err(INVALID_ARGUMENT);
+        }
+        let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(info, ci_info_v1(gi.profile, p, count)) }
     }
 
     /// `nvmlGpuInstanceGetComputeInstanceProfileInfoV`: versioned (v2 or v3, by the caller's `version`).
     fn nvmlGpuInstanceGetComputeInstanceProfileInfoV(gpu_instance, profile, eng_profile, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                // SAFETY: info is null or valid for a read of its leading version (caller's contract).
-                let version = unsafe { get(info.cast_const().cast::<u32>()) }?;
-                if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
-                let v1 = ci_info_v1(gi.profile, p, count);
-                let name = format!("MIG {}", p.name_in(gi.profile));
-                if version == struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
-                    // SAFETY: zeroes are a valid value of this plain C struct.
-                    let mut v2: nvmlComputeInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
-                    v2.version = version;
-                    v2.id = v1.id;
-                    v2.sliceCount = v1.sliceCount;
-                    v2.instanceCount = v1.instanceCount;
-                    v2.multiprocessorCount = v1.multiprocessorCount;
-                    v2.sharedCopyEngineCount = v1.sharedCopyEngineCount;
-                    v2.sharedDecoderCount = v1.sharedDecoderCount;
-                    v2.sharedEncoderCount = v1.sharedEncoderCount;
-                    v2.sharedJpegCount = v1.sharedJpegCount;
-                    v2.sharedOfaCount = v1.sharedOfaCount;
-                    fill_chars(&mut v2.name, &name);
-                    // SAFETY: the caller declared a v2 struct; info was checked non-null and aligned.
-                    return unsafe { put(info, v2) };
-                }
-                if version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3) {
-                    // SAFETY: zeroes are a valid value of this plain C struct.
-                    let mut v3: nvmlComputeInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
-                    v3.version = version;
-                    v3.id = v1.id;
-                    v3.sliceCount = v1.sliceCount;
-                    v3.instanceCount = v1.instanceCount;
-                    v3.multiprocessorCount = v1.multiprocessorCount;
-                    v3.sharedCopyEngineCount = v1.sharedCopyEngineCount;
-                    v3.sharedDecoderCount = v1.sharedDecoderCount;
-                    v3.sharedEncoderCount = v1.sharedEncoderCount;
-                    v3.sharedJpegCount = v1.sharedJpegCount;
-                    v3.sharedOfaCount = v1.sharedOfaCount;
-                    fill_chars(&mut v3.name, &name);
-                    v3.capabilities = 0;
-                    // SAFETY: the caller declared a v3 struct; info was checked non-null and aligned.
-                    return unsafe { put(info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(), v3) };
-                }
-                Err(INVALID_ARGUMENT)
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        // SAFETY: info is null or valid for a read of its leading version (caller's contract).
+        let version = unsafe { get(info.cast_const().cast::<u32>()) }?;
+        if eng_profile != NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED {
+            return Err(INVALID_ARGUMENT);
+        }
+        let (p, count, _) = ci_offer(node, gpu, &gi, profile)?;
+        let v1 = ci_info_v1(gi.profile, p, count);
+        let name = format!("MIG {}", p.name_in(gi.profile));
+        if version == struct_version::<nvmlComputeInstanceProfileInfo_v2_t>(2) {
+            // SAFETY: zeroes are a valid value of this plain C struct.
+            let mut v2: nvmlComputeInstanceProfileInfo_v2_t = unsafe { std::mem::zeroed() };
+            v2.version = version;
+            v2.id = v1.id;
+            v2.sliceCount = v1.sliceCount;
+            v2.instanceCount = v1.instanceCount;
+            v2.multiprocessorCount = v1.multiprocessorCount;
+            v2.sharedCopyEngineCount = v1.sharedCopyEngineCount;
+            v2.sharedDecoderCount = v1.sharedDecoderCount;
+            v2.sharedEncoderCount = v1.sharedEncoderCount;
+            v2.sharedJpegCount = v1.sharedJpegCount;
+            v2.sharedOfaCount = v1.sharedOfaCount;
+            fill_chars(&mut v2.name, &name);
+            // SAFETY: the caller declared a v2 struct; info was checked non-null and aligned.
+            return unsafe { put(info, v2) };
+        }
+        if version == struct_version::<nvmlComputeInstanceProfileInfo_v3_t>(3) {
+            // SAFETY: zeroes are a valid value of this plain C struct.
+            let mut v3: nvmlComputeInstanceProfileInfo_v3_t = unsafe { std::mem::zeroed() };
+            v3.version = version;
+            v3.id = v1.id;
+            v3.sliceCount = v1.sliceCount;
+            v3.instanceCount = v1.instanceCount;
+            v3.multiprocessorCount = v1.multiprocessorCount;
+            v3.sharedCopyEngineCount = v1.sharedCopyEngineCount;
+            v3.sharedDecoderCount = v1.sharedDecoderCount;
+            v3.sharedEncoderCount = v1.sharedEncoderCount;
+            v3.sharedJpegCount = v1.sharedJpegCount;
+            v3.sharedOfaCount = v1.sharedOfaCount;
+            fill_chars(&mut v3.name, &name);
+            v3.capabilities = 0;
+            // SAFETY: the caller declared a v3 struct; info was checked non-null and aligned.
+            return unsafe { put(info.cast::<nvmlComputeInstanceProfileInfo_v3_t>(), v3) };
+        }
+        Err(INVALID_ARGUMENT)
     }
 
     /// `nvmlGpuInstanceGetComputeInstanceRemainingCapacity`.
     fn nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gpu_instance, profile_id, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(count)?;
-                ci_offer(node, gpu, &gi, profile_id)?;
-                let n = node.ci_remaining_capacity(gpu, gi.id, profile_id).nv()?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, n) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(count)?;
+        ci_offer(node, gpu, &gi, profile_id)?;
+        let n = node.ci_remaining_capacity(gpu, gi.id, profile_id).nv()?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, n) }
     }
 
     /// `nvmlGpuInstanceGetComputeInstancePossiblePlacements`: every placement of the profile inside
     /// the GPU instance, in its compute slices. Null `placements` asks for the count.
     fn nvmlGpuInstanceGetComputeInstancePossiblePlacements(gpu_instance, profile_id, placements, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(count)?;
-                let (p, _, starts) = ci_offer(node, gpu, &gi, profile_id)?;
-                let list: Vec<_> =
-                    starts.iter().map(|&start| nvmlComputeInstancePlacement_t { start, size: p.slice_count }).collect();
-                if placements.is_null() {
-                    // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                    return unsafe { put(count, list.len() as u32) };
-                }
-                // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
-                unsafe { fill_list(count, placements, list) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(count)?;
+        let (p, _, starts) = ci_offer(node, gpu, &gi, profile_id)?;
+        let list: Vec<_> =
+            starts.iter().map(|&start| nvmlComputeInstancePlacement_t { start, size: p.slice_count }).collect();
+        if placements.is_null() {
+            // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+            return unsafe { put(count, list.len() as u32) };
+        }
+        // SAFETY: count is valid for reads and writes, placements for `*count` elements (caller's contract).
+        unsafe { fill_list(count, placements, list) }
     }
 }
 
@@ -563,89 +490,69 @@ fn create_ci(
     ci_handle(gpu, gi.id, ci.id)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlGpuInstanceCreateComputeInstance`: at the first placement that fits.
     fn nvmlGpuInstanceCreateComputeInstance(gpu_instance, profile_id, compute_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(compute_instance)?;
-                let h = create_ci(gpu_instance, profile_id, None)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(compute_instance, h) }
-            })
-        })
+        node()?;
+        need(compute_instance)?;
+        let h = create_ci(gpu_instance, profile_id, None)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(compute_instance, h) }
     }
 
     /// `nvmlGpuInstanceCreateComputeInstanceWithPlacement`: `INSUFFICIENT_RESOURCES` when the
     /// placement is taken.
     fn nvmlGpuInstanceCreateComputeInstanceWithPlacement(gpu_instance, profile_id, placement, compute_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(compute_instance)?;
-                // SAFETY: placement is null or valid for a read by the caller's contract.
-                let pl = unsafe { get(placement) }?;
-                let h = create_ci(gpu_instance, profile_id, Some(pl))?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(compute_instance, h) }
-            })
-        })
+        node()?;
+        need(compute_instance)?;
+        // SAFETY: placement is null or valid for a read by the caller's contract.
+        let pl = unsafe { get(placement) }?;
+        let h = create_ci(gpu_instance, profile_id, Some(pl))?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(compute_instance, h) }
     }
 
     /// `nvmlComputeInstanceDestroy`: `IN_USE` while a process has a context on it.
     fn nvmlComputeInstanceDestroy(compute_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let m = handles::compute_instance(node, compute_instance)?;
-                node.destroy_compute_instance(m.gpu, m.gi.id, m.ci.id).nv()
-            })
-        })
+        let node = node()?;
+        let m = handles::compute_instance(node, compute_instance)?;
+        node.destroy_compute_instance(m.gpu, m.gi.id, m.ci.id).nv()
     }
 
     /// `nvmlGpuInstanceGetComputeInstances`: the compute instances of a profile; the buffer must hold
     /// the profile's instance count (the header's contract).
     fn nvmlGpuInstanceGetComputeInstances(gpu_instance, profile_id, compute_instances, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(count)?;
-                need(compute_instances)?;
-                let (_, max, _) = ci_offer(node, gpu, &gi, profile_id)?;
-                let cis: Vec<ComputeInstance> = node
-                    .compute_instances(gpu, Some(gi.id))
-                    .nv()?
-                    .into_iter()
-                    .filter(|c| c.profile.nvml_profile == profile_id)
-                    .collect();
-                let n = cis.len().min(max as usize);
-                for (i, ci) in cis[..n].iter().enumerate() {
-                    let h = ci_handle(gpu, gi.id, ci.id)?;
-                    // SAFETY: compute_instances is non-null, aligned and holds the profile's instance count (>= n).
-                    unsafe { compute_instances.add(i).write(h) };
-                }
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, n as u32) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(count)?;
+        need(compute_instances)?;
+        let (_, max, _) = ci_offer(node, gpu, &gi, profile_id)?;
+        let cis: Vec<ComputeInstance> = node
+            .compute_instances(gpu, Some(gi.id))
+            .nv()?
+            .into_iter()
+            .filter(|c| c.profile.nvml_profile == profile_id)
+            .collect();
+        let n = cis.len().min(max as usize);
+        for (i, ci) in cis[..n].iter().enumerate() {
+            let h = ci_handle(gpu, gi.id, ci.id)?;
+            // SAFETY: compute_instances is non-null, aligned and holds the profile's instance count (>= n).
+            unsafe { compute_instances.add(i).write(h) };
+        }
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, n as u32) }
     }
 
     /// `nvmlGpuInstanceGetComputeInstanceById`: `NOT_FOUND` for no such instance.
     fn nvmlGpuInstanceGetComputeInstanceById(gpu_instance, id, compute_instance) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
-                need(compute_instance)?;
-                let ci =
-                    node.compute_instances(gpu, Some(gi.id)).nv()?.into_iter().find(|c| c.id == id).ok_or(NOT_FOUND)?;
-                let h = ci_handle(gpu, gi.id, ci.id)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(compute_instance, h) }
-            })
-        })
+        let node = node()?;
+        let (gpu, gi) = handles::gpu_instance(node, gpu_instance)?;
+        need(compute_instance)?;
+        let ci =
+            node.compute_instances(gpu, Some(gi.id)).nv()?.into_iter().find(|c| c.id == id).ok_or(NOT_FOUND)?;
+        let h = ci_handle(gpu, gi.id, ci.id)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(compute_instance, h) }
     }
 }
 
@@ -659,53 +566,41 @@ fn ci_info(m: &handles::MigDevice) -> R<nvmlComputeInstanceInfo_t> {
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlComputeInstanceGetInfo_v2`: parent device and GPU instance, id, profile id, placement.
     fn nvmlComputeInstanceGetInfo_v2(compute_instance, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let m = handles::compute_instance(node, compute_instance)?;
-                need(info)?;
-                let v = ci_info(&m)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(info, v) }
-            })
-        })
+        let node = node()?;
+        let m = handles::compute_instance(node, compute_instance)?;
+        need(info)?;
+        let v = ci_info(&m)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(info, v) }
     }
 
     /// `nvmlComputeInstanceGetInfo` (v1): without the placement.
     fn nvmlComputeInstanceGetInfo(compute_instance, info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let m = handles::compute_instance(node, compute_instance)?;
-                let out = info.cast::<ComputeInstanceInfoV1>();
-                need(out)?;
-                let v = ci_info(&m)?;
-                let v1 = ComputeInstanceInfoV1 {
-                    device: v.device,
-                    gpu_instance: v.gpuInstance,
-                    id: v.id,
-                    profile_id: v.profileId,
-                };
-                // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
-                unsafe { put(out, v1) }
-            })
-        })
+        let node = node()?;
+        let m = handles::compute_instance(node, compute_instance)?;
+        let out = info.cast::<ComputeInstanceInfoV1>();
+        need(out)?;
+        let v = ci_info(&m)?;
+        let v1 = ComputeInstanceInfoV1 {
+            device: v.device,
+            gpu_instance: v.gpuInstance,
+            id: v.id,
+            profile_id: v.profileId,
+        };
+        // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
+        unsafe { put(out, v1) }
     }
 
     /// `nvmlDeviceIsMigDeviceHandle`.
     fn nvmlDeviceIsMigDeviceHandle(device, is_mig_device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                need(is_mig_device)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(is_mig_device, u32::from(matches!(dev, Dev::Mig(_)))) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        need(is_mig_device)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(is_mig_device, u32::from(matches!(dev, Dev::Mig(_)))) }
     }
 }
 
@@ -717,88 +612,68 @@ fn mig_device(node: &Node, device: nvmlDevice_t) -> R<handles::MigDevice> {
     }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetGpuInstanceId`: of a MIG device.
     fn nvmlDeviceGetGpuInstanceId(device, id) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(id)?;
-                let m = mig_device(node, device)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(id, m.gi.id) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(id)?;
+        let m = mig_device(node, device)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(id, m.gi.id) }
     }
 
     /// `nvmlDeviceGetComputeInstanceId`: of a MIG device.
     fn nvmlDeviceGetComputeInstanceId(device, id) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(id)?;
-                let m = mig_device(node, device)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(id, m.ci.id) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(id)?;
+        let m = mig_device(node, device)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(id, m.ci.id) }
     }
 
     /// `nvmlDeviceGetMaxMigDeviceCount`: the board's compute slices with MIG on, else 0.
     fn nvmlDeviceGetMaxMigDeviceCount(device, count) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(count)?;
-                let m = node.gpu(gpu).nv()?.model;
-                let n = match &m.mig {
-                    Some(spec) if mig_on(node, gpu)? => spec.compute_slices,
-                    _ => 0,
-                };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(count, n) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(count)?;
+        let m = node.gpu(gpu).nv()?.model;
+        let n = match &m.mig {
+            Some(spec) if mig_on(node, gpu)? => spec.compute_slices,
+            _ => 0,
+        };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(count, n) }
     }
 
     /// `nvmlDeviceGetMigDeviceHandleByIndex`: MIG devices in (GPU instance id, compute instance id)
     /// order; an index past the maximum is `INVALID_ARGUMENT`, one with no device `NOT_FOUND`.
     fn nvmlDeviceGetMigDeviceHandleByIndex(device, index, mig_device_out) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                need(mig_device_out)?;
-                let spec = mig_model(node, gpu)?.mig.as_ref().ok_or(NOT_SUPPORTED)?;
-                if !mig_on(node, gpu)? || index >= spec.compute_slices {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let cis = node.compute_instances(gpu, None).nv()?;
-                let ci = cis.get(index as usize).ok_or(NOT_FOUND)?;
-                let h = mig_handle(gpu, ci.gi_id, ci.id)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(mig_device_out, h) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        need(mig_device_out)?;
+        let spec = mig_model(node, gpu)?.mig.as_ref().ok_or(NOT_SUPPORTED)?;
+        if !mig_on(node, gpu)? || index >= spec.compute_slices {
+            return Err(INVALID_ARGUMENT);
+        }
+        let cis = node.compute_instances(gpu, None).nv()?;
+        let ci = cis.get(index as usize).ok_or(NOT_FOUND)?;
+        let h = mig_handle(gpu, ci.gi_id, ci.id)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(mig_device_out, h) }
     }
 
     /// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`: the parent GPU of a MIG device.
     fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mig_device_in, device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let r = handles::decode_device(node, mig_device_in)?;
-                need(device)?;
-                let DevRef::Mig(..) = r else {
-                    return Err(INVALID_ARGUMENT);
-                };
-                let m = mig_device(node, mig_device_in)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, gpu_handle(m.gpu)) }
-            })
-        })
+        let node = node()?;
+        let r = handles::decode_device(node, mig_device_in)?;
+        need(device)?;
+        let DevRef::Mig(..) = r else {
+            return Err(INVALID_ARGUMENT);
+        };
+        let m = mig_device(node, mig_device_in)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(device, gpu_handle(m.gpu)) }
     }
 }

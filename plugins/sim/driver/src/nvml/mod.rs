@@ -60,6 +60,20 @@ pub(crate) const UNKNOWN: nvmlReturn_t = nvmlReturn_enum_NVML_ERROR_UNKNOWN;
 /// `NVML_ERROR_UNKNOWN`, what [`crate::ffi::guard`] returns when a body panics.
 pub(crate) const NVML_ERROR_UNKNOWN: nvmlReturn_t = UNKNOWN;
 
+/// [`nvml_exports!`] for the common body: one that gives an [`R`]. Each body runs in
+/// [`crate::ffi::guard`] (a panic is `NVML_ERROR_UNKNOWN`) and [`status`] makes its result the
+/// return code, so the bodies need not repeat that wrapper.
+macro_rules! nvml_guarded_exports {
+    ($($(#[$m:meta])* fn $name:ident($($a:ident),* $(,)?) $(also $($also:ident),+)? $body:block)*) => {
+        tessera_abi::nvml_exports! {
+            $($(#[$m])* fn $name($($a),*) $(also $($also),+)? {
+                crate::ffi::guard(crate::nvml::NVML_ERROR_UNKNOWN, || crate::nvml::status(|| $body))
+            })*
+        }
+    };
+}
+pub(crate) use nvml_guarded_exports;
+
 /// `NVML_STRUCT_VERSION(data, ver)`: the size of the versioned struct with the version in the top byte.
 pub(crate) const fn struct_version<T>(ver: u32) -> u32 {
     std::mem::size_of::<T>() as u32 | (ver << 24)

@@ -3,17 +3,12 @@
 //! pending MIG mode applied, every context on the GPU destroyed.
 
 use super::*;
-use crate::ffi::guard;
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceResetGpu`: resets a physical GPU (a MIG device handle is `INVALID_ARGUMENT`).
     fn nvmlDeviceResetGpu(device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::physical_gpu(node, device)?;
-                node.reset(gpu).map_err(|e| code(&e))
-            })
-        })
+        let node = node()?;
+        let gpu = handles::physical_gpu(node, device)?;
+        node.reset(gpu).map_err(|e| code(&e))
     }
 }

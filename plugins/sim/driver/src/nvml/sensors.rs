@@ -55,119 +55,87 @@ unsafe fn gpu_value<T>(device: nvmlDevice_t, out: *mut T, f: impl FnOnce(&Node, 
     unsafe { put(out, v) }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetTemperature` (deprecated in the header, still exported): the GPU die sensor.
     fn nvmlDeviceGetTemperature(device, sensor_type, temp) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
-                    return Err(INVALID_ARGUMENT);
-                }
-                // SAFETY: temp is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, temp, |n, g, m| Ok(temperature_c(m, load(n, g)?))) }
-            })
-        })
+        node()?;
+        if sensor_type != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: temp is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, temp, |n, g, m| Ok(temperature_c(m, load(n, g)?))) }
     }
 
     /// `nvmlDeviceGetTemperatureV` (`nvmlTemperature_v1_t`, versioned).
     fn nvmlDeviceGetTemperatureV(device, temperature) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                // SAFETY: temperature is null or valid for reads of the struct by the caller's contract.
-                let t = unsafe { get(temperature.cast_const()) }?;
-                if t.version != struct_version::<nvmlTemperature_v1_t>(1) {
-                    return Err(VERSION_MISMATCH);
-                }
-                if t.sensorType != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let f = |n: &Node, g: u32, m: &'static GpuModel| {
-                    Ok(nvmlTemperature_v1_t { temperature: temperature_c(m, load(n, g)?) as c_int, ..t })
-                };
-                // SAFETY: temperature is valid for a write by the caller's contract (checked above).
-                unsafe { gpu_value(device, temperature, f) }
-            })
-        })
+        node()?;
+        // SAFETY: temperature is null or valid for reads of the struct by the caller's contract.
+        let t = unsafe { get(temperature.cast_const()) }?;
+        if t.version != struct_version::<nvmlTemperature_v1_t>(1) {
+            return Err(VERSION_MISMATCH);
+        }
+        if t.sensorType != nvmlTemperatureSensors_enum_NVML_TEMPERATURE_GPU {
+            return Err(INVALID_ARGUMENT);
+        }
+        let f = |n: &Node, g: u32, m: &'static GpuModel| {
+            Ok(nvmlTemperature_v1_t { temperature: temperature_c(m, load(n, g)?) as c_int, ..t })
+        };
+        // SAFETY: temperature is valid for a write by the caller's contract (checked above).
+        unsafe { gpu_value(device, temperature, f) }
     }
 
     /// `nvmlDeviceGetTemperatureThreshold`: the board's shutdown, slowdown and max operating points.
     fn nvmlDeviceGetTemperatureThreshold(device, threshold_type, temp) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                if threshold_type >= nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_COUNT {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let f = |_: &Node, _: u32, m: &'static GpuModel| match threshold_type {
-                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => Ok(m.shutdown_temp_c),
-                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => Ok(m.slowdown_temp_c),
-                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_MEM_MAX => Ok(m.mem_max_operating_temp_c),
-                    nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_GPU_MAX => Ok(m.max_operating_temp_c),
-                    // Acoustic and GPS thresholds are for boards with fans.
-                    _ => Err(NOT_SUPPORTED),
-                };
-                // SAFETY: temp is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, temp, f) }
-            })
-        })
+        node()?;
+        if threshold_type >= nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_COUNT {
+            return Err(INVALID_ARGUMENT);
+        }
+        let f = |_: &Node, _: u32, m: &'static GpuModel| match threshold_type {
+            nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SHUTDOWN => Ok(m.shutdown_temp_c),
+            nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_SLOWDOWN => Ok(m.slowdown_temp_c),
+            nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_MEM_MAX => Ok(m.mem_max_operating_temp_c),
+            nvmlTemperatureThresholds_enum_NVML_TEMPERATURE_THRESHOLD_GPU_MAX => Ok(m.max_operating_temp_c),
+            // Acoustic and GPS thresholds are for boards with fans.
+            _ => Err(NOT_SUPPORTED),
+        };
+        // SAFETY: temp is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, temp, f) }
     }
 
     /// `nvmlDeviceGetPowerUsage`, milliwatts.
     fn nvmlDeviceGetPowerUsage(device, power) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: power is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, power, |n, g, m| Ok(power_mw(m, load(n, g)?))) }
-            })
-        })
+        // SAFETY: power is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, power, |n, g, m| Ok(power_mw(m, load(n, g)?))) }
     }
 
     /// `nvmlDeviceGetPowerManagementLimit`, milliwatts (the default limit: nothing changes it here).
     ///
     /// `nvmlDeviceGetEnforcedPowerLimit`, milliwatts.
     fn nvmlDeviceGetPowerManagementLimit(device, limit) also nvmlDeviceGetEnforcedPowerLimit {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: limit is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
-            })
-        })
+        // SAFETY: limit is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, limit, |_, _, m| Ok(m.power_limit_mw)) }
     }
 
     /// `nvmlDeviceGetPowerManagementDefaultLimit`, milliwatts.
     fn nvmlDeviceGetPowerManagementDefaultLimit(device, default_limit) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: default_limit is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
-            })
-        })
+        // SAFETY: default_limit is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, default_limit, |_, _, m| Ok(m.power_limit_mw)) }
     }
 
     /// `nvmlDeviceGetPowerManagementLimitConstraints`: the range `nvidia-smi -pl` accepts, milliwatts.
     fn nvmlDeviceGetPowerManagementLimitConstraints(device, min_limit, max_limit) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                need(min_limit)?;
-                // SAFETY: both pointers are null or valid for writes by the caller's contract.
-                unsafe {
-                    gpu_value(device, max_limit, |_, _, m| Ok(m.power_limit_mw))?;
-                    gpu_value(device, min_limit, |_, _, m| Ok(m.min_power_limit_mw))
-                }
-            })
-        })
+        need(min_limit)?;
+        // SAFETY: both pointers are null or valid for writes by the caller's contract.
+        unsafe {
+            gpu_value(device, max_limit, |_, _, m| Ok(m.power_limit_mw))?;
+            gpu_value(device, min_limit, |_, _, m| Ok(m.min_power_limit_mw))
+        }
     }
 
     /// `nvmlDeviceGetPowerManagementMode` (deprecated, exported): power management is always on.
     fn nvmlDeviceGetPowerManagementMode(device, mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: mode is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
-            })
-        })
+        // SAFETY: mode is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
     }
 }
 
@@ -210,49 +178,35 @@ fn app_clock(m: &GpuModel, clock: nvmlClockType_t) -> R<u32> {
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetClockInfo`: current clock, MHz.
     fn nvmlDeviceGetClockInfo(device, clock_type, clock) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: clock is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, clock, |n, g, m| current_clock(m, clock_type, load(n, g)? > 0)) }
-            })
-        })
+        // SAFETY: clock is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, clock, |n, g, m| current_clock(m, clock_type, load(n, g)? > 0)) }
     }
 
     /// `nvmlDeviceGetMaxClockInfo`, MHz.
     fn nvmlDeviceGetMaxClockInfo(device, clock_type, clock) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: clock is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, clock, |_, _, m| max_clock(m, clock_type)) }
-            })
-        })
+        // SAFETY: clock is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, clock, |_, _, m| max_clock(m, clock_type)) }
     }
 
     /// `nvmlDeviceGetMaxCustomerBoostClock`, MHz.
     fn nvmlDeviceGetMaxCustomerBoostClock(device, clock_type, clock_mhz) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, clock_mhz, |_, _, m| max_clock(m, clock_type)) }
-            })
-        })
+        // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, clock_mhz, |_, _, m| max_clock(m, clock_type)) }
     }
 
     /// `nvmlDeviceGetApplicationsClock` (deprecated, exported), MHz.
     ///
     /// `nvmlDeviceGetDefaultApplicationsClock` (deprecated, exported), MHz.
     fn nvmlDeviceGetApplicationsClock(device, clock_type, clock_mhz) also nvmlDeviceGetDefaultApplicationsClock {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
-            })
-        })
+        // SAFETY: clock_mhz is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, clock_mhz, |_, _, m| app_clock(m, clock_type)) }
     }
+}
 
+nvml_exports! {
     /// `nvmlDeviceGetClock`: a clock domain by id (current, application target/default, boost max).
     fn nvmlDeviceGetClock(device, clock_type, clock_id, clock_mhz) {
         let f = |n: &Node, g: u32, m: &'static GpuModel| match clock_id {
@@ -270,71 +224,49 @@ nvml_exports! {
             })
         })
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlDeviceGetFanSpeed`: the simulated boards are passively cooled (SXM): `NOT_SUPPORTED`.
     fn nvmlDeviceGetFanSpeed(device, speed) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: speed is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
-            })
-        })
+        // SAFETY: speed is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
     }
 
     /// `nvmlDeviceGetFanSpeed_v2`: no fans (`NOT_SUPPORTED`).
     fn nvmlDeviceGetFanSpeed_v2(device, _fan, speed) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: speed is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
-            })
-        })
+        // SAFETY: speed is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, speed, |_, _, _| Err(NOT_SUPPORTED)) }
     }
 
     /// `nvmlDeviceGetNumFans`: 0.
     fn nvmlDeviceGetNumFans(device, num_fans) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: num_fans is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, num_fans, |_, _, _| Ok(0)) }
-            })
-        })
+        // SAFETY: num_fans is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, num_fans, |_, _, _| Ok(0)) }
     }
 
     /// `nvmlDeviceGetPerformanceState`: P0 (data-center boards stay in P0 with persistence mode on).
     ///
     /// `nvmlDeviceGetPowerState` (deprecated alias of the performance state, exported).
     fn nvmlDeviceGetPerformanceState(device, p_state) also nvmlDeviceGetPowerState {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: p_state is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
-            })
-        })
+        // SAFETY: p_state is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, p_state, |_, _, _| Ok(nvmlPStates_enum_NVML_PSTATE_0)) }
     }
 
     /// `nvmlDeviceGetEccMode`: enabled, and enabled after the next reboot.
     fn nvmlDeviceGetEccMode(device, current, pending) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                need(pending)?;
-                // SAFETY: both pointers are null or valid for writes by the caller's contract.
-                unsafe {
-                    gpu_value(device, current, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED))?;
-                    put(pending, nvmlEnableState_enum_NVML_FEATURE_ENABLED)
-                }
-            })
-        })
+        need(pending)?;
+        // SAFETY: both pointers are null or valid for writes by the caller's contract.
+        unsafe {
+            gpu_value(device, current, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED))?;
+            put(pending, nvmlEnableState_enum_NVML_FEATURE_ENABLED)
+        }
     }
 
     /// `nvmlDeviceGetDefaultEccMode`: enabled.
     fn nvmlDeviceGetDefaultEccMode(device, default_mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: default_mode is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, default_mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
-            })
-        })
+        // SAFETY: default_mode is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, default_mode, |_, _, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
     }
 }
 
@@ -358,17 +290,15 @@ fn ecc_count(node: &Node, gpu: u32, error_type: nvmlMemoryErrorType_t, counter_t
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetTotalEccErrors`: device-memory ECC errors (the only ones the model counts).
     fn nvmlDeviceGetTotalEccErrors(device, error_type, counter_type, ecc_counts) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: ecc_counts is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, ecc_counts, |n, g, _| ecc_count(n, g, error_type, counter_type)) }
-            })
-        })
+        // SAFETY: ecc_counts is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, ecc_counts, |n, g, _| ecc_count(n, g, error_type, counter_type)) }
     }
+}
 
+nvml_exports! {
     /// `nvmlDeviceGetMemoryErrorCounter`: DRAM carries the model's counts, SRAM none; Ampere and
     /// later report no L1/L2/register-file/texture locations of their own (`NOT_SUPPORTED`).
     fn nvmlDeviceGetMemoryErrorCounter(device, error_type, counter_type, location_type, count) {
@@ -395,25 +325,17 @@ fn retires_pages(m: &GpuModel) -> bool {
     m.architecture < NVML_DEVICE_ARCH_AMPERE
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetRetiredPages`: `NOT_SUPPORTED` on Ampere and later (row remapping instead).
     fn nvmlDeviceGetRetiredPages(device, cause, page_count, addresses) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract.
-                unsafe { retired_pages(device, cause, page_count, addresses) }
-            })
-        })
+        // SAFETY: the pointers follow the caller's contract.
+        unsafe { retired_pages(device, cause, page_count, addresses) }
     }
 
     /// `nvmlDeviceGetRetiredPages_v2`: as v1, with timestamps.
     fn nvmlDeviceGetRetiredPages_v2(device, cause, page_count, addresses, _timestamps) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract; no page is ever retired, so no timestamp is written.
-                unsafe { retired_pages(device, cause, page_count, addresses) }
-            })
-        })
+        // SAFETY: the pointers follow the caller's contract; no page is ever retired, so no timestamp is written.
+        unsafe { retired_pages(device, cause, page_count, addresses) }
     }
 }
 
@@ -451,34 +373,32 @@ nvml_exports! {
             })
         })
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlDeviceGetRemappedRows`: rows remapped for correctable / uncorrectable errors, whether a
     /// remap waits for a reset, whether one ever failed. Not answered while MIG instances exist.
     fn nvmlDeviceGetRemappedRows(device, corr_rows, unc_rows, is_pending, failure_occurred) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                need(corr_rows)?;
-                need(unc_rows)?;
-                need(is_pending)?;
-                need(failure_occurred)?;
-                if node.mig_mode(gpu).is_ok_and(|(current, _)| current)
-                    && node.gpu_instances(gpu).is_ok_and(|g| !g.is_empty())
-                {
-                    return Err(NOT_SUPPORTED);
-                }
-                let h = node.health(gpu).nv()?;
-                let clamp = |v: u64| v.min(u64::from(u32::MAX)) as u32;
-                // SAFETY: all four pointers are checked non-null and aligned; valid for writes by the caller's contract.
-                unsafe {
-                    put(corr_rows, clamp(h.remapped_correctable))?;
-                    put(unc_rows, clamp(h.remapped_uncorrectable))?;
-                    put(is_pending, u32::from(h.remap_pending))?;
-                    put(failure_occurred, u32::from(h.remap_failure))
-                }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        need(corr_rows)?;
+        need(unc_rows)?;
+        need(is_pending)?;
+        need(failure_occurred)?;
+        if node.mig_mode(gpu).is_ok_and(|(current, _)| current)
+            && node.gpu_instances(gpu).is_ok_and(|g| !g.is_empty())
+        {
+            return Err(NOT_SUPPORTED);
+        }
+        let h = node.health(gpu).nv()?;
+        let clamp = |v: u64| v.min(u64::from(u32::MAX)) as u32;
+        // SAFETY: all four pointers are checked non-null and aligned; valid for writes by the caller's contract.
+        unsafe {
+            put(corr_rows, clamp(h.remapped_correctable))?;
+            put(unc_rows, clamp(h.remapped_uncorrectable))?;
+            put(is_pending, u32::from(h.remap_pending))?;
+            put(failure_occurred, u32::from(h.remap_failure))
+        }
     }
 
     /// `nvmlDeviceGetFieldValues`: each value is answered on its own (its `nvmlReturn`); the call
@@ -489,31 +409,27 @@ nvml_exports! {
     /// # Safety
     /// `values` must point to `values_count` writable `nvmlFieldValue_t` with `fieldId` set.
     fn nvmlDeviceGetFieldValues(device, values_count, values) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                let count = usize::try_from(values_count).map_err(|_| INVALID_ARGUMENT)?;
-                need(values)?;
-                let h = node.health(gpu).nv()?;
-                let now = tessera_sim_model::realtime_us_from_monotonic(tessera_sim_model::monotonic_ns());
-                for i in 0..count {
-                    // SAFETY: `values` is non-null and the caller's contract makes `values_count`
-                    // entries writable; `i < count`.
-                    let v = unsafe { &mut *values.add(i) };
-                    v.timestamp = now as i64;
-                    v.latencyUsec = 0;
-                    if v.fieldId == field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION {
-                        v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
-                        v.value = nvmlValue_t { uiVal: h.recovery_action };
-                        v.nvmlReturn = nvmlReturn_enum_NVML_SUCCESS;
-                    } else {
-                        v.nvmlReturn = NOT_SUPPORTED;
-                    }
-                }
-                Ok(())
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        let count = usize::try_from(values_count).map_err(|_| INVALID_ARGUMENT)?;
+        need(values)?;
+        let h = node.health(gpu).nv()?;
+        let now = tessera_sim_model::realtime_us_from_monotonic(tessera_sim_model::monotonic_ns());
+        for i in 0..count {
+            // SAFETY: `values` is non-null and the caller's contract makes `values_count`
+            // entries writable; `i < count`.
+            let v = unsafe { &mut *values.add(i) };
+            v.timestamp = now as i64;
+            v.latencyUsec = 0;
+            if v.fieldId == field_id::NVML_FI_DEV_GET_GPU_RECOVERY_ACTION {
+                v.valueType = nvmlValueType_enum_NVML_VALUE_TYPE_UNSIGNED_INT;
+                v.value = nvmlValue_t { uiVal: h.recovery_action };
+                v.nvmlReturn = nvmlReturn_enum_NVML_SUCCESS;
+            } else {
+                v.nvmlReturn = NOT_SUPPORTED;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -13,7 +13,6 @@ use tessera_sim_model::{GpuIdentity, Node, TopologyLevel};
 use super::device::{PciInfoLegacy, pci_info, pci_info_legacy};
 use super::handles::{self, gpu_handle};
 use super::*;
-use crate::ffi::guard;
 
 /// `nvmlPciInfo_t.pciDeviceId` of NVSwitch chips: third generation (Hopper boards), second (Ampere).
 const NVSWITCH_GEN3_DEVICE_ID: u32 = 0x22A3_10DE;
@@ -29,43 +28,35 @@ fn valid_level(l: nvmlGpuTopologyLevel_t) -> bool {
     matches!(l, 0 | 10 | 20 | 30 | 40 | 50)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetTopologyCommonAncestor`: where the PCIe paths of two GPUs meet.
     fn nvmlDeviceGetTopologyCommonAncestor(device1, device2, path_info) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let a = handles::whole_gpu(node, device1)?;
-                let b = handles::whole_gpu(node, device2)?;
-                need(path_info)?;
-                let l = node.gpu(a).nv()?.common_ancestor(node.gpu(b).nv()?);
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(path_info, level(l)) }
-            })
-        })
+        let node = node()?;
+        let a = handles::whole_gpu(node, device1)?;
+        let b = handles::whole_gpu(node, device2)?;
+        need(path_info)?;
+        let l = node.gpu(a).nv()?.common_ancestor(node.gpu(b).nv()?);
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(path_info, level(l)) }
     }
 
     /// `nvmlDeviceGetTopologyNearestGpus`: the other GPUs at `level` or closer. `*count == 0` asks
     /// for the count; otherwise up to `*count` handles are written and `*count` set to how many.
     fn nvmlDeviceGetTopologyNearestGpus(device, level_in, count, device_array) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                if !valid_level(level_in) {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let me = node.gpu(gpu).nv()?;
-                let near: Vec<u32> = node
-                    .gpus()
-                    .iter()
-                    .filter(|g| g.index != gpu && level(me.common_ancestor(g)) <= level_in)
-                    .map(|g| g.index)
-                    .collect();
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { fill_upto(count, device_array, &near) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        if !valid_level(level_in) {
+            return Err(INVALID_ARGUMENT);
+        }
+        let me = node.gpu(gpu).nv()?;
+        let near: Vec<u32> = node
+            .gpus()
+            .iter()
+            .filter(|g| g.index != gpu && level(me.common_ancestor(g)) <= level_in)
+            .map(|g| g.index)
+            .collect();
+        // SAFETY: the pointers follow the caller's contract for this function.
+        unsafe { fill_upto(count, device_array, &near) }
     }
 }
 
@@ -101,19 +92,15 @@ fn numa_of_cpu(node: &Node, cpu: u32) -> R<u32> {
     Ok((u64::from(cpu) * u64::from(numa) / u64::from(cpus)) as u32)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlSystemGetTopologyGpuSet`: the GPUs on the NUMA node of a CPU.
     fn nvmlSystemGetTopologyGpuSet(cpu_number, count, device_array) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                need(count)?;
-                let numa = numa_of_cpu(node, cpu_number)?;
-                let set: Vec<u32> = node.gpus().iter().filter(|g| g.numa_node == numa).map(|g| g.index).collect();
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { fill_upto(count, device_array, &set) }
-            })
-        })
+        let node = node()?;
+        need(count)?;
+        let numa = numa_of_cpu(node, cpu_number)?;
+        let set: Vec<u32> = node.gpus().iter().filter(|g| g.numa_node == numa).map(|g| g.index).collect();
+        // SAFETY: the pointers follow the caller's contract for this function.
+        unsafe { fill_upto(count, device_array, &set) }
     }
 }
 
@@ -160,20 +147,16 @@ fn p2p(a: &GpuIdentity, b: &GpuIdentity, index: nvmlGpuP2PCapsIndex_t) -> R<nvml
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetP2PStatus`.
     fn nvmlDeviceGetP2PStatus(device1, device2, p2p_index, p2p_status) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let a = handles::whole_gpu(node, device1)?;
-                let b = handles::whole_gpu(node, device2)?;
-                need(p2p_status)?;
-                let s = p2p(node.gpu(a).nv()?, node.gpu(b).nv()?, p2p_index)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(p2p_status, s) }
-            })
-        })
+        let node = node()?;
+        let a = handles::whole_gpu(node, device1)?;
+        let b = handles::whole_gpu(node, device2)?;
+        need(p2p_status)?;
+        let s = p2p(node.gpu(a).nv()?, node.gpu(b).nv()?, p2p_index)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(p2p_status, s) }
     }
 }
 
@@ -199,64 +182,52 @@ fn nvswitch_of(id: &GpuIdentity, link: u32) -> (u32, u32) {
     (fabric, sw.min(switches - 1))
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetNvLinkState`: links of a GPU in an NVLink group are up, others down.
     fn nvmlDeviceGetNvLinkState(device, link_in, is_active) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(is_active)?;
-                let (_, up) = link(node, device, link_in)?;
-                let s =
-                    if up { nvmlEnableState_enum_NVML_FEATURE_ENABLED } else { nvmlEnableState_enum_NVML_FEATURE_DISABLED };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(is_active, s) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(is_active)?;
+        let (_, up) = link(node, device, link_in)?;
+        let s =
+            if up { nvmlEnableState_enum_NVML_FEATURE_ENABLED } else { nvmlEnableState_enum_NVML_FEATURE_DISABLED };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(is_active, s) }
     }
 
     /// `nvmlDeviceGetNvLinkVersion`: an `nvmlNvlinkVersion_t` (4.0 on Hopper, 3.0 on Ampere).
     fn nvmlDeviceGetNvLinkVersion(device, link_in, version) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(version)?;
-                let (id, _) = link(node, device, link_in)?;
-                let v = match id.model.architecture {
-                    a if a >= NVML_DEVICE_ARCH_HOPPER => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_4_0,
-                    NVML_DEVICE_ARCH_AMPERE => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_3_0,
-                    _ => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_2_0,
-                };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(version, v) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(version)?;
+        let (id, _) = link(node, device, link_in)?;
+        let v = match id.model.architecture {
+            a if a >= NVML_DEVICE_ARCH_HOPPER => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_4_0,
+            NVML_DEVICE_ARCH_AMPERE => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_3_0,
+            _ => nvmlNvlinkVersion_enum_NVML_NVLINK_VERSION_2_0,
+        };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(version, v) }
     }
 
     /// `nvmlDeviceGetNvLinkCapability`: peer traffic and peer atomics over an NVSwitch fabric; no
     /// system-memory access (that needs an NVLink-attached CPU) and no SLI.
     fn nvmlDeviceGetNvLinkCapability(device, link_in, capability, cap_result) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(cap_result)?;
-                let (_, up) = link(node, device, link_in)?;
-                let v = match capability {
-                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_SUPPORTED
-                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_ATOMICS => up,
-                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ACCESS
-                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ATOMICS
-                    | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SLI_BRIDGE => false,
-                    nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_VALID => true,
-                    _ => return Err(INVALID_ARGUMENT),
-                };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(cap_result, u32::from(v)) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(cap_result)?;
+        let (_, up) = link(node, device, link_in)?;
+        let v = match capability {
+            nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_SUPPORTED
+            | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_P2P_ATOMICS => up,
+            nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ACCESS
+            | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SYSMEM_ATOMICS
+            | nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_SLI_BRIDGE => false,
+            nvmlNvLinkCapability_enum_NVML_NVLINK_CAP_VALID => true,
+            _ => return Err(INVALID_ARGUMENT),
+        };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(cap_result, u32::from(v)) }
     }
 }
 
@@ -275,34 +246,26 @@ fn remote_pci(node: &Node, device: nvmlDevice_t, link_in: c_uint) -> R<nvmlPciIn
     Ok(pci_info(0, NVSWITCH_FIRST_BUS + fabric * 6 + sw, 0, device_id, 0))
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetNvLinkRemotePciInfo_v2`.
     fn nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link_in, pci) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(pci)?;
-                let p = remote_pci(node, device, link_in)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(pci, p) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(pci)?;
+        let p = remote_pci(node, device, link_in)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(pci, p) }
     }
 
     /// `nvmlDeviceGetNvLinkRemotePciInfo` (v1): the legacy `nvmlPciInfo_t` layout.
     fn nvmlDeviceGetNvLinkRemotePciInfo(device, link_in, pci) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                let out = pci.cast::<PciInfoLegacy>();
-                need(out)?;
-                let p = remote_pci(node, device, link_in)?;
-                // SAFETY: checked non-null and aligned; the legacy struct is a prefix of the caller's.
-                unsafe { put(out, pci_info_legacy(&p)) }
-            })
-        })
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        let out = pci.cast::<PciInfoLegacy>();
+        need(out)?;
+        let p = remote_pci(node, device, link_in)?;
+        // SAFETY: checked non-null and aligned; the legacy struct is a prefix of the caller's.
+        unsafe { put(out, pci_info_legacy(&p)) }
     }
 }
 

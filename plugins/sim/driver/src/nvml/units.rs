@@ -2,17 +2,12 @@
 //! zero (what a real driver answers there) and every other unit call is not-modelled.
 
 use super::*;
-use crate::ffi::guard;
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlUnitGetCount`: no units.
     fn nvmlUnitGetCount(unitCount) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                // SAFETY: unitCount is null or valid for a write by the caller's contract.
-                unsafe { put(unitCount, 0) }
-            })
-        })
+        node()?;
+        // SAFETY: unitCount is null or valid for a write by the caller's contract.
+        unsafe { put(unitCount, 0) }
     }
 }
