@@ -9,5 +9,6 @@
 
 mod cuda;
 mod ffi;
+mod latency;
 mod nvml;
 mod process;

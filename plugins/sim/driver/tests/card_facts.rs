@@ -12,7 +12,8 @@
 //! Not compared: the PCI location (attributes 33, 34 and 50, and NVML's board id, which the
 //! driver derives from it) is the probed machine's own, so those are checked against the
 //! simulated GPU's own location instead; the card's UUID is not in the file. `measured_*` are
-//! timings and granularity, not answers (the granularity is `tests/granularity.rs`'s).
+//! timings and granularity, not answers: the timings are checked as floors here
+//! (`calls_take_at_least_what_they_took_on_the_card`), the granularity is `tests/granularity.rs`'s.
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::path::PathBuf;
@@ -353,5 +354,89 @@ fn the_board_answers_what_the_card_answered() {
             facts_path().display(),
             diffs.join("\n  ")
         );
+    });
+}
+
+/// Calls `name` once with valid arguments (a context current, NVML initialized, `dev` the GPU);
+/// `None` for a call this test cannot make.
+fn call_timed(lib: &Lib, name: &str, dev: Dev) -> Option<(u32, std::time::Duration)> {
+    let (mut free, mut total) = (0usize, 0usize);
+    let mut count: c_uint = 0;
+    let mut infos: [nvmlProcessInfo_t; 8] = unsafe_zeroed();
+    let mut memory: nvmlMemory_t = unsafe_zeroed();
+    let mut samples: [nvmlProcessUtilizationSample_t; 8] = unsafe_zeroed();
+    let start = std::time::Instant::now();
+    let rc = match name {
+        "cuMemGetInfo_v2" => call!(lib, cuMemGetInfo_v2(&mut free, &mut total) as fn(*mut usize, *mut usize)),
+        "nvmlDeviceGetComputeRunningProcesses_v3" => {
+            count = 8;
+            call!(
+                lib,
+                nvmlDeviceGetComputeRunningProcesses_v3(dev, &mut count, infos.as_mut_ptr())
+                    as fn(Dev, *mut c_uint, *mut nvmlProcessInfo_t)
+            )
+        }
+        "nvmlDeviceGetCount_v2" => call!(lib, nvmlDeviceGetCount_v2(&mut count) as fn(*mut c_uint)),
+        "nvmlDeviceGetMemoryInfo" => {
+            call!(lib, nvmlDeviceGetMemoryInfo(dev, &mut memory) as fn(Dev, *mut nvmlMemory_t))
+        }
+        // An idle GPU has no samples: NOT_FOUND (6), as the idle card answered.
+        "nvmlDeviceGetProcessUtilization" => {
+            count = 8;
+            let rc = call!(
+                lib,
+                nvmlDeviceGetProcessUtilization(dev, samples.as_mut_ptr(), &mut count, 0)
+                    as fn(Dev, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64)
+            );
+            if rc == nvmlReturn_enum_NVML_ERROR_NOT_FOUND { 0 } else { rc }
+        }
+        _ => return None,
+    };
+    Some((rc, start.elapsed()))
+}
+
+/// Every call timed on the card takes at least the card's time on the sim (`TESSERA_SIM_LATENCY`
+/// on): the fastest of 20 calls, which the sim's wait makes a floor, not a timing to be lucky with.
+/// `off` taking it away is the driver's unit test `on_or_unset_is_the_cards_figures_and_off_is_none`.
+#[test]
+fn calls_take_at_least_what_they_took_on_the_card() {
+    let f = facts();
+    let node = node_for(&f);
+    node.run_isolated("calls_take_at_least_what_they_took_on_the_card", || {
+        // SAFETY: this child runs this one test alone and has not loaded the driver yet, so no
+        // other thread reads the environment while it is written.
+        unsafe { std::env::set_var("TESSERA_SIM_LATENCY", "on") };
+        // SAFETY: loading the simulated driver runs no initializers.
+        let lib = Lib(unsafe { libloading::Library::new(node.cuda_path()) }.expect("load libcuda.so.1"));
+        assert_eq!(call!(lib, cuInit(0) as fn(c_uint)), 0, "cuInit");
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        assert_eq!(call!(lib, cuDevicePrimaryCtxRetain(&mut ctx, 0) as fn(*mut *mut c_void, c_int)), 0);
+        assert_eq!(call!(lib, cuCtxSetCurrent(ctx) as fn(*mut c_void)), 0);
+        assert_eq!(call!(lib, nvmlInit_v2() as fn()), 0, "nvmlInit_v2");
+        let mut dev: Dev = std::ptr::null_mut();
+        assert_eq!(call!(lib, nvmlDeviceGetHandleByIndex_v2(0, &mut dev) as fn(c_uint, *mut Dev)), 0);
+        let measured = f["measured_call_latency_us"].as_object().expect("facts: measured_call_latency_us");
+        let mut diffs = Vec::new();
+        for (name, card_us) in measured.iter().filter(|(k, _)| !k.starts_with('_')) {
+            let card = std::time::Duration::from_secs_f64(card_us.as_f64().expect("a figure in µs") / 1e6);
+            let mut fastest = std::time::Duration::MAX;
+            for _ in 0..20 {
+                match call_timed(&lib, name, dev) {
+                    None => {
+                        diffs.push(format!("{name}: no caller for it in the test; teach call_timed to call it"));
+                        break;
+                    }
+                    Some((rc, _)) if rc != 0 => {
+                        diffs.push(format!("{name}: returned {rc}"));
+                        break;
+                    }
+                    Some((_, took)) => fastest = fastest.min(took),
+                }
+            }
+            if fastest != std::time::Duration::MAX && fastest < card {
+                diffs.push(format!("{name}: fastest of 20 calls {fastest:?}, the card took {card:?}"));
+            }
+        }
+        assert!(diffs.is_empty(), "calls faster than the card:\n  {}", diffs.join("\n  "));
     });
 }

@@ -112,9 +112,13 @@ impl SimNode {
             ld.push(":");
             ld.push(old);
         }
+        // A test node answers at the sim's own speed (no real driver's call latency) unless the
+        // environment running the tests asks for it: the tests time nothing, and go faster.
+        let latency = std::env::var_os(LATENCY).unwrap_or_else(|| "off".into());
         let mut env = vec![
             ("LD_LIBRARY_PATH".to_string(), ld),
             ("TESSERA_SIM_STATE".to_string(), self.state.clone().into_os_string()),
+            (LATENCY.to_string(), latency),
         ];
         if let Some(d) = &self.description {
             env.push(("TESSERA_SIM_NODE".to_string(), d.clone().into_os_string()));
@@ -155,6 +159,9 @@ impl Default for SimNode {
         SimNode::new()
     }
 }
+
+/// The sim's call latency (`on`, `off`, a factor; docs/sim.md).
+pub const LATENCY: &str = "TESSERA_SIM_LATENCY";
 
 const CHILD_MARK: &str = "TESSERA_TESTKIT_CHILD";
 const ROOT_MARK: &str = "TESSERA_TESTKIT_ROOT";

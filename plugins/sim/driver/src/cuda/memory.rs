@@ -25,6 +25,7 @@ use super::errors::Cu;
 use super::handles::{self, Registry};
 use super::init::{Device, driver};
 use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, put_opt, run, sys};
+use crate::latency;
 
 const DOMAINS: usize = 1 + MAX_MIG;
 
@@ -272,6 +273,7 @@ fn mem_info() -> R<(u64, u64)> {
 cuda_exports! {
     fn cuMemGetInfo_v2(free, total) {
         run(|| {
+            let _card = latency::floor("cuMemGetInfo_v2");
             need(free)?;
             need(total)?;
             let (f, t) = mem_info()?;
@@ -286,6 +288,7 @@ cuda_exports! {
     /// Legacy `cuMemGetInfo` (32-bit sizes, saturated).
     fn cuMemGetInfo(free, total) {
         run(|| {
+            let _card = latency::floor("cuMemGetInfo_v2");
             need(free)?;
             need(total)?;
             let (f, t) = mem_info()?;

@@ -10,6 +10,7 @@ use tessera_sim_model::{GpuIdentity, Node, VirtualizationMode};
 use super::handles::{self, Dev, gpu_handle, mig_handle};
 use super::*;
 use crate::ffi::guard;
+use crate::latency;
 
 /// PCI class of a 3D controller (what data-center GPUs without display report).
 const PCI_BASE_CLASS_DISPLAY: u32 = 0x03;
@@ -92,6 +93,7 @@ nvml_exports! {
     /// `nvmlDeviceGetCount` (v1): the same (every simulated GPU is accessible).
     fn nvmlDeviceGetCount_v2(device_count) also nvmlDeviceGetCount {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetCount_v2");
             status(|| {
                 let n = count()?;
                 // SAFETY: device_count is null or valid for a write (caller's contract); put checks null.

@@ -11,6 +11,7 @@ use tessera_sim_model::{MemoryInfo, Node};
 use super::handles::{self, Dev};
 use super::*;
 use crate::ffi::guard;
+use crate::latency;
 
 const MIB: u64 = 1 << 20;
 
@@ -25,6 +26,7 @@ nvml_exports! {
     /// `nvmlDeviceGetMemoryInfo` (v1): used includes the reserved memory.
     fn nvmlDeviceGetMemoryInfo(device, memory_out) {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetMemoryInfo");
             status(|| {
                 let node = node()?;
                 handles::decode_device(node, device)?;
@@ -40,6 +42,7 @@ nvml_exports! {
     /// `nvmlDeviceGetMemoryInfo_v2`: the caller sets `version = nvmlMemory_v2`; reserved separate.
     fn nvmlDeviceGetMemoryInfo_v2(device, memory_out) {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetMemoryInfo");
             status(|| {
                 let node = node()?;
                 handles::decode_device(node, device)?;

@@ -10,6 +10,7 @@ use tessera_sim_model::{Node, monotonic_ns, realtime_us_from_monotonic};
 use super::handles::{self, Dev};
 use super::*;
 use crate::ffi::guard;
+use crate::latency;
 
 /// `gpuInstanceId` / `computeInstanceId` of a process not on a MIG device.
 const NO_INSTANCE: u32 = 0xFFFF_FFFF;
@@ -68,6 +69,7 @@ nvml_exports! {
     /// `nvmlDeviceGetComputeRunningProcesses_v2`: the same layout as v3.
     fn nvmlDeviceGetComputeRunningProcesses_v3(device, info_count, infos) also nvmlDeviceGetComputeRunningProcesses_v2 {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetComputeRunningProcesses_v3");
             status(|| {
                 // SAFETY: the pointers follow the caller's contract for this function.
                 unsafe { list(device, info_count, infos, true, v2) }
@@ -78,6 +80,7 @@ nvml_exports! {
     /// `nvmlDeviceGetComputeRunningProcesses` (v1): pid and memory only.
     fn nvmlDeviceGetComputeRunningProcesses(device, info_count, infos) {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetComputeRunningProcesses_v3");
             status(|| {
                 // SAFETY: the pointers follow the caller's contract for this function.
                 unsafe { list(device, info_count, infos, true, v1) }
@@ -147,6 +150,7 @@ nvml_exports! {
     /// `NOT_FOUND` when there is none; a null or short buffer gets `INSUFFICIENT_SIZE` and the count.
     fn nvmlDeviceGetProcessUtilization(device, utilization, process_samples_count, last_seen_time_stamp) {
         guard(NVML_ERROR_UNKNOWN, || {
+            let _card = latency::floor("nvmlDeviceGetProcessUtilization");
             status(|| {
                 let node = node()?;
                 let gpu = handles::whole_gpu(node, device)?;
