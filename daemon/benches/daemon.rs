@@ -490,6 +490,8 @@ fn bench_state_name(dir: &Path) -> String {
 }
 
 fn main() {
+    // A real driver's call latency (docs/sim.md), unless TESSERA_SIM_LATENCY says otherwise.
+    tessera_sim_testkit::real_driver_latency_unless_set();
     // `cargo bench` passes --bench; a filter argument picks one part.
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     // In process and first: it points this process at its node before any other thread runs.

@@ -112,6 +112,8 @@ fn serve(
 }
 
 fn main() {
+    // A real driver's call latency (docs/sim.md), unless TESSERA_SIM_LATENCY says otherwise.
+    tessera_sim_testkit::real_driver_latency_unless_set();
     // `cargo bench` passes `--bench`; the mode is the first other argument.
     match std::env::args().skip(1).find(|a| !a.starts_with('-')).as_deref() {
         Some("daemon") => daemon_mode::run(),

@@ -91,6 +91,8 @@ memory_limit = "70GiB"
 const NO_SHARE: &str = "TESSERA_SHIM_BENCH_NO_SHARE";
 
 fn main() {
+    // A real driver's call latency (docs/sim.md), unless TESSERA_SIM_LATENCY says otherwise.
+    tessera_sim_testkit::real_driver_latency_unless_set();
     if std::env::var_os(FIRST_ALLOC).is_some() {
         first_alloc();
         return;

@@ -65,6 +65,8 @@ type CuAlloc = unsafe extern "C" fn(*mut u64, usize) -> R;
 type CuMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> R;
 
 fn main() {
+    // A real driver's call latency (docs/sim.md), unless TESSERA_SIM_LATENCY says otherwise.
+    tessera_sim_testkit::real_driver_latency_unless_set();
     if let Some(fifo) = std::env::var_os(CHILD) {
         std::process::exit(child(Path::new(&fifo)));
     }

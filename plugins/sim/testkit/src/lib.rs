@@ -163,6 +163,15 @@ impl Default for SimNode {
 /// The sim's call latency (`on`, `off`, a factor; docs/sim.md).
 pub const LATENCY: &str = "TESSERA_SIM_LATENCY";
 
+/// For a benchmark's `main`, before it starts a thread: its nodes answer at a real driver's speed
+/// (`TESSERA_SIM_LATENCY=on`) unless the environment says otherwise, where a test's are `off`.
+pub fn real_driver_latency_unless_set() {
+    if std::env::var_os(LATENCY).is_none() {
+        // SAFETY: called first in a benchmark's main, before any other thread reads the environment.
+        unsafe { std::env::set_var(LATENCY, "on") };
+    }
+}
+
 const CHILD_MARK: &str = "TESSERA_TESTKIT_CHILD";
 const ROOT_MARK: &str = "TESSERA_TESTKIT_ROOT";
 
