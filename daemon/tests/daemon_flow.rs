@@ -63,17 +63,7 @@ async fn list(kubelet: &TestKubelet, req: &RegisterRequest) -> Vec<dp::Device> {
 }
 
 async fn allocate(kubelet: &TestKubelet, req: &RegisterRequest, ids: &[&str]) -> dp::ContainerAllocateResponse {
-    let mut client = kubelet.connect(req).await;
-    let mut resp = client
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: ids.iter().map(|s| s.to_string()).collect(),
-            }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    resp.container_responses.remove(0)
+    common::allocate(&mut kubelet.connect(req).await, ids).await
 }
 
 /// The ids of the allocation records on disk (the store's journal, read beside the daemon).
@@ -289,14 +279,11 @@ async fn list_until(
 async fn devices_the_node_api_leaves_no_room_for_are_withdrawn_from_the_kubelet_until_released() {
     let node = SimNode::with_description(NODE);
     let tmp = tempfile::tempdir().expect("tempdir");
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
-    let config = common::write_config(
+    let (metrics, config) = common::write_config_with_metrics(
         &node,
         tmp.path(),
-        &format!(
-            "[telemetry]\nmetrics_listen = \"{metrics}\"\n[partitions.default]\nwhole = true\n\
-             [partitions.\"0\"]\nshares = {{ count = 4 }}\n[partitions.\"1\"]\nmig = {{ \"3g.40gb\" = 2 }}\n"
-        ),
+        "[partitions.default]\nwhole = true\n\
+         [partitions.\"0\"]\nshares = { count = 4 }\n[partitions.\"1\"]\nmig = { \"3g.40gb\" = 2 }\n",
     );
     let mut kubelet = TestKubelet::start(&tmp.path().join("plugins"));
     let notify_path = tmp.path().join("notify.sock");

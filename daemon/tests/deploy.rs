@@ -3,9 +3,8 @@
 //! and the Kubernetes kustomization renders, validates against the 1.34 and 1.37 schemas, and
 //! mounts what its embedded configuration names.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -134,16 +133,7 @@ fn render(kubectl: &Path, dir: &str) -> String {
 fn documents(validator: &Path, yaml: &str) -> Vec<Value> {
     let python = validator.with_file_name("python");
     let python = if python.is_file() { python } else { PathBuf::from("python3") };
-    let mut child = Command::new(python)
-        .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python");
-    child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    serde_json::from_slice(&out.stdout).expect("json")
+    common::yaml_documents(&python, yaml)
 }
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
@@ -176,14 +166,8 @@ fn validate_strictly(validator: &Path, what: &str, yaml: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("rendered.yaml");
     std::fs::write(&file, yaml).unwrap();
-    for version in ["1.34.0", "1.37.0"] {
-        let out = Command::new(validator)
-            .args(["--strict", "--quiet", "-k", version])
-            .arg(&file)
-            .output()
-            .expect("kubernetes-validate");
-        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && said.trim().is_empty(), "{what} against {version}:\n{said}");
+    for (version, valid, said) in validate_file(validator, &file) {
+        assert!(valid, "{what} against {version}:\n{said}");
     }
 }
 
@@ -477,20 +461,7 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
         placement("3g.40gb", 9, 4, 4, 60, 40_448),
         placement("7g.80gb", 0, 0, 8, 132, 81_152),
     ];
-    let tmp = tempfile::tempdir().unwrap();
-    let check = |obj: &Value| {
-        let file = tmp.path().join("slice.json");
-        std::fs::write(&file, serde_json::to_vec(obj).unwrap()).unwrap();
-        ["1.34.0", "1.37.0"].map(|version| {
-            let out = Command::new(&validator)
-                .args(["--strict", "--quiet", "-k", version])
-                .arg(&file)
-                .output()
-                .expect("kubernetes-validate");
-            let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-            (out.status.success() && said.trim().is_empty(), format!("{version}: {said}"))
-        })
-    };
+    let check = |obj: &Value| validate_both(&validator, obj);
     let object = |s: &k8s_openapi::api::resource::v1::ResourceSlice| {
         let mut v = serde_json::to_value(s).unwrap();
         v["apiVersion"] = "resource.k8s.io/v1".into();
@@ -633,14 +604,20 @@ fn validate_both(validator: &Path, obj: &Value) -> [(bool, String); 2] {
     let tmp = tempfile::tempdir().unwrap();
     let file = tmp.path().join("object.json");
     std::fs::write(&file, serde_json::to_vec(obj).unwrap()).unwrap();
+    validate_file(validator, &file).map(|(version, valid, said)| (valid, format!("{version}: {said}")))
+}
+
+/// Runs kubernetes-validate strictly on `file` against 1.34 and 1.37: per version, whether it
+/// is valid (it succeeded and said nothing) and what it said.
+fn validate_file(validator: &Path, file: &Path) -> [(&'static str, bool, String); 2] {
     ["1.34.0", "1.37.0"].map(|version| {
         let out = Command::new(validator)
             .args(["--strict", "--quiet", "-k", version])
-            .arg(&file)
+            .arg(file)
             .output()
             .expect("kubernetes-validate");
         let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        (out.status.success() && said.trim().is_empty(), format!("{version}: {said}"))
+        (version, out.status.success() && said.trim().is_empty(), said)
     })
 }
 

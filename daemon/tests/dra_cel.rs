@@ -15,9 +15,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 
 use cel::extractors::This;
@@ -213,16 +212,7 @@ fn python() -> Option<PathBuf> {
 fn documents(python: &Path, file: &str) -> Vec<Json> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes").join(file);
     let yaml = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let mut child = Command::new(python)
-        .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python");
-    child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    serde_json::from_slice(&out.stdout).expect("json")
+    common::yaml_documents(python, &yaml)
 }
 
 fn selectors(v: &Json) -> Vec<String> {

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
-use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::deviceplugin::v1beta1::Empty;
 use tessera_proto::tessera::v1 as api;
 use tessera_region::owner::ContainerIdentity;
 use tessera_sim_testkit::{SimNode, binary};
@@ -166,14 +166,7 @@ async fn allocate_share(
     >,
     share: &str,
 ) -> (String, PathBuf) {
-    let resp = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.into()] }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    let answer = &resp.container_responses[0];
+    let answer = common::allocate(plugin, &[share]).await;
     (answer.envs["TESSERA_ALLOCATION"].clone(), PathBuf::from(&answer.mounts[0].host_path))
 }
 
@@ -210,13 +203,10 @@ async fn setup(enforcement: &str) -> Setup {
         "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
     ));
     let dir = tempfile::tempdir().expect("tempdir");
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
-    let config = common::write_config(
+    let (metrics, config) = common::write_config_with_metrics(
         &node,
         dir.path(),
-        &format!(
-            "[telemetry]\nmetrics_listen = \"{metrics}\"\n[enforcement]\n{enforcement}\n[partitions.default]\nshares = {{ count = 4 }}"
-        ),
+        &format!("[enforcement]\n{enforcement}\n[partitions.default]\nshares = {{ count = 4 }}"),
     );
     let mut kubelet = TestKubelet::start(&dir.path().join("plugins"));
     let (daemon, _) = spawn(&node, &config, &dir.path().join("no-notify"), &dir.path().join("tesserad.log"));

@@ -253,16 +253,8 @@ async fn one_set_registers_two_resources() {
         let mut client = kubelet.connect(&seen[resource]).await;
         let mut stream = client.list_and_watch(Empty {}).await.expect("list and watch").into_inner();
         assert_eq!(next_list(&mut stream).await.devices.len(), want, "{resource}");
-        let allocated = client
-            .allocate(AllocateRequest {
-                container_requests: vec![ContainerAllocateRequest {
-                    devices_ids: vec![if resource == GPU { "GPU-1" } else { "GPU-0::2" }.into()],
-                }],
-            })
-            .await
-            .expect("allocate")
-            .into_inner();
-        assert!(allocated.container_responses[0].cdi_devices[0].name.starts_with(resource));
+        let allocated = common::allocate(&mut client, &[if resource == GPU { "GPU-1" } else { "GPU-0::2" }]).await;
+        assert!(allocated.cdi_devices[0].name.starts_with(resource));
     }
 
     // A resource served twice is refused up front.

@@ -12,32 +12,16 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tessera_proto::tessera::v1 as api;
-use tessera_sim_testkit::{SimNode, binary};
+use tessera_sim_testkit::{SimNode, binary, mig_and_whole};
 
 mod common;
 
 use common::{WAIT, spawn, tessera};
 
-const NODE: &str = "numa_nodes = 1
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-mig = true
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-";
-
-/// The same node with A100s, which take a MIG mode at the next reset.
-const A100_NODE: &str = "numa_nodes = 1
-[[gpu]]
-model = \"A100-SXM4-40GB\"
-count = 1
-mig = true
-[[gpu]]
-model = \"A100-SXM4-40GB\"
-count = 1
-";
+/// The GPU that switches MIG mode in place.
+const H100: &str = "H100-SXM5-80GB";
+/// The GPU that takes a MIG mode at the next reset.
+const A100: &str = "A100-SXM4-40GB";
 
 /// What tesserad logs when it resets a GPU for a MIG mode change.
 const RESET_LOGGED: &str = "GPU reset to finish its MIG mode change";
@@ -86,7 +70,7 @@ fn start(node: &SimNode, dir: &Path, body: &str) -> (common::Daemon, std::path::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_a100_mig_mode_change_finishes_by_itself_after_the_reset() {
-    let node = SimNode::with_description(A100_NODE);
+    let node = SimNode::with_description(&mig_and_whole(A100));
     let tmp = tempfile::tempdir().expect("tempdir");
     let (_daemon, socket, log) = start(&node, tmp.path(), &layouts_with("3g.20gb", "", "whole = true"));
     let _ = common::node_api(&socket).await;
@@ -123,7 +107,7 @@ async fn an_a100_mig_mode_change_finishes_by_itself_after_the_reset() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dry_runs_predict_every_kind_of_change() {
-    let node = SimNode::with_description(NODE);
+    let node = SimNode::with_description(&mig_and_whole(H100));
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     let (_daemon, socket, log) = start(&node, dir, &layouts("reset = \"when-free\"", "whole = true"));
@@ -192,7 +176,7 @@ async fn dry_runs_predict_every_kind_of_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_a100_mode_change_takes_a_reset_and_dry_runs_say_so() {
-    let node = SimNode::with_description(A100_NODE);
+    let node = SimNode::with_description(&mig_and_whole(A100));
     let tmp = tempfile::tempdir().expect("tempdir");
     let (_daemon, socket, log) =
         start(&node, tmp.path(), &layouts_with("3g.20gb", "reset = \"when-free\"", "whole = true"));

@@ -8,21 +8,11 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use tessera_proto::tessera::v1 as api;
-use tessera_sim_testkit::{SimNode, binary};
+use tessera_sim_testkit::{SimNode, binary, mig_and_whole};
 
 mod common;
 
 use common::{WAIT, spawn};
-
-const NODE: &str = "numa_nodes = 1
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-mig = true
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-";
 
 /// The samples of `name`: labels and value (a plain reading of the text format: our label values
 /// here hold no escapes).
@@ -51,16 +41,12 @@ fn scrape(addr: SocketAddr) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_devices_have_instance_series_and_xids_show_per_gpu() {
-    let node = SimNode::with_description(NODE);
+    let node = SimNode::with_description(&mig_and_whole("H100-SXM5-80GB"));
     let tmp = tempfile::tempdir().expect("tempdir");
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
-    let config = common::write_config(
+    let (metrics, config) = common::write_config_with_metrics(
         &node,
         tmp.path(),
-        &format!(
-            "[telemetry]\nmetrics_listen = \"{metrics}\"\n[partitions.\"0\"]\nmig = {{ \"3g.40gb\" = 2 }}\n\
-             [partitions.\"1\"]\nwhole = true\n"
-        ),
+        "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n[partitions.\"1\"]\nwhole = true\n",
     );
     let log = tmp.path().join("tesserad.log");
     let (_daemon, _) = spawn(&node, &config, &tmp.path().join("notify.sock"), &log);

@@ -11,7 +11,7 @@ use std::os::unix::net::UnixDatagram;
 use std::path::Path;
 use std::time::Duration;
 
-use tessera_proto::deviceplugin::v1beta1::{self as dp, AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::deviceplugin::v1beta1::{self as dp, Empty};
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
 use tessera_sim_testkit::SimNode;
@@ -114,14 +114,7 @@ async fn node_api_layout_changes_touch_only_free_devices() {
 
     // The kubelet allocates share 0 of GPU 0.
     let mut plugin = kubelet.connect(&regs[SHARE]).await;
-    let resp = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.id.clone()] }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    let alloc_id = resp.container_responses[0].envs["TESSERA_ALLOCATION"].clone();
+    let alloc_id = common::allocate(&mut plugin, &[&share.id]).await.envs["TESSERA_ALLOCATION"].clone();
     let allocations =
         api.list_allocations(api::ListAllocationsRequest::default()).await.expect("allocations").into_inner();
     assert_eq!(allocations.allocations.len(), 1);

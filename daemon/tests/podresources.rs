@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, RegisterRequest};
+use tessera_proto::deviceplugin::v1beta1::RegisterRequest;
 use tessera_proto::podresources::v1::pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer};
 use tessera_proto::podresources::v1::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices, ContainerResources,
@@ -195,14 +195,7 @@ async fn share_registration(kubelet: &mut TestKubelet) -> RegisterRequest {
 /// Allocates share `device` through the kubelet; returns the allocation id.
 async fn allocate(kubelet: &TestKubelet, reg: &RegisterRequest, device: &str) -> String {
     let mut plugin = kubelet.connect(reg).await;
-    let resp = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![device.into()] }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    resp.container_responses[0].envs["TESSERA_ALLOCATION"].clone()
+    common::allocate(&mut plugin, &[device]).await.envs["TESSERA_ALLOCATION"].clone()
 }
 
 async fn allocations(api: &mut NodeClient<Channel>) -> Vec<api::Allocation> {

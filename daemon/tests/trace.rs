@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::deviceplugin::v1beta1::Empty;
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
 use tessera_region::Region;
@@ -80,12 +80,7 @@ async fn a_trace_records_the_workloads_calls_and_kernels() {
         let mut list = plugin.list_and_watch(Empty {}).await.expect("list");
         next_list(list.get_mut()).await.devices[0].id.clone()
     };
-    let resp = plugin
-        .allocate(AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share] }] })
-        .await
-        .expect("allocate")
-        .into_inner();
-    let answer = &resp.container_responses[0];
+    let answer = common::allocate(&mut plugin, &[&share]).await;
     let id = answer.envs["TESSERA_ALLOCATION"].clone();
     let host_dir = PathBuf::from(&answer.mounts[0].host_path);
     let socket = dir.join("run/tessera.sock");

@@ -8,9 +8,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest, Empty};
+use tessera_proto::deviceplugin::v1beta1::Empty;
 use tessera_sim_testkit::{SimNode, binary};
-use tessera_tests::kubelet::{TestKubelet, next_list, spawn};
+use tessera_tests::kubelet::{TestKubelet, allocate, next_list, spawn};
 use tessera_tests::{FakeHost, busybox_rootfs, runc_bundle, runc_usable};
 
 const PROBE: &str = r#"
@@ -55,14 +55,7 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     let mut plugin = kubelet.connect(&reg).await;
     let mut list = plugin.list_and_watch(Empty {}).await.expect("list").into_inner();
     let share = next_list(&mut list).await.devices[1].id.clone();
-    let resp = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.clone()] }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    let answer = &resp.container_responses[0];
+    let answer = allocate(&mut plugin, &[&share]).await;
     assert_eq!(answer.cdi_devices[0].name, format!("tessera.io/share={share}"));
 
     // The spec the daemon wrote names the share the kubelet handed out.

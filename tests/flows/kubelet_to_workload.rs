@@ -10,12 +10,11 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use tessera_proto::deviceplugin::v1beta1::{AllocateRequest, ContainerAllocateRequest};
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::prometheus::Prometheus;
-use tessera_tests::kubelet::{TestKubelet, WAIT, spawn};
+use tessera_tests::kubelet::{TestKubelet, WAIT, allocate, spawn};
 use tessera_tests::shim;
 
 const MIB: u64 = 1 << 20;
@@ -38,12 +37,8 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     // /metrics on a free loopback port, scraped by a real Prometheus server.
-    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
-    let config = tessera_tests::kubelet::write_config(
-        &node,
-        dir,
-        &format!("[telemetry]\nmetrics_listen = \"{metrics}\"\n[partitions.default]\nshares = {{ count = 4 }}"),
-    );
+    let (metrics, config) =
+        tessera_tests::kubelet::write_config_with_metrics(&node, dir, "[partitions.default]\nshares = { count = 4 }");
     let log = dir.join("tesserad.log");
     let mut kubelet = TestKubelet::start(&dir.join("plugins"));
     let (_daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
@@ -56,14 +51,7 @@ async fn a_kubelet_share_limits_the_workload_and_shows_in_usage() {
         let mut list = plugin.list_and_watch(tessera_proto::deviceplugin::v1beta1::Empty {}).await.expect("list");
         tessera_tests::kubelet::next_list(list.get_mut()).await.devices[1].id.clone()
     };
-    let resp = plugin
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest { devices_ids: vec![share.clone()] }],
-        })
-        .await
-        .expect("allocate")
-        .into_inner();
-    let answer = &resp.container_responses[0];
+    let answer = allocate(&mut plugin, &[&share]).await;
     let id = answer.envs["TESSERA_ALLOCATION"].clone();
     let host_dir = PathBuf::from(&answer.mounts[0].host_path);
     let mut api = tessera_tests::kubelet::node_api(&dir.join("run/tessera.sock")).await;

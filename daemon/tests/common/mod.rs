@@ -123,6 +123,29 @@ impl TestKubelet {
     }
 }
 
+/// Allocate of `devices` for one container, as the kubelet asks it: that container's answer.
+pub async fn allocate(plugin: &mut DevicePluginClient<Channel>, devices: &[&str]) -> dp::ContainerAllocateResponse {
+    let devices_ids = devices.iter().map(|d| d.to_string()).collect();
+    let request = dp::AllocateRequest { container_requests: vec![dp::ContainerAllocateRequest { devices_ids }] };
+    let mut resp = plugin.allocate(request).await.expect("allocate").into_inner();
+    resp.container_responses.remove(0)
+}
+
+/// The documents of `yaml` as JSON, read by PyYAML in `python` (empty documents left out).
+pub fn yaml_documents(python: &Path, yaml: &str) -> Vec<serde_json::Value> {
+    use std::io::Write;
+    let mut child = std::process::Command::new(python)
+        .args(["-c", "import json,sys,yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    child.stdin.take().unwrap().write_all(yaml.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
 pub async fn next_list(stream: &mut tonic::Streaming<ListAndWatchResponse>) -> ListAndWatchResponse {
     tokio::time::timeout(WAIT, stream.message()).await.expect("list in time").expect("stream ok").expect("stream open")
 }
@@ -203,6 +226,17 @@ pub fn write_config(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str)
 }
 
 /// Runs the built `tessera` CLI against `socket`: its exit code and its stdout and stderr together.
+/// [`write_config`] with `/metrics` on a free port of 127.0.0.1 (`[telemetry] metrics_listen`)
+/// ahead of `body`: that address and the file.
+pub fn write_config_with_metrics(
+    node: &tessera_sim_testkit::SimNode,
+    dir: &Path,
+    body: &str,
+) -> (std::net::SocketAddr, PathBuf) {
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
+    (metrics, write_config(node, dir, &format!("[telemetry]\nmetrics_listen = \"{metrics}\"\n{body}")))
+}
+
 pub fn tessera(socket: &Path, args: &[&str]) -> (i32, String) {
     let out = std::process::Command::new(tessera_sim_testkit::binary("tessera"))
         .arg("--socket")
