@@ -21,7 +21,7 @@ use crate::resources::{Kind, Resources};
 
 /// What the specs are written from, as plain data: the GPUs found, what is offered, and the
 /// device root their nodes are under. The controller's published view gives one
-/// (`impl From<&node::View>`), so this module needs nothing above it.
+/// (`impl From<&view::View>`, in `node`), so this module needs nothing above it.
 #[derive(Debug, Clone, Copy)]
 pub struct Offer<'a> {
     pub inventory: &'a Inventory,

@@ -26,6 +26,7 @@
 //! - [`cdi`]: the CDI specs written for container runtimes, refreshed when offerings change.
 //! - [`api`]: the node API (`tessera.v1`) on an owner-only Unix socket.
 //! - [`usage`]: per-container usage read from the accounting regions.
+//! - [`view`]: the node as the controller publishes it, the one value every face reads.
 //! - [`podresources`]: which pod holds each allocation (the kubelet's pod-resources API), and
 //!   releasing allocations whose container is gone.
 //! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
@@ -66,3 +67,4 @@ pub mod telemetry;
 pub(crate) mod testlog;
 pub mod trace;
 pub mod usage;
+pub mod view;

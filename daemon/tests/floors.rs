@@ -53,6 +53,7 @@ const FLOORS: &[(&str, Floor)] = &[
     ("config", Core),
     ("discovery", Core),
     ("device_health", Core),
+    ("view", Core),
     ("partition", Core),
     ("resources", Core),
     ("state", State),

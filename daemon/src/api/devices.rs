@@ -7,10 +7,11 @@ use tessera_proto::tessera::v1 as api;
 use tonic::Status;
 
 use crate::device_health::Health;
-use crate::node::{View, holder, identity, layout};
+use crate::node::{holder, identity, layout};
 use crate::resources::{CDI_VENDOR, Kind, Resources};
 use crate::state::{Allocation, Lease, Source};
 use crate::usage::UsageReport;
+use crate::view::View;
 
 /// Which GPUs a `gpu` filter (UUID or index; empty: all) selects; an unknown one is an error.
 fn gpu_filter(view: &View, gpu: &str) -> Result<Option<u32>, Status> {

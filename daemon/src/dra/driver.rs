@@ -26,9 +26,10 @@ use super::slices::{MEMORY_STEP, Publisher};
 use super::status::{KubeClaimStatus, StatusWriter};
 use crate::config::Config;
 use crate::config::kubernetes::{Mode, node_name};
+use crate::node::NodeController;
 use crate::node::mig::Placement;
-use crate::node::{NodeController, View};
 use crate::state::{Allocation, Source};
+use crate::view::View;
 
 /// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal);
 /// `node_api`: what the node API's own allocations hold ([`node_api_held`]), taken out.

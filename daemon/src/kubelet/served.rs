@@ -17,8 +17,9 @@ use super::{Allocator, DevicePlugin, KubeletError, PluginDevice, PluginSet};
 use crate::allocator::DaemonAllocator;
 use crate::config::Config;
 use crate::config::kubernetes::Mode;
-use crate::node::{KubeletOffer, NodeController, View};
+use crate::node::{KubeletOffer, NodeController};
 use crate::resources::{Resource, Resources};
+use crate::view::View;
 
 /// How often the withdrawn devices are looked at again while there are any.
 const WITHDRAWN_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);

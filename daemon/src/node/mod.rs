@@ -29,6 +29,7 @@ use crate::events::EventBus;
 use crate::partition::{self, GpuLayout, PlanError, Share};
 use crate::resources::Resources;
 use crate::state::{AllocDirs, Allocation, Store};
+use crate::view::{GpuStatus, View};
 
 /// What asked for a configuration to be applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,28 +47,6 @@ pub struct ConfigSource {
     pub path: PathBuf,
     /// Named on the command line: a missing file is an error, not the defaults.
     pub explicit: bool,
-}
-
-/// One GPU's layout status.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GpuStatus {
-    pub state: api::PartitionState,
-    /// Why the desired layout is not (yet) in place.
-    pub issues: Vec<api::LayoutIssue>,
-}
-
-/// A consistent copy of the live picture, for reports.
-#[derive(Debug, Clone)]
-pub struct View {
-    /// In effect: the file's configuration with the node API's layout changes on top.
-    pub config: Arc<Config>,
-    pub inventory: Inventory,
-    pub shares: Vec<Share>,
-    pub resources: Arc<Resources>,
-    /// Managed GPUs only (by index).
-    pub status: BTreeMap<u32, GpuStatus>,
-    /// What is out of service, with the reasons (the health monitor's findings).
-    pub health: NodeHealth,
 }
 
 /// The CDI specs are written from the view's offer (`cdi` stands below the controller).

@@ -16,8 +16,9 @@ use tessera_daemon::cdi::CdiWriter;
 use tessera_daemon::config::Config;
 use tessera_daemon::discovery::Session;
 use tessera_daemon::events::EventBus;
-use tessera_daemon::node::{ConfigSource, NodeController, StartError, View};
+use tessera_daemon::node::{ConfigSource, NodeController, StartError};
 use tessera_daemon::state::{AllocDirs, Store};
+use tessera_daemon::view::View;
 
 /// How many events are kept on disk for replay.
 const KEPT_EVENTS: usize = 1000;
