@@ -16,7 +16,7 @@ use super::errors::{Cu, During, poll_faults, sim};
 use super::graph::Capture;
 use super::handles;
 use super::init::driver;
-use super::stream::resolve;
+use super::stream::{Target, resolve};
 use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_READY, R, need, put, run, sys};
 
 /// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS`.
@@ -124,10 +124,18 @@ cuda_exports! {
     }
 }
 
-fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R {
-    if flags & !EVENT_RECORD_EXTERNAL != 0 {
-        return Err(INVALID_VALUE);
-    }
+/// The event `h`, on a node with no fault pending, its context able to synchronize.
+fn event_to_sync(h: sys::CUevent) -> R<(&'static Node, Arc<Event>)> {
+    let node = driver()?.node;
+    poll_faults(node)?;
+    let ev = event(h)?;
+    ev.ctx.check_sync(node)?;
+    Ok((node, ev))
+}
+
+/// The event `h` and what `stream` resolves to (its context able to take work), read under one
+/// lock of the registry, on a node with no fault pending.
+fn event_and_stream(h: sys::CUevent, stream: sys::CUstream, pt: bool) -> R<(&'static Node, Arc<Event>, Target)> {
     let node = driver()?.node;
     poll_faults(node)?;
     let (ev, target) = {
@@ -136,6 +144,14 @@ fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R 
         (ev, resolve(&reg, node, stream, pt)?)
     };
     target.ctx.check(node)?;
+    Ok((node, ev, target))
+}
+
+fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R {
+    if flags & !EVENT_RECORD_EXTERNAL != 0 {
+        return Err(INVALID_VALUE);
+    }
+    let (node, ev, target) = event_and_stream(h, stream, pt)?;
     if ev.ctx.handle != target.ctx.handle {
         return Err(INVALID_HANDLE);
     }
@@ -167,20 +183,14 @@ cuda_exports! {
 
     fn cuEventQuery(hEvent) {
         run(|| {
-            let node = driver()?.node;
-            poll_faults(node)?;
-            let ev = event(hEvent)?;
-            ev.ctx.check_sync(node)?;
+            let (node, ev) = event_to_sync(hEvent)?;
             if ev.poll(node)? { Ok(()) } else { Err(NOT_READY) }
         })
     }
 
     fn cuEventSynchronize(hEvent) {
         run(|| {
-            let node = driver()?.node;
-            poll_faults(node)?;
-            let ev = event(hEvent)?;
-            ev.ctx.check_sync(node)?;
+            let (node, ev) = event_to_sync(hEvent)?;
             ev.wait(node)?;
             ev.ctx.check_sync(node)
         })
@@ -238,14 +248,7 @@ fn wait_event(stream: sys::CUstream, h: sys::CUevent, flags: c_uint, pt: bool) -
     if flags & !EVENT_WAIT_EXTERNAL != 0 {
         return Err(INVALID_VALUE);
     }
-    let node = driver()?.node;
-    poll_faults(node)?;
-    let (ev, target) = {
-        let reg = handles::read();
-        let ev = reg.events.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)?;
-        (ev, resolve(&reg, node, stream, pt)?)
-    };
-    target.ctx.check(node)?;
+    let (node, ev, target) = event_and_stream(h, stream, pt)?;
     let capturing = target.capture();
     let mark = match &*ev.state() {
         EvState::Never | EvState::Done(_) => return Ok(()),
