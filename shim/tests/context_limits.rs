@@ -32,13 +32,8 @@ fn get(s: &Session, limit: c_int) -> u64 {
 
 #[test]
 fn raised_context_limits_hold_the_memory_limit() {
-    let test = "raised_context_limits_hold_the_memory_limit";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(8 * GIB));
-    }
-    let s = Session::start(0);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let Some(s) = limited_session("raised_context_limits_hold_the_memory_limit", 8 * GIB) else { return };
+    let (region, dev, base) = device0_base(&s);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
 
@@ -111,12 +106,8 @@ fn raised_context_limits_hold_the_memory_limit() {
 fn threads_raising_limits_while_others_allocate_never_pass_the_limit_on_the_gpu() {
     let test = "threads_raising_limits_while_others_allocate_never_pass_the_limit_on_the_gpu";
     let limit = 4 * GIB;
-    if !in_child() {
-        return run_in_container(test, &memory_limits(limit));
-    }
-    let s = Session::start(0);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let Some(s) = limited_session(test, limit) else { return };
+    let (region, dev, base) = device0_base(&s);
     let state = std::env::var_os("TESSERA_SIM_STATE").expect("TESSERA_SIM_STATE");
     let model = tessera_sim_model::Node::open_state(std::path::Path::new(&state), None).expect("the node");
     model.reset_high_water(0, 0).expect("reset");

@@ -242,11 +242,11 @@ fn many_first_contexts_at_once_never_pass_the_limit_and_leave_nothing() {
 /// held 10 GiB under a 2 GiB limit.
 #[test]
 fn contexts_made_while_other_threads_allocate_and_free_are_never_undercharged() {
-    let test = "contexts_made_while_other_threads_allocate_and_free_are_never_undercharged";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(48 * GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) =
+        limited_session("contexts_made_while_other_threads_allocate_and_free_are_never_undercharged", 48 * GIB)
+    else {
+        return;
+    };
     let cu = &s.cu;
     let (region, dev) = region_and_dev(&s);
     // The first context's true-up done (it is deferred at start-up): the base.

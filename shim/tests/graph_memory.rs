@@ -96,14 +96,11 @@ impl G<'_> {
 
 #[test]
 fn allocation_nodes_inside_child_graphs_are_counted_before_a_launch() {
-    let test = "allocation_nodes_inside_child_graphs_are_counted_before_a_launch";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("allocation_nodes_inside_child_graphs_are_counted_before_a_launch", GIB) else {
+        return;
+    };
     let g = G(&s);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let (region, dev, base) = device0_base(&s);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
 
@@ -152,14 +149,9 @@ fn allocation_nodes_inside_child_graphs_are_counted_before_a_launch() {
 
 #[test]
 fn graph_memory_is_charged_as_the_graph_pool_holds_it() {
-    let test = "graph_memory_is_charged_as_the_graph_pool_holds_it";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("graph_memory_is_charged_as_the_graph_pool_holds_it", GIB) else { return };
     let g = G(&s);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let (region, dev, base) = device0_base(&s);
     assert_eq!(base, OVERHEAD_MIB * MIB);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
@@ -249,11 +241,7 @@ fn graph_memory_is_charged_as_the_graph_pool_holds_it() {
 
 #[test]
 fn graph_memory_on_another_device_is_charged_there() {
-    let test = "graph_memory_on_another_device_is_charged_there";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("graph_memory_on_another_device_is_charged_there", GIB) else { return };
     let g = G(&s);
     let path = PathBuf::from(std::env::var_os("TESSERA_REGION").expect("TESSERA_REGION"));
     let region = Region::open_or_create(&path).expect("open region");
@@ -280,14 +268,9 @@ const AUTO_FREE_ON_LAUNCH: u64 = 0x1;
 
 #[test]
 fn auto_free_relaunches_are_charged_once() {
-    let test = "auto_free_relaunches_are_charged_once";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("auto_free_relaunches_are_charged_once", GIB) else { return };
     let g = G(&s);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let (region, dev, base) = device0_base(&s);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
     // A graph whose 500 MiB output outlives each replay: every relaunch frees the last one first,

@@ -184,13 +184,10 @@ fn reserve_va(s: &Session, bytes: u64) -> u64 {
 
 #[test]
 fn mapped_virtual_memory_stays_charged_until_released_and_unmapped() {
-    let test = "mapped_virtual_memory_stays_charged_until_released_and_unmapped";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let Some(s) = limited_session("mapped_virtual_memory_stays_charged_until_released_and_unmapped", GIB) else {
+        return;
+    };
+    let (region, dev, base) = device0_base(&s);
     assert_eq!(base, OVERHEAD_MIB * MIB);
     let used = || region.used(dev) - base;
     let va = reserve_va(&s, 4 * GIB);

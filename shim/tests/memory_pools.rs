@@ -28,14 +28,11 @@ unsafe fn keep_all(cu: &Cuda, pool: H) {
 
 #[test]
 fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
-    let test = "what_a_pool_keeps_stays_charged_until_the_driver_releases_it";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(2 * GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("what_a_pool_keeps_stays_charged_until_the_driver_releases_it", 2 * GIB) else {
+        return;
+    };
     let cu = &s.cu;
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let (region, dev, base) = device0_base(&s);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
     let free = || s.mem_info().0;
@@ -148,11 +145,9 @@ fn what_a_pool_keeps_stays_charged_until_the_driver_releases_it() {
 /// streams took device 1 to 3 GiB under its 1 GiB limit (and over-charged device 0).
 #[test]
 fn a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it() {
-    let test = "a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("a_pool_is_charged_on_its_own_device_whatever_stream_allocates_from_it", GIB) else {
+        return;
+    };
     let cu = &s.cu;
     let (region, d0) = region_and_dev(&s);
     let d1 = region.device(&s.uuid(1)).expect("device 1's entry");

@@ -34,13 +34,8 @@ fn full_chain() -> (Array3dDesc, u64) {
 
 #[test]
 fn mipmapped_arrays_hold_the_limit() {
-    let test = "mipmapped_arrays_hold_the_limit";
-    if !in_child() {
-        return run_in_container(test, &memory_limits(GIB));
-    }
-    let s = Session::start(0);
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let Some(s) = limited_session("mipmapped_arrays_hold_the_limit", GIB) else { return };
+    let (region, dev, base) = device0_base(&s);
     let used = || region.used(dev) - base;
     let gpu = || gpu_used(0) - base;
     let (desc, bytes) = full_chain();

@@ -25,13 +25,9 @@ fn model() -> Node {
 
 #[test]
 fn every_allocation_family_is_charged_and_refunded() {
-    if !in_child() {
-        return run_in_container("every_allocation_family_is_charged_and_refunded", &memory_limits(8 * GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("every_allocation_family_is_charged_and_refunded", 8 * GIB) else { return };
     let cu = &s.cu;
-    let (region, dev) = region_and_dev(&s);
-    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    let (region, dev, base) = device0_base(&s);
     assert_eq!(base, OVERHEAD_MIB * MIB, "the primary context's overhead is charged");
     let used = || region.used(dev) - base;
     let gpu = || model().memory_info(0, 0).unwrap().used;
@@ -138,10 +134,7 @@ fn proc_address(cu: &Cuda, name: &str, version: c_int, flags: u64) -> *mut c_voi
 
 #[test]
 fn lookups_hand_out_the_hook_of_the_version_asked_for() {
-    if !in_child() {
-        return run_in_container("lookups_hand_out_the_hook_of_the_version_asked_for", &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("lookups_hand_out_the_hook_of_the_version_asked_for", GIB) else { return };
     let cu = &s.cu;
     let ours = |sym: &std::ffi::CStr| {
         let p = global(sym);
@@ -198,10 +191,7 @@ fn lookups_hand_out_the_hook_of_the_version_asked_for() {
 
 #[test]
 fn every_launch_entry_point_reaches_the_driver() {
-    if !in_child() {
-        return run_in_container("every_launch_entry_point_reaches_the_driver", &memory_limits(GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("every_launch_entry_point_reaches_the_driver", GIB) else { return };
     let cu = &s.cu;
     let image = ptx("tessera_test_spin_50us");
     // SAFETY: valid out-pointers; handles from the driver; no kernel parameters.
@@ -275,10 +265,7 @@ const PER_THREAD: usize = 2;
 /// fast path (the stream's device cached).
 #[test]
 fn launches_count_on_the_device_their_stream_runs_on() {
-    if !in_child() {
-        return run_in_container("launches_count_on_the_device_their_stream_runs_on", &memory_limits(8 * GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("launches_count_on_the_device_their_stream_runs_on", 8 * GIB) else { return };
     let cu = &s.cu;
     let null: H = std::ptr::null_mut();
     let per_thread = PER_THREAD as H;
@@ -317,11 +304,9 @@ fn launches_count_on_the_device_their_stream_runs_on() {
 /// has one).
 #[test]
 fn default_stream_launches_follow_every_kind_of_context_switch() {
-    const TEST: &str = "default_stream_launches_follow_every_kind_of_context_switch";
-    if !in_child() {
-        return run_in_container(TEST, &memory_limits(8 * GIB));
-    }
-    let s = Session::start(0);
+    let Some(s) = limited_session("default_stream_launches_follow_every_kind_of_context_switch", 8 * GIB) else {
+        return;
+    };
     let cu = &s.cu;
     let null: H = std::ptr::null_mut();
     let per_thread = PER_THREAD as H;

@@ -206,25 +206,8 @@ impl MemAllocNodeParams {
     }
 }
 
-/// `CUDA_ARRAY_DESCRIPTOR`.
-#[repr(C)]
-pub struct ArrayDesc {
-    pub width: usize,
-    pub height: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-}
-
-/// `CUDA_ARRAY3D_DESCRIPTOR`.
-#[repr(C)]
-pub struct Array3dDesc {
-    pub width: usize,
-    pub height: usize,
-    pub depth: usize,
-    pub format: c_uint,
-    pub channels: c_uint,
-    pub flags: c_uint,
-}
+/// `CUDA_ARRAY_DESCRIPTOR` and `CUDA_ARRAY3D_DESCRIPTOR`, as the ABI table lays them out.
+pub use tessera_abi::cuda::raw::{Array3dDesc, ArrayDesc};
 
 /// `CUlaunchConfig` (no attributes).
 #[repr(C)]

@@ -241,6 +241,25 @@ pub fn assert_killed_holder_is_reaped(c: &Container, node: &SimNode, mut child: 
     assert_eq!(code, 0, "the container has its whole limit again: {r}");
 }
 
+/// A test's start under `limit` bytes on every device: in the parent, runs the test again in a
+/// fresh container with that limit ([`run_in_container`]) and gives `None`; in that child, the
+/// session on device 0.
+pub fn limited_session(test_name: &str, limit: u64) -> Option<cuda::Session> {
+    if !in_child() {
+        run_in_container(test_name, &memory_limits(limit));
+        return None;
+    }
+    Some(cuda::Session::start(0))
+}
+
+/// Device 0's entry in the region, and what it is charged once the first context's deferred
+/// true-up is done (its overhead): the base a test counts its own charges from.
+pub fn device0_base(s: &cuda::Session) -> (Region, usize, u64) {
+    let (region, dev) = region_and_dev(s);
+    let base = settled(OVERHEAD_MIB * MIB, || region.used(dev));
+    (region, dev, base)
+}
+
 /// Runs `test_name` again as a child in a fresh container with `limits`, on a fresh node, and
 /// fails if the child failed (the parent's half of a test whose body runs in the child).
 pub fn run_in_container(test_name: &str, limits: &Limits) {
