@@ -103,8 +103,21 @@ impl Target {
     /// Starts a CUDA process on GPU 0 holding `mib` MiB filled with a pattern (`extra` another
     /// command run before it reports ready, e.g. `ipc`).
     fn start(node: &SimNode, mib: u64) -> Target {
-        let mut child = node
-            .command(std::env::current_exe().unwrap())
+        Target::start_under(node, mib, None)
+    }
+
+    /// As [`Target::start`], run by `wrapper` (a program that runs its arguments as a child).
+    fn start_under(node: &SimNode, mib: u64, wrapper: Option<&[&str]>) -> Target {
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match wrapper {
+            Some([program, args @ ..]) => {
+                let mut c = node.command(program);
+                c.args(args).arg(&exe);
+                c
+            }
+            _ => node.command(&exe),
+        };
+        let mut child = cmd
             .args(["target_entry", "--exact", "--nocapture", "--test-threads=1"])
             .env(ROLE, mib.to_string())
             .env(LIB, node.cuda_path())
@@ -455,5 +468,35 @@ fn a_parked_process_that_is_killed_leaves_nothing_behind() {
         assert_eq!(info.used, 0);
         m.alloc(0, 0, info.free).unwrap();
         m.free(0, 0, info.free);
+    });
+}
+
+#[test]
+fn a_process_in_a_pid_namespace_of_its_own_is_reached_by_the_pid_its_caller_sees() {
+    with_api("a_process_in_a_pid_namespace_of_its_own_is_reached_by_the_pid_its_caller_sees", |node, m, api| {
+        // A container's process: pid 1 in a PID namespace of its own (unshare needs root).
+        if !std::process::Command::new("unshare").args(["--pid", "--fork", "true"]).status().is_ok_and(|s| s.success())
+        {
+            assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "unshare --pid failed (not root?)");
+            println!("SKIP: unshare --pid failed (not root?)");
+            return;
+        }
+        let mut t = Target::start_under(node, 16, Some(&["unshare", "--pid", "--fork"]));
+        // The target is unshare's child; the caller names it by the pid it sees.
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", t.pid())).unwrap();
+        let pid: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        assert!(status.lines().any(|l| l.starts_with("NSpid:") && l.ends_with("\t1")), "pid 1 inside: {status}");
+        let before = t.check();
+        // Pid 1 in the caller's view is its own init, never the other namespace's pid 1.
+        assert_eq!(api.state(1), Err(NOT_INITIALIZED));
+        assert_eq!(api.lock(1, None), NOT_INITIALIZED);
+        assert_eq!(api.state(pid), Ok(RUNNING));
+        assert_eq!(api.lock(pid, None), SUCCESS);
+        assert_eq!(api.checkpoint(pid), SUCCESS);
+        assert!(m.processes(0, None).unwrap().is_empty(), "parked: unlisted");
+        assert_eq!(api.restore(pid), SUCCESS);
+        assert_eq!(api.unlock(pid), SUCCESS);
+        assert_eq!(t.check(), before);
     });
 }

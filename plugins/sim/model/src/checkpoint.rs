@@ -115,6 +115,21 @@ fn futex_wake_all(word: &AtomicU32) {
     unsafe { libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0, 0, 0) };
 }
 
+/// The process the caller calls `pid`, as its slot records it: its pid in its own (innermost)
+/// PID namespace and that namespace, from `/proc`. `None` when the caller sees no such process,
+/// or may not inspect it (the namespace link needs ptrace read access, as the driver's checkpoint
+/// needs its caller to be allowed to act on the target): a tenant cannot reach another's process.
+fn resolve_pid(pid: u32) -> Option<(u32, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let inner = status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last()?.parse().ok())
+        .unwrap_or(pid);
+    let ns = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(format!("/proc/{pid}/ns/pid")).ok()?);
+    Some((inner, ns))
+}
+
 /// How long a caller sleeps between looks at whether its target is still alive.
 const ALIVE_CHECK: Duration = Duration::from_millis(50);
 
@@ -256,30 +271,33 @@ impl Node {
 
     // ---- another process's side ----
 
-    /// The live slot of the CUDA process `pid` (one in our PID namespace first): `NotFound`
-    /// when no process of that id uses the node, `NotSupported` when it never ran `cuInit`.
-    fn checkpoint_slot(&self, pid: u32) -> Result<usize> {
+    /// The live slot of the CUDA process the caller calls `pid` (its `(slot, pid in its own
+    /// namespace)`): `NotFound` when no process of that id uses the node, or the caller cannot
+    /// see it or may not inspect it, `NotSupported` when it never ran `cuInit`.
+    fn checkpoint_slot(&self, pid: u32) -> Result<(usize, u32)> {
+        let not_found = || SimError::NotFound(format!("process {pid} on the node"));
+        let (inner, ns) = resolve_pid(pid).ok_or_else(not_found)?;
         let g = self.region.lock();
         g.reap();
-        let ours = crate::region::pid_namespace();
-        let mut found: Vec<usize> = g.used_slots().filter(|&s| g.shared().procs[s].pid.load(Relaxed) == pid).collect();
-        let serving = |s: usize| g.shared().procs[s].checkpoint.restore_tid.load(Acquire) != 0;
-        found.sort_by_key(|&s| (g.shared().procs[s].pid_ns.load(Relaxed) != ours, !serving(s)));
-        let slot = *found.first().ok_or_else(|| SimError::NotFound(format!("process {pid} on the node")))?;
-        if g.shared().procs[slot].checkpoint.restore_tid.load(Acquire) == 0 {
+        let p = |s: usize| &g.shared().procs[s];
+        let mut found: Vec<usize> =
+            g.used_slots().filter(|&s| p(s).pid.load(Relaxed) == inner && p(s).pid_ns.load(Relaxed) == ns).collect();
+        found.sort_by_key(|&s| p(s).checkpoint.restore_tid.load(Acquire) == 0);
+        let slot = *found.first().ok_or_else(not_found)?;
+        if p(slot).checkpoint.restore_tid.load(Acquire) == 0 {
             return Err(SimError::NotSupported(format!("process {pid} has not initialized CUDA")));
         }
-        Ok(slot)
+        Ok((slot, inner))
     }
 
-    /// Whether `slot` still belongs to the live process `pid`.
+    /// Whether `slot` still belongs to the live process `pid` (in its own namespace).
     fn checkpoint_target_alive(&self, slot: usize, pid: u32) -> bool {
         self.region.shared().procs[slot].pid.load(Relaxed) == pid && self.region.slot_alive(slot)
     }
 
     /// The state and the restore thread id of the CUDA process `pid`.
     pub fn checkpoint_state_of(&self, pid: u32) -> Result<(ProcessState, u32)> {
-        let slot = self.checkpoint_slot(pid)?;
+        let (slot, _) = self.checkpoint_slot(pid)?;
         let c = &self.region.shared().procs[slot].checkpoint;
         Ok((ProcessState::from_raw(c.state.load(Acquire)), c.restore_tid.load(Acquire)))
     }
@@ -287,7 +305,7 @@ impl Node {
     /// Asks the CUDA process `pid` to perform `op` and waits for its answer (a `CUresult`).
     /// `NotFound` when the process is not on the node or died before it answered.
     pub fn checkpoint_request(&self, pid: u32, op: CheckpointOp) -> Result<u32> {
-        let slot = self.checkpoint_slot(pid)?;
+        let (slot, inner) = self.checkpoint_slot(pid)?;
         let c = &self.region.shared().procs[slot].checkpoint;
         let gone = || SimError::NotFound(format!("process {pid} exited"));
         let ticket = loop {
@@ -301,7 +319,7 @@ impl Node {
             }
             // Another caller's request is being served: wait for its reply, then try again.
             let seen = c.reply_futex.load(Acquire);
-            if !self.checkpoint_target_alive(slot, pid) {
+            if !self.checkpoint_target_alive(slot, inner) {
                 return Err(gone());
             }
             if c.request.load(Acquire) != 0 {
@@ -316,7 +334,7 @@ impl Node {
             if (reply >> 32) as u32 == ticket {
                 return Ok(reply as u32);
             }
-            if !self.checkpoint_target_alive(slot, pid) {
+            if !self.checkpoint_target_alive(slot, inner) {
                 // The mailbox is the dead slot's; clearing it is the reaper's job.
                 return Err(gone());
             }
