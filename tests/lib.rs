@@ -248,6 +248,32 @@ def free():
     return f.value, t.value
 "#;
 
+/// What a runc flow starts from: a temporary directory, a busybox root file system in it, and a
+/// fake host with its device nodes.
+pub struct RuncTest {
+    pub tmp: tempfile::TempDir,
+    pub rootfs: PathBuf,
+    pub host: FakeHost,
+}
+
+/// A runc flow's start with a fake host of `devices`; `None` (with a SKIP line) where runc or
+/// busybox is not usable here.
+pub fn runc_test(devices: &[(&str, u32, u32)]) -> Option<RuncTest> {
+    if !runc_usable() {
+        return None;
+    }
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let rootfs = busybox_rootfs(&tmp.path().join("rootfs"))?;
+    let host = FakeHost::new(tmp.path(), devices);
+    Some(RuncTest { tmp, rootfs, host })
+}
+
+/// The one-H100 node most container flows run on.
+pub const ONE_H100: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n";
+
+/// The device nodes of that node's fake host: GPU 0 and the control device.
+pub const GPU0_DEVICES: &[(&str, u32, u32)] = &[("nvidia0", 195, 0), ("nvidiactl", 195, 255)];
+
 pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::Empty;
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::{TestKubelet, allocate, next_list, spawn};
-use tessera_tests::{FakeHost, busybox_rootfs, runc_bundle, runc_usable};
+use tessera_tests::{RuncTest, runc_bundle, runc_test};
 
 const PROBE: &str = r#"
 for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f $(stat -c '%t:%T' $f)"; done
@@ -30,19 +30,12 @@ echo "region-grows $( (dd if=/dev/zero of=/run/tessera/alloc/region bs=1048576 c
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kubelet_share_reaches_a_runc_container() {
-    if !runc_usable() {
-        return;
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
     // The host as the daemon and the runtime see it: device nodes and the driver's files.
-    let host = FakeHost::new(
-        dir,
-        &[("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255), ("nvidia-uvm", 235, 0)],
-    );
+    let devices = [("nvidia0", 195, 0), ("nvidia1", 195, 1), ("nvidiactl", 195, 255), ("nvidia-uvm", 235, 0)];
+    let Some(RuncTest { tmp, rootfs, host }) = runc_test(&devices) else { return };
+    let dir = tmp.path();
 
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let node = SimNode::with_description(tessera_tests::ONE_H100);
     let config = tessera_tests::kubelet::write_config(
         &node,
         dir,

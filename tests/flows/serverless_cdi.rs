@@ -11,8 +11,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use tessera_sim_testkit::SimNode;
-use tessera_tests::kubelet::{node_api, skip, spawn};
-use tessera_tests::{FakeHost, busybox_rootfs, ok, tessera};
+use tessera_tests::kubelet::{node_api, skip, start_daemon};
+use tessera_tests::{FakeHost, GPU0_DEVICES, ONE_H100, RuncTest, busybox_rootfs, ok, tessera};
 
 /// podman 4.3 reads CDI specs from this one global directory only.
 const CDI_DIR: &str = "/var/run/cdi";
@@ -151,17 +151,15 @@ fn a_cdi_container_deleted_or_killed_releases_its_lease() {
     if !podman_usable(&rootfs) {
         return;
     }
-    let host = FakeHost::new(dir, &[("nvidia0", 195, 0), ("nvidiactl", 195, 255)]);
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let host = FakeHost::new(dir, GPU0_DEVICES);
+    let node = SimNode::with_description(ONE_H100);
     // tesserad writes its specs where podman reads them, in the version podman 4.3 takes.
     let injection = host
         .injection_config()
         .replace(&format!("{:?}", dir.join("cdi").display().to_string()), &format!("{CDI_DIR:?}"))
         + "cdi_version = \"0.5.0\"\n";
-    let config = tessera_tests::kubelet::write_config(&node, dir, &injection);
     let _specs = Specs;
-    let log = dir.join("tesserad.log");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let (_daemon, log) = start_daemon(&node, dir, &injection);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let _ = node_api(&dir.join("run/tessera.sock")).await;
@@ -225,17 +223,10 @@ fn a_cdi_container_deleted_or_killed_releases_its_lease() {
 /// killing its process and deleting it, releases the lease by the reconcile alone.
 #[test]
 fn without_a_poststop_the_vanished_runtime_state_releases_the_lease() {
-    if !tessera_tests::runc_usable() {
-        return;
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
+    let Some(RuncTest { tmp, rootfs, host }) = tessera_tests::runc_test(GPU0_DEVICES) else { return };
     let dir = tmp.path();
-    let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
-    let host = FakeHost::new(dir, &[("nvidia0", 195, 0), ("nvidiactl", 195, 255)]);
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let config = tessera_tests::kubelet::write_config(&node, dir, &host.injection_config());
-    let log = dir.join("tesserad.log");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let node = SimNode::with_description(ONE_H100);
+    let (_daemon, log) = start_daemon(&node, dir, &host.injection_config());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let _ = node_api(&dir.join("run/tessera.sock")).await;

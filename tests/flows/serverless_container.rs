@@ -9,8 +9,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tessera_sim_testkit::{SimNode, binary};
-use tessera_tests::kubelet::{node_api, spawn};
-use tessera_tests::{FakeHost, busybox_rootfs, ok, runc_bundle, runc_usable, tessera};
+use tessera_tests::kubelet::{node_api, start_daemon};
+use tessera_tests::{GPU0_DEVICES, ONE_H100, RuncTest, ok, runc_bundle, runc_test, tessera};
 
 fn alloc(dir: &Path, sm: &str) -> serde_json::Value {
     let out = ok(&tessera(dir, &["alloc", "--memory", "4GiB", "--sm", sm, "--lease", "container", "--json"]));
@@ -44,19 +44,12 @@ fn bundle(dir: &Path, name: &str, rootfs: &Path, script: &str, env: &[String]) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_share_follows_its_runc_container() {
-    if !runc_usable() {
-        return;
-    }
-    let tmp = tempfile::tempdir().expect("tempdir");
+    let Some(RuncTest { tmp, rootfs, host }) = runc_test(GPU0_DEVICES) else { return };
     let dir = tmp.path();
-    let Some(rootfs) = busybox_rootfs(&dir.join("rootfs")) else { return };
-    let host = FakeHost::new(dir, &[("nvidia0", 195, 0), ("nvidiactl", 195, 255)]);
 
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let node = SimNode::with_description(ONE_H100);
     // No kubelet: the GPU stays whole in the kubelet's terms; shares are carved on demand.
-    let config = tessera_tests::kubelet::write_config(&node, dir, &host.injection_config());
-    let log = dir.join("tesserad.log");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let (_daemon, log) = start_daemon(&node, dir, &host.injection_config());
     let _ = node_api(&dir.join("run/tessera.sock")).await;
     let hook_config = host.write_hook_config();
     let runc = |args: &[&str]| {

@@ -17,7 +17,7 @@ use std::time::Duration;
 use tessera_proto::tessera::v1 as api;
 use tessera_sim_model::{Node, monotonic_ns};
 use tessera_sim_testkit::{SimNode, binary};
-use tessera_tests::kubelet::{node_api, spawn};
+use tessera_tests::kubelet::node_api;
 use tessera_tests::{ok, shim, tessera};
 
 /// The achieved shares are bands, as in the shim's compute tests (a shared 2-core machine).
@@ -70,11 +70,9 @@ fn measure(sim: &Node, window: Duration, online: u32, offline: u32) -> (f64, f64
 async fn limits_set_moves_online_and_offline_shares_live() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
-    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let node = SimNode::with_description(tessera_tests::ONE_H100);
     // The shortest SM window, so that every phase below is judged by it (the default is 5 s).
-    let config = tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\nsm_window_ms = 1000\n");
-    let log = dir.join("tesserad.log");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let _daemon = tessera_tests::kubelet::start_daemon(&node, dir, "[enforcement]\nsm_window_ms = 1000\n");
     let mut api = node_api(&dir.join("run/tessera.sock")).await;
     let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
     let mut breaches = api.watch_events(req).await.expect("watch events").into_inner();

@@ -226,6 +226,15 @@ pub fn write_config(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str)
 }
 
 /// Runs the built `tessera` CLI against `socket`: its exit code and its stdout and stderr together.
+/// tesserad on `node` with [`write_config`]`(node, dir, body)` and no notify socket, logging to
+/// `dir/tesserad.log`: the daemon and that log's path.
+pub fn start_daemon(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str) -> (Daemon, PathBuf) {
+    let config = write_config(node, dir, body);
+    let log = dir.join("tesserad.log");
+    let (daemon, _) = spawn(node, &config, &dir.join("no-notify"), &log);
+    (daemon, log)
+}
+
 /// [`write_config`] with `/metrics` on a free port of 127.0.0.1 (`[telemetry] metrics_listen`)
 /// ahead of `body`: that address and the file.
 pub fn write_config_with_metrics(
