@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use tessera_proto::dra::v1;
@@ -39,19 +39,11 @@ fn config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str, kubern
 
 /// Polls `what` until `done` accepts it (up to [`WAIT`]); the last value.
 async fn until<T: std::fmt::Debug>(what: impl Fn() -> T, done: impl Fn(&T) -> bool, log: &Path) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    common::eventually(WAIT, log, || {
         let v = what();
-        if done(&v) {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "gave up waiting; last {v:?}\nlog:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if done(&v) { Ok(v) } else { Err(format!("gave up waiting; last {v:?}")) }
+    })
+    .await
 }
 
 /// (kind, name, reason) → (series count, or 1 without a series), of every Event.

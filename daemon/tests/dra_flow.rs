@@ -60,21 +60,16 @@ fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, ex
 /// Waits for the health monitor's first look: a fault injected before it is its baseline, not a
 /// fault.
 async fn monitor_started(log: &Path) {
-    let deadline = Instant::now() + WAIT;
-    while !std::fs::read_to_string(log).unwrap_or_default().contains("health monitor started") {
-        assert!(
-            Instant::now() < deadline,
-            "no health monitor; log:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    common::eventually(WAIT, log, || {
+        let started = std::fs::read_to_string(log).unwrap_or_default().contains("health monitor started");
+        if started { Ok(()) } else { Err("no health monitor".into()) }
+    })
+    .await
 }
 
 /// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
 async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, log: &Path) -> Vec<String> {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    common::eventually(WAIT, log, || {
         let names: Option<Vec<String>> = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
             s["spec"]["devices"]
                 .as_array()
@@ -84,15 +79,11 @@ async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, 
                 .collect()
         });
         match names {
-            Some(n) if done(&n) => return n,
-            n => assert!(
-                Instant::now() < deadline,
-                "slice devices {n:?}; log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            ),
+            Some(n) if done(&n) => Ok(n),
+            n => Err(format!("slice devices {n:?}")),
         }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+    })
+    .await
 }
 
 fn claim_object(uid: &str, name: &str, memory: &str, sm: &str) -> Value {
@@ -124,19 +115,11 @@ async fn unprepare(endpoint: &Path, uid: &str, name: &str) -> String {
 
 /// The claim's `status.devices` once `done` accepts it (up to [`WAIT`]).
 async fn status_devices(apiserver: &ApiServer, name: &str, done: impl Fn(&Value) -> bool, log: &Path) -> Value {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    common::eventually(WAIT, log, || {
         let devices = apiserver.claim("ml", name).expect("the claim")["status"]["devices"].clone();
-        if done(&devices) {
-            return devices;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "status.devices {devices}; log:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
+        if done(&devices) { Ok(devices) } else { Err(format!("status.devices {devices}")) }
+    })
+    .await
 }
 
 /// The claim specs in `dir/cdi`, by file name.
@@ -179,14 +162,10 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
 
     let (mut daemon, _) = spawn(&node, &config, &notify, &log);
     // The node's slice: GPU 0 whole and shareable, nothing else.
-    let deadline = Instant::now() + WAIT;
-    let slice = loop {
-        if let Some(s) = apiserver.slices().get("node-a-gpu.tessera.io") {
-            break s.clone();
-        }
-        assert!(Instant::now() < deadline, "no ResourceSlice published; log:\n{}", show_log());
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    };
+    let slice = common::eventually(WAIT, &log, || {
+        apiserver.slices().get("node-a-gpu.tessera.io").cloned().ok_or_else(|| "no ResourceSlice published".into())
+    })
+    .await;
     assert_eq!(slice["spec"]["driver"], "gpu.tessera.io");
     assert_eq!(slice["spec"]["nodeName"], "node-a");
     let names: Vec<&str> =

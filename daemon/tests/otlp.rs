@@ -135,18 +135,7 @@ impl Collector {
 /// Polls `f` until it gives something; fails naming `what` (and showing the daemon's log) after
 /// the deadline.
 async fn until<T>(what: &str, log: &Path, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {DEADLINE:?}; the daemon's log:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::eventually(DEADLINE, log, || f().ok_or_else(|| format!("{what}: not within {DEADLINE:?}"))).await
 }
 
 fn attr<'a>(attrs: &'a [KeyValue], key: &str) -> Option<&'a any_value::Value> {

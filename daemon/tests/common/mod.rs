@@ -226,6 +226,20 @@ pub fn write_config(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str)
 }
 
 /// Runs the built `tessera` CLI against `socket`: its exit code and its stdout and stderr together.
+/// Polls `f` every 25 ms until it gives a value; after `within`, fails with what its last `Err`
+/// said and the daemon's log at `log`.
+pub async fn eventually<T>(within: Duration, log: &Path, mut f: impl FnMut() -> Result<T, String>) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        let last = match f() {
+            Ok(v) => return v,
+            Err(last) => last,
+        };
+        assert!(Instant::now() < deadline, "{last}; log:\n{}", std::fs::read_to_string(log).unwrap_or_default());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 /// tesserad on `node` with [`write_config`]`(node, dir, body)` and no notify socket, logging to
 /// `dir/tesserad.log`: the daemon and that log's path.
 pub fn start_daemon(node: &tessera_sim_testkit::SimNode, dir: &Path, body: &str) -> (Daemon, PathBuf) {
