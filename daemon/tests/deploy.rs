@@ -14,6 +14,8 @@ use tessera_region::paths;
 
 mod common;
 
+use common::which;
+
 fn deploy(file: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -100,11 +102,7 @@ fn systemd_analyze_verifies_the_unit() {
 
 /// The renderer: `kubectl kustomize` (Debian's kubernetes-client), or SKIP.
 fn kubectl() -> Option<PathBuf> {
-    let found = which("kubectl");
-    if found.is_none() {
-        common::skip("kubectl is not installed (Debian package kubernetes-client; scripts/deps.sh installs it)");
-    }
-    found
+    common::installed("kubectl", "Debian package kubernetes-client; scripts/deps.sh installs it")
 }
 
 /// kubernetes-validate: the virtual environment scripts/deps.sh makes, else on PATH, or SKIP.
@@ -115,10 +113,6 @@ fn validator() -> Option<PathBuf> {
         common::skip("kubernetes-validate is not installed (scripts/deps.sh puts it in target/k8s-validate)");
     }
     found
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 /// `kubectl kustomize deploy/kubernetes/<dir>`: the YAML text.

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::which;
+
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
@@ -204,10 +206,6 @@ fn a_containerd_config_it_cannot_edit_safely_is_refused_unchanged() {
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 fn mknod(p: &Path, major: u32, minor: u32) {

@@ -18,6 +18,8 @@ use tessera_daemon::usage::{ContainerUsage, DeviceUsage, UsageReport};
 
 mod common;
 
+use common::which;
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace").to_path_buf()
 }
@@ -26,16 +28,8 @@ fn monitoring() -> PathBuf {
     root().join("deploy/monitoring")
 }
 
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
-}
-
 fn promtool() -> Option<PathBuf> {
-    let found = which("promtool");
-    if found.is_none() {
-        common::skip("promtool is not installed (Debian package prometheus; scripts/deps.sh installs it)");
-    }
-    found
+    common::installed("promtool", "Debian package prometheus; scripts/deps.sh installs it")
 }
 
 /// The Python of target/monitoring (TESSERA_MONITORING_PYTHON names another), with its packages.

@@ -284,6 +284,21 @@ pub async fn node_api(socket: &Path) -> tessera_proto::tessera::v1::node_client:
     }
 }
 
+/// The program `name` on PATH.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?).map(|d| d.join(name)).find(|p| p.is_file())
+}
+
+/// The program `name` on PATH, or `None` with a [`skip`] line saying it is not installed and `how`
+/// to get it.
+pub fn installed(name: &str, how: &str) -> Option<PathBuf> {
+    let found = which(name);
+    if found.is_none() {
+        skip(&format!("{name} is not installed ({how})"));
+    }
+    found
+}
+
 /// Prints `SKIP: why` and returns; fails instead when `TESSERA_REQUIRE_RUNTIMES` is set (CI runs as
 /// root with every tool installed, so a skip there is a broken machine, not a pass).
 pub fn skip(why: &str) {
