@@ -112,20 +112,16 @@ fn by_index(index: u32) -> R<nvmlDevice_t> {
     Ok(gpu_handle(index))
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetHandleByIndex_v2`.
     ///
     /// `nvmlDeviceGetHandleByIndex` (v1).
     fn nvmlDeviceGetHandleByIndex_v2(index, device) also nvmlDeviceGetHandleByIndex {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(device)?;
-                let h = by_index(index)?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, h) }
-            })
-        })
+        node()?;
+        need(device)?;
+        let h = by_index(index)?;
+        // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(device, h) }
     }
 }
 
@@ -154,36 +150,28 @@ fn by_uuid(node: &Node, uuid: &str) -> R<nvmlDevice_t> {
     Err(if lost { GPU_IS_LOST } else { NOT_FOUND })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetHandleByUUID`: a GPU's UUID, or a MIG device's (which gives its MIG device handle).
     fn nvmlDeviceGetHandleByUUID(uuid, device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                need(device)?;
-                // SAFETY: uuid is null or a NUL-terminated string by the caller's contract.
-                let uuid = unsafe { crate::ffi::read_cstr(uuid) }.ok_or(INVALID_ARGUMENT)?;
-                let h = by_uuid(node, uuid)?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, h) }
-            })
-        })
+        let node = node()?;
+        need(device)?;
+        // SAFETY: uuid is null or a NUL-terminated string by the caller's contract.
+        let uuid = unsafe { crate::ffi::read_cstr(uuid) }.ok_or(INVALID_ARGUMENT)?;
+        let h = by_uuid(node, uuid)?;
+        // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(device, h) }
     }
 
     /// `nvmlDeviceGetHandleBySerial` (deprecated in the header, still exported by the library).
     fn nvmlDeviceGetHandleBySerial(serial, device) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                need(device)?;
-                // SAFETY: serial is null or a NUL-terminated string by the caller's contract.
-                let serial = unsafe { crate::ffi::read_cstr(serial) }.ok_or(INVALID_ARGUMENT)?;
-                let id = node.gpus().iter().find(|g| g.serial == serial).ok_or(NOT_FOUND)?;
-                node.check_gpu(id.index).nv()?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, gpu_handle(id.index)) }
-            })
-        })
+        let node = node()?;
+        need(device)?;
+        // SAFETY: serial is null or a NUL-terminated string by the caller's contract.
+        let serial = unsafe { crate::ffi::read_cstr(serial) }.ok_or(INVALID_ARGUMENT)?;
+        let id = node.gpus().iter().find(|g| g.serial == serial).ok_or(NOT_FOUND)?;
+        node.check_gpu(id.index).nv()?;
+        // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(device, gpu_handle(id.index)) }
     }
 }
 
@@ -219,20 +207,16 @@ fn by_pci_bus_id(p: *const c_char) -> R<nvmlDevice_t> {
     Ok(gpu_handle(id.index))
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetHandleByPciBusId_v2`.
     ///
     /// `nvmlDeviceGetHandleByPciBusId` (v1).
     fn nvmlDeviceGetHandleByPciBusId_v2(pci_bus_id, device) also nvmlDeviceGetHandleByPciBusId {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                need(device)?;
-                let h = by_pci_bus_id(pci_bus_id)?;
-                // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(device, h) }
-            })
-        })
+        node()?;
+        need(device)?;
+        let h = by_pci_bus_id(pci_bus_id)?;
+        // SAFETY: device is checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(device, h) }
     }
 }
 
@@ -245,57 +229,45 @@ fn name_of(node: &Node, dev: &Dev) -> R<String> {
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetName`: e.g. "NVIDIA H100 80GB HBM3", or "NVIDIA H100 80GB HBM3 MIG 1g.10gb".
     fn nvmlDeviceGetName(device, name, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                if name.is_null() {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let s = name_of(node, &dev)?;
-                // SAFETY: name holds `length` bytes by the caller's contract.
-                unsafe { put_str(name, length, &s) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        if name.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let s = name_of(node, &dev)?;
+        // SAFETY: name holds `length` bytes by the caller's contract.
+        unsafe { put_str(name, length, &s) }
     }
 
     /// `nvmlDeviceGetUUID`: "GPU-…" for a GPU, "MIG-…" for a MIG device.
     fn nvmlDeviceGetUUID(device, uuid, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                if uuid.is_null() {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let id = node.gpu(dev.gpu()).nv()?;
-                let s = match &dev {
-                    Dev::Gpu(_) => id.uuid.clone(),
-                    Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id, m.ci.serial),
-                };
-                // SAFETY: uuid holds `length` bytes by the caller's contract.
-                unsafe { put_str(uuid, length, &s) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        if uuid.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let id = node.gpu(dev.gpu()).nv()?;
+        let s = match &dev {
+            Dev::Gpu(_) => id.uuid.clone(),
+            Dev::Mig(m) => id.mig_uuid(m.gi.id, m.ci.id, m.ci.serial),
+        };
+        // SAFETY: uuid holds `length` bytes by the caller's contract.
+        unsafe { put_str(uuid, length, &s) }
     }
 
     /// `nvmlDeviceGetSerial`: the board serial (a MIG device reports its board's).
     fn nvmlDeviceGetSerial(device, serial, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                if serial.is_null() {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let s = node.gpu(dev.gpu()).nv()?.serial.clone();
-                // SAFETY: serial holds `length` bytes by the caller's contract.
-                unsafe { put_str(serial, length, &s) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        if serial.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let s = node.gpu(dev.gpu()).nv()?.serial.clone();
+        // SAFETY: serial holds `length` bytes by the caller's contract.
+        unsafe { put_str(serial, length, &s) }
     }
 }
 
@@ -321,37 +293,27 @@ unsafe fn gpu_value<T>(
     unsafe { put(out, v) }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetIndex`: the NVML index (MIG devices have none: `NOT_SUPPORTED`).
     fn nvmlDeviceGetIndex(device, index) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: index is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, index, false, |_, id| Ok(id.index)) }
-            })
-        })
+        // SAFETY: index is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, index, false, |_, id| Ok(id.index)) }
     }
 
     /// `nvmlDeviceGetMinorNumber`: N of /dev/nvidiaN.
     fn nvmlDeviceGetMinorNumber(device, minor_number) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: minor_number is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, minor_number, false, |_, id| Ok(id.minor)) }
-            })
-        })
+        // SAFETY: minor_number is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, minor_number, false, |_, id| Ok(id.minor)) }
     }
 
     /// `nvmlDeviceGetPciInfo_v3`: busId "00000000:18:00.0", busIdLegacy "0000:18:00.0".
     fn nvmlDeviceGetPciInfo_v3(device, pci) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: pci is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, pci, true, |_, id| Ok(gpu_pci(id))) }
-            })
-        })
+        // SAFETY: pci is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, pci, true, |_, id| Ok(gpu_pci(id))) }
     }
+}
 
+nvml_exports! {
     /// `nvmlDeviceGetPciInfo_v2`: the legacy layout (16-byte bus id in the legacy form).
     ///
     /// `nvmlDeviceGetPciInfo` (v1): the legacy layout.
@@ -364,189 +326,131 @@ nvml_exports! {
             })
         })
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlDeviceGetPciInfoExt` (versioned `nvmlPciInfoExt_v1_t`, with the PCI class).
     fn nvmlDeviceGetPciInfoExt(device, pci) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                // SAFETY: pci is null or valid for reads of the struct by the caller's contract.
-                let version = unsafe { get(pci.cast_const().cast::<c_uint>()) }?;
-                if version != struct_version::<nvmlPciInfoExt_v1_t>(1) {
-                    return Err(VERSION_MISMATCH);
-                }
-                let f = |_: &Node, id: &GpuIdentity| {
-                    let p = gpu_pci(id);
-                    Ok(nvmlPciInfoExt_v1_t {
-                        version,
-                        domain: p.domain,
-                        bus: p.bus,
-                        device: p.device,
-                        pciDeviceId: p.pciDeviceId,
-                        pciSubSystemId: p.pciSubSystemId,
-                        baseClass: PCI_BASE_CLASS_DISPLAY,
-                        subClass: PCI_SUB_CLASS_3D,
-                        busId: p.busId,
-                    })
-                };
-                // SAFETY: pci is valid for a write by the caller's contract (checked non-null above).
-                unsafe { gpu_value(device, pci, true, f) }
+        node()?;
+        // SAFETY: pci is null or valid for reads of the struct by the caller's contract.
+        let version = unsafe { get(pci.cast_const().cast::<c_uint>()) }?;
+        if version != struct_version::<nvmlPciInfoExt_v1_t>(1) {
+            return Err(VERSION_MISMATCH);
+        }
+        let f = |_: &Node, id: &GpuIdentity| {
+            let p = gpu_pci(id);
+            Ok(nvmlPciInfoExt_v1_t {
+                version,
+                domain: p.domain,
+                bus: p.bus,
+                device: p.device,
+                pciDeviceId: p.pciDeviceId,
+                pciSubSystemId: p.pciSubSystemId,
+                baseClass: PCI_BASE_CLASS_DISPLAY,
+                subClass: PCI_SUB_CLASS_3D,
+                busId: p.busId,
             })
-        })
+        };
+        // SAFETY: pci is valid for a write by the caller's contract (checked non-null above).
+        unsafe { gpu_value(device, pci, true, f) }
     }
 
     /// `nvmlDeviceGetCudaComputeCapability`: 9.0 for Hopper, 8.0 for A100.
     fn nvmlDeviceGetCudaComputeCapability(device, major, minor) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                need(major)?;
-                need(minor)?;
-                let m = node.gpu(dev.gpu()).nv()?.model;
-                // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
-                unsafe {
-                    put(major, m.cc_major as c_int)?;
-                    put(minor, m.cc_minor as c_int)
-                }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        need(major)?;
+        need(minor)?;
+        let m = node.gpu(dev.gpu()).nv()?.model;
+        // SAFETY: both pointers are checked non-null and aligned; valid for writes by the caller's contract.
+        unsafe {
+            put(major, m.cc_major as c_int)?;
+            put(minor, m.cc_minor as c_int)
+        }
     }
 
     /// `nvmlDeviceGetArchitecture`: `NVML_DEVICE_ARCH_*`.
     fn nvmlDeviceGetArchitecture(device, arch) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: arch is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, arch, true, |_, id| Ok(id.model.architecture)) }
-            })
-        })
+        // SAFETY: arch is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, arch, true, |_, id| Ok(id.model.architecture)) }
     }
 
     /// `nvmlDeviceGetBrand`: `NVML_BRAND_NVIDIA` for today's data-center boards.
     fn nvmlDeviceGetBrand(device, brand) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: brand is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, brand, true, |_, id| Ok(id.model.brand)) }
-            })
-        })
+        // SAFETY: brand is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, brand, true, |_, id| Ok(id.model.brand)) }
     }
 
     /// `nvmlDeviceGetBoardId`.
     fn nvmlDeviceGetBoardId(device, board_id) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: board_id is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, board_id, true, |_, id| Ok(id.board_id)) }
-            })
-        })
+        // SAFETY: board_id is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, board_id, true, |_, id| Ok(id.board_id)) }
     }
 
     /// `nvmlDeviceGetNumaNodeId`: the NUMA node the GPU is attached to.
     fn nvmlDeviceGetNumaNodeId(device, numa_node) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: numa_node is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, numa_node, true, |_, id| Ok(id.numa_node)) }
-            })
-        })
+        // SAFETY: numa_node is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, numa_node, true, |_, id| Ok(id.numa_node)) }
     }
 
     /// `nvmlDeviceGetNumGpuCores`: the board's CUDA cores (a MIG device: `NOT_SUPPORTED`).
     fn nvmlDeviceGetNumGpuCores(device, num_cores) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: num_cores is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, num_cores, false, |_, id| Ok(id.model.cuda_cores())) }
-            })
-        })
+        // SAFETY: num_cores is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, num_cores, false, |_, id| Ok(id.model.cuda_cores())) }
     }
 
     /// `nvmlDeviceGetVbiosVersion`: the board's VBIOS ("96.00.A5.00.1A"); a MIG device its parent's.
     fn nvmlDeviceGetVbiosVersion(device, version, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                if version.is_null() {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let v = node.gpu(dev.gpu()).nv()?.model.vbios_version;
-                // SAFETY: version holds `length` bytes by the caller's contract.
-                unsafe { put_str(version, length, v) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        if version.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let v = node.gpu(dev.gpu()).nv()?.model.vbios_version;
+        // SAFETY: version holds `length` bytes by the caller's contract.
+        unsafe { put_str(version, length, v) }
     }
 
     /// `nvmlDeviceGetMemoryBusWidth`, in bits.
     fn nvmlDeviceGetMemoryBusWidth(device, bus_width) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: bus_width is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, bus_width, true, |_, id| Ok(id.model.memory_bus_width_bits)) }
-            })
-        })
+        // SAFETY: bus_width is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, bus_width, true, |_, id| Ok(id.model.memory_bus_width_bits)) }
     }
 
     /// `nvmlDeviceGetMaxPcieLinkGeneration`.
     fn nvmlDeviceGetMaxPcieLinkGeneration(device, max_link_gen) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: max_link_gen is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, max_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
-            })
-        })
+        // SAFETY: max_link_gen is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, max_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
     }
 
     /// `nvmlDeviceGetMaxPcieLinkWidth`.
     fn nvmlDeviceGetMaxPcieLinkWidth(device, max_link_width) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: max_link_width is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, max_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
-            })
-        })
+        // SAFETY: max_link_width is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, max_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
     }
 
     /// `nvmlDeviceGetCurrPcieLinkGeneration`: the simulated links train at their maximum.
     fn nvmlDeviceGetCurrPcieLinkGeneration(device, curr_link_gen) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: curr_link_gen is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, curr_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
-            })
-        })
+        // SAFETY: curr_link_gen is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, curr_link_gen, false, |_, id| Ok(id.model.pcie_max_gen)) }
     }
 
     /// `nvmlDeviceGetCurrPcieLinkWidth`.
     fn nvmlDeviceGetCurrPcieLinkWidth(device, curr_link_width) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: curr_link_width is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, curr_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
-            })
-        })
+        // SAFETY: curr_link_width is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, curr_link_width, false, |_, id| Ok(id.model.pcie_max_width)) }
     }
 
     /// `nvmlDeviceGetPersistenceMode`: enabled, as on a data-center node running the persistence daemon.
     fn nvmlDeviceGetPersistenceMode(device, mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: mode is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, mode, false, |_, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
-            })
-        })
+        // SAFETY: mode is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, mode, false, |_, _| Ok(nvmlEnableState_enum_NVML_FEATURE_ENABLED)) }
     }
 
     /// `nvmlDeviceGetComputeMode`: `NVML_COMPUTEMODE_DEFAULT` (shared).
     fn nvmlDeviceGetComputeMode(device, mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: mode is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, mode, true, |_, _| Ok(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT)) }
-            })
-        })
+        // SAFETY: mode is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, mode, true, |_, _| Ok(nvmlComputeMode_enum_NVML_COMPUTEMODE_DEFAULT)) }
     }
 
     /// `nvmlDeviceGetVirtualizationMode`: the description's `virtualization_mode`:
@@ -555,20 +459,16 @@ nvml_exports! {
     /// whole to a virtual machine (as the H200 that was read answered). A MIG device is
     /// `INVALID_ARGUMENT`, as a real driver answers for MIG handles.
     fn nvmlDeviceGetVirtualizationMode(device, mode) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                if matches!(handles::device(node, device)?, Dev::Mig(_)) {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let v = match node.description().virtualization_mode {
-                    VirtualizationMode::None => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE,
-                    VirtualizationMode::Passthrough => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH,
-                };
-                // SAFETY: mode is null or valid for a write by the caller's contract.
-                unsafe { gpu_value(device, mode, false, |_, _| Ok(v)) }
-            })
-        })
+        let node = node()?;
+        if matches!(handles::device(node, device)?, Dev::Mig(_)) {
+            return Err(INVALID_ARGUMENT);
+        }
+        let v = match node.description().virtualization_mode {
+            VirtualizationMode::None => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_NONE,
+            VirtualizationMode::Passthrough => nvmlGpuVirtualizationMode_NVML_GPU_VIRTUALIZATION_MODE_PASSTHROUGH,
+        };
+        // SAFETY: mode is null or valid for a write by the caller's contract.
+        unsafe { gpu_value(device, mode, false, |_, _| Ok(v)) }
     }
 }
 
@@ -608,42 +508,34 @@ fn attributes(node: &Node, dev: &Dev) -> R<nvmlDeviceAttributes_t> {
     })
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetAttributes_v2`.
     fn nvmlDeviceGetAttributes_v2(device, attributes_out) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                need(attributes_out)?;
-                let a = attributes(node, &dev)?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(attributes_out, a) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        need(attributes_out)?;
+        let a = attributes(node, &dev)?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(attributes_out, a) }
     }
 
     /// `nvmlDeviceGetAttributes` (v1): the engine counts only.
     fn nvmlDeviceGetAttributes(device, attributes_out) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let dev = handles::device(node, device)?;
-                let out = attributes_out.cast::<DeviceAttributesV1>();
-                need(out)?;
-                let a = attributes(node, &dev)?;
-                let v1 = DeviceAttributesV1 {
-                    multiprocessor_count: a.multiprocessorCount,
-                    shared_copy_engine_count: a.sharedCopyEngineCount,
-                    shared_decoder_count: a.sharedDecoderCount,
-                    shared_encoder_count: a.sharedEncoderCount,
-                    shared_jpeg_count: a.sharedJpegCount,
-                    shared_ofa_count: a.sharedOfaCount,
-                };
-                // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
-                unsafe { put(out, v1) }
-            })
-        })
+        let node = node()?;
+        let dev = handles::device(node, device)?;
+        let out = attributes_out.cast::<DeviceAttributesV1>();
+        need(out)?;
+        let a = attributes(node, &dev)?;
+        let v1 = DeviceAttributesV1 {
+            multiprocessor_count: a.multiprocessorCount,
+            shared_copy_engine_count: a.sharedCopyEngineCount,
+            shared_decoder_count: a.sharedDecoderCount,
+            shared_encoder_count: a.sharedEncoderCount,
+            shared_jpeg_count: a.sharedJpegCount,
+            shared_ofa_count: a.sharedOfaCount,
+        };
+        // SAFETY: checked non-null and aligned; the v1 struct is a prefix of the caller's.
+        unsafe { put(out, v1) }
     }
 }
 

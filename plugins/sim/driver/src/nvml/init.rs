@@ -43,31 +43,25 @@ nvml_exports! {
     fn nvmlInitWithFlags(_flags) {
         guard(NVML_ERROR_UNKNOWN, || status(init))
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlShutdown`: drops one reference; the last one closes every event set.
     fn nvmlShutdown() {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let prev = REFS
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                    .map_err(|_| UNINITIALIZED)?;
-                if prev == 1 {
-                    super::events::free_all();
-                }
-                Ok(())
-            })
-        })
+        let prev = REFS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .map_err(|_| UNINITIALIZED)?;
+        if prev == 1 {
+            super::events::free_all();
+        }
+        Ok(())
     }
 
     /// `nvmlSystemGetDriverVersion`: the node description's driver version, e.g. "570.133.20".
     fn nvmlSystemGetDriverVersion(version, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                // SAFETY: version holds `length` bytes by the caller's contract.
-                unsafe { put_str(version, length, &node.description().driver_version) }
-            })
-        })
+        let node = node()?;
+        // SAFETY: version holds `length` bytes by the caller's contract.
+        unsafe { put_str(version, length, &node.description().driver_version) }
     }
 }
 
@@ -77,19 +71,15 @@ fn nvml_version(node: &Node) -> String {
     format!("{}.{}", d.cuda_driver_version / 1000, d.driver_version)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlSystemGetNVMLVersion` (answered without init, as NVML does).
     fn nvmlSystemGetNVMLVersion(version, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                if version.is_null() {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let v = nvml_version(node_any()?);
-                // SAFETY: version holds `length` bytes by the caller's contract.
-                unsafe { put_str(version, length, &v) }
-            })
-        })
+        if version.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let v = nvml_version(node_any()?);
+        // SAFETY: version holds `length` bytes by the caller's contract.
+        unsafe { put_str(version, length, &v) }
     }
 }
 
@@ -97,19 +87,15 @@ fn cuda_version() -> R<c_int> {
     Ok(node_any()?.description().cuda_driver_version as c_int)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlSystemGetCudaDriverVersion`: e.g. 12080 for CUDA 12.8.
     ///
     /// `nvmlSystemGetCudaDriverVersion_v2`: what `cuDriverGetVersion` of this same library returns.
     fn nvmlSystemGetCudaDriverVersion(cuda_driver_version) also nvmlSystemGetCudaDriverVersion_v2 {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                need(cuda_driver_version)?;
-                let v = cuda_version()?;
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(cuda_driver_version, v) }
-            })
-        })
+        need(cuda_driver_version)?;
+        let v = cuda_version()?;
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(cuda_driver_version, v) }
     }
 }
 
@@ -124,23 +110,19 @@ fn process_name(pid: u32) -> Option<String> {
     Some(comm.trim_end_matches('\n').to_string())
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlSystemGetProcessName`: cropped to `length` (with its NUL); `NOT_FOUND` for no such process.
     fn nvmlSystemGetProcessName(pid, name, length) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                node()?;
-                if name.is_null() || length == 0 {
-                    return Err(INVALID_ARGUMENT);
-                }
-                let full = process_name(pid).ok_or(NOT_FOUND)?;
-                let mut end = full.len().min(length as usize - 1);
-                while !full.is_char_boundary(end) {
-                    end -= 1;
-                }
-                // SAFETY: name holds `length` bytes by the caller's contract, and end + 1 <= length.
-                unsafe { put_str(name, length, &full[..end]) }
-            })
-        })
+        node()?;
+        if name.is_null() || length == 0 {
+            return Err(INVALID_ARGUMENT);
+        }
+        let full = process_name(pid).ok_or(NOT_FOUND)?;
+        let mut end = full.len().min(length as usize - 1);
+        while !full.is_char_boundary(end) {
+            end -= 1;
+        }
+        // SAFETY: name holds `length` bytes by the caller's contract, and end + 1 <= length.
+        unsafe { put_str(name, length, &full[..end]) }
     }
 }

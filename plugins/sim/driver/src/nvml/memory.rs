@@ -58,24 +58,22 @@ nvml_exports! {
             })
         })
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlDeviceGetBAR1MemoryInfo`: the board's aperture; the driver maps the board's idle figure
     /// (1 MiB on H100 and A100, 4.9 MiB on the H200), each process with a context 2 MiB more (what
     /// `nvidia-smi -q` shows on an idle or lightly used board).
     fn nvmlDeviceGetBAR1MemoryInfo(device, bar1_memory) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                need(bar1_memory)?;
-                let m = node.gpu(gpu).nv()?.model;
-                let total = m.bar1_bytes;
-                let procs = node.processes(gpu, None).nv()?.len() as u64;
-                let used = (m.idle_bar1_used_bytes + 2 * procs * MIB).min(total);
-                let info = nvmlBAR1Memory_t { bar1Total: total, bar1Free: total - used, bar1Used: used };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(bar1_memory, info) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        need(bar1_memory)?;
+        let m = node.gpu(gpu).nv()?.model;
+        let total = m.bar1_bytes;
+        let procs = node.processes(gpu, None).nv()?.len() as u64;
+        let used = (m.idle_bar1_used_bytes + 2 * procs * MIB).min(total);
+        let info = nvmlBAR1Memory_t { bar1Total: total, bar1Free: total - used, bar1Used: used };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(bar1_memory, info) }
     }
 }

@@ -87,31 +87,25 @@ nvml_exports! {
             })
         })
     }
+}
 
+nvml_guarded_exports! {
     /// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none (no graphics contexts on a compute node).
     ///
     /// `nvmlDeviceGetGraphicsRunningProcesses_v2`.
     /// `nvmlDeviceGetMPSComputeRunningProcesses_v3`: none (no MPS server on the simulated node).
     /// `nvmlDeviceGetMPSComputeRunningProcesses_v2`.
     fn nvmlDeviceGetGraphicsRunningProcesses_v3(device, info_count, infos) also nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlDeviceGetMPSComputeRunningProcesses_v2 {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v2) }
-            })
-        })
+        // SAFETY: the pointers follow the caller's contract for this function.
+        unsafe { list(device, info_count, infos, false, v2) }
     }
 
     /// `nvmlDeviceGetGraphicsRunningProcesses` (v1).
     ///
     /// `nvmlDeviceGetMPSComputeRunningProcesses` (v1).
     fn nvmlDeviceGetGraphicsRunningProcesses(device, info_count, infos) also nvmlDeviceGetMPSComputeRunningProcesses {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                // SAFETY: the pointers follow the caller's contract for this function.
-                unsafe { list(device, info_count, infos, false, v1) }
-            })
-        })
+        // SAFETY: the pointers follow the caller's contract for this function.
+        unsafe { list(device, info_count, infos, false, v1) }
     }
 }
 
@@ -129,22 +123,20 @@ pub(crate) fn gpu_utilization(node: &Node, gpu: u32) -> R<u32> {
     Ok(node.utilization(gpu, 0).nv()?.gpu_percent)
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetUtilizationRates`: GPU busy percent over about the last second.
     fn nvmlDeviceGetUtilizationRates(device, utilization) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            status(|| {
-                let node = node()?;
-                let gpu = handles::whole_gpu(node, device)?;
-                need(utilization)?;
-                let busy = gpu_utilization(node, gpu)?;
-                let u = nvmlUtilization_t { gpu: busy, memory: memory_util(busy) };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(utilization, u) }
-            })
-        })
+        let node = node()?;
+        let gpu = handles::whole_gpu(node, device)?;
+        need(utilization)?;
+        let busy = gpu_utilization(node, gpu)?;
+        let u = nvmlUtilization_t { gpu: busy, memory: memory_util(busy) };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(utilization, u) }
     }
+}
 
+nvml_exports! {
     /// `nvmlDeviceGetProcessUtilization`: one sample per process whose kernels ran since
     /// `lastSeenTimeStamp` (µs since the epoch; 0: the driver's whole history, about a second).
     /// `NOT_FOUND` when there is none; a null or short buffer gets `INSUFFICIENT_SIZE` and the count.
