@@ -181,6 +181,18 @@ impl Setup {
         }
         panic!("node API not reachable:\n{}", self.show_log());
     }
+
+    /// tesserad with the test kubelet, and share 0 allocated through it: the daemon, the kubelet,
+    /// the node API, the share's id and the allocation's.
+    async fn with_share_allocated(&self) -> (Daemon, TestKubelet, NodeClient<Channel>, String, String) {
+        let mut kubelet = TestKubelet::start(&self.dir.join("plugins"));
+        let daemon = self.spawn();
+        let reg = share_registration(&mut kubelet).await;
+        let mut api = self.client().await;
+        let share = share_id(&mut api).await;
+        let id = allocate(&kubelet, &reg, &share).await;
+        (daemon, kubelet, api, share, id)
+    }
 }
 
 async fn share_registration(kubelet: &mut TestKubelet) -> RegisterRequest {
@@ -215,12 +227,7 @@ async fn share_id(api: &mut NodeClient<Channel>) -> String {
 async fn pod_resources_name_and_release_allocations() {
     let s = Setup::new("<tmp>/pod-resources/kubelet.sock");
     let fake = serve_pod_resources(&s.dir.join("pod-resources/kubelet.sock"));
-    let mut kubelet = TestKubelet::start(&s.dir.join("plugins"));
-    let daemon = s.spawn();
-    let reg = share_registration(&mut kubelet).await;
-    let mut api = s.client().await;
-    let share = share_id(&mut api).await;
-    let id = allocate(&kubelet, &reg, &share).await;
+    let (daemon, _kubelet, mut api, share, id) = s.with_share_allocated().await;
     let gpu = {
         let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("list").into_inner().devices;
         devices.iter().find(|d| d.id == share).expect("share").uuid.clone()
@@ -294,12 +301,7 @@ async fn pod_resources_name_and_release_allocations() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_pod_resources_socket_changes_nothing() {
     let s = Setup::new("<tmp>/pod-resources/kubelet.sock");
-    let mut kubelet = TestKubelet::start(&s.dir.join("plugins"));
-    let daemon = s.spawn();
-    let reg = share_registration(&mut kubelet).await;
-    let mut api = s.client().await;
-    let share = share_id(&mut api).await;
-    let id = allocate(&kubelet, &reg, &share).await;
+    let (daemon, _kubelet, mut api, _, id) = s.with_share_allocated().await;
     tokio::time::sleep(Duration::from_secs(GRACE_S * 2 + 2)).await;
     let list = allocations(&mut api).await;
     assert_eq!(list.len(), 1, "never released without pod resources: {list:?}");
