@@ -223,19 +223,15 @@ fn selectors(v: &Json) -> Vec<String> {
         .collect()
 }
 
-const NODE: &str = "numa_nodes = 1
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 2
-[[gpu]]
-model = \"A100-SXM4-40GB\"
-count = 1
-";
+/// Two H100s and an A100.
+fn node_description() -> String {
+    tessera_sim_testkit::describe(1, &[("H100-SXM5-80GB", 2, ""), ("A100-SXM4-40GB", 1, "")])
+}
 
 #[test]
 fn device_classes_and_example_claims_select_exactly_their_devices() {
     let Some(python) = python() else { return };
-    let node = SimNode::with_description(NODE);
+    let node = SimNode::with_description(&node_description());
     if !tessera_sim_testkit::in_child() {
         let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
         for gpu in [1, 2] {

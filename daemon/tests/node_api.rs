@@ -21,15 +21,10 @@ mod common;
 
 use common::{TestKubelet, WAIT, next_list, spawn, tessera};
 
-const NODE: &str = "numa_nodes = 1
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-[[gpu]]
-model = \"H100-SXM5-80GB\"
-count = 1
-mig = true
-";
+/// GPU 0 whole, GPU 1 in MIG mode.
+fn node_description() -> String {
+    tessera_sim_testkit::describe(1, &[("H100-SXM5-80GB", 1, ""), ("H100-SXM5-80GB", 1, "mig = true")])
+}
 
 const SHARE: &str = "tessera.io/gpu-share";
 const MIG3: &str = "tessera.io/mig-3g.40gb";
@@ -67,7 +62,7 @@ fn target(index: u32, layout: api::GpuLayout) -> api::LayoutTarget {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_api_layout_changes_touch_only_free_devices() {
-    let node = SimNode::with_description(NODE);
+    let node = SimNode::with_description(&node_description());
     let tmp = tempfile::tempdir().expect("tempdir");
     let dir = tmp.path();
     std::fs::create_dir(dir.join("plugins")).expect("plugin dir");
@@ -396,7 +391,7 @@ async fn acknowledged_allocations_survive_kill_9_mid_burst_and_never_over_admit(
 /// and the kubelet's shares of that GPU were gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn carved_shares_recovered_after_a_journal_loss_keep_their_gpus_layout() {
-    let node = SimNode::with_description(NODE);
+    let node = SimNode::with_description(&node_description());
     let tmp = tempfile::tempdir().expect("tempdir");
     let config = common::write_config(&node, tmp.path(), "[partitions.\"0\"]\nshares = { count = 4 }");
     let socket = tmp.path().join("run/tessera.sock");

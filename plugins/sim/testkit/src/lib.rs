@@ -35,12 +35,23 @@ pub fn binary(name: &str) -> PathBuf {
     p
 }
 
+/// A node's description: `numa_nodes` NUMA nodes and a `[[gpu]]` table for each `(model, count,
+/// more keys)`, the keys one a line (`"mig = true"`, `"nvlink = true"`) or none (`""`).
+pub fn describe(numa_nodes: u32, gpus: &[(&str, u32, &str)]) -> String {
+    let mut text = format!("numa_nodes = {numa_nodes}\n");
+    for (model, count, more) in gpus {
+        text += &format!("[[gpu]]\nmodel = \"{model}\"\ncount = {count}\n");
+        if !more.is_empty() {
+            text += &format!("{more}\n");
+        }
+    }
+    text
+}
+
 /// The description of a node of two `model` GPUs on one NUMA node: GPU 0 in MIG mode, GPU 1
 /// not. The MIG tests of the sim and of the daemon share it.
 pub fn mig_and_whole(model: &str) -> String {
-    format!(
-        "numa_nodes = 1\n[[gpu]]\nmodel = \"{model}\"\ncount = 1\nmig = true\n[[gpu]]\nmodel = \"{model}\"\ncount = 1\n"
-    )
+    describe(1, &[(model, 1, "mig = true"), (model, 1, "")])
 }
 
 /// A simulated node of a test's own: a state file, a description, and the driver laid out.
