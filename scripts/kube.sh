@@ -10,6 +10,7 @@
 #   scripts/kube.sh env                           KEY=VALUE lines for the running cluster
 #   scripts/kube.sh logs                          the last lines of every component's log
 #   scripts/kube.sh restart COMPONENT             stop and start one (kubelet, kube-apiserver, ...)
+#   scripts/kube.sh import-image IMAGE            copy a podman image (scripts/build-image.sh) into containerd
 #
 # Needs root, cgroups, Go (with the module proxy), openssl, gcc (the pause image), Debian's runc,
 # busybox-static and containernetworking-plugins (scripts/deps.sh installs them).
@@ -49,6 +50,7 @@ while [[ $# -gt 0 ]]; do
     --version=*) version=${1#--version=}; shift ;;
     up | down | env | build | logs) cmd=$1; shift ;;
     restart) cmd=restart; component=${2:?restart needs a component}; shift 2 ;;
+    import-image) cmd=import-image; image=${2:?import-image needs an image (localhost/tessera:0.1.0)}; shift 2 ;;
     *) echo "kube.sh: unknown argument $1 (usage: scripts/kube.sh [--version 1.37|1.34] up|down|env|build|logs)" >&2; exit 2 ;;
   esac
 done
@@ -500,8 +502,19 @@ start_containerd() {
   start containerd env PATH="$containerd_bin:$PATH" "$containerd_bin/containerd" --config "$cluster/containerd.toml"
 }
 
+# The DaemonSet mounts /run/tessera with Bidirectional propagation (the allocations' regions reach
+# the host): containerd needs a shared mount there. systemd makes / shared; this machine's is
+# private, so /run/tessera is bound onto itself, shared, until down.
+shared_run_tessera() {
+  mkdir -p /run/tessera
+  if ! mountpoint -q /run/tessera; then
+    mount --bind /run/tessera /run/tessera && mount --make-shared /run/tessera && touch "$cluster/run-tessera-bound"
+  fi
+}
+
 start_kubelet() {
   mkdir -p "$kubelet_root"
+  shared_run_tessera
   ip -4 -o addr show dev lo | grep -q " $node_ip/" || ip addr add "$node_ip/32" dev lo
   start kubelet "$k8s_bin/kubelet" --config "$cluster/kubelet.yaml" --kubeconfig "$cluster/kubelet.kubeconfig" \
     --hostname-override "$node_name" --node-ip "$node_ip" --root-dir "$kubelet_root" --v 2
@@ -556,6 +569,7 @@ down() {
   for m in $(awk '{print $2}' /proc/self/mounts | grep -E "^($kubelet_root|$run_dir|$cluster|$device_plugin_dir)(/|$)" | sort -r); do
     umount -l "$m" 2>/dev/null || true
   done
+  if [[ -e $cluster/run-tessera-bound ]]; then umount -l /run/tessera 2>/dev/null || true; fi
   ip link del tkube0 2>/dev/null || true
   ip addr del "$node_ip/32" dev lo 2>/dev/null || true
   rm -rf "$kubelet_root" "$run_dir" "$cluster" "$device_plugin_dir"
@@ -592,6 +606,14 @@ case $cmd in
   down) down ;;
   env) env_lines ;;
   logs) show_logs ;;
+  import-image)
+    # What a node pulling the image would get, from podman's store (scripts/build-image.sh).
+    command -v podman >/dev/null || die "podman is missing (scripts/build-image.sh builds with it)"
+    archive=$(mktemp)
+    podman save --format docker-archive -o "$archive" "$image" >/dev/null 2>&1 || die "podman save $image failed"
+    out=$("$containerd_bin/ctr" --address "$run_dir/containerd.sock" -n k8s.io images import --platform linux/amd64 \
+      "$archive" 2>&1) || { rm -f "$archive"; die "importing $image into containerd failed: $out"; }
+    rm -f "$archive" ;;
   restart)
     k8s_version=$(cat "$cluster/version")
     k8s_bin=$kube/bin/kubernetes-$k8s_version

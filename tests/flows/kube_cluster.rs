@@ -1131,3 +1131,141 @@ fn a_dra_feature_gate_off_gets_one_line_and_the_whole_gpus() {
 
     drop(t);
 }
+
+/// Install as documented (docs/install.md), device-plugin overlay: the image built by
+/// `scripts/build-image.sh` (the debug build, as the tests built it), imported into containerd
+/// (`scripts/kube.sh import-image`), `kubectl apply -k deploy/kubernetes/overlays/device-plugin`,
+/// the node labelled `tessera.io/gpu=true`. What a node with a real driver has is given by a
+/// patch, as an operator's overlay would: the configuration (the simulated node's NVML, its device
+/// nodes and driver root, this kubelet's pod-resources socket) and the volumes reaching them (a
+/// scratch directory as the installer's host root, so this machine's own files are never touched).
+/// The init container installs into that root; tesserad, in its pod, registers with the kubelet
+/// (the Node's allocatable `tessera.io/gpu: 2`); a pod asking for a GPU runs with its device.
+/// `kubectl delete -k` and `tessera uninstall --host-root` leave the root as it was.
+#[test]
+fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let image = "localhost/tessera:0.1.0";
+    let build = Command::new(root.join("scripts/build-image.sh"))
+        .args(["--profile", "debug", "--no-build", "--tag", image])
+        .env("TESSERA_IMAGE_SHIM", tessera_tests::shim())
+        .output()
+        .expect("scripts/build-image.sh");
+    assert!(build.status.success(), "build-image: {}", String::from_utf8_lossy(&build.stderr));
+    let import = Command::new(root.join("scripts/kube.sh")).args(["import-image", image]).output().expect("kube.sh");
+    assert!(import.status.success(), "import-image: {}", String::from_utf8_lossy(&import.stderr));
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    tessera_tests::kubelet::unmount_at_exit(dir.path());
+    let node = SimNode::with_description(H100X2);
+    let injection = sim_host(&kube, dir.path());
+    let host = dir.path().join("host");
+    std::fs::create_dir_all(&host).expect("host root");
+    // tesserad's directories are mounted Bidirectional (the regions it mounts reach the host), as
+    // the shipped runtime volume is: containerd needs a shared mount there.
+    for args in [&["--bind", "."][..], &["--make-shared"][..]] {
+        let st = Command::new("mount").args(args).arg(dir.path()).current_dir(dir.path()).status().expect("mount");
+        assert!(st.success(), "mount {args:?} {}", dir.path().display());
+    }
+    let config = format!(
+        "device_plugin_dir = \"/var/lib/kubelet/device-plugins/\"\nstate_dir = {:?}\nruntime_dir = {:?}\n\
+         nvml_library = {:?}\npod_resources_socket = {:?}\n[telemetry]\nmetrics_listen = \"0.0.0.0:9400\"\n\
+         [kubernetes]\nmode = \"device-plugin\"\n[partitions.default]\nwhole = true\n{injection}",
+        dir.path().join("state"),
+        dir.path().join("run"),
+        dir.path().join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
+        kube.var("KUBELET_POD_RESOURCES_SOCKET"),
+    );
+    let overlay = root.join("deploy/kubernetes/overlays/device-plugin").display().to_string();
+    let log = dir.path().join("none");
+    let extra = || log_tail(&log);
+    kube.ok(&["apply", "-k", &overlay], None);
+    let cm = json!({"data": {"config.toml": config}});
+    kube.ok(
+        &["patch", "configmap", "tessera-config", "-n", "tessera-system", "--type", "merge", "-p", &cm.to_string()],
+        None,
+    );
+    let path = |p: &Path| p.display().to_string();
+    let env: Vec<Value> = node
+        .env()
+        .into_iter()
+        .filter(|(k, _)| k != "LD_LIBRARY_PATH")
+        .map(|(k, v)| json!({"name": k, "value": v.to_string_lossy()}))
+        .collect();
+    let ds = json!({"spec": {"template": {"spec": {
+    "containers": [{"name": "tesserad", "env": env, "volumeMounts": [
+        {"name": "sim", "mountPath": path(&node.root)},
+        {"name": "test-dir", "mountPath": path(dir.path()), "mountPropagation": "Bidirectional"},
+            // This containerd's CDI directory, at its own path (the hook, on the host, reads it there).
+            {"name": "cdi", "mountPath": kube.var("KUBE_CDI_SPEC_DIR")},
+        {"name": "kubelet-pod-resources", "mountPath": Path::new(kube.var("KUBELET_POD_RESOURCES_SOCKET")).parent().map(path)},
+    ]}],
+    "volumes": [
+        {"name": "host-root", "hostPath": {"path": path(&host), "type": "Directory"}},
+        {"name": "driver-root", "hostPath": {"path": path(&dir.path().join("driver")), "type": "Directory"}},
+        {"name": "sim", "hostPath": {"path": path(&node.root), "type": "Directory"}},
+        {"name": "test-dir", "hostPath": {"path": path(dir.path()), "type": "Directory"}},
+        {"name": "kubelet-pod-resources", "hostPath": {"path": Path::new(kube.var("KUBELET_POD_RESOURCES_SOCKET")).parent().map(path), "type": "Directory"}},
+        {"name": "cdi", "hostPath": {"path": kube.var("KUBE_CDI_SPEC_DIR"), "type": "DirectoryOrCreate"}},
+    ]}}}});
+    kube.ok(
+        &["patch", "daemonset", "tesserad", "-n", "tessera-system", "--type", "strategic", "-p", &ds.to_string()],
+        None,
+    );
+    kube.ok(&["label", "node", kube.node(), "tessera.io/gpu=true", "--overwrite"], None);
+
+    let tesserad_logs = || {
+        let out = kube
+            .kubectl(&["logs", "-n", "tessera-system", "daemonset/tesserad", "--all-containers", "--tail", "40"], None);
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let both = || format!("{}\n{}", extra(), tesserad_logs());
+    kube.wait("the DaemonSet's pod ready", &both, || {
+        let ds = kube.get(&["daemonset", "tesserad", "-n", "tessera-system"])?;
+        (ds["status"]["numberReady"] == 1).then_some(())
+    });
+    assert!(host.join("var/lib/tessera/install.json").exists(), "the init container installed into the host root");
+    kube.wait("allocatable tessera.io/gpu = 2", &both, || {
+        (kube.node_object()["status"]["allocatable"]["tessera.io/gpu"] == "2").then_some(())
+    });
+    kube.delete_pod("overlay-gpu", &both);
+    let p = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "overlay-gpu", "namespace": "default"},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": kube.var("TEST_IMAGE"), "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c", ALLOCATION_THEN_WAIT], "env": env,
+                "volumeMounts": [{"name": "sim", "mountPath": path(&node.root)}],
+                "resources": {"limits": {"tessera.io/gpu": "1"}}}],
+            "volumes": [{"name": "sim", "hostPath": {"path": path(&node.root), "type": "Directory"}}]}});
+    kube.apply(&p);
+    let logs = kube.done("overlay-gpu", &both);
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes.len(), 2, "one GPU and the control node:\n{logs}");
+    kube.delete_pod("overlay-gpu", &both);
+
+    kube.ok(&["delete", "-k", &overlay, "--wait=true", "--timeout=240s"], None);
+    kube.ok(&["label", "node", kube.node(), "tessera.io/gpu-"], None);
+    let out = tessera_tests::tessera(dir.path(), &["uninstall", "--host-root", &path(&host)]);
+    assert!(out.status.success(), "uninstall: {}", String::from_utf8_lossy(&out.stderr));
+    let left: Vec<String> = walk(&host);
+    assert_eq!(left, Vec::<String>::new(), "the host root as it was");
+}
+
+/// The files (not directories) under `dir`, relative.
+fn walk(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap_or(&p).display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out
+}
