@@ -178,12 +178,7 @@ fn the_metrics_socket_is_owner_only_and_scraped_over_http() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        assert!(
-            std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(),
-            "TESSERA_REQUIRE_RUNTIMES is set, but not root"
-        );
-        println!("SKIP: refusing another user needs root to be that user");
-        return;
+        return common::skip("refusing another user needs root to be that user");
     }
     let node = tessera_sim_testkit::SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
     let tmp = tempfile::tempdir().unwrap();
