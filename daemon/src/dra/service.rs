@@ -163,16 +163,7 @@ impl DraPlugin {
             .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(V1beta1(self.clone())))
             .add_optional_service(self.health.as_ref().map(HealthService::v1))
             .add_optional_service(self.health.as_ref().map(HealthService::v1alpha1));
-        Ok(tokio::spawn(async move {
-            let mut stop = stop;
-            let serve =
-                router.serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "DRA plugin"), async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the DRA service stopped");
-            }
-        }))
+        Ok(spawn_serving(router, listener, stop, "DRA service"))
     }
 
     fn bind_registration(
@@ -183,52 +174,67 @@ impl DraPlugin {
         let listener =
             crate::socket::bind_owner_only_tokio(path).map_err(|source| BindError { path: path.to_owned(), source })?;
         let router = Server::builder().add_service(reg::registration_server::RegistrationServer::new(self.clone()));
-        Ok(tokio::spawn(async move {
-            let mut stop = stop;
-            let serve =
-                router.serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "DRA plugin"), async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "the DRA registration service stopped");
-            }
-        }))
+        Ok(spawn_serving(router, listener, stop, "DRA registration service"))
     }
 
     /// Prepares every claim on its own, concurrently.
-    async fn prepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
-        let runs = claims.into_iter().map(|claim| {
-            let driver = Arc::clone(&self.driver);
-            async move {
-                let result = match check(&claim) {
-                    Ok(()) => driver.prepare(&claim).await,
-                    Err(e) => Err(e.message().to_owned()),
-                };
-                if let Err(e) = &result {
-                    tracing::warn!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, error = %e, "claim not prepared");
-                }
-                (claim.uid, result)
-            }
-        });
-        futures_join_all(runs).await.into_iter().collect()
+    async fn prepare(&self, claims: Vec<impl Into<ClaimRef>>) -> HashMap<String, Result<Vec<PreparedDevice>, String>> {
+        self.each_claim(claims, "claim not prepared", |driver, claim| async move { driver.prepare(&claim).await }).await
     }
 
-    async fn unprepare(&self, claims: Vec<ClaimRef>) -> HashMap<String, Result<(), String>> {
-        let runs = claims.into_iter().map(|claim| {
-            let driver = Arc::clone(&self.driver);
+    async fn unprepare(&self, claims: Vec<impl Into<ClaimRef>>) -> HashMap<String, Result<(), String>> {
+        self.each_claim(claims, "claim not unprepared", |driver, claim| async move { driver.unprepare(&claim).await })
+            .await
+    }
+
+    /// Runs `call` for every claim on its own, concurrently, answering by claim UID. A claim the
+    /// kubelet sent malformed is refused without calling the driver; every failure is logged as
+    /// `failed`.
+    async fn each_claim<T, Run>(
+        &self,
+        claims: Vec<impl Into<ClaimRef>>,
+        failed: &'static str,
+        call: impl Fn(Arc<dyn ClaimDriver>, ClaimRef) -> Run,
+    ) -> HashMap<String, Result<T, String>>
+    where
+        T: Send + 'static,
+        Run: std::future::Future<Output = Result<T, String>> + Send + 'static,
+    {
+        let runs = claims.into_iter().map(Into::into).map(|claim: ClaimRef| {
+            let checked = check(&claim);
+            // Not polled (so the driver is not called) unless the claim passed the check.
+            let run = call(Arc::clone(&self.driver), claim.clone());
             async move {
-                let result = match check(&claim) {
-                    Ok(()) => driver.unprepare(&claim).await,
+                let result = match checked {
+                    Ok(()) => run.await,
                     Err(e) => Err(e.message().to_owned()),
                 };
                 if let Err(e) = &result {
-                    tracing::warn!(claim = %claim.uid, error = %e, "claim not unprepared");
+                    tracing::warn!(claim = %claim.uid, namespace = %claim.namespace, name = %claim.name, error = %e, "{failed}");
                 }
                 (claim.uid, result)
             }
         });
         futures_join_all(runs).await.into_iter().collect()
     }
+}
+
+/// Serves `router` on `listener` until `stop` turns true; `service` names it when it fails.
+fn spawn_serving(
+    router: tonic::transport::server::Router,
+    listener: tokio::net::UnixListener,
+    mut stop: watch::Receiver<bool>,
+    service: &'static str,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let serve =
+            router.serve_with_incoming_shutdown(crate::socket::Incoming::new(listener, "DRA plugin"), async move {
+                let _ = stop.wait_for(|s| *s).await;
+            });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "the {service} stopped");
+        }
+    })
 }
 
 /// Runs futures concurrently and collects their outputs in order (no `futures` crate needed).
@@ -292,35 +298,36 @@ struct V1beta1(DraPlugin);
 /// The two packages' messages, converted field by field through one macro.
 macro_rules! dra_service {
     ($wrapper:ident, $api:ident) => {
+        impl From<$api::Claim> for ClaimRef {
+            fn from(c: $api::Claim) -> Self {
+                ClaimRef { namespace: c.namespace, uid: c.uid, name: c.name }
+            }
+        }
+
+        impl From<PreparedDevice> for $api::Device {
+            fn from(d: PreparedDevice) -> Self {
+                $api::Device {
+                    request_names: d.requests,
+                    pool_name: d.pool,
+                    device_name: d.device,
+                    cdi_device_ids: d.cdi_device_ids,
+                }
+            }
+        }
+
         #[tonic::async_trait]
         impl $api::dra_plugin_server::DraPlugin for $wrapper {
             async fn node_prepare_resources(
                 &self,
                 request: Request<$api::NodePrepareResourcesRequest>,
             ) -> Result<Response<$api::NodePrepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| ClaimRef { namespace: c.namespace, uid: c.uid, name: c.name })
-                    .collect();
-                let claims = self
-                    .0
-                    .prepare(claims)
-                    .await
+                let answers = self.0.prepare(request.into_inner().claims).await;
+                let claims = answers
                     .into_iter()
                     .map(|(uid, result)| {
                         let answer = match result {
                             Ok(devices) => $api::NodePrepareResourceResponse {
-                                devices: devices
-                                    .into_iter()
-                                    .map(|d| $api::Device {
-                                        request_names: d.requests,
-                                        pool_name: d.pool,
-                                        device_name: d.device,
-                                        cdi_device_ids: d.cdi_device_ids,
-                                    })
-                                    .collect(),
+                                devices: devices.into_iter().map($api::Device::from).collect(),
                                 error: String::new(),
                             },
                             Err(error) => $api::NodePrepareResourceResponse { devices: Vec::new(), error },
@@ -335,16 +342,8 @@ macro_rules! dra_service {
                 &self,
                 request: Request<$api::NodeUnprepareResourcesRequest>,
             ) -> Result<Response<$api::NodeUnprepareResourcesResponse>, Status> {
-                let claims = request
-                    .into_inner()
-                    .claims
-                    .into_iter()
-                    .map(|c| ClaimRef { namespace: c.namespace, uid: c.uid, name: c.name })
-                    .collect();
-                let claims = self
-                    .0
-                    .unprepare(claims)
-                    .await
+                let answers = self.0.unprepare(request.into_inner().claims).await;
+                let claims = answers
                     .into_iter()
                     .map(|(uid, result)| {
                         (uid, $api::NodeUnprepareResourceResponse { error: result.err().unwrap_or_default() })
