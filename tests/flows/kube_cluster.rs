@@ -1146,6 +1146,61 @@ fn a_dra_feature_gate_off_gets_one_line_and_the_whole_gpus() {
 fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
     let Some(kube) = Kube::find() else { return };
     let _serial = serial();
+    let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/device-plugin");
+    let overlay = overlay.display().to_string();
+    installed_daemon_serves_the_kubelet(&kube, &|| drop(kube.ok(&["apply", "-k", &overlay], None)), &|| {
+        drop(kube.ok(&["delete", "-k", &overlay, "--wait=true", "--timeout=240s"], None))
+    });
+}
+
+/// Install as documented, the Helm chart in device-plugin mode (Helm v4, `scripts/deps.sh`
+/// builds it into target/helm): `helm install tessera deploy/helm/tessera` with the image's tag,
+/// then the same as [`the_device_plugin_overlay_installs_and_serves_the_kubelet`]; `helm
+/// uninstall` and `tessera uninstall --host-root` leave the root with no file.
+#[test]
+fn the_helm_chart_installs_and_serves_the_kubelet() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let helm = std::fs::read_dir(root.join("target/helm"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("helm"))
+        .find(|p| p.exists())
+        .expect("Helm v4 in target/helm/<version>/helm (scripts/deps.sh builds it)");
+    let chart = root.join("deploy/helm/tessera").display().to_string();
+    let run = |args: &[&str]| {
+        let out = Command::new(&helm).args(args).env("KUBECONFIG", kube.var("KUBECONFIG")).output().expect("helm");
+        assert!(
+            out.status.success(),
+            "helm {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    installed_daemon_serves_the_kubelet(
+        &kube,
+        &|| {
+            run(&[
+                "install",
+                "tessera",
+                &chart,
+                "--namespace",
+                "tessera-system",
+                "--create-namespace",
+                "--set",
+                "image.tag=0.1.0",
+            ])
+        },
+        &|| run(&["uninstall", "tessera", "--namespace", "tessera-system", "--wait"]),
+    );
+}
+
+/// The DaemonSet `install` puts in tessera-system (the overlay's or the chart's), run on this
+/// node with the image built and imported, serves the kubelet; `uninstall` and `tessera
+/// uninstall --host-root` leave the installer's root with no file.
+fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstall: &dyn Fn()) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let image = "localhost/tessera:0.1.0";
     let build = Command::new(root.join("scripts/build-image.sh"))
@@ -1160,7 +1215,7 @@ fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
     let dir = tempfile::tempdir().expect("tempdir");
     tessera_tests::kubelet::unmount_at_exit(dir.path());
     let node = SimNode::with_description(H100X2);
-    let injection = sim_host(&kube, dir.path());
+    let injection = sim_host(kube, dir.path());
     let host = dir.path().join("host");
     std::fs::create_dir_all(&host).expect("host root");
     // tesserad's directories are mounted Bidirectional (the regions it mounts reach the host), as
@@ -1178,10 +1233,9 @@ fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
         dir.path().join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
         kube.var("KUBELET_POD_RESOURCES_SOCKET"),
     );
-    let overlay = root.join("deploy/kubernetes/overlays/device-plugin").display().to_string();
     let log = dir.path().join("none");
     let extra = || log_tail(&log);
-    kube.ok(&["apply", "-k", &overlay], None);
+    install();
     let cm = json!({"data": {"config.toml": config}});
     kube.ok(
         &["patch", "configmap", "tessera-config", "-n", "tessera-system", "--type", "merge", "-p", &cm.to_string()],
@@ -1244,7 +1298,7 @@ fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
     assert_eq!(nodes.len(), 2, "one GPU and the control node:\n{logs}");
     kube.delete_pod("overlay-gpu", &both);
 
-    kube.ok(&["delete", "-k", &overlay, "--wait=true", "--timeout=240s"], None);
+    uninstall();
     kube.ok(&["label", "node", kube.node(), "tessera.io/gpu-"], None);
     let out = tessera_tests::tessera(dir.path(), &["uninstall", "--host-root", &path(&host)]);
     assert!(out.status.success(), "uninstall: {}", String::from_utf8_lossy(&out.stderr));
