@@ -303,9 +303,8 @@ fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::AllocatedDevice;
+    use crate::state::record::tests::dev;
     use tessera_proto::podresources::v1::{ContainerDevices, ContainerResources, PodResources};
-    use tessera_region::{ComputeMode, Priority};
 
     const SHARE: &str = "tessera.io/gpu-share";
     const SEC: u64 = 1_000_000_000;
@@ -317,18 +316,7 @@ mod tests {
             container: ContainerIdentity::default(),
             source,
             created_unix_ns: created_s * SEC,
-            devices: devices
-                .iter()
-                .map(|d| AllocatedDevice {
-                    device_id: (*d).into(),
-                    physical_uuid: "GPU-a".into(),
-                    memory_limit: None,
-                    sm_percent: None,
-                    priority: Priority::Normal,
-                    compute_mode: ComputeMode::Strict,
-                    whole: false,
-                })
-                .collect(),
+            devices: devices.iter().map(|d| dev(d, "GPU-a", None, None)).collect(),
             claim: None,
         }
     }

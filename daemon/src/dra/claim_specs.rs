@@ -144,8 +144,8 @@ impl ClaimSpecs {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{AllocatedDevice, Claim, ContainerIdentity, Lease, Source};
-    use tessera_region::{ComputeMode, Priority};
+    use crate::state::record::tests::dev;
+    use crate::state::{Claim, ContainerIdentity, Lease, Source};
 
     pub(crate) fn claim_allocation(id: &str, uid: &str, uuid: &str) -> Allocation {
         Allocation {
@@ -154,15 +154,7 @@ mod tests {
             container: ContainerIdentity::default(),
             source: Source::NodeApi,
             created_unix_ns: 0,
-            devices: vec![AllocatedDevice {
-                device_id: uuid.into(),
-                physical_uuid: uuid.into(),
-                memory_limit: Some(8 << 30),
-                sm_percent: Some(30),
-                priority: Priority::Normal,
-                compute_mode: ComputeMode::Strict,
-                whole: false,
-            }],
+            devices: vec![dev(uuid, uuid, Some(8 << 30), Some(30))],
             claim: Some(Box::new(Claim { owner: Some(uid.into()), lease: Lease::None })),
         }
     }

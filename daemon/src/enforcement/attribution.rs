@@ -292,7 +292,8 @@ fn container_ids_in(component: &str) -> impl Iterator<Item = String> + '_ {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{AllocatedDevice, ContainerIdentity, Source};
+    use crate::state::record::tests::dev;
+    use crate::state::{ContainerIdentity, Source};
 
     const CID: &str = "4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c4f2b8c1e9a7d6b5c";
 
@@ -303,18 +304,7 @@ mod tests {
             container: ContainerIdentity { container_id: container.map(str::to_string), ..Default::default() },
             source: Source::Kubelet,
             created_unix_ns: 1,
-            devices: devices
-                .iter()
-                .map(|(u, l)| AllocatedDevice {
-                    device_id: u.to_string(),
-                    physical_uuid: u.to_string(),
-                    memory_limit: *l,
-                    sm_percent: None,
-                    priority: Default::default(),
-                    compute_mode: Default::default(),
-                    whole: false,
-                })
-                .collect(),
+            devices: devices.iter().map(|(u, l)| dev(u, u, *l, None)).collect(),
             claim: None,
         }
     }

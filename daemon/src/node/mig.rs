@@ -343,6 +343,7 @@ pub async fn watch_pending_resets(controller: Arc<NodeController>, mut shutdown:
 mod tests {
     use super::*;
     use crate::discovery::{GiProfile, MigCapability, MigInfo};
+    use crate::state::record::tests::dev;
 
     fn gpu(current: bool, pending: bool, instances: Vec<MigInstance>) -> Gpu {
         let p = |name: &str, id, slices, mem, size| GiProfile {
@@ -470,7 +471,7 @@ mod tests {
 
     #[test]
     fn a_gpu_is_free_only_when_nothing_holds_or_uses_it() {
-        use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source};
+        use crate::state::{Allocation, ContainerIdentity, Source};
         let g = gpu(true, true, vec![instance(1, "3g.40gb")]);
         assert!(is_free(&g, &[]));
         let mut busy = g.clone();
@@ -483,15 +484,7 @@ mod tests {
             source: Source::Kubelet,
             created_unix_ns: 0,
             claim: None,
-            devices: vec![AllocatedDevice {
-                device_id: format!("{physical}::0"),
-                physical_uuid: physical.into(),
-                memory_limit: None,
-                sm_percent: None,
-                priority: Default::default(),
-                compute_mode: Default::default(),
-                whole: false,
-            }],
+            devices: vec![dev(&format!("{physical}::0"), physical, None, None)],
         };
         assert!(!is_free(&g, &[held("MIG-1")]), "a share of one of its MIG devices");
         assert!(!is_free(&g, &[held("GPU-x")]), "the GPU");

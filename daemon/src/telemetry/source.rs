@@ -185,7 +185,8 @@ fn sole_holders(allocations: &[Allocation]) -> HashMap<String, PodLabels> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{AllocatedDevice, ContainerIdentity, Source};
+    use crate::state::record::tests::dev;
+    use crate::state::{ContainerIdentity, Source};
 
     fn alloc(id: &str, pod: Option<&str>, uuids: &[&str]) -> Allocation {
         Allocation {
@@ -199,19 +200,7 @@ mod tests {
             },
             source: Source::Kubelet,
             created_unix_ns: 1,
-            devices: uuids
-                .iter()
-                .enumerate()
-                .map(|(i, u)| AllocatedDevice {
-                    device_id: format!("{u}::{i}"),
-                    physical_uuid: (*u).into(),
-                    memory_limit: None,
-                    sm_percent: None,
-                    priority: Default::default(),
-                    compute_mode: Default::default(),
-                    whole: false,
-                })
-                .collect(),
+            devices: uuids.iter().enumerate().map(|(i, u)| dev(&format!("{u}::{i}"), u, None, None)).collect(),
             claim: None,
         }
     }
