@@ -1011,13 +1011,7 @@ impl Region {
     pub fn snapshot(&self) -> Snapshot {
         let devices = self.device_snapshots();
         let processes = self.live_slots().map(|(i, p, pid)| process_snapshot(i, p, pid, devices.len())).collect();
-        Snapshot {
-            config_generation: self.config_generation(),
-            trace_requested: self.trace_requested(),
-            park_state: self.park_state(),
-            devices,
-            processes,
-        }
+        self.snapshot_of(devices, processes)
     }
 
     /// [`Region::reap`] then [`Region::snapshot`] in one pass over the slots instead of four (the
@@ -1069,6 +1063,11 @@ impl Region {
                 (pid != 0).then(|| process_snapshot(i, p, pid, devices.len()))
             })
             .collect();
+        self.snapshot_of(devices, processes)
+    }
+
+    /// A snapshot of these devices and processes, with the region's header as it reads now.
+    fn snapshot_of(&self, devices: Vec<DeviceSnapshot>, processes: Vec<ProcessSnapshot>) -> Snapshot {
         Snapshot {
             config_generation: self.config_generation(),
             trace_requested: self.trace_requested(),
