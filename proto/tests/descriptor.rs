@@ -239,6 +239,8 @@ fn tessera_v1_enums_start_unspecified_and_services_are_complete() {
             ("Allocate", false),
             ("Release", false),
             ("SetLimits", false),
+            ("Park", false),
+            ("Resume", false),
         ]
     );
     use Label::{Optional as One, Repeated};
@@ -254,6 +256,11 @@ fn tessera_v1_enums_start_unspecified_and_services_are_complete() {
     field(message(f, "SetLimitsRequest"), "sm_percent", 3, Type::Uint32, One, None);
     field(message(f, "Allocation"), "owner", 7, Type::String, One, None);
     field(message(f, "Allocation"), "lease", 8, Type::Enum, One, Some(".tessera.v1.Lease"));
+    field(message(f, "Allocation"), "state", 9, Type::Enum, One, Some(".tessera.v1.AllocationState"));
+    field(message(f, "ParkRequest"), "allocation_id", 1, Type::String, One, None);
+    field(message(f, "ParkResponse"), "bytes", 2, Type::Uint64, One, None);
+    field(message(f, "ParkResponse"), "duration_nanos", 3, Type::Uint64, One, None);
+    field(message(f, "ResumeRequest"), "allocation_id", 1, Type::String, One, None);
     assert!(!f.enum_type.is_empty());
     for e in &f.enum_type {
         let zero = &e.value[0];

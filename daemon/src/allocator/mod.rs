@@ -9,7 +9,8 @@
 //! - [`node_api`]: the node API's on-demand shares, whole GPUs and MIG devices;
 //! - [`claims`]: DRA claims (NodePrepare/UnprepareResources), one record per claim UID;
 //!
-//! and beside them `admission` (what fits beside every other record on a device), `reconcile`
+//! and beside them `park` (an allocation's processes parked and resumed through the driver's
+//! checkpoint API), `admission` (what fits beside every other record on a device), `reconcile`
 //! (records and directories brought back together at start; owner records the hook left) and
 //! `withdrawn` (the kubelet's free devices that no longer fit).
 
@@ -17,6 +18,7 @@ mod admission;
 pub mod claims;
 pub mod kubelet;
 pub mod node_api;
+pub mod park;
 mod reconcile;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -85,6 +87,8 @@ pub struct DaemonAllocator {
     /// The directories of the allocations that do not know their container yet, watched for
     /// the owner record (`adopt_owner_records` reads only those written into).
     owner_watch: Mutex<OwnerWatch>,
+    /// The allocations parked, or being parked or resumed ([`park`]).
+    parking: park::Parking,
 }
 
 /// What reloads may change: share placement, and the limits new share allocations get.
@@ -118,6 +122,7 @@ impl DaemonAllocator {
             handed_out: Mutex::new(HashMap::new()),
             allocated: Arc::new(tokio::sync::Notify::new()),
             owner_watch: Mutex::new(OwnerWatch::default()),
+            parking: park::Parking::default(),
         }
     }
 

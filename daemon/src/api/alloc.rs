@@ -7,8 +7,10 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
+use crate::allocator::park::DEFAULT_LOCK_TIMEOUT;
 use crate::allocator::{DRA_RESOURCE, DeviceAsk, LimitChange, ShareRequest};
 use crate::node::NodeController;
+use crate::park::Checkpointer;
 use crate::resources::CDI_VENDOR;
 use crate::state::{Allocation, Lease};
 
@@ -171,6 +173,67 @@ pub fn set_limits(controller: &NodeController, req: &api::SetLimitsRequest) -> R
     let alloc = allocator.set_limits(&req.allocation_id, change, &allocator.rooms())?;
     Ok(api::SetLimitsResponse {
         allocation: Some(super::devices::allocation(&alloc, &controller.allocator().resources())),
+    })
+}
+
+/// The node API's state of an allocation whose memory is where `s` says.
+pub fn state(s: tessera_region::ParkState) -> api::AllocationState {
+    match s {
+        tessera_region::ParkState::Running => api::AllocationState::Running,
+        tessera_region::ParkState::Parking => api::AllocationState::Parking,
+        tessera_region::ParkState::Parked => api::AllocationState::Parked,
+        tessera_region::ParkState::Resuming => api::AllocationState::Resuming,
+    }
+}
+
+/// Allocation `id` as the node API shows it, with its park state.
+fn shown(controller: &NodeController, id: &str) -> Option<api::Allocation> {
+    let allocator = controller.allocator();
+    let record = allocator.allocations_where(|a| a.id == id).into_iter().next()?;
+    let mut shown = super::devices::allocation(&record, &allocator.resources());
+    shown.state = state(allocator.park_state(id)) as i32;
+    Some(shown)
+}
+
+/// The driver's checkpoint API, from the library NVML was loaded from: the driver's
+/// `libcuda.so.1` beside its `libnvidia-ml.so.1`, or the simulated node's one library.
+fn checkpointer(controller: &NodeController) -> Result<Checkpointer, Status> {
+    let nvml = controller.session().library();
+    let cuda = match nvml.file_name().and_then(|n| n.to_str()) {
+        Some(n) if n.starts_with("libnvidia-ml") => nvml.with_file_name("libcuda.so.1"),
+        _ => nvml.to_path_buf(),
+    };
+    Checkpointer::load(&cuda)
+        .map_err(|e| Status::unavailable(format!("park and resume need the driver's checkpoint API: {e}")))
+}
+
+/// `Park`.
+pub fn park(controller: &NodeController, req: &api::ParkRequest) -> Result<api::ParkResponse, Status> {
+    let id = req.allocation_id.as_str();
+    crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
+    let timeout = match req.lock_timeout_nanos {
+        0 => DEFAULT_LOCK_TIMEOUT,
+        n => std::time::Duration::from_nanos(n),
+    };
+    let done = controller.allocator().park(id, &checkpointer(controller)?, timeout)?;
+    Ok(api::ParkResponse {
+        allocation: shown(controller, id),
+        bytes: done.bytes,
+        duration_nanos: done.duration.as_nanos() as u64,
+        pids: done.pids,
+    })
+}
+
+/// `Resume`.
+pub fn resume(controller: &NodeController, req: &api::ResumeRequest) -> Result<api::ResumeResponse, Status> {
+    let id = req.allocation_id.as_str();
+    crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
+    let done = controller.allocator().resume(id, &checkpointer(controller)?)?;
+    Ok(api::ResumeResponse {
+        allocation: shown(controller, id),
+        bytes: done.bytes,
+        duration_nanos: done.duration.as_nanos() as u64,
+        pids: done.pids,
     })
 }
 

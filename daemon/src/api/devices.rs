@@ -212,6 +212,9 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
             Source::Recovered => api::AllocationSource::Unspecified,
         } as i32,
         created_unix_nano: a.created_unix_ns,
+        // Running unless the park state says otherwise (the caller's to set: the record does
+        // not hold it).
+        state: api::AllocationState::Running as i32,
     }
 }
 

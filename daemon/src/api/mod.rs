@@ -159,7 +159,11 @@ impl Node for NodeApi {
                 req.pod_namespace.is_empty() || a.container.pod_namespace.as_deref() == Some(&req.pod_namespace)
             })
             .filter(|a| req.pod_name.is_empty() || a.container.pod_name.as_deref() == Some(&req.pod_name))
-            .map(|a| devices::allocation(&a, &resources))
+            .map(|a| {
+                let mut shown = devices::allocation(&a, &resources);
+                shown.state = alloc::state(self.controller.allocator().park_state(&a.id)) as i32;
+                shown
+            })
             .collect();
         Ok(Response::new(api::ListAllocationsResponse { allocations }))
     }
@@ -323,6 +327,15 @@ impl Node for NodeApi {
         req: Request<api::SetLimitsRequest>,
     ) -> Result<Response<api::SetLimitsResponse>, Status> {
         crate::blocking::run(|| alloc::set_limits(&self.controller, &req.into_inner())).map(Response::new)
+    }
+
+    async fn park(&self, req: Request<api::ParkRequest>) -> Result<Response<api::ParkResponse>, Status> {
+        // Locks wait for the processes' GPU work, and memory is copied: off the async threads.
+        crate::blocking::run(|| alloc::park(&self.controller, &req.into_inner())).map(Response::new)
+    }
+
+    async fn resume(&self, req: Request<api::ResumeRequest>) -> Result<Response<api::ResumeResponse>, Status> {
+        crate::blocking::run(|| alloc::resume(&self.controller, &req.into_inner())).map(Response::new)
     }
 }
 

@@ -110,6 +110,23 @@ enum Command {
         /// The allocation id.
         id: String,
     },
+    /// Park an allocation: its processes' device memory moved to host memory (they wait, not
+    /// stopped); the GPU memory is free until `tessera resume`.
+    Park {
+        /// The allocation id.
+        id: String,
+        /// Print the answer as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resume a parked allocation: its memory back on the GPU, its processes go on.
+    Resume {
+        /// The allocation id.
+        id: String,
+        /// Print the answer as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Change a live allocation's limits.
     Limits {
         #[command(subcommand)]
@@ -222,6 +239,8 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Alloc(a) => alloc::alloc(&mut client, a).await,
         Command::Release { id } => alloc::release(&mut client, id).await,
         Command::Limits { command } => alloc::limits(&mut client, command).await,
+        Command::Park { id, json } => alloc::park(&mut client, id, json).await,
+        Command::Resume { id, json } => alloc::resume(&mut client, id, json).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
         Command::Trace { container, seconds, output, json } => {
             trace(&mut client, &container, seconds, output, json).await
@@ -741,6 +760,7 @@ proto_enum!(
     api::BreachPhase => "BREACH_PHASE_",
     api::BreachLimit => "BREACH_LIMIT_",
     api::FaultKind => "FAULT_KIND_",
+    api::AllocationState => "ALLOCATION_STATE_",
 );
 
 /// A percentage with one decimal; never `-0.0%` (a negative rate is a clock artefact).

@@ -130,6 +130,7 @@ fn allocation_json(a: &api::Allocation) -> serde_json::Value {
             "memory_limit_bytes": d.memory_limit_bytes, "sm_percent": d.sm_percent, "priority": d.priority,
         })).collect::<Vec<_>>(),
         "created_unix_nano": a.created_unix_nano,
+        "state": enum_name::<api::AllocationState>(a.state).to_lowercase(),
     })
 }
 
@@ -201,6 +202,38 @@ pub async fn release(client: &mut NodeClient<Channel>, id: String) -> Result<Exi
     Ok(ExitCode::SUCCESS)
 }
 
+/// What `tessera park` and `tessera resume` print: a line, or one JSON object.
+fn moved(verb: &str, id: &str, a: Option<&api::Allocation>, bytes: u64, nanos: u64, pids: &[u32], json: bool) {
+    let state = a.map(|a| enum_name::<api::AllocationState>(a.state).to_lowercase()).unwrap_or_default();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"id": id, "state": state, "bytes": bytes, "duration_nanos": nanos, "pids": pids})
+        );
+    } else {
+        let pids = pids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+        println!("{verb} {id}: {} in {:.3} s, processes {pids}; now {state}", mib(bytes), nanos as f64 / 1e9);
+    }
+}
+
+/// `tessera park ID [--json]`.
+pub async fn park(client: &mut NodeClient<Channel>, id: String, json: bool) -> Result<ExitCode, String> {
+    let r = client
+        .park(api::ParkRequest { allocation_id: id.clone(), lock_timeout_nanos: 0 })
+        .await
+        .map_err(status_err)?
+        .into_inner();
+    moved("parked", &id, r.allocation.as_ref(), r.bytes, r.duration_nanos, &r.pids, json);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `tessera resume ID [--json]`.
+pub async fn resume(client: &mut NodeClient<Channel>, id: String, json: bool) -> Result<ExitCode, String> {
+    let r = client.resume(api::ResumeRequest { allocation_id: id.clone() }).await.map_err(status_err)?.into_inner();
+    moved("resumed", &id, r.allocation.as_ref(), r.bytes, r.duration_nanos, &r.pids, json);
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `tessera limits set ID ...`.
 pub async fn limits(client: &mut NodeClient<Channel>, command: LimitsCommand) -> Result<ExitCode, String> {
     let LimitsCommand::Set(s) = command;
@@ -238,7 +271,8 @@ pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result
         println!("{}", serde_json::Value::Array(list.iter().map(allocation_json).collect()));
         return Ok(ExitCode::SUCCESS);
     }
-    let mut rows = vec![row(["ALLOCATION", "RESOURCE", "CONTAINER", "DEVICES", "MEMORY", "SM%", "SOURCE", "OWNER"])];
+    let mut rows =
+        vec![row(["ALLOCATION", "RESOURCE", "CONTAINER", "DEVICES", "MEMORY", "SM%", "STATE", "SOURCE", "OWNER"])];
     for a in &list {
         let mut owner = a.owner.clone();
         if a.lease == api::Lease::Container as i32 {
@@ -251,6 +285,7 @@ pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result
             a.devices.iter().map(|d| d.device_id.as_str()).collect::<Vec<_>>().join(","),
             a.devices.iter().map(|d| mib(d.memory_limit_bytes)).collect::<Vec<_>>().join(","),
             a.devices.iter().map(|d| d.sm_percent.to_string()).collect::<Vec<_>>().join(","),
+            enum_name::<api::AllocationState>(a.state).to_lowercase(),
             enum_name::<api::AllocationSource>(a.source).to_lowercase(),
             owner,
         ]));

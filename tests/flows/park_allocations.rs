@@ -1,0 +1,127 @@
+//! Park and resume through the node API and the CLI (issue 33) on the simulated node: a host
+//! process under libtessera.so, in a carved share, is parked (NVML shows its memory freed, the
+//! allocation lists as parked), its resume is refused while the GPU is full and says how much it
+//! needs, then it resumes and runs on (its data across a park: daemon/tests/park.rs). Bad input: an unknown id, an
+//! allocation with no process, a resume of a running one, a second park of a parked one.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdout, Stdio};
+
+use tessera_proto::tessera::v1 as api;
+use tessera_sim_model::Node;
+use tessera_sim_testkit::SimNode;
+use tessera_tests::kubelet::{node_api, spawn};
+use tessera_tests::{ok, shim, tessera};
+use tonic::Code;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// A workload killed and waited for when dropped (a failing test leaves none behind).
+struct Reaped(Child, #[allow(dead_code)] BufReader<ChildStdout>);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Reaped {
+    fn alive(mut self) -> bool {
+        matches!(self.0.try_wait(), Ok(None))
+    }
+}
+
+fn used(m: &Node) -> u64 {
+    m.memory_info(0, 0).expect("NVML memory").used
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = tessera_tests::kubelet::write_config(&node, dir, "");
+    let log = dir.join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+
+    // An unknown id: NOT_FOUND, naming it.
+    let e = api.park(api::ParkRequest { allocation_id: "a-0000000000000000".into(), ..Default::default() }).await;
+    let e = e.expect_err("unknown id");
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert!(e.message().contains("a-0000000000000000"), "{}", e.message());
+
+    let out = ok(&tessera(dir, &["alloc", "--memory", "2GiB", "--sm", "30", "--json"]));
+    let answer: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let id = answer["id"].as_str().expect("id").to_owned();
+    let env = answer["env"].as_object().expect("env").clone();
+    let park = |id: &str| api::ParkRequest { allocation_id: id.into(), ..Default::default() };
+    let resume = |id: &str| api::ResumeRequest { allocation_id: id.into() };
+
+    // No process yet: nothing to park; and a running allocation has nothing to resume.
+    let e = api.clone().park(park(&id)).await.expect_err("no process");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("has no process"), "{}", e.message());
+    let e = api.clone().resume(resume(&id)).await.expect_err("running");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("is running, not parked"), "{}", e.message());
+
+    // A host process under the shim holding 1 GiB.
+    let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
+    cmd.args(["--alloc-mib", "1024", "--hold", "3600"]).stdout(Stdio::piped());
+    cmd.env("LD_PRELOAD", shim());
+    for (k, v) in &env {
+        cmd.env(k, v.as_str().expect("env values are strings"));
+    }
+    let mut child = cmd.spawn().expect("tessera-workload");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read");
+    let pid = child.id();
+    let workload = Reaped(child, out);
+    let before = used(&m);
+    assert!(before >= GIB, "the workload holds its GiB: {before}");
+
+    let parked = api.clone().park(park(&id)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log())).into_inner();
+    assert_eq!(parked.pids, vec![pid]);
+    assert!(parked.bytes >= GIB, "{}", parked.bytes);
+    assert_eq!(parked.allocation.as_ref().expect("allocation").state, api::AllocationState::Parked as i32);
+    assert_eq!(used(&m), 0, "NVML: its memory is free");
+    let list = ok(&tessera(dir, &["allocations", "--json"]));
+    assert!(list.contains("\"state\":\"parked\""), "{list}");
+    assert!(ok(&tessera(dir, &["allocations"])).contains("parked"));
+    // Parked twice: refused, it stays parked.
+    let e = api.clone().park(park(&id)).await.expect_err("parked already");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("is parked, not running"), "{}", e.message());
+
+    // The GPU taken but for 64 MiB: the resume is refused saying what it needs, and it stays parked.
+    let free = m.memory_info(0, 0).expect("NVML").free;
+    m.alloc(0, 0, free - 64 * MIB).expect("fill the GPU");
+    let e = api.clone().resume(resume(&id)).await.expect_err("no room");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("does not fit") && e.message().contains("GiB"), "{}", e.message());
+    let cli = tessera(dir, &["resume", &id]);
+    let out = String::from_utf8_lossy(&cli.stderr);
+    assert!(!cli.status.success(), "the CLI fails too: {out}");
+    assert!(out.contains("does not fit"), "{out}");
+    assert!(ok(&tessera(dir, &["allocations", "--json"])).contains("\"state\":\"parked\""));
+    m.free(0, 0, free - 64 * MIB);
+
+    // Room again: the CLI resumes it, and its memory is back.
+    let out = ok(&tessera(dir, &["resume", &id, "--json"]));
+    let resumed: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(resumed["state"], "running", "{resumed}");
+    assert_eq!(used(&m), before);
+    assert!(ok(&tessera(dir, &["allocations", "--json"])).contains("\"state\":\"running\""));
+    // The CLI parks and resumes it again.
+    assert!(ok(&tessera(dir, &["park", &id])).contains("now parked"));
+    assert_eq!(used(&m), 0);
+    assert!(ok(&tessera(dir, &["resume", &id])).contains("now running"));
+    assert_eq!(used(&m), before);
+    assert!(workload.alive(), "the workload runs on after two parks and resumes");
+}
