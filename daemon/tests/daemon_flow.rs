@@ -531,24 +531,52 @@ fn mounts_under(dir: &Path) -> Vec<String> {
     points
 }
 
+/// A tesserad on `NODE`, as root, with the default configuration in a fresh directory. Fields
+/// drop in order: the daemon is killed before its directory goes.
+struct RootDaemon {
+    daemon: common::Daemon,
+    /// Its stderr, `tesserad.log` in the directory.
+    log: std::path::PathBuf,
+    config: std::path::PathBuf,
+    tmp: tempfile::TempDir,
+    node: SimNode,
+}
+
+/// Starts a [`RootDaemon`]; `None`, with a SKIP line saying `why`, when this is not root.
+fn start_as_root(why: &str) -> Option<RootDaemon> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        common::skip(why);
+        return None;
+    }
+    let node = SimNode::with_description(NODE);
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(&node, tmp.path(), "");
+    let log = tmp.path().join("tesserad.log");
+    let (daemon, _) = spawn(&node, &config, &tmp.path().join("no-notify"), &log);
+    Some(RootDaemon { daemon, log, config, tmp, node })
+}
+
+/// Stops `daemon` as systemd does (SIGTERM) and waits for its exit.
+fn terminate(daemon: &mut common::Daemon) -> std::process::ExitStatus {
+    // SAFETY: kill has no memory preconditions; the pid is our child's.
+    assert_eq!(unsafe { libc::kill(daemon.0.id() as i32, libc::SIGTERM) }, 0);
+    daemon.0.wait().expect("wait")
+}
+
 /// A clean stop (SIGTERM) unmounts what no allocation holds: the spare allocation directories'
 /// regions (a tmpfs each, and its bind mount) went with the daemon's end, not with the machine's;
 /// 16 were left under `runtime_dir` at every stop. An allocation's own region stays mounted, for
 /// its container and the next start.
 #[test]
 fn a_clean_stop_leaves_only_the_allocations_own_mounts() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        common::skip("a_clean_stop_leaves_only_the_allocations_own_mounts: regions are mounts only as root");
+    let Some(mut started) =
+        start_as_root("a_clean_stop_leaves_only_the_allocations_own_mounts: regions are mounts only as root")
+    else {
         return;
-    }
-    let node = SimNode::with_description(NODE);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config = common::write_config(&node, dir, "");
-    let log = dir.join("tesserad.log");
-    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let (mut daemon, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
+    };
+    let dir = started.tmp.path();
+    let show_log = || std::fs::read_to_string(&started.log).unwrap_or_default();
     let socket = dir.join("run/tessera.sock");
     let deadline = Instant::now() + Duration::from_secs(30);
     let id = loop {
@@ -566,9 +594,7 @@ fn a_clean_stop_leaves_only_the_allocations_own_mounts() {
         assert!(Instant::now() < deadline, "no spare mounted: {:?}\n{}", mounts_under(dir), show_log());
         std::thread::sleep(Duration::from_millis(20));
     }
-    // SAFETY: kill has no memory preconditions; the pid is our child's.
-    assert_eq!(unsafe { libc::kill(daemon.0.id() as i32, libc::SIGTERM) }, 0);
-    let status = daemon.0.wait().expect("wait");
+    let status = terminate(&mut started.daemon);
     assert!(status.success(), "{status:?}\n{}", show_log());
     assert_eq!(mounts_under(dir), own, "{}", show_log());
     assert!(!dir.join("run/spare").exists(), "the spare directories are gone");
@@ -579,20 +605,13 @@ fn a_clean_stop_leaves_only_the_allocations_own_mounts() {
 /// one's spare allocation directories (their region mounts with them) on its way to that refusal.
 #[test]
 fn a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        common::skip(
-            "a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first: spares are mounts only as root",
-        );
+    let Some(mut first) = start_as_root(
+        "a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first: spares are mounts only as root",
+    ) else {
         return;
-    }
-    let node = SimNode::with_description(NODE);
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config = common::write_config(&node, dir, "");
-    let log = dir.join("tesserad.log");
-    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let (mut first, _) = spawn(&node, &config, &dir.join("no-notify"), &log);
+    };
+    let dir = first.tmp.path();
+    let show_log = || std::fs::read_to_string(&first.log).unwrap_or_default();
     let socket = dir.join("run/tessera.sock");
     // Every spare made (8, a region and its tmpfs each) and the node API answering.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -604,20 +623,18 @@ fn a_second_daemon_on_the_same_runtime_dir_touches_nothing_of_the_first() {
     let before = mounts_under(dir);
 
     // The second: the same configuration but its own state_dir.
-    let text = std::fs::read_to_string(&config).expect("config");
+    let text = std::fs::read_to_string(&first.config).expect("config");
     let state = dir.join("state").display().to_string();
     assert!(text.contains(&state), "{text}");
     let second_config = dir.join("second.toml");
     std::fs::write(&second_config, text.replace(&state, &dir.join("state-2").display().to_string())).unwrap();
     let second_log = dir.join("second.log");
-    let (mut second, _) = spawn(&node, &second_config, &dir.join("no-notify-2"), &second_log);
+    let (mut second, _) = spawn(&first.node, &second_config, &dir.join("no-notify-2"), &second_log);
     let status = second.0.wait().expect("wait");
     let said = std::fs::read_to_string(&second_log).unwrap_or_default();
     assert!(!status.success() && said.contains("a running process serves it"), "{status:?}\n{said}");
     assert_eq!(mounts_under(dir), before, "the first daemon's spares are untouched\n{said}");
     assert_eq!(common::tessera(&socket, &["status"]).0, 0, "the first still serves\n{}", show_log());
 
-    // SAFETY: kill has no memory preconditions; the pid is our child's.
-    assert_eq!(unsafe { libc::kill(first.0.id() as i32, libc::SIGTERM) }, 0);
-    assert!(first.0.wait().expect("wait").success(), "{}", show_log());
+    assert!(terminate(&mut first.daemon).success(), "{}", show_log());
 }
