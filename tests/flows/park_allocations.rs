@@ -125,3 +125,95 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     assert_eq!(used(&m), before);
     assert!(workload.alive(), "the workload runs on after two parks and resumes");
 }
+
+/// `kill -9` of tesserad with an allocation parked, mid-park (its processes locked, the journal
+/// saying `parking`) and with a damaged journal entry: a restart keeps the parked one parked (it
+/// resumes), rolls the one in flight back to running (no process left locked), and moves the
+/// damaged entry aside.
+#[test]
+fn a_killed_tesserad_finishes_or_rolls_back_its_parks_at_start() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    // In a child pointed at the node: the test locks a process through the sim's checkpoint API.
+    node.run_isolated("a_killed_tesserad_finishes_or_rolls_back_its_parks_at_start", || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        rt.block_on(killed_tesserad(&node));
+    });
+}
+
+async fn killed_tesserad(node: &SimNode) {
+    use tessera_daemon::allocator::park::JournalEntry;
+    use tessera_daemon::park::{Checkpointer, ProcessState};
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = tessera_tests::kubelet::write_config(node, dir, "");
+    let log = dir.join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket = dir.join("run/tessera.sock");
+    let daemon = spawn(node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&socket).await;
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let ck = Checkpointer::load(&node.cuda_path()).expect("the sim's checkpoint API");
+
+    let mut workloads = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let out = ok(&tessera(dir, &["alloc", "--memory", "2GiB", "--sm", "30", "--json"]));
+        let answer: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        ids.push(answer["id"].as_str().expect("id").to_owned());
+        let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
+        cmd.args(["--alloc-mib", "512", "--hold", "3600"]).stdout(Stdio::piped()).env("LD_PRELOAD", shim());
+        for (k, v) in answer["env"].as_object().expect("env") {
+            cmd.env(k, v.as_str().expect("env values are strings"));
+        }
+        let mut child = cmd.spawn().expect("tessera-workload");
+        let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+        out.read_line(&mut String::new()).expect("read");
+        workloads.push(Reaped(child, out));
+    }
+    let (parked_id, inflight_id) = (&ids[0], &ids[1]);
+    let (parked_pid, inflight_pid) = (workloads[0].0.id(), workloads[1].0.id());
+    let before = used(&m);
+    api.park(api::ParkRequest { allocation_id: parked_id.clone(), ..Default::default() })
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    drop(daemon); // SIGKILL
+
+    // Killed mid-park of the second: its process locked, the journal saying `parking`.
+    ck.lock(inflight_pid, None).expect("lock");
+    let journal = dir.join("state/park");
+    let entry =
+        JournalEntry { id: inflight_id.clone(), state: "parking".into(), pids: vec![inflight_pid], bytes: 512 << 20 };
+    std::fs::write(journal.join(inflight_id), entry.encode()).expect("journal");
+    // And a damaged entry for an allocation that does not exist.
+    std::fs::write(journal.join("a-00000000000000ff"), b"{\"id\":\"a-00000000000000ff\"}\n00000000\n")
+        .expect("damaged");
+
+    let _daemon = spawn(node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&socket).await;
+    assert_eq!(
+        ck.state(inflight_pid).expect("state"),
+        ProcessState::Running,
+        "rolled back, not left locked\n{}",
+        show_log()
+    );
+    assert!(!journal.join(inflight_id).exists(), "its entry is gone");
+    assert_eq!(ck.state(parked_pid).expect("state"), ProcessState::Checkpointed, "the park journalled as done stays");
+    assert!(journal.join("a-00000000000000ff.corrupt").exists(), "the damaged entry is moved aside");
+    let list = api.list_allocations(api::ListAllocationsRequest::default()).await.expect("list").into_inner();
+    let state = |id: &str| list.allocations.iter().find(|a| a.id == id).expect("listed").state;
+    assert_eq!(state(parked_id), api::AllocationState::Parked as i32);
+    assert_eq!(state(inflight_id), api::AllocationState::Running as i32);
+    assert!(used(&m) < before, "the parked one's memory is still free");
+    // The parked one resumes through the restarted daemon.
+    let resumed = api
+        .resume(api::ResumeRequest { allocation_id: parked_id.clone() })
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()))
+        .into_inner();
+    assert_eq!(resumed.pids, vec![parked_pid]);
+    assert_eq!(used(&m), before);
+    assert!(!journal.join(parked_id).exists());
+    for w in workloads {
+        assert!(w.alive(), "both workloads run on");
+    }
+}

@@ -4,11 +4,19 @@
 //! so the shim's books show the memory as parked, not used. One park or resume per allocation at
 //! a time: the state is taken (`parking` / `resuming`) before the driver is called.
 //!
-//! Not yet here (issue 33): the state journalled on disk before a park starts and recovered at
-//! start, parked memory counted as free by admission, preemption, events and metrics. A parked
-//! allocation's state lives in this process only: a restarted tesserad sees it as running.
+//! Crash safety: the state is journalled before the driver is called, one small file per
+//! allocation in `<state_dir>/park/<id>` (JSON, then its CRC-32 on a second line; written whole
+//! and durably): `parking` with the pids before a park, `parked` once every process is
+//! checkpointed, `resuming` before a resume, removed once running. At start
+//! ([`DaemonAllocator::recover_parks`]) a park journalled as done is finished (processes left
+//! parked), anything else is rolled back to running: no process is left locked. A damaged file
+//! is moved aside and said.
+//!
+//! Not yet here (issue 33): parked memory counted as free by admission, preemption, events and
+//! metrics.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -44,6 +52,52 @@ pub struct ParkOutcome {
     pub pids: Vec<u32>,
 }
 
+/// The checkpoint API from the library NVML came from: the driver's `libcuda.so.1` beside its
+/// `libnvidia-ml.so.1`, or the simulated node's one library.
+pub fn checkpoint_api(nvml_library: &Path) -> Result<Checkpointer, ParkError> {
+    let cuda = match nvml_library.file_name().and_then(|n| n.to_str()) {
+        Some(n) if n.starts_with("libnvidia-ml") => nvml_library.with_file_name("libcuda.so.1"),
+        _ => nvml_library.to_path_buf(),
+    };
+    Checkpointer::load(&cuda)
+}
+
+/// One allocation's journalled park state, as `<state_dir>/park/<id>` holds it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct JournalEntry {
+    pub id: String,
+    /// `parking`, `parked` or `resuming`.
+    pub state: String,
+    pub pids: Vec<u32>,
+    pub bytes: u64,
+}
+
+impl JournalEntry {
+    /// The file's bytes: the JSON, a newline, its CRC-32 in hex, a newline.
+    pub fn encode(&self) -> Vec<u8> {
+        let json = serde_json::to_string(self).unwrap_or_default();
+        format!("{json}\n{:08x}\n", crc32fast::hash(json.as_bytes())).into_bytes()
+    }
+
+    /// Reads a file's bytes back, checking its CRC and that it is about `id`.
+    pub fn decode(id: &str, bytes: &[u8]) -> Result<JournalEntry, String> {
+        let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8".to_owned())?;
+        let mut lines = text.lines();
+        let (Some(json), Some(crc)) = (lines.next(), lines.next()) else {
+            return Err("cut short (no checksum line)".into());
+        };
+        let got = crc32fast::hash(json.as_bytes());
+        if u32::from_str_radix(crc.trim(), 16).ok() != Some(got) {
+            return Err(format!("checksum fails (crc32 {got:08x}, file says {crc:?})"));
+        }
+        let e: JournalEntry = serde_json::from_str(json).map_err(|e| format!("not a park entry: {e}"))?;
+        if e.id != id || !matches!(e.state.as_str(), "parking" | "parked" | "resuming") {
+            return Err(format!("entry for {:?} in state {:?} under the name {id}", e.id, e.state));
+        }
+        Ok(e)
+    }
+}
+
 impl Parking {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
         self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -69,6 +123,91 @@ fn state_name(s: ParkState) -> &'static str {
 }
 
 impl DaemonAllocator {
+    fn journal_dir(&self) -> PathBuf {
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).dir().join("park")
+    }
+
+    /// Writes allocation `id`'s park state durably before the step it announces.
+    fn journal(&self, id: &str, state: ParkState, pids: &[u32], bytes: u64) -> Result<(), Status> {
+        let dir = self.journal_dir();
+        let entry = JournalEntry { id: id.to_owned(), state: state_name(state).to_owned(), pids: pids.to_vec(), bytes };
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| crate::state::durable::write_file(&dir.join(id), &entry.encode(), 0o600))
+            .map_err(|e| {
+                Status::internal(format!("allocation {id}: cannot journal its park state in {}: {e}", dir.display()))
+            })
+    }
+
+    fn unjournal(&self, id: &str) {
+        let path = self.journal_dir().join(id);
+        if let Err(e) = std::fs::remove_file(&path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(%id, error = %e, path = %path.display(), "cannot remove the park journal entry");
+        }
+    }
+
+    /// At start: what a killed tesserad left half-done is finished or rolled back, so that no
+    /// process is left locked: a park journalled as done stays parked (its locked processes
+    /// checkpointed), a park or resume in flight goes back to running. `api` is loaded only when
+    /// the journal holds something. Returns the allocations left parked.
+    pub fn recover_parks(&self, api: impl FnOnce() -> Result<Checkpointer, ParkError>) -> Vec<String> {
+        let dir = self.journal_dir();
+        let Ok(names) = std::fs::read_dir(&dir) else { return Vec::new() };
+        let mut entries = Vec::new();
+        for name in names.flatten() {
+            let id = name.file_name().to_string_lossy().into_owned();
+            if crate::state::record::valid_id(&id).is_err() {
+                continue; // a temporary file of an interrupted write, or a set-aside one
+            }
+            let path = name.path();
+            match std::fs::read(&path).map_err(|e| e.to_string()).and_then(|b| JournalEntry::decode(&id, &b)) {
+                Ok(e) => entries.push(e),
+                Err(why) => {
+                    let aside = crate::state::durable::move_aside(&path);
+                    tracing::error!(%id, %why, aside = ?aside, "park journal entry damaged, moved aside: its processes may stay locked; check them with the driver");
+                }
+            }
+        }
+        if entries.is_empty() {
+            return Vec::new();
+        }
+        let ck = match api() {
+            Ok(ck) => ck,
+            Err(e) => {
+                tracing::error!(error = %e, "park journal entries left, but no checkpoint API to finish them");
+                return Vec::new();
+            }
+        };
+        let mut parked = Vec::new();
+        for e in entries {
+            let done = e.state == "parked" && self.known(&e.id).is_ok();
+            let region = self.processes(&e.id).ok().and_then(|(r, _, _)| r);
+            match ck.recover(&e.pids, done) {
+                Ok(left) if done && !left.is_empty() => {
+                    if let Some(r) = &region {
+                        r.set_park_state(ParkState::Parked);
+                    }
+                    tracing::info!(id = %e.id, pids = ?left, "park recovered: still parked");
+                    let _ = self.journal(&e.id, ParkState::Parked, &left, e.bytes);
+                    self.parking
+                        .lock()
+                        .insert(e.id.clone(), Entry { state: ParkState::Parked, pids: left, bytes: e.bytes });
+                    parked.push(e.id);
+                }
+                Ok(_) => {
+                    if let Some(r) = &region {
+                        r.set_park_state(ParkState::Running);
+                    }
+                    tracing::info!(id = %e.id, was = %e.state, "park recovered: running");
+                    self.unjournal(&e.id);
+                }
+                Err(err) => tracing::error!(id = %e.id, error = %err, "park recovery failed; the entry is kept"),
+            }
+        }
+        parked
+    }
+
     /// Where allocation `id`'s memory is (running when it was never parked).
     pub fn park_state(&self, id: &str) -> ParkState {
         self.parking.lock().get(id).map_or(ParkState::Running, |e| e.state)
@@ -137,15 +276,25 @@ impl DaemonAllocator {
                  started with the allocation's environment can be parked"
             )));
         };
+        self.journal(id, ParkState::Parking, &pids, bytes)?;
         region.set_park_state(ParkState::Parking);
-        match ck.park(&pids, Some(lock_timeout)) {
+        let parked = ck.park(&pids, Some(lock_timeout)).map_err(|e| refused(id, "park", e)).and_then(|duration| {
+            // Parked only once the journal says so; else it is undone, never half-parked.
+            if let Err(e) = self.journal(id, ParkState::Parked, &pids, bytes) {
+                let _ = ck.resume(&pids);
+                return Err(e);
+            }
+            Ok(duration)
+        });
+        match parked {
             Ok(duration) => {
                 region.set_park_state(ParkState::Parked);
                 Ok(ParkOutcome { state: ParkState::Parked, bytes, duration, pids })
             }
             Err(e) => {
                 region.set_park_state(ParkState::Running);
-                Err(refused(id, "park", e))
+                self.unjournal(id);
+                Err(e)
             }
         }
     }
@@ -167,7 +316,13 @@ impl DaemonAllocator {
             e.state = ParkState::Resuming;
             e.clone()
         };
-        let (region, _, _) = self.processes(id)?;
+        let (region, _, _) = self.processes(id).unwrap_or((None, Vec::new(), 0));
+        if let Err(e) = self.journal(id, ParkState::Resuming, &entry.pids, entry.bytes) {
+            if let Some(back) = self.parking.lock().get_mut(id) {
+                back.state = ParkState::Parked;
+            }
+            return Err(e);
+        }
         if let Some(r) = &region {
             r.set_park_state(ParkState::Resuming);
         }
@@ -179,6 +334,7 @@ impl DaemonAllocator {
                     r.set_park_state(ParkState::Running);
                 }
                 entries.remove(id);
+                self.unjournal(id);
                 Ok(ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: entry.pids })
             }
             Err(e) => {
@@ -188,6 +344,7 @@ impl DaemonAllocator {
                 if let Some(back) = entries.get_mut(id) {
                     back.state = ParkState::Parked;
                 }
+                let _ = self.journal(id, ParkState::Parked, &entry.pids, entry.bytes);
                 let gib = entry.bytes as f64 / f64::from(1u32 << 30);
                 Err(Status::failed_precondition(format!(
                     "{} (it needs {gib:.2} GiB back on its GPU; it stays parked)",

@@ -195,15 +195,9 @@ fn shown(controller: &NodeController, id: &str) -> Option<api::Allocation> {
     Some(shown)
 }
 
-/// The driver's checkpoint API, from the library NVML was loaded from: the driver's
-/// `libcuda.so.1` beside its `libnvidia-ml.so.1`, or the simulated node's one library.
+/// The driver's checkpoint API ([`crate::allocator::park::checkpoint_api`]).
 fn checkpointer(controller: &NodeController) -> Result<Checkpointer, Status> {
-    let nvml = controller.session().library();
-    let cuda = match nvml.file_name().and_then(|n| n.to_str()) {
-        Some(n) if n.starts_with("libnvidia-ml") => nvml.with_file_name("libcuda.so.1"),
-        _ => nvml.to_path_buf(),
-    };
-    Checkpointer::load(&cuda)
+    crate::allocator::park::checkpoint_api(controller.session().library())
         .map_err(|e| Status::unavailable(format!("park and resume need the driver's checkpoint API: {e}")))
 }
 

@@ -133,6 +133,11 @@ impl NodeController {
         let allocator = Arc::new(DaemonAllocator::new(&config, Arc::new(Resources::default()), store, dirs));
         let kept = allocator.reconcile();
         tracing::info!(allocations = kept, state = %config.state_dir.display(), "state loaded");
+        // A park or resume a killed tesserad left half-done: finished or rolled back (issue 33).
+        let parked = allocator.recover_parks(|| crate::allocator::park::checkpoint_api(session.library()));
+        if !parked.is_empty() {
+            tracing::info!(allocations = ?parked, "parked allocations kept parked");
+        }
         let config = Arc::new(config);
         let view = View {
             config: Arc::clone(&config),
