@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::containerd::Containerd;
 use common::spawn;
 use tessera_proto::tessera::v1 as api;
 use tessera_proto::tessera::v1::node_client::NodeClient;
@@ -400,45 +401,14 @@ fn mono_ns() -> u64 {
     tessera_sim_model::monotonic_ns()
 }
 
-struct Containerd {
-    child: std::process::Child,
-    sock: PathBuf,
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn containerd(dir: &Path, hook_config: &Path) -> Containerd {
     let base = dir.join("containerd");
     std::fs::create_dir_all(&base).expect("containerd dir");
-    let sock = base.join("containerd.sock");
     let config = base.join("config.toml");
     std::fs::write(&config, "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n").expect("config");
     let log = std::fs::File::create(base.join("containerd.log")).expect("log");
-    let child = Command::new("containerd")
-        .arg("--config")
-        .arg(&config)
-        .arg("--root")
-        .arg(base.join("root"))
-        .arg("--state")
-        .arg(base.join("state"))
-        .arg("--address")
-        .arg(&sock)
-        .env("TESSERA_HOOK_CONFIG", hook_config)
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("containerd");
-    let d = Containerd { child, sock };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !Command::new("ctr").arg("--address").arg(&d.sock).arg("version").output().is_ok_and(|o| o.status.success()) {
-        assert!(Instant::now() < deadline, "containerd did not answer");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let d = Containerd::start(&base, &config, hook_config, log.try_clone().expect("log"), log);
+    assert!(d.answers(), "containerd did not answer");
     d
 }
 

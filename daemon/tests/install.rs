@@ -10,8 +10,7 @@ use common::which;
 
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 use tessera_region::paths;
 
@@ -232,19 +231,6 @@ fn busybox_rootfs(root: &Path) -> Option<PathBuf> {
     Some(root.to_path_buf())
 }
 
-struct Containerd {
-    child: Child,
-    sock: PathBuf,
-    log: PathBuf,
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
     if !is_root() {
@@ -326,34 +312,13 @@ fn containerd_1_6_runs_a_gpu_container_through_the_installed_handler() {
     // containerd with the written configuration (its own root, state and socket).
     let base = node.join("containerd");
     std::fs::create_dir_all(&base).unwrap();
-    let log = base.join("containerd.log");
-    let child = Command::new("containerd")
-        .arg("--config")
-        .arg(&config)
-        .arg("--root")
-        .arg(base.join("root"))
-        .arg("--state")
-        .arg(base.join("state"))
-        .arg("--address")
-        .arg(base.join("containerd.sock"))
-        // The shim runs the wrapper with containerd's environment; the host's default
-        // /etc/tessera/hook.toml is not this test's.
-        .env("TESSERA_HOOK_CONFIG", &hook_config_path)
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::create(base.join("containerd.err")).unwrap())
-        .spawn()
-        .expect("containerd");
-    let d = Containerd { child, sock: base.join("containerd.sock"), log };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let ctr = |args: &[&str]| Command::new("ctr").arg("--address").arg(&d.sock).args(args).output().unwrap();
-    while !ctr(&["version"]).status.success() {
-        if Instant::now() > deadline {
-            let why = std::fs::read_to_string(base.join("containerd.err")).unwrap_or_default();
-            return common::skip(&format!("containerd did not start here: {why}"));
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    let log = std::fs::File::create(base.join("containerd.log")).unwrap();
+    let err = std::fs::File::create(base.join("containerd.err")).unwrap();
+    let d = common::containerd::Containerd::start(&base, &config, &hook_config_path, log, err);
+    if !d.answers() {
+        let why = std::fs::read_to_string(base.join("containerd.err")).unwrap_or_default();
+        return common::skip(&format!("containerd did not start here: {why}"));
     }
-    let _ = &d.log;
     let run_in = |id: &str, env: &[&str], script: &str| {
         let rootfs = busybox_rootfs(&node.join(format!("rootfs-{id}")))?;
         let mut c = Command::new("ctr");

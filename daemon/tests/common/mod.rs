@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test crate uses its own part
 
 pub mod apiserver;
+pub mod containerd;
 pub mod dra_kubelet;
 pub mod prometheus;
 
