@@ -155,12 +155,7 @@ fn in_process(rounds: usize) {
         let a = Allocation {
             id: format!("alloc{c:04}"),
             resource: "tessera.io/share".into(),
-            container: ContainerIdentity {
-                pod_namespace: Some("bench".into()),
-                pod_name: Some(format!("pod-{c}")),
-                container_name: Some("main".into()),
-                ..Default::default()
-            },
+            container: ContainerIdentity::of_pod("bench", format!("pod-{c}"), "main"),
             source: Source::Kubelet,
             created_unix_ns: 1,
             devices: vec![dev(format!("{g}::0"), &g), dev(format!("{g}::1"), &g), dev(h.clone(), &h)],

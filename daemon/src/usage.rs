@@ -334,12 +334,7 @@ mod tests {
         Allocation {
             id: id.to_string(),
             resource: "tessera.io/share".to_string(),
-            container: ContainerIdentity {
-                pod_namespace: Some("ns".into()),
-                pod_name: Some("pod".into()),
-                container_name: Some("c".into()),
-                ..Default::default()
-            },
+            container: ContainerIdentity::of_pod("ns", "pod", "c"),
             source: Source::Kubelet,
             created_unix_ns: unix_ns(),
             devices,

@@ -219,12 +219,7 @@ fn everything() -> NodeMetrics {
             containers: vec![ContainerUsage {
                 allocation_id: on.allocation.clone(),
                 resource: "tessera.io/share".into(),
-                container: ContainerIdentity {
-                    pod_namespace: Some("team-a".into()),
-                    pod_name: Some("trainer-0".into()),
-                    container_name: Some("main".into()),
-                    ..Default::default()
-                },
+                container: ContainerIdentity::of_pod("team-a", "trainer-0", "main"),
                 processes: 1,
                 devices: vec![DeviceUsage {
                     device_id: on.device_id.clone(),

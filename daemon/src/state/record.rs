@@ -306,12 +306,7 @@ pub(crate) mod tests {
         a.devices[0].compute_mode = ComputeMode::WorkConserving;
         a.devices[1].compute_mode = ComputeMode::WorkConserving;
         a.devices[2].compute_mode = ComputeMode::WorkConserving;
-        a.container = ContainerIdentity {
-            pod_namespace: Some("ns".into()),
-            pod_name: Some("pod".into()),
-            container_name: Some("c".into()),
-            ..Default::default()
-        };
+        a.container = ContainerIdentity::of_pod("ns", "pod", "c");
         let l = a.limits();
         l.validate().unwrap();
         assert_eq!(l.container.as_deref(), Some("ns/pod/c"));

@@ -139,12 +139,7 @@ fn gpus_and_containers() {
             containers: vec![ContainerUsage {
                 allocation_id: "alloc-1".into(),
                 resource: "tessera.io/gpu-share".into(),
-                container: ContainerIdentity {
-                    pod_namespace: Some("ns".into()),
-                    pod_name: Some("pod".into()),
-                    container_name: Some("c".into()),
-                    ..Default::default()
-                },
+                container: ContainerIdentity::of_pod("ns", "pod", "c"),
                 processes: 3,
                 devices: vec![device],
             }],

@@ -88,12 +88,7 @@ fn metrics() -> NodeMetrics {
                 ContainerUsage {
                     allocation_id: "a1".into(),
                     resource: "tessera.io/share".into(),
-                    container: ContainerIdentity {
-                        pod_namespace: Some("team-a".into()),
-                        pod_name: Some("train-0".into()),
-                        container_name: Some("main".into()),
-                        ..Default::default()
-                    },
+                    container: ContainerIdentity::of_pod("team-a", "train-0", "main"),
                     processes: 3,
                     devices: vec![device("GPU-0", "GPU-0::0,GPU-0::1"), unlimited],
                 },

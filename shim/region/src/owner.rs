@@ -37,6 +37,17 @@ pub struct ContainerIdentity {
 }
 
 impl ContainerIdentity {
+    /// The container `container` of the pod `namespace/pod`, its pod uid and container id not
+    /// known.
+    pub fn of_pod(namespace: impl Into<String>, pod: impl Into<String>, container: impl Into<String>) -> Self {
+        ContainerIdentity {
+            pod_namespace: Some(namespace.into()),
+            pod_name: Some(pod.into()),
+            container_name: Some(container.into()),
+            ..Default::default()
+        }
+    }
+
     /// A short name for reports: `namespace/pod/container` when the pod is known, else the
     /// container id; `None` when nothing is known.
     pub fn display_name(&self) -> Option<String> {
