@@ -99,6 +99,29 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("is parked, not running"), "{}", e.message());
 
+    // Its 2 GiB are free for admission while it is parked: a share of all but 1 GiB of the GPU
+    // is admitted; its resume is then refused by admission, naming the GPU and what is free.
+    let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    let total = devices.devices.iter().map(|d| d.memory_bytes).max().expect("a GPU");
+    let big = api
+        .allocate(api::AllocateRequest { memory_bytes: total - GIB, sm_percent: 10, ..Default::default() })
+        .await
+        .unwrap_or_else(|e| panic!("the parked share's room is free: {e:?}\n{}", show_log()))
+        .into_inner()
+        .allocation
+        .expect("allocation")
+        .id;
+    let e = api.clone().resume(resume(&id)).await.expect_err("no room by the records");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("needs 2.00 GiB, 1.00 GiB are free") && e.message().contains("GPU 0"),
+        "{}",
+        e.message()
+    );
+    let over = api::AllocateRequest { memory_bytes: GIB + 1, sm_percent: 10, ..Default::default() };
+    assert_eq!(api.clone().allocate(over).await.expect_err("full").code(), Code::ResourceExhausted);
+    assert!(api.release(api::ReleaseRequest { allocation_id: big }).await.expect("release").into_inner().released);
+
     // The GPU taken but for 64 MiB: the resume is refused saying what it needs, and it stays parked.
     let free = m.memory_info(0, 0).expect("NVML").free;
     m.alloc(0, 0, free - 64 * MIB).expect("fill the GPU");

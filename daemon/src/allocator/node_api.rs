@@ -65,11 +65,17 @@ impl DaemonAllocator {
         // The store's per-GPU sums, not a scan of every record: admission is on every Allocate's
         // path.
         let loads = store.loads();
-        let gpu = carve::place(gpus, |g| carve::held_in(g, loads, None), &req.gpu, ask, defaults.placement).map_err(
-            |why| {
-                if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
-            },
-        )?;
+        // A parked allocation's memory is free (issue 33): its resume is admitted again.
+        let gpu = carve::place(
+            gpus,
+            |g| self.beside_parked(&store, g, carve::held_in(g, loads, None)),
+            &req.gpu,
+            ask,
+            defaults.placement,
+        )
+        .map_err(|why| {
+            if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
+        })?;
         let alloc = Allocation {
             id: Allocation::new_id(),
             resource: ON_DEMAND_RESOURCE.to_owned(),

@@ -24,7 +24,9 @@ use tessera_region::region::{ParkState, Region};
 use tonic::Status;
 
 use super::DaemonAllocator;
+use crate::carve::{self, GpuRoom};
 use crate::park::{Checkpointer, ParkError};
+use crate::state::Store;
 
 /// How long a park waits for the processes' GPU work to finish when the caller gives no timeout.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -299,20 +301,66 @@ impl DaemonAllocator {
         }
     }
 
+    /// Memory of the parked allocations (but `except`) on GPU `gpu`, bytes: free for admission
+    /// while they are parked. `entries` is the parking table, taken under the store's lock.
+    fn parked_on(entries: &HashMap<String, Entry>, store: &Store, gpu: &GpuRoom, except: Option<&str>) -> u64 {
+        entries
+            .iter()
+            .filter(|(id, e)| e.state == ParkState::Parked && Some(id.as_str()) != except)
+            .filter_map(|(id, _)| store.get(id))
+            .flat_map(|a| a.devices.iter())
+            .filter(|d| d.physical_uuid.eq_ignore_ascii_case(&gpu.uuid))
+            .map(|d| d.memory_limit.unwrap_or(gpu.memory_total))
+            .sum()
+    }
+
+    /// What the records hold on `gpu` (`held`), less the parked allocations' memory.
+    pub(super) fn beside_parked(&self, store: &Store, gpu: &GpuRoom, held: carve::Held) -> carve::Held {
+        let parked = Self::parked_on(&self.parking.lock(), store, gpu, None);
+        carve::Held { memory: held.memory.saturating_sub(parked), ..held }
+    }
+
     /// Resumes allocation `id`: its processes restored and unlocked by `ck`, all or none.
-    /// NOT_FOUND for an unknown id; FAILED_PRECONDITION when it is not parked, or when its
-    /// memory does not fit on the GPU now (it stays parked; the message says how much it needs).
-    pub fn resume(&self, id: &str, ck: &Checkpointer) -> Result<ParkOutcome, Status> {
-        self.known(id)?;
+    /// Admitted first against `rooms`: its memory must fit again beside every record not parked
+    /// (what was admitted into its room while it was parked). NOT_FOUND for an unknown id;
+    /// FAILED_PRECONDITION when it is not parked, when it does not fit (saying the GiB it needs
+    /// and those free, on which GPU), or when the driver finds no room; it then stays parked.
+    pub fn resume(&self, id: &str, ck: &Checkpointer, rooms: &[GpuRoom]) -> Result<ParkOutcome, Status> {
         let entry = {
+            let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(record) = store.get(id) else {
+                return Err(Status::not_found(format!(
+                    "no allocation {id}; `tessera allocations` lists the allocations of this node"
+                )));
+            };
             let mut entries = self.parking.lock();
-            let Some(e) = entries.get_mut(id).filter(|e| e.state == ParkState::Parked) else {
-                let now = entries.get(id).map_or(ParkState::Running, |e| e.state);
+            let now = entries.get(id).map_or(ParkState::Running, |e| e.state);
+            if now != ParkState::Parked {
                 return Err(Status::failed_precondition(format!(
                     "allocation {id} is {}, not parked; nothing to resume",
                     state_name(now)
                 )));
-            };
+            }
+            for d in &record.devices {
+                let Some(gpu) = rooms.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) else { continue };
+                let held = carve::held_in(gpu, store.loads(), Some(record)).memory;
+                let held = held.saturating_sub(Self::parked_on(&entries, &store, gpu, Some(id)));
+                let need = d.memory_limit.unwrap_or(gpu.memory_total);
+                let free = gpu.memory_total.saturating_sub(held);
+                if need > free {
+                    let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+                    return Err(Status::failed_precondition(format!(
+                        "allocation {id} does not fit on GPU {} ({}) now: it needs {:.2} GiB, {:.2} GiB are free beside \
+                         the other allocations; release or park some, then resume again (it stays parked)",
+                        gpu.index,
+                        gpu.uuid,
+                        gib(need),
+                        gib(free)
+                    )));
+                }
+            }
+            // Taken as resuming under the store's lock: from here its room counts as held.
+            let e = entries.get_mut(id).expect("parked, checked above");
             e.state = ParkState::Resuming;
             e.clone()
         };
@@ -326,25 +374,23 @@ impl DaemonAllocator {
         if let Some(r) = &region {
             r.set_park_state(ParkState::Resuming);
         }
-        let result = ck.resume(&entry.pids);
-        let mut entries = self.parking.lock();
-        match result {
+        match ck.resume(&entry.pids) {
             Ok(duration) => {
                 if let Some(r) = &region {
                     r.set_park_state(ParkState::Running);
                 }
-                entries.remove(id);
                 self.unjournal(id);
+                self.parking.lock().remove(id);
                 Ok(ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: entry.pids })
             }
             Err(e) => {
                 if let Some(r) = &region {
                     r.set_park_state(ParkState::Parked);
                 }
-                if let Some(back) = entries.get_mut(id) {
+                let _ = self.journal(id, ParkState::Parked, &entry.pids, entry.bytes);
+                if let Some(back) = self.parking.lock().get_mut(id) {
                     back.state = ParkState::Parked;
                 }
-                let _ = self.journal(id, ParkState::Parked, &entry.pids, entry.bytes);
                 let gib = entry.bytes as f64 / f64::from(1u32 << 30);
                 Err(Status::failed_precondition(format!(
                     "{} (it needs {gib:.2} GiB back on its GPU; it stays parked)",

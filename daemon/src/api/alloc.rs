@@ -222,7 +222,8 @@ pub fn park(controller: &NodeController, req: &api::ParkRequest) -> Result<api::
 pub fn resume(controller: &NodeController, req: &api::ResumeRequest) -> Result<api::ResumeResponse, Status> {
     let id = req.allocation_id.as_str();
     crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
-    let done = controller.allocator().resume(id, &checkpointer(controller)?)?;
+    let allocator = controller.allocator();
+    let done = allocator.resume(id, &checkpointer(controller)?, &allocator.rooms())?;
     Ok(api::ResumeResponse {
         allocation: shown(controller, id),
         bytes: done.bytes,
