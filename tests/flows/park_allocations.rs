@@ -147,6 +147,25 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     assert!(ok(&tessera(dir, &["resume", &id])).contains("now running"));
     assert_eq!(used(&m), before);
     assert!(workload.alive(), "the workload runs on after two parks and resumes");
+    // Events: each park and resume, with its bytes and duration (refusals are none).
+    let events = ok(&tessera(dir, &["events", "--replay", "100", "--json"]));
+    let moves: Vec<serde_json::Value> = events
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("one JSON object a line"))
+        .filter(|e| e["kind"] == "ALLOCATION_PARKED" || e["kind"] == "ALLOCATION_RESUMED")
+        .collect();
+    let kinds: Vec<&str> = moves.iter().map(|e| e["kind"].as_str().unwrap_or("")).collect();
+    assert_eq!(
+        kinds,
+        ["ALLOCATION_PARKED", "ALLOCATION_RESUMED", "ALLOCATION_PARKED", "ALLOCATION_RESUMED"],
+        "{events}"
+    );
+    for e in &moves {
+        assert_eq!(e["detail"]["allocation_id"], id.as_str(), "{e}");
+        assert!(e["detail"]["bytes"].as_u64().is_some_and(|b| b >= GIB), "{e}");
+        assert!(e["detail"]["duration_nanos"].as_u64().is_some(), "{e}");
+        assert_eq!(e["detail"]["pids"], serde_json::json!([pid]), "{e}");
+    }
 }
 
 /// `kill -9` of tesserad with an allocation parked, mid-park (its processes locked, the journal

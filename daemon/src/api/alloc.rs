@@ -7,7 +7,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
-use crate::allocator::park::DEFAULT_LOCK_TIMEOUT;
+use crate::allocator::park::{DEFAULT_LOCK_TIMEOUT, ParkOutcome};
 use crate::allocator::{DRA_RESOURCE, DeviceAsk, LimitChange, ShareRequest};
 use crate::node::NodeController;
 use crate::park::Checkpointer;
@@ -201,6 +201,42 @@ fn checkpointer(controller: &NodeController) -> Result<Checkpointer, Status> {
         .map_err(|e| Status::unavailable(format!("park and resume need the driver's checkpoint API: {e}")))
 }
 
+/// `allocation_parked` / `allocation_resumed` on the event stream, with the bytes moved and
+/// how long it took.
+fn publish_park(controller: &NodeController, id: &str, parked: bool, done: &ParkOutcome) {
+    let allocator = controller.allocator();
+    let record = allocator.allocations_where(|a| a.id == id).into_iter().next();
+    let uuid = record.as_ref().and_then(|a| a.devices.first()).map(|d| d.physical_uuid.clone()).unwrap_or_default();
+    let (kind, verb) = if parked {
+        (api::EventKind::AllocationParked, "parked")
+    } else {
+        (api::EventKind::AllocationResumed, "resumed")
+    };
+    let affected = record
+        .map(|a| api::Holder { allocation_id: a.id.clone(), container: Some(crate::node::identity(&a.container)) });
+    controller.events().publish(api::Event {
+        kind: kind as i32,
+        severity: api::Severity::Info as i32,
+        time_unix_nano: crate::state::record::unix_ns(),
+        device_id: uuid.clone(),
+        device_uuid: uuid,
+        affected: affected.into_iter().collect(),
+        message: format!(
+            "allocation {id} {verb}: {} MiB in {:.3} s, processes {:?}",
+            done.bytes >> 20,
+            done.duration.as_secs_f64(),
+            done.pids
+        ),
+        detail: Some(api::event::Detail::AllocationPark(api::AllocationPark {
+            allocation_id: id.to_owned(),
+            bytes: done.bytes,
+            duration_nanos: done.duration.as_nanos() as u64,
+            pids: done.pids.clone(),
+        })),
+        ..Default::default()
+    });
+}
+
 /// `Park`.
 pub fn park(controller: &NodeController, req: &api::ParkRequest) -> Result<api::ParkResponse, Status> {
     let id = req.allocation_id.as_str();
@@ -210,6 +246,7 @@ pub fn park(controller: &NodeController, req: &api::ParkRequest) -> Result<api::
         n => std::time::Duration::from_nanos(n),
     };
     let done = controller.allocator().park(id, &checkpointer(controller)?, timeout)?;
+    publish_park(controller, id, true, &done);
     Ok(api::ParkResponse {
         allocation: shown(controller, id),
         bytes: done.bytes,
@@ -224,6 +261,7 @@ pub fn resume(controller: &NodeController, req: &api::ResumeRequest) -> Result<a
     crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
     let allocator = controller.allocator();
     let done = allocator.resume(id, &checkpointer(controller)?, &allocator.rooms())?;
+    publish_park(controller, id, false, &done);
     Ok(api::ResumeResponse {
         allocation: shown(controller, id),
         bytes: done.bytes,

@@ -48,6 +48,12 @@ fn detail(d: &api::event::Detail) -> Value {
             }
             v
         }
+        Detail::AllocationPark(p) => json!({
+            "allocation_id": p.allocation_id,
+            "bytes": p.bytes,
+            "duration_nanos": p.duration_nanos,
+            "pids": p.pids,
+        }),
         Detail::UnattributedProcess(p) => {
             json!({"pid": p.pid, "used_bytes": p.used_bytes, "gpu_index": p.gpu_index, "command": p.command})
         }
