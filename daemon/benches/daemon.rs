@@ -442,15 +442,7 @@ fn breakdown() {
             container: ContainerIdentity::default(),
             source: Source::Kubelet,
             created_unix_ns: i,
-            devices: vec![AllocatedDevice {
-                device_id: format!("GPU-0::{i}"),
-                physical_uuid: "GPU-0".into(),
-                memory_limit: Some(1 << 30),
-                sm_percent: Some(10),
-                priority: Default::default(),
-                compute_mode: Default::default(),
-                whole: false,
-            }],
+            devices: vec![AllocatedDevice::new(format!("GPU-0::{i}"), "GPU-0", Some(1 << 30), Some(10))],
             claim: None,
         };
         let t = Instant::now();

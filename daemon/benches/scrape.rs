@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use tessera_daemon::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source};
 use tessera_daemon::telemetry::{self, GpuMetrics, MetricsSource, NodeMetrics};
 use tessera_daemon::usage::UsageSampler;
-use tessera_region::{ComputeMode, Priority, Region};
+use tessera_region::Region;
 
 const GPUS: u32 = 8;
 const CONTAINERS: usize = 100;
@@ -143,15 +143,7 @@ fn in_process(rounds: usize) {
     for c in 0..CONTAINERS {
         let g = gpu_uuid(c as u32 % GPUS);
         let h = gpu_uuid((c as u32 + 1) % GPUS);
-        let dev = |id: String, uuid: &str| AllocatedDevice {
-            device_id: id,
-            physical_uuid: uuid.to_string(),
-            memory_limit: Some(4 << 30),
-            sm_percent: Some(10),
-            priority: Priority::Normal,
-            compute_mode: ComputeMode::Strict,
-            whole: false,
-        };
+        let dev = |id: String, uuid: &str| AllocatedDevice::new(id, uuid, Some(4 << 30), Some(10));
         let a = Allocation {
             id: format!("alloc{c:04}"),
             resource: "tessera.io/share".into(),

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tessera_daemon::state::{AllocDirs, AllocatedDevice, Allocation, ContainerIdentity, Source};
 use tessera_daemon::telemetry::{self, GpuMetrics, MetricsSource, NodeMetrics};
 use tessera_daemon::usage::UsageSampler;
-use tessera_region::{ComputeMode, Priority, Region};
+use tessera_region::Region;
 
 mod common;
 
@@ -65,15 +65,7 @@ fn prometheus_scrapes_exact_container_usage() {
     std::fs::create_dir(&run).unwrap();
     common::unmount_at_exit(&run);
     let dirs = AllocDirs::new(&run);
-    let share = |n: u32| AllocatedDevice {
-        device_id: format!("{GPU}::{n}"),
-        physical_uuid: GPU.into(),
-        memory_limit: Some(1 << 30),
-        sm_percent: Some(15),
-        priority: Priority::Normal,
-        compute_mode: ComputeMode::Strict,
-        whole: false,
-    };
+    let share = |n: u32| AllocatedDevice::new(format!("{GPU}::{n}"), GPU, Some(1 << 30), Some(15));
     let alloc = Allocation {
         id: "prom0001".into(),
         resource: "tessera.io/share".into(),

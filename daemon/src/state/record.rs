@@ -59,6 +59,24 @@ pub struct AllocatedDevice {
 }
 
 impl AllocatedDevice {
+    /// A device with these limits at normal priority, strict, not held whole beyond them.
+    pub fn new(
+        device_id: impl Into<String>,
+        physical_uuid: impl Into<String>,
+        memory_limit: Option<u64>,
+        sm_percent: Option<u32>,
+    ) -> Self {
+        AllocatedDevice {
+            device_id: device_id.into(),
+            physical_uuid: physical_uuid.into(),
+            memory_limit,
+            sm_percent,
+            priority: Priority::Normal,
+            compute_mode: ComputeMode::Strict,
+            whole: false,
+        }
+    }
+
     /// Whether the allocation holds the whole device (all its memory, all its SM time, however
     /// its limits bind the container), not a share of it.
     pub fn is_whole(&self) -> bool {
@@ -221,15 +239,7 @@ pub(crate) mod tests {
 
     /// A device of an allocation, normal priority and strict (other modules' tests use it too).
     pub(crate) fn dev(id: &str, uuid: &str, mem: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
-        AllocatedDevice {
-            device_id: id.to_string(),
-            physical_uuid: uuid.to_string(),
-            memory_limit: mem,
-            sm_percent: sm,
-            priority: Priority::Normal,
-            compute_mode: ComputeMode::Strict,
-            whole: false,
-        }
+        AllocatedDevice::new(id, uuid, mem, sm)
     }
 
     /// A whole record with one share of 1 GiB and 50% (the store's and the journal's tests).
