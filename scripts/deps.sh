@@ -28,6 +28,8 @@ PACKAGES=(
   # the node an address on the loopback interface.
   "curl:curl"
   "iproute2:ip"
+  # scripts/kube.sh: the kubernetes Service's DNAT to the API server (pods' in-cluster access).
+  "iptables:iptables"
 )
 
 # cargo-zigbuild (it brings zig) builds the shipped libtessera.so against glibc 2.17, the oldest

@@ -36,6 +36,9 @@ node_ip=10.237.0.1
 etcd_port=23790
 etcd_peer_port=23800
 api_port=6443
+# The `kubernetes` Service's address (the first of --service-cluster-ip-range), which pods reach
+# the API server through (KUBERNETES_SERVICE_HOST); the API server's certificate names it.
+service_ip=10.96.0.1
 # What the cluster is built from (the versions docs/kubernetes.md names).
 etcd_version=v3.6.16
 containerd_version=v2.2.9
@@ -255,7 +258,7 @@ make_pki() {
   openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$pki/ca.key" \
     -out "$pki/ca.crt" -days 3650 -subj "/CN=tessera-kube-ca" 2>/dev/null
   local client="extendedKeyUsage=clientAuth"
-  cert apiserver "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
+  cert apiserver "/CN=kube-apiserver" "subjectAltName=IP:127.0.0.1,IP:$service_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local
 extendedKeyUsage=serverAuth"
   cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$client"
   cert admin "/O=system:masters/CN=tessera-kube-admin" "$client"
@@ -335,12 +338,14 @@ state = "$run_dir/containerd"
     bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$cluster/cni"
 EOF
+  # Pods route through the bridge (isDefaultGateway): the kubernetes Service's address is not on
+  # their subnet (service_route).
   cat >"$cluster/cni/10-tessera-kube.conflist" <<EOF
 {
   "cniVersion": "1.0.0",
   "name": "tessera-kube",
   "plugins": [
-    {"type": "bridge", "bridge": "tkube0", "isGateway": true, "ipMasq": false,
+    {"type": "bridge", "bridge": "tkube0", "isGateway": true, "isDefaultGateway": true, "ipMasq": false,
      "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.244.0.0/24"}]], "dataDir": "$run_dir/cni-ipam"}},
     {"type": "loopback"}
   ]
@@ -476,6 +481,7 @@ up() {
   start_containerd
   wait_for containerd 60 "$containerd_bin/ctr" --address "$run_dir/containerd.sock" version
   import_images
+  service_route
   start_kubelet
   wait_for "the node $node_name (Ready)" 240 node_ready
   # Pods need a service account in their namespace before they can be created.
@@ -486,7 +492,7 @@ up() {
 start_apiserver() {
   start kube-apiserver "$k8s_bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
     --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" \
-    --service-cluster-ip-range 10.96.0.0/24 --client-ca-file "$cluster/pki/ca.crt" \
+    --service-cluster-ip-range ${service_ip%.*}.0/24 --client-ca-file "$cluster/pki/ca.crt" \
     --tls-cert-file "$cluster/pki/apiserver.crt" --tls-private-key-file "$cluster/pki/apiserver.key" \
     --kubelet-client-certificate "$cluster/pki/apiserver-kubelet-client.crt" --kubelet-client-key "$cluster/pki/apiserver-kubelet-client.key" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local --service-account-key-file "$cluster/pki/sa.pub" \
@@ -510,6 +516,33 @@ shared_run_tessera() {
   if ! mountpoint -q /run/tessera; then
     mount --bind /run/tessera /run/tessera && mount --make-shared /run/tessera && touch "$cluster/run-tessera-bound"
   fi
+}
+
+# What kube-proxy gives a real cluster for the `kubernetes` Service, and no more: $service_ip:443
+# goes to the API server on 127.0.0.1:$api_port, from pods (PREROUTING; loopback as a destination
+# needs route_localnet on the pods' bridge) and from the host and host-network pods (OUTPUT).
+# Every rule carries the comment tessera-kube, and down removes exactly those.
+service_rules() {
+  local op=$1 chain
+  for chain in PREROUTING OUTPUT; do
+    if [[ $op == -A ]] && iptables -t nat -C "$chain" -d "$service_ip/32" -p tcp --dport 443 \
+      -m comment --comment tessera-kube -j DNAT --to-destination "127.0.0.1:$api_port" 2>/dev/null; then
+      continue
+    fi
+    iptables -t nat "$op" "$chain" -d "$service_ip/32" -p tcp --dport 443 \
+      -m comment --comment tessera-kube -j DNAT --to-destination "127.0.0.1:$api_port" 2>/dev/null || [[ $op == -D ]]
+  done
+}
+
+service_route() {
+  command -v iptables >/dev/null || die "iptables is missing (Debian package iptables): pods reach the API server through the kubernetes Service"
+  service_rules -A || die "iptables could not add the kubernetes Service's DNAT ($service_ip:443 to 127.0.0.1:$api_port)"
+  # The pods' bridge exists once the first pod runs: allow loopback destinations on every
+  # interface for now (the old value is kept and put back at down).
+  if [[ ! -e $cluster/route_localnet ]]; then
+    sysctl -n net.ipv4.conf.all.route_localnet >"$cluster/route_localnet"
+  fi
+  sysctl -qw net.ipv4.conf.all.route_localnet=1
 }
 
 start_kubelet() {
@@ -571,6 +604,8 @@ down() {
   done
   if [[ -e $cluster/run-tessera-bound ]]; then umount -l /run/tessera 2>/dev/null || true; fi
   ip link del tkube0 2>/dev/null || true
+  if command -v iptables >/dev/null; then service_rules -D; fi
+  if [[ -s $cluster/route_localnet ]]; then sysctl -qw "net.ipv4.conf.all.route_localnet=$(cat "$cluster/route_localnet")" || true; fi
   ip addr del "$node_ip/32" dev lo 2>/dev/null || true
   rm -rf "$kubelet_root" "$run_dir" "$cluster" "$device_plugin_dir"
   rmdir /var/lib/kubelet /var/lib/tessera-kube 2>/dev/null || true

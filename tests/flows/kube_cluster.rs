@@ -1148,7 +1148,29 @@ fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
     let _serial = serial();
     let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/device-plugin");
     let overlay = overlay.display().to_string();
-    installed_daemon_serves_the_kubelet(&kube, &|| drop(kube.ok(&["apply", "-k", &overlay], None)), &|| {
+    installed_daemon_serves_the_kubelet(
+        &kube,
+        Mode::DevicePlugin,
+        &|| drop(kube.ok(&["apply", "-k", &overlay], None)),
+        &|| drop(kube.ok(&["delete", "-k", &overlay, "--wait=true", "--timeout=240s"], None)),
+    );
+}
+
+/// Install as documented, DRA mode: `kubectl apply -k deploy/kubernetes/overlays/dra` (the
+/// DeviceClasses, the driver's RBAC, the service account's token mounted), the same operator's
+/// patch with `mode = "dra"` and this kubelet's plugin directories. tesserad, in its pod, reaches
+/// the API server through the `kubernetes` Service (in-cluster configuration: its token, CA and
+/// KUBERNETES_SERVICE_HOST), publishes its ResourceSlice, registers its DRA plugin with the
+/// kubelet; a pod with a whole-GPU claim runs with its device; after `kubectl delete -k` no
+/// slice of the driver is left on the node (the kubelet wipes an unregistered driver's slices).
+#[test]
+fn the_dra_overlay_installs_and_serves_the_kubelet() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let overlay = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra");
+    let overlay = overlay.display().to_string();
+    // The classes other tests applied by hand are the overlay's own: it takes them over.
+    installed_daemon_serves_the_kubelet(&kube, Mode::Dra, &|| drop(kube.ok(&["apply", "-k", &overlay], None)), &|| {
         drop(kube.ok(&["delete", "-k", &overlay, "--wait=true", "--timeout=240s"], None))
     });
 }
@@ -1161,6 +1183,26 @@ fn the_device_plugin_overlay_installs_and_serves_the_kubelet() {
 fn the_helm_chart_installs_and_serves_the_kubelet() {
     let Some(kube) = Kube::find() else { return };
     let _serial = serial();
+    helm_chart_serves_the_kubelet(&kube, Mode::DevicePlugin);
+}
+
+/// The Helm chart with `--set mode=dra`: the same as [`the_dra_overlay_installs_and_serves_the_kubelet`]
+/// (the chart's DeviceClasses, RBAC and token; `helm uninstall` leaves no slice and no file).
+#[test]
+fn the_helm_chart_in_dra_mode_installs_and_serves_the_kubelet() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    helm_chart_serves_the_kubelet(&kube, Mode::Dra);
+}
+
+/// How the installed DaemonSet serves the kubelet.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    DevicePlugin,
+    Dra,
+}
+
+fn helm_chart_serves_the_kubelet(kube: &Kube, mode: Mode) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let helm = std::fs::read_dir(root.join("target/helm"))
         .into_iter()
@@ -1179,9 +1221,26 @@ fn the_helm_chart_installs_and_serves_the_kubelet() {
             String::from_utf8_lossy(&out.stderr)
         );
     };
+    let set_mode = if mode == Mode::Dra { "mode=dra" } else { "mode=device-plugin" };
     installed_daemon_serves_the_kubelet(
-        &kube,
+        kube,
+        mode,
         &|| {
+            if mode == Mode::Dra {
+                // Helm owns the DeviceClasses it installs: the ones other tests applied by hand go.
+                kube.ok(
+                    &[
+                        "delete",
+                        "deviceclass",
+                        "--ignore-not-found",
+                        "gpu.tessera.io",
+                        "gpu-share.tessera.io",
+                        "mig.tessera.io",
+                        "mig-dynamic.tessera.io",
+                    ],
+                    None,
+                );
+            }
             run(&[
                 "install",
                 "tessera",
@@ -1191,6 +1250,8 @@ fn the_helm_chart_installs_and_serves_the_kubelet() {
                 "--create-namespace",
                 "--set",
                 "image.tag=0.1.0",
+                "--set",
+                set_mode,
             ])
         },
         &|| run(&["uninstall", "tessera", "--namespace", "tessera-system", "--wait"]),
@@ -1200,7 +1261,7 @@ fn the_helm_chart_installs_and_serves_the_kubelet() {
 /// The DaemonSet `install` puts in tessera-system (the overlay's or the chart's), run on this
 /// node with the image built and imported, serves the kubelet; `uninstall` and `tessera
 /// uninstall --host-root` leave the installer's root with no file.
-fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstall: &dyn Fn()) {
+fn installed_daemon_serves_the_kubelet(kube: &Kube, mode: Mode, install: &dyn Fn(), uninstall: &dyn Fn()) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let image = "localhost/tessera:0.1.0";
     let build = Command::new(root.join("scripts/build-image.sh"))
@@ -1224,10 +1285,20 @@ fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstal
         let st = Command::new("mount").args(args).arg(dir.path()).current_dir(dir.path()).status().expect("mount");
         assert!(st.success(), "mount {args:?} {}", dir.path().display());
     }
+    // DRA: the node from NODE_NAME and the API server in-cluster (as shipped); only the kubelet's
+    // plugin directories are this cluster's own.
+    let kubernetes = match mode {
+        Mode::DevicePlugin => "[kubernetes]\nmode = \"device-plugin\"\n[partitions.default]\nwhole = true\n".to_owned(),
+        Mode::Dra => format!(
+            "[kubernetes]\nmode = \"dra\"\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
+            kube.var("KUBELET_PLUGINS_DIR"),
+            kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+        ),
+    };
     let config = format!(
         "device_plugin_dir = \"/var/lib/kubelet/device-plugins/\"\nstate_dir = {:?}\nruntime_dir = {:?}\n\
          nvml_library = {:?}\npod_resources_socket = {:?}\n[telemetry]\nmetrics_listen = \"0.0.0.0:9400\"\n\
-         [kubernetes]\nmode = \"device-plugin\"\n[partitions.default]\nwhole = true\n{injection}",
+         {kubernetes}{injection}",
         dir.path().join("state"),
         dir.path().join("run"),
         dir.path().join("driver/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"),
@@ -1255,6 +1326,9 @@ fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstal
             // This containerd's CDI directory, at its own path (the hook, on the host, reads it there).
             {"name": "cdi", "mountPath": kube.var("KUBE_CDI_SPEC_DIR")},
         {"name": "kubelet-pod-resources", "mountPath": Path::new(kube.var("KUBELET_POD_RESOURCES_SOCKET")).parent().map(path)},
+            // This kubelet's plugin directories, at their own paths (the sockets tesserad registers are the kubelet's paths).
+            {"name": "plugins", "mountPath": kube.var("KUBELET_PLUGINS_DIR")},
+            {"name": "plugins-registry", "mountPath": kube.var("KUBELET_PLUGINS_REGISTRY_DIR")},
     ]}],
     "volumes": [
         {"name": "host-root", "hostPath": {"path": path(&host), "type": "Directory"}},
@@ -1263,6 +1337,8 @@ fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstal
         {"name": "test-dir", "hostPath": {"path": path(dir.path()), "type": "Directory"}},
         {"name": "kubelet-pod-resources", "hostPath": {"path": Path::new(kube.var("KUBELET_POD_RESOURCES_SOCKET")).parent().map(path), "type": "Directory"}},
         {"name": "cdi", "hostPath": {"path": kube.var("KUBE_CDI_SPEC_DIR"), "type": "DirectoryOrCreate"}},
+        {"name": "plugins", "hostPath": {"path": kube.var("KUBELET_PLUGINS_DIR"), "type": "DirectoryOrCreate"}},
+        {"name": "plugins-registry", "hostPath": {"path": kube.var("KUBELET_PLUGINS_REGISTRY_DIR"), "type": "DirectoryOrCreate"}},
     ]}}}});
     kube.ok(
         &["patch", "daemonset", "tesserad", "-n", "tessera-system", "--type", "strategic", "-p", &ds.to_string()],
@@ -1281,24 +1357,63 @@ fn installed_daemon_serves_the_kubelet(kube: &Kube, install: &dyn Fn(), uninstal
         (ds["status"]["numberReady"] == 1).then_some(())
     });
     assert!(host.join("var/lib/tessera/install.json").exists(), "the init container installed into the host root");
-    kube.wait("allocatable tessera.io/gpu = 2", &both, || {
-        (kube.node_object()["status"]["allocatable"]["tessera.io/gpu"] == "2").then_some(())
-    });
     kube.delete_pod("overlay-gpu", &both);
-    let p = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "overlay-gpu", "namespace": "default"},
+    let mut p = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "overlay-gpu", "namespace": "default"},
         "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
             "containers": [{"name": "main", "image": kube.var("TEST_IMAGE"), "imagePullPolicy": "Never",
                 "command": ["/bin/sh", "-c", ALLOCATION_THEN_WAIT], "env": env,
                 "volumeMounts": [{"name": "sim", "mountPath": path(&node.root)}],
                 "resources": {"limits": {"tessera.io/gpu": "1"}}}],
             "volumes": [{"name": "sim", "hostPath": {"path": path(&node.root), "type": "Directory"}}]}});
+    let field = format!("spec.nodeName={}", kube.node());
+    let slice_devices = || -> Option<Vec<String>> {
+        let slices = kube.get(&["resourceslices", "--field-selector", &field])?;
+        let mut names: Vec<String> = slices["items"]
+            .as_array()?
+            .iter()
+            .filter(|s| s["spec"]["driver"] == "gpu.tessera.io")
+            .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+            .filter_map(|d| d["name"].as_str().map(str::to_owned))
+            .collect();
+        names.sort();
+        Some(names)
+    };
+    match mode {
+        Mode::DevicePlugin => kube.wait("allocatable tessera.io/gpu = 2", &both, || {
+            (kube.node_object()["status"]["allocatable"]["tessera.io/gpu"] == "2").then_some(())
+        }),
+        Mode::Dra => {
+            kube.ok(
+                &["delete", "resourceclaim", "installed-gpu", "--ignore-not-found", "--wait=true", "--timeout=240s"],
+                None,
+            );
+            // Published through the kubernetes Service from inside the pod.
+            let devices = kube.wait("the installed tesserad's ResourceSlice", &both, || {
+                slice_devices().filter(|d| d.iter().any(|n| n == "gpu-0") && d.iter().any(|n| n == "gpu-1"))
+            });
+            assert!(devices.iter().all(|d| d.starts_with("gpu-")), "{devices:?}");
+            kube.apply(&claim("installed-gpu", "gpu.tessera.io", Value::Null, ""));
+            let main = &mut p["spec"]["containers"][0];
+            main["resources"] = json!({"claims": [{"name": "gpu"}]});
+            p["spec"]["resourceClaims"] = uses("installed-gpu");
+        }
+    }
     kube.apply(&p);
     let logs = kube.done("overlay-gpu", &both);
     let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
     assert_eq!(nodes.len(), 2, "one GPU and the control node:\n{logs}");
     kube.delete_pod("overlay-gpu", &both);
+    if mode == Mode::Dra {
+        kube.ok(&["delete", "resourceclaim", "installed-gpu", "--wait=true", "--timeout=240s"], None);
+    }
 
     uninstall();
+    if mode == Mode::Dra {
+        // The kubelet deletes the slices of a driver whose plugin went away.
+        kube.wait("no slice of gpu.tessera.io left on the node", &extra, || {
+            slice_devices().filter(|d| d.is_empty()).map(drop)
+        });
+    }
     kube.ok(&["label", "node", kube.node(), "tessera.io/gpu-"], None);
     let out = tessera_tests::tessera(dir.path(), &["uninstall", "--host-root", &path(&host)]);
     assert!(out.status.success(), "uninstall: {}", String::from_utf8_lossy(&out.stderr));
