@@ -311,15 +311,9 @@ impl NodeController {
         let shares = partition::plan_all_shares(&inv, &layouts).map_err(|e| e.to_string())?;
         let mut resources = Resources::build(&config, &inv, &layouts, &shares);
         resources.mark_unhealthy(&live.view.health);
-        let resources = Arc::new(resources);
         live.view.inventory = inv.clone();
         live.view.shares = shares;
-        live.view.resources = Arc::clone(&resources);
-        let offer = Arc::new(live.view.clone());
-        drop(live);
-        self.allocator.set_resources(resources);
-        self.allocator.set_rooms(self.gpu_rooms());
-        self.offer_tx.send_replace(offer);
+        self.publish(live, resources);
         Ok(inv)
     }
 }

@@ -259,11 +259,17 @@ impl NodeController {
         live.view.health = health;
         let mut res = (*live.view.resources).clone();
         res.mark_unhealthy(&live.view.health);
-        let res = Arc::new(res);
-        live.view.resources = Arc::clone(&res);
+        self.publish(live, res);
+    }
+
+    /// Publishes the live view with `resources`: the offer the faces read, then (the lock
+    /// released) the allocator's resources and rooms.
+    fn publish(&self, mut live: std::sync::MutexGuard<'_, Live>, resources: Resources) {
+        let resources = Arc::new(resources);
+        live.view.resources = Arc::clone(&resources);
         let offer = Arc::new(live.view.clone());
         drop(live);
-        self.allocator.set_resources(res);
+        self.allocator.set_resources(resources);
         self.allocator.set_rooms(self.gpu_rooms());
         self.offer_tx.send_replace(offer);
     }
@@ -511,17 +517,11 @@ impl NodeController {
         }
 
         // 5. Publish.
-        let resources = Arc::new(resources);
         live.view.config = Arc::new(config);
         live.view.inventory = after_inv;
         live.view.shares = shares;
-        live.view.resources = Arc::clone(&resources);
         live.view.status = status;
-        let offer = Arc::new(live.view.clone());
-        drop(live);
-        self.allocator.set_resources(resources);
-        self.allocator.set_rooms(self.gpu_rooms());
-        self.offer_tx.send_replace(offer);
+        self.publish(live, resources);
         Ok(results)
     }
 }
