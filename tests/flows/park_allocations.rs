@@ -82,7 +82,7 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     let mut line = String::new();
     out.read_line(&mut line).expect("read");
     let pid = child.id();
-    let workload = Reaped(child, out);
+    let mut workload = Reaped(child, out);
     let before = used(&m);
     assert!(before >= GIB, "the workload holds its GiB: {before}");
 
@@ -146,7 +146,18 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     assert_eq!(used(&m), 0);
     assert!(ok(&tessera(dir, &["resume", &id])).contains("now running"));
     assert_eq!(used(&m), before);
-    assert!(workload.alive(), "the workload runs on after two parks and resumes");
+    assert!(matches!(workload.0.try_wait(), Ok(None)), "the workload runs on after two parks and resumes");
+    // Parked with its process alive, it cannot be released (the process would stay locked);
+    // with the process gone it can.
+    assert!(ok(&tessera(dir, &["park", &id])).contains("now parked"));
+    let e = api.clone().release(api::ReleaseRequest { allocation_id: id.clone() }).await.expect_err("locked process");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains(&format!("`tessera resume {id}` first")), "{}", e.message());
+    drop(workload);
+    assert!(
+        api.release(api::ReleaseRequest { allocation_id: id.clone() }).await.expect("release").into_inner().released
+    );
+    assert!(!dir.join("state/park").join(&id).exists(), "its journal entry goes with it");
     // Events: each park and resume, with its bytes and duration (refusals are none).
     let events = ok(&tessera(dir, &["events", "--replay", "100", "--json"]));
     let moves: Vec<serde_json::Value> = events
@@ -157,7 +168,7 @@ async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     let kinds: Vec<&str> = moves.iter().map(|e| e["kind"].as_str().unwrap_or("")).collect();
     assert_eq!(
         kinds,
-        ["ALLOCATION_PARKED", "ALLOCATION_RESUMED", "ALLOCATION_PARKED", "ALLOCATION_RESUMED"],
+        ["ALLOCATION_PARKED", "ALLOCATION_RESUMED", "ALLOCATION_PARKED", "ALLOCATION_RESUMED", "ALLOCATION_PARKED"],
         "{events}"
     );
     for e in &moves {

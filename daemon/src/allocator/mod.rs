@@ -263,6 +263,8 @@ impl DaemonAllocator {
     pub fn release(&self, id: &str) -> Result<bool, Status> {
         crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A parked allocation's live processes would stay locked for good (issue 33).
+        self.check_release_parked(&store, id)?;
         let existed = self.discard(&mut store, id)?;
         if existed {
             tracing::info!(%id, "released");

@@ -210,6 +210,31 @@ impl DaemonAllocator {
         parked
     }
 
+    /// Before the node API's `Release` (under the store's lock): refused while allocation `id`
+    /// is parked, parking or resuming with a process of it alive (it would stay locked for
+    /// good); with none alive its park state and journal entry go with it.
+    pub(super) fn check_release_parked(&self, store: &Store, id: &str) -> Result<(), Status> {
+        let mut entries = self.parking.lock();
+        let Some(e) = entries.get(id) else { return Ok(()) };
+        let alive: Vec<u32> = e.pids.iter().copied().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
+        if e.state != ParkState::Parked || !alive.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "allocation {id} is {} with processes {alive:?} locked by the park: `tessera resume {id}` first, \
+                 or end those processes, then release it",
+                state_name(e.state)
+            )));
+        }
+        entries.remove(id);
+        // Not `unjournal`: the caller holds the store's lock.
+        let path = store.dir().join("park").join(id);
+        if let Err(e) = std::fs::remove_file(&path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(%id, error = %e, path = %path.display(), "cannot remove the park journal entry");
+        }
+        Ok(())
+    }
+
     /// Where allocation `id`'s memory is (running when it was never parked).
     pub fn park_state(&self, id: &str) -> ParkState {
         self.parking.lock().get(id).map_or(ParkState::Running, |e| e.state)
