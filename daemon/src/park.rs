@@ -8,8 +8,8 @@
 //! process it touched, so the program runs on; a resume that fails (its memory does not fit)
 //! checkpoints again the processes it restored and leaves them parked.
 //!
-//! What is not here yet: the node API's Park / Resume, the journal entry written before a park
-//! starts, admission of a resume against the GPU's free room, events and metrics (issue 33).
+//! The allocation core uses it (`allocator/park.rs`: the node API's Park and Resume, the
+//! journal written before each step, admission of a resume, recovery at start).
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::path::{Path, PathBuf};

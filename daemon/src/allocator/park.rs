@@ -12,8 +12,9 @@
 //! parked), anything else is rolled back to running: no process is left locked. A damaged file
 //! is moved aside and said.
 //!
-//! Not yet here (issue 33): parked memory counted as free by admission, preemption, events and
-//! metrics.
+//! Admission: a parked allocation's memory is free for the node API's shares
+//! ([`DaemonAllocator::beside_parked`]), and a resume is admitted again against every record not
+//! parked. Not yet here (issue 33): the kubelet's and DRA's admission, preemption, metrics.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
