@@ -55,6 +55,7 @@ impl Node {
             enforcement: Default::default(),
             kubelet_withdrawn: Default::default(),
             filesystems: Vec::new(),
+            park: Default::default(),
         }
     }
 }

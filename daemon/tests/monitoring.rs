@@ -253,6 +253,7 @@ fn everything() -> NodeMetrics {
             avail_bytes: 1 << 30,
             size_bytes: 10 << 30,
         }],
+        park: Default::default(),
     }
 }
 

@@ -50,6 +50,7 @@ impl MetricsSource for Source1 {
             enforcement: Default::default(),
             kubelet_withdrawn: Default::default(),
             filesystems: Vec::new(),
+            park: Default::default(),
         }
     }
 }

@@ -14,7 +14,7 @@
 //!
 //! Admission: a parked allocation's memory is free for the node API's shares
 //! ([`DaemonAllocator::beside_parked`]), and a resume is admitted again against every record not
-//! parked. Not yet here (issue 33): the kubelet's and DRA's admission, preemption, metrics.
+//! parked. Not yet here (issue 33): the kubelet's and DRA's admission, preemption.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -36,6 +36,22 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Default)]
 pub struct Parking {
     entries: Mutex<HashMap<String, Entry>>,
+    /// Parks and resumes done since the daemon started.
+    totals: Mutex<ParkMetrics>,
+}
+
+/// What the metrics show of parking (`tessera_allocations_parked`, `tessera_park_*_total`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ParkMetrics {
+    /// Allocations parked now.
+    pub parked: u64,
+    /// Parks and resumes done since the daemon started, their time and the bytes they moved.
+    pub parks: u64,
+    pub park_seconds: f64,
+    pub park_bytes: u64,
+    pub resumes: u64,
+    pub resume_seconds: f64,
+    pub resume_bytes: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -236,6 +252,26 @@ impl DaemonAllocator {
         Ok(())
     }
 
+    /// Parking's figures for the metrics.
+    pub fn park_metrics(&self) -> ParkMetrics {
+        let parked = self.parking.lock().values().filter(|e| e.state == ParkState::Parked).count() as u64;
+        let totals = *self.parking.totals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        ParkMetrics { parked, ..totals }
+    }
+
+    fn count(&self, parked: bool, done: &ParkOutcome) {
+        let mut t = self.parking.totals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if parked {
+            t.parks += 1;
+            t.park_seconds += done.duration.as_secs_f64();
+            t.park_bytes += done.bytes;
+        } else {
+            t.resumes += 1;
+            t.resume_seconds += done.duration.as_secs_f64();
+            t.resume_bytes += done.bytes;
+        }
+    }
+
     /// Where allocation `id`'s memory is (running when it was never parked).
     pub fn park_state(&self, id: &str) -> ParkState {
         self.parking.lock().get(id).map_or(ParkState::Running, |e| e.state)
@@ -288,6 +324,7 @@ impl DaemonAllocator {
         match &result {
             Ok(done) => {
                 entries.insert(id.to_owned(), Entry { state: done.state, pids: done.pids.clone(), bytes: done.bytes });
+                self.count(true, done);
             }
             Err(_) => {
                 entries.remove(id);
@@ -407,7 +444,9 @@ impl DaemonAllocator {
                 }
                 self.unjournal(id);
                 self.parking.lock().remove(id);
-                Ok(ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: entry.pids })
+                let done = ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: entry.pids };
+                self.count(false, &done);
+                Ok(done)
             }
             Err(e) => {
                 if let Some(r) = &region {

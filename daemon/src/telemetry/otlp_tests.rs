@@ -159,6 +159,7 @@ fn gpus_and_containers() {
         },
         kubelet_withdrawn: [("tessera.io/gpu-share".into(), 2)].into(),
         filesystems: Vec::new(),
+        park: Default::default(),
     };
     let (calls, exports) = collect_twice(base);
     assert_eq!(calls, 2);

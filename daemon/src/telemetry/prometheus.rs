@@ -28,6 +28,8 @@
 //!   left out when there is none;
 //! - per container: `tessera_container_processes`;
 //! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`;
+//!   `tessera_allocations_parked` and, per `op` (`park`, `resume`), `tessera_park_operations_total`,
+//!   `tessera_park_seconds_total`, `tessera_park_bytes_total`;
 //! - per resource the device plugin serves (label `resource`), while it runs:
 //!   `tessera_kubelet_devices_withdrawn` (gauge), its free devices told unhealthy to the kubelet
 //!   because the node API's allocations leave them no room;
@@ -133,6 +135,8 @@ pub struct NodeMetrics {
     pub kubelet_withdrawn: std::collections::BTreeMap<String, u64>,
     /// The filesystems of the state and runtime directories (empty when not known).
     pub filesystems: Vec<FilesystemMetrics>,
+    /// Allocations parked now, and the parks and resumes done (issue 33).
+    pub park: crate::allocator::park::ParkMetrics,
 }
 
 #[derive(Clone, Copy)]
@@ -445,6 +449,37 @@ pub fn render(m: &NodeMetrics) -> String {
     ];
     for (name, kind, help, v) in node {
         Family::new(&mut out, name, kind, help).sample(name, &[], Value::U(v));
+    }
+    {
+        let p = &m.park;
+        let name = "tessera_allocations_parked";
+        let help = "Allocations parked now: their processes' device memory in host memory.";
+        Family::new(&mut out, name, Kind::Gauge, help).sample(name, &[], Value::U(p.parked));
+        let counters: [(&str, &str, Value, Value); 3] = [
+            (
+                "tessera_park_operations_total",
+                "Parks and resumes done since the daemon started.",
+                Value::U(p.parks),
+                Value::U(p.resumes),
+            ),
+            (
+                "tessera_park_seconds_total",
+                "Time parks and resumes took since the daemon started.",
+                Value::F(p.park_seconds),
+                Value::F(p.resume_seconds),
+            ),
+            (
+                "tessera_park_bytes_total",
+                "Device memory parks and resumes moved since the daemon started.",
+                Value::U(p.park_bytes),
+                Value::U(p.resume_bytes),
+            ),
+        ];
+        for (name, help, park, resume) in counters {
+            let mut f = Family::new(&mut out, name, Kind::Counter, help);
+            f.sample(name, &[("op", "park")], park);
+            f.sample(name, &[("op", "resume")], resume);
+        }
     }
     if !m.kubelet_withdrawn.is_empty() {
         let name = "tessera_kubelet_devices_withdrawn";

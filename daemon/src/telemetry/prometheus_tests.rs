@@ -124,6 +124,7 @@ fn metrics() -> NodeMetrics {
                 size_bytes: 2 << 30,
             },
         ],
+        park: Default::default(),
     }
 }
 
@@ -310,7 +311,8 @@ fn a_device_one_container_holds_carries_its_pod() {
 fn empty_node_is_valid() {
     let m = NodeMetrics { hostname: "h".into(), ..Default::default() };
     let samples = parse(&render(&m));
-    assert_eq!(samples.len(), 4, "only the node's own: {samples:?}");
+    // 4, and parking's gauge and its three counters per op (always there, 0 when never used).
+    assert_eq!(samples.len(), 11, "only the node's own: {samples:?}");
 }
 
 #[test]
@@ -338,4 +340,31 @@ fn checker_refuses_broken_text() {
     ] {
         assert!(std::panic::catch_unwind(|| parse(bad)).is_err(), "accepted {bad:?}");
     }
+}
+
+#[test]
+fn parking_is_a_gauge_and_counters_per_op() {
+    let mut m = metrics();
+    m.park = crate::allocator::park::ParkMetrics {
+        parked: 2,
+        parks: 3,
+        park_seconds: 0.25,
+        park_bytes: 3 << 30,
+        resumes: 1,
+        resume_seconds: 0.125,
+        resume_bytes: 1 << 30,
+    };
+    let text = render(&m);
+    let samples = parse(&text);
+    let one = |name: &str, label: (&str, &str)| {
+        let found = find(&samples, name, label);
+        assert_eq!(found.len(), 1, "{name} {label:?}\n{text}");
+        found[0].2
+    };
+    assert!(text.contains("# TYPE tessera_allocations_parked gauge\ntessera_allocations_parked 2\n"), "{text}");
+    assert_eq!(one("tessera_park_operations_total", ("op", "park")), 3.0);
+    assert_eq!(one("tessera_park_operations_total", ("op", "resume")), 1.0);
+    assert_eq!(one("tessera_park_seconds_total", ("op", "park")), 0.25);
+    assert_eq!(one("tessera_park_bytes_total", ("op", "resume")), f64::from(1u32 << 30));
+    assert!(text.contains("# TYPE tessera_park_bytes_total counter\n"), "{text}");
 }

@@ -110,6 +110,7 @@ impl MetricsSource for NodeSource {
                 .into_iter()
                 .filter_map(|(dir, path)| filesystem(dir, path))
                 .collect(),
+            park: self.controller.allocator().park_metrics(),
         }
     }
 }
