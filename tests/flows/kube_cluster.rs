@@ -248,6 +248,29 @@ impl Tesserad {
         Tesserad { dir, node, daemon }
     }
 
+    /// [`Tesserad::start`] over a node `prepare` changes before tesserad starts (MIG on, an
+    /// operator's instances).
+    fn start_prepared(kube: &Kube, description: &str, body: &str, prepare: impl FnOnce(&SimNode, &Path)) -> Tesserad {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = SimNode::with_description(description);
+        prepare(&node, dir.path());
+        let injection = sim_host(kube, dir.path());
+        let config = dir.path().join("config.toml");
+        let text = format!(
+            "nvml_library = {:?}\ndevice_plugin_dir = {:?}\npod_resources_socket = {:?}\nstate_dir = {:?}\n\
+             runtime_dir = {:?}\n{body}\n{injection}",
+            node.nvml_path(),
+            kube.var("KUBELET_DEVICE_PLUGIN_DIR"),
+            kube.var("KUBELET_POD_RESOURCES_SOCKET"),
+            dir.path().join("state"),
+            dir.path().join("run"),
+        );
+        std::fs::write(&config, text).expect("config");
+        tessera_tests::kubelet::unmount_at_exit(dir.path());
+        let daemon = Tesserad::spawn(dir.path(), &node);
+        Tesserad { dir, node, daemon }
+    }
+
     /// tesserad on the configuration and state in `dir`, its log appended to `dir/tesserad.log`.
     fn spawn(dir: &Path, node: &SimNode) -> Daemon {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("tesserad.log")).expect("log");
@@ -1437,4 +1460,61 @@ fn walk(dir: &Path) -> Vec<String> {
     }
     out.sort();
     out
+}
+
+/// Item 2b, an existing MIG device through the real kube-scheduler: GPU 0 of the simulated H100s
+/// in MIG mode with an operator's 1g.10gb instance (its compute instance inside); tesserad
+/// publishes it as `gpu-0-mig-...` (class `mig.tessera.io`); the scheduler allocates a claim of
+/// that class to it; the container gets GPU 0's node, the instance's `nvidia-caps` access nodes
+/// (the driver's `mig-minors` numbering, under the simulated host's /dev) and sees the
+/// instance's memory as the total, not the GPU's; deleting pod and claim unprepares it.
+#[test]
+fn a_mig_device_is_allocated_by_the_real_scheduler() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let mut caps = Vec::new();
+    let t = Tesserad::start_prepared(&kube, H100X2, &dra_config(&kube), |node, dir| {
+        let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+        sim.set_mig_mode(0, true).expect("MIG on");
+        sim.reset(0).expect("reset GPU 0");
+        let gi = sim.create_gpu_instance(0, 0, Some(0)).expect("the operator's 1g.10gb");
+        let ci = sim.create_compute_instance(0, gi.id, 0, None).expect("its compute instance");
+        // The driver's proc tree (mig-minors) in the driver root tesserad reads, and the access
+        // nodes the driver would make for this instance.
+        sim.register_driver_root(&dir.join("driver")).expect("the driver root's proc tree");
+        for minor in [
+            tessera_sim_model::driver_root::mig_minor(0, gi.id, None),
+            tessera_sim_model::driver_root::mig_minor(0, gi.id, Some(ci.id)),
+        ] {
+            let name = format!("nvidia-cap{minor}");
+            tessera_tests::mknod(&dir.join("dev/nvidia-caps").join(&name), 511, minor);
+            caps.push(name);
+        }
+    });
+    let extra = || t.log();
+    kube.clean(&["dra-mig"], &["mig"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+
+    kube.apply(&claim("mig", "mig.tessera.io", Value::Null, ""));
+    let script = format!("ls /dev/nvidia-caps | sed 's/^/cap /'\n{TOTAL_ONLY}");
+    kube.apply(&pod(&kube, &t, "dra-mig", &script, json!({}), uses("mig")));
+    let logs = kube.done("dra-mig", &extra);
+    let c = kube.get(&["resourceclaim", "mig"]).expect("the claim");
+    let device = c["status"]["allocation"]["devices"]["results"][0]["device"].as_str().unwrap_or_default().to_owned();
+    assert!(device.starts_with("gpu-0-mig-"), "{c:#}");
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes, ["node /dev/nvidia0", "node /dev/nvidiactl"], "{logs}");
+    let mut seen: Vec<String> = logs.lines().filter_map(|l| l.strip_prefix("cap ")).map(str::to_owned).collect();
+    seen.sort();
+    caps.sort();
+    assert_eq!(seen, caps, "the instance's access nodes: {logs}");
+    let (total, status) = section(&logs, "TOTAL");
+    let mem = total["mem_total"].as_u64().unwrap_or(0);
+    assert_eq!(status, "0", "{logs}");
+    assert!(mem > 0 && mem < 20_000 * MIB, "the 1g.10gb instance's memory, not the GPU's: {logs}");
+    kube.delete_pod("dra-mig", &extra);
+    kube.ok(&["delete", "resourceclaim", "mig", "--wait=true", "--timeout=240s"], None);
+    kube.wait("the MIG device unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    drop(t);
 }
