@@ -1518,3 +1518,57 @@ fn a_mig_device_is_allocated_by_the_real_scheduler() {
     kube.wait("the MIG device unprepared", &extra, || t.allocations().is_empty().then_some(()));
     drop(t);
 }
+
+/// Item 2b, a dynamic MIG profile (partitionable devices) through the real kube-scheduler: GPU 0
+/// in MIG mode with no instance; tesserad publishes its placements against GPU 0's counters; a
+/// `mig-dynamic.tessera.io` claim for a 3g.40gb is allocated a placement, tesserad makes the
+/// instance at prepare (the container sees its memory as the total and gets its access nodes),
+/// and destroys it at unprepare.
+#[test]
+fn a_dynamic_mig_profile_is_made_at_prepare_and_destroyed_at_unprepare() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let t = Tesserad::start_prepared(&kube, H100X2, &dra_config(&kube), |node, dir| {
+        let sim = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
+        sim.set_mig_mode(0, true).expect("MIG on");
+        sim.reset(0).expect("reset GPU 0");
+        sim.register_driver_root(&dir.join("driver")).expect("the driver root's proc tree");
+        // Every access node the driver could make on GPU 0 (the instance's ids come at prepare).
+        for gi in 0..15 {
+            let mut minors = vec![tessera_sim_model::driver_root::mig_minor(0, gi, None)];
+            minors.extend((0..8).map(|ci| tessera_sim_model::driver_root::mig_minor(0, gi, Some(ci))));
+            for minor in minors {
+                tessera_tests::mknod(&dir.join(format!("dev/nvidia-caps/nvidia-cap{minor}")), 511, minor);
+            }
+        }
+    });
+    let extra = || t.log();
+    let sim = tessera_sim_model::Node::open(t.node.description.as_deref(), Some(&t.node.state)).expect("sim node");
+    kube.clean(&["dra-mig-dynamic"], &["mig-dynamic"], &extra);
+    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+
+    let profile = r#"device.attributes["gpu.tessera.io"].migProfile == "3g.40gb""#;
+    kube.apply(&claim("mig-dynamic", "mig-dynamic.tessera.io", Value::Null, profile));
+    let script = format!("ls /dev/nvidia-caps | sed 's/^/cap /'\n{TOTAL_ONLY}");
+    kube.apply(&pod(&kube, &t, "dra-mig-dynamic", &script, json!({}), uses("mig-dynamic")));
+    let logs = kube.done("dra-mig-dynamic", &extra);
+    let c = kube.get(&["resourceclaim", "mig-dynamic"]).expect("the claim");
+    let device = c["status"]["allocation"]["devices"]["results"][0]["device"].as_str().unwrap_or_default().to_owned();
+    assert!(device.starts_with("gpu-0-mig-3g40gb-"), "{c:#}");
+    let made = sim.gpu_instances(0).expect("GPU instances");
+    assert_eq!(made.len(), 1, "one instance made at prepare");
+    assert_eq!(made[0].profile.name.to_string(), "3g.40gb");
+    let caps = logs.lines().filter(|l| l.starts_with("cap ")).count();
+    assert_eq!(caps, 2, "the made instance's access nodes only: {logs}");
+    let (total, status) = section(&logs, "TOTAL");
+    let mem = total["mem_total"].as_u64().unwrap_or(0);
+    assert_eq!(status, "0", "{logs}");
+    assert!(mem > 30_000 * MIB && mem < 60_000 * MIB, "the 3g.40gb instance's memory, not the GPU's: {logs}");
+    kube.delete_pod("dra-mig-dynamic", &extra);
+    kube.ok(&["delete", "resourceclaim", "mig-dynamic", "--wait=true", "--timeout=240s"], None);
+    kube.wait("the MIG instance destroyed at unprepare", &extra, || {
+        (t.allocations().is_empty() && sim.gpu_instances(0).ok()?.is_empty()).then_some(())
+    });
+    drop(t);
+}
