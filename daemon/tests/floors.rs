@@ -126,6 +126,40 @@ fn every_edge_not_yet_broken_is_still_there() {
 }
 
 /// The reader finds what it must: a made-up tree with one edge of each kind.
+/// Issue 32: no file of `daemon/src` but a test file (`tests.rs`, `*_tests.rs`) is over 800
+/// lines; one that grows past it is split by concern, not by count.
+#[test]
+fn no_source_file_is_over_800_lines() {
+    const MOST: usize = 800;
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, usize)>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let name = path.file_stem().unwrap().to_string_lossy();
+                if name != "tests" && !name.ends_with("_tests") {
+                    out.push((path.clone(), std::fs::read_to_string(&path).unwrap().lines().count()));
+                }
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &mut files);
+    assert!(files.len() > 50, "daemon/src read: {} files", files.len());
+    let over: Vec<String> = files
+        .iter()
+        .filter(|(_, n)| *n > MOST)
+        .map(|(p, n)| {
+            format!(
+                "{} has {n} lines: split it by concern (a sibling module, or its tests into a `*_tests.rs` file)",
+                p.display()
+            )
+        })
+        .collect();
+    assert!(over.is_empty(), "over {MOST} lines:\n{}", over.join("\n"));
+}
+
 #[test]
 fn the_reader_sees_every_kind_of_path() {
     let dir = tempfile::tempdir().unwrap();
