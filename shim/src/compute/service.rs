@@ -30,6 +30,14 @@ const MIN_EVIDENCE_NS: u64 = 2_000_000;
 const FLOOR_PPM: u64 = 50_000;
 /// The factor, in ppm, lives in the bucket's first spare word (0: none yet, spans count whole).
 const FACTOR: usize = 0;
+/// NVML's readings lag the spans: a long kernel's span is harvested in one window, while NVML
+/// shows part of its time in the windows after (100 ms kernels alone: 55 ms of a 100 ms span in
+/// its window, 20 and 12 in the next two, judged by nothing, so the factor sank to 0.6-0.8 and the
+/// share was let through at 0.36-0.39 instead of 0.30). GPU time NVML shows in a window with too
+/// few spans to judge by is kept here (ns, the bucket's second spare word) and counted in the next
+/// window judged. Capped at a long window's worth; the container can write it, but more only
+/// brings the factor towards 1, its spans counted whole.
+const CARRY: usize = 1;
 
 static HANDLES: [AtomicUsize; MAX_DEVICES] = [const { AtomicUsize::new(0) }; MAX_DEVICES];
 static NVML_UP: AtomicBool = AtomicBool::new(false);
@@ -67,10 +75,16 @@ pub fn maybe_update(st: &ShimState, dev: usize, now: u64, in_flight: u64, mean_n
     if spans >= MIN_EVIDENCE_NS
         && let Some(got) = got
     {
+        let got = got.saturating_add(b.spare[CARRY].swap(0, AcqRel).min(MAX_WINDOW_NS));
         let f = (got as u128 * 1_000_000 / spans as u128).clamp(u128::from(FLOOR_PPM), 1_000_000) as u64;
         let old = b.spare[FACTOR].load(Relaxed);
         let next = if old == 0 { f } else { (old.clamp(FLOOR_PPM, 1_000_000) + f) / 2 };
         b.spare[FACTOR].store(next, Relaxed);
+    } else if let Some(got) = got
+        && got > 0
+    {
+        let carried = b.spare[CARRY].load(Relaxed);
+        b.spare[CARRY].store(carried.saturating_add(got).min(MAX_WINDOW_NS), Relaxed);
     }
     let used = got.unwrap_or(spans).min(window);
     Some((used as u128 * 1_000_000 / window.max(1) as u128) as u64)
