@@ -428,8 +428,9 @@ impl Node {
         let gs = &g.shared().gpus[gpu as usize];
         let head = gs.util_head.load(Relaxed);
         let want = if since_ns == 0 { now.saturating_sub(1_000_000_000) } else { since_ns };
-        // The newest snapshot at or before `want`, else the oldest one kept.
+        // The newest snapshot at or before `want` (else the oldest one kept), and the one after it.
         let mut base = None;
+        let mut after = None;
         for back in 0..UTIL_RING as u64 {
             let Some(i) = head.checked_sub(back) else { break };
             let snap = &gs.util[slot_of(i)];
@@ -437,23 +438,47 @@ impl Node {
             if ts == 0 || ts > now {
                 break;
             }
-            base = Some(snap);
             if ts <= want {
+                after = base;
+                base = Some(snap);
                 break;
             }
+            // Newest first: the last one seen after `want` is the one right after the base.
+            base = Some(snap);
         }
         let used: Vec<usize> = g.used_slots().collect();
         let Some(base) = base.filter(|b| b.ts.load(Relaxed) < now) else {
             return Ok(UtilWindow { from_ns: now, to_ns: now, gpu_percent: 0, processes: Vec::new() });
         };
-        let from = base.ts.load(Relaxed);
+        // The window starts at `want`, not at the snapshot before it: the counters are read there
+        // between that snapshot and the next (or now), as GPU time accrues evenly between two
+        // snapshots 50 ms apart at most. Starting at the older snapshot instead dilutes a window
+        // that holds a burst of work with the idle time before it (a 30% share of 100 ms kernels
+        // read about a fifth short, and the shim, which scales spans by it, let them through at 0.37).
+        let base_ts = base.ts.load(Relaxed);
+        let from = want.max(base_ts).min(now - 1);
+        let (next_ts, next_busy, next_served): (u64, u64, Box<dyn Fn(usize) -> u64>) = match after {
+            Some(a) => {
+                (a.ts.load(Relaxed), a.busy_ns.load(Relaxed), Box::new(move |s: usize| a.served[s].load(Relaxed)))
+            }
+            None => (
+                now,
+                gs.units[0].busy_ns.load(Relaxed),
+                Box::new(|s: usize| g.shared().procs[s].served[gpu as usize][0].load(Relaxed)),
+            ),
+        };
+        let at_from = |old: u64, new: u64| {
+            let gap = next_ts.saturating_sub(base_ts).max(1);
+            old + (new.saturating_sub(old) as u128 * from.saturating_sub(base_ts) as u128 / gap as u128) as u64
+        };
         let span = (now - from).max(1);
-        let busy = gs.units[0].busy_ns.load(Relaxed).saturating_sub(base.busy_ns.load(Relaxed));
+        let busy = gs.units[0].busy_ns.load(Relaxed).saturating_sub(at_from(base.busy_ns.load(Relaxed), next_busy));
         let pct = |x: u64| ((x as u128 * 100 + span as u128 / 2) / span as u128).min(100) as u32;
         let mut processes = Vec::new();
         for s in used {
             let p = &g.shared().procs[s];
-            let got = p.served[gpu as usize][0].load(Relaxed).saturating_sub(base.served[s].load(Relaxed));
+            let start = at_from(base.served[s].load(Relaxed), next_served(s));
+            let got = p.served[gpu as usize][0].load(Relaxed).saturating_sub(start);
             if got > 0 || p.ctx_units[gpu as usize].load(Relaxed) & 1 != 0 {
                 processes.push((p.pid.load(Relaxed), pct(got)));
             }
