@@ -457,15 +457,14 @@ impl Node {
         // read about a fifth short, and the shim, which scales spans by it, let them through at 0.37).
         let base_ts = base.ts.load(Relaxed);
         let from = want.max(base_ts).min(now - 1);
-        let (next_ts, next_busy, next_served): (u64, u64, Box<dyn Fn(usize) -> u64>) = match after {
-            Some(a) => {
-                (a.ts.load(Relaxed), a.busy_ns.load(Relaxed), Box::new(move |s: usize| a.served[s].load(Relaxed)))
-            }
-            None => (
-                now,
-                gs.units[0].busy_ns.load(Relaxed),
-                Box::new(|s: usize| g.shared().procs[s].served[gpu as usize][0].load(Relaxed)),
-            ),
+        // The snapshot after the base, or the live counters now when there is none.
+        let next_ts = after.map_or(now, |a| a.ts.load(Relaxed));
+        let next_busy = after.map_or_else(|| gs.units[0].busy_ns.load(Relaxed), |a| a.busy_ns.load(Relaxed));
+        let next_served = |s: usize| {
+            after.map_or_else(
+                || g.shared().procs[s].served[gpu as usize][0].load(Relaxed),
+                |a| a.served[s].load(Relaxed),
+            )
         };
         let at_from = |old: u64, new: u64| {
             let gap = next_ts.saturating_sub(base_ts).max(1);
