@@ -3,6 +3,7 @@
 
 #[path = "../daemon/tests/common/mod.rs"]
 pub mod kubelet;
+pub mod kube;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
