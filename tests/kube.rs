@@ -128,6 +128,12 @@ impl Kube {
         }
     }
 
+    /// Applies the DeviceClasses of `deploy/kubernetes/overlays/dra` (as an operator would).
+    pub fn apply_dra_classes(&self) {
+        let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
+        self.ok(&["apply", "-f", &classes.display().to_string()], None);
+    }
+
     pub fn node_object(&self) -> Value {
         self.get(&["node", self.node()]).expect("the node")
     }
@@ -362,4 +368,35 @@ pub fn section(text: &str, tag: &str) -> (Value, String) {
     let line =
         rest[..end].lines().rfind(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no report for {tag}:\n{text}"));
     (serde_json::from_str(line).expect("a report"), status)
+}
+
+/// A ResourceClaim `name` of one device of `class`, with `capacity` requests unless null and a
+/// CEL `selector` unless empty.
+pub fn claim(name: &str, class: &str, capacity: Value, selector: &str) -> Value {
+    let mut exactly = json!({"deviceClassName": class});
+    if !capacity.is_null() {
+        exactly["capacity"] = json!({"requests": capacity});
+    }
+    if !selector.is_empty() {
+        exactly["selectors"] = json!([{"cel": {"expression": selector}}]);
+    }
+    json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})
+}
+
+/// The pod's `resourceClaims` entry naming claim `name`.
+pub fn uses(name: &str) -> Value {
+    json!([{"name": "gpu", "resourceClaimName": name}])
+}
+
+/// The configuration of a tesserad in DRA mode on this cluster.
+pub fn dra_config(kube: &Kube) -> String {
+    format!(
+        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
+        kube.var("KUBECONFIG"),
+        kube.node(),
+        kube.var("KUBELET_PLUGINS_DIR"),
+        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
+    )
 }

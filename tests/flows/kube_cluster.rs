@@ -16,7 +16,7 @@ use std::process::Command;
 
 use serde_json::{Value, json};
 use tessera_sim_testkit::SimNode;
-use tessera_tests::kube::{Kube, Tesserad, WAIT, log_tail, pod, section, serial, sim_host};
+use tessera_tests::kube::{Kube, Tesserad, WAIT, claim, dra_config, log_tail, pod, section, serial, sim_host, uses};
 
 const MIB: u64 = 1 << 20;
 /// The simulated driver's memory per context, which counts against a share as on a real GPU.
@@ -112,26 +112,6 @@ fn device_plugin_share_runs_a_pod_on_the_real_kubelet() {
     kube.wait("the share's allocation released", &extra, || t.allocations().is_empty().then_some(()));
 }
 
-/// A ResourceClaim `name` of one device of `class`, with `capacity` requests unless null and a
-/// CEL `selector` unless empty.
-fn claim(name: &str, class: &str, capacity: Value, selector: &str) -> Value {
-    let mut exactly = json!({"deviceClassName": class});
-    if !capacity.is_null() {
-        exactly["capacity"] = json!({"requests": capacity});
-    }
-    if !selector.is_empty() {
-        exactly["selectors"] = json!([{"cel": {"expression": selector}}]);
-    }
-    json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}})
-}
-
-/// The pod's `resourceClaims` entry naming claim `name`.
-fn uses(name: &str) -> Value {
-    json!([{"name": "gpu", "resourceClaimName": name}])
-}
-
 const TOTAL_ONLY: &str = r#"
 for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f"; done
 echo "allocation $TESSERA_ALLOCATION"
@@ -154,20 +134,13 @@ fn dra_claims_are_allocated_by_the_real_scheduler() {
     let _serial = serial();
     let pods = ["dra-whole", "dra-share-a", "dra-share-b", "dra-too-big"];
     let claims = ["whole-gpu", "share-a", "share-b", "too-big"];
-    let body = format!(
-        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
-        kube.var("KUBECONFIG"),
-        kube.node(),
-        kube.var("KUBELET_PLUGINS_DIR"),
-        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
-    );
+    let body = dra_config(&kube);
     let t = Tesserad::start(&kube, H100X2, &body);
     let extra = || t.log();
     // What an earlier failed run left (its pods wait for a DRA driver to unprepare their claims:
     // this tesserad answers for claims it never prepared).
     kube.clean(&pods, &claims, &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
 
     // The API server accepted the slice: every device of both GPUs.
     let field = format!("spec.nodeName={}", kube.node());
@@ -326,8 +299,7 @@ fn a_gpu_fault_reaches_the_pod_status_the_slice_and_events() {
     let t = Tesserad::start(&kube, H100X2, &body);
     let extra = || t.log();
     kube.clean(&["dra-health"], &["health-gpu"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
     kube.wait("gpu-1 published, untainted", &extra, || device_taints(&kube, "gpu-1").filter(|t| t.is_empty()));
 
     let mut c = claim("health-gpu", "gpu.tessera.io", Value::Null, r#"device.attributes["gpu.tessera.io"].index == 1"#);
@@ -391,18 +363,11 @@ fn a_gpu_fault_reaches_the_pod_status_the_slice_and_events() {
 fn a_kubelet_and_apiserver_restart_keep_the_claim_and_leak_nothing() {
     let Some(kube) = Kube::find() else { return };
     let _serial = serial();
-    let body = format!(
-        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
-        kube.var("KUBECONFIG"),
-        kube.node(),
-        kube.var("KUBELET_PLUGINS_DIR"),
-        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
-    );
+    let body = dra_config(&kube);
     let t = Tesserad::start(&kube, H100X2, &body);
     let extra = || t.log();
     kube.clean(&["dra-restart"], &["restart-share"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
     kube.apply(&claim("restart-share", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
     kube.apply(&pod(&kube, &t, "dra-restart", "echo DONE; sleep 3600", json!({}), uses("restart-share")));
     kube.done("dra-restart", &extra);
@@ -429,17 +394,6 @@ fn a_kubelet_and_apiserver_restart_keep_the_claim_and_leak_nothing() {
     }
     kube.clean(&["dra-restart"], &["restart-share"], &extra);
     kube.wait("the claim unprepared after the restarts", &extra, || t.allocations().is_empty().then_some(()));
-}
-
-/// The configuration of a tesserad in DRA mode on this cluster.
-fn dra_config(kube: &Kube) -> String {
-    format!(
-        "[kubernetes]\nmode = \"dra\"\nkubeconfig = {:?}\nnode_name = {:?}\nplugins_dir = {:?}\nplugins_registry_dir = {:?}\n",
-        kube.var("KUBECONFIG"),
-        kube.node(),
-        kube.var("KUBELET_PLUGINS_DIR"),
-        kube.var("KUBELET_PLUGINS_REGISTRY_DIR"),
-    )
 }
 
 /// Holds the first open of a file in one directory whose name contains a given text, at the
@@ -613,8 +567,7 @@ fn tesserad_killed_between_the_record_and_the_kubelets_answer_prepares_the_claim
     let log = t.dir.path().join("tesserad.log");
     let extra = move || log_tail(&log);
     kube.clean(&["dra-kill"], &["kill-share"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
     kube.apply(&claim("kill-share", "gpu-share.tessera.io", json!({"memory": "4Gi", "sm": "20"}), ""));
     let uid = claim_uid(&kube, "kill-share");
     let spec = claim_spec(&kube, &uid);
@@ -669,8 +622,7 @@ fn a_claim_deleted_while_its_pod_starts_leaks_nothing() {
     let t = Tesserad::start(&kube, H100X2, &dra_config(&kube));
     let extra = || t.log();
     kube.clean(&["dra-gone", "dra-gone-both"], &["gone-share", "gone-both"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
     let cdi = Path::new(kube.var("KUBE_CDI_SPEC_DIR"));
 
     // The claim alone.
@@ -749,8 +701,7 @@ fn a_dra_feature_gate_off_gets_one_line_and_the_whole_gpus() {
     let Some(kube) = Kube::find() else { return };
     let _serial = serial();
     let field = format!("spec.nodeName={},spec.driver=gpu.tessera.io", kube.node());
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
     let _usual = UsualApiServer;
 
     // DRAConsumableCapacity off (kube-apiserver only: the server is what drops the fields).
@@ -1128,8 +1079,7 @@ fn a_mig_device_is_allocated_by_the_real_scheduler() {
     });
     let extra = || t.log();
     kube.clean(&["dra-mig"], &["mig"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
 
     kube.apply(&claim("mig", "mig.tessera.io", Value::Null, ""));
     let script = format!("ls /dev/nvidia-caps | sed 's/^/cap /'\n{TOTAL_ONLY}");
@@ -1180,8 +1130,7 @@ fn a_dynamic_mig_profile_is_made_at_prepare_and_destroyed_at_unprepare() {
     let extra = || t.log();
     let sim = tessera_sim_model::Node::open(t.node.description.as_deref(), Some(&t.node.state)).expect("sim node");
     kube.clean(&["dra-mig-dynamic"], &["mig-dynamic"], &extra);
-    let classes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kubernetes/overlays/dra/deviceclass.yaml");
-    kube.ok(&["apply", "-f", &classes.display().to_string()], None);
+    kube.apply_dra_classes();
 
     let profile = r#"device.attributes["gpu.tessera.io"].migProfile == "3g.40gb""#;
     kube.apply(&claim("mig-dynamic", "mig-dynamic.tessera.io", Value::Null, profile));
