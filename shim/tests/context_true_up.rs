@@ -11,6 +11,7 @@ use std::process::Stdio;
 
 use common::cuda::*;
 use common::*;
+use tessera_region::Region;
 use tessera_sim_model::Node;
 use tessera_sim_testkit::{SimNode, binary};
 
@@ -25,6 +26,13 @@ fn var(k: &str) -> String {
 
 const LIMIT: u64 = GIB;
 
+/// A fresh container limited to [`LIMIT`], and its accounting region.
+fn limited_container() -> (Container, Region) {
+    let c = Container::new(&memory_limits(LIMIT));
+    let region = c.region();
+    (c, region)
+}
+
 /// Right after its context is made, a process allocates everything the limit leaves (in one
 /// piece, or in 4 MiB chunks until refused): it gets exactly that, whether the context's excess
 /// reservation was still charged or not (then the refused reservation trued it up and retried).
@@ -32,10 +40,7 @@ const LIMIT: u64 = GIB;
 #[test]
 fn a_process_allocating_up_to_the_limit_right_after_its_context_gets_all_of_it() {
     let test = "a_process_allocating_up_to_the_limit_right_after_its_context_gets_all_of_it";
-    if in_child() {
-        return fill_child();
-    }
-    let node = node();
+    let Some(node) = parent_node(fill_child) else { return };
     let mut deferred = 0;
     let runs = 12;
     for i in 0..runs {
@@ -155,12 +160,8 @@ fn without_nvml(node: &SimNode, dir: &Path) -> OsString {
 #[test]
 fn a_process_killed_before_its_true_up_leaves_nothing_charged() {
     let test = "a_process_killed_before_its_true_up_leaves_nothing_charged";
-    if in_child() {
-        return killed_child();
-    }
-    let node = node();
-    let c = Container::new(&memory_limits(LIMIT));
-    let region = c.region();
+    let Some(node) = parent_node(killed_child) else { return };
+    let (c, region) = limited_container();
     let libs = tempfile::tempdir().unwrap();
     let mut env = container_env(&c, &node);
     env.retain(|(k, _)| k != "LD_LIBRARY_PATH");
@@ -291,12 +292,8 @@ const BYPASS_MIB: u64 = 900;
 #[test]
 fn memory_allocated_around_the_shim_never_becomes_the_containers_context_estimate() {
     let test = "memory_allocated_around_the_shim_never_becomes_the_containers_context_estimate";
-    if in_child() {
-        return bypass_child();
-    }
-    let node = node();
-    let c = Container::new(&memory_limits(LIMIT));
-    let region = c.region();
+    let Some(node) = parent_node(bypass_child) else { return };
+    let (c, region) = limited_container();
     let (mut child, _dir) = spawn_ready(test, container_env(&c, &node));
     child.kill().unwrap();
     child.wait().unwrap();

@@ -36,10 +36,7 @@ fn scribble(region: &Region) {
 #[test]
 fn a_hostile_writer_of_the_region_lifts_no_limit() {
     let test = "a_hostile_writer_of_the_region_lifts_no_limit";
-    if in_child() {
-        return hostile_victim();
-    }
-    let node = node();
+    let Some(node) = parent_node(hostile_victim) else { return };
     let limits = Limits {
         devices: vec![DeviceLimits { uuid: "*".into(), memory_limit: Some(GIB), sm_percent: Some(10) }],
         ..Limits::default()
@@ -102,14 +99,10 @@ fn hostile_victim() {
     assert_eq!(gpu_used(0), 812 * MIB, "the GPU holds no more than the limit allows");
 
     // Compute: the 10% share still throttles (a full balance counts as the burst cap only).
-    let image = ptx("tessera_test_spin_1ms");
+    let cu = &s.cu;
+    let f = kernel(cu, "tessera_test_spin_1ms");
     // SAFETY: valid out-pointers; handles from the driver; no kernel parameters.
     unsafe {
-        let cu = &s.cu;
-        let mut module: H = std::ptr::null_mut();
-        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
-        let mut f: H = std::ptr::null_mut();
-        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, c"tessera_test_spin_1ms".as_ptr()));
         let mut stream: H = std::ptr::null_mut();
         ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
         let none: *mut *mut std::ffi::c_void = std::ptr::null_mut();

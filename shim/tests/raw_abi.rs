@@ -193,13 +193,9 @@ fn lookups_hand_out_the_hook_of_the_version_asked_for() {
 fn every_launch_entry_point_reaches_the_driver() {
     let Some(s) = limited_session("every_launch_entry_point_reaches_the_driver", GIB) else { return };
     let cu = &s.cu;
-    let image = ptx("tessera_test_spin_50us");
+    let f = kernel(cu, "tessera_test_spin_50us");
     // SAFETY: valid out-pointers; handles from the driver; no kernel parameters.
     unsafe {
-        let mut module: H = std::ptr::null_mut();
-        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
-        let mut f: H = std::ptr::null_mut();
-        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, c"tessera_test_spin_50us".as_ptr()));
         let mut stream: H = std::ptr::null_mut();
         ck("cuStreamCreate", (cu.cuStreamCreate)(&mut stream, 0));
         let none: *mut *mut c_void = std::ptr::null_mut();
@@ -220,19 +216,6 @@ fn every_launch_entry_point_reaches_the_driver() {
         // A bad launch is the driver's error, unchanged.
         assert_ne!((cu.cuLaunchKernel)(null, 1, 1, 1, 32, 1, 1, 0, stream, none, none), SUCCESS);
     }
-}
-
-/// A kernel of the current context (`name` is a `tessera_test_spin_*` kernel: its duration).
-fn kernel(cu: &Cuda, name: &str) -> H {
-    let image = ptx(name);
-    let cname = CString::new(name).unwrap();
-    let (mut module, mut f): (H, H) = (std::ptr::null_mut(), std::ptr::null_mut());
-    // SAFETY: valid out-pointers and C strings.
-    unsafe {
-        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
-        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, cname.as_ptr()));
-    }
-    f
 }
 
 /// Launches `f` on `stream` `n` times; each must succeed.
@@ -594,10 +577,7 @@ const STEP: u64 = 8 * MIB;
 #[test]
 fn threads_and_processes_racing_never_pass_the_limit() {
     let test = "threads_and_processes_racing_never_pass_the_limit";
-    if in_child() {
-        return racer();
-    }
-    let node = node();
+    let Some(node) = parent_node(racer) else { return };
     let limit = 2 * GIB;
     let c = Container::new(&memory_limits(limit));
     let region = c.region();
@@ -689,10 +669,7 @@ fn racer() {
 #[test]
 fn nvml_shows_the_containers_gpu() {
     let test = "nvml_shows_the_containers_gpu";
-    if in_child() {
-        return nvml_child();
-    }
-    let node = node();
+    let Some(node) = parent_node(nvml_child) else { return };
     // An outsider (another container, no limits) holds 2 GiB on GPU 0.
     let (mut outsider, _) = holding(node.command(binary("tessera-workload")), &["--alloc-mib", "2048", "--hold", "60"]);
     let uuid = Node::open_state(&node.state, None).unwrap().gpus()[0].uuid.clone();

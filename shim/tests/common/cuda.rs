@@ -254,6 +254,19 @@ pub fn ptx(name: &str) -> String {
     format!(".version 7.0\n.target sm_70\n.address_size 64\n.visible .entry {name}()\n{{\nret;\n}}\n\0")
 }
 
+/// A kernel of the current context (`name` is a `tessera_test_spin_*` kernel: its duration).
+pub fn kernel(cu: &Cuda, name: &str) -> H {
+    let image = ptx(name);
+    let cname = std::ffi::CString::new(name).unwrap();
+    let (mut module, mut f): (H, H) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: valid out-pointers and C strings.
+    unsafe {
+        ck("cuModuleLoadData", (cu.cuModuleLoadData)(&mut module, image.as_ptr().cast()));
+        ck("cuModuleGetFunction", (cu.cuModuleGetFunction)(&mut f, module, cname.as_ptr()));
+    }
+    f
+}
+
 /// The simulated driver's own `name`, found behind the shim's back as a hostile tenant would:
 /// the driver file's dynamic symbol table read from disk, added to where the loader mapped it
 /// (located through a function the shim does not hook). No lookup the shim interposes is used.

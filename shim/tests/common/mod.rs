@@ -139,6 +139,16 @@ pub fn in_child() -> bool {
     std::env::var_os(CHILD_MARK).is_some()
 }
 
+/// The start of a test whose body runs in children it starts itself: in such a child, runs
+/// `child` and gives `None`; in the parent, gives the fresh node to start them on.
+pub fn parent_node(child: impl FnOnce()) -> Option<SimNode> {
+    if in_child() {
+        child();
+        return None;
+    }
+    Some(node())
+}
+
 /// Starts this test binary again with `env`, running only `test_name` (in the child, `body`
 /// of the [`run_in_child`] call there runs). Returns the running child.
 pub fn spawn_child(test_name: &str, env: Vec<(String, OsString)>) -> Child {
