@@ -69,6 +69,14 @@ impl G<'_> {
             rc => Err(rc),
         }
     }
+    /// A graph of one allocation of `bytes` on device 0, instantiated and launched: the
+    /// allocation's address.
+    fn launch_alloc(&self, bytes: u64) -> u64 {
+        let graph = self.create();
+        let (_, p) = self.alloc(graph, &[], 0, bytes);
+        ck("launch", self.launch(self.instantiate(graph).unwrap()));
+        p
+    }
     fn launch(&self, e: H) -> R {
         // SAFETY: an executable graph, on the null stream.
         unsafe { (self.0.cu.cuGraphLaunch)(e, std::ptr::null_mut()) }
@@ -318,24 +326,21 @@ fn auto_free_relaunches_are_charged_once() {
 #[test]
 fn a_killed_process_holding_graph_memory_is_reaped() {
     let test = "a_killed_process_holding_graph_memory_is_reaped";
-    if in_child() {
-        let s = Session::start(0);
-        let g = G(&s);
-        // One allocation live, and one freed into the pool.
-        let live = g.create();
-        g.alloc(live, &[], 0, 256 * MIB);
-        ck("launch", g.launch(g.instantiate(live).unwrap()));
-        let pooled = g.create();
-        let (_, p) = g.alloc(pooled, &[], 0, 256 * MIB);
-        ck("launch", g.launch(g.instantiate(pooled).unwrap()));
-        s.free(p);
-        return ready_then_wait();
-    }
-    let node = node();
+    let Some(node) = parent_node(graph_memory_holder) else { return };
     let c = Container::new(&memory_limits(GIB));
     let (child, _dir) = spawn_ready(test, container_env(&c, &node));
     // One graph allocation live and one in the pool: 512 MiB besides the context.
     assert_killed_holder_is_reaped(&c, &node, child, 512);
+}
+
+/// In a child: one graph allocation live and one freed into the pool, held until killed.
+fn graph_memory_holder() {
+    let s = Session::start(0);
+    let g = G(&s);
+    g.launch_alloc(256 * MIB);
+    let pooled = g.launch_alloc(256 * MIB);
+    s.free(pooled);
+    ready_then_wait();
 }
 
 /// In a child: marks `name` in the test's directory `stage`, then waits until `count` processes
@@ -403,10 +408,7 @@ fn a_graph_launched_right_after_the_first_context_leaves_the_whole_limit() {
     let test = "a_graph_launched_right_after_the_first_context_leaves_the_whole_limit";
     if in_child() {
         let s = Session::start(0);
-        let g = G(&s);
-        let graph = g.create();
-        g.alloc(graph, &[], 0, 256 * MIB);
-        ck("launch", g.launch(g.instantiate(graph).unwrap()));
+        G(&s).launch_alloc(256 * MIB);
         let rest = GIB - (OVERHEAD_MIB + 256) * MIB;
         let p = s.alloc(rest);
         assert!(p.is_ok(), "the rest of the limit under it ({} MiB) was refused: {p:?}", rest / MIB);

@@ -4,11 +4,24 @@
 mod common;
 
 use common::*;
-use tessera_sim_testkit::binary;
+use tessera_sim_testkit::{SimNode, binary};
 
 /// 16 chunks of 128 MiB fill the limit exactly beside one context.
 const CHUNK_MIB: u64 = 128;
 const LIMIT: u64 = (OVERHEAD_MIB + 16 * CHUNK_MIB) * MIB;
+
+/// Runs tessera-workload on `node` with the shim preloaded and no container, its limit given by
+/// `TESSERA_MEMORY_LIMIT=limit`: its exit code and its JSON report.
+fn standalone(node: &SimNode, limit: &str, args: &[&str]) -> (Option<i32>, serde_json::Value) {
+    let out = node
+        .command(binary("tessera-workload"))
+        .env("LD_PRELOAD", shim())
+        .env("TESSERA_MEMORY_LIMIT", limit)
+        .args(args)
+        .output()
+        .unwrap();
+    (out.status.code(), serde_json::from_slice(out.stdout.trim_ascii_end()).unwrap())
+}
 
 #[test]
 fn every_lookup_path_stops_exactly_at_the_limit() {
@@ -55,15 +68,8 @@ fn without_a_limit_the_gpu_is_the_whole_gpu() {
 fn standalone_limits_come_from_the_environment() {
     let node = node();
     for lookup in ["linked", "getprocaddress"] {
-        let out = node
-            .command(binary("tessera-workload"))
-            .env("LD_PRELOAD", shim())
-            .env("TESSERA_MEMORY_LIMIT", "1GiB")
-            .args(["--lookup", lookup, "--alloc-mib", "2048", "--chunk-mib", "100"])
-            .output()
-            .unwrap();
-        let r: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii_end()).unwrap();
-        assert_eq!(out.status.code(), Some(3), "{r}");
+        let (code, r) = standalone(&node, "1GiB", &["--lookup", lookup, "--alloc-mib", "2048", "--chunk-mib", "100"]);
+        assert_eq!(code, Some(3), "{r}");
         // 1024 MiB less the 300 MiB context: seven chunks of 100 MiB.
         assert_eq!(r["allocated_bytes"].as_u64().unwrap(), 700 * MIB, "{r}");
         assert_eq!(r["mem_total"].as_u64().unwrap(), GIB, "{r}");
@@ -73,23 +79,9 @@ fn standalone_limits_come_from_the_environment() {
 #[test]
 fn a_per_device_limit_applies_to_its_device_only() {
     let node = node();
-    let out = node
-        .command(binary("tessera-workload"))
-        .env("LD_PRELOAD", shim())
-        .env("TESSERA_MEMORY_LIMIT", "1=1GiB")
-        .args(["--device", "1", "--alloc-mib", "2048", "--chunk-mib", "100"])
-        .output()
-        .unwrap();
-    let r: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii_end()).unwrap();
-    assert_eq!(out.status.code(), Some(3), "{r}");
+    let (code, r) = standalone(&node, "1=1GiB", &["--device", "1", "--alloc-mib", "2048", "--chunk-mib", "100"]);
+    assert_eq!(code, Some(3), "{r}");
     assert_eq!(r["mem_total"].as_u64().unwrap(), GIB, "{r}");
-    let out = node
-        .command(binary("tessera-workload"))
-        .env("LD_PRELOAD", shim())
-        .env("TESSERA_MEMORY_LIMIT", "1=1GiB")
-        .args(["--device", "0", "--alloc-mib", "2048", "--chunk-mib", "100"])
-        .output()
-        .unwrap();
-    let r: serde_json::Value = serde_json::from_slice(out.stdout.trim_ascii_end()).unwrap();
-    assert_eq!(out.status.code(), Some(0), "device 0 has no limit: {r}");
+    let (code, r) = standalone(&node, "1=1GiB", &["--device", "0", "--alloc-mib", "2048", "--chunk-mib", "100"]);
+    assert_eq!(code, Some(0), "device 0 has no limit: {r}");
 }
