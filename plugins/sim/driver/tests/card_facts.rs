@@ -81,6 +81,11 @@ fn answer(rc: u32, v: Value) -> Value {
 }
 
 /// NVML's error in the reading's form ("ERR Not Supported", as nvidia-ml-py prints it).
+/// An NVML answer: `v` if the call returned success, else its error.
+fn nvml_answer(lib: &Lib, rc: u32, v: Value) -> Value {
+    if rc == 0 { v } else { nvml_err(lib, rc) }
+}
+
 fn nvml_err(lib: &Lib, rc: u32) -> Value {
     let f: unsafe extern "C" fn(u32) -> *const c_char = lib.sym("nvmlErrorString");
     // SAFETY: nvmlErrorString returns a static NUL-terminated string for any code.
@@ -145,7 +150,7 @@ fn nv_uint(lib: &Lib, name: &str, dev: Dev) -> Value {
     let mut v: c_uint = 0;
     // SAFETY: `name` has the signature nvmlReturn_t (nvmlDevice_t, unsigned int *) (or an enum of that size).
     let rc = unsafe { f(dev, &mut v) };
-    if rc == 0 { Value::from(v) } else { nvml_err(lib, rc) }
+    nvml_answer(lib, rc, Value::from(v))
 }
 
 /// An NVML answer of two out-values, as the reading lists them ([current, pending], [major, minor]).
@@ -154,7 +159,7 @@ fn nv_pair(lib: &Lib, name: &str, dev: Dev) -> Value {
     let (mut a, mut b): (c_uint, c_uint) = (0, 0);
     // SAFETY: `name` has the signature nvmlReturn_t (nvmlDevice_t, T *, T *) with T of 32 bits.
     let rc = unsafe { f(dev, &mut a, &mut b) };
-    if rc == 0 { Value::from(vec![a, b]) } else { nvml_err(lib, rc) }
+    nvml_answer(lib, rc, Value::from(vec![a, b]))
 }
 
 /// An NVML string answer: `fn(device, char *, unsigned int)`.
@@ -163,7 +168,7 @@ fn nv_string(lib: &Lib, name: &str, dev: Dev) -> Value {
     let mut buf = [0 as c_char; 256];
     // SAFETY: `name` writes at most 256 bytes into buf.
     let rc = unsafe { f(dev, buf.as_mut_ptr(), 256) };
-    if rc == 0 { Value::from(c_string(&buf)) } else { nvml_err(lib, rc) }
+    nvml_answer(lib, rc, Value::from(c_string(&buf)))
 }
 
 /// An NVML system string answer: `fn(char *, unsigned int)`.
@@ -172,7 +177,7 @@ fn nv_system_string(lib: &Lib, name: &str) -> Value {
     let mut buf = [0 as c_char; 256];
     // SAFETY: `name` writes at most 256 bytes into buf.
     let rc = unsafe { f(buf.as_mut_ptr(), 256) };
-    if rc == 0 { Value::from(c_string(&buf)) } else { nvml_err(lib, rc) }
+    nvml_answer(lib, rc, Value::from(c_string(&buf)))
 }
 
 /// A GPU-instance profile as the reading lists it (nvidia-ml-py's field names).
@@ -261,7 +266,7 @@ fn nvml_diffs(lib: &Lib, f: &Value, diffs: &mut Vec<String>) {
             "cuda_driver_version" => {
                 let mut v: c_int = 0;
                 let rc = call!(lib, nvmlSystemGetCudaDriverVersion(&mut v) as fn(*mut c_int));
-                if rc == 0 { Value::from(v) } else { nvml_err(lib, rc) }
+                nvml_answer(lib, rc, Value::from(v))
             }
             "is_mig_device" => {
                 // The probe printed ctypes' repr, "c_uint(0)".
@@ -274,36 +279,32 @@ fn nvml_diffs(lib: &Lib, f: &Value, diffs: &mut Vec<String>) {
             "temp" => {
                 let mut t: c_uint = 0;
                 let rc = call!(lib, nvmlDeviceGetTemperature(dev, 0, &mut t) as fn(Dev, c_uint, *mut c_uint));
-                if rc == 0 { Value::from(t) } else { nvml_err(lib, rc) }
+                nvml_answer(lib, rc, Value::from(t))
             }
             "max_sm_clock" | "max_mem_clock" => {
                 let clock: c_uint = if key == "max_sm_clock" { 1 } else { 2 }; // NVML_CLOCK_SM, NVML_CLOCK_MEM
                 let mut v: c_uint = 0;
                 let rc = call!(lib, nvmlDeviceGetMaxClockInfo(dev, clock, &mut v) as fn(Dev, c_uint, *mut c_uint));
-                if rc == 0 { Value::from(v) } else { nvml_err(lib, rc) }
+                nvml_answer(lib, rc, Value::from(v))
             }
             "memory" => {
                 let mut m: nvmlMemory_t = unsafe_zeroed();
                 let rc = call!(lib, nvmlDeviceGetMemoryInfo(dev, &mut m) as fn(Dev, *mut nvmlMemory_t));
-                if rc == 0 {
-                    serde_json::json!({"free": m.free, "total": m.total, "used": m.used})
-                } else {
-                    nvml_err(lib, rc)
-                }
+                nvml_answer(lib, rc, serde_json::json!({"free": m.free, "total": m.total, "used": m.used}))
             }
             "bar1" => {
                 let mut b: nvmlBAR1Memory_t = unsafe_zeroed();
                 let rc = call!(lib, nvmlDeviceGetBAR1MemoryInfo(dev, &mut b) as fn(Dev, *mut nvmlBAR1Memory_t));
-                if rc == 0 {
-                    serde_json::json!({"bar1Free": b.bar1Free, "bar1Total": b.bar1Total, "bar1Used": b.bar1Used})
-                } else {
-                    nvml_err(lib, rc)
-                }
+                nvml_answer(
+                    lib,
+                    rc,
+                    serde_json::json!({"bar1Free": b.bar1Free, "bar1Total": b.bar1Total, "bar1Used": b.bar1Used}),
+                )
             }
             "utilization" => {
                 let mut u: nvmlUtilization_t = unsafe_zeroed();
                 let rc = call!(lib, nvmlDeviceGetUtilizationRates(dev, &mut u) as fn(Dev, *mut nvmlUtilization_t));
-                if rc == 0 { serde_json::json!({"gpu": u.gpu, "memory": u.memory}) } else { nvml_err(lib, rc) }
+                nvml_answer(lib, rc, serde_json::json!({"gpu": u.gpu, "memory": u.memory}))
             }
             "process_utilization" => {
                 // nvidia-ml-py first asks for the sample count with no buffer.
@@ -313,7 +314,7 @@ fn nvml_diffs(lib: &Lib, f: &Value, diffs: &mut Vec<String>) {
                     nvmlDeviceGetProcessUtilization(dev, std::ptr::null_mut(), &mut count, 0)
                         as fn(Dev, *mut nvmlProcessUtilizationSample_t, *mut c_uint, u64)
                 );
-                if rc == 0 { Value::from(count) } else { nvml_err(lib, rc) }
+                nvml_answer(lib, rc, Value::from(count))
             }
             "gpu_instance_profiles" => {
                 let profiles = card.as_object().expect("facts: gpu_instance_profiles");

@@ -12,7 +12,6 @@
 use std::ffi::{CStr, c_char, c_uint};
 use std::time::{Duration, Instant};
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{
     Clock, EccCounter, MemoryError, MemoryLocation, TemperatureSensor, TemperatureThreshold, TopologyLevel,
@@ -22,6 +21,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::struct_wrappers::device::ProcessInfo;
+use nvml_wrapper::{EventSet, Nvml};
 use nvml_wrapper_sys::bindings::*;
 use tessera_sim_model::{Node, NodeDescription};
 use tessera_sim_testkit::{SimNode, mig_and_whole};
@@ -69,6 +69,20 @@ fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> T {
 fn text(buf: &[c_char]) -> String {
     // SAFETY: NVML NUL-terminates what it writes; the buffers are zero-initialized anyway.
     unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+/// Runs `body` in a process of its own (see the module's doc) against `node`, with NVML open.
+fn with_nvml(node: SimNode, test_name: &str, body: impl FnOnce(&SimNode, &Nvml)) {
+    node.run_isolated(test_name, || body(&node, &open(&node)));
+}
+
+/// The next event of `set` as NVML's raw record, read through nvmlEventSetWait_v2 (2 s at most).
+fn raw_event(raw: &NvmlLib, set: &EventSet) -> nvmlEventData_t {
+    // SAFETY: zeroes are a valid nvmlEventData_t.
+    let mut ev: nvmlEventData_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the set handle is the one nvml-wrapper holds; valid out-pointer.
+    assert_eq!(unsafe { raw.nvmlEventSetWait_v2(set.handle(), &mut ev, 2000) }, SUCCESS);
+    ev
 }
 
 /// Polls `f` until it returns `Some`, for up to `secs` seconds.
@@ -148,9 +162,8 @@ fn init_is_reference_counted_and_system_queries_answer() {
 #[test]
 fn identity_of_an_h100_node() {
     let node = SimNode::new();
-    node.run_isolated("identity_of_an_h100_node", || {
-        let nvml = open(&node);
-        let sim = model(&node);
+    with_nvml(node, "identity_of_an_h100_node", |node, nvml| {
+        let sim = model(node);
         assert_eq!(nvml.device_count().unwrap(), 8);
         for i in 0..8 {
             let d = nvml.device_by_index(i).unwrap();
@@ -200,7 +213,7 @@ fn identity_of_an_h100_node() {
 
         // The raw ABI: legacy PCI layouts, bad handles and pointers, short buffers.
         let raw = nvml.lib();
-        let lib = library(&node);
+        let lib = library(node);
         // SAFETY: the handle is only passed back to the library.
         let h0 = unsafe { d0.handle() };
         #[repr(C)]
@@ -279,8 +292,7 @@ fn identity_of_an_h100_node() {
 #[test]
 fn memory_and_processes_of_an_h100() {
     let node = SimNode::new();
-    node.run_isolated("memory_and_processes_of_an_h100", || {
-        let nvml = open(&node);
+    with_nvml(node, "memory_and_processes_of_an_h100", |node, nvml| {
         let d = nvml.device_by_index(0).unwrap();
         let m = d.memory_info().unwrap();
         assert_eq!(m.total, 81_559 * MIB);
@@ -314,7 +326,7 @@ fn memory_and_processes_of_an_h100() {
         assert_eq!(d.running_compute_processes().unwrap(), Vec::<ProcessInfo>::new());
 
         // Another holder of the node takes memory on GPU 0: NVML sees it and who holds it.
-        let other = model(&node);
+        let other = model(node);
         other.alloc(0, 0, 3 * GIB).unwrap();
         let m = d.memory_info().unwrap();
         assert_eq!(m.used, 3 * GIB);
@@ -331,7 +343,7 @@ fn memory_and_processes_of_an_h100() {
                 compute_instance_id: None
             }]
         );
-        let lib = library(&node);
+        let lib = library(node);
         let procs_v2: unsafe extern "C" fn(nvmlDevice_t, *mut c_uint, *mut nvmlProcessInfo_v2_t) -> u32 =
             sym(&lib, "nvmlDeviceGetComputeRunningProcesses_v2");
         let mut infos2 = [nvmlProcessInfo_v2_t { pid: 0, usedGpuMemory: 0, gpuInstanceId: 0, computeInstanceId: 0 }; 4];
@@ -385,8 +397,7 @@ fn memory_and_processes_of_an_h100() {
 #[test]
 fn utilization_power_and_clocks_follow_launched_work() {
     let node = SimNode::new();
-    node.run_isolated("utilization_power_and_clocks_follow_launched_work", || {
-        let nvml = open(&node);
+    with_nvml(node, "utilization_power_and_clocks_follow_launched_work", |node, nvml| {
         let busy = nvml.device_by_index(0).unwrap();
         let idle = nvml.device_by_index(1).unwrap();
         assert_eq!(idle.utilization_rates().unwrap().gpu, 0);
@@ -407,7 +418,7 @@ fn utilization_power_and_clocks_follow_launched_work() {
         assert!(matches!(idle.process_utilization_stats(None), Err(NvmlError::NotFound)), "nothing ran");
 
         // Another process keeps GPU 0 busy for a few seconds.
-        let other = model(&node);
+        let other = model(node);
         let stream = other.stream_create(0, 0, 0).unwrap();
         other.launch(stream, 4_000_000_000).unwrap();
         let u = eventually(5, || busy.utilization_rates().ok().filter(|u| u.gpu >= 90));
@@ -446,11 +457,10 @@ fn utilization_power_and_clocks_follow_launched_work() {
 #[test]
 fn mig_instances_under_the_real_rules() {
     let node = SimNode::with_description(&mig_and_whole("H100-SXM5-80GB"));
-    node.run_isolated("mig_instances_under_the_real_rules", || {
-        let nvml = open(&node);
+    with_nvml(node, "mig_instances_under_the_real_rules", |node, nvml| {
         let raw = nvml.lib();
-        let lib = library(&node);
-        let sim = model(&node);
+        let lib = library(node);
+        let sim = model(node);
         let d0 = nvml.device_by_index(0).unwrap();
         // SAFETY: handles are only passed back to the library.
         let h0 = unsafe { d0.handle() };
@@ -729,13 +739,7 @@ fn mig_instances_under_the_real_rules() {
             assert_eq!(set.wait(2000).unwrap().event_type, EventTypes::MIG_CONFIG_CHANGE);
         }
         sim.inject_xid(0, 43, Some((gi_id, ci_a_id)), None).unwrap();
-        // SAFETY: zeroes are a valid nvmlEventData_t.
-        let mut ev: nvmlEventData_t = unsafe { std::mem::zeroed() };
-        assert_eq!(
-            // SAFETY: the set handle is the one nvml-wrapper holds; valid out-pointer.
-            unsafe { raw.nvmlEventSetWait_v2(set.handle(), &mut ev, 2000) },
-            SUCCESS
-        );
+        let ev = raw_event(raw, &set);
         assert_eq!(
             (ev.device, ev.eventType, ev.eventData, ev.gpuInstanceId, ev.computeInstanceId),
             (h0, 8, 43, gi_id, ci_a_id)
@@ -887,9 +891,8 @@ fn mig_instances_under_the_real_rules() {
 #[test]
 fn ampere_mig_mode_waits_for_a_reset_and_says_why() {
     let node = SimNode::with_description("[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n");
-    node.run_isolated("ampere_mig_mode_waits_for_a_reset_and_says_why", || {
-        let nvml = open(&node);
-        let sim = model(&node);
+    with_nvml(node, "ampere_mig_mode_waits_for_a_reset_and_says_why", |node, nvml| {
+        let sim = model(node);
         let raw = nvml.lib();
         let d0 = nvml.device_by_index(0).unwrap();
         // SAFETY: the handle is only passed back to the library.
@@ -926,9 +929,8 @@ fn ampere_mig_mode_waits_for_a_reset_and_says_why() {
 #[test]
 fn events_faults_and_recovery() {
     let node = SimNode::new();
-    node.run_isolated("events_faults_and_recovery", || {
-        let nvml = open(&node);
-        let sim = model(&node);
+    with_nvml(node, "events_faults_and_recovery", |node, nvml| {
+        let sim = model(node);
         let d2 = nvml.device_by_index(2).unwrap();
         let supported = d2.supported_event_types().unwrap();
         assert!(supported.contains(
@@ -994,18 +996,12 @@ fn events_faults_and_recovery() {
 
         // The raw event record: MIG ids unset, and the v1 symbol writes only the v1 layout.
         sim.inject_xid(2, 48, None, None).unwrap();
-        // SAFETY: zeroes are a valid nvmlEventData_t.
-        let mut data: nvmlEventData_t = unsafe { std::mem::zeroed() };
-        assert_eq!(
-            // SAFETY: the set handle is the one nvml-wrapper holds; valid out-pointer.
-            unsafe { raw.nvmlEventSetWait_v2(set.handle(), &mut data, 2000) },
-            SUCCESS
-        );
+        let mut data = raw_event(raw, &set);
         assert_eq!(
             (data.device, data.eventType, data.eventData, data.gpuInstanceId, data.computeInstanceId),
             (h2, 8, 48, u32::MAX, u32::MAX)
         );
-        let lib = library(&node);
+        let lib = library(node);
         let wait_v1: unsafe extern "C" fn(nvmlEventSet_t, *mut nvmlEventData_t, c_uint) -> u32 =
             sym(&lib, "nvmlEventSetWait");
         sim.inject_xid(2, 94, None, None).unwrap();
@@ -1057,8 +1053,7 @@ fn events_faults_and_recovery() {
 #[test]
 fn topology_and_nvlink_of_an_hgx_board() {
     let node = SimNode::new();
-    node.run_isolated("topology_and_nvlink_of_an_hgx_board", || {
-        let nvml = open(&node);
+    with_nvml(node, "topology_and_nvlink_of_an_hgx_board", |_, nvml| {
         let d: Vec<_> = (0..8).map(|i| nvml.device_by_index(i).unwrap()).collect();
         let dev = |i| nvml.device_by_index(i).unwrap();
         assert_eq!(d[0].topology_common_ancestor(dev(1)).unwrap(), TopologyLevel::Single);
@@ -1108,8 +1103,7 @@ fn a_node_without_nvlink_or_mig() {
     let node = SimNode::with_description(
         "gpus_per_pcie_switch = 4\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 2\nnvlink = false\n",
     );
-    node.run_isolated("a_node_without_nvlink_or_mig", || {
-        let nvml = open(&node);
+    with_nvml(node, "a_node_without_nvlink_or_mig", |_, nvml| {
         let d0 = nvml.device_by_index(0).unwrap();
         let d1 = nvml.device_by_index(1).unwrap();
         assert_eq!(d0.name().unwrap(), "NVIDIA A100-SXM4-40GB");
@@ -1142,9 +1136,8 @@ fn reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli() {
     let node = SimNode::with_description(
         "[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\nmig = true\n[[gpu]]\nmodel = \"A100-SXM4-40GB\"\ncount = 1\n",
     );
-    node.run_isolated("reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli", || {
-        let nvml = open(&node);
-        let lib = library(&node);
+    with_nvml(node, "reset_gpu_applies_a_pending_mig_mode_like_the_sim_cli", |node, nvml| {
+        let lib = library(node);
         let reset: unsafe extern "C" fn(nvmlDevice_t) -> nvmlReturn_t = sym(&lib, "nvmlDeviceResetGpu");
         let d1 = nvml.device_by_index(1).unwrap();
         // SAFETY: the handle is only passed back to the library.
