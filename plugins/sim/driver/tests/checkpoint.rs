@@ -6,7 +6,7 @@
 //!
 //! Build the library first: `cargo build -p tessera-sim-driver && cargo test -p tessera-sim-driver --test checkpoint`.
 
-use std::ffi::{CString, c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::time::Instant;
@@ -14,15 +14,8 @@ use std::time::Instant;
 use tessera_sim_model::Node;
 use tessera_sim_testkit::SimNode;
 
-const MIB: u64 = 1 << 20;
-
-const SUCCESS: u32 = 0;
-const INVALID_VALUE: u32 = 1;
-const OUT_OF_MEMORY: u32 = 2;
-const NOT_INITIALIZED: u32 = 3;
-const NOT_READY: u32 = 600;
-const NOT_SUPPORTED: u32 = 801;
-const ILLEGAL_STATE: u32 = 401;
+mod common;
+use common::*;
 
 const RUNNING: u32 = 0;
 const LOCKED: u32 = 1;
@@ -30,8 +23,6 @@ const CHECKPOINTED: u32 = 2;
 
 /// What a context takes (the default description's `context_overhead_mib`).
 const CONTEXT_OVERHEAD: u64 = 256 * MIB;
-
-type Handle = *mut c_void;
 
 macro_rules! call {
     ($lib:expr, $name:ident($($arg:expr),* $(,)?) as fn($($t:ty),* $(,)?)) => {{
@@ -150,10 +141,14 @@ impl Target {
         writeln!(self.input, "{cmd}").unwrap();
         self.input.flush().unwrap();
     }
+    /// Sends `cmd`, then reads until its answer, a line starting with `answer`: the rest of it.
+    fn ask(&mut self, cmd: &str, answer: &str) -> String {
+        self.send(cmd);
+        self.expect(answer)
+    }
     /// The target's own check of its buffer, at its original address: (address, checksum).
     fn check(&mut self) -> (String, String) {
-        self.send("check");
-        let rest = self.expect("check");
+        let rest = self.ask("check", "check");
         let mut w = rest.split_whitespace();
         let (rc, addr, sum) = (w.next().unwrap(), w.next().unwrap(), w.next().unwrap());
         assert_eq!(rc, "0", "the target's copy back failed");
@@ -219,38 +214,8 @@ fn target_entry() {
             "launch" => {
                 let ptx =
                     c".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry spin_1500ms(\n)\n{\n ret;\n}\n";
-                let mut module: Handle = std::ptr::null_mut();
-                assert_eq!(
-                    call!(lib, cuModuleLoadData(&mut module, ptx.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
-                    SUCCESS
-                );
-                let mut f: Handle = std::ptr::null_mut();
-                let name = CString::new("spin_1500ms").unwrap();
-                assert_eq!(
-                    call!(
-                        lib,
-                        cuModuleGetFunction(&mut f, module, name.as_ptr()) as fn(*mut Handle, Handle, *const i8)
-                    ),
-                    SUCCESS
-                );
-                let null: *mut *mut c_void = std::ptr::null_mut();
-                let rc = call!(
-                    lib,
-                    cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), null, null)
-                        as fn(
-                            Handle,
-                            c_uint,
-                            c_uint,
-                            c_uint,
-                            c_uint,
-                            c_uint,
-                            c_uint,
-                            c_uint,
-                            Handle,
-                            *mut *mut c_void,
-                            *mut *mut c_void,
-                        )
-                );
+                let f = function(&lib, ptx, "spin_1500ms");
+                let rc = launch_kernel(&lib, "cuLaunchKernel", f, 1, std::ptr::null_mut());
                 println!("launched {rc}");
             }
             "ipc" => {
@@ -263,10 +228,6 @@ fn target_entry() {
     }
 }
 
-fn model(node: &SimNode) -> Node {
-    Node::open(node.description.as_deref(), Some(&node.state)).expect("open the node's state")
-}
-
 /// Runs `body` in a process of its own against a node of its own, with the API loaded.
 fn with_api(test_name: &str, body: impl FnOnce(&SimNode, &Node, &Api)) {
     let node = SimNode::new();
@@ -277,14 +238,18 @@ fn with_api(test_name: &str, body: impl FnOnce(&SimNode, &Node, &Api)) {
     });
 }
 
+/// As [`with_api`], with a target holding `mib` MiB started first.
+fn with_target(test_name: &str, mib: u64, body: impl FnOnce(&mut Target, &Node, &Api)) {
+    with_api(test_name, |node, m, api| body(&mut Target::start(node, mib), m, api));
+}
+
 fn used_on_gpu0(m: &Node) -> u64 {
     m.memory_info(0, 0).unwrap().used
 }
 
 #[test]
 fn park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses() {
-    with_api("park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses", |node, m, api| {
-        let mut t = Target::start(node, 256);
+    with_target("park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses", 256, |t, m, api| {
         let pid = t.pid();
         let before = t.check();
         assert_eq!(used_on_gpu0(m), 256 * MIB + CONTEXT_OVERHEAD);
@@ -334,12 +299,10 @@ fn park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses() {
 
 #[test]
 fn a_locked_process_waits_in_its_cuda_calls_until_unlocked() {
-    with_api("a_locked_process_waits_in_its_cuda_calls_until_unlocked", |node, _m, api| {
-        let mut t = Target::start(node, 1);
+    with_target("a_locked_process_waits_in_its_cuda_calls_until_unlocked", 1, |t, _m, api| {
         let pid = t.pid();
         assert_eq!(api.lock(pid, None), SUCCESS);
-        t.send("call");
-        t.expect("calling");
+        t.ask("call", "calling");
         // Its main thread sleeps on a futex (202), the process-shared state word, not in read (0).
         while t.main_thread_syscall() != Some(202) {
             std::thread::sleep(std::time::Duration::from_millis(5));
@@ -350,8 +313,7 @@ fn a_locked_process_waits_in_its_cuda_calls_until_unlocked() {
         // And through a checkpoint too.
         assert_eq!(api.lock(pid, None), SUCCESS);
         assert_eq!(api.checkpoint(pid), SUCCESS);
-        t.send("call");
-        t.expect("calling");
+        t.ask("call", "calling");
         while t.main_thread_syscall() != Some(202) {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
@@ -363,11 +325,9 @@ fn a_locked_process_waits_in_its_cuda_calls_until_unlocked() {
 
 #[test]
 fn a_lock_that_times_out_on_running_work_leaves_the_process_running() {
-    with_api("a_lock_that_times_out_on_running_work_leaves_the_process_running", |node, _m, api| {
-        let mut t = Target::start(node, 1);
+    with_target("a_lock_that_times_out_on_running_work_leaves_the_process_running", 1, |t, _m, api| {
         let pid = t.pid();
-        t.send("launch");
-        assert_eq!(t.expect("launched"), "0");
+        assert_eq!(t.ask("launch", "launched"), "0");
         assert_eq!(api.lock(pid, Some(20)), NOT_READY, "a kernel of 1.5 s does not drain in 20 ms");
         assert_eq!(api.state(pid), Ok(RUNNING));
         let (addr, _) = t.check();
@@ -380,8 +340,7 @@ fn a_lock_that_times_out_on_running_work_leaves_the_process_running() {
 
 #[test]
 fn bad_input_and_wrong_states_get_the_documented_errors() {
-    with_api("bad_input_and_wrong_states_get_the_documented_errors", |node, m, api| {
-        let mut t = Target::start(node, 64);
+    with_target("bad_input_and_wrong_states_get_the_documented_errors", 64, |t, m, api| {
         let pid = t.pid();
         let before = t.check();
         for bad in [0, u32::MAX] {
@@ -435,11 +394,9 @@ fn bad_input_and_wrong_states_get_the_documented_errors() {
 
 #[test]
 fn memory_shared_with_another_process_cannot_cross_a_checkpoint() {
-    with_api("memory_shared_with_another_process_cannot_cross_a_checkpoint", |node, m, api| {
-        let mut t = Target::start(node, 16);
+    with_target("memory_shared_with_another_process_cannot_cross_a_checkpoint", 16, |t, m, api| {
         let pid = t.pid();
-        t.send("ipc");
-        assert_eq!(t.expect("exported"), "0");
+        assert_eq!(t.ask("ipc", "exported"), "0");
         let before = t.check();
         let used = used_on_gpu0(m);
         assert_eq!(api.lock(pid, None), SUCCESS);
@@ -453,8 +410,7 @@ fn memory_shared_with_another_process_cannot_cross_a_checkpoint() {
 
 #[test]
 fn a_parked_process_that_is_killed_leaves_nothing_behind() {
-    with_api("a_parked_process_that_is_killed_leaves_nothing_behind", |node, m, api| {
-        let mut t = Target::start(node, 64);
+    with_target("a_parked_process_that_is_killed_leaves_nothing_behind", 64, |t, m, api| {
         let pid = t.pid();
         assert_eq!(api.lock(pid, None), SUCCESS);
         assert_eq!(api.checkpoint(pid), SUCCESS);

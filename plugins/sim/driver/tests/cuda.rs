@@ -15,25 +15,10 @@ use std::time::{Duration, Instant};
 use tessera_sim_model::Node;
 use tessera_sim_testkit::{SimNode, mig_and_whole};
 
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
+mod common;
+use common::*;
 
-// CUresult values (cuda.h 12.8).
-const SUCCESS: u32 = 0;
-const INVALID_VALUE: u32 = 1;
-const OUT_OF_MEMORY: u32 = 2;
-const NOT_INITIALIZED: u32 = 3;
-const DEVICE_UNAVAILABLE: u32 = 46;
-const NO_DEVICE: u32 = 100;
-const INVALID_DEVICE: u32 = 101;
-const INVALID_CONTEXT: u32 = 201;
-const INVALID_HANDLE: u32 = 400;
-const NOT_FOUND: u32 = 500;
-const NOT_READY: u32 = 600;
-const ILLEGAL_ADDRESS: u32 = 700;
-const LAUNCH_FAILED: u32 = 719;
-const NOT_SUPPORTED: u32 = 801;
-const STREAM_CAPTURE_UNSUPPORTED: u32 = 900;
+const GIB: u64 = 1 << 30;
 
 /// The default node's board.
 const H100_NAME: &str = "NVIDIA H100 80GB HBM3";
@@ -43,7 +28,6 @@ const H100_RESERVED: u64 = 454 * MIB;
 const CONTEXT_OVERHEAD: u64 = 256 * MIB;
 
 type CUdeviceptr = u64;
-type Handle = *mut c_void;
 
 /// The driver library, loaded as a program loads libcuda.so.1.
 struct Cuda {
@@ -142,6 +126,19 @@ impl Cuda {
         assert_eq!(call!(self, cuMemFree_v2(p) as fn(CUdeviceptr)), SUCCESS);
     }
 
+    /// Makes a physical allocation (virtual memory management) of `bytes` with the properties
+    /// `prop` (a CUmemAllocationProp): its handle, or the error.
+    fn mem_create(&self, bytes: u64, prop: &[u8; 32]) -> Result<u64, u32> {
+        let mut h = 0u64;
+        match call!(
+            self,
+            cuMemCreate(&mut h, bytes as usize, prop.as_ptr().cast(), 0) as fn(*mut u64, usize, *const c_void, u64)
+        ) {
+            SUCCESS => Ok(h),
+            e => Err(e),
+        }
+    }
+
     fn htod(&self, dst: CUdeviceptr, src: &[u8]) -> u32 {
         call!(self, cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) as fn(CUdeviceptr, *const c_void, usize))
     }
@@ -152,39 +149,12 @@ impl Cuda {
 
     /// Loads an image and returns the function `name` of it.
     fn function(&self, image: &CStr, name: &str) -> Handle {
-        let mut module = std::ptr::null_mut();
-        assert_eq!(
-            call!(self, cuModuleLoadData(&mut module, image.as_ptr().cast()) as fn(*mut Handle, *const c_void)),
-            SUCCESS
-        );
-        let mut f = std::ptr::null_mut();
-        let cname = CString::new(name).unwrap();
-        assert_eq!(
-            call!(self, cuModuleGetFunction(&mut f, module, cname.as_ptr()) as fn(*mut Handle, Handle, *const c_char)),
-            SUCCESS
-        );
-        f
+        function(&self.lib, image, name)
     }
 
+    /// Launches `f` as one block of 128 threads on `stream`.
     fn launch(&self, f: Handle, stream: Handle) -> u32 {
-        let null: *mut *mut c_void = std::ptr::null_mut();
-        call!(
-            self,
-            cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, 0, stream, null, null)
-                as fn(
-                    Handle,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    Handle,
-                    *mut *mut c_void,
-                    *mut *mut c_void,
-                )
-        )
+        launch_kernel(&self.lib, "cuLaunchKernel", f, 128, stream)
     }
 
     fn stream(&self) -> Handle {
@@ -219,17 +189,17 @@ impl Cuda {
 /// Opaque images: any function name resolves.
 const CUBIN: &CStr = c"\x7fELF opaque cubin";
 
-/// A second handle on the test's node, as another process (or `tessera-sim`) has.
-fn model(node: &SimNode) -> Node {
-    Node::open(node.description.as_deref(), Some(&node.state)).expect("open the node's state")
-}
-
 /// Runs `body` in a process of its own (see the module's doc) against a default node, every
 /// GPU visible, with the driver loaded.
 fn with_driver(test_name: &str, body: impl FnOnce(&SimNode, &Cuda)) {
+    with_driver_seeing(test_name, None, body);
+}
+
+/// As [`with_driver`], with CUDA_VISIBLE_DEVICES set to `devices` (unset: `None`).
+fn with_driver_seeing(test_name: &str, devices: Option<&str>, body: impl FnOnce(&SimNode, &Cuda)) {
     let node = SimNode::new();
     node.run_isolated(test_name, || {
-        visible(None);
+        visible(devices);
         let cu = Cuda::load(&node);
         body(&node, &cu);
     });
@@ -243,6 +213,11 @@ fn with_context(test_name: &str, body: impl FnOnce(&Node, &Cuda)) {
         cu.ctx_create(0);
         body(&m, cu);
     });
+}
+
+/// As [`with_context`], the body also given the graph calls and a stream of its own.
+fn with_graphs(test_name: &str, body: impl FnOnce(&Node, &Cuda, &Graphs, Handle)) {
+    with_context(test_name, |m, cu| body(m, cu, &Graphs { cu }, cu.stream()));
 }
 
 /// Sets or clears CUDA_VISIBLE_DEVICES for this (isolated, single-threaded) process, before cuInit.
@@ -365,22 +340,20 @@ fn visible_devices_reorder_and_filter() {
 
 #[test]
 fn visible_devices_end_at_an_unknown_entry() {
-    let node = SimNode::new();
-    node.run_isolated("visible_devices_end_at_an_unknown_entry", || {
-        visible(Some("6,GPU-ffffffff-0000-0000-0000-000000000000,2"));
-        let cu = Cuda::load(&node);
-        cu.init();
-        assert_eq!(cu.device_count(), 1);
-        assert_eq!(cu.attribute(33, 0), 0xba); // GPU 6
-    });
+    with_driver_seeing(
+        "visible_devices_end_at_an_unknown_entry",
+        Some("6,GPU-ffffffff-0000-0000-0000-000000000000,2"),
+        |_, cu| {
+            cu.init();
+            assert_eq!(cu.device_count(), 1);
+            assert_eq!(cu.attribute(33, 0), 0xba); // GPU 6
+        },
+    );
 }
 
 #[test]
 fn visible_devices_empty_hides_every_device() {
-    let node = SimNode::new();
-    node.run_isolated("visible_devices_empty_hides_every_device", || {
-        visible(Some(""));
-        let cu = Cuda::load(&node);
+    with_driver_seeing("visible_devices_empty_hides_every_device", Some(""), |_, cu| {
         assert_eq!(call!(cu, cuInit(0) as fn(c_uint)), NO_DEVICE);
         let mut n = 0;
         assert_eq!(call!(cu, cuDeviceGetCount(&mut n) as fn(*mut c_int)), NOT_INITIALIZED);
@@ -580,23 +553,8 @@ fn every_allocation_family_is_charged_and_refunded() {
             SUCCESS
         );
         assert_eq!(gran as u64, 2 * MIB);
-        let mut h = 0u64;
-        assert_eq!(
-            call!(
-                cu,
-                cuMemCreate(&mut h, 3 * MIB as usize, prop.as_ptr().cast(), 0)
-                    as fn(*mut u64, usize, *const c_void, u64)
-            ),
-            INVALID_VALUE
-        );
-        assert_eq!(
-            call!(
-                cu,
-                cuMemCreate(&mut h, 4 * MIB as usize, prop.as_ptr().cast(), 0)
-                    as fn(*mut u64, usize, *const c_void, u64)
-            ),
-            SUCCESS
-        );
+        assert_eq!(cu.mem_create(3 * MIB, &prop), Err(INVALID_VALUE));
+        let h = cu.mem_create(4 * MIB, &prop).expect("cuMemCreate");
         check("cuMemCreate", 4 * MIB);
         assert_eq!(call!(cu, cuMemRelease(h) as fn(u64)), SUCCESS);
         check("cuMemRelease", 0);
@@ -636,9 +594,7 @@ fn every_allocation_family_is_charged_and_refunded() {
 
 #[test]
 fn copies_and_memsets_move_real_bytes() {
-    with_driver("copies_and_memsets_move_real_bytes", |_, cu| {
-        cu.init();
-        cu.ctx_create(0);
+    with_context("copies_and_memsets_move_real_bytes", |_, cu| {
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
         let (a, b) = (cu.alloc(4096), cu.alloc(4096));
         assert_eq!(cu.htod(a, &data), SUCCESS);
@@ -710,15 +666,7 @@ fn copies_and_memsets_move_real_bytes() {
         // Virtual memory: one physical allocation mapped twice shows the same bytes; without
         // access a copy is refused.
         let prop = vmm_prop(0);
-        let mut h = 0u64;
-        assert_eq!(
-            call!(
-                cu,
-                cuMemCreate(&mut h, 2 * MIB as usize, prop.as_ptr().cast(), 0)
-                    as fn(*mut u64, usize, *const c_void, u64)
-            ),
-            SUCCESS
-        );
+        let h = cu.mem_create(2 * MIB, &prop).expect("cuMemCreate");
         let mut va = 0u64;
         assert_eq!(
             call!(cu, cuMemAddressReserve(&mut va, 4 * MIB as usize, 0, 0, 0) as fn(*mut u64, usize, usize, u64, u64)),
@@ -751,9 +699,7 @@ fn copies_and_memsets_move_real_bytes() {
 
 #[test]
 fn kernel_time_shows_in_events_and_waits() {
-    with_driver("kernel_time_shows_in_events_and_waits", |_, cu| {
-        cu.init();
-        cu.ctx_create(0);
+    with_context("kernel_time_shows_in_events_and_waits", |_, cu| {
         let k = cu.function(CUBIN, "k_2ms");
         let busy = cu.function(CUBIN, "k_50ms");
         let s = cu.stream();
@@ -794,26 +740,7 @@ fn kernel_time_shows_in_events_and_waits() {
         assert_eq!(cu.elapsed(start, untimed), Err(INVALID_HANDLE));
         assert_eq!(cu.elapsed(start, cu.event(0)), Err(INVALID_HANDLE));
         // Bad launches.
-        let null: *mut *mut c_void = std::ptr::null_mut();
-        let launch = |f: Handle, bx: c_uint| {
-            call!(
-                cu,
-                cuLaunchKernel(f, 1, 1, 1, bx, 1, 1, 0, s, null, null)
-                    as fn(
-                        Handle,
-                        c_uint,
-                        c_uint,
-                        c_uint,
-                        c_uint,
-                        c_uint,
-                        c_uint,
-                        c_uint,
-                        Handle,
-                        *mut *mut c_void,
-                        *mut *mut c_void,
-                    )
-            )
-        };
+        let launch = |f: Handle, threads: c_uint| launch_kernel(&cu.lib, "cuLaunchKernel", f, threads, s);
         assert_eq!(launch(k, 2048), INVALID_VALUE, "more threads than a block holds");
         assert_eq!(launch(0x1234 as Handle, 32), INVALID_HANDLE);
         assert_eq!(cu.launch(k, 0x5678 as Handle), INVALID_HANDLE, "a made-up stream");
@@ -1125,9 +1052,7 @@ fn the_runtime_tables_keep_context_storage_and_check_the_driver() {
 
 #[test]
 fn a_captured_graph_replays_in_order() {
-    with_driver("a_captured_graph_replays_in_order", |_, cu| {
-        cu.init();
-        cu.ctx_create(0);
+    with_context("a_captured_graph_replays_in_order", |_, cu| {
         let k = cu.function(CUBIN, "k_1ms");
         // Non-blocking, so that synchronous copies on the legacy stream do not wait on the capture.
         let mut s = std::ptr::null_mut();
@@ -1486,25 +1411,7 @@ fn default_streams_and_cross_stream_waits() {
         let legacy = 0x1 as Handle;
         let per_thread = 0x2 as Handle;
         // The `_ptsz` flavour takes NULL as the per-thread default stream, not the legacy one.
-        let null: *mut *mut c_void = std::ptr::null_mut();
-        let r = call!(
-            cu,
-            cuLaunchKernel_ptsz(k2, 1, 1, 1, 32, 1, 1, 0, std::ptr::null_mut(), null, null)
-                as fn(
-                    Handle,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    c_uint,
-                    Handle,
-                    *mut *mut c_void,
-                    *mut *mut c_void,
-                )
-        );
-        assert_eq!(r, SUCCESS);
+        assert_eq!(launch_kernel(&cu.lib, "cuLaunchKernel_ptsz", k2, 32, std::ptr::null_mut()), SUCCESS);
         assert_eq!(call!(cu, cuStreamQuery(per_thread) as fn(Handle)), NOT_READY);
         assert_eq!(call!(cu, cuStreamQuery(legacy) as fn(Handle)), SUCCESS, "the legacy stream has nothing queued");
         assert_eq!(call!(cu, cuStreamSynchronize_ptsz(std::ptr::null_mut()) as fn(Handle)), SUCCESS);
@@ -1549,9 +1456,7 @@ fn default_streams_and_cross_stream_waits() {
 
 #[test]
 fn jit_linking_keeps_the_entries_of_its_inputs() {
-    with_driver("jit_linking_keeps_the_entries_of_its_inputs", |_, cu| {
-        cu.init();
-        cu.ctx_create(0);
+    with_context("jit_linking_keeps_the_entries_of_its_inputs", |_, cu| {
         let link = || {
             let mut state = std::ptr::null_mut();
             assert_eq!(
@@ -1765,9 +1670,7 @@ struct ChildParams {
 
 #[test]
 fn child_graphs_are_cloned_without_memory_nodes_or_moved_with_them() {
-    with_context("child_graphs_are_cloned_without_memory_nodes_or_moved_with_them", |m, cu| {
-        let gr = Graphs { cu };
-        let s = cu.stream();
+    with_graphs("child_graphs_are_cloned_without_memory_nodes_or_moved_with_them", |m, cu, gr, s| {
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();
         let embed = |parent: Handle, child: Handle, ownership: c_uint| {
@@ -1863,9 +1766,7 @@ fn child_graphs_are_cloned_without_memory_nodes_or_moved_with_them() {
 
 #[test]
 fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
-    with_context("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |m, cu| {
-        let gr = Graphs { cu };
-        let s = cu.stream();
+    with_graphs("graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node", |m, cu, gr, s| {
         let (free, _) = cu.mem_info();
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();
@@ -1951,9 +1852,7 @@ fn graph_memory_nodes_allocate_at_launch_and_free_at_their_free_node() {
 
 #[test]
 fn the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device() {
-    with_context("the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device", |m, cu| {
-        let gr = Graphs { cu };
-        let s = cu.stream();
+    with_graphs("the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device", |m, cu, gr, s| {
         let used = |gpu: u32| m.memory_info(gpu, 0).unwrap().used;
         let (base0, base1) = (used(0), used(1));
         // alloc A (1 GiB) -> free A -> alloc B (512 MiB) -> free B: B reuses A's memory.
@@ -2000,9 +1899,7 @@ fn the_graph_pool_reuses_freed_memory_and_follows_each_node_to_its_device() {
 
 #[test]
 fn auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory() {
-    with_context("auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory", |m, cu| {
-        let gr = Graphs { cu };
-        let s = cu.stream();
+    with_graphs("auto_free_relaunches_and_captured_stream_ordered_allocations_are_graph_memory", |m, cu, gr, s| {
         let used = || m.memory_info(0, 0).unwrap().used;
         let base = used();
         // AUTO_FREE_ON_LAUNCH: a relaunch frees the previous launch's allocation first.
