@@ -238,9 +238,13 @@ fn with_api(test_name: &str, body: impl FnOnce(&SimNode, &Node, &Api)) {
     });
 }
 
-/// As [`with_api`], with a target holding `mib` MiB started first.
-fn with_target(test_name: &str, mib: u64, body: impl FnOnce(&mut Target, &Node, &Api)) {
-    with_api(test_name, |node, m, api| body(&mut Target::start(node, mib), m, api));
+/// As [`with_api`], with a target holding `mib` MiB started first, and its pid.
+fn with_target(test_name: &str, mib: u64, body: impl FnOnce(&mut Target, u32, &Node, &Api)) {
+    with_api(test_name, |node, m, api| {
+        let mut t = Target::start(node, mib);
+        let pid = t.pid();
+        body(&mut t, pid, m, api);
+    });
 }
 
 fn used_on_gpu0(m: &Node) -> u64 {
@@ -249,8 +253,7 @@ fn used_on_gpu0(m: &Node) -> u64 {
 
 #[test]
 fn park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses() {
-    with_target("park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses", 256, |t, m, api| {
-        let pid = t.pid();
+    with_target("park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses", 256, |t, pid, m, api| {
         let before = t.check();
         assert_eq!(used_on_gpu0(m), 256 * MIB + CONTEXT_OVERHEAD);
         assert_eq!(api.state(pid), Ok(RUNNING));
@@ -299,8 +302,7 @@ fn park_and_resume_move_the_bytes_to_host_and_back_at_their_addresses() {
 
 #[test]
 fn a_locked_process_waits_in_its_cuda_calls_until_unlocked() {
-    with_target("a_locked_process_waits_in_its_cuda_calls_until_unlocked", 1, |t, _m, api| {
-        let pid = t.pid();
+    with_target("a_locked_process_waits_in_its_cuda_calls_until_unlocked", 1, |t, pid, _m, api| {
         assert_eq!(api.lock(pid, None), SUCCESS);
         t.ask("call", "calling");
         // Its main thread sleeps on a futex (202), the process-shared state word, not in read (0).
@@ -325,8 +327,7 @@ fn a_locked_process_waits_in_its_cuda_calls_until_unlocked() {
 
 #[test]
 fn a_lock_that_times_out_on_running_work_leaves_the_process_running() {
-    with_target("a_lock_that_times_out_on_running_work_leaves_the_process_running", 1, |t, _m, api| {
-        let pid = t.pid();
+    with_target("a_lock_that_times_out_on_running_work_leaves_the_process_running", 1, |t, pid, _m, api| {
         assert_eq!(t.ask("launch", "launched"), "0");
         assert_eq!(api.lock(pid, Some(20)), NOT_READY, "a kernel of 1.5 s does not drain in 20 ms");
         assert_eq!(api.state(pid), Ok(RUNNING));
@@ -340,8 +341,7 @@ fn a_lock_that_times_out_on_running_work_leaves_the_process_running() {
 
 #[test]
 fn bad_input_and_wrong_states_get_the_documented_errors() {
-    with_target("bad_input_and_wrong_states_get_the_documented_errors", 64, |t, m, api| {
-        let pid = t.pid();
+    with_target("bad_input_and_wrong_states_get_the_documented_errors", 64, |t, pid, m, api| {
         let before = t.check();
         for bad in [0, u32::MAX] {
             assert_eq!(api.state(bad), Err(INVALID_VALUE), "pid {bad}");
@@ -394,8 +394,7 @@ fn bad_input_and_wrong_states_get_the_documented_errors() {
 
 #[test]
 fn memory_shared_with_another_process_cannot_cross_a_checkpoint() {
-    with_target("memory_shared_with_another_process_cannot_cross_a_checkpoint", 16, |t, m, api| {
-        let pid = t.pid();
+    with_target("memory_shared_with_another_process_cannot_cross_a_checkpoint", 16, |t, pid, m, api| {
         assert_eq!(t.ask("ipc", "exported"), "0");
         let before = t.check();
         let used = used_on_gpu0(m);
@@ -410,8 +409,7 @@ fn memory_shared_with_another_process_cannot_cross_a_checkpoint() {
 
 #[test]
 fn a_parked_process_that_is_killed_leaves_nothing_behind() {
-    with_target("a_parked_process_that_is_killed_leaves_nothing_behind", 64, |t, m, api| {
-        let pid = t.pid();
+    with_target("a_parked_process_that_is_killed_leaves_nothing_behind", 64, |t, pid, m, api| {
         assert_eq!(api.lock(pid, None), SUCCESS);
         assert_eq!(api.checkpoint(pid), SUCCESS);
         assert_eq!(used_on_gpu0(m), 0);
