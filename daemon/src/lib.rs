@@ -27,6 +27,8 @@
 //! - [`api`]: the node API (`tessera.v1`) on an owner-only Unix socket.
 //! - [`usage`]: per-container usage read from the accounting regions.
 //! - [`view`]: the node as the controller publishes it, the one value every face reads.
+//! - [`holdings`]: what the records hold of each device, published in the view, and what is
+//!   free for each face (the device plugin's withdrawn devices, what DRA takes out).
 //! - [`podresources`]: which pod holds each allocation (the kubelet's pod-resources API), and
 //!   releasing allocations whose container is gone.
 //! - [`telemetry`]: Prometheus `/metrics` (off unless configured).
@@ -49,6 +51,7 @@ pub mod dra;
 pub mod enforcement;
 pub mod events;
 pub mod health;
+pub mod holdings;
 pub mod install;
 pub mod kube_client;
 pub mod kubelet;

@@ -54,6 +54,7 @@ const FLOORS: &[(&str, Floor)] = &[
     ("discovery", Core),
     ("device_health", Core),
     ("view", Core),
+    ("holdings", Core),
     ("partition", Core),
     ("resources", Core),
     ("state", State),

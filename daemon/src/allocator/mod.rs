@@ -11,8 +11,9 @@
 //!
 //! and beside them `park` (an allocation's processes parked and resumed through the driver's
 //! checkpoint API), `admission` (what fits beside every other record on a device), `reconcile`
-//! (records and directories brought back together at start; owner records the hook left) and
-//! `withdrawn` (the kubelet's free devices that no longer fit).
+//! (records and directories brought back together at start; owner records the hook left). What
+//! the records hold of each device ([`DaemonAllocator::holdings`]) is published with the
+//! controller's view; each face works out from it what is free for it (`crate::holdings`).
 
 mod admission;
 pub mod claims;
@@ -22,7 +23,6 @@ pub mod park;
 mod reconcile;
 #[cfg(test)]
 pub(crate) mod tests;
-mod withdrawn;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -49,8 +49,8 @@ pub use tessera_region::CONTAINER_ALLOC_DIR;
 pub const ON_DEMAND_RESOURCE: &str = "node-api/gpu-share";
 
 /// The resource name of allocations made for DRA claims (NodePrepareResources); the record's
-/// owner is the claim UID.
-pub const DRA_RESOURCE: &str = "dra/gpu.tessera.io";
+/// owner is the claim UID (the store's, which counts what claims hold apart).
+pub use crate::state::record::DRA_RESOURCE;
 
 /// The resource name of whole GPUs given through the node API.
 pub const WHOLE_RESOURCE: &str = "node-api/gpu";
@@ -322,6 +322,17 @@ impl DaemonAllocator {
     /// Notified after every `Allocate` that succeeded (a permit is kept if nobody waits).
     pub fn allocated(&self) -> Arc<tokio::sync::Notify> {
         Arc::clone(&self.allocated)
+    }
+
+    /// What the records hold now, per device and holder, with the kubelet's held devices: the
+    /// controller publishes it in its view (O(devices held) under the store's lock).
+    pub fn holdings(&self) -> crate::holdings::Holdings {
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).holdings()
+    }
+
+    /// Told of every change to [`Self::holdings`] (whoever made it).
+    pub fn holdings_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner).holdings_changes()
     }
 
     /// Every device id and physical UUID some allocation holds.

@@ -365,19 +365,31 @@ fn whole_gpus_and_mig_devices_through_allocate() {
 }
 
 /// The kubelet's free devices that would be refused beside the node API's carved shares are
-/// withdrawn, exactly those and as few as can be; a pod's own device never is; released, they
-/// come back. Only the node API's changes are told.
+/// withdrawn (from the allocator's holdings, as the offer publishes them), exactly those and as
+/// few as can be: what the kubelet's `Allocate` refuses; a pod's own device never is; released,
+/// they come back. Every change of what the records hold is told, the kubelet's too (they move
+/// which free devices fit); naming a container is not.
 #[test]
 fn free_kubelet_devices_that_no_longer_fit_are_withdrawn_until_the_room_is_back() {
     let tmp = crate::state::mount::TestDir::new();
     let a = allocator(tmp.path(), Placement::Packed);
     a.set_rooms(rooms());
-    let mut told = a.foreign_changes();
+    let share_mode = ComputeMode::from_name(&Config::default().limits.compute_mode).unwrap_or_default();
+    let memory_of =
+        |uuid: &str| rooms().into_iter().find(|g| g.uuid.eq_ignore_ascii_case(uuid)).map(|g| g.memory_total);
+    let withdrawn = || a.holdings().withdrawn_from_kubelet(&a.resources(), memory_of, share_mode);
+    let mut told = a.holdings_changes();
     let pair = |id: &str| (SHARE.to_string(), id.to_string());
-    assert!(a.withdrawn().is_empty());
-    // The kubelet's own allocations fit together by plan: nothing withdrawn, nobody told.
+    assert!(withdrawn().is_empty());
+    // The kubelet's own allocations fit together by plan: nothing withdrawn, but told.
     a.allocate(SHARE, &ids(&["GPU-a::0"])).unwrap();
-    assert!(a.withdrawn().is_empty());
+    assert!(withdrawn().is_empty());
+    assert!(told.has_changed().unwrap());
+    told.mark_unchanged();
+    // Naming the pod's container changes nothing held: not told.
+    let id = a.allocations()[0].id.clone();
+    let named = ContainerIdentity { pod_name: Some("p".into()), ..Default::default() };
+    assert!(a.set_container(&id, named).unwrap());
     assert!(!told.has_changed().unwrap());
 
     // 1 GiB and 10% carved from GPU-a: beside the pod's share (50%) the other (50%) no longer
@@ -385,22 +397,23 @@ fn free_kubelet_devices_that_no_longer_fit_are_withdrawn_until_the_room_is_back(
     let carved = a.allocate_share(&share(1, 10, "0"), &rooms()).unwrap();
     assert!(told.has_changed().unwrap());
     told.mark_unchanged();
-    assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1")]));
+    assert_eq!(withdrawn(), BTreeSet::from([pair("GPU-a::1")]));
     // 3 GiB and 1% from GPU-b: one of its two 1 GiB shares still fits, the second does not.
     let big = a.allocate_share(&share(3, 1, "1"), &rooms()).unwrap();
-    assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
+    assert_eq!(withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
     // The kept ones can all be allocated; then the withdrawn one would be refused.
     a.allocate(SHARE, &ids(&["GPU-b::0"])).unwrap();
-    assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
+    assert_eq!(withdrawn(), BTreeSet::from([pair("GPU-a::1"), pair("GPU-b::1")]));
     assert_eq!(a.allocate(SHARE, &ids(&["GPU-b::1"])).unwrap_err().code(), tonic::Code::ResourceExhausted);
     assert_eq!(a.allocate(SHARE, &ids(&["GPU-a::1"])).unwrap_err().code(), tonic::Code::ResourceExhausted);
 
     // Released, the room is back.
+    told.mark_unchanged();
     a.release(&carved.id).unwrap();
     assert!(told.has_changed().unwrap());
-    assert_eq!(a.withdrawn(), BTreeSet::from([pair("GPU-b::1")]));
+    assert_eq!(withdrawn(), BTreeSet::from([pair("GPU-b::1")]));
     a.release(&big.id).unwrap();
-    assert!(a.withdrawn().is_empty());
+    assert!(withdrawn().is_empty());
 }
 
 /// A MIG device the node API holds is not handed to the kubelet too, nor a share of it, and

@@ -5,10 +5,9 @@
 //!
 //! Also Kubernetes quantities (`8Gi`, `30`, `1500M`): parsed to integers, written canonically.
 
-use std::collections::BTreeMap;
-
 use crate::device_health::{Health, NodeHealth};
 use crate::discovery::{Gpu, Inventory, architecture};
+use crate::holdings::Holdings;
 
 /// What kind of device a published one is.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,30 +127,17 @@ pub fn from_inventory(inv: &Inventory, include: impl Fn(&Gpu) -> bool, health: &
     out
 }
 
-/// What the node API's own allocations (not claims: the scheduler counts those itself) hold of
-/// one GPU or MIG device: memory (a whole device counts as all of it), strict SM percent, and
-/// whether it holds the device whole.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct NodeApiHeld {
-    pub memory: u64,
-    pub sm: u32,
-    pub whole: bool,
-}
-
-/// Takes what the node API holds (by device UUID) out of what is published, so the scheduler
+/// Takes what the node API's own allocations hold ([`Holdings::node_api`]; not claims: the
+/// scheduler counts those itself) out of what is published, so the scheduler
 /// allocates no claim that prepare would refuse for want of room: a GPU or MIG device it holds
 /// any of is left out (a claim would get it whole), a shared device offers what is left of its
 /// GPU (left out when that is under one request's step, `min_memory`: no claim can hold a part
 /// of it then, so none prepared loses its device).
-pub fn without_node_api(
-    devices: Vec<DraDevice>,
-    held: &BTreeMap<String, NodeApiHeld>,
-    min_memory: u64,
-) -> Vec<DraDevice> {
+pub fn without_node_api(devices: Vec<DraDevice>, held: &Holdings, min_memory: u64) -> Vec<DraDevice> {
     devices
         .into_iter()
         .filter_map(|mut d| {
-            let on = |uuid: &str| held.iter().find(|(u, _)| u.eq_ignore_ascii_case(uuid)).map(|(_, h)| *h);
+            let on = |uuid: &str| held.node_api(uuid);
             match d.kind {
                 DraKind::Gpu | DraKind::Mig { .. } => on(&d.uuid).is_none().then_some(d),
                 DraKind::Shared => match on(&d.gpu_uuid) {
@@ -268,6 +254,7 @@ impl DraDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::holdings::{Holder, device_key};
 
     #[test]
     fn what_the_node_api_holds_is_taken_out_of_what_is_published() {
@@ -286,23 +273,28 @@ mod tests {
             memory: 40 << 30,
             ..gpu(2)
         };
-        let all = vec![gpu(0), shared(0), gpu(1), shared(1), mig.clone(), gpu(3), shared(3)];
-        let held = BTreeMap::from([
-            // A carved share of GPU 0: gpu-0 goes, gpu-0-shared offers the rest.
-            ("GPU-0".into(), NodeApiHeld { memory: 30 << 30, sm: 40, whole: false }),
-            // GPU 1 given whole: both go.
-            ("GPU-1".into(), NodeApiHeld { memory: 80 << 30, sm: 100, whole: true }),
-            // The MIG device given whole.
-            ("mig-a".into(), NodeApiHeld { memory: 40 << 30, sm: 100, whole: true }),
-            // GPU 3 all but 100 MiB carved: less than one request's step is left.
-            ("GPU-3".into(), NodeApiHeld { memory: (80 << 30) - (100 << 20), sm: 10, whole: false }),
-        ]);
+        let all = vec![gpu(0), shared(0), gpu(1), shared(1), mig.clone(), gpu(3), shared(3), gpu(4), shared(4)];
+        let mut held = Holdings::default();
+        let mut node_api = |uuid: &str, part: (Option<u64>, u32)| {
+            held.devices.entry(device_key(uuid)).or_default().of_mut(Holder::NodeApi).add(part);
+        };
+        // A carved share of GPU 0: gpu-0 goes, gpu-0-shared offers the rest.
+        node_api("GPU-0", (Some(30 << 30), 40));
+        // GPU 1 given whole: both go.
+        node_api("GPU-1", (None, 100));
+        // The MIG device given whole (named in another case).
+        node_api("mig-a", (None, 100));
+        // GPU 3 all but 100 MiB carved: less than one request's step is left.
+        node_api("GPU-3", (Some((80 << 30) - (100 << 20)), 10));
+        // The kubelet's and the claims' records are the scheduler's to count, not taken out.
+        held.devices.entry(device_key("GPU-0")).or_default().of_mut(Holder::Claim).add((Some(40 << 30), 50));
+        held.devices.entry(device_key("GPU-4")).or_default().of_mut(Holder::Kubelet).add((None, 100));
         let out = without_node_api(all.clone(), &held, 256 << 20);
         let names: Vec<&str> = out.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["gpu-0-shared"]);
+        assert_eq!(names, ["gpu-0-shared", "gpu-4", "gpu-4-shared"]);
         assert_eq!((out[0].memory, out[0].sm), (50 << 30, 60));
         // Nothing held: published as it is.
-        assert_eq!(without_node_api(all.clone(), &BTreeMap::new(), 256 << 20), all);
+        assert_eq!(without_node_api(all.clone(), &Holdings::default(), 256 << 20), all);
     }
 
     #[test]

@@ -2,13 +2,14 @@
 //! publisher and the kubelet plugin, over the controller's picture and the daemon's allocator.
 //!
 //! The published devices follow the controller: every publish of what is offered (a layout
-//! change, a health change) recomputes them from its view, so an unhealthy GPU leaves the slice
-//! and comes back on recovery. In mode `both`, GPUs with a `[partitions]` entry stay with the
-//! device plugin and are not published. Dynamic MIG placements are published on GPUs with MIG on
+//! change, a health change, a change of what the records hold) recomputes them from its view,
+//! so an unhealthy GPU leaves the slice and comes back on recovery, and what the node API's own
+//! allocations hold is left out until released. In mode `both`, GPUs with a `[partitions]`
+//! entry stay with the device plugin and are not published. Dynamic MIG placements are published on GPUs with MIG on
 //! that no `[partitions]` entry manages; the instances prepare makes are published again
 //! through the controller (it publishes after each one), with the journal read each time.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use tessera_region::{ComputeMode, Priority};
@@ -18,7 +19,7 @@ use tokio::task::JoinHandle;
 use super::DraPlugin;
 use super::claim_specs::{ClaimSpecs, NodesOf};
 use super::claims::KubeClaims;
-use super::devices::{DraDevice, NodeApiHeld, from_inventory, without_node_api};
+use super::devices::{DraDevice, from_inventory, without_node_api};
 use super::dynamic_mig::{DynamicMig, Journal, MigControl, with_placements};
 use super::health_service::HealthService;
 use super::prepare::{ClaimAllocations, DraDriver};
@@ -28,52 +29,17 @@ use crate::config::Config;
 use crate::config::kubernetes::{Mode, node_name};
 use crate::node::NodeController;
 use crate::node::mig::Placement;
-use crate::state::{Allocation, Source};
 use crate::view::View;
 
-/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal);
-/// `node_api`: what the node API's own allocations hold ([`node_api_held`]), taken out.
-/// Dynamic MIG placements are offered on GPUs no `[partitions]` entry manages.
-pub fn published(
-    view: &View,
-    mode: Mode,
-    made: &BTreeSet<Placement>,
-    node_api: &BTreeMap<String, NodeApiHeld>,
-) -> Vec<DraDevice> {
+/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal).
+/// What the node API's own allocations hold (the view's holdings) is taken out. Dynamic MIG
+/// placements are offered on GPUs no `[partitions]` entry manages.
+pub fn published(view: &View, mode: Mode, made: &BTreeSet<Placement>) -> Vec<DraDevice> {
     let devices =
         from_inventory(&view.inventory, |g| mode != Mode::Both || !view.status.contains_key(&g.index), &view.health);
     let devices =
         with_placements(devices, &view.inventory, |g| !view.status.contains_key(&g.index), made, &view.health);
-    without_node_api(devices, node_api, MEMORY_STEP)
-}
-
-/// What the node API's own allocations hold per device UUID (serverless shares, GPUs and MIG
-/// devices given whole; not claims, which the scheduler counts itself).
-pub fn node_api_held<'a>(allocations: impl IntoIterator<Item = &'a Allocation>) -> BTreeMap<String, NodeApiHeld> {
-    let mut out: BTreeMap<String, NodeApiHeld> = BTreeMap::new();
-    let own = |a: &&Allocation| a.source == Source::NodeApi && a.resource != crate::allocator::DRA_RESOURCE;
-    for a in allocations.into_iter().filter(own) {
-        for d in &a.devices {
-            let h = out.entry(d.physical_uuid.clone()).or_default();
-            match d.memory_limit {
-                Some(m) => h.memory = h.memory.saturating_add(m),
-                None => (h.memory, h.whole) = (u64::MAX, true),
-            }
-            if d.compute_mode == ComputeMode::Strict {
-                h.sm = h.sm.saturating_add(d.sm_percent.unwrap_or(100));
-            }
-        }
-    }
-    out
-}
-
-/// [`node_api_held`] of the allocator's records, read in place (no copy of them).
-fn held_now(controller: &NodeController) -> BTreeMap<String, NodeApiHeld> {
-    controller
-        .allocator()
-        .allocations_changed_since(None, |records| node_api_held(records.iter().copied()))
-        .1
-        .unwrap_or_default()
+    without_node_api(devices, &view.holdings, MEMORY_STEP)
 }
 
 /// The per-claim CDI specs over the daemon's injection settings, device nodes from the
@@ -140,23 +106,19 @@ pub async fn start(
     }
     let mut offered = controller.watch_offer();
     let offer = offered.borrow_and_update().clone();
-    let (devices_tx, devices_rx) =
-        watch::channel(published(&offer, mode, &journal.placements(), &held_now(&controller)));
+    let (devices_tx, devices_rx) = watch::channel(published(&offer, mode, &journal.placements()));
     let follow = {
-        let controller = Arc::clone(&controller);
         let journal = Arc::clone(&journal);
         let mut shutdown = shutdown.clone();
         tokio::spawn(async move {
-            // The node API's allocations change what is left to publish.
-            let mut foreign = controller.allocator().foreign_changes();
+            // One channel: the offer is published again when what the records hold changes too.
             loop {
                 tokio::select! {
                     changed = offered.changed() => if changed.is_err() { return },
-                    changed = foreign.changed() => if changed.is_err() { return },
                     changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
                 }
                 let offer = offered.borrow_and_update().clone();
-                let now = published(&offer, mode, &journal.placements(), &held_now(&controller));
+                let now = published(&offer, mode, &journal.placements());
                 devices_tx.send_if_modified(|d| {
                     let changed = *d != now;
                     *d = now;

@@ -1,10 +1,11 @@
 //! What the node serves the kubelet: what the device plugins serve of the controller's offer (all
 //! of it in `kubernetes.mode = "device-plugin"`, nothing in `dra`, in `both` only the GPUs a
 //! `[partitions]` entry manages, so that no GPU is offered twice), one plugin per resource
-//! ([`PluginSet`]), `Allocate` answered by the allocation core. The core's withdrawn devices (free
-//! devices that no longer fit beside the node API's allocations and claims) are told unhealthy,
-//! and the controller is told what the kubelet is offered ([`KubeletOffer`], for `ListDevices`
-//! and the metrics). [`start`] serves and follows the controller in a task of its own.
+//! ([`PluginSet`]), `Allocate` answered by the allocation core. The offer's withdrawn devices
+//! (free devices that no longer fit beside what the records hold: `View::withdrawn_from_kubelet`)
+//! are told unhealthy, and the controller is told what the kubelet is offered ([`KubeletOffer`],
+//! for `ListDevices` and the metrics). [`start`] serves and follows the controller's offer, the
+//! one channel, in a task of its own.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -20,9 +21,6 @@ use crate::config::kubernetes::Mode;
 use crate::node::{KubeletOffer, NodeController};
 use crate::resources::{Resource, Resources};
 use crate::view::View;
-
-/// How often the withdrawn devices are looked at again while there are any.
-const WITHDRAWN_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
 /// `both` only the devices on the GPUs a `[partitions]` entry manages (`managed`, by index), so
@@ -52,8 +50,8 @@ pub fn of_view(mode: Mode, view: &View) -> Arc<Resources> {
 }
 
 /// Serves what `mode` gives the device plugin (in `cfg.device_plugin_dir`), registering with the
-/// kubelet in the background, and follows the controller's publishes and the node API's changes
-/// until `shutdown` turns true; the task then stops the plugins and says how that went. `Err`: a
+/// kubelet in the background, and follows the controller's publishes (layouts, health, what the
+/// records hold) until `shutdown` turns true; the task then stops the plugins and says how that went. `Err`: a
 /// plugin could not start. `started`: when tesserad started (the registration is logged with the
 /// time since).
 pub fn start(
@@ -65,11 +63,8 @@ pub fn start(
 ) -> Result<JoinHandle<Result<(), KubeletError>>, KubeletError> {
     let mut offer_rx = controller.watch_offer();
     let offer = offer_rx.borrow_and_update().clone();
-    // The node API's allocations and claims change which of the kubelet's devices still fit.
-    let mut foreign_rx = controller.allocator().foreign_changes();
-    foreign_rx.borrow_and_update();
     let mut plugins = Plugins::default();
-    let mut set = plugins.start(cfg, &of_view(mode, &offer), &controller)?;
+    let mut set = plugins.start(cfg, &offer, &of_view(mode, &offer), &controller)?;
     Ok(tokio::spawn(async move {
         let mut registered = false;
         loop {
@@ -83,21 +78,11 @@ pub fn start(
                     if changed.is_err() {
                         break;
                     }
+                    // Every change of what the records hold is published too (the kubelet's own
+                    // move which of its free devices fit while some are withdrawn): no other
+                    // channel to follow, nothing to look at again on a timer.
                     let offer = offer_rx.borrow_and_update().clone();
-                    plugins.update(&mut set, &of_view(mode, &offer), &controller);
-                }
-                changed = foreign_rx.changed() => {
-                    if changed.is_ok() {
-                        foreign_rx.borrow_and_update();
-                        let offer = offer_rx.borrow().clone();
-                        plugins.update(&mut set, &of_view(mode, &offer), &controller);
-                    }
-                }
-                // While devices are withdrawn, the kubelet's own changes can move which ones fit
-                // (never how many): looked at again every second.
-                () = tokio::time::sleep(WITHDRAWN_RECHECK), if !plugins.withdrawn.is_empty() => {
-                    let offer = offer_rx.borrow().clone();
-                    plugins.update(&mut set, &of_view(mode, &offer), &controller);
+                    plugins.update(&mut set, &offer, &of_view(mode, &offer), &controller);
                 }
                 _ = shutdown.wait_for(|stop| *stop) => break,
             }
@@ -125,8 +110,8 @@ fn plugin_devices(res: &Resource) -> Vec<PluginDevice> {
 #[derive(Default)]
 struct Plugins {
     senders: BTreeMap<String, watch::Sender<Vec<PluginDevice>>>,
-    /// The kubelet's free devices told unhealthy because they no longer fit beside the node
-    /// API's allocations (`DaemonAllocator::withdrawn`).
+    /// The kubelet's free devices told unhealthy because they no longer fit beside what the
+    /// records hold (`View::withdrawn_from_kubelet`).
     withdrawn: BTreeSet<(String, String)>,
 }
 
@@ -152,18 +137,19 @@ impl Plugins {
     fn start(
         &mut self,
         cfg: &Config,
+        offer: &View,
         resources: &Resources,
         controller: &NodeController,
     ) -> Result<PluginSet, KubeletError> {
-        self.follow_withdrawn(controller, resources);
+        self.follow_withdrawn(controller, offer, resources);
         let plugins = resources.resources.values().map(|r| self.plugin(r, controller.allocator())).collect();
         PluginSet::start(&cfg.device_plugin_dir, plugins)
     }
 
-    /// Takes the allocator's withdrawn devices, saying what changed, and tells the controller
-    /// what the kubelet is now offered (for `tessera status` and the metrics).
-    fn follow_withdrawn(&mut self, controller: &NodeController, resources: &Resources) {
-        let now = controller.allocator().withdrawn();
+    /// Takes the offer's withdrawn devices, saying what changed, and tells the controller what
+    /// the kubelet is now offered (for `tessera status` and the metrics).
+    fn follow_withdrawn(&mut self, controller: &NodeController, offer: &View, resources: &Resources) {
+        let now = offer.withdrawn_from_kubelet();
         let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
             set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
         };
@@ -182,8 +168,8 @@ impl Plugins {
         });
     }
 
-    fn update(&mut self, set: &mut PluginSet, resources: &Resources, controller: &NodeController) {
-        self.follow_withdrawn(controller, resources);
+    fn update(&mut self, set: &mut PluginSet, offer: &View, resources: &Resources, controller: &NodeController) {
+        self.follow_withdrawn(controller, offer, resources);
         let allocator = controller.allocator();
         for res in resources.resources.values() {
             match self.senders.get(&res.name) {

@@ -148,7 +148,7 @@ impl Labeller {
         Ok(true)
     }
 
-    /// Syncs on every change of what the controller offers (a layout change), every
+    /// Syncs on every change of the labels the controller's offer makes (a layout change), every
     /// [`RESYNC`], and retries failures with backoff, until `shutdown` turns true.
     pub async fn run(self, controller: Arc<NodeController>, mut shutdown: watch::Receiver<bool>) {
         let mut offered = controller.watch_offer();
@@ -170,10 +170,22 @@ impl Labeller {
                     now
                 }
             };
-            tokio::select! {
-                changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
-                changed = offered.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep(wait) => {}
+            // A publish that leaves the labels as they are (what the records hold changes with
+            // every allocation) asks the API server nothing.
+            let until = tokio::time::Instant::now() + wait;
+            loop {
+                tokio::select! {
+                    changed = shutdown.changed() => if changed.is_err() || *shutdown.borrow() { return },
+                    changed = offered.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                        if labels(&offered.borrow().inventory) != wanted {
+                            break;
+                        }
+                    }
+                    () = tokio::time::sleep_until(until) => break,
+                }
             }
         }
     }

@@ -146,6 +146,7 @@ impl NodeController {
             resources: Arc::new(Resources::default()),
             status: BTreeMap::new(),
             health: NodeHealth::default(),
+            holdings: Arc::new(allocator.holdings()),
         };
         let (offer_tx, _) = watch::channel(Arc::new(view.clone()));
         let controller = NodeController {
@@ -183,11 +184,45 @@ impl NodeController {
     }
 
     /// The offer, as published after every change of what the node offers (layouts, devices,
-    /// health with its reason): the one value every face follows. The device plugin serves its
-    /// resources, the DRA driver publishes its devices, the Node's labels and the CDI specs follow
-    /// its inventory; each reads this snapshot, not the controller's lock.
+    /// health with its reason) and of what the allocation records hold of it (while
+    /// [`Self::follow_records`] runs): the one value every face follows. The device plugin serves
+    /// its resources with the devices that no longer fit withdrawn, the DRA driver publishes its
+    /// devices less what the node API holds, the Node's labels and the CDI specs follow its
+    /// inventory; each reads this snapshot, not the controller's lock.
     pub fn watch_offer(&self) -> watch::Receiver<Arc<View>> {
         self.offer_tx.subscribe()
+    }
+
+    /// Publishes the offer again whenever what the allocation records hold changes (a record
+    /// made, released or given new limits, through any way in), until `shutdown` turns true:
+    /// the faces then follow one channel, [`Self::watch_offer`]. Changes that come together are
+    /// published once; a change that leaves the holdings as published publishes nothing.
+    pub fn follow_records(self: &Arc<Self>, mut shutdown: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+        let controller = Arc::clone(self);
+        let mut changes = self.allocator.holdings_changes();
+        tokio::spawn(async move {
+            loop {
+                // Every change since the receiver was made (or last looked at) is in this one.
+                changes.borrow_and_update();
+                controller.publish_holdings();
+                tokio::select! {
+                    changed = changes.changed() => if changed.is_err() { return },
+                    _ = shutdown.wait_for(|stop| *stop) => return,
+                }
+            }
+        })
+    }
+
+    /// Publishes the view again with the allocator's holdings, when they differ from those
+    /// published.
+    fn publish_holdings(&self) {
+        let mut live = self.lock();
+        let holdings = self.allocator.holdings();
+        if *live.view.holdings == holdings {
+            return;
+        }
+        live.view.holdings = Arc::new(holdings);
+        self.offer_tx.send_replace(Arc::new(live.view.clone()));
     }
 
     /// What the kubelet was last told of the device plugin's offer; `None` while none is served.
@@ -213,42 +248,48 @@ impl NodeController {
     /// The GPUs as Allocate sees them: shares carved from those with MIG off, whole GPUs, MIG
     /// devices; with why some cannot be used now.
     pub fn gpu_rooms(&self) -> Vec<crate::carve::GpuRoom> {
-        let view = self.view();
-        let dev_root = &view.config.injection.dev_root;
-        view.inventory
-            .gpus
-            .iter()
-            .map(|g| crate::carve::GpuRoom {
-                index: g.index,
-                uuid: g.uuid.clone(),
-                model: g.name.clone(),
-                memory_total: g.memory_total,
-                unavailable: view.health.of(g.index, &g.uuid).reason().map(|why| format!("unhealthy: {why}")),
-                mig_mode: g.mig.as_ref().is_some_and(|m| m.current || m.pending),
-                // Only instances in effect (MIG mode on now), each with its one compute instance.
-                mig: g
-                    .mig
-                    .iter()
-                    .filter(|m| m.current)
-                    .flat_map(|m| &m.instances)
-                    .flat_map(|gi| gi.devices.iter().map(move |d| (gi, d)))
-                    .map(|(gi, d)| crate::carve::MigSlot {
-                        uuid: d.uuid.clone(),
-                        profile: gi.profile.clone(),
-                        memory_total: d.memory_total,
-                        unavailable: view.health.of(g.index, &d.uuid).reason().map(|why| format!("unhealthy: {why}")),
-                    })
-                    .collect(),
-                mig_profiles: g.mig.as_ref().map(|m| m.capability.names()).unwrap_or_default(),
-                nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
-            })
-            .collect()
+        rooms_of(&self.view())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Live> {
         self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
 
+/// The GPUs of `view` as Allocate sees them ([`NodeController::gpu_rooms`]).
+fn rooms_of(view: &View) -> Vec<crate::carve::GpuRoom> {
+    let dev_root = &view.config.injection.dev_root;
+    view.inventory
+        .gpus
+        .iter()
+        .map(|g| crate::carve::GpuRoom {
+            index: g.index,
+            uuid: g.uuid.clone(),
+            model: g.name.clone(),
+            memory_total: g.memory_total,
+            unavailable: view.health.of(g.index, &g.uuid).reason().map(|why| format!("unhealthy: {why}")),
+            mig_mode: g.mig.as_ref().is_some_and(|m| m.current || m.pending),
+            // Only instances in effect (MIG mode on now), each with its one compute instance.
+            mig: g
+                .mig
+                .iter()
+                .filter(|m| m.current)
+                .flat_map(|m| &m.instances)
+                .flat_map(|gi| gi.devices.iter().map(move |d| (gi, d)))
+                .map(|(gi, d)| crate::carve::MigSlot {
+                    uuid: d.uuid.clone(),
+                    profile: gi.profile.clone(),
+                    memory_total: d.memory_total,
+                    unavailable: view.health.of(g.index, &d.uuid).reason().map(|why| format!("unhealthy: {why}")),
+                })
+                .collect(),
+            mig_profiles: g.mig.as_ref().map(|m| m.capability.names()).unwrap_or_default(),
+            nodes: g.minor.map(|m| dev_root.join(format!("nvidia{m}"))).into_iter().collect(),
+        })
+        .collect()
+}
+
+impl NodeController {
     /// Marks GPUs and devices healthy or not (the health monitor's input) and republishes what
     /// is offered when that changes anything.
     pub fn set_health(&self, health: NodeHealth) {
@@ -262,16 +303,17 @@ impl NodeController {
         self.publish(live, res);
     }
 
-    /// Publishes the live view with `resources`: the offer the faces read, then (the lock
-    /// released) the allocator's resources and rooms.
+    /// Publishes the live view with `resources` and the allocator's holdings: the allocator's
+    /// resources and rooms first (a device the faces are told of can be allocated), then the
+    /// offer the faces read. All under the lock, so that publishes (this one and
+    /// [`Self::publish_holdings`]) reach the faces in the order they were made.
     fn publish(&self, mut live: std::sync::MutexGuard<'_, Live>, resources: Resources) {
         let resources = Arc::new(resources);
         live.view.resources = Arc::clone(&resources);
-        let offer = Arc::new(live.view.clone());
-        drop(live);
+        live.view.holdings = Arc::new(self.allocator.holdings());
         self.allocator.set_resources(resources);
-        self.allocator.set_rooms(self.gpu_rooms());
-        self.offer_tx.send_replace(offer);
+        self.allocator.set_rooms(rooms_of(&live.view));
+        self.offer_tx.send_replace(Arc::new(live.view.clone()));
     }
 
     /// Makes `config` the configuration in effect: layouts resolved, GPUs in `touched` reported

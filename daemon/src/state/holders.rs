@@ -12,8 +12,8 @@ use super::record::{Allocation, Source};
 pub struct Holders {
     by_device: HashMap<String, BTreeSet<String>>,
     /// How many of the kubelet's records hold each (device id, resource): whether the kubelet
-    /// holds a device is one lookup, however many node API shares are carved on its GPU (the
-    /// withdrawn devices are looked at every second; their holders were walked each time).
+    /// holds a device is one lookup, however many node API shares are carved on its GPU; its
+    /// keys are the kubelet's held devices in the published holdings.
     kubelet: HashMap<(String, String), usize>,
 }
 
@@ -61,6 +61,11 @@ impl Holders {
     /// Whether a kubelet record of `resource` holds device `device_id`.
     pub fn kubelet_holds(&self, device_id: &str, resource: &str) -> bool {
         self.kubelet.contains_key(&(device_id.to_owned(), resource.to_owned()))
+    }
+
+    /// Every `(resource, device id)` a kubelet record holds.
+    pub fn kubelet_devices(&self) -> BTreeSet<(String, String)> {
+        self.kubelet.keys().map(|(id, resource)| (resource.clone(), id.clone())).collect()
     }
 
     /// The ids of the records holding any of `device_ids`, each once, in id order.

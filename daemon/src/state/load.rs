@@ -7,62 +7,22 @@
 //! away exactly what its insert added); [`DeviceLoad::held`] saturates on the way out, which
 //! gives the same figures as adding the records up one by one with saturating adds
 //! (`crate::carve::held`). Devices are keyed by their physical UUID, ASCII case folded, as
-//! admission compares them.
+//! admission compares them. The sums are kept per kind of holder (the kubelet's, the node API's,
+//! the claims', others'): admission reads their total, the published holdings each part.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use super::record::{AllocatedDevice, Allocation};
+use super::record::Allocation;
+use crate::holdings::{DeviceHoldings, device_key as key};
 
-/// The sums over every stored device part on one physical device.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DeviceLoad {
-    /// The memory limits of the parts that have one.
-    pub limited_memory: u128,
-    /// Parts without a memory limit (each holds the device's whole memory).
-    pub unlimited: u64,
-    /// SM percents of the strict parts (a strict part without a percent counts 100).
-    pub strict_sm: u64,
-}
+/// The sums on one device (the core's type: published with the view too).
+pub use crate::holdings::DeviceLoad;
 
-impl DeviceLoad {
-    /// Memory and strict SM held on a device of `memory_total` bytes, saturated to `u64` / `u32`.
-    pub fn held(&self, memory_total: u64) -> (u64, u32) {
-        let memory = self.limited_memory.saturating_add(u128::from(self.unlimited) * u128::from(memory_total));
-        (u64::try_from(memory).unwrap_or(u64::MAX), u32::try_from(self.strict_sm).unwrap_or(u32::MAX))
-    }
-
-    fn add(&mut self, d: &AllocatedDevice) {
-        let (memory, sm) = d.holds();
-        match memory {
-            Some(m) => self.limited_memory += u128::from(m),
-            None => self.unlimited += 1,
-        }
-        self.strict_sm += u64::from(sm);
-    }
-
-    fn sub(&mut self, d: &AllocatedDevice) {
-        let (memory, sm) = d.holds();
-        match memory {
-            Some(m) => self.limited_memory -= u128::from(m),
-            None => self.unlimited -= 1,
-        }
-        self.strict_sm -= u64::from(sm);
-    }
-
-    fn is_empty(&self) -> bool {
-        *self == DeviceLoad::default()
-    }
-}
-
-/// [`DeviceLoad`] per physical device of every record in a set.
+/// What every record in a set holds per physical device, per kind of holder
+/// ([`crate::holdings::Holder`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Loads {
-    by_device: HashMap<String, DeviceLoad>,
-}
-
-/// The key of a physical device: its UUID with ASCII letters upper-cased.
-fn key(uuid: &str) -> String {
-    uuid.to_ascii_uppercase()
+    by_device: HashMap<String, DeviceHoldings>,
 }
 
 impl Loads {
@@ -77,17 +37,19 @@ impl Loads {
 
     /// Counts record `a` in.
     pub fn add(&mut self, a: &Allocation) {
+        let holder = a.holder();
         for d in &a.devices {
-            self.by_device.entry(key(&d.physical_uuid)).or_default().add(d);
+            self.by_device.entry(key(&d.physical_uuid)).or_default().of_mut(holder).add(d.holds());
         }
     }
 
     /// Takes record `a` (as it was counted in) out again.
     pub fn remove(&mut self, a: &Allocation) {
+        let holder = a.holder();
         for d in &a.devices {
             let k = key(&d.physical_uuid);
             if let Some(load) = self.by_device.get_mut(&k) {
-                load.sub(d);
+                load.of_mut(holder).sub(d.holds());
                 if load.is_empty() {
                     self.by_device.remove(&k);
                 }
@@ -95,25 +57,32 @@ impl Loads {
         }
     }
 
-    /// What the records hold on physical device `uuid` (any case).
+    /// What the records hold on physical device `uuid` (any case), every holder together.
     pub fn device(&self, uuid: &str) -> DeviceLoad {
-        self.by_device.get(&key(uuid)).copied().unwrap_or_default()
+        self.by_device.get(&key(uuid)).map(DeviceHoldings::total).unwrap_or_default()
     }
 
     /// What the records other than `except` (counted in, as it is stored) hold on `uuid`.
     pub fn device_except(&self, uuid: &str, except: &Allocation) -> DeviceLoad {
         let mut load = self.device(uuid);
         for d in except.devices.iter().filter(|d| d.physical_uuid.eq_ignore_ascii_case(uuid)) {
-            load.sub(d);
+            load.sub(d.holds());
         }
         load
+    }
+
+    /// Per device, what each kind of holder holds (a copy, for the published holdings).
+    pub fn per_holder(&self) -> BTreeMap<String, DeviceHoldings> {
+        self.by_device.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::holdings::Holder;
     use crate::state::record::tests::sample;
+    use crate::state::{AllocatedDevice, Source};
     use tessera_region::ComputeMode;
 
     fn part(uuid: &str, memory: Option<u64>, sm: Option<u32>, mode: ComputeMode) -> AllocatedDevice {
@@ -138,15 +107,21 @@ mod tests {
         ];
         let mut b = sample("b");
         b.devices = vec![part("GPU-AB", Some(u64::MAX), Some(20), ComputeMode::Strict)];
+        b.source = Source::NodeApi;
         let mut loads = Loads::of([&a, &b]);
+        // Each holder's part apart: the kubelet's `a`, the node API's `b`.
+        let ab_parts = loads.per_holder()["GPU-AB"];
+        assert_eq!((ab_parts.kubelet.parts, ab_parts.node_api.parts, ab_parts.claims.parts), (2, 1, 0));
+        assert_eq!(ab_parts.node_api.held(80), (u64::MAX, 20));
+        assert_eq!(a.holder(), Holder::Kubelet);
         let ab = loads.device("gpu-ab");
         assert_eq!(
             ab,
-            DeviceLoad { limited_memory: 10 + u128::from(u64::MAX), unlimited: 1, strict_sm: 30 + 100 + 20 }
+            DeviceLoad { parts: 3, limited_memory: 10 + u128::from(u64::MAX), unlimited: 1, strict_sm: 30 + 100 + 20 }
         );
         // Saturated on the way out, as a saturating sum of the records would be.
         assert_eq!(ab.held(80), (u64::MAX, 150));
-        assert_eq!(loads.device("GPU-CD"), DeviceLoad { limited_memory: 5, unlimited: 0, strict_sm: 0 });
+        assert_eq!(loads.device("GPU-CD"), DeviceLoad { parts: 1, limited_memory: 5, unlimited: 0, strict_sm: 0 });
         assert_eq!(loads.device("GPU-CD").held(80), (5, 0));
         loads.remove(&b);
         assert_eq!(loads.device("GPU-AB").held(80), (90, 130));

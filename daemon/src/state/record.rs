@@ -9,8 +9,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use tessera_region::{ComputeMode, DeviceLimits, LIMITS_VERSION, Limits, Priority};
 
+use crate::holdings::Holder;
+
 /// The longest allocation id accepted (ids name files and directories).
 pub const MAX_ID_LEN: usize = 64;
+
+/// The resource name of allocations made for DRA claims (NodePrepareResources); the record's
+/// owner is the claim UID.
+pub const DRA_RESOURCE: &str = "dra/gpu.tessera.io";
 
 /// Who asked for the allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,6 +145,17 @@ pub struct Allocation {
 }
 
 impl Allocation {
+    /// Whose record it is, as what is free is counted ([`crate::holdings`]): the kubelet's, a
+    /// DRA claim's, the node API's own, or another's (the hook's, a recovered one).
+    pub fn holder(&self) -> Holder {
+        match self.source {
+            Source::Kubelet => Holder::Kubelet,
+            _ if self.resource == DRA_RESOURCE => Holder::Claim,
+            Source::NodeApi => Holder::NodeApi,
+            Source::Hook | Source::Recovered => Holder::Other,
+        }
+    }
+
     /// A fresh id: 16 lowercase hex digits from the kernel's random source (`getrandom(2)`: one
     /// call, no file to open on every Allocate; the clock and a counter if it fails).
     pub fn new_id() -> String {

@@ -52,7 +52,7 @@ use super::alloc_dir::AllocDirs;
 use super::holders::Holders;
 use super::journal::{self, Op, OpRef};
 use super::load::Loads;
-use super::record::{Allocation, Source, valid_id};
+use super::record::{Allocation, valid_id};
 
 #[path = "store_files.rs"]
 mod files;
@@ -188,10 +188,11 @@ pub struct Store {
     /// Changes made since the store was opened: lets a loop that follows the records (the
     /// ledger's, every 10 ms) tell in one load that nothing changed.
     changes: u64,
-    /// Bumped by every change to a record the kubelet did not make (the node API's, a claim's):
-    /// what decides which of the kubelet's free devices still fit (`DaemonAllocator::withdrawn`).
-    /// The kubelet's own changes do not wake anyone.
-    foreign: tokio::sync::watch::Sender<u64>,
+    /// Bumped by every change to what the records hold ([`Store::holdings`]: a record made or
+    /// released, its devices or limits changed), whoever made it; not by a change that leaves
+    /// them as they were (a container named). The controller follows it to publish the holdings
+    /// with its view.
+    held: tokio::sync::watch::Sender<u64>,
     /// Held for the store's life: the exclusive lock on `<dir>/lock`.
     _lock: File,
 }
@@ -454,7 +455,7 @@ impl Store {
             capacity,
             needs_compaction,
             changes: 0,
-            foreign: tokio::sync::watch::Sender::new(0),
+            held: tokio::sync::watch::Sender::new(0),
             _lock: lock,
         })
     }
@@ -490,7 +491,7 @@ impl Store {
         self.loads.add(alloc);
         self.holders.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
-        self.changed(alloc);
+        self.changed(true);
         Ok(())
     }
 
@@ -502,12 +503,14 @@ impl Store {
         }
         self.append(&OpRef::Put(alloc), &alloc.id, Change::Update)?;
         self.loads.add(alloc);
+        let mut held = true;
         if let Some(old) = self.index.insert(alloc.id.clone(), alloc.clone()) {
             self.loads.remove(&old);
             self.holders.remove(&old);
+            held = old.devices != alloc.devices || old.source != alloc.source || old.resource != alloc.resource;
         }
         self.holders.add(alloc);
-        self.changed(alloc);
+        self.changed(held);
         Ok(())
     }
 
@@ -521,15 +524,16 @@ impl Store {
         if let Some(old) = &removed {
             self.loads.remove(old);
             self.holders.remove(old);
-            self.changed(old);
+            self.changed(true);
         }
         Ok(removed)
     }
 
-    fn changed(&mut self, alloc: &Allocation) {
+    /// Counts a change; `held`: it changed what the records hold.
+    fn changed(&mut self, held: bool) {
         self.changes += 1;
-        if alloc.source != Source::Kubelet {
-            self.foreign.send_modify(|n| *n += 1);
+        if held {
+            self.held.send_modify(|n| *n += 1);
         }
     }
 
@@ -538,9 +542,15 @@ impl Store {
         self.changes
     }
 
-    /// Told of every change to a record the kubelet did not make.
-    pub fn foreign_changes(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.foreign.subscribe()
+    /// Told of every change to what the records hold (see [`Store::holdings`]).
+    pub fn holdings_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.held.subscribe()
+    }
+
+    /// What the records hold now, per physical device and holder, and the kubelet's devices
+    /// (a copy: O(devices held), no scan of the records).
+    pub fn holdings(&self) -> crate::holdings::Holdings {
+        crate::holdings::Holdings { devices: self.loads.per_holder(), kubelet_devices: self.holders.kubelet_devices() }
     }
 
     pub fn get(&self, id: &str) -> Option<&Allocation> {

@@ -1,5 +1,6 @@
 //! The faces tesserad runs, each started by its own module with its own tasks, and stopped in
-//! order: the kubelet's device plugins, the DRA driver, Kubernetes Events and Node labels, the
+//! order: the controller's records follower (what the records hold, published with the offer),
+//! the kubelet's device plugins, the DRA driver, Kubernetes Events and Node labels, the
 //! node API, the health monitor, the pending-reset watch, the enforcement loop, leases, the
 //! ledger, pod-resources, metrics and OTLP.
 
@@ -60,9 +61,11 @@ impl Faces {
         // What the DRA driver publishes (modes `dra`, `both`) is not served by the device plugin;
         // on a cluster without DRA (an API server before 1.34, ...) the device plugin serves all.
         let mode = dra::driver::effective_mode(cfg).await;
+        // What the allocation records hold is published with the offer, so the device plugin
+        // and the DRA driver follow one channel.
+        let mut tasks = vec![named("the records follower", controller.follow_records(shutdown.clone()))];
         let device_plugins = served::start(Arc::clone(controller), cfg, mode, started, shutdown.clone())
             .map_err(|e| fail(e.to_string(), 1))?;
-        let mut tasks = Vec::new();
         let dra_task = if mode.dra() {
             let task = dra::driver::start(Arc::clone(controller), cfg, shutdown.clone())
                 .await

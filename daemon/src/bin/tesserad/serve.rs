@@ -106,6 +106,7 @@ async fn run(controller: Arc<NodeController>, cfg: Config, started: Instant) -> 
         }
     };
     write_cdi(&mut cdi, &offer);
+    let mut written = offer;
     let faces = match faces::Faces::start(&controller, &cfg, started, &shutdown_rx).await {
         Ok(f) => f,
         Err(code) => return code,
@@ -125,7 +126,12 @@ async fn run(controller: Arc<NodeController>, cfg: Config, started: Instant) -> 
                     break;
                 }
                 let offer = offer_rx.borrow_and_update().clone();
-                write_cdi(&mut cdi, &offer);
+                // What the records hold is published on every allocation; the specs follow the
+                // devices only.
+                if !offer.only_holdings_differ(&written) {
+                    write_cdi(&mut cdi, &offer);
+                    written = offer;
+                }
             }
             _ = hup.recv() => {
                 tracing::info!("SIGHUP: reloading the configuration");
