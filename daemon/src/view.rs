@@ -11,6 +11,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::ComputeMode;
 
 use crate::config::Config;
+use crate::config::kubernetes::Mode;
 use crate::device_health::NodeHealth;
 use crate::discovery::Inventory;
 use crate::holdings::Holdings;
@@ -23,6 +24,15 @@ pub struct GpuStatus {
     pub state: api::PartitionState,
     /// Why the desired layout is not (yet) in place.
     pub issues: Vec<api::LayoutIssue>,
+}
+
+/// Which face offers a GPU's devices to Kubernetes ([`View::face_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Face {
+    /// The kubelet's device plugins (`kubelet::served`).
+    DevicePlugin,
+    /// The DRA driver's ResourceSlices (`dra::driver`).
+    Dra,
 }
 
 /// The node as the controller last published it (`NodeController::watch_offer`), and a
@@ -44,6 +54,24 @@ pub struct View {
 }
 
 impl View {
+    /// Whether a `[partitions]` entry manages GPU `index` (the controller keeps its layout status).
+    pub fn partitioned(&self, index: u32) -> bool {
+        self.status.contains_key(&index)
+    }
+
+    /// The face that offers GPU `index`'s devices in `mode` (`kubernetes.mode`): every GPU the
+    /// device plugin's in `device-plugin`, DRA's in `dra`; in `both` a GPU a `[partitions]` entry
+    /// manages stays with the device plugin and the others go to DRA, so that no GPU is offered
+    /// twice. The one rule both faces read.
+    pub fn face_of(&self, mode: Mode, index: u32) -> Face {
+        match mode {
+            Mode::DevicePlugin => Face::DevicePlugin,
+            Mode::Dra => Face::Dra,
+            Mode::Both if self.partitioned(index) => Face::DevicePlugin,
+            Mode::Both => Face::Dra,
+        }
+    }
+
     /// The memory of GPU or MIG device `uuid` (any case; a MIG device only while its GPU's MIG
     /// mode is on), as Allocate's rooms know it; `None` for a device the node does not have.
     pub fn device_memory(&self, uuid: &str) -> Option<u64> {
@@ -73,5 +101,45 @@ impl View {
     pub fn withdrawn_from_kubelet(&self) -> BTreeSet<(String, String)> {
         let share_mode = ComputeMode::from_name(&self.config.limits.compute_mode).unwrap_or_default();
         self.holdings.withdrawn_from_kubelet(&self.resources, |uuid| self.device_memory(uuid), share_mode)
+    }
+}
+
+#[cfg(test)]
+impl View {
+    /// A view of nothing but `resources`, with a `[partitions]` entry on the GPUs `partitioned`
+    /// names (their layout status kept), for the faces' tests.
+    pub(crate) fn for_test(resources: crate::resources::Resources, partitioned: &[u32]) -> View {
+        let status = GpuStatus { state: api::PartitionState::Converged, issues: Vec::new() };
+        View {
+            config: Arc::new(Config::default()),
+            inventory: Inventory {
+                library: Default::default(),
+                driver_version: String::new(),
+                cuda_driver_version: 0,
+                gpus: Vec::new(),
+                topology: Vec::new(),
+            },
+            shares: Vec::new(),
+            resources: Arc::new(resources),
+            status: partitioned.iter().map(|&i| (i, status.clone())).collect(),
+            health: NodeHealth::default(),
+            holdings: Arc::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_gpu_has_one_face_per_mode() {
+        let view = View::for_test(Resources::default(), &[1]);
+        for gpu in [0, 1] {
+            assert_eq!(view.face_of(Mode::DevicePlugin, gpu), Face::DevicePlugin);
+            assert_eq!(view.face_of(Mode::Dra, gpu), Face::Dra);
+        }
+        assert_eq!(view.face_of(Mode::Both, 1), Face::DevicePlugin, "partitioned: the device plugin's");
+        assert_eq!(view.face_of(Mode::Both, 0), Face::Dra, "no [partitions] entry: DRA's");
     }
 }

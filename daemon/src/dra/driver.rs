@@ -5,7 +5,7 @@
 //! change, a health change, a change of what the records hold) recomputes them from its view,
 //! so an unhealthy GPU leaves the slice and comes back on recovery, and what the node API's own
 //! allocations hold is left out until released. In mode `both`, GPUs with a `[partitions]`
-//! entry stay with the device plugin and are not published. Dynamic MIG placements are published on GPUs with MIG on
+//! entry stay with the device plugin and are not published (`View::face_of`, the one rule). Dynamic MIG placements are published on GPUs with MIG on
 //! that no `[partitions]` entry manages; the instances prepare makes are published again
 //! through the controller (it publishes after each one), with the journal read each time.
 
@@ -29,16 +29,15 @@ use crate::config::Config;
 use crate::config::kubernetes::{Mode, node_name};
 use crate::node::NodeController;
 use crate::node::mig::Placement;
-use crate::view::View;
+use crate::view::{Face, View};
 
-/// The devices to publish from `view`; `made`: the placements dynamic MIG made (its journal).
-/// What the node API's own allocations hold (the view's holdings) is taken out. Dynamic MIG
-/// placements are offered on GPUs no `[partitions]` entry manages.
+/// The devices to publish from `view` in `mode` (`dra` or `both`): those of the GPUs whose face
+/// is DRA ([`View::face_of`]); `made`: the placements dynamic MIG made (its journal), offered on
+/// GPUs no `[partitions]` entry manages. What the node API's own allocations hold (the view's
+/// holdings) is taken out.
 pub fn published(view: &View, mode: Mode, made: &BTreeSet<Placement>) -> Vec<DraDevice> {
-    let devices =
-        from_inventory(&view.inventory, |g| mode != Mode::Both || !view.status.contains_key(&g.index), &view.health);
-    let devices =
-        with_placements(devices, &view.inventory, |g| !view.status.contains_key(&g.index), made, &view.health);
+    let devices = from_inventory(&view.inventory, |g| view.face_of(mode, g.index) == Face::Dra, &view.health);
+    let devices = with_placements(devices, &view.inventory, |g| !view.partitioned(g.index), made, &view.health);
     without_node_api(devices, &view.holdings, MEMORY_STEP)
 }
 

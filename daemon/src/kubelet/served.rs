@@ -20,33 +20,21 @@ use crate::config::Config;
 use crate::config::kubernetes::Mode;
 use crate::node::{KubeletOffer, NodeController};
 use crate::resources::{Resource, Resources};
-use crate::view::View;
+use crate::view::{Face, View};
 
-/// What the device plugin serves in `mode`: everything (`device-plugin`), nothing (`dra`), or in
-/// `both` only the devices on the GPUs a `[partitions]` entry manages (`managed`, by index), so
-/// that no GPU is offered twice; a resource left without devices is dropped.
-pub fn for_mode(mode: Mode, all: &Resources, managed: &BTreeSet<u32>) -> Resources {
-    match mode {
-        Mode::DevicePlugin => all.clone(),
-        Mode::Dra => Resources::default(),
-        Mode::Both => {
-            let mut out = all.clone();
-            for r in out.resources.values_mut() {
-                r.devices.retain(|d| managed.contains(&d.gpu_index));
-            }
-            out.resources.retain(|_, r| !r.devices.is_empty());
-            out
-        }
-    }
-}
-
-/// [`for_mode`] of what `view` offers.
+/// What the device plugin serves of what `view` offers in `mode`: the devices of the GPUs whose
+/// face is the device plugin ([`View::face_of`]: all in `device-plugin`, none in `dra`, in `both`
+/// the GPUs a `[partitions]` entry manages); a resource left without devices is dropped.
 pub fn of_view(mode: Mode, view: &View) -> Arc<Resources> {
     if mode == Mode::DevicePlugin {
         return Arc::clone(&view.resources);
     }
-    let managed: BTreeSet<u32> = view.status.keys().copied().collect();
-    Arc::new(for_mode(mode, &view.resources, &managed))
+    let mut out = (*view.resources).clone();
+    for r in out.resources.values_mut() {
+        r.devices.retain(|d| view.face_of(mode, d.gpu_index) == Face::DevicePlugin);
+    }
+    out.resources.retain(|_, r| !r.devices.is_empty());
+    Arc::new(out)
 }
 
 /// Serves what `mode` gives the device plugin (in `cfg.device_plugin_dir`), registering with the
@@ -228,13 +216,14 @@ mod tests {
         ] {
             all.resources.insert(name.into(), Resource { name: name.into(), kind, devices });
         }
-        let managed = BTreeSet::from([1]);
-        assert_eq!(for_mode(Mode::DevicePlugin, &all, &managed), all);
-        assert!(for_mode(Mode::Dra, &all, &managed).resources.is_empty());
-        let both = for_mode(Mode::Both, &all, &managed);
+        let served =
+            |mode: Mode, partitioned: &[u32]| (*of_view(mode, &View::for_test(all.clone(), partitioned))).clone();
+        assert_eq!(served(Mode::DevicePlugin, &[1]), all);
+        assert!(served(Mode::Dra, &[1]).resources.is_empty());
+        let both = served(Mode::Both, &[1]);
         let ids: Vec<&str> = both.resources.values().flat_map(|r| &r.devices).map(|d| d.id.as_str()).collect();
         assert_eq!(ids, ["GPU-1", "GPU-1::0", "GPU-1::1"], "GPU 0 is DRA's");
         // No GPU partitioned: the device plugin serves nothing, not empty resources.
-        assert!(for_mode(Mode::Both, &all, &BTreeSet::new()).resources.is_empty());
+        assert!(served(Mode::Both, &[]).resources.is_empty());
     }
 }

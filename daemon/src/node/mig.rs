@@ -233,7 +233,7 @@ impl NodeController {
         let live = self.lock();
         let inv = self.session.inventory().map_err(|e| format!("discovery: {e}"))?;
         let gpu = inv.gpu_by_uuid(&p.gpu_uuid).ok_or_else(|| format!("no GPU {} on this node", p.gpu_uuid))?;
-        let managed = live.view.status.contains_key(&gpu.index);
+        let managed = live.view.partitioned(gpu.index);
         if let Some(why) = placement_refusal(gpu, managed, p) {
             return Err(why);
         }
