@@ -466,7 +466,7 @@ fn resource_slices_validate_against_the_1_34_and_1_37_schemas() {
     for (ok, said) in check(&single) {
         assert!(ok, "{said}\n{single:#}");
     }
-    for (layout, slices) in [(SliceLayout::Combined, 2), (SliceLayout::Separate, 3)] {
+    for (layout, slices) in [(SliceLayout::Combined, 3), (SliceLayout::Separate, 3)] {
         let pool = build_pool("node-a", &devices, 3, layout);
         assert_eq!(pool.len(), slices, "{layout:?}");
         let mut counters_seen = false;

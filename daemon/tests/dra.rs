@@ -184,6 +184,9 @@ async fn claims_are_read_through_kube_rs_from_the_api_server() {
 async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conflicts_and_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let mut api = ApiServer::start().await;
+    // 1.35: one slice of every device (1.34's layout, shared devices alone, is tested below),
+    // and unhealthy devices leave it (taints from 1.36).
+    api.set_version(1, 35, 4);
     let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     let node = "node-a";
     // A slice left by an earlier layout of this node, and another node's: only ours goes.
@@ -266,6 +269,7 @@ async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conf
 async fn the_publisher_puts_back_a_slice_someone_deletes_or_edits_without_polling() {
     let dir = tempfile::tempdir().unwrap();
     let api = ApiServer::start().await;
+    api.set_version(1, 35, 4);
     let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
     let node = "node-a";
     let devices = vec![gpu(0, DraKind::Gpu), gpu(0, DraKind::Shared)];
@@ -369,15 +373,18 @@ async fn placements_are_laid_out_by_the_api_servers_version_and_follow_an_upgrad
     let s = publisher.sync(&devices).await.unwrap();
     assert!(s.created, "{s:?}");
     // 1.34: each GPU's counter set in the slice of the devices that consume it.
+    // And the shared device alone in a slice (kube-scheduler 1.34 checks a request's capacity
+    // against the device at the request's index in the slice, not the one it allocates).
     let combined = BTreeMap::from([
-        (slice_name("node-a"), (2, 0)),
+        (slice_name("node-a"), (1, 0)),
         (format!("{}-gpu-1", slice_name("node-a")), (2, 1)),
         (format!("{}-gpu-2", slice_name("node-a")), (1, 1)),
+        (format!("{}-shared-0", slice_name("node-a")), (1, 0)),
     ]);
     assert_eq!(pool_of(&api), combined);
     let slices = api.slices();
     let gpu1 = &slices[&format!("{}-gpu-1", slice_name("node-a"))];
-    assert_eq!(gpu1["spec"]["pool"], json!({"name": "node-a", "generation": 0, "resourceSliceCount": 3}));
+    assert_eq!(gpu1["spec"]["pool"], json!({"name": "node-a", "generation": 0, "resourceSliceCount": 4}));
     assert_eq!(gpu1["spec"]["sharedCounters"][0]["name"], "gpu-1-counter-set");
     assert_eq!(gpu1["spec"]["sharedCounters"][0]["counters"]["memory-slice-7"], json!({"value": "1"}));
     let d = &gpu1["spec"]["devices"][1];

@@ -62,12 +62,18 @@ fn series(apiserver: &ApiServer) -> BTreeMap<(String, String, String), i64> {
         .collect()
 }
 
+/// The devices of node-a's pool, across its slices (1.34 puts a shared device in a slice of its
+/// own), sorted.
 fn slice_names(apiserver: &ApiServer) -> Vec<String> {
-    apiserver
+    let mut names: Vec<String> = apiserver
         .slices()
-        .get("node-a-gpu.tessera.io")
-        .map(|s| s["spec"]["devices"].as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().into()).collect())
-        .unwrap_or_default()
+        .values()
+        .filter(|s| s["spec"]["pool"]["name"] == "node-a")
+        .flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default())
+        .map(|d| d["name"].as_str().unwrap().into())
+        .collect();
+    names.sort();
+    names
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -67,17 +67,12 @@ async fn monitor_started(log: &Path) {
     .await
 }
 
-/// The names of the devices in node-a's slice once `done` accepts them (up to [`WAIT`]).
+/// The names of the devices in node-a's pool (its slices) once `done` accepts them (up to [`WAIT`]).
 async fn slice_devices(apiserver: &ApiServer, done: impl Fn(&[String]) -> bool, log: &Path) -> Vec<String> {
     common::eventually(WAIT, log, || {
-        let names: Option<Vec<String>> = apiserver.slices().get("node-a-gpu.tessera.io").map(|s| {
-            s["spec"]["devices"]
-                .as_array()
-                .expect("devices")
-                .iter()
-                .map(|d| d["name"].as_str().unwrap().into())
-                .collect()
-        });
+        let names: Option<Vec<String>> = apiserver
+            .pool_devices("node-a")
+            .map(|devices| devices.iter().map(|d| d["name"].as_str().unwrap().into()).collect());
         match names {
             Some(n) if done(&n) => Ok(n),
             n => Err(format!("slice devices {n:?}")),
@@ -168,8 +163,8 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     .await;
     assert_eq!(slice["spec"]["driver"], "gpu.tessera.io");
     assert_eq!(slice["spec"]["nodeName"], "node-a");
-    let names: Vec<&str> =
-        slice["spec"]["devices"].as_array().expect("devices").iter().map(|d| d["name"].as_str().unwrap()).collect();
+    let devices = apiserver.pool_devices("node-a").expect("the pool");
+    let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["gpu-0", "gpu-0-shared"]);
     let mut node_api = common::node_api(&socket).await;
     let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
@@ -659,8 +654,7 @@ async fn a_dynamic_mig_placement_is_made_by_prepare_once_across_a_kill_9_and_des
 
 /// `(memory, sm)` capacity of `device` in node-a's slice, once it is published.
 fn shared_capacity(apiserver: &ApiServer, device: &str) -> Option<(String, String)> {
-    let slice = apiserver.slices().get("node-a-gpu.tessera.io")?.clone();
-    let d = slice["spec"]["devices"].as_array()?.iter().find(|d| d["name"] == device)?.clone();
+    let d = apiserver.pool_devices("node-a")?.into_iter().find(|d| d["name"] == device)?;
     let value = |c: &str| d["capacity"][c]["value"].as_str().map(str::to_owned);
     Some((value("memory")?, value("sm")?))
 }

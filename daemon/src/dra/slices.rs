@@ -264,7 +264,11 @@ pub fn counter_set(c: &GpuCounters) -> CounterSet {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SliceLayout {
     /// Up to 1.34: a device may consume only counters of its own slice. One slice of the devices
-    /// that consume none, and per GPU with placements one slice with its counter set and them.
+    /// that consume none, per GPU with placements one slice with its counter set and them, and
+    /// each shared device alone in a slice of its own: kube-scheduler 1.34 checks a request's
+    /// capacity against the device at the request's device index within the slice, not against
+    /// the device it allocates (fixed in 1.35), so a shared device must be the first of its slice
+    /// or no claim naming `memory` and `sm` is ever allocated there.
     Combined,
     /// From 1.35: a slice holds devices or shared counters, never both. One slice of the devices
     /// that consume none, per GPU one of its placements, and the counter sets (at most
@@ -302,7 +306,8 @@ pub fn build_pool(node: &str, devices: &[DraDevice], generation: i64, layout: Sl
 /// The pool's slices for `node` with `devices`, at pool `generation`, in `layout`; unhealthy ones
 /// left out or tainted as `unhealthy` says. The first is always `<node>-gpu.tessera.io` (the
 /// devices that consume no counters, maybe none); then per GPU with placements
-/// `<node>-gpu.tessera.io-gpu-<index>`, and in the separate layout
+/// `<node>-gpu.tessera.io-gpu-<index>`; in the combined layout per shared device
+/// `<node>-gpu.tessera.io-shared-<index>`, in the separate layout
 /// `<node>-gpu.tessera.io-counters-<n>`. A taint already in `previous` (the slices as the server
 /// has them) for the same device, key and effect keeps its `timeAdded`, so an unchanged fault
 /// changes nothing.
@@ -337,9 +342,11 @@ pub fn build_pool_with(
             }
         })
         .collect();
+    // Up to 1.34 each shared device is alone in a slice of its own ([`SliceLayout::Combined`]).
+    let alone = |d: &DraDevice| layout == SliceLayout::Combined && d.kind == DraKind::Shared;
     let plain: Vec<Device> = listed
         .iter()
-        .filter(|(d, _)| !matches!(d.kind, DraKind::MigPlacement(_)))
+        .filter(|(d, _)| !matches!(d.kind, DraKind::MigPlacement(_)) && !alone(d))
         .map(|(_, dev)| dev.clone())
         .collect();
     // Per GPU: its counter set and placements.
@@ -360,6 +367,9 @@ pub fn build_pool_with(
                 sets.push(set);
             }
         }
+    }
+    for (d, dev) in listed.iter().filter(|(d, _)| alone(d)) {
+        specs.push((format!("{}-shared-{}", slice_name(node), d.gpu_index), Some(vec![dev.clone()]), None));
     }
     for (n, chunk) in sets.chunks(MAX_COUNTER_SETS).enumerate() {
         specs.push((format!("{}-counters-{n}", slice_name(node)), None, Some(chunk.to_vec())));
@@ -395,7 +405,7 @@ pub fn build_with(
     previous: Option<&ResourceSliceSpec>,
 ) -> ResourceSlice {
     let previous: Vec<ResourceSliceSpec> = previous.into_iter().cloned().collect();
-    build_pool_with(node, devices, generation, SliceLayout::Combined, unhealthy, &previous).swap_remove(0)
+    build_pool_with(node, devices, generation, SliceLayout::Separate, unhealthy, &previous).swap_remove(0)
 }
 
 /// Whether every taint written in `sent` came back in `got` (an API server with the device-taint

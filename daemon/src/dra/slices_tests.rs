@@ -52,11 +52,11 @@ fn parse_quantity_or_panic(s: &str) -> u64 {
 fn up_to_1_34_each_gpus_counters_share_a_slice_with_its_placements_within_the_limits() {
     let pool = build_pool("node-a", &node(), 4, SliceLayout::Combined);
     let names: Vec<&str> = pool.iter().map(|s| s.metadata.name.as_deref().unwrap()).collect();
-    assert_eq!(names.len(), 9, "{names:?}");
+    assert_eq!(names.len(), 10, "{names:?}");
     assert_eq!(names[0], "node-a-gpu.tessera.io");
     assert_eq!(names[1], "node-a-gpu.tessera.io-gpu-0");
     for s in &pool {
-        assert_eq!((s.spec.pool.generation, s.spec.pool.resource_slice_count), (4, 9));
+        assert_eq!((s.spec.pool.generation, s.spec.pool.resource_slice_count), (4, 10));
         let devices = s.spec.devices.as_deref().unwrap_or_default();
         // 1.34's limits: 128 devices, 32 counters in all sets, 1024 consumed counters a slice.
         assert!(devices.len() <= 128 && counters_in(s) <= 32 && consumed_in(s) <= 1024);
@@ -66,7 +66,13 @@ fn up_to_1_34_each_gpus_counters_share_a_slice_with_its_placements_within_the_li
     let first = &pool[0];
     assert!(first.spec.shared_counters.is_none());
     let plain: Vec<&str> = first.spec.devices.iter().flatten().map(|d| d.name.as_str()).collect();
-    assert_eq!(plain, ["gpu-8", "gpu-8-shared"]);
+    assert_eq!(plain, ["gpu-8"]);
+    // The shared device alone in its slice: kube-scheduler 1.34 checks a request's capacity
+    // against the slice's device at the request's device index (0), not the one it allocates.
+    let shared = pool.iter().find(|s| s.metadata.name.as_deref() == Some("node-a-gpu.tessera.io-shared-8")).unwrap();
+    let only: Vec<&str> = shared.spec.devices.iter().flatten().map(|d| d.name.as_str()).collect();
+    assert_eq!(only, ["gpu-8-shared"]);
+    assert!(shared.spec.shared_counters.is_none());
     let gpu0 = &pool[1];
     assert_eq!(gpu0.spec.shared_counters.as_ref().unwrap()[0].name, "gpu-0-counter-set");
     assert_eq!(gpu0.spec.devices.as_ref().unwrap().len(), 18);

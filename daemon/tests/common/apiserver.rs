@@ -238,6 +238,17 @@ impl ApiServer {
         self.store.lock().unwrap().slices.clone()
     }
 
+    /// The devices of `pool` across its slices, by name (1.34 puts each shared device in a
+    /// slice of its own); `None` while the pool has no slice.
+    pub fn pool_devices(&self, pool: &str) -> Option<Vec<Value>> {
+        let store = self.store.lock().unwrap();
+        let slices: Vec<&Value> = store.slices.values().filter(|s| s["spec"]["pool"]["name"] == pool).collect();
+        let mut devices: Vec<Value> =
+            slices.iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).collect();
+        devices.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+        (!slices.is_empty()).then_some(devices)
+    }
+
     /// Creates a slice directly (another writer, or one left by an earlier node layout).
     pub fn put_slice(&self, slice: Value) {
         let mut s = self.store.lock().unwrap();
