@@ -103,12 +103,27 @@ fn run_cupy(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
     run_python_json(&SimNode::new(), python, "CuPy on the sim", &["-c", PROGRAM, &chunk.to_string()], extra)
 }
 
+/// The Python of the CUDA runtimes' environment, where CuPy imports; else `None` (see
+/// [`venv_python`]).
+fn cupy_python() -> Option<PathBuf> {
+    venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
+}
+
+/// The program's allocations, `chunk` bytes at a time with `free` bytes free, ended at CuPy's own
+/// out-of-memory error with less than a chunk left; what it freed was free again, and one
+/// allocation larger than the device was CuPy's out-of-memory error too.
+fn assert_ran_out_at(v: &Value, free: u64, chunk: u64) {
+    assert_eq!(v["oom"], "OutOfMemoryError", "CuPy's own OOM error when memory runs out");
+    let held = u(v, "held");
+    assert!(held <= free && held + chunk > free, "held {held} of {free} free before CuPy's OOM");
+    assert_eq!(u(v, "free_before_oom"), free, "freed memory is free again");
+    assert_eq!(u(v, "free_after"), free);
+    assert_eq!(v["too_big"], "OutOfMemoryError");
+}
+
 #[test]
 fn cupy_runs_on_the_simulated_node() {
-    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
-    else {
-        return;
-    };
+    let Some(python) = cupy_python() else { return };
     let v = run_cupy(&python, 4 * GIB, &[]);
     assert_eq!(u(&v, "count"), 8);
     assert_eq!(v["name"], h100::NAME);
@@ -120,21 +135,13 @@ fn cupy_runs_on_the_simulated_node() {
     let spin = v["spin_ms"].as_f64().expect("spin_ms");
     assert!(spin >= 19.9, "a kernel named for 20 ms took {spin} ms between its events");
     assert_eq!(u(&v, "occupancy_256"), 8, "2048 threads per SM");
-    assert_eq!(v["oom"], "OutOfMemoryError");
-    let held = u(&v, "held");
-    assert!(held <= free && held + 4 * GIB > free, "held {held} of {free} free before CuPy's OOM");
-    assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
-    assert_eq!(u(&v, "free_after"), free);
-    assert_eq!(v["too_big"], "OutOfMemoryError");
+    assert_ran_out_at(&v, free, 4 * GIB);
     assert_eq!(v["async_kept"], true, "a pool keeps freed memory up to its release threshold");
 }
 
 #[test]
 fn cupy_under_the_shim_sees_its_limit() {
-    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
-    else {
-        return;
-    };
+    let Some(python) = cupy_python() else { return };
     let shim = shim();
     let shim = shim.to_str().expect("utf-8 path");
     let v = run_cupy(&python, 100 * MIB, &[("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
@@ -142,12 +149,7 @@ fn cupy_under_the_shim_sees_its_limit() {
     let free = u(&v, "free");
     assert!(free <= GIB - h100::CONTEXT_OVERHEAD, "the runtime's context counts against the limit: {free}");
     assert_eq!(v["roundtrip"], true);
-    assert_eq!(v["oom"], "OutOfMemoryError", "CuPy's own OOM error at the limit");
-    let held = u(&v, "held");
-    assert!(held <= free && held + 100 * MIB > free, "held {held} of {free} free under a 1 GiB limit");
-    assert_eq!(u(&v, "free_before_oom"), free, "freed memory is free again");
-    assert_eq!(u(&v, "free_after"), free);
-    assert_eq!(v["too_big"], "OutOfMemoryError");
+    assert_ran_out_at(&v, free, 100 * MIB);
     assert_eq!(v["async_kept"], true, "what the async pool keeps stays used under the limit too");
 }
 
@@ -178,13 +180,10 @@ print(json.dumps(out))
 
 #[test]
 fn cupy_device_malloc_heap_counts_against_the_limit() {
-    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
-    else {
-        return;
-    };
+    let Some(python) = cupy_python() else { return };
+    let first_heap = (2 * GIB).to_string();
     let run = |extra: &[(&str, &str)]| {
-        let args = ["-c", HEAP_PROGRAM, &(2 * GIB).to_string()];
-        run_python_json(&SimNode::new(), &python, "CuPy heap", &args, extra)
+        run_python_json(&SimNode::new(), &python, "CuPy heap", &["-c", HEAP_PROGRAM, &first_heap], extra)
     };
     // On the sim alone a 2 GiB heap is set aside, then lowered to 256 MiB.
     let v = run(&[]);
@@ -213,6 +212,13 @@ import cupy
 from cupy.cuda import runtime
 
 SIZE = 256 << 20
+def attempt(call, *args):
+    try:
+        call(*args)
+        return "ok"
+    except runtime.CUDARuntimeError as e:
+        return str(e)
+
 if sys.argv[1] == "export":
     runtime.setDevice(0)
     ptr = runtime.malloc(SIZE)
@@ -227,11 +233,7 @@ if sys.argv[1] == "export":
     runtime.memcpy(back.ctypes.data, ptr + SIZE - 16, 16, runtime.memcpyDeviceToHost)
     out["exporter_sees"] = back.tolist()
     out["exporter_free"] = runtime.memGetInfo()[0]
-    try:
-        runtime.ipcOpenMemHandle(handle)
-        out["own_handle"] = "opened"
-    except runtime.CUDARuntimeError as e:
-        out["own_handle"] = str(e)
+    out["own_handle"] = attempt(runtime.ipcOpenMemHandle, handle)
     runtime.free(ptr)
     out["exporter_free_after"] = runtime.memGetInfo()[0]
     print(json.dumps(out))
@@ -244,23 +246,15 @@ else:
     answer = numpy.array([7, 7, 7, 7], dtype=numpy.uint32)
     runtime.memcpy(ptr + SIZE - 16, answer.ctypes.data, 16, runtime.memcpyHostToDevice)
     out = {"importer_sees": got.tolist(), "importer_free_before": free_before, "importer_free": runtime.memGetInfo()[0]}
-    try:
-        runtime.free(ptr)
-        out["free_imported"] = "freed"
-    except runtime.CUDARuntimeError as e:
-        out["free_imported"] = str(e)
+    out["free_imported"] = attempt(runtime.free, ptr)
     runtime.ipcCloseMemHandle(ptr)
     print(json.dumps(out))
 "#;
 
 #[test]
 fn cupy_processes_share_memory_through_ipc_counted_once() {
-    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
-    else {
-        return;
-    };
-    let node = SimNode::new();
-    let v = run_python_json(&node, &python, "CuPy IPC", &["-c", IPC_PROGRAM, "export", IPC_PROGRAM], &[]);
+    let Some(python) = cupy_python() else { return };
+    let v = run_python_json(&SimNode::new(), &python, "CuPy IPC", &["-c", IPC_PROGRAM, "export", IPC_PROGRAM], &[]);
     assert_eq!(v["importer_sees"], serde_json::json!([256, 257, 258, 259]), "the exporter's bytes");
     assert_eq!(v["exporter_sees"], serde_json::json!([7, 7, 7, 7]), "the importer's bytes");
     let shared = 256 * MIB;
@@ -380,10 +374,7 @@ print(json.dumps(out))
 
 #[test]
 fn cupy_captured_graph_memory_under_the_shim_holds_its_limit() {
-    let Some(python) = venv_python("TESSERA_CUDA_RUNTIMES", "cuda-runtimes", "import cupy, cupy_backends", "CuPy")
-    else {
-        return;
-    };
+    let Some(python) = cupy_python() else { return };
     let node = SimNode::new();
     let (graph, other) = (600 * MIB, 300 * MIB);
     let args = ["-c", CAPTURED_GRAPH_PROGRAM, &graph.to_string(), &other.to_string()];

@@ -60,6 +60,11 @@ out["free_after"] = torch.cuda.mem_get_info()[0]
 print(json.dumps(out))
 "#;
 
+/// The Python of the PyTorch environment, where torch imports; else `None` (see [`venv_python`]).
+fn torch_python() -> Option<PathBuf> {
+    venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch")
+}
+
 /// Runs the program on a node of its own with `extra` environment, allocating `chunk` bytes at a
 /// time; what it saw.
 fn run_torch(python: &PathBuf, chunk: u64, extra: &[(&str, &str)]) -> Value {
@@ -78,54 +83,48 @@ fn check_common(v: &Value, expandable: bool) {
     assert_eq!(v["oom"], "OutOfMemoryError", "PyTorch's own OOM error: {v}");
 }
 
-fn runs_on_the_sim(alloc_conf: &str) {
-    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
-    let v = run_torch(&python, 4 * GIB, &[("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)]);
+/// The program with `alloc_conf`, on the sim alone or under libtessera.so with a 1 GiB limit
+/// (`shim_on`): it sees the board (or the limit) less its context, holds what fits until
+/// PyTorch's own OOM, and what the allocator gave back is free on the device again.
+fn runs_with(alloc_conf: &str, shim_on: bool) {
+    let Some(python) = torch_python() else { return };
+    let shim = shim_on.then(shim);
+    let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)];
+    if let Some(p) = &shim {
+        env.extend([("LD_PRELOAD", p.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "1GiB")]);
+    }
+    let (chunk, total, free) = match shim_on {
+        true => (100 * MIB, GIB, GIB - h100::CONTEXT_OVERHEAD),
+        false => (4 * GIB, h100::MEMORY, h100::MEMORY - h100::RESERVED - h100::CONTEXT_OVERHEAD),
+    };
+    let v = run_torch(&python, chunk, &env);
     check_common(&v, !alloc_conf.is_empty());
-    assert_eq!(u(&v, "total"), h100::MEMORY);
-    let free = h100::MEMORY - h100::RESERVED - h100::CONTEXT_OVERHEAD;
-    assert_eq!(u(&v, "free"), free, "the board less what the sim reserves and the context");
+    assert_eq!(u(&v, "total"), total, "mem_get_info shows the board, or the limit, as the device's memory");
+    assert_eq!(u(&v, "free"), free, "the board less what the sim reserves, or the limit, less the context");
     let held = u(&v, "held");
-    assert!(held <= free && held + 4 * GIB + LIBRARIES_KEEP > free, "held {held} of {free} free before the OOM");
-    // What the allocator gave back is free on the device again.
+    assert!(held <= free && held + chunk + LIBRARIES_KEEP > free, "held {held} of {free} free before the OOM");
     let (after, reserved) = (u(&v, "free_after"), u(&v, "reserved_after"));
     assert!(after + reserved <= free && after + reserved + LIBRARIES_KEEP > free, "{v}");
 }
 
 #[test]
 fn pytorch_runs_on_the_simulated_node() {
-    runs_on_the_sim("");
+    runs_with("", false);
 }
 
 #[test]
 fn pytorch_with_expandable_segments_maps_memory_through_vmm() {
-    runs_on_the_sim("expandable_segments:True");
-}
-
-fn sees_the_shims_limit(alloc_conf: &str) {
-    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
-    let shim = shim();
-    let shim = shim.to_str().expect("utf-8 path");
-    let env = [("LD_PRELOAD", shim), ("TESSERA_MEMORY_LIMIT", "1GiB"), ("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)];
-    let v = run_torch(&python, 100 * MIB, &env);
-    check_common(&v, !alloc_conf.is_empty());
-    assert_eq!(u(&v, "total"), GIB, "mem_get_info shows the limit as the device's memory");
-    assert_eq!(u(&v, "free"), GIB - h100::CONTEXT_OVERHEAD, "the context counts against the limit");
-    let held = u(&v, "held");
-    let free = GIB - h100::CONTEXT_OVERHEAD;
-    assert!(held <= free && held + 100 * MIB + LIBRARIES_KEEP > free, "held {held} of {free} under a 1 GiB limit");
-    let (after, reserved) = (u(&v, "free_after"), u(&v, "reserved_after"));
-    assert!(after + reserved <= free && after + reserved + LIBRARIES_KEEP > free, "{v}");
+    runs_with("expandable_segments:True", false);
 }
 
 #[test]
 fn pytorch_under_the_shim_sees_its_limit() {
-    sees_the_shims_limit("");
+    runs_with("", true);
 }
 
 #[test]
 fn pytorch_with_expandable_segments_under_the_shim_sees_its_limit() {
-    sees_the_shims_limit("expandable_segments:True");
+    runs_with("expandable_segments:True", true);
 }
 
 /// PyTorch's `cudaMallocAsync` backend: every tensor is a stream-ordered allocation from the
@@ -156,7 +155,7 @@ print(json.dumps(out))
 
 #[test]
 fn pytorch_cuda_malloc_async_pool_counts_against_the_limit() {
-    let Some(python) = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch") else { return };
+    let Some(python) = torch_python() else { return };
     let run = |extra: &[(&str, &str)]| {
         let mut env = vec![("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")];
         env.extend_from_slice(extra);
@@ -244,7 +243,7 @@ print(json.dumps(out))
 /// Runs one mixed-precision case on a node of its own, under libtessera.so with a 4 GiB limit
 /// when `shim`; what it saw, after checking that the shim (or the whole board) was there.
 fn mixed_precision(case: &str, shim_on: bool) -> Option<Value> {
-    let python = venv_python("TESSERA_TORCH_RUNTIME", "torch-runtime", "import torch", "PyTorch")?;
+    let python = torch_python()?;
     let shim = shim_on.then(shim);
     let env = match &shim {
         Some(p) => vec![("LD_PRELOAD", p.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "4GiB")],
