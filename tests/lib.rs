@@ -15,6 +15,40 @@ pub fn shim() -> PathBuf {
     p
 }
 
+/// A flow's own tesserad on a simulated node: a temporary directory holding its configuration,
+/// state, socket and log (`tesserad.log`); the daemon is killed on drop, before the directory
+/// goes.
+pub struct Tesserad {
+    _daemon: kubelet::Daemon,
+    tmp: tempfile::TempDir,
+}
+
+impl Tesserad {
+    /// Starts tesserad on `node` with the default configuration and `config` added (more keys,
+    /// tables); it, and a client of its node API once that answers.
+    pub async fn start(
+        node: &tessera_sim_testkit::SimNode,
+        config: &str,
+    ) -> (Tesserad, tessera_proto::tessera::v1::node_client::NodeClient<tonic::transport::Channel>) {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path();
+        let config = kubelet::write_config(node, dir, config);
+        let (daemon, _) = kubelet::spawn(node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
+        let api = kubelet::node_api(&dir.join("run/tessera.sock")).await;
+        (Tesserad { _daemon: daemon, tmp }, api)
+    }
+
+    /// Its directory (what the CLI's `tessera(dir, …)` takes).
+    pub fn dir(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    /// What it has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir().join("tesserad.log")).unwrap_or_default()
+    }
+}
+
 /// Whether runc can run containers here; prints a SKIP line when not (an error instead when
 /// `TESSERA_REQUIRE_RUNTIMES` is set, as in the hook's own tests).
 pub fn runc_usable() -> bool {

@@ -11,7 +11,7 @@ use tessera_proto::tessera::v1 as api;
 use tessera_sim_model::Node;
 use tessera_sim_testkit::SimNode;
 use tessera_tests::kubelet::{node_api, spawn};
-use tessera_tests::{ok, shim, tessera};
+use tessera_tests::{Tesserad, ok, shim, tessera};
 use tonic::Code;
 
 const GIB: u64 = 1 << 30;
@@ -40,13 +40,9 @@ fn used(m: &Node) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allocation_parks_frees_its_gpu_memory_and_resumes_when_it_fits() {
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config = tessera_tests::kubelet::write_config(&node, dir, "");
-    let log = dir.join("tesserad.log");
-    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
-    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let (tesserad, mut api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let show_log = || tesserad.log();
     let m = Node::open(None, Some(&node.state)).expect("the simulated node");
 
     // An unknown id: NOT_FOUND, naming it.

@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 
 use tessera_sim_testkit::SimNode;
 use tessera_tests::kubelet::{node_api, spawn};
-use tessera_tests::{ok, shim, tessera};
+use tessera_tests::{Tesserad, ok, shim, tessera};
 
 const GIB: u64 = 1 << 30;
 const OVERHEAD_MIB: u64 = 300;
@@ -181,16 +181,12 @@ async fn a_carved_share_limits_a_host_process_live_and_is_released() {
 /// what holds each GPU or instance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mig_devices_and_whole_gpus_through_the_cli() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
     let node = SimNode::with_description(
         "numa_nodes = 1\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\nmig = true\n\
          [[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n",
     );
-    let config = tessera_tests::kubelet::write_config(&node, dir, "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n");
-    let log = dir.join("tesserad.log");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
-    let _ = node_api(&dir.join("run/tessera.sock")).await;
+    let (tesserad, _) = Tesserad::start(&node, "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n").await;
+    let dir = tesserad.dir();
     let json = |args: &[&str]| -> serde_json::Value {
         let mut all = vec!["alloc"];
         all.extend(args);
@@ -320,12 +316,8 @@ fn zombie(pid: u32) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_attributed_in_its_life_is_not_reported_when_it_exits() {
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config =
-        tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\naction = \"report\"\ninterval_ms = 100\n");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
-    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let (tesserad, mut api) = Tesserad::start(&node, "[enforcement]\naction = \"report\"\ninterval_ms = 100\n").await;
+    let dir = tesserad.dir();
     let req = tessera_proto::tessera::v1::WatchEventsRequest {
         kinds: vec![tessera_proto::tessera::v1::EventKind::UnattributedProcess as i32],
         ..Default::default()
@@ -419,12 +411,8 @@ async fn a_host_process_bypassing_the_shim_is_held_to_its_share_by_its_cgroup() 
     let node = SimNode::with_description(&format!(
         "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
     ));
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config =
-        tessera_tests::kubelet::write_config(&node, dir, "[enforcement]\naction = \"kill\"\ninterval_ms = 200\n");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
-    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    let (tesserad, mut api) = Tesserad::start(&node, "[enforcement]\naction = \"kill\"\ninterval_ms = 200\n").await;
+    let dir = tesserad.dir();
 
     // The platform's cgroup for the function, and the name /proc/<pid>/cgroup gives it.
     let name = format!("/tessera-fn-{}/fn-1", std::process::id());
@@ -498,15 +486,12 @@ async fn a_host_process_bypassing_the_shim_is_held_to_its_sm_share_by_its_cgroup
     use tessera_proto::tessera::v1 as api;
     let Some(root) = cgroup_root() else { return };
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config = tessera_tests::kubelet::write_config(
+    let (tesserad, mut api) = Tesserad::start(
         &node,
-        dir,
         "[enforcement]\naction = \"kill\"\nsm_action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000\n",
-    );
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
-    let mut api = node_api(&dir.join("run/tessera.sock")).await;
+    )
+    .await;
+    let dir = tesserad.dir();
     let name = format!("/tessera-fn-sm-{}/fn-1", std::process::id());
     let cgroup = CgroupDir(root.join(format!("tessera-fn-sm-{}", std::process::id())), root.join(&name[1..]));
     std::fs::create_dir_all(&cgroup.1).expect("make the cgroup");

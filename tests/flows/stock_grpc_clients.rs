@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tessera_sim_testkit::SimNode;
+use tessera_tests::Tesserad;
 use tessera_tests::kubelet::{TestKubelet, node_api, spawn};
 
 /// One HPACK literal header field without indexing, new name, no Huffman coding.
@@ -117,12 +118,8 @@ async fn the_python_example_client_runs_with_grpcio_defaults() {
         return;
     };
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let config = tessera_tests::kubelet::write_config(&node, dir, "");
-    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &dir.join("tesserad.log"));
-    let socket = dir.join("run/tessera.sock");
-    let _ = node_api(&socket).await;
+    let (tesserad, _) = Tesserad::start(&node, "").await;
+    let socket = tesserad.dir().join("run/tessera.sock");
 
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/python/tessera_client.py");
     let out = std::process::Command::new(&python)
