@@ -16,15 +16,30 @@
 /// reflection and for tests that check the wire contract.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/tessera_proto_descriptor.bin"));
 
+/// The code generated from one protobuf package, in a module of its own (not linted: it is not
+/// ours to shape), all of it re-exported: by package name, or by the file the build wrote apart.
+macro_rules! generated {
+    ($package:literal) => {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            tonic::include_proto!($package);
+        }
+        pub use generated::*;
+    };
+    (file $path:literal) => {
+        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
+        mod generated {
+            include!(concat!(env!("OUT_DIR"), $path));
+        }
+        pub use generated::*;
+    };
+}
+
 /// Kubernetes device-plugin API.
 pub mod deviceplugin {
     /// Device-plugin API v1beta1 (protobuf package `v1beta1`).
     pub mod v1beta1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("v1beta1");
-        }
-        pub use generated::*;
+        generated!("v1beta1");
 
         use std::time::Duration;
 
@@ -51,11 +66,7 @@ pub mod deviceplugin {
 pub mod podresources {
     /// Pod-resources API v1 (protobuf package `v1`).
     pub mod v1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("v1");
-        }
-        pub use generated::*;
+        generated!("v1");
 
         /// Where the kubelet serves the pod-resources API by default.
         pub const POD_RESOURCES_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -66,11 +77,7 @@ pub mod podresources {
 pub mod pluginregistration {
     /// Plugin registration v1 (protobuf package `pluginregistration`).
     pub mod v1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("pluginregistration");
-        }
-        pub use generated::*;
+        generated!("pluginregistration");
 
         /// `PluginInfo.type` of a DRA driver.
         pub const DRA_PLUGIN: &str = "DRAPlugin";
@@ -83,11 +90,7 @@ pub mod pluginregistration {
 pub mod dra {
     /// DRA plugin API v1 (protobuf package `k8s.io.kubelet.pkg.apis.dra.v1`), kubelets from 1.34.
     pub mod v1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1");
-        }
-        pub use generated::*;
+        generated!("k8s.io.kubelet.pkg.apis.dra.v1");
 
         /// What a driver lists in `PluginInfo.supported_versions` for this service.
         pub const DRA_PLUGIN_SERVICE: &str = "v1.DRAPlugin";
@@ -96,11 +99,7 @@ pub mod dra {
     /// DRA plugin API v1beta1 (protobuf package `k8s.io.kubelet.pkg.apis.dra.v1beta1`), for
     /// kubelets before 1.34; the same messages as v1.
     pub mod v1beta1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
-        }
-        pub use generated::*;
+        generated!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
 
         /// What a driver lists in `PluginInfo.supported_versions` for this service.
         pub const DRA_PLUGIN_SERVICE: &str = "v1beta1.DRAPlugin";
@@ -112,11 +111,7 @@ pub mod dra {
 pub mod dra_health {
     /// Resource health v1 (protobuf package `v1`), kubelets from 1.36.
     pub mod v1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            include!(concat!(env!("OUT_DIR"), "/dra_health/v1.rs"));
-        }
-        pub use generated::*;
+        generated!(file "/dra_health/v1.rs");
 
         /// What a driver lists in `PluginInfo.supported_versions` when it serves this service.
         pub const DRA_RESOURCE_HEALTH_SERVICE: &str = "v1.DRAResourceHealth";
@@ -125,11 +120,7 @@ pub mod dra_health {
     /// Resource health v1alpha1 (protobuf package `v1alpha1`), the same messages for kubelets
     /// from 1.34 (alpha, `ResourceHealthStatus` gate) until they speak v1.
     pub mod v1alpha1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            include!(concat!(env!("OUT_DIR"), "/dra_health/v1alpha1.rs"));
-        }
-        pub use generated::*;
+        generated!(file "/dra_health/v1alpha1.rs");
 
         /// What a driver lists in `PluginInfo.supported_versions` when it serves this service.
         pub const DRA_RESOURCE_HEALTH_SERVICE: &str = "v1alpha1.DRAResourceHealth";
@@ -140,11 +131,7 @@ pub mod dra_health {
 pub mod tessera {
     /// The node API v1 (protobuf package `tessera.v1`), served by tesserad to the CLI.
     pub mod v1 {
-        #[allow(missing_docs, unreachable_pub, clippy::all, clippy::pedantic, clippy::nursery)]
-        mod generated {
-            tonic::include_proto!("tessera.v1");
-        }
-        pub use generated::*;
+        generated!("tessera.v1");
     }
 }
 
