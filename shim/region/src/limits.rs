@@ -48,6 +48,35 @@ pub const LIMITS_VERSION: u32 = 1;
 /// The device key that applies to every device without a more specific entry.
 pub const ALL_DEVICES: &str = "*";
 
+/// A setting's values by their names in the limits file (the names serde reads and writes):
+/// `ALL`, `as_str`, `from_name` (ASCII case and surrounding blanks ignored) and `Display`, from
+/// one list of `Variant = "name"`.
+macro_rules! named_values {
+    ($ty:ident, $count:literal: $($variant:ident = $name:literal),+) => {
+        impl $ty {
+            pub const ALL: [$ty; $count] = [$($ty::$variant),+];
+
+            /// The value's name in the limits file.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $name),+
+                }
+            }
+
+            /// The value named `name`.
+            pub fn from_name(name: &str) -> Option<$ty> {
+                $ty::ALL.into_iter().find(|v| v.as_str().eq_ignore_ascii_case(name.trim()))
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Priority {
@@ -57,28 +86,7 @@ pub enum Priority {
     High,
 }
 
-impl Priority {
-    pub const ALL: [Priority; 3] = [Priority::Low, Priority::Normal, Priority::High];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Low => "low",
-            Priority::Normal => "normal",
-            Priority::High => "high",
-        }
-    }
-
-    /// `"low"`, `"normal"` or `"high"` (ASCII case ignored).
-    pub fn from_name(name: &str) -> Option<Priority> {
-        Priority::ALL.into_iter().find(|p| p.as_str().eq_ignore_ascii_case(name.trim()))
-    }
-}
-
-impl fmt::Display for Priority {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+named_values!(Priority, 3: Low = "low", Normal = "normal", High = "high");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -90,27 +98,7 @@ pub enum ComputeMode {
     WorkConserving,
 }
 
-impl ComputeMode {
-    pub const ALL: [ComputeMode; 2] = [ComputeMode::Strict, ComputeMode::WorkConserving];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ComputeMode::Strict => "strict",
-            ComputeMode::WorkConserving => "work-conserving",
-        }
-    }
-
-    /// `"strict"` or `"work-conserving"` (ASCII case ignored).
-    pub fn from_name(name: &str) -> Option<ComputeMode> {
-        ComputeMode::ALL.into_iter().find(|m| m.as_str().eq_ignore_ascii_case(name.trim()))
-    }
-}
-
-impl fmt::Display for ComputeMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+named_values!(ComputeMode, 2: Strict = "strict", WorkConserving = "work-conserving");
 
 /// The limits of one device, or of a class of devices (`index:N`, `*`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1362,6 +1362,16 @@ mod tests {
         (dir, path, r)
     }
 
+    /// A process's own handle on the region at `path`, joined and holding `bytes` on `device`: the
+    /// handle, the device's index and the process's slot.
+    fn process_holding(path: &std::path::Path, device: &str, bytes: u64) -> (Region, usize, Slot) {
+        let r = Region::open_or_create(path).unwrap();
+        let dev = r.device(device).unwrap();
+        let me = r.join().unwrap();
+        r.try_reserve(me, dev, bytes, None).unwrap();
+        (r, dev, me)
+    }
+
     /// The daemon's look-up claims nothing and finds only the device named exactly.
     #[test]
     fn find_device_claims_nothing_and_matches_the_whole_name() {
@@ -1612,10 +1622,7 @@ mod tests {
     #[test]
     fn a_parked_container_shows_its_memory_parked_not_used() {
         let (_dir, path, daemon) = file_region();
-        let r = Region::open_or_create(&path).unwrap();
-        let d = r.device("GPU-0").unwrap();
-        let me = r.join().unwrap();
-        r.try_reserve(me, d, 3 << 30, None).unwrap();
+        let (r, d, me) = process_holding(&path, "GPU-0", 3 << 30);
         assert_eq!(daemon.park_state(), ParkState::Running, "a fresh region runs");
         let row = |s: &Snapshot| (s.park_state, s.devices[d].used, s.devices[d].parked);
         assert_eq!(row(&daemon.reap_and_snapshot()), (ParkState::Running, 3 << 30, 0));
@@ -1816,10 +1823,7 @@ mod tests {
     #[test]
     fn reconcile_returns_what_a_half_done_operation_left() {
         let (_dir, path, daemon) = file_region();
-        let r = Region::open_or_create(&path).unwrap();
-        let dev = r.device("GPU-a").unwrap();
-        let me = r.join().unwrap();
-        r.try_reserve(me, dev, 500, None).unwrap();
+        let (r, dev, me) = process_holding(&path, "GPU-a", 500);
         assert_eq!(daemon.reconcile(), 0, "nothing to return");
         // A process killed after raising the total, before raising its slot, in the middle of
         // its operation (guard busy): in doubt, left alone.

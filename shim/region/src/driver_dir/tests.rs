@@ -25,6 +25,16 @@ fn fake_root(root: &Path) -> DriverFiles {
     discover(&DriverConfig { root: root.into(), ..DriverConfig::default() })
 }
 
+/// A temporary directory (kept by the caller) with a fake driver root in it (`root`), that root's
+/// files, and where the driver directories go (`driver`).
+fn fake_host() -> (tempfile::TempDir, PathBuf, DriverFiles, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("root");
+    let files = fake_root(&root);
+    let parent = tmp.path().join("driver");
+    (tmp, root, files, parent)
+}
+
 fn ino(p: &Path) -> (u64, u64) {
     let m = fs::symlink_metadata(p).unwrap();
     (m.dev(), m.ino())
@@ -85,9 +95,7 @@ fn lays_out_files_soname_links_and_tools_under_the_key() {
 
 #[test]
 fn a_complete_directory_is_reused_as_it_is() {
-    let tmp = tempfile::tempdir().unwrap();
-    let files = fake_root(&tmp.path().join("root"));
-    let parent = tmp.path().join("driver");
+    let (_tmp, _root, files, parent) = fake_host();
     let first = prepare(&files, &parent).unwrap();
     let smi = first.dir.join("usr/bin/nvidia-smi");
     let before = (ino(&first.dir), ino(&smi), fs::metadata(&first.dir).unwrap().modified().unwrap());
@@ -101,10 +109,7 @@ fn a_complete_directory_is_reused_as_it_is() {
 
 #[test]
 fn a_driver_upgrade_gives_a_new_directory_and_leaves_the_old_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let files = fake_root(&root);
-    let parent = tmp.path().join("driver");
+    let (_tmp, root, files, parent) = fake_host();
     let old = prepare(&files, &parent).unwrap();
     // The package manager replaces the file (a new inode), as an upgrade does.
     let lib = root.join(LIB).join("libcuda.so.550.54.15");
@@ -174,9 +179,7 @@ fn a_damaged_directory_is_moved_aside_and_rebuilt() {
 
 #[test]
 fn a_second_damage_in_the_same_second_gets_its_own_name() {
-    let tmp = tempfile::tempdir().unwrap();
-    let files = fake_root(&tmp.path().join("root"));
-    let parent = tmp.path().join("driver");
+    let (_tmp, _root, files, parent) = fake_host();
     let mut aside = BTreeSet::new();
     for _ in 0..3 {
         let p = prepare(&files, &parent).unwrap();
@@ -190,9 +193,7 @@ fn a_second_damage_in_the_same_second_gets_its_own_name() {
 
 #[test]
 fn leftover_temporaries_are_removed_but_not_a_live_builders() {
-    let tmp = tempfile::tempdir().unwrap();
-    let files = fake_root(&tmp.path().join("root"));
-    let parent = tmp.path().join("driver");
+    let (_tmp, _root, files, parent) = fake_host();
     fs::create_dir_all(&parent).unwrap();
     let dead = parent.join(".tmp-0123456789abcdef-999999999");
     let ours = parent.join(format!(".tmp-0123456789abcdef-{}", std::process::id()));
@@ -218,10 +219,7 @@ fn leftover_temporaries_are_removed_but_not_a_live_builders() {
 
 #[test]
 fn copies_keep_mode_and_time_and_are_checked() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let files = fake_root(&root);
-    let parent = tmp.path().join("driver");
+    let (_tmp, root, files, parent) = fake_host();
     let p = prepare_with(&files, &parent, &copying()).unwrap();
     assert_eq!(p.counts, Counts { hard_links: 0, copies: 4, symlinks: 3 });
     let host = root.join("usr/bin/nvidia-smi");
@@ -294,10 +292,7 @@ fn links_resolve_inside_the_driver_root() {
 
 #[test]
 fn a_failed_build_leaves_nothing_behind() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("root");
-    let files = fake_root(&root);
-    let parent = tmp.path().join("driver");
+    let (_tmp, root, files, parent) = fake_host();
     // The disk fills up half way.
     let opts = Options { force_copy: true, fail_at: Some(PathBuf::from(LIB).join("libnvidia-ml.so.1")) };
     let e = prepare_with(&files, &parent, &opts).unwrap_err();
@@ -319,9 +314,7 @@ fn a_failed_build_leaves_nothing_behind() {
 
 #[test]
 fn a_parent_that_cannot_hold_it_is_an_error_naming_it() {
-    let tmp = tempfile::tempdir().unwrap();
-    let files = fake_root(&tmp.path().join("root"));
-    let parent = tmp.path().join("driver");
+    let (_tmp, _root, files, parent) = fake_host();
     fs::write(&parent, b"not a directory").unwrap();
     let e = prepare(&files, &parent).unwrap_err();
     assert!(e.to_string().contains(&parent.display().to_string()), "{e}");
@@ -332,9 +325,7 @@ fn a_parent_that_cannot_hold_it_is_an_error_naming_it() {
 
 #[test]
 fn files_outside_the_root_or_none_at_all_are_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let mut files = fake_root(&tmp.path().join("root"));
-    let parent = tmp.path().join("driver");
+    let (_tmp, _root, mut files, parent) = fake_host();
     let e = prepare(&DriverFiles { root: files.root.clone(), ..DriverFiles::default() }, &parent).unwrap_err();
     assert!(e.to_string().contains("no driver files"), "{e}");
     files.binaries.push(PathBuf::from("/bin/sh"));
