@@ -70,6 +70,13 @@ impl Node {
         self.write_proc_tree(root)
     }
 
+    /// A guard that rewrites the driver roots' proc trees ([`Node::refresh_driver_roots`]) when
+    /// dropped. A MIG change takes it before the node's lock, so the refresh comes after the
+    /// lock is released, whatever the change did (not while unwinding from a panic).
+    pub(crate) fn refreshing_driver_roots(&self) -> RefreshDriverRoots<'_> {
+        RefreshDriverRoots(self)
+    }
+
     /// Rewrites the proc tree of every registered driver root (after a MIG change). A root that
     /// cannot be written is reported on stderr and skipped: the MIG change itself stands.
     pub fn refresh_driver_roots(&self) {
@@ -124,6 +131,17 @@ impl Node {
             }
         }
         Ok(())
+    }
+}
+
+/// See [`Node::refreshing_driver_roots`].
+pub(crate) struct RefreshDriverRoots<'a>(&'a Node);
+
+impl Drop for RefreshDriverRoots<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.0.refresh_driver_roots();
+        }
     }
 }
 

@@ -137,13 +137,8 @@ impl Node {
     /// (destroying its MIG instances), and every context on it destroyed (its processes' memory
     /// there freed, their CUDA calls failing from then on).
     pub fn reset(&self, gpu: u32) -> Result<()> {
-        let r = self.reset_inner(gpu);
         // A reset applies a pending MIG mode: the driver roots' proc trees follow.
-        self.refresh_driver_roots();
-        r
-    }
-
-    fn reset_inner(&self, gpu: u32) -> Result<()> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.gpu(gpu)?;
         let s = g.shared();

@@ -79,47 +79,6 @@ impl Node {
         Ok(self.gpu(gpu)?.model)
     }
 
-    /// See [`Node::set_mig_mode_inner`]; the driver roots' proc trees follow.
-    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<MigModeChange> {
-        let r = self.set_mig_mode_inner(gpu, enable);
-        self.refresh_driver_roots();
-        r
-    }
-
-    /// See [`Node::create_gpu_instance_inner`]; the driver roots' proc trees follow.
-    pub fn create_gpu_instance(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
-        let r = self.create_gpu_instance_inner(gpu, nvml_profile, placement);
-        self.refresh_driver_roots();
-        r
-    }
-
-    /// See [`Node::destroy_gpu_instance_inner`]; the driver roots' proc trees follow.
-    pub fn destroy_gpu_instance(&self, gpu: u32, gi_id: u32) -> Result<()> {
-        let r = self.destroy_gpu_instance_inner(gpu, gi_id);
-        self.refresh_driver_roots();
-        r
-    }
-
-    /// See [`Node::create_compute_instance_inner`]; the driver roots' proc trees follow.
-    pub fn create_compute_instance(
-        &self,
-        gpu: u32,
-        gi_id: u32,
-        ci_profile: u32,
-        placement: Option<u32>,
-    ) -> Result<ComputeInstance> {
-        let r = self.create_compute_instance_inner(gpu, gi_id, ci_profile, placement);
-        self.refresh_driver_roots();
-        r
-    }
-
-    /// See [`Node::destroy_compute_instance_inner`]; the driver roots' proc trees follow.
-    pub fn destroy_compute_instance(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
-        let r = self.destroy_compute_instance_inner(gpu, gi_id, ci_id);
-        self.refresh_driver_roots();
-        r
-    }
-
     /// (current, pending) MIG mode.
     pub fn mig_mode(&self, gpu: u32) -> Result<(bool, bool)> {
         self.check_gpu(gpu)?;
@@ -134,7 +93,10 @@ impl Node {
     /// - Hopper and later: the mode takes effect at once; refused while processes use the GPU.
     ///
     /// Disabling is refused while GPU instances exist, on every model.
-    fn set_mig_mode_inner(&self, gpu: u32, enable: bool) -> Result<MigModeChange> {
+    ///
+    /// The driver roots' proc trees follow, whatever the change did.
+    pub fn set_mig_mode(&self, gpu: u32, enable: bool) -> Result<MigModeChange> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.check_gpu(gpu)?;
         let model = self.model(gpu)?;
@@ -167,10 +129,7 @@ impl Node {
         let spec = mig_spec(self.model(gpu)?)?;
         let gs = &g.shared().gpus[gpu as usize];
         let mut out = Vec::new();
-        for (slot, e) in gs.gis.iter().enumerate() {
-            if e.valid.load(Relaxed) == 0 {
-                continue;
-            }
+        for (slot, e) in gs.gis.iter().enumerate().filter(|(_, e)| e.valid.load(Relaxed) != 0) {
             let np = e.nvml_profile.load(Relaxed);
             let profile = spec.gi_profiles.iter().find(|p| p.nvml_profile == np);
             let profile = profile.ok_or_else(|| SimError::State(format!("GPU instance with unknown profile {np}")))?;
@@ -257,7 +216,10 @@ impl Node {
     }
 
     /// Creates a GPU instance, at `placement` (first memory slice) or the first that fits.
-    fn create_gpu_instance_inner(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
+    ///
+    /// The driver roots' proc trees follow, whatever the change did.
+    pub fn create_gpu_instance(&self, gpu: u32, nvml_profile: u32, placement: Option<u32>) -> Result<GpuInstance> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         let p = self.gi_profile(gpu, nvml_profile)?;
@@ -294,7 +256,10 @@ impl Node {
     }
 
     /// Destroys a GPU instance; refused while it has compute instances or memory in use.
-    fn destroy_gpu_instance_inner(&self, gpu: u32, gi_id: u32) -> Result<()> {
+    ///
+    /// The driver roots' proc trees follow, whatever the change did.
+    pub fn destroy_gpu_instance(&self, gpu: u32, gi_id: u32) -> Result<()> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         g.reap();
@@ -317,10 +282,7 @@ impl Node {
         let spec = mig_spec(self.model(gpu)?)?;
         let gs = &g.shared().gpus[gpu as usize];
         let mut out = Vec::new();
-        for (slot, c) in gs.cis.iter().enumerate() {
-            if c.valid.load(Relaxed) == 0 {
-                continue;
-            }
+        for (slot, c) in gs.cis.iter().enumerate().filter(|(_, c)| c.valid.load(Relaxed) != 0) {
             let gi_slot = c.gi_slot.load(Relaxed) as usize;
             let Some(gi) = gis.iter().find(|gi| gi.slot == gi_slot) else { continue };
             let np = c.nvml_profile.load(Relaxed);
@@ -442,13 +404,16 @@ impl Node {
     }
 
     /// Creates a compute instance in a GPU instance, at `placement` or the first that fits.
-    fn create_compute_instance_inner(
+    ///
+    /// The driver roots' proc trees follow, whatever the change did.
+    pub fn create_compute_instance(
         &self,
         gpu: u32,
         gi_id: u32,
         ci_profile: u32,
         placement: Option<u32>,
     ) -> Result<ComputeInstance> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         let (gi, profile, cis, free) = self.free_ci_placements(&g, gpu, gi_id, ci_profile)?;
@@ -490,7 +455,10 @@ impl Node {
     }
 
     /// Destroys a compute instance; refused while a process holds a context on it.
-    fn destroy_compute_instance_inner(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
+    ///
+    /// The driver roots' proc trees follow, whatever the change did.
+    pub fn destroy_compute_instance(&self, gpu: u32, gi_id: u32, ci_id: u32) -> Result<()> {
+        let _roots = self.refreshing_driver_roots();
         let g = self.region.lock();
         self.require_mig(&g, gpu)?;
         g.reap();
