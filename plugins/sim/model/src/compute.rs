@@ -410,12 +410,7 @@ impl Node {
 
     /// GPU time this process has received on a unit, in ns.
     pub fn own_gpu_time(&self, gpu: u32, unit: usize) -> u64 {
-        match self.region.own_slot_if_any() {
-            Some(s) if (gpu as usize) < MAX_GPUS && unit < UNITS => {
-                self.region.shared().procs[s].served[gpu as usize][unit].load(Relaxed)
-            }
-            _ => 0,
-        }
+        self.region.own_proc().and_then(|p| p.served.get(gpu as usize)?.get(unit)).map_or(0, |c| c.load(Relaxed))
     }
 
     /// Utilization of a whole GPU over the window ending now that starts at `since_ns`

@@ -3,6 +3,7 @@
 //! What a process holds lives in its own slot; totals are sums over live slots, so a process that
 //! dies holds nothing the moment its slot is reaped, whatever it was doing when it died.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::*;
 
 use crate::layout::*;
@@ -159,21 +160,18 @@ impl Node {
 
     /// Returns memory taken with [`Node::alloc`].
     pub fn free(&self, gpu: u32, domain: usize, bytes: u64) {
-        let (Some(slot), true) = (self.region.own_slot_if_any(), (gpu as usize) < MAX_GPUS && domain < DOMAINS) else {
-            return;
-        };
-        let cell = &self.region.shared().procs[slot].mem[gpu as usize][domain];
+        let Some(cell) = self.own_cell(gpu, domain) else { return };
         let _ = cell.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(bytes)));
+    }
+
+    /// This process's count of what it holds in a domain (none before it has a slot).
+    fn own_cell(&self, gpu: u32, domain: usize) -> Option<&AtomicU64> {
+        self.region.own_proc().and_then(|p| p.mem.get(gpu as usize)?.get(domain))
     }
 
     /// What this process holds in a domain.
     pub fn own_usage(&self, gpu: u32, domain: usize) -> u64 {
-        match self.region.own_slot_if_any() {
-            Some(s) if (gpu as usize) < MAX_GPUS && domain < DOMAINS => {
-                self.region.shared().procs[s].mem[gpu as usize][domain].load(Relaxed)
-            }
-            _ => 0,
-        }
+        self.own_cell(gpu, domain).map_or(0, |c| c.load(Relaxed))
     }
 
     /// Memory of a whole GPU (`domain` 0) or of one of its GPU instances. Reaps dead processes

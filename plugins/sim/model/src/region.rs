@@ -179,6 +179,11 @@ impl Region {
         self.shared().gpus.get(gpu as usize)
     }
 
+    /// This process's own slot, once it has one.
+    pub fn own_proc(&self) -> Option<&ProcSlot> {
+        self.own_slot_if_any().map(|s| &self.shared().procs[s])
+    }
+
     pub fn description_text(&self) -> Result<String> {
         let s = self.shared();
         let len = s.header.desc_len.load(Relaxed) as usize;
