@@ -14,7 +14,8 @@
 //! as adding the records up one by one with saturating adds would. Devices are keyed by their
 //! physical UUID with ASCII letters upper-cased ([`device_key`]), as admission compares them.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 
 use tessera_region::ComputeMode;
 
@@ -138,8 +139,9 @@ pub struct NodeApiHeld {
 pub struct Holdings {
     /// By [`device_key`]; a device no record holds has no entry.
     pub devices: BTreeMap<String, DeviceHoldings>,
-    /// The devices the kubelet's records hold: `(resource, device id)`.
-    pub kubelet_devices: BTreeSet<(String, String)>,
+    /// The devices the kubelet's records hold: device ids by resource (looked up without a
+    /// copy of either; shared with the store's index, so a publish copies no id).
+    pub kubelet_devices: BTreeMap<String, BTreeSet<Arc<str>>>,
 }
 
 impl Holdings {
@@ -150,7 +152,7 @@ impl Holdings {
 
     /// Whether a kubelet record of `resource` holds device `id`.
     pub fn kubelet_holds(&self, resource: &str, id: &str) -> bool {
-        self.kubelet_devices.contains(&(resource.to_owned(), id.to_owned()))
+        self.kubelet_devices.get(resource).is_some_and(|ids| ids.contains(id))
     }
 
     /// What the node API's own allocations hold of `uuid`; `None` when they hold none of it.
@@ -184,7 +186,7 @@ impl Holdings {
     ) -> BTreeSet<(String, String)> {
         let mut out = BTreeSet::new();
         // Per device: what is held, plus the free devices kept so far.
-        let mut kept: BTreeMap<String, (u64, u32)> = BTreeMap::new();
+        let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
         for res in resources.resources.values() {
             for d in res.devices.iter().filter(|d| d.health.is_healthy()) {
                 // A pod's (the node API's MIG records name the same id: those do not count).
@@ -193,7 +195,7 @@ impl Holdings {
                 }
                 let Some(total) = memory_of(&d.physical_uuid) else { continue };
                 let (memory, sm) = kept
-                    .entry(device_key(&d.physical_uuid))
+                    .entry(d.physical_uuid.as_str())
                     .or_insert_with(|| self.device(&d.physical_uuid).total().held(total));
                 let strict = res.kind != Kind::Share || share_mode == ComputeMode::Strict;
                 let (m, p) = (d.memory_limit.unwrap_or(total), if strict { d.sm_percent.unwrap_or(100) } else { 0 });
@@ -242,7 +244,9 @@ mod tests {
         for &(uuid, holder, memory, sm) in parts {
             h.devices.entry(device_key(uuid)).or_default().of_mut(holder).add((memory, sm));
         }
-        h.kubelet_devices = kubelet.iter().map(|(r, id)| (r.to_string(), id.to_string())).collect();
+        for (r, id) in kubelet {
+            h.kubelet_devices.entry(r.to_string()).or_default().insert(Arc::from(*id));
+        }
         h
     }
 

@@ -42,7 +42,8 @@ pub struct View {
     /// In effect: the file's configuration with the node API's layout changes on top.
     pub config: Arc<Config>,
     pub inventory: Inventory,
-    pub shares: Vec<Share>,
+    /// The planned shares (shared: a publish of the holdings alone copies none).
+    pub shares: Arc<Vec<Share>>,
     pub resources: Arc<Resources>,
     /// Managed GPUs only (by index).
     pub status: BTreeMap<u32, GpuStatus>,
@@ -90,7 +91,7 @@ impl View {
         Arc::ptr_eq(&self.config, &before.config)
             && Arc::ptr_eq(&self.resources, &before.resources)
             && self.inventory == before.inventory
-            && self.shares == before.shares
+            && Arc::ptr_eq(&self.shares, &before.shares)
             && self.status == before.status
             && self.health == before.health
     }
@@ -119,7 +120,7 @@ impl View {
                 gpus: Vec::new(),
                 topology: Vec::new(),
             },
-            shares: Vec::new(),
+            shares: Arc::default(),
             resources: Arc::new(resources),
             status: partitioned.iter().map(|&i| (i, status.clone())).collect(),
             health: NodeHealth::default(),

@@ -312,7 +312,7 @@ impl NodeController {
         let mut resources = Resources::build(&config, &inv, &layouts, &shares);
         resources.mark_unhealthy(&live.view.health);
         live.view.inventory = inv.clone();
-        live.view.shares = shares;
+        live.view.shares = std::sync::Arc::new(shares);
         self.publish(live, resources);
         Ok(inv)
     }

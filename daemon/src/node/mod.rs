@@ -142,7 +142,7 @@ impl NodeController {
         let view = View {
             config: Arc::clone(&config),
             inventory,
-            shares: Vec::new(),
+            shares: Arc::default(),
             resources: Arc::new(Resources::default()),
             status: BTreeMap::new(),
             health: NodeHealth::default(),
@@ -561,7 +561,7 @@ impl NodeController {
         // 5. Publish.
         live.view.config = Arc::new(config);
         live.view.inventory = after_inv;
-        live.view.shares = shares;
+        live.view.shares = Arc::new(shares);
         live.view.status = status;
         self.publish(live, resources);
         Ok(results)
