@@ -88,8 +88,8 @@ pub struct NodeController {
 pub struct KubeletOffer {
     /// The resources served.
     pub resources: BTreeSet<String>,
-    /// Free devices told unhealthy because they no longer fit beside the node API's allocations
-    /// (`DaemonAllocator::withdrawn`): `(resource, device id)`.
+    /// Free devices told unhealthy because they no longer fit beside what the records hold
+    /// (`View::withdrawn_from_kubelet`): `(resource, device id)`.
     pub withdrawn: BTreeSet<(String, String)>,
 }
 
