@@ -7,6 +7,7 @@ use crate::ffi::*;
 use tessera_abi::cuda_exports;
 use tessera_region::TraceFunc;
 
+use crate::memory::alloc::flavour;
 use crate::real::RealCuda;
 use crate::state::{enter, enter_launch};
 use crate::trace::Launch;
@@ -140,78 +141,63 @@ unsafe fn config_stream(config: *const CUlaunchConfigHead) -> CUstream {
     unsafe { get(config) }.map_or(std::ptr::null_mut(), |c| c.h_stream)
 }
 
+/// Calls the driver's `cuLaunchKernelEx` (or its `_ptsz` twin) when it has one, else
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+///
+/// # Safety
+/// As cuda.h's `cuLaunchKernelEx`.
+#[inline(always)]
+unsafe fn launch_ex(
+    real: Option<tessera_abi::cuda::pfn::cuLaunchKernelEx>,
+    config: tessera_abi::cuda::params::cuLaunchKernelEx::config,
+    f: CUfunction,
+    kernel_params: *mut *mut std::ffi::c_void,
+    extra: *mut *mut std::ffi::c_void,
+) -> CUresult {
+    match real {
+        // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
+        Some(real) => unsafe { real(config, f, kernel_params, extra) },
+        None => CUDA_ERROR_NOT_SUPPORTED,
+    }
+}
+
 // `cuLaunchKernelEx` is optional in the driver (CUDA 11.8+): without it the fast path is not
 // taken and the limiter's path answers `CUDA_ERROR_NOT_SUPPORTED`, as before the fast path.
 launch_hook!(cuLaunchKernelEx, slow_cuLaunchKernelEx, config config, function f,
 if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx.is_some()),
-(config, f, kernelParams, extra),
-|cu| match cu.cuLaunchKernelEx {
-    Some(real) => real(config, f, kernelParams, extra),
-    None => CUDA_ERROR_NOT_SUPPORTED,
-});
+(config, f, kernelParams, extra), |cu| launch_ex(cu.cuLaunchKernelEx, config, f, kernelParams, extra));
 launch_hook!(cuLaunchKernelEx_ptsz, slow_cuLaunchKernelEx_ptsz, config config, function f,
 if crate::real::cuda_ready().is_some_and(|cu| cu.cuLaunchKernelEx_ptsz.is_some()),
-(config, f, kernelParams, extra),
-|cu| match cu.cuLaunchKernelEx_ptsz {
-    Some(real) => real(config, f, kernelParams, extra),
-    None => CUDA_ERROR_NOT_SUPPORTED,
-});
+(config, f, kernelParams, extra), |cu| launch_ex(cu.cuLaunchKernelEx_ptsz, config, f, kernelParams, extra));
 
 cuda_exports! {
     /// # Safety
-    /// As cuda.h's `cuGraphLaunch`.
-    fn cuGraphLaunch(hGraphExec, hStream) {
+    /// As cuda.h's `cuGraphLaunch`, and `cuGraphLaunch_ptsz`.
+    fn cuGraphLaunch(hGraphExec, hStream) twin cuGraphLaunch_ptsz(ptsz) {
         // A graph with memory nodes takes the full path: its memory is reserved there.
         if !crate::memory::graph::any_memory_nodes()
             && let Some(cu) = fast(hStream)
         {
+            let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
             // SAFETY: the caller's arguments, passed on unchanged.
-            return unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) };
+            return unsafe { launch(hGraphExec, hStream) };
         }
         // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-        unsafe { slow_cuGraphLaunch(hGraphExec, hStream) }
+        unsafe { slow_graph_launch(hGraphExec, hStream, ptsz) }
     }
 }
 
-/// `cuGraphLaunch` past the fast path: the whole limiter.
+/// `cuGraphLaunch` (`cuGraphLaunch_ptsz` when `ptsz`) past the fast path: the whole limiter.
 ///
 /// # Safety
 /// As cuda.h's `cuGraphLaunch`.
 #[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(TraceFunc::cuGraphLaunch, std::ptr::null_mut(), hStream, |cu| {
+unsafe fn slow_graph_launch(hGraphExec: CUgraphExec, hStream: CUstream, ptsz: bool) -> CUresult {
+    let trace = flavour(ptsz, TraceFunc::cuGraphLaunch, TraceFunc::cuGraphLaunch_ptsz);
+    gated(trace, std::ptr::null_mut(), hStream, |cu| {
+        let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
         // SAFETY: the caller's arguments, passed on unchanged.
-        crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch)(hGraphExec, hStream) })
-    })
-}
-
-cuda_exports! {
-    /// # Safety
-    /// As cuda.h's `cuGraphLaunch_ptsz`.
-    fn cuGraphLaunch_ptsz(hGraphExec, hStream) {
-        // A graph with memory nodes takes the full path: its memory is reserved there.
-        if !crate::memory::graph::any_memory_nodes()
-            && let Some(cu) = fast(hStream)
-        {
-            // SAFETY: the caller's arguments, passed on unchanged.
-            return unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) };
-        }
-        // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-        unsafe { slow_cuGraphLaunch_ptsz(hGraphExec, hStream) }
-    }
-}
-
-/// `cuGraphLaunch_ptsz` past the fast path: the whole limiter.
-///
-/// # Safety
-/// As cuda.h's `cuGraphLaunch_ptsz`.
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn slow_cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    gated(TraceFunc::cuGraphLaunch_ptsz, std::ptr::null_mut(), hStream, |cu| {
-        // SAFETY: the caller's arguments, passed on unchanged.
-        crate::memory::graph::launched(hGraphExec, || unsafe { (cu.cuGraphLaunch_ptsz)(hGraphExec, hStream) })
+        crate::memory::graph::launched(hGraphExec, || unsafe { launch(hGraphExec, hStream) })
     })
 }
 

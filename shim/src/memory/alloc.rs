@@ -22,6 +22,13 @@ pub(crate) fn hook(func: TraceFunc, body: impl FnOnce(&'static ShimState, &'stat
     })
 }
 
+/// What a function and its per-thread-default-stream twin (`_ptsz`) differ by, for the one called
+/// (`ptsz`: the twin): its trace name, the driver's function, the stream its NULL stream means.
+#[inline(always)]
+pub(crate) fn flavour<T>(ptsz: bool, legacy: T, twin: T) -> T {
+    if ptsz { twin } else { legacy }
+}
+
 /// A reservation on one device, in one context (0: none), for one allocation.
 struct Reserved<'a> {
     s: &'a ShimState,
@@ -320,30 +327,25 @@ fn from_current_pool(
 
 cuda_exports! {
     /// # Safety
-    /// As cuda.h's `cuMemAllocAsync`.
-    fn cuMemAllocAsync(dptr, bytesize, hStream) {
-        hook(TraceFunc::cuMemAllocAsync, |s, cu| {
-            from_current_pool(s, cu, cu.cuMemAllocAsync, (dptr, bytesize, hStream, hStream))
+    /// As cuda.h's `cuMemAllocAsync`, and `cuMemAllocAsync_ptsz` (NULL: the per-thread stream).
+    fn cuMemAllocAsync(dptr, bytesize, hStream) twin cuMemAllocAsync_ptsz(ptsz) {
+        hook(flavour(ptsz, TraceFunc::cuMemAllocAsync, TraceFunc::cuMemAllocAsync_ptsz), |s, cu| {
+            let f = flavour(ptsz, cu.cuMemAllocAsync, cu.cuMemAllocAsync_ptsz);
+            from_current_pool(s, cu, f, (dptr, bytesize, hStream, flavour(ptsz, hStream, per_thread(hStream))))
         })
     }
 
     /// # Safety
-    /// As cuda.h's `cuMemAllocAsync_ptsz`.
-    fn cuMemAllocAsync_ptsz(dptr, bytesize, hStream) {
-        hook(TraceFunc::cuMemAllocAsync_ptsz, |s, cu| {
-            from_current_pool(s, cu, cu.cuMemAllocAsync_ptsz, (dptr, bytesize, hStream, per_thread(hStream)))
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuMemAllocFromPoolAsync`.
-    fn cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream) {
-        hook(TraceFunc::cuMemAllocFromPoolAsync, |s, cu| {
-            let Some(f) = cu.cuMemAllocFromPoolAsync else { return NOT_SUPPORTED };
+    /// As cuda.h's `cuMemAllocFromPoolAsync`, and `cuMemAllocFromPoolAsync_ptsz` (NULL: the
+    /// per-thread stream).
+    fn cuMemAllocFromPoolAsync(dptr, bytesize, pool, hStream) twin cuMemAllocFromPoolAsync_ptsz(ptsz) {
+        hook(flavour(ptsz, TraceFunc::cuMemAllocFromPoolAsync, TraceFunc::cuMemAllocFromPoolAsync_ptsz), |s, cu| {
+            let f = flavour(ptsz, cu.cuMemAllocFromPoolAsync, cu.cuMemAllocFromPoolAsync_ptsz);
+            let Some(f) = f else { return NOT_SUPPORTED };
             stream_ordered(
                 s,
                 cu,
-                (hStream, Some(pool)),
+                (flavour(ptsz, hStream, per_thread(hStream)), Some(pool)),
                 bytesize as u64,
                 // SAFETY: the caller's arguments, passed on unchanged.
                 || unsafe { f(dptr, bytesize, pool, hStream) },
@@ -354,38 +356,10 @@ cuda_exports! {
     }
 
     /// # Safety
-    /// As cuda.h's `cuMemAllocFromPoolAsync_ptsz`.
-    fn cuMemAllocFromPoolAsync_ptsz(dptr, bytesize, pool, hStream) {
-        hook(TraceFunc::cuMemAllocFromPoolAsync_ptsz, |s, cu| {
-            let Some(f) = cu.cuMemAllocFromPoolAsync_ptsz else { return NOT_SUPPORTED };
-            stream_ordered(
-                s,
-                cu,
-                (per_thread(hStream), Some(pool)),
-                bytesize as u64,
-                // SAFETY: the caller's arguments, passed on unchanged.
-                || unsafe { f(dptr, bytesize, pool, hStream) },
-                // SAFETY: the driver wrote the pointer through dptr.
-                || unsafe { get(dptr) },
-            )
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuMemFreeAsync`.
-    fn cuMemFreeAsync(dptr, hStream) {
-        hook(TraceFunc::cuMemFreeAsync, |s, cu| {
-            let Some(f) = cu.cuMemFreeAsync else { return NOT_SUPPORTED };
-            // SAFETY: the caller's arguments, passed on unchanged.
-            pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuMemFreeAsync_ptsz`.
-    fn cuMemFreeAsync_ptsz(dptr, hStream) {
-        hook(TraceFunc::cuMemFreeAsync_ptsz, |s, cu| {
-            let Some(f) = cu.cuMemFreeAsync_ptsz else { return NOT_SUPPORTED };
+    /// As cuda.h's `cuMemFreeAsync`, and `cuMemFreeAsync_ptsz`.
+    fn cuMemFreeAsync(dptr, hStream) twin cuMemFreeAsync_ptsz(ptsz) {
+        hook(flavour(ptsz, TraceFunc::cuMemFreeAsync, TraceFunc::cuMemFreeAsync_ptsz), |s, cu| {
+            let Some(f) = flavour(ptsz, cu.cuMemFreeAsync, cu.cuMemFreeAsync_ptsz) else { return NOT_SUPPORTED };
             // SAFETY: the caller's arguments, passed on unchanged.
             pointer_freed(s, dptr, || unsafe { f(dptr, hStream) })
         })

@@ -29,7 +29,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::*};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::alloc::hook;
+use super::alloc::{flavour, hook};
 use crate::ffi::*;
 use crate::real::RealCuda;
 use crate::state::ShimState;
@@ -461,10 +461,12 @@ unsafe fn instantiate_flags(params: *mut cudarc::driver::sys::CUDA_GRAPH_INSTANT
 
 cuda_exports! {
     /// # Safety
-    /// As cuda.h's `cuGraphInstantiateWithParams`.
-    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) {
-        hook(TraceFunc::cuGraphInstantiateWithParams, |s, cu| {
-            let Some(f) = cu.cuGraphInstantiateWithParams else { return CUDA_ERROR_NOT_SUPPORTED };
+    /// As cuda.h's `cuGraphInstantiateWithParams`, and `cuGraphInstantiateWithParams_ptsz`.
+    fn cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams) twin cuGraphInstantiateWithParams_ptsz(ptsz) {
+        let trace = flavour(ptsz, TraceFunc::cuGraphInstantiateWithParams, TraceFunc::cuGraphInstantiateWithParams_ptsz);
+        hook(trace, |s, cu| {
+            let f = flavour(ptsz, cu.cuGraphInstantiateWithParams, cu.cuGraphInstantiateWithParams_ptsz);
+            let Some(f) = f else { return CUDA_ERROR_NOT_SUPPORTED };
             // SAFETY: the caller's parameters (cuda.h's contract).
             let flags = unsafe { instantiate_flags(instantiateParams) };
             // SAFETY: the caller's arguments, passed on unchanged.
@@ -473,32 +475,10 @@ cuda_exports! {
     }
 
     /// # Safety
-    /// As cuda.h's `cuGraphInstantiateWithParams_ptsz`.
-    fn cuGraphInstantiateWithParams_ptsz(phGraphExec, hGraph, instantiateParams) {
-        hook(TraceFunc::cuGraphInstantiateWithParams_ptsz, |s, cu| {
-            let Some(f) = cu.cuGraphInstantiateWithParams_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
-            // SAFETY: the caller's parameters (cuda.h's contract).
-            let flags = unsafe { instantiate_flags(instantiateParams) };
-            // SAFETY: the caller's arguments, passed on unchanged.
-            instantiated(s, cu, hGraph, flags, phGraphExec, || unsafe { f(phGraphExec, hGraph, instantiateParams) })
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuGraphUpload`.
-    fn cuGraphUpload(hGraphExec, hStream) {
-        hook(TraceFunc::cuGraphUpload, |_, cu| {
-            let Some(f) = cu.cuGraphUpload else { return CUDA_ERROR_NOT_SUPPORTED };
-            // SAFETY: the caller's arguments, passed on unchanged.
-            ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuGraphUpload_ptsz`.
-    fn cuGraphUpload_ptsz(hGraphExec, hStream) {
-        hook(TraceFunc::cuGraphUpload_ptsz, |_, cu| {
-            let Some(f) = cu.cuGraphUpload_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+    /// As cuda.h's `cuGraphUpload`, and `cuGraphUpload_ptsz`.
+    fn cuGraphUpload(hGraphExec, hStream) twin cuGraphUpload_ptsz(ptsz) {
+        hook(flavour(ptsz, TraceFunc::cuGraphUpload, TraceFunc::cuGraphUpload_ptsz), |_, cu| {
+            let Some(f) = flavour(ptsz, cu.cuGraphUpload, cu.cuGraphUpload_ptsz) else { return CUDA_ERROR_NOT_SUPPORTED };
             // SAFETY: the caller's arguments, passed on unchanged.
             ran(hGraphExec, true, || unsafe { f(hGraphExec, hStream) })
         })

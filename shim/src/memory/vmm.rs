@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_uint, c_void};
 use std::sync::{Mutex, MutexGuard};
 
-use super::alloc::hook;
+use super::alloc::{flavour, hook};
 use crate::ffi::*;
 use crate::state::ShimState;
 use tessera_abi::cuda_exports;
@@ -403,20 +403,11 @@ unsafe fn array_mapping(
 
 cuda_exports! {
     /// # Safety
-    /// As cuda.h's `cuMemMapArrayAsync`.
-    fn cuMemMapArrayAsync(mapInfoList, count, hStream) {
-        hook(TraceFunc::cuMemMapArrayAsync, |s, cu| {
-            let Some(f) = cu.cuMemMapArrayAsync else { return CUDA_ERROR_NOT_SUPPORTED };
-            // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
-            unsafe { array_mapping(s, mapInfoList.cast(), count, || f(mapInfoList, count, hStream)) }
-        })
-    }
-
-    /// # Safety
-    /// As cuda.h's `cuMemMapArrayAsync_ptsz`.
-    fn cuMemMapArrayAsync_ptsz(mapInfoList, count, hStream) {
-        hook(TraceFunc::cuMemMapArrayAsync_ptsz, |s, cu| {
-            let Some(f) = cu.cuMemMapArrayAsync_ptsz else { return CUDA_ERROR_NOT_SUPPORTED };
+    /// As cuda.h's `cuMemMapArrayAsync`, and `cuMemMapArrayAsync_ptsz`.
+    fn cuMemMapArrayAsync(mapInfoList, count, hStream) twin cuMemMapArrayAsync_ptsz(ptsz) {
+        hook(flavour(ptsz, TraceFunc::cuMemMapArrayAsync, TraceFunc::cuMemMapArrayAsync_ptsz), |s, cu| {
+            let f = flavour(ptsz, cu.cuMemMapArrayAsync, cu.cuMemMapArrayAsync_ptsz);
+            let Some(f) = f else { return CUDA_ERROR_NOT_SUPPORTED };
             // SAFETY: the caller's arguments, passed on unchanged and read as the driver reads them.
             unsafe { array_mapping(s, mapInfoList.cast(), count, || f(mapInfoList, count, hStream)) }
         })
