@@ -39,9 +39,9 @@ pub fn of_view(mode: Mode, view: &View) -> Arc<Resources> {
 
 /// Serves what `mode` gives the device plugin (in `cfg.device_plugin_dir`), registering with the
 /// kubelet in the background, and follows the controller's publishes (layouts, health, what the
-/// records hold) until `shutdown` turns true; the task then stops the plugins and says how that went. `Err`: a
-/// plugin could not start. `started`: when tesserad started (the registration is logged with the
-/// time since).
+/// records hold) until `shutdown` turns true; the task then stops the plugins and says how that
+/// went. `Err`: a plugin could not start. `started`: when tesserad started (the registration is
+/// logged with the time since).
 pub fn start(
     controller: Arc<NodeController>,
     cfg: &Config,
@@ -52,7 +52,9 @@ pub fn start(
     let mut offer_rx = controller.watch_offer();
     let offer = offer_rx.borrow_and_update().clone();
     let mut plugins = Plugins::default();
-    let mut set = plugins.start(cfg, &offer, &of_view(mode, &offer), &controller)?;
+    let mut served = of_view(mode, &offer);
+    let mut set = plugins.start(cfg, &offer, &served, &controller)?;
+    let mut last = offer;
     Ok(tokio::spawn(async move {
         let mut registered = false;
         loop {
@@ -70,7 +72,13 @@ pub fn start(
                     // move which of its free devices fit while some are withdrawn): no other
                     // channel to follow, nothing to look at again on a timer.
                     let offer = offer_rx.borrow_and_update().clone();
-                    plugins.update(&mut set, &offer, &of_view(mode, &offer), &controller);
+                    // What is served changes with the node, not with what is held (published
+                    // on every allocation): not worked out again then.
+                    if !offer.only_holdings_differ(&last) {
+                        served = of_view(mode, &offer);
+                    }
+                    plugins.update(&mut set, &offer, &served, &controller);
+                    last = offer;
                 }
                 _ = shutdown.wait_for(|stop| *stop) => break,
             }
