@@ -30,37 +30,10 @@ use tessera_sim_testkit::{SimNode, binary};
 
 mod common;
 
-use common::{TestKubelet, WAIT, spawn};
+use common::{TestKubelet, WAIT, cgroup_root, spawn};
 
 const MIB: u64 = 1 << 20;
 const OVERHEAD_MIB: u64 = 300;
-/// Where the tests make their cgroups (cgroup v1's pids hierarchy, or the v2 root).
-const CGROUP_ROOTS: [&str; 2] = ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"];
-
-/// A cgroup hierarchy root the test can make groups in; prints SKIP (or fails under
-/// `TESSERA_REQUIRE_RUNTIMES`) when there is none.
-fn cgroup_root() -> Option<PathBuf> {
-    let root = CGROUP_ROOTS.iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
-    let why = match root {
-        Some(r) => {
-            // One name per call: the tests of this file probe in parallel.
-            static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-            let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let probe = r.join(format!("tessera-probe-{}-{n}", std::process::id()));
-            match std::fs::create_dir(&probe) {
-                Ok(()) => {
-                    let _ = std::fs::remove_dir(&probe);
-                    return Some(r.to_path_buf());
-                }
-                Err(e) => format!("cannot make a cgroup under {} ({e}); enforcement tests need root", r.display()),
-            }
-        }
-        None => "no cgroup hierarchy with cgroup.procs under /sys/fs/cgroup".to_string(),
-    };
-    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
-    println!("SKIP: {why}");
-    None
-}
 
 /// A container's cgroup, `<root>/tessera-test-<pid>-<n>/<container id>`, removed when dropped.
 struct Cgroup {

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 
 use tessera_sim_testkit::SimNode;
-use tessera_tests::kubelet::{node_api, spawn};
+use tessera_tests::kubelet::{cgroup_root, node_api, spawn};
 use tessera_tests::{Tesserad, ok, shim, tessera};
 
 const GIB: u64 = 1 << 30;
@@ -356,30 +356,6 @@ async fn a_process_attributed_in_its_life_is_not_reported_when_it_exits() {
     );
     assert!(!reported.contains(&pid), "an exited process of an allocation was reported: {reported:?}");
     sim("release");
-}
-
-/// Where the test makes cgroups: cgroup v1's pids hierarchy, or the v2 root (the path a
-/// process's `/proc/<pid>/cgroup` line shows is from there). `None`, with SKIP printed (an error
-/// under `TESSERA_REQUIRE_RUNTIMES`), where none can be made (not root).
-fn cgroup_root() -> Option<std::path::PathBuf> {
-    let root =
-        ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"].into_iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
-    let why = match root {
-        Some(r) => {
-            let probe = r.join(format!("tessera-probe-host-{}", std::process::id()));
-            match std::fs::create_dir(&probe) {
-                Ok(()) => {
-                    let _ = std::fs::remove_dir(&probe);
-                    return Some(r.to_path_buf());
-                }
-                Err(e) => format!("cannot make a cgroup under {} ({e}); this test needs root", r.display()),
-            }
-        }
-        None => "no cgroup hierarchy with cgroup.procs under /sys/fs/cgroup".to_string(),
-    };
-    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
-    println!("SKIP: {why}");
-    None
 }
 
 /// A cgroup directory, removed (with its parent) when dropped.

@@ -300,6 +300,32 @@ pub fn installed(name: &str, how: &str) -> Option<PathBuf> {
     found
 }
 
+/// A cgroup hierarchy root a test can make groups in: cgroup v1's pids hierarchy, or the v2 root
+/// (the path a process's `/proc/<pid>/cgroup` line shows is from there). `None`, with a [`skip`]
+/// line, where none can be made (not root).
+pub fn cgroup_root() -> Option<PathBuf> {
+    let root =
+        ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"].into_iter().map(Path::new).find(|r| r.join("cgroup.procs").exists());
+    let why = match root {
+        Some(r) => {
+            // One name per call: tests probe in parallel.
+            static PROBES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let probe = r.join(format!("tessera-probe-{}-{n}", std::process::id()));
+            match std::fs::create_dir(&probe) {
+                Ok(()) => {
+                    let _ = std::fs::remove_dir(&probe);
+                    return Some(r.to_path_buf());
+                }
+                Err(e) => format!("cannot make a cgroup under {} ({e}); this test needs root", r.display()),
+            }
+        }
+        None => "no cgroup hierarchy with cgroup.procs under /sys/fs/cgroup".to_string(),
+    };
+    skip(&why);
+    None
+}
+
 /// Prints `SKIP: why` and returns; fails instead when `TESSERA_REQUIRE_RUNTIMES` is set (CI runs as
 /// root with every tool installed, so a skip there is a broken machine, not a pass).
 pub fn skip(why: &str) {
