@@ -2,28 +2,16 @@
 //! parked and resumed through the driver's checkpoint API, all or nothing, and what a killed
 //! tesserad leaves half-done finished or rolled back, never a process left locked.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
-
 use serde_json::Value;
 use tessera_daemon::park::{Checkpointer, ProcessState};
 use tessera_sim_model::Node;
-use tessera_sim_testkit::{SimNode, binary};
+use tessera_sim_testkit::{SimNode, Workload, binary, spawn_workload};
 
 const MIB: u64 = 1 << 20;
 
 /// A workload holding 256 MiB with a pattern for `hold` seconds, then reading it back.
-fn holder(node: &SimNode) -> (Child, u32, std::io::Lines<BufReader<std::process::ChildStdout>>) {
-    let mut c = node
-        .command(binary("tessera-workload"))
-        .args(["--alloc-mib", "256", "--verify", "--hold", "15"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the workload");
-    let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
-    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    let pid = first["pid"].as_u64().unwrap() as u32;
-    (c, pid, lines)
+fn holder(node: &SimNode) -> Workload {
+    spawn_workload(node.command(binary("tessera-workload")).args(["--alloc-mib", "256", "--verify", "--hold", "15"]))
 }
 
 fn used(m: &Node) -> u64 {

@@ -6,14 +6,12 @@
 mod common;
 
 use std::ffi::{OsString, c_int};
-use std::io::{BufRead, BufReader};
-use std::process::Stdio;
 
 use common::*;
 use serde_json::Value;
 use tessera_region::region::ParkState;
 use tessera_sim_model::Node;
-use tessera_sim_testkit::binary;
+use tessera_sim_testkit::{binary, spawn_workload};
 
 const TARGET: &str = "TESSERA_PARK_TEST_TARGET";
 
@@ -32,16 +30,11 @@ fn a_program_under_the_shim_is_parked_and_resumed_with_its_data_and_books_intact
     let test = "a_program_under_the_shim_is_parked_and_resumed_with_its_data_and_books_intact";
     let node = node();
     let c = Container::new(&memory_limits(4 * GIB));
-    let mut workload = c
-        .command(&node, binary("tessera-workload"))
-        // The hold outlasts the park (a second or two); a read after it waits while parked.
-        .args(["--alloc-mib", "512", "--chunk-mib", "128", "--verify", "--hold", "15"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the workload");
-    let mut lines = BufReader::new(workload.stdout.take().unwrap()).lines();
-    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    let pid = first["pid"].as_u64().unwrap() as u32;
+    let (mut workload, pid, lines) = spawn_workload(
+        c.command(&node, binary("tessera-workload"))
+            // The hold outlasts the park (a second or two); a read after it waits while parked.
+            .args(["--alloc-mib", "512", "--chunk-mib", "128", "--verify", "--hold", "15"]),
+    );
     let region = c.region();
     let held = region.used(0);
     assert!(held >= 512 * MIB, "the shim's books hold the workload's memory: {held}");

@@ -5,8 +5,9 @@
 //! [`SimNode::run_isolated`].
 
 use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Lines};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, ChildStdout, Command, Stdio};
 
 /// Names under which the one simulated driver library is laid out, as a real driver installs.
 pub const LIBRARY_NAMES: [&str; 4] = ["libnvidia-ml.so.1", "libnvidia-ml.so", "libcuda.so.1", "libcuda.so"];
@@ -33,6 +34,20 @@ pub fn binary(name: &str) -> PathBuf {
     let p = profile_dir().join(name);
     assert!(p.exists(), "{} is missing: build it first (cargo build --workspace)", p.display());
     p
+}
+
+/// What [`spawn_workload`] gives: the running workload, its pid, and the lines it prints next.
+pub type Workload = (Child, u32, Lines<BufReader<ChildStdout>>);
+
+/// Starts a `tessera-workload` from `cmd` with its stdout piped, and waits for its first line (a
+/// JSON object with its `pid`, printed once its memory is held).
+pub fn spawn_workload(cmd: &mut Command) -> Workload {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().expect("spawn the workload");
+    let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+    let first = lines.next().expect("the workload's first line").expect("read the workload's output");
+    let first: serde_json::Value = serde_json::from_str(&first).expect("the first line is JSON");
+    let pid = first["pid"].as_u64().unwrap_or_else(|| panic!("no pid in {first}")) as u32;
+    (child, pid, lines)
 }
 
 /// A node's description: `numa_nodes` NUMA nodes and a `[[gpu]]` table for each `(model, count,
