@@ -18,14 +18,30 @@ fn used(m: &Node) -> u64 {
     m.memory_info(0, 0).unwrap().used
 }
 
-#[test]
-fn a_park_fails_whole_and_a_resume_waits_for_room() {
+/// What each test starts from: the checkpoint API, the model, a [`holder`] workload (with its
+/// pid and its further lines) and what the GPU held with it.
+struct Start {
+    ck: Checkpointer,
+    m: Node,
+    w: Workload,
+    before: u64,
+}
+
+/// Runs `body` in a process of its own on a node of its own (see `SimNode::run_isolated`).
+fn with_holder(test_name: &str, body: impl FnOnce(Start)) {
     let node = SimNode::new();
-    node.run_isolated("a_park_fails_whole_and_a_resume_waits_for_room", || {
+    node.run_isolated(test_name, || {
         let ck = Checkpointer::load(&node.cuda_path()).unwrap();
         let m = Node::open(None, Some(&node.state)).unwrap();
-        let (mut w, pid, lines) = holder(&node);
+        let w = holder(&node);
         let before = used(&m);
+        body(Start { ck, m, w, before });
+    });
+}
+
+#[test]
+fn a_park_fails_whole_and_a_resume_waits_for_room() {
+    with_holder("a_park_fails_whole_and_a_resume_waits_for_room", |Start { ck, m, w: (mut w, pid, lines), before }| {
         // A process with no CUDA context beside it: the park fails whole, the workload runs on.
         let mut plain = std::process::Command::new("sleep").arg("60").spawn().unwrap();
         let e = ck.park(&[pid, plain.id()], None).unwrap_err().to_string();
@@ -56,12 +72,8 @@ fn a_park_fails_whole_and_a_resume_waits_for_room() {
 
 #[test]
 fn recovery_after_a_killed_tesserad_leaves_no_process_locked() {
-    let node = SimNode::new();
-    node.run_isolated("recovery_after_a_killed_tesserad_leaves_no_process_locked", || {
-        let ck = Checkpointer::load(&node.cuda_path()).unwrap();
-        let m = Node::open(None, Some(&node.state)).unwrap();
-        let (mut w, pid, _lines) = holder(&node);
-        let before = used(&m);
+    let name = "recovery_after_a_killed_tesserad_leaves_no_process_locked";
+    with_holder(name, |Start { ck, m, w: (mut w, pid, _lines), before }| {
         // Killed after the lock: rolled back to running.
         ck.lock(pid, None).unwrap();
         assert_eq!(ck.recover(&[pid], false).unwrap(), Vec::<u32>::new());
