@@ -33,6 +33,14 @@ fn podman(args: &[&str], rootfs: &Path, script: &str) -> Output {
     c.output().expect("run podman")
 }
 
+/// A podman test's start: the lock the podman tests take in turn, and a fresh node; `None` (a skip)
+/// where podman cannot run containers here ([`podman_works`]).
+fn podman_test() -> Option<(Lock, Node)> {
+    let lock = lock();
+    let node = Node::new();
+    podman_works(node.path()).then_some((lock, node))
+}
+
 fn podman_works(base: &Path) -> bool {
     if !is_root() {
         return skip("podman tests need root");
@@ -73,11 +81,7 @@ impl Drop for Specs {
 
 #[test]
 fn podman_cdi_device_gets_exactly_its_gpu() {
-    let _l = lock();
-    let node = Node::new();
-    if !podman_works(node.path()) {
-        return;
-    }
+    let Some((_l, node)) = podman_test() else { return };
     let _specs = Specs::install(&node);
     let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
     let out = podman(&["--device", &format!("tessera.io/gpu={GPU0}"), "-e", "TESSERA_ALLOCATION=a1"], &rootfs, PROBE);
@@ -117,11 +121,7 @@ fn podman_cdi_device_gets_exactly_its_gpu() {
 
 #[test]
 fn podman_hooks_dir_injects_on_env_request() {
-    let _l = lock();
-    let node = Node::new();
-    if !podman_works(node.path()) {
-        return;
-    }
+    let Some((_l, node)) = podman_test() else { return };
     let hooks = node.path().join("hooks.d");
     std::fs::create_dir_all(&hooks).unwrap();
     let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/hooks.d/tessera-hook.json")).unwrap();

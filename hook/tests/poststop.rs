@@ -32,13 +32,18 @@ fn bundle(node: &Node, name: &str, env: &[&str]) -> std::path::PathBuf {
     b
 }
 
-#[test]
-fn poststop_records_the_deleted_container() {
+/// A fresh fake node, whose device nodes need root: `None` (a skip) when not root.
+fn root_node() -> Option<Node> {
     if !is_root() {
         skip("the fake node's device nodes need root");
-        return;
+        return None;
     }
-    let node = Node::new();
+    Some(Node::new())
+}
+
+#[test]
+fn poststop_records_the_deleted_container() {
+    let Some(node) = root_node() else { return };
     let deleted = node.run.join("alloc/a1/deleted");
     let config = node.config.to_str().unwrap().to_owned();
 
@@ -78,11 +83,7 @@ fn poststop_records_the_deleted_container() {
 /// ours.
 #[test]
 fn the_wrapper_adds_its_poststop_entry_only_for_a_leased_allocation() {
-    if !is_root() {
-        skip("the fake node's device nodes need root");
-        return;
-    }
-    let node = Node::new();
+    let Some(node) = root_node() else { return };
     // The wrapper in front of /bin/true: its edit stays in config.json for us to read.
     let config = node.path().join("hook-true.toml");
     let text: String = std::fs::read_to_string(&node.config)

@@ -144,6 +144,13 @@ impl Node {
 
     pub fn node_devices(&self, cdi_version: Option<&str>) -> NodeDevices {
         let d = |n: &str| self.dev.join(n);
+        let device = |class: &str, name: &str, aliases: &[&str], uuid: &str, nodes| NodeDevice {
+            class: class.into(),
+            name: name.into(),
+            aliases: aliases.iter().map(|a| a.to_string()).collect(),
+            uuid: uuid.into(),
+            nodes,
+        };
         let cfg = tessera_region::driver::DriverConfig {
             root: self.driver_root.clone(),
             dev_root: self.dev.clone(),
@@ -151,34 +158,10 @@ impl Node {
         };
         NodeDevices {
             devices: vec![
-                NodeDevice {
-                    class: "gpu".into(),
-                    name: GPU0.into(),
-                    aliases: vec!["0".into()],
-                    uuid: GPU0.into(),
-                    nodes: vec![d("nvidia0")],
-                },
-                NodeDevice {
-                    class: "gpu".into(),
-                    name: GPU1.into(),
-                    aliases: vec!["1".into()],
-                    uuid: GPU1.into(),
-                    nodes: vec![d("nvidia1")],
-                },
-                NodeDevice {
-                    class: "share".into(),
-                    name: format!("{GPU0}::3"),
-                    aliases: vec![],
-                    uuid: GPU0.into(),
-                    nodes: vec![d("nvidia0")],
-                },
-                NodeDevice {
-                    class: "mig".into(),
-                    name: MIG.into(),
-                    aliases: vec!["1:0".into()],
-                    uuid: MIG.into(),
-                    nodes: vec![d("nvidia1"), d("nvidia-caps/nvidia-cap21")],
-                },
+                device("gpu", GPU0, &["0"], GPU0, vec![d("nvidia0")]),
+                device("gpu", GPU1, &["1"], GPU1, vec![d("nvidia1")]),
+                device("share", &format!("{GPU0}::3"), &[], GPU0, vec![d("nvidia0")]),
+                device("mig", MIG, &["1:0"], MIG, vec![d("nvidia1"), d("nvidia-caps/nvidia-cap21")]),
             ],
             control_nodes: tessera_region::driver::control_nodes(&cfg),
             driver: tessera_region::driver::discover(&cfg),
