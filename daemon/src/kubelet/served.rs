@@ -145,7 +145,7 @@ impl Plugins {
     /// Takes the offer's withdrawn devices, saying what changed, and tells the controller what
     /// the kubelet is now offered (for `tessera status` and the metrics).
     fn follow_withdrawn(&mut self, controller: &NodeController, offer: &View, resources: &Resources) {
-        let now = offer.withdrawn_from_kubelet();
+        let now = only_served(offer.withdrawn_from_kubelet(), resources);
         let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
             set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
         };
@@ -197,6 +197,14 @@ impl Plugins {
     }
 }
 
+/// The withdrawn `(resource, device id)`s the device plugins serve (`served`): in mode `dra`, or
+/// for a GPU DRA has in `both`, the kubelet is offered none of it, so none of it is withdrawn
+/// from the kubelet (nor logged, counted or marked so).
+fn only_served(mut withdrawn: BTreeSet<(String, String)>, served: &Resources) -> BTreeSet<(String, String)> {
+    withdrawn.retain(|(r, id)| served.resources.get(r).is_some_and(|res| res.devices.iter().any(|d| &d.id == id)));
+    withdrawn
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +241,13 @@ mod tests {
         assert_eq!(ids, ["GPU-1", "GPU-1::0", "GPU-1::1"], "GPU 0 is DRA's");
         // No GPU partitioned: the device plugin serves nothing, not empty resources.
         assert!(served(Mode::Both, &[]).resources.is_empty());
+        // What is withdrawn is told only of what is served: nothing in dra, GPU 1's in both.
+        let withdrawn: BTreeSet<(String, String)> = [("tessera.io/gpu", "GPU-0"), ("tessera.io/gpu-share", "GPU-1::1")]
+            .map(|(r, d)| (r.into(), d.into()))
+            .into();
+        assert!(only_served(withdrawn.clone(), &served(Mode::Dra, &[1])).is_empty());
+        let kept = only_served(withdrawn.clone(), &both);
+        assert_eq!(kept, BTreeSet::from([("tessera.io/gpu-share".to_string(), "GPU-1::1".to_string())]));
+        assert_eq!(only_served(withdrawn.clone(), &all), withdrawn);
     }
 }
