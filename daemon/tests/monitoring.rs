@@ -144,22 +144,31 @@ fn generated_monitoring_files_are_up_to_date() {
             }
         }
     }
-    let source = copy.join("deploy/monitoring/dashboard.py");
-    let code = std::fs::read_to_string(&source).unwrap();
-    std::fs::write(&source, code.replace("title=\"Tessera\",", "title=\"Tessera (edited)\",")).unwrap();
-    let (ok, out) = run(Command::new(&python).arg(copy.join("deploy/monitoring/generate.py")).arg("--check"));
-    assert!(!ok, "an edited dashboard source passed the check:\n{out}");
-    assert!(out.contains("deploy/monitoring/tessera-dashboard.json"), "{out}");
-    assert!(out.contains("deploy/helm/tessera/files/tessera-dashboard.json"), "{out}");
+    // Each source edited in turn (then put back): the check fails naming the files made of it.
+    let stale_after = |source: &str, from: &str, to: &str, stale: [&str; 2]| {
+        let source = copy.join(source);
+        let text = std::fs::read_to_string(&source).unwrap();
+        std::fs::write(&source, text.replace(from, to)).unwrap();
+        let (ok, out) = run(Command::new(&python).arg(copy.join("deploy/monitoring/generate.py")).arg("--check"));
+        assert!(!ok, "{} edited passed the check:\n{out}", source.display());
+        for file in stale {
+            assert!(out.contains(file), "{file} not named:\n{out}");
+        }
+        std::fs::write(&source, text).unwrap();
+    };
+    stale_after(
+        "deploy/monitoring/dashboard.py",
+        "title=\"Tessera\",",
+        "title=\"Tessera (edited)\",",
+        ["deploy/monitoring/tessera-dashboard.json", "deploy/helm/tessera/files/tessera-dashboard.json"],
+    );
     // And the rules: the PrometheusRule and the chart's copy.
-    std::fs::write(&source, code).unwrap();
-    let rules = copy.join("deploy/monitoring/tessera-rules.yaml");
-    let text = std::fs::read_to_string(&rules).unwrap();
-    std::fs::write(&rules, text.replace("for: 10m", "for: 15m")).unwrap();
-    let (ok, out) = run(Command::new(&python).arg(copy.join("deploy/monitoring/generate.py")).arg("--check"));
-    assert!(!ok, "edited rules passed the check:\n{out}");
-    assert!(out.contains("deploy/kubernetes/monitoring/prometheusrule.yaml"), "{out}");
-    assert!(out.contains("deploy/helm/tessera/files/tessera-rules.yaml"), "{out}");
+    stale_after(
+        "deploy/monitoring/tessera-rules.yaml",
+        "for: 10m",
+        "for: 15m",
+        ["deploy/kubernetes/monitoring/prometheusrule.yaml", "deploy/helm/tessera/files/tessera-rules.yaml"],
+    );
 }
 
 /// Every family the exporter writes, with every optional label: a managed GPU with its sensors
