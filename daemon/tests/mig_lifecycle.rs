@@ -61,6 +61,13 @@ async fn partition(socket: &Path, gpu: u32) -> api::Partition {
     list.partitions.into_iter().find(|p| p.gpu_index == gpu).expect("GPU listed")
 }
 
+/// `tessera layout apply --gpu GPU LAYOUT…`, after its dry run ([`same_as_dry_run`]): its output.
+fn apply_layout(socket: &Path, log: &Path, gpu: &str, layout: &[&str]) -> String {
+    let mut args = vec!["layout", "apply", "--gpu", gpu];
+    args.extend_from_slice(layout);
+    same_as_dry_run(socket, &args, log)
+}
+
 fn start(node: &SimNode, dir: &Path, body: &str) -> (common::Daemon, std::path::PathBuf, std::path::PathBuf) {
     let config = common::write_config(node, dir, body);
     let log = dir.join("tesserad.log");
@@ -112,11 +119,7 @@ async fn dry_runs_predict_every_kind_of_change() {
     let dir = tmp.path();
     let (_daemon, socket, log) = start(&node, dir, &layouts("reset = \"when-free\"", "whole = true"));
     let _ = common::node_api(&socket).await;
-    let apply = |gpu: &str, layout: &[&str]| {
-        let mut args = vec!["layout", "apply", "--gpu", gpu];
-        args.extend_from_slice(layout);
-        same_as_dry_run(&socket, &args, &log)
-    };
+    let apply = |gpu: &str, layout: &[&str]| apply_layout(&socket, &log, gpu, layout);
 
     // MIG re-layout: one 3g kept, four 1g made.
     let out = apply("0", &["--mig", "3g.40gb=1,1g.10gb=4"]);
@@ -181,11 +184,7 @@ async fn an_a100_mode_change_takes_a_reset_and_dry_runs_say_so() {
     let (_daemon, socket, log) =
         start(&node, tmp.path(), &layouts_with("3g.20gb", "reset = \"when-free\"", "whole = true"));
     let _ = common::node_api(&socket).await;
-    let apply = |gpu: &str, layout: &[&str]| {
-        let mut args = vec!["layout", "apply", "--gpu", gpu];
-        args.extend_from_slice(layout);
-        same_as_dry_run(&socket, &args, &log)
-    };
+    let apply = |gpu: &str, layout: &[&str]| apply_layout(&socket, &log, gpu, layout);
     // MIG on with reset = "when-free": tesserad resets the free GPU, then makes the instances.
     let out = apply("1", &["--mig", "1g.5gb=7"]);
     assert!(out.contains("applied -> mig 1g.5gb x7 (+7 -1 devices)"), "{out}");
