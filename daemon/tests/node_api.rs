@@ -60,6 +60,24 @@ fn target(index: u32, layout: api::GpuLayout) -> api::LayoutTarget {
     api::LayoutTarget { gpus: Some(api::layout_target::Gpus::Index(index)), layout: Some(layout) }
 }
 
+/// A test's own daemon files: a temporary directory with the configuration (the default, `body`
+/// added), and where the socket, the readiness notification and the log go.
+struct Files {
+    tmp: tempfile::TempDir,
+    config: std::path::PathBuf,
+    socket: std::path::PathBuf,
+    notify: std::path::PathBuf,
+    log: std::path::PathBuf,
+}
+
+fn files(node: &SimNode, body: &str) -> Files {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let config = common::write_config(node, tmp.path(), body);
+    let socket = tmp.path().join("run/tessera.sock");
+    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    Files { tmp, config, socket, notify, log }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_api_layout_changes_touch_only_free_devices() {
     let node = SimNode::with_description(&node_description());
@@ -305,10 +323,7 @@ async fn kinds_now(api: &mut NodeClient<Channel>, kind: api::DeviceKind) -> usiz
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_allocations_survive_kill_9_mid_burst_and_never_over_admit() {
     let node = SimNode::new();
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let config = common::write_config(&node, tmp.path(), "");
-    let socket = tmp.path().join("run/tessera.sock");
-    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let Files { tmp, config, socket, notify, log } = files(&node, "");
     let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
     let ask = || api::AllocateRequest {
         memory_bytes: 1 << 30,
@@ -392,10 +407,7 @@ async fn acknowledged_allocations_survive_kill_9_mid_burst_and_never_over_admit(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn carved_shares_recovered_after_a_journal_loss_keep_their_gpus_layout() {
     let node = SimNode::with_description(&node_description());
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let config = common::write_config(&node, tmp.path(), "[partitions.\"0\"]\nshares = { count = 4 }");
-    let socket = tmp.path().join("run/tessera.sock");
-    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let Files { tmp, config, socket, notify, log } = files(&node, "[partitions.\"0\"]\nshares = { count = 4 }");
     let (daemon, _) = spawn(&node, &config, &notify, &log);
     let mut c = client(&socket).await;
     let ask = api::AllocateRequest { memory_bytes: 1 << 30, sm_percent: 5, gpu: "0".into(), ..Default::default() };
@@ -425,10 +437,7 @@ async fn carved_shares_recovered_after_a_journal_loss_keep_their_gpus_layout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_past_max_allocations_is_refused_naming_the_key() {
     let node = SimNode::new();
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let config = common::write_config(&node, tmp.path(), "[limits]\nmax_allocations = 3");
-    let socket = tmp.path().join("run/tessera.sock");
-    let (notify, log) = (tmp.path().join("notify"), tmp.path().join("tesserad.log"));
+    let Files { tmp: _tmp, config, socket, notify, log } = files(&node, "[limits]\nmax_allocations = 3");
     let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
     let (_daemon, _) = spawn(&node, &config, &notify, &log);
     let mut c = client(&socket).await;
