@@ -98,6 +98,13 @@ fn install(root: &Path, extra: &[&str]) -> Output {
     tessera(&args)
 }
 
+/// `tessera install` on the host `root` with `extra`, which must fail saying `says`.
+fn install_refused(root: &Path, extra: &[&str], says: &str) {
+    let out = install(root, extra);
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(says), "{}", text(&out));
+}
+
 #[test]
 fn install_writes_what_the_runtimes_need_and_uninstall_gives_the_host_back() {
     let h = host();
@@ -160,12 +167,10 @@ fn install_never_overwrites_what_it_did_not_write() {
     std::fs::create_dir_all(r.join("usr/local/bin")).unwrap();
     std::fs::write(r.join("usr/local/bin/tessera-runtime"), "the operator's own build").unwrap();
     let before = tree(r);
-    let out = install(r, &["--runtime", "containerd"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("/usr/local/bin/tessera-runtime exists and was not written by tessera install"),
-        "{}",
-        text(&out)
+    install_refused(
+        r,
+        &["--runtime", "containerd"],
+        "/usr/local/bin/tessera-runtime exists and was not written by tessera install",
     );
     // Checked before anything was written: the host is as it was.
     assert_eq!(tree(r), before);
@@ -190,12 +195,10 @@ fn a_containerd_config_it_cannot_edit_safely_is_refused_unchanged() {
     let r = h.path();
     let v1 = "[plugins.cri]\n  sandbox_image = \"pause\"\n";
     std::fs::write(r.join("etc/containerd/config.toml"), v1).unwrap();
-    let out = install(r, &["--runtime", "containerd"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out).contains("/etc/containerd/config.toml: config version 1 (no `version` key) is not supported"),
-        "{}",
-        text(&out)
+    install_refused(
+        r,
+        &["--runtime", "containerd"],
+        "/etc/containerd/config.toml: config version 1 (no `version` key) is not supported",
     );
     assert_eq!(std::fs::read_to_string(r.join("etc/containerd/config.toml")).unwrap(), v1);
 }
