@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::*;
@@ -11,6 +11,13 @@ use common::*;
 enum Via<'a> {
     Plain,
     Wrapper(&'a Node),
+}
+
+impl<'a> Via<'a> {
+    /// The hook (which the bundle's config.json names: plain runc), or the wrapper in front of runc.
+    fn hook_or_wrapper(via_hook: bool, node: &'a Node) -> Via<'a> {
+        if via_hook { Via::Plain } else { Via::Wrapper(node) }
+    }
 }
 
 fn runc(base: &Path, bundle: &Path, id: &str, via: Via<'_>) -> Output {
@@ -45,33 +52,47 @@ fn runc_works(base: &Path) -> bool {
     true
 }
 
+/// `node`, when runc can run containers here ([`runc_works`]; else `None`, skipped).
+fn runc_ready(node: Node) -> Option<Node> {
+    runc_works(node.path()).then_some(node)
+}
+
+/// A runc test's start: a fresh node and a busybox root file system in it ([`runc_ready`]).
+fn runc_test() -> Option<(Node, PathBuf)> {
+    let node = runc_ready(Node::new())?;
+    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    Some((node, rootfs))
+}
+
+/// A bundle `b-NAME` of [`PROBE`] on `rootfs` asking for GPU 0, its hook in config.json when
+/// `via_hook` (else for the wrapper to add).
+fn probe_bundle(node: &Node, rootfs: &Path, name: &str, via_hook: bool) -> PathBuf {
+    bundle(&node.path().join(format!("b-{name}")), rootfs, PROBE, ASK_GPU0, via_hook.then_some(node))
+}
+
+/// Runs the bundle `b` as container `id` through `via`, which must succeed: what it printed.
+fn run_ok(node: &Node, b: &Path, id: &str, via: Via<'_>) -> String {
+    let out = runc(node.path(), b, id, via);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    all
+}
+
 const ASK_GPU0: &[&str] = &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"];
 
 #[test]
 fn hook_injects_exactly_the_allocated_gpu() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     let b = bundle(&node.path().join("b"), &rootfs, PROBE, ASK_GPU0, Some(&node));
-    let out = runc(node.path(), &b, "hook-gpu0", Via::Plain);
-    let all = text(&out);
-    assert!(out.status.success(), "{all}");
+    let all = run_ok(&node, &b, "hook-gpu0", Via::Plain);
     assert_gpu0(&all);
 }
 
 #[test]
 fn wrapper_injects_exactly_the_allocated_gpu_and_env() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     let b = bundle(&node.path().join("b"), &rootfs, PROBE, ASK_GPU0, None);
-    let out = runc(node.path(), &b, "wrap-gpu0", Via::Wrapper(&node));
-    let all = text(&out);
-    assert!(out.status.success(), "{all}");
+    let all = run_ok(&node, &b, "wrap-gpu0", Via::Wrapper(&node));
     assert_gpu0(&all);
     assert_eq!(
         lines(&all, "env "),
@@ -82,16 +103,10 @@ fn wrapper_injects_exactly_the_allocated_gpu_and_env() {
 
 #[test]
 fn mig_device_gets_its_caps_node() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     let env = ["TESSERA_VISIBLE_DEVICES=1:0", "TESSERA_ALLOCATION=a-mig"];
     let b = bundle(&node.path().join("b"), &rootfs, PROBE, &env, Some(&node));
-    let out = runc(node.path(), &b, "hook-mig", Via::Plain);
-    let all = text(&out);
-    assert!(out.status.success(), "{all}");
+    let all = run_ok(&node, &b, "hook-mig", Via::Plain);
     assert_eq!(
         lines(&all, "node "),
         [
@@ -108,11 +123,7 @@ fn mig_device_gets_its_caps_node() {
 
 #[test]
 fn unallocated_device_is_refused_by_hook_and_wrapper() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     let env = ["TESSERA_VISIBLE_DEVICES=1", "TESSERA_ALLOCATION=a1"];
     let marker = "echo STARTED";
     let b = bundle(&node.path().join("b1"), &rootfs, marker, &env, Some(&node));
@@ -143,21 +154,13 @@ fn unallocated_device_is_refused_by_hook_and_wrapper() {
 
 #[test]
 fn container_without_request_is_untouched() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     // Even a broken spec on the node does not stop a container that asks for nothing.
     std::fs::write(node.cdi.join("tessera.io-gpu.json"), "{").unwrap();
     for (i, via_hook) in [true, false].into_iter().enumerate() {
         let b = bundle(&node.path().join(format!("b{i}")), &rootfs, PROBE, &[], via_hook.then_some(&node));
         let before = std::fs::read(b.join("config.json")).unwrap();
-        let out = if via_hook {
-            runc(node.path(), &b, "plain-hook", Via::Plain)
-        } else {
-            runc(node.path(), &b, "plain-wrap", Via::Wrapper(&node))
-        };
+        let out = runc(node.path(), &b, &format!("plain-{via_hook}"), Via::hook_or_wrapper(via_hook, &node));
         let all = text(&out);
         assert!(out.status.success(), "{all}");
         assert!(lines(&all, "node ").is_empty() && lines(&all, "file ").is_empty(), "{all}");
@@ -168,11 +171,9 @@ fn container_without_request_is_untouched() {
 
 #[test]
 fn malformed_inputs_fail_the_start_with_one_line() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
+    // Containers that print STARTED if they ever start, for the wrapper (no hook in config.json).
+    let for_wrapper = |name: &str, env: &[&str]| bundle(&node.path().join(name), &rootfs, "echo STARTED", env, None);
     // A bad annotation value.
     let b = bundle(&node.path().join("b1"), &rootfs, "echo STARTED", &["TESSERA_ALLOCATION=a1"], Some(&node));
     let mut c: serde_json::Value = serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
@@ -189,26 +190,14 @@ fn malformed_inputs_fail_the_start_with_one_line() {
     // A broken limits file.
     node.allocation("broken", &[]);
     std::fs::write(node.run.join("alloc/broken/limits"), "version = 1\n[[devices]]\nuuid = 5\n").unwrap();
-    let b = bundle(
-        &node.path().join("b2"),
-        &rootfs,
-        "echo STARTED",
-        &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=broken"],
-        None,
-    );
+    let b = for_wrapper("b2", &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=broken"]);
     let out = runc(node.path(), &b, "bad-limits", Via::Wrapper(&node));
     let all = text(&out);
     assert!(!out.status.success() && all.contains("devices[0].uuid: expected a string"), "{all}");
     // A broken spec: a container asking for a device gets the file named.
     let spec = node.cdi.join("tessera.io-gpu.json");
     std::fs::write(&spec, "{").unwrap();
-    let b3 = bundle(
-        &node.path().join("b3"),
-        &rootfs,
-        "echo STARTED",
-        &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"],
-        None,
-    );
+    let b3 = for_wrapper("b3", &["TESSERA_VISIBLE_DEVICES=0", "TESSERA_ALLOCATION=a1"]);
     let out = runc(node.path(), &b3, "bad-spec", Via::Wrapper(&node));
     let all = text(&out);
     assert!(!out.status.success() && all.contains(&format!("tessera-runtime: CDI spec {}: ", spec.display())), "{all}");
@@ -237,10 +226,7 @@ fn without_runc_links(v: &Path, snap: Vec<(String, String)>) -> Vec<(String, Str
 /// The same with a driver directory (its links made inside the root, never through a link).
 #[test]
 fn hostile_images_write_nothing_outside() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
+    let Some(node) = runc_ready(Node::new()) else { return };
     hostile_images_on(&node);
     hostile_images_on(&Node::with_driver_dir());
 }
@@ -258,18 +244,9 @@ fn hostile_images_on(node: &Node) {
                 std::fs::remove_dir_all(rootfs.join(l)).unwrap();
                 std::os::unix::fs::symlink(&victim, rootfs.join(l)).unwrap();
             }
-            let b = bundle(
-                &node.path().join(format!("b-{name}-{via_hook}")),
-                &rootfs,
-                PROBE,
-                ASK_GPU0,
-                via_hook.then_some(node),
-            );
-            let out = if via_hook {
-                runc(node.path(), &b, &format!("hostile-{name}-h"), Via::Plain)
-            } else {
-                runc(node.path(), &b, &format!("hostile-{name}-w"), Via::Wrapper(node))
-            };
+            let b = probe_bundle(node, &rootfs, &format!("{name}-{via_hook}"), via_hook);
+            let out =
+                runc(node.path(), &b, &format!("hostile-{name}-{via_hook}"), Via::hook_or_wrapper(via_hook, node));
             let all = text(&out);
             println!(
                 "hostile {name} via {}: success={}",
@@ -304,18 +281,8 @@ fn hostile_images_on(node: &Node) {
         let rootfs = node.path().join(format!("rootfs-noetc-{via_hook}"));
         busybox_rootfs(&rootfs).unwrap();
         std::fs::remove_dir_all(rootfs.join("etc")).unwrap();
-        let b = bundle(
-            &node.path().join(format!("b-noetc-{via_hook}")),
-            &rootfs,
-            PROBE,
-            ASK_GPU0,
-            via_hook.then_some(node),
-        );
-        let out = if via_hook {
-            runc(node.path(), &b, "noetc-h", Via::Plain)
-        } else {
-            runc(node.path(), &b, "noetc-w", Via::Wrapper(node))
-        };
+        let b = probe_bundle(node, &rootfs, &format!("noetc-{via_hook}"), via_hook);
+        let out = runc(node.path(), &b, &format!("noetc-{via_hook}"), Via::hook_or_wrapper(via_hook, node));
         let all = text(&out);
         assert!(out.status.success(), "{all}");
         assert_gpu0(&all);
@@ -327,11 +294,7 @@ fn hostile_images_on(node: &Node) {
 /// finds everything in place and changes nothing.
 #[test]
 fn hook_twice_is_idempotent() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
-    let rootfs = busybox_rootfs(&node.path().join("rootfs")).unwrap();
+    let Some((node, rootfs)) = runc_test() else { return };
     let b = bundle(
         &node.path().join("b"),
         &rootfs,
@@ -346,9 +309,7 @@ fn hook_twice_is_idempotent() {
     c["hooks"]["prestart"] = serde_json::json!([entry.clone()]);
     c["hooks"]["createRuntime"] = serde_json::json!([entry.clone(), entry]);
     std::fs::write(b.join("config.json"), c.to_string()).unwrap();
-    let out = runc(node.path(), &b, "twice", Via::Plain);
-    let all = text(&out);
-    assert!(out.status.success(), "{all}");
+    let all = run_ok(&node, &b, "twice", Via::Plain);
     assert_gpu0(&all);
     // Mounts from the test's directory: the root, 3 libraries, nvidia-smi, shim, preload, loader
     // entry, allocation dir, region — once each.
@@ -363,10 +324,7 @@ fn hook_twice_is_idempotent() {
 /// their bytes).
 #[test]
 fn stale_driver_library_links_are_replaced_inside_the_root() {
-    let node = Node::new();
-    if !runc_works(node.path()) {
-        return;
-    }
+    let Some(node) = runc_ready(Node::new()) else { return };
     let victim = victim(node.path());
     let before = snapshot(&victim);
     let host_passwd = std::fs::read("/etc/passwd").ok();
@@ -387,11 +345,7 @@ fn stale_driver_library_links_are_replaced_inside_the_root() {
             ASK_GPU0,
             via_hook.then_some(&node),
         );
-        let out = if via_hook {
-            runc(node.path(), &b, "stale-h", Via::Plain)
-        } else {
-            runc(node.path(), &b, "stale-w", Via::Wrapper(&node))
-        };
+        let out = runc(node.path(), &b, &format!("stale-{via_hook}"), Via::hook_or_wrapper(via_hook, &node));
         let all = text(&out);
         let via = if via_hook { "hook" } else { "wrapper" };
         assert!(out.status.success(), "via {via}: {all}");
@@ -416,10 +370,7 @@ fn stale_driver_library_links_are_replaced_inside_the_root() {
 /// hostile link is replaced inside the root and nothing is written through it.
 #[test]
 fn a_driver_directory_is_one_mount_and_a_link_per_file() {
-    let node = Node::with_driver_dir();
-    if !runc_works(node.path()) {
-        return;
-    }
+    let Some(node) = runc_ready(Node::with_driver_dir()) else { return };
     let victim = victim(node.path());
     let before = snapshot(&victim);
     let dir = node.driver_dir.clone().expect("a driver directory");
@@ -439,11 +390,7 @@ fn a_driver_directory_is_one_mount_and_a_link_per_file() {
         std::os::unix::fs::symlink(&host_file, lib.join("libcuda.so.550.54.15")).unwrap();
         let b =
             bundle(&node.path().join(format!("b-dir-{via}")), &rootfs, &script, ASK_GPU0, via_hook.then_some(&node));
-        let out = if via_hook {
-            runc(node.path(), &b, "dir-h", Via::Plain)
-        } else {
-            runc(node.path(), &b, "dir-w", Via::Wrapper(&node))
-        };
+        let out = runc(node.path(), &b, &format!("dir-{via_hook}"), Via::hook_or_wrapper(via_hook, &node));
         let all = text(&out);
         assert!(out.status.success(), "via {via}: {all}");
         assert_gpu0(&all);
@@ -475,10 +422,7 @@ fn a_driver_directory_is_one_mount_and_a_link_per_file() {
 /// inject exactly what the dynamic ones do, with a driver directory; they name no loader.
 #[test]
 fn static_hook_and_wrapper_inject_like_the_dynamic_ones() {
-    let node = Node::with_driver_dir();
-    if !runc_works(node.path()) {
-        return;
-    }
+    let Some(node) = runc_ready(Node::with_driver_dir()) else { return };
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/static/x86_64-unknown-linux-gnu/release");
     let (hook, wrapper) = (dir.join("tessera-hook"), dir.join("tessera-runtime"));
     if !hook.is_file() || !wrapper.is_file() {
