@@ -25,16 +25,22 @@ use common::spawn;
 /// Longer than [`common::WAIT`]: a series count is written up to 2 s after its occurrence.
 const WAIT: Duration = Duration::from_secs(10);
 
-fn config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str, kubernetes: &str) -> std::path::PathBuf {
-    let kubeconfig = apiserver.kubeconfig(dir);
-    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
-    std::fs::create_dir_all(&registry).expect("registry dir");
-    let injection = common::fake_gpu_host(dir);
-    let body = format!(
-        "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = \"dra\"\nnode_name = \"node-a\"\n\
-         kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n{kubernetes}\n"
-    );
-    common::write_config(node, dir, &body)
+/// A test's tesserad in mode `dra` against `apiserver` ([`ApiServer::tesserad_config`] with
+/// `extra` and `kubernetes`): its directory, the daemon, its configuration file and its log.
+struct Started {
+    tmp: tempfile::TempDir,
+    daemon: common::Daemon,
+    config: std::path::PathBuf,
+    log: std::path::PathBuf,
+}
+
+fn start(node: &SimNode, apiserver: &ApiServer, extra: &str, kubernetes: &str) -> Started {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = apiserver.tesserad_config(node, dir, "dra", extra, kubernetes);
+    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
+    let (daemon, _) = spawn(node, &config, &notify, &log);
+    Started { tmp, daemon, config, log }
 }
 
 /// Polls `what` until `done` accepts it (up to [`WAIT`]); the last value.
@@ -79,12 +85,10 @@ fn slice_names(apiserver: &ApiServer) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_and_recoveries_are_events_on_the_node_and_the_pod_a_flapping_gpu_one_series() {
     let node = SimNode::with_description("numa_nodes = 1\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
     let apiserver = ApiServer::start().await;
-    let config = config(&node, dir, &apiserver, "[health]\ninterval_seconds = 1\nrecovery_check_ms = 100", "");
-    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
-    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let health = "[health]\ninterval_seconds = 1\nrecovery_check_ms = 100";
+    let Started { tmp, daemon, config: _, log } = start(&node, &apiserver, health, "");
+    let dir = tmp.path();
     until(|| slice_names(&apiserver), |n| n.len() == 2, &log).await;
 
     // A pod's claim holds part of GPU 0.
@@ -169,14 +173,11 @@ fn node_object() -> Value {
 async fn node_labels_are_ours_only_and_follow_the_layout_across_an_api_server_restart() {
     let node =
         SimNode::with_description("numa_nodes = 1\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\nmig = true\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
     let mut apiserver = ApiServer::start().await;
     apiserver.put_node(node_object());
     let layout = |mig: &str| format!("[partitions.\"0\"]\nmig = {{ {mig} }}");
-    let config = config(&node, dir, &apiserver, &layout("\"3g.40gb\" = 2"), "");
-    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
-    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let Started { tmp, daemon, config, log } = start(&node, &apiserver, &layout("\"3g.40gb\" = 2"), "");
+    let dir = tmp.path();
     let l =
         until(|| labels(&apiserver), |l| l.get("tessera.io/mig.strategy").is_some_and(|s| s == "single"), &log).await;
     let mine = |l: &BTreeMap<String, String>, k: &str| l.get(k).cloned().unwrap_or_default();
@@ -229,13 +230,9 @@ async fn node_labels_are_ours_only_and_follow_the_layout_across_an_api_server_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn labels_off_means_no_node_patch() {
     let node = SimNode::with_description("numa_nodes = 1\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
     let apiserver = ApiServer::start().await;
     apiserver.put_node(node_object());
-    let config = config(&node, dir, &apiserver, "", "labels = false");
-    let (notify, log) = (dir.join("notify.sock"), dir.join("tesserad.log"));
-    let (daemon, _) = spawn(&node, &config, &notify, &log);
+    let Started { tmp: _tmp, daemon, config: _, log } = start(&node, &apiserver, "", "labels = false");
     until(|| slice_names(&apiserver), |n| n.len() == 2, &log).await;
     // The slice is published after startup finished; a labeller would have patched by now, and
     // the log says labels are off.

@@ -46,15 +46,7 @@ fn dra_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, extra: &str) ->
 }
 
 fn mode_config(node: &SimNode, dir: &Path, apiserver: &ApiServer, mode: &str, extra: &str) -> std::path::PathBuf {
-    let kubeconfig = apiserver.kubeconfig(dir);
-    let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
-    std::fs::create_dir_all(&registry).expect("registry dir");
-    let injection = common::fake_gpu_host(dir);
-    let body = format!(
-        "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
-         kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n"
-    );
-    common::write_config(node, dir, &body)
+    apiserver.tesserad_config(node, dir, mode, extra, "")
 }
 
 /// Waits for the health monitor's first look: a fault injected before it is its baseline, not a

@@ -265,32 +265,12 @@ fn half_precision_gemms(shim_on: bool) {
     }
 }
 
-#[test]
-fn pytorch_fp16_and_bf16_gemms_run_on_the_sim() {
-    half_precision_gemms(false);
-}
-
-#[test]
-fn pytorch_fp16_and_bf16_gemms_run_under_the_shim() {
-    half_precision_gemms(true);
-}
-
 fn autocast(shim_on: bool) {
     let Some(v) = mixed_precision("autocast", shim_on) else { return };
     for (dt, name) in [("fp16", "float16"), ("bf16", "bfloat16")] {
         let expected = serde_json::json!([[[128, 64], name], [[128, 128], name], [[], "float32"]]);
         assert_eq!(v[dt], expected, "autocast to {dt}: products in {name}, the fp32 sum in float32: {v}");
     }
-}
-
-#[test]
-fn pytorch_autocast_runs_on_the_sim() {
-    autocast(false);
-}
-
-#[test]
-fn pytorch_autocast_runs_under_the_shim() {
-    autocast(true);
 }
 
 fn bf16_training_step(shim_on: bool) {
@@ -302,28 +282,33 @@ fn bf16_training_step(shim_on: bool) {
     assert_eq!(v["state"], serde_json::json!(["exp_avg", "exp_avg_sq", "step"]), "AdamW stepped: {v}");
 }
 
-#[test]
-fn pytorch_bf16_training_step_runs_on_the_sim() {
-    bf16_training_step(false);
-}
-
-#[test]
-fn pytorch_bf16_training_step_runs_under_the_shim() {
-    bf16_training_step(true);
-}
-
 fn fp16_grad_scaler_step(shim_on: bool) {
     let Some(v) = mixed_precision("amp_fp16", shim_on) else { return };
     let expected = serde_json::json!([[[64, 10], "float16"], [[], "float32"], [[512, 256], "float32"]]);
     assert_eq!(v["seen"], expected, "fp16 logits, an fp32 loss and fp32 master gradients: {v}");
 }
 
-#[test]
-fn pytorch_fp16_autocast_training_with_a_grad_scaler_runs_on_the_sim() {
-    fp16_grad_scaler_step(false);
+/// Each mixed-precision case's two tests, in a module of its name: `on_the_sim`, and
+/// `under_the_shim` (libtessera.so with a 4 GiB limit).
+macro_rules! on_the_sim_and_under_the_shim {
+    ($($case:ident: $check:ident;)+) => {$(
+        mod $case {
+            #[test]
+            fn on_the_sim() {
+                super::$check(false);
+            }
+
+            #[test]
+            fn under_the_shim() {
+                super::$check(true);
+            }
+        }
+    )+};
 }
 
-#[test]
-fn pytorch_fp16_autocast_training_with_a_grad_scaler_runs_under_the_shim() {
-    fp16_grad_scaler_step(true);
+on_the_sim_and_under_the_shim! {
+    pytorch_fp16_and_bf16_gemms_run: half_precision_gemms;
+    pytorch_autocast_runs: autocast;
+    pytorch_bf16_training_step_runs: bf16_training_step;
+    pytorch_fp16_autocast_training_with_a_grad_scaler_runs: fp16_grad_scaler_step;
 }

@@ -82,6 +82,11 @@ fn status(code: u16, reason: &str, message: &str) -> Response<Full<Bytes>> {
     respond(code, &body)
 }
 
+/// 200 with `obj`, or 404 saying `missing` when there is none.
+fn found(obj: Option<&Value>, missing: &str) -> Response<Full<Bytes>> {
+    obj.map_or_else(|| status(404, "NotFound", missing), |o| respond(200, o))
+}
+
 fn respond(code: u16, body: &Value) -> Response<Full<Bytes>> {
     Response::builder()
         .status(StatusCode::from_u16(code).expect("status code"))
@@ -138,6 +143,24 @@ fn selected(slice: &Value, selector: Option<&String>) -> bool {
 }
 
 impl Store {
+    /// A JSON merge patch (`patch`, parsed from the body) of the object `key` in the map `objects`
+    /// picks: the patched object with a new resourceVersion, 400 when the body is not JSON, 404
+    /// (`missing`) when there is no such object.
+    fn merge_patched<K: Ord>(
+        &mut self,
+        objects: fn(&mut Store) -> &mut BTreeMap<K, Value>,
+        key: K,
+        patch: serde_json::Result<Value>,
+        missing: &str,
+    ) -> Response<Full<Bytes>> {
+        let Ok(patch) = patch else { return status(400, "BadRequest", "not JSON") };
+        let Some(mut obj) = objects(self).get(&key).cloned() else { return status(404, "NotFound", missing) };
+        merge_patch(&mut obj, &patch);
+        self.bump(&mut obj);
+        objects(self).insert(key, obj.clone());
+        respond(200, &obj)
+    }
+
     fn bump(&mut self, obj: &mut Value) -> u64 {
         self.version += 1;
         obj["metadata"]["resourceVersion"] = json!(self.version.to_string());
@@ -201,6 +224,28 @@ impl ApiServer {
         self.stop().await;
         let listener = TcpListener::bind(self.addr).await.expect("rebind the same port");
         self.serve(listener);
+    }
+
+    /// `tesserad`'s configuration in Kubernetes `mode` against this server, on the fake GPU host
+    /// and with the kubelet's directories under `dir`: `extra` (keys, tables) before the
+    /// `[kubernetes]` table, `kubernetes` (its keys) at its end.
+    pub fn tesserad_config(
+        &self,
+        node: &tessera_sim_testkit::SimNode,
+        dir: &Path,
+        mode: &str,
+        extra: &str,
+        kubernetes: &str,
+    ) -> PathBuf {
+        let kubeconfig = self.kubeconfig(dir);
+        let (plugins, registry) = (dir.join("kubelet/plugins"), dir.join("kubelet/plugins_registry"));
+        std::fs::create_dir_all(&registry).expect("registry dir");
+        let injection = super::fake_gpu_host(dir);
+        let body = format!(
+            "pod_resources_socket = \"\"\n{injection}{extra}\n[kubernetes]\nmode = {mode:?}\nnode_name = \"node-a\"\n\
+             kubeconfig = {kubeconfig:?}\nplugins_dir = {plugins:?}\nplugins_registry_dir = {registry:?}\n{kubernetes}\n"
+        );
+        super::write_config(node, dir, &body)
     }
 
     /// A kubeconfig file for this server (plain HTTP, no credentials).
@@ -394,19 +439,10 @@ async fn handle(
     if let Some(name) = path.strip_prefix(NODES) {
         let name = name.to_owned();
         return match method {
-            Method::GET => match s.nodes.get(&name) {
-                Some(n) => respond(200, n),
-                None => status(404, "NotFound", &format!("nodes \"{name}\" not found")),
-            },
+            Method::GET => found(s.nodes.get(&name), &format!("nodes \"{name}\" not found")),
             Method::PATCH => {
-                let Ok(p) = parsed() else { return status(400, "BadRequest", "not JSON") };
-                let Some(mut node) = s.nodes.get(&name).cloned() else {
-                    return status(404, "NotFound", &format!("nodes \"{name}\" not found"));
-                };
-                merge_patch(&mut node, &p);
-                s.bump(&mut node);
-                s.nodes.insert(name, node.clone());
-                respond(200, &node)
+                let missing = format!("nodes \"{name}\" not found");
+                s.merge_patched(|s| &mut s.nodes, name, parsed(), &missing)
             }
             _ => status(405, "MethodNotAllowed", "method not allowed"),
         };
@@ -428,15 +464,9 @@ async fn handle(
                 respond(201, &obj)
             }
             ([ns, "events", name], &Method::PATCH) => {
-                let Ok(p) = parsed() else { return status(400, "BadRequest", "not JSON") };
                 let key = ((*ns).to_owned(), (*name).to_owned());
-                let Some(mut obj) = s.events.get(&key).cloned() else {
-                    return status(404, "NotFound", &format!("events.events.k8s.io \"{name}\" not found"));
-                };
-                merge_patch(&mut obj, &p);
-                s.bump(&mut obj);
-                s.events.insert(key, obj.clone());
-                respond(200, &obj)
+                let missing = format!("events.events.k8s.io \"{name}\" not found");
+                s.merge_patched(|s| &mut s.events, key, parsed(), &missing)
             }
             _ => status(405, "MethodNotAllowed", "method not allowed"),
         };
@@ -446,10 +476,10 @@ async fn handle(
         if let [ns, "resourceclaims", name] = parts.as_slice()
             && method == Method::GET
         {
-            return match s.claims.get(&((*ns).to_owned(), (*name).to_owned())) {
-                Some(c) => respond(200, c),
-                None => status(404, "NotFound", &format!("resourceclaims.resource.k8s.io \"{name}\" not found")),
-            };
+            return found(
+                s.claims.get(&((*ns).to_owned(), (*name).to_owned())),
+                &format!("resourceclaims.resource.k8s.io \"{name}\" not found"),
+            );
         }
         if let [ns, "resourceclaims", name, "status"] = parts.as_slice()
             && method == Method::PATCH
@@ -489,10 +519,7 @@ async fn handle(
     if let Some(name) = path.strip_prefix(&format!("{SLICES}/")) {
         let name = name.to_owned();
         return match method {
-            Method::GET => match s.slices.get(&name) {
-                Some(v) => respond(200, v),
-                None => status(404, "NotFound", &format!("resourceslices \"{name}\" not found")),
-            },
+            Method::GET => found(s.slices.get(&name), &format!("resourceslices \"{name}\" not found")),
             Method::PUT => {
                 let Ok(mut obj) = parsed() else { return status(400, "BadRequest", "not JSON") };
                 let Some(cur) = s.slices.get(&name) else {
