@@ -1,9 +1,9 @@
 //! Support for the cross-part flows in `flows/`: the test kubelet and the daemon launcher the
 //! daemon's own integration tests use (one copy, shared by path), and the built programs.
 
+pub mod kube;
 #[path = "../daemon/tests/common/mod.rs"]
 pub mod kubelet;
-pub mod kube;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
