@@ -49,6 +49,7 @@ fn run(n: usize, rounds: usize) {
                 priority,
                 compute_mode: ComputeMode::Strict,
                 whole: false,
+                preemptible: false,
             }],
             claim: None,
         };

@@ -87,6 +87,7 @@ fn the_offer_is_published_again_on_every_change_of_what_the_records_hold() {
                 gpu: "0".into(),
                 owner: Some("fn-a".into()),
                 lease: Lease::None,
+                preemptible: false,
             };
             let carved = allocator.allocate_share(&carve, &controller.gpu_rooms()).expect("carved");
             let (_, withdrawn) = next_offer(&mut offers).await;

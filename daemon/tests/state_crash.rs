@@ -41,6 +41,7 @@ fn record(id: &str) -> Allocation {
                 priority: Priority::High,
                 compute_mode: ComputeMode::WorkConserving,
                 whole: false,
+                preemptible: false,
             })
             .collect(),
         claim: None,

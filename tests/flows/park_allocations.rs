@@ -230,8 +230,13 @@ async fn killed_tesserad(node: &SimNode) {
     // Killed mid-park of the second: its process locked, the journal saying `parking`.
     ck.lock(inflight_pid, None).expect("lock");
     let journal = dir.join("state/park");
-    let entry =
-        JournalEntry { id: inflight_id.clone(), state: "parking".into(), pids: vec![inflight_pid], bytes: 512 << 20 };
+    let entry = JournalEntry {
+        id: inflight_id.clone(),
+        state: "parking".into(),
+        pids: vec![inflight_pid],
+        bytes: 512 << 20,
+        preempted_by: None,
+    };
     std::fs::write(journal.join(inflight_id), entry.encode()).expect("journal");
     // And a damaged entry for an allocation that does not exist.
     std::fs::write(journal.join("a-00000000000000ff"), b"{\"id\":\"a-00000000000000ff\"}\n00000000\n")
@@ -265,4 +270,321 @@ async fn killed_tesserad(node: &SimNode) {
     for w in workloads {
         assert!(w.alive(), "both workloads run on");
     }
+}
+
+// Preemption by priority (issue 33, item 3).
+
+/// `tessera alloc ARGS --json`: the allocation's id and env.
+fn alloc(dir: &std::path::Path, args: &[&str]) -> (String, serde_json::Map<String, serde_json::Value>) {
+    let mut all = vec!["alloc"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    let out = ok(&tessera(dir, &all));
+    let answer: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let id = answer["id"].as_str().expect("id").to_owned();
+    (id, answer["env"].as_object().expect("env").clone())
+}
+
+/// A `tessera-workload` under the shim in an allocation's env, holding its memory (`args`), once
+/// it says so.
+fn workload(node: &SimNode, env: &serde_json::Map<String, serde_json::Value>, args: &[&str]) -> Reaped {
+    let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
+    cmd.args(args).stdout(Stdio::piped()).env("LD_PRELOAD", shim());
+    for (k, v) in env {
+        cmd.env(k, v.as_str().expect("env values are strings"));
+    }
+    let mut child = cmd.spawn().expect("tessera-workload");
+    let mut out = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    out.read_line(&mut line).expect("read");
+    assert!(line.contains("holding"), "the workload holds its memory: {line}");
+    Reaped(child, out)
+}
+
+impl Reaped {
+    /// Waits for the workload to end: whether it succeeded, and its report (its last line).
+    fn report(&mut self) -> (bool, serde_json::Value) {
+        let ok = self.0.wait().expect("wait").success();
+        let last = (&mut self.1).lines().map_while(Result::ok).filter(|l| !l.trim().is_empty()).last();
+        (ok, serde_json::from_str(&last.unwrap_or_default()).unwrap_or_default())
+    }
+}
+
+/// `tessera allocations --json`, by id.
+fn listed(dir: &std::path::Path) -> std::collections::HashMap<String, serde_json::Value> {
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(&tessera(dir, &["allocations", "--json"]))).expect("a JSON array");
+    list.as_array().expect("array").iter().map(|a| (a["id"].as_str().expect("id").to_owned(), a.clone())).collect()
+}
+
+/// `id`'s state and the allocation it was preempted by, as `tessera allocations --json` says.
+fn state(dir: &std::path::Path, id: &str) -> (String, String) {
+    let all = listed(dir);
+    let a = all.get(id).unwrap_or_else(|| panic!("{id} is listed: {all:?}"));
+    (a["state"].as_str().expect("state").to_owned(), a["preempted_by"].as_str().expect("preempted_by").to_owned())
+}
+
+/// Polls (bounded) until `id` is in `want` state, as the CLI lists it.
+async fn wait_state(dir: &std::path::Path, id: &str, want: &str) {
+    let log = dir.join("tesserad.log");
+    tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &log, || {
+        let (now, by) = state(dir, id);
+        if now == want { Ok(()) } else { Err(format!("{id} is {now} (preempted by {by:?}), not {want}")) }
+    })
+    .await;
+}
+
+/// The `allocation_parked` / `allocation_resumed` events so far: (kind, allocation, reason).
+fn park_events(dir: &std::path::Path) -> Vec<(String, String, String)> {
+    let events = ok(&tessera(dir, &["events", "--replay", "1000", "--json"]));
+    events
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("one JSON object a line"))
+        .filter(|e| e["kind"] == "ALLOCATION_PARKED" || e["kind"] == "ALLOCATION_RESUMED")
+        .map(|e| {
+            let s = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_owned();
+            (s(&e["kind"]), s(&e["detail"]["allocation_id"]), s(&e["detail"]["reason"]))
+        })
+        .collect()
+}
+
+fn high(memory_bytes: u64) -> api::AllocateRequest {
+    api::AllocateRequest { memory_bytes, sm_percent: 10, priority: api::Priority::High as i32, ..Default::default() }
+}
+
+/// The GPU's memory as the node API counts it.
+async fn gpu_memory(api: &mut tessera_proto::tessera::v1::node_client::NodeClient<tonic::transport::Channel>) -> u64 {
+    let devices = api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();
+    devices.devices.iter().map(|d| d.memory_bytes).max().expect("a GPU")
+}
+
+/// Prometheus `/metrics` at `addr`, its body.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").expect("request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("response");
+    out
+}
+
+/// (a) A low-priority preemptible share with a live process fills the GPU; a high-priority
+/// Allocate that does not fit succeeds by parking it (NVML shows its memory freed, the listing
+/// and the event name the new allocation); releasing the new one resumes it ("room back"), and
+/// the process's data is intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_of_higher_priority_parks_a_preemptible_one_which_resumes_once_the_room_is_back() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr");
+    let (tesserad, mut api) = Tesserad::start(&node, &format!("[telemetry]\nmetrics_listen = \"{port}\"\n")).await;
+    let dir = tesserad.dir();
+    let show_log = || tesserad.log();
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let total = gpu_memory(&mut api).await;
+
+    // All but 20 GiB of the GPU, low priority, preemptible, with a process holding 256 MiB and
+    // a pattern it reads back after its hold.
+    let low_size = format!("{}B", total - 20 * GIB);
+    let (low, env) = alloc(dir, &["--memory", &low_size, "--sm", "30", "--priority", "low", "--preemptible"]);
+    let mut w = workload(&node, &env, &["--alloc-mib", "256", "--verify", "--hold", "20"]);
+    let before = used(&m);
+    assert!(before >= 256 * MIB, "the workload holds its memory: {before}");
+    let table = ok(&tessera(dir, &["allocations"]));
+    assert!(table.contains("running (preemptible)"), "{table}");
+    assert_eq!(listed(dir)[&low]["preemptible"], true);
+
+    // 30 GiB at high priority: it does not fit beside the low one, which is parked for it.
+    let made = api.allocate(high(30 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log())).into_inner();
+    let top = made.allocation.expect("allocation").id;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), top.clone()));
+    assert_eq!(used(&m), 0, "NVML: the parked process's memory is free");
+    let table = ok(&tessera(dir, &["allocations"]));
+    assert!(table.contains(&format!("parked (preempted by {top})")), "{table}");
+    let events = park_events(dir);
+    assert_eq!(
+        events,
+        [("ALLOCATION_PARKED".to_owned(), low.clone(), format!("preempted by {top}"))],
+        "{}",
+        show_log()
+    );
+    let metrics = scrape(&port.to_string());
+    assert!(metrics.contains("\ntessera_preemptions_total 1\n"), "{metrics}");
+    assert!(metrics.contains("\ntessera_allocations_parked 1\n"), "{metrics}");
+
+    // Its room back: resumed on its own, its memory back, named as such.
+    assert!(
+        api.release(api::ReleaseRequest { allocation_id: top.clone() }).await.expect("release").into_inner().released
+    );
+    wait_state(dir, &low, "running").await;
+    assert_eq!(state(dir, &low).1, "", "no longer preempted");
+    assert_eq!(used(&m), before);
+    let events = park_events(dir);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[1], ("ALLOCATION_RESUMED".to_owned(), low.clone(), "room back".to_owned()));
+    // The program went on where it stopped: its data read back after its hold.
+    let (done, report) = w.report();
+    assert!(done, "{report}");
+    assert_eq!(report["verified_after_hold_bytes"], MIB, "its data intact: {report}");
+}
+
+/// (b, c, d) Only a preemptible share of lower priority is parked, and only when that makes
+/// room: beside a low share that is not preemptible and a high one that is, parking the one
+/// low preemptible share would not make room for a high ask, so nothing is parked and the
+/// refusal says so; an ask it does make room for parks it alone; with only the share that is
+/// not preemptible left, a high ask is refused as before, nothing parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_preemptible_shares_of_lower_priority_are_parked_and_only_when_that_makes_room() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let (tesserad, mut api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let show_log = || tesserad.log();
+    let total = gpu_memory(&mut api).await;
+    let hold = ["--alloc-mib", "64", "--hold", "3600"];
+    let (fixed, env) = alloc(dir, &["--memory", "30GiB", "--sm", "20", "--priority", "low"]);
+    let _w1 = workload(&node, &env, &hold);
+    let (peer, env) = alloc(dir, &["--memory", "30GiB", "--sm", "20", "--priority", "high", "--preemptible"]);
+    let _w2 = workload(&node, &env, &hold);
+    let (low, env) = alloc(dir, &["--memory", "10GiB", "--sm", "20", "--priority", "low", "--preemptible"]);
+    let _w3 = workload(&node, &env, &hold);
+    let free = total - 70 * GIB;
+    let all_running = || {
+        for id in [&fixed, &peer, &low] {
+            assert_eq!(state(dir, id), ("running".to_owned(), String::new()), "{id}\n{}", show_log());
+        }
+    };
+
+    // (d, b, c) Parking the low preemptible share frees 10 GiB: not enough for 11 GiB more than
+    // is free. The low share that is not preemptible, and the high one, would make room: neither
+    // is parked, and neither is anything else.
+    let e = api.allocate(high(free + 11 * GIB)).await.expect_err("no room");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(
+        e.message().contains("parking the preemptible allocations of lower priority would not make room either")
+            && e.message().contains("nothing was parked"),
+        "{}",
+        e.message()
+    );
+    all_running();
+    assert!(park_events(dir).is_empty());
+
+    // 5 GiB more than is free: the low preemptible share alone makes room, and only it is parked.
+    let made = api.allocate(high(free + 5 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    let top = made.into_inner().allocation.expect("allocation").id;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), top.clone()));
+    for id in [&fixed, &peer] {
+        assert_eq!(state(dir, id).0, "running", "{id}");
+    }
+    assert!(api.release(api::ReleaseRequest { allocation_id: top }).await.expect("release").into_inner().released);
+    wait_state(dir, &low, "running").await;
+
+    // (b) Only the share that is not preemptible left beside the free room: a high ask it would
+    // make room for is refused as it always was (no word of parking), and it runs on.
+    drop((_w2, _w3));
+    for id in [&peer, &low] {
+        assert!(
+            api.release(api::ReleaseRequest { allocation_id: id.clone() })
+                .await
+                .expect("release")
+                .into_inner()
+                .released
+        );
+    }
+    let e = api.allocate(high(total - 30 * GIB + GIB)).await.expect_err("no room");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(!e.message().contains("park"), "{}", e.message());
+    assert_eq!(state(dir, &fixed), ("running".to_owned(), String::new()));
+    let events = park_events(dir);
+    assert_eq!(events.iter().filter(|e| e.0 == "ALLOCATION_PARKED").count(), 1, "only the one preemption: {events:?}");
+}
+
+/// A preempted share resumes whichever way its room comes back: here its preemptor is leased
+/// to a container, and the lease pass releases it once that container is deleted (no node API
+/// `Release`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_share_resumes_when_its_preemptors_lease_ends() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let (tesserad, mut api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let total = gpu_memory(&mut api).await;
+    let low_size = format!("{}B", total - 20 * GIB);
+    let (low, env) = alloc(dir, &["--memory", &low_size, "--sm", "30", "--priority", "low", "--preemptible"]);
+    let w = workload(&node, &env, &["--alloc-mib", "256", "--hold", "3600"]);
+    let (top, _) = alloc(dir, &["--memory", "30GiB", "--sm", "10", "--priority", "high", "--lease", "container"]);
+    assert_eq!(state(dir, &low), ("parked".to_owned(), top.clone()));
+
+    // Its container named (as the hook's owner record does), then deleted (as its poststop
+    // hook records it): the lease pass releases it.
+    let alloc_dir = dir.join("run/alloc").join(&top);
+    std::fs::write(alloc_dir.join(".owner.tmp"), br#"{"container_id":"c-preemptor"}"#).expect("owner record");
+    std::fs::rename(alloc_dir.join(".owner.tmp"), alloc_dir.join("owner")).expect("owner record");
+    std::fs::write(alloc_dir.join(".deleted.tmp"), b"c-preemptor").expect("deleted");
+    std::fs::rename(alloc_dir.join(".deleted.tmp"), alloc_dir.join("deleted")).expect("deleted");
+    wait_state(dir, &low, "running").await;
+    assert!(!listed(dir).contains_key(&top), "released by its lease");
+    assert!(tesserad.log().contains("lease ended"), "{}", tesserad.log());
+    let events = park_events(dir);
+    assert_eq!(events.last(), Some(&("ALLOCATION_RESUMED".to_owned(), low.clone(), "room back".to_owned())));
+    assert!(w.alive(), "the workload runs on");
+}
+
+/// `kill -9` of tesserad while a share is parked by preemption: a restart keeps it parked for
+/// its preemptor (the journal names it) while that one holds its room; and when the preemptor's
+/// record is gone at start (the daemon killed after the park and before the record was written
+/// is the same), it resumes before the node API serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_preempted_when_tesserad_was_killed_resumes_at_start_once_its_room_is_back() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let dir = tmp.path();
+    let config = tessera_tests::kubelet::write_config(&node, dir, "");
+    let log = dir.join("tesserad.log");
+    let show_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let socket = dir.join("run/tessera.sock");
+    let daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&socket).await;
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let total = gpu_memory(&mut api).await;
+    let low_size = format!("{}B", total - 20 * GIB);
+    let (low, env) = alloc(dir, &["--memory", &low_size, "--sm", "30", "--priority", "low", "--preemptible"]);
+    let w = workload(&node, &env, &["--alloc-mib", "256", "--hold", "3600"]);
+    let before = used(&m);
+    let first = api.allocate(high(30 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    let first = first.into_inner().allocation.expect("allocation").id;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), first.clone()));
+
+    // Killed with the preemptor holding its room: still parked for it after the restart.
+    drop(daemon); // SIGKILL
+    let daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let mut api = node_api(&socket).await;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), first.clone()), "{}", show_log());
+    assert_eq!(used(&m), 0);
+    // Released: resumed by the restarted daemon.
+    assert!(
+        api.release(api::ReleaseRequest { allocation_id: first.clone() }).await.expect("release").into_inner().released
+    );
+    wait_state(dir, &low, "running").await;
+    assert_eq!(used(&m), before);
+
+    // Preempted again, killed, and the preemptor's record gone while tesserad is down: at start
+    // the room is back, and it resumes before the node API answers.
+    let second = api.allocate(high(30 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    let second = second.into_inner().allocation.expect("allocation").id;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), second.clone()));
+    drop(daemon); // SIGKILL
+    {
+        let mut store = tessera_daemon::state::Store::open(&dir.join("state")).expect("the store");
+        store.remove(&second).expect("remove").expect("the preemptor's record");
+    }
+    let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
+    let _api = node_api(&socket).await;
+    assert_eq!(state(dir, &low), ("running".to_owned(), String::new()), "{}", show_log());
+    assert_eq!(used(&m), before, "its memory is back");
+    assert!(!dir.join("state/park").join(&low).exists(), "its journal entry is gone");
+    assert!(!listed(dir).contains_key(&second));
+    // The events (kept across restarts): each preemption and each resume, the last at start.
+    let events = park_events(dir);
+    let parked = |by: &str| ("ALLOCATION_PARKED".to_owned(), low.clone(), format!("preempted by {by}"));
+    let resumed = ("ALLOCATION_RESUMED".to_owned(), low.clone(), "room back".to_owned());
+    assert_eq!(events, [parked(&first), resumed.clone(), parked(&second), resumed], "{}", show_log());
+    assert!(w.alive(), "the workload runs on");
 }

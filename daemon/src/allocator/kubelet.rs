@@ -157,6 +157,7 @@ impl DaemonAllocator {
                     priority: if share { defaults.priority } else { Priority::Normal },
                     compute_mode: if share { defaults.compute_mode } else { ComputeMode::Strict },
                     whole: false,
+                    preemptible: false,
                 })
             })
             .collect()

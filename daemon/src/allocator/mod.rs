@@ -10,7 +10,8 @@
 //! - [`claims`]: DRA claims (NodePrepare/UnprepareResources), one record per claim UID;
 //!
 //! and beside them `park` (an allocation's processes parked and resumed through the driver's
-//! checkpoint API), `admission` (what fits beside every other record on a device), `reconcile`
+//! checkpoint API), `preempt` (a share of higher priority made by parking preemptible ones,
+//! resumed once they fit again), `admission` (what fits beside every other record on a device), `reconcile`
 //! (records and directories brought back together at start; owner records the hook left). What
 //! the records hold of each device ([`DaemonAllocator::holdings`]) is published with the
 //! controller's view; each face works out from it what is free for it (`crate::holdings`).
@@ -20,6 +21,7 @@ pub mod claims;
 pub mod kubelet;
 pub mod node_api;
 pub mod park;
+pub mod preempt;
 mod reconcile;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -89,6 +91,13 @@ pub struct DaemonAllocator {
     owner_watch: Mutex<OwnerWatch>,
     /// The allocations parked, or being parked or resumed ([`park`]).
     parking: park::Parking,
+    /// Held by a preemption from its plan to its share made (or undone), and by a pass that
+    /// resumes preempted allocations ([`preempt`]): such a pass never takes back the room a
+    /// preemption in flight parked for its share, and two preemptions never pick one victim.
+    preempting: Mutex<()>,
+    /// Poked when an operator's park frees memory (no record changes): preempted allocations
+    /// may fit again (`NodeController::follow_preempted`).
+    parks_changed: Arc<tokio::sync::Notify>,
 }
 
 /// What reloads may change: share placement, and the limits new share allocations get.
@@ -123,6 +132,8 @@ impl DaemonAllocator {
             allocated: Arc::new(tokio::sync::Notify::new()),
             owner_watch: Mutex::new(OwnerWatch::default()),
             parking: park::Parking::default(),
+            preempting: Mutex::new(()),
+            parks_changed: Arc::new(tokio::sync::Notify::new()),
         }
     }
 

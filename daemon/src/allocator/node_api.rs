@@ -38,6 +38,8 @@ pub struct ShareRequest {
     pub gpu: String,
     pub owner: Option<String>,
     pub lease: Lease,
+    /// May be parked for an allocation of higher priority (`--preemptible`; issue 33).
+    pub preemptible: bool,
 }
 
 impl DaemonAllocator {
@@ -46,9 +48,14 @@ impl DaemonAllocator {
     /// counts every record on the GPU (the kubelet's too), under the store lock.
     pub fn allocate_share(&self, req: &ShareRequest, gpus: &[GpuRoom]) -> Result<Allocation, Status> {
         match &req.device {
-            DeviceAsk::Share => {}
-            DeviceAsk::Mig(_) | DeviceAsk::Whole(_) => return self.allocate_device(req, gpus),
+            DeviceAsk::Share => self.carve_share(req, gpus, Allocation::new_id()),
+            DeviceAsk::Mig(_) | DeviceAsk::Whole(_) => self.allocate_device(req, gpus),
         }
+    }
+
+    /// A share carved as [`Self::allocate_share`] says, under id `id` (preemption names it
+    /// before the share is made: the allocations it parks are parked for it).
+    pub(super) fn carve_share(&self, req: &ShareRequest, gpus: &[GpuRoom], id: String) -> Result<Allocation, Status> {
         if req.memory == 0 {
             return Err(Status::invalid_argument("memory_bytes: required (the share's device memory, bytes)"));
         }
@@ -77,7 +84,7 @@ impl DaemonAllocator {
             if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
         })?;
         let alloc = Allocation {
-            id: Allocation::new_id(),
+            id,
             resource: ON_DEMAND_RESOURCE.to_owned(),
             container: ContainerIdentity::default(),
             source: Source::NodeApi,
@@ -90,6 +97,7 @@ impl DaemonAllocator {
                 priority: req.priority.unwrap_or(defaults.priority),
                 compute_mode,
                 whole: false,
+                preemptible: req.preemptible,
             }],
             claim: Some(Box::new(Claim { owner: req.owner.clone(), lease: req.lease })),
         };
@@ -113,6 +121,11 @@ impl DaemonAllocator {
         if req.compute_mode.is_some() {
             return Err(Status::invalid_argument("compute_mode: only for shares (a whole device is not time-sliced)"));
         }
+        if req.preemptible {
+            // Parking frees memory, never a device: a whole GPU or MIG device parked would still
+            // be held whole, so preemption could make no room with it.
+            return Err(Status::invalid_argument("preemptible: only for shares (parking frees memory, not a device)"));
+        }
         let refused = |why: String| {
             if why.starts_with("gpu:") { Status::not_found(why) } else { Status::resource_exhausted(why) }
         };
@@ -126,6 +139,7 @@ impl DaemonAllocator {
             priority,
             compute_mode: ComputeMode::Strict,
             whole: false,
+            preemptible: false,
         };
         let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let records: Vec<&Allocation> = store.list().collect();

@@ -14,7 +14,11 @@
 //!
 //! Admission: a parked allocation's memory is free for the node API's shares
 //! ([`DaemonAllocator::beside_parked`]), and a resume is admitted again against every record not
-//! parked. Not yet here (issue 33): the kubelet's and DRA's admission, preemption.
+//! parked. Not yet here (issue 33): the kubelet's and DRA's admission.
+//!
+//! Preemption (`super::preempt`) parks through [`DaemonAllocator::park_for`], the entry and the
+//! journal naming the allocation it made room for; such a park is resumed by
+//! [`DaemonAllocator::resume_preempted`] once it fits again, an operator's never.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -52,6 +56,8 @@ pub struct ParkMetrics {
     pub resumes: u64,
     pub resume_seconds: f64,
     pub resume_bytes: u64,
+    /// Of the parks, those preemption did (`tessera_preemptions_total`).
+    pub preemptions: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +65,10 @@ struct Entry {
     state: ParkState,
     pids: Vec<u32>,
     bytes: u64,
+    /// Parked by preemption, for this allocation: resumed once it fits again
+    /// ([`DaemonAllocator::resume_preempted`]); `None`: parked by an operator, resumed only when
+    /// asked.
+    preempted_by: Option<String>,
 }
 
 /// What a park or resume did.
@@ -89,6 +99,10 @@ pub struct JournalEntry {
     pub state: String,
     pub pids: Vec<u32>,
     pub bytes: u64,
+    /// Parked by preemption, for this allocation (absent: by an operator; in entries from
+    /// before preemption too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preempted_by: Option<String>,
 }
 
 impl JournalEntry {
@@ -147,9 +161,22 @@ impl DaemonAllocator {
     }
 
     /// Writes allocation `id`'s park state durably before the step it announces.
-    fn journal(&self, id: &str, state: ParkState, pids: &[u32], bytes: u64) -> Result<(), Status> {
+    fn journal(
+        &self,
+        id: &str,
+        state: ParkState,
+        pids: &[u32],
+        bytes: u64,
+        preempted_by: Option<&str>,
+    ) -> Result<(), Status> {
         let dir = self.journal_dir();
-        let entry = JournalEntry { id: id.to_owned(), state: state_name(state).to_owned(), pids: pids.to_vec(), bytes };
+        let entry = JournalEntry {
+            id: id.to_owned(),
+            state: state_name(state).to_owned(),
+            pids: pids.to_vec(),
+            bytes,
+            preempted_by: preempted_by.map(str::to_owned),
+        };
         std::fs::create_dir_all(&dir)
             .and_then(|()| crate::state::durable::write_file(&dir.join(id), &entry.encode(), 0o600))
             .map_err(|e| {
@@ -207,11 +234,11 @@ impl DaemonAllocator {
                     if let Some(r) = &region {
                         r.set_park_state(ParkState::Parked);
                     }
-                    tracing::info!(id = %e.id, pids = ?left, "park recovered: still parked");
-                    let _ = self.journal(&e.id, ParkState::Parked, &left, e.bytes);
-                    self.parking
-                        .lock()
-                        .insert(e.id.clone(), Entry { state: ParkState::Parked, pids: left, bytes: e.bytes });
+                    tracing::info!(id = %e.id, pids = ?left, preempted_by = ?e.preempted_by, "park recovered: still parked");
+                    let _ = self.journal(&e.id, ParkState::Parked, &left, e.bytes, e.preempted_by.as_deref());
+                    let entry =
+                        Entry { state: ParkState::Parked, pids: left, bytes: e.bytes, preempted_by: e.preempted_by };
+                    self.parking.lock().insert(e.id.clone(), entry);
                     parked.push(e.id);
                 }
                 Ok(_) => {
@@ -252,6 +279,36 @@ impl DaemonAllocator {
         Ok(())
     }
 
+    /// Forgets the parks of allocations released by another way in than the node API's
+    /// `Release` (a kubelet's record gone, a DRA claim unprepared) once none of their processes
+    /// is alive: their state and journal entry go, so they neither count as parked nor wait to
+    /// be resumed. One with a process still alive stays (it would be left locked); said once.
+    pub fn forget_released(&self) {
+        let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut entries = self.parking.lock();
+        let gone: Vec<String> = entries
+            .iter()
+            .filter(|(id, e)| e.state == ParkState::Parked && store.get(id).is_none())
+            .filter(|(_, e)| e.pids.iter().all(|p| !Path::new(&format!("/proc/{p}")).exists()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in gone {
+            entries.remove(&id);
+            let path = store.dir().join("park").join(&id);
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(%id, error = %e, path = %path.display(), "cannot remove the park journal entry");
+            }
+            tracing::info!(%id, "released while parked, its processes gone: its park is forgotten");
+        }
+    }
+
+    /// Whether any allocation is parked, parking or resuming.
+    pub fn any_parked(&self) -> bool {
+        !self.parking.lock().is_empty()
+    }
+
     /// Parking's figures for the metrics.
     pub fn park_metrics(&self) -> ParkMetrics {
         let parked = self.parking.lock().values().filter(|e| e.state == ParkState::Parked).count() as u64;
@@ -277,6 +334,36 @@ impl DaemonAllocator {
         self.parking.lock().get(id).map_or(ParkState::Running, |e| e.state)
     }
 
+    /// The allocation whose `Allocate` parked allocation `id`, while it is parked by preemption.
+    pub fn preempted_by(&self, id: &str) -> Option<String> {
+        self.parking.lock().get(id).and_then(|e| e.preempted_by.clone())
+    }
+
+    /// The allocations parked, parking or resuming now.
+    pub(super) fn parking_ids(&self) -> std::collections::HashSet<String> {
+        self.parking.lock().keys().cloned().collect()
+    }
+
+    /// Whether an allocation parked by preemption waits to be resumed.
+    pub fn has_preempted(&self) -> bool {
+        self.parking.lock().values().any(|e| e.state == ParkState::Parked && e.preempted_by.is_some())
+    }
+
+    /// Notified when an operator's park frees memory (see [`Self::resume_preempted`]).
+    pub fn parks_changed(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        std::sync::Arc::clone(&self.parks_changed)
+    }
+
+    /// The allocations parked by preemption now.
+    pub(super) fn preempted(&self) -> Vec<String> {
+        let entries = self.parking.lock();
+        entries
+            .iter()
+            .filter(|(_, e)| e.state == ParkState::Parked && e.preempted_by.is_some())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     fn known(&self, id: &str) -> Result<(), Status> {
         let store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if store.get(id).is_none() {
@@ -289,7 +376,7 @@ impl DaemonAllocator {
 
     /// The processes of allocation `id` (host pids of its region's live slots; dead ones reaped)
     /// and what they hold on its devices, bytes. No region yet: none.
-    fn processes(&self, id: &str) -> Result<(Option<Region>, Vec<u32>, u64), Status> {
+    pub(super) fn processes(&self, id: &str) -> Result<(Option<Region>, Vec<u32>, u64), Status> {
         let path = self.dirs.region_path(id);
         // Only an existing region: opening must not create one.
         if !path.exists() {
@@ -308,6 +395,18 @@ impl DaemonAllocator {
     /// by `ck`, all or none. NOT_FOUND for an unknown id; FAILED_PRECONDITION when it is not
     /// running, has no process, or the driver refuses one (the program then runs on).
     pub fn park(&self, id: &str, ck: &Checkpointer, lock_timeout: Duration) -> Result<ParkOutcome, Status> {
+        self.park_for(id, ck, lock_timeout, None)
+    }
+
+    /// [`Self::park`], by preemption for allocation `preempted_by` when given (journalled with
+    /// it, so that it is resumed once it fits again, after a restart too).
+    pub(super) fn park_for(
+        &self,
+        id: &str,
+        ck: &Checkpointer,
+        lock_timeout: Duration,
+        preempted_by: Option<&str>,
+    ) -> Result<ParkOutcome, Status> {
         self.known(id)?;
         {
             let mut entries = self.parking.lock();
@@ -317,14 +416,29 @@ impl DaemonAllocator {
                     state_name(e.state)
                 )));
             }
-            entries.insert(id.to_owned(), Entry { state: ParkState::Parking, pids: Vec::new(), bytes: 0 });
+            let by = preempted_by.map(str::to_owned);
+            entries.insert(
+                id.to_owned(),
+                Entry { state: ParkState::Parking, pids: Vec::new(), bytes: 0, preempted_by: by },
+            );
         }
-        let result = self.park_taken(id, ck, lock_timeout);
+        let result = self.park_taken(id, ck, lock_timeout, preempted_by);
         let mut entries = self.parking.lock();
         match &result {
             Ok(done) => {
-                entries.insert(id.to_owned(), Entry { state: done.state, pids: done.pids.clone(), bytes: done.bytes });
+                let by = preempted_by.map(str::to_owned);
+                let entry = Entry { state: done.state, pids: done.pids.clone(), bytes: done.bytes, preempted_by: by };
+                entries.insert(id.to_owned(), entry);
                 self.count(true, done);
+                drop(entries);
+                if preempted_by.is_some() {
+                    self.parking.totals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).preemptions += 1;
+                } else {
+                    // An operator's park frees memory no record gives back: preempted
+                    // allocations may fit again.
+                    self.parks_changed.notify_one();
+                }
+                return result;
             }
             Err(_) => {
                 entries.remove(id);
@@ -333,7 +447,13 @@ impl DaemonAllocator {
         result
     }
 
-    fn park_taken(&self, id: &str, ck: &Checkpointer, lock_timeout: Duration) -> Result<ParkOutcome, Status> {
+    fn park_taken(
+        &self,
+        id: &str,
+        ck: &Checkpointer,
+        lock_timeout: Duration,
+        preempted_by: Option<&str>,
+    ) -> Result<ParkOutcome, Status> {
         let (region, pids, bytes) = self.processes(id)?;
         let Some(region) = region.filter(|_| !pids.is_empty()) else {
             return Err(Status::failed_precondition(format!(
@@ -341,11 +461,11 @@ impl DaemonAllocator {
                  started with the allocation's environment can be parked"
             )));
         };
-        self.journal(id, ParkState::Parking, &pids, bytes)?;
+        self.journal(id, ParkState::Parking, &pids, bytes, preempted_by)?;
         region.set_park_state(ParkState::Parking);
         let parked = ck.park(&pids, Some(lock_timeout)).map_err(|e| refused(id, "park", e)).and_then(|duration| {
             // Parked only once the journal says so; else it is undone, never half-parked.
-            if let Err(e) = self.journal(id, ParkState::Parked, &pids, bytes) {
+            if let Err(e) = self.journal(id, ParkState::Parked, &pids, bytes, preempted_by) {
                 let _ = ck.resume(&pids);
                 return Err(e);
             }
@@ -373,7 +493,7 @@ impl DaemonAllocator {
             .filter_map(|(id, _)| store.get(id))
             .flat_map(|a| a.devices.iter())
             .filter(|d| d.physical_uuid.eq_ignore_ascii_case(&gpu.uuid))
-            .map(|d| d.memory_limit.unwrap_or(gpu.memory_total))
+            .map(|d| d.holds().0.unwrap_or(gpu.memory_total))
             .sum()
     }
 
@@ -408,7 +528,7 @@ impl DaemonAllocator {
                 let Some(gpu) = rooms.iter().find(|g| g.uuid.eq_ignore_ascii_case(&d.physical_uuid)) else { continue };
                 let held = carve::held_in(gpu, store.loads(), Some(record)).memory;
                 let held = held.saturating_sub(Self::parked_on(&entries, &store, gpu, Some(id)));
-                let need = d.memory_limit.unwrap_or(gpu.memory_total);
+                let need = d.holds().0.unwrap_or(gpu.memory_total);
                 let free = gpu.memory_total.saturating_sub(held);
                 if need > free {
                     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
@@ -428,7 +548,8 @@ impl DaemonAllocator {
             e.clone()
         };
         let (region, _, _) = self.processes(id).unwrap_or((None, Vec::new(), 0));
-        if let Err(e) = self.journal(id, ParkState::Resuming, &entry.pids, entry.bytes) {
+        let by = entry.preempted_by.as_deref();
+        if let Err(e) = self.journal(id, ParkState::Resuming, &entry.pids, entry.bytes, by) {
             if let Some(back) = self.parking.lock().get_mut(id) {
                 back.state = ParkState::Parked;
             }
@@ -452,7 +573,7 @@ impl DaemonAllocator {
                 if let Some(r) = &region {
                     r.set_park_state(ParkState::Parked);
                 }
-                let _ = self.journal(id, ParkState::Parked, &entry.pids, entry.bytes);
+                let _ = self.journal(id, ParkState::Parked, &entry.pids, entry.bytes, by);
                 if let Some(back) = self.parking.lock().get_mut(id) {
                     back.state = ParkState::Parked;
                 }

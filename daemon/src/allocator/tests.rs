@@ -243,6 +243,7 @@ pub(crate) fn share(gib: u64, sm: u32, gpu: &str) -> ShareRequest {
         gpu: gpu.into(),
         owner: Some("fn-a".into()),
         lease: Lease::None,
+        preemptible: false,
     }
 }
 
@@ -357,6 +358,12 @@ fn whole_gpus_and_mig_devices_through_allocate() {
     let err = a.allocate_share(&ShareRequest { memory: 1 << 30, ..ask(DeviceAsk::Whole(1)) }, &gpus).unwrap_err();
     assert!(err.message().starts_with("memory_bytes, sm_percent"), "{}", err.message());
     assert!(a.allocate_share(&ask(DeviceAsk::Whole(0)), &gpus).unwrap_err().message().starts_with("whole_gpus"));
+    // Parking frees memory, not a device: only a share is preemptible.
+    for device in [DeviceAsk::Whole(1), DeviceAsk::Mig("3g.20gb".into())] {
+        let err = a.allocate_share(&ShareRequest { preemptible: true, ..ask(device) }, &gpus).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().starts_with("preemptible: only for shares"), "{}", err.message());
+    }
     // Released, the GPU can be carved again and given whole to the next.
     a.release(&whole.id).unwrap();
     a.release(&mig.id).unwrap();
@@ -621,6 +628,7 @@ fn on(gpu: &str, memory: Option<u64>, sm: Option<u32>) -> AllocatedDevice {
         priority: Priority::Normal,
         compute_mode: ComputeMode::Strict,
         whole: false,
+        preemptible: false,
     }
 }
 

@@ -7,9 +7,10 @@ use tessera_proto::tessera::v1 as api;
 use tessera_region::{ComputeMode, Priority};
 use tonic::Status;
 
-use crate::allocator::park::{DEFAULT_LOCK_TIMEOUT, ParkOutcome};
+use crate::allocator::park::DEFAULT_LOCK_TIMEOUT;
 use crate::allocator::{DRA_RESOURCE, DeviceAsk, LimitChange, ShareRequest};
 use crate::node::NodeController;
+use crate::node::preempted::OPERATOR;
 use crate::park::Checkpointer;
 use crate::resources::CDI_VENDOR;
 use crate::state::{Allocation, Lease};
@@ -95,6 +96,7 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
         gpu: req.gpu.clone(),
         owner: (!owner.is_empty()).then(|| owner.to_owned()),
         lease: lease(req.lease)?,
+        preemptible: req.preemptible,
     };
     let allocator = controller.allocator();
     let max = controller.view().config.limits.max_allocations;
@@ -103,8 +105,12 @@ pub fn allocate(controller: &NodeController, req: &api::AllocateRequest) -> Resu
         allocator.allocations_changed_since(None, |records| records.iter().filter(|a| node_api_held(a)).count());
     check_room(held.unwrap_or(0), max)?;
     // The rooms the controller published (health and layout changes republish them): no copy of
-    // its whole picture on every call.
-    let alloc = allocator.allocate_share(&share, &allocator.rooms())?;
+    // its whole picture on every call. A share that does not fit may park preemptible ones of
+    // lower priority (issue 33): their parks (and any undone) are published either way.
+    let made =
+        allocator.allocate_preempting(&share, &allocator.rooms(), || checkpointer(controller), DEFAULT_LOCK_TIMEOUT);
+    controller.publish_moves(&made.moves);
+    let alloc = made.result?;
     // Where enforcement finds the allocation's host processes (docs/serverless.md).
     if let Some(c) = &cgroup
         && let Err(e) = crate::enforcement::attribution::write_cgroup(&allocator.dirs().dir(&alloc.id), c)
@@ -192,6 +198,7 @@ fn shown(controller: &NodeController, id: &str) -> Option<api::Allocation> {
     let record = allocator.allocations_where(|a| a.id == id).into_iter().next()?;
     let mut shown = super::devices::allocation(&record, &allocator.resources());
     shown.state = state(allocator.park_state(id)) as i32;
+    shown.preempted_by = allocator.preempted_by(id).unwrap_or_default();
     Some(shown)
 }
 
@@ -199,42 +206,6 @@ fn shown(controller: &NodeController, id: &str) -> Option<api::Allocation> {
 fn checkpointer(controller: &NodeController) -> Result<Checkpointer, Status> {
     crate::allocator::park::checkpoint_api(controller.session().library())
         .map_err(|e| Status::unavailable(format!("park and resume need the driver's checkpoint API: {e}")))
-}
-
-/// `allocation_parked` / `allocation_resumed` on the event stream, with the bytes moved and
-/// how long it took.
-fn publish_park(controller: &NodeController, id: &str, parked: bool, done: &ParkOutcome) {
-    let allocator = controller.allocator();
-    let record = allocator.allocations_where(|a| a.id == id).into_iter().next();
-    let uuid = record.as_ref().and_then(|a| a.devices.first()).map(|d| d.physical_uuid.clone()).unwrap_or_default();
-    let (kind, verb) = if parked {
-        (api::EventKind::AllocationParked, "parked")
-    } else {
-        (api::EventKind::AllocationResumed, "resumed")
-    };
-    let affected = record
-        .map(|a| api::Holder { allocation_id: a.id.clone(), container: Some(crate::node::identity(&a.container)) });
-    controller.events().publish(api::Event {
-        kind: kind as i32,
-        severity: api::Severity::Info as i32,
-        time_unix_nano: crate::state::record::unix_ns(),
-        device_id: uuid.clone(),
-        device_uuid: uuid,
-        affected: affected.into_iter().collect(),
-        message: format!(
-            "allocation {id} {verb}: {} MiB in {:.3} s, processes {:?}",
-            done.bytes >> 20,
-            done.duration.as_secs_f64(),
-            done.pids
-        ),
-        detail: Some(api::event::Detail::AllocationPark(api::AllocationPark {
-            allocation_id: id.to_owned(),
-            bytes: done.bytes,
-            duration_nanos: done.duration.as_nanos() as u64,
-            pids: done.pids.clone(),
-        })),
-        ..Default::default()
-    });
 }
 
 /// `Park`.
@@ -246,7 +217,7 @@ pub fn park(controller: &NodeController, req: &api::ParkRequest) -> Result<api::
         n => std::time::Duration::from_nanos(n),
     };
     let done = controller.allocator().park(id, &checkpointer(controller)?, timeout)?;
-    publish_park(controller, id, true, &done);
+    controller.publish_park(id, true, &done, OPERATOR);
     Ok(api::ParkResponse {
         allocation: shown(controller, id),
         bytes: done.bytes,
@@ -261,7 +232,7 @@ pub fn resume(controller: &NodeController, req: &api::ResumeRequest) -> Result<a
     crate::state::record::valid_id(id).map_err(|why| Status::invalid_argument(format!("allocation_id: {why}")))?;
     let allocator = controller.allocator();
     let done = allocator.resume(id, &checkpointer(controller)?, &allocator.rooms())?;
-    publish_park(controller, id, false, &done);
+    controller.publish_park(id, false, &done, OPERATOR);
     Ok(api::ResumeResponse {
         allocation: shown(controller, id),
         bytes: done.bytes,

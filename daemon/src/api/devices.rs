@@ -215,6 +215,9 @@ pub fn allocation(a: &Allocation, resources: &Resources) -> api::Allocation {
         // Running unless the park state says otherwise (the caller's to set: the record does
         // not hold it).
         state: api::AllocationState::Running as i32,
+        preemptible: a.preemptible(),
+        // As the state: the park's, not the record's.
+        preempted_by: String::new(),
     }
 }
 

@@ -162,6 +162,7 @@ impl Node for NodeApi {
             .map(|a| {
                 let mut shown = devices::allocation(&a, &resources);
                 shown.state = alloc::state(self.controller.allocator().park_state(&a.id)) as i32;
+                shown.preempted_by = self.controller.allocator().preempted_by(&a.id).unwrap_or_default();
                 shown
             })
             .collect();

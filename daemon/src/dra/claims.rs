@@ -1,7 +1,7 @@
 //! A ResourceClaim's allocation result, read from the API server: the kubelet's
 //! NodePrepareResources names a claim (namespace, name, UID) and nothing more. Only results of
 //! this driver in this node's pool count; the opaque configuration of this driver (priority,
-//! compute mode) applies to the requests it names (all when it names none).
+//! compute mode, preemptible) applies to the requests it names (all when it names none).
 
 use std::collections::BTreeMap;
 
@@ -26,6 +26,9 @@ pub struct GrantedDevice {
     /// From the opaque configuration for this request; `None`: the daemon's default.
     pub priority: Option<Priority>,
     pub compute_mode: Option<ComputeMode>,
+    /// The opaque configuration's `preemptible`: the share may be parked for a node API
+    /// allocation of higher priority (issue 33).
+    pub preemptible: bool,
 }
 
 /// What NodePrepareResources needs of a claim.
@@ -52,6 +55,9 @@ pub struct OpaqueConfig {
     /// `strict` or `work-conserving`.
     #[serde(default)]
     pub compute_mode: Option<String>,
+    /// `true`: the share may be parked to make room for an allocation of higher priority.
+    #[serde(default)]
+    pub preemptible: Option<bool>,
 }
 
 /// Where claims are read from (the API server; a table in tests).
@@ -129,11 +135,13 @@ pub fn allocation(rc: &ResourceClaim, claim: &ClaimRef, pool: &str) -> Result<Cl
         let parent = r.request.split('/').next().unwrap_or_default();
         let mut priority = None;
         let mut compute_mode = None;
+        let mut preemptible = None;
         for (requests, cfg) in &opaque {
             let applies = requests.as_ref().is_none_or(|rs| rs.iter().any(|q| q == &r.request || q == parent));
             if applies {
                 priority = cfg.priority.as_deref().and_then(Priority::from_name).or(priority);
                 compute_mode = cfg.compute_mode.as_deref().and_then(ComputeMode::from_name).or(compute_mode);
+                preemptible = cfg.preemptible.or(preemptible);
             }
         }
         devices.push(GrantedDevice {
@@ -144,6 +152,7 @@ pub fn allocation(rc: &ResourceClaim, claim: &ClaimRef, pool: &str) -> Result<Cl
             share_id: r.share_id.clone(),
             priority,
             compute_mode,
+            preemptible: preemptible.unwrap_or(false),
         });
     }
     if devices.is_empty() {
@@ -190,7 +199,8 @@ mod tests {
                 ],
                 "config": [
                     {"source": "FromClaim", "opaque": {"driver": "gpu.tessera.io",
-                        "parameters": {"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuConfig", "priority": "high"}}},
+                        "parameters": {"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuConfig", "priority": "high",
+                                       "preemptible": true}}},
                     {"source": "FromClaim", "requests": ["other"], "opaque": {"driver": "gpu.tessera.io",
                         "parameters": {"computeMode": "work-conserving"}}},
                     {"source": "FromClass", "opaque": {"driver": "net.example.com", "parameters": {"mtu": 9000}}}
@@ -205,6 +215,7 @@ mod tests {
         assert_eq!(d.consumed, BTreeMap::from([("memory".into(), 8 << 30), ("sm".into(), 30)]));
         assert_eq!(d.priority, Some(Priority::High));
         assert_eq!(d.compute_mode, None, "the work-conserving config names another request");
+        assert!(d.preemptible);
         assert_eq!(a.pods, [("trainer-0".to_string(), "pod-uid".to_string())]);
     }
 
@@ -226,6 +237,10 @@ mod tests {
         assert!(e.contains("priority \"urgent\""), "{e}");
         let e = allocation(&bad(serde_json::json!({"memory": "8Gi"})), &claim_ref(), "n").unwrap_err();
         assert!(e.contains("unknown field `memory`"), "{e}");
+        let e = allocation(&bad(serde_json::json!({"preemptible": "yes"})), &claim_ref(), "n").unwrap_err();
+        assert!(e.contains("parameters") && e.contains("expected a boolean"), "{e}");
+        let plain = allocation(&bad(serde_json::json!({"priority": "low"})), &claim_ref(), "n").unwrap();
+        assert!(!plain.devices[0].preemptible, "not preemptible unless asked");
         let frac = claim(serde_json::json!({"allocation": {"devices": {"results": [
             {"request": "gpu", "driver": "gpu.tessera.io", "pool": "n", "device": "gpu-0-shared",
              "consumedCapacity": {"sm": "500m"}}]}}}));

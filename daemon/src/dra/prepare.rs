@@ -64,6 +64,7 @@ pub fn allocated_device(
         priority: granted.priority.unwrap_or(default_priority),
         compute_mode,
         whole: false,
+        preemptible: granted.preemptible,
     };
     Ok((allocated, d.clone()))
 }
@@ -284,6 +285,7 @@ mod tests {
             share_id: None,
             priority: None,
             compute_mode: None,
+            preemptible: false,
         }
     }
 
@@ -308,6 +310,10 @@ mod tests {
             allocated_device(&granted("gpu-0-shared", &[]), &p, Priority::Low, ComputeMode::WorkConserving).unwrap();
         assert_eq!((a.memory_limit, a.sm_percent), (Some(DEFAULT_MEMORY), Some(10)));
         assert_eq!((a.priority, a.compute_mode), (Priority::Low, ComputeMode::WorkConserving));
+        assert!(!a.preemptible);
+        // The claim's `preemptible` goes into the record.
+        let g = GrantedDevice { preemptible: true, ..granted("gpu-0-shared", &[]) };
+        assert!(allocated_device(&g, &p, Priority::Low, ComputeMode::Strict).unwrap().0.preemptible);
         // What a scheduler bug or a hostile edit could hand us.
         let e = |g: GrantedDevice| allocated_device(&g, &p, Priority::Normal, ComputeMode::Strict).unwrap_err();
         assert!(e(granted("gpu-0-shared", &[("sm", 101)])).contains("sm 101 is not a percent"));

@@ -12,6 +12,7 @@
 
 pub mod layout;
 pub mod mig;
+pub mod preempted;
 mod reconfigure;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -160,6 +161,10 @@ impl NodeController {
         };
         let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
         let results = controller.apply_config((*config).clone(), &all, false, Origin::Start)?;
+        // Allocations preempted before a restart whose room is back (the allocation they were
+        // parked for released, or never made: killed between the park and the record) resume
+        // now, once the rooms are published and before any face serves (issue 33).
+        controller.resume_preempted();
         Ok((controller, results))
     }
 

@@ -17,6 +17,7 @@ fn alloc(id: &str) -> Allocation {
             priority: Priority::Low,
             compute_mode: ComputeMode::WorkConserving,
             whole: false,
+            preemptible: false,
         }],
         claim: None,
     }

@@ -94,6 +94,7 @@ mod tests {
             priority: Default::default(),
             compute_mode: mode,
             whole: false,
+            preemptible: false,
         }
     }
 

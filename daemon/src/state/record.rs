@@ -62,6 +62,10 @@ pub struct AllocatedDevice {
     /// no memory limit is held whole anyway ([`AllocatedDevice::is_whole`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub whole: bool,
+    /// May be parked to make room for an allocation of higher priority (`--preemptible`,
+    /// issue 33); absent in older records: not preemptible.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub preemptible: bool,
 }
 
 impl AllocatedDevice {
@@ -80,6 +84,7 @@ impl AllocatedDevice {
             priority: Priority::Normal,
             compute_mode: ComputeMode::Strict,
             whole: false,
+            preemptible: false,
         }
     }
 
@@ -175,6 +180,17 @@ impl Allocation {
             z ^ (z >> 31)
         };
         format!("{n:016x}")
+    }
+
+    /// Whether preemption may park it: every device of it is marked preemptible (a share that is
+    /// not is never parked, even beside one that is).
+    pub fn preemptible(&self) -> bool {
+        !self.devices.is_empty() && self.devices.iter().all(|d| d.preemptible)
+    }
+
+    /// Its priority as preemption compares them: the highest of its devices'.
+    pub fn priority(&self) -> Priority {
+        self.devices.iter().map(|d| d.priority).max_by_key(|&p| p as u8).unwrap_or_default()
     }
 
     /// Whether the allocation is leased to the first container that uses it (`--lease container`).
@@ -317,6 +333,15 @@ pub(crate) mod tests {
         let text = serde_json::to_string(&a).unwrap();
         assert!(text.contains("\"lease\":\"container\""), "{text}");
         assert_eq!(serde_json::from_str::<Allocation>(&text).unwrap(), a);
+        assert!(!text.contains("preemptible"), "not preemptible: nothing written: {text}");
+        a.devices[0].preemptible = true;
+        let text = serde_json::to_string(&a).unwrap();
+        assert!(text.contains("\"preemptible\":true"), "{text}");
+        let back = serde_json::from_str::<Allocation>(&text).unwrap();
+        assert!(back.preemptible() && back == a);
+        // A record written before the field: not preemptible.
+        let old = text.replace(",\"preemptible\":true", "");
+        assert!(!serde_json::from_str::<Allocation>(&old).unwrap().preemptible(), "{old}");
         // Unknown keys are refused: a record is never half understood.
         let extra = text.replacen('{', "{\"bogus\":1,", 1);
         assert!(serde_json::from_str::<Allocation>(&extra).is_err());

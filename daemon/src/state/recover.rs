@@ -49,6 +49,7 @@ pub fn from_dir(dirs: &AllocDirs, id: &str) -> Result<Allocation, String> {
                 priority: limits.priority,
                 compute_mode: limits.compute_mode,
                 whole: false,
+                preemptible: false,
             })
             .collect(),
     })

@@ -29,7 +29,7 @@
 //! - per container: `tessera_container_processes`;
 //! - per node: `tessera_allocations`, `tessera_events_total`, `tessera_faults_total`;
 //!   `tessera_allocations_parked` and, per `op` (`park`, `resume`), `tessera_park_operations_total`,
-//!   `tessera_park_seconds_total`, `tessera_park_bytes_total`;
+//!   `tessera_park_seconds_total`, `tessera_park_bytes_total`; `tessera_preemptions_total`;
 //! - per resource the device plugin serves (label `resource`), while it runs:
 //!   `tessera_kubelet_devices_withdrawn` (gauge), its free devices told unhealthy to the kubelet
 //!   because the node API's allocations leave them no room;
@@ -480,6 +480,9 @@ pub fn render(m: &NodeMetrics) -> String {
             f.sample(name, &[("op", "park")], park);
             f.sample(name, &[("op", "resume")], resume);
         }
+        let name = "tessera_preemptions_total";
+        let help = "Allocations parked by preemption (for an allocation of higher priority) since the daemon started.";
+        Family::new(&mut out, name, Kind::Counter, help).sample(name, &[], Value::U(p.preemptions));
     }
     if !m.kubelet_withdrawn.is_empty() {
         let name = "tessera_kubelet_devices_withdrawn";

@@ -311,8 +311,9 @@ fn a_device_one_container_holds_carries_its_pod() {
 fn empty_node_is_valid() {
     let m = NodeMetrics { hostname: "h".into(), ..Default::default() };
     let samples = parse(&render(&m));
-    // 4, and parking's gauge and its three counters per op (always there, 0 when never used).
-    assert_eq!(samples.len(), 11, "only the node's own: {samples:?}");
+    // 4, and parking's gauge, its three counters per op and the preemptions (always there, 0
+    // when never used).
+    assert_eq!(samples.len(), 12, "only the node's own: {samples:?}");
 }
 
 #[test]
@@ -353,6 +354,7 @@ fn parking_is_a_gauge_and_counters_per_op() {
         resumes: 1,
         resume_seconds: 0.125,
         resume_bytes: 1 << 30,
+        preemptions: 2,
     };
     let text = render(&m);
     let samples = parse(&text);
@@ -367,4 +369,5 @@ fn parking_is_a_gauge_and_counters_per_op() {
     assert_eq!(one("tessera_park_seconds_total", ("op", "park")), 0.25);
     assert_eq!(one("tessera_park_bytes_total", ("op", "resume")), f64::from(1u32 << 30));
     assert!(text.contains("# TYPE tessera_park_bytes_total counter\n"), "{text}");
+    assert!(text.contains("# TYPE tessera_preemptions_total counter\ntessera_preemptions_total 2\n"), "{text}");
 }

@@ -20,11 +20,11 @@ pub struct AllocArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100), requires = "memory")]
     sm: Option<u32>,
     /// Instead of a share: a free MIG device of this profile, whole (e.g. 3g.40gb).
-    #[arg(long, value_name = "PROFILE", conflicts_with_all = ["memory", "sm", "whole", "compute_mode"])]
+    #[arg(long, value_name = "PROFILE", conflicts_with_all = ["memory", "sm", "whole", "compute_mode", "preemptible"])]
     mig: Option<String>,
     /// Instead of a share: this many whole GPUs, exclusive (no GPU with any allocation on it).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..),
-          conflicts_with_all = ["memory", "sm", "compute_mode"])]
+          conflicts_with_all = ["memory", "sm", "compute_mode", "preemptible"])]
     whole: Option<u32>,
     /// Only this GPU: an index, a UUID or a model name (default: any, as `share_placement` says).
     #[arg(long)]
@@ -46,6 +46,10 @@ pub struct AllocArgs {
     /// allocation, shim or no shim.
     #[arg(long, value_name = "PATH")]
     cgroup: Option<String>,
+    /// May be parked (its memory moved to host, its processes locked) to make room for an
+    /// allocation of higher priority on its GPU; resumed once its memory fits again.
+    #[arg(long)]
+    preemptible: bool,
     /// Print one JSON object: id, devices, cdi_devices, env, owner, lease.
     #[arg(long, conflicts_with = "env")]
     json: bool,
@@ -131,6 +135,8 @@ fn allocation_json(a: &api::Allocation) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "created_unix_nano": a.created_unix_nano,
         "state": enum_name::<api::AllocationState>(a.state).to_lowercase(),
+        "preemptible": a.preemptible,
+        "preempted_by": a.preempted_by,
     })
 }
 
@@ -154,6 +160,7 @@ pub async fn alloc(client: &mut NodeClient<Channel>, a: AllocArgs) -> Result<Exi
             LeaseArg::Container => api::Lease::Container,
         } as i32,
         cgroup: a.cgroup.unwrap_or_default(),
+        preemptible: a.preemptible,
     };
     let resp = client.allocate(req).await.map_err(status_err)?.into_inner();
     let alloc = resp.allocation.unwrap_or_default();
@@ -264,6 +271,19 @@ pub async fn limits(client: &mut NodeClient<Channel>, command: LimitsCommand) ->
     Ok(ExitCode::SUCCESS)
 }
 
+/// An allocation's state as the table shows it: a preempted one says by whom, a preemptible
+/// one that it may be parked.
+fn state_shown(a: &api::Allocation) -> String {
+    let state = enum_name::<api::AllocationState>(a.state).to_lowercase();
+    if !a.preempted_by.is_empty() {
+        format!("{state} (preempted by {})", a.preempted_by)
+    } else if a.preemptible {
+        format!("{state} (preemptible)")
+    } else {
+        state
+    }
+}
+
 /// `tessera allocations [--json]`.
 pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result<ExitCode, String> {
     let list = super::connect::list_allocations(client).await?;
@@ -285,7 +305,7 @@ pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result
             a.devices.iter().map(|d| d.device_id.as_str()).collect::<Vec<_>>().join(","),
             a.devices.iter().map(|d| mib(d.memory_limit_bytes)).collect::<Vec<_>>().join(","),
             a.devices.iter().map(|d| d.sm_percent.to_string()).collect::<Vec<_>>().join(","),
-            enum_name::<api::AllocationState>(a.state).to_lowercase(),
+            state_shown(a),
             enum_name::<api::AllocationSource>(a.source).to_lowercase(),
             owner,
         ]));

@@ -53,6 +53,7 @@ fn detail(d: &api::event::Detail) -> Value {
             "bytes": p.bytes,
             "duration_nanos": p.duration_nanos,
             "pids": p.pids,
+            "reason": p.reason,
         }),
         Detail::UnattributedProcess(p) => {
             json!({"pid": p.pid, "used_bytes": p.used_bytes, "gpu_index": p.gpu_index, "command": p.command})

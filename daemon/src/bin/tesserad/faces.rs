@@ -64,6 +64,8 @@ impl Faces {
         // What the allocation records hold is published with the offer, so the device plugin
         // and the DRA driver follow one channel.
         let mut tasks = vec![named("the records follower", controller.follow_records(shutdown.clone()))];
+        // Allocations parked by preemption resume once their room is back, whichever way it came.
+        tasks.push(named("the preempted allocations' resume", controller.follow_preempted(shutdown.clone())));
         let device_plugins = served::start(Arc::clone(controller), cfg, mode, started, shutdown.clone())
             .map_err(|e| fail(e.to_string(), 1))?;
         let dra_task = if mode.dra() {
