@@ -427,11 +427,12 @@ async fn a_share_of_higher_priority_parks_a_preemptible_one_which_resumes_once_t
     assert_eq!(report["verified_after_hold_bytes"], MIB, "its data intact: {report}");
 }
 
-/// (b, c, d) Only a preemptible share of lower priority is parked, and only when that makes
-/// room: beside a low share that is not preemptible and a high one that is, parking the one
-/// low preemptible share would not make room for a high ask, so nothing is parked and the
-/// refusal says so; an ask it does make room for parks it alone; with only the share that is
-/// not preemptible left, a high ask is refused as before, nothing parked.
+/// (b, c, d) Only a preemptible share of lower priority is parked, the lowest priority first
+/// and as few as needed, and only when that makes room: beside a low share that is not
+/// preemptible and a high one that is, parking the low and the normal preemptible shares would
+/// not make room for a high ask, so nothing is parked and the refusal says so; an ask either one
+/// makes room for parks the low one alone; one that needs both parks both, and both resume; with
+/// only the share that is not preemptible left, a high ask is refused as before, nothing parked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_preemptible_shares_of_lower_priority_are_parked_and_only_when_that_makes_room() {
     let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
@@ -443,20 +444,23 @@ async fn only_preemptible_shares_of_lower_priority_are_parked_and_only_when_that
     let (fixed, env) = alloc(dir, &["--memory", "30GiB", "--sm", "20", "--priority", "low"]);
     let _w1 = workload(&node, &env, &hold);
     let (peer, env) = alloc(dir, &["--memory", "30GiB", "--sm", "20", "--priority", "high", "--preemptible"]);
-    let _w2 = workload(&node, &env, &hold);
+    let w2 = workload(&node, &env, &hold);
     let (low, env) = alloc(dir, &["--memory", "10GiB", "--sm", "20", "--priority", "low", "--preemptible"]);
-    let _w3 = workload(&node, &env, &hold);
-    let free = total - 70 * GIB;
+    let w3 = workload(&node, &env, &hold);
+    // Newer and smaller than the low one, but of higher priority.
+    let (mid, env) = alloc(dir, &["--memory", "5GiB", "--sm", "10", "--priority", "normal", "--preemptible"]);
+    let w4 = workload(&node, &env, &hold);
+    let free = total - 75 * GIB;
     let all_running = || {
-        for id in [&fixed, &peer, &low] {
+        for id in [&fixed, &peer, &low, &mid] {
             assert_eq!(state(dir, id), ("running".to_owned(), String::new()), "{id}\n{}", show_log());
         }
     };
 
-    // (d, b, c) Parking the low preemptible share frees 10 GiB: not enough for 11 GiB more than
-    // is free. The low share that is not preemptible, and the high one, would make room: neither
-    // is parked, and neither is anything else.
-    let e = api.allocate(high(free + 11 * GIB)).await.expect_err("no room");
+    // (d, b, c) Parking the low and the normal preemptible shares frees 15 GiB: not enough for
+    // 16 GiB more than is free. The low share that is not preemptible, and the high one, would
+    // make room: neither is parked, and neither is anything else.
+    let e = api.allocate(high(free + 16 * GIB)).await.expect_err("no room");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(
         e.message().contains("parking the preemptible allocations of lower priority would not make room either")
@@ -467,34 +471,48 @@ async fn only_preemptible_shares_of_lower_priority_are_parked_and_only_when_that
     all_running();
     assert!(park_events(dir).is_empty());
 
-    // 5 GiB more than is free: the low preemptible share alone makes room, and only it is parked.
+    // 5 GiB more than is free: either would make room; the low one is parked, and only it.
     let made = api.allocate(high(free + 5 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
     let top = made.into_inner().allocation.expect("allocation").id;
     assert_eq!(state(dir, &low), ("parked".to_owned(), top.clone()));
-    for id in [&fixed, &peer] {
+    for id in [&fixed, &peer, &mid] {
         assert_eq!(state(dir, id).0, "running", "{id}");
     }
     assert!(api.release(api::ReleaseRequest { allocation_id: top }).await.expect("release").into_inner().released);
     wait_state(dir, &low, "running").await;
 
+    // 12 GiB more than is free: the low one is not enough alone, so both are parked; both resume
+    // once it is released.
+    let made = api.allocate(high(free + 12 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    let top = made.into_inner().allocation.expect("allocation").id;
+    for id in [&low, &mid] {
+        assert_eq!(state(dir, id), ("parked".to_owned(), top.clone()), "{id}");
+    }
+    for id in [&fixed, &peer] {
+        assert_eq!(state(dir, id).0, "running", "{id}");
+    }
+    assert!(api.release(api::ReleaseRequest { allocation_id: top }).await.expect("release").into_inner().released);
+    wait_state(dir, &low, "running").await;
+    wait_state(dir, &mid, "running").await;
+    let events = park_events(dir);
+    assert_eq!(events.iter().filter(|e| e.0 == "ALLOCATION_PARKED").count(), 3, "{events:?}");
+    // In one pass, the higher priority first.
+    let resumed = |id: &String| ("ALLOCATION_RESUMED".to_owned(), id.clone(), "room back".to_owned());
+    assert_eq!(events[events.len() - 2..], [resumed(&mid), resumed(&low)], "{events:?}");
+
     // (b) Only the share that is not preemptible left beside the free room: a high ask it would
     // make room for is refused as it always was (no word of parking), and it runs on.
-    drop((_w2, _w3));
-    for id in [&peer, &low] {
-        assert!(
-            api.release(api::ReleaseRequest { allocation_id: id.clone() })
-                .await
-                .expect("release")
-                .into_inner()
-                .released
-        );
+    drop((w2, w3, w4));
+    for id in [&peer, &low, &mid] {
+        let released = api.release(api::ReleaseRequest { allocation_id: id.clone() }).await.expect("release");
+        assert!(released.into_inner().released, "{id}");
     }
     let e = api.allocate(high(total - 30 * GIB + GIB)).await.expect_err("no room");
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(!e.message().contains("park"), "{}", e.message());
     assert_eq!(state(dir, &fixed), ("running".to_owned(), String::new()));
-    let events = park_events(dir);
-    assert_eq!(events.iter().filter(|e| e.0 == "ALLOCATION_PARKED").count(), 1, "only the one preemption: {events:?}");
+    let parks = park_events(dir).into_iter().filter(|e| e.0 == "ALLOCATION_PARKED").count();
+    assert_eq!(parks, 3, "no more preemption: {:?}", park_events(dir));
 }
 
 /// A preempted share resumes whichever way its room comes back: here its preemptor is leased
