@@ -594,7 +594,7 @@ async fn a_share_preempted_when_tesserad_was_killed_resumes_at_start_once_its_ro
         store.remove(&second).expect("remove").expect("the preemptor's record");
     }
     let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
-    let _api = node_api(&socket).await;
+    let mut api = node_api(&socket).await;
     assert_eq!(state(dir, &low), ("running".to_owned(), String::new()), "{}", show_log());
     assert_eq!(used(&m), before, "its memory is back");
     assert!(!dir.join("state/park").join(&low).exists(), "its journal entry is gone");
@@ -604,5 +604,18 @@ async fn a_share_preempted_when_tesserad_was_killed_resumes_at_start_once_its_ro
     let parked = |by: &str| ("ALLOCATION_PARKED".to_owned(), low.clone(), format!("preempted by {by}"));
     let resumed = ("ALLOCATION_RESUMED".to_owned(), low.clone(), "room back".to_owned());
     assert_eq!(events, [parked(&first), resumed.clone(), parked(&second), resumed], "{}", show_log());
-    assert!(w.alive(), "the workload runs on");
+    let mut w = w;
+    assert!(matches!(w.0.try_wait(), Ok(None)), "the workload runs on");
+
+    // Its process killed while it is preempted: once the room is back it runs again, with
+    // nothing to restore, and is released as any other.
+    let third = api.allocate(high(30 * GIB)).await.unwrap_or_else(|e| panic!("{e:?}\n{}", show_log()));
+    let third = third.into_inner().allocation.expect("allocation").id;
+    assert_eq!(state(dir, &low), ("parked".to_owned(), third.clone()));
+    drop(w);
+    assert!(api.release(api::ReleaseRequest { allocation_id: third }).await.expect("release").into_inner().released);
+    wait_state(dir, &low, "running").await;
+    assert_eq!(used(&m), 0, "nothing of it is left on the GPU");
+    assert!(!dir.join("state/park").join(&low).exists());
+    assert!(api.release(api::ReleaseRequest { allocation_id: low }).await.expect("release").into_inner().released);
 }

@@ -558,14 +558,18 @@ impl DaemonAllocator {
         if let Some(r) = &region {
             r.set_park_state(ParkState::Resuming);
         }
-        match ck.resume(&entry.pids) {
+        // A process killed while parked has nothing to restore (its host copy went with it): the
+        // others resume, and with none left the allocation simply runs again (empty).
+        let live: Vec<u32> = entry.pids.iter().copied().filter(|p| Path::new(&format!("/proc/{p}")).exists()).collect();
+        let resumed = if live.is_empty() { Ok(Duration::ZERO) } else { ck.resume(&live) };
+        match resumed {
             Ok(duration) => {
                 if let Some(r) = &region {
                     r.set_park_state(ParkState::Running);
                 }
                 self.unjournal(id);
                 self.parking.lock().remove(id);
-                let done = ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: entry.pids };
+                let done = ParkOutcome { state: ParkState::Running, bytes: entry.bytes, duration, pids: live };
                 self.count(false, &done);
                 Ok(done)
             }
