@@ -619,3 +619,61 @@ async fn a_share_preempted_when_tesserad_was_killed_resumes_at_start_once_its_ro
     assert!(!dir.join("state/park").join(&low).exists());
     assert!(api.release(api::ReleaseRequest { allocation_id: low }).await.expect("release").into_inner().released);
 }
+
+/// All or nothing: a preemption that needs two shares parked, the second of which cannot be
+/// (its GPU work does not finish within the lock timeout), resumes the first and refuses the
+/// share, saying why; nothing stays parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let (tesserad, mut api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let show_log = || tesserad.log();
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let total = gpu_memory(&mut api).await;
+    let (low, env) = alloc(dir, &["--memory", "20GiB", "--sm", "20", "--priority", "low", "--preemptible"]);
+    let _idle = workload(&node, &env, &["--alloc-mib", "64", "--hold", "3600"]);
+    // Normal priority, preemptible, busy with one kernel of two minutes: the driver cannot park
+    // it (a lock waits for its GPU work, 10 s at most; the sim refuses a process mid-kernel at
+    // once, saying CUDA_ERROR_NOT_INITIALIZED).
+    let (busy, env) = alloc(dir, &["--memory", "20GiB", "--sm", "20", "--priority", "normal", "--preemptible"]);
+    let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
+    cmd.args(["--alloc-mib", "64", "--kernels", "1", "--kernel-us", "120000000", "--hold", "3600"]);
+    cmd.stdout(Stdio::piped()).env("LD_PRELOAD", shim());
+    for (k, v) in &env {
+        cmd.env(k, v.as_str().expect("env values are strings"));
+    }
+    let mut child = cmd.spawn().expect("tessera-workload");
+    let pid = child.id();
+    let out = BufReader::new(child.stdout.take().expect("stdout"));
+    let _busy = Reaped(child, out);
+    tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &dir.join("tesserad.log"), || {
+        let w = m.utilization(0, 0).map_err(|e| e.to_string())?;
+        let running = w.processes.iter().any(|(p, pct)| *p == pid && *pct > 0);
+        if running { Ok(()) } else { Err(format!("{pid} runs no kernel yet: {:?}", w.processes)) }
+    })
+    .await;
+
+    // 30 GiB more than is free: both must be parked; the low one is, the busy one cannot be. The
+    // low one is resumed, the share refused.
+    let free = total - 40 * GIB;
+    let e = api.allocate(high(free + 30 * GIB)).await.expect_err("not all parked");
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(
+        e.message().contains(&format!("preemption could not make room: parking {busy} failed"))
+            && e.message().contains("nothing stays parked"),
+        "{}\n{}",
+        e.message(),
+        show_log()
+    );
+    for id in [&low, &busy] {
+        assert_eq!(state(dir, id), ("running".to_owned(), String::new()), "{id}");
+    }
+    assert_eq!(listed(dir).len(), 2, "no share made");
+    let events = park_events(dir);
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!((events[0].0.as_str(), &events[0].1), ("ALLOCATION_PARKED", &low));
+    assert!(events[0].2.starts_with("preempted by "), "{events:?}");
+    assert_eq!((events[1].0.as_str(), &events[1].1), ("ALLOCATION_RESUMED", &low));
+    assert!(events[1].2.starts_with(&format!("preemption undone: parking {busy} failed")), "{events:?}");
+}
