@@ -3,19 +3,23 @@
 //! their memory fits again.
 //!
 //! The rules: only allocations every device of which is preemptible (`--preemptible`, the DRA
-//! opaque config's `preemptible`), of a priority below the asked one, running, with a process to
-//! park, holding memory on the GPU the share goes to; lowest priority first, then the most
-//! recently made, as few as needed (one not needed after all is let off); the GPU that needs the
-//! fewest parked (then the fewest bytes). Parking frees memory, not SM time (a parked allocation
+//! opaque config's `preemptible`), none held whole, of a priority below the asked one, running,
+//! with a process to park, holding memory on the GPU the share goes to; lowest priority first,
+//! then the most recently made, as few as needed (one not needed after all is let off); the GPU
+//! that needs the fewest parked (then the fewest bytes). Parking frees memory, not SM time (a parked allocation
 //! keeps its limits): a share refused for SM time preempts nothing. All or nothing: when the
-//! candidates together do not free enough, nothing is parked and the refusal is today's; when a
-//! park or the share itself fails, what was parked is resumed.
+//! candidates together do not free enough, nothing is parked and the refusal says so; when a
+//! park or the share itself fails, what was parked is resumed. From the plan to the share made
+//! (or undone) the allocator's `preempting` lock is held, as it is by a resume pass: that pass
+//! never takes back room a preemption in flight parked, and two preemptions never pick one
+//! victim. Lock order: `preempting`, then the store's, then the parking table's.
 //!
 //! A preempted park is journalled with the allocation it made room for
 //! ([`DaemonAllocator::park_for`]), so it is told from an operator's park (never resumed but by
 //! `Resume`) across restarts too. [`DaemonAllocator::resume_preempted`] resumes the preempted
 //! ones, highest priority first, each admitted as an operator's resume is; one that does not fit
-//! waits for the next release.
+//! waits for the next change (`NodeController::follow_preempted` runs a pass on every change of
+//! the records, whichever way in made it, of the offer, and on an operator's park).
 
 use std::time::Duration;
 
