@@ -52,7 +52,7 @@ pub fn code_name(code: c_uint) -> String {
 /// What a code means for whoever asked for the park or resume, and what to do.
 fn code_meaning(code: c_uint) -> &'static str {
     match code {
-        1 => "no such process",
+        1 => "no such process: it has exited, or was killed before the driver answered",
         2 => "its memory does not fit on the GPU now; free some and resume again",
         3 => "the process has no CUDA context; only CUDA processes can be parked",
         401 => "the process is not in the state this step needs (parked or running already?)",
@@ -241,6 +241,8 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("process 42") && text.contains("CUDA_ERROR_NOT_SUPPORTED"), "{text}");
         assert!(text.contains("IPC or peer mappings"), "{text}");
+        let e = ParkError::Driver { pid: 9, call: "cuCheckpointProcessLock", code: 1 };
+        assert!(e.to_string().contains("no such process: it has exited"), "{e}");
         let e = ParkError::Driver { pid: 7, call: "cuCheckpointProcessRestore", code: 2 };
         assert!(e.to_string().contains("does not fit"), "{e}");
         let missing = Checkpointer::load(Path::new("/nonexistent/libcuda.so.1")).err().unwrap();

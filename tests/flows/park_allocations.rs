@@ -634,9 +634,11 @@ async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
     let (low, env) = alloc(dir, &["--memory", "20GiB", "--sm", "20", "--priority", "low", "--preemptible"]);
     let _idle = workload(&node, &env, &["--alloc-mib", "64", "--hold", "3600"]);
     // Normal priority, preemptible, busy with one kernel of two minutes: the driver cannot park
-    // it (a lock waits for its GPU work, 10 s at most; the sim refuses a process mid-kernel at
-    // once, saying CUDA_ERROR_NOT_INITIALIZED).
-    let (busy, env) = alloc(dir, &["--memory", "20GiB", "--sm", "20", "--priority", "normal", "--preemptible"]);
+    // it (a lock waits for its GPU work, 10 s at most, then says CUDA_ERROR_NOT_READY). Work
+    // conserving: under a strict share of 20% such a kernel is over its share, and enforcement
+    // kills the process within seconds (the park then fails on a process gone, not a busy one).
+    let share = ["--memory", "20GiB", "--sm", "20", "--compute-mode", "work-conserving", "--priority", "normal"];
+    let (busy, env) = alloc(dir, &[&share[..], &["--preemptible"]].concat());
     let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
     cmd.args(["--alloc-mib", "64", "--kernels", "1", "--kernel-us", "120000000", "--hold", "3600"]);
     cmd.stdout(Stdio::piped()).env("LD_PRELOAD", shim());
@@ -646,7 +648,7 @@ async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
     let mut child = cmd.spawn().expect("tessera-workload");
     let pid = child.id();
     let out = BufReader::new(child.stdout.take().expect("stdout"));
-    let _busy = Reaped(child, out);
+    let running = Reaped(child, out);
     tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &dir.join("tesserad.log"), || {
         let w = m.utilization(0, 0).map_err(|e| e.to_string())?;
         let running = w.processes.iter().any(|(p, pct)| *p == pid && *pct > 0);
@@ -676,4 +678,6 @@ async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
     assert!(events[0].2.starts_with("preempted by "), "{events:?}");
     assert_eq!((events[1].0.as_str(), &events[1].1), ("ALLOCATION_RESUMED", &low));
     assert!(events[1].2.starts_with(&format!("preemption undone: parking {busy} failed")), "{events:?}");
+    assert!(events[1].2.contains("cuCheckpointProcessLock failed: CUDA_ERROR_NOT_READY"), "{events:?}");
+    assert!(running.alive(), "the busy process runs on, its kernel too");
 }

@@ -339,6 +339,36 @@ fn a_lock_that_times_out_on_running_work_leaves_the_process_running() {
     });
 }
 
+/// A process killed while a lock waits for its GPU work (as enforcement kills one over its
+/// share) is no process any more: the lock says so (`CUDA_ERROR_INVALID_VALUE`, as for any pid
+/// that is no process), not that it never initialized CUDA, and so does every call on its pid
+/// while it is a zombie its parent has not reaped yet.
+#[test]
+fn a_process_killed_while_a_lock_waits_is_no_process() {
+    with_target("a_process_killed_while_a_lock_waits_is_no_process", 1, |t, pid, _m, api| {
+        assert_eq!(t.ask("launch", "launched"), "0");
+        std::thread::scope(|s| {
+            // No timeout: the lock waits for the kernel of 1.5 s, the process locked meanwhile.
+            let waiting = s.spawn(|| api.lock(pid, None));
+            while api.state(pid) != Ok(LOCKED) {
+                assert!(!waiting.is_finished(), "the lock returned before it took: {:?}", waiting.join());
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            // SAFETY: kill has no memory preconditions; pid is our child, not yet waited for.
+            assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+            assert_eq!(waiting.join().unwrap(), INVALID_VALUE, "the lock's target died");
+        });
+        // A zombie until waited for: still no process to the checkpoint API.
+        assert!(std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap().contains(") Z "), "a zombie");
+        assert_eq!(api.state(pid), Err(INVALID_VALUE));
+        assert_eq!(api.restore_tid(pid), Err(INVALID_VALUE));
+        assert_eq!(api.lock(pid, Some(20)), INVALID_VALUE);
+        assert_eq!(api.unlock(pid), INVALID_VALUE);
+        t.child.wait().unwrap();
+        assert_eq!(api.state(pid), Err(INVALID_VALUE), "gone");
+    });
+}
+
 #[test]
 fn bad_input_and_wrong_states_get_the_documented_errors() {
     with_target("bad_input_and_wrong_states_get_the_documented_errors", 64, |t, pid, m, api| {

@@ -303,11 +303,13 @@ impl Node {
     }
 
     /// Asks the CUDA process `pid` to perform `op` and waits for its answer (a `CUresult`).
-    /// `NotFound` when the process is not on the node or died before it answered.
+    /// `NotFound` when the process is not on the node; `InvalidArgument` when it died before it
+    /// answered (killed while a lock waited for its GPU work, say): it is no process now, even
+    /// while a zombie its parent has not reaped, not one that never initialized CUDA.
     pub fn checkpoint_request(&self, pid: u32, op: CheckpointOp) -> Result<u32> {
         let (slot, inner) = self.checkpoint_slot(pid)?;
         let c = &self.region.shared().procs[slot].checkpoint;
-        let gone = || SimError::NotFound(format!("process {pid} exited"));
+        let gone = || SimError::InvalidArgument(format!("process {pid} exited before it answered"));
         let ticket = loop {
             let t = c.next_ticket.fetch_add(1, Relaxed).wrapping_add(1);
             if t == 0 {
@@ -448,7 +450,7 @@ mod tests {
             let waiting = s.spawn(|| t.node.checkpoint_request(pid, CheckpointOp::Checkpoint));
             c.kill().unwrap();
             c.wait().unwrap();
-            assert!(matches!(waiting.join().unwrap(), Err(SimError::NotFound(_))));
+            assert!(matches!(waiting.join().unwrap(), Err(SimError::InvalidArgument(_))));
         });
     }
 }

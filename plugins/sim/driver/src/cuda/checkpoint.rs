@@ -19,7 +19,9 @@
 //! - Unlock: running again; the waiting calls go on.
 //!
 //! A state the call does not apply to is `CUDA_ERROR_ILLEGAL_STATE`; a pid that is no process
-//! `CUDA_ERROR_INVALID_VALUE`; a process that never initialized CUDA `CUDA_ERROR_NOT_INITIALIZED`.
+//! `CUDA_ERROR_INVALID_VALUE` (also one that has exited, a zombie not yet reaped, and one that
+//! dies before it answers: killed while a lock waits for its GPU work); a live process that never
+//! initialized CUDA `CUDA_ERROR_NOT_INITIALIZED`.
 //! The caller needs no `cuInit` of its own (only the node), as a checkpoint tool has no GPU work.
 //! The host copy is the target's own memory: a parked process that is killed frees it.
 
@@ -337,11 +339,23 @@ fn caller_node() -> R<&'static Node> {
 /// A model refusal about the target `pid` as the driver reports it.
 fn target_error(pid: u32, e: &SimError) -> CUresult {
     match e {
-        // No process of that id uses the node: no process at all, or one without CUDA.
-        SimError::NotFound(_) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => INVALID_VALUE,
+        // It died before it answered.
+        SimError::InvalidArgument(_) => INVALID_VALUE,
+        // No process of that id uses the node: no process at all (or one that has exited, a
+        // zombie until its parent reaps it), or a live one without CUDA.
+        SimError::NotFound(_) if !is_live_process(pid) => INVALID_VALUE,
         SimError::NotFound(_) | SimError::NotSupported(_) => CUDA_ERROR_NOT_INITIALIZED,
         _ => CUDA_ERROR_UNKNOWN,
     }
+}
+
+/// Whether `pid` (as the caller sees it) is a process that has not exited: `/proc/PID/stat`
+/// exists and its state is neither zombie (`Z`) nor dead (`X`).
+fn is_live_process(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    // "PID (COMM) S ...": COMM may hold spaces and parentheses; the state follows the last ')'.
+    let state = stat.rfind(')').and_then(|i| stat[i + 1..].split_whitespace().next());
+    !matches!(state, Some("Z" | "X" | "x") | None)
 }
 
 fn target_pid(pid: c_int) -> R<u32> {
