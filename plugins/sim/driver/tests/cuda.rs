@@ -402,6 +402,28 @@ fn mem_get_info_moves_by_exactly_what_is_allocated() {
 }
 
 #[test]
+fn a_stream_answers_the_priority_and_flags_it_was_made_with() {
+    with_context("a_stream_answers_the_priority_and_flags_it_was_made_with", |_, cu| {
+        let query = |s: Handle| {
+            let (mut priority, mut flags) = (7 as c_int, 7 as c_uint);
+            assert_eq!(call!(cu, cuStreamGetPriority(s, &mut priority) as fn(Handle, *mut c_int)), SUCCESS);
+            assert_eq!(call!(cu, cuStreamGetFlags(s, &mut flags) as fn(Handle, *mut c_uint)), SUCCESS);
+            (priority, flags)
+        };
+        let mut s = std::ptr::null_mut();
+        // CU_STREAM_NON_BLOCKING at priority -2 (within the range, -5 to 0).
+        let create = call!(cu, cuStreamCreateWithPriority(&mut s, 1, -2) as fn(*mut Handle, c_uint, c_int));
+        assert_eq!(create, SUCCESS);
+        assert_eq!(query(s), (-2, 1));
+        assert_eq!(query(cu.stream()), (0, 0));
+        // The default (null) stream.
+        assert_eq!(query(std::ptr::null_mut()), (0, 0));
+        let null = std::ptr::null_mut();
+        assert_eq!(call!(cu, cuStreamGetFlags(s, null) as fn(Handle, *mut c_uint)), INVALID_VALUE);
+    });
+}
+
+#[test]
 fn out_of_memory_at_the_physical_size_leaks_nothing() {
     with_context("out_of_memory_at_the_physical_size_leaks_nothing", |m, cu| {
         let (free, _) = cu.mem_info();

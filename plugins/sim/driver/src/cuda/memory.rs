@@ -263,41 +263,28 @@ fn free_device(dptr: u64) -> R {
 }
 
 /// `cuMemGetInfo`: free and total memory of the current context's device (a MIG device's are
-/// its GPU instance's).
-fn mem_info() -> R<(u64, u64)> {
+/// its GPU instance's), written through the caller's out-pointers as `size` makes them fit.
+fn mem_info<T>(free: *mut T, total: *mut T, size: fn(u64) -> T) -> R {
+    let _card = latency::floor("cuMemGetInfo_v2");
+    need(free)?;
+    need(total)?;
     let (node, ctx) = ctx_for_work()?;
     let mi = node.memory_info(ctx.dev.gpu, ctx.dev.domain).work()?;
-    Ok((mi.free, ctx.dev.total_mem))
+    // SAFETY: free and total are the caller's out-pointers (checked above).
+    unsafe {
+        put(free, size(mi.free))?;
+        put(total, size(ctx.dev.total_mem))
+    }
 }
 
 cuda_exports! {
     fn cuMemGetInfo_v2(free, total) {
-        run(|| {
-            let _card = latency::floor("cuMemGetInfo_v2");
-            need(free)?;
-            need(total)?;
-            let (f, t) = mem_info()?;
-            // SAFETY: free and total are the caller's out-pointers (checked above).
-            unsafe {
-                put(free, f as usize)?;
-                put(total, t as usize)
-            }
-        })
+        run(|| mem_info(free, total, |b| b as usize))
     }
 
     /// Legacy `cuMemGetInfo` (32-bit sizes, saturated).
     fn cuMemGetInfo(free, total) {
-        run(|| {
-            let _card = latency::floor("cuMemGetInfo_v2");
-            need(free)?;
-            need(total)?;
-            let (f, t) = mem_info()?;
-            // SAFETY: free and total are the caller's out-pointers (checked above).
-            unsafe {
-                put(free, f.min(u32::MAX as u64) as c_uint)?;
-                put(total, t.min(u32::MAX as u64) as c_uint)
-            }
-        })
+        run(|| mem_info(free, total, |b| b.min(u32::MAX as u64) as c_uint))
     }
 
     fn cuMemAlloc_v2(dptr, bytesize) {
@@ -922,6 +909,15 @@ fn array(h: sys::CUarray) -> R<Arc<Array>> {
     handles::read().arrays.get(&(h as usize)).cloned().ok_or(super::INVALID_HANDLE)
 }
 
+/// An array's descriptor, as `describe` makes it, through the caller's out-pointer (checked
+/// before the array is looked up).
+fn put_descriptor<T>(out: *mut T, h: sys::CUarray, describe: impl FnOnce(&Array) -> T) -> R {
+    need(out)?;
+    let a = array(h)?;
+    // SAFETY: out is the caller's out-pointer (checked above).
+    unsafe { put(out, describe(&a)) }
+}
+
 /// The `CUarray_format` enum value for a raw format read from the caller (always one of ours).
 fn format_enum(f: u32) -> sys::CUarray_format {
     use sys::CUarray_format::*;
@@ -940,16 +936,12 @@ fn format_enum(f: u32) -> sys::CUarray_format {
 cuda_exports! {
     fn cuArrayGetDescriptor_v2(pArrayDescriptor, hArray) {
         run(|| {
-            need(pArrayDescriptor)?;
-            let a = array(hArray)?;
-            let d = sys::CUDA_ARRAY_DESCRIPTOR {
+            put_descriptor(pArrayDescriptor, hArray, |a| sys::CUDA_ARRAY_DESCRIPTOR {
                 Width: a.width as usize,
                 Height: a.height as usize,
                 Format: format_enum(a.format),
                 NumChannels: a.channels,
-            };
-            // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
-            unsafe { put(pArrayDescriptor, d) }
+            })
         })
     }
 
@@ -964,18 +956,14 @@ cuda_exports! {
 
     fn cuArray3DGetDescriptor_v2(pArrayDescriptor, hArray) {
         run(|| {
-            need(pArrayDescriptor)?;
-            let a = array(hArray)?;
-            let d = sys::CUDA_ARRAY3D_DESCRIPTOR {
+            put_descriptor(pArrayDescriptor, hArray, |a| sys::CUDA_ARRAY3D_DESCRIPTOR {
                 Width: a.width as usize,
                 Height: a.height as usize,
                 Depth: a.depth as usize,
                 Format: format_enum(a.format),
                 NumChannels: a.channels,
                 Flags: a.flags,
-            };
-            // SAFETY: pArrayDescriptor is the caller's out-pointer (checked above).
-            unsafe { put(pArrayDescriptor, d) }
+            })
         })
     }
 

@@ -331,29 +331,21 @@ fn for_query(h: sys::CUstream, pt: bool) -> R<Target> {
     resolve(&handles::read(), node, h, pt)
 }
 
-fn get_priority(h: sys::CUstream, priority: *mut c_int, pt: bool) -> R {
-    need(priority)?;
+/// One of a stream's properties through the caller's out-pointer (the default streams': 0).
+fn get_property<T: Default>(h: sys::CUstream, out: *mut T, pt: bool, property: fn(&Stream) -> T) -> R {
+    need(out)?;
     let t = for_query(h, pt)?;
-    // SAFETY: priority is the caller's out-pointer (checked above).
-    unsafe { put(priority, t.stream.as_ref().map_or(0, |s| s.priority)) }
+    // SAFETY: out is the caller's out-pointer (checked above).
+    unsafe { put(out, t.stream.as_deref().map_or_else(T::default, property)) }
 }
 
 cuda_exports! {
     fn cuStreamGetPriority(hStream, priority) twin cuStreamGetPriority_ptsz(per_thread) {
-        run(|| get_priority(hStream, priority, per_thread))
+        run(|| get_property(hStream, priority, per_thread, |s| s.priority))
     }
-}
 
-fn get_flags(h: sys::CUstream, flags: *mut c_uint, pt: bool) -> R {
-    need(flags)?;
-    let t = for_query(h, pt)?;
-    // SAFETY: flags is the caller's out-pointer (checked above).
-    unsafe { put(flags, t.stream.as_ref().map_or(0, |s| s.flags)) }
-}
-
-cuda_exports! {
     fn cuStreamGetFlags(hStream, flags) twin cuStreamGetFlags_ptsz(per_thread) {
-        run(|| get_flags(hStream, flags, per_thread))
+        run(|| get_property(hStream, flags, per_thread, |s| s.flags))
     }
 }
 
