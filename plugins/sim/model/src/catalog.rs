@@ -121,6 +121,26 @@ pub struct GpuModel {
     pub idle_bar1_used_bytes: u64,
     /// NVLink links on the board.
     pub nvlink_count: u32,
+    /// What CUDA allows on the board's compute capability.
+    pub limits: CudaLimits,
+    /// `CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT` (deviceQuery's "copy engine(s)").
+    pub async_engine_count: u32,
+    /// `NVML_TEMPERATURE_THRESHOLD_SLOWDOWN`, degrees C.
+    pub slowdown_temp_c: u32,
+    /// `NVML_TEMPERATURE_THRESHOLD_SHUTDOWN`, degrees C.
+    pub shutdown_temp_c: u32,
+    /// `NVML_TEMPERATURE_THRESHOLD_GPU_MAX`, degrees C.
+    pub max_operating_temp_c: u32,
+    /// `NVML_TEMPERATURE_THRESHOLD_MEM_MAX`, degrees C.
+    pub mem_max_operating_temp_c: u32,
+    /// MIG tables; `None` for a board without MIG.
+    pub mig: Option<MigSpec>,
+}
+
+/// What CUDA allows per compute capability: the CUDA C++ Programming Guide's "Technical
+/// Specifications per Compute Capability", as deviceQuery reads them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaLimits {
     /// `CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK`.
     pub max_threads_per_block: u32,
     /// `CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR`.
@@ -147,18 +167,6 @@ pub struct GpuModel {
     pub max_regs_per_thread: u32,
     /// `CU_DEVICE_ATTRIBUTE_WARP_SIZE`.
     pub warp_size: u32,
-    /// `CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT` (deviceQuery's "copy engine(s)").
-    pub async_engine_count: u32,
-    /// `NVML_TEMPERATURE_THRESHOLD_SLOWDOWN`, degrees C.
-    pub slowdown_temp_c: u32,
-    /// `NVML_TEMPERATURE_THRESHOLD_SHUTDOWN`, degrees C.
-    pub shutdown_temp_c: u32,
-    /// `NVML_TEMPERATURE_THRESHOLD_GPU_MAX`, degrees C.
-    pub max_operating_temp_c: u32,
-    /// `NVML_TEMPERATURE_THRESHOLD_MEM_MAX`, degrees C.
-    pub mem_max_operating_temp_c: u32,
-    /// MIG tables; `None` for a board without MIG.
-    pub mig: Option<MigSpec>,
 }
 
 /// How a MIG-capable board partitions: its slice counts and the profiles the driver offers.
@@ -530,6 +538,36 @@ const A100_CI: &[CiProfile] = &ci_profiles(14);
 /// Compute-instance profiles of the H100 and H200.
 const HOPPER_CI: &[CiProfile] = &ci_profiles(16);
 
+/// Compute capability 8.0 (the A100), from GA100 deviceQuery.
+const CC_8_0: CudaLimits = CudaLimits {
+    max_threads_per_block: 1024,
+    max_threads_per_sm: 2048,
+    // CUDA C++ Programming Guide, compute capability 8.0: 32 resident blocks per SM.
+    max_blocks_per_sm: 32,
+    max_block_dim: [1024, 1024, 64],
+    max_grid_dim: [2_147_483_647, 65_535, 65_535],
+    max_shared_mem_per_block: 49_152,
+    // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 166912 (163 KiB) on A100.
+    max_shared_mem_per_block_optin: 166_912,
+    max_shared_mem_per_sm: 167_936,
+    total_const_mem: 65_536,
+    regs_per_block: 65_536,
+    // CUDA C++ Programming Guide: 64K 32-bit registers per SM, at most 255 per thread.
+    regs_per_sm: 65_536,
+    max_regs_per_thread: 255,
+    warp_size: 32,
+};
+
+/// Compute capability 9.0 (the H100 and H200), from deviceQuery (CUDA 12.4-12.8) on an H100:
+/// 8.0's limits (the CUDA C++ Programming Guide gives 9.0 the same 32 resident blocks and 64K
+/// 32-bit registers per SM), with more shared memory.
+const CC_9_0: CudaLimits = CudaLimits {
+    // cudaDeviceProp.sharedMemPerBlockOptin = 232448 (227 KiB) on compute capability 9.0.
+    max_shared_mem_per_block_optin: 232_448,
+    max_shared_mem_per_sm: 233_472,
+    ..CC_8_0
+};
+
 /// The built-in models; the first is the default node's GPU.
 static MODELS: [GpuModel; 3] = [
     // H100 SXM5 80GB. Unless noted: `nvidia-smi -q`, driver 565.57.01 / 545.23.08, on HGX H100
@@ -587,23 +625,7 @@ static MODELS: [GpuModel; 3] = [
         idle_bar1_used_bytes: MIB,
         // `nvidia-smi nvlink --status`: Link 0..17 at 26.562 GB/s.
         nvlink_count: 18,
-        // deviceQuery (CUDA 12.4-12.8) for the CUDA limits below.
-        max_threads_per_block: 1024,
-        max_threads_per_sm: 2048,
-        // CUDA C++ Programming Guide, compute capability 9.0: 32 resident blocks per SM.
-        max_blocks_per_sm: 32,
-        max_block_dim: [1024, 1024, 64],
-        max_grid_dim: [2_147_483_647, 65_535, 65_535],
-        max_shared_mem_per_block: 49_152,
-        // cudaDeviceProp.sharedMemPerBlockOptin = 232448 (227 KiB) on compute capability 9.0.
-        max_shared_mem_per_block_optin: 232_448,
-        max_shared_mem_per_sm: 233_472,
-        total_const_mem: 65_536,
-        regs_per_block: 65_536,
-        // CUDA C++ Programming Guide: 64K 32-bit registers per SM, at most 255 per thread.
-        regs_per_sm: 65_536,
-        max_regs_per_thread: 255,
-        warp_size: 32,
+        limits: CC_9_0,
         // deviceQuery: "Concurrent copy and kernel execution: Yes with 3 copy engine(s)".
         async_engine_count: 3,
         // R545+ print only T.Limit margins for Hopper; absolute values from an H800 SXM5 (same
@@ -667,23 +689,7 @@ static MODELS: [GpuModel; 3] = [
         idle_bar1_used_bytes: MIB,
         // `nvidia-smi nvlink -s` on A100-SXM4-40GB: Link 0..11 at 25 GB/s.
         nvlink_count: 12,
-        // GA100 deviceQuery for the CUDA limits below.
-        max_threads_per_block: 1024,
-        max_threads_per_sm: 2048,
-        // CUDA C++ Programming Guide, compute capability 8.0: 32 resident blocks per SM.
-        max_blocks_per_sm: 32,
-        max_block_dim: [1024, 1024, 64],
-        max_grid_dim: [2_147_483_647, 65_535, 65_535],
-        max_shared_mem_per_block: 49_152,
-        // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 166912 (163 KiB) on A100.
-        max_shared_mem_per_block_optin: 166_912,
-        max_shared_mem_per_sm: 167_936,
-        total_const_mem: 65_536,
-        regs_per_block: 65_536,
-        // CUDA C++ Programming Guide: 64K 32-bit registers per SM, at most 255 per thread.
-        regs_per_sm: 65_536,
-        max_regs_per_thread: 255,
-        warp_size: 32,
+        limits: CC_8_0,
         // GA100 deviceQuery: "Yes with 3 copy engine(s)".
         async_engine_count: 3,
         // "GPU Shutdown Temp : 92 C", "GPU Slowdown Temp : 89 C", "GPU Max Operating Temp : 85 C",
@@ -750,20 +756,7 @@ static MODELS: [GpuModel; 3] = [
         idle_bar1_used_bytes: 5_177_344,
         // `nvidia-smi nvlink --status` on H200: Link 0..17.
         nvlink_count: 18,
-        // Compute capability 9.0 limits, as on the H100.
-        max_threads_per_block: 1024,
-        max_threads_per_sm: 2048,
-        max_blocks_per_sm: 32,
-        max_block_dim: [1024, 1024, 64],
-        max_grid_dim: [2_147_483_647, 65_535, 65_535],
-        max_shared_mem_per_block: 49_152,
-        max_shared_mem_per_block_optin: 232_448,
-        max_shared_mem_per_sm: 233_472,
-        total_const_mem: 65_536,
-        regs_per_block: 65_536,
-        regs_per_sm: 65_536,
-        max_regs_per_thread: 255,
-        warp_size: 32,
+        limits: CC_9_0,
         // Derived: same GH100 copy-engine exposure as the H100.
         async_engine_count: 3,
         // Derived: the driver prints only T.Limit margins (-8 / -2 / 0 C, the same as H100), so
@@ -865,13 +858,14 @@ mod tests {
             assert!(m.idle_power_mw < m.min_power_limit_mw && m.min_power_limit_mw <= m.power_limit_mw);
             assert!(m.max_operating_temp_c < m.slowdown_temp_c && m.slowdown_temp_c < m.shutdown_temp_c);
             assert!(m.default_app_sm_clock_mhz <= m.max_sm_clock_mhz);
-            assert_eq!(m.max_threads_per_sm % m.warp_size, 0);
-            assert!(m.max_threads_per_block <= m.max_threads_per_sm);
-            assert_eq!(m.max_block_dim[0], m.max_threads_per_block);
-            assert!(m.max_shared_mem_per_block <= m.max_shared_mem_per_block_optin);
+            let l = m.limits;
+            assert_eq!(l.max_threads_per_sm % l.warp_size, 0);
+            assert!(l.max_threads_per_block <= l.max_threads_per_sm);
+            assert_eq!(l.max_block_dim[0], l.max_threads_per_block);
+            assert!(l.max_shared_mem_per_block <= l.max_shared_mem_per_block_optin);
             // The SM keeps 1 KiB of its shared memory for the system, so opt-in is per-SM minus 1 KiB.
-            assert_eq!(m.max_shared_mem_per_block_optin + 1024, m.max_shared_mem_per_sm);
-            assert!(m.regs_per_block <= m.regs_per_sm);
+            assert_eq!(l.max_shared_mem_per_block_optin + 1024, l.max_shared_mem_per_sm);
+            assert!(l.regs_per_block <= l.regs_per_sm);
         }
     }
 

@@ -92,7 +92,7 @@ fn default_limits(_dev: &Device) -> [u64; LIMITS] {
 /// fails the call with `CUDA_ERROR_OUT_OF_MEMORY` when it cannot.
 fn limits_memory(dev: &Device, limits: &[u64; LIMITS]) -> u64 {
     let d = default_limits(dev);
-    let resident = u64::from(dev.sm_count) * u64::from(dev.model.max_threads_per_sm);
+    let resident = u64::from(dev.sm_count) * u64::from(dev.model.limits.max_threads_per_sm);
     let past = |i: usize| limits[i].saturating_sub(d[i]);
     past(0).saturating_mul(resident).saturating_add(past(1)).saturating_add(past(2))
 }

@@ -89,14 +89,14 @@ cuda_exports! {
             let d = driver()?.device(dev)?;
             let m = d.model;
             let p = sys::CUdevprop {
-                maxThreadsPerBlock: m.max_threads_per_block as c_int,
-                maxThreadsDim: m.max_block_dim.map(|v| v as c_int),
-                maxGridSize: m.max_grid_dim.map(|v| v.min(i32::MAX as u32) as c_int),
-                sharedMemPerBlock: m.max_shared_mem_per_block as c_int,
-                totalConstantMemory: m.total_const_mem as c_int,
-                SIMDWidth: m.warp_size as c_int,
+                maxThreadsPerBlock: m.limits.max_threads_per_block as c_int,
+                maxThreadsDim: m.limits.max_block_dim.map(|v| v as c_int),
+                maxGridSize: m.limits.max_grid_dim.map(|v| v.min(i32::MAX as u32) as c_int),
+                sharedMemPerBlock: m.limits.max_shared_mem_per_block as c_int,
+                totalConstantMemory: m.limits.total_const_mem as c_int,
+                SIMDWidth: m.limits.warp_size as c_int,
                 memPitch: i32::MAX,
-                regsPerBlock: m.regs_per_block as c_int,
+                regsPerBlock: m.limits.regs_per_block as c_int,
                 clockRate: (m.max_sm_clock_mhz * 1000) as c_int,
                 textureAlign: 512,
             };
@@ -237,14 +237,14 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
     let hopper = m.cc_major >= 9;
     let b = |x: bool| i64::from(x);
     Some(match attrib {
-        1 => m.max_threads_per_block as i64,
-        2..=4 => m.max_block_dim[(attrib - 2) as usize] as i64,
-        5..=7 => m.max_grid_dim[(attrib - 5) as usize].min(i32::MAX as u32) as i64,
-        8 => m.max_shared_mem_per_block as i64,
-        9 => m.total_const_mem as i64,
-        10 => m.warp_size as i64,
+        1 => m.limits.max_threads_per_block as i64,
+        2..=4 => m.limits.max_block_dim[(attrib - 2) as usize] as i64,
+        5..=7 => m.limits.max_grid_dim[(attrib - 5) as usize].min(i32::MAX as u32) as i64,
+        8 => m.limits.max_shared_mem_per_block as i64,
+        9 => m.limits.total_const_mem as i64,
+        10 => m.limits.warp_size as i64,
         11 => i32::MAX as i64, // MAX_PITCH
-        12 => m.regs_per_block as i64,
+        12 => m.limits.regs_per_block as i64,
         13 => m.max_sm_clock_mhz as i64 * 1000,
         14 => 512, // TEXTURE_ALIGNMENT
         15 => 1,   // GPU_OVERLAP
@@ -268,7 +268,7 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         36 => m.max_mem_clock_mhz as i64 * 1000,
         37 => m.memory_bus_width_bits as i64,
         38 => m.l2_cache_bytes as i64,
-        39 => m.max_threads_per_sm as i64,
+        39 => m.limits.max_threads_per_sm as i64,
         40 => m.async_engine_count as i64,
         41 => 1, // UNIFIED_ADDRESSING
         42 => 32_768,
@@ -301,8 +301,8 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         77 => 32_768,
         78 => 1, // STREAM_PRIORITIES_SUPPORTED
         79 | 80 => 1,
-        81 => m.max_shared_mem_per_sm as i64,
-        82 => m.regs_per_sm as i64,
+        81 => m.limits.max_shared_mem_per_sm as i64,
+        82 => m.limits.regs_per_sm as i64,
         83 => 1, // MANAGED_MEMORY
         84 => 0, // MULTI_GPU_BOARD
         85 => d.ident.index as i64,
@@ -316,7 +316,7 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         92..=94 => 0,
         95 => 1, // COOPERATIVE_LAUNCH
         96 => 1, // COOPERATIVE_MULTI_DEVICE_LAUNCH
-        97 => m.max_shared_mem_per_block_optin as i64,
+        97 => m.limits.max_shared_mem_per_block_optin as i64,
         98 => 0, // CAN_FLUSH_REMOTE_WRITES
         99 => 1, // HOST_REGISTER_SUPPORTED
         100 => 0,
@@ -324,7 +324,7 @@ pub(crate) fn attribute(d: &Device, attrib: c_int) -> Option<i64> {
         102 => 1, // VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
         103 => 1, // HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
         104 | 105 => 0,
-        106 => m.max_blocks_per_sm as i64,
+        106 => m.limits.max_blocks_per_sm as i64,
         107 => 1, // GENERIC_COMPRESSION_SUPPORTED
         108 => max_persisting_l2(d) as i64,
         // MAX_ACCESS_POLICY_WINDOW_SIZE: 128 MiB less 4 KiB on the A100; 128 MiB on Hopper (H200).

@@ -28,9 +28,9 @@ struct Launch {
 
 fn check_shape(m: &GpuModel, sm_count: u32, l: &Launch, f: &Func) -> R {
     let threads = l.block.iter().map(|&b| u64::from(b)).product::<u64>();
-    let bad_block = l.block.iter().zip(m.max_block_dim).any(|(&b, max)| b == 0 || b > max);
-    let bad_grid = l.grid.iter().zip(m.max_grid_dim).any(|(&g, max)| g == 0 || g > max);
-    if bad_block || bad_grid || threads > u64::from(m.max_threads_per_block) {
+    let bad_block = l.block.iter().zip(m.limits.max_block_dim).any(|(&b, max)| b == 0 || b > max);
+    let bad_grid = l.grid.iter().zip(m.limits.max_grid_dim).any(|(&g, max)| g == 0 || g > max);
+    if bad_block || bad_grid || threads > u64::from(m.limits.max_threads_per_block) {
         return Err(INVALID_VALUE);
     }
     if l.smem as i64 > i64::from(f.max_dynamic_smem.load(std::sync::atomic::Ordering::Relaxed)) {
@@ -38,7 +38,7 @@ fn check_shape(m: &GpuModel, sm_count: u32, l: &Launch, f: &Func) -> R {
     }
     if l.cooperative {
         // Every block must be resident at once.
-        let per_sm = u64::from(m.max_blocks_per_sm).min(u64::from(m.max_threads_per_sm) / threads.max(1));
+        let per_sm = u64::from(m.limits.max_blocks_per_sm).min(u64::from(m.limits.max_threads_per_sm) / threads.max(1));
         let blocks = l.grid.iter().map(|&g| u64::from(g)).product::<u64>();
         if blocks > per_sm * u64::from(sm_count) {
             return Err(CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE);

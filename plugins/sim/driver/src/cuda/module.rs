@@ -692,7 +692,7 @@ fn set_func_attribute(f: &Func, attrib: c_int, value: c_int, dev: Option<c_int>)
         None => context::current().map(|c| c.dev).or_else(|_| d.device(0))?,
     };
     match attrib {
-        8 if (0..=device.model.max_shared_mem_per_block_optin as c_int).contains(&value) => {
+        8 if (0..=device.model.limits.max_shared_mem_per_block_optin as c_int).contains(&value) => {
             f.max_dynamic_smem.store(value, Relaxed)
         }
         9 if (-1..=100).contains(&value) => f.carveout.store(value, Relaxed),
