@@ -1,6 +1,8 @@
 //! The real driver's functions: `libcuda.so.1` and `libnvidia-ml.so.1`, resolved lazily (on the
-//! first call that needs them, never at load time) from the real library's own handle through
-//! the real `dlsym`, so that they are the driver's definitions and never our hooks.
+//! first call that needs them, never at load time) from the real library itself, so that they
+//! are the driver's definitions and never our hooks: its first function through the real `dlsym`
+//! on its own handle, then every name in that object's own symbol tables (`intercept::elf`; one
+//! hash probe each), the real `dlsym` again for any name they do not hold as a plain function.
 //!
 //! The library is found with `dlopen(RTLD_NOLOAD)` first (the program already loaded it, by
 //! link or dlopen), else loaded with `RTLD_NOW | RTLD_GLOBAL` as CUDA runtimes do.
@@ -14,7 +16,7 @@ use std::sync::atomic::AtomicU8;
 use std::sync::atomic::Ordering::{AcqRel, Acquire};
 
 use crate::ffi::*;
-use crate::intercept::dl;
+use crate::intercept::{dl, elf};
 
 macro_rules! table {
     // Functions named only: their types are the family's table's (`tessera_abi::<family>::pfn`).
@@ -41,11 +43,22 @@ macro_rules! table {
             /// `handle` must be a live handle of the real library, whose functions have the
             /// signatures of the family's table (cuda.h / nvml.h).
             unsafe fn resolve(handle: *mut c_void) -> Result<$name, &'static str> {
+                // The library's own tables, found from its first function's address: each name
+                // is then a hash probe there (`dlsym` for what they do not hold as a plain
+                // function).
+                let first = [$(concat!(stringify!($req), "\0")),*][0];
+                let object = elf::Object::containing(dl::real_dlsym(handle, first.as_ptr().cast()));
+                let sym = |name: &str| -> *mut c_void {
+                    match object.as_ref().and_then(|o| o.function(name[..name.len() - 1].as_bytes())) {
+                        Some(p) => p as *mut c_void,
+                        None => dl::real_dlsym(handle, name.as_ptr().cast()),
+                    }
+                };
                 Ok($name {
                     handle: handle as usize,
                     $($req: {
                         let name = concat!(stringify!($req), "\0");
-                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        let p = sym(name);
                         if p.is_null() {
                             return Err(stringify!($req));
                         }
@@ -56,7 +69,7 @@ macro_rules! table {
                     },)*
                     $($opt: {
                         let name = concat!(stringify!($opt), "\0");
-                        let p = dl::real_dlsym(handle, name.as_ptr().cast());
+                        let p = sym(name);
                         // SAFETY: as above; null stays None.
                         (!p.is_null()).then(|| unsafe {
                             std::mem::transmute::<*mut c_void, tessera_abi::$family::pfn::$opt>(p)

@@ -9,6 +9,7 @@
 
 use std::ffi::{CStr, c_int, c_void};
 
+const PT_LOAD: u32 = 1;
 const PT_DYNAMIC: u32 = 2;
 const DT_NULL: i64 = 0;
 const DT_HASH: i64 = 4;
@@ -72,6 +73,58 @@ pub(crate) fn lookup(libs: &[&[u8]], symbol: &[u8], version: Option<&[u8]>) -> O
     q.found.map(|(_, a)| a)
 }
 
+/// One loaded object's symbol tables, read once for many look-ups (the driver's ~110 functions
+/// at start-up: a hash probe each, where `dlsym` costs several hundred instructions a call).
+pub(crate) struct Object {
+    tables: Tables,
+}
+
+impl Object {
+    /// The loaded object whose mapped segments hold `addr` (an address `dlsym` gave for one of
+    /// its symbols). Such an object is never unloaded here (the driver's libraries are opened and
+    /// never closed), so its tables stay mapped for the process's life.
+    pub(crate) fn containing(addr: *mut c_void) -> Option<Object> {
+        if addr.is_null() {
+            return None;
+        }
+        let mut q = Containing { addr: addr as usize, found: None };
+        // SAFETY: the callback only reads the loader's program headers and the mapped tables they
+        // point to, for the duration of the call; `q` outlives the call.
+        unsafe { libc::dl_iterate_phdr(Some(visit_containing), (&raw mut q).cast()) };
+        q.found.map(|tables| Object { tables })
+    }
+
+    /// The default version of the function `symbol` (no NUL) defined in this object, or `None`
+    /// (not defined here, or not a plain function: the caller asks `dlsym`).
+    pub(crate) fn function(&self, symbol: &[u8]) -> Option<usize> {
+        self.tables.find(symbol, None)
+    }
+}
+
+struct Containing {
+    addr: usize,
+    found: Option<Tables>,
+}
+
+unsafe extern "C" fn visit_containing(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
+    // SAFETY: data is the Containing passed to dl_iterate_phdr; info is the loader's record of
+    // one loaded object, valid during the callback.
+    let (q, info) = unsafe { (&mut *data.cast::<Containing>(), &*info) };
+    let base = info.dlpi_addr as usize;
+    // SAFETY: dlpi_phdr holds dlpi_phnum program headers of the loaded object.
+    let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
+    let holds = phdrs.iter().any(|p| {
+        let start = base.wrapping_add(p.p_vaddr as usize);
+        p.p_type == PT_LOAD && q.addr >= start && q.addr - start < p.p_memsz as usize
+    });
+    if !holds {
+        return 0;
+    }
+    // SAFETY: info describes a loaded object whose headers and dynamic section are mapped.
+    q.found = unsafe { tables_of(info) };
+    1
+}
+
 unsafe extern "C" fn visit(info: *mut libc::dl_phdr_info, _size: usize, data: *mut c_void) -> c_int {
     // SAFETY: data is the Query passed to dl_iterate_phdr; info is the loader's record of one
     // loaded object, valid during the callback.
@@ -109,6 +162,15 @@ struct Tables {
 /// # Safety
 /// `info` must describe a loaded object (from `dl_iterate_phdr`).
 unsafe fn find_in(info: &libc::dl_phdr_info, symbol: &[u8], version: Option<&[u8]>) -> Option<usize> {
+    // SAFETY: the caller's promise.
+    unsafe { tables_of(info) }?.find(symbol, version)
+}
+
+/// One object's tables, from its dynamic section.
+///
+/// # Safety
+/// `info` must describe a loaded object (from `dl_iterate_phdr`).
+unsafe fn tables_of(info: &libc::dl_phdr_info) -> Option<Tables> {
     let base = info.dlpi_addr as usize;
     // SAFETY: dlpi_phdr holds dlpi_phnum program headers of the loaded object.
     let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
@@ -148,24 +210,30 @@ unsafe fn find_in(info: &libc::dl_phdr_info, symbol: &[u8], version: Option<&[u8
     if t.strtab.is_null() || t.symtab.is_null() {
         return None;
     }
-    let mut best: Option<usize> = None;
-    let mut consider = |idx: u32| {
-        // SAFETY: idx comes from the object's own hash table, so it indexes its symbol table.
-        if let Some(a) = unsafe { t.matches(idx, symbol, version) } {
-            best = Some(a);
-        }
-    };
-    if !t.gnu_hash.is_null() {
-        // SAFETY: the GNU hash table of a loaded object, laid out as the ELF gABI extension says.
-        unsafe { t.walk_gnu(symbol, &mut consider) };
-    } else if !t.hash.is_null() {
-        // SAFETY: the SysV hash table of a loaded object.
-        unsafe { t.walk_sysv(symbol, &mut consider) };
-    }
-    best
+    Some(t)
 }
 
 impl Tables {
+    /// The address of `symbol` (of `version`, or the default version) in this object.
+    fn find(&self, symbol: &[u8], version: Option<&[u8]>) -> Option<usize> {
+        let mut best: Option<usize> = None;
+        let mut consider = |idx: u32| {
+            // SAFETY: idx comes from the object's own hash table, so it indexes its symbol table.
+            if let Some(a) = unsafe { self.matches(idx, symbol, version) } {
+                best = Some(a);
+            }
+        };
+        if !self.gnu_hash.is_null() {
+            // SAFETY: the GNU hash table of a loaded object, laid out as the ELF gABI extension
+            // says (`tables_of` took it from the object's dynamic section).
+            unsafe { self.walk_gnu(symbol, &mut consider) };
+        } else if !self.hash.is_null() {
+            // SAFETY: the SysV hash table of a loaded object.
+            unsafe { self.walk_sysv(symbol, &mut consider) };
+        }
+        best
+    }
+
     /// Whether symbol `idx` is a defined function named `symbol` of the wanted version.
     ///
     /// # Safety
@@ -301,5 +369,19 @@ mod tests {
         assert_eq!(versioned, ours);
         assert!(lookup(libs, b"no_such_function_here", None).is_none());
         assert!(lookup(&[b"libnot-loaded.so.9"], b"getpid", None).is_none());
+    }
+
+    #[test]
+    fn an_object_found_by_an_address_in_it_answers_as_dlsym_does() {
+        let getpid = libc::getpid as *const () as *mut c_void;
+        let libc_so = Object::containing(getpid).expect("the object holding getpid");
+        // Plain functions (an IFUNC such as strlen is left to dlsym: `function` says `None`).
+        for name in [c"getpid", c"open", c"malloc", c"dl_iterate_phdr", c"fcntl"] {
+            // SAFETY: a valid C string; RTLD_DEFAULT searches the global scope.
+            let by_dlsym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) } as usize;
+            assert_eq!(libc_so.function(name.to_bytes()), Some(by_dlsym), "{name:?}");
+        }
+        assert_eq!(libc_so.function(b"no_such_function_here"), None);
+        assert!(Object::containing(std::ptr::null_mut()).is_none());
     }
 }
