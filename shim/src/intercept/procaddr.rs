@@ -25,13 +25,105 @@ use crate::real;
 
 /// (base name, CUDA version it appeared in, per-thread flavour, exported symbol) of every hooked
 /// CUDA function: the header list's entries ([`tessera_abi::cuda::EXPORTS`]) whose symbol is
-/// hooked, and [`RENAMES`]. Made on first use.
+/// hooked, and [`RENAMES`], sorted by base name (a stable sort: one base's entries keep the
+/// list's order). Made on first use.
 pub(crate) fn versions() -> &'static [(&'static str, u32, bool, &'static str)] {
-    static VERSIONS: OnceLock<Vec<(&'static str, u32, bool, &'static str)>> = OnceLock::new();
-    VERSIONS.get_or_init(|| {
-        let hooked = EXPORTS.iter().filter(|e| hook_by_name(e.symbol.as_bytes()).is_some());
-        hooked.map(|e| (e.base, e.version, e.flavour != Flavour::No, e.symbol)).chain(RENAMES.iter().copied()).collect()
+    &table().entries
+}
+
+type Entry = (&'static str, u32, bool, &'static str);
+
+/// [`versions`], and a filter of its base names.
+struct Table {
+    entries: Vec<Entry>,
+    bases: Filter,
+}
+
+fn table() -> &'static Table {
+    static TABLE: OnceLock<Table> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        // Each hooked name's entry, found by a binary search of the header list (sorted by symbol,
+        // each once: `the_header_list_is_sorted_by_symbol`), with its place in the list, so that
+        // one base's entries keep the list's order after the sort by base.
+        let hooked = super::HOOKS.iter().filter(|h| h.name.starts_with(b"cu")).filter_map(|h| {
+            let i = EXPORTS.binary_search_by(|e| e.symbol.as_bytes().cmp(h.name)).ok()?;
+            let e = &EXPORTS[i];
+            Some((i, (e.base, e.version, e.flavour != Flavour::No, e.symbol)))
+        });
+        let renames = RENAMES.iter().enumerate().map(|(k, r)| (EXPORTS.len() + k, *r));
+        let mut placed: Vec<(usize, Entry)> = hooked.chain(renames).collect();
+        placed.sort_by(|a, b| (a.1.0, a.0).cmp(&(b.1.0, b.0)));
+        let entries: Vec<Entry> = placed.into_iter().map(|(_, e)| e).collect();
+        let bases = Filter::of(entries.iter().map(|e| e.0.as_bytes()));
+        Table { entries, bases }
     })
+}
+
+/// A 1,024-bit filter of names, keyed by a name's length and four of its bytes (a few
+/// instructions): `may_hold` is false for most names not put in, never for one that was.
+struct Filter([u64; 16]);
+
+impl Filter {
+    fn of<'a>(names: impl Iterator<Item = &'a [u8]>) -> Filter {
+        let mut f = Filter([0; 16]);
+        for n in names {
+            let b = Self::bit(n);
+            f.0[b / 64] |= 1 << (b % 64);
+        }
+        f
+    }
+
+    fn bit(n: &[u8]) -> usize {
+        let l = n.len();
+        let Some(&last) = n.last() else { return 0 };
+        let key = l as u64
+            | u64::from(last) << 8
+            | u64::from(n[l / 2]) << 16
+            | u64::from(n[l * 3 / 4]) << 24
+            | u64::from(n[l / 4]) << 32;
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 54) as usize
+    }
+
+    fn may_hold(&self, name: &[u8]) -> bool {
+        let b = Self::bit(name);
+        self.0[b / 64] & (1 << (b % 64)) != 0
+    }
+}
+
+/// The entries of [`versions`] for one base name, and the index of the first (a runtime asks for
+/// hundreds of names at start-up, most of them not hooked: the filter answers most of those).
+fn entries_of(base: &[u8]) -> (usize, &'static [Entry]) {
+    let t = table();
+    if !t.bases.may_hold(base) {
+        return (0, &[]);
+    }
+    let v = &t.entries[..];
+    let start = v.partition_point(|e| e.0.as_bytes() < base);
+    let end = start + v[start..].partition_point(|e| e.0.as_bytes() == base);
+    (start, &v[start..end])
+}
+
+/// The driver's address of each entry of [`versions`] (0: it has none), read once from the
+/// driver's own symbol table (`intercept::elf`), where each call used to look every variant of
+/// its base name up with `dlsym`. `None` until the driver is loaded.
+fn driver_addresses() -> Option<&'static [usize]> {
+    static ADDRS: OnceLock<Vec<usize>> = OnceLock::new();
+    if let Some(a) = ADDRS.get() {
+        return Some(a);
+    }
+    let h = real::cuda_handle_if_loaded()?;
+    let first = versions().first()?;
+    let anchor = std::ffi::CString::new(first.3).ok()?;
+    let object = super::elf::Object::containing(dl::real_dlsym(h, anchor.as_ptr()));
+    let addrs = versions()
+        .iter()
+        .map(|e| {
+            object.as_ref().and_then(|o| o.function(e.3.as_bytes())).unwrap_or_else(|| {
+                std::ffi::CString::new(e.3).map_or(0, |sym| dl::real_dlsym(h, sym.as_ptr()) as usize)
+            })
+        })
+        .collect();
+    Some(ADDRS.get_or_init(|| addrs))
 }
 
 /// Base names `cuda.h` hands out as another hooked function from some version on, which the
@@ -44,7 +136,9 @@ const VERSIONS_COMPLETE_TO: u32 = 12080;
 
 /// The hooked symbol the driver's answer `p` is, for a base name: by address, else by version.
 fn chosen_symbol(base: &str, p: *mut c_void, version: u32, per_thread: bool) -> Option<&'static str> {
-    versions().iter().find(|e| e.0 == base)?;
+    if entries_of(base.as_bytes()).1.is_empty() {
+        return None;
+    }
     if let Some(sym) = by_address(base, p) {
         return Some(sym);
     }
@@ -66,17 +160,15 @@ fn chosen_symbol(base: &str, p: *mut c_void, version: u32, per_thread: bool) -> 
 
 /// The hooked symbol of `base` whose driver function is at `p`.
 fn by_address(base: &str, p: *mut c_void) -> Option<&'static str> {
-    let h = real::cuda_handle_if_loaded()?;
-    versions().iter().filter(|e| e.0 == base).find_map(|e| {
-        let sym = std::ffi::CString::new(e.3).ok()?;
-        (dl::real_dlsym(h, sym.as_ptr()) == p).then_some(e.3)
-    })
+    let addrs = driver_addresses()?;
+    let (start, entries) = entries_of(base.as_bytes());
+    entries.iter().enumerate().find_map(|(k, e)| (addrs[start + k] == p as usize).then_some(e.3))
 }
 
 /// The symbol `cudaTypedefs.h` names for `base` at CUDA version `v`: the newest not newer than
 /// `v`, in its per-thread flavour if asked and one exists.
 fn by_version(base: &str, v: u32, per_thread: bool) -> Option<&'static str> {
-    let newest = |pt: bool| versions().iter().filter(|e| e.0 == base && e.1 <= v && e.2 == pt).max_by_key(|e| e.1);
+    let newest = |pt: bool| entries_of(base.as_bytes()).1.iter().filter(|e| e.1 <= v && e.2 == pt).max_by_key(|e| e.1);
     let plain = newest(false)?;
     Some(match newest(true) {
         Some(pt) if per_thread => pt.3,
@@ -101,7 +193,12 @@ fn driver_version() -> u32 {
 /// `symbol` must be a NUL-terminated string and `pfn` a valid out-pointer the driver filled.
 unsafe fn swap(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
     // SAFETY: the driver accepted the name, so it is a NUL-terminated string.
-    let Ok(base) = (unsafe { CStr::from_ptr(symbol) }).to_str() else { return };
+    let name = unsafe { CStr::from_ptr(symbol) }.to_bytes();
+    // Most names a runtime asks are not hooked: answered before any other work.
+    if entries_of(name).1.is_empty() {
+        return;
+    }
+    let Ok(base) = std::str::from_utf8(name) else { return };
     // SAFETY: the driver filled pfn (it succeeded).
     let Some(p) = (unsafe { get(pfn) }) else { return };
     if p.is_null() {
@@ -189,6 +286,29 @@ mod tests {
         assert_eq!(by_version("cuLaunchKernel", 6050, true), Some("cuLaunchKernel"), "before _ptsz existed");
         assert_eq!(by_version("cuLaunchKernelEx", 11000, false), None, "newer than asked");
         assert_eq!(by_version("cuMemcpyHtoD", 12080, false), None, "not hooked");
+    }
+
+    #[test]
+    fn every_base_name_finds_exactly_its_entries() {
+        let mut bases: Vec<&str> = EXPORTS.iter().map(|e| e.base).chain(RENAMES.iter().map(|e| e.0)).collect();
+        bases.sort_unstable();
+        bases.dedup();
+        for b in bases {
+            let (start, entries) = entries_of(b.as_bytes());
+            let by_scan: Vec<_> = versions().iter().enumerate().filter(|(_, e)| e.0 == b).collect();
+            assert_eq!(entries.len(), by_scan.len(), "{b}");
+            for (k, (i, e)) in by_scan.into_iter().enumerate() {
+                assert_eq!((start + k, &entries[k]), (i, e), "{b}");
+            }
+        }
+        assert!(entries_of(b"cuNoSuchFunction").1.is_empty());
+        assert!(entries_of(b"").1.is_empty());
+    }
+
+    #[test]
+    fn the_header_list_is_sorted_by_symbol() {
+        // `table` finds each hook's entry by a binary search.
+        assert!(EXPORTS.windows(2).all(|w| w[0].symbol < w[1].symbol), "sorted, each symbol once");
     }
 
     #[test]
