@@ -24,10 +24,21 @@
 //!
 //! `TESSERA_STARTUP_DEBUG=1` shows the start-up processes' stderr and each refusal.
 //!
-//! With `TESSERA_SHIM_BENCH_INSTR` set, one process per side and layout runs under callgrind
-//! instead, and the instructions of its start-up thread from before the `dlopen` to the
-//! allocation's return are printed (a helper thread's work is not counted: it is off the path
-//! the program waits on).
+//! With `TESSERA_SHIM_BENCH_INSTR` set, one such process per side and layout runs under
+//! callgrind instead: every instruction of every thread from the first one the dynamic loader
+//! runs at `exec` to the process's exit, each thread on its own (`--separate-threads=yes`), with
+//! the simulated driver's latency off (its spins would count as instructions). After its first
+//! allocation such a process waits, outside the count, until the shim's helper thread (NVML's
+//! load and the context's true-up) is gone, so that it is counted whole: this is the CPU that a
+//! thousand processes starting at once pay. Also printed: the start-up thread's part from before
+//! the `dlopen` to the allocation's return (what the program waits for), the inclusive count of
+//! [`instr_first_alloc`] in the same profile; and the same process after a CUDA runtime's
+//! look-ups (`cuGetProcAddress_v2` of every driver function, as libcudart does first).
+//!
+//! `TESSERA_STARTUP_CPU=R` runs, instead of the batches, R interleaved rounds of one process per
+//! side started alone (the same whole process, waiting for its helper thread before it exits),
+//! and reports each process's CPU time (user + system, from `wait4`) with the simulated driver's
+//! latency on: a real driver's call costs CPU too.
 //!
 //! Run: `cargo build --release -p tessera-shim -p tessera-sim-driver && cargo bench -p
 //! tessera-shim --bench startup`. Not a test: nothing here asserts a time.
@@ -79,9 +90,12 @@ fn main() {
     };
     let load = || std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("start-up bench: load average before: {}", load().trim());
+    let cpu_rounds: usize = env_number("TESSERA_STARTUP_CPU", 0);
     for layout in layouts {
         if std::env::var_os(INSTR).is_some_and(|v| !v.is_empty()) {
-            instructions(layout);
+            whole_instructions(layout);
+        } else if cpu_rounds > 0 {
+            cpu(layout, cpu_rounds);
         } else {
             storm(layout, n, rounds);
         }
@@ -283,36 +297,238 @@ fn percentiles(v: &mut [f64]) -> (f64, f64) {
     (at(0.50), at(0.99))
 }
 
-/// One process per side under callgrind, counting only [`instr_first_alloc`].
-fn instructions(layout: Layout) {
+/// The sides of a comparison: plain, the shim, and the baseline shim if one is named.
+fn sides() -> Vec<(String, Option<PathBuf>)> {
+    let mut sides = vec![("plain".to_string(), None), ("shim".to_string(), Some(profile_dir().join("libtessera.so")))];
+    if let Some(b) = std::env::var_os("TESSERA_STARTUP_BASELINE_SHIM").map(PathBuf::from) {
+        sides.push((format!("baseline shim ({})", b.display()), Some(b)));
+    }
+    sides
+}
+
+/// One whole process per side under callgrind, every thread counted from `exec` to exit (the
+/// wait for the helper thread aside); each side's threads, and the breakdown of what the shim
+/// adds.
+fn whole_instructions(layout: Layout) {
     let setup = Setup::new(layout);
+    // The container's first process measures the context (its hint), as in a batch.
     let exe = std::env::current_exe().expect("current_exe");
-    let count = |preload: bool| -> u64 {
-        let out = profile_dir().join(format!("startup.first_alloc.{layout:?}.{}.callgrind", u8::from(preload)));
-        let shim = profile_dir().join("libtessera.so");
-        let mut c = setup.command(Path::new("valgrind"), preload.then_some(shim.as_path()));
-        c.args(["--tool=callgrind", "--collect-atstart=no", "--toggle-collect=*::instr_first_alloc"])
-            .arg(format!("--callgrind-out-file={}", out.display()))
-            .arg(&exe)
-            .env(CHILD, "-");
+    let shim = profile_dir().join("libtessera.so");
+    let warm = setup.command(&exe, Some(&shim)).env(CHILD, "warm").output().expect("the warm-up process");
+    assert!(warm.status.success(), "warm-up: {}", String::from_utf8_lossy(&warm.stderr));
+    let sides = sides();
+    println!(
+        "\nWhole process, every thread, from exec to exit ({layout:?}-object layout; instructions, callgrind, \
+         simulated latency off; the container's hint measured):"
+    );
+    for mode in ["whole", "whole-rt"] {
+        if mode == "whole-rt" {
+            println!(
+                "  the same, after a CUDA runtime's look-ups (cuGetProcAddress_v2 for each of cudaTypedefs.h's \
+                 base names, as libcudart does first):"
+            );
+        }
+        whole_instructions_of(&setup, &sides, layout, mode);
+    }
+}
+
+fn whole_instructions_of(setup: &Setup, sides: &[(String, Option<PathBuf>)], layout: Layout, mode: &str) {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut plain_total = 0u64;
+    for (i, (name, preload)) in sides.iter().enumerate() {
+        let out = profile_dir().join(format!("startup.{mode}.{layout:?}.{i}.callgrind"));
+        for old in thread_profiles(&out) {
+            let _ = std::fs::remove_file(old);
+        }
+        let mut c = setup.command(Path::new("valgrind"), preload.as_deref());
+        // (A toggle turns collection at start off: `--collect-atstart=yes` must come after it.)
+        c.args([
+            "--tool=callgrind",
+            "--separate-threads=yes",
+            "--toggle-collect=*::wait_alone",
+            "--collect-atstart=yes",
+        ])
+        .arg(format!("--callgrind-out-file={}", out.display()))
+        .arg(&exe)
+        .env(CHILD, mode)
+        .env("TESSERA_SIM_LATENCY", "off");
         let o = c.output().expect("run valgrind");
         assert!(o.status.success(), "start-up process: {}", String::from_utf8_lossy(&o.stderr));
-        let text = std::fs::read_to_string(&out).expect("the callgrind profile");
-        let total = text.lines().find_map(|l| l.strip_prefix("summary: ")).expect("a summary line");
-        total.trim().parse().expect("a count")
-    };
-    let (plain, shim) = (count(false), count(true));
+        let threads: Vec<u64> = thread_profiles(&out).iter().map(|f| profile_total(f)).collect();
+        let total: u64 = threads.iter().sum();
+        if i == 0 {
+            plain_total = total;
+        }
+        let waited = thread_profiles(&out).first().and_then(|f| inclusive_of(f, "startup::instr_first_alloc ["));
+        print!(
+            "  {name}: {total} ({} threads: {threads:?}; start-up thread, dlopen to the first allocation: {})",
+            threads.len(),
+            waited.map_or("?".into(), |n| n.to_string())
+        );
+        if i > 0 {
+            print!("; added {} ({:.2}x)", total as i64 - plain_total as i64, total as f64 / plain_total as f64);
+        }
+        println!();
+        if i > 0 {
+            breakdown(&thread_profiles(&out));
+        }
+    }
+}
+
+/// Callgrind's per-thread profiles of one run (`out-01`, `out-02`, ...), in thread order.
+fn thread_profiles(out: &Path) -> Vec<PathBuf> {
+    let (dir, stem) = (out.parent().unwrap(), out.file_name().unwrap().to_string_lossy().into_owned());
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p: &PathBuf| {
+            p.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix(&stem)).is_some_and(|t| {
+                t.strip_prefix('-').is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A callgrind profile's instruction total.
+fn profile_total(f: &Path) -> u64 {
+    let text = std::fs::read_to_string(f).expect("a callgrind profile");
+    let line = text.lines().find_map(|l| l.strip_prefix("summary: ").or_else(|| l.strip_prefix("totals: ")));
+    line.and_then(|t| t.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+/// A function's inclusive count in a callgrind profile (the first line naming it).
+fn inclusive_of(profile: &Path, function: &str) -> Option<u64> {
+    let o =
+        Command::new("callgrind_annotate").args(["--inclusive=yes", "--threshold=100"]).arg(profile).output().ok()?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    text.lines()
+        .filter(|l| l.contains(function))
+        .find_map(|l| l.split_whitespace().next()?.replace(',', "").parse().ok())
+}
+
+/// Where the shim's instructions go in one whole process: inclusive counts of the functions that
+/// make up its start-up, per thread, from `callgrind_annotate --inclusive=yes` (absent: 0).
+fn breakdown(profiles: &[PathBuf]) {
+    // (what, function name as callgrind_annotate prints it, or a part of it)
+    const PARTS: &[(&str, &str)] = &[
+        ("exec: the dynamic loader", "rtld.c:_dl_start "),
+        ("state (limits, region, join)", "tessera::state::ensure_slow "),
+        ("resolving the driver's functions", "tessera::real::RealCuda::resolve "),
+        ("the context hook", "tessera::memory::context::charge_creation "),
+        ("dlsym through the shim", "tessera::intercept::dl::dlsym_decide "),
+        ("the helper thread", "tessera::memory::context::helper "),
+        ("NVML's load", "tessera::real::nvml "),
+        ("the true-up", "tessera::memory::context::true_up "),
+    ];
+    for (k, f) in profiles.iter().enumerate() {
+        let o = Command::new("callgrind_annotate").args(["--inclusive=yes", "--threshold=100"]).arg(f).output();
+        let Ok(o) = o else { return println!("    (callgrind_annotate not found: no breakdown)") };
+        let text = String::from_utf8_lossy(&o.stdout);
+        let inclusive = |pattern: &str| -> Option<u64> {
+            text.lines()
+                .filter(|l| l.contains(pattern))
+                .find_map(|l| l.split_whitespace().next()?.replace(',', "").parse().ok())
+        };
+        let found: Vec<String> =
+            PARTS.iter().filter_map(|(what, pat)| inclusive(pat).map(|n| format!("{what} {n}"))).collect();
+        println!("    thread {}: {}", k + 1, found.join("; "));
+    }
+}
+
+/// `rounds` interleaved rounds of one process per side started alone; each process's CPU time
+/// (user + system) from `wait4`.
+fn cpu(layout: Layout, rounds: usize) {
+    let mut setup = Setup::new(layout);
+    setup.fresh_container(1);
+    let exe = std::env::current_exe().expect("current_exe");
+    let shim = profile_dir().join("libtessera.so");
+    let warm = setup.command(&exe, Some(&shim)).env(CHILD, "warm").output().expect("the warm-up process");
+    assert!(warm.status.success(), "warm-up: {}", String::from_utf8_lossy(&warm.stderr));
+    let sides = sides();
+    // User + system per process, µs (their sum is exact; the kernel splits it by tick samples).
+    let mut us: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
+    for r in 0..rounds {
+        let mut order: Vec<usize> = (0..sides.len()).collect();
+        if r % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let mut c = setup.command(&exe, sides[i].1.as_deref());
+            c.env(CHILD, "whole").stdout(Stdio::null()).stderr(Stdio::null());
+            // Reaped by wait4 below, which also gives its rusage (std's wait gives none).
+            #[allow(clippy::zombie_processes)]
+            let child = c.spawn().expect("spawn a start-up process");
+            let mut status = 0;
+            // SAFETY: an all-zero rusage is valid; wait4 fills it for our own child.
+            let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+            // SAFETY: the pid of our child, valid out-pointers.
+            let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut ru) };
+            assert_eq!(pid, child.id() as libc::pid_t, "wait4");
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "a start-up process failed");
+            let t = |v: libc::timeval| v.tv_sec as f64 * 1e6 + v.tv_usec as f64;
+            us[i].push(t(ru.ru_utime) + t(ru.ru_stime));
+        }
+    }
     println!(
-        "\nStart-up to the first cuMemAlloc_v2 ({layout:?}-object layout; instructions, callgrind, start-up thread): \
-         plain {plain}, shim {shim}, added {} ({:.2}x)",
-        shim as i64 - plain as i64,
-        shim as f64 / plain as f64
+        "\nCPU (user + system) of a whole process that starts, makes its first allocation and waits for its \
+         threads ({layout:?}-object layout; {rounds} interleaved rounds, one process at a time):"
     );
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    for (i, (name, _)) in sides.iter().enumerate() {
+        print!("  {name}: median {:.0} µs, mean {:.0} µs", median(&us[i]), us[i].iter().sum::<f64>() / rounds as f64);
+        if i > 0 {
+            let d: Vec<f64> = us[i].iter().zip(&us[0]).map(|(s, p)| s - p).collect();
+            print!(
+                "; added: median of the rounds' differences {:.0} µs, mean {:.0} µs (ratio of medians {:.2})",
+                median(&d),
+                d.iter().sum::<f64>() / rounds as f64,
+                median(&us[i]) / median(&us[0])
+            );
+        }
+        println!();
+    }
+}
+
+/// Waits until the shim's helper thread (`tessera-true-up`) is gone, up to 30 s: in a function
+/// of its own, so that callgrind leaves it out (`--toggle-collect`). A fixed first sleep (no CPU),
+/// then a look every 10 ms, so both sides pay the same one look where the helper is quick.
+#[inline(never)]
+fn wait_alone() {
+    let helper = || {
+        std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|t| std::fs::read(t.path().join("comm")).is_ok_and(|c| c.starts_with(b"tessera-true-up")))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    for _ in 0..3000 {
+        if !helper() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// A start-up process: says it is ready, waits at the FIFO (`-`: no wait), then measures; or
-/// (`warm`) the container's first process, which asks `cuMemGetInfo` after its allocation.
+/// (`warm`) the container's first process, which asks `cuMemGetInfo` after its allocation; or
+/// (`whole`) a process that makes its first allocation and waits for its other threads to end.
 fn child(fifo: &Path) -> i32 {
+    if fifo == Path::new("whole") || fifo == Path::new("whole-rt") {
+        if fifo == Path::new("whole-rt") {
+            runtime_lookups();
+        }
+        let r = instr_first_alloc();
+        wait_alone();
+        return i32::from(r.is_err());
+    }
     if fifo == Path::new("warm") {
         let r = instr_first_alloc();
         // SAFETY: the loaded driver's (or the shim's) cuMemGetInfo_v2, cuda.h's signature.
@@ -335,6 +551,32 @@ fn child(fifo: &Path) -> i32 {
         Err((step, rc)) => println!("refused {rc} at {step}"),
     }
     0
+}
+
+/// What a CUDA runtime (12 and later) does first: every driver function it uses is asked of
+/// `cuGetProcAddress_v2`. Here every base name of `cudaTypedefs.h`, at CUDA 12.8.
+fn runtime_lookups() {
+    type GetProc = unsafe extern "C" fn(*const std::ffi::c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> R;
+    // SAFETY: loading the (simulated) driver runs only its own initializers.
+    let cuda = unsafe { Library::new("libcuda.so.1") }.expect("load libcuda.so.1");
+    // SAFETY: cuda.h's signatures (the driver's, or the shim's hooks).
+    let (init, get): (CuInit, GetProc) = unsafe { (sym(&cuda, c"cuInit"), sym(&cuda, c"cuGetProcAddress_v2")) };
+    // SAFETY: a plain flag.
+    assert_eq!(unsafe { init(0) }, 0, "cuInit");
+    let mut bases: Vec<&str> = tessera_abi::cuda::EXPORTS.iter().map(|e| e.base).collect();
+    bases.sort_unstable();
+    bases.dedup();
+    let mut found = 0;
+    for b in bases {
+        let name = std::ffi::CString::new(b).expect("a name");
+        let (mut p, mut status) = (std::ptr::null_mut(), 0);
+        // SAFETY: a valid C string and out-pointers.
+        if unsafe { get(name.as_ptr(), &mut p, 12080, 0, &mut status) } == 0 && !p.is_null() {
+            found += 1;
+        }
+    }
+    assert!(found > 100, "cuGetProcAddress_v2 found {found} functions");
+    std::mem::forget(cuda);
 }
 
 /// The start-up a process pays to its first allocation, in a function of its own for callgrind.
