@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 /// `CUresult` values the checkpoint API documents.
 const CUDA_SUCCESS: c_uint = 0;
+/// A lock's timeout passed before the process's GPU work finished.
+pub const CUDA_ERROR_NOT_READY: c_uint = 600;
 
 /// A process's `CUprocessState`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

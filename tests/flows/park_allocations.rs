@@ -348,6 +348,38 @@ fn park_events(dir: &std::path::Path) -> Vec<(String, String, String)> {
         .collect()
 }
 
+/// A share for [`busy_workload`]: work conserving, since under a strict share of 20% a kernel
+/// of two minutes is over its share, and enforcement kills the process within seconds (a park
+/// then fails on a process gone, not on a busy one).
+const BUSY_SHARE: [&str; 6] = ["--memory", "20GiB", "--sm", "20", "--compute-mode", "work-conserving"];
+
+/// A `tessera-workload` under the shim in an allocation's env, busy with one kernel of two
+/// minutes, once the simulated GPU shows it running: a lock waits for its GPU work.
+async fn busy_workload(
+    node: &SimNode,
+    env: &serde_json::Map<String, serde_json::Value>,
+    dir: &std::path::Path,
+) -> Reaped {
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
+    cmd.args(["--alloc-mib", "64", "--kernels", "1", "--kernel-us", "120000000", "--hold", "3600"]);
+    cmd.stdout(Stdio::piped()).env("LD_PRELOAD", shim());
+    for (k, v) in env {
+        cmd.env(k, v.as_str().expect("env values are strings"));
+    }
+    let mut child = cmd.spawn().expect("tessera-workload");
+    let pid = child.id();
+    let out = BufReader::new(child.stdout.take().expect("stdout"));
+    let busy = Reaped(child, out);
+    tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &dir.join("tesserad.log"), || {
+        let w = m.utilization(0, 0).map_err(|e| e.to_string())?;
+        let running = w.processes.iter().any(|(p, pct)| *p == pid && *pct > 0);
+        if running { Ok(()) } else { Err(format!("{pid} runs no kernel yet: {:?}", w.processes)) }
+    })
+    .await;
+    busy
+}
+
 fn high(memory_bytes: u64) -> api::AllocateRequest {
     api::AllocateRequest { memory_bytes, sm_percent: 10, priority: api::Priority::High as i32, ..Default::default() }
 }
@@ -629,32 +661,13 @@ async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
     let (tesserad, mut api) = Tesserad::start(&node, "").await;
     let dir = tesserad.dir();
     let show_log = || tesserad.log();
-    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
     let total = gpu_memory(&mut api).await;
     let (low, env) = alloc(dir, &["--memory", "20GiB", "--sm", "20", "--priority", "low", "--preemptible"]);
     let _idle = workload(&node, &env, &["--alloc-mib", "64", "--hold", "3600"]);
     // Normal priority, preemptible, busy with one kernel of two minutes: the driver cannot park
-    // it (a lock waits for its GPU work, 10 s at most, then says CUDA_ERROR_NOT_READY). Work
-    // conserving: under a strict share of 20% such a kernel is over its share, and enforcement
-    // kills the process within seconds (the park then fails on a process gone, not a busy one).
-    let share = ["--memory", "20GiB", "--sm", "20", "--compute-mode", "work-conserving", "--priority", "normal"];
-    let (busy, env) = alloc(dir, &[&share[..], &["--preemptible"]].concat());
-    let mut cmd = node.command(tessera_sim_testkit::binary("tessera-workload"));
-    cmd.args(["--alloc-mib", "64", "--kernels", "1", "--kernel-us", "120000000", "--hold", "3600"]);
-    cmd.stdout(Stdio::piped()).env("LD_PRELOAD", shim());
-    for (k, v) in &env {
-        cmd.env(k, v.as_str().expect("env values are strings"));
-    }
-    let mut child = cmd.spawn().expect("tessera-workload");
-    let pid = child.id();
-    let out = BufReader::new(child.stdout.take().expect("stdout"));
-    let running = Reaped(child, out);
-    tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &dir.join("tesserad.log"), || {
-        let w = m.utilization(0, 0).map_err(|e| e.to_string())?;
-        let running = w.processes.iter().any(|(p, pct)| *p == pid && *pct > 0);
-        if running { Ok(()) } else { Err(format!("{pid} runs no kernel yet: {:?}", w.processes)) }
-    })
-    .await;
+    // it (a lock waits for its GPU work, 10 s at most, then says CUDA_ERROR_NOT_READY).
+    let (busy, env) = alloc(dir, &[&BUSY_SHARE[..], &["--priority", "normal", "--preemptible"]].concat());
+    let running = busy_workload(&node, &env, dir).await;
 
     // 30 GiB more than is free: both must be parked; the low one is, the busy one cannot be. The
     // low one is resumed, the share refused.
@@ -680,4 +693,44 @@ async fn a_preemption_that_cannot_park_all_it_needs_parks_nothing() {
     assert!(events[1].2.starts_with(&format!("preemption undone: parking {busy} failed")), "{events:?}");
     assert!(events[1].2.contains("cuCheckpointProcessLock failed: CUDA_ERROR_NOT_READY"), "{events:?}");
     assert!(running.alive(), "the busy process runs on, its kernel too");
+}
+
+/// `tessera park ID --lock-timeout DURATION`: a busy program's park gives up after that long,
+/// saying so, and the program runs on; an idle one parks within it. A duration the CLI cannot
+/// read is refused before anything is asked of the daemon, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_waits_for_gpu_work_as_long_as_its_lock_timeout_says() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let (tesserad, _api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let (idle, env) = alloc(dir, &["--memory", "2GiB", "--sm", "20"]);
+    for (bad, why) in [
+        ("10", "has no unit: write \"10s\" (seconds) or \"10ms\""),
+        ("0s", "must be at least 1ms"),
+        ("10us", "unknown unit \"us\""),
+        ("soon", "is not a duration"),
+        ("4294967296ms", "more than the driver's longest lock timeout"),
+    ] {
+        let out = tessera(dir, &["park", &idle, "--lock-timeout", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--lock-timeout") && err.contains(why), "{bad}: {err}");
+    }
+    assert_eq!(state(dir, &idle), ("running".to_owned(), String::new()), "nothing was parked");
+    assert!(park_events(dir).is_empty());
+
+    let _idle = workload(&node, &env, &["--alloc-mib", "64", "--hold", "3600"]);
+    let out = ok(&tessera(dir, &["park", &idle, "--lock-timeout", "5s", "--json"]));
+    let parked: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(parked["state"], "parked", "{parked}");
+    ok(&tessera(dir, &["resume", &idle]));
+
+    let (busy, env) = alloc(dir, &BUSY_SHARE);
+    let running = busy_workload(&node, &env, dir).await;
+    let out = tessera(dir, &["park", &busy, "--lock-timeout", "300ms"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("cuCheckpointProcessLock failed: CUDA_ERROR_NOT_READY"), "{err}");
+    assert!(err.contains("lock timeout: 300ms"), "the timeout asked for reached the driver: {err}");
+    assert_eq!(state(dir, &busy), ("running".to_owned(), String::new()));
+    assert!(running.alive(), "the busy program runs on");
 }

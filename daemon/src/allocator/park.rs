@@ -146,6 +146,17 @@ fn refused(id: &str, what: &str, e: ParkError) -> Status {
     }
 }
 
+/// A park the driver refused; one whose lock timed out says how long it waited.
+fn lock_refused(id: &str, e: ParkError, lock_timeout: Duration) -> Status {
+    let timed_out = matches!(e, ParkError::Driver { code: crate::park::CUDA_ERROR_NOT_READY, .. });
+    let status = refused(id, "park", e);
+    if timed_out {
+        Status::failed_precondition(format!("{}; lock timeout: {lock_timeout:?}", status.message()))
+    } else {
+        status
+    }
+}
+
 fn state_name(s: ParkState) -> &'static str {
     match s {
         ParkState::Running => "running",
@@ -463,7 +474,8 @@ impl DaemonAllocator {
         };
         self.journal(id, ParkState::Parking, &pids, bytes, preempted_by)?;
         region.set_park_state(ParkState::Parking);
-        let parked = ck.park(&pids, Some(lock_timeout)).map_err(|e| refused(id, "park", e)).and_then(|duration| {
+        let parked = ck.park(&pids, Some(lock_timeout)).map_err(|e| lock_refused(id, e, lock_timeout));
+        let parked = parked.and_then(|duration| {
             // Parked only once the journal says so; else it is undone, never half-parked.
             if let Err(e) = self.journal(id, ParkState::Parked, &pids, bytes, preempted_by) {
                 let _ = ck.resume(&pids);

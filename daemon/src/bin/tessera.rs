@@ -117,6 +117,11 @@ enum Command {
     Park {
         /// The allocation id.
         id: String,
+        /// How long each process's GPU work may take to finish before it is locked (a number and
+        /// its unit: ms, s, m or h, e.g. 500ms, 30s, 2m); past it the park is refused and the
+        /// program runs on. Default: the daemon's, 10 s.
+        #[arg(long, value_name = "DURATION", value_parser = alloc::parse_duration)]
+        lock_timeout: Option<std::time::Duration>,
         /// Print the answer as one JSON object.
         #[arg(long)]
         json: bool,
@@ -241,7 +246,7 @@ async fn run(command: Command, socket: PathBuf) -> Result<ExitCode, String> {
         Command::Alloc(a) => alloc::alloc(&mut client, a).await,
         Command::Release { id } => alloc::release(&mut client, id).await,
         Command::Limits { command } => alloc::limits(&mut client, command).await,
-        Command::Park { id, json } => alloc::park(&mut client, id, json).await,
+        Command::Park { id, lock_timeout, json } => alloc::park(&mut client, id, lock_timeout, json).await,
         Command::Resume { id, json } => alloc::resume(&mut client, id, json).await,
         Command::Reload { dry_run } => reload(&mut client, dry_run).await,
         Command::Trace { container, seconds, output, json } => {

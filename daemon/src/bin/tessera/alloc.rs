@@ -2,6 +2,7 @@
 //! without a kubelet (the node API's `Allocate`, `Release`, `SetLimits`, `ListAllocations`).
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Subcommand, ValueEnum};
 use tessera_proto::tessera::v1 as api;
@@ -118,6 +119,42 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     }
 }
 
+/// The longest lock timeout the driver takes: `CUcheckpointLockArgs.timeoutMs` is an unsigned
+/// 32-bit count of milliseconds (about 49.7 days).
+const MAX_LOCK_TIMEOUT_MS: u64 = u32::MAX as u64;
+
+/// A duration for `park --lock-timeout`: a number (decimals allowed) and its unit, `ms`, `s`,
+/// `m` or `h`; at least 1 ms (the driver counts whole milliseconds), at most
+/// [`MAX_LOCK_TIMEOUT_MS`]. The unit is required, as for sizes: a bare `10` could be either.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let s = text.trim();
+    let units = "ms, s, m or h (e.g. 500ms, 30s, 2m)";
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (number, unit) = (&s[..split], s[split..].trim());
+    let value: f64 = match number.parse() {
+        Ok(v) if !number.is_empty() => v,
+        _ => return Err(format!("{text:?} is not a duration: write a number and its unit, {units}")),
+    };
+    let ms_per_unit = match unit {
+        "" => return Err(format!("{text:?} has no unit: write \"{s}s\" (seconds) or \"{s}ms\" (milliseconds)")),
+        "ms" => 1.0,
+        "s" => 1e3,
+        "m" | "min" => 60e3,
+        "h" => 3600e3,
+        other => return Err(format!("{text:?}: unknown unit {other:?}; write {units}")),
+    };
+    let ms = value * ms_per_unit;
+    if ms < 1.0 {
+        return Err(format!("{text:?}: must be at least 1ms (the driver counts whole milliseconds)"));
+    }
+    if ms > MAX_LOCK_TIMEOUT_MS as f64 {
+        return Err(format!(
+            "{text:?} is more than the driver's longest lock timeout, {MAX_LOCK_TIMEOUT_MS}ms (about 49 days)"
+        ));
+    }
+    Ok(Duration::from_nanos((ms * 1e6).round() as u64))
+}
+
 fn allocation_json(a: &api::Allocation) -> serde_json::Value {
     serde_json::json!({
         "id": a.id,
@@ -223,10 +260,17 @@ fn moved(verb: &str, id: &str, a: Option<&api::Allocation>, bytes: u64, nanos: u
     }
 }
 
-/// `tessera park ID [--json]`.
-pub async fn park(client: &mut NodeClient<Channel>, id: String, json: bool) -> Result<ExitCode, String> {
+/// `tessera park ID [--lock-timeout DURATION] [--json]` (no timeout: the daemon's default).
+pub async fn park(
+    client: &mut NodeClient<Channel>,
+    id: String,
+    lock_timeout: Option<Duration>,
+    json: bool,
+) -> Result<ExitCode, String> {
+    // 0 asks for the daemon's default; parse_duration never gives less than 1 ms.
+    let lock_timeout_nanos = lock_timeout.map_or(0, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
     let r = client
-        .park(api::ParkRequest { allocation_id: id.clone(), lock_timeout_nanos: 0 })
+        .park(api::ParkRequest { allocation_id: id.clone(), lock_timeout_nanos })
         .await
         .map_err(status_err)?
         .into_inner();
@@ -316,7 +360,30 @@ pub async fn allocations(client: &mut NodeClient<Channel>, json: bool) -> Result
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_duration, parse_size};
+    use std::time::Duration;
+
+    #[test]
+    fn lock_timeouts_read_with_their_unit() {
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("2min"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration(" 10 s "), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("4294967295ms"), Ok(Duration::from_millis(u32::MAX.into())));
+        assert!(parse_duration("10").unwrap_err().contains("has no unit"));
+        assert!(parse_duration("10us").unwrap_err().contains("unknown unit \"us\""));
+        assert!(parse_duration("0s").unwrap_err().contains("at least 1ms"));
+        assert!(parse_duration("0.5ms").unwrap_err().contains("at least 1ms"));
+        assert!(parse_duration("50d").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("4294967296ms").unwrap_err().contains("longest lock timeout"));
+        assert!(parse_duration("1200h").unwrap_err().contains("longest lock timeout"));
+        for bad in ["", "s", "-1s", "ten seconds", "1.2.3s", "."] {
+            assert!(parse_duration(bad).unwrap_err().contains("is not a duration"), "{bad:?}");
+        }
+    }
 
     #[test]
     fn sizes_read_as_the_configuration_reads_them() {
