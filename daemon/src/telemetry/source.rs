@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use nvml_wrapper::Device;
 use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::struct_wrappers::device::MemoryInfo;
 
 use super::prometheus::{FilesystemMetrics, PodLabels};
 use super::{GpuMetrics, GpuSensors, MetricsSource, NodeMetrics};
@@ -46,47 +47,44 @@ impl MetricsSource for NodeSource {
         let last_xids = self.controller.events().last_xids();
         let mut gpus = Vec::new();
         for g in &view.inventory.gpus {
-            // Live figures; a GPU NVML cannot read (lost) keeps its totals and shows 0 used.
-            let device = nvml.device_by_index(g.index).ok();
-            let memory = device.as_ref().and_then(|d| d.memory_info().ok());
-            let utilization = device.as_ref().and_then(|d| d.utilization_rates().ok()).map(|u| u.gpu);
-            let gpu_healthy = view.health.gpu(g.index).is_none();
-            gpus.push(GpuMetrics {
+            // What the GPU and each of its MIG devices show alike: the GPU, the device's memory
+            // (live; a device NVML cannot read, lost, keeps its total and shows 0 used), its
+            // health and its holder.
+            let metrics_of = |uuid: &str, memory: Option<MemoryInfo>, total: u64, healthy: bool| GpuMetrics {
                 index: g.index,
-                uuid: g.uuid.clone(),
+                uuid: uuid.to_string(),
                 model: g.name.clone(),
                 pci_bus_id: g.pci_bus_id.clone(),
                 memory_used: memory.as_ref().map_or(0, |m| m.used),
-                memory_total: memory.as_ref().map_or(g.memory_total, |m| m.total),
-                utilization_percent: utilization,
-                healthy: gpu_healthy,
+                memory_total: memory.as_ref().map_or(total, |m| m.total),
+                healthy,
+                holder: holders.get(&uuid.to_ascii_lowercase()).cloned(),
+                ..Default::default()
+            };
+            let device = nvml.device_by_index(g.index).ok();
+            let memory = device.as_ref().and_then(|d| d.memory_info().ok());
+            let gpu_healthy = view.health.gpu(g.index).is_none();
+            gpus.push(GpuMetrics {
+                utilization_percent: device.as_ref().and_then(|d| d.utilization_rates().ok()).map(|u| u.gpu),
                 sensors: device.as_ref().map(sensors).unwrap_or_default(),
                 last_xid: Some(last_xids.get(&g.uuid).copied().unwrap_or(0)),
-                holder: holders.get(&g.uuid.to_ascii_lowercase()).cloned(),
                 layout_converged: view
                     .status
                     .get(&g.index)
                     .map(|s| s.state == tessera_proto::tessera::v1::PartitionState::Converged),
-                ..Default::default()
+                ..metrics_of(&g.uuid, memory, g.memory_total, gpu_healthy)
             });
             // Each MIG device, as dcgm-exporter shows a GPU instance.
             let instances = g.mig.as_ref().filter(|m| m.current).map_or(&[][..], |m| &m.instances[..]);
             for gi in instances {
                 for d in &gi.devices {
                     let memory = nvml.device_by_uuid(d.uuid.as_str()).ok().and_then(|h| h.memory_info().ok());
+                    let healthy = view.health.of(g.index, &d.uuid).is_healthy();
                     gpus.push(GpuMetrics {
-                        index: g.index,
-                        uuid: d.uuid.clone(),
-                        model: g.name.clone(),
-                        pci_bus_id: g.pci_bus_id.clone(),
-                        memory_used: memory.as_ref().map_or(0, |m| m.used),
-                        memory_total: memory.as_ref().map_or(d.memory_total, |m| m.total),
-                        healthy: view.health.of(g.index, &d.uuid).is_healthy(),
                         mig_profile: Some(gi.profile.clone()),
                         parent_uuid: Some(g.uuid.clone()),
                         gpu_instance_id: Some(d.gi_id),
-                        holder: holders.get(&d.uuid.to_ascii_lowercase()).cloned(),
-                        ..Default::default()
+                        ..metrics_of(&d.uuid, memory, d.memory_total, healthy)
                     });
                 }
             }
