@@ -18,6 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::devices::DraDevice;
+use crate::client_input::cut_to;
 
 /// How often the whole list is sent again without a change.
 pub const RESEND: Duration = Duration::from_secs(10);
@@ -55,22 +56,10 @@ pub fn report(pool: &str, devices: &[DraDevice], monitored: bool, now: i64) -> V
                 (Some(why), true) => (Health::Unhealthy, why.to_owned()),
                 (None, true) => (Health::Healthy, String::new()),
             };
-            let message = truncate(message);
+            let message = cut_to(message, MAX_MESSAGE);
             DeviceHealth { pool: pool.to_owned(), device: d.name.clone(), health, last_updated: now, message }
         })
         .collect()
-}
-
-fn truncate(mut s: String) -> String {
-    if s.len() > MAX_MESSAGE {
-        let mut cut = MAX_MESSAGE - 3;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
 }
 
 fn unix_now() -> i64 {

@@ -19,6 +19,8 @@ use kube::api::{Patch, PatchParams, PostParams};
 use tessera_proto::tessera::v1 as api;
 use tokio::sync::{broadcast, watch};
 
+use crate::client_input::cut_to;
+
 /// `reportingController` of every Event tesserad writes.
 pub const REPORTING_CONTROLLER: &str = "tessera.io/tesserad";
 /// Repeats of a series are written at most this often.
@@ -89,7 +91,7 @@ pub fn occurrences(node: &str, e: &api::Event) -> Vec<Occurrence> {
         _ => return Vec::new(),
     };
     let device = if e.device_uuid.is_empty() { e.device_id.clone() } else { e.device_uuid.clone() };
-    let note = truncate(format!("{}: {}", device, e.message));
+    let note = cut_to(format!("{}: {}", device, e.message), MAX_NOTE);
     let mut out = vec![Occurrence {
         regarding: Regarding { kind: "Node", namespace: None, name: node.to_owned(), uid: None },
         reason,
@@ -121,18 +123,6 @@ pub fn occurrences(node: &str, e: &api::Event) -> Vec<Occurrence> {
         note: note.clone(),
     }));
     out
-}
-
-fn truncate(mut s: String) -> String {
-    if s.len() > MAX_NOTE {
-        let mut cut = MAX_NOTE - 3;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push_str("...");
-    }
-    s
 }
 
 /// A series' identity: the same reason and action about the same object and device.
