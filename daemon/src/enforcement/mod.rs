@@ -456,50 +456,37 @@ impl Enforcer {
 
     /// Carries out an SM-time decision and publishes its event.
     fn act_sm(&mut self, d: sm_time::Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
-        let (key, gpu_index, used, cap, window_ms, pids, action, phase, killed) = match d {
+        let (acted, used, cap, window_ms) = match d {
             sm_time::Decision::Kill { key, gpu_index, used, cap, window_ms, pids, victims } => {
                 let killed = self.kill_victims(&key, victims, outcome);
-                (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Killed, Phase::Started, killed)
+                (Acted::killed(key, gpu_index, pids, killed), used, cap, window_ms)
             }
             sm_time::Decision::Report { key, gpu_index, used, cap, window_ms, pids, phase } => {
-                (key, gpu_index, used, cap, window_ms, pids, api::BreachAction::Reported, phase, Vec::new())
+                (Acted::reported(key, gpu_index, pids, phase), used, cap, window_ms)
             }
         };
-        let named = self.members_named(allocations, &key.allocations);
-        let members: Vec<&Allocation> = named.iter().collect();
-        let device_id = device_ids(&members, &key.device_uuid);
-        if action == api::BreachAction::Killed || phase == Phase::Started {
-            self.count_breach(&members, &key.device_uuid, &device_id, action, "sm");
-        }
-        let who = who(&members);
-        let on = format!("GPU {gpu_index} device {}", key.device_uuid);
         let seconds = window_ms as f64 / 1000.0;
-        let what = format!(
-            "allocation {who} took {used}% of a {seconds:.1} s window's SM time on {on}, over its strict share of {cap}%"
-        );
-        let message = match (action, phase) {
-            (api::BreachAction::Killed, _) if killed.is_empty() => format!("{what}; nothing left to kill"),
-            (api::BreachAction::Killed, _) => {
-                format!("{what}; killed pid {} (processes outside the shim first, then the heaviest)", join(&killed))
+        let message = |a: &Acted, who: &str, on: &str| {
+            let what = format!(
+                "allocation {who} took {used}% of a {seconds:.1} s window's SM time on {on}, over its strict share of {cap}%"
+            );
+            match (a.action, a.phase) {
+                (api::BreachAction::Killed, _) if a.killed.is_empty() => format!("{what}; nothing left to kill"),
+                (api::BreachAction::Killed, _) => format!(
+                    "{what}; killed pid {} (processes outside the shim first, then the heaviest)",
+                    join(&a.killed)
+                ),
+                (_, Phase::Ended) => format!("allocation {who} is back within its strict share of {cap}% on {on}"),
+                _ => format!("{what} (pids {}); reported, not killed", join(&a.pids)),
             }
-            (_, Phase::Ended) => format!("allocation {who} is back within its strict share of {cap}% on {on}"),
-            _ => format!("{what} (pids {}); reported, not killed", join(&pids)),
         };
-        let severity = if phase == Phase::Ended { api::Severity::Info } else { api::Severity::Warning };
-        let detail = api::LimitBreach {
-            allocation_id: key.allocations.first().cloned().unwrap_or_default(),
-            pids,
-            action: action as i32,
-            killed_pids: killed,
-            phase: breach_phase(phase) as i32,
-            gpu_index,
-            limit: api::BreachLimit::Sm as i32,
+        let figures = api::LimitBreach {
             sm_percent_used: used,
             sm_percent_limit: cap,
             window_ms: u32::try_from(window_ms).unwrap_or(u32::MAX),
             ..Default::default()
         };
-        self.publish_breach(&members, &key.device_uuid, device_id, severity, message, detail);
+        self.publish_acted(allocations, acted, api::BreachLimit::Sm, message, figures);
     }
 
     /// SIGKILLs `victims` through a pidfd (each one's start time checked, so a reused pid is never
@@ -548,37 +535,47 @@ impl Enforcer {
         members
     }
 
-    /// Counts a breach for each of `members` in the metrics.
-    fn count_breach(
-        &self,
-        members: &[&Allocation],
-        uuid: &str,
-        device_id: &str,
-        action: api::BreachAction,
-        limit: &'static str,
+    /// Publishes the event of what a decision came to, and counts the breach in the metrics for
+    /// each member when it was a kill or it started: `message` says it from the members' names
+    /// and the GPU and device it was on; `figures` holds the limit's own (bytes, or SM percents).
+    fn publish_acted(
+        &mut self,
+        allocations: &[Allocation],
+        acted: Acted,
+        limit: api::BreachLimit,
+        message: impl FnOnce(&Acted, &str, &str) -> String,
+        figures: api::LimitBreach,
     ) {
-        let action_name = if action == api::BreachAction::Killed { "kill" } else { "report" };
-        for a in members {
-            self.stats.breach(a, uuid, device_id, action_name, limit);
+        let named = self.members_named(allocations, &acted.key.allocations);
+        let members: Vec<&Allocation> = named.iter().collect();
+        let uuid = acted.key.device_uuid.clone();
+        let device_id = device_ids(&members, &uuid);
+        if acted.action == api::BreachAction::Killed || acted.phase == Phase::Started {
+            let action_name = if acted.action == api::BreachAction::Killed { "kill" } else { "report" };
+            let limit_name = if limit == api::BreachLimit::Sm { "sm" } else { "memory" };
+            for a in &members {
+                self.stats.breach(a, &uuid, &device_id, action_name, limit_name);
+            }
         }
-    }
-
-    fn publish_breach(
-        &self,
-        members: &[&Allocation],
-        uuid: &str,
-        device_id: String,
-        severity: api::Severity,
-        message: String,
-        detail: api::LimitBreach,
-    ) {
+        let message = message(&acted, &who(&members), &format!("GPU {} device {uuid}", acted.gpu_index));
+        let severity = if acted.phase == Phase::Ended { api::Severity::Info } else { api::Severity::Warning };
+        let detail = api::LimitBreach {
+            allocation_id: acted.key.allocations.first().cloned().unwrap_or_default(),
+            pids: acted.pids,
+            action: acted.action as i32,
+            killed_pids: acted.killed,
+            phase: breach_phase(acted.phase) as i32,
+            gpu_index: acted.gpu_index,
+            limit: limit as i32,
+            ..figures
+        };
         self.controller.events().publish(api::Event {
             kind: api::EventKind::LimitBreach as i32,
             severity: severity as i32,
             time_unix_nano: crate::state::record::unix_ns(),
             device_id,
-            device_uuid: uuid.to_string(),
-            device_kind: device_kind(members, uuid) as i32,
+            device_kind: device_kind(&members, &uuid) as i32,
+            device_uuid: uuid,
             affected: members.iter().map(|a| node::holder(a)).collect(),
             message,
             detail: Some(api::event::Detail::LimitBreach(detail)),
@@ -588,47 +585,29 @@ impl Enforcer {
 
     /// Carries out a decision and publishes its event.
     fn act(&mut self, d: Decision, allocations: &[Allocation], outcome: &mut PollOutcome) {
-        let (key, gpu_index, used, limit, pids, action, phase, killed) = match d {
+        let (acted, used, limit) = match d {
             Decision::Kill { key, gpu_index, used, limit, pids, victims } => {
                 let killed = self.kill_victims(&key, victims.iter().map(|v| (v.pid, v.start)), outcome);
-                (key, gpu_index, used, limit, pids, api::BreachAction::Killed, Phase::Started, killed)
+                (Acted::killed(key, gpu_index, pids, killed), used, limit)
             }
             Decision::Report { key, gpu_index, used, limit, pids, phase } => {
-                (key, gpu_index, used, limit, pids, api::BreachAction::Reported, phase, Vec::new())
+                (Acted::reported(key, gpu_index, pids, phase), used, limit)
             }
         };
-        let named = self.members_named(allocations, &key.allocations);
-        let members: Vec<&Allocation> = named.iter().collect();
-        let device_id = device_ids(&members, &key.device_uuid);
-        if action == api::BreachAction::Killed || phase == Phase::Started {
-            self.count_breach(&members, &key.device_uuid, &device_id, action, "memory");
-        }
-        let who = who(&members);
-        let on = format!("GPU {gpu_index} device {}", key.device_uuid);
-        let what = format!("allocation {who} holds {} on {on}, over its limit of {}", mib(used), mib(limit));
-        let message = match (action, phase) {
-            (api::BreachAction::Killed, _) if killed.is_empty() => format!("{what}; nothing left to kill"),
-            (api::BreachAction::Killed, _) => format!("{what}; killed pid {} (newest first)", join(&killed)),
-            (_, Phase::Started) => format!("{what} (pids {}); reported, not killed", join(&pids)),
-            (_, Phase::Changed) => format!("{what} (pids {}); still over, reported", join(&pids)),
-            (_, Phase::Ended) => {
-                format!("allocation {who} is back under its limit of {} on {on} ({} held)", mib(limit), mib(used))
+        let message = |a: &Acted, who: &str, on: &str| {
+            let what = format!("allocation {who} holds {} on {on}, over its limit of {}", mib(used), mib(limit));
+            match (a.action, a.phase) {
+                (api::BreachAction::Killed, _) if a.killed.is_empty() => format!("{what}; nothing left to kill"),
+                (api::BreachAction::Killed, _) => format!("{what}; killed pid {} (newest first)", join(&a.killed)),
+                (_, Phase::Started) => format!("{what} (pids {}); reported, not killed", join(&a.pids)),
+                (_, Phase::Changed) => format!("{what} (pids {}); still over, reported", join(&a.pids)),
+                (_, Phase::Ended) => {
+                    format!("allocation {who} is back under its limit of {} on {on} ({} held)", mib(limit), mib(used))
+                }
             }
         };
-        let severity = if phase == Phase::Ended { api::Severity::Info } else { api::Severity::Warning };
-        let detail = api::LimitBreach {
-            allocation_id: key.allocations.first().cloned().unwrap_or_default(),
-            pids,
-            used_bytes: used,
-            limit_bytes: limit,
-            action: action as i32,
-            killed_pids: killed,
-            phase: breach_phase(phase) as i32,
-            gpu_index,
-            limit: api::BreachLimit::Memory as i32,
-            ..Default::default()
-        };
-        self.publish_breach(&members, &key.device_uuid, device_id, severity, message, detail);
+        let figures = api::LimitBreach { used_bytes: used, limit_bytes: limit, ..Default::default() };
+        self.publish_acted(allocations, acted, api::BreachLimit::Memory, message, figures);
     }
 
     fn report_unattributed(&self, pid: u32, p: &sample::GpuProcess) {
@@ -662,6 +641,27 @@ impl Enforcer {
 
 /// One GPU's reading: the period it covers (ns) and each pid's SM percent over it.
 type GpuUse = (u64, HashMap<u32, u32>);
+
+/// What a decision on a breach (of memory or SM time) came to: the group and its GPU, the pids
+/// seen, and whether they were killed (those killed) or reported (in which phase).
+struct Acted {
+    key: GroupKey,
+    gpu_index: u32,
+    pids: Vec<u32>,
+    action: api::BreachAction,
+    phase: Phase,
+    killed: Vec<u32>,
+}
+
+impl Acted {
+    fn killed(key: GroupKey, gpu_index: u32, pids: Vec<u32>, killed: Vec<u32>) -> Acted {
+        Acted { key, gpu_index, pids, action: api::BreachAction::Killed, phase: Phase::Started, killed }
+    }
+
+    fn reported(key: GroupKey, gpu_index: u32, pids: Vec<u32>, phase: Phase) -> Acted {
+        Acted { key, gpu_index, pids, action: api::BreachAction::Reported, phase, killed: Vec::new() }
+    }
+}
 
 fn breach_phase(phase: Phase) -> api::BreachPhase {
     match phase {
