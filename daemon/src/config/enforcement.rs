@@ -93,38 +93,35 @@ impl Action {
 
 /// Checks `[enforcement]`; the error names the key.
 pub fn validate(s: &Settings) -> Result<(), ConfigError> {
-    if !(MIN_INTERVAL_MS..=MAX_INTERVAL_MS).contains(&s.interval_ms) {
-        return Err(ConfigError::new(
-            "enforcement.interval_ms",
-            format!(
-                "{} is out of range {MIN_INTERVAL_MS}..={MAX_INTERVAL_MS} (a breach must be seen and ended within 1 s)",
-                s.interval_ms
-            ),
-        ));
+    within(
+        "interval_ms",
+        s.interval_ms,
+        MIN_INTERVAL_MS..=MAX_INTERVAL_MS,
+        "a breach must be seen and ended within 1 s",
+    )?;
+    within("sm_window_ms", s.sm_window_ms, SM_WINDOW_MS, "SM time is judged by its average over this window")?;
+    within(
+        "sm_tolerance_percent",
+        s.sm_tolerance_percent,
+        SM_TOLERANCE_PERCENT,
+        "points over its share an allocation may read",
+    )
+}
+
+/// `value` of `[enforcement]`'s `key` within `range`; else the error, which says why the range is what it is.
+fn within<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    range: std::ops::RangeInclusive<T>,
+    why: &str,
+) -> Result<(), ConfigError> {
+    if range.contains(&value) {
+        return Ok(());
     }
-    if !SM_WINDOW_MS.contains(&s.sm_window_ms) {
-        return Err(ConfigError::new(
-            "enforcement.sm_window_ms",
-            format!(
-                "{} is out of range {}..={} (SM time is judged by its average over this window)",
-                s.sm_window_ms,
-                SM_WINDOW_MS.start(),
-                SM_WINDOW_MS.end()
-            ),
-        ));
-    }
-    if !SM_TOLERANCE_PERCENT.contains(&s.sm_tolerance_percent) {
-        return Err(ConfigError::new(
-            "enforcement.sm_tolerance_percent",
-            format!(
-                "{} is out of range {}..={} (points over its share an allocation may read)",
-                s.sm_tolerance_percent,
-                SM_TOLERANCE_PERCENT.start(),
-                SM_TOLERANCE_PERCENT.end()
-            ),
-        ));
-    }
-    Ok(())
+    Err(ConfigError::new(
+        format!("enforcement.{key}"),
+        format!("{value} is out of range {}..={} ({why})", range.start(), range.end()),
+    ))
 }
 
 #[cfg(test)]

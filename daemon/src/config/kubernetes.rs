@@ -2,11 +2,11 @@
 //! Dynamic Resource Allocation (the DRA driver `gpu.tessera.io`: ResourceSlices, the kubelet's
 //! DRA service), or both on disjoint GPUs — and where the kubelet and the API server are.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::ConfigError;
+use super::{ConfigError, absolute, is_dns_subdomain};
 
 /// `kubernetes.mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -131,22 +131,7 @@ pub fn node_name(cfg: &super::Config) -> Result<String, String> {
 
 /// Whether `name` is a Kubernetes node name (an RFC 1123 DNS subdomain).
 pub fn is_node_name(name: &str) -> bool {
-    let label = |l: &str| {
-        !l.is_empty()
-            && l.len() <= 63
-            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    !name.is_empty() && name.len() <= 253 && name.split('.').all(label)
-}
-
-fn absolute(key: &str, p: &Path) -> Result<(), ConfigError> {
-    if p.is_absolute() {
-        Ok(())
-    } else {
-        Err(ConfigError::new(key, format!("{:?} is not an absolute path", p.display().to_string())))
-    }
+    is_dns_subdomain(name)
 }
 
 #[cfg(test)]

@@ -378,6 +378,28 @@ impl ConfigError {
     }
 }
 
+/// `p` of `key` is absolute; else the error.
+fn absolute(key: &str, p: &Path) -> Result<(), ConfigError> {
+    if p.is_absolute() {
+        Ok(())
+    } else {
+        Err(ConfigError::new(key, format!("{:?} is not an absolute path", p.display().to_string())))
+    }
+}
+
+/// Whether `name` is an RFC 1123 DNS subdomain: at most 253 bytes of dot-separated labels, each
+/// 1 to 63 lowercase letters, digits and '-', not starting or ending with '-'.
+fn is_dns_subdomain(name: &str) -> bool {
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    !name.is_empty() && name.len() <= 253 && name.split('.').all(label)
+}
+
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(p) = &self.path {

@@ -3,9 +3,8 @@
 //! model has them is checked against the discovered model (`partition::layout`).
 
 use std::net::SocketAddr;
-use std::path::Path;
 
-use super::{Config, ConfigError, GpuSelector, PartitionSpec, SharesSpec};
+use super::{Config, ConfigError, GpuSelector, PartitionSpec, SharesSpec, absolute, is_dns_subdomain};
 
 /// Most shares of one device (each needs at least 1% of its SM time).
 pub const MAX_SHARES: u32 = 100;
@@ -135,23 +134,8 @@ pub(crate) fn quote_key(k: &str) -> String {
     }
 }
 
-fn absolute(key: &str, p: &Path) -> Result<(), ConfigError> {
-    if p.is_absolute() {
-        Ok(())
-    } else {
-        Err(ConfigError::new(key, format!("{:?} is not an absolute path", p.display().to_string())))
-    }
-}
-
 fn resource_prefix(prefix: &str) -> Result<(), ConfigError> {
-    let ok_label = |l: &str| {
-        !l.is_empty()
-            && l.len() <= 63
-            && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    if prefix.len() > 253 || !prefix.contains('.') || !prefix.split('.').all(ok_label) {
+    if !prefix.contains('.') || !is_dns_subdomain(prefix) {
         return Err(ConfigError::new(
             "resources.prefix",
             format!("{prefix:?} is not a DNS subdomain such as \"tessera.io\" (lowercase letters, digits, '-', '.')"),
