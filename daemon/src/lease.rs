@@ -92,7 +92,10 @@ pub fn spawn(allocator: Arc<DaemonAllocator>, mut shutdown: watch::Receiver<bool
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
+    use crate::state::mount::TestDir;
     use crate::state::record::tests::sample;
     use crate::state::{Claim, ContainerIdentity, Lease};
     use tessera_region::owner::{Owner, record_deleted};
@@ -104,13 +107,20 @@ mod tests {
         a
     }
 
+    /// An allocation `id` leased to container c1, created in allocation directories under `tmp`:
+    /// the directories, the allocation, its directory.
+    fn leased_to_c1(tmp: &TestDir, id: &str) -> (AllocDirs, Allocation, PathBuf) {
+        let dirs = AllocDirs::new(tmp.path());
+        let a = leased(id, Some("c1"));
+        let dir = dirs.create(&a).unwrap();
+        (dirs, a, dir)
+    }
+
     #[test]
     fn a_lease_ends_with_its_container_only() {
-        let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
+        let tmp = TestDir::new();
+        let (dirs, a, dir) = leased_to_c1(&tmp, "l1");
         let now = SystemTime::now();
-        let a = leased("l1", Some("c1"));
-        let dir = dirs.create(&a).unwrap();
         assert_eq!(ended(&a, &dirs, now), None, "bound, running");
         // Another container's deletion does not end it.
         record_deleted(&dir, "c2").unwrap();
@@ -126,10 +136,8 @@ mod tests {
 
     #[test]
     fn a_vanished_runtime_state_ends_it_after_the_grace() {
-        let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
-        let a = leased("l2", Some("c1"));
-        let dir = dirs.create(&a).unwrap();
+        let tmp = TestDir::new();
+        let (dirs, a, dir) = leased_to_c1(&tmp, "l2");
         let state = tmp.path().join("runc/c1");
         std::fs::create_dir_all(&state).unwrap();
         let owner = Owner {
@@ -150,10 +158,8 @@ mod tests {
     /// state directory until deleted).
     #[test]
     fn a_vanished_cgroup_ends_it_when_no_state_directory_is_known() {
-        let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
-        let a = leased("l3", Some("c1"));
-        let dir = dirs.create(&a).unwrap();
+        let tmp = TestDir::new();
+        let (dirs, a, dir) = leased_to_c1(&tmp, "l3");
         let cgroup = tmp.path().join("cgroup/c1");
         let state = tmp.path().join("runc/c1");
         std::fs::create_dir_all(&cgroup).unwrap();
