@@ -274,12 +274,7 @@ mod tests {
         std::fs::write(lib.join("libcuda.so.1"), "fake").unwrap();
         let run = tmp.path().join("elsewhere/run");
         std::fs::create_dir_all(&run).unwrap();
-        let cfg = Injection {
-            cdi_spec_dir: tmp.path().join("cdi"),
-            driver_root: seen.clone(),
-            host_driver_root: PathBuf::from("/run/nvidia/driver"),
-            ..Injection::default()
-        };
+        let cfg = host_root_at_run_nvidia(tmp.path(), &seen);
         let w = CdiWriter::new(&cfg, &run, &tmp.path().join("state")).unwrap().expect("a writer");
         assert_eq!(w.base.hook_config, run.join("hook.toml"));
         assert_eq!(w.base.driver.root, Path::new("/run/nvidia/driver"));
@@ -320,6 +315,27 @@ mod tests {
         assert!(w.base.driver_dir.as_ref().is_some_and(|d| d.starts_with(tmp.path().join("state/driver"))));
     }
 
+    /// A temporary directory with a driver root as the daemon sees it (`driver-root`, made by
+    /// [`fake_driver_root`]): the directory, the driver root, and where the state directory goes.
+    fn with_driver_root() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let seen = tmp.path().join("driver-root");
+        fake_driver_root(&seen);
+        let state = tmp.path().join("state");
+        (tmp, seen, state)
+    }
+
+    /// Specs in `tmp/cdi` for a daemon that sees the driver root at `seen` while the host has it
+    /// at /run/nvidia/driver (as under the GPU operator).
+    fn host_root_at_run_nvidia(tmp: &Path, seen: &Path) -> Injection {
+        Injection {
+            cdi_spec_dir: tmp.join("cdi"),
+            driver_root: seen.to_path_buf(),
+            host_driver_root: PathBuf::from("/run/nvidia/driver"),
+            ..Injection::default()
+        }
+    }
+
     /// A driver root as the daemon sees it: a library with its soname link, and a tool.
     fn fake_driver_root(root: &Path) {
         let lib = root.join("usr/lib/x86_64-linux-gnu");
@@ -353,16 +369,8 @@ mod tests {
 
     #[test]
     fn the_driver_directory_is_prepared_under_the_state_dir_from_the_daemons_view() {
-        let tmp = tempfile::tempdir().unwrap();
-        let seen = tmp.path().join("driver-root");
-        fake_driver_root(&seen);
-        let state = tmp.path().join("state");
-        let cfg = Injection {
-            cdi_spec_dir: tmp.path().join("cdi"),
-            driver_root: seen.clone(),
-            host_driver_root: PathBuf::from("/run/nvidia/driver"),
-            ..Injection::default()
-        };
+        let (tmp, seen, state) = with_driver_root();
+        let cfg = host_root_at_run_nvidia(tmp.path(), &seen);
         let w = CdiWriter::new(&cfg, tmp.path(), &state).unwrap().expect("a writer");
         let parent = state.join("driver");
         let keys: Vec<_> = std::fs::read_dir(&parent).unwrap().map(|e| e.unwrap().file_name()).collect();
@@ -382,10 +390,7 @@ mod tests {
 
     #[test]
     fn a_damaged_driver_directory_is_warned_with_both_paths_and_rebuilt() {
-        let tmp = tempfile::tempdir().unwrap();
-        let seen = tmp.path().join("driver-root");
-        fake_driver_root(&seen);
-        let state = tmp.path().join("state");
+        let (tmp, seen, state) = with_driver_root();
         let cfg = Injection { driver_root: seen, ..Injection::default() };
         let dir = base(&cfg, tmp.path(), &state).driver_dir.expect("a driver directory");
         std::fs::remove_file(dir.join("usr/bin/nvidia-smi")).unwrap();
@@ -406,10 +411,7 @@ mod tests {
 
     #[test]
     fn driver_dir_off_or_no_driver_files_keeps_one_mount_per_file() {
-        let tmp = tempfile::tempdir().unwrap();
-        let seen = tmp.path().join("driver-root");
-        fake_driver_root(&seen);
-        let state = tmp.path().join("state");
+        let (tmp, seen, state) = with_driver_root();
         let off = Injection { driver_root: seen.clone(), driver_dir: false, ..Injection::default() };
         let b = base(&off, tmp.path(), &state);
         assert_eq!(b.driver_dir, None);
@@ -454,10 +456,7 @@ mod tests {
 
     #[test]
     fn a_state_dir_that_cannot_hold_it_gives_per_file_mounts_and_specs_are_still_written() {
-        let tmp = tempfile::tempdir().unwrap();
-        let seen = tmp.path().join("driver-root");
-        fake_driver_root(&seen);
-        let state = tmp.path().join("state");
+        let (tmp, seen, state) = with_driver_root();
         std::fs::create_dir_all(&state).unwrap();
         std::fs::write(state.join("driver"), "a file where the directory goes").unwrap();
         let cfg = Injection { cdi_spec_dir: tmp.path().join("cdi"), driver_root: seen, ..Injection::default() };
