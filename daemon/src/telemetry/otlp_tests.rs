@@ -252,33 +252,51 @@ fn mig_instance_and_sole_holder_attributes() {
     assert_eq!((xid.len(), xid[0].0["gpu.uuid"].as_str(), xid[0].1), (1, "GPU-a", 0.0));
 }
 
+/// Event number `sequence` of `kind` on `device_id` (a device of GPU-1), held by allocation a1.
+fn held_by_a1(
+    sequence: u64,
+    kind: EventKind,
+    severity: Severity,
+    device_id: &str,
+    device_kind: DeviceKind,
+    message: &str,
+    detail: event::Detail,
+) -> Event {
+    Event {
+        sequence,
+        kind: kind as i32,
+        severity: severity as i32,
+        device_id: device_id.into(),
+        device_uuid: "GPU-1".into(),
+        device_kind: device_kind as i32,
+        affected: vec![Holder { allocation_id: "a1".into(), container: None }],
+        message: message.into(),
+        detail: Some(detail),
+        ..Default::default()
+    }
+}
+
+/// An event's log attributes by key.
+fn attribute_map(e: &Event) -> std::collections::HashMap<String, AnyValue> {
+    attributes(e).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect()
+}
+
 #[test]
 fn limit_breach_attributes() {
-    let e = Event {
-        sequence: 9,
-        kind: EventKind::LimitBreach as i32,
-        severity: Severity::Warning as i32,
-        device_id: "GPU-1::0".into(),
-        device_uuid: "GPU-1".into(),
-        device_kind: DeviceKind::Share as i32,
-        affected: vec![Holder { allocation_id: "a1".into(), container: None }],
-        message: "over".into(),
-        detail: Some(event::Detail::LimitBreach(tessera_proto::tessera::v1::LimitBreach {
-            allocation_id: "a1".into(),
-            pids: vec![10, 11],
-            used_bytes: 3 << 30,
-            limit_bytes: 1 << 30,
-            action: BreachAction::Killed as i32,
-            killed_pids: vec![11],
-            phase: BreachPhase::Started as i32,
-            gpu_index: 1,
-            limit: BreachLimit::Memory as i32,
-            ..Default::default()
-        })),
+    let breach = event::Detail::LimitBreach(tessera_proto::tessera::v1::LimitBreach {
+        allocation_id: "a1".into(),
+        pids: vec![10, 11],
+        used_bytes: 3 << 30,
+        limit_bytes: 1 << 30,
+        action: BreachAction::Killed as i32,
+        killed_pids: vec![11],
+        phase: BreachPhase::Started as i32,
+        gpu_index: 1,
+        limit: BreachLimit::Memory as i32,
         ..Default::default()
-    };
-    let a: std::collections::HashMap<String, AnyValue> =
-        attributes(&e).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+    });
+    let e = held_by_a1(9, EventKind::LimitBreach, Severity::Warning, "GPU-1::0", DeviceKind::Share, "over", breach);
+    let a = attribute_map(&e);
     assert_eq!(a["event.kind"], AnyValue::from("LIMIT_BREACH".to_string()));
     assert_eq!(a["tessera.breach.limit"], AnyValue::from("memory".to_string()));
     assert_eq!(a["tessera.enforcement.action"], AnyValue::from("KILLED".to_string()));
@@ -300,8 +318,7 @@ fn limit_breach_attributes() {
         })),
         ..e
     };
-    let a: std::collections::HashMap<String, AnyValue> =
-        attributes(&sm).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+    let a = attribute_map(&sm);
     assert_eq!(a["tessera.breach.limit"], AnyValue::from("sm".to_string()));
     assert_eq!(
         (&a["tessera.sm.used_percent"], &a["tessera.sm.limit_percent"], &a["tessera.sm.window_ms"]),
@@ -312,20 +329,9 @@ fn limit_breach_attributes() {
 
 #[test]
 fn fault_attributes() {
-    let e = Event {
-        sequence: 7,
-        kind: EventKind::Fault as i32,
-        severity: Severity::Critical as i32,
-        device_id: "GPU-1".into(),
-        device_uuid: "GPU-1".into(),
-        device_kind: DeviceKind::Gpu as i32,
-        affected: vec![Holder { allocation_id: "a1".into(), container: None }],
-        message: "XID 48".into(),
-        detail: Some(event::Detail::Fault(Fault { kind: FaultKind::Xid as i32, xid: Some(48), ..Default::default() })),
-        ..Default::default()
-    };
-    let a: std::collections::HashMap<String, AnyValue> =
-        attributes(&e).into_iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+    let xid = event::Detail::Fault(Fault { kind: FaultKind::Xid as i32, xid: Some(48), ..Default::default() });
+    let e = held_by_a1(7, EventKind::Fault, Severity::Critical, "GPU-1", DeviceKind::Gpu, "XID 48", xid);
+    let a = attribute_map(&e);
     assert_eq!(a["event.kind"], AnyValue::from("FAULT".to_string()));
     assert_eq!(a["event.sequence"], AnyValue::Int(7));
     assert_eq!(a["device.kind"], AnyValue::from("GPU".to_string()));
