@@ -3,6 +3,7 @@
 //! (REST + watch, conflicts, restarts) that kube-rs talks to unchanged.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -103,21 +104,12 @@ async fn kubelet_registers_the_driver_and_prepares_claims_per_claim_in_v1_and_v1
 
     // v1beta1 (older kubelets): the same answers through the other package.
     let mut beta = v1beta1_client(&r.endpoint).await;
-    let answer = beta
-        .node_prepare_resources(v1beta1::NodePrepareResourcesRequest {
-            claims: vec![v1beta1::Claim { namespace: "ml".into(), uid: "uid-ok".into(), name: "ok-train".into() }],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let ok = v1beta1::Claim { namespace: "ml".into(), uid: "uid-ok".into(), name: "ok-train".into() };
+    let prepared = beta.node_prepare_resources(v1beta1::NodePrepareResourcesRequest { claims: vec![ok.clone()] });
+    let answer = prepared.await.unwrap().into_inner();
     assert_eq!(answer.claims["uid-ok"].devices[0].cdi_device_ids, ["tessera.io/gpu=GPU-0"]);
-    let answer = beta
-        .node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest {
-            claims: vec![v1beta1::Claim { namespace: "ml".into(), uid: "uid-ok".into(), name: "ok-train".into() }],
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let unprepared = beta.node_unprepare_resources(v1beta1::NodeUnprepareResourcesRequest { claims: vec![ok] });
+    let answer = unprepared.await.unwrap().into_inner();
     assert_eq!(answer.claims["uid-ok"].error, "");
     assert_eq!(driver.prepared.lock().unwrap()["uid-ok"], 2);
     assert_eq!(driver.unprepared.lock().unwrap()["uid-ok"], 1);
@@ -157,6 +149,15 @@ fn gpu(index: u32, kind: DraKind) -> DraDevice {
     }
 }
 
+/// The test API server answering as Kubernetes `version` (major, minor, patch), and a client of it
+/// through a kubeconfig in `dir`.
+async fn api_server_at(dir: &Path, (major, minor, patch): (u32, u32, u32)) -> (ApiServer, kube::Client) {
+    let api = ApiServer::start().await;
+    api.set_version(major, minor, patch);
+    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir))).await.unwrap();
+    (api, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_are_read_through_kube_rs_from_the_api_server() {
     let dir = tempfile::tempdir().unwrap();
@@ -183,11 +184,9 @@ async fn claims_are_read_through_kube_rs_from_the_api_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conflicts_and_restarts() {
     let dir = tempfile::tempdir().unwrap();
-    let mut api = ApiServer::start().await;
     // 1.35: one slice of every device (1.34's layout, shared devices alone, is tested below),
     // and unhealthy devices leave it (taints from 1.36).
-    api.set_version(1, 35, 4);
-    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let (mut api, client) = api_server_at(dir.path(), (1, 35, 4)).await;
     let node = "node-a";
     // A slice left by an earlier layout of this node, and another node's: only ours goes.
     for (name, n) in [("node-a-old", node), ("node-b-gpu.tessera.io", "node-b")] {
@@ -268,9 +267,7 @@ async fn the_slice_is_created_updated_on_change_cleaned_and_retried_through_conf
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_publisher_puts_back_a_slice_someone_deletes_or_edits_without_polling() {
     let dir = tempfile::tempdir().unwrap();
-    let api = ApiServer::start().await;
-    api.set_version(1, 35, 4);
-    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let (api, client) = api_server_at(dir.path(), (1, 35, 4)).await;
     let node = "node-a";
     let devices = vec![gpu(0, DraKind::Gpu), gpu(0, DraKind::Shared)];
     let (_dev_tx, dev_rx) = watch::channel(devices.clone());
@@ -359,9 +356,7 @@ fn pool_of(api: &ApiServer) -> BTreeMap<String, (usize, usize)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placements_are_laid_out_by_the_api_servers_version_and_follow_an_upgrade() {
     let dir = tempfile::tempdir().unwrap();
-    let mut api = ApiServer::start().await;
-    api.set_version(1, 34, 2);
-    let client = tessera_daemon::kube_client::connect(Some(&api.kubeconfig(dir.path()))).await.unwrap();
+    let (mut api, client) = api_server_at(dir.path(), (1, 34, 2)).await;
     let devices = vec![
         gpu(0, DraKind::Gpu),
         gpu(0, DraKind::Shared),
