@@ -2,7 +2,8 @@
 //! process under libtessera.so, in a carved share, is parked (NVML shows its memory freed, the
 //! allocation lists as parked), its resume is refused while the GPU is full and says how much it
 //! needs, then it resumes and runs on (its data across a park: daemon/tests/park.rs). Bad input: an unknown id, an
-//! allocation with no process, a resume of a running one, a second park of a parked one.
+//! allocation with no process, a resume of a running one, a second park of a parked one, a share
+//! whose program exports memory by CUDA IPC, a lock timeout the CLI cannot read.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Stdio};
@@ -733,4 +734,38 @@ async fn a_park_waits_for_gpu_work_as_long_as_its_lock_timeout_says() {
     assert!(err.contains("lock timeout: 300ms"), "the timeout asked for reached the driver: {err}");
     assert_eq!(state(dir, &busy), ("running".to_owned(), String::new()));
     assert!(running.alive(), "the busy program runs on");
+}
+
+/// Bad input: a share whose program exports its memory by CUDA IPC cannot be parked, since such
+/// memory cannot cross a checkpoint. Through the node API and the CLI alike the park is refused
+/// saying so, and nothing moves: the allocation runs, its memory stays on the GPU, no event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_with_memory_shared_by_cuda_ipc_is_not_parked() {
+    let node = SimNode::with_description("[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n");
+    let (tesserad, mut api) = Tesserad::start(&node, "").await;
+    let dir = tesserad.dir();
+    let m = Node::open(None, Some(&node.state)).expect("the simulated node");
+    let (id, env) = alloc(dir, &["--memory", "2GiB", "--sm", "20"]);
+    let exporter = workload(&node, &env, &["--alloc-mib", "256", "--ipc-export", "--hold", "3600"]);
+    let held = used(&m);
+    assert!(held >= 256 * MIB, "{held}");
+
+    let refused = |message: &str| {
+        for want in ["CUDA_ERROR_NOT_SUPPORTED", "IPC or peer mappings", "cannot cross a checkpoint"] {
+            assert!(message.contains(want), "{want:?} in {message}");
+        }
+    };
+    let e = api.park(api::ParkRequest { allocation_id: id.clone(), ..Default::default() }).await;
+    let e = e.expect_err("memory exported by IPC");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    refused(e.message());
+    let out = tessera(dir, &["park", &id]);
+    assert!(!out.status.success());
+    refused(&String::from_utf8_lossy(&out.stderr));
+
+    assert_eq!(state(dir, &id), ("running".to_owned(), String::new()));
+    assert_eq!(used(&m), held, "nothing moved off the GPU");
+    assert!(park_events(dir).is_empty());
+    assert!(!dir.join("state/park").join(&id).exists(), "no journal entry left");
+    assert!(exporter.alive(), "the program runs on");
 }

@@ -22,6 +22,7 @@ const LINKED: &[&str] = &[
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemsetD8_v2",
+    "cuIpcGetMemHandle",
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuModuleUnload",

@@ -35,6 +35,12 @@ pub struct KernelNodeParams {
     pub ctx: Handle,
 }
 
+/// `CUipcMemHandle` (cuda.h): 64 opaque bytes another process opens.
+#[repr(C)]
+pub struct IpcMemHandle {
+    pub reserved: [u8; 64],
+}
+
 /// Calls `$m!` with every function: field, name to ask cuGetProcAddress for, exported symbol,
 /// parameter types. One list serves the dlsym table, the cuGetProcAddress table and the direct
 /// link in `tessera-workload-linked`.
@@ -58,6 +64,7 @@ macro_rules! for_each_driver_fn {
             memcpy_htod: "cuMemcpyHtoD" => cuMemcpyHtoD_v2(u64, *const ::std::ffi::c_void, usize);
             memcpy_dtoh: "cuMemcpyDtoH" => cuMemcpyDtoH_v2(*mut ::std::ffi::c_void, u64, usize);
             memset_d8: "cuMemsetD8" => cuMemsetD8_v2(u64, u8, usize);
+            ipc_get_mem_handle: "cuIpcGetMemHandle" => cuIpcGetMemHandle(*mut $crate::api::IpcMemHandle, u64);
             module_load_data: "cuModuleLoadData" => cuModuleLoadData(*mut *mut ::std::ffi::c_void, *const ::std::ffi::c_void);
             module_get_function: "cuModuleGetFunction" => cuModuleGetFunction(*mut *mut ::std::ffi::c_void, *mut ::std::ffi::c_void, *const ::std::ffi::c_char);
             module_unload: "cuModuleUnload" => cuModuleUnload(*mut ::std::ffi::c_void);

@@ -67,6 +67,10 @@ pub struct Plan {
     /// After the work, hold the memory this many seconds (for tests that look or kill).
     #[arg(long, default_value_t = 0.0)]
     pub hold: f64,
+    /// Export the first allocation for other processes (cuIpcGetMemHandle), as a program that
+    /// shares its memory by CUDA IPC does: such memory cannot cross a checkpoint.
+    #[arg(long)]
+    pub ipc_export: bool,
 }
 
 /// Which stream kernels are launched on.
@@ -108,6 +112,8 @@ pub struct Report {
     /// With `--verify` and `--hold`: bytes read back again after the hold, equal to the pattern
     /// (a program parked and resumed while it held them keeps its data).
     pub verified_after_hold_bytes: u64,
+    /// With `--ipc-export`: the bytes of the allocation exported.
+    pub ipc_exported_bytes: u64,
     pub kernels: u64,
     pub kernel_us: u64,
     /// Kernel time the GPU spent for us: kernels x duration.
@@ -212,6 +218,13 @@ fn work(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
             }
         }
 
+        if plan.ipc_export
+            && let Some(&(p, n)) = ptrs.first()
+        {
+            let mut handle = api::IpcMemHandle { reserved: [0; 64] };
+            cu.check("cuIpcGetMemHandle", (cu.ipc_get_mem_handle)(&mut handle, p))?;
+            r.ipc_exported_bytes = n;
+        }
         if plan.seconds > 0.0 || plan.kernels > 0 {
             launch_loop(cu, plan, r)?;
         }
