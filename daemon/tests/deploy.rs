@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use tessera_daemon::config::Config;
 use tessera_daemon::config::kubernetes::Mode;
@@ -319,6 +319,42 @@ fn helm_chart_renders_each_mode_as_the_overlays_do() {
     }
 }
 
+/// The guard against what crashes kube-scheduler 1.34 (a request for more than one shared
+/// device; docs/kubernetes.md): the overlay `dra-k8s-1.34` is the DRA overlay and the policy
+/// with its binding, validated strictly; the chart renders the same policy and binding in modes
+/// dra and both on a cluster before 1.35 only (`shareCountGuard.create: auto`), always with
+/// `true`, never with `false`, and refuses any other value by name. The real API server enforcing
+/// it: tests/flows/kube_cluster.rs, on 1.34.
+#[test]
+fn the_1_34_share_guard_is_one_policy_in_the_overlay_and_the_chart() {
+    let (Some(helm), Some(kubectl), Some(validator)) = (helm(), kubectl(), validator()) else { return };
+    let overlay = "overlays/dra-k8s-1.34";
+    let docs = check_daemon_manifests(overlay, &validator, &render(&kubectl, overlay), true, Mode::Dra);
+    let name = "tessera-one-share-per-request";
+    let policy = find(&docs, "ValidatingAdmissionPolicy", name);
+    let binding = find(&docs, "ValidatingAdmissionPolicyBinding", name);
+    assert_eq!(binding["spec"], json!({"policyName": name, "validationActions": ["Deny"]}));
+    assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+    let guards = |args: &[&str]| -> Vec<Value> {
+        let yaml = helm_template(&helm, args).unwrap_or_else(|e| panic!("helm {args:?}: {e}"));
+        documents(&validator, &yaml).into_iter().filter(|d| d["metadata"]["name"] == name).collect()
+    };
+    for mode in ["dra", "both"] {
+        let set = format!("mode={mode}");
+        let got = guards(&["--set", &set, "--kube-version", "1.34.4"]);
+        assert_eq!(got.len(), 2, "mode {mode} on 1.34: the policy and its binding");
+        let chart = |kind: &str| got.iter().find(|d| d["kind"] == kind).expect(kind)["spec"].clone();
+        assert_eq!(chart("ValidatingAdmissionPolicy"), policy["spec"], "the chart's policy is the overlay's");
+        assert_eq!(chart("ValidatingAdmissionPolicyBinding"), binding["spec"]);
+        assert!(guards(&["--set", &set, "--kube-version", "1.35.0"]).is_empty(), "mode {mode}: not from 1.35");
+        assert_eq!(guards(&["--set", &set, "--set", "shareCountGuard.create=true", "--kube-version", "1.37.2"]).len(), 2);
+        assert!(guards(&["--set", &set, "--set", "shareCountGuard.create=false", "--kube-version", "1.34.4"]).is_empty());
+    }
+    assert!(guards(&["--set", "mode=device-plugin", "--kube-version", "1.34.4"]).is_empty(), "no DRA: no guard");
+    let e = helm_template(&helm, &["--set", "mode=dra", "--set", "shareCountGuard.create=maybe"]).expect_err("maybe");
+    assert!(e.contains("shareCountGuard") && e.contains("auto"), "{e}");
+}
+
 /// Values a user sets reach the configuration and the mounts: another driver root and kubelet
 /// root, whole numbers (Helm reads YAML numbers as floats: written `500.0`, tesserad refuses
 /// them), MIG profiles (keys with dots), strings with quotes; metrics off. Bad values are refused
@@ -584,7 +620,7 @@ fn dra_classes_and_example_claims_validate_and_fit_together() {
     assert_eq!(named.len(), 4, "every class has an example: {named:?}");
     let share = find(&docs, "ResourceClaimTemplate", "share-8gi-30pct-h100");
     let request = &share["spec"]["spec"]["devices"]["requests"][0]["exactly"];
-    assert_eq!(request["capacity"]["requests"], serde_json::json!({"memory": "8Gi", "sm": "30"}));
+    assert_eq!(request["capacity"]["requests"], json!({"memory": "8Gi", "sm": "30"}));
     // Two pods on one claim.
     let users = docs
         .iter()
@@ -733,7 +769,7 @@ fn node_label_patch_validates_against_the_1_34_and_1_37_schemas() {
         assert!(ok, "{said}\n{node:#}");
     }
     let mut bad = node.clone();
-    bad["metadata"]["labelz"] = serde_json::json!({});
+    bad["metadata"]["labelz"] = json!({});
     for (ok, said) in validate_both(&validator, &bad) {
         assert!(!ok, "a field the schema lacks was accepted: {said}");
     }

@@ -1156,3 +1156,91 @@ fn a_dynamic_mig_profile_is_made_at_prepare_and_destroyed_at_unprepare() {
     });
     drop(t);
 }
+
+/// Two shares in one claim, one of each GPU. From 1.35 a request for two shared devices gets
+/// them. kube-scheduler 1.34 crashes on that request (it checks a request's capacity against
+/// the slice's device at the request's own device index, past the one device of the 1.34 layout's
+/// shared slices; seen here: "index out of range [1] with length 1" in
+/// `CmpRequestOverCapacity`), so on 1.34 the guard of `deploy/kubernetes/overlays/dra-k8s-1.34`
+/// refuses it when it is made, naming the way that works: a request per share. Either way the
+/// container sees both GPUs, each limited to its share.
+#[test]
+fn two_shares_in_one_claim_run_and_1_34_refuses_what_crashes_its_scheduler() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let t = Tesserad::start(&kube, H100X2, &dra_config(&kube));
+    let extra = || t.log();
+    let (pods, claims) = (["dra-two-shares"], ["two-shares"]);
+    kube.clean(&pods, &claims, &extra);
+    kube.apply_dra_classes();
+    let field = format!("spec.nodeName={}", kube.node());
+    kube.wait("tesserad's ResourceSlices", &extra, || {
+        let slices = kube.get(&["resourceslices", "--field-selector", &field])?;
+        let devices: usize = slices["items"]
+            .as_array()?
+            .iter()
+            .filter(|s| s["spec"]["driver"] == "gpu.tessera.io")
+            .map(|s| s["spec"]["devices"].as_array().map_or(0, Vec::len))
+            .sum();
+        (devices == 4).then_some(())
+    });
+
+    let mut two = claim("two-shares", "gpu-share.tessera.io", json!({"memory": "8Gi", "sm": "30"}), "");
+    let one = two["spec"]["devices"]["requests"][0]["exactly"].clone();
+    two["spec"]["devices"]["requests"][0]["exactly"]["count"] = json!(2);
+    let guard = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy/kubernetes/overlays/dra-k8s-1.34/share-count-guard.yaml")
+        .display()
+        .to_string();
+    let v1_34 = kube.var("KUBE_VERSION").starts_with("v1.34.");
+    if v1_34 {
+        kube.ok(&["apply", "-f", &guard], None);
+        // The policy is enforced once the API server has loaded it.
+        let refused = kube.wait("the guard refusing two shares in one request", &extra, || {
+            let out = kube.kubectl(&["create", "--dry-run=server", "-f", "-"], Some(&two.to_string()));
+            let said = String::from_utf8_lossy(&out.stderr).into_owned();
+            (!out.status.success()).then_some(said)
+        });
+        assert!(refused.contains("crashes kube-scheduler 1.34") && refused.contains("one share per request"), "{refused}");
+        let mut all = two.clone();
+        all["spec"]["devices"]["requests"][0]["exactly"]["allocationMode"] = json!("All");
+        all["spec"]["devices"]["requests"][0]["exactly"].as_object_mut().expect("exactly").remove("count");
+        let out = kube.kubectl(&["create", "--dry-run=server", "-f", "-"], Some(&all.to_string()));
+        assert!(!out.status.success(), "allocationMode All: {}", String::from_utf8_lossy(&out.stdout));
+        // What works on 1.34: a request per share (each naming its GPU: two requests may also be
+        // given two shares of one GPU, which the container then holds as one of their sum).
+        let on = |index: u32| {
+            let mut exactly = one.clone();
+            exactly["selectors"] =
+                json!([{"cel": {"expression": format!(r#"device.attributes["gpu.tessera.io"].index == {index}"#)}}]);
+            exactly
+        };
+        two["spec"]["devices"]["requests"] = json!([{"name": "gpu", "exactly": on(0)}, {"name": "gpu-b", "exactly": on(1)}]);
+    }
+    kube.apply(&two);
+    kube.apply(&pod(&kube, &t, "dra-two-shares", TOTAL_ONLY, json!({}), uses("two-shares")));
+    let logs = kube.done("dra-two-shares", &extra);
+    let nodes: Vec<&str> = logs.lines().filter(|l| l.starts_with("node ")).collect();
+    assert_eq!(nodes, ["node /dev/nvidia0", "node /dev/nvidia1", "node /dev/nvidiactl"], "{logs}");
+    assert_eq!(logs.matches("memory_limit = 8589934592").count(), 2, "both shares' limits: {logs}");
+    let (total, _) = section(&logs, "TOTAL");
+    assert_eq!(total["mem_total"].as_u64(), Some(8 << 30), "its share of GPU 0 as the total: {logs}");
+    let c = kube.get(&["resourceclaim", "two-shares"]).expect("the claim");
+    let mut devices: Vec<&str> = c["status"]["allocation"]["devices"]["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| {
+            assert_eq!(r["consumedCapacity"], json!({"memory": "8Gi", "sm": "30"}), "{c:#}");
+            r["device"].as_str().expect("device")
+        })
+        .collect();
+    devices.sort();
+    assert_eq!(devices, ["gpu-0-shared", "gpu-1-shared"], "{c:#}");
+
+    kube.clean(&pods, &claims, &extra);
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+    if v1_34 {
+        kube.ok(&["delete", "-f", &guard], None);
+    }
+}
