@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use tessera_sim_testkit::{SimNode, binary, sim_library};
+use tessera_sim_testkit::{SimNode, binary};
 
 use crate::kubelet::Daemon;
 
@@ -192,18 +192,7 @@ pub fn sim_host(kube: &Kube, dir: &Path) -> String {
     for (name, minor) in [("nvidia0", 0), ("nvidia1", 1), ("nvidiactl", 255)] {
         crate::mknod(&dev.join(name), 195, minor);
     }
-    let lib = dir.join("driver/usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib).expect("driver root");
-    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
-        std::fs::copy(sim_library(), lib.join(name)).expect("the simulated driver");
-    }
-    format!(
-        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\nhook_path = {:?}\n",
-        kube.var("KUBE_CDI_SPEC_DIR"),
-        dir.join("driver"),
-        crate::shim(),
-        binary("tessera-hook"),
-    )
+    crate::sim_driver_injection(dir, Path::new(kube.var("KUBE_CDI_SPEC_DIR")))
 }
 
 /// The last lines of tesserad's log at `path`.

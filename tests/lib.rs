@@ -115,6 +115,24 @@ pub fn ok(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A driver root at `dir/driver` whose libcuda.so.1 and libnvidia-ml.so.1 are the simulated
+/// driver, and tesserad's `[injection]` for it: CDI specs in `cdi_spec_dir`, the device nodes in
+/// `dir/dev`, the built shim and hook.
+pub fn sim_driver_injection(dir: &Path, cdi_spec_dir: &Path) -> String {
+    let lib = dir.join("driver/usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib).expect("driver root");
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        std::fs::copy(tessera_sim_testkit::sim_library(), lib.join(name)).expect("the simulated driver");
+    }
+    format!(
+        "[injection]\ncdi_spec_dir = {cdi_spec_dir:?}\ndriver_root = {:?}\ndev_root = {:?}\nshim_path = {:?}\nhook_path = {:?}\n",
+        dir.join("driver"),
+        dir.join("dev"),
+        shim(),
+        tessera_sim_testkit::binary("tessera-hook"),
+    )
+}
+
 /// A host's GPU files under a test directory, as the daemon and the runtime see them: device
 /// nodes in `dev`, the driver's library under `driver`, a stand-in `libtessera.so`.
 pub struct FakeHost {
@@ -169,6 +187,24 @@ impl FakeHost {
         .expect("hook config");
         path
     }
+}
+
+/// Runs the OCI `bundle` as container `id` through `runtime` (runc, or a wrapper that takes
+/// runc's arguments), its state under `root`, waiting at most `limit`: its exit status, and its
+/// stdout followed by its stderr.
+pub async fn run_bundle(
+    mut runtime: tokio::process::Command,
+    root: &Path,
+    bundle: &Path,
+    id: &str,
+    limit: std::time::Duration,
+) -> (std::process::ExitStatus, String) {
+    let run = runtime.arg("--root").arg(root).args(["run", "--bundle"]).arg(bundle).arg(id);
+    let out = tokio::time::timeout(limit, run.stdin(std::process::Stdio::null()).output())
+        .await
+        .expect("the container in time")
+        .expect("the runtime runs");
+    (out.status, format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 /// An OCI bundle at `bundle` (from `runc spec`) whose container runs `script` in `rootfs` with

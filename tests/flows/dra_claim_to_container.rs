@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use tessera_proto::dra::v1;
 use tessera_proto::tessera::v1 as api;
 use tessera_sim_testkit::{SimNode, binary, sim_library};
+use tessera_tests::kube::section;
 use tessera_tests::kubelet::apiserver::ApiServer;
 use tessera_tests::kubelet::dra_kubelet::{claim, register, v1_client};
 use tessera_tests::kubelet::{node_api, spawn};
@@ -46,18 +47,7 @@ fn fake_host(dir: &Path) -> String {
             std::os::unix::fs::symlink("/dev/null", &path).expect("symlink");
         }
     }
-    let lib = dir.join("driver/usr/lib/x86_64-linux-gnu");
-    std::fs::create_dir_all(&lib).expect("driver root");
-    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
-        std::fs::copy(sim_library(), lib.join(name)).expect("the simulated driver");
-    }
-    format!(
-        "[injection]\ncdi_spec_dir = {:?}\ndriver_root = {:?}\ndev_root = {dev:?}\nshim_path = {:?}\nhook_path = {:?}\n",
-        dir.join("cdi"),
-        dir.join("driver"),
-        tessera_tests::shim(),
-        binary("tessera-hook"),
-    )
+    tessera_tests::sim_driver_injection(dir, &dir.join("cdi"))
 }
 
 /// The scheduler's allocation of `memory` and `sm` of GPU 0's shareable device, with the opaque
@@ -399,18 +389,6 @@ fn apply_cdi(config: &Path, spec: &Value, name: &str) {
     std::fs::write(config, serde_json::to_vec_pretty(&oci).expect("json")).expect("write config.json");
 }
 
-/// The JSON line the container printed between `BEGIN-<tag>` and `END-<tag> <status>`, and that
-/// status.
-fn section(text: &str, tag: &str) -> (Value, String) {
-    let start = text.find(&format!("BEGIN-{tag}\n")).unwrap_or_else(|| panic!("no {tag} in:\n{text}"));
-    let rest = &text[start..];
-    let end = rest.find(&format!("END-{tag} ")).unwrap_or_else(|| panic!("no end of {tag} in:\n{text}"));
-    let status = rest[end..].lines().next().unwrap_or_default().split(' ').nth(1).unwrap_or_default().to_owned();
-    let json =
-        rest[..end].lines().rfind(|l| l.starts_with('{')).unwrap_or_else(|| panic!("no report for {tag}:\n{text}"));
-    (serde_json::from_str(json).expect("a report"), status)
-}
-
 const CONTAINER_SCRIPT: &str = r#"
 echo "limits-writable $( (echo x >> /run/tessera/alloc/limits) 2>/dev/null && echo yes || echo no)"
 echo "region-writable $(test -w /run/tessera/alloc/region && echo yes || echo no)"
@@ -470,22 +448,10 @@ async fn a_claim_reaches_a_runc_container_through_its_cdi_spec() {
         "source": sim_root, "options": ["rbind", "rw"]}));
     std::fs::write(&config, serde_json::to_vec_pretty(&oci).expect("json")).expect("write");
 
-    let out = tokio::time::timeout(
-        std::time::Duration::from_secs(120),
-        tokio::process::Command::new("runc")
-            .arg("--root")
-            .arg(s.dir.join("runc-state"))
-            .args(["run", "--bundle"])
-            .arg(&bundle)
-            .arg("claim-ctr")
-            .stdin(std::process::Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the container in time")
-    .expect("runc run");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}\nlog:\n{}", s.log());
+    let runc = tokio::process::Command::new("runc");
+    let limit = std::time::Duration::from_secs(120);
+    let (status, text) = tessera_tests::run_bundle(runc, &s.dir.join("runc-state"), &bundle, "claim-ctr", limit).await;
+    assert!(status.success(), "{text}\nlog:\n{}", s.log());
     for want in [
         "limits-writable no".to_string(),
         "region-writable yes".into(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::Empty;
 use tessera_sim_testkit::{SimNode, binary};
 use tessera_tests::kubelet::{TestKubelet, allocate, next_list, spawn};
-use tessera_tests::{RuncTest, runc_bundle, runc_test};
+use tessera_tests::{RuncTest, run_bundle, runc_bundle, runc_test};
 
 const PROBE: &str = r#"
 for f in /dev/nvidia*; do [ -c "$f" ] && echo "node $f $(stat -c '%t:%T' $f)"; done
@@ -80,23 +80,11 @@ async fn a_kubelet_share_reaches_a_runc_container() {
     });
     runc_bundle(&bundle, &rootfs, PROBE, &env, annotations);
     let container_id = format!("flow-{}", std::process::id());
-    let out = tokio::time::timeout(
-        Duration::from_secs(60),
-        tokio::process::Command::new(binary("tessera-runtime"))
-            .env("TESSERA_HOOK_CONFIG", &hook_config)
-            .arg("--root")
-            .arg(dir.join("runc-state"))
-            .args(["run", "--bundle"])
-            .arg(&bundle)
-            .arg(&container_id)
-            .stdin(std::process::Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("container in time")
-    .expect("run");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{text}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    let mut wrapper = tokio::process::Command::new(binary("tessera-runtime"));
+    wrapper.env("TESSERA_HOOK_CONFIG", &hook_config);
+    let (status, text) =
+        run_bundle(wrapper, &dir.join("runc-state"), &bundle, &container_id, Duration::from_secs(60)).await;
+    assert!(status.success(), "{text}\n{}", std::fs::read_to_string(&log).unwrap_or_default());
     let nodes: Vec<&str> = text.lines().filter(|l| l.starts_with("node ")).collect();
     assert_eq!(nodes, ["node /dev/nvidia-uvm eb:0", "node /dev/nvidia0 c3:0", "node /dev/nvidiactl c3:ff"], "{text}");
     assert!(text.contains("lib fake-libcuda"), "{text}");
