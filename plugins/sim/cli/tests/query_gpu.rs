@@ -11,226 +11,8 @@ use std::process::Output;
 
 use tessera_sim_testkit::{SimNode, binary};
 
-/// The fields `nvidia-smi --help-query-gpu` lists (driver 580), in its order.
-const FIELDS: &[&str] = &[
-    "timestamp",
-    "driver_version",
-    "vgpu_driver_capability.heterogenous_multivGPU",
-    "count",
-    "name",
-    "serial",
-    "uuid",
-    "pci.bus_id",
-    "pci.domain",
-    "pci.bus",
-    "pci.device",
-    "pci.baseClass",
-    "pci.subClass",
-    "pci.device_id",
-    "pci.sub_device_id",
-    "vgpu_device_capability.fractional_multiVgpu",
-    "vgpu_device_capability.heterogeneous_timeSlice_profile",
-    "vgpu_device_capability.heterogeneous_timeSlice_sizes",
-    "vgpu_device_capability.homogeneous_placements",
-    "vgpu_device_capability.mig_timeSlicing",
-    "vgpu_device_capability.mig_timeSlicing_mode",
-    "pcie.link.gen.current",
-    "pcie.link.gen.gpucurrent",
-    "pcie.link.gen.max",
-    "pcie.link.gen.gpumax",
-    "pcie.link.gen.hostmax",
-    "pcie.link.width.current",
-    "pcie.link.width.max",
-    "index",
-    "display_mode",
-    "display_attached",
-    "display_active",
-    "persistence_mode",
-    "addressing_mode",
-    "accounting.mode",
-    "accounting.buffer_size",
-    "driver_model.current",
-    "driver_model.pending",
-    "vbios_version",
-    "inforom.img",
-    "inforom.oem",
-    "inforom.ecc",
-    "inforom.pwr",
-    "inforom.checksum_validation",
-    "gpu_recovery_action",
-    "gom.current",
-    "gom.pending",
-    "fan.speed",
-    "pstate",
-    "clocks_event_reasons.supported",
-    "clocks_event_reasons.active",
-    "clocks_event_reasons.gpu_idle",
-    "clocks_event_reasons.applications_clocks_setting",
-    "clocks_event_reasons.sw_power_cap",
-    "clocks_event_reasons.hw_slowdown",
-    "clocks_event_reasons.hw_thermal_slowdown",
-    "clocks_event_reasons.hw_power_brake_slowdown",
-    "clocks_event_reasons.sw_thermal_slowdown",
-    "clocks_event_reasons.sync_boost",
-    "clocks_event_reasons_counters.sw_power_cap",
-    "clocks_event_reasons_counters.sync_boost",
-    "clocks_event_reasons_counters.sw_thermal_slowdown",
-    "clocks_event_reasons_counters.hw_thermal_slowdown",
-    "clocks_event_reasons_counters.hw_power_brake_slowdown",
-    "memory.total",
-    "memory.reserved",
-    "memory.used",
-    "memory.free",
-    "compute_mode",
-    "compute_cap",
-    "utilization.gpu",
-    "utilization.memory",
-    "utilization.encoder",
-    "utilization.decoder",
-    "utilization.jpeg",
-    "utilization.ofa",
-    "encoder.stats.sessionCount",
-    "encoder.stats.averageFps",
-    "encoder.stats.averageLatency",
-    "dramEncryption.mode.current",
-    "dramEncryption.mode.pending",
-    "ecc.mode.current",
-    "ecc.mode.pending",
-    "ecc.errors.corrected.volatile.device_memory",
-    "ecc.errors.corrected.volatile.dram",
-    "ecc.errors.corrected.volatile.register_file",
-    "ecc.errors.corrected.volatile.l1_cache",
-    "ecc.errors.corrected.volatile.l2_cache",
-    "ecc.errors.corrected.volatile.texture_memory",
-    "ecc.errors.corrected.volatile.cbu",
-    "ecc.errors.corrected.volatile.sram",
-    "ecc.errors.corrected.volatile.total",
-    "ecc.errors.corrected.aggregate.device_memory",
-    "ecc.errors.corrected.aggregate.dram",
-    "ecc.errors.corrected.aggregate.register_file",
-    "ecc.errors.corrected.aggregate.l1_cache",
-    "ecc.errors.corrected.aggregate.l2_cache",
-    "ecc.errors.corrected.aggregate.texture_memory",
-    "ecc.errors.corrected.aggregate.cbu",
-    "ecc.errors.corrected.aggregate.sram",
-    "ecc.errors.corrected.aggregate.total",
-    "ecc.errors.uncorrected.volatile.device_memory",
-    "ecc.errors.uncorrected.volatile.dram",
-    "ecc.errors.uncorrected.volatile.register_file",
-    "ecc.errors.uncorrected.volatile.l1_cache",
-    "ecc.errors.uncorrected.volatile.l2_cache",
-    "ecc.errors.uncorrected.volatile.texture_memory",
-    "ecc.errors.uncorrected.volatile.cbu",
-    "ecc.errors.uncorrected.volatile.sram",
-    "ecc.errors.uncorrected.volatile.total",
-    "ecc.errors.uncorrected.aggregate.device_memory",
-    "ecc.errors.uncorrected.aggregate.dram",
-    "ecc.errors.uncorrected.aggregate.register_file",
-    "ecc.errors.uncorrected.aggregate.l1_cache",
-    "ecc.errors.uncorrected.aggregate.l2_cache",
-    "ecc.errors.uncorrected.aggregate.texture_memory",
-    "ecc.errors.uncorrected.aggregate.cbu",
-    "ecc.errors.uncorrected.aggregate.sram",
-    "ecc.errors.uncorrected.aggregate.total",
-    "ecc.errors.uncorrected.volatile.sram.parity",
-    "ecc.errors.uncorrected.volatile.sram.secded",
-    "ecc.errors.uncorrected.aggregate.sram.parity",
-    "ecc.errors.uncorrected.aggregate.sram.secded",
-    "ecc.errors.uncorrected.aggregate.sram.thresholdExceeded",
-    "ecc.errors.uncorrected.aggregate.sram.l2",
-    "ecc.errors.uncorrected.aggregate.sram.sm",
-    "ecc.errors.uncorrected.aggregate.sram.mcu",
-    "ecc.errors.uncorrected.aggregate.sram.pcie",
-    "ecc.errors.uncorrected.aggregate.sram.other",
-    "retired_pages.single_bit_ecc.count",
-    "retired_pages.double_bit.count",
-    "retired_pages.pending",
-    "remapped_rows.correctable",
-    "remapped_rows.correctable_inactive",
-    "remapped_rows.uncorrectable",
-    "remapped_rows.uncorrectable_inactive",
-    "remapped_rows.pending",
-    "remapped_rows.failure",
-    "remapped_rows.histogram.max",
-    "remapped_rows.histogram.high",
-    "remapped_rows.histogram.partial",
-    "remapped_rows.histogram.low",
-    "remapped_rows.histogram.none",
-    "temperature.gpu",
-    "temperature.gpu.tlimit",
-    "temperature.memory",
-    "power.management",
-    "power.draw",
-    "power.draw.average",
-    "power.draw.instant",
-    "power.limit",
-    "enforced.power.limit",
-    "power.default_limit",
-    "power.min_limit",
-    "power.max_limit",
-    "module.power.draw.average",
-    "module.power.draw.instant",
-    "module.power.limit",
-    "module.enforced.power.limit",
-    "module.power.default_limit",
-    "module.power.min_limit",
-    "module.power.max_limit",
-    "power_smoothing.delayed_power_smoothing_supported",
-    "power_smoothing.primary_power_floor",
-    "power_smoothing.secondary_power_floor",
-    "power_smoothing.min_primary_floor_activation_offset",
-    "power_smoothing.min_primary_floor_activation_point",
-    "power_smoothing.window_multiplier",
-    "power_smoothing.curr_profile.secondary_power_floor",
-    "power_smoothing.curr_profile.primary_floor_act_window_multiplier",
-    "power_smoothing.curr_profile.primary_floor_tar_window_multiplier",
-    "power_smoothing.curr_profile.primary_floor_act_offset",
-    "power_smoothing.admin_override.secondary_power_floor",
-    "power_smoothing.admin_override.primary_floor_act_window_multiplier",
-    "power_smoothing.admin_override.primary_floor_tar_window_multiplier",
-    "power_smoothing.admin_override.primary_floor_act_offset",
-    "clocks.current.graphics",
-    "clocks.current.sm",
-    "clocks.current.memory",
-    "clocks.current.video",
-    "clocks.applications.graphics",
-    "clocks.applications.memory",
-    "clocks.default_applications.graphics",
-    "clocks.default_applications.memory",
-    "clocks.max.graphics",
-    "clocks.max.sm",
-    "clocks.max.memory",
-    "mig.mode.current",
-    "mig.mode.pending",
-    "gsp.mode.current",
-    "gsp.mode.default",
-    "c2c.mode",
-    "protected_memory.total",
-    "protected_memory.used",
-    "protected_memory.free",
-    "fabric.state",
-    "fabric.status",
-    "fabric.cliqueId",
-    "fabric.clusterUuid",
-    "fabric.health.summary",
-    "fabric.health.bandwidth",
-    "fabric.health.route_recovery_in_progress",
-    "fabric.health.route_unhealthy",
-    "fabric.health.access_timeout_recovery",
-    "fabric.health.incorrect_configuration",
-    "fabric.health.partition_assigned",
-    "platform.chassis_serial_number",
-    "platform.slot_number",
-    "platform.tray_index",
-    "platform.host_id",
-    "platform.peer_type",
-    "platform.module_id",
-    "platform.gpu_fabric_guid",
-    "hostname",
-];
-
-/// What the simulated idle H200 answers, field by field (`None`: the node's own identity,
-/// checked separately).
+/// The fields `nvidia-smi --help-query-gpu` lists (driver 580), in its order, and what the
+/// simulated idle H200 answers to each (`None`: the node's own identity, checked separately).
 const H200_IDLE: &[(&str, Option<&str>)] = &[
     ("timestamp", None),
     ("driver_version", Some("580.173.02")),
@@ -452,6 +234,11 @@ const H200_NODE: &str =
     "driver_version = \"580.173.02\"\ncuda_driver_version = 13000\n[[gpu]]\nmodel = \"H200-141GB\"\n";
 
 /// Runs the sim as `nvidia-smi` (the name it answers to) against `node`.
+/// The fields the real tool lists, in its order.
+fn fields() -> Vec<&'static str> {
+    H200_IDLE.iter().map(|&(field, _)| field).collect()
+}
+
 fn smi(node: &SimNode, args: &[&str]) -> Output {
     let dir = node.root.join("bin");
     let link = dir.join("nvidia-smi");
@@ -474,16 +261,16 @@ fn cells(line: &str) -> Vec<&str> {
 #[test]
 fn every_listed_field_is_answered_as_the_real_tool_answers_an_h200() {
     let node = SimNode::with_description(H200_NODE);
-    let o = smi(&node, &[&format!("--query-gpu={}", FIELDS.join(",")), "--format=csv"]);
+    let fields = fields();
+    let o = smi(&node, &[&format!("--query-gpu={}", fields.join(",")), "--format=csv"]);
     assert!(o.status.success(), "{}", stdout(&o));
     let out = stdout(&o);
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(lines.len(), 2, "{out}");
     let (header, row) = (cells(lines[0]), cells(lines[1]));
-    assert_eq!((header.len(), row.len()), (FIELDS.len(), FIELDS.len()), "{out}");
+    assert_eq!((header.len(), row.len()), (fields.len(), fields.len()), "{out}");
     let mut wrong = Vec::new();
     for (i, &(field, want)) in H200_IDLE.iter().enumerate() {
-        assert_eq!(FIELDS[i], field);
         if let Some(want) = want
             && row[i] != want
         {
@@ -493,14 +280,14 @@ fn every_listed_field_is_answered_as_the_real_tool_answers_an_h200() {
     assert!(wrong.is_empty(), "{} fields differ:\n  {}", wrong.len(), wrong.join("\n  "));
     // The node's own identity, and a timestamp as nvidia-smi writes it ("2026/09/01 20:41:56.941").
     let gpu0 = tessera_sim_model::NodeDescription::parse(H200_NODE).unwrap().identities().remove(0);
-    let at = |f: &str| row[FIELDS.iter().position(|x| *x == f).unwrap()];
+    let at = |f: &str| row[fields.iter().position(|x| *x == f).unwrap()];
     assert_eq!((at("serial"), at("uuid")), (gpu0.serial.as_str(), gpu0.uuid.as_str()));
     let t = at("timestamp");
     let shape: String = t.chars().map(|c| if c.is_ascii_digit() { '9' } else { c }).collect();
     assert_eq!(shape, "9999/99/99 99:99:99.999", "{t}");
     // Units name themselves in the header and go with nounits; "[N/A]" never carries one.
     for (f, u) in [("memory.total", "MiB"), ("power.draw", "W"), ("clocks.max.sm", "MHz"), ("fan.speed", "%")] {
-        assert_eq!(header[FIELDS.iter().position(|x| *x == f).unwrap()], format!("{f} [{u}]"));
+        assert_eq!(header[fields.iter().position(|x| *x == f).unwrap()], format!("{f} [{u}]"));
     }
     let o =
         smi(&node, &["--query-gpu=memory.total,power.draw,fan.speed,compute_mode", "--format=csv,noheader,nounits"]);
@@ -550,7 +337,7 @@ fn a_field_the_real_tool_does_not_list_is_refused_in_its_words() {
     let node = SimNode::new();
     for query in ["xyz", "index,xyz", "cuda_version", "clocks.applications.sm"] {
         let o = smi(&node, &[&format!("--query-gpu={query}"), "--format=csv"]);
-        let bad = query.split(',').find(|f| !FIELDS.contains(f)).unwrap();
+        let bad = query.split(',').find(|f| !fields().contains(f)).unwrap();
         assert_eq!(o.status.code(), Some(2), "{query}");
         // Nothing else: the query is refused whole, on stdout, with a blank line after.
         assert_eq!(stdout(&o), format!("Field \"{bad}\" is not a valid field to query.\n\n"), "{query}");
