@@ -10,7 +10,6 @@ use tessera_sim_model::{MemoryInfo, Node};
 
 use super::handles::{self, Dev};
 use super::*;
-use crate::ffi::guard;
 use crate::latency;
 
 const MIB: u64 = 1 << 20;
@@ -22,41 +21,33 @@ fn memory(node: &Node, device: nvmlDevice_t) -> R<MemoryInfo> {
     }
 }
 
-nvml_exports! {
+nvml_guarded_exports! {
     /// `nvmlDeviceGetMemoryInfo` (v1): used includes the reserved memory.
     fn nvmlDeviceGetMemoryInfo(device, memory_out) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            let _card = latency::floor("nvmlDeviceGetMemoryInfo");
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                need(memory_out)?;
-                let m = memory(node, device)?;
-                let v1 = nvmlMemory_t { total: m.total, free: m.free, used: m.total - m.free };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(memory_out, v1) }
-            })
-        })
+        let _card = latency::floor("nvmlDeviceGetMemoryInfo");
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        need(memory_out)?;
+        let m = memory(node, device)?;
+        let v1 = nvmlMemory_t { total: m.total, free: m.free, used: m.total - m.free };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(memory_out, v1) }
     }
 
     /// `nvmlDeviceGetMemoryInfo_v2`: the caller sets `version = nvmlMemory_v2`; reserved separate.
     fn nvmlDeviceGetMemoryInfo_v2(device, memory_out) {
-        guard(NVML_ERROR_UNKNOWN, || {
-            let _card = latency::floor("nvmlDeviceGetMemoryInfo");
-            status(|| {
-                let node = node()?;
-                handles::decode_device(node, device)?;
-                // SAFETY: memory_out is null or valid for reads and writes by the caller's contract.
-                let version = unsafe { get(memory_out.cast_const().cast::<u32>()) }?;
-                if version != struct_version::<nvmlMemory_v2_t>(2) {
-                    return Err(VERSION_MISMATCH);
-                }
-                let m = memory(node, device)?;
-                let v2 = nvmlMemory_v2_t { version, total: m.total, reserved: m.reserved, free: m.free, used: m.used };
-                // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
-                unsafe { put(memory_out, v2) }
-            })
-        })
+        let _card = latency::floor("nvmlDeviceGetMemoryInfo");
+        let node = node()?;
+        handles::decode_device(node, device)?;
+        // SAFETY: memory_out is null or valid for reads and writes by the caller's contract.
+        let version = unsafe { get(memory_out.cast_const().cast::<u32>()) }?;
+        if version != struct_version::<nvmlMemory_v2_t>(2) {
+            return Err(VERSION_MISMATCH);
+        }
+        let m = memory(node, device)?;
+        let v2 = nvmlMemory_v2_t { version, total: m.total, reserved: m.reserved, free: m.free, used: m.used };
+        // SAFETY: checked non-null and aligned; valid for a write by the caller's contract.
+        unsafe { put(memory_out, v2) }
     }
 }
 
