@@ -641,6 +641,15 @@ fn copies_and_memsets_move_real_bytes() {
         assert_eq!(back[10], data[10]);
         assert_eq!(&back[16..24], &[0x34, 0x12, 0x34, 0x12, 0x34, 0x12, 0x34, 0x12]);
         assert_eq!(&back[32..40], &[0xef, 0xbe, 0xad, 0xde, 0xef, 0xbe, 0xad, 0xde]);
+        // A 2D memset: three rows of two 16-bit elements, 100 bytes apart, the gaps left alone.
+        let d2d16 =
+            call!(cu, cuMemsetD2D16_v2(a + 200, 100, 0x0102, 2, 3) as fn(CUdeviceptr, usize, u16, usize, usize));
+        assert_eq!(d2d16, SUCCESS);
+        assert_eq!(cu.dtoh(&mut back, a), SUCCESS);
+        for row in [200, 300, 400] {
+            assert_eq!(&back[row..row + 4], &[0x02, 0x01, 0x02, 0x01], "row at {row}");
+            assert_eq!(back[row + 4], data[row + 4], "after the row at {row}");
+        }
         // Asynchronous copies on a stream.
         let s = cu.stream();
         let src = vec![0x5au8; 1000];

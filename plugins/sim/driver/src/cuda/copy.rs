@@ -78,8 +78,33 @@ pub(crate) unsafe fn copy_now(dst: u64, src: u64, n: u64) -> R {
     unsafe { copy(dst, src, n, Side::Any, Side::Any) }
 }
 
-/// Fills `height` rows of `width` elements of `elem` bytes, `pitch` bytes apart, with `value`.
-pub(crate) fn memset_now(dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64) -> R {
+/// A memset: `height` rows of `width` elements of `elem` bytes, `pitch` bytes apart, each set to
+/// `value`; as a call makes it, or a graph node holds it.
+#[derive(Clone, Copy)]
+pub(crate) struct Memset {
+    pub dst: u64,
+    pub pitch: u64,
+    pub value: u32,
+    pub elem: u32,
+    pub width: u64,
+    pub height: u64,
+}
+
+impl Memset {
+    /// `n` elements from `dst`, one row (`cuMemsetD8` and its kin).
+    fn row(dst: u64, value: u32, elem: u32, n: u64) -> Memset {
+        Memset { dst, pitch: 0, value, elem, width: n, height: 1 }
+    }
+
+    /// `height` rows of `width` elements, `pitch` bytes apart (`cuMemsetD2D8` and its kin).
+    fn rect(dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64) -> Memset {
+        Memset { dst, pitch, value, elem, width, height }
+    }
+}
+
+/// Carries out a memset now.
+pub(crate) fn memset_now(m: Memset) -> R {
+    let Memset { dst, pitch, value, elem, width, height } = m;
     let elem = u64::from(elem);
     let row = width.checked_mul(elem).ok_or(INVALID_VALUE)?;
     if !dst.is_multiple_of(elem) || (height > 1 && (!pitch.is_multiple_of(elem) || pitch < row)) {
@@ -156,27 +181,17 @@ unsafe fn copy_async(dst: u64, src: u64, n: u64, d: Side, s: Side, stream: sys::
     unsafe { copy(dst, src, n, d, s) }
 }
 
-fn memset_sync(dst: u64, pitch: u64, value: u32, elem: u32, width: u64, height: u64, pt: bool) -> R {
+fn memset_sync(m: Memset, pt: bool) -> R {
     sync_point(pt)?;
-    memset_now(dst, pitch, value, elem, width, height)
+    memset_now(m)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn memset_async(
-    dst: u64,
-    pitch: u64,
-    value: u32,
-    elem: u32,
-    width: u64,
-    height: u64,
-    stream: sys::CUstream,
-    pt: bool,
-) -> R {
+fn memset_async(m: Memset, stream: sys::CUstream, pt: bool) -> R {
     let node = driver()?.node;
     poll_faults(node)?;
     let t = resolve(&handles::read(), node, stream, pt)?;
     t.ctx.check(node)?;
-    submit(node, &t, Op::Memset { dst, pitch, value, elem, width, height })
+    submit(node, &t, Op::Memset(m))
 }
 
 /// An array's storage, and the byte range `[offset, offset + n)` of it.
@@ -516,57 +531,66 @@ cuda_exports! {
     // ---- Memsets ---------------------------------------------------------------------------------
 
     fn cuMemsetD8_v2(dstDevice, uc, N) twin cuMemsetD8_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, 0, uc as u32, 1, N as u64, 1, per_thread))
+        run(|| memset_sync(Memset::row(dstDevice, uc as u32, 1, N as u64), per_thread))
     }
     fn cuMemsetD8(dstDevice, uc, N) {
-        run(|| memset_sync(dstDevice as u64, 0, uc as u32, 1, N as u64, 1, false))
+        run(|| memset_sync(Memset::row(dstDevice as u64, uc as u32, 1, N as u64), false))
     }
     fn cuMemsetD16_v2(dstDevice, us, N) twin cuMemsetD16_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, 0, us as u32, 2, N as u64, 1, per_thread))
+        run(|| memset_sync(Memset::row(dstDevice, us as u32, 2, N as u64), per_thread))
     }
     fn cuMemsetD16(dstDevice, us, N) {
-        run(|| memset_sync(dstDevice as u64, 0, us as u32, 2, N as u64, 1, false))
+        run(|| memset_sync(Memset::row(dstDevice as u64, us as u32, 2, N as u64), false))
     }
     fn cuMemsetD32_v2(dstDevice, ui, N) twin cuMemsetD32_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, 0, ui, 4, N as u64, 1, per_thread))
+        run(|| memset_sync(Memset::row(dstDevice, ui, 4, N as u64), per_thread))
     }
     fn cuMemsetD32(dstDevice, ui, N) {
-        run(|| memset_sync(dstDevice as u64, 0, ui, 4, N as u64, 1, false))
+        run(|| memset_sync(Memset::row(dstDevice as u64, ui, 4, N as u64), false))
     }
     fn cuMemsetD2D8_v2(dstDevice, dstPitch, uc, Width, Height) twin cuMemsetD2D8_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64);
+        run(|| memset_sync(m, per_thread))
     }
     fn cuMemsetD2D16_v2(dstDevice, dstPitch, us, Width, Height) twin cuMemsetD2D16_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64);
+        run(|| memset_sync(m, per_thread))
     }
     fn cuMemsetD2D32_v2(dstDevice, dstPitch, ui, Width, Height) twin cuMemsetD2D32_v2_ptds(per_thread) {
-        run(|| memset_sync(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64);
+        run(|| memset_sync(m, per_thread))
     }
     fn cuMemsetD2D8(dstDevice, dstPitch, uc, Width, Height) {
-        run(|| memset_sync(dstDevice as u64, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, false))
+        let m = Memset::rect(dstDevice as u64, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64);
+        run(|| memset_sync(m, false))
     }
     fn cuMemsetD2D16(dstDevice, dstPitch, us, Width, Height) {
-        run(|| memset_sync(dstDevice as u64, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, false))
+        let m = Memset::rect(dstDevice as u64, dstPitch as u64, us as u32, 2, Width as u64, Height as u64);
+        run(|| memset_sync(m, false))
     }
     fn cuMemsetD2D32(dstDevice, dstPitch, ui, Width, Height) {
-        run(|| memset_sync(dstDevice as u64, dstPitch as u64, ui, 4, Width as u64, Height as u64, false))
+        let m = Memset::rect(dstDevice as u64, dstPitch as u64, ui, 4, Width as u64, Height as u64);
+        run(|| memset_sync(m, false))
     }
     fn cuMemsetD8Async(dstDevice, uc, N, hStream) twin cuMemsetD8Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, 0, uc as u32, 1, N as u64, 1, hStream, per_thread))
+        run(|| memset_async(Memset::row(dstDevice, uc as u32, 1, N as u64), hStream, per_thread))
     }
     fn cuMemsetD16Async(dstDevice, us, N, hStream) twin cuMemsetD16Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, 0, us as u32, 2, N as u64, 1, hStream, per_thread))
+        run(|| memset_async(Memset::row(dstDevice, us as u32, 2, N as u64), hStream, per_thread))
     }
     fn cuMemsetD32Async(dstDevice, ui, N, hStream) twin cuMemsetD32Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, 0, ui, 4, N as u64, 1, hStream, per_thread))
+        run(|| memset_async(Memset::row(dstDevice, ui, 4, N as u64), hStream, per_thread))
     }
     fn cuMemsetD2D8Async(dstDevice, dstPitch, uc, Width, Height, hStream) twin cuMemsetD2D8Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64, hStream, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, uc as u32, 1, Width as u64, Height as u64);
+        run(|| memset_async(m, hStream, per_thread))
     }
     fn cuMemsetD2D16Async(dstDevice, dstPitch, us, Width, Height, hStream) twin cuMemsetD2D16Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64, hStream, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, us as u32, 2, Width as u64, Height as u64);
+        run(|| memset_async(m, hStream, per_thread))
     }
     fn cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream) twin cuMemsetD2D32Async_ptsz(per_thread) {
-        run(|| memset_async(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64, hStream, per_thread))
+        let m = Memset::rect(dstDevice, dstPitch as u64, ui, 4, Width as u64, Height as u64);
+        run(|| memset_async(m, hStream, per_thread))
     }
 }

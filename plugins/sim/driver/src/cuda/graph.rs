@@ -35,14 +35,7 @@ pub(crate) enum Op {
         src: u64,
         n: u64,
     },
-    Memset {
-        dst: u64,
-        pitch: u64,
-        value: u32,
-        elem: u32,
-        width: u64,
-        height: u64,
-    },
+    Memset(super::copy::Memset),
     Host {
         f: unsafe extern "C" fn(*mut c_void),
         data: usize,
@@ -69,7 +62,7 @@ impl Op {
         match self {
             Op::Kernel { .. } => 0,
             Op::Memcpy { .. } => 1,
-            Op::Memset { .. } => 2,
+            Op::Memset(_) => 2,
             Op::Host { .. } => 3,
             Op::Empty => 5,
             Op::Child { .. } => 4,
@@ -86,9 +79,7 @@ pub(crate) fn run_op(node: &'static Node, t: &Target, op: &Op) -> R {
         // SAFETY: the addresses were given by the caller when the copy was captured, and are
         // valid when the graph is launched by the CUDA API contract.
         Op::Memcpy { dst, src, n } => unsafe { super::copy::copy_now(*dst, *src, *n) },
-        Op::Memset { dst, pitch, value, elem, width, height } => {
-            super::copy::memset_now(*dst, *pitch, *value, *elem, *width, *height)
-        }
+        Op::Memset(m) => super::copy::memset_now(*m),
         Op::Host { f, data } => enqueue_host(node, t.sid, HostCall::Func(*f, *data)),
         Op::Empty => Ok(()),
         Op::MemAlloc { base, bytes, dev } => super::graph_mem::allocate(node, *dev, *base, *bytes),
@@ -724,14 +715,14 @@ cuda_exports! {
             if !matches!(p.elementSize, 1 | 2 | 4) || p.width == 0 || p.height == 0 {
                 return Err(INVALID_VALUE);
             }
-            let op = Op::Memset {
+            let op = Op::Memset(super::copy::Memset {
                 dst: p.dst,
                 pitch: p.pitch as u64,
                 value: p.value,
                 elem: p.elementSize,
                 width: p.width as u64,
                 height: p.height as u64,
-            };
+            });
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })
