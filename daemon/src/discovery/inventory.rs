@@ -61,6 +61,13 @@ pub struct Gpu {
     pub processes: Vec<u32>,
 }
 
+impl Gpu {
+    /// Its MIG device of GPU instance `gi` and compute instance `ci`, when it has one.
+    pub fn mig_device(&self, gi: u32, ci: u32) -> Option<&MigDevice> {
+        self.mig.iter().flat_map(|m| &m.instances).flat_map(|i| &i.devices).find(|d| d.gi_id == gi && d.ci_id == ci)
+    }
+}
+
 /// MIG state and capability of a GPU that supports it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MigInfo {

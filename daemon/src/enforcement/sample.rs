@@ -100,13 +100,7 @@ fn average(samples: impl Iterator<Item = (u32, u32)>) -> HashMap<u32, u32> {
 
 /// The MIG device a process entry of GPU `gpu` is on.
 fn mig_uuid(gpu: &crate::discovery::Gpu, p: &ProcessInfo) -> Option<String> {
-    let (gi, ci) = (p.gpu_instance_id?, p.compute_instance_id?);
-    gpu.mig
-        .iter()
-        .flat_map(|m| &m.instances)
-        .flat_map(|i| &i.devices)
-        .find(|d| d.gi_id == gi && d.ci_id == ci)
-        .map(|d| d.uuid.clone())
+    gpu.mig_device(p.gpu_instance_id?, p.compute_instance_id?).map(|d| d.uuid.clone())
 }
 
 /// Adds `p`, keeping one entry per (pid, device): a process in both the compute and the

@@ -683,14 +683,7 @@ impl Monitor {
     }
 
     fn mig_uuid(&self, gpu: u32, gi: u32, ci: u32) -> Option<String> {
-        let view = self.controller.view();
-        let g = view.inventory.gpu(gpu)?;
-        g.mig
-            .iter()
-            .flat_map(|m| &m.instances)
-            .flat_map(|i| &i.devices)
-            .find(|d| d.gi_id == gi && d.ci_id == ci)
-            .map(|d| d.uuid.clone())
+        self.controller.view().inventory.gpu(gpu)?.mig_device(gi, ci).map(|d| d.uuid.clone())
     }
 }
 
