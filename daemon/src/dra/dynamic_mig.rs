@@ -645,18 +645,11 @@ pub(crate) mod tests {
         use k8s_openapi::api::resource::v1::ResourceClaim;
         use tessera_region::{ComputeMode, Priority};
 
-        use crate::dra::claims::ClaimSource;
+        use crate::dra::prepare::tests::{Claims, Statuses};
         use crate::dra::prepare::{ClaimAllocations, ClaimOwner, DraDriver};
         use crate::dra::{ClaimDriver, ClaimRef};
         use crate::state::{AllocatedDevice, Allocation};
 
-        struct OneClaim(ResourceClaim);
-        #[tonic::async_trait]
-        impl ClaimSource for OneClaim {
-            async fn read(&self, _: &ClaimRef) -> Result<ResourceClaim, String> {
-                Ok(self.0.clone())
-            }
-        }
         /// Admits claims whose UID starts with "ok", recording what they hold.
         #[derive(Default)]
         struct Allocator(Mutex<Vec<(String, Vec<AllocatedDevice>)>>);
@@ -686,19 +679,6 @@ pub(crate) mod tests {
                 Vec::new()
             }
         }
-        /// Accepts every status write.
-        struct NoStatus;
-        #[tonic::async_trait]
-        impl crate::dra::status::ClaimStatusApi for NoStatus {
-            async fn apply(
-                &self,
-                _: &ClaimRef,
-                _: &[crate::dra::status::DeviceStatus],
-            ) -> Result<(), crate::dra::status::WriteError> {
-                Ok(())
-            }
-        }
-
         let claim = |uid: &str| -> ResourceClaim {
             serde_json::from_value(serde_json::json!({
                 "metadata": {"name": "infer", "namespace": "ml", "uid": uid},
@@ -720,10 +700,10 @@ pub(crate) mod tests {
             nodes,
         ));
         let driver = |uid: &str| DraDriver {
-            claims: Arc::new(OneClaim(claim(uid))),
+            claims: Arc::new(Claims(claim(uid))),
             allocations: allocator.clone(),
             specs: specs.clone(),
-            status: Arc::new(crate::dra::status::StatusWriter::new(Arc::new(NoStatus))),
+            status: Arc::new(crate::dra::status::StatusWriter::new(Arc::new(Statuses::default()))),
             devices: tokio::sync::watch::channel(publish(&h100(Vec::new()), &BTreeSet::new())).1,
             pool: "node-a".into(),
             default_priority: Priority::Normal,

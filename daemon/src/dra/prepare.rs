@@ -200,7 +200,7 @@ impl DraDriver {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::{BTreeMap, HashMap};
     use std::sync::Mutex;
 
@@ -210,7 +210,8 @@ mod tests {
     use crate::dra::status::{ClaimStatusApi, WriteError};
     use crate::state::{Allocation, Claim, ContainerIdentity, Lease, Source};
 
-    struct Claims(ResourceClaim);
+    /// The one claim every read gives.
+    pub(crate) struct Claims(pub(crate) ResourceClaim);
 
     #[tonic::async_trait]
     impl ClaimSource for Claims {
@@ -251,7 +252,7 @@ mod tests {
 
     /// The status writes, recorded: (claim UID, entries).
     #[derive(Default)]
-    struct Statuses(Mutex<Vec<(String, Vec<DeviceStatus>)>>);
+    pub(crate) struct Statuses(Mutex<Vec<(String, Vec<DeviceStatus>)>>);
 
     #[tonic::async_trait]
     impl ClaimStatusApi for Statuses {
