@@ -342,6 +342,15 @@ mod tests {
         }
     }
 
+    /// Allocation `id` of `devices`, its directory created under `tmp`: the directories, the
+    /// allocation.
+    fn created(tmp: &crate::state::mount::TestDir, id: &str, devices: Vec<AllocatedDevice>) -> (AllocDirs, Allocation) {
+        let dirs = AllocDirs::new(tmp.path());
+        let a = alloc(id, devices);
+        dirs.create(&a).unwrap();
+        (dirs, a)
+    }
+
     /// A container process: its own handle on the region (dropping it = the process exiting).
     struct Proc {
         region: Region,
@@ -427,9 +436,7 @@ mod tests {
     #[test]
     fn counters_of_exited_processes_are_kept() {
         let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
-        let a = alloc("a2", vec![dev("GPU-cccc", "GPU-cccc", None, Some(50))]);
-        dirs.create(&a).unwrap();
+        let (dirs, a) = created(&tmp, "a2", vec![dev("GPU-cccc", "GPU-cccc", None, Some(50))]);
         let p1 = Proc::join(&dirs, "a2");
         let p2 = Proc::join(&dirs, "a2");
         let d1 = p1.dev("GPU-cccc");
@@ -479,9 +486,7 @@ mod tests {
     #[test]
     fn short_processes_between_samples_are_counted_exactly_by_every_sampler() {
         let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
-        let a = alloc("a3", vec![dev("GPU-ffff", "GPU-ffff", None, Some(50))]);
-        dirs.create(&a).unwrap();
+        let (dirs, a) = created(&tmp, "a3", vec![dev("GPU-ffff", "GPU-ffff", None, Some(50))]);
         let mut top = UsageSampler::new();
         assert_eq!(top.sample(std::slice::from_ref(&a), &dirs, SEC).containers[0].devices[0].launches, 0);
         // Two processes start and end between two samples of `top`.
@@ -501,9 +506,7 @@ mod tests {
     #[test]
     fn new_limits_show_at_the_next_sample_and_counters_carry_on() {
         let tmp = crate::state::mount::TestDir::new();
-        let dirs = AllocDirs::new(tmp.path());
-        let mut a = alloc("a5", vec![dev("GPU-abcd::0", "GPU-abcd", Some(1 << 30), Some(20))]);
-        dirs.create(&a).unwrap();
+        let (dirs, mut a) = created(&tmp, "a5", vec![dev("GPU-abcd::0", "GPU-abcd", Some(1 << 30), Some(20))]);
         let p = Proc::join(&dirs, "a5");
         p.work("GPU-abcd", 5, 100, 0);
         let mut s = UsageSampler::new();
