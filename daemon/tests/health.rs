@@ -85,6 +85,19 @@ async fn expect_event(
     }
 }
 
+/// Waits for `device`'s health change event, and checks that it went from `from` to `to`.
+async fn expect_change(events: &mut tonic::Streaming<api::Event>, device: &str, from: api::Health, to: api::Health) {
+    let e = expect_event(events, &format!("{device} {to:?}"), |e| e.device_id == device && change(e).is_some()).await;
+    assert_eq!(change(&e), Some((from, to)), "{device}");
+}
+
+/// Waits for `device`'s recovery event: its recovery.
+async fn expect_recovery(events: &mut tonic::Streaming<api::Event>, device: &str) -> api::Recovery {
+    let e =
+        expect_event(events, &format!("{device} recovery"), |e| e.device_id == device && recovery(e).is_some()).await;
+    recovery(&e).cloned().unwrap()
+}
+
 fn fault(e: &api::Event) -> Option<&api::Fault> {
     match &e.detail {
         Some(api::event::Detail::Fault(f)) => Some(f),
@@ -146,6 +159,14 @@ async fn device_health(api: &mut NodeClient<Channel>, id: &str) -> (api::Health,
     (d.health(), d.health_reason.clone())
 }
 
+/// The devices of `kind` the node API lists, by index.
+async fn listed(api: &mut NodeClient<Channel>, kind: api::DeviceKind) -> Vec<api::Device> {
+    let req = api::ListDevicesRequest { kinds: vec![kind as i32], ..Default::default() };
+    let mut devices = api.list_devices(req).await.expect("list").into_inner().devices;
+    devices.sort_by_key(|d| d.index);
+    devices
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -157,6 +178,15 @@ struct Started {
     kubelet: TestKubelet,
     regs: std::collections::HashMap<String, dp::RegisterRequest>,
     api: NodeClient<Channel>,
+}
+
+/// A node of `description`, tesserad started over it with `partitions` (one resource, see
+/// [`start`]), and the node's model; the node outlives the daemon (dropped last).
+async fn start_on(description: &str, partitions: &str) -> (SimNode, Started, tessera_sim_model::Node) {
+    let node = SimNode::with_description(description);
+    let s = start(&node, partitions, 1).await;
+    let sim = sim_model(&node);
+    (node, s, sim)
 }
 
 async fn start(node: &SimNode, partitions: &str, resources: usize) -> Started {
@@ -187,26 +217,11 @@ count = 4
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
-    let node = SimNode::with_description(WHOLE4);
-    let mut s = start(&node, "[partitions.default]\nwhole = true\n", 1).await;
+    let (_node, mut s, sim) = start_on(WHOLE4, "[partitions.default]\nwhole = true\n").await;
     let show_log = |s: &Started| std::fs::read_to_string(&s.log).unwrap_or_default();
-    let sim = sim_model(&node);
 
-    let gpus: Vec<(u32, String)> = {
-        let req = api::ListDevicesRequest { kinds: vec![api::DeviceKind::Gpu as i32], ..Default::default() };
-        let mut v: Vec<_> = s
-            .api
-            .list_devices(req)
-            .await
-            .expect("list")
-            .into_inner()
-            .devices
-            .into_iter()
-            .map(|d| (d.index, d.uuid))
-            .collect();
-        v.sort();
-        v
-    };
+    let gpus: Vec<(u32, String)> =
+        listed(&mut s.api, api::DeviceKind::Gpu).await.into_iter().map(|d| (d.index, d.uuid)).collect();
     assert_eq!(gpus.len(), 4);
     let uuid = |i: usize| gpus[i].1.clone();
     let mut plugin = s.kubelet.connect(&s.regs["tessera.io/gpu"]).await;
@@ -246,8 +261,7 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     let f = fault(&e).unwrap();
     assert_eq!((e.device_id.as_str(), e.severity()), (uuid(1).as_str(), api::Severity::Critical));
     assert_eq!((f.kind(), f.marks_unhealthy, f.health()), (api::FaultKind::Xid, true, api::Health::Unhealthy));
-    let e = expect_event(&mut events, "GPU 1 unhealthy", |e| e.device_id == uuid(1) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Healthy, api::Health::Unhealthy)));
+    expect_change(&mut events, &uuid(1), api::Health::Healthy, api::Health::Unhealthy).await;
     let (h, reason) = device_health(&mut s.api, &uuid(1)).await;
     assert_eq!(h, api::Health::Unhealthy);
     assert!(reason.contains("XID 48"), "{reason}");
@@ -260,22 +274,18 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     let e = expect_event(&mut events, "ECC fault", |e| e.device_id == uuid(2) && fault(e).is_some()).await;
     let f = fault(&e).unwrap();
     assert_eq!((f.kind(), f.xid, f.marks_unhealthy), (api::FaultKind::EccDoubleBit, None, true));
-    let e = expect_event(&mut events, "GPU 2 unhealthy", |e| e.device_id == uuid(2) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Healthy, api::Health::Unhealthy)));
+    expect_change(&mut events, &uuid(2), api::Health::Healthy, api::Health::Unhealthy).await;
     let t_reset = Instant::now();
     sim.reset(2).expect("reset GPU 2");
-    let e = expect_event(&mut events, "GPU 2 recovering", |e| e.device_id == uuid(2) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Unhealthy, api::Health::Recovering)));
+    expect_change(&mut events, &uuid(2), api::Health::Unhealthy, api::Health::Recovering).await;
     let (_, at) = until_health(&mut law, &uuid(2), dp::HEALTHY).await;
     let ecc_recovery = at - t_reset;
     assert!(ecc_recovery >= Duration::from_millis(RECOVERY_CHECK_MS), "healthy only after the check");
-    let e = expect_event(&mut events, "GPU 2 recovery", |e| e.device_id == uuid(2) && recovery(e).is_some()).await;
-    let r = recovery(&e).unwrap();
+    let r = expect_recovery(&mut events, &uuid(2)).await;
     assert_eq!((r.from(), r.xid), (api::FaultKind::EccDoubleBit, None));
     assert!(r.how.contains("reset"), "{}", r.how);
     assert!(r.downtime_nanos >= RECOVERY_CHECK_MS * 1_000_000, "downtime {} ns", r.downtime_nanos);
-    let e = expect_event(&mut events, "GPU 2 healthy", |e| e.device_id == uuid(2) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Recovering, api::Health::Healthy)));
+    expect_change(&mut events, &uuid(2), api::Health::Recovering, api::Health::Healthy).await;
     assert_eq!(device_health(&mut s.api, &uuid(2)).await.0, api::Health::Healthy);
 
     // 4. GPU 3 falls off the bus: lost (XID 79); back after a reset.
@@ -288,8 +298,7 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     // XID 79 names it, unless a probe (woken by the event wait's GPU_IS_LOST) got there first.
     assert_eq!((f.kind(), f.health()), (api::FaultKind::GpuLost, api::Health::Lost));
     assert!(matches!(f.xid, None | Some(79)), "{f:?}");
-    let e = expect_event(&mut events, "GPU 3 lost", |e| e.device_id == uuid(3) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Healthy, api::Health::Lost)));
+    expect_change(&mut events, &uuid(3), api::Health::Healthy, api::Health::Lost).await;
     let (_, reason) = device_health(&mut s.api, &uuid(3)).await;
     assert!(reason.starts_with("lost:"), "{reason}");
     // Stays lost (the probes keep failing) until the reset.
@@ -297,12 +306,10 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     assert_eq!(device_health(&mut s.api, &uuid(3)).await.0, api::Health::Unhealthy);
     let t_reset = Instant::now();
     sim.reset(3).expect("reset GPU 3");
-    let e = expect_event(&mut events, "GPU 3 recovering", |e| e.device_id == uuid(3) && change(e).is_some()).await;
-    assert_eq!(change(&e), Some((api::Health::Lost, api::Health::Recovering)));
+    expect_change(&mut events, &uuid(3), api::Health::Lost, api::Health::Recovering).await;
     let (list, at) = until_health(&mut law, &uuid(3), dp::HEALTHY).await;
     let lost_recovery = at - t_reset;
-    let e = expect_event(&mut events, "GPU 3 recovery", |e| e.device_id == uuid(3) && recovery(e).is_some()).await;
-    let r = recovery(&e).unwrap();
+    let r = expect_recovery(&mut events, &uuid(3)).await;
     assert_eq!((r.from(), r.xid), (api::FaultKind::GpuLost, Some(79)));
     assert!(r.how.starts_with("reattached"), "{}", r.how);
     assert!(r.downtime_nanos >= 1_200_000_000, "downtime {} ns", r.downtime_nanos);
@@ -314,8 +321,7 @@ async fn faults_reach_the_kubelet_and_gpus_recover_after_reset() {
     assert_eq!(device_health(&mut s.api, &uuid(1)).await.0, api::Health::Unhealthy, "no reset, no recovery");
     sim.reset(1).expect("reset GPU 1");
     until_health(&mut law, &uuid(1), dp::HEALTHY).await;
-    let e = expect_event(&mut events, "GPU 1 recovery", |e| e.device_id == uuid(1) && recovery(e).is_some()).await;
-    let r = recovery(&e).unwrap();
+    let r = expect_recovery(&mut events, &uuid(1)).await;
     assert_eq!(r.xid, Some(48));
     assert!(r.how.contains("recovery action"), "{}", r.how);
 
@@ -367,11 +373,8 @@ mig = true
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mig_instance_is_judged_on_its_own() {
-    let node = SimNode::with_description(MIG1);
-    let mut s = start(&node, "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n", 1).await;
-    let sim = sim_model(&node);
-    let req = api::ListDevicesRequest { kinds: vec![api::DeviceKind::Mig as i32], ..Default::default() };
-    let migs = s.api.list_devices(req).await.expect("list").into_inner().devices;
+    let (_node, mut s, sim) = start_on(MIG1, "[partitions.\"0\"]\nmig = { \"3g.40gb\" = 2 }\n").await;
+    let migs = listed(&mut s.api, api::DeviceKind::Mig).await;
     assert_eq!(migs.len(), 2);
     let ids = |d: &api::Device| {
         let m = d.mig.as_ref().expect("mig info");
@@ -461,12 +464,8 @@ async fn drain(events: &mut tonic::Streaming<api::Event>, quiet: Duration) -> Ve
 /// error is a new fault, reported again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rising_ecc_count_on_an_out_of_service_gpu_is_reported_once() {
-    let node = SimNode::with_description(WHOLE4);
-    let mut s = start(&node, "[partitions.default]\nwhole = true\n", 1).await;
-    let sim = sim_model(&node);
-    let req = api::ListDevicesRequest { kinds: vec![api::DeviceKind::Gpu as i32], ..Default::default() };
-    let mut gpus = s.api.list_devices(req).await.expect("list").into_inner().devices;
-    gpus.sort_by_key(|d| d.index);
+    let (_node, mut s, sim) = start_on(WHOLE4, "[partitions.default]\nwhole = true\n").await;
+    let gpus = listed(&mut s.api, api::DeviceKind::Gpu).await;
     let uuid = gpus[1].uuid.clone();
     let mut events = watch_health_events(&mut s.api).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
