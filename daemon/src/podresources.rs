@@ -25,7 +25,6 @@ use tessera_proto::podresources::v1::pod_resources_lister_client::PodResourcesLi
 use tessera_proto::podresources::v1::{ListPodResourcesRequest, ListPodResourcesResponse};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::Endpoint;
 
 use crate::node::NodeController;
 use crate::state::record::unix_ns;
@@ -247,13 +246,8 @@ pub fn spawn_with(
 
 /// One `List` call on a fresh connection (the kubelet recreates its socket when it restarts).
 async fn list(socket: &Path) -> Result<ListPodResourcesResponse, String> {
-    let channel = Endpoint::from_shared(format!("unix://{}", socket.display()))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(CALL_TIMEOUT)
-        .timeout(CALL_TIMEOUT)
-        .connect()
-        .await
-        .map_err(|e| format!("connecting: {e}"))?;
+    let endpoint = crate::socket::unix_endpoint(socket, CALL_TIMEOUT)?;
+    let channel = endpoint.connect().await.map_err(|e| format!("connecting: {e}"))?;
     let mut client = PodResourcesListerClient::new(channel).max_decoding_message_size(MAX_MESSAGE);
     client.list(ListPodResourcesRequest {}).await.map(tonic::Response::into_inner).map_err(|s| s.to_string())
 }

@@ -4,6 +4,8 @@
 //! connect. Instead the socket is bound inside a fresh 0700 directory beside its final path, set
 //! to 0600 there, and renamed into place: at its final path it is owner-only from the first
 //! instant. `umask` would do too, but it is process-wide and other threads create files.
+//!
+//! And the client's side of another's socket (the kubelet's): a gRPC endpoint with its timeouts.
 
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -12,6 +14,13 @@ use std::path::{Path, PathBuf};
 pub const UNIX_PREFIX: &str = "unix:";
 /// The longest Unix socket path (`sun_path` less its NUL).
 const UNIX_PATH_MAX: usize = 107;
+
+/// A gRPC endpoint on the Unix socket at `path`, connecting and answering within `timeout`.
+pub fn unix_endpoint(path: &Path, timeout: std::time::Duration) -> Result<tonic::transport::Endpoint, String> {
+    let endpoint =
+        tonic::transport::Endpoint::from_shared(format!("unix://{}", path.display())).map_err(|e| e.to_string())?;
+    Ok(endpoint.connect_timeout(timeout).timeout(timeout))
+}
 
 /// The socket path of a listen address `unix:PATH` (`telemetry.metrics_listen`): `None` when
 /// the value is not a `unix:` one; an error saying what is wrong with the path (relative, empty,

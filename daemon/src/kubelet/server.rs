@@ -18,7 +18,7 @@ use std::time::Duration;
 use tessera_proto::deviceplugin::v1beta1::{self as dp, RegisterRequest};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tonic::transport::{Endpoint, Server};
+use tonic::transport::Server;
 
 use super::plugin::DevicePlugin;
 
@@ -267,13 +267,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// One registration with the kubelet.
 async fn register(kubelet_socket: &Path, endpoint: &str, resource: &str) -> Result<(), String> {
-    let channel = Endpoint::from_shared(format!("unix://{}", kubelet_socket.display()))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(REGISTER_TIMEOUT)
-        .timeout(REGISTER_TIMEOUT)
-        .connect()
-        .await
-        .map_err(|e| error_chain(&e))?;
+    let kubelet = crate::socket::unix_endpoint(kubelet_socket, REGISTER_TIMEOUT)?;
+    let channel = kubelet.connect().await.map_err(|e| error_chain(&e))?;
     let mut client = dp::registration_client::RegistrationClient::new(channel);
     client
         .register(RegisterRequest {
