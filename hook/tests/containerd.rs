@@ -3,56 +3,26 @@
 //! the test and stopped after.
 
 mod common;
+/// The daemon's tests' private containerd (this crate's tests cannot depend on the daemon's).
+#[path = "../../daemon/tests/common/containerd.rs"]
+mod private_containerd;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::{Command, Output};
 
 use common::*;
+use private_containerd::Containerd;
 
-struct Containerd {
-    child: Child,
-    sock: PathBuf,
-}
-
-impl Drop for Containerd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
+/// A private containerd for `node` (no CRI), answering; else why not (a skip).
 fn start(node: &Node) -> Result<Containerd, String> {
     let base = node.path().join("containerd");
     std::fs::create_dir_all(&base).unwrap();
-    let sock = base.join("containerd.sock");
     let config = base.join("config.toml");
     std::fs::write(&config, "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n").unwrap();
     let log = std::fs::File::create(base.join("containerd.log")).unwrap();
-    let child = Command::new("containerd")
-        .arg("--config")
-        .arg(&config)
-        .arg("--root")
-        .arg(base.join("root"))
-        .arg("--state")
-        .arg(base.join("state"))
-        .arg("--address")
-        .arg(&sock)
-        // The shim runs the wrapper with containerd's environment.
-        .env("TESSERA_HOOK_CONFIG", &node.config)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("containerd: {e}"))?;
-    let d = Containerd { child, sock };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        let ok =
-            Command::new("ctr").arg("--address").arg(&d.sock).arg("version").output().is_ok_and(|o| o.status.success());
-        if ok {
-            return Ok(d);
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    let d = Containerd::start(&base, &config, &node.config, log.try_clone().unwrap(), log);
+    if d.answers() {
+        return Ok(d);
     }
     Err(format!(
         "containerd did not answer: {}",
