@@ -160,7 +160,7 @@ fn breach(e: &api::Event) -> &api::LimitBreach {
 }
 
 /// A node with one 80 GiB GPU in 4 shares, tesserad running with `enforcement`, the kubelet
-/// registered: (node, tempdir, daemon, plugin client, share ids, metrics address).
+/// registered: (node, tempdir, daemon, plugin client, share ids, metrics address, node API).
 struct Setup {
     node: SimNode,
     dir: tempfile::TempDir,
@@ -169,6 +169,7 @@ struct Setup {
     plugin: tessera_proto::deviceplugin::v1beta1::device_plugin_client::DevicePluginClient<tonic::transport::Channel>,
     shares: Vec<String>,
     metrics: std::net::SocketAddr,
+    api: api::node_client::NodeClient<tonic::transport::Channel>,
 }
 
 async fn setup(enforcement: &str) -> Setup {
@@ -189,7 +190,29 @@ async fn setup(enforcement: &str) -> Setup {
         let mut list = plugin.list_and_watch(Empty {}).await.expect("list");
         common::next_list(list.get_mut()).await.devices.iter().map(|d| d.id.clone()).collect()
     };
-    Setup { node, dir, _daemon: daemon, _kubelet: kubelet, plugin, shares, metrics }
+    let api = common::node_api(&dir.path().join("run/tessera.sock")).await;
+    Setup { node, dir, _daemon: daemon, _kubelet: kubelet, plugin, shares, metrics, api }
+}
+
+impl Setup {
+    /// The events of `kinds` from now on.
+    async fn watch(&self, kinds: &[api::EventKind]) -> tonic::Streaming<api::Event> {
+        let req = api::WatchEventsRequest { kinds: kinds.iter().map(|&k| k as i32).collect(), ..Default::default() };
+        self.api.clone().watch_events(req).await.expect("watch").into_inner()
+    }
+
+    /// What `/metrics` answers.
+    fn metrics(&self) -> String {
+        let (code, body) = common::prometheus::get(self.metrics, "/metrics").expect("metrics answer");
+        assert_eq!(code, 200);
+        body
+    }
+}
+
+/// The line of series `family` for allocation `id` in a `/metrics` answer.
+fn line_of<'a>(body: &'a str, family: &str, id: &str) -> &'a str {
+    let of = |l: &&str| l.strip_prefix(family).is_some_and(|rest| rest.starts_with('{')) && l.contains(id);
+    body.lines().find(of).unwrap_or_else(|| panic!("no {family} series for {id}:\n{body}"))
 }
 
 /// The share's memory limit, from the node API.
@@ -210,10 +233,9 @@ fn log_of(dir: &Path) -> String {
 async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_is() {
     let Some(root) = cgroup_root() else { return };
     let mut s = setup("action = \"kill\"\ninterval_ms = 200").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (over_id, over_dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
     let (under_id, under_dir) = allocate_share(&mut s.plugin, &s.shares[1]).await;
-    let limit = limit_of(&mut api, &over_id).await;
+    let limit = limit_of(&mut s.api, &over_id).await;
     assert!(limit > 0, "a share has a memory limit");
 
     // What the hook records for each container; the cgroups runtimes would make.
@@ -233,11 +255,7 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
     let over_cg = Cgroup::new(&root, "over", &over_cid);
     let under_cg = Cgroup::new(&root, "under", &under_cid);
 
-    let req = api::WatchEventsRequest {
-        kinds: vec![api::EventKind::LimitBreach as i32, api::EventKind::UnattributedProcess as i32],
-        ..Default::default()
-    };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach, api::EventKind::UnattributedProcess]).await;
 
     // Under its limit, and a process of no allocation: both must run to their end.
     let mut modest = holding_workload(&s.node, Some(&under_cg), 1024, 4);
@@ -303,12 +321,8 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
     let line = text.lines().find(|l| l.contains("limit_breach")).unwrap_or_else(|| panic!("no limit_breach:\n{text}"));
     assert!(line.contains(&over_id) && line.contains("team-a/greedy/main"), "{line}");
     assert!(text.lines().any(|l| l.contains("unattributed_process") && l.contains(&stray.id().to_string())), "{text}");
-    let (code, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
-    assert_eq!(code, 200);
-    let series = body
-        .lines()
-        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&over_id))
-        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    let body = s.metrics();
+    let series = line_of(&body, "tessera_container_limit_breaches_total", &over_id);
     assert!(
         series.contains("action=\"kill\"") && series.contains("pod=\"greedy\"") && series.ends_with(" 1"),
         "{series}"
@@ -320,15 +334,13 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
 async fn report_mode_reports_a_breach_once_and_kills_nothing() {
     let Some(root) = cgroup_root() else { return };
     let mut s = setup("action = \"report\"\ninterval_ms = 100").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
-    let limit = limit_of(&mut api, &id).await;
+    let limit = limit_of(&mut s.api, &id).await;
     let cid = container_id(3);
     let container = ContainerIdentity { container_id: Some(cid.clone()), ..Default::default() };
     tessera_region::owner::Owner { container, ..Default::default() }.write(&dir).expect("owner");
     let cg = Cgroup::new(&root, "report", &cid);
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     // Over the limit for 3 s: about 30 polls, one event when it starts, one when it ends.
     let over_mib = limit / MIB + 256;
@@ -346,11 +358,8 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
     assert_eq!(breach(&ended).phase, api::BreachPhase::Ended as i32, "the next event is the end: {}", ended.message);
     assert_eq!(ended.severity, api::Severity::Info as i32);
 
-    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
-    let series = body
-        .lines()
-        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&id))
-        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    let body = s.metrics();
+    let series = line_of(&body, "tessera_container_limit_breaches_total", &id);
     assert!(series.contains("action=\"report\"") && series.ends_with(" 1"), "one breach, however many polls: {series}");
 }
 
@@ -378,13 +387,11 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
     let Some(root) = cgroup_root() else { return };
     // Four shares: 25% SM each, strict, normal priority. A 1 s window at 100 ms polls.
     let mut s = setup("action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (greedy_id, greedy_dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
     let (modest_id, modest_dir) = allocate_share(&mut s.plugin, &s.shares[1]).await;
     let (_, greedy_cg) = container(&root, &greedy_dir, 11, "spinner");
     let (_, modest_cg) = container(&root, &modest_dir, 12, "paced");
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     // About 10% of the GPU (100 kernels of 1 ms a second) for 4 s, no shim: within its 25%.
     let mut modest = launching_workload(&s.node, &modest_cg, 100, 4);
@@ -464,11 +471,8 @@ async fn a_process_taking_more_sm_time_than_its_share_is_killed_and_one_within_i
     assert_eq!(modest.wait().expect("wait").code(), Some(0), "within its share: untouched");
     let more = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
     assert!(more.is_err(), "no other breach: {more:?}");
-    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
-    let series = body
-        .lines()
-        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&greedy_id))
-        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    let body = s.metrics();
+    let series = line_of(&body, "tessera_container_limit_breaches_total", &greedy_id);
     assert!(
         series.contains("limit=\"sm\"") && series.contains("action=\"kill\"") && series.ends_with(" 2"),
         "{series}"
@@ -542,11 +546,9 @@ async fn an_honest_program_launching_graphs_of_100_kernels_under_the_shim_is_not
 async fn honest_under_the_shim(kernel_us: u64, seconds: u32, more: &str, per_launch: u64, seed: u64) {
     let Some(root) = cgroup_root() else { return };
     let mut s = setup("action = \"kill\"\ninterval_ms = 200").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
     let (_, cg) = container(&root, &dir, seed, "honest");
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     let started = Instant::now();
     let honest = shimmed_workload(&s.node, &cg, &dir, kernel_us, seconds, more);
@@ -558,11 +560,8 @@ async fn honest_under_the_shim(kernel_us: u64, seconds: u32, more: &str, per_lau
     let more_events = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
     assert!(more_events.is_err(), "no breach: {more_events:?}");
     // What the driver counted: its share, and not a launch more.
-    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
-    let line = body
-        .lines()
-        .find(|l| l.starts_with("tessera_container_sm_seconds_total{") && l.contains(&id))
-        .unwrap_or_else(|| panic!("no SM time series for {id}:\n{body}"));
+    let body = s.metrics();
+    let line = line_of(&body, "tessera_container_sm_seconds_total", &id);
     let sm: f64 = line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"));
     let launch_s = (kernel_us * per_launch) as f64 / 1e6;
     let paced = r["launch_share"].as_f64().unwrap_or(0.0);
@@ -583,11 +582,9 @@ async fn honest_under_the_shim(kernel_us: u64, seconds: u32, more: &str, per_lau
 async fn sm_report_mode_reports_the_breach_and_its_end_and_kills_nothing() {
     let Some(root) = cgroup_root() else { return };
     let mut s = setup("action = \"kill\"\nsm_action = \"report\"\ninterval_ms = 100\nsm_window_ms = 1000").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[3]).await;
     let (_, cg) = container(&root, &dir, 13, "reported");
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     let mut greedy = launching_workload(&s.node, &cg, 0, 3);
     let started = next_event(&mut events, "limit_breach started").await;
@@ -597,11 +594,8 @@ async fn sm_report_mode_reports_the_breach_and_its_end_and_kills_nothing() {
     assert_eq!(greedy.wait().expect("wait").code(), Some(0), "reported, not killed");
     let ended = next_event(&mut events, "limit_breach ended").await;
     assert_eq!(breach(&ended).phase, api::BreachPhase::Ended as i32, "the next event is the end: {}", ended.message);
-    let (_, body) = common::prometheus::get(s.metrics, "/metrics").expect("metrics answer");
-    let series = body
-        .lines()
-        .find(|l| l.starts_with("tessera_container_limit_breaches_total{") && l.contains(&id))
-        .unwrap_or_else(|| panic!("no breach series:\n{body}"));
+    let body = s.metrics();
+    let series = line_of(&body, "tessera_container_limit_breaches_total", &id);
     assert!(
         series.contains("limit=\"sm\"") && series.contains("action=\"report\"") && series.ends_with(" 1"),
         "{series}"
@@ -614,11 +608,9 @@ async fn with_no_shim_injected_sm_time_is_reported_not_killed_unless_asked() {
     // An operator who turned the shim off: no container has a limiter, so every busy process
     // would be over its share. `action = "kill"` still holds memory; SM time is reported.
     let mut s = setup("action = \"kill\"\ninterval_ms = 100\nsm_window_ms = 1000\n[injection]\nshim_path = \"\"").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[2]).await;
     let (_, cg) = container(&root, &dir, 14, "unshimmed");
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     let mut busy = launching_workload(&s.node, &cg, 0, 2);
     let e = next_event(&mut events, "limit_breach").await;
@@ -672,12 +664,10 @@ time.sleep(20)
 async fn memory_held_through_imported_handles_counts_against_the_limit() {
     let Some(root) = cgroup_root() else { return };
     let mut s = setup("action = \"kill\"\ninterval_ms = 200").await;
-    let mut api = common::node_api(&s.dir.path().join("run/tessera.sock")).await;
     let (id, dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
-    let limit = limit_of(&mut api, &id).await;
+    let limit = limit_of(&mut s.api, &id).await;
     let (_cid, cg) = container(&root, &dir, 7, "importer");
-    let req = api::WatchEventsRequest { kinds: vec![api::EventKind::LimitBreach as i32], ..Default::default() };
-    let mut events = api.watch_events(req).await.expect("watch").into_inner();
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
 
     const PIECE_MIB: u64 = 2048;
     let pieces = limit / (PIECE_MIB * MIB) + 1;
