@@ -3,6 +3,12 @@ use super::*;
 use crate::state::ContainerIdentity;
 use crate::usage::{ContainerUsage, DeviceUsage};
 
+/// Asserts that `text` declares metric family `family` of type `kind`.
+#[track_caller]
+fn declared(text: &str, family: &str, kind: &str) {
+    assert!(text.contains(&format!("# TYPE {family} {kind}\n")), "no {kind} {family} in:\n{text}");
+}
+
 fn find<'a>(samples: &'a [Sample], name: &str, label: (&str, &str)) -> Vec<&'a Sample> {
     samples.iter().filter(|(n, l, _)| n == name && l.get(label.0).map(String::as_str) == Some(label.1)).collect()
 }
@@ -157,7 +163,7 @@ fn renders_valid_text_with_exact_values() {
         assert_eq!(find(&samples, name, ("UUID", "GPU-0"))[0].2, want, "{name}");
         assert!(find(&samples, name, ("UUID", "MIG-1")).is_empty(), "{name}: not known for the MIG device");
     }
-    assert!(text.contains("# TYPE DCGM_FI_DEV_ECC_SBE_VOL_TOTAL counter\n"));
+    declared(&text, "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter");
     let mig = find(&samples, "DCGM_FI_DEV_FB_FREE", ("UUID", "MIG-1"));
     assert_eq!(mig[0].2, 10240.0);
     assert_eq!(mig[0].1["GPU_I_PROFILE"], "1g.10gb");
@@ -199,19 +205,19 @@ fn renders_valid_text_with_exact_values() {
     // Every served resource, 0 included.
     let withdrawn = |r: &str| find(&samples, "tessera_kubelet_devices_withdrawn", ("resource", r))[0].2;
     assert_eq!((withdrawn("tessera.io/gpu"), withdrawn("tessera.io/gpu-share")), (0.0, 3.0));
-    assert!(text.contains("# TYPE tessera_kubelet_devices_withdrawn gauge\n"));
+    declared(&text, "tessera_kubelet_devices_withdrawn", "gauge");
     let breach = find(&samples, "tessera_container_limit_breaches_total", ("allocation", "a1"));
     assert_eq!(breach.len(), 1);
     assert_eq!(
         (breach[0].1["action"].as_str(), breach[0].1["limit"].as_str(), breach[0].1["pod"].as_str(), breach[0].2),
         ("kill", "sm", "train-0", 4.0)
     );
-    assert!(text.contains("# TYPE tessera_container_limit_breaches_total counter\n"));
+    declared(&text, "tessera_container_limit_breaches_total", "counter");
     let sm = find(&samples, "tessera_container_sm_seconds_total", ("allocation", "a1"));
     assert_eq!((sm.len(), sm[0].1["pod"].as_str(), sm[0].2), (1, "train-0", 2.5));
-    assert!(text.contains("# TYPE tessera_container_sm_seconds_total counter\n"));
-    assert!(text.contains("# TYPE tessera_container_launches_total counter\n"));
-    assert!(text.contains("# TYPE DCGM_FI_DEV_FB_USED gauge\n"));
+    declared(&text, "tessera_container_sm_seconds_total", "counter");
+    declared(&text, "tessera_container_launches_total", "counter");
+    declared(&text, "DCGM_FI_DEV_FB_USED", "gauge");
 }
 
 /// The bytes themselves, as scrapers read them: label order, escapes, number formats.
@@ -238,7 +244,7 @@ fn exact_lines() {
 fn last_xid_is_a_gauge_on_whole_gpus_only() {
     let mut m = metrics();
     let text = render(&m);
-    assert!(text.contains("# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"));
+    declared(&text, "DCGM_FI_DEV_XID_ERRORS", "gauge");
     assert!(text.contains("# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.\n"));
     let samples = parse(&text);
     assert_eq!(find(&samples, "DCGM_FI_DEV_XID_ERRORS", ("UUID", "GPU-0"))[0].2, 0.0, "none seen: 0");
@@ -256,8 +262,8 @@ fn last_xid_is_a_gauge_on_whole_gpus_only() {
 fn layout_and_state_filesystem_series() {
     let mut m = metrics();
     let text = render(&m);
-    assert!(text.contains("# TYPE tessera_gpu_layout_converged gauge\n"));
-    assert!(text.contains("# TYPE tessera_state_filesystem_avail_bytes gauge\n"));
+    declared(&text, "tessera_gpu_layout_converged", "gauge");
+    declared(&text, "tessera_state_filesystem_avail_bytes", "gauge");
     let samples = parse(&text);
     let conv = find(&samples, "tessera_gpu_layout_converged", ("UUID", "GPU-0"));
     assert_eq!((conv.len(), conv[0].2, conv[0].1["gpu"].as_str()), (1, 0.0, "0"), "diverged: 0");
@@ -368,6 +374,6 @@ fn parking_is_a_gauge_and_counters_per_op() {
     assert_eq!(one("tessera_park_operations_total", ("op", "resume")), 1.0);
     assert_eq!(one("tessera_park_seconds_total", ("op", "park")), 0.25);
     assert_eq!(one("tessera_park_bytes_total", ("op", "resume")), f64::from(1u32 << 30));
-    assert!(text.contains("# TYPE tessera_park_bytes_total counter\n"), "{text}");
+    declared(&text, "tessera_park_bytes_total", "counter");
     assert!(text.contains("# TYPE tessera_preemptions_total counter\ntessera_preemptions_total 2\n"), "{text}");
 }
