@@ -8,7 +8,7 @@
 //! Asynchronous variants move the bytes at once (kernels change no memory here, so the result
 //! is what stream order would give), or are recorded when their stream is capturing.
 
-use std::ffi::c_void;
+use std::ffi::{c_uint, c_void};
 use std::sync::Arc;
 
 use tessera_sim_model::Node;
@@ -375,77 +375,88 @@ cuda_exports! {
 
 // ---- 2D copies -------------------------------------------------------------------------------
 
+/// One side of a `CUDA_MEMCPY2D`, the source or the destination, as C lays it out: where its
+/// region starts (`x` bytes into row `y`), its memory type read as a raw integer, and where that
+/// memory is.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Side2d {
+    x: usize,
+    y: usize,
+    ty: u32,
+    host: *const c_void,
+    device: u64,
+    array: sys::CUarray,
+    pitch: usize,
+}
+
+impl Side2d {
+    /// From the legacy struct's 32-bit fields.
+    fn v1(
+        x: c_uint,
+        y: c_uint,
+        ty: u32,
+        host: *const c_void,
+        device: c_uint,
+        array: sys::CUarray,
+        pitch: c_uint,
+    ) -> Side2d {
+        Side2d { x: x as usize, y: y as usize, ty, host, device: u64::from(device), array, pitch: pitch as usize }
+    }
+
+    /// Its first byte, its pitch, and which side of memory it is on.
+    fn start(&self) -> R<(u64, u64, Side)> {
+        let (base, pitch, side) = match self.ty {
+            1 => (self.host as u64, self.pitch as u64, Host),
+            2 => (self.device, self.pitch as u64, Dev),
+            3 => {
+                let a = handles::read().arrays.get(&(self.array as usize)).cloned().ok_or(super::INVALID_HANDLE)?;
+                (a.base, a.row_bytes(), Dev)
+            }
+            4 => (self.device, self.pitch as u64, Any),
+            _ => return Err(INVALID_VALUE),
+        };
+        let start = (self.y as u64)
+            .checked_mul(pitch)
+            .and_then(|o| o.checked_add(self.x as u64))
+            .and_then(|o| base.checked_add(o));
+        Ok((start.ok_or(INVALID_VALUE)?, pitch, side))
+    }
+}
+
 /// `CUDA_MEMCPY2D` with its memory types read as raw integers.
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct Memcpy2d {
-    src_x: usize,
-    src_y: usize,
-    src_type: u32,
-    src_host: *const c_void,
-    src_device: u64,
-    src_array: sys::CUarray,
-    src_pitch: usize,
-    dst_x: usize,
-    dst_y: usize,
-    dst_type: u32,
-    dst_host: *mut c_void,
-    dst_device: u64,
-    dst_array: sys::CUarray,
-    dst_pitch: usize,
+    src: Side2d,
+    dst: Side2d,
     width: usize,
     height: usize,
 }
 const _: () = assert!(std::mem::size_of::<Memcpy2d>() == std::mem::size_of::<sys::CUDA_MEMCPY2D>());
+const _: () = assert!(std::mem::offset_of!(Memcpy2d, src.pitch) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, srcPitch));
 const _: () =
-    assert!(std::mem::offset_of!(Memcpy2d, dst_type) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, dstMemoryType));
+    assert!(std::mem::offset_of!(Memcpy2d, dst.ty) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, dstMemoryType));
+const _: () = assert!(std::mem::offset_of!(Memcpy2d, dst.pitch) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, dstPitch));
 const _: () = assert!(std::mem::offset_of!(Memcpy2d, height) == std::mem::offset_of!(sys::CUDA_MEMCPY2D, Height));
 
 impl From<Memcpy2dV1> for Memcpy2d {
     fn from(v: Memcpy2dV1) -> Memcpy2d {
         Memcpy2d {
-            src_x: v.src_x as usize,
-            src_y: v.src_y as usize,
-            src_type: v.src_type,
-            src_host: v.src_host,
-            src_device: v.src_device as u64,
-            src_array: v.src_array,
-            src_pitch: v.src_pitch as usize,
-            dst_x: v.dst_x as usize,
-            dst_y: v.dst_y as usize,
-            dst_type: v.dst_type,
-            dst_host: v.dst_host,
-            dst_device: v.dst_device as u64,
-            dst_array: v.dst_array,
-            dst_pitch: v.dst_pitch as usize,
+            src: Side2d::v1(v.src_x, v.src_y, v.src_type, v.src_host, v.src_device, v.src_array, v.src_pitch),
+            dst: Side2d::v1(
+                v.dst_x,
+                v.dst_y,
+                v.dst_type,
+                v.dst_host.cast_const(),
+                v.dst_device,
+                v.dst_array,
+                v.dst_pitch,
+            ),
             width: v.width as usize,
             height: v.height as usize,
         }
     }
-}
-
-/// One side of a 2D copy: its first byte, its pitch, and which side it is.
-fn side_2d(
-    ty: u32,
-    host: u64,
-    device: u64,
-    array: sys::CUarray,
-    pitch: usize,
-    x: usize,
-    y: usize,
-) -> R<(u64, u64, Side)> {
-    let (base, pitch, side) = match ty {
-        1 => (host, pitch as u64, Host),
-        2 => (device, pitch as u64, Dev),
-        3 => {
-            let a = handles::read().arrays.get(&(array as usize)).cloned().ok_or(super::INVALID_HANDLE)?;
-            (a.base, a.row_bytes(), Dev)
-        }
-        4 => (device, pitch as u64, Any),
-        _ => return Err(INVALID_VALUE),
-    };
-    let start = (y as u64).checked_mul(pitch).and_then(|o| o.checked_add(x as u64)).and_then(|o| base.checked_add(o));
-    Ok((start.ok_or(INVALID_VALUE)?, pitch, side))
 }
 
 /// Copies a 2D region row by row.
@@ -453,10 +464,8 @@ fn side_2d(
 /// # Safety
 /// Host-side rows must be valid for the copy (the caller's contract).
 unsafe fn copy_2d(p: &Memcpy2d) -> R {
-    let (src, sp, ss) =
-        side_2d(p.src_type, p.src_host as u64, p.src_device, p.src_array, p.src_pitch, p.src_x, p.src_y)?;
-    let (dst, dp, ds) =
-        side_2d(p.dst_type, p.dst_host as u64, p.dst_device, p.dst_array, p.dst_pitch, p.dst_x, p.dst_y)?;
+    let (src, sp, ss) = p.src.start()?;
+    let (dst, dp, ds) = p.dst.start()?;
     let w = p.width as u64;
     if p.height > 1 && (sp < w || dp < w) {
         return Err(INVALID_VALUE);
