@@ -16,7 +16,7 @@ use super::errors::{Cu, During, poll_faults, sim};
 use super::graph::Capture;
 use super::handles;
 use super::init::driver;
-use super::stream::{Target, resolve};
+use super::stream::{Target, resolve_with};
 use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_READY, R, need, put, run, sys};
 
 /// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS`.
@@ -136,15 +136,7 @@ fn event_to_sync(h: sys::CUevent) -> R<(&'static Node, Arc<Event>)> {
 /// The event `h` and what `stream` resolves to (its context able to take work), read under one
 /// lock of the registry, on a node with no fault pending.
 fn event_and_stream(h: sys::CUevent, stream: sys::CUstream, pt: bool) -> R<(&'static Node, Arc<Event>, Target)> {
-    let node = driver()?.node;
-    poll_faults(node)?;
-    let (ev, target) = {
-        let reg = handles::read();
-        let ev = reg.events.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)?;
-        (ev, resolve(&reg, node, stream, pt)?)
-    };
-    target.ctx.check(node)?;
-    Ok((node, ev, target))
+    resolve_with(stream, pt, |reg| reg.events.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE))
 }
 
 fn record(h: sys::CUevent, stream: sys::CUstream, flags: c_uint, pt: bool) -> R {

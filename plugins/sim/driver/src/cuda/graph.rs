@@ -21,7 +21,7 @@ use super::errors::{Cu, poll_faults};
 use super::handles;
 use super::init::driver;
 use super::module::Func;
-use super::stream::{HostCall, Target, enqueue_host, resolve};
+use super::stream::{HostCall, Target, enqueue_host, resolve, resolve_with};
 use super::{CUresult, ILLEGAL_STATE, INVALID_VALUE, R, get, need, put, put_opt, run, sys};
 
 /// One unit of queued work, as run on a stream or recorded in a graph.
@@ -855,14 +855,7 @@ cuda_exports! {
 /// `cuGraphLaunch`: every node's work is queued on the stream, in order (recorded, if the stream
 /// is itself capturing).
 fn launch(exec: sys::CUgraphExec, h: sys::CUstream, pt: bool) -> R {
-    let node = driver()?.node;
-    poll_faults(node)?;
-    let (e, t) = {
-        let reg = handles::read();
-        let e = reg.execs.get(&(exec as usize)).cloned().ok_or(INVALID_VALUE)?;
-        (e, resolve(&reg, node, h, pt)?)
-    };
-    t.ctx.check(node)?;
+    let (node, e, t) = resolve_with(h, pt, |reg| reg.execs.get(&(exec as usize)).cloned().ok_or(INVALID_VALUE))?;
     if t.capture().is_some() {
         for op in &e.ops {
             submit(node, &t, op.clone())?;

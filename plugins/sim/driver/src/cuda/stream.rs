@@ -116,11 +116,25 @@ pub(crate) fn legacy_group(reg: &Registry, ctx: &Ctx, legacy: StreamId) -> R<Vec
 
 /// Resolves a stream for new work and checks its context can take it.
 pub(crate) fn resolve_and_check(h: sys::CUstream, per_thread: bool) -> R<Target> {
+    resolve_with(h, per_thread, |_| Ok(())).map(|(_, (), t)| t)
+}
+
+/// What `find` reads in the registry and what stream `h` resolves to, under one lock of the
+/// registry, on a node with no fault pending; the stream's context checked able to take work.
+pub(crate) fn resolve_with<T>(
+    h: sys::CUstream,
+    per_thread: bool,
+    find: impl FnOnce(&Registry) -> R<T>,
+) -> R<(&'static Node, T, Target)> {
     let node = driver()?.node;
     poll_faults(node)?;
-    let t = resolve(&handles::read(), node, h, per_thread)?;
+    let (found, t) = {
+        let reg = handles::read();
+        let found = find(&reg)?;
+        (found, resolve(&reg, node, h, per_thread)?)
+    };
     t.ctx.check(node)?;
-    Ok(t)
+    Ok((node, found, t))
 }
 
 // ---- Host functions --------------------------------------------------------------------------
