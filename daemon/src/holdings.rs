@@ -185,18 +185,23 @@ impl Holdings {
         share_mode: ComputeMode,
     ) -> BTreeSet<(String, String)> {
         let mut out = BTreeSet::new();
-        // Per device: what is held, plus the free devices kept so far.
-        let mut kept: HashMap<&str, (u64, u32)> = HashMap::new();
+        // Per device: its memory, and what is held plus the free devices kept so far (`None`:
+        // not a device the node knows). Each device's memory and holdings looked up once.
+        let mut kept: HashMap<&str, Option<(u64, u64, u32)>> = HashMap::new();
         for res in resources.resources.values() {
+            let held_ids = self.kubelet_devices.get(&res.name);
             for d in res.devices.iter().filter(|d| d.health.is_healthy()) {
                 // A pod's (the node API's MIG records name the same id: those do not count).
-                if self.kubelet_holds(&res.name, &d.id) {
+                if held_ids.is_some_and(|ids| ids.contains(d.id.as_str())) {
                     continue;
                 }
-                let Some(total) = memory_of(&d.physical_uuid) else { continue };
-                let (memory, sm) = kept
-                    .entry(d.physical_uuid.as_str())
-                    .or_insert_with(|| self.device(&d.physical_uuid).total().held(total));
+                let entry = kept.entry(d.physical_uuid.as_str()).or_insert_with(|| {
+                    let total = memory_of(&d.physical_uuid)?;
+                    let (memory, sm) = self.device(&d.physical_uuid).total().held(total);
+                    Some((total, memory, sm))
+                });
+                let Some((total, memory, sm)) = entry else { continue };
+                let total = *total;
                 let strict = res.kind != Kind::Share || share_mode == ComputeMode::Strict;
                 let (m, p) = (d.memory_limit.unwrap_or(total), if strict { d.sm_percent.unwrap_or(100) } else { 0 });
                 if memory.saturating_add(m) <= total && sm.saturating_add(p) <= 100 {

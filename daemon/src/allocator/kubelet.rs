@@ -20,7 +20,7 @@ use super::admission::admit_beside;
 use super::{CONTAINER_ALLOC_DIR, DaemonAllocator, internal};
 use crate::config::{Config, Placement};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
-use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source, record::unix_ns};
+use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source, Store, record::unix_ns};
 
 /// A host path mounted into the container.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,7 +264,9 @@ impl Allocator for DaemonAllocator {
         let res = resource_of(&offer.resources, resource)?;
         let devices = self.devices(&offer, res, device_ids)?;
         let wanted: BTreeSet<&str> = device_ids.iter().map(String::as_str).collect();
-        let mut store = self.store.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // What the records hold is told to the controller (which publishes it to the faces) once
+        // the lock is let go, below, before the answer.
+        let mut store = Store::lock_telling_after(&self.store);
 
         // Only the records holding an asked-for device (the store's index, not a scan of all).
         let mut same = None;

@@ -74,10 +74,11 @@ pub fn start(
                     let offer = offer_rx.borrow_and_update().clone();
                     // What is served changes with the node, not with what is held (published
                     // on every allocation): not worked out again then.
-                    if !offer.only_holdings_differ(&last) {
+                    let node_changed = !offer.only_holdings_differ(&last);
+                    if node_changed {
                         served = of_view(mode, &offer);
                     }
-                    plugins.update(&mut set, &offer, &served, &controller);
+                    plugins.update(&mut set, &offer, &served, &controller, node_changed);
                     last = offer;
                 }
                 _ = shutdown.wait_for(|stop| *stop) => break,
@@ -115,9 +116,13 @@ impl Plugins {
     /// `res`'s devices as the kubelet is told them: the withdrawn ones unhealthy.
     fn devices(&self, res: &Resource) -> Vec<PluginDevice> {
         let mut devices = plugin_devices(res);
-        for d in &mut devices {
-            if self.withdrawn.contains(&(res.name.clone(), d.id.clone())) {
-                d.healthy = false;
+        let withdrawn: BTreeSet<&str> =
+            self.withdrawn.iter().filter(|(r, _)| *r == res.name).map(|(_, id)| id.as_str()).collect();
+        if !withdrawn.is_empty() {
+            for d in &mut devices {
+                if withdrawn.contains(d.id.as_str()) {
+                    d.healthy = false;
+                }
             }
         }
         devices
@@ -137,15 +142,25 @@ impl Plugins {
         resources: &Resources,
         controller: &NodeController,
     ) -> Result<PluginSet, KubeletError> {
-        self.follow_withdrawn(controller, offer, resources);
+        self.follow_withdrawn(controller, offer, resources, true);
         let plugins = resources.resources.values().map(|r| self.plugin(r, controller.allocator())).collect();
         PluginSet::start(&cfg.device_plugin_dir, plugins)
     }
 
     /// Takes the offer's withdrawn devices, saying what changed, and tells the controller what
-    /// the kubelet is now offered (for `tessera status` and the metrics).
-    fn follow_withdrawn(&mut self, controller: &NodeController, offer: &View, resources: &Resources) {
+    /// the kubelet is now offered (for `tessera status` and the metrics) when that changed
+    /// (`served_changed`: what is served may have). Whether the withdrawn devices changed.
+    fn follow_withdrawn(
+        &mut self,
+        controller: &NodeController,
+        offer: &View,
+        resources: &Resources,
+        served_changed: bool,
+    ) -> bool {
         let now = only_served(offer.withdrawn_from_kubelet(), resources);
+        if now == self.withdrawn && !served_changed {
+            return false;
+        }
         let show = |set: &mut dyn Iterator<Item = &(String, String)>| {
             set.map(|(r, id)| format!("{r} {id}")).collect::<Vec<_>>().join(", ")
         };
@@ -157,15 +172,30 @@ impl Plugins {
         if !back.is_empty() {
             tracing::info!(devices = %back, "offered to the kubelet again: the room is back");
         }
+        let changed = now != self.withdrawn;
         self.withdrawn = now;
         controller.set_kubelet_offer(KubeletOffer {
             resources: resources.resources.keys().cloned().collect(),
             withdrawn: self.withdrawn.clone(),
         });
+        changed
     }
 
-    fn update(&mut self, set: &mut PluginSet, offer: &View, resources: &Resources, controller: &NodeController) {
-        self.follow_withdrawn(controller, offer, resources);
+    /// Follows a new offer; `served_changed`: what is served (`resources`) may differ from the
+    /// last call's. When neither it nor the withdrawn devices changed (a publish of what the
+    /// records hold, on every allocation, that withdraws nothing new), every device list is as
+    /// sent: none is built again.
+    fn update(
+        &mut self,
+        set: &mut PluginSet,
+        offer: &View,
+        resources: &Resources,
+        controller: &NodeController,
+        served_changed: bool,
+    ) {
+        if !self.follow_withdrawn(controller, offer, resources, served_changed) && !served_changed {
+            return;
+        }
         let allocator = controller.allocator();
         for res in resources.resources.values() {
             match self.senders.get(&res.name) {

@@ -47,6 +47,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use super::alloc_dir::AllocDirs;
 use super::holders::Holders;
@@ -192,7 +193,12 @@ pub struct Store {
     /// released, its devices or limits changed), whoever made it; not by a change that leaves
     /// them as they were (a container named). The controller follows it to publish the holdings
     /// with its view.
-    held: tokio::sync::watch::Sender<u64>,
+    held: Arc<tokio::sync::watch::Sender<u64>>,
+    /// Set while the store is locked through [`Store::lock_telling_after`]: a change to what the
+    /// records hold is told when that lock is let go, not at once (`held_pending` says one was
+    /// made).
+    hold_back: bool,
+    held_pending: bool,
     /// Held for the store's life: the exclusive lock on `<dir>/lock`.
     _lock: File,
 }
@@ -455,7 +461,9 @@ impl Store {
             capacity,
             needs_compaction,
             changes: 0,
-            held: tokio::sync::watch::Sender::new(0),
+            held: Arc::new(tokio::sync::watch::Sender::new(0)),
+            hold_back: false,
+            held_pending: false,
             _lock: lock,
         })
     }
@@ -532,9 +540,22 @@ impl Store {
     /// Counts a change; `held`: it changed what the records hold.
     fn changed(&mut self, held: bool) {
         self.changes += 1;
-        if held {
+        if held && self.hold_back {
+            self.held_pending = true;
+        } else if held {
             self.held.send_modify(|n| *n += 1);
         }
+    }
+
+    /// Locks `store` so that the changes made through the lock are told to
+    /// [`Store::holdings_changes`] once it is let go rather than as each is made: a follower
+    /// woken by the change then finds the store free instead of waiting on the lock, on another
+    /// CPU, while the change's caller still holds it (the kubelet's `Allocate`, which makes its
+    /// allocation directory after the record). Told once, however many changes were made.
+    pub fn lock_telling_after(store: &Mutex<Store>) -> TellingAfter<'_> {
+        let mut guard = store.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.hold_back = true;
+        TellingAfter { guard: Some(guard) }
     }
 
     /// How many changes (inserts, updates, removals) were made since the store was opened.
@@ -726,6 +747,38 @@ fn recover_into(
                 tracing::error!(%id, dir = %dirs.dir(&id).display(), "cannot recover the allocation from its directory: {reason}");
                 loss.unreadable.push((id, reason));
             }
+        }
+    }
+}
+
+/// The store locked by [`Store::lock_telling_after`]: when let go, the lock is released first,
+/// then a change made to what the records hold is told.
+pub struct TellingAfter<'a> {
+    guard: Option<MutexGuard<'a, Store>>,
+}
+
+impl std::ops::Deref for TellingAfter<'_> {
+    type Target = Store;
+    fn deref(&self) -> &Store {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for TellingAfter<'_> {
+    fn deref_mut(&mut self) -> &mut Store {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for TellingAfter<'_> {
+    fn drop(&mut self) {
+        let Some(mut store) = self.guard.take() else { return };
+        store.hold_back = false;
+        let pending = std::mem::take(&mut store.held_pending);
+        let held = Arc::clone(&store.held);
+        drop(store);
+        if pending {
+            held.send_modify(|n| *n += 1);
         }
     }
 }

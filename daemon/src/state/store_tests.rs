@@ -98,6 +98,39 @@ fn insert_get_list_remove_and_reopen() {
 }
 
 #[test]
+fn a_lock_telling_after_tells_the_holdings_change_once_it_is_let_go() {
+    let tmp = crate::state::mount::TestDir::new();
+    let store = std::sync::Mutex::new(Store::open(&tmp.path().join("state")).unwrap());
+    let mut told = store.lock().unwrap().holdings_changes();
+    told.borrow_and_update();
+    {
+        let mut s = Store::lock_telling_after(&store);
+        s.insert(&sample("a")).unwrap();
+        s.insert(&sample("b")).unwrap();
+        assert!(s.remove("b").unwrap().is_some());
+        assert!(!told.has_changed().unwrap(), "not told while the lock is held");
+    }
+    assert!(told.has_changed().unwrap(), "told once let go");
+    told.borrow_and_update();
+    // A plain lock tells at once again; a lock telling after that changes nothing tells nothing.
+    store.lock().unwrap().insert(&sample("c")).unwrap();
+    assert!(told.has_changed().unwrap());
+    told.borrow_and_update();
+    drop(Store::lock_telling_after(&store));
+    assert!(!told.has_changed().unwrap());
+    // One released early (an error path's `?`) still tells what it changed.
+    let early = || -> Result<(), StateError> {
+        let mut s = Store::lock_telling_after(&store);
+        s.remove("c")?;
+        s.insert(&sample("a"))?;
+        Ok(())
+    };
+    assert!(matches!(early(), Err(StateError::Duplicate { .. })));
+    assert!(told.has_changed().unwrap());
+    assert_eq!(ids(store.lock().unwrap().list()), ["a"]);
+}
+
+#[test]
 fn bad_ids_are_refused() {
     let tmp = crate::state::mount::TestDir::new();
     let mut s = Store::open(tmp.path()).unwrap();
