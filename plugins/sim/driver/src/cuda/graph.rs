@@ -18,7 +18,7 @@ use tessera_abi::cuda_exports;
 use tessera_sim_model::Node;
 
 use super::errors::{Cu, poll_faults};
-use super::handles;
+use super::handles::{self, graph};
 use super::init::driver;
 use super::module::Func;
 use super::stream::{HostCall, Target, enqueue_host, resolve, resolve_with};
@@ -386,11 +386,6 @@ cuda_exports! {
 }
 
 // ---- Graph exports --------------------------------------------------------------------------
-
-fn graph(h: sys::CUgraph) -> R<Arc<Graph>> {
-    driver()?;
-    handles::read().graphs.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
-}
 
 cuda_exports! {
     fn cuGraphCreate(phGraph, flags) {

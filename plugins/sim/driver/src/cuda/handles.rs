@@ -14,12 +14,14 @@ use std::sync::{Arc, LazyLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use super::context::Ctx;
 use super::event::Event;
 use super::graph::{Exec, GNode, Graph};
+use super::init::driver;
 use super::memory::{Alloc, Array};
 use super::mipmap::Mipmap;
 use super::module::{Func, Library, Module};
 use super::pools::Pool;
 use super::stream::Stream;
 use super::vmm::{Phys, Reservation};
+use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, R, sys};
 
 /// Everything the process holds, by handle (memory by base address).
 #[derive(Default)]
@@ -75,6 +77,43 @@ pub(crate) fn ordinal_of(handle: usize) -> u64 {
 /// A handle as the pointer type C sees.
 pub(crate) fn as_ptr<T>(handle: usize) -> *mut T {
     std::ptr::without_provenance_mut(handle)
+}
+
+/// The object `h` names in one of the registry's tables, once the driver is initialized;
+/// `missing` when it names none there (another kind's, stale, or made up).
+fn lookup<T>(h: usize, table: fn(&Registry) -> &HashMap<usize, Arc<T>>, missing: CUresult) -> R<Arc<T>> {
+    driver()?;
+    table(&read()).get(&h).cloned().ok_or(missing)
+}
+
+/// A module (`CUmodule`).
+pub(crate) fn module(h: sys::CUmodule) -> R<Arc<Module>> {
+    lookup(h as usize, |r| &r.modules, INVALID_HANDLE)
+}
+
+/// A library (`CUlibrary`).
+pub(crate) fn library(h: sys::CUlibrary) -> R<Arc<Library>> {
+    lookup(h as usize, |r| &r.libraries, INVALID_HANDLE)
+}
+
+/// An array (`CUarray`).
+pub(crate) fn array(h: sys::CUarray) -> R<Arc<Array>> {
+    lookup(h as usize, |r| &r.arrays, INVALID_HANDLE)
+}
+
+/// A mipmapped array (`CUmipmappedArray`).
+pub(crate) fn mipmap(h: sys::CUmipmappedArray) -> R<Arc<Mipmap>> {
+    lookup(h as usize, |r| &r.mipmaps, INVALID_HANDLE)
+}
+
+/// A graph (`CUgraph`); a wrong one is `INVALID_VALUE`, as the driver answers.
+pub(crate) fn graph(h: sys::CUgraph) -> R<Arc<Graph>> {
+    lookup(h as usize, |r| &r.graphs, INVALID_VALUE)
+}
+
+/// A memory pool (`CUmemoryPool`); a wrong one is `INVALID_VALUE`, as the driver answers.
+pub(crate) fn pool(h: sys::CUmemoryPool) -> R<Arc<Pool>> {
+    lookup(h as usize, |r| &r.pools, INVALID_VALUE)
 }
 
 impl Registry {

@@ -22,7 +22,7 @@ use tessera_sim_model::{MAX_GPUS, MAX_MIG, Node};
 
 use super::context::{self, Ctx};
 use super::errors::Cu;
-use super::handles::{self, Registry};
+use super::handles::{self, Registry, array};
 use super::init::{Device, driver};
 use super::{CUresult, INVALID_VALUE, OUT_OF_MEMORY, R, get, need, put, put_opt, run, sys};
 use crate::latency;
@@ -902,11 +902,6 @@ cuda_exports! {
             unsafe { put(pHandle, handles::as_ptr(h)) }
         })
     }
-}
-
-fn array(h: sys::CUarray) -> R<Arc<Array>> {
-    driver()?;
-    handles::read().arrays.get(&(h as usize)).cloned().ok_or(super::INVALID_HANDLE)
 }
 
 /// An array's descriptor, as `describe` makes it, through the caller's out-pointer (checked

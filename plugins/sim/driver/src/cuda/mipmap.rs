@@ -20,7 +20,7 @@ use std::sync::Arc;
 use tessera_abi::cuda::raw::Array3dDesc;
 use tessera_abi::cuda_exports;
 
-use super::handles;
+use super::handles::{self, mipmap};
 use super::init::driver;
 use super::memory::{Array, MemKind, alloc_in, ctx_for_work, format_bytes, release};
 use super::{INVALID_HANDLE, INVALID_VALUE, NOT_SUPPORTED, R, need, put, run, sys};
@@ -126,11 +126,6 @@ fn create(d: &Array3dDesc, levels: c_uint) -> R<usize> {
     }
     reg.mipmaps.insert(handle, Arc::new(Mipmap { ctx: ctx.handle, base, bytes, levels: level_handles }));
     Ok(handle)
-}
-
-fn mipmap(h: sys::CUmipmappedArray) -> R<Arc<Mipmap>> {
-    driver()?;
-    handles::read().mipmaps.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
 }
 
 cuda_exports! {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use tessera_abi::cuda_exports;
 
 use super::context;
-use super::handles::{self, Registry};
+use super::handles::{self, Registry, library, module};
 use super::init::driver;
 use super::memory::{Alloc, MemKind, map_anon, unmap};
 use super::{CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_FOUND, R, cstr, need, put, put_opt, run, sys};
@@ -364,11 +364,6 @@ cuda_exports! {
     }
 }
 
-fn module(h: sys::CUmodule) -> R<Arc<Module>> {
-    driver()?;
-    handles::read().modules.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
-}
-
 /// The function of a module by name, made on first use.
 fn function_in(m: &Module, name: &str) -> R<usize> {
     if !m.image.has_function(name) {
@@ -534,11 +529,6 @@ cuda_exports! {
             Ok(())
         })
     }
-}
-
-fn library(h: sys::CUlibrary) -> R<Arc<Library>> {
-    driver()?;
-    handles::read().libraries.get(&(h as usize)).cloned().ok_or(INVALID_HANDLE)
 }
 
 cuda_exports! {

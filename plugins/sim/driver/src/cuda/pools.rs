@@ -13,7 +13,7 @@ use tessera_abi::cuda_exports;
 
 use super::errors::poll_faults;
 use super::graph::Op;
-use super::handles;
+use super::handles::{self, pool};
 use super::init::{Device, driver};
 use super::memory::{Alloc, MemKind, charge, map_anon, refund, release_keeping};
 use super::stream::resolve_and_check;
@@ -155,11 +155,6 @@ fn current_pool(dev: &'static Device) -> usize {
         0 => default_pool(dev),
         p => p,
     }
-}
-
-fn pool(h: sys::CUmemoryPool) -> R<Arc<Pool>> {
-    driver()?;
-    handles::read().pools.get(&(h as usize)).cloned().ok_or(INVALID_VALUE)
 }
 
 cuda_exports! {
