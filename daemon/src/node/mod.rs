@@ -110,6 +110,10 @@ struct Live {
     reset_refused: BTreeSet<u32>,
 }
 
+/// How long after a change to what the records hold its publish waits
+/// ([`NodeController::follow_records`]).
+const PUBLISH_HOLDINGS_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Allocation directories kept ready for Allocate: a burst larger than this makes the rest on the
 /// request path (about 2 ms each) while the pool refills.
 const SPARE_ALLOC_DIRS: usize = 8;
@@ -214,6 +218,10 @@ impl NodeController {
                     changed = changes.changed() => if changed.is_err() { return },
                     _ = shutdown.wait_for(|stop| *stop) => return,
                 }
+                // The change's caller is still answering (the kubelet's Allocate: the answer
+                // leaves right after the record): publish a moment later, off its way, with
+                // whatever else changed meanwhile.
+                tokio::time::sleep(PUBLISH_HOLDINGS_AFTER).await;
             }
         })
     }

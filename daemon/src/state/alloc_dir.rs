@@ -374,24 +374,34 @@ fn write_new_file(path: &Path, bytes: &[u8], flush: bool) -> std::io::Result<()>
     if flush { f.sync_all() } else { Ok(()) }
 }
 
+/// How long the refill thread, woken by a take, waits before it builds.
+const REFILL_AFTER_TAKE: Duration = Duration::from_millis(2);
+
 /// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
 fn refill(spares: Weak<Spares>) {
     loop {
         let Some(sp) = spares.upgrade() else { return };
-        let missing = {
+        let (missing, woken) = {
             let state = sp.state.lock().unwrap_or_else(PoisonError::into_inner);
             if state.stopped {
                 return;
             }
-            let state = if state.ready.len() >= state.keep {
+            let (state, woken) = if state.ready.len() >= state.keep {
                 // Woken by a take that half spent the pool, or after a while: to top up what
                 // other takes left, or to notice the `AllocDirs` is gone.
-                sp.taken.wait_timeout(state, Duration::from_millis(500)).unwrap_or_else(PoisonError::into_inner).0
+                let (state, waited) =
+                    sp.taken.wait_timeout(state, Duration::from_millis(500)).unwrap_or_else(PoisonError::into_inner);
+                (state, !waited.timed_out())
             } else {
-                state
+                (state, false)
             };
-            state.keep.saturating_sub(state.ready.len())
+            (state.keep.saturating_sub(state.ready.len()), woken)
         };
+        if woken && missing > 0 {
+            // Woken by a take on a request's path, before its answer: let the answer go first
+            // rather than build beside it (the pool still holds half).
+            std::thread::sleep(REFILL_AFTER_TAKE);
+        }
         for _ in 0..missing {
             let building = sp.building.lock().unwrap_or_else(PoisonError::into_inner);
             if sp.state.lock().unwrap_or_else(PoisonError::into_inner).stopped {
