@@ -347,8 +347,13 @@ fn the_1_34_share_guard_is_one_policy_in_the_overlay_and_the_chart() {
         assert_eq!(chart("ValidatingAdmissionPolicy"), policy["spec"], "the chart's policy is the overlay's");
         assert_eq!(chart("ValidatingAdmissionPolicyBinding"), binding["spec"]);
         assert!(guards(&["--set", &set, "--kube-version", "1.35.0"]).is_empty(), "mode {mode}: not from 1.35");
-        assert_eq!(guards(&["--set", &set, "--set", "shareCountGuard.create=true", "--kube-version", "1.37.2"]).len(), 2);
-        assert!(guards(&["--set", &set, "--set", "shareCountGuard.create=false", "--kube-version", "1.34.4"]).is_empty());
+        assert_eq!(
+            guards(&["--set", &set, "--set", "shareCountGuard.create=true", "--kube-version", "1.37.2"]).len(),
+            2
+        );
+        assert!(
+            guards(&["--set", &set, "--set", "shareCountGuard.create=false", "--kube-version", "1.34.4"]).is_empty()
+        );
     }
     assert!(guards(&["--set", "mode=device-plugin", "--kube-version", "1.34.4"]).is_empty(), "no DRA: no guard");
     let e = helm_template(&helm, &["--set", "mode=dra", "--set", "shareCountGuard.create=maybe"]).expect_err("maybe");

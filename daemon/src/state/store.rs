@@ -47,7 +47,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{File, OpenOptions, TryLockError};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use super::alloc_dir::AllocDirs;
 use super::holders::Holders;
@@ -547,17 +547,6 @@ impl Store {
         }
     }
 
-    /// Locks `store` so that the changes made through the lock are told to
-    /// [`Store::holdings_changes`] once it is let go rather than as each is made: a follower
-    /// woken by the change then finds the store free instead of waiting on the lock, on another
-    /// CPU, while the change's caller still holds it (the kubelet's `Allocate`, which makes its
-    /// allocation directory after the record). Told once, however many changes were made.
-    pub fn lock_telling_after(store: &Mutex<Store>) -> TellingAfter<'_> {
-        let mut guard = store.lock().unwrap_or_else(PoisonError::into_inner);
-        guard.hold_back = true;
-        TellingAfter { guard: Some(guard) }
-    }
-
     /// How many changes (inserts, updates, removals) were made since the store was opened.
     pub fn changes(&self) -> u64 {
         self.changes
@@ -751,37 +740,9 @@ fn recover_into(
     }
 }
 
-/// The store locked by [`Store::lock_telling_after`]: when let go, the lock is released first,
-/// then a change made to what the records hold is told.
-pub struct TellingAfter<'a> {
-    guard: Option<MutexGuard<'a, Store>>,
-}
-
-impl std::ops::Deref for TellingAfter<'_> {
-    type Target = Store;
-    fn deref(&self) -> &Store {
-        self.guard.as_ref().expect("held until dropped")
-    }
-}
-
-impl std::ops::DerefMut for TellingAfter<'_> {
-    fn deref_mut(&mut self) -> &mut Store {
-        self.guard.as_mut().expect("held until dropped")
-    }
-}
-
-impl Drop for TellingAfter<'_> {
-    fn drop(&mut self) {
-        let Some(mut store) = self.guard.take() else { return };
-        store.hold_back = false;
-        let pending = std::mem::take(&mut store.held_pending);
-        let held = Arc::clone(&store.held);
-        drop(store);
-        if pending {
-            held.send_modify(|n| *n += 1);
-        }
-    }
-}
+#[path = "store_telling.rs"]
+mod telling;
+pub use telling::TellingAfter;
 
 #[cfg(test)]
 #[path = "store_tests.rs"]
