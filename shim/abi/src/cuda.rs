@@ -411,6 +411,11 @@ table! {
     fn cuOccupancyMaxActiveClusters(numClusters: *mut c_int, func: sys::CUfunction, config: *const sys::CUlaunchConfig);
     fn cuOccupancyMaxPotentialClusterSize(clusterSize: *mut c_int, func: sys::CUfunction, config: *const sys::CUlaunchConfig);
 
+    // Tensor maps (the Tensor Memory Accelerator's descriptors); enums as the raw integers C passes.
+    fn cuTensorMapEncodeTiled(tensorMap: *mut sys::CUtensorMap, tensorDataType: c_uint, tensorRank: u32, globalAddress: *mut c_void, globalDim: *const u64, globalStrides: *const u64, boxDim: *const u32, elementStrides: *const u32, interleave: c_uint, swizzle: c_uint, l2Promotion: c_uint, oobFill: c_uint);
+    fn cuTensorMapEncodeIm2col(tensorMap: *mut sys::CUtensorMap, tensorDataType: c_uint, tensorRank: u32, globalAddress: *mut c_void, globalDim: *const u64, globalStrides: *const u64, pixelBoxLowerCorner: *const c_int, pixelBoxUpperCorner: *const c_int, channelsPerPixel: u32, pixelsPerColumn: u32, elementStrides: *const u32, interleave: c_uint, swizzle: c_uint, l2Promotion: c_uint, oobFill: c_uint);
+    fn cuTensorMapReplaceAddress(tensorMap: *mut sys::CUtensorMap, globalAddress: *mut c_void);
+
     // Memory pools and stream-ordered allocation.
     fn cuDeviceGetDefaultMemPool(pool_out: *mut sys::CUmemoryPool, dev: c_int);
     fn cuDeviceGetMemPool(pool: *mut sys::CUmemoryPool, dev: c_int);

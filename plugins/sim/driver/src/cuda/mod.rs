@@ -64,6 +64,7 @@ mod pools;
 mod proc_address;
 mod proc_table;
 mod stream;
+mod tensor_map;
 pub(crate) mod trace;
 mod vmm;
 

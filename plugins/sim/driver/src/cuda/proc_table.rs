@@ -389,5 +389,8 @@ pub(crate) static TABLE: &[Entry] = &[
     Entry { name: "cuStreamSynchronize", version: 7000, pt: Pt::Ptsz, symbol: "cuStreamSynchronize_ptsz", f: stream::cuStreamSynchronize_ptsz as *const () },
     Entry { name: "cuStreamWaitEvent", version: 3020, pt: Pt::No, symbol: "cuStreamWaitEvent", f: event::cuStreamWaitEvent as *const () },
     Entry { name: "cuStreamWaitEvent", version: 7000, pt: Pt::Ptsz, symbol: "cuStreamWaitEvent_ptsz", f: event::cuStreamWaitEvent_ptsz as *const () },
+    Entry { name: "cuTensorMapEncodeIm2col", version: 12000, pt: Pt::No, symbol: "cuTensorMapEncodeIm2col", f: tensor_map::cuTensorMapEncodeIm2col as *const () },
+    Entry { name: "cuTensorMapEncodeTiled", version: 12000, pt: Pt::No, symbol: "cuTensorMapEncodeTiled", f: tensor_map::cuTensorMapEncodeTiled as *const () },
+    Entry { name: "cuTensorMapReplaceAddress", version: 12000, pt: Pt::No, symbol: "cuTensorMapReplaceAddress", f: tensor_map::cuTensorMapReplaceAddress as *const () },
     Entry { name: "cuThreadExchangeStreamCaptureMode", version: 10010, pt: Pt::No, symbol: "cuThreadExchangeStreamCaptureMode", f: graph::cuThreadExchangeStreamCaptureMode as *const () },
 ];
