@@ -15,46 +15,13 @@
 //! timings and granularity, not answers: the timings are checked as floors here
 //! (`calls_take_at_least_what_they_took_on_the_card`), the granularity is `tests/granularity.rs`'s.
 
-use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
-use std::path::PathBuf;
+mod common;
 
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+
+use common::{facts, facts_path, node_for};
 use nvml_wrapper_sys::bindings::*;
 use serde_json::Value;
-use tessera_sim_testkit::SimNode;
-
-/// The reading this test checks.
-fn facts_path() -> PathBuf {
-    match std::env::var_os("TESSERA_CARD_FACTS") {
-        Some(p) if !p.is_empty() => PathBuf::from(p),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/h200-facts.json"),
-    }
-}
-
-fn facts() -> Value {
-    let path = facts_path();
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
-}
-
-/// The node the card sat in: one board of the catalog model with the card's name, the driver and
-/// CUDA versions it reported, passed through to a VM if NVML said so.
-fn node_for(f: &Value) -> SimNode {
-    let name = f["name"].as_str().expect("facts: name");
-    let model = tessera_sim_model::catalog::builtin_models()
-        .iter()
-        .find(|m| m.name == name)
-        .unwrap_or_else(|| panic!("no catalog model is named {name:?}"));
-    let virt = match f["virt_mode"].as_u64() {
-        Some(1) => "virtualization_mode = \"passthrough\"\n",
-        _ => "",
-    };
-    SimNode::with_description(&format!(
-        "driver_version = {driver}\ncuda_driver_version = {cuda}\n{virt}[[gpu]]\nmodel = \"{key}\"\ncount = 1\n",
-        driver = f["driver"],
-        cuda = f["cuDriverGetVersion"],
-        key = model.key,
-    ))
-}
 
 /// The simulator's one library, loaded as a program loads libcuda.so.1 and libnvidia-ml.so.1.
 struct Lib(libloading::Library);

@@ -374,12 +374,14 @@ fn mem_get_info_moves_by_exactly_what_is_allocated() {
         let (free0, total) = cu.mem_info();
         assert_eq!(total, H100_MEMORY);
         assert_eq!(free0, H100_MEMORY - H100_RESERVED - CONTEXT_OVERHEAD);
-        let sizes = [1u64, 4096, 100 * MIB + 3, 3 * GIB];
+        // As the card holds them (docs/sim.md): 1 byte opens a 2 MiB chunk, 4 KiB goes into it,
+        // more than 1 MiB takes whole 2 MiB pages.
+        let sizes = [(1u64, 2 * MIB), (4096, 0), (100 * MIB + 3, 102 * MIB), (3 * GIB, 3 * GIB)];
         let mut ptrs = Vec::new();
         let mut held = 0;
-        for s in sizes {
+        for (s, takes) in sizes {
             ptrs.push(cu.alloc(s));
-            held += s;
+            held += takes;
             assert_eq!(cu.mem_info().0, free0 - held);
             assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD + held);
         }
@@ -395,7 +397,7 @@ fn mem_get_info_moves_by_exactly_what_is_allocated() {
         assert_eq!((f32_, t32), (u32::MAX, u32::MAX));
         let mut small = 0u32;
         assert_eq!(call!(cu, cuMemAlloc(&mut small, 1024) as fn(*mut c_uint, c_uint)), SUCCESS);
-        assert_eq!(cu.mem_info().0, free0 - 1024);
+        assert_eq!(cu.mem_info().0, free0 - 2 * MIB, "a legacy allocation takes a page of its own");
         assert_eq!(call!(cu, cuMemFree(small) as fn(c_uint)), SUCCESS);
         assert_eq!(cu.mem_info().0, free0);
     });
@@ -429,13 +431,29 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         let (free, _) = cu.mem_info();
         assert_eq!(cu.try_alloc(free + 1), Err(OUT_OF_MEMORY));
         assert_eq!(cu.mem_info().0, free, "a refused allocation holds nothing");
-        let all = cu.alloc(free);
+        // Linear memory takes whole 2 MiB pages: what is left under a page, managed memory takes.
+        let all = cu.alloc(free / (2 * MIB) * (2 * MIB));
+        let rest = cu.mem_info().0;
+        assert!(rest < 2 * MIB, "{rest} bytes left");
+        let mut p = 0;
+        if rest > 0 {
+            let rc = call!(cu, cuMemAllocManaged(&mut p, rest as usize, 1) as fn(*mut CUdeviceptr, usize, c_uint));
+            assert_eq!(rc, SUCCESS);
+        }
         assert_eq!(cu.mem_info().0, 0);
         assert_eq!(cu.try_alloc(1), Err(OUT_OF_MEMORY));
+        if rest > 0 {
+            cu.free(p);
+            assert_eq!(cu.try_alloc(1), Err(OUT_OF_MEMORY), "a new 2 MiB chunk does not fit in what is left");
+            assert_eq!(
+                call!(cu, cuMemAllocManaged(&mut p, rest as usize, 1) as fn(*mut CUdeviceptr, usize, c_uint)),
+                SUCCESS
+            );
+        }
+        let filler = p;
         let mut s = std::ptr::null_mut();
         // Other families are refused too, and leave nothing behind; managed memory, which pages
         // to the host, is not (as on a real driver), and takes nothing of the full device.
-        let mut p = 0;
         assert_eq!(call!(cu, cuMemAllocManaged(&mut p, 4096, 1) as fn(*mut CUdeviceptr, usize, c_uint)), SUCCESS);
         assert_eq!(cu.mem_info().0, 0);
         cu.free(p);
@@ -444,6 +462,9 @@ fn out_of_memory_at_the_physical_size_leaks_nothing() {
         let mut c2 = std::ptr::null_mut();
         assert_eq!(call!(cu, cuCtxCreate_v2(&mut c2, 0, 0) as fn(*mut Handle, c_uint, c_int)), OUT_OF_MEMORY);
         cu.free(all);
+        if rest > 0 {
+            cu.free(filler);
+        }
         assert_eq!(cu.mem_info().0, free);
         assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD);
     });
@@ -511,7 +532,7 @@ fn every_allocation_family_is_charged_and_refunded() {
             SUCCESS
         );
         assert_eq!(pitch, 1024);
-        check("pitch", 1024 * 300);
+        check("pitch: 300 KiB, carved from a 2 MiB chunk", 2 * MIB);
         cu.free(p);
         check("pitch freed", 0);
         // Managed.
@@ -1225,7 +1246,7 @@ fn a_lost_gpu_fails_calls_and_a_reset_recovers() {
         assert_eq!(m.memory_info(0, 0).unwrap().used, 0, "nothing refunded twice");
         cu.ctx_create(0);
         let p = cu.alloc(MIB);
-        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD + MIB);
+        assert_eq!(m.memory_info(0, 0).unwrap().used, CONTEXT_OVERHEAD + 2 * MIB, "1 MiB: its 2 MiB chunk");
         assert_eq!(cu.launch(cu.function(CUBIN, "k_1ms"), std::ptr::null_mut()), SUCCESS);
         assert_eq!(call!(cu, cuCtxSynchronize() as fn()), SUCCESS);
         cu.free(p);
@@ -1414,8 +1435,11 @@ fn raising_a_contexts_limits_takes_device_memory() {
         assert_eq!(used() - base, 7 * 1024 * resident, "7 KiB more stack for every resident thread");
         assert_eq!(set(2, 1 << 30), SUCCESS);
         assert_eq!(set(1, 3 << 20), SUCCESS);
-        let limits = 7 * 1024 * resident + (1 << 30) - (8 << 20) + (2 << 20);
-        assert_eq!(used() - base, limits, "the heap and the FIFO past their defaults");
+        let stack_and_fifo = 7 * 1024 * resident + (2 << 20);
+        assert_eq!(used() - base, stack_and_fifo, "the FIFO past its default; the heap waits for a module");
+        cu.function(CUBIN, "k_1ms");
+        let limits = stack_and_fifo + (1 << 30) - (8 << 20);
+        assert_eq!(used() - base, limits, "the heap taken with the context's first module");
         // What does not fit is refused, and changes nothing.
         assert_eq!(set(2, 100 << 30), OUT_OF_MEMORY);
         assert_eq!(set(0, 1 << 20), OUT_OF_MEMORY, "1 MiB of stack for 270,336 threads: 264 GiB");
@@ -1429,6 +1453,15 @@ fn raising_a_contexts_limits_takes_device_memory() {
         assert_eq!(call!(cu, cuCtxGetCurrent(&mut ctx) as fn(*mut Handle)), SUCCESS);
         assert_eq!(call!(cu, cuCtxDestroy_v2(ctx) as fn(Handle)), SUCCESS);
         assert_eq!(used(), 0, "destroyed with its context");
+        // A heap that does not fit is refused by the module load that would take it.
+        cu.ctx_create(0);
+        assert_eq!(set(2, 100 << 30), SUCCESS, "nothing taken yet");
+        let mut module = std::ptr::null_mut();
+        let load = call!(cu, cuModuleLoadData(&mut module, CUBIN.as_ptr().cast()) as fn(*mut Handle, *const c_void));
+        assert_eq!(load, 303, "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED");
+        assert_eq!(set(2, 1 << 30), SUCCESS);
+        cu.function(CUBIN, "k_1ms");
+        assert_eq!(used(), CONTEXT_OVERHEAD + (1 << 30) - (8 << 20));
     });
 }
 

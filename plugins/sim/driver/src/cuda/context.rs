@@ -3,7 +3,7 @@
 //!
 //! A context charges `Node::context_overhead_bytes()` to its device's memory domain when created
 //! and marks `Node::context_opened` for its execution unit; raising its stack, printf FIFO or
-//! malloc heap limit charges what the driver would reserve for them ([`limits_memory`]);
+//! malloc heap limit charges what the driver would reserve for them (`limits.rs`);
 //! destroying it frees everything it holds (streams, events, modules, allocations) and refunds
 //! the charge.
 //!
@@ -31,9 +31,6 @@ const CTX_SCHED_MASK: c_uint = 0x07;
 /// `CU_CTX_MAP_HOST`: always on since CUDA 3.2; reported as set.
 const CTX_MAP_HOST: c_uint = 0x08;
 
-/// Limits a context keeps (`CUlimit` values 0..=9).
-const LIMITS: usize = 10;
-
 pub(crate) struct Ctx {
     pub handle: usize,
     pub dev: &'static Device,
@@ -53,7 +50,7 @@ pub(crate) struct Ctx {
     pub legacy: AtomicU32,
     /// Per-thread default streams: (thread id, model stream).
     pub ptds: Mutex<Vec<(u64, StreamId)>>,
-    pub limits: Mutex<[u64; LIMITS]>,
+    pub limits: Mutex<super::limits::Limits>,
     pub cache_config: AtomicI32,
     pub peers: Mutex<Vec<usize>>,
     /// Context-local storage (the runtime's per-context state), see [`storage_put`].
@@ -79,24 +76,6 @@ pub(crate) struct Primary {
     pub flags: c_uint,
 }
 
-/// Limits of a new context (`CUlimit` order): stack 1 KiB, printf FIFO 1 MiB, malloc heap 8 MiB,
-/// sync depth 2, pending launches 2048, L2 fetch granularity 64, no persisting L2, no CIG.
-fn default_limits(_dev: &Device) -> [u64; LIMITS] {
-    [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 0]
-}
-
-/// Device memory a context's limits hold beyond what its overhead covers (the defaults): the
-/// stack of every thread the device can hold at once (`CU_LIMIT_STACK_SIZE` times SMs times
-/// threads per SM: the driver reserves local memory for all of them, at once), the printf FIFO
-/// and the malloc heap, each past its default. The driver takes it when the limit is set and
-/// fails the call with `CUDA_ERROR_OUT_OF_MEMORY` when it cannot.
-fn limits_memory(dev: &Device, limits: &[u64; LIMITS]) -> u64 {
-    let d = default_limits(dev);
-    let resident = u64::from(dev.sm_count) * u64::from(dev.model.limits.max_threads_per_sm);
-    let past = |i: usize| limits[i].saturating_sub(d[i]);
-    past(0).saturating_mul(resident).saturating_add(past(1)).saturating_add(past(2))
-}
-
 impl Ctx {
     fn new(dev: &'static Device, primary: bool, flags: c_uint) -> Ctx {
         Ctx {
@@ -111,7 +90,7 @@ impl Ctx {
             epoch: AtomicU64::new(0),
             legacy: AtomicU32::new(0),
             ptds: Mutex::new(Vec::new()),
-            limits: Mutex::new(default_limits(dev)),
+            limits: Mutex::new(super::limits::Limits::defaults()),
             cache_config: AtomicI32::new(0),
             peers: Mutex::new(Vec::new()),
             storage: Mutex::new(Vec::new()),
@@ -325,7 +304,7 @@ fn activate(node: &Node, ctx: &Ctx) -> R {
     ctx.poison.store(0, Release);
     ctx.legacy.store(0, Release);
     ctx.generation.fetch_add(1, AcqRel);
-    *ctx.limits.lock().unwrap_or_else(|e| e.into_inner()) = default_limits(d);
+    *ctx.limits.lock().unwrap_or_else(|e| e.into_inner()) = super::limits::Limits::defaults();
     ctx.peers.lock().unwrap_or_else(|e| e.into_inner()).clear();
     ctx.active.store(true, Release);
     Ok(())
@@ -599,68 +578,7 @@ cuda_exports! {
     }
 }
 
-fn limit_index(limit: c_int, dev: &Device) -> R<usize> {
-    match limit {
-        // Synchronization depth of the device runtime is gone on Hopper (CDP2 has none).
-        3 if dev.model.cc_major >= 9 => Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
-        // Shared memory size and CIG: only for CIG contexts (not simulated).
-        7 => Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
-        0..=9 => Ok(limit as usize),
-        _ => Err(INVALID_VALUE),
-    }
-}
-
 cuda_exports! {
-    fn cuCtxGetLimit(pvalue, limit) {
-        run(|| {
-            need(pvalue)?;
-            driver()?;
-            let ctx = current()?;
-            let i = limit_index(limit, ctx.dev)?;
-            let v = ctx.limits.lock().unwrap_or_else(|e| e.into_inner())[i];
-            // SAFETY: pvalue is the caller's out-pointer (checked above).
-            unsafe { put(pvalue, v as usize) }
-        })
-    }
-
-    fn cuCtxSetLimit(limit, value) {
-        run(|| {
-            let node = driver()?.node;
-            poll_faults(node)?;
-            let ctx = current()?;
-            ctx.check(node)?;
-            let i = limit_index(limit, ctx.dev)?;
-            let v = value as u64;
-            let v = match i {
-                5 if v > 128 => return Err(INVALID_VALUE),
-                // Persisting L2 lines: clamped to the device's maximum, as the driver does.
-                6 => v.min(super::device::max_persisting_l2(ctx.dev)),
-                8 | 9 => return Err(CUresult::CUDA_ERROR_UNSUPPORTED_LIMIT),
-                _ => v,
-            };
-            // Held while the memory moves, so two threads setting limits at once charge each change once.
-            let mut limits = ctx.limits.lock().unwrap_or_else(|e| e.into_inner());
-            let mut next = *limits;
-            next[i] = v;
-            let (before, after) = (limits_memory(ctx.dev, &limits), limits_memory(ctx.dev, &next));
-            let (d, epoch) = (ctx.dev, ctx.epoch.load(Acquire));
-            if after > before {
-                let e = super::memory::charge(node, d.gpu, d.domain, after - before)?;
-                if e != epoch {
-                    // A reset since the context was made: the context is gone with it.
-                    super::memory::refund(node, d.gpu, d.domain, after - before, e);
-                    return Err(CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED);
-                }
-                ctx.charged.fetch_add(after - before, AcqRel);
-            } else if before > after {
-                super::memory::refund(node, d.gpu, d.domain, before - after, epoch);
-                ctx.charged.fetch_sub(before - after, AcqRel);
-            }
-            *limits = next;
-            Ok(())
-        })
-    }
-
     fn cuCtxGetFlags(flags) {
         run(|| {
             need(flags)?;

@@ -3,7 +3,8 @@
 //!
 //! Every device allocation is charged to the model (`Node::alloc` on its device's memory domain)
 //! before it succeeds and refunded when freed, so what the model counts is exactly what the
-//! process holds. The memory itself is an anonymous `MAP_NORESERVE` mapping: untouched pages
+//! process holds; linear memory as the card holds it, in 2 MiB pages and shared chunks
+//! (`suballoc`). The memory itself is an anonymous `MAP_NORESERVE` mapping: untouched pages
 //! cost nothing, and copies really move bytes. Host allocations (pinned, registered) are host
 //! memory and are not charged.
 //!
@@ -113,6 +114,9 @@ pub(crate) struct Alloc {
     pub epoch: u64,
     pub id: u64,
     pub sync_memops: bool,
+    /// Carved from a 2 MiB chunk shared with other small allocations (`suballoc`): the chunk
+    /// holds the charge and the mapping.
+    pub in_chunk: bool,
 }
 
 impl Alloc {
@@ -132,6 +136,7 @@ impl Alloc {
             epoch: 0,
             id: next_buffer_id(),
             sync_memops: false,
+            in_chunk: false,
         }
     }
 
@@ -187,6 +192,9 @@ pub(crate) fn release(node: &Node, a: &Alloc) {
 /// As [`release`], but `kept` bytes of the charge stay charged (a pool's reserve holds them).
 pub(crate) fn release_keeping(node: &Node, a: &Alloc, kept: u64) {
     super::ipc::forget(a.base);
+    if a.in_chunk {
+        return super::suballoc::release(node, a);
+    }
     unmap(a.base, a.map_len);
     refund(node, a.gpu, a.domain, a.charge.saturating_sub(kept), a.epoch);
 }
@@ -197,7 +205,7 @@ pub(crate) fn alloc_in(node: &Node, ctx: &Ctx, bytes: u64, kind: MemKind, low: b
 }
 
 /// As [`alloc_in`], charging what `charge_of` says, given the domain's free memory.
-fn alloc_charging(
+pub(crate) fn alloc_charging(
     node: &Node,
     ctx: &Ctx,
     bytes: u64,
@@ -291,7 +299,7 @@ cuda_exports! {
         run(|| {
             need(dptr)?;
             let (node, ctx) = ctx_for_work()?;
-            let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, false)?;
+            let p = super::suballoc::alloc_linear(node, &ctx, bytesize as u64, false)?;
             // SAFETY: dptr is the caller's out-pointer (checked above).
             unsafe { put(dptr, p) }
         })
@@ -302,7 +310,7 @@ cuda_exports! {
         run(|| {
             need(dptr)?;
             let (node, ctx) = ctx_for_work()?;
-            let p = alloc_in(node, &ctx, bytesize as u64, MemKind::Device, true)?;
+            let p = super::suballoc::alloc_linear(node, &ctx, bytesize as u64, true)?;
             // SAFETY: dptr is the caller's out-pointer (checked above).
             unsafe { put(dptr, p as c_uint) }
         })
@@ -325,7 +333,7 @@ cuda_exports! {
             let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
             let bytes = pitch.checked_mul(Height as u64).ok_or(INVALID_VALUE)?;
             let (node, ctx) = ctx_for_work()?;
-            let p = alloc_in(node, &ctx, bytes, MemKind::Device, false)?;
+            let p = super::suballoc::alloc_linear(node, &ctx, bytes, false)?;
             // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
             unsafe {
                 put(dptr, p)?;
@@ -341,7 +349,7 @@ cuda_exports! {
             let pitch = pitch_for(WidthInBytes as u64, ElementSizeBytes)?;
             let bytes = pitch * Height as u64;
             let (node, ctx) = ctx_for_work()?;
-            let p = alloc_in(node, &ctx, bytes, MemKind::Device, true)?;
+            let p = super::suballoc::alloc_linear(node, &ctx, bytes, true)?;
             // SAFETY: dptr and pPitch are the caller's out-pointers (checked above).
             unsafe {
                 put(dptr, p as c_uint)?;

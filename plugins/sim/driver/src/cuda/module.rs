@@ -274,6 +274,7 @@ fn load(image: Image, library: usize) -> R<usize> {
     super::errors::poll_faults(node)?;
     let ctx = context::current()?;
     ctx.check(node)?;
+    super::limits::module_loading(node, &ctx)?;
     let m = Module {
         handle: handles::new_handle(),
         ctx: ctx.handle,

@@ -1,9 +1,13 @@
 //! What the CUDA tests of the driver share: the CUresult values they check, the model's handle on
-//! a test's node, and loading and launching a kernel through the library's exports.
+//! a test's node, loading and launching a kernel through the library's exports, and the reading
+//! of a real card (`card_facts.rs`, `granularity.rs`) with the node it sat in.
 
 #![allow(dead_code)] // each test binary uses a part
 
 use std::ffi::{CStr, CString, c_char, c_uint, c_void};
+use std::path::PathBuf;
+
+use serde_json::Value;
 
 use tessera_sim_model::Node;
 use tessera_sim_testkit::SimNode;
@@ -65,4 +69,38 @@ pub fn launch_kernel(lib: &libloading::Library, entry: &str, f: Handle, threads:
     // SAFETY: the handles go to the driver, which checks them (tests pass bad ones on purpose);
     // no kernel parameters.
     unsafe { launch(f.cast(), 1, 1, 1, threads, 1, 1, 0, stream.cast(), none, none) as u32 }
+}
+
+/// The reading of a real card the tests check: `TESSERA_CARD_FACTS`, else `tests/data/h200-facts.json`.
+pub fn facts_path() -> PathBuf {
+    match std::env::var_os("TESSERA_CARD_FACTS") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/h200-facts.json"),
+    }
+}
+
+pub fn facts() -> Value {
+    let path = facts_path();
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// The node the card sat in: one board of the catalog model with the card's name, the driver and
+/// CUDA versions it reported, passed through to a VM if NVML said so.
+pub fn node_for(f: &Value) -> SimNode {
+    let name = f["name"].as_str().expect("facts: name");
+    let model = tessera_sim_model::catalog::builtin_models()
+        .iter()
+        .find(|m| m.name == name)
+        .unwrap_or_else(|| panic!("no catalog model is named {name:?}"));
+    let virt = match f["virt_mode"].as_u64() {
+        Some(1) => "virtualization_mode = \"passthrough\"\n",
+        _ => "",
+    };
+    SimNode::with_description(&format!(
+        "driver_version = {driver}\ncuda_driver_version = {cuda}\n{virt}[[gpu]]\nmodel = \"{key}\"\ncount = 1\n",
+        driver = f["driver"],
+        cuda = f["cuDriverGetVersion"],
+        key = model.key,
+    ))
 }
