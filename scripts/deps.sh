@@ -113,6 +113,25 @@ if [[ ${TESSERA_NO_TORCH:-0} != 1 && ! -e $torch_venv.skipped ]]; then
     filelock typing-extensions sympy mpmath networkx jinja2 MarkupSafe fsspec
 fi
 
+# tests/flows/jax_programs.rs runs JAX 0.10.2 with its CUDA 12 plugin over the simulated node
+# (TESSERA_JAX_RUNTIME, else target/jax-runtime). jaxlib is built against CUDA 12.9, cuBLAS 12.9.1
+# and cuDNN 9.8: the NVIDIA libraries are the CUDA 12.9 update 1 ones (the runtime and NVRTC those
+# of target/cuda-runtimes), cuDNN the one PyTorch pins (>= 9.8). Trimmed as PyTorch is: no
+# dependency resolution, only what the plugin's start-up check loads (runtime, cuBLAS, cuDNN,
+# cuFFT, cuPTI, cuSPARSE and its nvJitLink), NVRTC (cuDNN's) and ptxas (nvcc's wheel: XLA
+# compiles its kernels with it); not cuSOLVER, NCCL or NVSHMEM, which XLA loads only for linear
+# algebra and collectives (about 4.1 GB installed, 2.2 GB downloaded). TESSERA_NO_JAX=1 skips it.
+jax_venv=${TESSERA_JAX_RUNTIME:-$root/target/jax-runtime}
+if [[ ${TESSERA_NO_JAX:-0} != 1 ]]; then
+  PIP_NO_CACHE_DIR=1 install_venv "$jax_venv" \
+    "import jax, jax_plugins.xla_cuda12, jax_cuda12_plugin; assert jax.__version__ == '0.10.2'" \
+    --no-deps "jax==0.10.2" "jaxlib==0.10.2" "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" \
+    "ml_dtypes==0.7.0" "numpy==2.4.6" "scipy==1.17.1" "opt_einsum==3.4.0" \
+    "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvrtc-cu12==12.9.86" "nvidia-cuda-nvcc-cu12==12.9.86" \
+    "nvidia-cublas-cu12==12.9.1.4" "nvidia-cuda-cupti-cu12==12.9.79" "nvidia-cudnn-cu12==9.10.2.21" \
+    "nvidia-cufft-cu12==11.4.1.4" "nvidia-cusparse-cu12==12.5.10.65" "nvidia-nvjitlink-cu12==12.9.86"
+fi
+
 # daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
 # schemas with kubernetes-validate.
 install_venv "$root/target/k8s-validate" "import kubernetes_validate" kubernetes-validate

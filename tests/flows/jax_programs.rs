@@ -1,0 +1,170 @@
+//! JAX (jaxlib with its CUDA 12 plugin, XLA compiling with ptxas from NVIDIA's wheel) runs on a
+//! simulated H200: it lists the GPU, runs jitted matmuls in fp32 and bf16 (XLA's Triton GEMMs,
+//! autotuned by launching them; timed by name, results not computed: shapes and dtypes checked),
+//! and preallocates 75% of the device's memory, its default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
+//! from what `cuMemGetInfo` says the total is. Under libtessera.so with a 4 GiB limit that is the
+//! limit: 3 GiB, as a real H200 showed, in JAX's memory stats, in NVML through the shim and in
+//! the simulated driver's own list of processes. Nothing XLA, cuBLAS or cuDNN calls may be a
+//! function the sim does not model (`TESSERA_SIM_TRACE` names them): the Triton GEMMs' tensor
+//! maps were, and the autotuner quietly dropped every candidate that used one.
+//!
+//! JAX decides there is an NVIDIA GPU only when `/dev/nvidiactl` or `/dev/nvidia0` exists, as in
+//! a container given a GPU, so it runs against the node's driver root
+//! (`scripts/sim-driver-root-run.sh`: a private mount namespace, so root). JAX lives in a virtual
+//! environment `scripts/deps.sh` makes (`target/jax-runtime`, or `TESSERA_JAX_RUNTIME`). Without
+//! it, or without root, the tests print a SKIP line, and fail when `TESSERA_REQUIRE_RUNTIMES` is
+//! set, as in CI.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Value, json};
+use tessera_sim_testkit::{SimNode, binary};
+use tessera_tests::{GIB, MIB, json_u64 as u, shim, venv_python};
+
+/// The node: one H200, the board a real JAX run was read on.
+const ONE_H200: &str = "[[gpu]]\nmodel = \"H200-141GB\"\ncount = 1\n";
+/// What CUDA says an H200 holds (`cuDeviceTotalMem`, `cuMemGetInfo`'s total: the card's reading).
+const H200_CUDA_TOTAL: u64 = 150_109_880_320;
+/// NVML's total for the board.
+const H200_NVML_TOTAL: u64 = 150_754_820_096;
+/// What the context and the libraries JAX loads (cuBLAS, cuDNN, its kernels) hold on the device
+/// beside the preallocation, at most.
+const BESIDE_THE_POOL: u64 = 512 * MIB;
+
+/// What the JAX program does; it prints one JSON line of what it saw.
+const PROGRAM: &str = r#"
+import json, os, subprocess, sys
+
+# NVML's view of device 0 through ctypes: the board's (or, under libtessera.so, the limit's)
+# total and used memory, and what it lists process `pid` as holding.
+NVML = r'''
+import ctypes
+from ctypes import byref, c_uint, c_ulonglong
+class Mem(ctypes.Structure):
+    _fields_ = [("total", c_ulonglong), ("free", c_ulonglong), ("used", c_ulonglong)]
+class Proc(ctypes.Structure):
+    _fields_ = [("pid", c_uint), ("used", c_ulonglong), ("gi", c_uint), ("ci", c_uint)]
+def nvml(pid):
+    nv = ctypes.CDLL("libnvidia-ml.so.1")
+    def ok(rc, what):
+        assert rc == 0, f"{what}: NVML return {rc}"
+    ok(nv.nvmlInit_v2(), "nvmlInit")
+    dev, mem = ctypes.c_void_p(), Mem()
+    ok(nv.nvmlDeviceGetHandleByIndex_v2(0, byref(dev)), "nvmlDeviceGetHandleByIndex")
+    ok(nv.nvmlDeviceGetMemoryInfo(dev, byref(mem)), "nvmlDeviceGetMemoryInfo")
+    n, procs = c_uint(16), (Proc * 16)()
+    ok(nv.nvmlDeviceGetComputeRunningProcesses_v3(dev, byref(n), procs), "nvmlDeviceGetComputeRunningProcesses")
+    held = [p.used for p in procs[:n.value] if p.pid == pid]
+    return {"total": mem.total, "used": mem.used, "process": held[0] if held else None}
+'''
+exec(NVML)
+
+import jax, jax.numpy as jnp
+
+devs = jax.devices()
+out = {"backend": jax.default_backend(), "devices": [[d.platform, d.device_kind] for d in devs]}
+matmul = jax.jit(lambda a, b: a @ b)
+for dt in (jnp.float32, jnp.bfloat16):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    z = matmul(jax.random.normal(k1, (256, 512), dt), jax.random.normal(k2, (512, 128), dt)).block_until_ready()
+    out[jnp.dtype(dt).name] = [list(z.shape), str(z.dtype), z.devices() == {devs[0]}]
+stats = devs[0].memory_stats()
+out["bytes_limit"], out["pool_bytes"] = stats["bytes_limit"], stats["pool_bytes"]
+# NVML in this process (through libtessera.so where it is preloaded), and the simulated
+# driver's own (a child without the preload).
+out["nvml"] = nvml(os.getpid())
+env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+child = NVML + "\nimport json, sys\nprint(json.dumps(nvml(int(sys.argv[1]))))"
+sim = subprocess.run([sys.executable, "-c", child, str(os.getpid())], env=env, capture_output=True, text=True)
+assert sim.returncode == 0, sim.stderr
+out["sim"] = json.loads(sim.stdout)
+print(json.dumps(out))
+"#;
+
+/// The Python of the JAX environment, where jax and its CUDA plugin import; else `None`.
+fn jax_python() -> Option<PathBuf> {
+    venv_python("TESSERA_JAX_RUNTIME", "jax-runtime", "import jax, jax_plugins.xla_cuda12, jax_cuda12_plugin", "JAX")
+}
+
+/// Whether this process may make the mount namespace the driver root needs; a SKIP line when
+/// not (an error under `TESSERA_REQUIRE_RUNTIMES`).
+fn root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    let why = "not root: JAX looks for /dev/nvidiactl, which scripts/sim-driver-root-run.sh lays in a mount namespace";
+    assert!(std::env::var_os("TESSERA_REQUIRE_RUNTIMES").is_none(), "TESSERA_REQUIRE_RUNTIMES is set, but {why}");
+    println!("SKIP: {why}");
+    false
+}
+
+/// Runs the program on a one-H200 node of its own, with its driver root's device nodes and
+/// `extra` environment; what it saw, after the checks every run shares: one CUDA device named
+/// as the board, the matmuls' shapes and dtypes, the pool as large as the preallocation.
+fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
+    let python = jax_python()?;
+    if !root() {
+        return None;
+    }
+    let node = SimNode::with_description(ONE_H200);
+    let driver_root = node.root.join("driver");
+    let out = node.command(binary("tessera-sim")).arg("install").arg("--driver-root").arg(&driver_root).output();
+    assert!(out.as_ref().is_ok_and(|o| o.status.success()), "tessera-sim install --driver-root: {out:?}");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/sim-driver-root-run.sh");
+    let (root, python) = (driver_root.to_str().expect("utf-8 path"), python.to_str().expect("utf-8 path"));
+    // JAX_PLATFORMS=cuda: a CUDA backend that does not start is an error, not a quiet CPU run.
+    // TESSERA_SIM_TRACE: the sim names each call it does not model.
+    let out = node
+        .command(&script)
+        .args([root, "--", python, "-c", PROGRAM])
+        .envs([("JAX_PLATFORMS", "cuda"), ("TESSERA_SIM_TRACE", "1")])
+        .envs(extra.iter().copied())
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .output()
+        .expect("run JAX");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "JAX on the sim failed ({}):\n{stdout}\n{stderr}", out.status);
+    let unmodelled: Vec<&str> = stderr.lines().filter(|l| l.contains("not modelled (CUDA_ERROR")).collect();
+    assert!(unmodelled.is_empty(), "XLA called what the sim does not model: {unmodelled:?}");
+    let v: Value =
+        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(v["backend"], "gpu", "{v}");
+    assert_eq!(v["devices"], json!([["gpu", "NVIDIA H200"]]), "one CUDA device, the board: {v}");
+    assert_eq!(v["float32"], json!([[256, 128], "float32", true]), "fp32 matmul: {v}");
+    assert_eq!(v["bfloat16"], json!([[256, 128], "bfloat16", true]), "bf16 matmul: {v}");
+    assert_eq!(u(&v, "pool_bytes"), u(&v, "bytes_limit"), "the whole pool is taken up front: {v}");
+    Some(v)
+}
+
+/// What XLA preallocates out of `total`: 75%, rounded up to 2 MiB.
+fn three_quarters(total: u64) -> u64 {
+    (total * 3 / 4).div_ceil(2 * MIB) * 2 * MIB
+}
+
+#[test]
+fn jax_runs_on_the_simulated_node_and_preallocates_three_quarters_of_the_board() {
+    let Some(v) = run_jax(&[]) else { return };
+    let pool = three_quarters(H200_CUDA_TOTAL);
+    assert_eq!(u(&v, "bytes_limit"), pool, "75% of what cuMemGetInfo says: {v}");
+    assert_eq!(v["nvml"], v["sim"], "without the shim NVML is the sim's: {v}");
+    assert_eq!(u(&v["sim"], "total"), H200_NVML_TOTAL, "{v}");
+    let held = u(&v["sim"], "process");
+    assert!((pool..=pool + BESIDE_THE_POOL).contains(&held), "NVML lists the process holding the pool: {v}");
+}
+
+#[test]
+fn jax_under_the_shim_preallocates_three_quarters_of_its_limit() {
+    let shim = shim();
+    let Some(v) = run_jax(&[("LD_PRELOAD", shim.to_str().expect("utf-8 path")), ("TESSERA_MEMORY_LIMIT", "4GiB")])
+    else {
+        return;
+    };
+    assert_eq!(u(&v, "bytes_limit"), 3 * GIB, "75% of the 4 GiB limit, which the shim shows as the total: {v}");
+    assert_eq!(u(&v["nvml"], "total"), 4 * GIB, "NVML through the shim: the limit is the memory: {v}");
+    for (view, key) in [("nvml", "used"), ("nvml", "process"), ("sim", "process")] {
+        let held = u(&v[view], key);
+        assert!((3 * GIB..4 * GIB).contains(&held), "{view} {key}: the pool and the context, within the limit: {v}");
+    }
+    assert_eq!(u(&v["sim"], "total"), H200_NVML_TOTAL, "the sim's own NVML shows the board: {v}");
+}
