@@ -94,7 +94,21 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
 /// allocation it ends is no longer live (its memory stays in the graph pool, charged there); a
 /// pool's allocation has its pool read again (what the pool keeps stays charged).
 fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let rc = refunded(s, &s.mem.ptrs, dptr, call);
+    let small = if dptr == 0 { None } else { s.mem.chunks.take(dptr) };
+    let rc = match small {
+        // Its chunk is refunded once the driver has freed it, and only if it was the last in it.
+        Some(sm) => {
+            crate::trace::note(sm.dev, sm.bytes);
+            let rc = call();
+            if rc == CUDA_SUCCESS {
+                s.refund(sm.dev, s.mem.chunks.left(dptr, sm));
+            } else {
+                s.mem.chunks.put_back(dptr, sm);
+            }
+            rc
+        }
+        None => refunded(s, &s.mem.ptrs, dptr, call),
+    };
     if rc == CUDA_SUCCESS {
         super::graph::freed(s, dptr);
         super::pools::freed(s, dptr);
@@ -103,6 +117,65 @@ fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> C
 }
 
 // ---- Linear memory ---------------------------------------------------------------------------
+
+/// Linear device memory (`cuMemAlloc*`, `cuMemAllocPitch*`), charged as the driver holds it
+/// ([`super::granularity`]): what the driver may take for `estimate` bytes is reserved before it
+/// is called; once `made` gives the pointer and the bytes it has, their charge is settled (more:
+/// reserved then, or the allocation freed with `free` and refused; less: refunded).
+fn device_linear(
+    s: &ShimState,
+    estimate: u64,
+    call: impl FnOnce() -> CUresult,
+    made: impl FnOnce() -> Option<(u64, u64)>,
+    free: impl FnOnce(u64) -> CUresult,
+) -> CUresult {
+    use super::granularity::{Small, before_call, is_small, whole_pages};
+    let Some(r) = in_current_context(s) else { return call() };
+    if estimate == 0 {
+        return call();
+    }
+    let Some(reserved) = before_call(estimate) else { return CUDA_ERROR_OUT_OF_MEMORY };
+    crate::trace::note(r.dev, estimate);
+    if !s.reserve(r.dev, reserved) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    let rc = call();
+    if rc != CUDA_SUCCESS {
+        s.refund(r.dev, reserved);
+        return rc;
+    }
+    let Some((ptr, bytes)) = made().filter(|&(p, _)| p != 0) else {
+        s.refund(r.dev, reserved);
+        return rc;
+    };
+    let small = Small { dev: r.dev, ctx: r.ctx, bytes };
+    let cost = if is_small(bytes) { s.mem.chunks.landed(ptr, small) } else { whole_pages(bytes).unwrap_or(u64::MAX) };
+    if cost > reserved && !s.reserve(r.dev, cost - reserved) {
+        // Past the limit after all (a wider pitch; an allocation across two chunks): undone.
+        let kept = if is_small(bytes) {
+            let taken = s.mem.chunks.take(ptr);
+            free(ptr);
+            // What stays charged: chunks another allocation landed in meanwhile.
+            taken.map_or(0, |t| cost - s.mem.chunks.left(ptr, t))
+        } else {
+            free(ptr);
+            0
+        };
+        if kept > reserved {
+            s.charge_unchecked(r.dev, kept - reserved);
+        } else {
+            s.refund(r.dev, reserved - kept);
+        }
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if cost < reserved {
+        s.refund(r.dev, reserved - cost);
+    }
+    if !is_small(bytes) {
+        s.mem.ptrs.insert(ptr, Charge { dev: r.dev, bytes: cost, ctx: r.ctx, kind: Kind::Device });
+    }
+    rc
+}
 
 fn linear(
     s: &ShimState,
@@ -122,14 +195,15 @@ cuda_exports! {
     /// As cuda.h's `cuMemAlloc_v2`.
     fn cuMemAlloc_v2(dptr, bytesize) {
         hook(TraceFunc::cuMemAlloc_v2, |s, cu| {
-            linear(
+            device_linear(
                 s,
                 bytesize as u64,
-                Kind::Device,
                 // SAFETY: the caller's arguments, passed on unchanged.
                 || unsafe { (cu.cuMemAlloc_v2)(dptr, bytesize) },
                 // SAFETY: the driver wrote the pointer through dptr (it succeeded).
-                || unsafe { get(dptr) },
+                || unsafe { get(dptr) }.map(|p| (p, bytesize as u64)),
+                // SAFETY: freeing the allocation just made.
+                |p| unsafe { (cu.cuMemFree_v2)(p) },
             )
         })
     }
@@ -138,14 +212,15 @@ cuda_exports! {
     /// As cuda.h's legacy `cuMemAlloc` (32-bit pointer and size).
     fn cuMemAlloc(dptr, bytesize) {
         hook(TraceFunc::cuMemAlloc, |s, cu| {
-            linear(
+            device_linear(
                 s,
                 u64::from(bytesize),
-                Kind::Device,
                 // SAFETY: the caller's arguments, passed on unchanged.
                 || unsafe { (cu.cuMemAlloc)(dptr, bytesize) },
                 // SAFETY: the driver wrote the pointer through dptr.
-                || unsafe { get(dptr) }.map(u64::from),
+                || unsafe { get(dptr) }.map(|p| (u64::from(p), u64::from(bytesize))),
+                // SAFETY: freeing the allocation just made (a 32-bit pointer).
+                |p| unsafe { (cu.cuMemFree)(p as c_uint) },
             )
         })
     }
@@ -184,8 +259,7 @@ cuda_exports! {
 // ---- Pitched memory --------------------------------------------------------------------------
 
 /// The row alignment reserved for before the call: the texture alignment of every GPU since
-/// Fermi. The driver's actual pitch is charged after the call (more: reserved then, or the
-/// allocation is undone and refused; less: refunded).
+/// Fermi. The driver's actual pitch is charged after the call ([`device_linear`]).
 const PITCH_ALIGN: u64 = 512;
 
 fn pitched(
@@ -196,36 +270,14 @@ fn pitched(
     made: impl FnOnce() -> Option<(u64, u64)>,
     free: impl FnOnce(u64) -> CUresult,
 ) -> CUresult {
-    let Some(r) = in_current_context(s) else { return call() };
-    if width == 0 || height == 0 {
+    if width == 0 || height == 0 || in_current_context(s).is_none() {
         return call();
     }
     let Some(estimate) = width.checked_next_multiple_of(PITCH_ALIGN).and_then(|w| w.checked_mul(height)) else {
         return CUDA_ERROR_INVALID_VALUE;
     };
-    if !s.reserve(r.dev, estimate) {
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    let rc = call();
-    if rc != CUDA_SUCCESS {
-        s.refund(r.dev, estimate);
-        return rc;
-    }
-    let Some((ptr, pitch)) = made() else {
-        s.refund(r.dev, estimate);
-        return rc;
-    };
-    let actual = pitch.saturating_mul(height);
-    if actual > estimate && !s.reserve(r.dev, actual - estimate) {
-        free(ptr);
-        s.refund(r.dev, estimate);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    if actual < estimate {
-        s.refund(r.dev, estimate - actual);
-    }
-    s.mem.ptrs.insert(ptr, Charge { dev: r.dev, bytes: actual, ctx: r.ctx, kind: Kind::Device });
-    rc
+    let made = || made().map(|(ptr, pitch)| (ptr, pitch.saturating_mul(height)));
+    device_linear(s, estimate, call, made, free)
 }
 
 cuda_exports! {

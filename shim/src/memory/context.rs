@@ -480,7 +480,8 @@ fn settle_all(s: &ShimState) {
     d.any.store(!w.is_empty(), SeqCst);
 }
 
-/// What this process's allocations that the driver has made hold on a device: charges recorded
+/// What this process's allocations that the driver has made hold on a device (linear ones as
+/// the driver holds them, [`super::granularity`]): charges recorded
 /// after the driver's call returned and removed before the free is called (physical
 /// allocations: under the lock of the driver's calls), so the driver holds at least this much
 /// for them at any instant. (Linear, managed, memory pools, arrays, physical and contexts'
@@ -490,6 +491,7 @@ fn settle_all(s: &ShimState) {
 fn landed(s: &ShimState, dev: usize) -> u64 {
     let on = |c: &Charge| c.dev == dev;
     s.mem.ptrs.total_where(on)
+        + s.mem.chunks.charged_on(dev)
         + s.mem.arrays.total_where(on)
         + s.mem.vmm.charged_on(dev)
         + s.mem.limits.charged_on(dev)
@@ -512,13 +514,13 @@ fn true_up(s: &ShimState, p: Pending) -> bool {
         let Some(c) = s.mem.contexts.get(p.ctx).filter(|c| c.dev == p.dev && c.kind == Kind::Context) else {
             return true;
         };
-        let (held, landed_before) = (s.held(p.dev), landed(s, p.dev));
+        let (held, landed_before, heap) = (s.held(p.dev), landed(s, p.dev), s.mem.limits.heap_on(p.dev));
         if held != c.bytes + landed_before {
             std::thread::yield_now();
             continue;
         }
         let Some(own) = own_usage(h) else { return true };
-        if s.held(p.dev) != held || landed(s, p.dev) != landed_before {
+        if s.held(p.dev) != held || landed(s, p.dev) != landed_before || s.mem.limits.heap_on(p.dev) != heap {
             std::thread::yield_now();
             continue;
         }
@@ -526,7 +528,10 @@ fn true_up(s: &ShimState, p: Pending) -> bool {
         if own == 0 {
             return true;
         }
-        apply(s, p, c.bytes, own.saturating_sub(landed_before));
+        // A raised heap is charged from its set, but the driver takes it at a module load: not
+        // counted as the driver's, so a context measured before the load is not charged less by
+        // it (measured after, more: on the limit's side).
+        apply(s, p, c.bytes, own.saturating_sub(landed_before.saturating_sub(heap)));
         return true;
     }
     false
@@ -575,6 +580,9 @@ fn context_gone(s: &ShimState, ctx: usize, overhead_too: bool) {
     let dead = |c: &Charge| c.ctx == ctx && c.kind.dies_with_context();
     for (_, c) in s.mem.ptrs.drain_where(dead).into_iter().chain(s.mem.arrays.drain_where(dead)) {
         s.refund(c.dev, c.bytes);
+    }
+    for (dev, bytes) in s.mem.chunks.context_gone(ctx) {
+        s.refund(dev, bytes);
     }
     // Its limits are back at their defaults (a reset) or gone with it.
     for (dev, bytes) in s.mem.limits.take_context(ctx) {

@@ -12,8 +12,11 @@
 //! - stack: bytes per thread × SMs × threads per SM (local memory for every resident thread);
 //! - printf FIFO and malloc heap: their bytes.
 //!
-//! A driver may take the heap and the FIFO only at the first launch of a kernel that uses them;
-//! charging them when set errs on the limit's side. Not charged here: stack the driver grows by
+//! A driver may take the heap and the FIFO only later: the heap when a module is loaded into the
+//! context (NVIDIA's programming guide; an H200 took nothing when it was raised to 1 GiB,
+//! docs/sim.md), the FIFO at the first launch of a kernel that uses it. Charging them when set
+//! errs on the limit's side; the context's true-up does not count the heap as the driver's
+//! ([`CtxLimits::heap_on`]). Not charged here: stack the driver grows by
 //! itself at the launch of a kernel that needs more than is set (tesserad's reading of the
 //! driver's per-process memory covers that, as it covers any memory taken around the shim).
 
@@ -78,6 +81,12 @@ impl CtxLimits {
     /// What contexts' limits hold on a region device.
     pub(crate) fn charged_on(&self, dev: usize) -> u64 {
         self.lock().iter().filter(|h| h.dev == dev).map(|h| h.bytes).sum()
+    }
+
+    /// What raised malloc heaps hold on a region device: charged, but perhaps not yet taken by
+    /// the driver.
+    pub(crate) fn heap_on(&self, dev: usize) -> u64 {
+        self.lock().iter().filter(|h| h.dev == dev && h.limit == MALLOC_HEAP_SIZE).map(|h| h.bytes).sum()
     }
 
     /// A context is gone (destroyed, released for the last time, reset): its limits' charges,

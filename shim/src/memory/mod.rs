@@ -3,6 +3,8 @@
 //!
 //! - [`alloc`]: linear memory (`cuMemAlloc*`, pitched, managed), stream-ordered allocations,
 //!   arrays;
+//! - [`granularity`]: linear device memory charged as the driver holds it (2 MiB pages; small
+//!   allocations by the shared chunk they lie in), as NVML's per-process figure counts it;
 //! - [`vmm`]: the virtual-memory API's physical allocations, charged until released and unmapped;
 //! - [`context`]: each context's own overhead (reserved before it is created, trued up to what
 //!   it measured: at once, or, for a process's first context on a device while NVML is not yet
@@ -21,6 +23,7 @@
 pub(crate) mod alloc;
 pub(crate) mod context;
 pub(crate) mod ctx_limits;
+pub(crate) mod granularity;
 pub(crate) mod graph;
 pub(crate) mod info;
 pub(crate) mod pools;
@@ -161,8 +164,10 @@ impl Sharded {
 
 /// Every live charge of this process.
 pub(crate) struct Tracker {
-    /// Device pointers (linear, managed, stream-ordered).
+    /// Device pointers (linear, managed, stream-ordered), but for small linear allocations.
     pub ptrs: Sharded,
+    /// Small linear allocations and the 2 MiB chunks they hold.
+    pub chunks: granularity::Chunks,
     /// CUDA array handles.
     pub arrays: Sharded,
     /// Physical allocations and their mappings.
@@ -188,6 +193,7 @@ impl Tracker {
     pub(crate) fn new() -> Tracker {
         Tracker {
             ptrs: Sharded::new(),
+            chunks: granularity::Chunks::new(),
             arrays: Sharded::new(),
             vmm: vmm::Vmm::new(),
             graphs: graph::GraphMem::new(),
