@@ -294,5 +294,136 @@ PY
 else
   echo "SKIP GEMM shares: PyTorch not installed or no GPU visible to it"
 fi
+echo "== park and resume a PyTorch process mid-training (issue 33): the driver's checkpoint API"
+# A PyTorch process trains (fixed seed, deterministic kernels) beside a 2 GiB tensor of known
+# content; at step 50 it says so and runs scratch work (not part of the result) until told to go
+# on. A second process parks it then (cuCheckpointProcessLock + Checkpoint, as tesserad's park
+# does), reads what the driver and NVML show, resumes it (Restore + Unlock), and tells it to go on.
+# Its weights' checksum must equal an unparked run's of the same seed. The card's settings are
+# only read; the parked process is the script's own.
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  cat > /tmp/tessera-park-train.py <<'PY'
+import json, os, sys, time
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic cuBLAS needs
+import torch
+seed, steps, park_at, filler_mib, ready, go = int(sys.argv[1]), 150, 50, int(sys.argv[2]), sys.argv[3], sys.argv[4]
+torch.manual_seed(seed)
+torch.use_deterministic_algorithms(True)
+host_filler = torch.arange(filler_mib << 18, dtype=torch.int32)  # 4 bytes each
+filler = host_filler.to("cuda")
+model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024)).cuda()
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+data = torch.randn(128, 1024, device="cuda")
+scratch = torch.randn(1024, 1024, device="cuda")
+for step in range(steps):
+    opt.zero_grad(); model(data).square().mean().backward(); opt.step()
+    if step == park_at and ready != "-":
+        torch.cuda.synchronize()
+        open(ready, "w").write(str(os.getpid()))
+        while not os.path.exists(go):  # GPU work in flight while the parker locks
+            scratch = (scratch @ scratch).tanh()
+        torch.cuda.synchronize()
+torch.cuda.synchronize()
+# Summed on the host from copies (on the simulated node, where kernels compute nothing, this
+# still checks every byte came back).
+checksum = sum(float(p.detach().cpu().double().sum()) for p in model.parameters())
+intact = bool(torch.equal(filler.cpu(), host_filler))
+print(json.dumps({"checksum": repr(checksum), "filler_intact": intact}))
+PY
+  cat > /tmp/tessera-park-parker.py <<'PY'
+import ctypes, json, sys, time
+pid = int(sys.argv[1])
+cu, ml = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL("libnvidia-ml.so.1")
+class LockArgs(ctypes.Structure):  # CUcheckpointLockArgs
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+class Proc(ctypes.Structure):  # nvmlProcessInfo_v1_t
+    _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
+class Mem(ctypes.Structure):  # nvmlMemory_t
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+def ck(rc, what):
+    if rc:
+        raise SystemExit(json.dumps({"error": f"{what}: {rc}"}))
+ck(cu.cuInit(0), "cuInit")
+ck(ml.nvmlInit_v2(), "nvmlInit")
+dev = ctypes.c_void_p()
+ck(ml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)), "nvml handle")
+def process_mib():
+    n, procs = ctypes.c_uint(64), (Proc * 64)()
+    ck(ml.nvmlDeviceGetComputeRunningProcesses(dev, ctypes.byref(n), procs), "processes")
+    return sum(p.used for p in procs[: n.value] if p.pid == pid) >> 20
+def gpu_used_mib():
+    m = Mem()
+    ck(ml.nvmlDeviceGetMemoryInfo(dev, ctypes.byref(m)), "memory info")
+    return m.used >> 20
+def state():
+    s = ctypes.c_int(-1)
+    ck(cu.cuCheckpointProcessGetState(pid, ctypes.byref(s)), "state")
+    return {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}.get(s.value, s.value)
+def timed(fn, what, *args):
+    t = time.perf_counter()
+    ck(fn(pid, *args), what)
+    return (time.perf_counter() - t) * 1e3
+out = {"process_mib_before": process_mib(), "gpu_used_mib_before": gpu_used_mib()}
+out["lock_ms"] = timed(cu.cuCheckpointProcessLock, "lock", ctypes.byref(LockArgs(timeoutMs=30000)))
+out["checkpoint_ms"] = timed(cu.cuCheckpointProcessCheckpoint, "checkpoint", None)
+out["parked"] = {"state": state(), "process_mib": process_mib(), "gpu_used_mib": gpu_used_mib()}
+out["restore_ms"] = timed(cu.cuCheckpointProcessRestore, "restore", None)
+out["unlock_ms"] = timed(cu.cuCheckpointProcessUnlock, "unlock", None)
+out["state_after"], out["process_mib_after"] = state(), process_mib()
+print(json.dumps(out))
+PY
+  park_dir=$(mktemp -d /tmp/tessera-park.XXXXXX) park_mib=${TESSERA_GPU_CHECK_PARK_MIB:-2048}
+  park_run() { # label, then the environment's assignments for the trainer
+    local label=$1; shift
+    rm -f "$park_dir/ready" "$park_dir/go"
+    env "$@" python3 /tmp/tessera-park-train.py 7 "$park_mib" "$park_dir/ready" "$park_dir/go" > "$park_dir/$label.train" &
+    local trainer=$!
+    local w=0
+    while [[ ! -s $park_dir/ready ]] && ((w++ < 600)) && kill -0 $trainer 2>/dev/null; do sleep 0.1; done
+    if [[ -s $park_dir/ready ]]; then
+      env -u LD_PRELOAD -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-park-parker.py "$(cat "$park_dir/ready")" > "$park_dir/$label.park"
+    else
+      echo '{"error": "the trainer never reached step 50"}' > "$park_dir/$label.park"
+    fi
+    touch "$park_dir/go"
+    wait $trainer
+  }
+  env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-park-train.py 7 "$park_mib" - - > "$park_dir/unparked.train"
+  park_run plain -u TESSERA_MEMORY_LIMIT
+  park_run shim LD_PRELOAD="$shim" TESSERA_MEMORY_LIMIT=4096MiB
+  python3 - "$park_dir" <<'PY'
+import json, sys
+d = sys.argv[1]
+def last(name):
+    try:
+        return json.loads(open(f"{d}/{name}").read().strip().splitlines()[-1])
+    except Exception as e:
+        return {"error": f"{name}: {e}"}
+ref, fails = last("unparked.train"), 0
+link = 50e9 / 2**30  # PCIe 5 x16 one way, GiB/s
+for label in ("plain", "shim"):
+    t, p = last(f"{label}.train"), last(f"{label}.park")
+    if "error" in p or "error" in t or "error" in ref:
+        print(f"FAIL park {label}: {p.get('error') or t.get('error') or ref.get('error')}"); fails += 1; continue
+    ok = (p["parked"]["state"] == "checkpointed" and p["parked"]["process_mib"] == 0
+          and p["state_after"] == "running" and p["process_mib_after"] == p["process_mib_before"]
+          and t["checksum"] == ref["checksum"] and t["filler_intact"])
+    gib = p["process_mib_before"] / 1024
+    out_s, in_s = gib / (p["lock_ms"] + p["checkpoint_ms"]) * 1e3, gib / (p["restore_ms"] + p["unlock_ms"]) * 1e3
+    print(("PASS" if ok else "FAIL") + f" park {label}: {p['process_mib_before']} MiB parked (NVML while parked: process "
+          f"{p['parked']['process_mib']} MiB, GPU used {p['gpu_used_mib_before']} -> {p['parked']['gpu_used_mib']} MiB, "
+          f"state {p['parked']['state']}), back to {p['process_mib_after']} MiB, {p['state_after']}; checksum "
+          f"{t['checksum']} vs unparked {ref['checksum']}, filler intact {t['filler_intact']}")
+    print(f"INFO park {label}: lock {p['lock_ms']:.1f} ms, checkpoint {p['checkpoint_ms']:.1f} ms ({out_s:.2f} GiB/s, "
+          f"{out_s / link:.3f} of the link); restore {p['restore_ms']:.1f} ms, unlock {p['unlock_ms']:.1f} ms "
+          f"({in_s:.2f} GiB/s, {in_s / link:.3f} of the link)")
+    fails += not ok
+sys.exit(1 if fails else 0)
+PY
+  check "park and resume" $? "see above"
+  rm -rf "$park_dir"
+else
+  echo "SKIP park and resume: PyTorch not installed or no GPU visible to it"
+fi
 echo "== $fails failed"
 exit $((fails > 0))
