@@ -1815,16 +1815,19 @@ fn child_graphs_are_cloned_without_memory_nodes_or_moved_with_them() {
         assert_eq!(call!(cu, cuGraphDestroy(holder) as fn(Handle)), SUCCESS);
         assert_eq!(gr.instantiate(child, 0), Err(INVALID_VALUE), "gone with its parent");
         assert_eq!(call!(cu, cuGraphDestroy(parent) as fn(Handle)), SUCCESS);
-        // Other node types through cuGraphAddNode say they are not modelled.
-        let mut kernel =
-            ChildParams { type_: 0, reserved0: [0; 3], graph: std::ptr::null_mut(), ownership: 0, rest: [0; 57] };
+        // Node types cuGraphAddNode does not model (a memcpy node) say so; a kernel node is
+        // modelled (tests/graph_nodes.rs), and one without a function refused.
         let g = gr.create();
-        let rc = call!(
-            cu,
-            cuGraphAddNode(&mut n, g, std::ptr::null(), 0, &mut kernel)
-                as fn(*mut Handle, Handle, *const Handle, usize, *mut ChildParams)
-        );
-        assert_eq!(rc, NOT_SUPPORTED);
+        for (type_, expected) in [(1, NOT_SUPPORTED), (0, INVALID_VALUE)] {
+            let mut p =
+                ChildParams { type_, reserved0: [0; 3], graph: std::ptr::null_mut(), ownership: 0, rest: [0; 57] };
+            let rc = call!(
+                cu,
+                cuGraphAddNode(&mut n, g, std::ptr::null(), 0, &mut p)
+                    as fn(*mut Handle, Handle, *const Handle, usize, *mut ChildParams)
+            );
+            assert_eq!(rc, expected, "node type {type_}");
+        }
     });
 }
 

@@ -18,6 +18,7 @@ use tessera_abi::cuda_exports;
 use tessera_sim_model::Node;
 
 use super::errors::{Cu, poll_faults};
+use super::graph_nodes;
 use super::handles::{self, graph};
 use super::init::driver;
 use super::module::Func;
@@ -564,8 +565,8 @@ struct NodeParamsHead {
 const _: () = assert!(std::mem::offset_of!(NodeParamsHead, child_graph) == 16);
 const _: () = assert!(std::mem::size_of::<NodeParamsHead>() <= std::mem::size_of::<sys::CUgraphNodeParams>());
 
-/// `cuGraphAddNode`: empty and child graph nodes; other types answer `CUDA_ERROR_NOT_SUPPORTED`
-/// (their own `cuGraphAdd*Node` functions are modelled).
+/// `cuGraphAddNode`: kernel, memset and host nodes ([`super::graph_nodes`]), empty and child graph
+/// nodes; other types answer `CUDA_ERROR_NOT_SUPPORTED`.
 ///
 /// # Safety
 /// As [`add_node`]; `params` null or a `CUgraphNodeParams`.
@@ -584,6 +585,12 @@ unsafe fn add_generic(
     match head.type_ {
         // SAFETY: as this function's contract.
         5 => unsafe { add_node(ph, g, deps, n, Op::Empty) },
+        t @ (graph_nodes::KERNEL | graph_nodes::MEMSET | graph_nodes::HOST) => {
+            // SAFETY: params is a whole CUgraphNodeParams (checked non-null and aligned).
+            let op = unsafe { graph_nodes::op(t, params) }?;
+            // SAFETY: as this function's contract.
+            unsafe { add_node(ph, g, deps, n, op) }
+        }
         4 => match head.child_ownership {
             // SAFETY: as this function's contract.
             0 => unsafe { add_child(ph, g, deps, n, head.child_graph, false) },
@@ -602,15 +609,20 @@ cuda_exports! {
         run(|| unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) })
     }
 
-    /// `cuGraphAddNode_v2` (CUDA 12.3): edge data beside the dependencies; only the default edge
-    /// (null) is modelled.
+    /// `cuGraphAddNode_v2` (CUDA 12.3): edge data beside the dependencies, checked
+    /// ([`graph_nodes::check_edges`]).
     fn cuGraphAddNode_v2(phGraphNode, hGraph, dependencies, dependencyData, numDependencies, nodeParams) {
         run(|| {
-            if !dependencyData.is_null() {
-                return Err(CUresult::CUDA_ERROR_NOT_SUPPORTED);
-            }
+            need(nodeParams)?;
+            driver()?;
+            // SAFETY: nodeParams is a CUgraphNodeParams (checked non-null and aligned), whose first
+            // field is its type, read as the raw integer.
+            let downstream = unsafe { nodeParams.cast::<c_int>().read() };
             // SAFETY: the caller's pointers, per the API contract.
-            unsafe { add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) }
+            unsafe {
+                graph_nodes::check_edges(dependencies, dependencyData, numDependencies, downstream)?;
+                add_generic(phGraphNode, hGraph, dependencies, numDependencies, nodeParams)
+            }
         })
     }
 
@@ -659,18 +671,13 @@ pub(crate) unsafe fn add_node(
     unsafe { put(ph, handles::as_ptr(h)) }
 }
 
-fn kernel_op(func: usize) -> R<Op> {
-    let f = handles::read().funcs.get(&func).cloned().ok_or(INVALID_VALUE)?;
-    Ok(Op::Kernel { func: f })
-}
-
 cuda_exports! {
     /// `cuGraphAddKernelNode` (CUDA 10.0 parameters, without `kern` and `ctx`).
     fn cuGraphAddKernelNode(phGraphNode, hGraph, dependencies, numDependencies, nodeParams) {
         run(|| {
             // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
             let p = unsafe { get(nodeParams) }?;
-            let op = kernel_op(p.func as usize)?;
+            let op = graph_nodes::kernel(p.func, std::ptr::null_mut())?;
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })
@@ -680,8 +687,7 @@ cuda_exports! {
         run(|| {
             // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
             let p = unsafe { get(nodeParams) }?;
-            let f = if p.func.is_null() { p.kern as usize } else { p.func as usize };
-            let op = kernel_op(f)?;
+            let op = graph_nodes::kernel(p.func, p.kern)?;
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })
@@ -696,8 +702,7 @@ cuda_exports! {
         run(|| {
             // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
             let p = unsafe { get(nodeParams) }?;
-            let f = p.fn_.ok_or(INVALID_VALUE)?;
-            let op = Op::Host { f, data: p.userData as usize };
+            let op = graph_nodes::host(p.fn_, p.userData)?;
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })
@@ -707,17 +712,7 @@ cuda_exports! {
         run(|| {
             // SAFETY: memsetParams is the caller's struct (null/misaligned checked by get).
             let p = unsafe { get(memsetParams) }?;
-            if !matches!(p.elementSize, 1 | 2 | 4) || p.width == 0 || p.height == 0 {
-                return Err(INVALID_VALUE);
-            }
-            let op = Op::Memset(super::copy::Memset {
-                dst: p.dst,
-                pitch: p.pitch as u64,
-                value: p.value,
-                elem: p.elementSize,
-                width: p.width as u64,
-                height: p.height as u64,
-            });
+            let op = graph_nodes::memset(p.dst, p.pitch, p.value, p.elementSize, p.width, p.height)?;
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })

@@ -49,6 +49,7 @@ mod event;
 mod export_tables;
 mod graph;
 mod graph_mem;
+mod graph_nodes;
 mod handles;
 mod init;
 mod integrity;
