@@ -1,7 +1,8 @@
 //! JAX (jaxlib with its CUDA 12 plugin, XLA compiling with ptxas from NVIDIA's wheel) runs on a
 //! simulated H200: it lists the GPU, runs jitted matmuls in fp32 and bf16 (XLA's Triton GEMMs,
 //! autotuned by launching them; timed by name, results not computed: shapes and dtypes checked),
-//! and preallocates 75% of the device's memory, its default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
+//! a bf16 training step (which XLA runs as a CUDA graph, its kernels joined by programmatic
+//! edges) and an fp16 convolution (cuDNN), and preallocates 75% of the device's memory, its default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
 //! from what `cuMemGetInfo` says the total is. Under libtessera.so with a 4 GiB limit that is the
 //! limit: 3 GiB, as a real H200 showed, in JAX's memory stats, in NVML through the shim and in
 //! the simulated driver's own list of processes. Nothing XLA, cuBLAS or cuDNN calls may be a
@@ -68,6 +69,19 @@ for dt in (jnp.float32, jnp.bfloat16):
     k1, k2 = jax.random.split(jax.random.key(0))
     z = matmul(jax.random.normal(k1, (256, 512), dt), jax.random.normal(k2, (512, 128), dt)).block_until_ready()
     out[jnp.dtype(dt).name] = [list(z.shape), str(z.dtype), z.devices() == {devs[0]}]
+# A training step (gradients, an update): XLA runs its fusions as a CUDA graph, kernels joined by
+# programmatic edges; and a convolution (cuDNN).
+def loss(p, x):
+    return jnp.mean((jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"]) ** 2)
+p = {"w1": jax.random.normal(k1, (256, 512), jnp.bfloat16), "b1": jnp.zeros(512, jnp.bfloat16),
+     "w2": jax.random.normal(k2, (512, 10), jnp.bfloat16)}
+step = jax.jit(lambda p, x: jax.tree.map(lambda a, g: a - 1e-3 * g, p, jax.grad(loss)(p, x)))
+p = jax.block_until_ready(step(p, jax.random.normal(k2, (64, 256), jnp.bfloat16)))
+out["step"] = sorted([k, list(v.shape), str(v.dtype)] for k, v in p.items())
+dims = ("NHWC", "HWIO", "NHWC")
+conv = jax.jit(lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "SAME", dimension_numbers=dims))
+c = conv(jnp.ones((8, 32, 32, 64), jnp.float16), jnp.ones((3, 3, 64, 128), jnp.float16)).block_until_ready()
+out["conv"] = [list(c.shape), str(c.dtype)]
 stats = devs[0].memory_stats()
 out["bytes_limit"], out["pool_bytes"] = stats["bytes_limit"], stats["pool_bytes"]
 # NVML in this process (through libtessera.so where it is preloaded), and the simulated
@@ -133,6 +147,9 @@ fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
     assert_eq!(v["devices"], json!([["gpu", "NVIDIA H200"]]), "one CUDA device, the board: {v}");
     assert_eq!(v["float32"], json!([[256, 128], "float32", true]), "fp32 matmul: {v}");
     assert_eq!(v["bfloat16"], json!([[256, 128], "bfloat16", true]), "bf16 matmul: {v}");
+    let step = json!([["b1", [512], "bfloat16"], ["w1", [256, 512], "bfloat16"], ["w2", [512, 10], "bfloat16"]]);
+    assert_eq!(v["step"], step, "a training step, run as a CUDA graph: {v}");
+    assert_eq!(v["conv"], json!([[8, 32, 32, 128], "float16"]), "a cuDNN convolution: {v}");
     assert_eq!(u(&v, "pool_bytes"), u(&v, "bytes_limit"), "the whole pool is taken up front: {v}");
     Some(v)
 }
