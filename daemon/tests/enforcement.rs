@@ -12,7 +12,9 @@
 //! - SM time: a bypassing workload launching back to back in a 25% share is killed once a
 //!   window's average is over its share, and so is the one started in its place; one launching
 //!   at a rate within its share runs to its end; in report mode the breach is reported when it
-//!   starts and when its process is gone.
+//!   starts and when its process is gone;
+//! - memory under the shim: an honest program of many small buffers, charged by the shim as the
+//!   driver holds them (2 MiB chunks), is refused at its limit by NVML's figure and never killed.
 //!
 //! Moving a process into a cgroup needs root: without it the tests print SKIP (and fail when
 //! `TESSERA_REQUIRE_RUNTIMES` is set, as in CI).
@@ -173,15 +175,17 @@ struct Setup {
 }
 
 async fn setup(enforcement: &str) -> Setup {
+    setup_with(enforcement, "[partitions.default]\nshares = { count = 4 }").await
+}
+
+/// [`setup`] with the GPU split as `partitions` says.
+async fn setup_with(enforcement: &str, partitions: &str) -> Setup {
     let node = SimNode::with_description(&format!(
         "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
     ));
     let dir = tempfile::tempdir().expect("tempdir");
-    let (metrics, config) = common::write_config_with_metrics(
-        &node,
-        dir.path(),
-        &format!("[enforcement]\n{enforcement}\n[partitions.default]\nshares = {{ count = 4 }}"),
-    );
+    let (metrics, config) =
+        common::write_config_with_metrics(&node, dir.path(), &format!("[enforcement]\n{enforcement}\n{partitions}"));
     let mut kubelet = TestKubelet::start(&dir.path().join("plugins"));
     let (daemon, _) = spawn(&node, &config, &dir.path().join("no-notify"), &dir.path().join("tesserad.log"));
     let (reg, _) = kubelet.next_registration().await;
@@ -294,7 +298,8 @@ async fn a_process_bypassing_the_shim_is_killed_over_its_limit_and_nothing_else_
     assert_eq!(b.action, api::BreachAction::Killed as i32);
     assert_eq!(b.pids, [greedy.id()]);
     assert_eq!(b.killed_pids, [greedy.id()]);
-    assert_eq!(b.used_bytes, (over_mib + OVERHEAD_MIB) * MIB);
+    // The driver holds whole 2 MiB pages.
+    assert_eq!(b.used_bytes, (over_mib.next_multiple_of(2) + OVERHEAD_MIB) * MIB);
     assert_eq!(b.limit_bytes, limit);
     assert_eq!(b.gpu_index, 0);
     assert_eq!(e.device_id, s.shares[0]);
@@ -352,7 +357,7 @@ async fn report_mode_reports_a_breach_once_and_kills_nothing() {
         (b.allocation_id.as_str(), b.pids.as_slice(), b.killed_pids.len()),
         (id.as_str(), &[greedy.id()][..], 0)
     );
-    assert_eq!((b.used_bytes, b.limit_bytes), ((over_mib + OVERHEAD_MIB) * MIB, limit));
+    assert_eq!((b.used_bytes, b.limit_bytes), ((over_mib.next_multiple_of(2) + OVERHEAD_MIB) * MIB, limit));
     assert_eq!(greedy.wait().expect("wait").code(), Some(0), "reported, not killed");
     let ended = next_event(&mut events, "limit_breach ended").await;
     assert_eq!(breach(&ended).phase, api::BreachPhase::Ended as i32, "the next event is the end: {}", ended.message);
@@ -576,6 +581,48 @@ async fn honest_under_the_shim(kernel_us: u64, seconds: u32, more: &str, per_lau
     // Let through near its share (±5 points, as the shim's own share tests hold on a shared
     // machine: graphs of 100 ms read 0.271 in a full run; the ±2-point goal is a benchmark figure).
     assert!((paced - 0.25).abs() <= 0.05, "{r}");
+}
+
+/// An honest program under the shim allocating buffers of 5,000 bytes until one is refused, in a
+/// 1 GiB share with kill mode polling every 100 ms. The driver packs such buffers into 2 MiB
+/// chunks and NVML's per-process figure, which tesserad holds against the limit, counts the
+/// chunks: the shim charges them the same way, so the program is refused with
+/// `CUDA_ERROR_OUT_OF_MEMORY` right at its limit by the driver's own figure, holds there while
+/// tesserad polls, and is never killed. (Charged as asked, 5,000 bytes of each 8 KiB the sim
+/// holds, it would have been let through to about 1.5 GiB by NVML's figure, and killed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_honest_program_of_many_small_buffers_is_refused_at_its_limit_and_not_killed() {
+    const GIB: u64 = 1 << 30;
+    let Some(root) = cgroup_root() else { return };
+    let partitions = "[[partitions.default.shares]]\nmemory = \"1GiB\"\n[[partitions.default.shares]]";
+    let mut s = setup_with("action = \"kill\"\ninterval_ms = 100", partitions).await;
+    let (id, dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
+    assert_eq!(limit_of(&mut s.api, &id).await, GIB, "the first share is the 1 GiB one");
+    let (_, cg) = container(&root, &dir, 31, "small-buffers");
+    let model = tessera_sim_model::Node::open(s.node.description.as_deref(), Some(&s.node.state)).expect("sim node");
+    model.reset_high_water(0, 0).expect("high-water mark");
+    let mut events = s.watch(&[api::EventKind::LimitBreach]).await;
+
+    let more = "--alloc-mib 4096 --chunk-bytes 5000 --hold 2";
+    let out = shimmed_workload(&s.node, &cg, &dir, 1000, 0, more).wait_with_output().expect("wait");
+    let report = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(3), "refused, not killed: {:?}\n{report}\n{}", out.status, log_of(s.dir.path()));
+    let r: serde_json::Value = serde_json::from_str(report.lines().last().unwrap_or("")).expect("report");
+    assert_eq!(r["alloc_error"], "CUDA_ERROR_OUT_OF_MEMORY", "{r}");
+    let no_breach = tokio::time::timeout(Duration::from_millis(600), events.message()).await;
+    assert!(no_breach.is_err(), "no breach: {no_breach:?}");
+    let peak = model.memory_high_water(0, 0).expect("high-water mark");
+    let (buffers, free) =
+        (r["allocations"].as_u64().unwrap_or(0), r["mem_free_after_alloc"].as_u64().unwrap_or(u64::MAX));
+    println!(
+        "enforcement: {buffers} buffers of 5,000 bytes ({} MiB asked) in a 1 GiB share: the GPU held at most {} MiB, \
+         {} KiB left free",
+        (buffers * 5000) >> 20,
+        peak >> 20,
+        free >> 10
+    );
+    assert!(peak <= GIB, "the driver's own figure never passed the limit: {peak}");
+    assert!(free < 2 * MIB, "let through right up to its limit (less than a chunk left): {r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -155,10 +155,13 @@ fn cupy_under_the_shim_sees_its_limit() {
 
 /// A device `malloc` heap set through the runtime (`cudaDeviceSetLimit`, as libraries that size
 /// their heap "as large as will fit" do): the driver sets the memory aside without an allocation
-/// call. `sys.argv[1]` is the first heap asked for; then 256 MiB. Prints what each answered, the
-/// heap the runtime reports, and the device memory the heap took from what was free.
+/// call, when a module is loaded into the context. `sys.argv[1]` is the first heap asked for;
+/// then 256 MiB. Prints what each answered, the heap the runtime reports, and the device memory
+/// the heap took from what was free: once set, and once a module (NVRTC-compiled, no
+/// allocation) is loaded.
 const HEAP_PROGRAM: &str = r#"
 import json, sys
+import cupy
 from cupy.cuda import runtime
 
 runtime.setDevice(0)
@@ -174,6 +177,8 @@ out = {"first": heap(int(sys.argv[1]))}
 out["heap_after_first"] = runtime.deviceGetLimit(runtime.cudaLimitMallocHeapSize)
 out["second"] = heap(256 << 20)
 out["heap"] = runtime.deviceGetLimit(runtime.cudaLimitMallocHeapSize)
+out["taken_at_set"] = free0 - runtime.memGetInfo()[0]
+cupy.RawModule(code='extern "C" __global__ void k() {}').get_function("k")
 out["taken"] = free0 - runtime.memGetInfo()[0]
 print(json.dumps(out))
 "#;
@@ -185,11 +190,13 @@ fn cupy_device_malloc_heap_counts_against_the_limit() {
     let run = |extra: &[(&str, &str)]| {
         run_python_json(&SimNode::new(), &python, "CuPy heap", &["-c", HEAP_PROGRAM, &first_heap], extra)
     };
-    // On the sim alone a 2 GiB heap is set aside, then lowered to 256 MiB.
+    // On the sim alone a 2 GiB heap is accepted, then lowered to 256 MiB, which the first module
+    // takes.
     let v = run(&[]);
     assert_eq!((v["first"].as_str(), u(&v, "heap_after_first")), (Some("ok"), 2 * GIB), "{v}");
     assert_eq!((v["second"].as_str(), u(&v, "heap")), (Some("ok"), 256 * MIB), "{v}");
-    assert_eq!(u(&v, "taken"), 248 * MIB, "the heap past its 8 MiB default is the device's: {v}");
+    assert_eq!(u(&v, "taken_at_set"), 0, "nothing taken at the set, as on an H200: {v}");
+    assert_eq!(u(&v, "taken"), 248 * MIB, "the heap past its 8 MiB default, taken with a module: {v}");
     // Under a 1 GiB limit the 2 GiB heap is the runtime's memory allocation error, nothing moves,
     // and the 256 MiB one fits and shows as used.
     let shim = shim();
@@ -199,6 +206,7 @@ fn cupy_device_malloc_heap_counts_against_the_limit() {
     assert!(first.contains("cudaErrorMemoryAllocation"), "{v}");
     assert_eq!(u(&v, "heap_after_first"), 8 * MIB, "{v}");
     assert_eq!((v["second"].as_str(), u(&v, "heap")), (Some("ok"), 256 * MIB), "{v}");
+    assert_eq!(u(&v, "taken_at_set"), 248 * MIB, "the shim charges it from the set: {v}");
     assert_eq!(u(&v, "taken"), 248 * MIB, "memGetInfo shows the heap used: {v}");
 }
 

@@ -26,6 +26,9 @@ pub struct Plan {
     /// Size of each allocation, in MiB (default: everything in one).
     #[arg(long)]
     pub chunk_mib: Option<u64>,
+    /// Size of each allocation, in bytes (instead of `--chunk-mib`: many small buffers).
+    #[arg(long)]
+    pub chunk_bytes: Option<u64>,
     /// Write a pattern into each allocation and read it back.
     #[arg(long)]
     pub verify: bool,
@@ -185,7 +188,7 @@ fn work(cu: &Driver, plan: &Plan, r: &mut Report) -> Result<(), CudaError> {
         r.mem_total = total as u64;
 
         let mut ptrs = Vec::new();
-        let chunk = plan.chunk_mib.unwrap_or(plan.alloc_mib).max(1) << 20;
+        let chunk = plan.chunk_bytes.unwrap_or(plan.chunk_mib.unwrap_or(plan.alloc_mib).max(1) << 20).max(1);
         let mut left = r.requested_bytes;
         while left > 0 {
             let n = chunk.min(left);
