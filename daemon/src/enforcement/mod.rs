@@ -26,6 +26,11 @@
 //! A process that bypasses the shim thus holds more than its limit for at most one interval
 //! plus a poll, and the kill itself (under 1 s at the default).
 //!
+//! There is no slack for honest programs: NVML's figure counts the GPU's 2 MiB pages, not the
+//! bytes asked, and the shim charges linear memory the same way (`shim/src/memory/granularity.rs`),
+//! so a program under the shim is refused before this figure passes its limit. A tolerance here
+//! would let every process, shim or none, keep that much more.
+//!
 //! SM time is judged the same way from NVML's per-process utilization ([`sm_time`]): a strict
 //! share whose processes took more than its SM percent plus `sm_tolerance_percent` points of an
 //! `sm_window_ms` window is a breach (`sm_action`, by default as `action`): its processes that do
