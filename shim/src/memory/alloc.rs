@@ -94,7 +94,9 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
 /// allocation it ends is no longer live (its memory stays in the graph pool, charged there); a
 /// pool's allocation has its pool read again (what the pool keeps stays charged).
 fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let small = if dptr == 0 { None } else { s.mem.chunks.take(dptr) };
+    // A pointer is in one book or the other: the sharded one first, so that freeing a large
+    // allocation never takes the chunks' one lock.
+    let small = if dptr == 0 || s.mem.ptrs.get(dptr).is_some() { None } else { s.mem.chunks.take(dptr) };
     let rc = match small {
         // Its chunk is refunded once the driver has freed it, and only if it was the last in it.
         Some(sm) => {
