@@ -278,6 +278,7 @@ table! {
     fn cuGraphAddKernelNode_v2(phGraphNode: *mut sys::CUgraphNode, hGraph: sys::CUgraph, dependencies: *const sys::CUgraphNode, numDependencies: usize, nodeParams: *const sys::CUDA_KERNEL_NODE_PARAMS_v2);
     fn cuGraphAddEmptyNode(phGraphNode: *mut sys::CUgraphNode, hGraph: sys::CUgraph, dependencies: *const sys::CUgraphNode, numDependencies: usize);
     fn cuGraphAddHostNode(phGraphNode: *mut sys::CUgraphNode, hGraph: sys::CUgraph, dependencies: *const sys::CUgraphNode, numDependencies: usize, nodeParams: *const sys::CUDA_HOST_NODE_PARAMS);
+    fn cuGraphAddMemcpyNode(phGraphNode: *mut sys::CUgraphNode, hGraph: sys::CUgraph, dependencies: *const sys::CUgraphNode, numDependencies: usize, copyParams: *const sys::CUDA_MEMCPY3D, _ctx: sys::CUcontext);
     fn cuGraphAddMemsetNode(phGraphNode: *mut sys::CUgraphNode, hGraph: sys::CUgraph, dependencies: *const sys::CUgraphNode, numDependencies: usize, memsetParams: *const sys::CUDA_MEMSET_NODE_PARAMS, _ctx: sys::CUcontext);
     fn cuGraphGetNodes(hGraph: sys::CUgraph, nodes: *mut sys::CUgraphNode, numNodes: *mut usize);
     fn cuGraphNodeGetType(hNode: sys::CUgraphNode, type_: *mut c_int);

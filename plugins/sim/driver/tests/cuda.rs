@@ -1815,10 +1815,10 @@ fn child_graphs_are_cloned_without_memory_nodes_or_moved_with_them() {
         assert_eq!(call!(cu, cuGraphDestroy(holder) as fn(Handle)), SUCCESS);
         assert_eq!(gr.instantiate(child, 0), Err(INVALID_VALUE), "gone with its parent");
         assert_eq!(call!(cu, cuGraphDestroy(parent) as fn(Handle)), SUCCESS);
-        // Node types cuGraphAddNode does not model (a memcpy node) say so; a kernel node is
+        // Node types cuGraphAddNode does not model (an event wait node) say so; a kernel node is
         // modelled (tests/graph_nodes.rs), and one without a function refused.
         let g = gr.create();
-        for (type_, expected) in [(1, NOT_SUPPORTED), (0, INVALID_VALUE)] {
+        for (type_, expected) in [(6, NOT_SUPPORTED), (0, INVALID_VALUE)] {
             let mut p =
                 ChildParams { type_, reserved0: [0; 3], graph: std::ptr::null_mut(), ownership: 0, rest: [0; 57] };
             let rc = call!(

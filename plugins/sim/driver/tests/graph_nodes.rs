@@ -1,8 +1,10 @@
 //! Graph nodes added through `cuGraphAddNode` and `cuGraphAddNode_v2` from a `CUgraphNodeParams`
-//! (kernel, memset and host nodes), with the edge data `_v2` takes beside the dependencies, as
-//! XLA builds its command buffers: kernels joined by programmatic edges. The graph runs (the
-//! memset writes its bytes, the host function is called) and every edge cuda.h rules out is
-//! refused with `CUDA_ERROR_INVALID_VALUE`.
+//! (kernel, memcpy, memset and host nodes) and through `cuGraphAddMemcpyNode`, with the edge data
+//! `_v2` takes beside the dependencies, as XLA builds its command buffers: kernels joined by
+//! programmatic edges, copies between buffers. The graph runs (the memset writes its bytes, the
+//! copies move them, the host function is called) and every edge cuda.h rules out is refused
+//! with `CUDA_ERROR_INVALID_VALUE`; copies the sim does not model (strided, CUDA arrays) with
+//! `CUDA_ERROR_NOT_SUPPORTED`.
 //!
 //! Build the library first: `cargo build -p tessera-sim-driver && cargo test -p tessera-sim-driver --test graph_nodes`.
 
@@ -13,7 +15,7 @@ use cudarc::driver::sys;
 use tessera_sim_testkit::SimNode;
 
 mod common;
-use common::{Handle, INVALID_VALUE, SUCCESS, function};
+use common::{Handle, INVALID_VALUE, NOT_SUPPORTED, SUCCESS, function};
 
 /// Calls an export by name with the C signature given.
 macro_rules! call {
@@ -77,6 +79,62 @@ fn memset(dst: u64, bytes: usize, elem: c_uint) -> sys::CUgraphNodeParams {
     p
 }
 
+/// One side of a `CUDA_MEMCPY3D`, its memory type a raw integer (so that a test can pass one no
+/// enum variant has).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Side {
+    x: usize,
+    y: usize,
+    z: usize,
+    lod: usize,
+    ty: u32,
+    host: usize,
+    device: u64,
+    array: usize,
+    reserved: usize,
+    pitch: usize,
+    height: usize,
+}
+
+/// `CUDA_MEMCPY3D`, as C lays it out.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Copy3d {
+    src: Side,
+    dst: Side,
+    width: usize,
+    height: usize,
+    depth: usize,
+}
+const _: () = assert!(std::mem::size_of::<Copy3d>() == std::mem::size_of::<sys::CUDA_MEMCPY3D>());
+
+/// `CU_MEMORYTYPE_HOST`, `_DEVICE`, `_ARRAY`.
+const HOST: u32 = 1;
+const DEVICE: u32 = 2;
+const ARRAY: u32 = 3;
+
+/// A linear copy of `width` bytes per row, `height` rows: device to device, or from the host
+/// where `host` is given.
+fn copy3d(src: u64, host: Option<&[u8]>, dst: u64, width: usize, height: usize) -> Copy3d {
+    let src = match host {
+        Some(h) => Side { ty: HOST, host: h.as_ptr() as usize, ..Side::default() },
+        None => Side { ty: DEVICE, device: src, ..Side::default() },
+    };
+    Copy3d { src, dst: Side { ty: DEVICE, device: dst, ..Side::default() }, width, height, depth: 1 }
+}
+
+/// A memcpy node's parameters (`CUDA_MEMCPY_NODE_PARAMS`: flags, reserved, context, the copy).
+fn memcpy(m: Copy3d) -> sys::CUgraphNodeParams {
+    let mut p = params();
+    p.type_ = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY;
+    let at = std::mem::offset_of!(sys::CUgraphNodeParams, __bindgen_anon_1) + 16;
+    // SAFETY: the copy lies inside the union (CUDA_MEMCPY_NODE_PARAMS's copyParams, after its
+    // flags, reserved int and context); the struct is only passed to C.
+    unsafe { (&mut p as *mut sys::CUgraphNodeParams).cast::<u8>().add(at).cast::<Copy3d>().write_unaligned(m) };
+    p
+}
+
 fn host(f: sys::CUhostFn) -> sys::CUgraphNodeParams {
     let mut p = params();
     p.type_ = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_HOST;
@@ -92,10 +150,13 @@ fn nodes_from_node_params_run_and_edges_are_checked() {
     node.run_isolated("nodes_from_node_params_run_and_edges_are_checked", || {
         // SAFETY: loading the simulated driver runs no initializers.
         let cu = unsafe { libloading::Library::new(node.cuda_path()) }.expect("load libcuda.so.1");
-        let (mut ctx, mut g, mut dev) = (std::ptr::null_mut(), std::ptr::null_mut(), 0u64);
+        let (mut ctx, mut g, mut dev, mut dev2, mut dev3) = (std::ptr::null_mut(), std::ptr::null_mut(), 0u64, 0, 0);
         assert_eq!(call!(cu, cuInit(0) as fn(c_uint)), SUCCESS);
         assert_eq!(call!(cu, cuCtxCreate_v2(&mut ctx, 0, 0) as fn(*mut Handle, c_uint, i32)), SUCCESS);
-        assert_eq!(call!(cu, cuMemAlloc_v2(&mut dev, 4096) as fn(*mut u64, usize)), SUCCESS);
+        for d in [&mut dev, &mut dev2, &mut dev3] {
+            assert_eq!(call!(cu, cuMemAlloc_v2(d, 4096) as fn(*mut u64, usize)), SUCCESS);
+        }
+        let pattern: Vec<u8> = (0..1024u32).map(|i| (i % 251) as u8).collect();
         let f = function(&cu, PTX, "step_2us");
         assert_eq!(call!(cu, cuGraphCreate(&mut g, 0) as fn(*mut Handle, c_uint)), SUCCESS);
 
@@ -125,7 +186,15 @@ fn nodes_from_node_params_run_and_edges_are_checked() {
         let third = add(&[second], Some(&[LAUNCH_ORDER]), &kernel(f)).expect("a launch-order edge from a kernel");
         let set = add(&[third], Some(&[DEFAULT]), &memset(dev, 4096, 1)).expect("a memset node");
         let call_back = add(&[set], None, &host(Some(host_fn))).expect("a host node");
+        // Copies: the memset's bytes to a second buffer (cuGraphAddNode), host bytes to a third
+        // (cuGraphAddMemcpyNode).
+        let copy = add(&[set], Some(&[DEFAULT]), &memcpy(copy3d(dev, None, dev2, 4096, 1))).expect("a d2d memcpy node");
+        type AddCopy = unsafe extern "C" fn(*mut Handle, Handle, *const Handle, usize, *const Copy3d, Handle) -> u32;
+        let (mut upload, up) = (std::ptr::null_mut(), copy3d(0, Some(&pattern), dev3, 256, 4));
+        assert_eq!(call!(cu, cuGraphAddMemcpyNode(&mut upload, g, &copy, 1, &up, ctx) as AddCopy), SUCCESS);
         let mut t = -1;
+        assert_eq!(call!(cu, cuGraphNodeGetType(upload, &mut t) as fn(Handle, *mut i32)), SUCCESS);
+        assert_eq!(t, 1, "a memcpy node");
         assert_eq!(call!(cu, cuGraphNodeGetType(second, &mut t) as fn(Handle, *mut i32)), SUCCESS);
         assert_eq!(t, 0, "a kernel node");
         assert_eq!(call!(cu, cuGraphNodeGetType(set, &mut t) as fn(Handle, *mut i32)), SUCCESS);
@@ -154,12 +223,22 @@ fn nodes_from_node_params_run_and_edges_are_checked() {
         );
         assert_eq!(add(&[], None, &memset(dev, 4096, 3)), Err(INVALID_VALUE), "a 3-byte element");
         assert_eq!(add(&[], None, &host(None)), Err(INVALID_VALUE), "a host node without a function");
+        let mut strided = copy3d(dev, None, dev2, 1024, 2);
+        strided.dst.pitch = 8192;
+        assert_eq!(add(&[], None, &memcpy(strided)), Err(NOT_SUPPORTED), "a strided copy");
+        let mut array = copy3d(dev, None, dev2, 64, 1);
+        array.src.ty = ARRAY;
+        assert_eq!(add(&[], None, &memcpy(array)), Err(NOT_SUPPORTED), "a copy from a CUDA array");
+        let mut bad = copy3d(dev, None, dev2, 64, 1);
+        bad.src.ty = 5;
+        assert_eq!(add(&[], None, &memcpy(bad)), Err(INVALID_VALUE), "a memory type past the enum");
+        assert_eq!(add(&[], None, &memcpy(copy3d(dev, None, dev2, 0, 1))), Err(INVALID_VALUE), "nothing to copy");
         let mut n = 0usize;
         assert_eq!(
             call!(cu, cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) as fn(Handle, *mut Handle, *mut usize)),
             SUCCESS
         );
-        assert_eq!(n, 5, "only the five good nodes were added");
+        assert_eq!(n, 7, "only the seven good nodes were added");
 
         // The graph runs: the memset writes its bytes, the host function is called.
         let mut exec = std::ptr::null_mut();
@@ -171,5 +250,11 @@ fn nodes_from_node_params_run_and_edges_are_checked() {
         let rc = call!(cu, cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), dev, 4096) as fn(*mut c_void, u64, usize));
         assert_eq!(rc, SUCCESS);
         assert!(back.iter().all(|&b| b == 0xab), "the memset node wrote its bytes");
+        let rc = call!(cu, cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), dev2, 4096) as fn(*mut c_void, u64, usize));
+        assert_eq!(rc, SUCCESS);
+        assert!(back.iter().all(|&b| b == 0xab), "the d2d memcpy node copied them");
+        let rc = call!(cu, cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), dev3, 1024) as fn(*mut c_void, u64, usize));
+        assert_eq!(rc, SUCCESS);
+        assert_eq!(back[..1024], pattern[..], "the host-to-device memcpy node copied four packed rows");
     });
 }

@@ -565,8 +565,8 @@ struct NodeParamsHead {
 const _: () = assert!(std::mem::offset_of!(NodeParamsHead, child_graph) == 16);
 const _: () = assert!(std::mem::size_of::<NodeParamsHead>() <= std::mem::size_of::<sys::CUgraphNodeParams>());
 
-/// `cuGraphAddNode`: kernel, memset and host nodes ([`super::graph_nodes`]), empty and child graph
-/// nodes; other types answer `CUDA_ERROR_NOT_SUPPORTED`.
+/// `cuGraphAddNode`: kernel, memcpy, memset and host nodes ([`super::graph_nodes`]), empty and
+/// child graph nodes; other types answer `CUDA_ERROR_NOT_SUPPORTED`.
 ///
 /// # Safety
 /// As [`add_node`]; `params` null or a `CUgraphNodeParams`.
@@ -585,7 +585,7 @@ unsafe fn add_generic(
     match head.type_ {
         // SAFETY: as this function's contract.
         5 => unsafe { add_node(ph, g, deps, n, Op::Empty) },
-        t @ (graph_nodes::KERNEL | graph_nodes::MEMSET | graph_nodes::HOST) => {
+        t @ (graph_nodes::KERNEL | graph_nodes::MEMCPY | graph_nodes::MEMSET | graph_nodes::HOST) => {
             // SAFETY: params is a whole CUgraphNodeParams (checked non-null and aligned).
             let op = unsafe { graph_nodes::op(t, params) }?;
             // SAFETY: as this function's contract.
@@ -703,6 +703,18 @@ cuda_exports! {
             // SAFETY: nodeParams is the caller's struct (null/misaligned checked by get).
             let p = unsafe { get(nodeParams) }?;
             let op = graph_nodes::host(p.fn_, p.userData)?;
+            // SAFETY: the caller's out-pointer and dependency array.
+            unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
+        })
+    }
+
+    fn cuGraphAddMemcpyNode(phGraphNode, hGraph, dependencies, numDependencies, copyParams, _ctx) {
+        run(|| {
+            need(copyParams)?;
+            // SAFETY: copyParams is the caller's CUDA_MEMCPY3D (checked non-null and aligned),
+            // which Memcpy3d mirrors with raw integers for its enums.
+            let p = unsafe { copyParams.cast::<graph_nodes::Memcpy3d>().read() };
+            let op = graph_nodes::memcpy(&p)?;
             // SAFETY: the caller's out-pointer and dependency array.
             unsafe { add_node(phGraphNode, hGraph, dependencies, numDependencies, op) }
         })

@@ -1,16 +1,22 @@
 //! The work nodes `cuGraphAddNode` (and its `_v2`) adds from a `CUgraphNodeParams`: kernel,
-//! memset and host nodes, the same nodes `cuGraphAddKernelNode`, `cuGraphAddMemsetNode` and
-//! `cuGraphAddHostNode` add. XLA builds its command buffers (CUDA graphs of its fusions) this way:
-//! refused, every jitted function that XLA ran as a graph failed ("Failed to add kernel node to a
-//! CUDA graph: CUDA_ERROR_NOT_SUPPORTED").
+//! memcpy, memset and host nodes, the same nodes `cuGraphAddKernelNode`, `cuGraphAddMemcpyNode`,
+//! `cuGraphAddMemsetNode` and `cuGraphAddHostNode` add. XLA builds its command buffers (CUDA
+//! graphs of its fusions) this way: refused, every jitted function that XLA ran as a graph failed
+//! ("Failed to add kernel node to a CUDA graph: CUDA_ERROR_NOT_SUPPORTED"), and its copies
+//! between buffers ("Failed to add memcpy d2d node", as `jax.pmap` makes).
+//!
+//! A memcpy node copies one contiguous run of bytes: a `CUDA_MEMCPY3D` of one row, or of rows
+//! (and slices) packed back to back on both sides, between host, device and unified memory.
+//! Strided regions and CUDA arrays are `CUDA_ERROR_NOT_SUPPORTED` (3D copies are not modelled).
 
 use std::ffi::c_int;
 
 use super::graph::Op;
-use super::{INVALID_VALUE, R, sys};
+use super::{INVALID_VALUE, NOT_SUPPORTED, R, sys};
 
-/// `CU_GRAPH_NODE_TYPE_KERNEL`, `_MEMSET`, `_HOST`.
+/// `CU_GRAPH_NODE_TYPE_KERNEL`, `_MEMCPY`, `_MEMSET`, `_HOST`.
 pub(crate) const KERNEL: c_int = 0;
+pub(crate) const MEMCPY: c_int = 1;
 pub(crate) const MEMSET: c_int = 2;
 pub(crate) const HOST: c_int = 3;
 
@@ -43,6 +49,88 @@ pub(crate) fn memset(dst: u64, pitch: usize, value: u32, elem: u32, width: usize
     }))
 }
 
+/// One side of a `CUDA_MEMCPY3D` as C lays it out, its memory type read as a raw integer.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Side3d {
+    x: usize,
+    y: usize,
+    z: usize,
+    lod: usize,
+    ty: u32,
+    host: *const std::ffi::c_void,
+    device: u64,
+    array: sys::CUarray,
+    reserved: *mut std::ffi::c_void,
+    pitch: usize,
+    height: usize,
+}
+
+/// `CUDA_MEMCPY3D` with its memory types read as raw integers.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct Memcpy3d {
+    src: Side3d,
+    dst: Side3d,
+    width: usize,
+    height: usize,
+    depth: usize,
+}
+const _: () = assert!(std::mem::size_of::<Memcpy3d>() == std::mem::size_of::<sys::CUDA_MEMCPY3D>());
+const _: () =
+    assert!(std::mem::offset_of!(Memcpy3d, src.ty) == std::mem::offset_of!(sys::CUDA_MEMCPY3D, srcMemoryType));
+const _: () =
+    assert!(std::mem::offset_of!(Memcpy3d, src.height) == std::mem::offset_of!(sys::CUDA_MEMCPY3D, srcHeight));
+const _: () =
+    assert!(std::mem::offset_of!(Memcpy3d, dst.ty) == std::mem::offset_of!(sys::CUDA_MEMCPY3D, dstMemoryType));
+const _: () = assert!(std::mem::offset_of!(Memcpy3d, dst.pitch) == std::mem::offset_of!(sys::CUDA_MEMCPY3D, dstPitch));
+const _: () = assert!(std::mem::offset_of!(Memcpy3d, depth) == std::mem::offset_of!(sys::CUDA_MEMCPY3D, Depth));
+
+impl Side3d {
+    /// Where the side's region starts, for rows of `width` bytes and slices of `rows` rows:
+    /// host (1), device (2) or unified (4) memory; a CUDA array (3) is not modelled here.
+    fn start(&self, width: usize, rows: usize, slices: usize) -> R<u64> {
+        let base = match self.ty {
+            1 => self.host as u64,
+            2 | 4 => self.device,
+            3 => return Err(NOT_SUPPORTED),
+            _ => return Err(INVALID_VALUE),
+        };
+        if self.lod != 0 {
+            return Err(INVALID_VALUE);
+        }
+        // A pitch of 0 means packed rows, as for a single row; else it holds the row.
+        let pitch = if self.pitch == 0 { width } else { self.pitch };
+        let height = if self.height == 0 { rows } else { self.height };
+        if pitch < width || (slices > 1 && height < rows) {
+            return Err(INVALID_VALUE);
+        }
+        // Only a run of bytes back to back: one row, or rows (and slices) packed.
+        let packed = (rows == 1 || pitch == width) && (slices == 1 || height == rows);
+        if !packed {
+            return Err(NOT_SUPPORTED);
+        }
+        let offset = (self.z as u64)
+            .checked_mul(height as u64)
+            .and_then(|r| r.checked_add(self.y as u64))
+            .and_then(|r| r.checked_mul(pitch as u64))
+            .and_then(|o| o.checked_add(self.x as u64))
+            .and_then(|o| base.checked_add(o));
+        offset.ok_or(INVALID_VALUE)
+    }
+}
+
+/// A memcpy node's work: the copy `p` describes, as one run of bytes.
+pub(crate) fn memcpy(p: &Memcpy3d) -> R<Op> {
+    if p.width == 0 || p.height == 0 || p.depth == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let src = p.src.start(p.width, p.height, p.depth)?;
+    let dst = p.dst.start(p.width, p.height, p.depth)?;
+    let n = (p.width as u64).checked_mul(p.height as u64).and_then(|b| b.checked_mul(p.depth as u64));
+    Ok(Op::Memcpy { dst, src, n: n.ok_or(INVALID_VALUE)? })
+}
+
 /// A host node's work (a function is required).
 pub(crate) fn host(f: sys::CUhostFn, data: *mut std::ffi::c_void) -> R<Op> {
     Ok(Op::Host { f: f.ok_or(INVALID_VALUE)?, data: data as usize })
@@ -60,6 +148,12 @@ pub(crate) unsafe fn op(t: c_int, params: *const sys::CUgraphNodeParams) -> R<Op
             // contract); its fields are pointers and integers, valid for any bits.
             let p = unsafe { at.cast::<sys::CUDA_KERNEL_NODE_PARAMS_v3>().read() };
             kernel(p.func, p.kern)
+        }
+        MEMCPY => {
+            // SAFETY: as above, a CUDA_MEMCPY_NODE_PARAMS: flags, a reserved int and a context,
+            // then the CUDA_MEMCPY3D, which Memcpy3d mirrors with raw integers for its enums.
+            let p = unsafe { at.wrapping_add(16).cast::<Memcpy3d>().read() };
+            memcpy(&p)
         }
         MEMSET => {
             // SAFETY: as above, a CUDA_MEMSET_NODE_PARAMS_v2 of integers and a context pointer.

@@ -136,6 +136,7 @@ pub(crate) static TABLE: &[Entry] = &[
     Entry { name: "cuGraphAddKernelNode", version: 12000, pt: Pt::No, symbol: "cuGraphAddKernelNode_v2", f: graph::cuGraphAddKernelNode_v2 as *const () },
     Entry { name: "cuGraphAddMemAllocNode", version: 11040, pt: Pt::No, symbol: "cuGraphAddMemAllocNode", f: graph_mem::cuGraphAddMemAllocNode as *const () },
     Entry { name: "cuGraphAddMemFreeNode", version: 11040, pt: Pt::No, symbol: "cuGraphAddMemFreeNode", f: graph_mem::cuGraphAddMemFreeNode as *const () },
+    Entry { name: "cuGraphAddMemcpyNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddMemcpyNode", f: graph::cuGraphAddMemcpyNode as *const () },
     Entry { name: "cuGraphAddMemsetNode", version: 10000, pt: Pt::No, symbol: "cuGraphAddMemsetNode", f: graph::cuGraphAddMemsetNode as *const () },
     Entry { name: "cuGraphAddNode", version: 12020, pt: Pt::No, symbol: "cuGraphAddNode", f: graph::cuGraphAddNode as *const () },
     Entry { name: "cuGraphAddNode", version: 12030, pt: Pt::No, symbol: "cuGraphAddNode_v2", f: graph::cuGraphAddNode_v2 as *const () },
