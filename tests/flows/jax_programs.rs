@@ -9,6 +9,9 @@
 //! function the sim does not model (`TESSERA_SIM_TRACE` names them): the Triton GEMMs' tensor
 //! maps were, and the autotuner quietly dropped every candidate that used one.
 //!
+//! On the default node's eight H100s it places work on each GPU, maps a function over all of
+//! them (`jax.pmap`, whose copies XLA makes with graph memcpy nodes) and moves arrays between them.
+//!
 //! JAX decides there is an NVIDIA GPU only when `/dev/nvidiactl` or `/dev/nvidia0` exists, as in
 //! a container given a GPU, so it runs against the node's driver root
 //! (`scripts/sim-driver-root-run.sh`: a private mount namespace, so root). JAX lives in a virtual
@@ -113,15 +116,13 @@ fn root() -> bool {
     false
 }
 
-/// Runs the program on a one-H200 node of its own, with its driver root's device nodes and
-/// `extra` environment; what it saw, after the checks every run shares: one CUDA device named
-/// as the board, the matmuls' shapes and dtypes, the pool as large as the preallocation.
-fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
+/// Runs `program` with JAX on `node` through the node's driver root, with `extra` environment;
+/// the JSON its last line prints. `None` (a SKIP line) without JAX or root.
+fn run_program(node: &SimNode, program: &str, extra: &[(&str, &str)]) -> Option<Value> {
     let python = jax_python()?;
     if !root() {
         return None;
     }
-    let node = SimNode::with_description(ONE_H200);
     let driver_root = node.root.join("driver");
     let out = node.command(binary("tessera-sim")).arg("install").arg("--driver-root").arg(&driver_root).output();
     assert!(out.as_ref().is_ok_and(|o| o.status.success()), "tessera-sim install --driver-root: {out:?}");
@@ -131,7 +132,7 @@ fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
     // TESSERA_SIM_TRACE: the sim names each call it does not model.
     let out = node
         .command(&script)
-        .args([root, "--", python, "-c", PROGRAM])
+        .args([root, "--", python, "-c", program])
         .envs([("JAX_PLATFORMS", "cuda"), ("TESSERA_SIM_TRACE", "1")])
         .envs(extra.iter().copied())
         .env_remove("CUDA_VISIBLE_DEVICES")
@@ -141,8 +142,14 @@ fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
     assert!(out.status.success(), "JAX on the sim failed ({}):\n{stdout}\n{stderr}", out.status);
     let unmodelled: Vec<&str> = stderr.lines().filter(|l| l.contains("not modelled (CUDA_ERROR")).collect();
     assert!(unmodelled.is_empty(), "XLA called what the sim does not model: {unmodelled:?}");
-    let v: Value =
-        serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    Some(serde_json::from_str(stdout.lines().last().unwrap_or_default()).unwrap_or_else(|e| panic!("{e}: {stdout}")))
+}
+
+/// Runs [`PROGRAM`] on a one-H200 node of its own with `extra` environment; what it saw, after
+/// the checks every run shares: one CUDA device named as the board, the matmuls', training
+/// step's and convolution's shapes and dtypes, the pool as large as the preallocation.
+fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
+    let v = run_program(&SimNode::with_description(ONE_H200), PROGRAM, extra)?;
     assert_eq!(v["backend"], "gpu", "{v}");
     assert_eq!(v["devices"], json!([["gpu", "NVIDIA H200"]]), "one CUDA device, the board: {v}");
     assert_eq!(v["float32"], json!([[256, 128], "float32", true]), "fp32 matmul: {v}");
@@ -184,4 +191,28 @@ fn jax_under_the_shim_preallocates_three_quarters_of_its_limit() {
         assert!((3 * GIB..4 * GIB).contains(&held), "{view} {key}: the pool and the context, within the limit: {v}");
     }
     assert_eq!(u(&v["sim"], "total"), H200_NVML_TOTAL, "the sim's own NVML shows the board: {v}");
+}
+
+/// On the default node's eight H100s: each GPU listed, a jitted matmul placed on each, a `pmap`
+/// over all of them (XLA copies between its buffers with graph memcpy nodes), an array moved from
+/// the first GPU to the last.
+const EIGHT_GPUS: &str = r#"
+import json, jax, jax.numpy as jnp
+devs = jax.devices()
+out = {"devices": [[d.id, d.device_kind] for d in devs]}
+ys = [jax.jit(lambda a: a @ a)(jax.device_put(jnp.ones((256, 256)), d)).block_until_ready() for d in devs]
+out["placed"] = [next(iter(y.devices())).id for y in ys]
+out["pmap"] = list(jax.pmap(lambda a: a * 2)(jnp.ones((len(devs), 4))).block_until_ready().shape)
+out["moved"] = next(iter(jax.device_put(ys[0], devs[-1]).block_until_ready().devices())).id
+print(json.dumps(out))
+"#;
+
+#[test]
+fn jax_spreads_work_over_eight_gpus() {
+    let Some(v) = run_program(&SimNode::new(), EIGHT_GPUS, &[]) else { return };
+    let devices: Vec<Value> = (0..8).map(|i| json!([i, "NVIDIA H100 80GB HBM3"])).collect();
+    assert_eq!(v["devices"], json!(devices), "the eight GPUs: {v}");
+    assert_eq!(v["placed"], json!([0, 1, 2, 3, 4, 5, 6, 7]), "a matmul on each: {v}");
+    assert_eq!(v["pmap"], json!([8, 4]), "a pmap over them: {v}");
+    assert_eq!(v["moved"], 7, "an array moved to the last: {v}");
 }
