@@ -363,6 +363,42 @@ static GPU_LAYOUT: Table<16> = Table({
     t
 });
 
+// ---- Tools' modules (6e163fbe-b958-444d-835c-e182aff1991e) ----------------------------------
+
+/// What entry 7 calls back with each function: the caller's data, the function, its module.
+type EachFunction = Option<unsafe extern "C" fn(*mut c_void, sys::CUfunction, sys::CUmodule)>;
+
+/// Entry 7: calls `each` with every function of `module` (in `ctx`, which the sim does not
+/// need: a module has one context) and answers how many there were, not a `CUresult`: cuFFT
+/// takes a function of a one-kernel module so, keeping what it is handed and checking for 1; a
+/// bad module is 0. A cubin or fatbin module has one function standing for its kernels
+/// ([`super::module::functions_of`]).
+unsafe extern "C" fn module_functions(
+    _ctx: sys::CUcontext,
+    module: sys::CUmodule,
+    each: EachFunction,
+    data: *mut c_void,
+) -> c_int {
+    crate::ffi::guard(0, || {
+        let Ok(funcs) = super::module::functions_of(module as usize) else { return 0 };
+        if let Some(f) = each {
+            for h in &funcs {
+                // SAFETY: the caller's callback, called with its own data, as its contract says.
+                unsafe { f(data, handles::as_ptr(*h), module) };
+            }
+        }
+        c_int::try_from(funcs.len()).unwrap_or(c_int::MAX)
+    })
+}
+
+/// A size word and 15 entries (the real table's length is not known; cuFFT checks it holds
+/// entry 7, the one it calls).
+static TOOLS_MODULE: Table<16> = Table({
+    let mut t = unknown_entries!(11, 16; 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15);
+    t[7] = module_functions as *const ();
+    t
+});
+
 // ---- The lookup ------------------------------------------------------------------------------
 
 /// A table served: its name, UUID and where it starts.
@@ -370,7 +406,7 @@ type Known = (&'static str, [u8; 16], fn() -> *const c_void);
 
 /// Every table served: its name (for traces), UUID (bytes as the runtime passes them) and start.
 /// `unknown!(T, _)` refers to a table by its index here.
-static KNOWN: [Known; 11] = [
+static KNOWN: [Known; 12] = [
     ("CUDART_INTERFACE", uuid(0x6bd5fb6c_5bf4_e74a_8987_d93912fd9df9), || CUDART_INTERFACE.start()),
     ("TOOLS_TLS", uuid(0x42d85a81_23f6_cb47_8298_f6e78a3aecdc), || TOOLS_TLS.start()),
     ("TOOLS_RUNTIME_CALLBACK_HOOKS", uuid(0xa094798c_2e74_2e74_93f2_0800200c0a66), || {
@@ -384,6 +420,7 @@ static KNOWN: [Known; 11] = [
     ("CONTEXT_CHECKS", uuid(0x263e8860_7cd2_6143_92f6_bbd5006dfa7e), || CONTEXT_CHECKS.start()),
     ("TOOLS_CONTEXT", uuid(0x21318c60_9714_3248_8ca6_41ff7324c8f2), || TOOLS_CONTEXT.start()),
     ("GPU_LAYOUT", uuid(0x1734dc26_800d_4745_8726_c0f1e7dd8bca), || GPU_LAYOUT.start()),
+    ("TOOLS_MODULE", uuid(0x6e163fbe_b958_444d_835c_e182aff1991e), || TOOLS_MODULE.start()),
 ];
 
 /// A UUID's bytes in the order it is written.

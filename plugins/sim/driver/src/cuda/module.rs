@@ -365,6 +365,19 @@ cuda_exports! {
     }
 }
 
+/// What stands for the functions of a cubin or fatbin module, whose names the sim does not read.
+const OPAQUE_FUNCTION: &str = "module_function";
+
+/// The functions of module `h` (the tools' module table lists them): each PTX entry; for a
+/// cubin or fatbin, one function standing for them all.
+pub(crate) fn functions_of(h: usize) -> R<Vec<usize>> {
+    let m = module(handles::as_ptr(h))?;
+    match &m.image {
+        Image::Ptx { entries, .. } => entries.iter().map(|e| function_in(&m, e)).collect(),
+        Image::Opaque => Ok(vec![function_in(&m, OPAQUE_FUNCTION)?]),
+    }
+}
+
 /// The function of a module by name, made on first use.
 fn function_in(m: &Module, name: &str) -> R<usize> {
     if !m.image.has_function(name) {
