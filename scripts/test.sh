@@ -29,13 +29,12 @@ if [[ ${TESSERA_NO_KUBE:-0} != 1 ]]; then
   fi
   cargo test -p tessera-tests --test kube_cluster
   # The same tests on Kubernetes 1.34 (`--version 1.34`: the older ResourceSlice layout, the DRA
-  # features behind alpha gates; its build adds about 21 minutes on 2 cores the first time). All
-  # but the health test, which checks the device taint and the pod's health status of 1.36+.
+  # features behind alpha gates; its build adds about 21 minutes on 2 cores the first time).
   # TESSERA_NO_KUBE_1_34=1 leaves this run out.
   if [[ ${TESSERA_NO_KUBE_1_34:-0} != 1 ]]; then
     scripts/kube.sh down
     if scripts/kube.sh --version 1.34 up; then
-      cargo test -p tessera-tests --test kube_cluster -- --skip a_gpu_fault_reaches_the_pod_status_the_slice_and_events
+      cargo test -p tessera-tests --test kube_cluster
     elif [[ -n ${TESSERA_REQUIRE_RUNTIMES:-} ]]; then
       echo "test: TESSERA_REQUIRE_RUNTIMES is set, but the Kubernetes 1.34 cluster did not start (scripts/kube.sh --version 1.34 up, above)" >&2
       exit 1
