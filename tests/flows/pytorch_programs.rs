@@ -1,6 +1,6 @@
 //! PyTorch 2.8 (the CUDA 12.8 build, with cuBLAS) runs on the simulated node: it finds the GPUs,
-//! reports the device, copies real bytes, launches kernels and a GEMM (timed, results not
-//! computed), synchronises, allocates through its caching allocator (also with
+//! reports the device, copies real bytes, launches kernels, a GEMM and an FFT (cuFFT; timed,
+//! results not computed), synchronises, allocates through its caching allocator (also with
 //! `expandable_segments:True`, which maps memory with the driver's VMM calls) until its own
 //! `torch.OutOfMemoryError`, and, under libtessera.so with a memory limit, sees the limit in
 //! `torch.cuda.mem_get_info()` and fails at it. Mixed precision runs too, with and without
@@ -41,6 +41,10 @@ y = dev + 1
 z = torch.randn(512, 512, device="cuda") @ torch.randn(512, 512, device="cuda")
 torch.cuda.synchronize()
 out["shapes"] = [list(y.shape), list(z.shape)]
+# cuFFT (its plans take their kernels through the driver's tools' module table).
+f = torch.fft.rfft2(torch.ones(64, 128, device="cuda"))
+out["fft"] = [list(f.shape), str(f.dtype)]
+del f
 out["expandable"] = [s.get("is_expandable", False) for s in torch.cuda.memory._snapshot()["segments"]]
 del host, dev, y, z
 
@@ -78,6 +82,7 @@ fn check_common(v: &Value, expandable: bool) {
     assert_eq!(v["name"], h100::NAME);
     assert_eq!(v["roundtrip"], true, "bytes copied to the device and back are the same");
     assert_eq!(v["shapes"], serde_json::json!([[1 << 20], [512, 512]]), "the kernels and the GEMM ran");
+    assert_eq!(v["fft"], serde_json::json!([[64, 65], "torch.complex64"]), "a cuFFT plan ran: {v}");
     let segments = v["expandable"].as_array().expect("segments");
     assert!(!segments.is_empty() && segments.iter().all(|s| s == expandable), "segments: {v}");
     assert_eq!(v["oom"], "OutOfMemoryError", "PyTorch's own OOM error: {v}");
