@@ -305,6 +305,32 @@ unsafe extern "C" fn tools_context_id(ctx: sys::CUcontext, id: *mut u64) -> CUre
     unsafe { context::cuCtxGetId(ctx, id) }
 }
 
+/// Entry 51: the driver's stream for a stream handle the caller holds in `ctx` (the default
+/// streams' special handles too; the last argument says whether it is the per-thread one), as
+/// the handle itself once it names a stream. cuBLAS asks, then entry 39 for the stream's id, to
+/// key the workspaces of its triangular solves by stream (and by thread on the per-thread
+/// stream); without them every `trsm` failed (`CUBLAS_STATUS_INTERNAL_ERROR`).
+unsafe extern "C" fn tools_stream(
+    _ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    out: *mut sys::CUstream,
+    _per_thread: c_int,
+) -> CUresult {
+    let mut id = 0;
+    // SAFETY: a valid out-pointer for the id; the handle is checked by the call.
+    match unsafe { super::stream::cuStreamGetId(stream, &mut id) } {
+        // SAFETY: out is the caller's out-pointer (null or misaligned: INVALID_VALUE).
+        CUresult::CUDA_SUCCESS => run(|| unsafe { put(out, stream) }),
+        e => e,
+    }
+}
+
+/// Entry 39: the id of a stream entry 51 gave, as `cuStreamGetId`.
+unsafe extern "C" fn tools_stream_id(_ctx: sys::CUcontext, stream: sys::CUstream, id: *mut u64) -> CUresult {
+    // SAFETY: the same contract as cuStreamGetId: id is the caller's out-pointer.
+    unsafe { super::stream::cuStreamGetId(stream, id) }
+}
+
 /// Words `1..N` of a table whose entries are all unknown, after its size word.
 macro_rules! unknown_entries {
     ($table:expr, $n:literal; $($index:literal)*) => {
@@ -316,6 +342,8 @@ macro_rules! unknown_entries {
 static TOOLS_CONTEXT: Table<95> = Table({
     let mut t = unknown_entries!(9, 95; 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79 80 81 82 83 84 85 86 87 88 89 90 91 92 93 94);
     t[4] = tools_context_id as *const ();
+    t[39] = tools_stream_id as *const ();
+    t[51] = tools_stream as *const ();
     t
 });
 
