@@ -2,7 +2,8 @@
 //! simulated H200: it lists the GPU, runs jitted matmuls in fp32 and bf16 (XLA's Triton GEMMs,
 //! autotuned by launching them; timed by name, results not computed: shapes and dtypes checked),
 //! a bf16 training step (which XLA runs as a CUDA graph, its kernels joined by programmatic
-//! edges), an fp16 convolution (cuDNN) and FFTs (cuFFT), and preallocates 75% of the device's memory, its default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
+//! edges), an fp16 convolution (cuDNN), FFTs (cuFFT) and a triangular solve (cuBLAS), and
+//! preallocates 75% of the device's memory, its default (`XLA_PYTHON_CLIENT_MEM_FRACTION`),
 //! from what `cuMemGetInfo` says the total is. Under libtessera.so with a 4 GiB limit that is the
 //! limit: 3 GiB, as a real H200 showed, in JAX's memory stats, in NVML through the shim and in
 //! the simulated driver's own list of processes. Nothing XLA, cuBLAS or cuDNN calls may be a
@@ -63,7 +64,7 @@ def nvml(pid):
 '''
 exec(NVML)
 
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, jax.scipy.linalg
 
 devs = jax.devices()
 out = {"backend": jax.default_backend(), "devices": [[d.platform, d.device_kind] for d in devs]}
@@ -89,6 +90,9 @@ out["conv"] = [list(c.shape), str(c.dtype)]
 f = jax.jit(jnp.fft.fft)(jnp.ones(1024, jnp.complex64)).block_until_ready()
 r = jax.jit(jnp.fft.rfft2)(jnp.ones((64, 128), jnp.float32)).block_until_ready()
 out["fft"] = [[list(f.shape), str(f.dtype)], [list(r.shape), str(r.dtype)]]
+# A triangular solve (cuBLAS's trsm, which keys its workspaces by stream through the driver).
+t = jax.jit(lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True))(jnp.eye(64) * 2, jnp.ones((64, 3)))
+out["trsm"] = [list(t.block_until_ready().shape), str(t.dtype)]
 stats = devs[0].memory_stats()
 out["bytes_limit"], out["pool_bytes"] = stats["bytes_limit"], stats["pool_bytes"]
 # NVML in this process (through libtessera.so where it is preloaded), and the simulated
@@ -162,6 +166,7 @@ fn run_jax(extra: &[(&str, &str)]) -> Option<Value> {
     assert_eq!(v["step"], step, "a training step, run as a CUDA graph: {v}");
     assert_eq!(v["conv"], json!([[8, 32, 32, 128], "float16"]), "a cuDNN convolution: {v}");
     assert_eq!(v["fft"], json!([[[1024], "complex64"], [[64, 65], "complex64"]]), "cuFFT: {v}");
+    assert_eq!(v["trsm"], json!([[64, 3], "float32"]), "a triangular solve: {v}");
     assert_eq!(u(&v, "pool_bytes"), u(&v, "bytes_limit"), "the whole pool is taken up front: {v}");
     Some(v)
 }
