@@ -87,7 +87,11 @@ else
   check "limits: the probe ran" 1 "driver: ${real:-none} shim: ${shimmed:-none}"
 fi
 
-echo "== the driver's own figure beside what was asked (tesserad enforces the driver's figure; the shim charges what was asked)"
+echo "== allocation granularity: the driver's own figure beside what was asked, and what the shim charges"
+# tesserad enforces the driver's per-process figure (NVML); the shim charges linear memory as the
+# sim models the driver holding it (more than 1 MiB: whole 2 MiB pages; 1 MiB or less: packed in
+# shared 2 MiB chunks, docs/shim.md). Under the shim its charge (cuMemGetInfo's used memory, the
+# limit's books) must never be under the driver's figure, or an honest program is killed.
 cat > /tmp/tessera-granularity-check.py <<'PY'
 import ctypes, json, os
 cu, ml = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL("libnvidia-ml.so.1")
@@ -101,7 +105,6 @@ ctx = ctypes.c_void_p()
 ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "retain")
 ck(cu.cuCtxSetCurrent(ctx), "set current")
 ck(ml.nvmlInit_v2(), "nvmlInit")
-uuid = ctypes.create_string_buffer(96)
 raw = (ctypes.c_ubyte * 16)()
 ck(cu.cuDeviceGetUuid(raw, 0), "uuid")
 h = bytes(raw).hex()
@@ -113,20 +116,47 @@ def own():
     n, procs = ctypes.c_uint(64), (Proc * 64)()
     ck(ml.nvmlDeviceGetComputeRunningProcesses(dev, ctypes.byref(n), procs), "processes")
     return sum(p.used for p in procs[: n.value] if p.pid == os.getpid())
+def used():  # under the shim: what it charges
+    f, t = ctypes.c_size_t(), ctypes.c_size_t()
+    ck(cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)), "cuMemGetInfo")
+    return t.value - f.value
+cases = [("1KiB", 1 << 10, 256), ("512KiB", 512 << 10, 16), ("1MiB", 1 << 20, 16), ("1MiB+1", (1 << 20) + 1, 16),
+         ("2MiB+1", (2 << 20) + 1, 64), ("64MiB", 64 << 20, 8)]
 out, keep = {}, []
-for name, size, count in [("1KiB", 1 << 10, 256), ("2MiB+1", (2 << 20) + 1, 64), ("64MiB", 64 << 20, 8)]:
-    before = own()
+for name, size, count in cases:
+    before, charged = own(), used()
     for _ in range(count):
         p = ctypes.c_uint64()
         ck(cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(size)), "alloc")
         keep.append(p.value)
-    out[name] = {"asked": size * count, "driver": own() - before}
+    out[name] = {"asked": size * count, "driver": own() - before, "charged": used() - charged}
 print(json.dumps(out))
 PY
-if g=$(env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-granularity-check.py | tail -1); then
-  echo "INFO granularity: $g"
+if g=$(env -u TESSERA_MEMORY_LIMIT python3 /tmp/tessera-granularity-check.py | tail -1) &&
+  gs=$(LD_PRELOAD=$shim python3 /tmp/tessera-granularity-check.py | tail -1); then
+  python3 - "$g" "$gs" <<'PY'
+import json, sys
+plain, shim = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+MIB, page = 1 << 20, 2 << 20
+def model(name, r):  # what the sim holds for these allocations, in a fresh chunk
+    count = {"1KiB": 256, "512KiB": 16, "1MiB": 16, "1MiB+1": 16, "2MiB+1": 64, "64MiB": 8}[name]
+    size = r["asked"] // count
+    if size > MIB:
+        return count * -(-size // page) * page
+    return -(-r["asked"] // page) * page
+ok = True
+for name, r in plain.items():
+    s = shim[name]
+    print(f"INFO granularity {name}: asked {r['asked'] / MIB:.2f} MiB; the driver holds {r['driver'] / MIB:.0f} MiB "
+          f"(the sim's model {model(name, r) / MIB:.0f} MiB); under the shim the driver holds {s['driver'] / MIB:.0f} MiB, "
+          f"the shim charges {s['charged'] / MIB:.0f} MiB")
+    ok &= s["charged"] >= s["driver"]
+print(("PASS" if ok else "FAIL") + " granularity: the shim never charges less than the driver holds")
+sys.exit(0 if ok else 1)
+PY
+  check "granularity under the shim" $? "see above"
 else
-  echo "INFO granularity: the probe did not run"
+  check "granularity: the probe ran" 1 "plain: ${g:-none} shim: ${gs:-none}"
 fi
 
 echo "== SM shares (issue 34): a strict 30% share alone, spin kernels, launch forms, a CUDA graph"
