@@ -27,6 +27,9 @@
 //! - [`trace`]: on-demand tracing: a lock-free multi-producer ring of API and kernel spans (and
 //!   kernel names) in the region, written only while the daemon sets the header's
 //!   `trace_requested`.
+//! - [`context_sizes`]: what a CUDA context takes on each GPU, measured by tesserad and written
+//!   beside `limits` (read-only in the container), so a process charges its first context
+//!   without loading NVML; refused whole unless well formed and sane.
 //! - [`paths`]: the default host paths every part and deploy/ use, and the paths inside a
 //!   container (the allocation directory, the shim, the preload file, the driver directory).
 //! - [`owner`]: who a container is ([`owner::ContainerIdentity`], one type for the allocation
@@ -44,6 +47,7 @@
 
 #[cfg(feature = "host")]
 pub mod cdi;
+pub mod context_sizes;
 #[cfg(feature = "host")]
 pub mod driver;
 #[cfg(feature = "host")]
