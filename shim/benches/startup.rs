@@ -22,6 +22,10 @@
 //! `TESSERA_STARTUP_BASELINE_SHIM=path/to/libtessera.so` (an earlier build) adds a third side,
 //! interleaved with the other two: a before/after comparison in the same run.
 //!
+//! `TESSERA_STARTUP_CONTEXT_SIZES=1` gives each container the context sizes file tesserad
+//! publishes (the GPU's context size, beside the limits): the shim charges its first context
+//! that size and loads no NVML.
+//!
 //! `TESSERA_STARTUP_DEBUG=1` shows the start-up processes' stderr and each refusal.
 //!
 //! With `TESSERA_SHIM_BENCH_INSTR` set, one such process per side and layout runs under
@@ -51,6 +55,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use libloading::Library;
+use tessera_region::context_sizes::{CONTEXT_SIZES_FILE, ContextSizes};
 use tessera_sim_testkit::{SimNode, profile_dir};
 
 const MIB: usize = 1 << 20;
@@ -103,6 +108,13 @@ fn main() {
     println!("load average after: {}", load().trim());
 }
 
+/// `TESSERA_STARTUP_CONTEXT_SIZES=1`: each container gets the context sizes file tesserad
+/// publishes (`context-sizes` beside `limits`), so a shim that reads it charges its context
+/// without loading NVML; a baseline shim from before it ignores it.
+fn publish_context_size() -> bool {
+    std::env::var("TESSERA_STARTUP_CONTEXT_SIZES").is_ok_and(|v| v == "1")
+}
+
 fn env_number(key: &str, default: usize) -> usize {
     std::env::var(key).ok().map_or(default, |v| v.trim().parse().unwrap_or_else(|_| panic!("{key}: a number")))
 }
@@ -150,6 +162,14 @@ impl Setup {
         self.limits = dir.join("limits.toml");
         std::fs::write(&self.limits, LIMITS).expect("limits");
         self.region = dir.join("region");
+        if publish_context_size() {
+            // What tesserad publishes beside the limits: the GPU's context size (the node's 32 MiB).
+            let model = tessera_sim_model::Node::open(self.node.description.as_deref(), Some(&self.node.state))
+                .expect("open the node");
+            let mut t = ContextSizes::new();
+            assert!(t.set(&model.gpu(0).expect("GPU 0").uuid, 32 << 20));
+            t.write_atomic(&dir.join(CONTEXT_SIZES_FILE)).expect("context sizes");
+        }
     }
 
     fn command(&self, program: &Path, preload: Option<&Path>) -> Command {
@@ -418,6 +438,7 @@ fn breakdown(profiles: &[PathBuf]) {
         ("state (limits, region, join)", "tessera::state::ensure_slow "),
         ("resolving the driver's functions", "tessera::real::RealCuda::resolve "),
         ("the context hook", "tessera::memory::context::charge_creation "),
+        ("the context sizes file", "tessera::memory::context_size::any "),
         ("dlsym through the shim", "tessera::intercept::dl::dlsym_decide "),
         ("the helper thread", "tessera::memory::context::helper "),
         ("NVML's load", "tessera::real::nvml "),

@@ -391,6 +391,20 @@ impl ShimState {
         Some(self.enforced.sm_percent.get(dev)?.load(Acquire)).filter(|&p| p != 0)
     }
 
+    /// The directory of the limits file this process read (its allocation's), if it read one.
+    pub(crate) fn limits_dir(&self) -> Option<&std::path::Path> {
+        match &self.source {
+            Source::File(p) => p.parent(),
+            _ => None,
+        }
+    }
+
+    /// The UUID of a region device this process has mapped.
+    pub(crate) fn uuid_of(&self, dev: usize) -> Option<String> {
+        let known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        known.iter().find(|k| k.dev == dev).map(|k| k.uuid.clone())
+    }
+
     /// The region device index of a CUDA ordinal (mapping it on first sight).
     pub(crate) fn device_of_ordinal(&self, ordinal: c_int) -> Option<usize> {
         let o = usize::try_from(ordinal).ok()?;

@@ -14,8 +14,9 @@ cuda_exports! {
         guard(CUDA_ERROR_UNKNOWN, || {
             let Ok(s) = state::ensure() else { return CUDA_ERROR_NOT_PERMITTED };
             let Some(cu) = real::cuda() else { return CUDA_ERROR_NO_DEVICE };
-            if s.configured {
-                // NVML loads on a helper thread while the driver initializes (`memory::context`).
+            // NVML loads on a helper thread while the driver initializes (`memory::context`),
+            // unless tesserad's context sizes spare the measurement (`memory::context_size`).
+            if s.configured && !crate::memory::context_size::any(s) {
                 crate::memory::context::warm_up(s);
             }
             // SAFETY: the caller's argument, passed on unchanged.

@@ -198,8 +198,15 @@ fn charge_creation(
     // One still waiting for its true-up goes first: the readings below would count it too.
     settle(s, dev);
     let idle = s.held(dev) == 0;
-    let Some(reserved) = reserve_estimate(s, dev) else { return CUDA_ERROR_OUT_OF_MEMORY };
     let ours = s.mem.contexts.find(|c| c.dev == dev).map(|(k, _)| k as CUcontext);
+    if idle
+        && ours.is_none()
+        && primary
+        && let Some(size) = super::context_size::for_primary(s, cu, dev, ordinal)
+    {
+        return super::context_size::create(s, dev, ordinal, size, create);
+    }
+    let Some(reserved) = reserve_estimate(s, dev) else { return CUDA_ERROR_OUT_OF_MEMORY };
     if idle && ours.is_none() && real::nvml_ready().is_none() {
         return create_deferred(s, Pending { ctx: 0, dev, ordinal, reserved }, create, primary);
     }
@@ -279,7 +286,7 @@ impl Still {
 }
 
 /// A context the driver just made: its device remembered, and a primary context's handle.
-fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
+pub(super) fn made(s: &ShimState, ctx: CUcontext, ordinal: c_int, primary: bool) {
     s.remember_context(ctx, ordinal);
     if !primary {
         // cuCtxCreate makes the new context current on this thread.

@@ -9,6 +9,8 @@
 //! - [`context`]: each context's own overhead (reserved before it is created, trued up to what
 //!   it measured: at once, or, for a process's first context on a device while NVML is not yet
 //!   loaded, on a helper thread or before an answer the over-reservation would change);
+//! - [`context_size`]: a process's first primary context on a GPU charged the size tesserad
+//!   measured there (its allocation's `context-sizes` file), with no NVML loaded;
 //! - [`graph`]: graph memory nodes, charged as the driver's graph pool holds them;
 //! - [`pools`]: stream-ordered allocations, charged as their memory pools hold them (freed memory
 //!   a pool keeps in reserve stays charged);
@@ -22,6 +24,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod context;
+pub(crate) mod context_size;
 pub(crate) mod ctx_limits;
 pub(crate) mod granularity;
 pub(crate) mod graph;
