@@ -64,6 +64,7 @@ fn code_meaning(code: c_uint) -> &'static str {
     }
 }
 
+type InitFn = unsafe extern "C" fn(c_uint) -> c_uint;
 type LockFn = unsafe extern "C" fn(c_int, *mut LockArgs) -> c_uint;
 type StepFn = unsafe extern "C" fn(c_int, *mut c_void) -> c_uint;
 type StateFn = unsafe extern "C" fn(c_int, *mut c_uint) -> c_uint;
@@ -74,6 +75,41 @@ struct LockArgs {
     timeout_ms: c_uint,
     reserved0: c_uint,
     reserved1: [u64; 7],
+}
+
+/// The driver libraries this process has initialized, kept loaded for the rest of its life.
+static INITIALIZED: std::sync::Mutex<Vec<(PathBuf, libloading::Library)>> = std::sync::Mutex::new(Vec::new());
+
+/// Calls `cuInit` once in this process for the library at `path`, and keeps it loaded from then
+/// on. NVIDIA documents that a restore needs persistence mode on, or `cuInit` called before: with
+/// persistence off, a GPU whose last process was checkpointed is torn down, and the caller's
+/// initialized driver is what keeps it up until the resume (also one after a restart of
+/// tesserad). Done at the first park or resume, not at start: a node that never parks pays
+/// nothing. A failure is logged and the park goes on: with persistence mode on it is not needed.
+fn keep_initialized(path: &Path) {
+    let mut done = INITIALIZED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if done.iter().any(|(p, _)| p == path) {
+        return;
+    }
+    // SAFETY: as in `Checkpointer::load`, loading the driver library is what every CUDA program does.
+    let lib = match unsafe { libloading::Library::new(path) } {
+        Ok(lib) => lib,
+        Err(e) => return tracing::warn!(path = %path.display(), error = %e, "cannot load the driver to initialize it"),
+    };
+    // SAFETY: cuInit has this signature in cuda.h.
+    match unsafe { lib.get::<InitFn>(b"cuInit") }.map(|f| *f) {
+        // SAFETY: cuInit takes flags 0 and may be called by any thread, any number of times.
+        Ok(init) => match unsafe { init(0) } {
+            CUDA_SUCCESS => tracing::debug!(path = %path.display(), "driver initialized for parks"),
+            code => tracing::warn!(
+                path = %path.display(),
+                error = %code_name(code),
+                "cuInit failed: a resume needs persistence mode on (nvidia-smi -pm 1) when tesserad cannot initialize the driver"
+            ),
+        },
+        Err(e) => tracing::warn!(path = %path.display(), error = %e, "the driver has no cuInit"),
+    }
+    done.push((path.to_path_buf(), lib));
 }
 
 /// The driver's checkpoint API, loaded from a driver library.
@@ -100,6 +136,7 @@ impl Checkpointer {
                 .map(|s| *s)
                 .map_err(|e| format!("{name}: {e} (a driver before r570?)"))
         }
+        keep_initialized(path);
         Ok(Checkpointer {
             lock: sym(&lib, "cuCheckpointProcessLock").map_err(err)?,
             checkpoint: sym(&lib, "cuCheckpointProcessCheckpoint").map_err(err)?,
