@@ -745,3 +745,44 @@ async fn memory_held_through_imported_handles_counts_against_the_limit() {
 fn libc_sigkill() -> i32 {
     9
 }
+
+/// tesserad measures the GPU's context size with a probe of its own (NVML's figure for it: the
+/// node's 300 MiB) and publishes it into the allocation's directory, root's and 0644, where
+/// another uid can neither rewrite, replace nor remove it; the probe is never reported as a
+/// process of no allocation. (The shim's side, and a damaged file: shim/tests/context_sizes.rs.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_size_is_measured_and_published_where_no_tenant_can_write_it() {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    use tessera_region::context_sizes::{CONTEXT_SIZES_FILE, ContextSizes};
+    let Some(_root) = cgroup_root() else { return };
+    let mut s = setup("action = \"kill\"\ninterval_ms = 100").await;
+    let mut events = s.watch(&[api::EventKind::UnattributedProcess]).await;
+    let (_, dir) = allocate_share(&mut s.plugin, &s.shares[0]).await;
+    let path = dir.join(CONTEXT_SIZES_FILE);
+    let deadline = Instant::now() + WAIT;
+    while !path.exists() {
+        assert!(Instant::now() < deadline, "not published:\n{}", log_of(s.dir.path()));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let model = tessera_sim_model::Node::open(s.node.description.as_deref(), Some(&s.node.state)).expect("sim node");
+    let uuid = model.gpu(0).expect("GPU 0").uuid.clone();
+    let table = ContextSizes::load(&path).expect("well formed");
+    assert_eq!(table.get(&uuid), Some(OVERHEAD_MIB * MIB), "the context's size on the GPU");
+    let meta = std::fs::metadata(&path).expect("stat");
+    assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o644));
+    let before = std::fs::read(&path).expect("read");
+    let (f, d) = (path.display(), dir.display());
+    for attempt in [
+        format!("printf 'tessera-context-sizes 1\\n{uuid} 1048576\\n' > {f}"),
+        format!("printf x > {d}/.forged && mv -f {d}/.forged {f}"),
+        format!("rm -f {f}"),
+        format!("chmod 666 {f}"),
+    ] {
+        let out = std::process::Command::new("/bin/sh").arg("-c").arg(&attempt).uid(65534).gid(65534).output();
+        assert!(!out.expect("sh").status.success(), "as uid 65534, {attempt:?} succeeded");
+    }
+    assert_eq!(std::fs::read(&path).expect("read"), before, "unchanged");
+    let none = tokio::time::timeout(Duration::from_millis(300), events.message()).await;
+    assert!(none.is_err(), "the probe is not an unattributed process: {none:?}");
+}

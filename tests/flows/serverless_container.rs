@@ -66,7 +66,12 @@ async fn a_leased_share_follows_its_runc_container() {
     let uuid = first["devices"][0]["uuid"].as_str().expect("uuid").to_owned();
     //    It names its allocation and asks for nothing else: naming it is the request (issue 31,
     //    item 6; such a container ran without a GPU).
+    //    tesserad's context sizes appear beside the limits, and the container cannot change them.
     let script = "echo visible=$TESSERA_VISIBLE_DEVICES preload=$(cat /etc/ld.so.preload); cat /run/tessera/alloc/limits; \
+                  f=/run/tessera/alloc/context-sizes; for i in $(seq 1 600); do [ -f $f ] && break; sleep 0.05; done; \
+                  cat $f; (echo forged > $f) 2>/dev/null && echo TAMPERED-write; rm -f $f 2>/dev/null; \
+                  [ -f $f ] || echo TAMPERED-rm; (echo x > /run/tessera/alloc/.f && mv -f /run/tessera/alloc/.f $f) \
+                  2>/dev/null && echo TAMPERED-mv; \
                   for i in $(seq 1 600); do grep -q 'sm_percent = 45' /run/tessera/alloc/limits && break; sleep 0.05; done; \
                   echo changed; cat /run/tessera/alloc/limits; ls /dev";
     let env = [format!("TESSERA_ALLOCATION={id}")];
@@ -104,6 +109,8 @@ async fn a_leased_share_follows_its_runc_container() {
     assert!(before.contains("sm_percent = 30") && before.contains(&uuid), "{before}");
     assert!(before.contains(&format!("visible={uuid} ")), "exactly the allocation's GPU: {before}");
     assert!(before.contains("libtessera.so"), "the shim preloaded: {before}");
+    assert!(before.contains(&format!("tessera-context-sizes 1\n{uuid} ")), "context sizes published: {before}");
+    assert!(!before.contains("TAMPERED"), "read-only in the container: {before}");
     assert!(after.contains("sm_percent = 45"), "the running container sees the new limit: {after}");
     assert!(after.contains("nvidia0") && after.contains("nvidiactl"), "{after}");
     wait_released(dir, &id, &log).await;

@@ -41,6 +41,11 @@ struct Args {
 
 fn main() -> ExitCode {
     let started = Instant::now();
+    // tesserad's own context probe (`enforcement::context_size`): nothing else of the daemon runs.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(tessera_daemon::enforcement::context_size::PROBE_ARG) {
+        return tessera_daemon::enforcement::context_size::probe_main(&argv[2..]);
+    }
     let args = Args::parse();
     let explicit = args.config.as_os_str() != config::DEFAULT_PATH;
     let cfg = match Config::load(&args.config, explicit) {

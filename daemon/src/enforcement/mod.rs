@@ -31,12 +31,16 @@
 //! so a program under the shim is refused before this figure passes its limit. A tolerance here
 //! would let every process, shim or none, keep that much more.
 //!
+//! Each GPU's context size is measured by a probe of tesserad's own and published into the
+//! allocations' directories ([`context_size`]), so the shim need not load NVML to measure it.
+//!
 //! SM time is judged the same way from NVML's per-process utilization ([`sm_time`]): a strict
 //! share whose processes took more than its SM percent plus `sm_tolerance_percent` points of an
 //! `sm_window_ms` window is a breach (`sm_action`, by default as `action`): its processes that do
 //! not map its region are killed first, then the heaviest, until the rest fit.
 
 pub mod attribution;
+pub mod context_size;
 pub mod decision;
 pub mod kill;
 pub mod procfs;
@@ -101,6 +105,8 @@ pub struct Enforcer {
     changes: Option<u64>,
     /// Their ids.
     live: Arc<HashSet<String>>,
+    /// Each GPU's context size, measured and published into the allocations' directories.
+    context: context_size::Publisher,
 }
 
 impl std::fmt::Debug for Enforcer {
@@ -127,6 +133,7 @@ impl Enforcer {
             allocations: Arc::new(Vec::new()),
             changes: None,
             live: Arc::new(HashSet::new()),
+            context: context_size::Publisher::default(),
         }
     }
 
@@ -200,7 +207,12 @@ impl Enforcer {
         let mut groups: BTreeMap<GroupKey, Group> = BTreeMap::new();
         let mut listed = HashSet::new();
         let mut unattributed: Vec<(ProcKey, &sample::GpuProcess)> = Vec::new();
+        let probe = self.context.probe_pid();
         for p in &sample.processes {
+            // tesserad's own context probe: of no allocation, gone in a moment.
+            if Some(p.pid) == probe {
+                continue;
+            }
             // Gone between NVML's list and /proc: its memory is going with it.
             let Some(start) = self.procfs.start_time(p.pid) else { continue };
             listed.insert((p.pid, start));
@@ -263,6 +275,7 @@ impl Enforcer {
             self.report_unattributed(k.0, p);
         }
         self.stats.lock().unattributed_gpu_processes = unattributed.len() as u64;
+        self.context.step(&self.controller, &allocations[..]);
         outcome
     }
 
