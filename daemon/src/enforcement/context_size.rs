@@ -14,7 +14,8 @@
 //!
 //! The file is root's, 0644, written atomically into the allocation's directory, which the
 //! container sees read-only; written when the table changes and once to each new allocation
-//! (at the next poll after it appears: a process started before then measures, as before).
+//! (within the enforcement loop's 50 ms slice after its record: a process started before then
+//! measures, as before).
 //! Enforcement keeps comparing NVML's per-process figures with the limit, so a context that took
 //! more than its figure cannot pass the limit unnoticed (docs/security.md).
 
@@ -49,6 +50,9 @@ pub struct Publisher {
     tries: HashMap<String, u32>,
     /// The running probe's pid (0: none), which the poll leaves out of its judgement.
     probe_pid: Arc<AtomicU32>,
+    /// (the store's change count, the table's version) when every directory was last written:
+    /// nothing to do until one moves.
+    done: Option<(Option<u64>, u64)>,
 }
 
 impl Publisher {
@@ -64,14 +68,15 @@ impl Publisher {
 
     /// One step, at each poll: takes a finished probe's figure, starts the next probe, writes
     /// the file where it is missing or old.
-    pub fn step(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation]) {
+    /// (`changes`: the store's change count the records are from.)
+    pub fn step(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation], changes: Option<u64>) {
         self.finish_probe();
         if self.probe.is_none()
             && let Some(uuid) = self.next_gpu(allocations)
         {
             self.start_probe(controller, uuid);
         }
-        self.publish(controller, allocations);
+        self.publish(controller, allocations, changes);
     }
 
     fn finish_probe(&mut self) {
@@ -120,29 +125,38 @@ impl Publisher {
         }
     }
 
-    /// Writes the table into each live allocation's directory that lacks this version.
-    fn publish(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation]) {
-        self.published.retain(|id, _| allocations.iter().any(|a| &a.id == id));
-        if self.table.is_empty() {
+    /// Writes the table into each live allocation's directory that lacks this version (between
+    /// polls too: a new allocation gets it within the loop's 50 ms slice). `changes`: the
+    /// store's change count the records are from; with it and the table unchanged since every
+    /// directory was written, nothing is looked at.
+    pub fn publish(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation], changes: Option<u64>) {
+        if self.table.is_empty() || self.done == Some((changes, self.version)) {
             return;
         }
+        self.published.retain(|id, _| allocations.iter().any(|a| &a.id == id));
         let dirs = controller.allocator().dirs();
+        let mut all = true;
         for a in allocations {
             if self.published.get(&a.id) == Some(&self.version) {
                 continue;
             }
             let dir = dirs.dir(&a.id);
-            // A directory not made yet (or gone): tried again at the next poll.
+            // A directory not made yet (or gone): tried again next time.
             if !dir.is_dir() {
+                all = false;
                 continue;
             }
             match self.table.write_atomic(&dir.join(CONTEXT_SIZES_FILE)) {
                 Ok(()) => {
                     self.published.insert(a.id.clone(), self.version);
                 }
-                Err(e) => tracing::debug!(allocation = %a.id, error = %e, "context sizes not written"),
+                Err(e) => {
+                    all = false;
+                    tracing::debug!(allocation = %a.id, error = %e, "context sizes not written");
+                }
             }
         }
+        self.done = all.then_some((changes, self.version));
     }
 }
 

@@ -167,6 +167,8 @@ impl Enforcer {
                     if left.is_zero() {
                         break;
                     }
+                    // A new allocation gets the context sizes within a slice, not a poll.
+                    enforcer.publish_context_sizes();
                     std::thread::sleep(left.min(Duration::from_millis(50)));
                 }
             }
@@ -275,8 +277,15 @@ impl Enforcer {
             self.report_unattributed(k.0, p);
         }
         self.stats.lock().unattributed_gpu_processes = unattributed.len() as u64;
-        self.context.step(&self.controller, &allocations[..]);
+        self.context.step(&self.controller, &allocations[..], self.changes);
         outcome
+    }
+
+    /// Writes the context sizes into allocations' directories that lack them (nothing when
+    /// neither the records nor the sizes changed since the last time).
+    pub fn publish_context_sizes(&mut self) {
+        let allocations = self.allocations();
+        self.context.publish(&self.controller, &allocations[..], self.changes);
     }
 
     /// The records, copied again only when the store changed; what was kept for allocations
