@@ -448,6 +448,14 @@ mod tests {
         let pid = c.id();
         std::thread::scope(|s| {
             let waiting = s.spawn(|| t.node.checkpoint_request(pid, CheckpointOp::Checkpoint));
+            // Killed once the request is posted (before, the caller would find no process: a
+            // different answer, and a race under load).
+            let (slot, _) = t.node.checkpoint_slot(pid).unwrap();
+            let posted = std::time::Instant::now();
+            while t.node.region.shared().procs[slot].checkpoint.request.load(Acquire) == 0 {
+                assert!(posted.elapsed() < std::time::Duration::from_secs(60), "the request was never posted");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
             c.kill().unwrap();
             c.wait().unwrap();
             assert!(matches!(waiting.join().unwrap(), Err(SimError::InvalidArgument(_))));
