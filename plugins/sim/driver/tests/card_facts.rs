@@ -15,32 +15,14 @@
 //! timings and granularity, not answers: the timings are checked as floors here
 //! (`calls_take_at_least_what_they_took_on_the_card`), the granularity is `tests/granularity.rs`'s.
 
+#[macro_use]
 mod common;
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 
-use common::{facts, facts_path, node_for};
+use common::{Lib, facts, facts_path, node_for};
 use nvml_wrapper_sys::bindings::*;
 use serde_json::Value;
-
-/// The simulator's one library, loaded as a program loads libcuda.so.1 and libnvidia-ml.so.1.
-struct Lib(libloading::Library);
-
-impl Lib {
-    fn sym<T: Copy>(&self, name: &str) -> T {
-        // SAFETY: every caller names T as the symbol's C signature (cuda.h 13.0 / nvml.h).
-        unsafe { *self.0.get::<T>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
-    }
-}
-
-/// Calls an export by name with the C signature given: `call!(lib, cuInit(0) as fn(c_uint))`.
-macro_rules! call {
-    ($lib:expr, $name:ident($($arg:expr),* $(,)?) as fn($($t:ty),* $(,)?)) => {{
-        let f: unsafe extern "C" fn($($t),*) -> u32 = $lib.sym(stringify!($name));
-        // SAFETY: the symbol has this C signature and the arguments are valid for it.
-        unsafe { f($($arg),*) }
-    }};
-}
 
 /// An answer: a value, or the error the driver returned.
 fn answer(rc: u32, v: Value) -> Value {

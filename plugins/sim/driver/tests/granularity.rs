@@ -9,34 +9,16 @@
 //! The rule the sim follows (`src/cuda/suballoc.rs`, docs/sim.md): more than 1 MiB takes whole
 //! 2 MiB pages; 1 MiB or less is carved from a 2 MiB chunk shared with other such allocations.
 
+#[macro_use]
 mod common;
 
 use std::ffi::{c_int, c_uint, c_void};
 
-use common::{MIB, SUCCESS, facts, facts_path, node_for};
+use common::{Lib, MIB, SUCCESS, facts, facts_path, node_for};
 use nvml_wrapper_sys::bindings::*;
 use serde_json::Value;
 
 type Dev = *mut c_void;
-
-/// The simulator's one library, loaded as a program loads libcuda.so.1 and libnvidia-ml.so.1.
-struct Lib(libloading::Library);
-
-impl Lib {
-    fn sym<T: Copy>(&self, name: &str) -> T {
-        // SAFETY: every caller names T as the symbol's C signature (cuda.h 13.0 / nvml.h).
-        unsafe { *self.0.get::<T>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
-    }
-}
-
-/// Calls an export by name with the C signature given: `call!(lib, cuInit(0) as fn(c_uint))`.
-macro_rules! call {
-    ($lib:expr, $name:ident($($arg:expr),* $(,)?) as fn($($t:ty),* $(,)?)) => {{
-        let f: unsafe extern "C" fn($($t),*) -> u32 = $lib.sym(stringify!($name));
-        // SAFETY: the symbol has this C signature and the arguments are valid for it.
-        unsafe { f($($arg),*) }
-    }};
-}
 
 /// A program on the card's node: CUDA initialized with the primary context current, NVML too.
 struct Program {

@@ -12,6 +12,28 @@ use serde_json::Value;
 use tessera_sim_model::Node;
 use tessera_sim_testkit::SimNode;
 
+/// The simulator's one library, loaded as a program loads libcuda.so.1 and libnvidia-ml.so.1
+/// (`card_facts.rs`, `granularity.rs`).
+pub struct Lib(pub libloading::Library);
+
+impl Lib {
+    pub fn sym<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: every caller names T as the symbol's C signature (cuda.h 13.0 / nvml.h).
+        unsafe { *self.0.get::<T>(name.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}")) }
+    }
+}
+
+/// Calls an export of a [`Lib`] by name with the C signature given:
+/// `call!(lib, cuInit(0) as fn(c_uint))`.
+#[allow(unused_macros)] // each test binary uses a part
+macro_rules! call {
+    ($lib:expr, $name:ident($($arg:expr),* $(,)?) as fn($($t:ty),* $(,)?)) => {{
+        let f: unsafe extern "C" fn($($t),*) -> u32 = $lib.sym(stringify!($name));
+        // SAFETY: the symbol has this C signature and the arguments are valid for it.
+        unsafe { f($($arg),*) }
+    }};
+}
+
 pub const MIB: u64 = 1 << 20;
 
 // CUresult values (cuda.h 12.8).
