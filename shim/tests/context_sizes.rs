@@ -36,6 +36,16 @@ fn publish(c: &Container, uuid: &str, bytes: u64) {
     t.write_atomic(&sizes_path(c)).unwrap();
 }
 
+/// [`parent_node`] whose child starts a CUDA session on GPU 0 and runs `body` with it, its
+/// region and the GPU's entry there.
+fn in_a_session(body: impl FnOnce(&Session, &tessera_region::Region, usize)) -> Option<SimNode> {
+    parent_node(|| {
+        let s = Session::start(0);
+        let (region, dev) = region_and_dev(&s);
+        body(&s, &region, dev)
+    })
+}
+
 fn var(k: &str) -> u64 {
     std::env::var(k).unwrap_or_else(|_| panic!("{k}")).parse().unwrap()
 }
@@ -43,9 +53,7 @@ fn var(k: &str) -> u64 {
 #[test]
 fn a_published_size_is_charged_exactly_and_the_limit_holds_around_it() {
     let test = "a_published_size_is_charged_exactly_and_the_limit_holds_around_it";
-    let Some(node) = parent_node(|| {
-        let s = Session::start(0);
-        let (region, dev) = region_and_dev(&s);
+    let Some(node) = in_a_session(|s, region, dev| {
         let want = PUBLISHED_MIB * MIB;
         assert_eq!(region.used(dev), want, "the published size, reserved before the context");
         // cuMemGetInfo trues up a context still waiting for it: none is.
@@ -101,9 +109,7 @@ type Case = (Option<String>, Vec<(&'static str, &'static str)>);
 #[test]
 fn a_missing_damaged_forged_or_foreign_file_falls_back_to_measuring() {
     let test = "a_missing_damaged_forged_or_foreign_file_falls_back_to_measuring";
-    let Some(node) = parent_node(|| {
-        let s = Session::start(0);
-        let (region, dev) = region_and_dev(&s);
+    let Some(node) = in_a_session(|s, region, dev| {
         // The true-up runs on the helper thread, or now for cuMemGetInfo.
         let _ = s.mem_info();
         let got = settled(OVERHEAD_MIB * MIB, || region.used(dev));

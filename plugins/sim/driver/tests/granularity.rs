@@ -204,19 +204,23 @@ fn replay_limit(p: &Program, case: &str, (limit, value): (c_int, u64), card: &Va
     }
 }
 
-#[test]
-fn each_measured_case_holds_what_the_card_held() {
+/// Runs `body` in a process of its own on the card's node, as a [`Program`], given the facts.
+fn on_the_card(test: &str, body: impl FnOnce(&Program, &Value)) {
     let f = facts();
     let node = node_for(&f);
-    node.run_isolated("each_measured_case_holds_what_the_card_held", || {
-        let p = Program::start(&node);
+    node.run_isolated(test, || body(&Program::start(&node), &f));
+}
+
+#[test]
+fn each_measured_case_holds_what_the_card_held() {
+    on_the_card("each_measured_case_holds_what_the_card_held", |p, f| {
         let cases = f["measured_granularity"].as_object().expect("facts: measured_granularity");
         let mut diffs = Vec::new();
         for (key, card) in cases.iter().filter(|(k, _)| !k.starts_with('_')) {
             if let Some(a) = allocations(key, card) {
-                replay_allocations(&p, key, a, card, &mut diffs);
+                replay_allocations(p, key, a, card, &mut diffs);
             } else if let Some(l) = limit_set(key) {
-                replay_limit(&p, key, l, card, &mut diffs);
+                replay_limit(p, key, l, card, &mut diffs);
             } else {
                 diffs.push(format!("{key}: no replay for this case; teach granularity.rs to replay it"));
             }
@@ -230,10 +234,7 @@ fn each_measured_case_holds_what_the_card_held() {
 /// whole pages of its own; pitched allocations follow the same rule by their pitch times height.
 #[test]
 fn small_allocations_share_chunks_and_larger_ones_take_whole_pages() {
-    let f = facts();
-    let node = node_for(&f);
-    node.run_isolated("small_allocations_share_chunks_and_larger_ones_take_whole_pages", || {
-        let p = Program::start(&node);
+    on_the_card("small_allocations_share_chunks_and_larger_ones_take_whole_pages", |p, _| {
         let base = p.own();
         let grew = || p.own() - base;
 
