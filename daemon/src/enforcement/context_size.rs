@@ -10,7 +10,8 @@
 //! per-process figure for that child on that GPU, read by tesserad (the child reports nothing
 //! itself). One probe at a time, on a thread of its own, never on the poll; a GPU whose probe
 //! fails is tried three times in all (a GPU in exclusive-process mode under a tenant, say), then
-//! left to the shim's own measurement. MIG devices are not probed (their processes measure).
+//! left to the shim's own measurement. MIG devices are not probed (their processes measure), nor
+//! is a GPU with less than 1 GiB promised to no allocation (the probe would take a tenant's room).
 //!
 //! The file is root's, 0644, written atomically into the allocation's directory, which the
 //! container sees read-only; written when the table changes and once to each new allocation
@@ -30,6 +31,7 @@ use std::thread::JoinHandle;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use tessera_region::context_sizes::{CONTEXT_MAX, CONTEXT_MIN, CONTEXT_SIZES_FILE, ContextSizes};
 
+use crate::carve::GpuRoom;
 use crate::node::NodeController;
 use crate::state::Allocation;
 
@@ -37,6 +39,11 @@ use crate::state::Allocation;
 pub const PROBE_ARG: &str = "--measure-context";
 /// Probes a GPU gets before it is left to the shim's own measurement.
 const TRIES: u32 = 3;
+/// Memory of a GPU that no allocation was promised, needed before a probe's context may take
+/// some of it (a context is a few hundred MiB): on a GPU carved full, the probe could take memory
+/// a tenant is entitled to and fail one of its allocations, so it is left to the shim's own
+/// measurement there.
+const PROBE_ROOM: u64 = 1 << 30;
 
 /// The table, the probe running, and what each allocation's directory holds.
 #[derive(Debug, Default)]
@@ -72,7 +79,7 @@ impl Publisher {
     pub fn step(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation], changes: Option<u64>) {
         self.finish_probe();
         if self.probe.is_none()
-            && let Some(uuid) = self.next_gpu(allocations)
+            && let Some(uuid) = self.next_gpu(allocations, &controller.allocator().rooms())
         {
             self.start_probe(controller, uuid);
         }
@@ -96,14 +103,19 @@ impl Publisher {
     }
 
     /// A GPU shared by allocations (a whole GPU's tenant would see the probe's context take
-    /// its memory), with no figure and tries left.
-    fn next_gpu(&self, allocations: &[Allocation]) -> Option<String> {
+    /// its memory), with no figure, tries left, and [`PROBE_ROOM`] promised to none (`rooms`:
+    /// the GPUs and their memory).
+    fn next_gpu(&self, allocations: &[Allocation], rooms: &[GpuRoom]) -> Option<String> {
         allocations
             .iter()
             .flat_map(|a| &a.devices)
             .filter(|d| !d.whole && d.physical_uuid.starts_with("GPU-"))
             .map(|d| &d.physical_uuid)
-            .find(|u| self.table.get(u).is_none() && self.tries.get(*u).copied().unwrap_or(0) < TRIES)
+            .find(|u| {
+                self.table.get(u).is_none()
+                    && self.tries.get(*u).copied().unwrap_or(0) < TRIES
+                    && unpromised(u, allocations, rooms) >= PROBE_ROOM
+            })
             .cloned()
     }
 
@@ -158,6 +170,21 @@ impl Publisher {
         }
         self.done = all.then_some((changes, self.version));
     }
+}
+
+/// Memory of GPU `uuid` that no allocation of `allocations` holds (one without a memory limit
+/// holds it all); a GPU not in `rooms`: none.
+fn unpromised(uuid: &str, allocations: &[Allocation], rooms: &[GpuRoom]) -> u64 {
+    let Some(total) = rooms.iter().find(|g| g.uuid.eq_ignore_ascii_case(uuid)).map(|g| g.memory_total) else {
+        return 0;
+    };
+    let promised: u64 = allocations
+        .iter()
+        .flat_map(|a| &a.devices)
+        .filter(|d| d.physical_uuid.eq_ignore_ascii_case(uuid))
+        .map(|d| d.holds().0.unwrap_or(total))
+        .sum();
+    total.saturating_sub(promised)
 }
 
 /// The driver's `libcuda.so.1` beside its NVML, or the simulated node's one library.
@@ -285,6 +312,39 @@ fn uuid_text(u: &[u8; 16]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::record::tests::dev;
+    use crate::state::{ContainerIdentity, Source};
+
+    fn share(id: &str, uuid: &str, gib: u64) -> Allocation {
+        Allocation {
+            id: id.into(),
+            resource: "node-api/gpu-share".into(),
+            container: ContainerIdentity::default(),
+            source: Source::NodeApi,
+            created_unix_ns: 1,
+            devices: vec![dev(&format!("{uuid}::{id}"), uuid, Some(gib << 30), Some(10))],
+            claim: None,
+        }
+    }
+
+    #[test]
+    fn a_gpu_is_probed_only_where_memory_promised_to_no_share_is_left() {
+        let rooms = crate::allocator::tests::rooms();
+        let (a, b) = (rooms[0].uuid.clone(), rooms[1].uuid.clone());
+        let total = rooms[0].memory_total >> 30;
+        let p = Publisher::default();
+        // GPU a carved to within less than PROBE_ROOM of full: left alone; GPU b has room.
+        let full = vec![share("s1", &a, total - 1), share("s2", &a, 1)];
+        assert_eq!(unpromised(&a, &full, &rooms), 0);
+        assert_eq!(p.next_gpu(&full, &rooms), None, "a GPU carved full is not probed");
+        let mut both = full.clone();
+        both.push(share("s3", &b, 2));
+        assert_eq!(p.next_gpu(&both, &rooms), Some(b.clone()));
+        let roomy = vec![share("s1", &a, total - 2)];
+        assert_eq!(unpromised(&a, &roomy, &rooms), 2 << 30);
+        assert_eq!(p.next_gpu(&roomy, &rooms), Some(a.clone()));
+        assert_eq!(p.next_gpu(&roomy, &[]), None, "a GPU not known to the allocator is not probed");
+    }
 
     #[test]
     fn the_driver_library_is_found_beside_nvml() {
