@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # Installs the system packages Tessera's build and tests need, when they are missing.
 # Debian/Ubuntu (apt) only; elsewhere it names what to install and goes on.
+#
+#   scripts/deps.sh          what the build and every test need (scripts/test.sh, CI)
+#   scripts/deps.sh --main   only what building and running Tessera needs (scripts/run.sh): no
+#                            runtimes, frameworks or tools that only the tests use
 set -euo pipefail
+main_only=0
+case ${1:-} in
+  --main) main_only=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--main]  (--main: only what scripts/run.sh needs; got '$1')" >&2; exit 2 ;;
+esac
 
 # Package : a command or file that shows it is installed.
 PACKAGES=(
@@ -46,6 +56,10 @@ install_zigbuild() {
   "$pip" install --quiet cargo-zigbuild || "$pip" install --quiet --user cargo-zigbuild ||
     echo "deps: pip could not install cargo-zigbuild; please install it" >&2
 }
+# The build's own needs (the first three packages) are all that --main installs.
+if [[ $main_only == 1 ]]; then
+  PACKAGES=("${PACKAGES[@]:0:3}")
+else
 install_zigbuild
 
 # Python tools some tests run, each in a virtual environment of the build (never system-wide):
@@ -162,6 +176,7 @@ if [[ ! -x $helm_dir/helm ]]; then
   else
     echo "deps: please install Go to build Helm (the Helm chart tests need it)" >&2
   fi
+fi
 fi
 
 missing=()

@@ -5,7 +5,7 @@
 # description in $TESSERA_SIM_NODE), shows a workload on it, and prints the node's state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/deps.sh
+scripts/deps.sh --main
 cargo build --workspace --release --quiet
 bin=target/release
 if ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1 '; then
