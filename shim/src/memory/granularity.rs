@@ -19,9 +19,12 @@
 //! the shim admitted.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::sync::{Mutex, MutexGuard};
 
 use tessera_region::MAX_DEVICES;
+
+use super::KeyHasher;
 
 /// The GPU's page.
 pub(crate) const PAGE: u64 = 2 << 20;
@@ -59,12 +62,20 @@ pub(crate) struct Small {
     pub bytes: u64,
 }
 
+/// Maps keyed by address with the book's cheap hasher (SipHash was a third of a small pair's cost).
+type ByAddress<V> = HashMap<u64, V, BuildHasherDefault<KeyHasher>>;
+
+/// A chunk's key: its page's address (2 MiB-aligned: the low bits are free) and its device.
+fn chunk_key(dev: usize, page: u64) -> u64 {
+    page | dev as u64
+}
+
 #[derive(Default)]
 struct Books {
     /// Small allocations by address.
-    live: HashMap<u64, Small>,
-    /// Per (device, page): how many small allocations lie in it.
-    chunks: HashMap<(usize, u64), u32>,
+    live: ByAddress<Small>,
+    /// Per chunk ([`chunk_key`]): how many small allocations lie in it.
+    chunks: ByAddress<u32>,
     /// Per device: the chunks charged.
     charged: [u64; MAX_DEVICES],
 }
@@ -74,7 +85,7 @@ impl Books {
     fn enter(&mut self, ptr: u64, s: Small) -> u64 {
         let mut new = 0;
         for page in pages(ptr, s.bytes) {
-            let n = self.chunks.entry((s.dev, page)).or_insert(0);
+            let n = self.chunks.entry(chunk_key(s.dev, page)).or_insert(0);
             if *n == 0 {
                 new += PAGE;
             }
@@ -90,10 +101,10 @@ impl Books {
     fn leave(&mut self, ptr: u64, s: Small) -> u64 {
         let mut gone = 0;
         for page in pages(ptr, s.bytes) {
-            if let Some(n) = self.chunks.get_mut(&(s.dev, page)) {
+            if let Some(n) = self.chunks.get_mut(&chunk_key(s.dev, page)) {
                 *n -= 1;
                 if *n == 0 {
-                    self.chunks.remove(&(s.dev, page));
+                    self.chunks.remove(&chunk_key(s.dev, page));
                     gone += PAGE;
                 }
             }
