@@ -135,10 +135,21 @@ fi
 # cuFFT, cuPTI, cuSPARSE and its nvJitLink), NVRTC (cuDNN's) and ptxas (nvcc's wheel: XLA
 # compiles its kernels with it); not cuSOLVER, NCCL or NVSHMEM, which XLA loads only for linear
 # algebra and collectives (about 4.1 GB installed, 2.2 GB downloaded). TESSERA_NO_JAX=1 skips it.
+# As PyTorch: with less than 10 GB free where it goes (4.1 GB installed, the wheels unpacked on
+# the way, and the build and tests after it), it is not installed and <venv>.skipped says why.
 jax_venv=${TESSERA_JAX_RUNTIME:-$root/target/jax-runtime}
-if [[ ${TESSERA_NO_JAX:-0} != 1 ]]; then
-  PIP_NO_CACHE_DIR=1 install_venv "$jax_venv" \
-    "import jax, jax_plugins.xla_cuda12, jax_cuda12_plugin; assert jax.__version__ == '0.10.2'" \
+rm -f "$jax_venv.skipped"
+jax_check="import jax, jax_plugins.xla_cuda12, jax_cuda12_plugin; assert jax.__version__ == '0.10.2'"
+if [[ ${TESSERA_NO_JAX:-0} != 1 ]] && ! { [[ -x $jax_venv/bin/python ]] && "$jax_venv/bin/python" -c "$jax_check" 2>/dev/null; }; then
+  mkdir -p "$(dirname "$jax_venv")"
+  free_kb=$(df -Pk "$(dirname "$jax_venv")" | awk 'NR == 2 {print $4}')
+  if ((free_kb < 10 * 1024 * 1024)); then
+    echo "JAX not installed: only $((free_kb / 1024 / 1024)) GB free at $(dirname "$jax_venv"), it needs 10 GB (4.1 GB installed plus the build)" |
+      tee "$jax_venv.skipped" >&2
+  fi
+fi
+if [[ ${TESSERA_NO_JAX:-0} != 1 && ! -e $jax_venv.skipped ]]; then
+  PIP_NO_CACHE_DIR=1 install_venv "$jax_venv" "$jax_check" \
     --no-deps "jax==0.10.2" "jaxlib==0.10.2" "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" \
     "ml_dtypes==0.7.0" "numpy==2.4.6" "scipy==1.17.1" "opt_einsum==3.4.0" \
     "nvidia-cuda-runtime-cu12==12.9.79" "nvidia-cuda-nvrtc-cu12==12.9.86" "nvidia-cuda-nvcc-cu12==12.9.86" \
