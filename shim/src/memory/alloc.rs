@@ -76,6 +76,17 @@ fn charged(
 /// driver refuses the free. Unknown keys pass through.
 fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let c = if key == 0 { None } else { map.remove(key) };
+    refunded_taken(s, map, key, c, call)
+}
+
+/// [`refunded`] of a record `c` already taken from `map` (`None`: not ours, passed through).
+fn refunded_taken(
+    s: &ShimState,
+    map: &super::Sharded,
+    key: u64,
+    c: Option<Charge>,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
     if let Some(c) = &c {
         crate::trace::note(c.dev, c.bytes);
     }
@@ -96,7 +107,8 @@ fn refunded(s: &ShimState, map: &super::Sharded, key: u64, call: impl FnOnce() -
 fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     // A pointer is in one book or the other: the sharded one first, so that freeing a large
     // allocation never takes the chunks' one lock.
-    let small = if dptr == 0 || s.mem.ptrs.get(dptr).is_some() { None } else { s.mem.chunks.take(dptr) };
+    let large = if dptr == 0 { None } else { s.mem.ptrs.remove(dptr) };
+    let small = if dptr == 0 || large.is_some() { None } else { s.mem.chunks.take(dptr) };
     let rc = match small {
         // Its chunk is refunded once the driver has freed it, and only if it was the last in it.
         Some(sm) => {
@@ -109,7 +121,7 @@ fn pointer_freed(s: &ShimState, dptr: u64, call: impl FnOnce() -> CUresult) -> C
             }
             rc
         }
-        None => refunded(s, &s.mem.ptrs, dptr, call),
+        None => refunded_taken(s, &s.mem.ptrs, dptr, large, call),
     };
     if rc == CUDA_SUCCESS {
         super::graph::freed(s, dptr);
