@@ -105,17 +105,23 @@ install_venv "${TESSERA_CUDA_RUNTIMES:-$root/target/cuda-runtimes}" \
 # It is large: with less than 14 GB free where it goes (the build and the tests still need about
 # 4 GB after it), it is not installed, and why is written beside it (<venv>.skipped), so that the
 # tests say so in their SKIP line rather than fail a machine that cannot hold it.
+# room_for VENV CHECK GB WHAT SIZE: whether a large environment may be installed at VENV: it is
+# there already (CHECK passes in it), or GB are free where it goes; else why not (WHAT, SIZE) is
+# said and written to VENV.skipped.
+room_for() {
+  local venv=$1 check=$2 gb=$3 what=$4 size=$5 free_kb
+  [[ -x $venv/bin/python ]] && "$venv/bin/python" -c "$check" 2>/dev/null && return 0
+  mkdir -p "$(dirname "$venv")"
+  free_kb=$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 {print $4}')
+  ((free_kb >= gb * 1024 * 1024)) && return 0
+  echo "$what not installed: only $((free_kb / 1024 / 1024)) GB free at $(dirname "$venv"), it needs $gb GB ($size)" |
+    tee "$venv.skipped" >&2
+  return 1
+}
 torch_venv=${TESSERA_TORCH_RUNTIME:-$root/target/torch-runtime}
 rm -f "$torch_venv.skipped"
-if [[ ${TESSERA_NO_TORCH:-0} != 1 ]] && ! { [[ -x $torch_venv/bin/python ]] && "$torch_venv/bin/python" -c "import torch" 2>/dev/null; }; then
-  mkdir -p "$(dirname "$torch_venv")"
-  free_kb=$(df -Pk "$(dirname "$torch_venv")" | awk 'NR == 2 {print $4}')
-  if ((free_kb < 14 * 1024 * 1024)); then
-    echo "PyTorch not installed: only $((free_kb / 1024 / 1024)) GB free at $(dirname "$torch_venv"), it needs 14 GB (5.3 GB installed plus the build)" |
-      tee "$torch_venv.skipped" >&2
-  fi
-fi
-if [[ ${TESSERA_NO_TORCH:-0} != 1 && ! -e $torch_venv.skipped ]]; then
+if [[ ${TESSERA_NO_TORCH:-0} != 1 ]] &&
+  room_for "$torch_venv" "import torch" 14 PyTorch "5.3 GB installed plus the build"; then
   # No pip cache: it would keep another 3.4 GB of wheels.
   PIP_NO_CACHE_DIR=1 install_venv "$torch_venv" \
     "import torch; assert torch.__version__ == '2.8.0+cu128'" \
@@ -140,15 +146,8 @@ fi
 jax_venv=${TESSERA_JAX_RUNTIME:-$root/target/jax-runtime}
 rm -f "$jax_venv.skipped"
 jax_check="import jax, jax_plugins.xla_cuda12, jax_cuda12_plugin; assert jax.__version__ == '0.10.2'"
-if [[ ${TESSERA_NO_JAX:-0} != 1 ]] && ! { [[ -x $jax_venv/bin/python ]] && "$jax_venv/bin/python" -c "$jax_check" 2>/dev/null; }; then
-  mkdir -p "$(dirname "$jax_venv")"
-  free_kb=$(df -Pk "$(dirname "$jax_venv")" | awk 'NR == 2 {print $4}')
-  if ((free_kb < 10 * 1024 * 1024)); then
-    echo "JAX not installed: only $((free_kb / 1024 / 1024)) GB free at $(dirname "$jax_venv"), it needs 10 GB (4.1 GB installed plus the build)" |
-      tee "$jax_venv.skipped" >&2
-  fi
-fi
-if [[ ${TESSERA_NO_JAX:-0} != 1 && ! -e $jax_venv.skipped ]]; then
+if [[ ${TESSERA_NO_JAX:-0} != 1 ]] &&
+  room_for "$jax_venv" "$jax_check" 10 JAX "4.1 GB installed plus the build"; then
   PIP_NO_CACHE_DIR=1 install_venv "$jax_venv" "$jax_check" \
     --no-deps "jax==0.10.2" "jaxlib==0.10.2" "jax-cuda12-plugin==0.10.2" "jax-cuda12-pjrt==0.10.2" \
     "ml_dtypes==0.7.0" "numpy==2.4.6" "scipy==1.17.1" "opt_einsum==3.4.0" \
