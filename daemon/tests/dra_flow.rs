@@ -155,8 +155,8 @@ async fn a_claim_is_prepared_into_one_allocation_with_its_capacity_across_a_kill
     .await;
     assert_eq!(slice["spec"]["driver"], "gpu.tessera.io");
     assert_eq!(slice["spec"]["nodeName"], "node-a");
-    let devices = apiserver.pool_devices("node-a").expect("the pool");
-    let names: Vec<&str> = devices.iter().map(|d| d["name"].as_str().unwrap()).collect();
+    // The pool once complete: its slices are published one at a time.
+    let names = slice_devices(&apiserver, |_| true, &log).await;
     assert_eq!(names, ["gpu-0", "gpu-0-shared"]);
     let mut node_api = common::node_api(&socket).await;
     let devices = node_api.list_devices(api::ListDevicesRequest::default()).await.expect("devices").into_inner();

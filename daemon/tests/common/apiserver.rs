@@ -284,10 +284,20 @@ impl ApiServer {
     }
 
     /// The devices of `pool` across its slices, by name (1.34 puts each shared device in a
-    /// slice of its own); `None` while the pool has no slice.
+    /// slice of its own); `None` while the pool has no slice, or is not complete yet (as the
+    /// scheduler reads it: as many slices of its newest generation as each says it has), since
+    /// a driver publishes a pool's slices one at a time.
     pub fn pool_devices(&self, pool: &str) -> Option<Vec<Value>> {
         let store = self.store.lock().unwrap();
         let slices: Vec<&Value> = store.slices.values().filter(|s| s["spec"]["pool"]["name"] == pool).collect();
+        let generation = slices.iter().filter_map(|s| s["spec"]["pool"]["generation"].as_i64()).max();
+        let newest: Vec<&&Value> =
+            slices.iter().filter(|s| s["spec"]["pool"]["generation"].as_i64() == generation).collect();
+        let complete =
+            newest.iter().all(|s| s["spec"]["pool"]["resourceSliceCount"].as_u64() == Some(newest.len() as u64));
+        if !complete {
+            return None;
+        }
         let mut devices: Vec<Value> =
             slices.iter().flat_map(|s| s["spec"]["devices"].as_array().cloned().unwrap_or_default()).collect();
         devices.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
