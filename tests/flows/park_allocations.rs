@@ -629,6 +629,13 @@ async fn a_share_preempted_when_tesserad_was_killed_resumes_at_start_once_its_ro
     let _daemon = spawn(&node, &config, &dir.join("no-notify"), &log);
     let mut api = node_api(&socket).await;
     assert_eq!(state(dir, &low), ("running".to_owned(), String::new()), "{}", show_log());
+    // The restarted tesserad measures the GPU's context size once (enforcement::context_size):
+    // its probe holds a context for a moment, beside the resumed memory.
+    tessera_tests::kubelet::eventually(std::time::Duration::from_secs(60), &log, || {
+        let now = used(&m);
+        if now == before { Ok(()) } else { Err(format!("{now} B used on the GPU, {before} B before")) }
+    })
+    .await;
     assert_eq!(used(&m), before, "its memory is back");
     assert!(!dir.join("state/park").join(&low).exists(), "its journal entry is gone");
     assert!(!listed(dir).contains_key(&second));
