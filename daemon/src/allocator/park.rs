@@ -21,6 +21,7 @@
 //! [`DaemonAllocator::resume_preempted`] once it fits again, an operator's never.
 
 use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -30,6 +31,7 @@ use tonic::Status;
 
 use super::DaemonAllocator;
 use crate::carve::{self, GpuRoom};
+use crate::enforcement::procfs::ProcFs;
 use crate::park::{Checkpointer, ParkError};
 use crate::state::Store;
 
@@ -386,18 +388,21 @@ impl DaemonAllocator {
     }
 
     /// The processes of allocation `id` (host pids of its region's live slots; dead ones reaped)
-    /// and what they hold on its devices, bytes. No region yet: none.
+    /// and what they hold on its devices, bytes. No region yet: none. A slot names its process
+    /// by the pid it has in its own PID namespace (a container's, not the host's: the driver
+    /// would lock whichever host process has that number), so each is resolved to the host
+    /// process that maps this region under that pid (`ProcFs::host_pids`).
     pub(super) fn processes(&self, id: &str) -> Result<(Option<Region>, Vec<u32>, u64), Status> {
         let path = self.dirs.region_path(id);
         // Only an existing region: opening must not create one.
-        if !path.exists() {
+        let Ok(file) = std::fs::metadata(&path) else {
             return Ok((None, Vec::new(), 0));
-        }
+        };
         let region = Region::open_or_create(&path).map_err(|e| {
             Status::internal(format!("allocation {id}: cannot open its region {}: {e}", path.display()))
         })?;
         let snapshot = region.reap_and_snapshot();
-        let pids = region.pids().into_iter().map(|(pid, host)| if host != 0 { host } else { pid }).collect();
+        let pids = ProcFs::default().host_pids(&region.pids(), file.dev(), file.ino());
         let bytes = snapshot.devices.iter().map(|d| d.used).sum();
         Ok((Some(region), pids, bytes))
     }

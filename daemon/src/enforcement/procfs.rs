@@ -56,6 +56,61 @@ impl ProcFs {
     pub fn root(&self) -> &Path {
         &self.root
     }
+
+    /// The process's pid in its own (innermost) PID namespace: the last of `NSpid` in its
+    /// `status` (the pid itself where the kernel predates `NSpid`); `None` when it is gone.
+    pub fn inner_pid(&self, pid: u32) -> Option<u32> {
+        let status = std::fs::read_to_string(self.file(pid, "status")).ok()?;
+        Some(parse_inner_pid(&status).unwrap_or(pid))
+    }
+
+    /// The host pids (pids of this `/proc`) of the processes a region's slots name, each slot
+    /// as `(pid, host pid)`: the pid as the process sees itself, and the host pid when someone
+    /// recorded it (0: not known; the shim does not know it inside a container). A slot's
+    /// process is the one that maps the region's file (`dev`, `ino`: only the allocation's own
+    /// processes do) and whose innermost pid is the slot's: a process in this namespace is found
+    /// at its own pid, one in a container's PID namespace by one pass over `/proc`. Each host
+    /// process is named once, for one slot; slots whose process is gone or hidden are left out.
+    pub fn host_pids(&self, slots: &[(u32, u32)], dev: u64, ino: u64) -> Vec<u32> {
+        let mut found: Vec<u32> = Vec::with_capacity(slots.len());
+        let mut wanted: Vec<u32> = Vec::new();
+        let is_it = |host: u32, pid: u32| self.inner_pid(host) == Some(pid) && self.maps_inode(host, dev, ino);
+        for &(pid, host) in slots {
+            if host != 0 && !found.contains(&host) && self.maps_inode(host, dev, ino) {
+                found.push(host);
+            } else if !found.contains(&pid) && is_it(pid, pid) {
+                found.push(pid);
+            } else {
+                wanted.push(pid);
+            }
+        }
+        if wanted.is_empty() {
+            return found;
+        }
+        let Ok(dir) = std::fs::read_dir(&self.root) else { return found };
+        for entry in dir.flatten() {
+            let Some(host) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            if found.contains(&host) {
+                continue;
+            }
+            let Some(inner) = self.inner_pid(host) else { continue };
+            if let Some(i) = wanted.iter().position(|&w| w == inner)
+                && self.maps_inode(host, dev, ino)
+            {
+                found.push(host);
+                wanted.swap_remove(i);
+                if wanted.is_empty() {
+                    break;
+                }
+            }
+        }
+        found
+    }
+}
+
+/// The last pid of a `status` text's `NSpid:` line (the innermost namespace's).
+fn parse_inner_pid(status: &str) -> Option<u32> {
+    status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_ascii_whitespace().last()?.parse().ok()
 }
 
 /// Field 22 of `/proc/<pid>/stat`, counted after the command's closing parenthesis (the command
@@ -112,6 +167,43 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
+
+    #[test]
+    fn a_slots_host_pid_is_the_process_that_maps_the_region_under_that_inner_pid() {
+        let root = tempfile::tempdir().unwrap();
+        let (dev, ino) = ((0xfd << 8) | 1, 12345);
+        let region = "7f0000000000-7f0000200000 rw-s 00000000 fd:01 12345 /run/tessera/alloc/region\n";
+        let other = "7f0000000000-7f0000200000 rw-s 00000000 fd:01 999 /elsewhere\n";
+        let proc = |pid: u32, nspid: &str, maps: &str| {
+            let d = root.path().join(pid.to_string());
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("status"), format!("Name:\tx\nPid:\t{pid}\nNSpid:\t{nspid}\n")).unwrap();
+            std::fs::write(d.join("maps"), maps).unwrap();
+        };
+        proc(1, "1", other); // the host's init: pid 1, but not the allocation's
+        proc(100, "100", region); // a host process of the allocation
+        proc(200, "200\t1", region); // pid 1 of a container, the allocation's
+        proc(300, "300\t1", other); // pid 1 of another container
+        proc(500, "500\t7", region);
+        let fs = ProcFs::at(root.path());
+        assert_eq!(fs.inner_pid(200), Some(1));
+        assert_eq!(fs.inner_pid(100), Some(100));
+        assert_eq!(fs.inner_pid(9999), None, "gone");
+
+        let mut got = fs.host_pids(&[(1, 0), (100, 0)], dev, ino);
+        got.sort_unstable();
+        assert_eq!(got, vec![100, 200], "container pid 1 is host pid 200, not the host's init");
+        proc(400, "400\t1", region); // pid 1 of a second container sharing the allocation
+        let mut got = fs.host_pids(&[(1, 0), (1, 0), (100, 0)], dev, ino);
+        got.sort_unstable();
+        assert_eq!(got, vec![100, 200, 400], "two containers' pid 1, each named once");
+        assert_eq!(fs.host_pids(&[(7, 500)], dev, ino), vec![500], "a recorded host pid that maps the region");
+        assert_eq!(fs.host_pids(&[(7, 300)], dev, ino), vec![500], "a recorded host pid that does not: resolved again");
+        assert!(fs.host_pids(&[(42, 0)], dev, ino).is_empty(), "a slot whose process is gone");
+        assert!(fs.host_pids(&[(4242, 1)], dev, ino).is_empty(), "a slot forged to name the host's init");
+        assert!(fs.host_pids(&[(4242, 300)], dev, ino).is_empty(), "or another container's process");
+        assert!(fs.host_pids(&[(1, 0)], dev, 999 + 1).is_empty(), "another region");
+    }
 
     #[test]
     fn start_time_survives_odd_command_names() {
