@@ -20,7 +20,10 @@
 //! as `tessera-sim install` lays them out), or as the testkit's (`one`: both names one object).
 //!
 //! `TESSERA_STARTUP_BASELINE_SHIM=path/to/libtessera.so` (an earlier build) adds a third side,
-//! interleaved with the other two: a before/after comparison in the same run.
+//! interleaved with the other two: a before/after comparison in the same run. Rounds take the
+//! sides' permutations in turn ([`round_order`]). Drop the page cache before such a run (`sync;
+//! echo 3 > /proc/sys/vm/drop_caches`): a library the linker has just written sits in small
+//! page-cache folios and takes more page faults than a copy (docs/benchmarks.md, run 16).
 //!
 //! `TESSERA_STARTUP_CONTEXT_SIZES=1` gives each container the context sizes file tesserad
 //! publishes (the GPU's context size, beside the limits): the shim charges its first context
@@ -264,10 +267,7 @@ fn storm(layout: Layout, n: usize, rounds: usize) {
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
     let mut refused = vec![0; sides.len()];
     for r in 0..rounds {
-        let mut order: Vec<usize> = (0..sides.len()).collect();
-        if r % 2 == 1 {
-            order.reverse();
-        }
+        let order = round_order(sides.len(), r);
         for i in order {
             batches += 1;
             setup.fresh_container(batches);
@@ -459,6 +459,36 @@ fn breakdown(profiles: &[PathBuf]) {
     }
 }
 
+/// The order of the sides in round `r`: every permutation in turn (a fixed shuffle past six), so
+/// that each side follows each other side, and itself, as often as any other does. Alternating
+/// one order with its reverse did not: with three sides the middle one never ran right after
+/// itself, and the end ones did at every round's boundary, which is cheaper (warm caches): an
+/// A/A run (the same library as two sides) showed the middle one 100 to 230 µs dearer.
+fn round_order(n: usize, r: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if n <= 3 {
+        // The r-th permutation in lexicographic order (Lehmer code).
+        let mut k = r % (1..=n).product::<usize>();
+        let mut pool = order.clone();
+        order.clear();
+        for i in (0..n).rev() {
+            let f: usize = (1..=i).product();
+            order.push(pool.remove(k / f));
+            k %= f;
+        }
+        return order;
+    }
+    // Fisher-Yates from a fixed xorshift stream seeded by the round.
+    let mut x = (r as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for i in (1..n).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
 /// `rounds` interleaved rounds of one process per side started alone; each process's CPU time
 /// (user + system) from `wait4`.
 fn cpu(layout: Layout, rounds: usize) {
@@ -471,11 +501,10 @@ fn cpu(layout: Layout, rounds: usize) {
     let sides = sides();
     // User + system per process, µs (their sum is exact; the kernel splits it by tick samples).
     let mut us: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
+    // Page faults (minor + major) per process, from the same rusage: the kernel's part of a start.
+    let mut faults: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
     for r in 0..rounds {
-        let mut order: Vec<usize> = (0..sides.len()).collect();
-        if r % 2 == 1 {
-            order.reverse();
-        }
+        let order = round_order(sides.len(), r);
         for i in order {
             let mut c = setup.command(&exe, sides[i].1.as_deref());
             c.env(CHILD, "whole").stdout(Stdio::null()).stderr(Stdio::null());
@@ -491,6 +520,7 @@ fn cpu(layout: Layout, rounds: usize) {
             assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "a start-up process failed");
             let t = |v: libc::timeval| v.tv_sec as f64 * 1e6 + v.tv_usec as f64;
             us[i].push(t(ru.ru_utime) + t(ru.ru_stime));
+            faults[i].push((ru.ru_minflt + ru.ru_majflt) as f64);
         }
     }
     println!(
@@ -513,6 +543,7 @@ fn cpu(layout: Layout, rounds: usize) {
                 median(&us[i]) / median(&us[0])
             );
         }
+        print!("; page faults: median {:.0}", median(&faults[i]));
         println!();
     }
 }

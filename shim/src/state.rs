@@ -63,13 +63,16 @@ struct FileStamp {
 }
 
 fn stamp(path: &std::path::Path) -> Option<FileStamp> {
+    std::fs::metadata(path).ok().as_ref().map(stamp_of)
+}
+
+fn stamp_of(m: &std::fs::Metadata) -> FileStamp {
     use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).ok()?;
-    Some(FileStamp {
+    FileStamp {
         ino: m.ino(),
         mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
         size: m.size(),
-    })
+    }
 }
 
 /// The limits this process enforces per region device, from its own parsed copy of the limits
@@ -120,14 +123,16 @@ pub(crate) struct ShimState {
     /// CUDA ordinal → region device index + 1 (0: not mapped yet).
     by_ordinal: [AtomicU32; MAX_ORDINALS],
     known: Mutex<Vec<Known>>,
-    /// Direct-mapped cache: context handle << 8 | (ordinal + 1).
-    ctx_cache: [AtomicU64; CTX_CACHE],
+    /// Direct-mapped cache: context handle << 8 | (ordinal + 1). Boxed, as `stream_cache`.
+    ctx_cache: Box<[AtomicU64; CTX_CACHE]>,
     /// The driver enumerates exactly one device here (seen at `cuInit`): the default streams'
     /// device is ordinal 0's, whatever context is current (a launch without one fails anyway).
     one_device: AtomicBool,
     /// Stream handle << 8 | (region device index + 1): a stream's device, learned once (its
     /// first launch or stream-ordered allocation), forgotten when the stream or its context goes.
-    stream_cache: [AtomicU64; STREAM_CACHE],
+    /// On the heap from zeroed pages (`zeroed_cache`): built inline, its 8 KiB would be written
+    /// at start-up, on the stack and again in the state's box, page faults every process pays.
+    stream_cache: Box<[AtomicU64; STREAM_CACHE]>,
     pub(crate) mem: Tracker,
     /// When this process last reaped for a memory query (ns on the monotonic clock).
     last_reap_ns: AtomicU64,
@@ -330,11 +335,10 @@ impl ShimState {
             return;
         }
         if let Source::File(path) = &self.source {
-            let before = stamp(path);
-            match Limits::load(path) {
-                Ok(l) => {
+            match Limits::load_with_metadata(path) {
+                Ok((l, read)) => {
                     self.install(l);
-                    *self.file_stamp.lock().unwrap_or_else(|e| e.into_inner()) = before;
+                    *self.file_stamp.lock().unwrap_or_else(|e| e.into_inner()) = Some(stamp_of(&read));
                 }
                 Err(e) => eprintln!("tessera: {e}; keeping the previous limits"),
             }
@@ -564,7 +568,7 @@ impl ShimState {
 
     /// Forgets every stream: a context went, and its streams with it (rare: a reset or destroy).
     pub(crate) fn forget_all_streams(&self) {
-        for slot in &self.stream_cache {
+        for slot in self.stream_cache.iter() {
             slot.store(0, Relaxed);
         }
     }
@@ -790,24 +794,32 @@ extern "C" fn forked_child() {
 pub(crate) fn mounted_alloc_dir() -> Option<&'static std::path::Path> {
     static MOUNTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let dir = std::path::Path::new(tessera_region::CONTAINER_ALLOC_DIR);
-    MOUNTED.get_or_init(|| std::fs::metadata(dir.join("limits")).is_ok_and(|m| m.is_file())).then_some(dir)
+    MOUNTED.get_or_init(|| is_file(&dir.join("limits"))).then_some(dir)
+}
+
+/// Whether `path` is a regular file (following links), by one `stat`: std's first failing
+/// `statx` of a process asks the kernel a second time whether `statx` exists at all.
+fn is_file(path: &std::path::Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    // SAFETY: all-zero is a valid `stat` to be filled.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid C string and a writable `stat`.
+    unsafe { libc::stat(c.as_ptr(), &mut st) == 0 && st.st_mode & libc::S_IFMT == libc::S_IFREG }
 }
 
 fn make() -> Result<ShimState, String> {
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     let mounted = mounted_alloc_dir();
-    let (limits, source) = match mounted {
-        Some(dir) => {
-            let path = dir.join("limits");
-            (Limits::load(&path).map(Some), Source::File(path))
-        }
-        None => (
-            Limits::from_env(|k| std::env::var(k).ok()),
-            match var(ENV_LIMITS) {
-                Some(p) => Source::File(PathBuf::from(p.trim())),
-                None => Source::Env,
-            },
-        ),
+    // A limits file's metadata comes from the file read: the stamp later looks are compared with.
+    let from_file = |path: PathBuf| match Limits::load_with_metadata(&path) {
+        Ok((l, m)) => (Ok(Some(l)), Source::File(path), Some(m)),
+        Err(e) => (Err(e), Source::File(path), None),
+    };
+    let (limits, source, read) = match (mounted, var(ENV_LIMITS)) {
+        (Some(dir), _) => from_file(dir.join("limits")),
+        // What `Limits::from_env` would load first.
+        (None, Some(p)) => from_file(PathBuf::from(p.trim())),
+        (None, None) => (Limits::from_env(|k| std::env::var(k).ok()), Source::Env, None),
     };
     let limits = limits.map_err(|e| format!("tessera: {e}; CUDA disabled"))?;
     let (limits, source, configured) = match (limits, source) {
@@ -824,10 +836,7 @@ fn make() -> Result<ShimState, String> {
     };
     let slot = region.join().map_err(|e| format!("tessera: joining the region: {e}; CUDA disabled"))?;
     let generation = region.config_generation();
-    let file_stamp = match &source {
-        Source::File(p) => stamp(p),
-        _ => None,
-    };
+    let file_stamp = read.as_ref().map(stamp_of);
     Ok(ShimState {
         file_stamp: Mutex::new(file_stamp),
         file_checked_ns: AtomicU64::new(monotonic_ns()),
@@ -845,15 +854,23 @@ fn make() -> Result<ShimState, String> {
         source,
         by_ordinal: [const { AtomicU32::new(0) }; MAX_ORDINALS],
         known: Mutex::new(Vec::new()),
-        ctx_cache: [const { AtomicU64::new(0) }; CTX_CACHE],
+        ctx_cache: zeroed_cache(),
         one_device: AtomicBool::new(false),
-        stream_cache: [const { AtomicU64::new(0) }; STREAM_CACHE],
+        stream_cache: zeroed_cache(),
         mem: Tracker::new(),
         last_reap_ns: AtomicU64::new(0),
         damaged: AtomicBool::new(false),
         region,
         slot,
     })
+}
+
+/// A cache of `N` empty entries from the allocator's zeroed memory (`calloc`: fresh pages are
+/// not written), so that a page is touched only when an entry on it is first used.
+fn zeroed_cache<const N: usize>() -> Box<[AtomicU64; N]> {
+    // SAFETY: all-zero bytes are a valid AtomicU64 (its value 0), so a zeroed array of them is
+    // initialized.
+    unsafe { Box::<[AtomicU64; N]>::new_zeroed().assume_init() }
 }
 
 /// The prologue of a CUDA hook: the real driver and the state (made if need be), the config

@@ -195,9 +195,39 @@ impl Limits {
 
     /// Reads and parses a limits file; errors name the path.
     pub fn load(path: &Path) -> Result<Limits, LimitsError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| LimitsError::Io { path: path.to_path_buf(), source })?;
-        Limits::parse(&text).map_err(|e| LimitsError::File { path: path.to_path_buf(), source: Box::new(e) })
+        Limits::load_with_metadata(path).map(|(l, _)| l)
+    }
+
+    /// [`Limits::load`], with the metadata of the file it read, taken from the open file: it
+    /// describes exactly what was parsed (a look by path could see a file replaced in between).
+    /// One open, one `fstat`, reads until the end and a close: what a process start pays.
+    pub fn load_with_metadata(path: &Path) -> Result<(Limits, std::fs::Metadata), LimitsError> {
+        use std::io::Read;
+        let io = |source| LimitsError::Io { path: path.to_path_buf(), source };
+        let mut file = std::fs::File::open(path).map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        // Sized from the metadata and read to the end by hand: `read_to_string` would ask the
+        // file's size and position again.
+        let mut buf = vec![0u8; usize::try_from(meta.len()).unwrap_or(0).saturating_add(1).max(256)];
+        let mut n = 0;
+        loop {
+            if n == buf.len() {
+                buf.resize(buf.len() * 2, 0);
+            }
+            match file.read(&mut buf[n..]) {
+                Ok(0) => break,
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        buf.truncate(n);
+        let text = String::from_utf8(buf).map_err(|_| {
+            io(std::io::Error::new(std::io::ErrorKind::InvalidData, "stream did not contain valid UTF-8"))
+        })?;
+        let limits =
+            Limits::parse(&text).map_err(|e| LimitsError::File { path: path.to_path_buf(), source: Box::new(e) })?;
+        Ok((limits, meta))
     }
 
     /// Limits for standalone use, from the environment (`get` is `std::env::var(..).ok()` or a test's map):
@@ -666,6 +696,29 @@ memory_limit = "4GiB"
 uuid = "*"
 sm_percent = 100
 "#;
+
+    #[test]
+    fn a_file_is_read_whole_with_the_metadata_of_what_was_read() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("limits");
+        // Longer than the first read's buffer would be from a stale size: read to the end.
+        let big = format!("{FULL}\n{}", "# padding\n".repeat(2000));
+        std::fs::write(&path, &big).unwrap();
+        let (l, meta) = Limits::load_with_metadata(&path).unwrap();
+        assert_eq!(l, Limits::parse(FULL).unwrap());
+        let now = std::fs::metadata(&path).unwrap();
+        assert_eq!((meta.ino(), meta.len()), (now.ino(), big.len() as u64));
+        // Replaced (as tesserad writes it: a new file renamed over it): the new inode's metadata.
+        std::fs::write(dir.path().join("next"), "version = 1\n").unwrap();
+        std::fs::rename(dir.path().join("next"), &path).unwrap();
+        let (l, meta) = Limits::load_with_metadata(&path).unwrap();
+        assert_eq!(l, Limits::default());
+        assert_ne!(meta.ino(), now.ino());
+        std::fs::write(&path, b"version = 1\n\xff\n").unwrap();
+        let e = Limits::load_with_metadata(&path).unwrap_err().to_string();
+        assert!(e.contains("UTF-8") && e.contains(&path.display().to_string()), "{e}");
+    }
 
     #[test]
     fn parses_a_full_file() {

@@ -289,8 +289,8 @@ pub struct Region {
     /// The path, for messages (`"anonymous region"` for a memfd).
     name: String,
     anonymous: bool,
-    /// This process's pid, host pid, start time and comm, read when the region was opened (from
-    /// /proc: tens of µs, kept out of `join`); read again by a join from a forked child.
+    /// This process's pid and comm, read when the region was opened; read again by a join from
+    /// a forked child.
     info: sys::ProcInfo,
     /// Slots this handle joined: their locks are ours, so probing them would say "free".
     own: [AtomicU64; MAX_PROCS / 64],
@@ -509,8 +509,8 @@ impl Region {
     }
 
     /// Claims a free process slot for the calling process: a CAS on the slot's state word, then an
-    /// OFD lock on the slot's liveness byte. Records pid, host pid (the pid when this process is in
-    /// the host's PID namespace, else 0 for the daemon to fill), start time and comm. When no slot
+    /// OFD lock on the slot's liveness byte. Records pid and comm; host pid and start time are left 0
+    /// for the daemon to fill where it needs them (`sys::ProcInfo`). When no slot
     /// is free, reaps dead ones and tries again.
     pub fn join(&self) -> Result<Slot, RegionError> {
         let s = self.shared();
@@ -1682,7 +1682,7 @@ mod tests {
         assert_eq!(snap.processes.len(), 1);
         let p = &snap.processes[0];
         assert_eq!((p.slot, p.pid, p.host_pid), (me.index, std::process::id(), 4242));
-        assert!(p.start_time > 0);
+        assert_eq!(p.start_time, 0, "the daemon's to read");
         let comm = std::fs::read_to_string("/proc/self/comm").unwrap();
         assert_eq!(p.comm, comm.trim_end());
         assert!(p.heartbeat_ns >= p.joined_ns && p.joined_ns > 0);
@@ -1717,13 +1717,14 @@ mod tests {
     }
 
     #[test]
-    fn host_pid_is_known_only_in_the_hosts_pid_namespace() {
+    fn host_pid_is_left_for_the_daemon_to_fill() {
         let r = Region::anonymous().unwrap();
         let me = r.join().unwrap();
-        let host_ns = std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).ok()
-            == Some(0xEFFF_FFFC);
         let p = r.snapshot().processes.into_iter().find(|p| p.slot == me.index).unwrap();
-        assert_eq!(p.host_pid, if host_ns { std::process::id() } else { 0 });
+        assert_eq!((p.pid, p.host_pid, p.start_time), (std::process::id(), 0, 0));
+        r.set_host_pid(me, 4242);
+        let p = r.snapshot().processes.into_iter().find(|p| p.slot == me.index).unwrap();
+        assert_eq!(p.host_pid, 4242);
     }
 
     #[test]

@@ -1,7 +1,5 @@
 //! What the region needs from the OS: the clock, facts about this process, liveness locks.
 
-use std::os::unix::fs::MetadataExt;
-
 /// CLOCK_MONOTONIC in ns: system-wide, so one process's stamp means the same in another (vDSO, no syscall).
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -10,48 +8,44 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The inode of the initial PID namespace (`PROC_PID_INIT_INO`, fixed since Linux 3.8).
-const INIT_PID_NS_INO: u64 = 0xEFFF_FFFC;
-
 /// What a process slot records about its process.
 #[derive(Clone, Copy)]
 pub struct ProcInfo {
     pub pid: u32,
-    /// The pid in the host's (initial) PID namespace when this process lives there, else 0.
+    /// The pid in the host's PID namespace: 0 here, for the daemon to fill once it has resolved
+    /// it (`Region::set_host_pid`). The shim cannot tell cheaply: the namespace's identity is a
+    /// `/proc` look-up of tens of µs at every process start, and inside a container it would
+    /// only ever say "not the host's".
     pub host_pid: u32,
-    /// Start time in clock ticks after boot (`/proc/self/stat` field 22): with the pid, names the
-    /// process uniquely (pids are reused, start times are not).
+    /// Start time in clock ticks after boot: 0 here (reading `/proc/self/stat` costs every
+    /// process start about 10 µs, and nothing reads it from the slot: the daemon reads a
+    /// process's start time from `/proc` where it needs one, as before a kill).
     pub start_time: u64,
     pub comm: [u8; 16],
 }
 
+unsafe extern "C" {
+    /// The C library's basename of `argv[0]` (glibc and musl), set before any constructor runs.
+    static program_invocation_short_name: *const std::ffi::c_char;
+}
+
 impl ProcInfo {
+    /// This process: its pid (in its own PID namespace) and its name as the kernel's `comm` has
+    /// it (the program's file name, at most 15 bytes), taken from the C library's
+    /// `program_invocation_short_name` with no system call: `/proc/self/comm` is a `/proc`
+    /// look-up, and `PR_GET_NAME` names the calling thread, which need not be the main one.
     pub fn current() -> ProcInfo {
-        let pid = std::process::id();
-        let mut info = ProcInfo { pid, host_pid: 0, start_time: 0, comm: [0; 16] };
-        // `NSpid` in /proc/self/status cannot tell: a container mounts its own /proc, whose NSpid
-        // starts at the container's namespace. Only the namespace's identity can.
-        if std::fs::metadata("/proc/self/ns/pid").is_ok_and(|m| m.ino() == INIT_PID_NS_INO) {
-            info.host_pid = pid;
+        let mut comm = [0u8; 16];
+        // SAFETY: the C library sets this to a NUL-terminated string that lives as long as the
+        // process (or leaves it null, checked), and nothing here writes it.
+        let name = unsafe { program_invocation_short_name };
+        if !name.is_null() {
+            // SAFETY: non-null and NUL-terminated, per the above.
+            let name = unsafe { std::ffi::CStr::from_ptr(name) }.to_bytes();
+            let n = name.len().min(15);
+            comm[..n].copy_from_slice(&name[..n]);
         }
-        if let Ok(stat) = std::fs::read("/proc/self/stat") {
-            // "pid (comm) state ppid …": comm may hold spaces and parentheses; it ends at the last ')'.
-            if let (Some(open), Some(close)) =
-                (stat.iter().position(|&b| b == b'('), stat.iter().rposition(|&b| b == b')'))
-                && open < close
-            {
-                let comm = &stat[open + 1..close];
-                let n = comm.len().min(15);
-                info.comm[..n].copy_from_slice(&comm[..n]);
-                // Fields after comm start with field 3 (state); starttime is field 22.
-                info.start_time = std::str::from_utf8(&stat[close + 1..])
-                    .ok()
-                    .and_then(|rest| rest.split_ascii_whitespace().nth(22 - 3))
-                    .and_then(|f| f.parse().ok())
-                    .unwrap_or(0);
-            }
-        }
-        info
+        ProcInfo { pid: std::process::id(), host_pid: 0, start_time: 0, comm }
     }
 }
 
