@@ -11,7 +11,7 @@ cargo zigbuild -p tessera-shim --release --target x86_64-unknown-linux-gnu.2.17 
 # The static hook and wrapper hosts get (a runc test runs them).
 scripts/build-static-hook.sh >/dev/null
 # Every test but the real cluster's, which run after, alone (so that the cluster's components
-# take no CPU from the others' measurements): tests/flows/kube_cluster.rs leaves them to the run
+# take no CPU from the others' measurements): tests/flows/kube_cluster.rs and kube_park.rs leave them to the run
 # below while TESSERA_KUBE_DEFERRED is set.
 TESSERA_KUBE_DEFERRED=1 cargo test --workspace "$@"
 # A real single-node Kubernetes cluster for tests/flows/kube_cluster.rs (scripts/kube.sh: built
@@ -27,14 +27,14 @@ if [[ ${TESSERA_NO_KUBE:-0} != 1 ]]; then
   else
     echo "test: no Kubernetes cluster (scripts/kube.sh up failed, above): the kube_cluster tests will SKIP" >&2
   fi
-  cargo test -p tessera-tests --test kube_cluster
+  cargo test -p tessera-tests --test kube_cluster --test kube_park
   # The same tests on Kubernetes 1.34 (`--version 1.34`: the older ResourceSlice layout, the DRA
   # features behind alpha gates; its build adds about 21 minutes on 2 cores the first time).
   # TESSERA_NO_KUBE_1_34=1 leaves this run out.
   if [[ ${TESSERA_NO_KUBE_1_34:-0} != 1 ]]; then
     scripts/kube.sh down
     if scripts/kube.sh --version 1.34 up; then
-      cargo test -p tessera-tests --test kube_cluster
+      cargo test -p tessera-tests --test kube_cluster --test kube_park
     elif [[ -n ${TESSERA_REQUIRE_RUNTIMES:-} ]]; then
       echo "test: TESSERA_REQUIRE_RUNTIMES is set, but the Kubernetes 1.34 cluster did not start (scripts/kube.sh --version 1.34 up, above)" >&2
       exit 1

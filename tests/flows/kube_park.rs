@@ -1,0 +1,83 @@
+//! Park and resume of a pod's GPU share on a real Kubernetes node (issue 33, items 4 and 9):
+//! a DRA share claim allocated by kube-scheduler, its pod's CUDA program running in a containerd
+//! container (its own PID namespace and cgroup), parked by the allocation ID the claim's
+//! `status.devices[].data.allocationID` names, as docs/kubernetes.md tells a platform to, and
+//! resumed. The container's process is found by its host pid (it calls itself by its
+//! namespace's), its memory leaves the GPU while the pod stays Running, and comes back.
+//!
+//! Run by scripts/test.sh with the cluster up, as `kube_cluster` is (the same SKIP and
+//! `TESSERA_REQUIRE_RUNTIMES` rules, tests/kube.rs).
+
+use serde_json::{Value, json};
+use tessera_sim_model::Node;
+use tessera_tests::kube::{Kube, Tesserad, claim, dra_config, pod, serial, uses};
+use tessera_tests::{ok, tessera};
+
+const GIB: u64 = 1 << 30;
+const H100: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n";
+
+/// The pod's phase, as the API server has it.
+fn phase(kube: &Kube, name: &str) -> String {
+    kube.get(&["pod", name]).and_then(|p| p["status"]["phase"].as_str().map(str::to_owned)).unwrap_or_default()
+}
+
+/// `NSpid` of a host process: its pid in each PID namespace it is in, outermost first.
+fn ns_pids(pid: u64) -> Vec<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let line = status.lines().find_map(|l| l.strip_prefix("NSpid:")).unwrap_or_default();
+    line.split_whitespace().filter_map(|p| p.parse().ok()).collect()
+}
+
+#[test]
+fn a_pods_share_is_parked_and_resumed_by_its_claims_allocation_id() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let (pods, claims) = (["kube-park"], ["park-share"]);
+    let t = Tesserad::start(&kube, H100, &dra_config(&kube));
+    let extra = || t.log();
+    kube.clean(&pods, &claims, &extra);
+    kube.apply_dra_classes();
+    let m = Node::open(None, Some(&t.node.state)).expect("the simulated node");
+    let used = || m.memory_info(0, 0).expect("NVML memory").used;
+
+    kube.apply(&claim("park-share", "gpu-share.tessera.io", json!({"memory": "8Gi", "sm": "30"}), ""));
+    let script = "tessera-workload --alloc-mib 1024 --hold 3600";
+    kube.apply(&pod(&kube, &t, "kube-park", script, json!({}), uses("park-share")));
+    kube.wait("the pod's program holding its GiB", &extra, || {
+        let logs = kube.kubectl(&["logs", "kube-park"], None);
+        String::from_utf8_lossy(&logs.stdout).contains("holding").then_some(())
+    });
+    let id = kube.wait("the claim's allocationID", &extra, || {
+        let c = kube.get(&["resourceclaim", "park-share"])?;
+        c["status"]["devices"].as_array()?.first()?["data"]["allocationID"].as_str().map(str::to_owned)
+    });
+    let before = used();
+    assert!(before >= GIB, "the program's GiB is on the GPU: {before}");
+
+    let out = ok(&tessera(t.dir.path(), &["park", &id, "--json"]));
+    let parked: Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(parked["state"], "parked", "{parked}\n{}", t.log());
+    assert!(parked["bytes"].as_u64().is_some_and(|b| b >= GIB), "{parked}");
+    let pids: Vec<u64> = parked["pids"].as_array().expect("pids").iter().filter_map(Value::as_u64).collect();
+    assert_eq!(pids.len(), 1, "the container's one CUDA process: {parked}");
+    let inside = ns_pids(pids[0]);
+    assert!(
+        inside.len() >= 2 && inside[0] == pids[0] && inside[inside.len() - 1] != pids[0],
+        "parked by its host pid, a process of the container's own PID namespace: NSpid {inside:?}"
+    );
+    assert_eq!(used(), 0, "NVML: the share's memory is off the GPU");
+    assert_eq!(phase(&kube, "kube-park"), "Running", "the pod runs on while parked");
+    let listed = t.allocations();
+    let state = listed.iter().find(|a| a["id"] == id.as_str()).map(|a| a["state"].clone());
+    assert_eq!(state, Some(json!("parked")), "{listed:?}");
+
+    ok(&tessera(t.dir.path(), &["resume", &id]));
+    assert_eq!(used(), before, "its memory is back");
+    assert_eq!(phase(&kube, "kube-park"), "Running");
+    let listed = t.allocations();
+    let state = listed.iter().find(|a| a["id"] == id.as_str()).map(|a| a["state"].clone());
+    assert_eq!(state, Some(json!("running")), "{listed:?}");
+
+    kube.clean(&pods, &claims, &extra);
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+}
