@@ -81,3 +81,76 @@ fn a_pods_share_is_parked_and_resumed_by_its_claims_allocation_id() {
     kube.clean(&pods, &claims, &extra);
     kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
 }
+
+/// `tessera allocations --json`: allocation `id`'s state and the allocation it was preempted by.
+fn state(t: &Tesserad, id: &str) -> (String, String) {
+    let listed = t.allocations();
+    let a = listed.iter().find(|a| a["id"] == id).unwrap_or_else(|| panic!("{id} is listed: {listed:?}"));
+    (a["state"].as_str().unwrap_or_default().to_owned(), a["preempted_by"].as_str().unwrap_or_default().to_owned())
+}
+
+/// DRA preemption end to end (issue 33, item 3): a claim whose opaque configuration says
+/// `preemptible: true` at priority low is parked when a node API share of high priority does not
+/// fit beside it on its GPU; the pod runs on (its CUDA calls wait), and once the high share is
+/// released the claim's share is resumed on its own and its program reads its data back intact.
+#[test]
+fn a_preemptible_claims_share_is_parked_for_a_higher_priority_share_and_resumed_after() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let (pods, claims) = (["kube-preempted"], ["preemptible-share"]);
+    let t = Tesserad::start(&kube, H100, &dra_config(&kube));
+    let extra = || t.log();
+    kube.clean(&pods, &claims, &extra);
+    kube.apply_dra_classes();
+    let m = Node::open(None, Some(&t.node.state)).expect("the simulated node");
+    let used = || m.memory_info(0, 0).expect("NVML memory").used;
+
+    let mut c = claim("preemptible-share", "gpu-share.tessera.io", json!({"memory": "8Gi", "sm": "30"}), "");
+    c["spec"]["devices"]["config"] = json!([{"requests": ["gpu"], "opaque": {"driver": "gpu.tessera.io",
+        "parameters": {"apiVersion": "gpu.tessera.io/v1alpha1", "kind": "GpuConfig",
+                       "priority": "low", "preemptible": true}}}]);
+    kube.apply(&c);
+    // 1 GiB with a pattern it reads back after a 25 s hold (parked and resumed meanwhile).
+    let script = "tessera-workload --alloc-mib 1024 --verify --hold 25; echo \"END $?\"";
+    kube.apply(&pod(&kube, &t, "kube-preempted", script, json!({}), uses("preemptible-share")));
+    kube.wait("the pod's program holding its GiB", &extra, || {
+        let logs = kube.kubectl(&["logs", "kube-preempted"], None);
+        String::from_utf8_lossy(&logs.stdout).contains("holding").then_some(())
+    });
+    let low = kube.wait("the claim's allocationID", &extra, || {
+        let c = kube.get(&["resourceclaim", "preemptible-share"])?;
+        c["status"]["devices"].as_array()?.first()?["data"]["allocationID"].as_str().map(str::to_owned)
+    });
+    let listed = t.allocations();
+    let entry = listed.iter().find(|a| a["id"] == low.as_str()).expect("the claim's allocation");
+    assert_eq!(entry["preemptible"].as_bool(), Some(true), "the claim's opaque configuration: {entry}");
+    let before = used();
+    assert!(before >= GIB, "{before}");
+
+    // All of the GPU but 4 GiB at high priority: it fits only if the claim's 8 GiB are parked.
+    let out =
+        ok(&tessera(t.dir.path(), &["alloc", "--memory", "77463MiB", "--sm", "10", "--priority", "high", "--json"]));
+    let top: Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    let top = top["id"].as_str().expect("id").to_owned();
+    assert_eq!(state(&t, &low), ("parked".to_owned(), top.clone()), "{}", t.log());
+    assert_eq!(used(), 0, "NVML: the claim's memory is off the GPU");
+    assert_eq!(phase(&kube, "kube-preempted"), "Running", "the pod runs on while parked");
+
+    // The room back: resumed by tesserad, no one asking.
+    ok(&tessera(t.dir.path(), &["release", &top]));
+    kube.wait("the claim's share resumed", &extra, || (state(&t, &low).0 == "running").then_some(()));
+    assert_eq!(state(&t, &low).1, "", "no longer preempted");
+    assert_eq!(used(), before, "its memory is back");
+    let (phase, logs) = kube.finished("kube-preempted", &extra);
+    assert_eq!(phase, "Succeeded", "{logs}");
+    let report: Value = logs
+        .lines()
+        .rfind(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no report: {logs}"));
+    assert_eq!(report["verified_after_hold_bytes"], 1u64 << 20, "its data intact: {report}");
+    assert!(logs.contains("END 0"), "{logs}");
+
+    kube.clean(&pods, &claims, &extra);
+    kube.wait("the claim unprepared", &extra, || t.allocations().is_empty().then_some(()));
+}
