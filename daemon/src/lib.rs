@@ -62,6 +62,7 @@ pub mod node;
 pub mod park;
 pub mod partition;
 pub mod podresources;
+pub mod procfs;
 pub mod resources;
 pub mod socket;
 pub mod state;

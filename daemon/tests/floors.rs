@@ -49,6 +49,7 @@ const FLOORS: &[(&str, Floor)] = &[
     ("blocking", Base),
     ("client_input", Base),
     ("socket", Base),
+    ("procfs", Base),
     ("kube_client", Base),
     ("config", Core),
     ("discovery", Core),

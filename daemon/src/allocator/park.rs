@@ -31,8 +31,8 @@ use tonic::Status;
 
 use super::DaemonAllocator;
 use crate::carve::{self, GpuRoom};
-use crate::enforcement::procfs::ProcFs;
 use crate::park::{Checkpointer, ParkError};
+use crate::procfs::ProcFs;
 use crate::state::Store;
 
 /// How long a park waits for the processes' GPU work to finish when the caller gives no timeout.

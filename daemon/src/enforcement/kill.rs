@@ -3,7 +3,7 @@
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
-use super::procfs::ProcFs;
+use crate::procfs::ProcFs;
 
 /// Why a kill was not sent.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

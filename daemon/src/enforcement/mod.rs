@@ -43,7 +43,6 @@ pub mod attribution;
 pub mod context_size;
 pub mod decision;
 pub mod kill;
-pub mod procfs;
 pub mod sample;
 pub mod sm_time;
 mod stats;
@@ -60,10 +59,10 @@ use tokio::task::JoinHandle;
 
 use self::attribution::{FileId, Index, Recall, Seen};
 use self::decision::{Decision, Group, GroupKey, Holding, Phase, ProcKey, Tracker};
-use self::procfs::ProcFs;
 pub use self::stats::{BreachCount, Metrics, OnDevice, SmTime, Stats};
 pub use crate::config::enforcement::{Action, Settings};
 use crate::node::{self, NodeController};
+use crate::procfs::ProcFs;
 use crate::state::Allocation;
 
 /// What one poll did, for the bench and the log.
