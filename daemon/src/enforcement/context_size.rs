@@ -13,6 +13,12 @@
 //! left to the shim's own measurement. MIG devices are not probed (their processes measure), nor
 //! is a GPU with less than 1 GiB promised to no allocation (the probe would take a tenant's room).
 //!
+//! A figure is kept in tesserad's state (`<state_dir>/context-sizes-<driver version>`, 0600,
+//! written atomically) and taken from there at the next start under the same driver: a restart
+//! does not probe again (the probe's context would stand beside tenants' memory for a moment).
+//! A kept file that does not read back whole is moved aside (`.damaged-<unix seconds>`, a warning
+//! naming both paths) and its GPUs are measured again.
+//!
 //! The file is root's, 0644, written atomically into the allocation's directory, which the
 //! container sees read-only; written when the table changes and once to each new allocation
 //! (within the enforcement loop's 50 ms slice after its record: a process started before then
@@ -60,6 +66,9 @@ pub struct Publisher {
     /// (the store's change count, the table's version) when every directory was last written:
     /// nothing to do until one moves.
     done: Option<(Option<u64>, u64)>,
+    /// Where the figures are kept across restarts (`None` inside: no driver version to key them
+    /// by); `None`: not looked at yet.
+    kept: Option<Option<PathBuf>>,
 }
 
 impl Publisher {
@@ -77,6 +86,13 @@ impl Publisher {
     /// the file where it is missing or old.
     /// (`changes`: the store's change count the records are from.)
     pub fn step(&mut self, controller: &Arc<NodeController>, allocations: &[Allocation], changes: Option<u64>) {
+        if self.kept.is_none() {
+            let path = kept_path(controller);
+            if let Some(p) = &path {
+                self.take_kept(p);
+            }
+            self.kept = Some(path);
+        }
         self.finish_probe();
         if self.probe.is_none()
             && let Some(uuid) = self.next_gpu(allocations, &controller.allocator().rooms())
@@ -96,9 +112,46 @@ impl Publisher {
             Ok(bytes) if self.table.set(&uuid, bytes) => {
                 self.version += 1;
                 tracing::info!(gpu = %uuid, bytes, "context size measured; published to the GPU's allocations");
+                if let Some(Some(path)) = &self.kept
+                    && let Err(e) = self.table.write_atomic_private(path)
+                {
+                    tracing::warn!(error = %e, "context sizes not kept: the next start measures them again");
+                }
             }
             Ok(bytes) => tracing::warn!(gpu = %uuid, bytes, "context size measured out of range; not published"),
             Err(e) => tracing::warn!(gpu = %uuid, error = %e, "context size not measured; the shim measures it"),
+        }
+    }
+
+    /// Takes the figures kept at `path` by an earlier start under the same driver; a file that
+    /// does not read back whole is moved aside, said, and its GPUs measured again.
+    fn take_kept(&mut self, path: &Path) {
+        if !path.exists() {
+            return;
+        }
+        match ContextSizes::load(path) {
+            Some(kept) => {
+                let mut taken = 0;
+                for (uuid, bytes) in kept.entries() {
+                    taken += usize::from(self.table.set(uuid, *bytes));
+                }
+                if taken > 0 {
+                    self.version += 1;
+                }
+                tracing::info!(file = %path.display(), gpus = taken, "context sizes kept from an earlier start under this driver: not measured again");
+            }
+            None => {
+                let secs =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let aside = path.with_file_name(format!("{name}.damaged-{secs}"));
+                match std::fs::rename(path, &aside) {
+                    Ok(()) => tracing::warn!(file = %path.display(), moved_to = %aside.display(),
+                        "kept context sizes are damaged: moved aside; the GPUs are measured again"),
+                    Err(e) => tracing::warn!(file = %path.display(), error = %e,
+                        "kept context sizes are damaged and cannot be moved aside; the GPUs are measured again"),
+                }
+            }
         }
     }
 
@@ -170,6 +223,18 @@ impl Publisher {
         }
         self.done = all.then_some((changes, self.version));
     }
+}
+
+/// Where the figures are kept: `<state_dir>/context-sizes-<driver version>`, one file per driver
+/// version (a context's size is the driver's: another version measures again). `None` without a
+/// version fit for a file name.
+fn kept_path(controller: &NodeController) -> Option<PathBuf> {
+    let view = controller.view();
+    let version = &view.inventory.driver_version;
+    let fit = !version.is_empty()
+        && version.len() <= 64
+        && version.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'));
+    fit.then(|| view.config.state_dir.join(format!("{CONTEXT_SIZES_FILE}-{version}")))
 }
 
 /// Memory of GPU `uuid` that no allocation of `allocations` holds (one without a memory limit

@@ -31,8 +31,11 @@ pub(super) fn file_names(dir: &Path) -> Result<Vec<String>, StateError> {
 pub(super) fn ours(name: &str) -> bool {
     // The daemon's other state shares the directory: the driver directories (`crate::cdi`), the
     // kept events (and their damaged or half-written copies), the DRA driver's dynamic MIG
-    // journal (and its damaged copies). Named "not an allocation record" at every start before.
+    // journal (and its damaged copies), the context sizes measured (`enforcement::context_size`,
+    // one file per driver version, and damaged copies). Named "not an allocation record" at
+    // every start before.
     name == tessera_region::paths::DRIVER_DIRS
+        || name.starts_with(tessera_region::context_sizes::CONTEXT_SIZES_FILE)
         || name.starts_with(EVENTS_FILE)
         || name.starts_with(DYNAMIC_MIG_FILE)
         || name == LOCK_FILE

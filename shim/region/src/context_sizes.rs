@@ -133,6 +133,11 @@ impl ContextSizes {
     pub fn write_atomic(&self, path: &Path) -> std::io::Result<()> {
         crate::limits::write_file_atomic(path, self.to_text().as_bytes(), 0o644)
     }
+
+    /// [`Self::write_atomic`], readable by its owner only (tesserad's own copy in its state).
+    pub fn write_atomic_private(&self, path: &Path) -> std::io::Result<()> {
+        crate::limits::write_file_atomic(path, self.to_text().as_bytes(), 0o600)
+    }
 }
 
 /// `GPU-` or `MIG-` and 1 to 60 hexadecimal digits and dashes.
