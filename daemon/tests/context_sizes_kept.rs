@@ -15,6 +15,8 @@ use tessera_region::context_sizes::{CONTEXT_SIZES_FILE, ContextSizes};
 use tessera_sim_testkit::SimNode;
 
 const OVERHEAD_MIB: u64 = 300;
+/// One H100 whose contexts take `OVERHEAD_MIB`.
+const NODE: &str = "context_overhead_mib = 300\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n";
 const MIB: u64 = 1 << 20;
 const BODY: &str = "[enforcement]\naction = \"report\"\ninterval_ms = 100\n";
 
@@ -53,12 +55,8 @@ fn count(log: &Path, text: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_measured_context_size_is_kept_across_restarts_and_a_damaged_copy_is_set_aside() {
-    let node = SimNode::with_description(&format!(
-        "context_overhead_mib = {OVERHEAD_MIB}\n[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 1\n"
-    ));
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let dir = tmp.path();
-    let state = dir.join("state");
+    let (node, tmp) = (SimNode::with_description(NODE), tempfile::tempdir().expect("tempdir"));
+    let (dir, state) = (tmp.path(), tmp.path().join("state"));
     let model = tessera_sim_model::Node::open(node.description.as_deref(), Some(&node.state)).expect("sim node");
     let uuid = model.gpu(0).expect("GPU 0").uuid.clone();
     const MEASURED: &str = "context size measured";
