@@ -387,6 +387,18 @@ impl DaemonAllocator {
         Ok(())
     }
 
+    /// Whether allocation `id`'s region has a live slot (dead ones reaped). No host pid is
+    /// looked up (that may take a pass over `/proc`): preemption asks this of each candidate
+    /// under the store's lock, and [`Self::processes`] resolves the pids of those it parks.
+    pub(super) fn has_processes(&self, id: &str) -> bool {
+        let path = self.dirs.region_path(id);
+        path.exists()
+            && Region::open_or_create(&path).is_ok_and(|r| {
+                r.reap_and_snapshot();
+                !r.pids().is_empty()
+            })
+    }
+
     /// The processes of allocation `id` (host pids of its region's live slots; dead ones reaped)
     /// and what they hold on its devices, bytes. No region yet: none. A slot names its process
     /// by the pid it has in its own PID namespace (a container's, not the host's: the driver

@@ -219,7 +219,7 @@ impl DaemonAllocator {
                     })
                 })
                 // Only one whose park can succeed: a process has joined its region.
-                .filter(|c| self.processes(&c.id).is_ok_and(|(_, pids, _)| !pids.is_empty()))
+                .filter(|c| self.has_processes(&c.id))
                 .collect();
             had_candidates |= !candidates.is_empty();
             let free = gpu.memory_total.saturating_sub(held.memory);
