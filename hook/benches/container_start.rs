@@ -27,7 +27,12 @@ use tessera_region::hook_config::HookConfig;
 /// The hook and the wrapper measured: this build's, or those in `TESSERA_BENCH_BIN_DIR`.
 fn bins() -> (PathBuf, PathBuf) {
     match std::env::var_os("TESSERA_BENCH_BIN_DIR") {
-        Some(d) => (Path::new(&d).join("tessera-hook"), Path::new(&d).join("tessera-runtime")),
+        Some(d) => {
+            // Relative to the workspace's root, as the docs write it (cargo runs a bench in its
+            // package's directory).
+            let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(d);
+            (d.join("tessera-hook"), d.join("tessera-runtime"))
+        }
         None => (HOOK.into(), WRAPPER.into()),
     }
 }
