@@ -96,7 +96,7 @@ async fn a_measured_context_size_is_kept_across_restarts_and_a_damaged_copy_is_s
         (count(&log, MEASURED) == 2).then_some(()).ok_or_else(|| "not measured again".to_owned())
     })
     .await;
-    let aside = files(&state, &format!("{name}.damaged-"));
+    let aside = files(&state, &format!("{name}.corrupt"));
     assert_eq!(aside.len(), 1, "moved aside: {aside:?}");
     assert_eq!(std::fs::read_to_string(&aside[0]).expect("read"), "tessera-context-sizes 1\nGPU-garbage\n");
     let text = std::fs::read_to_string(&log).unwrap_or_default();

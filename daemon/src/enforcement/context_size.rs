@@ -16,7 +16,7 @@
 //! A figure is kept in tesserad's state (`<state_dir>/context-sizes-<driver version>`, 0600,
 //! written atomically) and taken from there at the next start under the same driver: a restart
 //! does not probe again (the probe's context would stand beside tenants' memory for a moment).
-//! A kept file that does not read back whole is moved aside (`.damaged-<unix seconds>`, a warning
+//! A kept file that does not read back whole is moved aside (`.corrupt`, as the daemon's other state: `state::durable::move_aside`; a warning
 //! naming both paths) and its GPUs are measured again.
 //!
 //! The file is root's, 0644, written atomically into the allocation's directory, which the
@@ -140,18 +140,12 @@ impl Publisher {
                 }
                 tracing::info!(file = %path.display(), gpus = taken, "context sizes kept from an earlier start under this driver: not measured again");
             }
-            None => {
-                let secs =
-                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-                let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-                let aside = path.with_file_name(format!("{name}.damaged-{secs}"));
-                match std::fs::rename(path, &aside) {
-                    Ok(()) => tracing::warn!(file = %path.display(), moved_to = %aside.display(),
-                        "kept context sizes are damaged: moved aside; the GPUs are measured again"),
-                    Err(e) => tracing::warn!(file = %path.display(), error = %e,
-                        "kept context sizes are damaged and cannot be moved aside; the GPUs are measured again"),
-                }
-            }
+            None => match crate::state::durable::move_aside(path) {
+                Ok(aside) => tracing::warn!(file = %path.display(), moved_to = %aside.display(),
+                    "kept context sizes are damaged: moved aside; the GPUs are measured again"),
+                Err(e) => tracing::warn!(file = %path.display(), error = %e,
+                    "kept context sizes are damaged and cannot be moved aside; the GPUs are measured again"),
+            },
         }
     }
 

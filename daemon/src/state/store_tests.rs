@@ -247,7 +247,7 @@ fn the_daemons_other_state_files_are_known_and_strangers_are_not() {
         assert!(ours(name), "{name}");
     }
     assert!(ours("dra-dynamic-mig.state.damaged-1796000000"));
-    assert!(ours("context-sizes-580.95.05") && ours("context-sizes-580.95.05.damaged-1796000000"));
+    assert!(ours("context-sizes-580.95.05") && ours("context-sizes-580.95.05.corrupt"));
     assert!(!ours("notes.txt") && !ours("events"));
 }
 
