@@ -41,6 +41,15 @@ echo DONE
 
 const H100X2: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 2\n";
 
+/// tesserad's configuration in device-plugin mode on this cluster, then `partitions`.
+fn device_plugin_config(kube: &Kube, partitions: &str) -> String {
+    format!(
+        "[kubernetes]\nmode = \"device-plugin\"\nkubeconfig = {:?}\nnode_name = {:?}\n{partitions}",
+        kube.var("KUBECONFIG"),
+        kube.node()
+    )
+}
+
 /// Device-plugin mode against the real kubelet: registration, the Node's allocatable (a whole
 /// GPU and two shares of the other), the `tessera.io/` labels as `kubectl get node -L` shows
 /// them, a Pod asking for a share whose CUDA program sees the share's memory as the total and is
@@ -49,12 +58,7 @@ const H100X2: &str = "[[gpu]]\nmodel = \"H100-SXM5-80GB\"\ncount = 2\n";
 fn device_plugin_share_runs_a_pod_on_the_real_kubelet() {
     let Some(kube) = Kube::find() else { return };
     let _serial = serial();
-    let body = format!(
-        "[kubernetes]\nmode = \"device-plugin\"\nkubeconfig = {:?}\nnode_name = {:?}\n\
-         [partitions.0]\nwhole = true\n[partitions.1]\nshares = {{ count = 2 }}\n",
-        kube.var("KUBECONFIG"),
-        kube.node()
-    );
+    let body = device_plugin_config(&kube, "[partitions.0]\nwhole = true\n[partitions.1]\nshares = { count = 2 }\n");
     let t = Tesserad::start(&kube, H100X2, &body);
     let extra = || t.log();
 
@@ -109,6 +113,76 @@ fn device_plugin_share_runs_a_pod_on_the_real_kubelet() {
 
     // Deleting the Pod releases the allocation.
     kube.delete_pod("share-probe", &extra);
+    kube.wait("the share's allocation released", &extra, || t.allocations().is_empty().then_some(()));
+}
+
+/// A power cut between the kubelet's Allocate answer and the flush of its record (the record is
+/// flushed a moment after the answer): the real kubelet keeps the answer in its own checkpoint,
+/// which tesserad's reader understands (the grant's resource, devices and allocation id), and a
+/// tesserad that finds the record gone from its journal makes it again from there, with the same
+/// id, devices and limits, while the pod keeps running. What the cut leaves is made here: tesserad
+/// killed, the record's frames zeroed from the journal (as unflushed frames are after a cut).
+#[test]
+fn a_kubelet_record_lost_at_a_power_cut_is_made_again_from_the_kubelets_checkpoint() {
+    let Some(kube) = Kube::find() else { return };
+    let _serial = serial();
+    let mut t =
+        Tesserad::start(&kube, H100X2, &device_plugin_config(&kube, "[partitions.1]\nshares = { count = 2 }\n"));
+    let log = t.dir.path().join("tesserad.log");
+    let extra = move || log_tail(&log);
+    kube.wait("allocatable tessera.io/gpu-share = 2", &extra, || {
+        (kube.node_object()["status"]["allocatable"]["tessera.io/gpu-share"] == "2").then_some(())
+    });
+    kube.delete_pod("cut-share", &extra);
+    kube.apply(&pod(&kube, &t, "cut-share", TOTAL_ONLY, json!({"limits": {"tessera.io/gpu-share": "1"}}), Value::Null));
+    let logs = kube.done("cut-share", &extra);
+    let allocs = t.allocations();
+    assert_eq!(allocs.len(), 1, "{allocs:?}");
+    let id = allocs[0]["id"].as_str().expect("id").to_owned();
+    assert!(logs.contains(&format!("allocation {id}")), "{logs}");
+    let devices: Vec<String> = allocs[0]["devices"]
+        .as_array()
+        .expect("devices")
+        .iter()
+        .map(|d| d["device_id"].as_str().unwrap().into())
+        .collect();
+
+    // The real kubelet's checkpoint, as tesserad reads it.
+    let grants = tessera_daemon::allocator::kubelet_grants::read(Path::new(kube.var("KUBELET_DEVICE_PLUGIN_DIR")))
+        .expect("the kubelet's checkpoint parses")
+        .expect("the kubelet keeps a checkpoint");
+    let grant = grants
+        .iter()
+        .find(|g| g.allocation.as_deref() == Some(id.as_str()))
+        .unwrap_or_else(|| panic!("no grant of allocation {id} in the kubelet's checkpoint: {grants:?}"));
+    assert_eq!(grant.resource, "tessera.io/gpu-share");
+    assert_eq!(grant.device_ids, devices);
+    assert_eq!(grant.container.container_name.as_deref(), Some("main"));
+
+    // The cut: tesserad gone, the record's frames not on the disk.
+    t.kill_9();
+    let journal = t.dir.path().join("state/allocations.journal");
+    let mut bytes = std::fs::read(&journal).expect("the journal");
+    let needle = format!("\"{id}\"");
+    let at = bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).expect("the record's frame");
+    let start = bytes[..at].windows(4).rposition(|w| w == [0xF7, b'T', b'J', b'1']).expect("its frame's magic");
+    let end = bytes.iter().rposition(|b| *b != 0).expect("frames") + 1;
+    bytes[start..end].fill(0);
+    std::fs::write(&journal, &bytes).expect("write the journal");
+    assert!(tessera_daemon::state::store::read_records(&t.dir.path().join("state")).unwrap().is_empty());
+
+    t.respawn();
+    let back = kube.wait("the allocation made again from the kubelet's checkpoint", &extra, || {
+        t.allocations().into_iter().find(|a| a["id"].as_str() == Some(id.as_str()))
+    });
+    let again: Vec<&str> =
+        back["devices"].as_array().unwrap().iter().map(|d| d["device_id"].as_str().unwrap()).collect();
+    assert_eq!(again, devices);
+    assert!(t.log().contains(&format!("allocation {id} made again from the kubelet's checkpoint")), "{}", t.log());
+    let p = kube.get(&["pod", "cut-share"]).expect("the pod");
+    assert_eq!(p["status"]["phase"], "Running", "{p:#}");
+
+    kube.delete_pod("cut-share", &extra);
     kube.wait("the share's allocation released", &extra, || t.allocations().is_empty().then_some(()));
 }
 

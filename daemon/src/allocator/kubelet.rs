@@ -22,6 +22,10 @@ use crate::config::{Config, Placement};
 use crate::resources::{CDI_VENDOR, Kind, Resource, Resources};
 use crate::state::{AllocatedDevice, Allocation, ContainerIdentity, Source, Store, record::unix_ns};
 
+/// The answer's variable naming the allocation (also how the kubelet's kept copy of an answer
+/// is known as ours: `super::kubelet_grants`).
+pub const ALLOCATION_ENV: &str = "TESSERA_ALLOCATION";
+
 /// A host path mounted into the container.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostMount {
@@ -137,7 +141,12 @@ impl DirectInjection {
 }
 
 impl DaemonAllocator {
-    fn devices(&self, offer: &Offer, resource: &Resource, ids: &[String]) -> Result<Vec<AllocatedDevice>, Status> {
+    pub(super) fn devices(
+        &self,
+        offer: &Offer,
+        resource: &Resource,
+        ids: &[String],
+    ) -> Result<Vec<AllocatedDevice>, Status> {
         let defaults = self.defaults();
         ids.iter()
             .map(|id| {
@@ -190,7 +199,7 @@ impl DaemonAllocator {
         let envs = HashMap::from([
             ("TESSERA_VISIBLE_DEVICES".to_owned(), devices.join(",")),
             ("NVIDIA_VISIBLE_DEVICES".to_owned(), visible),
-            ("TESSERA_ALLOCATION".to_owned(), alloc.id.clone()),
+            (ALLOCATION_ENV.to_owned(), alloc.id.clone()),
             ("TESSERA_LIMITS".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::LIMITS_FILE)),
             ("TESSERA_REGION".to_owned(), format!("{CONTAINER_ALLOC_DIR}/{}", crate::state::alloc_dir::REGION_FILE)),
         ]);
@@ -321,9 +330,10 @@ impl Allocator for DaemonAllocator {
                     devices,
                     claim: None,
                 };
-                // Durable first: a crash after this finds the record (and recreates the
-                // directory); a crash before it leaves nothing, and the kubelet retries.
-                self.record(&mut store, &alloc)?;
+                // Written first: a crash after this finds the record (and recreates the
+                // directory); a crash before it leaves nothing, and the kubelet retries. Its
+                // flush follows the answer (a power cut before it: the kubelet's checkpoint).
+                self.record_flushed_soon(&mut store, &alloc)?;
                 tracing::info!(id = %alloc.id, resource, devices = %device_ids.join(","), "allocated");
                 alloc
             }

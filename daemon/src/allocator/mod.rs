@@ -1,11 +1,14 @@
 //! The allocation core: the one place that changes allocation records, with three ways in.
 //!
-//! Every allocation is recorded in the crash-safe [`Store`] before anyone is answered, each with
+//! Every allocation is recorded in the crash-safe [`Store`] before anyone is answered (the
+//! kubelet's new records are written then and flushed a moment after: [`kubelet_grants`] says
+//! why nothing is lost), each with
 //! its directory (`limits` + `region`) from [`AllocDirs`]. The operations that change a record
 //! live here (record, release, set limits, name the container); the ways in call them:
 //!
 //! - [`kubelet`]: the device plugin's `Allocate` and preferences (reuse, stale records, the
-//!   answer the kubelet hands the runtime);
+//!   answer the kubelet hands the runtime); [`kubelet_grants`]: the kubelet's own checkpoint
+//!   read at start, and the kubelet records a power cut took made again from it;
 //! - [`node_api`]: the node API's on-demand shares, whole GPUs and MIG devices;
 //! - [`claims`]: DRA claims (NodePrepare/UnprepareResources), one record per claim UID;
 //!
@@ -19,6 +22,7 @@
 mod admission;
 pub mod claims;
 pub mod kubelet;
+pub mod kubelet_grants;
 pub mod node_api;
 pub mod park;
 pub mod preempt;
@@ -231,6 +235,19 @@ impl DaemonAllocator {
     /// directory at start); a crash before it leaves nothing, and the caller's client retries.
     fn record(&self, store: &mut Store, alloc: &Allocation) -> Result<(), Status> {
         store.insert(alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+        self.make_dir(store, alloc)
+    }
+
+    /// [`Self::record`] for the kubelet's `Allocate`: the record's flush is left to the store's
+    /// group flush (the kubelet keeps the answer durably itself, and a record a power cut took
+    /// is rebuilt from its checkpoint: `Self::recover_kubelet_grants`).
+    fn record_flushed_soon(&self, store: &mut Store, alloc: &Allocation) -> Result<(), Status> {
+        store.insert_flushed_soon(alloc).map_err(|e| internal("recording the allocation")(e.to_string()))?;
+        self.make_dir(store, alloc)
+    }
+
+    /// The directory of a record just made; without it, the record goes again.
+    fn make_dir(&self, store: &mut Store, alloc: &Allocation) -> Result<(), Status> {
         if let Err(e) = self.dirs.create(alloc) {
             let _ = store.remove(&alloc.id);
             return Err(internal("creating the allocation directory")(e.to_string()));

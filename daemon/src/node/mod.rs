@@ -165,11 +165,35 @@ impl NodeController {
         };
         let all: BTreeSet<u32> = controller.view().inventory.gpus.iter().map(|g| g.index).collect();
         let results = controller.apply_config((*config).clone(), &all, false, Origin::Start)?;
+        // Kubelet allocations a power cut took from the journal's tail, made again from the
+        // kubelet's own checkpoint now that the devices' limits are offered, before the device
+        // plugins serve (`allocator::kubelet_grants`).
+        if config.kubernetes.mode.device_plugin() {
+            controller.recover_kubelet_grants(&config.device_plugin_dir);
+        }
         // Allocations preempted before a restart whose room is back (the allocation they were
         // parked for released, or never made: killed between the park and the record) resume
         // now, once the rooms are published and before any face serves (issue 33).
         controller.resume_preempted();
         Ok((controller, results))
+    }
+
+    /// Reads the kubelet's checkpoint in `device_plugin_dir` and makes again the kubelet
+    /// allocations it keeps that the records lost; a checkpoint that cannot be read is said and
+    /// left as it is (it is the kubelet's).
+    fn recover_kubelet_grants(&self, device_plugin_dir: &std::path::Path) {
+        match crate::allocator::kubelet_grants::read(device_plugin_dir) {
+            Ok(None) => {}
+            Ok(Some(grants)) => {
+                let made = self.allocator.recover_kubelet_grants(&grants);
+                if !made.is_empty() {
+                    self.publish_holdings();
+                }
+            }
+            Err(e) => tracing::warn!(
+                "{e}; kubelet allocations lost from the records (only after a power cut) cannot be made again from it"
+            ),
+        }
     }
 
     /// The NVML session (for health checks and usage).

@@ -1,6 +1,8 @@
 //! The crash-safe allocation store: an append-only journal, `<dir>/allocations.journal`.
 //!
-//! Every change is durable before the call returns, at the cost of one disk flush: it is encoded
+//! Every change is durable before the call returns (but for the kubelet's new records, flushed a
+//! moment later by a group flush: [`Store::insert_flushed_soon`], [`super::journal_flush`]), at
+//! the cost of one disk flush: it is encoded
 //! as one checksummed frame (format: [`super::journal`]), written in place at the journal's end
 //! into space the file already holds as written zeros, and fdatasynced (the file's size and block
 //! map do not change, so there is no metadata to flush); only then does the in-memory index change.
@@ -52,6 +54,7 @@ use std::sync::Arc;
 use super::alloc_dir::AllocDirs;
 use super::holders::Holders;
 use super::journal::{self, Op, OpRef};
+use super::journal_flush::JournalFlush;
 use super::load::Loads;
 use super::record::{Allocation, valid_id};
 
@@ -139,6 +142,13 @@ pub struct Loss {
     pub copy: PathBuf,
 }
 
+/// When a frame is flushed: before its change returns, or by the group flush a moment later.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    Now,
+    Soon,
+}
+
 /// Which change a journal write is for (named in its errors).
 #[derive(Debug, Clone, Copy)]
 enum Change {
@@ -177,8 +187,10 @@ pub struct Store {
     set_aside: Vec<SetAside>,
     removed_tmp: Vec<PathBuf>,
     loss: Option<Loss>,
-    /// The journal, open for writing.
-    journal: File,
+    /// The journal, open for writing (shared with its group flush).
+    journal: Arc<File>,
+    /// Flushes the frames of [`Store::insert_flushed_soon`] off the caller's path.
+    flush: JournalFlush,
     /// Where the next frame goes: the end of the last acknowledged frame.
     offset: u64,
     /// The journal's size; everything from `offset` on is zeros.
@@ -456,7 +468,8 @@ impl Store {
             set_aside,
             removed_tmp,
             loss,
-            journal,
+            journal: Arc::new(journal),
+            flush: JournalFlush::default(),
             offset,
             capacity,
             needs_compaction,
@@ -491,11 +504,23 @@ impl Store {
 
     /// Adds a record, durably; refuses an id already stored.
     pub fn insert(&mut self, alloc: &Allocation) -> Result<(), StateError> {
+        self.insert_with(alloc, Flush::Now)
+    }
+
+    /// Adds a record whose frame is written now and flushed a moment later, off the caller's way
+    /// (a group flush, [`super::journal_flush`]): for the kubelet's `Allocate` only, whose answer
+    /// the kubelet keeps durably itself. A `kill -9` loses nothing (the frame is written); a power
+    /// cut before the flush may lose it, and the kubelet's checkpoint brings it back.
+    pub fn insert_flushed_soon(&mut self, alloc: &Allocation) -> Result<(), StateError> {
+        self.insert_with(alloc, Flush::Soon)
+    }
+
+    fn insert_with(&mut self, alloc: &Allocation, flush: Flush) -> Result<(), StateError> {
         valid_id(&alloc.id).map_err(|reason| StateError::InvalidId { id: alloc.id.clone(), reason })?;
         if self.index.contains_key(&alloc.id) {
             return Err(StateError::Duplicate { id: alloc.id.clone(), path: self.journal_path() });
         }
-        self.append(&OpRef::Put(alloc), &alloc.id, Change::Insert)?;
+        self.append(&OpRef::Put(alloc), &alloc.id, Change::Insert, flush)?;
         self.loads.add(alloc);
         self.holders.add(alloc);
         self.index.insert(alloc.id.clone(), alloc.clone());
@@ -509,7 +534,7 @@ impl Store {
         if !self.index.contains_key(&alloc.id) {
             return Err(StateError::NotFound { id: alloc.id.clone(), path: self.journal_path() });
         }
-        self.append(&OpRef::Put(alloc), &alloc.id, Change::Update)?;
+        self.append(&OpRef::Put(alloc), &alloc.id, Change::Update, Flush::Now)?;
         self.loads.add(alloc);
         let mut held = true;
         if let Some(old) = self.index.insert(alloc.id.clone(), alloc.clone()) {
@@ -527,7 +552,7 @@ impl Store {
         if !self.index.contains_key(id) {
             return Ok(None);
         }
-        self.append(&OpRef::Remove(id), id, Change::Remove)?;
+        self.append(&OpRef::Remove(id), id, Change::Remove, Flush::Now)?;
         let removed = self.index.remove(id);
         if let Some(old) = &removed {
             self.loads.remove(old);
@@ -602,9 +627,10 @@ impl Store {
         self.dir.join(journal::FILE_NAME)
     }
 
-    /// One frame at the journal's end, then fdatasync; compacts first when it does not fit (or a
-    /// write failed before). The caller updates the index once this returns `Ok`.
-    fn append(&mut self, op: &OpRef<'_>, id: &str, change: Change) -> Result<(), StateError> {
+    /// One frame at the journal's end, then fdatasync (now, or by the group flush: `flush`);
+    /// compacts first when it does not fit (or a write or flush failed before). The caller
+    /// updates the index once this returns `Ok`.
+    fn append(&mut self, op: &OpRef<'_>, id: &str, change: Change, flush: Flush) -> Result<(), StateError> {
         let path = self.journal_path();
         let frame = journal::encode(op).map_err(|reason| StateError::Encode {
             id: id.to_string(),
@@ -612,15 +638,20 @@ impl Store {
             reason,
         })?;
         let len = frame.len() as u64;
+        if self.flush.take_failure() {
+            self.needs_compaction = true;
+        }
         if self.needs_compaction || self.offset + len > self.capacity {
             self.compact(len)?;
         }
         let at = self.offset;
-        let written = self
-            .journal
-            .write_all_at(&frame, at)
-            .map_err(io_err(&path, change.write_op()))
-            .and_then(|()| self.journal.sync_data().map_err(io_err(&path, change.sync_op())));
+        let written = self.journal.write_all_at(&frame, at).map_err(io_err(&path, change.write_op())).and_then(|()| {
+            match flush {
+                Flush::Now => self.journal.sync_data(),
+                Flush::Soon => self.flush.request(&self.journal, &path),
+            }
+            .map_err(io_err(&path, change.sync_op()))
+        });
         if let Err(e) = written {
             // Not acknowledged: unwrite what may be there, and start the next change on a fresh
             // file (the compaction) rather than trust this one's tail.
@@ -638,7 +669,7 @@ impl Store {
         let (file, offset, capacity) = write_snapshot(&self.dir, self.index.values(), reserve)?;
         // The new file is the journal now (renamed into place): write there from here on, and
         // compact again if the rename is not known to be durable.
-        self.journal = file;
+        self.journal = Arc::new(file);
         self.offset = offset;
         self.capacity = capacity;
         self.needs_compaction = true;

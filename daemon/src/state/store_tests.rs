@@ -557,3 +557,25 @@ fn read_records_takes_no_lock_and_writes_nothing() {
     s.remove("a").unwrap();
     assert!(read_records(tmp.path()).unwrap().is_empty());
 }
+
+/// A record inserted to be flushed soon is written at once (a reader, or a store opened after a
+/// `kill -9`, finds it), flushed by the group flush, and a later change flushed on the spot keeps
+/// both; the frames are those of an insert flushed at once.
+#[test]
+fn a_record_flushed_soon_is_written_before_it_returns_and_flushed_after() {
+    let tmp = crate::state::mount::TestDir::new();
+    let dir = tmp.path().join("state");
+    let mut s = Store::open(&dir).unwrap();
+    s.insert_flushed_soon(&sample("a1")).unwrap();
+    assert_eq!(ids(&read_records(&dir).unwrap()), ["a1"], "written before it returned");
+    assert_eq!(s.flush.wait_idle(), 1, "one flush asked for, and done");
+    s.insert_flushed_soon(&sample("b2")).unwrap();
+    s.insert(&sample("c3")).unwrap();
+    assert!(s.insert_flushed_soon(&sample("c3")).is_err(), "a duplicate is refused as by insert");
+    let (_, offsets) = frames(&dir);
+    assert_eq!(offsets.len(), 3, "one frame per change");
+    drop(s);
+    let s = Store::open(&dir).unwrap();
+    assert_eq!(ids(s.list()), ["a1", "b2", "c3"]);
+    assert!(s.loss().is_none());
+}
