@@ -35,7 +35,10 @@
 //!   running past the end of the file, or a failing checksum with only zeros after the frame's
 //!   end) it is a **torn** write: the store appends one frame at a time and flushes it before it
 //!   acknowledges the change, so a torn frame was never acknowledged and is dropped without a
-//!   report. Anything else (a foreign magic, an impossible length, bytes after the frame's end, or
+//!   report. (The one exception, a kubelet `Allocate`'s new record, is acknowledged before its
+//!   flush: a power cut can tear it, or leave a zeroed stretch before a later frame that reached
+//!   the disk, reported as damage. Its record is then made again from the kubelet's checkpoint,
+//!   `crate::allocator::kubelet_grants`.) Anything else (a foreign magic, an impossible length, bytes after the frame's end, or
 //!   a frame whose checksum holds but whose payload is not a valid change) is damage.
 //!
 //! Lost data is damage too: frames that end inside the header's snapshot (fsynced whole before
