@@ -165,7 +165,10 @@ fn a_kubelet_record_lost_at_a_power_cut_is_made_again_from_the_kubelets_checkpoi
     let mut bytes = std::fs::read(&journal).expect("the journal");
     let needle = format!("\"{id}\"");
     let at = bytes.windows(needle.len()).position(|w| w == needle.as_bytes()).expect("the record's frame");
-    let start = bytes[..at].windows(4).rposition(|w| w == [0xF7, b'T', b'J', b'1']).expect("its frame's magic");
+    let start = bytes[..at]
+        .windows(4)
+        .rposition(|w| w == tessera_daemon::state::journal::MAGIC.to_le_bytes())
+        .expect("its frame's magic");
     let end = bytes.iter().rposition(|b| *b != 0).expect("frames") + 1;
     bytes[start..end].fill(0);
     std::fs::write(&journal, &bytes).expect("write the journal");

@@ -207,7 +207,7 @@ mod tests {
     use super::*;
 
     /// A checkpoint as the kubelet writes it, with one entry per `(resource, ids, answer env)`.
-    pub(crate) fn checkpoint(entries: &[(&str, &[&str], Option<&str>)]) -> Vec<u8> {
+    fn checkpoint(entries: &[(&str, &[&str], Option<&str>)]) -> Vec<u8> {
         let entries: Vec<serde_json::Value> = entries
             .iter()
             .enumerate()

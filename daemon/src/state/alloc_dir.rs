@@ -377,11 +377,11 @@ fn write_new_file(path: &Path, bytes: &[u8], flush: bool) -> std::io::Result<()>
 /// How long the refill thread, woken by a take, waits before it builds.
 const REFILL_AFTER_TAKE: Duration = Duration::from_millis(2);
 
-/// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
 /// The pause after each spare of a refill: its ~0.5 ms of CPU (the region's tmpfs, the file, the
 /// mounts) comes in slices between the requests of a busy kubelet rather than as one burst.
 const BETWEEN_SPARES: Duration = Duration::from_millis(1);
 
+/// The refill loop: makes spares while fewer than wished are ready; ends with the `AllocDirs`.
 fn refill(spares: Weak<Spares>) {
     loop {
         let Some(sp) = spares.upgrade() else { return };
