@@ -96,6 +96,13 @@ pub async fn serve_plugin(
         }
         let (stop_tx, server) = start_server(&socket, &plugin)?;
         let own_id = file_id(&socket);
+        if own_id.is_none() {
+            // Removed between its bind and this look (a restarting kubelet clears the
+            // directory): serve again, or the checks below would take "none" for ours.
+            stop_server(stop_tx, server);
+            tokio::time::sleep(FIRST_RETRY).await;
+            continue;
+        }
 
         // Register, retrying until the kubelet answers; why it waits is logged once per reason.
         let mut waiting: Option<String> = None;
