@@ -155,6 +155,11 @@ if [[ ${TESSERA_NO_JAX:-0} != 1 ]] &&
     "nvidia-cublas-cu12==12.9.1.4" "nvidia-cuda-cupti-cu12==12.9.79" "nvidia-cudnn-cu12==9.10.2.21" \
     "nvidia-cufft-cu12==11.4.1.4" "nvidia-cusparse-cu12==12.5.10.65" "nvidia-nvjitlink-cu12==12.9.86"
 fi
+# Both pin the same cuDNN (1 GB): the identical files become one (util-linux's hardlink; the
+# copies differ only in their times).
+if command -v hardlink >/dev/null 2>&1 && [[ -d $torch_venv/lib && -d $jax_venv/lib ]]; then
+  hardlink --quiet --ignore-time "$torch_venv/lib" "$jax_venv/lib" >/dev/null 2>&1 || true
+fi
 
 # daemon/tests/deploy.rs validates the rendered Kubernetes manifests against the 1.34 and 1.37
 # schemas with kubernetes-validate.
@@ -180,9 +185,14 @@ helm_dir=$root/target/helm/v4.3.2
 if [[ ! -x $helm_dir/helm ]]; then
   if command -v go >/dev/null 2>&1; then
     echo "deps: building Helm v4.3.2 from helm.sh/helm/v4 into $helm_dir" >&2
-    GOBIN=$helm_dir GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false" CGO_ENABLED=0 \
-      go install -ldflags="-s -w" helm.sh/helm/v4/cmd/helm@v4.3.2 ||
+    # A build cache of its own, removed once Helm is built (as scripts/kube.sh does: a CI
+    # machine's disk has no room to keep it).
+    if GOBIN=$helm_dir GOCACHE=$root/target/helm/go-build GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false" \
+      CGO_ENABLED=0 go install -ldflags="-s -w" helm.sh/helm/v4/cmd/helm@v4.3.2; then
+      rm -rf "$root/target/helm/go-build"
+    else
       echo "deps: Helm could not be built (go install helm.sh/helm/v4/cmd/helm@v4.3.2, above)" >&2
+    fi
   else
     echo "deps: please install Go to build Helm (the Helm chart tests need it)" >&2
   fi
