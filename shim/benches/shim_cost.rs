@@ -48,6 +48,7 @@
 //! tessera-shim --bench shim_cost` (the release `libtessera.so` and `libtessera_sim.so` must be
 //! built: the bench loads them).
 
+use std::collections::BTreeMap;
 use std::ffi::{CStr, OsString, c_char, c_int, c_uint, c_void};
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
@@ -298,6 +299,15 @@ counted!(
     instr_baseline_ctx_get_current,
 );
 
+/// Runs what comes between two markers and calls the shim as a marker of its own, not printed.
+/// Callgrind counts calls even where it collects nothing, but dumps (and so resets) only code it
+/// collected in: run outside any marker, these calls would count in the next marker's part.
+#[inline(never)]
+fn instr_between(f: &mut dyn FnMut()) {
+    black_box("instr_between");
+    f();
+}
+
 /// Removes a callgrind profile and its parts from an earlier run.
 fn remove_profile(profile: &Path) {
     let _ = std::fs::remove_file(profile);
@@ -313,6 +323,7 @@ fn remove_profile(profile: &Path) {
 /// instructions per call: driver, shim, added.
 fn print_instructions(profile: &Path, n: u64, one_device: bool) {
     let mut cost = std::collections::HashMap::new();
+    let mut calls = std::collections::HashMap::new();
     let mut previous: Option<String> = None;
     let parts = (1..).map(|k| format!("{}.{k}", profile.display())).take_while(|p| Path::new(p).exists());
     let parts: Vec<String> = parts.chain([profile.display().to_string()]).collect();
@@ -323,6 +334,8 @@ fn print_instructions(profile: &Path, n: u64, one_device: bool) {
             .find_map(|l| l.strip_prefix("summary: "))
             .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
         if let (Some(m), Some(t)) = (previous.take(), total) {
+            let from_shim = m.ends_with("_shim");
+            calls.insert(m.clone(), driver_calls(&text, from_shim));
             cost.insert(m, t);
         }
         previous = text
@@ -332,14 +345,28 @@ fn print_instructions(profile: &Path, n: u64, one_device: bool) {
             .map(str::to_string);
     }
     let process = if one_device { "a process seeing device 0 alone" } else { "a process seeing both devices" };
-    println!("\nInstructions per call (callgrind, {n} calls per side), {process}:");
-    println!("{:<28} {:>10} {:>10} {:>10}", "pair", "driver", "shim", "added");
+    println!("\nInstructions per call (callgrind, {n} calls per side), {process}; and the calls into the driver");
+    println!("per call (from the bench on the driver side, from the shim on the shim side):");
+    println!(
+        "{:<28} {:>10} {:>10} {:>10} {:>13} {:>11}",
+        "pair", "driver", "shim", "added", "driver calls", "shim calls"
+    );
+    let per = |m: &str| calls.get(m).map_or(0.0, |c: &BTreeMap<String, u64>| c.values().sum::<u64>() as f64 / n as f64);
     for name in COUNTED.iter().filter_map(|m| m.strip_suffix("_driver")) {
-        let (Some(d), Some(s)) = (cost.get(&format!("{name}_driver")), cost.get(&format!("{name}_shim"))) else {
+        let (driver, shim) = (format!("{name}_driver"), format!("{name}_shim"));
+        let (Some(d), Some(s)) = (cost.get(&driver), cost.get(&shim)) else {
             continue;
         };
         let (d, s) = (*d as f64 / n as f64, *s as f64 / n as f64);
-        println!("{:<28} {:>10.1} {:>10.1} {:>10.1}", name.trim_start_matches("instr_"), d, s, s - d);
+        let pair = name.trim_start_matches("instr_");
+        println!("{pair:<28} {d:>10.1} {s:>10.1} {:>10.1} {:>13.2} {:>11.2}", s - d, per(&driver), per(&shim));
+        // Which driver functions the shim called, per call of the pair.
+        if let Some(c) = calls.get(&shim) {
+            let mut by: Vec<_> = c.iter().collect();
+            by.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            let list: Vec<String> = by.iter().map(|(f, k)| format!("{f} {:.2}", **k as f64 / n as f64)).collect();
+            println!("    the shim's driver calls: {}", list.join(", "));
+        }
     }
     let per_call = |m: &str| cost.get(m).map(|&c| c as f64 / n as f64);
     if let (Some(empty), Some(get)) = (per_call("instr_baseline_empty"), per_call("instr_baseline_ctx_get_current")) {
@@ -354,6 +381,54 @@ fn print_instructions(profile: &Path, n: u64, one_device: bool) {
             );
         }
     }
+}
+
+/// The calls a callgrind profile part records into the simulated driver's object, by the driver
+/// function called: from the shim (`libtessera.so`) if `from_shim`, else from outside the
+/// driver (the bench's own code). The format
+/// (valgrind's "Callgrind Format Specification"): `ob=`/`fn=` name the caller of the call lines
+/// that follow, `cob=`/`cfn=` the callee of the next `calls=` line (an absent `cob=` is the
+/// caller's object), and a name given once as `(id) name` is `(id)` after.
+fn driver_calls(text: &str, from_shim: bool) -> BTreeMap<String, u64> {
+    let mut names: std::collections::HashMap<(char, String), String> = std::collections::HashMap::new();
+    // `kind` is 'o' for objects, 'f' for functions (their ids are separate).
+    let mut name = |kind: char, v: &str| -> String {
+        let v = v.trim();
+        match v.strip_prefix('(').and_then(|r| r.split_once(')')) {
+            Some((id, rest)) if !rest.trim().is_empty() => {
+                names.insert((kind, id.to_string()), rest.trim().to_string());
+                rest.trim().to_string()
+            }
+            Some((id, _)) => names.get(&(kind, id.to_string())).cloned().unwrap_or_default(),
+            None => v.to_string(),
+        }
+    };
+    let is_driver = |ob: &str| {
+        let file = ob.rsplit('/').next().unwrap_or(ob);
+        file.starts_with("libcuda.so") || file.starts_with("libtessera_sim")
+    };
+    let (mut ob, mut cob, mut cfn) = (String::new(), None::<String>, String::new());
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(v) = line.strip_prefix("ob=") {
+            ob = name('o', v);
+        } else if let Some(v) = line.strip_prefix("cob=") {
+            cob = Some(name('o', v));
+        } else if let Some(v) = line.strip_prefix("cfn=") {
+            cfn = name('f', v);
+        } else if let Some(v) = line.strip_prefix("fn=") {
+            name('f', v);
+        } else if let Some(v) = line.strip_prefix("calls=") {
+            let callee = cob.take().unwrap_or_else(|| ob.clone());
+            let count = v.split_whitespace().next().and_then(|c| c.parse::<u64>().ok()).unwrap_or(0);
+            let caller_counts =
+                if from_shim { ob.rsplit('/').next() == Some("libtessera.so") } else { !is_driver(&ob) };
+            if is_driver(&callee) && caller_counts {
+                *out.entry(cfn.clone()).or_insert(0) += count;
+            }
+        }
+    }
+    out
 }
 
 type R = c_int;
@@ -632,11 +707,13 @@ fn child() {
             // completes meanwhile, so the weight stays 16, and the shim side's figure leaves
             // out settling (a query and an elapsed time per measured launch once its kernel
             // has completed, in the pair above).
-            for _ in 0..8000 {
-                launch(driver, busy_1ms)();
-                launch(hooked, func[1])();
-                drain();
-            }
+            instr_between(&mut || {
+                for _ in 0..8000 {
+                    launch(driver, busy_1ms)();
+                    launch(hooked, func[1])();
+                    drain();
+                }
+            });
             launch(driver, busy_2s)();
             instr_launch_sampled_driver(n, &mut || {
                 launch(driver, func[1])();
