@@ -20,11 +20,15 @@ use crate::trace::Launch;
 /// A launch on a device with no SM share, in a normal-priority container, is the fast path: the
 /// generation check, the stream's device (a cache hit, or none to look up for the default
 /// stream of a one-device process), one increment of the slot's own launch counter.
+///
+/// `known`: the stream's device as the fast path found it (from this call's driver answers, the
+/// generation unchanged), so that it is not asked again.
 #[inline]
 fn gated(
     func: TraceFunc,
     function: CUfunction,
     stream: CUstream,
+    known: Option<usize>,
     call: impl FnOnce(&'static RealCuda) -> CUresult,
 ) -> CUresult {
     guard(CUDA_ERROR_UNKNOWN, || match enter_launch() {
@@ -34,7 +38,7 @@ fn gated(
             let traced = Launch { func, function: function as usize };
             crate::trace::api(s, func, dev, || launch(cu, dev, stream, Some(traced), call))
         }
-        Ok((s, cu)) => match s.device_of_stream(stream.cast()) {
+        Ok((s, cu)) => match known.or_else(|| s.device_of_stream(stream.cast())) {
             Some(dev) if s.plain_launch(dev) => {
                 s.count_launch(dev);
                 call(cu)
@@ -49,14 +53,15 @@ fn gated(
 }
 
 /// The real driver when a launch on `stream` takes the fast path ([`ShimState::fast_launch`]:
-/// counted, nothing else to do), else `None`: the hook then runs [`gated`].
+/// counted, nothing else to do), else `Err` with the stream's device if it was found: the hook
+/// then runs [`gated`].
 ///
 /// [`ShimState::fast_launch`]: crate::state::ShimState::fast_launch
 #[inline(always)]
-fn fast(stream: CUstream) -> Option<&'static RealCuda> {
-    let s = crate::state::get()?;
-    let cu = crate::real::cuda_ready()?;
-    s.fast_launch(stream.cast()).then_some(cu)
+fn fast(stream: CUstream) -> Result<&'static RealCuda, Option<usize>> {
+    let s = crate::state::get().ok_or(None)?;
+    let cu = crate::real::cuda_ready().ok_or(None)?;
+    s.fast_launch(stream.cast()).map(|()| cu)
 }
 
 #[inline(always)]
@@ -99,20 +104,27 @@ macro_rules! launch_hook {
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "C" fn $name($($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
             let stream = launch_hook!(@stream $how $s);
-            if $($eligible &&)? let Some($cu) = fast(stream) {
-                // SAFETY: the caller's arguments, passed on unchanged.
-                return unsafe { $call };
-            }
+            let known = if $($eligible &&)? true {
+                match fast(stream) {
+                    Ok($cu) => {
+                        // SAFETY: the caller's arguments, passed on unchanged.
+                        return unsafe { $call };
+                    }
+                    Err(known) => known,
+                }
+            } else {
+                None
+            };
             // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-            unsafe { $slow($($arg),*) }
+            unsafe { $slow(known, $($arg),*) }
         }
 
-        #[doc = concat!("`", stringify!($name), "` past the fast path: the whole limiter.\n\n# Safety\nAs cuda.h's `", stringify!($name), "`.")]
+        #[doc = concat!("`", stringify!($name), "` past the fast path: the whole limiter (`known`: the stream's device, if the fast path found it).\n\n# Safety\nAs cuda.h's `", stringify!($name), "`.")]
         #[inline(never)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $slow($($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
+        unsafe fn $slow(known: Option<usize>, $($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
             let stream = launch_hook!(@stream $how $s);
-            gated(TraceFunc::$name, $function, stream, |$cu| {
+            gated(TraceFunc::$name, $function, stream, known, |$cu| {
                 // SAFETY: the caller's arguments, passed on unchanged.
                 unsafe { $call }
             })
@@ -175,26 +187,29 @@ cuda_exports! {
     /// As cuda.h's `cuGraphLaunch`, and `cuGraphLaunch_ptsz`.
     fn cuGraphLaunch(hGraphExec, hStream) twin cuGraphLaunch_ptsz(ptsz) {
         // A graph with memory nodes takes the full path: its memory is reserved there.
-        if !crate::memory::graph::any_memory_nodes()
-            && let Some(cu) = fast(hStream)
-        {
-            let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
-            // SAFETY: the caller's arguments, passed on unchanged.
-            return unsafe { launch(hGraphExec, hStream) };
-        }
+        let known = match (!crate::memory::graph::any_memory_nodes()).then(|| fast(hStream)) {
+            Some(Ok(cu)) => {
+                let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
+                // SAFETY: the caller's arguments, passed on unchanged.
+                return unsafe { launch(hGraphExec, hStream) };
+            }
+            Some(Err(known)) => known,
+            None => None,
+        };
         // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
-        unsafe { slow_graph_launch(hGraphExec, hStream, ptsz) }
+        unsafe { slow_graph_launch(hGraphExec, hStream, ptsz, known) }
     }
 }
 
-/// `cuGraphLaunch` (`cuGraphLaunch_ptsz` when `ptsz`) past the fast path: the whole limiter.
+/// `cuGraphLaunch` (`cuGraphLaunch_ptsz` when `ptsz`) past the fast path: the whole limiter
+/// (`known`: the stream's device, if the fast path found it).
 ///
 /// # Safety
 /// As cuda.h's `cuGraphLaunch`.
 #[inline(never)]
-unsafe fn slow_graph_launch(hGraphExec: CUgraphExec, hStream: CUstream, ptsz: bool) -> CUresult {
+unsafe fn slow_graph_launch(hGraphExec: CUgraphExec, hStream: CUstream, ptsz: bool, known: Option<usize>) -> CUresult {
     let trace = flavour(ptsz, TraceFunc::cuGraphLaunch, TraceFunc::cuGraphLaunch_ptsz);
-    gated(trace, std::ptr::null_mut(), hStream, |cu| {
+    gated(trace, std::ptr::null_mut(), hStream, known, |cu| {
         let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
         // SAFETY: the caller's arguments, passed on unchanged.
         crate::memory::graph::launched(hGraphExec, || unsafe { launch(hGraphExec, hStream) })

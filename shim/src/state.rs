@@ -199,45 +199,50 @@ impl ShimState {
         }
     }
 
-    /// The fast path of a launch on `stream`: true when the launch needs nothing of the limiter
-    /// and has been counted (the caller then calls the driver). False when anything else is
+    /// The fast path of a launch on `stream`: `Ok` when the launch needs nothing of the limiter
+    /// and has been counted (the caller then calls the driver). `Err` when anything else is
     /// needed: the generation moved, a trace is asked for, the stream's device is not cached
     /// (or has a share, or the container a priority); the caller then takes the full path,
-    /// which counts the launch itself. Nothing here can panic, and nothing allocates.
+    /// which counts the launch itself. `Err(Some(dev))`: the stream's device, found here from
+    /// the driver's answer of this call (the full path then need not ask the driver again: on a
+    /// default stream that is a second `cuCtxGetCurrent`). Nothing here can panic, and nothing
+    /// allocates.
     #[inline(always)]
-    pub(crate) fn fast_launch(&self, stream: *mut c_void) -> bool {
+    pub(crate) fn fast_launch(&self, stream: *mut c_void) -> Result<(), Option<usize>> {
         if self.region.config_generation() != self.seen_generation.load(Relaxed) || self.region.trace_requested() {
-            return false;
+            return Err(None);
         }
-        let Some(dev) = self.cached_device_of_stream(stream) else { return false };
+        let Some((dev, exact)) = self.cached_device_of_stream(stream) else { return Err(None) };
         if !self.plain_launch(dev) {
-            return false;
+            return Err(exact.then_some(dev));
         }
         self.count_launch(dev);
-        true
+        Ok(())
     }
 
     /// A stream's device when it is known without learning anything: a cached stream, the one
     /// device of a process that sees one, or the current context's when its device is cached.
+    /// With whether it is exact: false when it came from the thread's remembered ordinal
+    /// ([`crate::current`]), good for counting a launch but not for limiting one.
     #[inline(always)]
-    fn cached_device_of_stream(&self, stream: *mut c_void) -> Option<usize> {
+    fn cached_device_of_stream(&self, stream: *mut c_void) -> Option<(usize, bool)> {
         if matches!(stream as usize, 0 | CU_STREAM_LEGACY | CU_STREAM_PER_THREAD) {
-            let ordinal = if self.one_device.load(Relaxed) {
-                0
+            let (ordinal, exact) = if self.one_device.load(Relaxed) {
+                (0, true)
             } else if self.enforced.limited.load(Acquire) == 0 {
                 // No device needs the limiter: a stale view could only miscount a launch.
-                crate::current::ordinal(|| self.cached_current_ordinal())?
+                (crate::current::ordinal(|| self.cached_current_ordinal())?, false)
             } else {
-                self.cached_current_ordinal()?
+                (self.cached_current_ordinal()?, true)
             };
             return match self.by_ordinal.get(ordinal)?.load(Acquire) {
                 0 => None,
-                v => Some(v as usize - 1),
+                v => Some((v as usize - 1, exact)),
             };
         }
         let key = stream as u64;
         let v = self.stream_cache.get(cache_slot(key, STREAM_CACHE))?.load(Relaxed);
-        (v != 0 && v >> 8 == key).then(|| (v & 0xff) as usize - 1)
+        (v != 0 && v >> 8 == key).then(|| ((v & 0xff) as usize - 1, true))
     }
 
     /// The current context's CUDA ordinal when the context is cached (a driver call: kept out of

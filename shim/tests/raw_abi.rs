@@ -240,6 +240,8 @@ fn my_launches(uuid: &str) -> (u64, u64) {
 
 /// `CU_STREAM_PER_THREAD`: the per-thread default stream of the current context.
 const PER_THREAD: usize = 2;
+/// `CU_STREAM_LEGACY`.
+const LEGACY: usize = 1;
 
 /// Launches are counted on the device their stream runs on, whatever the stream kind and however
 /// often the thread changes its current context: the default streams follow the current context
@@ -455,6 +457,66 @@ fn a_switch_behind_the_shims_back_never_skips_a_share() {
     // unbiased estimate, not the sum of 21 spans; the first launch on a device is always measured.
     assert!(gpu > gpu_before, "the share's launches are measured: {} ns", gpu - gpu_before);
     assert_eq!(my_launches(&s.uuid(0)).0, 10, "nothing counted on the device left behind");
+}
+
+/// The device a limited launch on a default stream is charged to is the one its current context
+/// is on, as the context moves between a device with no share and one with a share through the
+/// shim's hooks: the fast path finds the device (one `cuCtxGetCurrent`) and, where the device has
+/// a share, hands it to the limiter rather than asking the driver again; that hand-over must
+/// never carry the other device's.
+#[test]
+fn default_stream_launches_are_limited_on_the_current_device_as_it_moves() {
+    const TEST: &str = "default_stream_launches_are_limited_on_the_current_device_as_it_moves";
+    if !in_child() {
+        let limits = Limits {
+            devices: vec![
+                DeviceLimits { uuid: "index:0".into(), memory_limit: Some(8 * GIB), sm_percent: None },
+                DeviceLimits { uuid: "index:1".into(), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
+            ],
+            ..Limits::default()
+        };
+        return run_in_container(TEST, &limits);
+    }
+    let s = Session::start(0);
+    let cu = &s.cu;
+    let null: H = std::ptr::null_mut();
+    let mut ctx1: H = null;
+    // SAFETY: valid out-pointer; contexts from the driver.
+    unsafe {
+        ck("cuDevicePrimaryCtxRetain", (cu.cuDevicePrimaryCtxRetain)(&mut ctx1, 1));
+        ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx1));
+    }
+    let f1 = kernel(cu, "tessera_test_spin_50us");
+    // SAFETY: a live context.
+    unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(s.ctx)) };
+    let f0 = kernel(cu, "tessera_test_spin_1us");
+    let set = |ctx: H| {
+        // SAFETY: a live context.
+        unsafe { ck("cuCtxSetCurrent", (cu.cuCtxSetCurrent)(ctx)) };
+    };
+    let sync = || {
+        // SAFETY: the current context.
+        unsafe { ck("cuCtxSynchronize", (cu.cuCtxSynchronize)()) };
+    };
+    for round in 1..=3u64 {
+        set(s.ctx);
+        launch_n(cu, f0, null, 7);
+        launch_n(cu, f0, PER_THREAD as H, 3);
+        set(ctx1);
+        let (_, gpu_before) = my_launches(&s.uuid(1));
+        // More than twice the sampler's largest weight (one measured launch standing for up to
+        // 16): some of these are measured whatever the sampler has learnt.
+        launch_n(cu, f1, null, 20);
+        launch_n(cu, f1, LEGACY as H, 20);
+        sync();
+        launch_n(cu, f1, null, 1); // harvests the completed spans
+        let (on1, gpu1) = my_launches(&s.uuid(1));
+        assert_eq!(on1, 41 * round, "round {round}: every launch on device 1 counted there");
+        assert!(gpu1 > gpu_before, "round {round}: device 1's share measured its launches");
+        let (on0, gpu0) = my_launches(&s.uuid(0));
+        assert_eq!(on0, 10 * round, "round {round}: device 0's launches counted there, no others");
+        assert_eq!(gpu0, 0, "round {round}: device 0 has no share: its launches are not measured");
+    }
 }
 
 /// The same switch behind the shim's back with no share anywhere, where the shim keeps each
