@@ -185,14 +185,9 @@ helm_dir=$root/target/helm/v4.3.2
 if [[ ! -x $helm_dir/helm ]]; then
   if command -v go >/dev/null 2>&1; then
     echo "deps: building Helm v4.3.2 from helm.sh/helm/v4 into $helm_dir" >&2
-    # A build cache of its own, removed once Helm is built (as scripts/kube.sh does: a CI
-    # machine's disk has no room to keep it).
-    if GOBIN=$helm_dir GOCACHE=$root/target/helm/go-build GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false" \
-      CGO_ENABLED=0 go install -ldflags="-s -w" helm.sh/helm/v4/cmd/helm@v4.3.2; then
-      rm -rf "$root/target/helm/go-build"
-    else
+    GOBIN=$helm_dir GOTOOLCHAIN=local GOFLAGS="-trimpath -buildvcs=false" CGO_ENABLED=0 \
+      go install -ldflags="-s -w" helm.sh/helm/v4/cmd/helm@v4.3.2 ||
       echo "deps: Helm could not be built (go install helm.sh/helm/v4/cmd/helm@v4.3.2, above)" >&2
-    fi
   else
     echo "deps: please install Go to build Helm (the Helm chart tests need it)" >&2
   fi

@@ -209,16 +209,9 @@ build_images() {
 build_all() {
   command -v go >/dev/null || die "go is missing: the cluster is built from Go modules (Go 1.26)"
   go_env
-  # A build cache of its own, removed once the binaries are built: they are cached themselves
-  # (target/kube/bin), and Kubernetes' cache alone is several GB, which a CI machine's disk,
-  # already holding the test runtimes and target/, has not to spare. A failed build keeps it
-  # for the next try.
-  local cache=$kube/go-build
-  export GOCACHE=$cache
   build_etcd
   build_containerd
   build_kubernetes
-  rm -rf "$cache"
   build_images
 }
 
