@@ -263,21 +263,23 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         .map_err(|e| InjectError(format!("setns into the container's mount namespace: {e}")))?;
     let root = Root::open(root).map_err(|e| host_err(root, e))?;
     let cerr = |path: &Path, e: std::io::Error| InjectError(format!("container {}: {e}", path.display()));
+    // The directories resolved so far (the nodes share `/dev`, the libraries theirs).
+    let mut dirs = crate::safe::DirCache::default();
     for n in &plan.device_nodes {
-        match root.mknod(&n.path, n.major, n.minor) {
+        match root.mknod_cached(&n.path, n.major, n.minor, &mut dirs) {
             Ok(NodeOutcome::Created) => done.devices += 1,
             Ok(NodeOutcome::Existing) => done.skipped += 1,
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-                // A user namespace: bind the host's node instead.
+                // A user namespace: bind the host's node instead (on a file: the cached
+                // directories stay as they were).
                 let tree = clone_host_file(&p, &n.host_path, false)?;
-                let target = root.file(&n.path).map_err(|e| cerr(&n.path, e))?;
+                let (target, _) = root.file_cached(&n.path, &mut dirs).map_err(|e| cerr(&n.path, e))?;
                 sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&n.path, e))?;
                 done.devices += 1;
             }
             Err(e) => return Err(cerr(&n.path, e)),
         }
     }
-    let mut dirs = crate::safe::DirCache::default();
     for (m, (tree, is_dir)) in plan.mounts.iter().zip(&p.mounts) {
         // A mount made on a directory hides what was cached under it: start afresh after one.
         let target = if *is_dir {
@@ -286,10 +288,10 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
         } else {
             root.file_cached(&m.container_path, &mut dirs)
         };
-        let target = target.map_err(|e| cerr(&m.container_path, e))?;
+        let (target, found) = target.map_err(|e| cerr(&m.container_path, e))?;
         // Already there (a CDI runtime mounted it, or a second hook entry ran): same file, same
         // read-only state.
-        if crate::safe::same_file(target.as_fd(), tree.as_fd()) && sys::read_only(target.as_fd()) == Some(m.read_only) {
+        if crate::safe::same_file(&found, tree.as_fd()) && sys::read_only(target.as_fd()) == Some(m.read_only) {
             done.skipped += 1;
             continue;
         }
@@ -305,8 +307,8 @@ fn apply(p: Prepared, plan: &Plan, root: &Path) -> Result<Applied, InjectError> 
             LinkOutcome::Occupied => {
                 // The image's own file stays in its layer; the driver's is mounted over it.
                 let tree = clone_host_file(&p, &l.host_path, true)?;
-                let target = root.file_cached(&l.path, &mut dirs).map_err(|e| cerr(&l.path, e))?;
-                if !crate::safe::same_file(target.as_fd(), tree.as_fd()) {
+                let (target, found) = root.file_cached(&l.path, &mut dirs).map_err(|e| cerr(&l.path, e))?;
+                if !crate::safe::same_file(&found, tree.as_fd()) {
                     sys::move_mount(tree.as_fd(), target.as_fd()).map_err(|e| cerr(&l.path, e))?;
                     done.mounts += 1;
                 }

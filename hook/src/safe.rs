@@ -83,58 +83,66 @@ impl Root {
                 r => return r,
             }
         }
-        self.walk(path, false)
+        self.walk(path, false).map(|(fd, _)| fd)
     }
 
     /// The component walk; with `create`, a missing name is made as a directory (mode 0755) and
     /// the walk goes on into it, so that links are followed inside the root as they would be.
-    fn walk(&self, path: &Path, create: bool) -> io::Result<OwnedFd> {
-        let mut stack: Vec<OwnedFd> = vec![self.fd.try_clone()?];
+    /// Returns what it found with its `fstat` (each component is looked at once: the callers
+    /// need its type, and whether a mount is already there, from the same answer).
+    fn walk(&self, path: &Path, create: bool) -> io::Result<(OwnedFd, libc::stat)> {
+        // The directories entered below the root (the root itself is borrowed, not duplicated).
+        let mut stack: Vec<OwnedFd> = Vec::new();
         let mut todo: VecDeque<OsString> = components(path).into();
         let mut links = 0;
         while let Some(name) = todo.pop_front() {
             if name == ".." {
-                if stack.len() > 1 {
-                    stack.pop();
-                }
+                stack.pop();
                 continue;
             }
-            let cur = stack.last().expect("the root stays on the stack");
+            let cur = stack.last().map_or(self.fd.as_fd(), |d| d.as_fd());
             let c = sys::cstr(&name)?;
-            let fd = match sys::openat(cur.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+            let fd = match sys::openat(cur, &c, libc::O_PATH | libc::O_NOFOLLOW, 0) {
                 Err(e) if create && e.raw_os_error() == Some(libc::ENOENT) => {
-                    match sys::mkdirat(cur.as_fd(), &c, 0o755) {
+                    match sys::mkdirat(cur, &c, 0o755) {
                         Ok(()) => {}
                         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
                         Err(e) => return Err(e),
                     }
-                    sys::openat(cur.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?
+                    sys::openat(cur, &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?
                 }
                 r => r?,
             };
-            let mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+            let st = sys::fstat(fd.as_fd())?;
+            let mode = st.st_mode & libc::S_IFMT;
             if mode == libc::S_IFLNK {
                 links += 1;
                 if links > MAX_LINKS {
                     return Err(errno(libc::ELOOP));
                 }
-                let target = sys::readlinkat(cur.as_fd(), &c)?;
+                let target = sys::readlinkat(cur, &c)?;
                 let target = Path::new(&target);
                 if target.is_absolute() {
-                    stack.truncate(1);
+                    stack.clear();
                 }
                 for (i, comp) in components(target).into_iter().enumerate() {
                     todo.insert(i, comp);
                 }
             } else if todo.is_empty() {
-                return Ok(fd);
+                return Ok((fd, st));
             } else if mode == libc::S_IFDIR {
                 stack.push(fd);
             } else {
                 return Err(errno(libc::ENOTDIR));
             }
         }
-        stack.pop().expect("the root stays on the stack").try_clone()
+        // The path ended on a directory already entered (`..`, a link to one) or the root.
+        let fd = match stack.pop() {
+            Some(fd) => fd,
+            None => self.fd.try_clone()?,
+        };
+        let st = sys::fstat(fd.as_fd())?;
+        Ok((fd, st))
     }
 
     /// The first existing component of `path` (lexically, from the root) that is a symbolic link,
@@ -178,26 +186,27 @@ impl Root {
         Ok(None)
     }
 
-    /// Makes every missing directory of `path` (mode 0755) inside the root; returns the last one.
-    pub fn mkdir_all(&self, path: &Path) -> io::Result<OwnedFd> {
-        let dir = self.walk(path, true)?;
-        if sys::fstat(dir.as_fd())?.st_mode & libc::S_IFMT != libc::S_IFDIR {
+    /// Makes every missing directory of `path` (mode 0755) inside the root; returns the last one,
+    /// with its `fstat`.
+    pub fn mkdir_all(&self, path: &Path) -> io::Result<(OwnedFd, libc::stat)> {
+        let (dir, st) = self.walk(path, true)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
             return Err(errno(libc::ENOTDIR));
         }
-        Ok(dir)
+        Ok((dir, st))
     }
 
     /// A regular file at `path` (created empty, mode 0644, when missing), for a file bind mount.
     /// A symbolic link there (an image's `libcuda.so.1 -> libcuda.so.535.104.05`, dangling or
     /// not, or one aimed at `/etc/passwd`) is replaced by the file, never followed: what is
     /// mounted there is the injected file, and nothing is written through the link.
-    pub fn file(&self, path: &Path) -> io::Result<OwnedFd> {
+    pub fn file(&self, path: &Path) -> io::Result<(OwnedFd, libc::stat)> {
         self.file_cached(path, &mut DirCache::default())
     }
 
     /// [`Root::file`], reusing the parent directories already resolved for earlier files (two
-    /// dozen libraries share one directory).
-    pub fn file_cached(&self, path: &Path, cache: &mut DirCache) -> io::Result<OwnedFd> {
+    /// dozen libraries share one directory). With the file's `fstat`.
+    pub fn file_cached(&self, path: &Path, cache: &mut DirCache) -> io::Result<(OwnedFd, libc::stat)> {
         let (parent, name) = split(path)?;
         let dir = self.parent_cached(parent, cache)?;
         let c = sys::cstr(name)?;
@@ -211,19 +220,19 @@ impl Root {
         };
         create()?;
         let mut fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
-        let mut mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
-        if mode == libc::S_IFLNK {
+        let mut st = sys::fstat(fd.as_fd())?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
             // The link itself goes (unlinkat acts on the entry in this directory, inside the
             // root), and the file takes its place.
             sys::unlinkat(dir.as_fd(), &c)?;
             create()?;
             fd = sys::openat(dir.as_fd(), &c, libc::O_PATH | libc::O_NOFOLLOW, 0)?;
-            mode = sys::fstat(fd.as_fd())?.st_mode & libc::S_IFMT;
+            st = sys::fstat(fd.as_fd())?;
         }
-        if mode != libc::S_IFREG {
+        if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "exists and is not a regular file"));
         }
-        Ok(fd)
+        Ok((fd, st))
     }
 
     /// A symbolic link at `path` holding `target`, parent directories made inside the root as
@@ -258,23 +267,28 @@ impl Root {
         Ok(match cache.0.iter().position(|(p, _)| p == parent) {
             Some(i) => &cache.0[i].1,
             None => {
-                let fd = self.mkdir_all(parent)?;
+                let (fd, _) = self.mkdir_all(parent)?;
                 cache.0.push((parent.to_path_buf(), fd));
                 &cache.0.last().expect("just pushed").1
             }
         })
     }
 
-    /// A directory at `path`, made when missing, for a directory bind mount.
-    pub fn dir(&self, path: &Path) -> io::Result<OwnedFd> {
+    /// A directory at `path`, made when missing, for a directory bind mount; with its `fstat`.
+    pub fn dir(&self, path: &Path) -> io::Result<(OwnedFd, libc::stat)> {
         self.mkdir_all(path)
     }
 
     /// A character device node at `path` (mode 0666). An existing node with the same numbers is
     /// kept; anything else there is an error. `EPERM` (a user namespace) is returned as is.
     pub fn mknod(&self, path: &Path, major: u32, minor: u32) -> io::Result<NodeOutcome> {
+        self.mknod_cached(path, major, minor, &mut DirCache::default())
+    }
+
+    /// [`Root::mknod`], reusing the parent directories already resolved (the nodes share `/dev`).
+    pub fn mknod_cached(&self, path: &Path, major: u32, minor: u32, cache: &mut DirCache) -> io::Result<NodeOutcome> {
         let (parent, name) = split(path)?;
-        let dir = self.mkdir_all(parent)?;
+        let dir = self.parent_cached(parent, cache)?;
         let dev = libc::makedev(major, minor);
         match sys::mknodat(dir.as_fd(), &sys::cstr(name)?, libc::S_IFCHR | 0o666, dev) {
             Ok(()) => Ok(NodeOutcome::Created),
@@ -302,12 +316,10 @@ pub fn absolute(path: &Path) -> std::path::PathBuf {
     p
 }
 
-/// Whether two descriptors name the same file (a bind mount of one onto the other already done).
-pub fn same_file(a: BorrowedFd<'_>, b: BorrowedFd<'_>) -> bool {
-    match (sys::fstat(a), sys::fstat(b)) {
-        (Ok(x), Ok(y)) => x.st_dev == y.st_dev && x.st_ino == y.st_ino,
-        _ => false,
-    }
+/// Whether the file `a` was found to be (its `fstat`) is the one descriptor `b` names (a bind
+/// mount of one onto the other already done).
+pub fn same_file(a: &libc::stat, b: BorrowedFd<'_>) -> bool {
+    sys::fstat(b).is_ok_and(|y| a.st_dev == y.st_dev && a.st_ino == y.st_ino)
 }
 
 fn relative(path: &Path) -> std::path::PathBuf {
@@ -364,7 +376,7 @@ mod tests {
         let e = r.resolve(Path::new("/etc/keep")).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
         // Making files through it makes them inside the root.
-        let fd = r.file(Path::new("/etc/ld.so.preload")).unwrap();
+        let (fd, _) = r.file(Path::new("/etc/ld.so.preload")).unwrap();
         let made = fd_path(&fd);
         assert!(made.starts_with(root), "{}", made.display());
         assert!(root.join(victim.strip_prefix("/").unwrap()).join("ld.so.preload").is_file());
@@ -411,7 +423,7 @@ mod tests {
             let r = if walk_only { r.walk_only() } else { r };
             for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1"] {
                 let path = Path::new("/usr/lib/x86_64-linux-gnu").join(name);
-                let fd = r.file(&path).unwrap();
+                let (fd, _) = r.file(&path).unwrap();
                 assert_eq!(fd_path(&fd), lib.join(name), "the file is where the link was");
                 let meta = std::fs::symlink_metadata(lib.join(name)).unwrap();
                 assert!(meta.file_type().is_file() && meta.len() == 0, "{name}: {meta:?}");
