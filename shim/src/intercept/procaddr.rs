@@ -46,8 +46,8 @@ fn table() -> &'static Table {
         // each once: `the_header_list_is_sorted_by_symbol`), with its place in the list, so that
         // one base's entries keep the list's order after the sort by base.
         let hooked = super::HOOKS.iter().filter(|h| h.name.starts_with(b"cu")).filter_map(|h| {
-            let i = EXPORTS.binary_search_by(|e| e.symbol.as_bytes().cmp(h.name)).ok()?;
-            let e = &EXPORTS[i];
+            let i = EXPORTS.position(h.name)?;
+            let e = EXPORTS.get(i)?;
             Some((i, (e.base, e.version, e.flavour != Flavour::No, e.symbol)))
         });
         let renames = RENAMES.iter().enumerate().map(|(k, r)| (EXPORTS.len() + k, *r));
@@ -308,7 +308,15 @@ mod tests {
     #[test]
     fn the_header_list_is_sorted_by_symbol() {
         // `table` finds each hook's entry by a binary search.
-        assert!(EXPORTS.windows(2).all(|w| w[0].symbol < w[1].symbol), "sorted, each symbol once");
+        let list: Vec<_> = EXPORTS.iter().collect();
+        assert!(list.windows(2).all(|w| w[0].symbol < w[1].symbol), "sorted, each symbol once");
+        for (i, e) in list.iter().enumerate() {
+            assert_eq!(EXPORTS.position(e.symbol.as_bytes()), Some(i), "{}", e.symbol);
+            assert!(e.symbol.starts_with(e.base) && !e.base.is_empty(), "{} of {}", e.symbol, e.base);
+        }
+        assert_eq!(EXPORTS.position(b"cuNoSuchFunction"), None);
+        let alloc = EXPORTS.get(EXPORTS.position(b"cuMemAlloc_v2").unwrap()).unwrap();
+        assert_eq!((alloc.base, alloc.version, alloc.flavour), ("cuMemAlloc", 3020, Flavour::No));
     }
 
     #[test]
