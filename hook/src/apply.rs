@@ -86,7 +86,7 @@ pub fn caller_runtime_state(id: &str) -> Option<PathBuf> {
     if id.is_empty() || id.contains('/') || id == "." || id == ".." {
         return None;
     }
-    let cmdline = std::fs::read(format!("/proc/{}/cmdline", std::os::unix::process::parent_id())).ok()?;
+    let cmdline = sys::read_proc(Path::new(&format!("/proc/{}/cmdline", std::os::unix::process::parent_id()))).ok()?;
     let state = runtime_state_of(&cmdline, id)?;
     state.is_dir().then_some(state)
 }
@@ -107,7 +107,7 @@ fn runtime_state_of(cmdline: &[u8], id: &str) -> Option<PathBuf> {
 /// The cgroup directory of process `pid` (cgroup v2's unified path, else the v1 `pids` or
 /// `memory` hierarchy's), when it exists.
 pub fn container_cgroup(pid: i32) -> Option<PathBuf> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let text = sys::read_proc_text(Path::new(&format!("/proc/{pid}/cgroup"))).ok()?;
     cgroup_dir(&text, Path::new("/sys/fs/cgroup")).filter(|p| p.is_dir())
 }
 
@@ -183,7 +183,7 @@ fn prepare(plan: &Plan, pid: i32) -> Result<Prepared, InjectError> {
 /// the runtime wrapper, which put the rules in config.json before the runtime builds the filter.
 fn device_cgroup(pid: i32) -> Result<std::fs::File, InjectError> {
     let cg = PathBuf::from(format!("/proc/{pid}/cgroup"));
-    let text = std::fs::read_to_string(&cg).map_err(|e| host_err(&cg, e))?;
+    let text = sys::read_proc_text(&cg).map_err(|e| host_err(&cg, e))?;
     let rel = text.lines().find_map(|l| {
         let mut parts = l.splitn(3, ':');
         let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);

@@ -29,8 +29,12 @@ pub fn read_config(bundle: &Path) -> Result<Value, InjectError> {
 
 pub fn read_limited(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    let mut buf = Vec::new();
-    std::fs::File::open(path)?.take(MAX_JSON + 1).read_to_end(&mut buf)?;
+    let f = std::fs::File::open(path)?;
+    // Sized from the file's length (a stat), so the whole file comes in one read and the next
+    // sees its end: grown from nothing, a 3 KB config.json took nine reads.
+    let len = f.metadata().map_or(0, |m| m.len()).min(MAX_JSON);
+    let mut buf = Vec::with_capacity(len as usize + 1);
+    f.take(MAX_JSON + 1).read_to_end(&mut buf)?;
     if buf.len() as u64 > MAX_JSON {
         return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "larger than 8 MiB"));
     }
@@ -282,6 +286,28 @@ pub fn apply_to_config(config: &mut Value, plan: &Plan) -> Result<(), InjectErro
 mod tests {
     use super::*;
     use crate::plan::{MountEdit, NodeEdit};
+
+    #[test]
+    fn a_file_is_read_whole_up_to_the_limit_and_refused_beyond() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = dir.path().join("small.json");
+        let bytes: Vec<u8> = (0..70_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+        std::fs::write(&small, &bytes).unwrap();
+        assert_eq!(read_limited(&small).unwrap(), bytes);
+        std::fs::write(&small, b"").unwrap();
+        assert_eq!(read_limited(&small).unwrap(), b"");
+        let big = dir.path().join("big.json");
+        std::fs::File::create(&big).unwrap().set_len(MAX_JSON + 1).unwrap();
+        assert_eq!(read_limited(&big).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
+        std::fs::File::create(&big).unwrap().set_len(MAX_JSON).unwrap();
+        assert_eq!(read_limited(&big).unwrap().len() as u64, MAX_JSON);
+        // A file the kernel makes up as it is read (its stat says 0 bytes) is read whole too.
+        assert!(!read_limited(Path::new("/proc/self/mountinfo")).unwrap().is_empty());
+        assert_eq!(
+            crate::sys::read_proc(Path::new("/proc/self/cgroup")).unwrap(),
+            std::fs::read("/proc/self/cgroup").unwrap()
+        );
+    }
 
     #[test]
     fn a_device_is_granted_only_when_listed_and_allowed_read_write() {

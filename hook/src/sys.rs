@@ -170,3 +170,19 @@ pub fn read_only(fd: BorrowedFd<'_>) -> Option<bool> {
     let rc = unsafe { libc::fstatvfs(fd.as_raw_fd(), &mut st) };
     (rc == 0).then_some(st.f_flag & libc::ST_RDONLY != 0)
 }
+
+/// A small file the kernel makes up as it is read (`/proc/<pid>/cgroup`, `cmdline`), whose size a
+/// stat does not give: read into a page-sized buffer, so it takes one read and the one that sees
+/// its end (std's reads, sized from a stat of 0, grew from 32 bytes: five reads for a cgroup
+/// file, and the stat).
+pub fn read_proc(path: &std::path::Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut buf = Vec::with_capacity(4096);
+    std::fs::File::open(path)?.read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// [`read_proc`] as text (invalid UTF-8 is an error, as `read_to_string`'s).
+pub fn read_proc_text(path: &std::path::Path) -> io::Result<String> {
+    String::from_utf8(read_proc(path)?).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
