@@ -5,6 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
+# Beside the test environments deps.sh put in target/, the builds, the clusters and the tests'
+# files take about 6 GB more there (and Go's caches several GB outside it, the first time). On
+# a disk with less left a linker dies of a bus error mid-build, which names nothing: said here
+# first (a warning; the run goes on).
+mkdir -p target
+free_gb=$(($(df -Pk target | awk 'NR == 2 {print $4}') / 1024 / 1024))
+if ((free_gb < 10)); then
+  echo "test: only ${free_gb} GB free for target/; the builds and tests need about 6 GB, more the first time." >&2
+  echo "test: free some space (an old target/, ~/.cache), or a linker may fail with a bus error." >&2
+fi
 cargo build --workspace --all-targets
 # The shipped libtessera.so, linked against glibc 2.17 (a test reads the symbol versions it needs).
 cargo zigbuild -p tessera-shim --release --target x86_64-unknown-linux-gnu.2.17 --target-dir target/glibc-2.17
