@@ -424,6 +424,17 @@ fn ten_launches_then_a_switch_behind_the_shim(s: &Session, f1: &str) -> H {
     f1
 }
 
+/// Limits with an SM share (99%) on device 1 only; device 0 has a memory limit and no share.
+fn share_on_device_1_only() -> Limits {
+    Limits {
+        devices: vec![
+            DeviceLimits { uuid: "index:0".into(), memory_limit: Some(8 * GIB), sm_percent: None },
+            DeviceLimits { uuid: "index:1".into(), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
+        ],
+        ..Limits::default()
+    }
+}
+
 /// A tenant that switches its current context behind the shim's back (the driver's own
 /// `cuCtxSetCurrent`, found by reading the driver's file) while a device has an SM share: the
 /// shim keeps no view of the current context then, so the launches land on the device they run
@@ -432,14 +443,7 @@ fn ten_launches_then_a_switch_behind_the_shim(s: &Session, f1: &str) -> H {
 fn a_switch_behind_the_shims_back_never_skips_a_share() {
     const TEST: &str = "a_switch_behind_the_shims_back_never_skips_a_share";
     if !in_child() {
-        let limits = Limits {
-            devices: vec![
-                DeviceLimits { uuid: "index:0".into(), memory_limit: Some(8 * GIB), sm_percent: None },
-                DeviceLimits { uuid: "index:1".into(), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
-            ],
-            ..Limits::default()
-        };
-        return run_in_container(TEST, &limits);
+        return run_in_container(TEST, &share_on_device_1_only());
     }
     let s = Session::start(0);
     let cu = &s.cu;
@@ -468,14 +472,7 @@ fn a_switch_behind_the_shims_back_never_skips_a_share() {
 fn default_stream_launches_are_limited_on_the_current_device_as_it_moves() {
     const TEST: &str = "default_stream_launches_are_limited_on_the_current_device_as_it_moves";
     if !in_child() {
-        let limits = Limits {
-            devices: vec![
-                DeviceLimits { uuid: "index:0".into(), memory_limit: Some(8 * GIB), sm_percent: None },
-                DeviceLimits { uuid: "index:1".into(), memory_limit: Some(8 * GIB), sm_percent: Some(99) },
-            ],
-            ..Limits::default()
-        };
-        return run_in_container(TEST, &limits);
+        return run_in_container(TEST, &share_on_device_1_only());
     }
     let s = Session::start(0);
     let cu = &s.cu;
