@@ -54,11 +54,14 @@ fn gated(
 
 /// The real driver when a launch on `stream` takes the fast path ([`ShimState::fast_launch`]:
 /// counted, nothing else to do), else `Err` with the stream's device if it was found: the hook
-/// then runs [`gated`].
+/// then runs [`gated`]. Not `eligible` (the launch must take the full path): `Err(None)`.
 ///
 /// [`ShimState::fast_launch`]: crate::state::ShimState::fast_launch
 #[inline(always)]
-fn fast(stream: CUstream) -> Result<&'static RealCuda, Option<usize>> {
+fn fast(eligible: bool, stream: CUstream) -> Result<&'static RealCuda, Option<usize>> {
+    if !eligible {
+        return Err(None);
+    }
     let s = crate::state::get().ok_or(None)?;
     let cu = crate::real::cuda_ready().ok_or(None)?;
     s.fast_launch(stream.cast()).map(|()| cu)
@@ -104,16 +107,12 @@ macro_rules! launch_hook {
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "C" fn $name($($arg: tessera_abi::cuda::params::$name::$arg),*) -> CUresult {
             let stream = launch_hook!(@stream $how $s);
-            let known = if $($eligible &&)? true {
-                match fast(stream) {
-                    Ok($cu) => {
-                        // SAFETY: the caller's arguments, passed on unchanged.
-                        return unsafe { $call };
-                    }
-                    Err(known) => known,
+            let known = match fast($($eligible &&)? true, stream) {
+                Ok($cu) => {
+                    // SAFETY: the caller's arguments, passed on unchanged.
+                    return unsafe { $call };
                 }
-            } else {
-                None
+                Err(known) => known,
             };
             // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
             unsafe { $slow(known, $($arg),*) }
@@ -187,14 +186,13 @@ cuda_exports! {
     /// As cuda.h's `cuGraphLaunch`, and `cuGraphLaunch_ptsz`.
     fn cuGraphLaunch(hGraphExec, hStream) twin cuGraphLaunch_ptsz(ptsz) {
         // A graph with memory nodes takes the full path: its memory is reserved there.
-        let known = match (!crate::memory::graph::any_memory_nodes()).then(|| fast(hStream)) {
-            Some(Ok(cu)) => {
+        let known = match fast(!crate::memory::graph::any_memory_nodes(), hStream) {
+            Ok(cu) => {
                 let launch = flavour(ptsz, cu.cuGraphLaunch, cu.cuGraphLaunch_ptsz);
                 // SAFETY: the caller's arguments, passed on unchanged.
                 return unsafe { launch(hGraphExec, hStream) };
             }
-            Some(Err(known)) => known,
-            None => None,
+            Err(known) => known,
         };
         // SAFETY: the caller's arguments, passed on unchanged (this function's contract).
         unsafe { slow_graph_launch(hGraphExec, hStream, ptsz, known) }
