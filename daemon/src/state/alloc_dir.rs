@@ -26,7 +26,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -95,6 +95,9 @@ pub struct AllocDirs {
 struct Spares {
     dir: PathBuf,
     state: Mutex<SpareState>,
+    /// Whether a spare's limits are flushed when written: not where the spares live on a tmpfs
+    /// (the runtime dir under /run), whose flush does nothing but cost a system call.
+    flush_limits: AtomicBool,
     /// Wakes the refill thread when a spare is taken (or the spares are stopped).
     taken: Condvar,
     seq: AtomicU64,
@@ -105,7 +108,7 @@ struct Spares {
 
 #[derive(Debug, Default)]
 struct SpareState {
-    ready: Vec<PathBuf>,
+    ready: Vec<Spare>,
     keep: usize,
     /// Set by [`AllocDirs::stop_spares`]: no spare is made or handed out any more.
     stopped: bool,
@@ -134,6 +137,7 @@ impl AllocDirs {
             spares: Arc::new(Spares {
                 dir: runtime_dir.join(SPARE_SUBDIR),
                 state: Mutex::new(SpareState::default()),
+                flush_limits: AtomicBool::new(true),
                 taken: Condvar::new(),
                 seq: AtomicU64::new(0),
                 building: Mutex::new(()),
@@ -155,6 +159,9 @@ impl AllocDirs {
             std::fs::create_dir_all(runtime_dir).map_err(io_err(runtime_dir, "create directory"))?;
         }
         make_dir(&self.spares.dir, PRIVATE_MODE)?;
+        let on_tmpfs = nix::sys::statfs::statfs(&self.spares.dir)
+            .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC);
+        self.spares.flush_limits.store(!on_tmpfs, Ordering::Relaxed);
         {
             let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
             state.keep = count;
@@ -189,13 +196,21 @@ impl AllocDirs {
     }
 
     /// Writes `limits` (and the lease marker, when `leased`) into a spare directory and moves it
-    /// to `dir`; false if none is ready (or none could be completed and moved).
-    fn take_spare(&self, dir: &Path, limits: &[u8], leased: bool) -> bool {
+    /// to `dir`, which must not exist yet (it is never replaced).
+    fn take_spare(&self, dir: &Path, limits: &[u8], leased: bool) -> Taken {
+        let flush = self.spares.flush_limits.load(Ordering::Relaxed);
         let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(spare) = state.ready.pop() {
-            let completed = write_new_limits(&spare, limits)
-                .and_then(|()| if leased { write_lease(&spare) } else { Ok(()) })
-                .and_then(|()| std::fs::rename(&spare, dir));
+            let completed = spare.complete(limits, leased, flush).and_then(|()| {
+                match rename_new(&spare.dir, dir) {
+                    // `alloc/` itself gone (removed by hand while running): made again.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && !self.root.is_dir() => {
+                        make_dir(&self.root, PRIVATE_MODE).map_err(std::io::Error::other)?;
+                        rename_new(&spare.dir, dir)
+                    }
+                    moved => moved,
+                }
+            });
             match completed {
                 Ok(()) => {
                     // The refill thread is woken only once the pool is half spent (else its own
@@ -206,16 +221,25 @@ impl AllocDirs {
                     if low {
                         self.spares.taken.notify_one();
                     }
-                    return true;
+                    return Taken::Yes;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    // The directory is there already (brought up to date after a restart): the
+                    // spare goes back as it was, for the next allocation.
+                    if spare.undo(leased).is_ok() {
+                        state.ready.push(spare);
+                    } else {
+                        discard_spare(&spare.dir);
+                    }
+                    return Taken::AlreadyThere;
                 }
                 Err(e) => {
-                    tracing::warn!(spare = %spare.display(), error = %e, "cannot use a spare allocation directory");
-                    unmount_under(&spare);
-                    let _ = std::fs::remove_dir_all(&spare);
+                    tracing::warn!(spare = %spare.dir.display(), error = %e, "cannot use a spare allocation directory");
+                    discard_spare(&spare.dir);
                 }
             }
         }
-        false
+        Taken::NoSpare
     }
 
     /// `<runtime_dir>/alloc`.
@@ -247,21 +271,23 @@ impl AllocDirs {
     /// generation bumped, as [`AllocDirs::update_limits`].
     pub fn create(&self, alloc: &Allocation) -> Result<PathBuf, AllocDirError> {
         check_id(&alloc.id)?;
-        make_dir(&self.root, PRIVATE_MODE)?;
         let dir = self.dir(&alloc.id);
         let leased = alloc.leased_to_container();
-        // A spare holds a fresh region and no limits: the limits complete it before it is renamed
-        // into place, so the directory appears whole (no temporary file, no second rename).
-        if dir.symlink_metadata().is_err() {
+        // A spare holds a fresh region and empty limits: the limits complete it before it is
+        // renamed into place, so the directory appears whole (no temporary file, no second
+        // rename). The rename refuses an existing directory, which is then brought up to date
+        // below: no look beforehand on the request's path.
+        if self.spares_ready() > 0 {
             let limits = alloc.limits();
             limits.validate().map_err(|e| AllocDirError::Limits {
                 path: self.limits_path(&alloc.id),
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
             })?;
-            if self.take_spare(&dir, limits.to_toml().as_bytes(), leased) {
+            if self.take_spare(&dir, limits.to_toml().as_bytes(), leased) == Taken::Yes {
                 return Ok(dir);
             }
         }
+        make_dir(&self.root, PRIVATE_MODE)?;
         make_dir(&dir, DIR_MODE)?;
         let limits_path = self.limits_path(&alloc.id);
         let rewrite = limits_path.symlink_metadata().is_ok();
@@ -349,11 +375,60 @@ impl AllocDirs {
     }
 }
 
-/// Writes the limits file of spare directory `spare`, which nothing outside this process sees
-/// until it is renamed into place: written in place, flushed, as
-/// [`tessera_region::Limits::write_atomic`] leaves it.
-fn write_new_limits(spare: &Path, limits: &[u8]) -> std::io::Result<()> {
-    write_new_file(&spare.join(LIMITS_FILE), limits, true)
+/// Whether [`AllocDirs::take_spare`] moved a spare into place.
+#[derive(Debug, PartialEq, Eq)]
+enum Taken {
+    Yes,
+    /// The allocation's directory exists: a spare was not used.
+    AlreadyThere,
+    NoSpare,
+}
+
+/// A ready spare directory and its limits file (empty, 0644), kept open so that taking the spare
+/// costs one write and the rename.
+#[derive(Debug)]
+struct Spare {
+    dir: PathBuf,
+    limits: std::fs::File,
+}
+
+impl Spare {
+    /// Writes the limits (flushed when `flush`, as [`tessera_region::Limits::write_atomic`]
+    /// leaves them) and the lease marker: the directory whole, still out of sight.
+    fn complete(&self, limits: &[u8], leased: bool, flush: bool) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.limits.write_all_at(limits, 0)?;
+        if flush {
+            self.limits.sync_all()?;
+        }
+        if leased { write_lease(&self.dir) } else { Ok(()) }
+    }
+
+    /// Back to as it was made: empty limits, no marker.
+    fn undo(&self, leased: bool) -> std::io::Result<()> {
+        self.limits.set_len(0)?;
+        if leased {
+            std::fs::remove_file(self.dir.join(tessera_region::owner::LEASE_FILE))?;
+        }
+        Ok(())
+    }
+}
+
+/// Renames `from` to `to`, which must not exist (`AlreadyExists` if it does, whatever it is; a
+/// plain rename would replace an empty directory).
+fn rename_new(from: &Path, to: &Path) -> std::io::Result<()> {
+    use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
+    match renameat2(AT_FDCWD, from, AT_FDCWD, to, RenameFlags::RENAME_NOREPLACE) {
+        Ok(()) => Ok(()),
+        // A file system without the flag: look, then rename (this process alone makes these).
+        Err(nix::errno::Errno::EINVAL) => {
+            if to.symlink_metadata().is_ok() {
+                return Err(std::io::Error::from(std::io::ErrorKind::AlreadyExists));
+            }
+            std::fs::rename(from, to)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Leaves the lease marker in allocation directory `dir`. Not flushed: /run is tmpfs, and after a
@@ -366,12 +441,18 @@ fn write_lease(dir: &Path) -> std::io::Result<()> {
 /// an allocation directory's files, and nothing in them is secret. `flush`: fsynced too.
 fn write_new_file(path: &Path, bytes: &[u8], flush: bool) -> std::io::Result<()> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(path)?;
-    // The umask may have narrowed the mode.
-    f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    let mut f = new_file(path)?;
     f.write_all(bytes)?;
     if flush { f.sync_all() } else { Ok(()) }
+}
+
+/// Creates `path` (it must not exist), empty, mode 0644, open for writing.
+fn new_file(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o644).open(path)?;
+    // The umask may have narrowed the mode.
+    f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    Ok(f)
 }
 
 /// How long the refill thread, woken by a take, waits before it builds.
@@ -412,8 +493,8 @@ fn refill(spares: Weak<Spares>) {
                 return;
             }
             match make_spare(&sp) {
-                Ok(path) => {
-                    sp.state.lock().unwrap_or_else(PoisonError::into_inner).ready.push(path);
+                Ok(spare) => {
+                    sp.state.lock().unwrap_or_else(PoisonError::into_inner).ready.push(spare);
                     drop(building);
                     std::thread::sleep(BETWEEN_SPARES);
                 }
@@ -432,22 +513,31 @@ fn refill(spares: Weak<Spares>) {
 
 /// One spare: a 0755 directory with a fresh region, built under a temporary name, then renamed so
 /// a half-made one is never handed out.
-fn make_spare(sp: &Spares) -> Result<PathBuf, AllocDirError> {
+fn make_spare(sp: &Spares) -> Result<Spare, AllocDirError> {
     let n = sp.seq.fetch_add(1, Ordering::Relaxed);
     let building = sp.dir.join(format!("{n}.tmp"));
     let ready = sp.dir.join(n.to_string());
     unmount_under(&building);
     let _ = std::fs::remove_dir_all(&building);
     make_dir(&building, DIR_MODE)?;
+    let limits = building.join(LIMITS_FILE);
     let made = make_region(&building)
         .and_then(|()| Ledger::create(&building.join(LEDGER_FILE)).map(drop).map_err(AllocDirError::from))
-        .and_then(|()| std::fs::rename(&building, &ready).map_err(io_err(&ready, "rename into place")));
-    if let Err(e) = made {
-        unmount_under(&building);
-        let _ = std::fs::remove_dir_all(&building);
-        return Err(e);
+        .and_then(|()| new_file(&limits).map_err(io_err(&limits, "create")))
+        .and_then(|f| std::fs::rename(&building, &ready).map(|()| f).map_err(io_err(&ready, "rename into place")));
+    match made {
+        Ok(limits) => Ok(Spare { dir: ready, limits }),
+        Err(e) => {
+            discard_spare(&building);
+            Err(e)
+        }
     }
-    Ok(ready)
+}
+
+/// Throws away a spare that could not be used (or made): its mounts, then its files.
+fn discard_spare(dir: &Path) {
+    unmount_under(dir);
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Makes the region of allocation directory `dir`: in a tmpfs of its own exactly its size,

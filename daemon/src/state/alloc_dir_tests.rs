@@ -160,19 +160,68 @@ fn spares_are_taken_and_refilled() {
     wait_for("the pool refilled again", || dirs.spares_ready() == 2);
     assert_eq!(spare_names().len(), 2);
 
-    // A spare that cannot be completed (something already sits at its limits file's name)
-    // is thrown away, never handed out half made: the allocation gets a whole directory.
+    // A ready spare's limits are there, empty, until it is taken (out of sight in `spare/`).
     for name in spare_names() {
-        std::fs::write(tmp.path().join("spare").join(name).join(LIMITS_FILE), "stale").unwrap();
+        let limits = tmp.path().join("spare").join(name).join(LIMITS_FILE);
+        assert_eq!(std::fs::metadata(&limits).unwrap().len(), 0);
+        assert_eq!(mode(&limits), 0o644);
+    }
+
+    // A spare that cannot be moved into place (taken from its place by hand) is thrown away,
+    // never handed out half made: the allocation gets a whole directory.
+    let gone = tmp.path().join("gone");
+    std::fs::create_dir(&gone).unwrap();
+    for name in spare_names() {
+        std::fs::rename(tmp.path().join("spare").join(&name), gone.join(&name)).unwrap();
     }
     let c = alloc("third");
     let dir = dirs.create(&c).unwrap();
     assert_eq!(Limits::load(&dirs.limits_path(&c.id)).unwrap(), c.limits());
     assert_eq!(names(&dir), expected_names());
-    wait_for("the spoiled spares replaced", || {
-        dirs.spares_ready() == 2
-            && spare_names().iter().all(|n| !tmp.path().join("spare").join(n).join(LIMITS_FILE).exists())
-    });
+    wait_for("the lost spares replaced", || dirs.spares_ready() == 2 && spare_names().len() == 2);
+
+    // `alloc/` removed by hand while spares are kept: the next allocation makes it again.
+    crate::state::mount::detach_all_under(&tmp.path().join("alloc"));
+    std::fs::remove_dir_all(tmp.path().join("alloc")).unwrap();
+    let d = alloc("fourth");
+    let dir = dirs.create(&d).unwrap();
+    assert_eq!(Limits::load(&dirs.limits_path(&d.id)).unwrap(), d.limits());
+    assert_eq!(names(&dir), expected_names());
+    assert_eq!(mode(&tmp.path().join("alloc")), 0o700);
+    assert_eq!(dirs.ids().unwrap(), ["fourth"]);
+}
+
+/// A directory that exists already (a restart bringing it up to date) is never replaced by a
+/// spare: its limits are rewritten in place, its region kept, and the spare stays ready, empty
+/// and unmarked, for the next allocation.
+#[test]
+fn an_existing_directory_is_brought_up_to_date_and_the_spare_kept() {
+    use crate::state::record::{Claim, Lease};
+    let tmp = crate::state::mount::TestDir::new();
+    let dirs = AllocDirs::new(tmp.path());
+    let mut a = alloc("existing");
+    a.claim = Some(Box::new(Claim { owner: Some("fn-1".into()), lease: Lease::Container }));
+    let dir = dirs.create(&a).unwrap();
+    let region = Region::open_or_create(&dirs.region_path(&a.id)).unwrap();
+    let generation = region.config_generation();
+    dirs.keep_spares(1).unwrap();
+    wait_for("one spare", || dirs.spares_ready() == 1);
+
+    a.devices[0].memory_limit = Some(2 << 30);
+    assert_eq!(dirs.create(&a).unwrap(), dir);
+    assert_eq!(Limits::load(&dirs.limits_path(&a.id)).unwrap(), a.limits());
+    assert!(region.config_generation() > generation, "the same region, told of the new limits");
+    assert_eq!(dirs.spares_ready(), 1, "the spare was not used");
+    let spare = std::fs::read_dir(tmp.path().join("spare")).unwrap().next().unwrap().unwrap().path();
+    assert_eq!(std::fs::metadata(spare.join(LIMITS_FILE)).unwrap().len(), 0, "the spare's limits emptied");
+    assert!(!tessera_region::owner::is_leased(&spare), "the spare unmarked");
+
+    // The spare then serves the next allocation whole.
+    let b = alloc("next");
+    dirs.create(&b).unwrap();
+    assert_eq!(Limits::load(&dirs.limits_path(&b.id)).unwrap(), b.limits());
+    assert!(!tessera_region::owner::is_leased(&dirs.dir(&b.id)));
+    dirs.stop_spares();
 }
 
 /// Only an allocation leased to its container has the marker the runtime wrapper adds its

@@ -9,7 +9,10 @@
 //! Every other change still flushes before it returns.
 //!
 //! One thread, started at the first request: 2 ms after it, it flushes whatever file it was last
-//! handed, so the requests that come in meanwhile share that flush (a group commit). A later change
+//! handed, so the requests that come in meanwhile share that flush (a group commit). It then looks
+//! again every 2 ms for a while (50 ms) before it sleeps until woken: a wake is a system call and,
+//! on a VM, an interrupt to another CPU, on the request's path before its answer, and the
+//! kubelet's Allocates come in bursts (a node's pods starting). A later change
 //! that flushes on its own (any other change, a compaction) covers the frames before it too. A
 //! failed flush is said and remembered: the store compacts (rewrites every record and flushes
 //! it) before its next change.
@@ -20,13 +23,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// The flusher of one store's journal.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct JournalFlush {
     shared: Arc<Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-#[derive(Debug, Default)]
+impl Default for JournalFlush {
+    fn default() -> JournalFlush {
+        JournalFlush::lingering(LINGER)
+    }
+}
+
+#[derive(Debug)]
 struct Shared {
     pending: Mutex<Pending>,
     wake: Condvar,
@@ -34,19 +43,43 @@ struct Shared {
     flushed: Condvar,
     /// A flush failed since the store last asked ([`JournalFlush::take_failure`]).
     failed: AtomicBool,
+    /// How many looks, [`AFTER`] apart, the thread makes after a flush before it sleeps until
+    /// woken ([`LINGER`]; tests set their own).
+    linger: u32,
+    /// Requests that had to wake the thread (tests read it).
+    #[cfg(test)]
+    wakes: std::sync::atomic::AtomicU64,
 }
+
+/// [`Shared::linger`] of tesserad: 50 ms.
+const LINGER: u32 = 25;
 
 #[derive(Debug, Default)]
 struct Pending {
     /// The journal to flush next, with its path (for the error), if a frame waits.
     file: Option<(Arc<File>, PathBuf)>,
     stop: bool,
+    /// The thread sleeps until woken (else it looks by itself soon: no wake needed).
+    waiting: bool,
     /// Requests made, and the request the last finished flush covered.
     asked: u64,
     done: u64,
 }
 
 impl JournalFlush {
+    fn lingering(linger: u32) -> JournalFlush {
+        let shared = Shared {
+            pending: Mutex::default(),
+            wake: Condvar::new(),
+            flushed: Condvar::new(),
+            failed: AtomicBool::new(false),
+            linger,
+            #[cfg(test)]
+            wakes: Default::default(),
+        };
+        JournalFlush { shared: Arc::new(shared), thread: None }
+    }
+
     /// Asks for `file` (the journal at `path`) to be flushed soon; starts the thread at the first
     /// ask. If no thread can be started, flushes here and now (the caller then pays the flush,
     /// as every change did before).
@@ -64,7 +97,11 @@ impl JournalFlush {
         let mut p = self.shared.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         p.file = Some((Arc::clone(file), path.to_path_buf()));
         p.asked += 1;
-        self.shared.wake.notify_one();
+        if p.waiting {
+            #[cfg(test)]
+            self.shared.wakes.fetch_add(1, Ordering::Relaxed);
+            self.shared.wake.notify_one();
+        }
         Ok(())
     }
 
@@ -105,8 +142,17 @@ fn run(shared: &Shared) {
     loop {
         {
             let mut p = shared.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut looks = 0;
+            while p.file.is_none() && !p.stop && looks < shared.linger {
+                drop(p);
+                std::thread::sleep(AFTER);
+                looks += 1;
+                p = shared.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
             while p.file.is_none() && !p.stop {
+                p.waiting = true;
                 p = shared.wake.wait(p).unwrap_or_else(std::sync::PoisonError::into_inner);
+                p.waiting = false;
             }
             if p.file.is_none() {
                 return;
@@ -155,6 +201,39 @@ mod tests {
         drop(f);
         let p = shared.pending.lock().unwrap();
         assert!(p.file.is_none() && p.done == 2, "the drop flushed what was asked");
+    }
+
+    /// Waits until the thread sleeps until woken.
+    fn until_waiting(f: &JournalFlush) {
+        while !f.shared.pending.lock().unwrap().waiting {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_sleeping_thread_is_woken_and_a_lingering_one_is_not() {
+        let (file, path) = (Arc::new(tempfile::tempfile().unwrap()), PathBuf::from("journal"));
+        // No linger: each request after the thread went to sleep wakes it, and is flushed.
+        let mut f = JournalFlush::lingering(0);
+        f.request(&file, &path).unwrap();
+        assert_eq!(f.wait_idle(), 1);
+        for n in 1..=3 {
+            until_waiting(&f);
+            f.request(&file, &path).unwrap();
+            assert_eq!(f.shared.wakes.load(Ordering::Relaxed), n);
+            assert_eq!(f.wait_idle(), n + 1);
+        }
+        // A long linger: the requests after a flush find the thread looking by itself, wake
+        // nothing, and are flushed all the same; a dropped flusher ends at once.
+        let mut f = JournalFlush::lingering(u32::MAX);
+        f.request(&file, &path).unwrap();
+        assert_eq!(f.wait_idle(), 1);
+        for n in 2..=4 {
+            f.request(&file, &path).unwrap();
+            assert_eq!(f.wait_idle(), n);
+        }
+        assert_eq!(f.shared.wakes.load(Ordering::Relaxed), 0);
+        drop(f);
     }
 
     #[test]
