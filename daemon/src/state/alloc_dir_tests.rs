@@ -379,3 +379,29 @@ fn dropped_spares_leave_nothing_mounted_and_only_the_keepers_go() {
     wait_for("the spares removed", || !spare.exists());
     assert!(crate::state::mount::points_under(tmp.path()).is_empty());
 }
+
+/// The rename into place never replaces what is there: an empty directory (which a plain
+/// rename would replace), a file, or a symbolic link (not followed); and nothing moves then.
+#[test]
+fn a_spare_is_never_renamed_over_anything() {
+    let tmp = crate::state::mount::TestDir::new();
+    let from = tmp.path().join("spare");
+    std::fs::create_dir(&from).unwrap();
+    std::fs::write(from.join(LIMITS_FILE), "x").unwrap();
+    let empty_dir = tmp.path().join("empty");
+    std::fs::create_dir(&empty_dir).unwrap();
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "mine").unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink("/nonexistent-target", &link).unwrap();
+    for to in [&empty_dir, &file, &link] {
+        let err = rename_new(&from, to).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists, "{}", to.display());
+        assert!(from.join(LIMITS_FILE).is_file(), "the spare stays where it was");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+    assert!(std::fs::read_dir(&empty_dir).unwrap().next().is_none());
+    let to = tmp.path().join("new");
+    rename_new(&from, &to).unwrap();
+    assert!(to.join(LIMITS_FILE).is_file() && !from.exists());
+}
