@@ -201,16 +201,26 @@ impl AllocDirs {
         let flush = self.spares.flush_limits.load(Ordering::Relaxed);
         let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(spare) = state.ready.pop() {
-            let completed = spare.complete(limits, leased, flush).and_then(|()| {
-                match rename_new(&spare.dir, dir) {
-                    // `alloc/` itself gone (removed by hand while running): made again.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound && !self.root.is_dir() => {
-                        make_dir(&self.root, PRIVATE_MODE).map_err(std::io::Error::other)?;
-                        rename_new(&spare.dir, dir)
-                    }
-                    moved => moved,
+            if let Err(e) = spare.complete(limits, leased, flush) {
+                // The runtime dir's file system refuses the write (full): the spare itself is
+                // sound and goes back; the directory made on the spot says why it cannot be.
+                tracing::debug!(spare = %spare.dir.display(), error = %e, "cannot complete a spare allocation directory");
+                if spare.undo(leased).is_ok() {
+                    state.ready.push(spare);
+                } else {
+                    discard_spare(&spare.dir);
                 }
-            });
+                return Taken::NoSpare;
+            }
+            let completed = match rename_new(&spare.dir, dir) {
+                // `alloc/` itself gone (removed by hand while running): made again.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound && !self.root.is_dir() => {
+                    make_dir(&self.root, PRIVATE_MODE)
+                        .map_err(std::io::Error::other)
+                        .and_then(|()| rename_new(&spare.dir, dir))
+                }
+                moved => moved,
+            };
             match completed {
                 Ok(()) => {
                     // The refill thread is woken only once the pool is half spent (else its own
@@ -408,7 +418,10 @@ impl Spare {
     fn undo(&self, leased: bool) -> std::io::Result<()> {
         self.limits.set_len(0)?;
         if leased {
-            std::fs::remove_file(self.dir.join(tessera_region::owner::LEASE_FILE))?;
+            match std::fs::remove_file(self.dir.join(tessera_region::owner::LEASE_FILE)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
         }
         Ok(())
     }

@@ -355,6 +355,28 @@ fn a_full_runtime_dir_is_a_clear_error() {
     unmount_under(fs.path().join("alloc").as_path());
 }
 
+/// The same with spares kept: the error is as clear, nothing half made appears, and the spares
+/// are kept (not thrown away one by one), serving the next allocation once there is room.
+#[test]
+fn a_full_runtime_dir_keeps_its_spares() {
+    let Some(fs) = tessera_region::testing::TestTmpfs::mount(512 << 10) else { return };
+    let dirs = AllocDirs::new(fs.path());
+    dirs.keep_spares(2).unwrap();
+    wait_for("two spares", || dirs.spares_ready() == 2);
+    fs.fill();
+    let err = dirs.create(&alloc("after")).unwrap_err().to_string();
+    assert!(err.contains("No space left") && err.contains("after"), "{err}");
+    assert!(!dirs.dir("after").join(LIMITS_FILE).exists(), "no directory half made");
+    assert_eq!(dirs.spares_ready(), 2, "the spares kept");
+    std::fs::remove_file(fs.join("filler")).unwrap();
+    let _ = std::fs::remove_dir_all(dirs.dir("after"));
+    let a = alloc("later");
+    dirs.create(&a).unwrap();
+    assert_eq!(Limits::load(&dirs.limits_path(&a.id)).unwrap(), a.limits());
+    dirs.stop_spares();
+    unmount_under(fs.path().join("alloc").as_path());
+}
+
 /// An `AllocDirs` dropped without `stop_spares` takes its spares and their region mounts with
 /// it (tests and a failed start left `spare/N` regions mounted under temporary runtime dirs);
 /// one that never kept spares leaves another's alone.
