@@ -196,8 +196,8 @@ impl AllocDirs {
     }
 
     /// Writes `limits` (and the lease marker, when `leased`) into a spare directory and moves it
-    /// to `dir`, which must not exist yet (it is never replaced).
-    fn take_spare(&self, dir: &Path, limits: &[u8], leased: bool) -> Taken {
+    /// to `dir`, which must not exist yet (it is never replaced); false if no spare was moved.
+    fn take_spare(&self, dir: &Path, limits: &[u8], leased: bool) -> bool {
         let flush = self.spares.flush_limits.load(Ordering::Relaxed);
         let mut state = self.spares.state.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some(spare) = state.ready.pop() {
@@ -205,12 +205,8 @@ impl AllocDirs {
                 // The runtime dir's file system refuses the write (full): the spare itself is
                 // sound and goes back; the directory made on the spot says why it cannot be.
                 tracing::debug!(spare = %spare.dir.display(), error = %e, "cannot complete a spare allocation directory");
-                if spare.undo(leased).is_ok() {
-                    state.ready.push(spare);
-                } else {
-                    discard_spare(&spare.dir);
-                }
-                return Taken::NoSpare;
+                spare.put_back(&mut state.ready, leased);
+                return false;
             }
             let completed = match rename_new(&spare.dir, dir) {
                 // `alloc/` itself gone (removed by hand while running): made again.
@@ -231,17 +227,13 @@ impl AllocDirs {
                     if low {
                         self.spares.taken.notify_one();
                     }
-                    return Taken::Yes;
+                    return true;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                     // The directory is there already (brought up to date after a restart): the
                     // spare goes back as it was, for the next allocation.
-                    if spare.undo(leased).is_ok() {
-                        state.ready.push(spare);
-                    } else {
-                        discard_spare(&spare.dir);
-                    }
-                    return Taken::AlreadyThere;
+                    spare.put_back(&mut state.ready, leased);
+                    return false;
                 }
                 Err(e) => {
                     tracing::warn!(spare = %spare.dir.display(), error = %e, "cannot use a spare allocation directory");
@@ -249,7 +241,7 @@ impl AllocDirs {
                 }
             }
         }
-        Taken::NoSpare
+        false
     }
 
     /// `<runtime_dir>/alloc`.
@@ -293,7 +285,7 @@ impl AllocDirs {
                 path: self.limits_path(&alloc.id),
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
             })?;
-            if self.take_spare(&dir, limits.to_toml().as_bytes(), leased) == Taken::Yes {
+            if self.take_spare(&dir, limits.to_toml().as_bytes(), leased) {
                 return Ok(dir);
             }
         }
@@ -385,15 +377,6 @@ impl AllocDirs {
     }
 }
 
-/// Whether [`AllocDirs::take_spare`] moved a spare into place.
-#[derive(Debug, PartialEq, Eq)]
-enum Taken {
-    Yes,
-    /// The allocation's directory exists: a spare was not used.
-    AlreadyThere,
-    NoSpare,
-}
-
 /// A ready spare directory and its limits file (empty, 0644), kept open so that taking the spare
 /// costs one write and the rename.
 #[derive(Debug)]
@@ -414,7 +397,15 @@ impl Spare {
         if leased { write_lease(&self.dir) } else { Ok(()) }
     }
 
-    /// Back to as it was made: empty limits, no marker.
+    /// Back to as it was made (empty limits, no marker) and into `ready`; thrown away if it
+    /// cannot be.
+    fn put_back(self, ready: &mut Vec<Spare>, leased: bool) {
+        match self.undo(leased) {
+            Ok(()) => ready.push(self),
+            Err(_) => discard_spare(&self.dir),
+        }
+    }
+
     fn undo(&self, leased: bool) -> std::io::Result<()> {
         self.limits.set_len(0)?;
         if leased {
